@@ -1,0 +1,162 @@
+"""Starts one worker process per side, watches it, and collects what it left.
+
+The harness never imports jax or torch: a side is `python -m <worker> request.json
+--side S` in its own process group, with its own timeout. Whatever happens to
+the process (exit, crash, SIGKILL, hang, NaN), `run_side` returns a SideRun and
+leaves `run_dir/<side>/summary.json` describing it, so the report always has
+every side.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from parity.protocol import LAUNCH_ENV, SIDE_WORKERS, read_steps, read_summary
+
+__all__ = ["SideRun", "run_side", "STATUSES"]
+
+STATUSES = ("ok", "nan", "crashed", "killed", "timeout", "not_run")
+"""ok: all steps ran; nan: a non-finite loss or grad norm stopped the side; crashed: the worker
+raised or exited non-zero; killed: ended by a signal (SIGKILL, e.g. the OOM killer);
+timeout: still running at the limit, then killed; not_run: never started."""
+POLL_S = 0.1
+STDERR_TAIL_CHARS = 4000
+
+
+@dataclasses.dataclass
+class SideRun:
+  """What the harness observed of one side.
+
+  Attributes:
+    side: side name.
+    status: one of STATUSES.
+    returncode: process exit code (negative: killed by that signal); None if never started.
+    wall_s: seconds from spawn to exit, as seen by the harness.
+    peak_rss_bytes: the child's peak resident set size from wait4 (kernel accounting,
+      independent of what the worker reports).
+    summary: the worker's summary.json (written by the harness when the worker could not).
+    error: what went wrong, or None.
+  """
+  side: str
+  status: str
+  returncode: int | None
+  wall_s: float
+  peak_rss_bytes: int | None
+  summary: dict
+  error: str | None = None
+
+
+def _tail(path: Path, n: int = STDERR_TAIL_CHARS) -> str:
+  try:
+    data = path.read_bytes()
+  except OSError:
+    return ""
+  return data[-n:].decode("utf-8", "replace")
+
+
+def _count_lines(path: Path) -> int:
+  try:
+    with open(path, "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str) -> tuple[str, str | None]:
+  if timed_out:
+    return "timeout", "side exceeded its timeout and was killed"
+  if rc is not None and rc < 0:
+    sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+    hint = " (SIGKILL: killed from outside, or by the kernel's OOM killer)" if -rc == signal.SIGKILL else ""
+    return "killed", f"worker killed by signal {sig}{hint}"
+  if summary and summary.get("status") in ("ok", "nan", "crashed"):
+    status = summary["status"]
+    if status == "ok" and rc != 0:
+      return "crashed", f"worker wrote an 'ok' summary but exited with code {rc}:\n{stderr}"
+    return status, summary.get("error")
+  return "crashed", f"worker exited with code {rc} without a summary:\n{stderr}"
+
+
+def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
+             on_progress: Callable[[str, int], None] | None = None,
+             python: str = sys.executable, env: dict[str, str] | None = None) -> SideRun:
+  """Runs one side to completion (or failure) and returns what happened.
+
+  Args:
+    run_dir: folder holding request.json (see parity.protocol).
+    side: a key of parity.protocol.SIDE_WORKERS.
+    timeout_s: wall-clock limit, seconds; past it the process group gets SIGKILL.
+    on_progress: called with (side, steps recorded so far) while the side runs.
+    python: interpreter for the worker.
+    env: extra environment variables for the worker.
+  Returns:
+    SideRun; run_dir/<side>/summary.json always exists afterwards.
+  """
+  run_dir = Path(run_dir)
+  out = run_dir / side
+  out.mkdir(parents=True, exist_ok=True)
+  for stale in ("summary.json", "steps.jsonl", "final.safetensors"):
+    (out / stale).unlink(missing_ok=True)
+  cmd = [python, "-m", SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
+  full_env = {**os.environ, **(env or {}), LAUNCH_ENV: repr(time.time()), "PYTHONUNBUFFERED": "1"}
+  root = str(Path(__file__).resolve().parents[1])
+  full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+  t0 = time.time()
+  with open(out / "stdout.log", "wb") as so, open(out / "stderr.log", "wb") as se:
+    proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=full_env, start_new_session=True)
+  rc, rusage, timed_out, last = None, None, False, -1
+  while True:
+    pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
+    if pid:
+      rc = os.waitstatus_to_exitcode(status)
+      proc.returncode = rc
+      break
+    if on_progress is not None:
+      n = _count_lines(out / "steps.jsonl")
+      if n != last:
+        on_progress(side, n)
+        last = n
+    if time.time() - t0 > timeout_s:
+      timed_out = True
+      _kill_group(proc.pid)
+    time.sleep(POLL_S)
+  wall = time.time() - t0
+  if on_progress is not None:
+    on_progress(side, _count_lines(out / "steps.jsonl"))
+  stderr = _tail(out / "stderr.log")
+  summary = read_summary(out / "summary.json")
+  status, error = _classify(rc, timed_out, summary, stderr)
+  if summary is None or summary.get("status") != status:
+    summary = _harness_summary(side, status, error, out, summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  peak = rusage.ru_maxrss * 1024 if rusage is not None else None
+  return SideRun(side=side, status=status, returncode=rc, wall_s=wall, peak_rss_bytes=peak,
+                 summary=summary, error=error)
+
+
+def _kill_group(pid: int) -> None:
+  try:
+    os.killpg(pid, signal.SIGKILL)
+  except ProcessLookupError:
+    pass
+
+
+def _harness_summary(side: str, status: str, error: str | None, out: Path, worker: dict | None) -> dict:
+  """A summary written by the harness for a side that could not write (or contradicted) its own."""
+  steps = read_steps(out / "steps.jsonl")
+  base = dict(worker or {})
+  base.update({"schema": "parity.summary/1", "side": side, "status": status, "error": error,
+               "steps_completed": len(steps), "written_by": "harness"})
+  return base
+
+
+def not_run(side: str, reason: str) -> SideRun:
+  return SideRun(side=side, status="not_run", returncode=None, wall_s=0.0, peak_rss_bytes=None,
+                 summary={"side": side, "status": "not_run", "error": reason, "steps_completed": 0}, error=reason)

@@ -1,0 +1,16 @@
+"""parity: PyTorch/DeepSpeed and JAX/Flax training side by side, with numerical parity checks.
+
+This package is the shared contract and imports neither jax nor torch.
+"""
+from parity.spec import (DeepSpeedPlan, JaxPlan, ModelSpec, PRESETS, RunSpec, SpecError, TrainSpec, preset)
+from parity.data import DataError
+
+
+def compare(*args, **kwargs):
+  """Runs a comparison and returns its Report; see `parity.api.compare`."""
+  from parity.api import compare as _compare
+  return _compare(*args, **kwargs)
+
+
+__all__ = ["compare", "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError", "DataError",
+           "PRESETS", "preset"]

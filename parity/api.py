@@ -1,0 +1,87 @@
+"""`parity.compare(...)`: one comparison from Python, returning the Report."""
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from parity import weights
+from parity.compare import compare_sides, verdict
+from parity.protocol import read_steps
+from parity.report import Report, build_report, write_all
+from parity.run import default_run_dir, parse_perturb, prepare_run_dir, resolve
+from parity.spec import DEFAULT_PRESET
+
+__all__ = ["compare"]
+
+
+def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None, overrides: Sequence[str] = (),
+            steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
+            out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
+            timeout_s: float | None = None, progress: bool = False) -> Report:
+  """Runs every side of a comparison, each in its own process, and returns the report.
+
+  Args:
+    preset: a name from parity.spec.PRESETS (default 'gpt2-small-cpu').
+    config: a run config file (YAML/JSON) or mapping, merged over the preset.
+    overrides: dotted `section.key=value` strings, applied last.
+    steps, sides, data: shortcuts for train.steps, sides and data.
+    out: run folder (default runs/<time>-<preset>-<hash>).
+    perturb: per-side debug changes, `side:key=value` strings or {side: {key: value}}
+      (see parity.run.parse_perturb); they make the sides differ on purpose.
+    timeout_s: per-side wall-clock limit, seconds (default: the spec's timeout_s).
+    progress: show a progress bar (rich) on the terminal.
+  Returns:
+    The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
+  Raises:
+    SpecError, DataError: bad input, before any side starts.
+  """
+  from harness.runner import not_run, run_side  # harness depends on parity, not the reverse
+
+  t0 = time.time()
+  name = preset or DEFAULT_PRESET
+  spec = resolve(preset, config=config, overrides=overrides, steps=steps, sides=sides, data=data)
+  pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
+  run_dir = Path(out) if out is not None else default_run_dir(spec, name)
+  prep = prepare_run_dir(spec, run_dir, perturb=pert)
+  limit = timeout_s if timeout_s is not None else spec.timeout_s
+  side_runs = {}
+  with _progress(progress, spec) as on_progress:
+    for side in spec.sides:
+      side_runs[side] = run_side(run_dir, side, timeout_s=limit, on_progress=on_progress)
+  side_data, steps_by_side = {}, {}
+  for side, sr in side_runs.items():
+    st = read_steps(run_dir / side / "steps.jsonl")
+    steps_by_side[side] = st
+    final = run_dir / side / "final.safetensors"
+    side_data[side] = {"status": sr.status, "steps": st,
+                       "final": weights.load(final) if sr.status == "ok" and final.exists() else None}
+  init = weights.load(run_dir / "init.safetensors")
+  checks, table = compare_sides(side_data, spec=spec, init=init)
+  v = verdict(checks, {s: sr.status for s, sr in side_runs.items()})
+  report = build_report(spec=spec, preset_name=name, run_dir=run_dir, data_info=prep["corpus"],
+                        side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
+                        verdict=v, wall_s=0.0, prepare_s=prep["prepare_s"])
+  report.data["timing"]["wall_s"] = time.time() - t0
+  busy = sum(report.data["timing"]["sides_s"].values())
+  report.data["timing"]["overhead_ratio"] = report.data["timing"]["wall_s"] / busy if busy else None
+  write_all(report)
+  return report
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, spec):
+  if not enabled:
+    yield None
+    return
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+  cols = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+          TimeElapsedColumn())
+  with Progress(*cols, transient=False) as prog:
+    tasks = {s: prog.add_task(s, total=spec.train.steps, start=False) for s in spec.sides}
+
+    def on_progress(side: str, n: int) -> None:
+      prog.start_task(tasks[side])
+      prog.update(tasks[side], completed=n)
+    yield on_progress

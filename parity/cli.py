@@ -1,0 +1,152 @@
+"""The `parity` command line.
+
+  parity compare [--preset NAME] [--config FILE] [--set key=value ...] [--steps N] [--sides a,b,c]
+                 [--data SRC] [--out DIR] [--perturb side:key=value ...] [--timeout S]
+  parity port CONFIG ...           (DeepSpeed config -> JAX config; see `parity port -h`)
+  parity report RUN_DIR            (print the summary of a finished run)
+  parity presets                   (list the built-in presets)
+
+Exit codes: 0 parity holds / success, 1 parity does not hold, 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from parity.data import DataError
+from parity.spec import DEFAULT_PRESET, PRESETS, SpecError, to_dict
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _console():
+  from rich.console import Console
+  return Console(highlight=False)
+
+
+def _add_compare(sub) -> None:
+  p = sub.add_parser("compare", help="run every side on identical data and weights and check parity",
+                     description="Runs JAX (Flax+Optax, host offload), DeepSpeed (ZeRO) and plain PyTorch on "
+                                 "the same data and initial weights, each in its own process, and checks parity.")
+  p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
+  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help="dotted override, e.g. --set train.lr=3e-4 --set jax.offload_params=true")
+  p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+  p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
+  p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, or a nanoGPT .bin of uint16 ids")
+  p.add_argument("--out", help="run folder (default runs/<time>-<preset>-<hash>)")
+  p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
+                 help="debug: change one side on purpose, e.g. jax:model.norm_eps=1e-3 or deepspeed:kill_at_step=5")
+  p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_compare(args) -> int:
+  from parity.api import compare
+  con = _console()
+  report = compare(args.preset, config=args.config, overrides=args.overrides, steps=args.steps,
+                   sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
+                   perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress)
+  print_summary(report, con)
+  return report.exit_code
+
+
+def print_summary(report, con) -> None:
+  from rich.table import Table
+  from parity.report.write import fmt_bytes, side_rows
+
+  t = Table(title=f"parity compare — {report.run_dir}")
+  for col in ("side", "status", "steps", "loss first→last", "val loss", "tokens/s", "init+compile s",
+              "peak RSS", "state by memory kind"):
+    t.add_column(col)
+  for r in side_rows(report):
+    kinds = ", ".join(f"{k}={x}" for k, x in r["kinds"].items()) or \
+        ", ".join(f"{k}: {fmt_bytes(b)}" for k, b in r["state_by_kind"].items())
+    first = f"{r['first_loss']:.4f}" if isinstance(r["first_loss"], float) else "n/a"
+    last = f"{r['last_loss']:.4f}" if isinstance(r["last_loss"], float) else str(r["last_loss"])
+    t.add_row(r["side"], r["status"], str(r["steps"]), f"{first} → {last}",
+              f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else "n/a",
+              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a",
+              f"{(r['init_s'] or 0) + (r['compile_s'] or 0):.1f}", fmt_bytes(r["peak_rss"]), kinds)
+  con.print(t)
+  c = Table(title="checks")
+  for col in ("check", "max diff", "tolerance", "ok", "first failing step"):
+    c.add_column(col)
+  for ch in report.checks:
+    val = ch["value"]
+    c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, float) else str(val), f"{ch['tolerance']:.3g}",
+              "yes" if ch["passed"] else "[red]NO[/red]",
+              "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))
+  con.print(c)
+  style = "bold green" if report.passed else "bold red"
+  con.print(f"[{style}]{report.message}[/{style}]")
+  con.print(f"report: {Path(report.run_dir) / 'report.md'} (also report.json, loss.png)")
+
+
+def _run_report(args) -> int:
+  from parity.report import Report
+  path = Path(args.run_dir) / "report.json"
+  if not path.exists():
+    raise SpecError(f"{path} does not exist: pass the folder of a finished `parity compare` run")
+  report = Report(data=json.loads(path.read_text()), run_dir=Path(args.run_dir))
+  print_summary(report, _console())
+  return report.exit_code
+
+
+def _run_presets(args) -> int:
+  con = _console()
+  for name, spec in PRESETS.items():
+    m, t = spec.model, spec.train
+    con.print(f"[bold]{name}[/bold]{' (default)' if name == DEFAULT_PRESET else ''}: {m.n_params() / 1e6:.2f} M params, "
+              f"{m.n_layers} layers × d_model {m.d_model}, seq {t.seq_len}, batch {t.micro_batch_size}×"
+              f"{t.grad_accum_steps}, {t.steps} steps")
+    if args.verbose:
+      con.print_json(json.dumps(to_dict(spec)))
+  return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="parity", description=__doc__.split("\n\n")[0])
+  sub = ap.add_subparsers(dest="command", required=True)
+  _add_compare(sub)
+  try:
+    from parity.migrate import cli as migrate_cli
+  except ImportError:
+    migrate_cli = None
+  if migrate_cli is not None:
+    p = sub.add_parser("port", help="port a DeepSpeed config to a JAX config, key by key")
+    migrate_cli.add_arguments(p)
+  p = sub.add_parser("report", help="print the summary of a finished run")
+  p.add_argument("run_dir")
+  p = sub.add_parser("presets", help="list built-in presets")
+  p.add_argument("-v", "--verbose", action="store_true")
+  return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = build_parser()
+  args = ap.parse_args(argv)
+  try:
+    if args.command == "compare":
+      return _run_compare(args)
+    if args.command == "port":
+      from parity.migrate import cli as migrate_cli
+      return migrate_cli.run(args)
+    if args.command == "report":
+      return _run_report(args)
+    return _run_presets(args)
+  except (SpecError, DataError) as exc:
+    print(f"parity {args.command}: error: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+  except KeyboardInterrupt:
+    print("parity: interrupted", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

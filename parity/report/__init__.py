@@ -1,0 +1,20 @@
+"""Reports of a comparison: report.json (schema below), report.md, loss.png.
+
+report.json, schema 'parity.report/1' (units in key names):
+  schema, created_utc, run_dir, preset, config_hash
+  run            the resolved RunSpec (parity.spec.to_dict)
+  data           {source, sha256, train_tokens, val_tokens, files}
+  environment    {python, platform, machine, cpu_count, versions: {package: version}} of the harness
+  verdict        {passed, message, first_failure: {check, metric, sides, step, value, tolerance} | null}
+  tolerances     {precision: {metric: {atol, rtol, reason}}} (the table in force)
+  checks         [{name, metric, sides, value, tolerance, passed, first_failing_step, worst, detail, reason}]
+  params_table   [{tensor, sides, max_abs_diff, max_abs_moved, ratio, passed}]
+  sides          {side: {status, error, returncode, wall_s, harness_peak_rss_bytes, summary: <the side's
+                  summary.json>, series: {step, loss, grad_norm, lr, loss_scale, skipped, step_time_s, tokens,
+                  val_step, val_loss}}}
+  timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, overhead_ratio}
+"""
+from parity.report.build import Report, build_report
+from parity.report.write import write_markdown, write_plot, write_all
+
+__all__ = ["Report", "build_report", "write_markdown", "write_plot", "write_all"]

@@ -1,0 +1,111 @@
+"""Assembling report.json from a run folder."""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from parity.compare import Check, Verdict
+from parity.spec import RunSpec, config_hash, to_dict
+from parity.tolerances import TOLERANCES
+
+__all__ = ["Report", "build_report", "REPORT_SCHEMA"]
+
+REPORT_SCHEMA = "parity.report/1"
+SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")
+
+
+@dataclasses.dataclass
+class Report:
+  """A finished comparison. `data` is exactly what report.json holds."""
+  data: dict[str, Any]
+  run_dir: Path
+
+  @property
+  def passed(self) -> bool:
+    return bool(self.data["verdict"]["passed"])
+
+  @property
+  def message(self) -> str:
+    return self.data["verdict"]["message"]
+
+  @property
+  def exit_code(self) -> int:
+    """0 when parity holds, 1 when it does not (bad input exits 2 before a report exists)."""
+    return 0 if self.passed else 1
+
+  @property
+  def checks(self) -> list[dict]:
+    return self.data["checks"]
+
+  def side(self, name: str) -> dict:
+    return self.data["sides"][name]
+
+  def __repr__(self) -> str:
+    return f"Report({self.run_dir}, {self.message!r})"
+
+
+def _versions() -> dict[str, str]:
+  out = {}
+  for pkg in ("parity", "numpy", "safetensors", "jax", "jaxlib", "flax", "optax", "torch", "deepspeed"):
+    try:
+      out[pkg] = metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+      pass
+  return out
+
+
+def _series(steps: list[dict]) -> dict[str, list]:
+  s = {"step": [r["step"] for r in steps]}
+  for k in SERIES_KEYS:
+    s[k] = [_num(r.get(k)) for r in steps]
+  s["val_step"] = [r["step"] for r in steps if "val_loss" in r]
+  s["val_loss"] = [_num(r["val_loss"]) for r in steps if "val_loss" in r]
+  return s
+
+
+def _num(v):
+  if isinstance(v, float) and not math.isfinite(v):
+    return None if math.isnan(v) else str(v)
+  return v
+
+
+def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: dict, side_runs: dict,
+                 side_steps: dict[str, list[dict]], checks: list[Check], params_table: list[dict],
+                 verdict: Verdict, wall_s: float, prepare_s: float) -> Report:
+  """Collects everything into the report.json structure (see parity.report)."""
+  sides, sides_s = {}, {}
+  for name, sr in side_runs.items():
+    summ = sr.summary or {}
+    sides[name] = {"status": sr.status, "error": sr.error, "returncode": sr.returncode, "wall_s": sr.wall_s,
+                   "harness_peak_rss_bytes": sr.peak_rss_bytes, "summary": summ,
+                   "series": _series(side_steps.get(name, []))}
+    busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
+    sides_s[name] = busy
+  busy_total = sum(sides_s.values())
+  data = {
+      "schema": REPORT_SCHEMA,
+      "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+      "run_dir": str(run_dir),
+      "preset": preset_name,
+      "config_hash": config_hash(spec),
+      "run": to_dict(spec),
+      "data": data_info,
+      "environment": {"python": platform.python_version(), "platform": platform.platform(),
+                      "machine": platform.machine(), "cpu_count": os.cpu_count(), "versions": _versions()},
+      "verdict": verdict.to_json(),
+      "tolerances": {p: {m: dataclasses.asdict(t) for m, t in tab.items()} for p, tab in TOLERANCES.items()
+                     if p == spec.train.precision},
+      "checks": [c.to_json() for c in checks],
+      "params_table": [{k: _num(v) for k, v in row.items()} for row in params_table],
+      "sides": sides,
+      "timing": {"wall_s": wall_s, "prepare_s": prepare_s, "sides_s": sides_s,
+                 "overhead_ratio": (wall_s / busy_total) if busy_total > 0 else None},
+  }
+  return Report(data=json.loads(json.dumps(data, default=str)), run_dir=run_dir)

@@ -1,0 +1,142 @@
+"""Writing report.json, report.md, metrics.jsonl and loss.png."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parity.report.build import Report
+
+__all__ = ["write_all", "write_markdown", "write_plot", "fmt_bytes"]
+
+
+def fmt_bytes(n) -> str:
+  if n is None:
+    return "n/a"
+  n = float(n)
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.1f} TiB"
+
+
+def _f(v, spec: str = ".3g") -> str:
+  if v is None:
+    return "n/a"
+  if isinstance(v, str):
+    return v
+  return format(v, spec)
+
+
+def side_rows(report: Report) -> list[dict]:
+  """One row per side with the headline figures (used by the Markdown and the terminal table)."""
+  rows = []
+  for name, s in report.data["sides"].items():
+    summ = s["summary"]
+    loss = s["series"]["loss"]
+    kinds = summ.get("state_memory_kinds") or {}
+    rows.append({
+        "side": name, "status": s["status"], "steps": summ.get("steps_completed", len(loss)),
+        "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
+        "val_loss": (s["series"]["val_loss"] or [None])[-1],
+        "tokens_per_s": summ.get("tokens_per_s"), "init_s": summ.get("init_s"), "compile_s": summ.get("compile_s"),
+        "peak_rss": summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes"),
+        "peak_device": summ.get("peak_device_bytes"),
+        "state_by_kind": summ.get("state_bytes_by_memory_kind") or {},
+        "kinds": kinds,
+    })
+  return rows
+
+
+def write_markdown(report: Report, path: Path) -> None:
+  d = report.data
+  v = d["verdict"]
+  out = [f"# parity report: {'PASS' if v['passed'] else 'FAIL'}", "", f"**{v['message']}**", "",
+         f"- preset `{d['preset']}`, config hash `{d['config_hash']}`, precision `{d['run']['train']['precision']}`",
+         f"- data: `{d['data']['source']}` ({d['data']['train_tokens']:,} train / {d['data']['val_tokens']:,} "
+         f"held-out tokens, sha256 `{d['data']['sha256'][:16]}`)",
+         f"- model: {d['run']['model']['n_layers']} layers, d_model {d['run']['model']['d_model']}, "
+         f"{d['run']['model']['n_heads']} heads, seq {d['run']['train']['seq_len']}; "
+         f"{d['run']['train']['steps']} steps of {d['run']['train']['micro_batch_size']}×"
+         f"{d['run']['train']['grad_accum_steps']} sequences",
+         f"- environment: Python {d['environment']['python']}, {d['environment']['platform']}, "
+         f"{d['environment']['cpu_count']} CPUs; " + ", ".join(f"{k} {x}" for k, x in d['environment']['versions'].items()),
+         f"- wall time {d['timing']['wall_s']:.1f} s; harness overhead ratio {_f(d['timing']['overhead_ratio'], '.3f')}",
+         "", "## Sides", "",
+         "| side | status | steps | loss first → last | val loss | tokens/s | init s | compile s | peak RSS | peak device | state bytes by memory kind |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in side_rows(report):
+    kinds = ", ".join(f"{k}: {fmt_bytes(b)}" for k, b in r["state_by_kind"].items()) or "n/a"
+    out.append(f"| {r['side']} | {r['status']} | {r['steps']} | {_f(r['first_loss'], '.4f')} → {_f(r['last_loss'], '.4f')} "
+               f"| {_f(r['val_loss'], '.4f')} | {_f(r['tokens_per_s'], ',.0f')} | {_f(r['init_s'], '.1f')} "
+               f"| {_f(r['compile_s'], '.2f')} | {fmt_bytes(r['peak_rss'])} | {fmt_bytes(r['peak_device'])} | {kinds} |")
+  for name, s in d["sides"].items():
+    kinds = s["summary"].get("state_memory_kinds")
+    if kinds:
+      out.append(f"\n{name}: state memory kinds (read from the live arrays): "
+                 + ", ".join(f"`{k}` → `{x}`" for k, x in kinds.items()))
+    if s["error"]:
+      err = s["error"].strip().splitlines()
+      out += ["", f"**{name} {s['status']}**:", "```", *err[-15:], "```"]
+  out += ["", "## Checks", "", "| check | value | tolerance | passed | first failing step | detail |", "|---|---|---|---|---|---|"]
+  for c in d["checks"]:
+    out.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['tolerance'])} | {'yes' if c['passed'] else '**no**'} "
+               f"| {_f(c['first_failing_step'], 'd')} | {c['detail']} |")
+  out += ["", "## Tolerances", "", "| precision | metric | atol | rtol | reason |", "|---|---|---|---|---|"]
+  for p, tab in d["tolerances"].items():
+    for m, t in tab.items():
+      out.append(f"| {p} | {m} | {t['atol']:g} | {t['rtol']:g} | {t['reason']} |")
+  out += ["", "![loss curves](loss.png)", ""]
+  path.write_text("\n".join(out))
+
+
+def write_plot(report: Report, path: Path) -> bool:
+  """Loss curves per side, and |Δloss| of each pair (log scale). Returns False without matplotlib."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return False
+  sides = report.data["sides"]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  for name, s in sides.items():
+    ser = s["series"]
+    ys = [y if isinstance(y, (int, float)) else float("nan") for y in ser["loss"]]
+    ax1.plot(ser["step"], ys, label=f"{name} ({s['status']})", lw=1.2)
+    if ser["val_step"]:
+      ax1.plot(ser["val_step"], ser["val_loss"], "o", ms=4, label=f"{name} val")
+  ax1.set_xlabel("step"); ax1.set_ylabel("loss (nats/token)"); ax1.set_title("training loss"); ax1.legend()
+  names = list(sides)
+  tol = report.data["tolerances"].get(report.data["run"]["train"]["precision"], {}).get("loss", {}).get("atol")
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      la = dict(zip(sides[a]["series"]["step"], sides[a]["series"]["loss"]))
+      lb = dict(zip(sides[b]["series"]["step"], sides[b]["series"]["loss"]))
+      st = [k for k in la if k in lb and isinstance(la[k], (int, float)) and isinstance(lb[k], (int, float))]
+      ax2.semilogy(st, [max(abs(la[k] - lb[k]), 1e-12) for k in st], lw=1, label=f"{a} vs {b}")
+  if tol:
+    ax2.axhline(tol, color="k", ls="--", lw=1, label=f"tolerance {tol:g}")
+  ax2.set_xlabel("step"); ax2.set_ylabel("|Δ loss|"); ax2.set_title("loss difference per pair"); ax2.legend()
+  fig.suptitle(report.message[:120], fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def write_all(report: Report) -> dict[str, Path]:
+  """Writes report.json, report.md, metrics.jsonl (one object per step per side) and loss.png."""
+  rd = Path(report.run_dir)
+  paths = {"json": rd / "report.json", "md": rd / "report.md", "metrics": rd / "metrics.jsonl", "plot": rd / "loss.png"}
+  paths["json"].write_text(json.dumps(report.data, indent=2))
+  with open(paths["metrics"], "w") as f:
+    for name, s in report.data["sides"].items():
+      ser = s["series"]
+      for i, step in enumerate(ser["step"]):
+        f.write(json.dumps({"side": name, "step": step, **{k: ser[k][i] for k in
+                            ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")}}) + "\n")
+  write_markdown(report, paths["md"])
+  if not write_plot(report, paths["plot"]):
+    paths.pop("plot")
+  return paths

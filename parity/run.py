@@ -1,0 +1,161 @@
+"""Resolving a run (preset + config file + overrides) and laying out its run folder."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from parity import weights
+from parity.data import Corpus, load_corpus, make_batches
+from parity.protocol import DEBUG_KEYS, REQUEST_SCHEMA
+from parity.spec import DEFAULT_PRESET, RunSpec, SpecError, apply_overrides, config_hash, from_dict, preset, to_dict
+
+__all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb"]
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+  """Reads a run config (YAML or JSON; JSON with comments/trailing commas via hjson).
+
+  Raises:
+    SpecError: missing file, or a syntax error (with the file name and position).
+  """
+  import yaml
+  p = Path(path)
+  if not p.exists():
+    raise SpecError(f"config file not found: {p}")
+  text = p.read_text()
+  try:
+    data = yaml.safe_load(text)
+  except yaml.YAMLError as exc:
+    try:
+      import hjson
+      data = hjson.loads(text)
+    except Exception:
+      mark = getattr(exc, "problem_mark", None)
+      where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+      raise SpecError(f"{p}: cannot parse config{where}: {getattr(exc, 'problem', exc)}") from None
+  if data is None:
+    data = {}
+  if not isinstance(data, Mapping):
+    raise SpecError(f"{p}: a run config must be a mapping of sections (model, train, jax, deepspeed, ...), "
+                    f"got {type(data).__name__}")
+  return dict(data)
+
+
+def _merge(base: dict, top: Mapping) -> dict:
+  out = dict(base)
+  for k, v in top.items():
+    out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
+            overrides: Sequence[str] = (), steps: int | None = None, sides: Sequence[str] | None = None,
+            data: str | None = None) -> RunSpec:
+  """Builds the RunSpec of a comparison: preset, then config file, then flags, then `key=value` overrides.
+
+  A config file may name its own base with a top-level `preset:` key.
+  Raises:
+    SpecError: unknown preset or key, a value of the wrong type or out of range.
+  """
+  cfg: dict[str, Any] = {}
+  source = "config"
+  if isinstance(config, (str, Path)):
+    source = str(config)
+    cfg = load_config_file(config)
+  elif config is not None:
+    cfg = dict(config)
+  name = cfg.pop("preset", None) or preset_name or DEFAULT_PRESET
+  base = to_dict(preset(name))
+  try:
+    spec = from_dict(RunSpec, _merge(base, cfg))
+  except SpecError as exc:
+    raise SpecError(f"{source}: {exc}") from None
+  flags = {}
+  if steps is not None:
+    flags["train"] = {"steps": steps}
+  if sides is not None:
+    flags["sides"] = list(sides)
+  if data is not None:
+    flags["data"] = data
+  if flags:
+    spec = from_dict(RunSpec, _merge(to_dict(spec), flags))
+  if overrides:
+    spec = apply_overrides(spec, list(overrides))
+  if spec.train.eval_every > spec.train.steps:
+    spec = apply_overrides(spec, [f"train.eval_every={spec.train.steps}"])
+  return spec.validate()
+
+
+def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[str, Any]]:
+  """Parses `--perturb side:key=value` (debug: make one side differ on purpose).
+
+  Keys: `model.<field>` / `train.<field>` (applied to that side's spec only) or one of
+  DEBUG_KEYS (nan_at_step, kill_at_step, hang_at_step, raise_at_step).
+  Raises:
+    SpecError: malformed item, unknown side, or unknown key.
+  """
+  out: dict[str, dict[str, Any]] = {}
+  for item in items:
+    side, sep, kv = item.partition(":")
+    if not sep or "=" not in kv:
+      raise SpecError(f"--perturb {item!r} must look like SIDE:KEY=VALUE, e.g. jax:model.norm_eps=1e-3")
+    if side not in sides:
+      raise SpecError(f"--perturb {item!r}: side {side!r} is not among the sides run ({', '.join(sides)})")
+    key, raw = kv.split("=", 1)
+    if key not in DEBUG_KEYS and not key.startswith(("model.", "train.")):
+      raise SpecError(f"--perturb {item!r}: key must be model.<field>, train.<field> or one of {', '.join(DEBUG_KEYS)}")
+    try:
+      value = json.loads(raw)
+    except json.JSONDecodeError:
+      value = raw
+    out.setdefault(side, {})[key] = value
+  for side, kv in out.items():  # validate overrides now, not inside a worker
+    fields = [f"{k}={json.dumps(v)}" for k, v in kv.items() if k not in DEBUG_KEYS]
+    if fields:
+      apply_overrides(RunSpec(), fields)
+  return out
+
+
+def default_run_dir(spec: RunSpec, name: str) -> Path:
+  stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+  return Path("runs") / f"{stamp}-{name}-{config_hash(spec)[:8]}"
+
+
+def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str, Mapping] | None = None,
+                    corpus: Corpus | None = None) -> dict[str, Any]:
+  """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json.
+
+  Returns:
+    {'request': ..., 'corpus': {source, sha256, tokens}, 'prepare_s': seconds}.
+  Raises:
+    DataError: the corpus is missing or too small.
+    SpecError: the corpus needs a larger vocabulary than the model has.
+  """
+  t0 = time.time()
+  run_dir = Path(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  corpus = corpus or load_corpus(spec.data)
+  if corpus.vocab_size > spec.model.vocab_size:
+    raise SpecError(f"data {spec.data!r} has token ids up to {corpus.vocab_size - 1}, beyond "
+                    f"model.vocab_size={spec.model.vocab_size}; set model.vocab_size >= {corpus.vocab_size}")
+  t = spec.train
+  train, val = make_batches(corpus, steps=t.steps, grad_accum_steps=t.grad_accum_steps,
+                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, seed=t.data_seed,
+                            eval_batches=t.eval_batches)
+  np.save(run_dir / "batches.npy", train)
+  np.save(run_dir / "val_batches.npy", val)
+  params = weights.init_params(spec.model, t.seed)
+  weights.save(params, run_dir / "init.safetensors", metadata={"seed": str(t.seed)})
+  data_info = {"source": corpus.source, "sha256": corpus.sha256, "train_tokens": int(corpus.train.size),
+               "val_tokens": int(corpus.val.size), "files": corpus.n_files}
+  (run_dir / "config.json").write_text(json.dumps(to_dict(spec), indent=2))
+  request = {"schema": REQUEST_SCHEMA, "run": to_dict(spec), "config_hash": config_hash(spec),
+             "init_weights": "init.safetensors", "batches": "batches.npy", "val_batches": "val_batches.npy",
+             "perturb": {k: dict(v) for k, v in (perturb or {}).items()}, "data": data_info}
+  (run_dir / "request.json").write_text(json.dumps(request, indent=2))
+  return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}

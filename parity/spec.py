@@ -1,0 +1,363 @@
+"""Model, training and plan specifications shared by every side.
+
+All specs are frozen dataclasses: one field per line, units in the docstring.
+They are plain data (no jax, no torch) and round-trip through JSON with
+`to_dict` / `from_dict`, which is how the harness hands them to the workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+from typing import Any, Literal, Mapping, TypeVar
+
+__all__ = [
+    "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
+    "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash",
+]
+
+
+class SpecError(ValueError):
+  """A spec field has a value that is out of range or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSpec:
+  """A GPT-style decoder. GPT-2 and LLaMA families differ only in these fields."""
+
+  vocab_size: int = 256
+  """Number of token ids; byte-level text uses 256."""
+  d_model: int = 256
+  """Residual stream width (hidden size)."""
+  n_layers: int = 4
+  """Number of transformer blocks."""
+  n_heads: int = 4
+  """Query heads per attention layer."""
+  n_kv_heads: int | None = None
+  """Key/value heads (grouped-query attention); None means n_heads (multi-head)."""
+  d_ff: int | None = None
+  """MLP hidden width; None means 4 * d_model."""
+  max_seq_len: int = 128
+  """Longest sequence the position table covers, in tokens."""
+  norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+  """Normalisation layer: LayerNorm (GPT-2) or RMSNorm (LLaMA)."""
+  norm_eps: float = 1e-5
+  """Epsilon inside the norm. PyTorch LayerNorm default 1e-5; Flax default 1e-6."""
+  mlp: Literal["gelu", "swiglu"] = "gelu"
+  """MLP form: fc -> GELU -> proj (GPT-2) or SwiGLU gate/up/down (LLaMA)."""
+  gelu_approximate: bool = True
+  """GELU form: True = tanh approximation (GPT-2 'gelu_new', Flax default), False = exact erf (torch default)."""
+  position: Literal["learned", "rope"] = "learned"
+  """Position encoding: learned absolute table `wpe` (GPT-2) or rotary (LLaMA)."""
+  rope_theta: float = 10000.0
+  """Rotary base; used only when position == 'rope'."""
+  bias: bool = True
+  """Biases on linear layers and LayerNorm (GPT-2 yes, LLaMA no)."""
+  tie_embeddings: bool = True
+  """Output head shares the token-embedding matrix `wte`."""
+  attn_scale: float | None = None
+  """Multiplier on q.k; None means 1/sqrt(head_dim)."""
+  init_std: float = 0.02
+  """Std of the normal init of every weight matrix (GPT-2 scheme)."""
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+  @property
+  def ffn_dim(self) -> int:
+    return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+  @property
+  def scale(self) -> float:
+    return 1.0 / math.sqrt(self.head_dim) if self.attn_scale is None else self.attn_scale
+
+  def validate(self) -> "ModelSpec":
+    """Raises SpecError naming the field when the spec cannot describe a model."""
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+      if getattr(self, name) < 1:
+        raise SpecError(f"model.{name} must be >= 1; got {getattr(self, name)}")
+    if self.d_model % self.n_heads:
+      raise SpecError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+    if self.n_heads % self.kv_heads:
+      raise SpecError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})")
+    if not self.norm_eps > 0:
+      raise SpecError(f"model.norm_eps must be > 0; got {self.norm_eps}")
+    if self.norm not in ("layernorm", "rmsnorm"):
+      raise SpecError(f"model.norm must be 'layernorm' or 'rmsnorm'; got {self.norm!r}")
+    if self.mlp not in ("gelu", "swiglu"):
+      raise SpecError(f"model.mlp must be 'gelu' or 'swiglu'; got {self.mlp!r}")
+    if self.position not in ("learned", "rope"):
+      raise SpecError(f"model.position must be 'learned' or 'rope'; got {self.position!r}")
+    if self.position == "rope" and self.head_dim % 2:
+      raise SpecError(f"rotary embeddings need an even head_dim; got {self.head_dim}")
+    return self
+
+  def n_params(self) -> int:
+    """Number of trainable parameters (tied head counted once)."""
+    from parity.weights import param_shapes
+    return sum(math.prod(s) for s in param_shapes(self).values())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainSpec:
+  """Optimisation and data settings; every side applies them identically."""
+
+  steps: int = 200
+  """Optimizer steps to run."""
+  micro_batch_size: int = 8
+  """Sequences per micro batch (per data-parallel rank)."""
+  grad_accum_steps: int = 1
+  """Micro batches accumulated per optimizer step (DeepSpeed gradient_accumulation_steps)."""
+  seq_len: int = 128
+  """Tokens per sequence fed to the model (inputs; targets are shifted by one)."""
+  lr: float = 1e-3
+  """Peak learning rate (DeepSpeed optimizer.params.lr)."""
+  warmup_steps: int = 20
+  """Linear warmup steps of WarmupCosineLR (warmup_num_steps, >= 1; DeepSpeed clamps it to >= 2)."""
+  warmup_min_ratio: float = 0.0
+  """LR at step 0 as a fraction of lr (WarmupCosineLR warmup_min_ratio)."""
+  cos_min_ratio: float = 0.1
+  """Final LR as a fraction of lr (WarmupCosineLR cos_min_ratio)."""
+  beta1: float = 0.9
+  """Adam first-moment decay."""
+  beta2: float = 0.95
+  """Adam second-moment decay."""
+  eps: float = 1e-8
+  """Adam epsilon, added to sqrt(v_hat) (optax eps; eps_root stays 0)."""
+  weight_decay: float = 0.1
+  """Decoupled (AdamW) weight decay; applied as p -= lr * wd * p on decayed tensors only."""
+  grad_clip: float = 1.0
+  """Max global L2 norm of the gradient; 0 disables clipping (DeepSpeed gradient_clipping)."""
+  precision: Literal["fp32", "bf16"] = "fp32"
+  """Compute precision; master weights and optimizer state stay fp32."""
+  seed: int = 0
+  """Seed of the numpy weight init."""
+  data_seed: int = 1234
+  """Seed of the batch sampler."""
+  eval_every: int = 50
+  """Steps between validation-loss evaluations (also at the last step); 0 disables."""
+  eval_batches: int = 4
+  """Micro batches of held-out data per validation-loss evaluation."""
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.micro_batch_size * self.grad_accum_steps * self.seq_len
+
+  def validate(self, model: ModelSpec | None = None) -> "TrainSpec":
+    for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
+      if getattr(self, name) < 1:
+        raise SpecError(f"train.{name} must be >= 1; got {getattr(self, name)}")
+    if not self.lr > 0:
+      raise SpecError(f"train.lr must be > 0; got {self.lr}")
+    if self.warmup_steps < 1:
+      raise SpecError(f"train.warmup_steps must be >= 1 (DeepSpeed WarmupCosineLR rejects 0); got {self.warmup_steps}")
+    for name in ("beta1", "beta2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise SpecError(f"train.{name} must be in [0, 1); got {getattr(self, name)}")
+    if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
+      raise SpecError("train.weight_decay and train.grad_clip must be >= 0 and train.eps > 0")
+    for name in ("warmup_min_ratio", "cos_min_ratio"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise SpecError(f"train.{name} must be in [0, 1]; got {getattr(self, name)}")
+    if self.precision not in ("fp32", "bf16"):
+      raise SpecError(f"train.precision must be 'fp32' or 'bf16'; got {self.precision!r}")
+    if model is not None and self.seq_len > model.max_seq_len:
+      raise SpecError(f"train.seq_len ({self.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
+    return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JaxPlan:
+  """Where the JAX side keeps its training state (memory kinds) and how it rematerialises."""
+
+  offload_opt_state: bool = True
+  """Adam moments live in `pinned_host` between steps; XLA moves them in and out of the step."""
+  offload_params: bool = False
+  """fp32 master params also live in `pinned_host` between steps."""
+  host_memory_kind: Literal["pinned_host", "unpinned_host"] = "pinned_host"
+  """Memory kind used for offloaded state."""
+  remat: Literal["none", "full"] = "none"
+  """jax.checkpoint policy over each block: none (save everything) or full (recompute)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeepSpeedPlan:
+  """ZeRO configuration of the DeepSpeed side."""
+
+  zero_stage: int = 2
+  """ZeRO stage 0-3 (optimizer state, + gradients, + params partitioned)."""
+  offload_optimizer: Literal["none", "cpu"] = "cpu"
+  """zero_optimization.offload_optimizer.device; 'cpu' uses DeepSpeedCPUAdam."""
+  offload_param: Literal["none", "cpu"] = "none"
+  """zero_optimization.offload_param.device; stage 3 only."""
+
+  def validate(self) -> "DeepSpeedPlan":
+    if self.zero_stage not in (0, 1, 2, 3):
+      raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
+    if self.offload_param != "none" and self.zero_stage != 3:
+      raise SpecError(f"deepspeed.offload_param requires zero_stage 3; got zero_stage={self.zero_stage}. "
+                      "Use offload_optimizer for stages 1-2.")
+    if self.offload_optimizer != "none" and self.zero_stage == 0:
+      raise SpecError("deepspeed.offload_optimizer requires zero_stage >= 1; got 0")
+    return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunSpec:
+  """Everything one comparison needs, resolved."""
+
+  model: ModelSpec = ModelSpec()
+  train: TrainSpec = TrainSpec()
+  jax: JaxPlan = JaxPlan()
+  deepspeed: DeepSpeedPlan = DeepSpeedPlan()
+  data: str = "stdlib"
+  """Corpus: 'stdlib' (this Python's standard library sources), a text file or folder, or a nanoGPT .bin file of uint16 ids."""
+  sides: tuple[str, ...] = ("jax", "deepspeed", "torch")
+  """Sides to run; the first is the reference of each pairwise check."""
+  timeout_s: float = 1800.0
+  """Wall-clock limit of one side, seconds; a side past it is killed and reported as 'timeout'."""
+
+  def validate(self) -> "RunSpec":
+    self.model.validate()
+    self.train.validate(self.model)
+    self.deepspeed.validate()
+    known = {"jax", "deepspeed", "torch"}
+    bad = [s for s in self.sides if s not in known]
+    if bad or not self.sides:
+      raise SpecError(f"sides must be a non-empty subset of {sorted(known)}; got {list(self.sides)}")
+    if len(set(self.sides)) != len(self.sides):
+      raise SpecError(f"sides lists a side twice: {list(self.sides)}")
+    return self
+
+
+# ----------------------------------------------------------------------------- presets
+
+PRESETS: dict[str, RunSpec] = {
+    # ~3.4 M params; all three sides finish in a few minutes on 2 CPU cores.
+    "gpt2-small-cpu": RunSpec(),
+    # ~0.1 M params, for tests: seconds per side.
+    "gpt2-tiny": RunSpec(
+        model=ModelSpec(d_model=64, n_layers=2, n_heads=2, max_seq_len=64),
+        train=TrainSpec(steps=12, micro_batch_size=4, seq_len=32, lr=3e-3, warmup_steps=3,
+                        eval_every=6, eval_batches=2)),
+    # ~0.5 M params, 100 steps: the configuration NUMERICS.md measured.
+    "gpt2-mini": RunSpec(
+        model=ModelSpec(d_model=128, n_layers=2, n_heads=4, max_seq_len=64),
+        train=TrainSpec(steps=100, micro_batch_size=8, seq_len=64, warmup_steps=10, eval_every=25)),
+}
+DEFAULT_PRESET = "gpt2-small-cpu"
+
+
+def preset(name: str) -> RunSpec:
+  """Returns the named preset. Raises SpecError listing the known names."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise SpecError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+
+
+# ----------------------------------------------------------------------------- (de)serialisation
+
+T = TypeVar("T")
+
+
+def to_dict(spec: Any) -> dict[str, Any]:
+  """Dataclass -> JSON-ready dict (tuples become lists)."""
+  out = {}
+  for f in dataclasses.fields(spec):
+    v = getattr(spec, f.name)
+    if dataclasses.is_dataclass(v):
+      v = to_dict(v)
+    elif isinstance(v, tuple):
+      v = list(v)
+    elif isinstance(v, enum.Enum):
+      v = v.value
+    out[f.name] = v
+  return out
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
+  """JSON dict -> dataclass. Raises SpecError naming the unknown or mistyped key."""
+  if not isinstance(data, Mapping):
+    raise SpecError(f"{path or cls.__name__}: expected an object, got {type(data).__name__}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - set(fields))
+  if unknown:
+    raise SpecError(f"unknown key(s) {', '.join((path + '.' if path else '') + k for k in unknown)}; "
+                    f"expected one of: {', '.join(fields)}")
+  kwargs = {}
+  defaults = cls()
+  for name, value in data.items():
+    cur = getattr(defaults, name)
+    key = f"{path}.{name}" if path else name
+    if dataclasses.is_dataclass(cur):
+      kwargs[name] = from_dict(type(cur), value, path=key)
+    elif isinstance(cur, tuple):
+      kwargs[name] = tuple(value)
+    else:
+      kwargs[name] = _coerce(key, cur, value)
+  return cls(**kwargs)
+
+
+def _coerce(key: str, default: Any, value: Any) -> Any:
+  if value is None or default is None:
+    return value
+  if isinstance(default, bool):
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+      return value.lower() == "true"
+    raise SpecError(f"{key}: expected true/false, got {value!r}")
+  if isinstance(default, int):
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+      try:
+        return int(str(value))
+      except ValueError:
+        raise SpecError(f"{key}: expected an integer, got {value!r}") from None
+    return int(value)
+  if isinstance(default, float):
+    try:
+      return float(value)
+    except (TypeError, ValueError):
+      raise SpecError(f"{key}: expected a number, got {value!r}") from None
+  return value
+
+
+def apply_overrides(spec: RunSpec, overrides: list[str]) -> RunSpec:
+  """Applies dotted `key=value` overrides, e.g. `train.lr=3e-4`, `model.norm_eps=1e-6`.
+
+  Values are parsed as JSON where possible (numbers, true/false, null, lists), else as strings.
+  Raises SpecError naming the key when it does not exist or the value has the wrong type.
+  """
+  data = to_dict(spec)
+  for item in overrides:
+    if "=" not in item:
+      raise SpecError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
+    key, raw = item.split("=", 1)
+    try:
+      value = json.loads(raw)
+    except json.JSONDecodeError:
+      value = raw
+    node = data
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+      if not isinstance(node.get(p), dict):
+        raise SpecError(f"override {key!r}: {p!r} is not a section; sections: {', '.join(k for k, v in data.items() if isinstance(v, dict))}")
+      node = node[p]
+    if parts[-1] not in node:
+      raise SpecError(f"override {key!r}: unknown key {parts[-1]!r}; expected one of: {', '.join(node)}")
+    node[parts[-1]] = value
+  return from_dict(RunSpec, data)
+
+
+def config_hash(spec: RunSpec) -> str:
+  """sha256 (first 16 hex) of the canonical JSON of the resolved spec."""
+  blob = json.dumps(to_dict(spec), sort_keys=True, separators=(",", ":")).encode()
+  return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,168 @@
+"""Canonical weight naming, GPT-2 initialisation, and safetensors interchange.
+
+The canonical layout is PyTorch's: a linear layer's weight is [out, in]. Names:
+
+  wte.weight                [vocab, d_model]        token embedding (also the head when tied)
+  wpe.weight                [max_seq_len, d_model]  learned positions (position == 'learned')
+  h.{i}.ln_1.weight/.bias   [d_model]               pre-attention norm (bias only for layernorm+bias)
+  h.{i}.attn.qkv.weight     [(n_heads + 2*kv_heads) * head_dim, d_model]  rows: q heads, k heads, v heads
+  h.{i}.attn.qkv.bias       [(n_heads + 2*kv_heads) * head_dim]
+  h.{i}.attn.proj.weight    [d_model, n_heads * head_dim]
+  h.{i}.attn.proj.bias      [d_model]
+  h.{i}.ln_2.weight/.bias   [d_model]
+  h.{i}.mlp.fc.weight       [d_ff, d_model]         (gelu)   | mlp.gate.weight, mlp.up.weight (swiglu)
+  h.{i}.mlp.fc.bias         [d_ff]
+  h.{i}.mlp.proj.weight     [d_model, d_ff]
+  h.{i}.mlp.proj.bias       [d_model]
+  ln_f.weight/.bias         [d_model]
+  lm_head.weight            [vocab, d_model]        only when tie_embeddings is False
+
+Each side maps these names to its own layout in exactly one place
+(`jax_impl/model.py: to_flax/from_flax`, `torch_impl/model.py: load_canonical`).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from parity.spec import ModelSpec
+
+__all__ = ["param_shapes", "init_params", "decays", "save", "load", "zero_grad_slices", "RESIDUAL_PROJECTIONS"]
+
+RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
+"""Weights whose init std is scaled by 1/sqrt(2 * n_layers) (GPT-2 paper, section 2.3)."""
+
+
+def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+  """Canonical name -> shape, in canonical (deterministic) order."""
+  d, f, hd = spec.d_model, spec.ffn_dim, spec.head_dim
+  qkv = (spec.n_heads + 2 * spec.kv_heads) * hd
+  has_norm_bias = spec.bias and spec.norm == "layernorm"
+  shapes: dict[str, tuple[int, ...]] = {"wte.weight": (spec.vocab_size, d)}
+  if spec.position == "learned":
+    shapes["wpe.weight"] = (spec.max_seq_len, d)
+
+  def norm(prefix: str) -> None:
+    shapes[f"{prefix}.weight"] = (d,)
+    if has_norm_bias:
+      shapes[f"{prefix}.bias"] = (d,)
+
+  def linear(prefix: str, out_dim: int, in_dim: int) -> None:
+    shapes[f"{prefix}.weight"] = (out_dim, in_dim)
+    if spec.bias:
+      shapes[f"{prefix}.bias"] = (out_dim,)
+
+  for i in range(spec.n_layers):
+    p = f"h.{i}"
+    norm(f"{p}.ln_1")
+    linear(f"{p}.attn.qkv", qkv, d)
+    linear(f"{p}.attn.proj", d, spec.n_heads * hd)
+    norm(f"{p}.ln_2")
+    if spec.mlp == "gelu":
+      linear(f"{p}.mlp.fc", f, d)
+    else:
+      linear(f"{p}.mlp.gate", f, d)
+      linear(f"{p}.mlp.up", f, d)
+    linear(f"{p}.mlp.proj", d, f)
+  norm("ln_f")
+  if not spec.tie_embeddings:
+    shapes["lm_head.weight"] = (spec.vocab_size, d)
+  return shapes
+
+
+def init_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
+  """GPT-2 initialisation in numpy, float32.
+
+  Weight matrices and embeddings ~ N(0, init_std); residual projections
+  (`attn.proj.weight`, `mlp.proj.weight`) ~ N(0, init_std / sqrt(2 * n_layers));
+  biases 0; norm scales 1. Draws happen in canonical-name order from one
+  `np.random.default_rng(seed)`, so the result depends only on (spec, seed).
+
+  References: Radford et al. 2019 (GPT-2), section 2.3; nanoGPT `model.py _init_weights`.
+  """
+  rng = np.random.default_rng(seed)
+  out: dict[str, np.ndarray] = {}
+  for name, shape in param_shapes(spec).items():
+    if ".ln_" in name or name.startswith("ln_f"):
+      arr = np.ones(shape) if name.endswith(".weight") else np.zeros(shape)
+    elif name.endswith(".bias"):
+      arr = np.zeros(shape)
+    else:
+      std = spec.init_std
+      if name.endswith(RESIDUAL_PROJECTIONS):
+        std /= math.sqrt(2 * spec.n_layers)
+      arr = rng.standard_normal(shape) * std
+    out[name] = np.ascontiguousarray(arr, dtype=np.float32)
+  return out
+
+
+def decays(name: str) -> bool:
+  """True when AdamW weight decay applies to this canonical tensor.
+
+  Decayed: weight matrices of linear layers (qkv, proj, fc, gate, up, lm_head).
+  Not decayed: biases, norm scales, token and position embeddings (`wte`, `wpe`;
+  with tied embeddings the head is `wte` and is therefore not decayed).
+  Every side builds its decay mask / param groups from this one function.
+  """
+  if name.endswith(".bias") or name.startswith(("wte.", "wpe.", "ln_f.")) or ".ln_" in name:
+    return False
+  return True
+
+
+def zero_grad_slices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+  """Canonical tensors (or row slices of them) whose true gradient is exactly zero.
+
+  The key bias: softmax is invariant to adding the same constant to every score
+  of a query row, and q.(k + b_k) = q.k + q.b_k is such a constant, so dL/db_k = 0
+  analytically. In floating point its gradient is rounding noise (~1e-10) that
+  Adam normalises into lr-sized steps, so these values cannot be compared
+  elementwise between implementations. Returns name -> (row_start, row_stop).
+  """
+  if not spec.bias:
+    return {}
+  q = spec.n_heads * spec.head_dim
+  k = spec.kv_heads * spec.head_dim
+  return {f"h.{i}.attn.qkv.bias": (q, q + k) for i in range(spec.n_layers)}
+
+
+def save(params: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+  """Writes canonical params to a safetensors file (float32, contiguous)."""
+  from safetensors.numpy import save_file
+  save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in params.items()}, str(path),
+            metadata=metadata)
+
+
+def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarray]:
+  """Reads canonical params; with a spec, checks names and shapes.
+
+  Raises:
+    FileNotFoundError: the file does not exist.
+    ValueError: a tensor is missing, unexpected, or has the wrong shape (named).
+  """
+  from safetensors.numpy import load_file
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"weights file not found: {path}")
+  params = load_file(str(path))
+  if spec is not None:
+    check_names_and_shapes(params, spec, source=str(path))
+  return params
+
+
+def check_names_and_shapes(params: dict[str, np.ndarray], spec: ModelSpec, *, source: str) -> None:
+  expected = param_shapes(spec)
+  missing = [k for k in expected if k not in params]
+  extra = [k for k in params if k not in expected]
+  wrong = [f"{k}: {tuple(params[k].shape)} != {expected[k]}" for k in expected
+           if k in params and tuple(params[k].shape) != expected[k]]
+  problems = []
+  if missing:
+    problems.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+  if extra:
+    problems.append(f"unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+  if wrong:
+    problems.append(f"wrong shape {wrong[:5]}")
+  if problems:
+    raise ValueError(f"{source}: weights do not match the model spec: " + "; ".join(problems))
