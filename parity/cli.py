@@ -25,7 +25,10 @@ EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 def _console():
   from rich.console import Console
-  return Console(highlight=False)
+  con = Console(highlight=False)
+  if not con.is_terminal:  # logs and CI: do not squeeze the tables into 80 columns
+    con = Console(highlight=False, width=160)
+  return con
 
 
 def _add_compare(sub) -> None:

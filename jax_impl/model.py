@@ -1,0 +1,325 @@
+"""Flax linen GPT decoder (GPT-2 and LLaMA families) and the canonical weight mapping.
+
+Every option of `parity.spec.ModelSpec` is implemented here: pre-norm blocks,
+LayerNorm (with or without bias) or RMSNorm, GELU (tanh or erf) or SwiGLU MLP,
+learned or rotary positions, grouped-query attention, tied or untied head.
+
+Numerics follow PyTorch, not Flax defaults (NUMERICS.md): the norm epsilon is
+`spec.norm_eps` (Flax 1e-6, torch 1e-5), LayerNorm uses the two-pass biased
+variance as `torch.nn.LayerNorm`, GELU uses `spec.gelu_approximate` explicitly,
+and norms compute in float32 whatever the compute dtype.
+
+`to_flax` / `from_flax` are the only place where the canonical (torch) layout
+meets the Flax layout. Axis letters in names: B batch, T/S query/key positions,
+D d_model, N query heads, K kv heads, G query heads per kv head, H head_dim,
+F MLP width, V vocab.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parity.spec import ModelSpec
+from parity.weights import check_names_and_shapes, param_shapes
+
+__all__ = ["GPT", "TRANSPOSED", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
+           "loss_fn", "rope_tables", "compute_dtype"]
+
+Dtype = Any
+Params = dict[str, Any]
+
+TRANSPOSED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.gate.weight",
+              "mlp.up.weight", "mlp.proj.weight", "lm_head.weight")
+"""Canonical names (suffixes) of linear weights: [out, in] canonically, Flax `kernel` [in, out]."""
+
+_EMBEDDINGS = ("wte", "wpe")
+_NORMS = ("ln_1", "ln_2", "ln_f")
+
+
+def compute_dtype(precision: str) -> Dtype:
+  """TrainSpec.precision ('fp32' | 'bf16') -> the activation dtype; params stay float32."""
+  return {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Norm(nn.Module):
+  """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA), in float32.
+
+  Params: `scale` (D,) and, for LayerNorm with spec.bias, `bias` (D,); float32.
+  """
+  spec: ModelSpec
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    s = self.spec
+    d = x_btd.shape[-1]
+    x = x_btd.astype(jnp.float32)
+    if s.norm == "layernorm":
+      mean_bt1 = jnp.mean(x, axis=-1, keepdims=True)
+      xc = x - mean_bt1
+      var_bt1 = jnp.mean(xc * xc, axis=-1, keepdims=True)
+      y = xc * jax.lax.rsqrt(var_bt1 + s.norm_eps)
+    else:
+      ms_bt1 = jnp.mean(x * x, axis=-1, keepdims=True)
+      y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
+    y = y * self.param("scale", nn.initializers.ones, (d,), jnp.float32)
+    if s.norm == "layernorm" and s.bias:
+      y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
+    return y.astype(self.dtype)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+  """Rotary cos/sin tables in the HF LLaMA rotate-half layout, exact values rounded once to float32.
+
+  angle[t, j] = t * theta ** (-2j / H) for j < H / 2, repeated once along the last axis.
+  The angles are computed in float64 and rounded once, as `torch_impl.model.rope_tables` does,
+  so both sides use bitwise-identical tables (HF's float32 angle recipe is off by up to ~1e-5
+  at position 128).
+
+  Args:
+    seq_len: number of positions T (0 .. T-1).
+    head_dim: H, even.
+    theta: rotary base (spec.rope_theta).
+  Returns:
+    cos, sin: float32, shape (T, H).
+  References:
+    Su et al. 2021 (RoFormer); HF transformers `LlamaRotaryEmbedding`, `rotate_half`.
+  """
+  inv_freq_h2 = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  ang_th2 = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq_h2)
+  ang_th = np.concatenate([ang_th2, ang_th2], axis=-1)
+  return np.cos(ang_th).astype(np.float32), np.sin(ang_th).astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, cos_th: np.ndarray, sin_th: np.ndarray) -> jax.Array:
+  """x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x2, x1) (HF LLaMA), in x's dtype."""
+  h2 = x_btnh.shape[-1] // 2
+  x1, x2 = x_btnh[..., :h2], x_btnh[..., h2:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  cos = jnp.asarray(cos_th, x_btnh.dtype)[None, :, None, :]  # (1, T, 1, H)
+  sin = jnp.asarray(sin_th, x_btnh.dtype)[None, :, None, :]
+  return x_btnh * cos + rotated * sin
+
+
+def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: float | None = None,
+           bias: bool | None = None) -> nn.Dense:
+  return nn.Dense(features, use_bias=spec.bias if bias is None else bias, dtype=dtype,
+                  param_dtype=jnp.float32, name=name,
+                  kernel_init=nn.initializers.normal(spec.init_std if std is None else std))
+
+
+class Attention(nn.Module):
+  """Causal grouped-query self-attention; kv head k serves query heads k*G .. k*G+G-1 (HF repeat_kv)."""
+  spec: ModelSpec
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    s = self.spec
+    b, t, _ = x_btd.shape
+    n, k, h = s.n_heads, s.kv_heads, s.head_dim
+    g = n // k
+    qkv_btf = _dense((n + 2 * k) * h, s, self.dtype, "qkv")(x_btd)  # rows: q heads, k heads, v heads
+    q_btnh = qkv_btf[..., :n * h].reshape(b, t, n, h)
+    k_btkh = qkv_btf[..., n * h:(n + k) * h].reshape(b, t, k, h)
+    v_btkh = qkv_btf[..., (n + k) * h:].reshape(b, t, k, h)
+    if s.position == "rope":
+      cos_th, sin_th = rope_tables(t, h, s.rope_theta)
+      q_btnh = apply_rope(q_btnh, cos_th, sin_th)
+      k_btkh = apply_rope(k_btkh, cos_th, sin_th)
+    q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
+    scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
+                              preferred_element_type=jnp.float32) * s.scale
+    causal_ts = np.tril(np.ones((t, t), dtype=bool))
+    scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
+    out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
+    out_btd = out_btkgh.reshape(b, t, n * h)  # heads in query-head order
+    proj_std = s.init_std / np.sqrt(2 * s.n_layers)
+    return _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(out_btd)
+
+
+class Mlp(nn.Module):
+  """fc -> GELU -> proj (GPT-2), or proj(silu(gate(x)) * up(x)) (SwiGLU, LLaMA)."""
+  spec: ModelSpec
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    s = self.spec
+    f = s.ffn_dim
+    if s.mlp == "gelu":
+      hid_btf = jax.nn.gelu(_dense(f, s, self.dtype, "fc")(x_btd), approximate=s.gelu_approximate)
+    else:
+      gate_btf = _dense(f, s, self.dtype, "gate")(x_btd)
+      up_btf = _dense(f, s, self.dtype, "up")(x_btd)
+      hid_btf = jax.nn.silu(gate_btf) * up_btf
+    proj_std = s.init_std / np.sqrt(2 * s.n_layers)
+    return _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(hid_btf)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+  spec: ModelSpec
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    x_btd = x_btd + Attention(self.spec, self.dtype, name="attn")(Norm(self.spec, self.dtype, name="ln_1")(x_btd))
+    x_btd = x_btd + Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd))
+    return x_btd
+
+
+class GPT(nn.Module):
+  """GPT decoder; returns logits in the compute dtype.
+
+  Attributes:
+    spec: the model spec.
+    dtype: compute dtype (float32 or bfloat16); params are always float32.
+    remat: recompute each block in the backward pass (jax.checkpoint, nothing saveable).
+  """
+  spec: ModelSpec
+  dtype: Dtype = jnp.float32
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+    s = self.spec
+    t = tokens_bt.shape[1]
+    if t > s.max_seq_len:
+      raise ValueError(f"sequence of {t} tokens exceeds model.max_seq_len={s.max_seq_len}; "
+                       "use shorter sequences or a larger max_seq_len")
+    wte = nn.Embed(s.vocab_size, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wte",
+                   embedding_init=nn.initializers.normal(s.init_std))
+    x_btd = wte(tokens_bt)
+    if s.position == "learned":
+      wpe = nn.Embed(s.max_seq_len, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wpe",
+                     embedding_init=nn.initializers.normal(s.init_std))
+      x_btd = x_btd + wpe(jnp.arange(t, dtype=jnp.int32))[None]  # (1, T, D)
+    block = nn.remat(Block, policy=jax.checkpoint_policies.nothing_saveable) if self.remat else Block
+    for i in range(s.n_layers):
+      x_btd = block(s, self.dtype, name=f"h_{i}")(x_btd)
+    x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)
+    if s.tie_embeddings:
+      return wte.attend(x_btd)  # x @ wte.T
+    return _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
+
+
+def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *,
+            dtype: Dtype = jnp.float32, remat: bool = False) -> jax.Array:
+  """Mean next-token cross-entropy, nats, float32.
+
+  Args:
+    params: the Flax params pytree (`to_flax` layout), float32.
+    tokens_btp1: token ids, shape (B, T + 1), any integer dtype (uint16 from the run files).
+      Inputs are tokens[:, :-1], targets tokens[:, 1:].
+    spec: the model spec.
+    dtype: compute dtype of the forward pass; log_softmax is always float32.
+    remat: rematerialise blocks in the backward pass.
+  Returns:
+    Scalar float32: mean over all B * T target tokens of -log p(target).
+  """
+  tokens = tokens_btp1.astype(jnp.int32)
+  inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
+  logits_btv = GPT(spec, dtype, remat).apply({"params": params}, inputs_bt).astype(jnp.float32)
+  logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
+  nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+  return jnp.mean(nll_bt)
+
+
+# ----------------------------------------------------------------------------- layout mapping
+
+
+def flax_path(name: str) -> tuple[tuple[str, ...], bool]:
+  """Canonical name -> (path in the Flax params tree, transposed?).
+
+  `h.{i}.X` becomes module `h_{i}`; `weight` becomes `embedding` (wte, wpe), `scale` (norms)
+  or `kernel` (linear layers, which are exactly the TRANSPOSED names); `bias` stays `bias`.
+
+  Raises:
+    ValueError: the name is not a canonical parameter name.
+  """
+  parts = name.split(".")
+  if parts[0] == "h":
+    parts = [f"h_{parts[1]}"] + parts[2:]
+  *modules, leaf = parts
+  owner = modules[-1] if modules else ""
+  if leaf not in ("weight", "bias") or not modules:
+    raise ValueError(f"{name!r} is not a canonical parameter name (see parity/weights.py)")
+  transposed = name.endswith(TRANSPOSED)
+  if leaf == "bias":
+    return (*modules, "bias"), False
+  if owner in _EMBEDDINGS:
+    return (*modules, "embedding"), False
+  if owner in _NORMS:
+    return (*modules, "scale"), False
+  if not transposed:
+    raise ValueError(f"{name!r}: unknown weight kind; add it to TRANSPOSED if it is a linear layer")
+  return (*modules, "kernel"), True
+
+
+def tree_from_canonical(values: Mapping[str, Any]) -> Params:
+  """Canonical name -> value mapping to the nested Flax dict, values untouched (e.g. masks)."""
+  tree: Params = {}
+  for name, value in values.items():
+    path, _ = flax_path(name)
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> Any:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def to_flax(canonical: Mapping[str, np.ndarray], spec: ModelSpec) -> Params:
+  """Canonical float32 weights (torch layout) -> Flax params pytree (numpy leaves, float32).
+
+  Linear weights in TRANSPOSED are transposed [out, in] -> [in, out]; all else is copied.
+  The result is checked against the structure and shapes of `GPT(spec).init`.
+
+  Raises:
+    ValueError: a name is missing, unexpected or has the wrong shape, or the tree does not
+      match the model's parameters.
+  """
+  check_names_and_shapes(dict(canonical), spec, source="to_flax")
+  arrays = {}
+  for name in param_shapes(spec):
+    arr = np.asarray(canonical[name], dtype=np.float32)
+    arrays[name] = np.ascontiguousarray(arr.T if flax_path(name)[1] else arr)
+  tree = tree_from_canonical(arrays)
+  expected = jax.eval_shape(lambda: GPT(spec).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+  got_shapes = jax.tree.map(lambda a: tuple(a.shape), tree)
+  want_shapes = jax.tree.map(lambda a: tuple(a.shape), expected)
+  if got_shapes != want_shapes:
+    raise ValueError(f"to_flax: mapped tree does not match GPT params.\n got: {got_shapes}\nwant: {want_shapes}")
+  return tree
+
+
+def from_flax(params: Params, spec: ModelSpec) -> dict[str, np.ndarray]:
+  """Flax params pytree (any placement) -> canonical float32 numpy weights, in canonical order.
+
+  Raises:
+    ValueError: a mapped tensor has the wrong shape.
+  """
+  out = {}
+  for name, shape in param_shapes(spec).items():
+    path, transposed = flax_path(name)
+    arr = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
+    arr = np.ascontiguousarray(arr.T if transposed else arr)
+    if arr.shape != shape:
+      raise ValueError(f"from_flax: {name} ({'/'.join(path)}) has shape {arr.shape}, expected {shape}")
+    out[name] = arr
+  return out
+

@@ -1,0 +1,224 @@
+"""The pure training step, the validation loss, and their ahead-of-time compilation.
+
+    train_step(state, batch) -> (state, metrics)      jitted, donate_argnums=(0,)
+
+`batch` is (grad_accum_steps, micro_batch_size, seq_len + 1) token ids. The step scans the
+micro batches and sums the gradients of loss_i / grad_accum_steps, as DeepSpeed's engine
+does (it divides each micro-batch loss by GAS before backward and accumulates .grad), then
+applies the optimizer once. The reported loss is the mean of the micro-batch losses.
+
+`Trainer` is the thin stateful shell the worker drives: it owns the live state, feeds
+batches, and reads metrics; the arithmetic is all in `train_step`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from parity.spec import RunSpec
+
+from jax_impl import model as model_lib
+from jax_impl import optim
+from jax_impl.offload import Placement, TrainState, make_placement
+
+__all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer"]
+
+# fp32 parity on GPU: f32 matmuls must not silently use TF32 (NUMERICS.md).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+Metrics = dict[str, jax.Array]
+
+
+def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, jax.Array], jax.Array]
+                     ) -> tuple[jax.Array, Any]:
+  """Mean loss and averaged gradient over the micro batches, DeepSpeed style.
+
+  Args:
+    params: float32 params pytree (in device memory).
+    batch_amtp1: token ids, shape (A, M, T + 1): A micro batches of M sequences.
+    loss: (params, tokens (M, T + 1)) -> scalar float32 mean cross-entropy.
+  Returns:
+    loss: float32 scalar, mean over the A micro-batch losses (nats).
+    grads: pytree like params, sum over micro batches of grad(loss_i / A), float32.
+  """
+  accum = batch_amtp1.shape[0]
+
+  def scaled(p: Any, tokens_mtp1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    loss_i = loss(p, tokens_mtp1)
+    return loss_i / accum, loss_i  # DeepSpeed: loss / gradient_accumulation_steps before backward
+
+  grad_fn = jax.value_and_grad(scaled, has_aux=True)
+
+  def body(carry: tuple[jax.Array, Any], tokens_mtp1: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
+    loss_sum, grads_acc = carry
+    (_, loss_i), grads_i = grad_fn(params, tokens_mtp1)
+    return (loss_sum + loss_i, jax.tree.map(jnp.add, grads_acc, grads_i)), None
+
+  init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss_sum, grads), _ = jax.lax.scan(body, init, batch_amtp1)
+  return loss_sum / accum, grads
+
+
+StepFn = Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]
+
+
+def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    placement: Placement, shardings: TrainState) -> StepFn:
+  """The pure step for this run (not yet jitted).
+
+  Returns:
+    train_step(state, batch (A, M, T + 1) ints) -> (new state, metrics), where metrics holds
+    float32 scalars `loss` (mean over micro batches, nats), `grad_norm` (global L2 norm of the
+    averaged gradient before clipping) and `lr` (learning rate applied by this update).
+  """
+  spec, dtype, remat = run.model, model_lib.compute_dtype(run.train.precision), run.jax.remat == "full"
+
+  def loss(p: Any, tokens_mtp1: jax.Array) -> jax.Array:
+    return model_lib.loss_fn(p, tokens_mtp1, spec, dtype=dtype, remat=remat)
+
+  def train_step(state: TrainState, batch_amtp1: jax.Array) -> tuple[TrainState, Metrics]:
+    params = placement.to_device("params", state.params, shardings.params)
+    opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
+    loss_val, grads = accumulate_grads(params, batch_amtp1, loss)
+    lr = schedule(optim.step_count_of(opt_state))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": loss_val, "grad_norm": optim.grad_norm_of(opt_state), "lr": lr}
+    return TrainState(params=params, opt_state=opt_state), metrics
+
+  return train_step
+
+
+def make_eval_loss(run: RunSpec, placement: Placement, param_shardings: Any) -> Callable[[Any, jax.Array], jax.Array]:
+  """eval_loss(params, val (E, M, T + 1) ints) -> float32 mean of the E micro-batch losses (nats)."""
+  spec, dtype = run.model, model_lib.compute_dtype(run.train.precision)
+
+  def eval_loss(params: Any, val_emtp1: jax.Array) -> jax.Array:
+    params = placement.to_device("params", params, param_shardings)
+    losses_e = jax.lax.map(lambda tokens: model_lib.loss_fn(params, tokens, spec, dtype=dtype), val_emtp1)
+    return jnp.mean(losses_e)
+
+  return eval_loss
+
+
+def init_state(placement: Placement, params_np: Any, tx: optax.GradientTransformation) -> tuple[TrainState, TrainState]:
+  """Places the params and a fresh optimizer state where the plan says.
+
+  Args:
+    placement: the memory plan.
+    params_np: Flax params pytree of float32 numpy arrays (`model.to_flax`).
+    tx: the optimizer.
+  Returns:
+    (state, shardings): the live TrainState and the TrainState of its shardings.
+  """
+  params_abs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params_np)
+  opt_abs = jax.eval_shape(tx.init, params_abs)
+  shardings = placement.state_shardings(TrainState(params=params_abs, opt_state=opt_abs))
+  params = jax.device_put(params_np, shardings.params)
+  zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params_abs)  # adam's init reads shapes only
+  opt_state = jax.jit(lambda: tx.init(zeros()), out_shardings=shardings.opt_state)()
+  return TrainState(params=params, opt_state=opt_state), shardings
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _memory_analysis(compiled: Any) -> dict[str, int]:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  return {k: int(getattr(stats, k)) for k in dir(stats)
+          if not k.startswith("_") and isinstance(getattr(stats, k), (int, np.integer))}
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Live state plus the compiled step and eval of one run.
+
+  Attributes:
+    run: the resolved RunSpec.
+    placement: mesh and memory kinds.
+    state: the live TrainState (replaced by every step; the old one is donated).
+    shardings: TrainState of shardings of `state`.
+    jit_step, jit_eval: the jitted (not yet compiled) functions.
+    step_fn, eval_fn: the AOT-compiled executables (after `compile`).
+    compile_times_s: lower/compile wall seconds of each function.
+    lowered_text, compiled_text: the train step's StableHLO and optimised HLO.
+    memory_analysis: numeric fields of the train step's `compiled.memory_analysis()`, bytes.
+  """
+  run: RunSpec
+  placement: Placement
+  state: TrainState
+  shardings: TrainState
+  jit_step: Any
+  jit_eval: Any
+  step_fn: Any = None
+  eval_fn: Any = None
+  compile_times_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  lowered_text: str = ""
+  compiled_text: str = ""
+  memory_analysis: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def build(cls, run: RunSpec, canonical: dict[str, np.ndarray], mesh: jax.sharding.Mesh | None = None) -> "Trainer":
+    """Maps the canonical weights, places the state and jits the functions (no compilation yet)."""
+    placement = make_placement(run.jax, mesh)
+    tx, schedule = optim.make_optimizer(run.model, run.train)
+    state, shardings = init_state(placement, model_lib.to_flax(canonical, run.model), tx)
+    step = make_train_step(run, tx, schedule, placement, shardings)
+    metrics_shd = placement.replicated()
+    jit_step = jax.jit(step, in_shardings=(shardings, placement.batch_sharding()),
+                       out_shardings=(shardings, metrics_shd), donate_argnums=(0,))
+    jit_eval = jax.jit(make_eval_loss(run, placement, shardings.params),
+                       in_shardings=(shardings.params, placement.batch_sharding()), out_shardings=metrics_shd)
+    return cls(run=run, placement=placement, state=state, shardings=shardings, jit_step=jit_step, jit_eval=jit_eval)
+
+  @property
+  def compile_s(self) -> float:
+    return float(sum(self.compile_times_s.values()))
+
+  def compile(self, batch_shape: tuple[int, ...], val_shape: tuple[int, ...] | None, dtype: Any = np.uint16) -> None:
+    """Lowers and compiles the step (and eval, when `val_shape`) for these batch shapes, timed."""
+    batch_shd = self.placement.batch_sharding()
+    t0 = time.perf_counter()
+    lowered = self.jit_step.lower(_abstract(self.state, self.shardings),
+                                  jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_shd))
+    t1 = time.perf_counter()
+    self.step_fn = lowered.compile()
+    t2 = time.perf_counter()
+    self.compile_times_s.update(train_step_lower=t1 - t0, train_step_compile=t2 - t1)
+    self.lowered_text, self.compiled_text = lowered.as_text(), self.step_fn.as_text()
+    self.memory_analysis = _memory_analysis(self.step_fn)
+    if val_shape is not None:
+      t0 = time.perf_counter()
+      self.eval_fn = self.jit_eval.lower(_abstract(self.state.params, self.shardings.params),
+                                         jax.ShapeDtypeStruct(val_shape, dtype, sharding=batch_shd)).compile()
+      self.compile_times_s["eval_compile"] = time.perf_counter() - t0
+
+  def step(self, batch_amtp1: np.ndarray) -> dict[str, float]:
+    """Runs one optimizer step on a host batch (A, M, T + 1); returns host-synchronised metrics."""
+    batch = jax.device_put(np.ascontiguousarray(batch_amtp1), self.placement.batch_sharding())
+    self.state, metrics = self.step_fn(self.state, batch)
+    jax.block_until_ready((self.state, metrics))
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+  def evaluate(self, val_emtp1: np.ndarray) -> float:
+    """Validation loss (nats) of the current params on host micro batches (E, M, T + 1)."""
+    val = jax.device_put(np.ascontiguousarray(val_emtp1), self.placement.batch_sharding())
+    return float(jax.device_get(self.eval_fn(self.state.params, val)))
+
+  def poison(self) -> None:
+    """Replaces every param with NaN, keeping each array's sharding and memory kind (fault injection)."""
+    nan = lambda x: jax.device_put(np.full(x.shape, np.nan, x.dtype), x.sharding)
+    self.state = self.state._replace(params=jax.tree.map(nan, self.state.params))
+
+  def canonical_params(self) -> dict[str, np.ndarray]:
+    """Current fp32 master params in the canonical (torch) layout."""
+    return model_lib.from_flax(self.state.params, self.run.model)

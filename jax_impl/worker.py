@@ -1,0 +1,87 @@
+"""JAX side of a comparison: `python -m jax_impl.worker run_dir/request.json --side jax`.
+
+Reads the run through `parity.protocol.SideIO`, trains with `jax_impl.step.Trainer`, and
+writes steps.jsonl, summary.json and final.safetensors. Exit codes: 0 ok, 3 non-finite
+loss or grad norm (status 'nan'), 1 crash (status 'crashed', written by `main_guard`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
+
+from parity.protocol import SideIO, main_guard  # noqa: E402
+from parity.spec import TrainSpec, to_dict  # noqa: E402
+
+EXIT_NAN = 3
+
+
+def _versions() -> dict[str, str]:
+  import flax
+  import jax
+  import jaxlib
+  import optax
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__}
+
+
+def _peak_device_bytes(device) -> int | None:
+  stats = device.memory_stats()  # None on CPU
+  return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def _check_batches(shape: tuple[int, ...], val_shape: tuple[int, ...], train: TrainSpec) -> None:
+  want = (train.grad_accum_steps, train.micro_batch_size, train.seq_len + 1)
+  if len(shape) != 4 or shape[0] < train.steps or tuple(shape[1:]) != want:
+    raise ValueError(f"batches.npy has shape {tuple(shape)}; this run needs (>= {train.steps}, *{want}) "
+                     "(steps, grad_accum_steps, micro_batch_size, seq_len + 1); regenerate the run folder")
+  if train.eval_every > 0 and (len(val_shape) != 3 or tuple(val_shape[1:]) != want[1:]):
+    raise ValueError(f"val_batches.npy has shape {tuple(val_shape)}; expected (eval_batches, *{want[1:]})")
+
+
+def run_side(io: SideIO) -> int:
+  """Trains one run; returns the process exit code."""
+  import jax
+  from jax_impl import offload
+  from jax_impl.step import Trainer
+
+  train = io.run.train
+  batches, val = io.batches(), io.val_batches()
+  _check_batches(batches.shape, val.shape, train)
+  trainer = Trainer.build(io.run, io.init_params())
+  io.ready()
+  trainer.compile(batches.shape[1:], val.shape if train.eval_every > 0 else None, batches.dtype)
+  io.compile_s = trainer.compile_s
+  status = "ok"
+  with jax.transfer_guard("disallow"):  # every host<->device move below is explicit
+    for step in range(train.steps):
+      io.before_step(step, poison=trainer.poison)
+      t0 = time.perf_counter()
+      metrics = trainer.step(batches[step])
+      step_time_s = time.perf_counter() - t0
+      val_loss = trainer.evaluate(val) if io.is_eval_step(step) else None
+      if not io.record(step, loss=metrics["loss"], grad_norm=metrics["grad_norm"], lr=metrics["lr"],
+                       step_time_s=step_time_s, val_loss=val_loss):
+        status = "nan"
+        break
+  device = trainer.placement.mesh.devices.flat[0]
+  extra = {"state_memory_kinds": offload.state_memory_kinds(trainer.state),
+           "memory_analysis": trainer.memory_analysis,
+           "offload_evidence": offload.offload_evidence(trainer.lowered_text, trainer.compiled_text,
+                                                        io.run.jax.host_memory_kind),
+           "compile_times_s": trainer.compile_times_s,
+           "plan": to_dict(io.run.jax)}
+  io.finish(status, final_params=trainer.canonical_params() if status == "ok" else None,
+            error="non-finite loss or grad_norm" if status == "nan" else None,
+            versions=_versions(), device=str(device), peak_device_bytes=_peak_device_bytes(device),
+            state_bytes_by_memory_kind=offload.bytes_by_memory_kind(trainer.state), extra=extra)
+  return 0 if status == "ok" else EXIT_NAN
+
+
+def main(argv: list[str] | None = None) -> int:
+  return main_guard(run_side, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

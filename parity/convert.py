@@ -1,0 +1,201 @@
+"""`parity convert-weights`: HF checkpoint folder <-> canonical safetensors <-> orbax checkpoint.
+
+  parity convert-weights SRC DST [--from hf|canonical|orbax] [--to hf|canonical|orbax] [--force]
+
+Every conversion goes through the canonical weights (float32, torch layout, the ModelSpec in
+the file's metadata). Formats that need a framework run in a subprocess, so this module
+imports neither jax nor torch:
+
+  orbax             python -m jax_impl.convert_worker {to-orbax,from-orbax}
+  pytorch_model.bin python -m torch_impl.convert_worker bin-to-safetensors  (torch.load weights_only=True)
+
+Formats are inferred when not given: a folder with config.json is `hf`, a folder with
+params/ and model_spec/ is `orbax`, a `*.safetensors` file is `canonical`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from parity import hf, weights
+from parity.spec import ModelSpec, SpecError, to_dict
+
+__all__ = ["FORMATS", "ConvertError", "Converted", "detect_format", "read_any", "convert", "read_bin",
+           "add_arguments", "run"]
+
+FORMATS = ("hf", "canonical", "orbax")
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_TIMEOUT_S = 3600.0
+"""Wall-clock limit of one framework subprocess, seconds (a 7B model converts in minutes)."""
+
+
+class ConvertError(SpecError):
+  """A conversion cannot be done: unknown format, existing output, or a failed worker."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Converted:
+  """What one conversion did."""
+  src_format: str
+  dst_format: str
+  dst: Path
+  spec: ModelSpec
+  n_tensors: int
+  n_params: int
+  notes: tuple[str, ...]
+
+
+def detect_format(path: str | Path, *, output: bool = False) -> str:
+  """Infers the format of `path`; for an output that does not exist yet only `*.safetensors` is inferred.
+
+  Raises:
+    ConvertError: the format cannot be told; the message says which flag to pass.
+  """
+  p = Path(path)
+  if p.suffix == ".safetensors" and (output or p.is_file()):
+    return "canonical"
+  if p.is_dir() and not output:
+    if (p / "config.json").exists():
+      return "hf"
+    if (p / "params").is_dir() and (p / "model_spec").is_dir():
+      return "orbax"
+  if not output and not p.exists():
+    raise ConvertError(f"{p} does not exist")
+  raise ConvertError(f"cannot tell the format of {p}; pass --{'to' if output else 'from'} "
+                     f"{'|'.join(FORMATS)} (canonical files end in .safetensors)")
+
+
+def _worker(module: str, *args: str) -> None:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+  cmd = [sys.executable, "-m", module, *args]
+  try:
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    raise ConvertError(f"{module} {args[0]} did not finish within {WORKER_TIMEOUT_S:.0f} s") from None
+  if proc.returncode != 0:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+    raise ConvertError(f"{module} {args[0]} failed (exit {proc.returncode}):\n  " + "\n  ".join(tail))
+
+
+def read_bin(files: Sequence[Path]) -> dict[str, np.ndarray]:
+  """pytorch_model.bin file(s) -> HF name -> numpy array, via the torch_impl worker.
+
+  Raises:
+    ConvertError: the worker failed (its message is included).
+  """
+  with tempfile.TemporaryDirectory(prefix="parity-bin-") as tmp:
+    out = Path(tmp) / "bin.safetensors"
+    _worker("torch_impl.convert_worker", "bin-to-safetensors", str(out), *map(str, files))
+    tensors, _ = hf.read_safetensors(out)
+    return tensors
+
+
+def read_any(src: str | Path, fmt: str, *, spec: ModelSpec | None = None
+             ) -> tuple[ModelSpec, dict[str, np.ndarray], tuple[str, ...]]:
+  """Reads any format into (spec, canonical float32 params, notes)."""
+  if fmt == "hf":
+    ck = hf.load_hf_checkpoint(src, bin_reader=read_bin)
+    return ck.spec, ck.params, ck.notes
+  if fmt == "canonical":
+    params, spec = hf.load_canonical(src, spec)
+    return spec, params, ()
+  with tempfile.TemporaryDirectory(prefix="parity-orbax-") as tmp:
+    out = Path(tmp) / "canonical.safetensors"
+    _worker("jax_impl.convert_worker", "from-orbax", str(Path(src).absolute()), str(out))
+    params, spec = hf.load_canonical(out)
+    return spec, params, ()
+
+
+def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, dst_format: str | None = None,
+            spec: ModelSpec | None = None, force: bool = False) -> Converted:
+  """Converts weights between the three formats (see the module docstring).
+
+  Args:
+    src: HF folder, canonical .safetensors file, or orbax folder.
+    dst: output path of the same kinds.
+    src_format, dst_format: one of FORMATS; inferred when None.
+    spec: the spec of a canonical source that carries none in its metadata.
+    force: replace an existing output.
+  Returns:
+    What was written.
+  Raises:
+    ConvertError: unknown format, existing output, or a failed worker.
+    HFFormatError: an HF architecture, config key or tensor that cannot be mapped (named).
+    ValueError: tensors that do not match the spec (named).
+  """
+  src, dst = Path(src), Path(dst)
+  src_format = src_format or detect_format(src)
+  dst_format = dst_format or detect_format(dst, output=True)
+  for f in (src_format, dst_format):
+    if f not in FORMATS:
+      raise ConvertError(f"unknown format {f!r}; expected one of {', '.join(FORMATS)}")
+  if dst.exists() and not force:
+    raise ConvertError(f"{dst} exists; pass --force to replace it")
+  model, params, notes = read_any(src, src_format, spec=spec)
+  if dst_format == "canonical":
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    hf.save_canonical(dst, params, model)
+  elif dst_format == "hf":
+    hf.save_hf_checkpoint(dst, model, params)
+  else:
+    with tempfile.TemporaryDirectory(prefix="parity-orbax-") as tmp:
+      canon = src  # a canonical source that carries its spec goes to the worker as it is
+      if src_format != "canonical" or spec is not None:
+        canon = Path(tmp) / "canonical.safetensors"
+        hf.save_canonical(canon, params, model)
+      _worker("jax_impl.convert_worker", "to-orbax", str(Path(canon).absolute()), str(dst.absolute()),
+              *(["--force"] if force else []))
+  n = model.n_params()
+  return Converted(src_format, dst_format, dst, model, len(weights.param_shapes(model)), n, tuple(notes))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+  """Adds the `convert-weights` arguments to a (sub)parser."""
+  p.description = ("Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
+                   "LlamaForCausalLM, MistralForCausalLM), canonical safetensors (with the ModelSpec as "
+                   "metadata) and an orbax checkpoint of the Flax params.")
+  p.add_argument("src", help="HF folder (config.json + safetensors or pytorch_model.bin), .safetensors, or orbax folder")
+  p.add_argument("dst", help="output: a .safetensors file (canonical) or a folder (--to hf|orbax)")
+  p.add_argument("--from", dest="src_format", choices=FORMATS, help="source format (default: inferred)")
+  p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format (default: inferred from DST)")
+  p.add_argument("--spec", help="ModelSpec JSON file, for a canonical source without spec metadata")
+  p.add_argument("--force", action="store_true", help="replace DST if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs `convert-weights`; prints a one-line summary. Returns 0, or 2 on bad input (message on stderr)."""
+  import json
+  from parity.spec import from_dict
+  try:
+    spec = from_dict(ModelSpec, json.loads(Path(args.spec).read_text()), path="model") if args.spec else None
+    done = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, spec=spec,
+                   force=args.force)
+  except (SpecError, ValueError, FileNotFoundError, FileExistsError) as exc:
+    print(f"parity convert-weights: error: {exc}", file=sys.stderr)
+    return 2
+  print(f"{done.src_format} -> {done.dst_format}: {done.dst} ({done.n_tensors} tensors, "
+        f"{done.n_params:,} params)")
+  print("model: " + json.dumps(to_dict(done.spec), sort_keys=True))
+  for note in done.notes:
+    print(f"note: {note}")
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Stand-alone entry point (`python -m parity.convert`), same arguments as `parity convert-weights`."""
+  ap = argparse.ArgumentParser(prog="parity convert-weights")
+  add_arguments(ap)
+  return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

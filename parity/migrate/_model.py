@@ -1,0 +1,179 @@
+"""PortedConfig: the JAX training config a DeepSpeed config becomes.
+
+Pydantic with extra="forbid" because a ported YAML is read back (`parity port --to-deepspeed`).
+Scheduler params keep DeepSpeed's names and raw values (e.g. warmup_num_steps before DeepSpeed's
+clamp to >= 2); `jax_impl/schedules.py` and `parity.migrate.reference` apply DeepSpeed's rules.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from parity.migrate.reference import SCHEDULER_DEFAULTS
+
+__all__ = ["PortedConfig", "OptimizerCfg", "SchedulerCfg", "BatchCfg", "PrecisionCfg", "LossScaleCfg",
+           "ClippingCfg", "ShardingCfg", "RematCfg", "SCHEMA", "OPTIMIZER_PARAM_KEYS"]
+
+SCHEMA = "parity.ported/1"
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
+
+OPTIMIZER_PARAM_KEYS: dict[str, tuple[str, ...]] = {
+    "adamw": ("lr", "betas", "eps", "weight_decay", "bias_correction"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "bias_correction"),
+    "lamb": ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff", "eps_inside_sqrt"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+
+
+class OptimizerCfg(BaseModel):
+  """The update rule. adamw: decoupled decay p -= lr*wd*p; adam: L2 decay added to the gradient."""
+  model_config = _STRICT
+  type: Literal["adamw", "adam", "lamb", "sgd"]
+  impl: str
+  """The DeepSpeed/torch class the source config builds (FusedAdam, DeepSpeedCPUAdam, torch.optim.AdamW, ...)."""
+  params: dict[str, Any]
+
+  @model_validator(mode="after")
+  def _check_params(self):
+    want = set(OPTIMIZER_PARAM_KEYS[self.type])
+    got = set(self.params)
+    if got != want:
+      raise ValueError(f"optimizer.params for type {self.type!r} must have exactly {sorted(want)}; "
+                       f"missing {sorted(want - got)}, unknown {sorted(got - want)}")
+    for k in ("lr", "eps", "weight_decay", "max_coeff", "min_coeff", "momentum", "dampening"):
+      v = self.params.get(k)
+      if k in want and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+        raise ValueError(f"optimizer.params.{k} must be a number >= 0; got {v!r}")
+    if "betas" in want:
+      b = self.params["betas"]
+      if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1
+                                                                     for x in b)):
+        raise ValueError(f"optimizer.params.betas must be two numbers in [0, 1); got {b!r}")
+    return self
+
+
+class SchedulerCfg(BaseModel):
+  """Learning-rate schedule; type and params as in DeepSpeed, every default filled in."""
+  model_config = _STRICT
+  type: Literal["Constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+  params: dict[str, Any]
+
+  @model_validator(mode="after")
+  def _check_params(self):
+    want = set(SCHEDULER_DEFAULTS[self.type])
+    if set(self.params) != want:
+      raise ValueError(f"scheduler.params for {self.type} must have exactly {sorted(want)}; got {sorted(self.params)}")
+    return self
+
+
+class BatchCfg(BaseModel):
+  model_config = _STRICT
+  micro: int = Field(ge=1)
+  """Sequences per data-parallel rank per micro step."""
+  grad_accum: int = Field(ge=1)
+  """Micro steps per optimizer step."""
+  world: int = Field(ge=1)
+  """Data-parallel ranks (size of the mesh's data axis)."""
+  global_batch: int = Field(ge=1)
+  """Sequences per optimizer step = micro * grad_accum * world (DeepSpeed train_batch_size)."""
+
+  @model_validator(mode="after")
+  def _product(self):
+    if self.global_batch != self.micro * self.grad_accum * self.world:
+      raise ValueError(f"batch.global_batch ({self.global_batch}) != micro * grad_accum * world "
+                       f"({self.micro} * {self.grad_accum} * {self.world} = {self.micro * self.grad_accum * self.world})")
+    return self
+
+
+class LossScaleCfg(BaseModel):
+  """fp16 loss scaling (DeepSpeed DynamicLossScaler when dynamic)."""
+  model_config = _STRICT
+  dynamic: bool
+  static_scale: float = Field(ge=0)
+  """Used when dynamic is false."""
+  initial_scale_power: int
+  """Dynamic: the first scale is 2**initial_scale_power."""
+  window: int = Field(ge=1)
+  """Dynamic: overflow-free steps before the scale doubles (loss_scale_window)."""
+  hysteresis: int = Field(ge=1)
+  """Dynamic: overflows tolerated before the scale halves (delayed shift)."""
+  consecutive_hysteresis: bool
+  min_scale: float = Field(gt=0)
+
+
+class PrecisionCfg(BaseModel):
+  model_config = _STRICT
+  compute_dtype: Literal["fp32", "fp16", "bf16"]
+  """Dtype of the forward/backward; master weights and optimizer state stay fp32."""
+  grad_accum_dtype: Literal["fp32", "fp16", "bf16"]
+  loss_scale: LossScaleCfg | None
+  """fp16 only."""
+  skip_nonfinite_updates: bool
+  """Skip the update (and do not advance the LR schedule) when a gradient is inf/nan."""
+
+
+class ClippingCfg(BaseModel):
+  model_config = _STRICT
+  max_global_norm: float = Field(ge=0)
+  """0 disables clipping. g <- g / max(1, (||g|| + epsilon) / max_global_norm)."""
+  epsilon: float = 1e-6
+
+
+class ShardingCfg(BaseModel):
+  """ZeRO as a JAX plan over a 1-D mesh with axis `mesh_axis` of size batch.world."""
+  model_config = _STRICT
+  zero_stage: int = Field(ge=0, le=3)
+  mesh_axis: str = "data"
+  shard_opt_state: bool
+  shard_grads: bool
+  shard_params: bool
+  opt_state_memory_kind: MemoryKind
+  params_memory_kind: MemoryKind
+
+  @model_validator(mode="after")
+  def _stages(self):
+    want = (self.zero_stage >= 1, self.zero_stage >= 2, self.zero_stage >= 3)
+    if (self.shard_opt_state, self.shard_grads, self.shard_params) != want:
+      raise ValueError(f"sharding flags do not match zero_stage {self.zero_stage}: expected shard_opt_state, "
+                       f"shard_grads, shard_params = {want}")
+    if self.params_memory_kind != "device" and self.zero_stage != 3:
+      raise ValueError("sharding.params_memory_kind may be a host kind only with zero_stage 3 "
+                       f"(DeepSpeed offload_param is stage-3 only); got zero_stage={self.zero_stage}")
+    return self
+
+
+class RematCfg(BaseModel):
+  model_config = _STRICT
+  policy: Literal["none", "full", "offload_to_host"]
+  """jax.checkpoint per block: none, full (recompute everything), offload_to_host (residuals in pinned_host)."""
+
+
+class PortedConfig(BaseModel):
+  model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+  schema_: Literal["parity.ported/1"] = Field(SCHEMA, alias="schema")
+  source: str = ""
+  optimizer: OptimizerCfg
+  scheduler: SchedulerCfg
+  batch: BatchCfg
+  precision: PrecisionCfg
+  clipping: ClippingCfg
+  sharding: ShardingCfg
+  remat: RematCfg
+
+  @field_validator("source")
+  @classmethod
+  def _src(cls, v):
+    return str(v)
+
+  def to_dict(self) -> dict[str, Any]:
+    return json.loads(self.model_dump_json(by_alias=True))
+
+  def dumps(self, fmt: Literal["yaml", "json"] = "yaml") -> str:
+    d = self.to_dict()
+    if fmt == "json":
+      return json.dumps(d, indent=2) + "\n"
+    return yaml.safe_dump(d, sort_keys=False)

@@ -1,0 +1,205 @@
+"""zero_optimization and activation_checkpointing -> PortedConfig.sharding / .remat."""
+from __future__ import annotations
+
+from typing import Any
+
+from parity.migrate._ctx import MISSING, Ctx
+
+__all__ = ["port_zero", "port_remat"]
+
+XLA_COMM = "communication tuning; XLA schedules the collectives of a sharded jit itself"
+_NOT_NEEDED = {
+    "allgather_partitions": XLA_COMM, "allgather_bucket_size": XLA_COMM, "reduce_scatter": XLA_COMM,
+    "reduce_bucket_size": XLA_COMM, "overlap_comm": XLA_COMM, "contiguous_gradients": "gradient buffer layout; XLA "
+    "allocates buffers", "round_robin_gradients": XLA_COMM, "use_multi_rank_bucket_allreduce": XLA_COMM,
+    "stage3_prefetch_bucket_size": XLA_COMM, "stage3_max_live_parameters": "ZeRO-3 gather/release policy; XLA "
+    "decides when gathered params are freed", "stage3_max_reuse_distance": "ZeRO-3 gather/release policy; XLA "
+    "decides when gathered params are freed", "stage3_param_persistence_threshold": "ZeRO-3 keeps small params "
+    "unpartitioned to save latency; the JAX plan shards every array, numerics unaffected",
+    "stage3_model_persistence_threshold": "ZeRO-3 cap on unpartitioned params; the JAX plan shards every array",
+    "sub_group_size": "optimizer-step tiling of ZeRO-3/offload; XLA fuses the update",
+    "stage3_allgather_sequential": XLA_COMM, "stage3_use_all_reduce_for_fetch_params": XLA_COMM,
+    "stage3_module_granularity_threshold": "ZeRO-3 hook granularity; JAX has no module hooks",
+    "ignore_unused_parameters": "JAX gives unused params a zero gradient", "parameter_alignment": "flat-buffer "
+    "alignment", "memory_efficient_linear": "ZeRO-3 linear autograd function; same math",
+    "override_module_apply": "ZeRO-3 torch module hook", "log_trace_cache_warnings": "logging",
+    "enable_sanity_checks": "debug checks", "elastic_checkpoint": "checkpoint layout", "load_from_fp32_weights":
+    "checkpoint loading", "stage3_gather_16bit_weights_on_model_save": "checkpoint saving (JAX saves full arrays)",
+    "stage3_gather_fp16_weights_on_model_save": "deprecated alias of stage3_gather_16bit_weights_on_model_save; "
+    "checkpoint saving", "gather_16bit_weights_on_model_save": "checkpoint saving",
+    "legacy_stage1": "old ZeRO-1 implementation; same math", "pipeline_loading_checkpoint": "checkpoint loading",
+    "compute_grad_norm": "norm bookkeeping; clipping below decides", "save_muon_momentum_buffer_in_memory": "Muon+NVMe",
+    "leaf_module": "ZeRO-3 leaf-module hint for torch hooks", "cpu_offload_use_pin_memory": "deprecated, no effect "
+    "(DeepSpeed warns: use offload_param or offload_optimizer)",
+}
+_UNSUPPORTED_IF_TRUE = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+_KNOWN = set(_NOT_NEEDED) | set(_UNSUPPORTED_IF_TRUE) | {"stage", "offload_optimizer", "offload_param", "cpu_offload",
+                                                         "cpu_offload_param", "zero_hpz_partition_size", "zenflow"}
+_REMOVED = {"mics_shard_size": "MiCS ZeRO-3 sharding has been removed", "mics_hierarchical_params_gather":
+            "MiCS ZeRO-3 sharding has been removed", "zeropp_loco_param": "LoCo-Zero++ has been removed"}
+_OFFLOAD_KEYS = {
+    "offload_optimizer": ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                          "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"),
+    "offload_param": ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"),
+}
+_INT_FIELDS = {"reduce_bucket_size": 1, "allgather_bucket_size": 0, "sub_group_size": 0,
+               "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0,
+               "stage3_model_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+               "stage3_max_reuse_distance": 0}
+
+
+def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
+  """Returns (device, memory kind) of zero_optimization.<section>."""
+  path = f"zero_optimization.{section}"
+  node = ctx.get(path)
+  if node is MISSING or node is None:
+    return "none", "device"
+  if not isinstance(node, dict):
+    ctx.refuse(path, f"{path}: expected an object such as {{\"device\": \"cpu\"}}; got {node!r}.")
+    return "none", "device"
+  ctx.unknown_keys(path, _OFFLOAD_KEYS[section], why="pydantic extra='forbid'")
+  device = ctx.choice(f"{path}.device", ("none", "cpu", "nvme"), "none")
+  pin = ctx.boolean(f"{path}.pin_memory", True)
+  kind = "pinned_host" if pin else "unpinned_host"
+  what = "optimizer state" if section == "offload_optimizer" else "fp32 params"
+  tgt = "sharding.opt_state_memory_kind" if section == "offload_optimizer" else "sharding.params_memory_kind"
+  if device == "nvme":
+    ctx.refuse(f"{path}.device", f"{path}.device \"nvme\": JAX has no NVMe memory kind (only device, pinned_host, "
+               f"unpinned_host). Nearest plan: set {path}.device to \"cpu\" -> {what} in pinned_host.",
+               fate_reason="JAX has no NVMe memory kind; nearest: device \"cpu\" -> pinned_host")
+  for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
+            "fast_init"):
+    ctx.mark(f"{path}.{k}", "not_needed", None, "NVMe swap tuning; used only with device \"nvme\"", overwrite=False)
+  if section == "offload_optimizer":
+    if ctx.num(f"{path}.ratio", 1.0, ge=0, le=1) not in (1.0, None):
+      ctx.refuse(f"{path}.ratio", f"{path}.ratio {ctx.get(path + '.ratio')}: partial optimizer offload is not in "
+                 "the JAX plan (all or nothing). Remove ratio or set it to 1.0.")
+    if ctx.get(f"{path}.super_offload") is True:
+      ctx.refuse(f"{path}.super_offload", f"{path}.super_offload: Superchip-specific CPU offload is not supported.")
+    ctx.mark(f"{path}.super_offload", "not_needed", None, "false: standard offload", overwrite=False)
+    ctx.mark(f"{path}.cpuadam_cores_perc", "not_needed", None, "CPU Adam threading; XLA runs the update",
+             overwrite=False)
+    ctx.mark(f"{path}.ratio", "mapped", tgt, "1.0: all optimizer state offloaded", overwrite=False)
+  if section == "offload_param" and stage != 3 and device in ("cpu", "nvme"):
+    ctx.warn(f"{path}: DeepSpeed uses offload_param only with stage 3; stage is {stage}, so it is ignored.")
+    ctx.mark(path, "not_needed", None, f"ignored by DeepSpeed at stage {stage} (offload_param is stage-3 only)")
+    return "none", "device"
+  if device == "cpu":
+    ctx.mark(f"{path}.device", "mapped", tgt, f"{what} live in host memory between steps; XLA moves them in and out")
+    ctx.mark(f"{path}.pin_memory", "mapped", tgt, f"{'true -> pinned_host' if pin else 'false -> unpinned_host'}")
+    return "cpu", kind
+  if device == "nvme":
+    ctx.mark(path, "not_needed", None, "part of the refused NVMe offload", overwrite=False)
+    return "nvme", "device"
+  ctx.mark(path, "not_needed", None, "device none: no offload", overwrite=False)
+  return device or "none", "device"
+
+
+def port_zero(ctx: Ctx) -> dict[str, Any] | None:
+  z = ctx.get("zero_optimization")
+  if z is MISSING:
+    ctx.implied("zero_optimization.stage", 0, "no zero_optimization section: stage 0 (plain data parallel)")
+    z = {}
+  if isinstance(z, bool):
+    ctx.warn("zero_optimization: a boolean is the deprecated format; DeepSpeed warns 'this format of ZeRO "
+             f"optimization setup is deprecated' and reads it as stage {int(z)}.")
+    ctx.mark("zero_optimization", "mapped", "sharding.zero_stage", f"deprecated boolean form -> stage {int(z)}")
+    ctx.report.entries["zero_optimization"].resolved = {"stage": int(z)}
+    if ctx.has("allgather_size"):
+      ctx.mark("allgather_size", "not_needed", None, f"legacy allgather_bucket_size of the boolean form; {XLA_COMM}")
+    return _plan(int(z), "device", "device")
+  if not isinstance(z, dict):
+    ctx.refuse("zero_optimization", f"zero_optimization: got {z!r}; expected an object or a boolean.")
+    return None
+  for k, msg in _REMOVED.items():
+    if k in z:
+      ctx.refuse(f"zero_optimization.{k}", f"zero_optimization.{k}: DeepSpeed 0.19.8 raises '{msg}'. Remove it.")
+  ctx.unknown_keys("zero_optimization", sorted(_KNOWN | set(_REMOVED)), why="DeepSpeedZeroConfig has extra='forbid'")
+  stage = ctx.num("zero_optimization.stage", 0, integer=True, ge=0, le=3)
+  stage = 0 if stage is None else stage
+  ctx.mark("zero_optimization.stage", "mapped", "sharding.zero_stage",
+           ["stage 0: params, grads, opt state replicated over the data axis",
+            "stage 1: optimizer state sharded over the data axis",
+            "stage 2: optimizer state + gradients sharded over the data axis (reduce-scatter)",
+            "stage 3: optimizer state, gradients and params sharded over the data axis (FSDP)"][stage])
+  for k, lo in _INT_FIELDS.items():
+    ctx.num(f"zero_optimization.{k}", 0, integer=True, ge=lo)
+  if ctx.get("zero_optimization.cpu_offload") is True:
+    if ctx.has("zero_optimization.offload_optimizer"):
+      ctx.refuse("zero_optimization.cpu_offload", "zero_optimization.cpu_offload with offload_optimizer: DeepSpeed "
+                 "asserts 'Cannot provide deprecated parameter and replacing parameter together'. Keep one.")
+    ctx.warn("zero_optimization.cpu_offload is deprecated; DeepSpeed warns 'use offload_optimizer instead' and reads "
+             "it as offload_optimizer.device=cpu (pinned).")
+    ctx.cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ctx.mark("zero_optimization.cpu_offload", "mapped", "sharding.opt_state_memory_kind",
+             "deprecated form of offload_optimizer {device: cpu} -> pinned_host")
+    ctx.report.entries["zero_optimization.cpu_offload"].resolved = {"offload_optimizer": {"device": "cpu"}}
+  elif ctx.has("zero_optimization.cpu_offload"):
+    ctx.boolean("zero_optimization.cpu_offload")
+    ctx.mark("zero_optimization.cpu_offload", "not_needed", None, "deprecated; false means no optimizer offload")
+  if ctx.get("zero_optimization.cpu_offload_param") is True:
+    ctx.warn("zero_optimization.cpu_offload_param is deprecated; DeepSpeed reads it as offload_param.device=cpu.")
+    ctx.cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    ctx.mark("zero_optimization.cpu_offload_param", "mapped", "sharding.params_memory_kind",
+             "deprecated form of offload_param {device: cpu} -> pinned_host")
+  elif ctx.has("zero_optimization.cpu_offload_param"):
+    ctx.mark("zero_optimization.cpu_offload_param", "not_needed", None, "deprecated; false means no param offload")
+  if ctx.has("zero_optimization.stage3_gather_fp16_weights_on_model_save"):
+    ctx.warn("zero_optimization.stage3_gather_fp16_weights_on_model_save is deprecated; DeepSpeed warns 'use "
+             "gather_16bit_weights_on_model_save instead'.")
+  opt_dev, opt_kind = _offload(ctx, "offload_optimizer", stage)
+  _, par_kind = _offload(ctx, "offload_param", stage)
+  if opt_dev == "cpu" and stage == 0:
+    ctx.refuse("zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer needs stage >= 1 "
+               "(ZeRO-Offload partitions the optimizer state it moves to the host); got stage 0. Set stage to 1 or 2.")
+  for k in _UNSUPPORTED_IF_TRUE:
+    if ctx.get(f"zero_optimization.{k}") is True:
+      ctx.refuse(f"zero_optimization.{k}", f"zero_optimization.{k}: quantized ZeRO++ communication changes the "
+                 "numerics; the JAX plan all-reduces in full precision. Set it to false.")
+    ctx.mark(f"zero_optimization.{k}", "not_needed", None, "false: full-precision communication", overwrite=False)
+  hpz = ctx.num("zero_optimization.zero_hpz_partition_size", 1, integer=True, ge=0)
+  if hpz not in (0, 1, None):
+    ctx.refuse("zero_optimization.zero_hpz_partition_size", f"zero_optimization.zero_hpz_partition_size {hpz}: "
+               "hierarchical (ZeRO++ hpZ) partitioning needs a 2-D mesh; the JAX plan has one data axis. Set it to 1.")
+  ctx.mark("zero_optimization.zero_hpz_partition_size", "not_needed", None, "1: flat partitioning", overwrite=False)
+  if ctx.has("zero_optimization.zenflow"):
+    ctx.refuse("zero_optimization.zenflow", "zero_optimization.zenflow: ZenFlow's stale-gradient updates are not "
+               "supported by the port. Remove the section.")
+  for k, why in _NOT_NEEDED.items():
+    ctx.mark(f"zero_optimization.{k}", "not_needed", None, why, overwrite=False)
+  return _plan(stage, opt_kind, par_kind)
+
+
+def _plan(stage: int, opt_kind: str, par_kind: str) -> dict[str, Any]:
+  return {"zero_stage": stage, "mesh_axis": "data", "shard_opt_state": stage >= 1, "shard_grads": stage >= 2,
+          "shard_params": stage >= 3, "opt_state_memory_kind": opt_kind,
+          "params_memory_kind": par_kind if stage == 3 else "device"}
+
+
+def port_remat(ctx: Ctx) -> dict[str, Any]:
+  if not ctx.has("activation_checkpointing"):
+    return {"policy": "none"}
+  sec = "activation_checkpointing"
+  node = ctx.get(sec)
+  if not isinstance(node, dict):
+    ctx.refuse(sec, f"{sec}: expected an object; got {node!r}.")
+    return {"policy": "none"}
+  cpu = ctx.boolean(f"{sec}.cpu_checkpointing", False)
+  policy = "offload_to_host" if cpu else "full"
+  reason = ("the section configures deepspeed.checkpointing, which the model calls once per block -> "
+            f"jax.checkpoint per block, policy {policy!r}")
+  ctx.mark(f"{sec}.cpu_checkpointing", "mapped", "remat.policy", "true: checkpointed residuals in pinned_host "
+           "(save_and_offload_only_these_names)" if cpu else "false: residuals stay on device")
+  ctx.mark(f"{sec}.partition_activations", "not_needed", None, "splits checkpoints across model-parallel ranks; the "
+           "JAX plan has no model-parallel axis")
+  ctx.mark(f"{sec}.contiguous_memory_optimization", "not_needed", None, "checkpoint buffer layout; XLA allocates")
+  ctx.mark(f"{sec}.number_checkpoints", "not_needed", None, "buffer count for contiguous_memory_optimization")
+  ctx.mark(f"{sec}.synchronize_checkpoint_boundary", "not_needed", None, "CUDA synchronisation for profiling")
+  ctx.mark(f"{sec}.profile", "not_needed", None, "timing of checkpointed forwards")
+  for k in node:
+    if k not in ("cpu_checkpointing", "partition_activations", "contiguous_memory_optimization", "number_checkpoints",
+                 "synchronize_checkpoint_boundary", "profile"):
+      ctx.mark(f"{sec}.{k}", "not_needed", None, "not read by DeepSpeed's activation-checkpointing config")
+      ctx.warn(f"{sec}.{k}: unknown key; DeepSpeed does not read it.")
+  ctx.implied("remat.policy", policy, reason)
+  return {"policy": policy}

@@ -1,0 +1,120 @@
+"""The migration report: one entry per leaf key path of the input config, each with a fate."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Iterator, Literal
+
+__all__ = ["Entry", "Report", "leaf_paths", "FATES"]
+
+Fate = Literal["mapped", "not_needed", "unsupported"]
+FATES = ("mapped", "not_needed", "unsupported")
+
+
+def leaf_paths(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+  """Yields (dotted path, value) for every leaf of a JSON tree. Lists and empty objects are leaves."""
+  if isinstance(node, dict) and node:
+    for k, v in node.items():
+      yield from leaf_paths(v, f"{prefix}.{k}" if prefix else str(k))
+  else:
+    yield prefix, node
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+  key: str
+  """Dotted path of the leaf in the input config."""
+  value: Any
+  """The value as written in the input (e.g. "auto")."""
+  fate: Fate
+  target: str | None
+  """Where it lands in the ported config (dotted path), or None."""
+  reason: str
+  resolved: Any = None
+  """The value after resolving "auto" or a legacy form; None when it equals `value`."""
+
+  def to_dict(self) -> dict[str, Any]:
+    d = {"key": self.key, "value": self.value, "fate": self.fate, "target": self.target, "reason": self.reason}
+    if self.resolved is not None:
+      d["resolved"] = self.resolved
+    return d
+
+
+@dataclasses.dataclass
+class Report:
+  """Fates of every input key, plus implied defaults, DeepSpeed's warnings and the refusal, if any."""
+
+  source: str
+  entries: dict[str, Entry] = dataclasses.field(default_factory=dict)
+  implied: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  """Settings the input does not spell out but DeepSpeed applies: {'key', 'value', 'reason'}."""
+  warnings: list[str] = dataclasses.field(default_factory=list)
+  errors: list[str] = dataclasses.field(default_factory=list)
+  """Refusal reasons; the first is the one printed."""
+  direction: str = "deepspeed->jax"
+
+  @property
+  def ported(self) -> bool:
+    return not self.errors and all(e.fate != "unsupported" for e in self.entries.values())
+
+  def set(self, key: str, fate: Fate, target: str | None, reason: str, *, value: Any = None,
+          resolved: Any = None, overwrite: bool = True) -> None:
+    if key in self.entries and not overwrite:
+      return
+    old = self.entries.get(key)
+    val = old.value if old is not None else value
+    self.entries[key] = Entry(key, val, fate, target, reason, resolved)
+
+  def refuse(self, message: str) -> None:
+    if message not in self.errors:
+      self.errors.append(message)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {
+        "schema": "parity.migration/1",
+        "source": self.source,
+        "direction": self.direction,
+        "status": "ported" if self.ported else "refused",
+        "error": self.errors[0] if self.errors else None,
+        "errors": list(self.errors),
+        "warnings": list(self.warnings),
+        "implied": list(self.implied),
+        "entries": [e.to_dict() for e in self.entries.values()],
+    }
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, default=str) + "\n"
+
+  def to_markdown(self) -> str:
+    d = self.to_dict()
+    out = [f"# Migration report: `{self.source}`", "", f"Status: **{d['status']}**", ""]
+    if self.errors:
+      out += ["## Refused", ""] + [f"- {e}" for e in self.errors] + [""]
+    out += ["## Keys", "", "| key | value | fate | target | reason |", "|---|---|---|---|---|"]
+    for e in self.entries.values():
+      val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
+      out.append(f"| `{e.key}` | `{val}` | {e.fate} | {('`' + e.target + '`') if e.target else ''} | "
+                 f"{e.reason.replace('|', '/')} |")
+    if self.implied:
+      out += ["", "## Implied by DeepSpeed defaults", "", "| key | value | reason |", "|---|---|---|"]
+      out += [f"| `{i['key']}` | `{json.dumps(i['value'])}` | {i['reason']} |" for i in self.implied]
+    if self.warnings:
+      out += ["", "## Warnings", ""] + [f"- {w}" for w in self.warnings]
+    return "\n".join(out) + "\n"
+
+  def print_table(self, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console(stderr=True)
+    colour = {"mapped": "green", "not_needed": "cyan", "unsupported": "red"}
+    t = Table(title=f"parity port: {self.source}", show_lines=False)
+    for col in ("key", "value", "fate", "target", "reason"):
+      t.add_column(col, overflow="fold")
+    for e in self.entries.values():
+      val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
+      t.add_row(e.key, val, f"[{colour[e.fate]}]{e.fate}[/]", e.target or "", e.reason)
+    console.print(t)
+    for i in self.implied:
+      console.print(f"[yellow]implied[/] {i['key']} = {json.dumps(i['value'])}: {i['reason']}")
+    for w in self.warnings:
+      console.print(f"[yellow]warning[/] {w}")

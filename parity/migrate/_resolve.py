@@ -1,0 +1,106 @@
+"""Resolving "auto" values from explicit flags, the way the HF Trainer fills them (never silently)."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from parity.migrate._ctx import UNRESOLVED, Flags
+from parity.migrate._report import Report, leaf_paths
+
+__all__ = ["resolve_autos", "AUTO_RULES"]
+
+# path -> (flag attribute, flag as typed, value from flags, how HF fills it)
+_Rule = tuple[str | None, str, Callable[[Flags], Any], str]
+
+
+def _sq(f: Flags) -> int:
+  return f.hidden_size * f.hidden_size
+
+
+AUTO_RULES: dict[str, _Rule] = {
+    "train_micro_batch_size_per_gpu": ("micro_batch", "--micro-batch", lambda f: f.micro_batch,
+                                       "HF fills per_device_train_batch_size"),
+    "gradient_accumulation_steps": ("grad_accum", "--grad-accum", lambda f: f.grad_accum,
+                                    "HF fills gradient_accumulation_steps"),
+    "gradient_clipping": ("max_grad_norm", "--max-grad-norm", lambda f: f.max_grad_norm, "HF fills max_grad_norm"),
+    "optimizer.params.lr": ("lr", "--lr", lambda f: f.lr, "HF fills learning_rate"),
+    "optimizer.params.betas": ("betas", "--betas", lambda f: list(f.betas), "HF fills [adam_beta1, adam_beta2]"),
+    "optimizer.params.eps": ("eps", "--eps", lambda f: f.eps, "HF fills adam_epsilon"),
+    "optimizer.params.weight_decay": ("weight_decay", "--weight-decay", lambda f: f.weight_decay,
+                                      "HF fills weight_decay"),
+    "scheduler.params.warmup_min_lr": (None, "", lambda f: 0, "HF fills 0 (not a trainer argument)"),
+    "scheduler.params.warmup_max_lr": ("lr", "--lr", lambda f: f.lr, "HF fills learning_rate"),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", "--warmup-steps", lambda f: f.warmup_steps,
+                                          "HF fills the warmup steps"),
+    "scheduler.params.total_num_steps": ("total_steps", "--total-steps", lambda f: f.total_steps,
+                                         "HF fills the number of training steps"),
+    "fp16.enabled": ("precision", "--fp16, --bf16 or --fp32", lambda f: f.precision == "fp16", "HF fills args.fp16"),
+    "bf16.enabled": ("precision", "--fp16, --bf16 or --fp32", lambda f: f.precision == "bf16", "HF fills args.bf16"),
+    "bfloat16.enabled": ("precision", "--fp16, --bf16 or --fp32", lambda f: f.precision == "bf16",
+                         "HF fills args.bf16"),
+    "zero_optimization.reduce_bucket_size": ("hidden_size", "--hidden-size", _sq, "HF fills hidden_size**2"),
+    "zero_optimization.stage3_prefetch_bucket_size": (
+        "hidden_size", "--hidden-size", lambda f: int(0.9 * f.hidden_size * f.hidden_size),
+        "HF fills int(0.9 * hidden_size**2), truncating the fraction (an int field in DeepSpeed)"),
+    "zero_optimization.stage3_param_persistence_threshold": ("hidden_size", "--hidden-size",
+                                                             lambda f: 10 * f.hidden_size, "HF fills 10 * hidden_size"),
+}
+_MATCHED = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+            "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps", "optimizer.params.weight_decay",
+            "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps",
+            "fp16.enabled", "bf16.enabled", "bfloat16.enabled")
+"""Keys the HF Trainer checks against its arguments when they are explicit (`fill_match`)."""
+
+
+def _set(cfg: dict[str, Any], path: str, value: Any) -> None:
+  parts = path.split(".")
+  node = cfg
+  for p in parts[:-1]:
+    node = node[p]
+  node[parts[-1]] = value
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  if isinstance(a, bool) or isinstance(b, bool):
+    return a is b
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return float(a) == float(b)
+  return a == b
+
+
+def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report) -> tuple[dict[str, Any], dict[str, str]]:
+  """Replaces every "auto" with its value from `flags`.
+
+  Returns:
+    (resolved config, {path: reason}) for the keys that were "auto". An "auto" that nothing resolves
+    becomes UNRESOLVED and is reported as an error naming the key and the flag.
+  """
+  cfg = copy.deepcopy(raw)
+  notes: dict[str, str] = {}
+  for path, value in leaf_paths(raw):
+    rule = AUTO_RULES.get(path)
+    if value != "auto":
+      if rule and path in _MATCHED and rule[0] and getattr(flags, rule[0]) is not None:
+        want = rule[2](flags)
+        if not _same(value, want):
+          report.refuse(f"{path} is {value!r} in the config but {rule[1]} gives {want!r}; the HF Trainer rejects "
+                        f"this mismatch. Set {path} to \"auto\" or drop the flag.")
+      continue
+    if path == "train_batch_size":
+      notes[path] = "\"auto\" -> micro * grad_accum * world (HF fills world_size * per_device_batch * grad_accum)"
+      continue
+    if rule is None:
+      report.refuse(f"{path} is \"auto\", which nothing resolves: the HF Trainer does not fill it and DeepSpeed "
+                    "would silently use its default. Replace \"auto\" with a value.")
+      _set(cfg, path, UNRESOLVED)
+      continue
+    attr, flag, fn, how = rule
+    if attr is not None and getattr(flags, attr) is None:
+      report.refuse(f"{path} is \"auto\"; pass {flag} to resolve it ({how}).")
+      _set(cfg, path, UNRESOLVED)
+      continue
+    _set(cfg, path, fn(flags))
+    notes[path] = f"\"auto\" -> {fn(flags)!r} ({how}{', from ' + flag if flag else ''})"
+  return cfg, notes

@@ -1,0 +1,154 @@
+"""PortedConfig -> DeepSpeed JSON (`parity port --to-deepspeed`), and PortedConfig -> RunSpec."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import ValidationError
+
+from parity.migrate._model import PortedConfig
+from parity.migrate._read import PortError
+from parity.migrate._report import Report, leaf_paths
+from parity.spec import RunSpec, SpecError
+
+__all__ = ["to_deepspeed", "load_ported", "to_run_spec"]
+
+
+def load_ported(data: dict[str, Any], *, source: str = "") -> PortedConfig:
+  """Validates a ported config dict. Raises PortError naming the first bad key."""
+  try:
+    return PortedConfig.model_validate(data)
+  except ValidationError as e:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    raise PortError(f"{source}: not a ported config (schema parity.ported/1): {loc}: {err['msg']}; "
+                    f"got {err.get('input')!r}.", key=loc) from None
+
+
+_OPT_NAMES = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "sgd": "SGD"}
+
+
+def _optimizer(p: PortedConfig, report: Report) -> dict[str, Any]:
+  o = p.optimizer
+  params = dict(o.params)
+  if o.type in ("adamw", "adam"):
+    if o.impl.startswith("torch.optim."):
+      if not params.pop("bias_correction"):
+        report.refuse("optimizer.params.bias_correction: false cannot be expressed with torch.optim Adam(W) "
+                      "(impl torch.optim.*); change impl to FusedAdam.")
+      params["torch_adam"] = True
+    if o.type == "adam":
+      params["adam_w_mode"] = False
+    return {"type": _OPT_NAMES[o.type], "params": params}
+  return {"type": _OPT_NAMES[o.type], "params": params}
+
+
+def _precision(p: PortedConfig, out: dict[str, Any], report: Report) -> None:
+  pr = p.precision
+  if pr.compute_dtype == "fp16":
+    ls = pr.loss_scale
+    if ls is None:
+      report.refuse("precision.loss_scale: fp16 needs loss-scale settings (DeepSpeed always scales fp16 losses).")
+      return
+    if not float(ls.min_scale).is_integer():
+      report.refuse(f"precision.loss_scale.min_scale {ls.min_scale}: DeepSpeed's min_loss_scale is an integer.")
+    if pr.skip_nonfinite_updates != ls.dynamic:
+      report.refuse("precision.skip_nonfinite_updates must equal loss_scale.dynamic for fp16: DeepSpeed skips "
+                    "overflowing steps exactly when the loss scale is dynamic.")
+    out["fp16"] = {"enabled": True, "loss_scale": 0 if ls.dynamic else ls.static_scale,
+                   "initial_scale_power": ls.initial_scale_power, "loss_scale_window": ls.window,
+                   "hysteresis": ls.hysteresis, "consecutive_hysteresis": ls.consecutive_hysteresis,
+                   "min_loss_scale": int(ls.min_scale)}
+  elif pr.compute_dtype == "bf16":
+    out["bf16"] = {"enabled": True, "check_grad_overflow": pr.skip_nonfinite_updates}
+  elif pr.skip_nonfinite_updates:
+    report.refuse("precision.skip_nonfinite_updates: true with fp32 compute has no DeepSpeed equivalent "
+                  "(DeepSpeed checks overflow only for fp16/bf16).")
+  if pr.grad_accum_dtype != pr.compute_dtype:
+    out["data_types"] = {"grad_accum_dtype": pr.grad_accum_dtype}
+
+
+def to_deepspeed(data: dict[str, Any], *, source: str = "") -> tuple[dict[str, Any], Report]:
+  """Ported config dict -> (DeepSpeed config dict, report). Porting the result back gives the same meaning.
+
+  Raises:
+    PortError: `data` is not a valid ported config.
+  """
+  p = load_ported(data, source=source)
+  report = Report(source=source, direction="jax->deepspeed")
+  b = p.batch
+  out: dict[str, Any] = {"train_batch_size": b.global_batch, "train_micro_batch_size_per_gpu": b.micro,
+                         "gradient_accumulation_steps": b.grad_accum, "optimizer": _optimizer(p, report)}
+  if p.scheduler.type != "Constant":
+    out["scheduler"] = {"type": p.scheduler.type,
+                        "params": {k: v for k, v in p.scheduler.params.items() if v is not None}}
+  if p.clipping.epsilon != 1e-6:
+    report.refuse(f"clipping.epsilon {p.clipping.epsilon}: DeepSpeed's clipping epsilon is fixed at 1e-6.")
+  out["gradient_clipping"] = p.clipping.max_global_norm
+  _precision(p, out, report)
+  s = p.sharding
+  z: dict[str, Any] = {"stage": s.zero_stage}
+  if s.opt_state_memory_kind != "device":
+    z["offload_optimizer"] = {"device": "cpu", "pin_memory": s.opt_state_memory_kind == "pinned_host"}
+  if s.params_memory_kind != "device":
+    z["offload_param"] = {"device": "cpu", "pin_memory": s.params_memory_kind == "pinned_host"}
+  out["zero_optimization"] = z
+  if p.remat.policy != "none":
+    out["activation_checkpointing"] = {"partition_activations": False,
+                                       "cpu_checkpointing": p.remat.policy == "offload_to_host"}
+  targets = {"batch.micro": "train_micro_batch_size_per_gpu", "batch.grad_accum": "gradient_accumulation_steps",
+             "batch.global_batch": "train_batch_size", "clipping.max_global_norm": "gradient_clipping",
+             "sharding.zero_stage": "zero_optimization.stage", "remat.policy": "activation_checkpointing"}
+  for key, value in leaf_paths(p.to_dict()):
+    top = key.split(".")[0]
+    if key == "batch.world":
+      report.set(key, "not_needed", None, f"launch DeepSpeed with {value} data-parallel ranks (the launcher sets "
+                 "the world size, not the config)", value=value)
+    elif key in ("schema", "source", "optimizer.impl", "sharding.mesh_axis") or key.startswith("sharding.shard_"):
+      report.set(key, "not_needed", None, "implied by the DeepSpeed sections written (informational here)",
+                 value=value)
+    elif key == "clipping.epsilon":
+      report.set(key, "mapped", "gradient_clipping", "DeepSpeed's fixed 1e-6", value=value)
+    else:
+      tgt = targets.get(key, {"optimizer": "optimizer", "scheduler": "scheduler", "precision": "fp16/bf16",
+                              "sharding": "zero_optimization"}.get(top, top))
+      report.set(key, "mapped", tgt, "written to the DeepSpeed config", value=value)
+  return out, report
+
+
+def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
+  """Maps a ported config onto the RunSpec `parity compare` runs.
+
+  Raises:
+    SpecError: naming what compare cannot run yet (anything but AdamW + linear WarmupCosineLR, fp32/bf16,
+      one rank, remat none/full).
+  """
+  o, s, b, pr = ported.optimizer, ported.scheduler, ported.batch, ported.precision
+  if o.type != "adamw" or not o.params["bias_correction"]:
+    raise SpecError(f"parity compare runs AdamW with bias correction only; the ported optimizer is {o.type} "
+                    f"(bias_correction={o.params.get('bias_correction')}). Port runs need compare support for it.")
+  if s.type != "WarmupCosineLR" or s.params["warmup_type"] != "linear":
+    raise SpecError(f"parity compare runs WarmupCosineLR with warmup_type 'linear' only; the ported schedule is "
+                    f"{s.type}{'(' + str(s.params.get('warmup_type')) + ')' if 'warmup_type' in s.params else ''}.")
+  if b.world != 1:
+    raise SpecError(f"parity compare runs one data-parallel rank; the ported batch has world={b.world}.")
+  if pr.compute_dtype == "fp16":
+    raise SpecError("parity compare runs fp32 or bf16; the ported precision is fp16 (loss scaling not in compare).")
+  if ported.remat.policy == "offload_to_host":
+    raise SpecError("parity compare's JaxPlan has remat none/full; the ported remat is offload_to_host.")
+  sh = ported.sharding
+  train = dataclasses.replace(
+      base.train, steps=s.params["total_num_steps"], micro_batch_size=b.micro, grad_accum_steps=b.grad_accum,
+      lr=o.params["lr"], warmup_steps=s.params["warmup_num_steps"], warmup_min_ratio=s.params["warmup_min_ratio"],
+      cos_min_ratio=s.params["cos_min_ratio"], beta1=o.params["betas"][0], beta2=o.params["betas"][1],
+      eps=o.params["eps"], weight_decay=o.params["weight_decay"], grad_clip=ported.clipping.max_global_norm,
+      precision=pr.compute_dtype)
+  host = [k for k in (sh.opt_state_memory_kind, sh.params_memory_kind) if k != "device"]
+  jax = dataclasses.replace(base.jax, offload_opt_state=sh.opt_state_memory_kind != "device",
+                            offload_params=sh.params_memory_kind != "device",
+                            host_memory_kind=host[0] if host else base.jax.host_memory_kind,
+                            remat=ported.remat.policy)
+  ds = dataclasses.replace(base.deepspeed, zero_stage=sh.zero_stage,
+                           offload_optimizer="cpu" if sh.opt_state_memory_kind != "device" else "none",
+                           offload_param="cpu" if sh.params_memory_kind != "device" else "none")
+  return dataclasses.replace(base, train=train, jax=jax, deepspeed=ds).validate()

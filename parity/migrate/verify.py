@@ -1,0 +1,187 @@
+"""`parity port --verify`: DeepSpeed (torch subprocess) vs the ported optax optimizer (jax subprocess).
+
+parity never imports jax or torch: each side runs as `python -m <side>.port_verify REQUEST OUT.npz` and this
+module compares the files. Criteria: learning rate (and OneCycle's beta1) equal to 1e-12 relative at every
+step; parameters after every step equal up to fp32 rounding: |p_ds - p_jax| <= sum over steps of
+(2 ulp(p) + r_t |update|), the rounding of the add and of the update's fp32 operations, r_t including the
+conditioning of the bias corrections 1 - beta**t (see `_update_rel_rounding`). Runs in fp32: fp16/bf16 and loss scaling are not exercised.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.migrate import reference
+from parity.migrate._port import PortResult
+from parity.migrate._reverse import to_deepspeed
+
+__all__ = ["verify", "VerifyOutcome", "LR_RTOL", "SHAPES", "verify_request"]
+
+LR_RTOL = 1e-12
+"""Schedules are float64 on both sides; only libm differences (log, cos) remain."""
+ULPS_PER_STEP = 2.0
+"""fp32 params: each step rounds the update and the add once on each side."""
+SHAPES = [[7, 5], [5], [3, 4, 2]]
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass
+class VerifyOutcome:
+  ok: bool
+  steps: int
+  lr_max_rel: float
+  beta1_max_rel: float
+  params_max_ulp_ratio: float | None
+  """max |p_ds - p_jax| / the fp32 bound (see module doc); <= 1 passes. None when DeepSpeed could not run the optimizer."""
+  params_vs_reference_ratio: float
+  """Same ratio for the JAX params against parity's float64 numpy transcription of DeepSpeed's update."""
+  mode: str
+  notes: list[str]
+  first_failure: str | None = None
+
+  def summary(self) -> str:
+    head = "verify: OK" if self.ok else f"verify: MISMATCH ({self.first_failure})"
+    lines = [f"{head} over {self.steps} steps; DeepSpeed side: {self.mode}",
+             f"  lr max rel diff {self.lr_max_rel:.3g} (tol {LR_RTOL:g}); beta1 {self.beta1_max_rel:.3g}",
+             f"  params vs DeepSpeed: " + ("n/a" if self.params_max_ulp_ratio is None else
+                                           f"{self.params_max_ulp_ratio:.3g} of the fp32 bound (<= 1 passes)"),
+             f"  params vs numpy reference: {self.params_vs_reference_ratio:.3g} of the fp32 bound"]
+    return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def verify_request(result: PortResult, steps: int, seed: int = 0) -> tuple[dict, dict, list[str]]:
+  """(DeepSpeed request, JAX request, notes) for one verification."""
+  ported = result.ported.to_dict()
+  ds = copy.deepcopy(result.ds_config)
+  notes = []
+  for key in ("fp16", "bf16", "bfloat16"):
+    if isinstance(ds.get(key), dict) and ds[key].get("enabled"):
+      notes.append(f"{key} disabled for verification: runs in fp32 (loss scaling is not exercised)")
+    ds.pop(key, None)
+  ds.update(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+  ds.pop("data_types", None)
+  ds_rev, _ = to_deepspeed(ported)
+  name = str(ds.get("optimizer", {}).get("type", "")).lower()
+  if "optimizer" not in ds or "type" not in ds["optimizer"]:
+    ds["optimizer"] = ds_rev["optimizer"]
+    ds["optimizer"]["params"]["torch_adam"] = True
+    ds["optimizer"]["params"].pop("bias_correction", None)
+    notes.append("no optimizer in the config: DeepSpeed runs the client torch.optim.AdamW from the flags")
+  elif name in ("onebitadam", "zerooneadam", "onebitlamb"):
+    notes.append(f"DeepSpeed 0.19.8 no longer ships {ds['optimizer']['type']}; verified the uncompressed "
+                 f"{ds_rev['optimizer']['type']} it is ported to")
+    ds["optimizer"] = ds_rev["optimizer"]
+  ds.setdefault("steps_per_print", 10 ** 9)
+  opt = ported["optimizer"]["params"]
+  common = {"steps": steps, "seed": seed, "shapes": SHAPES}
+  return ({**common, "ds_config": ds, "base_lr": opt["lr"], "betas": opt.get("betas", [0.9, 0.999])},
+          {**common, "ported": ported}, notes)
+
+
+def _run(module: str, req: dict, tmp: Path, name: str, timeout: float) -> dict[str, Any]:
+  req_path, out_path = tmp / f"{name}.json", tmp / f"{name}.npz"
+  req_path.write_text(json.dumps(req))
+  env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  proc = subprocess.run([sys.executable, "-m", module, str(req_path), str(out_path)], cwd=str(_ROOT), env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  if proc.returncode != 0 or not out_path.exists():
+    raise RuntimeError(f"{module} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+  with np.load(out_path) as d:
+    return {k: d[k] for k in d.files}
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  mask = ~(np.isnan(a) & np.isnan(b))
+  if np.any(np.isnan(a[mask]) | np.isnan(b[mask])):
+    return float("inf")
+  a, b = a[mask], b[mask]
+  if a.size == 0:
+    return 0.0
+  return float(np.max(np.abs(a - b) / np.maximum(np.maximum(np.abs(a), np.abs(b)), 1e-300)))
+
+
+def _update_rel_rounding(opt: dict, steps: int) -> np.ndarray:
+  """Relative fp32 rounding of one update, per step: ~8 operations, plus the conditioning of the bias
+  corrections 1 - beta**t (an ulp of beta**t, e.g. a running product vs pow, is amplified by
+  beta**t / (1 - beta**t): 1e-5 relative at t=1 for beta2=0.999)."""
+  eps32 = 2.0 ** -24
+  rel = np.full(steps, 8 * eps32)
+  p = opt["params"]
+  if p.get("bias_correction") and "betas" in p:
+    t = np.arange(1, steps + 1, dtype=np.float64)
+    for b in p["betas"]:
+      if 0 < b < 1:
+        rel += 4 * 4 * eps32 * b ** t / (1 - b ** t)
+  return rel
+
+
+def _ulp_ratio(p0: np.ndarray, ref: np.ndarray, got: np.ndarray, rel: np.ndarray) -> float:
+  """max |ref - got| / bound, bound_t = sum_{s<=t} (2 ulp(p_s) + rel_s |dp_s|): the fp32 rounding of t steps,
+  each rounding the add (2 ulp of the param) and the update (relative to its size, see _update_rel_rounding)."""
+  ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+  prev = np.vstack([p0.astype(np.float64)[None, :], ref64[:-1]])
+  ulp = np.spacing(np.maximum(np.abs(ref64), np.abs(got64)).astype(np.float32)).astype(np.float64)
+  bound = np.cumsum(ULPS_PER_STEP * ulp + rel[:, None] * np.abs(ref64 - prev), axis=0)
+  return float(np.max(np.abs(ref64 - got64) / bound))
+
+
+def _reference_params(ported: dict, steps: int, seed: int) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  params = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+  grads = rng.standard_normal((steps, sum(int(np.prod(s)) for s in SHAPES))).astype(np.float32)
+  sch, opt = ported["scheduler"], ported["optimizer"]
+  mom = sch["type"] == "OneCycle" and sch["params"]["cycle_momentum"] and opt["type"] != "sgd"
+  if mom:
+    opt = {**opt, "params": {**opt["params"], "betas": [opt["params"]["betas"][0], 0.99]}}
+  if "betas" in opt["params"]:  # the kernels hold betas in fp32: 1 - beta**t inherits that rounding
+    opt = {**opt, "params": {**opt["params"], "betas": [float(np.float32(b)) for b in opt["params"]["betas"]]}}
+  state: dict = {}
+  ps = [p.astype(np.float64) for p in params]
+  out = []
+  sizes = np.cumsum([p.size for p in params])[:-1]
+  for t in range(steps):
+    g = [a.reshape(p.shape) for a, p in zip(np.split(grads[t], sizes), params)]
+    lr = reference.lr_at(sch["type"], sch["params"], opt["params"]["lr"], t)
+    b1 = reference.momentum_at(sch["params"], t) if mom else None
+    ps = reference.numpy_update(opt, ps, g, state, lr=lr, beta1=b1, max_norm=ported["clipping"]["max_global_norm"])
+    out.append(np.concatenate([p.reshape(-1) for p in ps]))
+  return np.concatenate([p.reshape(-1) for p in params]), np.stack(out)
+
+
+def verify(result: PortResult, *, steps: int = 200, seed: int = 0, timeout: float = 900.0) -> VerifyOutcome:
+  """Runs both sides and compares. Raises RuntimeError if a side crashes outright."""
+  ds_req, jax_req, notes = verify_request(result, steps, seed)
+  with tempfile.TemporaryDirectory(prefix="parity-port-verify-") as tmp:
+    ds = _run("torch_impl.port_verify", ds_req, Path(tmp), "deepspeed", timeout)
+    jx = _run("jax_impl.port_verify", jax_req, Path(tmp), "jax", timeout)
+  mode = str(ds["mode"])
+  notes.append(str(ds["note"]))
+  lr_rel = _rel(ds["lr"], jx["lr"])
+  has_b1 = ~np.isnan(ds["beta1"])
+  b1_rel = _rel(ds["beta1"][has_b1], jx["beta1"][has_b1]) if has_b1.any() else 0.0
+  p0, ref = _reference_params(jax_req["ported"], steps, seed)
+  rel = _update_rel_rounding(jax_req["ported"]["optimizer"], steps)
+  ref_ratio = _ulp_ratio(p0, ref, jx["params"], rel)
+  ds_ratio = _ulp_ratio(p0, ds["params"], jx["params"], rel) if mode == "engine" else None
+  fails = []
+  if lr_rel > LR_RTOL:
+    k = int(np.argmax(np.abs(ds["lr"] - jx["lr"])))
+    fails.append(f"lr at step {k}: DeepSpeed {ds['lr'][k]!r} vs JAX {jx['lr'][k]!r}")
+  if b1_rel > LR_RTOL:
+    fails.append(f"beta1 rel diff {b1_rel:.3g}")
+  if ds_ratio is not None and ds_ratio > 1:
+    fails.append(f"params differ from DeepSpeed by {ds_ratio:.3g}x the fp32 bound")
+  if ref_ratio > 1:
+    fails.append(f"params differ from the numpy reference by {ref_ratio:.3g}x the fp32 bound")
+  return VerifyOutcome(not fails, steps, lr_rel, b1_rel, ds_ratio, ref_ratio, mode, notes,
+                       fails[0] if fails else None)

@@ -1,0 +1,104 @@
+"""End to end: `parity compare` through the CLI and the Python API, real workers, tiny preset."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import requires_all, requires_torch, requires_jax
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args, timeout=900):
+  return subprocess.run([sys.executable, "-m", "parity.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@requires_all
+def test_three_sides_reach_parity_on_real_text(tmp_path):
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--out", str(out), "--no-progress")
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["verdict"]["passed"] is True
+  assert set(rep["sides"]) == {"jax", "deepspeed", "torch"}
+  assert rep["data"]["source"] == "stdlib" and rep["data"]["files"] > 0
+  for name, s in rep["sides"].items():
+    assert s["status"] == "ok", name
+    loss = s["series"]["loss"]
+    assert len(loss) == rep["run"]["train"]["steps"]
+    assert loss[-1] < loss[0] - 0.3, f"{name}: loss did not go down: {loss}"
+    assert s["summary"]["tokens_per_s"] > 0 and s["summary"]["peak_host_rss_bytes"] > 0
+  # every pair, every metric was checked and the loss check is tight
+  names = {c["name"] for c in rep["checks"]}
+  for pair in ("jax~deepspeed", "jax~torch", "deepspeed~torch"):
+    for metric in ("loss", "grad_norm", "lr", "val_loss", "params", "completed"):
+      assert f"{metric} {pair}" in names
+  loss_checks = [c for c in rep["checks"] if c["metric"] == "loss"]
+  assert all(c["value"] < 1e-5 and c["tolerance"] <= 1e-5 for c in loss_checks)
+  # the JAX optimizer state lives in pinned_host, read from the arrays
+  kinds = rep["sides"]["jax"]["summary"]["state_memory_kinds"]
+  assert kinds["opt_state"] == "pinned_host" and kinds["params"] == "device"
+  assert rep["sides"]["deepspeed"]["summary"]["zero_stage"] == 2
+  for f in ("report.md", "report.json", "loss.png", "metrics.jsonl", "config.json"):
+    assert (out / f).exists(), f
+  assert "PASS" in (out / "report.md").read_text()
+
+
+@requires_all
+def test_planted_mismatch_fails_at_step_zero(tmp_path):
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "3", "--sides", "jax,torch", "--out", str(out),
+           "--no-progress", "--perturb", "jax:model.norm_eps=1e-3")
+  assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+  rep = json.loads((out / "report.json").read_text())
+  first = rep["verdict"]["first_failure"]
+  assert first["metric"] == "loss" and first["step"] == 0 and first["sides"] == ["jax", "torch"]
+  assert "step 0" in rep["verdict"]["message"]
+
+
+@requires_all
+def test_killed_and_nan_sides_are_reported_and_others_kept(tmp_path):
+  import parity
+  rep = parity.compare("gpt2-tiny", steps=5, out=tmp_path / "run",
+                       perturb=["deepspeed:kill_at_step=2", "torch:nan_at_step=3"])
+  assert rep.exit_code == 1 and not rep.passed
+  assert rep.side("deepspeed")["status"] == "killed" and "SIGKILL" in rep.side("deepspeed")["error"]
+  assert len(rep.side("deepspeed")["series"]["loss"]) == 2
+  assert rep.side("torch")["status"] == "nan" and len(rep.side("torch")["series"]["loss"]) == 4
+  assert rep.side("jax")["status"] == "ok" and (tmp_path / "run" / "jax" / "final.safetensors").exists()
+  assert "deepspeed (killed)" in rep.message and "torch (nan)" in rep.message
+  # checks that involve only finished steps still ran: jax vs deepspeed agree on steps 0-1
+  loss = {c["name"]: c for c in rep.checks}["loss jax~deepspeed"]
+  assert loss["passed"] and loss["detail"].endswith("over 2 steps")
+  for side in ("jax", "deepspeed", "torch"):
+    assert json.loads((tmp_path / "run" / side / "summary.json").read_text())["status"] == rep.side(side)["status"]
+
+
+@requires_jax
+@requires_torch
+def test_hang_and_crash_are_reported(tmp_path):
+  import parity
+  rep = parity.compare("gpt2-tiny", steps=4, sides=["torch", "jax"], out=tmp_path / "run", timeout_s=45,
+                       perturb=["jax:hang_at_step=1", "torch:raise_at_step=2"])
+  assert rep.side("jax")["status"] == "timeout"
+  assert rep.side("torch")["status"] == "crashed" and "injected failure at step 2" in rep.side("torch")["error"]
+  assert rep.exit_code == 1 and (tmp_path / "run" / "report.md").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--preset", "nope"], "unknown preset"),
+    (["--set", "train.lrr=1"], "unknown key 'lrr'"),
+    (["--sides", "jax,mxnet"], "sides must be"),
+    (["--data", "/does/not/exist"], "does not exist"),
+    (["--perturb", "jax-norm"], "SIDE:KEY=VALUE"),
+])
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, args, needle):
+  p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", *args, timeout=120)
+  assert p.returncode == 2 and needle in p.stderr, p.stderr

@@ -1,0 +1,154 @@
+"""`parity convert-weights` on checkpoints written by transformers: every format and direction.
+
+The headline check: HF -> canonical -> orbax -> canonical reproduces the first canonical
+file byte for byte (test_hf_canonical_orbax_round_trip_is_byte_identical).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from parity import convert, hf, weights  # noqa: E402
+
+GPT2 = dict(vocab_size=61, n_positions=24, n_embd=32, n_layer=2, n_head=4)
+LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=24, bos_token_id=0, eos_token_id=0)
+
+
+def _hf_model(kind: str, seed: int = 0, **over):
+  torch.manual_seed(seed)
+  if kind == "gpt2":
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**GPT2, **over}, bos_token_id=0, eos_token_id=0))
+  else:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **over}))
+  with torch.no_grad():  # nonzero biases and norm scales, so a mis-mapped one shows
+    for _, p in model.named_parameters():
+      if p.ndim == 1:
+        p.add_(0.1 * torch.randn(p.shape))
+  return model.eval()
+
+
+def _hf_state(model) -> dict[str, np.ndarray]:
+  return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+
+def _expected_canonical(model, kind: str) -> dict[str, np.ndarray]:
+  spec = hf.spec_from_hf_config(model.config.to_dict())
+  state = _hf_state(model)
+  return hf.hf_to_canonical(state, spec, "gpt2" if kind == "gpt2" else "llama")
+
+
+def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+  assert list(a) == list(b)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_bf16_checkpoint_widens_exactly(kind, tmp_path):
+  model = _hf_model(kind).to(torch.bfloat16)
+  model.save_pretrained(tmp_path)
+  ck = hf.load_hf_checkpoint(tmp_path)
+  assert any("widened to float32" in n for n in ck.notes)
+  _assert_same(ck.params, _expected_canonical(model, kind))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_sharded_checkpoint_equals_single_file(kind, tmp_path):
+  model = _hf_model(kind)
+  model.save_pretrained(tmp_path / "one")
+  model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+  assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+  _assert_same(hf.load_hf_checkpoint(tmp_path / "sharded").params, hf.load_hf_checkpoint(tmp_path / "one").params)
+
+
+def test_pytorch_model_bin_is_read_in_a_torch_subprocess(tmp_path):
+  model = _hf_model("gpt2")
+  model.save_pretrained(tmp_path)
+  (tmp_path / "model.safetensors").unlink()
+  state = dict(model.state_dict())  # includes the tied lm_head.weight
+  for i in range(GPT2["n_layer"]):  # causal-mask buffers of old GPT-2 pickles
+    state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 24, 24, dtype=torch.bool))
+  torch.save(state, tmp_path / "pytorch_model.bin")
+  done = convert.convert(tmp_path, tmp_path / "w.safetensors")
+  assert any("causal-mask" in n for n in done.notes)
+  params, spec = hf.load_canonical(tmp_path / "w.safetensors")
+  _assert_same(params, _expected_canonical(model, "gpt2"))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_export_to_hf_loads_in_transformers_with_equal_logits(kind, tmp_path):
+  from torch_impl.model import build_model
+  spec = hf.MODEL_PRESETS["gpt2-124m" if kind == "gpt2" else "llama-7b"]
+  spec = hf.spec_from_hf_config({**hf.hf_config_from_spec(spec), **(
+      {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 53, "n_positions": 16} if kind == "gpt2" else
+      {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+       "head_dim": 8, "intermediate_size": 24, "vocab_size": 53, "max_position_embeddings": 16})})
+  params = weights.init_params(spec, seed=5)
+  params = {k: v + np.float32(0.05) * np.random.default_rng(1).standard_normal(v.shape).astype(np.float32)
+            for k, v in params.items()}  # nonzero biases and norm offsets
+  hf.save_canonical(tmp_path / "w.safetensors", params, spec)
+  assert convert.main([str(tmp_path / "w.safetensors"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 53, size=(2, 16)))
+  with torch.no_grad():
+    ref = model(input_ids=tokens).logits.numpy()
+    ours = build_model(spec, params)(tokens).numpy()
+  diff = float(np.abs(ours - ref).max())
+  print(f"\n[{kind}] exported checkpoint: our torch vs transformers logits max diff {diff:.3e}")
+  assert diff <= 1e-5
+  _assert_same(hf.load_hf_checkpoint(tmp_path / "hf").params, {k: params[k] for k in weights.param_shapes(spec)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_canonical_orbax_round_trip_is_byte_identical(kind, tmp_path, capsys):
+  pytest.importorskip("orbax.checkpoint")
+  _hf_model(kind, tie_word_embeddings=(kind == "gpt2")).save_pretrained(tmp_path / "hf")
+  first, ckpt, second = tmp_path / "first.safetensors", tmp_path / "orbax", tmp_path / "second.safetensors"
+  assert convert.main([str(tmp_path / "hf"), str(first)]) == 0
+  assert convert.main([str(first), str(ckpt), "--to", "orbax"]) == 0
+  assert convert.main([str(ckpt), str(second)]) == 0
+  assert first.read_bytes() == second.read_bytes()
+  assert convert.main([str(ckpt), str(tmp_path / "hf2"), "--to", "hf"]) == 0  # orbax -> HF directly
+  _assert_same(hf.load_hf_checkpoint(tmp_path / "hf2").params, hf.load_canonical(first)[0])
+  print(capsys.readouterr().out)
+
+
+def test_jax_checkpoint_in_process_round_trip(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  from jax_impl import checkpoint
+  from jax_impl.model import from_flax, to_flax
+  spec = hf.spec_from_hf_config({**LLAMA, "architectures": ["LlamaForCausalLM"]})
+  params = weights.init_params(spec, seed=7)
+  checkpoint.save(tmp_path / "ck", to_flax(params, spec), spec)
+  tree, got_spec = checkpoint.load(tmp_path / "ck")
+  assert got_spec == spec
+  _assert_same(from_flax(tree, spec), params)
+  with pytest.raises(FileExistsError, match="--force"):
+    checkpoint.save(tmp_path / "ck", to_flax(params, spec), spec)
+
+
+def test_cli_refusals_exit_2_with_the_reason(tmp_path, capsys):
+  (tmp_path / "qwen").mkdir()
+  (tmp_path / "qwen" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+  assert convert.main([str(tmp_path / "qwen"), str(tmp_path / "w.safetensors")]) == 2
+  assert "o_proj" in capsys.readouterr().err
+  _hf_model("llama").save_pretrained(tmp_path / "hf")
+  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 0
+  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 2
+  assert "--force" in capsys.readouterr().err
+  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+  assert "pass --to" in capsys.readouterr().err
+  bad = tmp_path / "bad"
+  _hf_model("llama").save_pretrained(bad)
+  cfg = json.loads((bad / "config.json").read_text())
+  (bad / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
+  assert convert.main([str(bad), str(tmp_path / "x.safetensors")]) == 2
+  err = capsys.readouterr().err
+  assert "k_proj.weight: (16, 32) (expected (32, 32))" in err, err

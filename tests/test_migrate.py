@@ -1,0 +1,404 @@
+"""parity port: reading, fates, "auto", batch arithmetic, schedules (pure Python), round trip. No jax/torch."""
+from __future__ import annotations
+
+import json
+import os
+import math
+from pathlib import Path
+
+import pytest
+
+from parity.migrate import Flags, PortError, port_config, read_deepspeed_config
+from parity.migrate import cli, reference
+from parity.migrate._report import leaf_paths
+from parity.migrate._reverse import to_deepspeed, to_run_spec
+from parity.spec import PRESETS, SpecError
+
+REAL = Path(os.environ.get("PARITY_REALWORLD", Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"))
+REAL_FILES = sorted(REAL.glob("*.json")) if REAL.is_dir() else []
+GOLDEN = Path(__file__).parent / "golden" / "migrate"
+GOLDEN_FILES = ["microsoft__DeepSpeedExamples__cifar__ds_config.json",
+                "huggingface__transformers__tests__deepspeed__ds_config_zero3.json",
+                "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json"]
+HF = dict(micro_batch=4, grad_accum=2, world_size=2, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+          warmup_steps=10, total_steps=100, max_grad_norm=1.0, precision="bf16", hidden_size=64)
+_FLAG_OF = {"train_micro_batch_size_per_gpu": "micro_batch", "gradient_accumulation_steps": "grad_accum",
+            "gradient_clipping": "max_grad_norm", "optimizer.params.lr": "lr", "optimizer.params.betas": "betas",
+            "optimizer.params.eps": "eps", "optimizer.params.weight_decay": "weight_decay",
+            "scheduler.params.warmup_max_lr": "lr", "scheduler.params.warmup_num_steps": "warmup_steps",
+            "scheduler.params.total_num_steps": "total_steps", "fp16.enabled": "precision",
+            "bf16.enabled": "precision", "zero_optimization.reduce_bucket_size": "hidden_size",
+            "zero_optimization.stage3_prefetch_bucket_size": "hidden_size",
+            "zero_optimization.stage3_param_persistence_threshold": "hidden_size"}
+# Outcome of every real config with the flags its "auto" keys need (what a user would pass).
+EXPECTED = {
+    "axolotl-ai-cloud__axolotl__deepspeed_configs__zero1.json": "ported",
+    "determined-ai__determined__examples__deepspeed__cifar10_cpu_offloading__ds_config_offload.json": "ported",
+    "determined-ai__determined__examples__deepspeed__cifar10_moe__ds_config.json": "ported",
+    "haotian-liu__LLaVA__scripts__zero2.json": "ported",
+    "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z0_config.json": "ported",
+    "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z2_autotp_config.json": "tensor_parallel",
+    "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z2_offload_config.json": "ported",
+    "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z3_offload_config.json": "ported",
+    "huggingface__accelerate__examples__alst_ulysses_sequence_parallelism__sp-alst.ds-config.json": "ported",
+    "huggingface__accelerate__examples__deepspeed_config_templates__zero_stage1_config.json": "ported",
+    "huggingface__accelerate__tests__deepspeed__ds_config_zero3_model_only.json": "ported",
+    "huggingface__transformers__tests__deepspeed__ds_config_zero2.json": "ported",
+    "huggingface__transformers__tests__deepspeed__ds_config_zero3.json": "ported",
+    "lm-sys__FastChat__playground__deepspeed_config_s2.json": "ported",
+    "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json":
+        "zero_optimization.stage3_param_persitence_threshold",
+    "microsoft__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_cpu_offload_config.json": "ported",
+    "microsoft__DeepSpeedExamples__cifar__ds_config.json": "ported",
+    "microsoft__DeepSpeedExamples__training__MoQ__test.json": "quantize_training",
+    "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json": "ported",
+    "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_lamb__nccl__deepspeed_bsz64k_onebitlamb_config_seq128_nccl.json": "ported",
+    "microsoft__DeepSpeedExamples__training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json": "progressive_layer_drop",
+    "microsoft__DeepSpeedExamples__training__imagenet__config__ds_fp16_z1_config.json": "ported",
+    "microsoft__DeepSpeedExamples__training__pipeline_parallelism__ds_config.json": "ported",
+    "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_bs8_zero2_offload.json": "ported",
+    "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_scheduler.json": "optimizer.params.max_grad_norm",
+    "microsoft__Megatron-DeepSpeed__examples_deepspeed__universal_checkpointing__ds_config.json": "ported",
+}
+
+
+def flags_for(raw: dict) -> Flags:
+  """The flags a user passes for this config: one per "auto" key, the optimizer flags when it has none."""
+  want = {_FLAG_OF[k] for k, v in leaf_paths(raw) if v == "auto" and k in _FLAG_OF}
+  if any(k == "train_batch_size" and v == "auto" for k, v in leaf_paths(raw)):
+    want |= {"micro_batch", "grad_accum"} - {k for k in ("micro_batch", "grad_accum")
+                                             if not isinstance(raw.get(_key(k)), str) and _key(k) in raw}
+  if "optimizer" not in raw:
+    want |= {"lr", "betas", "eps", "weight_decay"}
+  batch_auto = any(raw.get(k) == "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                  "gradient_accumulation_steps"))
+  return Flags(**{k: HF[k] for k in want}, world_size=HF["world_size"] if batch_auto else None)
+
+
+def _key(flag: str) -> str:
+  return {"micro_batch": "train_micro_batch_size_per_gpu", "grad_accum": "gradient_accumulation_steps"}[flag]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+  p = tmp_path / "ds.json"
+  p.write_text(text)
+  return p
+
+
+def _port(cfg: dict, **flags):
+  return port_config(cfg, Flags(**flags), source="test")
+
+
+BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+
+
+# --------------------------------------------------------------------------- real configs
+
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name[:60])
+def test_real_config_without_flags_ports_or_refuses_naming_a_key(path):
+  raw = read_deepspeed_config(path)
+  r = port_config(raw, source=path.name)
+  keys = {k for k, _ in leaf_paths(raw)}
+  assert set(r.report.entries) == keys  # 100% of leaf keys have a fate
+  assert all(e.fate in ("mapped", "not_needed", "unsupported") and e.reason for e in r.report.entries.values())
+  assert not any("not recognised" in e.reason for e in r.report.entries.values())
+  if r.ported is None:
+    first = r.report.errors[0]
+    names = keys | {k.split(".")[0] for k in keys} | {"optimizer", "batch"}
+    assert any(n in first for n in names), first
+
+
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name[:60])
+def test_real_config_with_its_flags(path):
+  raw = read_deepspeed_config(path)
+  r = port_config(raw, flags_for(raw), source=path.name)
+  want = EXPECTED[path.name]
+  if want == "ported":
+    assert r.ported is not None, r.report.errors
+    assert r.report.to_dict()["status"] == "ported"
+  else:
+    assert r.ported is None
+    assert want in r.report.errors[0], r.report.errors
+    assert r.report.entries[[k for k in r.report.entries if k.startswith(want)][0]].fate == "unsupported"
+
+
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.parametrize("name", GOLDEN_FILES)
+def test_golden_reports(name):
+  raw = read_deepspeed_config(REAL / name)
+  r = port_config(raw, flags_for(raw), source=name)
+  got = r.report.to_dict()
+  golden = GOLDEN / (name.removesuffix(".json") + ".report.json")
+  if not golden.exists() or os.environ.get("PARITY_UPDATE_GOLDEN") == "1":
+    if os.environ.get("PARITY_UPDATE_GOLDEN") != "1":
+      pytest.fail(f"golden {golden} is missing; run with PARITY_UPDATE_GOLDEN=1, review it, and commit it")
+    golden.write_text(json.dumps(got, indent=2) + "\n")
+  assert got == json.loads(golden.read_text())
+
+
+# --------------------------------------------------------------------------- reading
+
+def test_trailing_comma_and_comment(tmp_path):
+  p = _write(tmp_path, '{\n  // batch\n  "train_batch_size": 8, # hash comment\n  "train_micro_batch_size_per_gpu": 8,\n'
+                       '  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,},},\n}\n')
+  assert _port(read_deepspeed_config(p)).ported is not None
+
+
+def test_syntax_error_names_line_and_column(tmp_path):
+  p = _write(tmp_path, '{\n  "train_batch_size": 8,\n  "optimizer": ]\n}\n')
+  with pytest.raises(PortError, match=r"ds\.json:3:\d+: not valid JSON"):
+    read_deepspeed_config(p)
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+  with pytest.raises(PortError, match="duplicate key 'train_batch_size'"):
+    read_deepspeed_config(_write(tmp_path, '{"train_batch_size": 8, "train_batch_size": 16}'))
+
+
+# --------------------------------------------------------------------------- auto and batch
+
+def test_auto_without_its_flag_names_key_and_flag():
+  r = _port({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+  assert r.ported is None
+  assert 'optimizer.params.lr is "auto"; pass --lr' in r.report.errors[0]
+
+
+def test_auto_with_flag_resolves_and_reports():
+  r = _port({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, lr=3e-4)
+  assert r.ported.optimizer.params["lr"] == 3e-4
+  e = r.report.entries["optimizer.params.lr"]
+  assert (e.value, e.resolved, e.fate) == ("auto", 3e-4, "mapped") and "--lr" in e.reason
+
+
+def test_auto_bucket_size_that_comes_out_fractional_is_truncated_like_hf():
+  assert not (0.9 * 768 * 768).is_integer()  # 530841.6...: DeepSpeed's int field would reject it
+  cfg = {**BASE, "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                       "stage3_prefetch_bucket_size": "auto",
+                                       "stage3_param_persistence_threshold": "auto"}}
+  r = _port(cfg, hidden_size=768)
+  assert r.ported is not None
+  ent = r.report.entries
+  assert ent["zero_optimization.stage3_prefetch_bucket_size"].resolved == 530841
+  assert ent["zero_optimization.reduce_bucket_size"].resolved == 768 * 768
+  assert ent["zero_optimization.stage3_param_persistence_threshold"].resolved == 7680
+  assert ent["zero_optimization.reduce_bucket_size"].fate == "not_needed"
+
+
+def test_explicit_fractional_bucket_size_is_refused():
+  r = _port({**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_size": 90.5}})
+  assert r.ported is None and "zero_optimization.reduce_bucket_size: got 90.5" in r.report.errors[0]
+
+
+def test_flag_mismatching_an_explicit_value_is_refused_like_hf():
+  r = _port(BASE, lr=5e-4)
+  assert r.ported is None and "optimizer.params.lr is 0.001 in the config but --lr gives 0.0005" in r.report.errors[0]
+
+
+def test_inconsistent_batch_arithmetic_shows_the_arithmetic():
+  r = _port({**BASE, "gradient_accumulation_steps": 3}, world_size=1)
+  assert r.ported is None
+  assert "8 != 4 * 3 * 1 = 12" in r.report.errors[0]
+
+
+@pytest.mark.parametrize("cfg,world,want", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (4, 4, 2, 32)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 2, (8, 2, 2, 32)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 2, (4, 2, 2, 16)),
+    ({"train_batch_size": 32}, 4, (8, 1, 4, 32)),
+    ({"train_micro_batch_size_per_gpu": 4}, 3, (4, 1, 3, 12)),
+])
+def test_batch_any_two_imply_the_third(cfg, world, want):
+  r = _port({**cfg, "optimizer": BASE["optimizer"]}, world_size=world)
+  b = r.ported.batch
+  assert (b.micro, b.grad_accum, b.world, b.global_batch) == want
+
+
+def test_no_batch_key_is_refused():
+  r = _port({"optimizer": BASE["optimizer"]})
+  assert r.ported is None and "Either train_batch_size or train_micro_batch_size_per_gpu" in r.report.errors[0]
+
+
+# --------------------------------------------------------------------------- optimizer semantics
+
+@pytest.mark.parametrize("opt,kind,impl,wd", [
+    ({"type": "Adam", "params": {}}, "adamw", "FusedAdam", 0.0),
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, "adam", "FusedAdam", 0.0),
+    ({"type": "AdamW", "params": {"adam_w_mode": False}}, "adamw", "FusedAdam", 0.0),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, "adamw", "torch.optim.AdamW", 0.01),
+    ({"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}, "adam", "torch.optim.Adam", 0.0),
+])
+def test_adam_family(opt, kind, impl, wd):
+  r = _port({**BASE, "optimizer": opt})
+  o = r.ported.optimizer
+  assert (o.type, o.impl, o.params["weight_decay"]) == (kind, impl, wd)
+
+
+def test_offload_selects_cpu_adam_and_pinned_host():
+  r = _port({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+  assert r.ported.optimizer.impl == "DeepSpeedCPUAdam"
+  assert r.ported.sharding.opt_state_memory_kind == "pinned_host"
+  assert r.ported.sharding.shard_grads and not r.ported.sharding.shard_params
+
+
+def test_nvme_is_refused_with_the_nearest_plan():
+  r = _port({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+  assert r.ported is None
+  assert "nvme" in r.report.errors[0] and "pinned_host" in r.report.errors[0]
+
+
+def test_legacy_forms_are_read_as_deepspeed_reads_them():
+  r = _port({**BASE, "zero_optimization": True, "bfloat16": {"enabled": True}})
+  assert r.ported.sharding.zero_stage == 1 and r.ported.precision.compute_dtype == "bf16"
+  assert any("deprecated" in w for w in r.report.warnings) and any("bfloat16" in w for w in r.report.warnings)
+  r = _port({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}})
+  assert r.ported.sharding.opt_state_memory_kind == "pinned_host"
+
+
+def test_default_gradient_clipping_is_one_and_reported():
+  r = _port(BASE)
+  assert r.ported.clipping.max_global_norm == 1.0
+  assert any(i["key"] == "gradient_clipping" and i["value"] == 1.0 for i in r.report.implied)
+
+
+def test_one_bit_adam_maps_to_uncompressed_with_reason():
+  r = _port({**BASE, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10,
+                                                                      "bias_correction": False}}})
+  assert r.ported.optimizer.type == "adamw" and r.ported.optimizer.params["bias_correction"] is False
+  assert "uncompressed" in r.report.entries["optimizer.type"].reason
+  assert r.report.entries["optimizer.params.freeze_step"].fate == "not_needed"
+
+
+def test_onecycle_with_adam_reports_beta2_override():
+  r = _port({**BASE, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}})
+  assert any(i["key"] == "optimizer.params.betas[1]" and i["value"] == 0.99 for i in r.report.implied)
+
+
+# --------------------------------------------------------------------------- schedules (pure Python vs by hand)
+
+def _sched(kind, **params):
+  return {**BASE, "scheduler": {"type": kind, "params": params}}
+
+
+def test_warmup_zero_steps_is_refused():
+  r = _port(_sched("WarmupLR", warmup_num_steps=0))
+  assert r.ported is None and "warmup_num_steps must be a positive integer" in r.report.errors[0]
+
+
+def test_warmup_one_step_is_clamped_to_two():
+  r = _port(_sched("WarmupLR", warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=1, warmup_type="linear"))
+  p = r.ported.scheduler.params
+  assert [reference.lr_at("WarmupLR", p, 1.0, c) for c in range(4)] == [0.0, 0.0, 0.5, 1.0]
+  assert any("clamps" in i["reason"] for i in r.report.implied)
+
+
+def test_warmup_lr_without_max_uses_optimizer_lr_and_log_default():
+  r = _port(_sched("WarmupLR", warmup_num_steps=10))
+  p = r.ported.scheduler.params
+  assert p["warmup_max_lr"] == 1e-3 and p["warmup_type"] == "log"
+  assert reference.lr_at("WarmupLR", p, 1e-3, 0) == 0.0  # iteration -1: min lr
+  assert reference.lr_at("WarmupLR", p, 1e-3, 1) == 0.0  # log(1) = 0
+  assert math.isclose(reference.lr_at("WarmupLR", p, 1e-3, 5), 1e-3 * math.log(5) / math.log(10))
+
+
+def test_total_equals_warmup_decays_to_min_right_after_warmup():
+  r = _port(_sched("WarmupDecayLR", total_num_steps=10, warmup_num_steps=10, warmup_min_lr=0.1,
+                   warmup_max_lr=1.0, warmup_type="linear"))
+  p = r.ported.scheduler.params
+  lrs = [reference.lr_at("WarmupDecayLR", p, 1.0, c) for c in range(13)]
+  assert lrs[0] == 0.1 and math.isclose(lrs[10], 0.1 + 0.9 * 0.9) and lrs[11] == 0.1 and lrs[12] == 0.1
+
+
+def test_warmup_cosine_step_zero_is_zero_and_matches_parity_schedule():
+  from parity import schedule
+  r = _port(_sched("WarmupCosineLR", total_num_steps=50, warmup_num_steps=5, warmup_type="linear",
+                   warmup_min_ratio=0.1, cos_min_ratio=0.2))
+  p = r.ported.scheduler.params
+  for c in range(60):
+    assert reference.lr_at("WarmupCosineLR", p, 1e-3, c) == schedule.lr_at_step(
+        c, lr=1e-3, total_steps=50, warmup_steps=5, warmup_min_ratio=0.1, cos_min_ratio=0.2)
+
+
+def test_skipped_step_does_not_advance_the_schedule():
+  # The schedule is a function of applied steps: a skipped fp16 step repeats the same lr.
+  p = {"warmup_min_lr": 0.0, "warmup_max_lr": 1.0, "warmup_num_steps": 4, "warmup_type": "linear"}
+  applied, lrs = 0, []
+  for overflow in [False, True, True, False, False]:
+    lrs.append(reference.lr_at("WarmupLR", p, 1.0, applied))
+    applied += not overflow
+  assert lrs == [0.0, 0.0, 0.0, 0.0, 0.25]
+
+
+def test_loss_scaler_hysteresis_and_window():
+  s = reference.LossScaleState(scale=2.0 ** 16, hysteresis=2)
+  kw = dict(window=2, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False)
+  s = reference.loss_scale_update(s, True, **kw)
+  assert s.scale == 2.0 ** 16 and s.hysteresis == 1
+  s = reference.loss_scale_update(s, True, **kw)
+  assert s.scale == 2.0 ** 15
+  for _ in range(3):
+    s = reference.loss_scale_update(s, False, **kw)
+  assert s.scale == 2.0 ** 16 and s.hysteresis == 2
+
+
+# --------------------------------------------------------------------------- round trip, RunSpec, CLI
+
+@pytest.mark.parametrize("cfg,flags", [
+    (BASE, {}),
+    ({**BASE, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.1}},
+      "fp16": {"enabled": True, "loss_scale_window": 100}, "zero_optimization": {"stage": 1}}, {}),
+    ({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+      "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}},
+      "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+                                                                                     "pin_memory": False}},
+      "activation_checkpointing": {"cpu_checkpointing": True}}, {"world_size": 2}),
+    ({**BASE, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+      "scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 5}}}, {}),
+    ({**BASE, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 0.3}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}}, {}),
+])
+def test_round_trip_to_deepspeed_and_back_keeps_meaning(cfg, flags):
+  first = _port(cfg, **flags).ported
+  ds, report = to_deepspeed(first.to_dict(), source="rt")
+  assert report.ported, report.errors
+  assert set(report.entries) == {k for k, _ in leaf_paths(first.to_dict())}
+  back = _port(json.loads(json.dumps(ds)), world_size=first.batch.world).ported
+  assert back is not None
+  strip = lambda p: {k: v for k, v in p.to_dict().items() if k != "source"}
+  assert strip(back) == strip(first)
+
+
+def test_to_run_spec():
+  base = PRESETS["gpt2-tiny"]
+  ok = _port({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95],
+                                                                "weight_decay": 0.1}},
+              "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 30, "warmup_num_steps": 3,
+                                                                 "warmup_type": "linear", "cos_min_ratio": 0.1}},
+              "bf16": {"enabled": True}}).ported
+  spec = to_run_spec(ok, base)
+  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) == (30, 3e-4, 0.95, "bf16")
+  assert spec.train.grad_accum_steps == 2 and spec.train.micro_batch_size == 4
+  with pytest.raises(SpecError, match="WarmupCosineLR with warmup_type 'linear' only; the ported schedule is "
+                                      "WarmupLR"):
+    to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
+
+
+def test_cli_exit_codes_and_reports(tmp_path, capsys):
+  src = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+  assert cli.main([str(src), "--quiet"]) == 2
+  assert "pass --lr" in capsys.readouterr().err
+  out, rj, md = tmp_path / "o.yaml", tmp_path / "r.json", tmp_path / "r.md"
+  assert cli.main([str(src), "--quiet", "--lr", "1e-3", "-o", str(out), "--report-json", str(rj),
+                   "--report-md", str(md)]) == 0
+  rep = json.loads(rj.read_text())
+  assert rep["status"] == "ported" and {e["key"] for e in rep["entries"]} == {k for k, _ in leaf_paths(
+      json.loads(src.read_text()))}
+  assert all(set(e) >= {"key", "value", "fate", "target", "reason"} for e in rep["entries"])
+  assert "| `optimizer.params.lr` |" in md.read_text()
+  back = tmp_path / "back.json"
+  assert cli.main([str(out), "--to-deepspeed", "--quiet", "-o", str(back)]) == 0
+  assert json.loads(back.read_text())["optimizer"]["type"] == "AdamW"
+  bad = _write(tmp_path, "{ nope: ]")
+  assert cli.main([str(bad), "--quiet"]) == 2

@@ -1,0 +1,306 @@
+"""The DeepSpeed side: environment, config from the spec, engine, and one training step.
+
+The engine is built from a `parity.spec.RunSpec` alone: `ds_config` maps the
+spec to a DeepSpeed config dict (AdamW, WarmupCosineLR with linear warmup,
+gradient clipping, ZeRO stage and offload, bf16), the weight-decay mask comes
+from `parity.weights.decays` as two param groups, and `build_engine` checks
+that DeepSpeed really built the optimizer the plan asks for (DeepSpeedCPUAdam
+in AdamW mode under `offload_optimizer: cpu`).
+
+DeepSpeed semantics this module relies on (deepspeed 0.19.8):
+  * `engine.backward(loss)` divides the loss by gradient_accumulation_steps
+    before backpropagating (`scale_wrt_gas=True`), so gradients are the mean
+    over micro batches; the caller passes the unscaled per-micro-batch loss.
+  * `engine.step()` is called after every micro batch; it updates only at the
+    accumulation boundary, then steps the LR scheduler. The scheduler starts at
+    iteration -1, so optimizer step k applies `parity.schedule.train_lr(train, k)`.
+  * ZeRO-1/2 clip with g / max(1, (||g|| + 1e-6) / clip) and expose the
+    pre-clip norm through `engine.get_global_grad_norm()`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from parity.spec import RunSpec
+from parity.weights import param_shapes
+from torch_impl import memory
+from torch_impl.model import build_model, decay_groups, lm_loss
+
+__all__ = ["setup_distributed", "ds_config", "build_engine", "torch_step", "eval_loss", "final_fp32_params",
+           "optimizer_classes", "engine_state_bytes", "DeepSpeedTrainer"]
+
+STEPS_PER_PRINT = 10**9
+"""DeepSpeed prints a progress line every this many steps; effectively never."""
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def setup_distributed() -> str:
+  """Prepares this process for DeepSpeed and initialises torch.distributed.
+
+  Without CUDA, sets DS_ACCELERATOR=cpu (it must be set before deepspeed is
+  imported) and uses the gloo backend; with CUDA, nccl. The single-process
+  rendezvous variables (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK=0,
+  WORLD_SIZE=1, LOCAL_RANK=0) are set only where absent, so processes started
+  by `deepspeed` or `torchrun` keep theirs. Idempotent.
+
+  Returns:
+    The torch.distributed backend name ('gloo' or 'nccl').
+  """
+  cuda = torch.cuda.is_available()
+  if not cuda:
+    os.environ["DS_ACCELERATOR"] = "cpu"
+  os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+  if "MASTER_PORT" not in os.environ:
+    os.environ["MASTER_PORT"] = str(_free_port())
+  for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+    os.environ.setdefault(key, value)
+  import deepspeed
+  backend = "nccl" if cuda else "gloo"
+  if cuda:
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+  deepspeed.init_distributed(dist_backend=backend)
+  return backend
+
+
+def ds_config(run: RunSpec) -> dict[str, Any]:
+  """The DeepSpeed config dict equivalent to a RunSpec.
+
+  Args:
+    run: the resolved run (model, train, deepspeed plan).
+  Returns:
+    A JSON-ready dict for `deepspeed.initialize(config=...)`. The global batch is
+    left for DeepSpeed to derive (micro x accumulation x world size).
+  """
+  t, plan = run.train, run.deepspeed
+  zero: dict[str, Any] = {"stage": plan.zero_stage}
+  if plan.offload_optimizer == "cpu":
+    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+  if plan.zero_stage == 3 and plan.offload_param == "cpu":
+    zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+  return {
+      "train_micro_batch_size_per_gpu": t.micro_batch_size,
+      "gradient_accumulation_steps": t.grad_accum_steps,
+      "optimizer": {"type": "AdamW", "params": {
+          "lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {
+          "total_num_steps": t.steps, "warmup_min_ratio": t.warmup_min_ratio,
+          "warmup_num_steps": t.warmup_steps, "cos_min_ratio": t.cos_min_ratio, "warmup_type": "linear"}},
+      "gradient_clipping": t.grad_clip,
+      "zero_optimization": zero,
+      "bf16": {"enabled": t.precision == "bf16"},
+      "fp16": {"enabled": False},
+      "steps_per_print": STEPS_PER_PRINT,
+      "wall_clock_breakdown": False,
+  }
+
+
+def _basic_optimizer(engine) -> torch.optim.Optimizer:
+  """The optimizer that owns the moments (inside a ZeRO / BF16 wrapper when there is one)."""
+  opt = engine.optimizer
+  return getattr(opt, "optimizer", opt)
+
+
+def optimizer_classes(engine) -> dict[str, Any]:
+  """Class names of what DeepSpeed built, for the summary and for checks."""
+  basic = _basic_optimizer(engine)
+  return {
+      "engine": type(engine).__name__,
+      "wrapper": type(engine.optimizer).__name__,
+      "optimizer": type(basic).__name__,
+      "adamw_mode": getattr(basic, "adam_w_mode", None),
+      "scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None,
+      "zero_stage": engine.zero_optimization_stage(),
+      "cpu_offload": bool(engine.zero_cpu_offload()),
+      "group_weight_decay": [g["weight_decay"] for g in basic.param_groups],
+  }
+
+
+def _check_engine(engine, run: RunSpec) -> None:
+  """Raises RuntimeError when DeepSpeed did not build the optimizer the plan asks for."""
+  info = optimizer_classes(engine)
+  want_offload = run.deepspeed.offload_optimizer == "cpu"
+  problems = []
+  if info["zero_stage"] != run.deepspeed.zero_stage:
+    problems.append(f"zero stage {info['zero_stage']} != planned {run.deepspeed.zero_stage}")
+  if want_offload and (info["optimizer"] != "DeepSpeedCPUAdam" or not info["cpu_offload"]):
+    problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
+  if info["adamw_mode"] is False:
+    problems.append("the Adam optimizer runs in Adam (L2) mode, not AdamW")
+  if info["scheduler"] != "WarmupCosineLR":
+    problems.append(f"scheduler is {info['scheduler']}, expected WarmupCosineLR")
+  if sorted(info["group_weight_decay"]) != sorted([0.0, run.train.weight_decay]):
+    problems.append(f"param-group weight decays {info['group_weight_decay']} != [{run.train.weight_decay}, 0.0]")
+  if problems:
+    raise RuntimeError("DeepSpeed built a different training setup than planned: " + "; ".join(problems))
+
+
+def build_engine(run: RunSpec, params: dict[str, np.ndarray]):
+  """Builds the DeepSpeed engine for a run, starting from canonical weights.
+
+  Args:
+    run: the resolved run spec.
+    params: canonical float32 initial weights.
+  Returns:
+    The `deepspeed.DeepSpeedEngine` (the module is on the engine's device).
+  Raises:
+    RuntimeError: DeepSpeed built a different optimizer, scheduler or ZeRO stage than planned.
+  """
+  setup_distributed()
+  import deepspeed
+  model = build_model(run.model, params)
+  groups = decay_groups(model, run.train.weight_decay)
+  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(run))
+  _check_engine(engine, run)
+  return engine
+
+
+def _tokens(micro_batch: np.ndarray, device: torch.device) -> torch.Tensor:
+  """uint16 (B, T + 1) numpy -> int64 tensor on `device`."""
+  return torch.from_numpy(np.asarray(micro_batch, dtype=np.int64)).to(device)
+
+
+def _module_grad_norm(module: torch.nn.Module) -> float:
+  """Global L2 norm of the module's .grad tensors, accumulated in float64."""
+  sq = sum(float(p.grad.double().pow(2).sum()) for p in module.parameters() if p.grad is not None)
+  return sq ** 0.5
+
+
+def torch_step(engine, micro_batches: np.ndarray, *,
+               before_update: Callable[[], None] | None = None) -> dict[str, float]:
+  """One optimizer step of a DeepSpeed engine over the micro batches of that step.
+
+  For each micro batch: forward, `engine.backward(loss)` (DeepSpeed divides the
+  loss by gradient_accumulation_steps itself), `engine.step()` (an update only
+  after the last micro batch). The engine is the only state that changes.
+
+  Args:
+    engine: a DeepSpeedEngine built with gradient_accumulation_steps == len(micro_batches).
+    micro_batches: uint16 token ids, (grad_accum_steps, micro_batch_size, seq_len + 1);
+      inputs are [..., :-1], targets [..., 1:].
+    before_update: called after the last backward, right before the update (state probes).
+  Returns:
+    loss: mean over micro batches of the unscaled mean token cross-entropy, nats.
+    grad_norm: global L2 norm of the accumulated gradient before clipping.
+    lr: learning rate the optimizer applied in this step.
+  Raises:
+    ValueError: the number of micro batches differs from the engine's accumulation steps.
+  """
+  gas = engine.gradient_accumulation_steps()
+  if len(micro_batches) != gas:
+    raise ValueError(f"got {len(micro_batches)} micro batches; the engine accumulates {gas}")
+  lr = float(engine.optimizer.param_groups[0]["lr"])
+  losses, grad_norm = [], None
+  for i, mb in enumerate(micro_batches):
+    tokens = _tokens(mb, engine.device)
+    loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
+    engine.backward(loss)
+    losses.append(float(loss.detach()))
+    if i == gas - 1:
+      if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
+        grad_norm = _module_grad_norm(engine.module)  # the engine keeps no norm without ZeRO
+      if before_update is not None:
+        before_update()
+    engine.step()
+  if grad_norm is None:
+    norm = engine.get_global_grad_norm()
+    grad_norm = float("nan") if norm is None else float(norm)
+  return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, "lr": lr}
+
+
+@torch.no_grad()
+def eval_loss(module: torch.nn.Module, val_batches: np.ndarray, device: torch.device) -> float:
+  """Mean token cross-entropy over held-out micro batches, nats (no gradients, params unchanged).
+
+  Args:
+    module: the model (DeepSpeed: `engine.module`, whose ZeRO-3 hooks still gather params).
+    val_batches: uint16 (n, micro_batch_size, seq_len + 1).
+    device: where the module computes.
+  """
+  losses = []
+  for mb in val_batches:
+    tokens = _tokens(mb, device)
+    losses.append(float(lm_loss(module(tokens[:, :-1]), tokens[:, 1:])))
+  return sum(losses) / len(losses)
+
+
+def final_fp32_params(engine) -> dict[str, np.ndarray]:
+  """Canonical float32 master params (the fp32 copy DeepSpeed updates, not the compute copy).
+
+  A collective under ZeRO: every rank must call it.
+  """
+  from deepspeed.utils import safe_get_full_fp32_param
+  out = {}
+  for name, p in engine.module.named_parameters():
+    full = safe_get_full_fp32_param(p)
+    out[name] = (p if full is None else full).detach().float().cpu().numpy().copy()
+  return {k: out[k] for k in param_shapes(engine.module.spec)}  # canonical order
+
+
+def engine_state_bytes(engine, run: RunSpec) -> memory.StateBytes:
+  """Bytes of params, gradients, master copy, moments and buffers held by the engine now."""
+  wrapper = engine.optimizer
+  basic = _basic_optimizer(engine)
+  return memory.state_bytes(engine.module, basic, wrapper=wrapper if wrapper is not basic else None,
+                            offload_optimizer=run.deepspeed.offload_optimizer == "cpu",
+                            offload_param=run.deepspeed.offload_param == "cpu")
+
+
+class DeepSpeedTrainer:
+  """The DeepSpeed side behind the interface the worker drives (see torch_impl.worker).
+
+  Args:
+    run: the resolved run spec.
+    params: canonical float32 initial weights.
+  """
+
+  side = "deepspeed"
+
+  def __init__(self, run: RunSpec, params: dict[str, np.ndarray]):
+    self.run = run
+    self.engine = build_engine(run, params)
+    self.config = ds_config(run)
+    self._snapshots: list[memory.StateBytes] = []
+
+  @property
+  def device(self) -> torch.device:
+    return self.engine.device
+
+  def step(self, micro_batches: np.ndarray, *, probe: bool = False) -> dict[str, float]:
+    """One optimizer step; with probe, state bytes are measured before and after the update."""
+    hook = (lambda: self._snapshots.append(engine_state_bytes(self.engine, self.run))) if probe else None
+    metrics = torch_step(self.engine, micro_batches, before_update=hook)
+    if probe:
+      self._snapshots.append(engine_state_bytes(self.engine, self.run))
+    return metrics
+
+  def eval_loss(self, val_batches: np.ndarray) -> float:
+    return eval_loss(self.engine.module, val_batches, self.device)
+
+  def poison(self) -> None:
+    """Fills the token embedding (compute copy) with NaN; the next loss is NaN."""
+    with torch.no_grad():
+      self.engine.module.wte.weight.fill_(float("nan"))
+
+  def final_params(self) -> dict[str, np.ndarray]:
+    return final_fp32_params(self.engine)
+
+  def state_bytes(self) -> memory.StateBytes:
+    """Per-(category, kind) maximum over the probed moments (now, when nothing was probed)."""
+    return memory.merge_max(*(self._snapshots or [engine_state_bytes(self.engine, self.run)]))
+
+  def describe(self) -> dict[str, Any]:
+    """Summary extras: optimizer class names, the DeepSpeed config, the ZeRO stage."""
+    import deepspeed
+    return {"optimizer": optimizer_classes(self.engine), "ds_config": self.config,
+            "zero_stage": self.engine.zero_optimization_stage(),
+            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}}

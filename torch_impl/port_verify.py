@@ -1,0 +1,121 @@
+"""DeepSpeed side of `parity port --verify`: runs DeepSpeed's own scheduler and optimizer, writes the values.
+
+    python -m torch_impl.port_verify REQUEST.json OUT.npz
+
+REQUEST (written by parity.migrate.verify): {"ds_config": {...}, "steps": N, "seed": S, "shapes": [[..], ..],
+"base_lr": float}. The model is a list of parameters p_i with loss sum_i <p_i, G_i[step]>, so the gradient
+DeepSpeed sees at each step is exactly G[step] (numpy, seeded; the JAX side draws the same). Runs
+`deepspeed.initialize` (one gloo rank on CPU) so the engine picks the optimizer class, clipping, ZeRO
+wrapper and scheduler stepping itself. If DeepSpeed cannot build the optimizer on this machine (FusedLamb is
+CUDA-only), it records the reason and falls back to DeepSpeed's scheduler class alone.
+
+Writes OUT.npz: lr (N,), beta1 (N,), params (N, P) fp32 master params after each step (engine mode only),
+mode ('engine'|'schedule'), note (str).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def draws(shapes: list[list[int]], steps: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+  """Initial params (list of fp32 arrays) and gradients (steps, total) fp32 — identical on both sides."""
+  rng = np.random.default_rng(seed)
+  params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+  total = sum(int(np.prod(s)) for s in shapes)
+  grads = rng.standard_normal((steps, total)).astype(np.float32)
+  return params, grads
+
+
+class _Probe(torch.nn.Module):
+  def __init__(self, params: list[np.ndarray]):
+    super().__init__()
+    self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params])
+
+  def forward(self, g_flat: torch.Tensor) -> torch.Tensor:
+    out, off = 0.0, 0
+    for p in self.ps:
+      n = p.numel()
+      out = out + (p.float().reshape(-1) * g_flat[off:off + n]).sum()
+      off += n
+    return out
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def run_engine(req: dict) -> dict:
+  import deepspeed
+  from deepspeed.utils import safe_get_full_fp32_param
+  for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
+               "LOCAL_RANK": "0"}.items():
+    os.environ.setdefault(k, v)
+  deepspeed.init_distributed(dist_backend="gloo")
+  steps = req["steps"]
+  params, grads = draws(req["shapes"], steps, req["seed"])
+  model = _Probe(params)
+  engine, _, _, sched = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                             config=req["ds_config"])
+  stage3 = engine.zero_optimization_stage() == 3
+  lrs, b1s, out = np.zeros(steps), np.full(steps, np.nan), []
+  for t in range(steps):
+    group = engine.optimizer.param_groups[0] if hasattr(engine.optimizer, "param_groups") else None
+    lrs[t] = float(engine.get_lr()[0])
+    if group is not None and "betas" in group:
+      b1s[t] = float(group["betas"][0])
+    loss = engine(torch.from_numpy(grads[t]))
+    engine.backward(loss)
+    engine.step()
+    ps = [safe_get_full_fp32_param(p) if (stage3 or engine.zero_optimization()) else p for p in model.ps]
+    out.append(np.concatenate([p.detach().float().reshape(-1).numpy() for p in ps]))
+  return {"lr": lrs, "beta1": b1s, "params": np.stack(out), "mode": "engine",
+          "note": f"deepspeed.initialize: {type(engine.optimizer).__name__} over "
+                  f"{type(engine.basic_optimizer).__name__}, zero stage {engine.zero_optimization_stage()}"}
+
+
+def run_schedule(req: dict, why: str) -> dict:
+  from deepspeed.runtime import lr_schedules
+  cfg = req["ds_config"]
+  steps = req["steps"]
+  dummy = torch.nn.Parameter(torch.zeros(1))
+  opt = torch.optim.AdamW([dummy], lr=req["base_lr"], betas=tuple(req.get("betas", (0.9, 0.999))))
+  sched = None
+  if "scheduler" in cfg:
+    sched = getattr(lr_schedules, cfg["scheduler"]["type"])(opt, **cfg["scheduler"]["params"])
+  lrs, b1s = np.zeros(steps), np.zeros(steps)
+  for t in range(steps):
+    lrs[t] = float(opt.param_groups[0]["lr"])
+    b1s[t] = float(opt.param_groups[0]["betas"][0])
+    if sched is not None:
+      sched.step()
+  return {"lr": lrs, "beta1": b1s, "params": np.zeros((0,)), "mode": "schedule",
+          "note": f"DeepSpeed's {cfg.get('scheduler', {}).get('type', 'no')} scheduler class alone; {why}"}
+
+
+def main(argv: list[str]) -> int:
+  req_path, out_path = argv
+  with open(req_path) as f:
+    req = json.load(f)
+  try:
+    res = run_schedule(req, "schedule-only request") if req.get("schedule_only") else run_engine(req)
+  except Exception as e:  # DeepSpeed could not build this optimizer here: record why, verify the schedule only
+    why = f"deepspeed.initialize failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    traceback.print_exc(file=sys.stderr)
+    res = run_schedule(req, why)
+  np.savez(out_path, lr=res["lr"], beta1=res["beta1"], params=res["params"], mode=res["mode"], note=res["note"])
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main(sys.argv[1:]))

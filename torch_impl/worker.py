@@ -1,0 +1,100 @@
+"""Worker of the PyTorch sides: `python -m torch_impl.worker run_dir/request.json --side deepspeed|torch`.
+
+Reads the request through `parity.protocol.SideIO`, trains with the DeepSpeed
+engine (`--side deepspeed`) or the plain-torch baseline (`--side torch`), and
+writes steps.jsonl, summary.json and final.safetensors. Exit codes: 0 ok,
+1 crashed (summary carries the traceback), 3 non-finite loss or grad norm.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from parity.protocol import SideIO, main_guard
+
+EXIT_OK, EXIT_NAN = 0, 3
+
+
+def _determinism(seed: int) -> None:
+  """Seeds torch and asks for deterministic kernels (warn-only where none exists).
+
+  Deterministic mode also NaN-fills every `torch.empty` by default; DeepSpeed
+  allocates its ZeRO buckets (reduce_bucket_size, 5e8 elements) that way on each
+  step, which made a ZeRO-2 offload step ~300x slower and cost 2 GB of RSS. The
+  fill only exposes reads of uninitialised memory, so it is turned off.
+  """
+  import torch
+  os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+  torch.manual_seed(seed)
+  torch.use_deterministic_algorithms(True, warn_only=True)
+  torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def _make_trainer(io: SideIO, params: dict[str, np.ndarray]):
+  if io.side == "deepspeed":
+    from torch_impl.engine import DeepSpeedTrainer
+    return DeepSpeedTrainer(io.run, params)
+  if io.side == "torch":
+    from torch_impl.baseline import TorchTrainer
+    return TorchTrainer(io.run, params)
+  raise ValueError(f"torch_impl.worker runs the 'deepspeed' and 'torch' sides; got --side {io.side}")
+
+
+def _check_batches(batches: np.ndarray, io: SideIO) -> None:
+  t = io.run.train
+  want = (t.steps, t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1)
+  if tuple(batches.shape) != want:
+    raise ValueError(f"{io.request['batches']}: shape {tuple(batches.shape)} != (steps, grad_accum_steps, "
+                     f"micro_batch_size, seq_len + 1) = {want} of the run spec; regenerate the batches")
+
+
+def _finish_kwargs(trainer) -> dict:
+  """versions/device/memory fields of summary.json, from the trainer."""
+  import torch
+  from torch_impl import memory
+  info = trainer.describe()
+  state = trainer.state_bytes()
+  cuda = trainer.device.type == "cuda"
+  return {"versions": info.pop("versions"),
+          "device": f"cuda ({torch.cuda.get_device_name(trainer.device)})" if cuda else "cpu",
+          "peak_device_bytes": int(torch.cuda.max_memory_allocated(trainer.device)) if cuda else None,
+          "state_bytes_by_memory_kind": memory.by_memory_kind(state),
+          "extra": {"state_bytes_by_category": state, **info}}
+
+
+def side_main(io: SideIO) -> int:
+  """Trains one torch side as the request describes; returns the exit code."""
+  import torch
+  t = io.run.train
+  _determinism(t.seed)
+  trainer = _make_trainer(io, io.init_params())
+  batches = io.batches()
+  _check_batches(batches, io)
+  val = io.val_batches() if t.eval_every > 0 else None
+  sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+  io.ready()
+  for step in range(t.steps):
+    io.before_step(step, poison=trainer.poison)
+    micro = np.asarray(batches[step])
+    sync()
+    t0 = time.perf_counter()
+    metrics = trainer.step(micro, probe=step == 0)  # step 0 is outside the median step time
+    sync()
+    dt = time.perf_counter() - t0
+    val_loss = trainer.eval_loss(val) if val is not None and io.is_eval_step(step) else None
+    if not io.record(step, step_time_s=dt, val_loss=val_loss, **metrics):
+      io.finish("nan", error=f"non-finite loss or grad norm at step {step}: {metrics}", **_finish_kwargs(trainer))
+      return EXIT_NAN
+  io.finish("ok", final_params=trainer.final_params(), **_finish_kwargs(trainer))
+  return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+  return main_guard(side_main, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
