@@ -191,6 +191,15 @@ class GPT(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+    """Next-token logits.
+
+    Args:
+      tokens_bt: int32 token ids, shape (B, T), T <= spec.max_seq_len.
+    Returns:
+      Logits, shape (B, T, vocab_size), in `dtype`.
+    Raises:
+      ValueError: T exceeds spec.max_seq_len (checked at trace time).
+    """
     s = self.spec
     t = tokens_bt.shape[1]
     if t > s.max_seq_len:

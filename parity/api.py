@@ -19,7 +19,7 @@ __all__ = ["compare"]
 def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None, overrides: Sequence[str] = (),
             steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
             out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
-            timeout_s: float | None = None, progress: bool = False) -> Report:
+            timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report.
 
   Args:
@@ -32,6 +32,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
       (see parity.run.parse_perturb); they make the sides differ on purpose.
     timeout_s: per-side wall-clock limit, seconds (default: the spec's timeout_s).
     progress: show a progress bar (rich) on the terminal.
+    hf_model: a local Hugging Face checkpoint folder (GPT2LMHeadModel, LlamaForCausalLM, ...); its
+      config.json replaces the model section and its weights are the initial weights of every side.
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
@@ -42,9 +44,17 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   t0 = time.time()
   name = preset or DEFAULT_PRESET
   spec = resolve(preset, config=config, overrides=overrides, steps=steps, sides=sides, data=data)
+  init = None
+  if hf_model is not None:
+    from parity import convert, hf
+    from parity.spec import SpecError
+    try:
+      spec, init = hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
+    except (ValueError, FileNotFoundError) as exc:  # HFFormatError is a SpecError (a ValueError)
+      raise SpecError(f"--hf-model {hf_model}: {exc}") from None
   pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
   run_dir = Path(out) if out is not None else default_run_dir(spec, name)
-  prep = prepare_run_dir(spec, run_dir, perturb=pert)
+  prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init)
   limit = timeout_s if timeout_s is not None else spec.timeout_s
   side_runs = {}
   with _progress(progress, spec) as on_progress:

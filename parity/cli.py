@@ -3,6 +3,7 @@
   parity compare [--preset NAME] [--config FILE] [--set key=value ...] [--steps N] [--sides a,b,c]
                  [--data SRC] [--out DIR] [--perturb side:key=value ...] [--timeout S]
   parity port CONFIG ...           (DeepSpeed config -> JAX config; see `parity port -h`)
+  parity convert-weights SRC DST   (Hugging Face folder <-> canonical safetensors <-> orbax)
   parity report RUN_DIR            (print the summary of a finished run)
   parity presets                   (list the built-in presets)
 
@@ -46,6 +47,8 @@ def _add_compare(sub) -> None:
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
                  help="debug: change one side on purpose, e.g. jax:model.norm_eps=1e-3 or deepspeed:kill_at_step=5")
   p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds")
+  p.add_argument("--hf-model", metavar="DIR",
+                 help="start from a local Hugging Face checkpoint folder (model spec and initial weights)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -54,7 +57,8 @@ def _run_compare(args) -> int:
   con = _console()
   report = compare(args.preset, config=args.config, overrides=args.overrides, steps=args.steps,
                    sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
-                   perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress)
+                   perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
+                   hf_model=args.hf_model)
   print_summary(report, con)
   return report.exit_code
 
@@ -124,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
   if migrate_cli is not None:
     p = sub.add_parser("port", help="port a DeepSpeed config to a JAX config, key by key")
     migrate_cli.add_arguments(p)
+  from parity import convert
+  p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax")
+  convert.add_arguments(p)
   p = sub.add_parser("report", help="print the summary of a finished run")
   p.add_argument("run_dir")
   p = sub.add_parser("presets", help="list built-in presets")
@@ -140,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "port":
       from parity.migrate import cli as migrate_cli
       return migrate_cli.run(args)
+    if args.command == "convert-weights":
+      from parity import convert
+      return convert.run(args)
     if args.command == "report":
       return _run_report(args)
     return _run_presets(args)

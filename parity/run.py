@@ -127,9 +127,13 @@ def default_run_dir(spec: RunSpec, name: str) -> Path:
 
 
 def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str, Mapping] | None = None,
-                    corpus: Corpus | None = None) -> dict[str, Any]:
+                    corpus: Corpus | None = None, init_params: Mapping[str, np.ndarray] | None = None
+                    ) -> dict[str, Any]:
   """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json.
 
+  Args:
+    init_params: canonical initial weights (e.g. from a Hugging Face checkpoint); default: the
+      GPT-2 init of `parity.weights.init_params` with train.seed.
   Returns:
     {'request': ..., 'corpus': {source, sha256, tokens}, 'prepare_s': seconds}.
   Raises:
@@ -149,8 +153,12 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
                             eval_batches=t.eval_batches)
   np.save(run_dir / "batches.npy", train)
   np.save(run_dir / "val_batches.npy", val)
-  params = weights.init_params(spec.model, t.seed)
-  weights.save(params, run_dir / "init.safetensors", metadata={"seed": str(t.seed)})
+  if init_params is None:
+    params, meta = weights.init_params(spec.model, t.seed), {"seed": str(t.seed)}
+  else:
+    params, meta = dict(init_params), {"source": "given"}
+    weights.check_names_and_shapes(params, spec.model, source="initial weights")
+  weights.save(params, run_dir / "init.safetensors", metadata=meta)
   data_info = {"source": corpus.source, "sha256": corpus.sha256, "train_tokens": int(corpus.train.size),
                "val_tokens": int(corpus.val.size), "files": corpus.n_files}
   (run_dir / "config.json").write_text(json.dumps(to_dict(spec), indent=2))

@@ -102,3 +102,27 @@ def test_hang_and_crash_are_reported(tmp_path):
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, args, needle):
   p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", *args, timeout=120)
   assert p.returncode == 2 and needle in p.stderr, p.stderr
+
+
+@requires_jax
+@requires_torch
+def test_compare_from_a_hugging_face_checkpoint(tmp_path):
+  transformers = pytest.importorskip("transformers")
+  import torch
+  torch.manual_seed(0)
+  cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+  transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--hf-model",
+           str(tmp_path / "hf"), "--out", str(out), "--no-progress")
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["run"]["model"]["n_layers"] == 2 and rep["run"]["model"]["norm_eps"] == 1e-5
+  # the initial weights are the checkpoint's, not a fresh init
+  from safetensors.numpy import load_file
+  init = load_file(str(out / "init.safetensors"))
+  hf_wte = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").transformer.wte.weight.detach().numpy()
+  assert np.array_equal(init["wte.weight"], hf_wte)
+  p = _cli("compare", "--hf-model", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2"), "--no-progress")
+  assert p.returncode == 2 and "nothing" in p.stderr

@@ -209,9 +209,9 @@ def test_torch_loss_and_grads_match_transformers(name, tmp_path_factory):
   loss = lm_loss(model(t[:, :-1]), t[:, 1:])
   loss.backward()
   grads = {k: p.grad.detach().numpy() for k, p in model.named_parameters()}
-  print(f"\n[{name}] torch vs transformers loss: {ref_loss:.6f} diff {abs(float(loss) - ref_loss):.3e}")
+  print(f"\n[{name}] torch vs transformers loss: {ref_loss:.6f} diff {abs(loss.item() - ref_loss):.3e}")
   _report(f"[{name}] torch vs transformers grads", _grad_diffs(grads, ref_grads))
-  assert abs(float(loss) - ref_loss) <= TOL["loss"][0]
+  assert abs(loss.item() - ref_loss) <= TOL["loss"][0]
 
 
 # ----------------------------------------------------------------------------- JAX side
@@ -245,6 +245,6 @@ def test_jax_loss_and_grads_match_transformers(name, tmp_path_factory):
   loss, g_tree = jax.value_and_grad(loss_fn)(to_flax(case.params, case.spec), jnp.asarray(tokens, jnp.int32),
                                              case.spec)
   grads = from_flax(g_tree, case.spec)
-  print(f"\n[{name}] jax vs transformers loss: {ref_loss:.6f} diff {abs(float(loss) - ref_loss):.3e}")
+  print(f"\n[{name}] jax vs transformers loss: {ref_loss:.6f} diff {abs(loss.item() - ref_loss):.3e}")
   _report(f"[{name}] jax vs transformers grads", _grad_diffs(grads, ref_grads))
-  assert abs(float(loss) - ref_loss) <= TOL["loss"][0]
+  assert abs(loss.item() - ref_loss) <= TOL["loss"][0]

@@ -166,3 +166,11 @@ def test_worker_reports_nan(tmp_path):
   summary = protocol.read_summary(tmp_path / "jax" / "summary.json")
   assert summary["status"] == "nan" and summary["perturbed"] == {"nan_at_step": 2}
   assert not (tmp_path / "jax" / "final.safetensors").exists()
+
+
+def test_jax_side_never_imports_torch():
+  code = ("import sys; import jax_impl.worker, jax_impl.step, jax_impl.model, jax_impl.optim, jax_impl.offload; "
+          "bad = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules); assert not bad, bad")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -199,6 +200,18 @@ def test_baseline_matches_numpy_adamw_reference():
   assert moved > 1e-3, "step 2 must change the params (lr > 0)"
 
 
+def test_baseline_state_bytes():
+  run = tiny_run(steps=2)
+  t = run.train
+  trainer = TorchTrainer(run, weights.init_params(run.model, 0))
+  trainer.step(np.zeros((t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1), np.uint16), probe=True)
+  n = run.model.n_params()
+  assert trainer.state_bytes() == {"params": {"device": 4 * n, "host": 0}, "gradients": {"device": 4 * n, "host": 0},
+                                   "master_params": {"device": 0, "host": 0},
+                                   "optimizer_moments": {"device": 8 * n, "host": 0},
+                                   "buffers": {"device": 0, "host": 0}}
+
+
 def test_baseline_nan_poison_gives_nan_loss():
   run = tiny_run(steps=2)
   t = run.train
@@ -326,6 +339,33 @@ def test_deepspeed_worker_reports_nan(tmp_path):
   summary = read_summary(tmp_path / "deepspeed" / "summary.json")
   assert summary["status"] == "nan" and summary["steps_completed"] == 2
   assert not (tmp_path / "deepspeed" / "final.safetensors").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.requires_deepspeed
+def test_setup_distributed_fills_only_missing_env():
+  pytest.importorskip("deepspeed")
+  code = ("import os, json, torch.distributed as dist; from torch_impl.engine import setup_distributed; "
+          "b = setup_distributed(); "
+          "print(json.dumps({'backend': b, 'dist': dist.get_backend(), 'world': dist.get_world_size(), "
+          "**{k: os.environ.get(k) for k in ('DS_ACCELERATOR', 'MASTER_ADDR', 'MASTER_PORT', 'RANK', "
+          "'WORLD_SIZE', 'LOCAL_RANK')}}))")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")}
+  env["PYTHONPATH"] = str(REPO)
+  with socket.socket() as sock:  # a free port, chosen here, that setup_distributed must keep
+    sock.bind(("127.0.0.1", 0))
+    port = str(sock.getsockname()[1])
+  proc = subprocess.run([sys.executable, "-c", code], env=dict(env, MASTER_PORT=port), cwd=REPO,
+                        capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  want_backend = "nccl" if torch.cuda.is_available() else "gloo"
+  assert got["backend"] == got["dist"] == want_backend and got["world"] == 1
+  assert got["MASTER_PORT"] == port  # kept, not replaced
+  assert (got["MASTER_ADDR"], got["RANK"], got["WORLD_SIZE"], got["LOCAL_RANK"]) == ("127.0.0.1", "0", "1", "0")
+  if not torch.cuda.is_available():
+    assert got["DS_ACCELERATOR"] == "cpu"
 
 
 @pytest.mark.slow

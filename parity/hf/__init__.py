@@ -1,0 +1,60 @@
+"""Hugging Face checkpoints <-> ModelSpec and canonical weights (numpy + safetensors only).
+
+Two families are read and written:
+
+  gpt2   GPT2LMHeadModel: LayerNorm, GELU MLP, learned positions, biases, tied head.
+         HF stores linear weights as Conv1D [in, out]; `c_attn` is q|k|v fused by columns.
+  llama  LlamaForCausalLM (and MistralForCausalLM, same tensors): RMSNorm, SwiGLU, rotary
+         positions (HF rotate-half layout, which both our models use, so no permutation),
+         grouped-query attention, untied head, no biases. Linear weights are [out, in].
+
+Anything the spec cannot express is refused with the reason (see `REFUSED` and the
+`_parse_*` functions); it is never approximated. Every tensor goes through one table of
+rules (`hf_rules`), which gives HF names, shapes and the transposes in one place:
+
+  GPT-2 (HF)                          canonical                 op
+  transformer.wte.weight [V, D]       wte.weight                copy
+  transformer.wpe.weight [P, D]       wpe.weight                copy
+  transformer.h.i.ln_1.{weight,bias}  h.i.ln_1.*                copy
+  transformer.h.i.attn.c_attn.weight  h.i.attn.qkv.weight       transpose [D, 3D] -> [3D, D]
+  transformer.h.i.attn.c_proj.weight  h.i.attn.proj.weight      transpose
+  transformer.h.i.mlp.c_fc.weight     h.i.mlp.fc.weight         transpose [D, F] -> [F, D]
+  transformer.h.i.mlp.c_proj.weight   h.i.mlp.proj.weight       transpose [F, D] -> [D, F]
+  transformer.ln_f.*                  ln_f.*                    copy
+  LLaMA (HF)                          canonical                 op
+  model.embed_tokens.weight           wte.weight                copy
+  model.layers.i.input_layernorm      h.i.ln_1.weight           copy
+  model.layers.i.self_attn.{q,k,v}_proj.weight  h.i.attn.qkv.weight  rows concatenated q|k|v
+  model.layers.i.self_attn.o_proj     h.i.attn.proj.weight      copy
+  model.layers.i.post_attention_layernorm  h.i.ln_2.weight      copy
+  model.layers.i.mlp.{gate,up,down}_proj  h.i.mlp.{gate,up,proj}.weight  copy
+  model.norm.weight                   ln_f.weight               copy
+  lm_head.weight                      lm_head.weight            copy (absent when tied)
+
+The package is split by responsibility; every name below is importable from `parity.hf`:
+
+  config   config.json <-> ModelSpec, supported/refused architectures, HFFormatError
+  tensors  the rules table: HF names, shapes and transposes <-> canonical weights
+  files    safetensors (BF16 too), single/sharded HF folders, canonical files, run_spec_from_hf
+  presets  MODEL_PRESETS and PUBLISHED_PARAM_COUNTS
+"""
+from __future__ import annotations
+
+import json  # noqa: F401  (kept reachable as `parity.hf.json`, as before the split)
+
+from parity.hf.config import (ARCHITECTURES, REFUSED, HFFormatError, family_of_spec, hf_config_from_spec,
+                              parse_hf_config, spec_from_hf_config)
+from parity.hf.files import (SPEC_METADATA_KEY, HFCheckpoint, canonical_metadata, hf_weight_files, load_canonical,
+                             load_hf_checkpoint, read_safetensors, run_spec_from_hf, save_canonical,
+                             save_hf_checkpoint, spec_from_metadata)
+from parity.hf.presets import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
+from parity.hf.tensors import Rule, canonical_to_hf, hf_rules, hf_to_canonical
+from parity.spec import ModelSpec, RunSpec, SpecError  # noqa: F401  (kept reachable, as before the split)
+
+__all__ = [
+    "HFFormatError", "Rule", "ARCHITECTURES", "REFUSED", "MODEL_PRESETS", "PUBLISHED_PARAM_COUNTS", "HFCheckpoint",
+    "spec_from_hf_config", "parse_hf_config", "hf_config_from_spec", "family_of_spec", "hf_rules",
+    "hf_to_canonical", "canonical_to_hf", "read_safetensors", "hf_weight_files", "load_hf_checkpoint",
+    "save_hf_checkpoint", "canonical_metadata", "spec_from_metadata", "save_canonical", "load_canonical",
+    "run_spec_from_hf", "SPEC_METADATA_KEY",
+]

@@ -1,0 +1,248 @@
+"""Files: safetensors reading (BF16 too), single and sharded HF checkpoint folders, canonical files
+with the spec as metadata, and `run_spec_from_hf`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from parity import weights
+from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
+from parity.hf.tensors import canonical_to_hf, hf_to_canonical
+from parity.spec import ModelSpec, RunSpec, SpecError, from_dict, to_dict
+
+SPEC_METADATA_KEY = "parity_model_spec"
+"""safetensors metadata key of a canonical file holding the ModelSpec as JSON (one key: header order is stable)."""
+
+
+_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+              "U8": "u1", "BOOL": "?"}
+
+
+def read_safetensors(path: str | Path, *, stored_dtypes: dict[str, str] | None = None
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """Reads every tensor of a safetensors file, including bfloat16, with numpy only.
+
+  BF16 is widened to float32 exactly (the 16 bits become the high half of a float32);
+  other dtypes keep their numpy dtype. safetensors' own numpy loader cannot read BF16,
+  which is how most HF checkpoints are stored.
+
+  Args:
+    path: the file.
+    stored_dtypes: if given, receives name -> dtype as stored ('BF16', 'F32', ...).
+
+  Returns:
+    (name -> array, header metadata).
+  Raises:
+    HFFormatError: a truncated file, an unknown dtype, or a tensor whose byte range does not
+      match its shape (named).
+  """
+  path = Path(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) != 8:
+      raise HFFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head)
+    header = json.loads(f.read(n))
+  meta = header.pop("__metadata__", None) or {}
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if header else np.zeros(0, np.uint8)
+  out = {}
+  for name, info in header.items():
+    dt, shape, (start, stop) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+    if dt not in _ST_DTYPES and dt != "BF16":
+      raise HFFormatError(f"{path}: tensor {name!r} has dtype {dt}, which is not supported")
+    itemsize = 2 if dt == "BF16" else np.dtype(_ST_DTYPES[dt]).itemsize
+    if stop - start != math.prod(shape) * itemsize or stop > data.size:
+      raise HFFormatError(f"{path}: tensor {name!r} bytes [{start}, {stop}) do not hold shape {shape} of {dt}")
+    raw = data[start:stop]
+    if stored_dtypes is not None:
+      stored_dtypes[name] = dt
+    if dt == "BF16":
+      arr = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    else:
+      arr = np.array(raw.view(_ST_DTYPES[dt]))
+    out[name] = arr.reshape(shape)
+  return out, meta
+
+
+def hf_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
+  """Finds the weight files of an HF checkpoint folder.
+
+  Preference: model.safetensors, model.safetensors.index.json (shards), pytorch_model.bin,
+  pytorch_model.bin.index.json.
+  Returns:
+    ('safetensors' | 'bin', files).
+  Raises:
+    FileNotFoundError: none of these exist, or the index names a shard that does not.
+  """
+  folder = Path(folder)
+  for kind, single, index in (("safetensors", "model.safetensors", "model.safetensors.index.json"),
+                              ("bin", "pytorch_model.bin", "pytorch_model.bin.index.json")):
+    if (folder / single).exists():
+      return kind, [folder / single]
+    if (folder / index).exists():
+      weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
+      files = [folder / f for f in sorted(set(weight_map.values()))]
+      gone = [str(f) for f in files if not f.exists()]
+      if gone or not files:
+        raise FileNotFoundError(f"{folder / index} names missing shard(s): {gone or 'none listed'}")
+      return kind, files
+  raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
+                          "or pytorch_model.bin.index.json")
+
+
+def _read_shards(folder: Path, files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
+  out: dict[str, np.ndarray] = {}
+  where: dict[str, Path] = {}
+  stored: dict[str, str] = {}
+  for f in files:
+    tensors, _ = read_safetensors(f, stored_dtypes=stored)
+    for k, v in tensors.items():
+      if k in out:
+        raise HFFormatError(f"tensor {k!r} appears in both {where[k].name} and {f.name}")
+      out[k], where[k] = v, f
+  index = folder / "model.safetensors.index.json"
+  if index.exists() and len(files) > 1:
+    for k, shard in json.loads(index.read_text())["weight_map"].items():
+      if where.get(k) is None or where[k].name != shard:
+        raise HFFormatError(f"{index.name}: tensor {k!r} is listed in {shard} but "
+                            f"{'absent' if k not in where else 'stored in ' + where[k].name}")
+  widened = sorted({d for d in stored.values() if d in ("BF16", "F16")})
+  if widened:
+    notes.append(f"stored dtype(s) {', '.join(widened)} widened to float32 (exact)")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCheckpoint:
+  """An HF checkpoint read into our terms."""
+  family: str
+  """'gpt2' or 'llama' (tensor naming)."""
+  spec: ModelSpec
+  params: dict[str, np.ndarray]
+  """Canonical float32 weights."""
+  notes: tuple[str, ...]
+  """Accepted config keys without a spec field, dropped buffers, conversions done."""
+
+
+def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
+  """Reads an HF checkpoint folder (config.json + safetensors or pytorch_model.bin).
+
+  Args:
+    folder: the folder `save_pretrained` wrote.
+    bin_reader: callable(list of .bin paths) -> dict name -> numpy array, used only for
+      pytorch_model.bin (it needs torch; `parity.convert` passes one that runs a torch_impl
+      subprocess with torch.load(weights_only=True)).
+  Raises:
+    FileNotFoundError: no config.json or no weights.
+    HFFormatError: the architecture or a tensor cannot be mapped (named).
+  """
+  folder = Path(folder)
+  cfg_path = folder / "config.json"
+  if not cfg_path.exists():
+    raise FileNotFoundError(f"{folder}: no config.json; pass the folder written by save_pretrained")
+  family, spec, notes = parse_hf_config(json.loads(cfg_path.read_text()))
+  kind, files = hf_weight_files(folder)
+  if kind == "bin":
+    if bin_reader is None:
+      raise HFFormatError(f"{files[0]} is a pickle (pytorch_model.bin); reading it needs torch: use "
+                          "`parity convert-weights` or pass bin_reader")
+    tensors = bin_reader(files)
+    notes.append(f"read {len(files)} pickle(s) with torch.load(weights_only=True); floats widened to float32")
+  else:
+    tensors = _read_shards(folder, files, notes)
+  params = hf_to_canonical(tensors, spec, family, notes=notes)
+  return HFCheckpoint(family, spec, params, tuple(notes))
+
+
+def save_hf_checkpoint(folder: str | Path, spec: ModelSpec, params: Mapping[str, np.ndarray]) -> Path:
+  """Writes config.json + model.safetensors (float32) that `AutoModelForCausalLM.from_pretrained` loads.
+
+  Raises:
+    HFFormatError: the spec has no HF family; ValueError: params do not match the spec.
+  """
+  from safetensors.numpy import save_file
+  folder = Path(folder)
+  config = hf_config_from_spec(spec)
+  tensors = canonical_to_hf(params, spec)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  return folder
+
+
+def canonical_metadata(spec: ModelSpec) -> dict[str, str]:
+  """safetensors metadata of a canonical file: {SPEC_METADATA_KEY: compact sorted JSON of the spec}."""
+  return {SPEC_METADATA_KEY: json.dumps(to_dict(spec), sort_keys=True, separators=(",", ":"))}
+
+
+def spec_from_metadata(meta: Mapping[str, str], *, source: str = "metadata") -> ModelSpec | None:
+  """The ModelSpec stored by `canonical_metadata`, or None when absent."""
+  if SPEC_METADATA_KEY not in meta:
+    return None
+  try:
+    return from_dict(ModelSpec, json.loads(meta[SPEC_METADATA_KEY])).validate()
+  except (json.JSONDecodeError, SpecError) as exc:
+    raise HFFormatError(f"{source}: bad {SPEC_METADATA_KEY} metadata: {exc}") from None
+
+
+def save_canonical(path: str | Path, params: Mapping[str, np.ndarray], spec: ModelSpec) -> Path:
+  """Writes canonical float32 weights with the spec as metadata; the bytes depend only on (params, spec)."""
+  weights.check_names_and_shapes(dict(params), spec, source=str(path))
+  ordered = {k: params[k] for k in weights.param_shapes(spec)}
+  weights.save(ordered, path, metadata=canonical_metadata(spec))
+  return Path(path)
+
+
+def load_canonical(path: str | Path, spec: ModelSpec | None = None) -> tuple[dict[str, np.ndarray], ModelSpec]:
+  """Reads a canonical file and its spec: from metadata, else a sidecar `spec.json`, else `spec`.
+
+  The sidecar is `<file>.spec.json` or `spec.json` in the same folder, holding a ModelSpec dict.
+  Raises:
+    FileNotFoundError: no such file.
+    HFFormatError: no spec found anywhere, or metadata and `spec` disagree.
+    ValueError: tensors do not match the spec (named).
+  """
+  from safetensors import safe_open
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"canonical weights not found: {path}")
+  with safe_open(str(path), framework="numpy") as f:
+    stored = spec_from_metadata(f.metadata() or {}, source=str(path))
+  if stored is None:
+    for side in (path.with_name(path.name + ".spec.json"), path.with_name("spec.json")):
+      if side.exists():
+        stored = from_dict(ModelSpec, json.loads(side.read_text()), path="model").validate()
+        break
+  if stored is not None and spec is not None and stored != spec:
+    raise HFFormatError(f"{path}: stored spec {to_dict(stored)} differs from the given spec {to_dict(spec)}")
+  spec = stored or spec
+  if spec is None:
+    raise HFFormatError(f"{path}: no {SPEC_METADATA_KEY} metadata and no spec.json beside it; pass a spec")
+  params = weights.load(path, spec)
+  return {k: params[k] for k in weights.param_shapes(spec)}, spec
+
+
+def run_spec_from_hf(folder: str | Path, base: RunSpec, *, bin_reader=None
+                     ) -> tuple[RunSpec, dict[str, np.ndarray]]:
+  """The RunSpec of a comparison that starts from an HF checkpoint, and its canonical weights.
+
+  The model section is replaced by the checkpoint's spec; training, plans, data and sides
+  come from `base`. The caller must use the returned weights as the initial weights
+  (instead of `weights.init_params`).
+
+  Raises:
+    FileNotFoundError, HFFormatError: see `load_hf_checkpoint`.
+    SpecError: `base.train.seq_len` exceeds the checkpoint's context (named).
+  """
+  ckpt = load_hf_checkpoint(folder, bin_reader=bin_reader)
+  run = dataclasses.replace(base, model=ckpt.spec)
+  try:
+    return run.validate(), ckpt.params
+  except SpecError as exc:
+    raise SpecError(f"{folder}: {exc}") from None
