@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from parity import weights
-from parity.compare import compare_sides, verdict
+from parity.checks import compare_sides, verdict
 from parity.protocol import read_steps
 from parity.report import Report, build_report, write_all
 from parity.run import default_run_dir, parse_perturb, prepare_run_dir, resolve
@@ -19,7 +19,8 @@ __all__ = ["compare"]
 def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None, overrides: Sequence[str] = (),
             steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
             out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
-            timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None) -> Report:
+            timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None,
+            deepspeed_config: str | Path | None = None) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report.
 
   Args:
@@ -34,6 +35,9 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     progress: show a progress bar (rich) on the terminal.
     hf_model: a local Hugging Face checkpoint folder (GPT2LMHeadModel, LlamaForCausalLM, ...); its
       config.json replaces the model section and its weights are the initial weights of every side.
+    deepspeed_config: a DeepSpeed JSON config. The DeepSpeed side runs that very file (its "auto"
+      values filled from the run spec, as the HF Trainer would); the JAX and torch sides run its
+      port (`parity port`); the key-by-key migration report is written to migration.json/.md.
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
@@ -52,9 +56,19 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
       spec, init = hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
     except (ValueError, FileNotFoundError) as exc:  # HFFormatError is a SpecError (a ValueError)
       raise SpecError(f"--hf-model {hf_model}: {exc}") from None
+  port = None
+  if deepspeed_config is not None:
+    from parity.migrate import read_deepspeed_config
+    from parity.migrate._reverse import port_for_compare
+    spec, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec,
+                                          source=str(deepspeed_config))
   pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
   run_dir = Path(out) if out is not None else default_run_dir(spec, name)
-  prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init)
+  prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init,
+                         deepspeed_config=ds_cfg if port is not None else None)
+  if port is not None:
+    (run_dir / "migration.json").write_text(port.report.to_json())
+    (run_dir / "migration.md").write_text(port.report.to_markdown())
   limit = timeout_s if timeout_s is not None else spec.timeout_s
   side_runs = {}
   with _progress(progress, spec) as on_progress:

@@ -23,6 +23,12 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
+try:
+  from parity.migrate import PortError as _PortError
+except ImportError:  # pydantic/hjson missing: `parity port` is unavailable, compare still works
+  class _PortError(ValueError):
+    pass
+
 
 def _console():
   from rich.console import Console
@@ -49,6 +55,9 @@ def _add_compare(sub) -> None:
   p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds")
   p.add_argument("--hf-model", metavar="DIR",
                  help="start from a local Hugging Face checkpoint folder (model spec and initial weights)")
+  p.add_argument("--deepspeed-config", metavar="FILE",
+                 help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
+                      "the JAX and torch sides run its port; see `parity port`")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -58,7 +67,7 @@ def _run_compare(args) -> int:
   report = compare(args.preset, config=args.config, overrides=args.overrides, steps=args.steps,
                    sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
                    perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
-                   hf_model=args.hf_model)
+                   hf_model=args.hf_model, deepspeed_config=args.deepspeed_config)
   print_summary(report, con)
   return report.exit_code
 
@@ -153,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
       return _run_report(args)
     return _run_presets(args)
-  except (SpecError, DataError) as exc:
+  except (SpecError, DataError, _PortError) as exc:
     print(f"parity {args.command}: error: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT
   except KeyboardInterrupt:

@@ -127,13 +127,15 @@ def default_run_dir(spec: RunSpec, name: str) -> Path:
 
 
 def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str, Mapping] | None = None,
-                    corpus: Corpus | None = None, init_params: Mapping[str, np.ndarray] | None = None
-                    ) -> dict[str, Any]:
+                    corpus: Corpus | None = None, init_params: Mapping[str, np.ndarray] | None = None,
+                    deepspeed_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json.
 
   Args:
     init_params: canonical initial weights (e.g. from a Hugging Face checkpoint); default: the
       GPT-2 init of `parity.weights.init_params` with train.seed.
+    deepspeed_config: a resolved DeepSpeed config the DeepSpeed side must run verbatim
+      (`--deepspeed-config`); default: the one built from the spec.
   Returns:
     {'request': ..., 'corpus': {source, sha256, tokens}, 'prepare_s': seconds}.
   Raises:
@@ -164,6 +166,7 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   (run_dir / "config.json").write_text(json.dumps(to_dict(spec), indent=2))
   request = {"schema": REQUEST_SCHEMA, "run": to_dict(spec), "config_hash": config_hash(spec),
              "init_weights": "init.safetensors", "batches": "batches.npy", "val_batches": "val_batches.npy",
-             "perturb": {k: dict(v) for k, v in (perturb or {}).items()}, "data": data_info}
+             "perturb": {k: dict(v) for k, v in (perturb or {}).items()}, "data": data_info,
+             "deepspeed_config": dict(deepspeed_config) if deepspeed_config is not None else None}
   (run_dir / "request.json").write_text(json.dumps(request, indent=2))
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}

@@ -125,6 +125,11 @@ class TrainSpec:
   """LR at step 0 as a fraction of lr (WarmupCosineLR warmup_min_ratio)."""
   cos_min_ratio: float = 0.1
   """Final LR as a fraction of lr (WarmupCosineLR cos_min_ratio)."""
+  lr_schedule: str = "WarmupCosineLR"
+  """DeepSpeed scheduler type: WarmupCosineLR, WarmupLR, WarmupDecayLR, LRRangeTest or Constant (parity.schedule)."""
+  lr_schedule_params: dict | None = None
+  """Scheduler params under DeepSpeed's names (e.g. from a ported config); None: WarmupCosineLR from
+  warmup_steps / warmup_min_ratio / cos_min_ratio with linear warmup over `steps`."""
   beta1: float = 0.9
   """Adam first-moment decay."""
   beta2: float = 0.95
@@ -168,6 +173,14 @@ class TrainSpec:
         raise SpecError(f"train.{name} must be in [0, 1]; got {getattr(self, name)}")
     if self.precision not in ("fp32", "bf16"):
       raise SpecError(f"train.precision must be 'fp32' or 'bf16'; got {self.precision!r}")
+    from parity import schedule
+    if self.lr_schedule not in schedule.COMPARE_SCHEDULERS:
+      raise SpecError(f"train.lr_schedule {self.lr_schedule!r}: parity compare runs "
+                      f"{', '.join(schedule.COMPARE_SCHEDULERS)} (OneCycle also cycles Adam's betas; use `parity port`)")
+    try:
+      schedule.scheduler_params(self)
+    except ValueError as exc:
+      raise SpecError(str(exc)) from None
     if model is not None and self.seq_len > model.max_seq_len:
       raise SpecError(f"train.seq_len ({self.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
     return self

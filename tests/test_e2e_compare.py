@@ -126,3 +126,25 @@ def test_compare_from_a_hugging_face_checkpoint(tmp_path):
   assert np.array_equal(init["wte.weight"], hf_wte)
   p = _cli("compare", "--hf-model", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2"), "--no-progress")
   assert p.returncode == 2 and "nothing" in p.stderr
+
+
+REALWORLD = Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"
+HF_ZERO2 = REALWORLD / "huggingface__transformers__tests__deepspeed__ds_config_zero2.json"
+
+
+@requires_all
+@pytest.mark.skipif(not HF_ZERO2.exists(), reason="shared/realworld not present")
+def test_real_zero2_offload_config_runs_head_to_head(tmp_path):
+  """The HF Trainer's ZeRO-2 + CPU offload config: DeepSpeed runs the file, JAX its port."""
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--deepspeed-config", str(HF_ZERO2), "--out", str(out),
+           "--no-progress")
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["verdict"]["passed"] and rep["run"]["train"]["lr_schedule"] == "WarmupLR"
+  ds = rep["sides"]["deepspeed"]["summary"]
+  assert ds["ds_config"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+  assert ds["optimizer"]["optimizer"] == "DeepSpeedCPUAdam" and ds["optimizer"]["scheduler"] == "WarmupLR"
+  assert rep["sides"]["jax"]["summary"]["state_memory_kinds"]["opt_state"] == "pinned_host"
+  mig = json.loads((out / "migration.json").read_text())
+  assert mig["status"] == "ported" and all(e["fate"] in ("mapped", "not_needed", "unsupported") for e in mig["entries"])

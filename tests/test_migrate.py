@@ -378,11 +378,14 @@ def test_to_run_spec():
                                                                  "warmup_type": "linear", "cos_min_ratio": 0.1}},
               "bf16": {"enabled": True}}).ported
   spec = to_run_spec(ok, base)
-  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) == (30, 3e-4, 0.95, "bf16")
+  # compare runs base.train.steps; the schedule keeps its own length (total_num_steps 30)
+  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) == (12, 3e-4, 0.95, "bf16")
+  assert spec.train.lr_schedule == "WarmupCosineLR" and spec.train.lr_schedule_params["total_num_steps"] == 30
   assert spec.train.grad_accum_steps == 2 and spec.train.micro_batch_size == 4
-  with pytest.raises(SpecError, match="WarmupCosineLR with warmup_type 'linear' only; the ported schedule is "
-                                      "WarmupLR"):
-    to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
+  warm = to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
+  assert warm.train.lr_schedule == "WarmupLR" and warm.train.lr_schedule_params["warmup_num_steps"] == 5
+  with pytest.raises(SpecError, match="the ported schedule is OneCycle"):
+    to_run_spec(_port(_sched("OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3)).ported, base)
 
 
 def test_cli_exit_codes_and_reports(tmp_path, capsys):

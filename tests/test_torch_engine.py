@@ -112,6 +112,20 @@ def test_ds_config_maps_every_spec_field():
   json.dumps(cfg)  # JSON-ready
 
 
+@pytest.mark.parametrize("kind, params", [
+    ("WarmupDecayLR", {"total_num_steps": 8, "warmup_num_steps": 3, "warmup_max_lr": 2e-3, "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_num_steps": 4}),
+])
+def test_ds_config_scheduler_comes_from_parity_schedule(kind, params):
+  run = apply_overrides(preset("gpt2-tiny"), [f"train.lr_schedule={kind}",
+                                              f"train.lr_schedule_params={json.dumps(params)}"])
+  cfg = ds_config(run)
+  assert cfg["scheduler"] == schedule.deepspeed_scheduler(run.train)
+  assert cfg["scheduler"]["type"] == kind and cfg["scheduler"]["params"].items() >= params.items()
+  constant = apply_overrides(preset("gpt2-tiny"), ["train.lr_schedule=Constant"])
+  assert "scheduler" not in ds_config(constant)
+
+
 @pytest.mark.parametrize("plan, zero", [
     (DeepSpeedPlan(zero_stage=0, offload_optimizer="none"), {"stage": 0}),
     (DeepSpeedPlan(zero_stage=1, offload_optimizer="none"), {"stage": 1}),
@@ -327,6 +341,26 @@ def test_llama_style_deepspeed_matches_torch_baseline(tmp_path):
     assert abs(a["loss"] - b["loss"]) < LOSS_ATOL_FP32, (a, b)
   for k in ds_final:
     assert_close(k, ds_final[k], pt_final[k], PARAM_ATOL_FP32)
+
+
+@pytest.mark.slow
+@pytest.mark.requires_deepspeed
+def test_ported_scheduler_lr_matches_on_both_sides(tmp_path):
+  """A non-default DeepSpeed scheduler (as `parity port` produces) reaches the engine and the baseline."""
+  pytest.importorskip("deepspeed")
+  params = {"total_num_steps": 6, "warmup_num_steps": 3, "warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
+            "warmup_type": "log"}
+  run = apply_overrides(tiny_run(steps=6, eval_every=0), ["train.lr_schedule=WarmupDecayLR",
+                                                          f"train.lr_schedule_params={json.dumps(params)}"])
+  request = make_run_dir(tmp_path, run)
+  results = {side: _load_side(tmp_path, side, run_worker(request, side)) for side in ("deepspeed", "torch")}
+  want = [schedule.train_lr(run.train, k) for k in range(run.train.steps)]
+  assert want[0] == 1e-4 and len(set(want)) > 3
+  for side, (steps, summary, _) in results.items():
+    assert [r["lr"] for r in steps] == pytest.approx(want, rel=1e-12, abs=0), side
+  assert results["deepspeed"][1]["optimizer"]["scheduler"] == "WarmupDecayLR"
+  for a, b in zip(results["deepspeed"][0], results["torch"][0], strict=True):
+    assert abs(a["loss"] - b["loss"]) < LOSS_ATOL_FP32, (a, b)
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The DeepSpeed side: environment, config from the spec, engine, and one training step.
 
-The engine is built from a `parity.spec.RunSpec` alone: `ds_config` maps the
-spec to a DeepSpeed config dict (AdamW, WarmupCosineLR with linear warmup,
+The engine is built from a `parity.spec.RunSpec` (or a user's resolved DeepSpeed config, checked against the spec): `ds_config` maps the
+spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.schedule`,
 gradient clipping, ZeRO stage and offload, bf16), the weight-decay mask comes
 from `parity.weights.decays` as two param groups, and `build_engine` checks
 that DeepSpeed really built the optimizer the plan asks for (DeepSpeedCPUAdam
@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from parity import schedule
 from parity.spec import RunSpec
 from parity.weights import param_shapes
 from torch_impl import memory
@@ -78,8 +79,10 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
   Args:
     run: the resolved run (model, train, deepspeed plan).
   Returns:
-    A JSON-ready dict for `deepspeed.initialize(config=...)`. The global batch is
-    left for DeepSpeed to derive (micro x accumulation x world size).
+    A JSON-ready dict for `deepspeed.initialize(config=...)`. The scheduler block is
+    `parity.schedule.deepspeed_scheduler(run.train)` (by default WarmupCosineLR with
+    linear warmup over train.steps). The global batch is left for DeepSpeed to derive
+    (micro x accumulation x world size).
   """
   t, plan = run.train, run.deepspeed
   zero: dict[str, Any] = {"stage": plan.zero_stage}
@@ -87,14 +90,17 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
   if plan.zero_stage == 3 and plan.offload_param == "cpu":
     zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-  return {
+  cfg: dict[str, Any] = {
       "train_micro_batch_size_per_gpu": t.micro_batch_size,
       "gradient_accumulation_steps": t.grad_accum_steps,
       "optimizer": {"type": "AdamW", "params": {
           "lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}},
-      "scheduler": {"type": "WarmupCosineLR", "params": {
-          "total_num_steps": t.steps, "warmup_min_ratio": t.warmup_min_ratio,
-          "warmup_num_steps": t.warmup_steps, "cos_min_ratio": t.cos_min_ratio, "warmup_type": "linear"}},
+  }
+  scheduler = schedule.deepspeed_scheduler(t)
+  if scheduler is not None:  # 'Constant': no scheduler block, the optimizer lr throughout
+    cfg["scheduler"] = scheduler
+  return {
+      **cfg,
       "gradient_clipping": t.grad_clip,
       "zero_optimization": zero,
       "bf16": {"enabled": t.precision == "bf16"},
@@ -136,20 +142,23 @@ def _check_engine(engine, run: RunSpec) -> None:
     problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
   if info["adamw_mode"] is False:
     problems.append("the Adam optimizer runs in Adam (L2) mode, not AdamW")
-  if info["scheduler"] != "WarmupCosineLR":
-    problems.append(f"scheduler is {info['scheduler']}, expected WarmupCosineLR")
+  planned = schedule.deepspeed_scheduler(run.train)
+  if info["scheduler"] != (planned["type"] if planned else None):
+    problems.append(f"scheduler is {info['scheduler']}, expected {planned['type'] if planned else None}")
   if sorted(info["group_weight_decay"]) != sorted([0.0, run.train.weight_decay]):
     problems.append(f"param-group weight decays {info['group_weight_decay']} != [{run.train.weight_decay}, 0.0]")
   if problems:
     raise RuntimeError("DeepSpeed built a different training setup than planned: " + "; ".join(problems))
 
 
-def build_engine(run: RunSpec, params: dict[str, np.ndarray]):
+def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None):
   """Builds the DeepSpeed engine for a run, starting from canonical weights.
 
   Args:
     run: the resolved run spec.
     params: canonical float32 initial weights.
+    config: a user's DeepSpeed config to run verbatim (`parity compare --deepspeed-config`, "auto"
+      already resolved); default `ds_config(run)`. Either way the engine is checked against `run`.
   Returns:
     The `deepspeed.DeepSpeedEngine` (the module is on the engine's device).
   Raises:
@@ -159,7 +168,8 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray]):
   import deepspeed
   model = build_model(run.model, params)
   groups = decay_groups(model, run.train.weight_decay)
-  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(run))
+  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                         config=ds_config(run) if config is None else config)
   _check_engine(engine, run)
   return engine
 
@@ -265,10 +275,10 @@ class DeepSpeedTrainer:
 
   side = "deepspeed"
 
-  def __init__(self, run: RunSpec, params: dict[str, np.ndarray]):
+  def __init__(self, run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None):
     self.run = run
-    self.engine = build_engine(run, params)
-    self.config = ds_config(run)
+    self.engine = build_engine(run, params, config)
+    self.config = ds_config(run) if config is None else config
     self._snapshots: list[memory.StateBytes] = []
 
   @property

@@ -36,7 +36,7 @@ def _determinism(seed: int) -> None:
 def _make_trainer(io: SideIO, params: dict[str, np.ndarray]):
   if io.side == "deepspeed":
     from torch_impl.engine import DeepSpeedTrainer
-    return DeepSpeedTrainer(io.run, params)
+    return DeepSpeedTrainer(io.run, params, io.request.get("deepspeed_config"))
   if io.side == "torch":
     from torch_impl.baseline import TorchTrainer
     return TorchTrainer(io.run, params)

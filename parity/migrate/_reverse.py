@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from parity.migrate._ctx import Flags
 from parity.migrate._model import PortedConfig
 from parity.migrate._read import PortError
 from parity.migrate._report import Report, leaf_paths
@@ -120,16 +121,18 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   """Maps a ported config onto the RunSpec `parity compare` runs.
 
   Raises:
-    SpecError: naming what compare cannot run yet (anything but AdamW + linear WarmupCosineLR, fp32/bf16,
-      one rank, remat none/full).
+    SpecError: naming what compare cannot run yet (anything but AdamW with one of
+      parity.schedule.COMPARE_SCHEDULERS, fp32/bf16, one rank, remat none/full).
+  The number of steps compare runs stays `base.train.steps`; the schedule keeps its own length.
   """
   o, s, b, pr = ported.optimizer, ported.scheduler, ported.batch, ported.precision
   if o.type != "adamw" or not o.params["bias_correction"]:
     raise SpecError(f"parity compare runs AdamW with bias correction only; the ported optimizer is {o.type} "
                     f"(bias_correction={o.params.get('bias_correction')}). Port runs need compare support for it.")
-  if s.type != "WarmupCosineLR" or s.params["warmup_type"] != "linear":
-    raise SpecError(f"parity compare runs WarmupCosineLR with warmup_type 'linear' only; the ported schedule is "
-                    f"{s.type}{'(' + str(s.params.get('warmup_type')) + ')' if 'warmup_type' in s.params else ''}.")
+  from parity.schedule import COMPARE_SCHEDULERS
+  if s.type not in COMPARE_SCHEDULERS:
+    raise SpecError(f"parity compare runs the schedulers {', '.join(COMPARE_SCHEDULERS)}; the ported schedule is "
+                    f"{s.type} (OneCycle also cycles Adam's betas, which compare does not).")
   if b.world != 1:
     raise SpecError(f"parity compare runs one data-parallel rank; the ported batch has world={b.world}.")
   if pr.compute_dtype == "fp16":
@@ -137,10 +140,10 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   if ported.remat.policy == "offload_to_host":
     raise SpecError("parity compare's JaxPlan has remat none/full; the ported remat is offload_to_host.")
   sh = ported.sharding
+  sched = {"lr_schedule": s.type, "lr_schedule_params": dict(s.params) if s.type != "Constant" else None}
   train = dataclasses.replace(
-      base.train, steps=s.params["total_num_steps"], micro_batch_size=b.micro, grad_accum_steps=b.grad_accum,
-      lr=o.params["lr"], warmup_steps=s.params["warmup_num_steps"], warmup_min_ratio=s.params["warmup_min_ratio"],
-      cos_min_ratio=s.params["cos_min_ratio"], beta1=o.params["betas"][0], beta2=o.params["betas"][1],
+      base.train, micro_batch_size=b.micro, grad_accum_steps=b.grad_accum, **sched,
+      lr=o.params["lr"], beta1=o.params["betas"][0], beta2=o.params["betas"][1],
       eps=o.params["eps"], weight_decay=o.params["weight_decay"], grad_clip=ported.clipping.max_global_norm,
       precision=pr.compute_dtype)
   host = [k for k in (sh.opt_state_memory_kind, sh.params_memory_kind) if k != "device"]
@@ -152,3 +155,47 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
                            offload_optimizer="cpu" if sh.opt_state_memory_kind != "device" else "none",
                            offload_param="cpu" if sh.params_memory_kind != "device" else "none")
   return dataclasses.replace(base, train=train, jax=jax, deepspeed=ds).validate()
+
+
+def compare_flags(raw: dict[str, Any], base: RunSpec) -> Flags:
+  """Values for the "auto" (and missing) keys of a DeepSpeed config, taken from the run spec.
+
+  Only keys that are "auto" or absent get a value, so an explicit setting in the user's config
+  always wins (and the HF Trainer's mismatch rule never fires): the run spec plays the part of
+  the HF TrainingArguments. World size is 1: compare runs one data-parallel rank.
+  """
+  from parity.migrate._report import leaf_paths
+  from parity.migrate._resolve import AUTO_RULES
+  autos = {p for p, v in leaf_paths(raw) if v == "auto"}
+  t, opt = base.train, raw.get("optimizer")
+  values = {"micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum_steps, "lr": t.lr,
+            "betas": (t.beta1, t.beta2), "eps": t.eps, "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps,
+            "total_steps": t.steps, "max_grad_norm": t.grad_clip, "precision": t.precision,
+            "hidden_size": base.model.d_model}
+  wanted = {AUTO_RULES[p][0] for p in autos if p in AUTO_RULES and AUTO_RULES[p][0]}
+  if not isinstance(opt, dict) or "type" not in opt:
+    wanted |= {"lr", "betas", "eps", "weight_decay"}
+  if "train_micro_batch_size_per_gpu" not in raw and "train_batch_size" not in raw:
+    wanted |= {"micro_batch"}
+  if "gradient_accumulation_steps" not in raw and "train_batch_size" not in raw:
+    wanted |= {"grad_accum"}
+  if raw.get("train_batch_size") == "auto":
+    wanted |= {"micro_batch", "grad_accum"}
+  return Flags(world_size=1, **{k: values[k] for k in sorted(wanted)})
+
+
+def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = ""):
+  """Ports a DeepSpeed config for `parity compare --deepspeed-config`.
+
+  Returns:
+    (RunSpec for the JAX and torch sides, the resolved DeepSpeed config the DeepSpeed side runs
+    verbatim, the PortResult with its key-by-key report).
+  Raises:
+    SpecError: the config is refused (the report's errors, naming the keys), or compare cannot run it.
+  """
+  from parity.migrate._port import port_config
+  result = port_config(raw, compare_flags(raw, base), source=source)
+  if result.ported is None:
+    raise SpecError(f"{source or 'DeepSpeed config'}: refused: " + "; ".join(result.report.errors))
+  spec = to_run_spec(result.ported, base)
+  return spec, result.ds_config, result

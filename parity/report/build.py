@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from parity.compare import Check, Verdict
+from parity.checks import Check, Verdict
 from parity.spec import RunSpec, config_hash, to_dict
 from parity.tolerances import TOLERANCES
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from parity import weights
-from parity.compare import compare_sides, param_checks, series_check, verdict
+from parity.checks import compare_sides, param_checks, series_check, verdict
 from parity.spec import PRESETS
 
 
