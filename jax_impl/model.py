@@ -22,12 +22,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from parity.spec import ModelSpec
 from parity.weights import check_names_and_shapes, param_shapes
 
-__all__ = ["GPT", "TRANSPOSED", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
-           "loss_fn", "rope_tables", "compute_dtype"]
+__all__ = ["GPT", "TRANSPOSED", "LAYERS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
+           "stack_layers", "unstack_layers", "loss_fn", "rope_tables", "compute_dtype"]
 
 Dtype = Any
 Params = dict[str, Any]
@@ -35,6 +36,9 @@ Params = dict[str, Any]
 TRANSPOSED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.gate.weight",
               "mlp.up.weight", "mlp.proj.weight", "lm_head.weight")
 """Canonical names (suffixes) of linear weights: [out, in] canonically, Flax `kernel` [in, out]."""
+
+LAYERS = "h"
+"""Module name of the layer-stacked blocks when scan_layers (params leaves carry a leading layer axis)."""
 
 _EMBEDDINGS = ("wte", "wpe")
 _NORMS = ("ln_1", "ln_2", "ln_f")
@@ -126,7 +130,9 @@ class Attention(nn.Module):
     b, t, _ = x_btd.shape
     n, k, h = s.n_heads, s.kv_heads, s.head_dim
     g = n // k
+    x_btd = checkpoint_name(x_btd, "attn_in")
     qkv_btf = _dense((n + 2 * k) * h, s, self.dtype, "qkv")(x_btd)  # rows: q heads, k heads, v heads
+    qkv_btf = checkpoint_name(qkv_btf, "qkv")
     q_btnh = qkv_btf[..., :n * h].reshape(b, t, n, h)
     k_btkh = qkv_btf[..., n * h:(n + k) * h].reshape(b, t, k, h)
     v_btkh = qkv_btf[..., (n + k) * h:].reshape(b, t, k, h)
@@ -141,7 +147,7 @@ class Attention(nn.Module):
     scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
     out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
-    out_btd = out_btkgh.reshape(b, t, n * h)  # heads in query-head order
+    out_btd = checkpoint_name(out_btkgh.reshape(b, t, n * h), "attn_out")  # heads in query-head order
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
     return _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(out_btd)
 
@@ -155,26 +161,49 @@ class Mlp(nn.Module):
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     s = self.spec
     f = s.ffn_dim
+    x_btd = checkpoint_name(x_btd, "mlp_in")
     if s.mlp == "gelu":
       hid_btf = jax.nn.gelu(_dense(f, s, self.dtype, "fc")(x_btd), approximate=s.gelu_approximate)
     else:
       gate_btf = _dense(f, s, self.dtype, "gate")(x_btd)
       up_btf = _dense(f, s, self.dtype, "up")(x_btd)
       hid_btf = jax.nn.silu(gate_btf) * up_btf
+    hid_btf = checkpoint_name(hid_btf, "mlp_hidden")
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
     return _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(hid_btf)
 
 
 class Block(nn.Module):
-  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+
+  With `scanned`, the call signature is the `nn.scan` body's: (x, None) -> (x, None).
+  """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
+  scanned: bool = False
 
   @nn.compact
-  def __call__(self, x_btd: jax.Array) -> jax.Array:
+  def __call__(self, x_btd: jax.Array, _: Any = None) -> Any:
     x_btd = x_btd + Attention(self.spec, self.dtype, name="attn")(Norm(self.spec, self.dtype, name="ln_1")(x_btd))
     x_btd = x_btd + Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd))
-    return x_btd
+    return (x_btd, None) if self.scanned else x_btd
+
+
+def _params_to_device(variables: Any) -> Any:
+  """One layer's params (a slice of the host-resident stack) moved into device memory, in the scan body."""
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), variables)
+
+
+def _block_class(remat: str, host_kind: str, scanned: bool, layer_to_device: bool) -> Any:
+  """Block wrapped in the plan's jax.checkpoint policy and, for scanned host params, a per-layer move."""
+  from jax_impl import remat as remat_lib  # noqa: PLC0415 (model.py stays importable on its own)
+  cls: Any = Block
+  if layer_to_device:
+    cls = nn.map_variables(cls, "params", trans_in_fn=_params_to_device, init=False)
+  pol = remat_lib.policy(remat, host_kind)
+  if pol is not None:
+    cls = nn.remat(cls, policy=pol, prevent_cse=not scanned)
+  return cls
 
 
 class GPT(nn.Module):
@@ -183,11 +212,36 @@ class GPT(nn.Module):
   Attributes:
     spec: the model spec.
     dtype: compute dtype (float32 or bfloat16); params are always float32.
-    remat: recompute each block in the backward pass (jax.checkpoint, nothing saveable).
+    remat: JaxPlan.remat policy over each block (`jax_impl.remat`); True/False mean "full"/"none".
+    scan_layers: run the blocks as one `nn.scan` over params stacked on a leading layer axis,
+      under the module name `LAYERS` ("h") instead of h_0 .. h_{L-1}.
+    layer_to_device: with scan_layers, move each layer's param slice to device memory inside the
+      scan body (the stacked params live in host memory; JaxPlan.offload_params).
+    host_memory_kind: host memory kind for the offload remat policies.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
-  remat: bool = False
+  remat: str | bool = False
+  scan_layers: bool = False
+  layer_to_device: bool = False
+  host_memory_kind: str = "pinned_host"
+
+  def _remat_name(self) -> str:
+    if isinstance(self.remat, bool):
+      return "full" if self.remat else "none"
+    return self.remat
+
+  def _blocks(self, x_btd: jax.Array) -> jax.Array:
+    s = self.spec
+    block = _block_class(self._remat_name(), self.host_memory_kind, self.scan_layers,
+                         self.layer_to_device and self.scan_layers and not self.is_initializing())
+    if not self.scan_layers:
+      for i in range(s.n_layers):
+        x_btd = block(s, self.dtype, name=f"h_{i}")(x_btd)
+      return x_btd
+    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers)
+    x_btd, _ = scanned(s, self.dtype, True, name=LAYERS)(x_btd, None)
+    return x_btd
 
   @nn.compact
   def __call__(self, tokens_bt: jax.Array) -> jax.Array:
@@ -212,32 +266,32 @@ class GPT(nn.Module):
       wpe = nn.Embed(s.max_seq_len, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wpe",
                      embedding_init=nn.initializers.normal(s.init_std))
       x_btd = x_btd + wpe(jnp.arange(t, dtype=jnp.int32))[None]  # (1, T, D)
-    block = nn.remat(Block, policy=jax.checkpoint_policies.nothing_saveable) if self.remat else Block
-    for i in range(s.n_layers):
-      x_btd = block(s, self.dtype, name=f"h_{i}")(x_btd)
+    x_btd = self._blocks(x_btd)
     x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)
     if s.tie_embeddings:
       return wte.attend(x_btd)  # x @ wte.T
     return _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
 
 
-def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *,
-            dtype: Dtype = jnp.float32, remat: bool = False) -> jax.Array:
+def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: Dtype = jnp.float32,
+            remat: str | bool = False, scan_layers: bool = False, layer_to_device: bool = False,
+            host_memory_kind: str = "pinned_host") -> jax.Array:
   """Mean next-token cross-entropy, nats, float32.
 
   Args:
-    params: the Flax params pytree (`to_flax` layout), float32.
+    params: the Flax params pytree (`to_flax` layout, stacked when scan_layers), float32.
     tokens_btp1: token ids, shape (B, T + 1), any integer dtype (uint16 from the run files).
       Inputs are tokens[:, :-1], targets tokens[:, 1:].
     spec: the model spec.
     dtype: compute dtype of the forward pass; log_softmax is always float32.
-    remat: rematerialise blocks in the backward pass.
+    remat, scan_layers, layer_to_device, host_memory_kind: see `GPT`.
   Returns:
     Scalar float32: mean over all B * T target tokens of -log p(target).
   """
   tokens = tokens_btp1.astype(jnp.int32)
   inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
-  logits_btv = GPT(spec, dtype, remat).apply({"params": params}, inputs_bt).astype(jnp.float32)
+  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind)
+  logits_btv = model.apply({"params": params}, inputs_bt).astype(jnp.float32)
   logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
   nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
   return jnp.mean(nll_bt)
@@ -274,8 +328,14 @@ def flax_path(name: str) -> tuple[tuple[str, ...], bool]:
   return (*modules, "kernel"), True
 
 
-def tree_from_canonical(values: Mapping[str, Any]) -> Params:
-  """Canonical name -> value mapping to the nested Flax dict, values untouched (e.g. masks)."""
+def tree_from_canonical(values: Mapping[str, Any], *, n_layers: int | None = None) -> Params:
+  """Canonical name -> value mapping to the nested Flax dict, values untouched (e.g. masks).
+
+  Args:
+    values: canonical name -> any value.
+    n_layers: when given, the scan_layers layout: the per-layer values (which must agree across
+      layers, e.g. decay-mask bools) appear once under `LAYERS`.
+  """
   tree: Params = {}
   for name, value in values.items():
     path, _ = flax_path(name)
@@ -283,7 +343,37 @@ def tree_from_canonical(values: Mapping[str, Any]) -> Params:
     for key in path[:-1]:
       node = node.setdefault(key, {})
     node[path[-1]] = value
-  return tree
+  return tree if n_layers is None else stack_layers(tree, n_layers, stack=_same_value)
+
+
+def _same_value(values: tuple[Any, ...]) -> Any:
+  if any(v != values[0] for v in values[1:]):
+    raise ValueError(f"per-layer values differ across layers ({values}); they cannot be stacked as one value")
+  return values[0]
+
+
+def stack_layers(tree: Params, n_layers: int, stack: Any = np.stack) -> Params:
+  """Unrolled layout (modules h_0 .. h_{L-1}) -> scan layout (one module `LAYERS`, layer axis 0 first).
+
+  The single place where the two layouts meet; `unstack_layers` is its inverse.
+
+  Args:
+    tree: Flax params (or any pytree with the params' structure) in the unrolled layout.
+    n_layers: L.
+    stack: combines the L per-layer leaves (np.stack for arrays: shape (L, *leaf shape)).
+  """
+  out = {k: v for k, v in tree.items() if not (k.startswith("h_") and k[2:].isdigit())}
+  layers = [tree[f"h_{i}"] for i in range(n_layers)]
+  out[LAYERS] = jax.tree.map(lambda *xs: stack(xs), *layers)
+  return out
+
+
+def unstack_layers(tree: Params, n_layers: int) -> Params:
+  """Scan layout -> unrolled layout (leaf i of layer l = stacked leaf [l]); numpy or jax leaves."""
+  out = {k: v for k, v in tree.items() if k != LAYERS}
+  for i in range(n_layers):
+    out[f"h_{i}"] = jax.tree.map(lambda x, i=i: x[i], tree[LAYERS])
+  return out
 
 
 def _get(tree: Params, path: tuple[str, ...]) -> Any:
@@ -292,11 +382,12 @@ def _get(tree: Params, path: tuple[str, ...]) -> Any:
   return tree
 
 
-def to_flax(canonical: Mapping[str, np.ndarray], spec: ModelSpec) -> Params:
+def to_flax(canonical: Mapping[str, np.ndarray], spec: ModelSpec, *, scan_layers: bool = False) -> Params:
   """Canonical float32 weights (torch layout) -> Flax params pytree (numpy leaves, float32).
 
-  Linear weights in TRANSPOSED are transposed [out, in] -> [in, out]; all else is copied.
-  The result is checked against the structure and shapes of `GPT(spec).init`.
+  Linear weights in TRANSPOSED are transposed [out, in] -> [in, out]; all else is copied. With
+  `scan_layers`, the blocks are stacked on a leading layer axis under `LAYERS` (`stack_layers`).
+  The result is checked against the structure and shapes of `GPT(spec, scan_layers=...).init`.
 
   Raises:
     ValueError: a name is missing, unexpected or has the wrong shape, or the tree does not
@@ -308,7 +399,10 @@ def to_flax(canonical: Mapping[str, np.ndarray], spec: ModelSpec) -> Params:
     arr = np.asarray(canonical[name], dtype=np.float32)
     arrays[name] = np.ascontiguousarray(arr.T if flax_path(name)[1] else arr)
   tree = tree_from_canonical(arrays)
-  expected = jax.eval_shape(lambda: GPT(spec).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
+  if scan_layers:
+    tree = stack_layers(tree, spec.n_layers)
+  model = GPT(spec, scan_layers=scan_layers)
+  expected = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
   got_shapes = jax.tree.map(lambda a: tuple(a.shape), tree)
   want_shapes = jax.tree.map(lambda a: tuple(a.shape), expected)
   if got_shapes != want_shapes:
@@ -316,19 +410,21 @@ def to_flax(canonical: Mapping[str, np.ndarray], spec: ModelSpec) -> Params:
   return tree
 
 
-def from_flax(params: Params, spec: ModelSpec) -> dict[str, np.ndarray]:
-  """Flax params pytree (any placement) -> canonical float32 numpy weights, in canonical order.
+def from_flax(params: Params, spec: ModelSpec, *, scan_layers: bool = False) -> dict[str, np.ndarray]:
+  """Flax params pytree (any placement; stacked when scan_layers) -> canonical float32 numpy weights.
 
   Raises:
     ValueError: a mapped tensor has the wrong shape.
   """
+  params = jax.device_get(params)
+  if scan_layers:
+    params = unstack_layers(params, spec.n_layers)
   out = {}
   for name, shape in param_shapes(spec).items():
     path, transposed = flax_path(name)
-    arr = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
+    arr = np.asarray(_get(params, path), dtype=np.float32)
     arr = np.ascontiguousarray(arr.T if transposed else arr)
     if arr.shape != shape:
       raise ValueError(f"from_flax: {name} ({'/'.join(path)}) has shape {arr.shape}, expected {shape}")
     out[name] = arr
   return out
-

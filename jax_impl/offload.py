@@ -7,10 +7,16 @@ shardings (in/out shardings + donation); inside the step, `to_device` moves offl
 groups into device memory before use, and the out shardings send the new values back
 to the host. XLA plans the transfers; there is no hand-written copy loop.
 
-Today the mesh has one device and everything is replicated over `data`. Data
-parallelism extends it by building the mesh over more devices: batches are already
-split over `data` along the micro-batch axis (`batch_sharding`), and FSDP only changes
-`leaf_spec`.
+The mesh has `plan.data_parallel` devices on its `data` axis; batches are split over
+`data` along the micro-batch axis (`batch_sharding`). `plan.zero_stage` decides which
+groups are sharded over `data` (`leaf_spec`, rule `parity.memory_jax.shard_axis`): 1 the
+optimizer state, 2 also the gradients (a sharding constraint in the step, so XLA
+reduce-scatters them), 3 also the params (FSDP; XLA all-gathers them where used). Host
+offload combines with sharding: the memory kind sits on the same NamedSharding.
+
+With `plan.scan_layers` and `offload_params`, the layer-stacked params stay in host memory
+through the forward and backward pass: `to_device` leaves the `LAYERS` subtree alone, and the
+model moves each layer's slice to device inside the scan body (`model._params_to_device`).
 
 What CPU can and cannot show (NUMERICS.md): arrays really carry the memory kind, the
 lowered StableHLO carries `mhlo.memory_kind = "pinned_host"` at the jit boundary, and the
@@ -21,19 +27,25 @@ device bytes. GPU runs are the real test of placement.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from parity.memory_jax import shard_axis
 from parity.spec import JaxPlan
 
 __all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "state_memory_kinds",
-           "bytes_by_memory_kind", "offload_evidence", "DATA_AXIS", "DEVICE_KIND"]
+           "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers", "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
 
 DATA_AXIS = "data"
 DEVICE_KIND = "device"
+LAYERS = "h"
+"""Params subtree stacked on a leading layer axis when scan_layers (= jax_impl.model.LAYERS)."""
+
+_SHARDED_FROM_STAGE = {"opt_state": 1, "grads": 2, "params": 3}
 
 
 class TrainState(NamedTuple):
@@ -42,10 +54,23 @@ class TrainState(NamedTuple):
   opt_state: Any  # optax state of jax_impl.optim.make_optimizer (moments float32, counts int32)
 
 
-def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
-  """A 1-axis mesh (`data`) over `devices` (default: the first local device)."""
-  devs = list(devices) if devices else jax.local_devices()[:1]
+def make_mesh(devices: list[jax.Device] | None = None, data_parallel: int = 1) -> Mesh:
+  """A 1-axis mesh (`data`) over `devices` (default: the first `data_parallel` local devices).
+
+  Raises:
+    ValueError: fewer than `data_parallel` local devices.
+  """
+  devs = list(devices) if devices else jax.local_devices()[:data_parallel]
+  if len(devs) < data_parallel:
+    raise ValueError(f"jax.data_parallel={data_parallel} needs {data_parallel} devices; this process has "
+                     f"{len(devs)} ({jax.default_backend()}). On CPU, set XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={data_parallel} before jax is imported "
+                     "(the worker does this itself).")
   return Mesh(np.array(devs), (DATA_AXIS,))
+
+
+def _is_stacked(path: tuple[Any, ...]) -> bool:
+  return any(getattr(k, "key", None) == LAYERS for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +89,28 @@ class Placement:
     offloaded = {"params": self.plan.offload_params, "opt_state": self.plan.offload_opt_state}[group]
     return self.plan.host_memory_kind if offloaded else DEVICE_KIND
 
-  def leaf_spec(self, group: str, leaf: Any) -> P:
-    """PartitionSpec of one state leaf; replicated over `data` (the hook for FSDP)."""
-    del group, leaf
-    return P()
+  def sharded(self, group: str) -> bool:
+    """Whether `group` ('params', 'opt_state' or 'grads') is sharded over `data` under the plan's stage."""
+    return self.plan.zero_stage >= _SHARDED_FROM_STAGE[group] and self.mesh.shape[DATA_AXIS] > 1
 
-  def group_shardings(self, group: str, tree: Any) -> Any:
-    """Pytree of NamedShardings (memory kind of `group`) matching `tree` (arrays or shapes)."""
-    kind = self.kind(group)
-    return jax.tree.map(lambda x: NamedSharding(self.mesh, self.leaf_spec(group, x), memory_kind=kind), tree)
+  def leaf_spec(self, group: str, leaf: Any, stacked: bool = False) -> P:
+    """PartitionSpec of one leaf: `data` on its `shard_axis` when the group is sharded, else replicated.
+
+    Args:
+      group: 'params', 'opt_state' or 'grads'.
+      leaf: array or ShapeDtypeStruct.
+      stacked: the leaf is scan-stacked (its layer axis 0 is never sharded).
+    """
+    if not self.sharded(group):
+      return P()
+    axis = shard_axis(tuple(leaf.shape), self.mesh.shape[DATA_AXIS], skip_leading=stacked)
+    return P() if axis is None else P(*([None] * axis), DATA_AXIS)
+
+  def group_shardings(self, group: str, tree: Any, kind: str | None = None) -> Any:
+    """Pytree of NamedShardings (memory kind of `group`, or `kind`) matching `tree` (arrays or shapes)."""
+    kind = kind or self.kind(group if group != "grads" else "params")
+    spec = lambda path, x: self.leaf_spec(group, x, _is_stacked(path))
+    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(self.mesh, spec(p, x), memory_kind=kind), tree)
 
   def state_shardings(self, state: TrainState) -> TrainState:
     """TrainState of shardings, each leaf in its group's memory kind."""
@@ -83,10 +121,19 @@ class Placement:
     """The same shardings with memory kind `device` (the in-step working copies)."""
     return jax.tree.map(lambda s: s.with_memory_kind(DEVICE_KIND), shardings)
 
-  def to_device(self, group: str, tree: Any, shardings: Any) -> Any:
-    """Inside jit: moves an offloaded group into device memory; identity for device groups."""
+  def to_device(self, group: str, tree: Any, shardings: Any, keep_layers: bool = False) -> Any:
+    """Inside jit: moves an offloaded group into device memory; identity for device groups.
+
+    Args:
+      keep_layers: leave the scan-stacked `LAYERS` subtree of the params where it is (the scan
+        body moves one layer at a time); only with plan.scan_layers.
+    """
     if self.kind(group) == DEVICE_KIND:
       return tree
+    if keep_layers and self.plan.scan_layers and isinstance(tree, dict) and LAYERS in tree:
+      rest = {k: v for k, v in tree.items() if k != LAYERS}
+      moved = jax.device_put(rest, self.device_shardings({k: shardings[k] for k in rest}))
+      return {**moved, LAYERS: tree[LAYERS]}
     return jax.device_put(tree, self.device_shardings(shardings))
 
   def batch_sharding(self) -> NamedSharding:
@@ -104,7 +151,7 @@ def make_placement(plan: JaxPlan, mesh: Mesh | None = None) -> Placement:
   Raises:
     ValueError: a device of the mesh has no memory of kind `plan.host_memory_kind`.
   """
-  mesh = mesh or make_mesh()
+  mesh = mesh or make_mesh(data_parallel=plan.data_parallel)
   if plan.offload_params or plan.offload_opt_state:
     for dev in mesh.devices.flat:
       kinds = {m.kind for m in dev.addressable_memories()}
@@ -135,12 +182,29 @@ def state_memory_kinds(state: TrainState) -> dict[str, str]:
   return out
 
 
-def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
-  """Bytes held by the live arrays of `tree` in this process, per memory kind (all addressable shards)."""
+def state_sharding_specs(state: TrainState) -> dict[str, dict[str, int]]:
+  """Per state group, how many live leaves are sharded over `data` and how many are replicated."""
+  out = {}
+  for group, tree in state._asdict().items():
+    specs = [getattr(x.sharding, "spec", P()) for x in jax.tree.leaves(tree)]
+    sharded = sum(DATA_AXIS in tuple(s) for s in specs)
+    out[group] = {"sharded": sharded, "replicated": len(specs) - sharded}
+  return out
+
+
+def bytes_by_memory_kind(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
+  """Bytes held by the live arrays of `tree`, per memory kind.
+
+  Args:
+    tree: pytree of jax Arrays.
+    device: count only the shards on this device (per-device bytes, what
+      `parity.memory_jax.jax_state_bytes` predicts); None: all addressable shards of this process.
+  """
   out: dict[str, int] = {}
   for x in jax.tree.leaves(tree):
     kind = _leaf_kind(x)
-    out[kind] = out.get(kind, 0) + sum(int(s.data.nbytes) for s in x.addressable_shards)
+    shards = [s for s in x.addressable_shards if device is None or s.device == device]
+    out[kind] = out.get(kind, 0) + sum(int(s.data.nbytes) for s in shards)
   return out
 
 
@@ -157,24 +221,73 @@ def _entry_layout(hlo_text: str) -> str:
   return hlo_text[start + len(key):i - 1]
 
 
-def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pinned_host") -> dict[str, int]:
-  """Counts the host-placement annotations a compiled step carries.
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_BUFFER = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
+
+
+def entry_buffers(compiled_text: str) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+  """Entry parameters and results of a compiled module: (bytes per device, in host memory S(5)?) each.
+
+  Parsed from `entry_computation_layout`, e.g. `(f32[64,32]{1,0:S(5)}, s32[]{:S(5)})->(...)`;
+  sizes are per device (the SPMD-partitioned shapes).
+  """
+  layout = _entry_layout(compiled_text)
+  if "->" not in layout:
+    return [], []
+
+  def parse(text: str) -> list[tuple[int, bool]]:
+    out = []
+    for dtype, dims, lay in _BUFFER.findall(text):
+      n = _DTYPE_BYTES.get(dtype, 0)
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      out.append((n, "S(5)" in (lay or "")))
+    return out
+
+  args, results = layout.split("->", 1)
+  return parse(args), parse(results)
+
+
+def _group_moves(compiled_text: str, groups: dict[str, int]) -> dict[str, dict[str, int]]:
+  """Host bytes in/out per step of each state group, from the entry buffers (groups in argument order)."""
+  args, results = entry_buffers(compiled_text)
+  out, start = {}, 0
+  for name, n in groups.items():
+    host_in = sum(b for b, host in args[start:start + n] if host)
+    host_out = sum(b for b, host in results[start:start + n] if host)
+    out[name] = {"host_to_device_bytes": host_in, "device_to_host_bytes": host_out,
+                 "moved_bytes_per_step": host_in + host_out}
+    start += n
+  return out
+
+
+def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pinned_host",
+                     groups: dict[str, int] | None = None) -> dict[str, Any]:
+  """Counts the host-placement annotations a compiled step carries, and the bytes they move.
 
   Args:
     lowered_text: `jit(...).lower(...).as_text()` (StableHLO).
     compiled_text: `lowered.compile().as_text()` (optimised HLO).
     host_kind: the host memory kind of the plan.
+    groups: state group -> number of leaves, in the step's argument (and result) order, e.g.
+      {"params": 16, "opt_state": 37}; adds one entry per group with its host bytes per step.
   Returns:
     lowered_host_args_results: entry arguments/results with `mhlo.memory_kind = "<host_kind>"`;
     lowered_host_placements: `annotate_device_placement` ops placing a value in host memory;
     compiled_host_entry_buffers: entry parameters/results in host memory space `S(5)`;
-    compiled_host_buffers: every `S(5)` layout in the compiled module (GPU adds in-step copies).
+    compiled_host_buffers: every `S(5)` layout in the compiled module (GPU adds in-step copies);
+    per group (when `groups`): host_to_device_bytes (entry parameters in S(5)),
+    device_to_host_bytes (entry results in S(5)) and their sum moved_bytes_per_step, per device.
     `unpinned_host` gets no S(5) on CPU (NUMERICS.md).
   """
   entry = _entry_layout(compiled_text)
-  return {
+  out: dict[str, Any] = {
       "lowered_host_args_results": lowered_text.count(f'mhlo.memory_kind = "{host_kind}"'),
       "lowered_host_placements": lowered_text.count(f'_xla_buffer_placement = "{host_kind}"'),
       "compiled_host_entry_buffers": entry.count("S(5)"),
       "compiled_host_buffers": compiled_text.count("S(5)"),
   }
+  if groups:
+    out.update(_group_moves(compiled_text, groups))
+  return out

@@ -117,13 +117,22 @@ def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
   return schedule
 
 
-def decay_mask(spec: ModelSpec) -> dict[str, Any]:
-  """Flax-layout pytree of bools: True where AdamW weight decay applies (`parity.weights.decays`)."""
-  return tree_from_canonical({name: decays(name) for name in param_shapes(spec)})
+def decay_mask(spec: ModelSpec, scan_layers: bool = False) -> dict[str, Any]:
+  """Flax-layout pytree of bools: True where AdamW weight decay applies (`parity.weights.decays`).
+
+  With `scan_layers`, one bool per stacked block tensor (the same for every layer).
+  """
+  values = {name: decays(name) for name in param_shapes(spec)}
+  return tree_from_canonical(values, n_layers=spec.n_layers if scan_layers else None)
 
 
-def make_optimizer(spec: ModelSpec, train: TrainSpec) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = False
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the DeepSpeed-equivalent optimizer for this model and training spec.
+
+  Args:
+    spec, train: the model and training specs.
+    scan_layers: the params use the layer-stacked layout (`model.stack_layers`).
 
   Returns:
     (tx, schedule): the optax chain (state: (ClipState, adamw state)) and its learning-rate
@@ -133,7 +142,7 @@ def make_optimizer(spec: ModelSpec, train: TrainSpec) -> tuple[optax.GradientTra
   tx = optax.chain(
       clip_by_global_norm_deepspeed(train.grad_clip),
       optax.adamw(learning_rate=schedule, b1=train.beta1, b2=train.beta2, eps=train.eps, eps_root=0.0,
-                  weight_decay=train.weight_decay, mask=decay_mask(spec)))
+                  weight_decay=train.weight_decay, mask=decay_mask(spec, scan_layers)))
   return tx, schedule
 
 

@@ -25,6 +25,8 @@ from parity.spec import RunSpec
 
 from jax_impl import model as model_lib
 from jax_impl import optim
+from jax_impl import offload as offload_lib
+from jax_impl import remat as remat_lib
 from jax_impl.offload import Placement, TrainState, make_placement
 
 __all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer"]
@@ -35,14 +37,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 Metrics = dict[str, jax.Array]
 
 
-def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, jax.Array], jax.Array]
-                     ) -> tuple[jax.Array, Any]:
+def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, jax.Array], jax.Array],
+                     grad_shardings: Any = None, grads_to_device: bool = False) -> tuple[jax.Array, Any]:
   """Mean loss and averaged gradient over the micro batches, DeepSpeed style.
 
   Args:
     params: float32 params pytree (in device memory).
     batch_amtp1: token ids, shape (A, M, T + 1): A micro batches of M sequences.
     loss: (params, tokens (M, T + 1)) -> scalar float32 mean cross-entropy.
+    grad_shardings: optional pytree of shardings for the accumulated gradient (ZeRO-2: sharded over
+      `data`, so XLA reduce-scatters each micro batch's gradient instead of all-reducing it).
+    grads_to_device: move each micro batch's gradient to device memory (params partly in host
+      memory: the gradient of a host-resident input is born in host memory, the transpose of the
+      in-scan move to device).
   Returns:
     loss: float32 scalar, mean over the A micro-batch losses (nats).
     grads: pytree like params, sum over micro batches of grad(loss_i / A), float32.
@@ -58,9 +65,14 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
   def body(carry: tuple[jax.Array, Any], tokens_mtp1: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
     loss_sum, grads_acc = carry
     (_, loss_i), grads_i = grad_fn(params, tokens_mtp1)
-    return (loss_sum + loss_i, jax.tree.map(jnp.add, grads_acc, grads_i)), None
+    if grads_to_device:
+      grads_i = jax.tree.map(lambda g: jax.device_put(g, jax.memory.Space.Device), grads_i)
+    return (loss_sum + loss_i, constrain(jax.tree.map(jnp.add, grads_acc, grads_i))), None
 
-  init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  constrain = (lambda g: g) if grad_shardings is None else (
+      lambda g: jax.lax.with_sharding_constraint(g, grad_shardings))
+  zeros = lambda x: jnp.zeros(x.shape, x.dtype)  # in device memory, whatever the params' memory kind
+  init = (jnp.zeros((), jnp.float32), constrain(jax.tree.map(zeros, params)))
   (loss_sum, grads), _ = jax.lax.scan(body, init, batch_amtp1)
   return loss_sum / accum, grads
 
@@ -77,15 +89,15 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     float32 scalars `loss` (mean over micro batches, nats), `grad_norm` (global L2 norm of the
     averaged gradient before clipping) and `lr` (learning rate applied by this update).
   """
-  spec, dtype, remat = run.model, model_lib.compute_dtype(run.train.precision), run.jax.remat == "full"
-
-  def loss(p: Any, tokens_mtp1: jax.Array) -> jax.Array:
-    return model_lib.loss_fn(p, tokens_mtp1, spec, dtype=dtype, remat=remat)
-
+  loss = _model_loss(run, placement)
+  layers_on_host = run.jax.scan_layers and placement.kind("params") != "device"
   def train_step(state: TrainState, batch_amtp1: jax.Array) -> tuple[TrainState, Metrics]:
-    params = placement.to_device("params", state.params, shardings.params)
+    grad_shd = placement.group_shardings("grads", state.params, kind="device") if placement.sharded("grads") else None
+    fwd_params = placement.to_device("params", state.params, shardings.params, keep_layers=True)
     opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
-    loss_val, grads = accumulate_grads(params, batch_amtp1, loss)
+    loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd,
+                                       grads_to_device=layers_on_host)
+    params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
     lr = schedule(optim.step_count_of(opt_state))
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -95,13 +107,22 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   return train_step
 
 
+def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
+  """(params, tokens (M, T + 1)) -> mean cross-entropy, with the plan's layout, remat and per-layer moves."""
+  plan = run.jax
+  layer_to_device = plan.scan_layers and placement.kind("params") != "device"
+  kw = dict(dtype=model_lib.compute_dtype(run.train.precision), remat=plan.remat if remat else "none",
+            scan_layers=plan.scan_layers, layer_to_device=layer_to_device, host_memory_kind=plan.host_memory_kind)
+  return lambda p, tokens_mtp1: model_lib.loss_fn(p, tokens_mtp1, run.model, **kw)
+
+
 def make_eval_loss(run: RunSpec, placement: Placement, param_shardings: Any) -> Callable[[Any, jax.Array], jax.Array]:
   """eval_loss(params, val (E, M, T + 1) ints) -> float32 mean of the E micro-batch losses (nats)."""
-  spec, dtype = run.model, model_lib.compute_dtype(run.train.precision)
+  loss = _model_loss(run, placement, remat=False)
 
   def eval_loss(params: Any, val_emtp1: jax.Array) -> jax.Array:
-    params = placement.to_device("params", params, param_shardings)
-    losses_e = jax.lax.map(lambda tokens: model_lib.loss_fn(params, tokens, spec, dtype=dtype), val_emtp1)
+    params = placement.to_device("params", params, param_shardings, keep_layers=True)
+    losses_e = jax.lax.map(lambda tokens: loss(params, tokens), val_emtp1)
     return jnp.mean(losses_e)
 
   return eval_loss
@@ -150,7 +171,8 @@ class Trainer:
     jit_step, jit_eval: the jitted (not yet compiled) functions.
     step_fn, eval_fn: the AOT-compiled executables (after `compile`).
     compile_times_s: lower/compile wall seconds of each function.
-    lowered_text, compiled_text: the train step's StableHLO and optimised HLO.
+    jaxpr_text, lowered_text, compiled_text: the train step's jaxpr (where CPU keeps in-jit memory
+      moves and activation offload), StableHLO and optimised HLO.
     memory_analysis: numeric fields of the train step's `compiled.memory_analysis()`, bytes.
   """
   run: RunSpec
@@ -162,6 +184,7 @@ class Trainer:
   step_fn: Any = None
   eval_fn: Any = None
   compile_times_s: dict[str, float] = dataclasses.field(default_factory=dict)
+  jaxpr_text: str = ""
   lowered_text: str = ""
   compiled_text: str = ""
   memory_analysis: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -170,8 +193,9 @@ class Trainer:
   def build(cls, run: RunSpec, canonical: dict[str, np.ndarray], mesh: jax.sharding.Mesh | None = None) -> "Trainer":
     """Maps the canonical weights, places the state and jits the functions (no compilation yet)."""
     placement = make_placement(run.jax, mesh)
-    tx, schedule = optim.make_optimizer(run.model, run.train)
-    state, shardings = init_state(placement, model_lib.to_flax(canonical, run.model), tx)
+    scan = run.jax.scan_layers
+    tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan)
+    state, shardings = init_state(placement, model_lib.to_flax(canonical, run.model, scan_layers=scan), tx)
     step = make_train_step(run, tx, schedule, placement, shardings)
     metrics_shd = placement.replicated()
     jit_step = jax.jit(step, in_shardings=(shardings, placement.batch_sharding()),
@@ -188,8 +212,10 @@ class Trainer:
     """Lowers and compiles the step (and eval, when `val_shape`) for these batch shapes, timed."""
     batch_shd = self.placement.batch_sharding()
     t0 = time.perf_counter()
-    lowered = self.jit_step.lower(_abstract(self.state, self.shardings),
-                                  jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_shd))
+    traced = self.jit_step.trace(_abstract(self.state, self.shardings),
+                                 jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_shd))
+    self.jaxpr_text = str(traced.jaxpr)
+    lowered = traced.lower()
     t1 = time.perf_counter()
     self.step_fn = lowered.compile()
     t2 = time.perf_counter()
@@ -201,6 +227,21 @@ class Trainer:
       self.eval_fn = self.jit_eval.lower(_abstract(self.state.params, self.shardings.params),
                                          jax.ShapeDtypeStruct(val_shape, dtype, sharding=batch_shd)).compile()
       self.compile_times_s["eval_compile"] = time.perf_counter() - t0
+
+  def offload_evidence(self) -> dict[str, Any]:
+    """Compiler evidence of the plan's offload (after `compile`), per offload option.
+
+    Returns:
+      `offload.offload_evidence` of the step with its per-option entries `offload_params` and
+      `offload_opt_state` (host<->device bytes per step per device, from the S(5) entry buffers),
+      plus `jaxpr_device_puts` (`remat.device_puts_in_jaxpr`): the in-jit moves that the CPU
+      backend drops from the lowered text (activation offload, per-layer param moves).
+    """
+    groups = {"offload_params": len(jax.tree.leaves(self.state.params)),
+              "offload_opt_state": len(jax.tree.leaves(self.state.opt_state))}
+    ev = offload_lib.offload_evidence(self.lowered_text, self.compiled_text, self.run.jax.host_memory_kind, groups)
+    ev["jaxpr_device_puts"] = remat_lib.device_puts_in_jaxpr(self.jaxpr_text)
+    return ev
 
   def step(self, batch_amtp1: np.ndarray) -> dict[str, float]:
     """Runs one optimizer step on a host batch (A, M, T + 1); returns host-synchronised metrics."""
@@ -221,4 +262,4 @@ class Trainer:
 
   def canonical_params(self) -> dict[str, np.ndarray]:
     """Current fp32 master params in the canonical (torch) layout."""
-    return model_lib.from_flax(self.state.params, self.run.model)
+    return model_lib.from_flax(self.state.params, self.run.model, scan_layers=self.run.jax.scan_layers)

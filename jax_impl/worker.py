@@ -6,6 +6,7 @@ loss or grad norm (status 'nan'), 1 crash (status 'crashed', written by `main_gu
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -68,18 +69,48 @@ def run_side(io: SideIO) -> int:
   device = trainer.placement.mesh.devices.flat[0]
   extra = {"state_memory_kinds": offload.state_memory_kinds(trainer.state),
            "memory_analysis": trainer.memory_analysis,
-           "offload_evidence": offload.offload_evidence(trainer.lowered_text, trainer.compiled_text,
-                                                        io.run.jax.host_memory_kind),
+           "offload_evidence": trainer.offload_evidence(),
+           "state_bytes_all_devices": offload.bytes_by_memory_kind(trainer.state),
+           "state_shardings": offload.state_sharding_specs(trainer.state),
+           "mesh_devices": int(trainer.placement.mesh.size),
            "compile_times_s": trainer.compile_times_s,
            "plan": to_dict(io.run.jax)}
   io.finish(status, final_params=trainer.canonical_params() if status == "ok" else None,
             error="non-finite loss or grad_norm" if status == "nan" else None,
             versions=_versions(), device=str(device), peak_device_bytes=_peak_device_bytes(device),
-            state_bytes_by_memory_kind=offload.bytes_by_memory_kind(trainer.state), extra=extra)
+            state_bytes_by_memory_kind=offload.bytes_by_memory_kind(trainer.state, device), extra=extra)
   return 0 if status == "ok" else EXIT_NAN
 
 
+_FORCE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def force_host_devices(argv: list[str], environ: dict = os.environ) -> int | None:
+  """Before jax is imported: give the CPU backend `jax.data_parallel` devices when the plan needs > 1.
+
+  Reads the request JSON named by the first positional argument; when its `run.jax.data_parallel`
+  n > 1 and XLA_FLAGS sets no device count yet, appends `--xla_force_host_platform_device_count=n`.
+  The flag only affects the host (CPU) platform, so a GPU run keeps its real devices. Errors in the
+  request are left to `main_guard`, which reports them.
+
+  Returns:
+    The forced count, or None when nothing was set.
+  """
+  paths = [a for a in argv if not a.startswith("-") and a.endswith(".json")]
+  try:
+    n = int(json.loads(open(paths[0]).read())["run"]["jax"].get("data_parallel", 1)) if paths else 1
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  flags = environ.get("XLA_FLAGS", "")
+  if n <= 1 or _FORCE_COUNT in flags:
+    return None
+  environ["XLA_FLAGS"] = f"{flags} {_FORCE_COUNT}={n}".strip()
+  return n
+
+
 def main(argv: list[str] | None = None) -> int:
+  if "jax" not in sys.modules:  # the flag is read when jax initialises its backends
+    force_host_devices(sys.argv[1:] if argv is None else argv)
   return main_guard(run_side, argv)
 
 

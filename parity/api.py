@@ -20,7 +20,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
             out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
             timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None,
-            deepspeed_config: str | Path | None = None) -> Report:
+            deepspeed_config: str | Path | None = None, plan: str | None = None,
+            hardware: str = "H100") -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report.
 
   Args:
@@ -38,6 +39,9 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     deepspeed_config: a DeepSpeed JSON config. The DeepSpeed side runs that very file (its "auto"
       values filled from the run spec, as the HF Trainer would); the JAX and torch sides run its
       port (`parity port`); the key-by-key migration report is written to migration.json/.md.
+    plan: a plan pair of parity.plans.PLANS applied to both sides, or 'auto' for the fastest pair that
+      fits `hardware` by the memory model (parity.plans.choose_plan); the choice is recorded in the report.
+    hardware: a parity.plans.HARDWARE preset, for plan='auto'.
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
@@ -48,6 +52,9 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   t0 = time.time()
   name = preset or DEFAULT_PRESET
   spec = resolve(preset, config=config, overrides=overrides, steps=steps, sides=sides, data=data)
+  plan_choice = None
+  if plan is not None:
+    spec, plan_choice = _apply_plan(spec, plan, hardware)
   init = None
   if hf_model is not None:
     from parity import convert, hf
@@ -87,11 +94,28 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   report = build_report(spec=spec, preset_name=name, run_dir=run_dir, data_info=prep["corpus"],
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
                         verdict=v, wall_s=0.0, prepare_s=prep["prepare_s"])
+  report.data["plan"] = plan_choice
   report.data["timing"]["wall_s"] = time.time() - t0
   busy = sum(report.data["timing"]["sides_s"].values())
   report.data["timing"]["overhead_ratio"] = report.data["timing"]["wall_s"] / busy if busy else None
   write_all(report)
   return report
+
+
+def _apply_plan(spec, plan: str, hardware: str):
+  """(spec with the plan pair applied, {name, why}) for `--plan NAME|auto`."""
+  from parity import plans
+  from parity.spec import SpecError
+  if plan != "auto":
+    return plans.apply_plan(spec, plan), {"name": plan, "chosen_by": "user"}
+  if hardware not in plans.HARDWARE:
+    raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
+  best, ranked = plans.choose_plan(spec.model, spec.train, plans.HARDWARE[hardware], sides=tuple(
+      s for s in spec.sides if s in ("jax", "deepspeed")) or ("jax",))
+  if best is None:
+    raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
+  return plans.apply_plan(spec, best.name), {"name": best.name, "chosen_by": f"planner ({hardware})",
+                                             "why": plans.explain(best, ranked)}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@
                  [--data SRC] [--out DIR] [--perturb side:key=value ...] [--timeout S]
   parity port CONFIG ...           (DeepSpeed config -> JAX config; see `parity port -h`)
   parity convert-weights SRC DST   (Hugging Face folder <-> canonical safetensors <-> orbax)
+  parity estimate [--model llama-7b] [--plan NAME]   (memory model, both sides, vs DeepSpeed's estimators)
+  parity plan --model llama-7b --hardware H100       (fastest plan pair that fits)
   parity report RUN_DIR            (print the summary of a finished run)
   parity presets                   (list the built-in presets)
 
@@ -46,6 +48,9 @@ def _add_compare(sub) -> None:
   p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset")
   p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                  help="dotted override, e.g. --set train.lr=3e-4 --set jax.offload_params=true")
+  p.add_argument("--plan", help="a DeepSpeed <-> JAX plan pair (see `parity plan`; e.g. zero3-offload-all), "
+                                 "or 'auto': the fastest pair that fits --hardware by the memory model")
+  p.add_argument("--hardware", default="H100", help="accelerator preset for --plan auto (A100-40, A100-80, H100, H200, GH200)")
   p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
   p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
   p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, or a nanoGPT .bin of uint16 ids")
@@ -67,7 +72,8 @@ def _run_compare(args) -> int:
   report = compare(args.preset, config=args.config, overrides=args.overrides, steps=args.steps,
                    sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
                    perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
-                   hf_model=args.hf_model, deepspeed_config=args.deepspeed_config)
+                   hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
+                   hardware=args.hardware)
   print_summary(report, con)
   return report.exit_code
 
@@ -140,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
   from parity import convert
   p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax")
   convert.add_arguments(p)
+  from parity import memory, plans
+  p = sub.add_parser("estimate", help="memory model: bytes per category and memory kind, both sides, "
+                                      "with DeepSpeed's own estimator figures")
+  memory.add_estimate_arguments(p)
+  p = sub.add_parser("plan", help="choose the sharding/offload/remat plan that fits a device and is fastest")
+  plans.add_plan_arguments(p)
   p = sub.add_parser("report", help="print the summary of a finished run")
   p.add_argument("run_dir")
   p = sub.add_parser("presets", help="list built-in presets")
@@ -159,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "convert-weights":
       from parity import convert
       return convert.run(args)
+    if args.command == "estimate":
+      from parity import memory
+      return memory.run_estimate(args)
+    if args.command == "plan":
+      from parity import plans
+      return plans.run_plan(args)
     if args.command == "report":
       return _run_report(args)
     return _run_presets(args)

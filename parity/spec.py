@@ -186,18 +186,39 @@ class TrainSpec:
     return self
 
 
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "offload_dots_no_batch", "offload_names")
+"""jax.checkpoint policies over each block (jax_impl/offload.py maps them to jax.checkpoint_policies)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class JaxPlan:
-  """Where the JAX side keeps its training state (memory kinds) and how it rematerialises."""
+  """Where the JAX side keeps its training state (memory kinds), how it shards it, and how it rematerialises."""
 
   offload_opt_state: bool = True
   """Adam moments live in `pinned_host` between steps; XLA moves them in and out of the step."""
   offload_params: bool = False
-  """fp32 master params also live in `pinned_host` between steps."""
+  """fp32 master params also live in `pinned_host` between steps (with scan_layers: moved to device per layer)."""
   host_memory_kind: Literal["pinned_host", "unpinned_host"] = "pinned_host"
   """Memory kind used for offloaded state."""
-  remat: Literal["none", "full"] = "none"
-  """jax.checkpoint policy over each block: none (save everything) or full (recompute)."""
+  remat: str = "none"
+  """jax.checkpoint policy over each block, one of REMAT_POLICIES: none (save everything), full (recompute
+  everything), save_dots / save_dots_no_batch (keep matmul outputs), offload_dots_no_batch / offload_names
+  (keep them in host memory)."""
+  scan_layers: bool = False
+  """Run the blocks as one jax.lax.scan over layer-stacked params (layer axis 0)."""
+  zero_stage: int = 0
+  """Sharding over the mesh's data axis: 0 replicated, 1 optimizer state, 2 + gradients, 3 + params (FSDP)."""
+  data_parallel: int = 1
+  """Devices on the mesh's data axis (the micro batch is split over them); 1 = one device."""
+
+  def validate(self) -> "JaxPlan":
+    if self.remat not in REMAT_POLICIES:
+      raise SpecError(f"jax.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
+    if self.zero_stage not in (0, 1, 2, 3):
+      raise SpecError(f"jax.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
+    if self.data_parallel < 1:
+      raise SpecError(f"jax.data_parallel must be >= 1; got {self.data_parallel}")
+    return self
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,6 +231,8 @@ class DeepSpeedPlan:
   """zero_optimization.offload_optimizer.device; 'cpu' uses DeepSpeedCPUAdam."""
   offload_param: Literal["none", "cpu"] = "none"
   """zero_optimization.offload_param.device; stage 3 only."""
+  activation_checkpointing: bool = False
+  """Recompute each block in the backward pass (deepspeed.checkpointing / torch.utils.checkpoint)."""
 
   def validate(self) -> "DeepSpeedPlan":
     if self.zero_stage not in (0, 1, 2, 3):
@@ -241,6 +264,10 @@ class RunSpec:
     self.model.validate()
     self.train.validate(self.model)
     self.deepspeed.validate()
+    self.jax.validate()
+    if self.train.micro_batch_size % self.jax.data_parallel:
+      raise SpecError(f"train.micro_batch_size ({self.train.micro_batch_size}) must be divisible by "
+                      f"jax.data_parallel ({self.jax.data_parallel}): the micro batch is split over the data axis")
     known = {"jax", "deepspeed", "torch"}
     bad = [s for s in self.sides if s not in known]
     if bad or not self.sides:

@@ -29,7 +29,8 @@ import numpy as np
 
 from parity.spec import ModelSpec
 
-__all__ = ["param_shapes", "init_params", "decays", "save", "load", "zero_grad_slices", "RESIDUAL_PROJECTIONS"]
+__all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices",
+           "RESIDUAL_PROJECTIONS"]
 
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
 """Weights whose init std is scaled by 1/sqrt(2 * n_layers) (GPT-2 paper, section 2.3)."""

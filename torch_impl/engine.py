@@ -39,6 +39,13 @@ STEPS_PER_PRINT = 10**9
 """DeepSpeed prints a progress line every this many steps; effectively never."""
 
 
+ACTIVATION_CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False,
+                            "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
+                            "profile": False}
+"""The config's activation_checkpointing section under DeepSpeedPlan.activation_checkpointing: recompute each
+block, keep its input on the device (no model-parallel partitioning, no CPU copy: a single data-parallel rank)."""
+
+
 def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
@@ -99,6 +106,8 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
   scheduler = schedule.deepspeed_scheduler(t)
   if scheduler is not None:  # 'Constant': no scheduler block, the optimizer lr throughout
     cfg["scheduler"] = scheduler
+  if plan.activation_checkpointing:
+    cfg["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
   return {
       **cfg,
       "gradient_clipping": t.grad_clip,
@@ -117,8 +126,9 @@ def _basic_optimizer(engine) -> torch.optim.Optimizer:
 
 
 def optimizer_classes(engine) -> dict[str, Any]:
-  """Class names of what DeepSpeed built, for the summary and for checks."""
+  """Class names and ZeRO settings of what DeepSpeed built, for the summary and for checks."""
   basic = _basic_optimizer(engine)
+  params = list(engine.module.parameters())
   return {
       "engine": type(engine).__name__,
       "wrapper": type(engine.optimizer).__name__,
@@ -127,19 +137,47 @@ def optimizer_classes(engine) -> dict[str, Any]:
       "scheduler": type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None,
       "zero_stage": engine.zero_optimization_stage(),
       "cpu_offload": bool(engine.zero_cpu_offload()),
+      "offload_param": engine.zero_offload_param() is not None,
+      "partitioned_params": bool(params) and all(hasattr(p, "ds_tensor") for p in params),
+      "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+      "activation_checkpointing": getattr(engine.module, "checkpoint", None) is not None,
       "group_weight_decay": [g["weight_decay"] for g in basic.param_groups],
   }
 
 
-def _check_engine(engine, run: RunSpec) -> None:
-  """Raises RuntimeError when DeepSpeed did not build the optimizer the plan asks for."""
-  info = optimizer_classes(engine)
-  want_offload = run.deepspeed.offload_optimizer == "cpu"
-  problems = []
-  if info["zero_stage"] != run.deepspeed.zero_stage:
-    problems.append(f"zero stage {info['zero_stage']} != planned {run.deepspeed.zero_stage}")
-  if want_offload and (info["optimizer"] != "DeepSpeedCPUAdam" or not info["cpu_offload"]):
+ZERO_WRAPPERS = {0: None, 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+"""Optimizer wrapper class DeepSpeed builds per ZeRO stage (fp32; stage 0 has none unless bf16 is on)."""
+
+
+def _zero_problems(info: dict[str, Any], run: RunSpec) -> list[str]:
+  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan."""
+  plan, problems = run.deepspeed, []
+  if info["zero_stage"] != plan.zero_stage:
+    problems.append(f"zero stage {info['zero_stage']} != planned {plan.zero_stage}")
+  wrapper = ZERO_WRAPPERS[plan.zero_stage]
+  if wrapper is not None and info["wrapper"] != wrapper:
+    problems.append(f"stage {plan.zero_stage} should wrap the optimizer in {wrapper}; got {info['wrapper']}")
+  if plan.offload_optimizer == "cpu" and (info["optimizer"] != "DeepSpeedCPUAdam" or not info["cpu_offload"]):
     problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
+  if plan.offload_optimizer == "none" and (info["optimizer"] == "DeepSpeedCPUAdam" or info["cpu_offload"]):
+    problems.append(f"offload_optimizer=none but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
+  if info["offload_param"] != (plan.offload_param == "cpu"):
+    problems.append(f"offload_param built {info['offload_param']}, planned {plan.offload_param}")
+  if info["partitioned_params"] != (plan.zero_stage == 3):
+    problems.append(f"params partitioned (ds_tensor) = {info['partitioned_params']} under stage {plan.zero_stage}")
+  if info["gradient_accumulation_steps"] != run.train.grad_accum_steps:
+    problems.append(f"gradient_accumulation_steps {info['gradient_accumulation_steps']} != "
+                    f"train.grad_accum_steps {run.train.grad_accum_steps}")
+  if info["activation_checkpointing"] != plan.activation_checkpointing:
+    problems.append(f"activation checkpointing is {info['activation_checkpointing']}, "
+                    f"planned {plan.activation_checkpointing}")
+  return problems
+
+
+def _check_engine(engine, run: RunSpec) -> None:
+  """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage or offload the plan asks for."""
+  info = optimizer_classes(engine)
+  problems = _zero_problems(info, run)
   if info["adamw_mode"] is False:
     problems.append("the Adam optimizer runs in Adam (L2) mode, not AdamW")
   planned = schedule.deepspeed_scheduler(run.train)
@@ -149,6 +187,18 @@ def _check_engine(engine, run: RunSpec) -> None:
     problems.append(f"param-group weight decays {info['group_weight_decay']} != [{run.train.weight_decay}, 0.0]")
   if problems:
     raise RuntimeError("DeepSpeed built a different training setup than planned: " + "; ".join(problems))
+
+
+def _enable_checkpointing(model, config: dict[str, Any]) -> None:
+  """Makes every block of `model` run under `deepspeed.checkpointing.checkpoint` (recomputed in backward).
+
+  deepspeed.checkpointing is configured from the config's activation_checkpointing section. Its reentrant
+  `checkpoint` is used: `non_reentrant_checkpoint` fails under ZeRO-3 (the recompute sees the released,
+  size-0 params: "The size of tensor a (0) must match ...", deepspeed 0.19.8).
+  """
+  import deepspeed
+  deepspeed.checkpointing.configure(None, deepspeed_config=config)
+  model.checkpoint = deepspeed.checkpointing.checkpoint
 
 
 def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None):
@@ -162,14 +212,17 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   Returns:
     The `deepspeed.DeepSpeedEngine` (the module is on the engine's device).
   Raises:
-    RuntimeError: DeepSpeed built a different optimizer, scheduler or ZeRO stage than planned.
+    RuntimeError: DeepSpeed built a different optimizer, scheduler, ZeRO stage, offload, accumulation or
+      activation checkpointing than planned.
   """
   setup_distributed()
   import deepspeed
+  config = ds_config(run) if config is None else config
   model = build_model(run.model, params)
+  if run.deepspeed.activation_checkpointing:
+    _enable_checkpointing(model, config)
   groups = decay_groups(model, run.train.weight_decay)
-  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                         config=ds_config(run) if config is None else config)
+  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
   _check_engine(engine, run)
   return engine
 

@@ -171,11 +171,18 @@ class GPT(nn.Module):
 
   Args:
     spec: the model spec (validated here).
+
+  Attributes:
+    checkpoint: None (store every activation), or a function `checkpoint(block, x, rope) -> y` that runs a
+      block without keeping its internal activations and recomputes them in the backward pass (activation
+      checkpointing; set by `torch_impl.engine` under DeepSpeedPlan.activation_checkpointing). Recomputation
+      repeats the same fp32 ops, so the loss and gradients are unchanged.
   """
 
   def __init__(self, spec: ModelSpec):
     super().__init__()
     self.spec = spec.validate()
+    self.checkpoint = None
     self.wte = nn.Embedding(spec.vocab_size, spec.d_model)
     if spec.position == "learned":
       self.wpe = nn.Embedding(spec.max_seq_len, spec.d_model)
@@ -205,7 +212,7 @@ class GPT(nn.Module):
     else:
       rope = rope_tables(t, s.head_dim, s.rope_theta, device=tokens.device)
     for block in self.h:
-      x = block(x, rope)
+      x = block(x, rope) if self.checkpoint is None else self.checkpoint(block, x, rope)
     x = self.ln_f(x)
     if s.tie_embeddings:
       return F.linear(x, self.wte.weight)  # (B, T, V)

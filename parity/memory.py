@@ -1,0 +1,494 @@
+"""Memory model of training state and activations, per side and memory kind (numpy only; no jax, no torch).
+
+Two models live here:
+  * DeepSpeed's own estimators, reproduced exactly (`ds_zero2_model_states`, `ds_zero3_model_states`, and
+    `ds_estimate_table`, the text the `*_all_cold` / `*_all_live` functions print). Same inputs, same integer
+    results: tests/test_memory.py imports deepspeed and compares.
+  * A per-category model (`estimate`): bytes of params, gradients, fp32 master, Adam moments and activations,
+    per rank, split into 'device' and 'host', for the DeepSpeed side and the JAX side of a RunSpec. It
+    differs from DeepSpeed's estimator on purpose; docs/plans.md lists where and why.
+
+Activation bytes per block follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", sec. 4.1 (34·s·b·h + 5·a·s²·b bytes for 2-byte activations with dropout), rewritten
+for this model: no dropout, element size e, grouped-query K/V, GELU or SwiGLU MLP (`block_activation_bytes`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Iterable
+
+from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec
+from parity.weights import param_shapes
+
+__all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "block_params",
+           "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
+           "activation_bytes", "estimate", "totals", "peak_device_bytes", "predicted_vs_measured",
+           "add_estimate_arguments", "run_estimate"]
+
+CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
+"""Categories of the per-category model; torch_impl.memory measures all but activations."""
+KINDS = ("device", "host")
+"""Memory kinds: the accelerator's memory, and host RAM used for offload ('pinned_host' on the JAX side)."""
+FP32 = 4
+"""Bytes per float32 element."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+  """Bytes of one category in one memory kind on one side, per rank (per device)."""
+
+  side: str
+  category: str
+  kind: str
+  bytes: int
+  note: str = ""
+
+
+# ----------------------------------------------------------------------------- parameter counts
+
+def param_count(model: ModelSpec) -> int:
+  """Number of trainable parameters (tied head once), as DeepSpeed's `model_to_params` counts them."""
+  return model.n_params()
+
+
+def largest_layer_params(model: ModelSpec) -> int:
+  """Largest number of params owned directly by one torch module (DeepSpeed stage3 `model_to_params`).
+
+  Canonical names are torch module paths (`h.0.attn.qkv.weight`), so a module's own params are the
+  names sharing the prefix before the last dot (e.g. a Linear's weight + bias; the embedding table).
+  """
+  per_module: dict[str, int] = {}
+  for name, shape in param_shapes(model).items():
+    prefix = name.rsplit(".", 1)[0]
+    per_module[prefix] = per_module.get(prefix, 0) + math.prod(shape)
+  return max(per_module.values())
+
+
+def block_params(model: ModelSpec) -> int:
+  """Params of one transformer block (all blocks are the same size)."""
+  return sum(math.prod(s) for n, s in param_shapes(model).items() if n.startswith("h.0."))
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's estimators
+
+def ds_zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                          cpu_offload: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+  """(cpu bytes, gpu bytes) exactly as deepspeed `estimate_zero2_model_states_mem_needs` (0.19.8).
+
+  Offload: gpu 2·N (fp16 params); cpu N·max(4·gpus, 16)·buffer. Otherwise gpu 2·N + int(18·N / gpus)
+  (2 fp16 grads + 4 fp32 grads + 4 fp32 params + 8 Adam moments), cpu N·4·gpus_per_node·buffer.
+  References: deepspeed/runtime/zero/stage_1_and_2.py.
+  """
+  total_gpus = num_nodes * num_gpus_per_node
+  if cpu_offload:
+    gpu_mem = 2 * total_params
+    cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+  else:
+    gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+    cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+  return int(cpu_mem), int(gpu_mem)
+
+
+def ds_zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
+                          num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
+                          zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+  """(cpu bytes, gpu bytes, largest layer bytes) exactly as deepspeed `estimate_zero3_model_states_mem_needs`.
+
+  The gpu always holds 4·largest_layer_params (one gathered layer); params, grads and optimizer state
+  cost 18 bytes per param (16 without the fp16 params when only the optimizer is offloaded), divided
+  over nodes on the host, over all gpus on the device. References: deepspeed/runtime/zero/stage3.py.
+  """
+  total_gpus = num_nodes * num_gpus_per_node
+  gpus_factor = 1 / num_nodes
+  largest_layer_memory = 4 * largest_layer_params
+  buf = additional_buffer_factor
+  if cpu_offload:
+    per_param = 18 if cpu_offload_params else 16
+    gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
+    if zero_init:
+      cpu_mem = total_params * per_param * gpus_factor * buf
+    else:
+      cpu_mem = total_params * max(4 * num_gpus_per_node, per_param * gpus_factor) * buf
+  else:
+    gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+    cpu_mem = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * buf
+  return int(cpu_mem), int(gpu_mem), largest_layer_memory
+
+
+def _ds_zero3_options() -> Iterable[tuple[bool, bool, bool]]:
+  """(cpu_offload, cpu_offload_params, zero_init) in the order `*_all_cold` prints them."""
+  for cpu_offload in (True, False):
+    for cpu_offload_params in (True, False):
+      if not cpu_offload and cpu_offload_params:
+        continue
+      for zero_init in (True, False):
+        yield cpu_offload, cpu_offload_params, zero_init
+
+
+class _OffloadDeviceEnum(str, enum.Enum):
+  """Mirror of deepspeed.runtime.zero.offload_config.OffloadDeviceEnum, whose `f'{x:4}'` the tables print
+  (its text depends on the Python version's Enum.__format__, so it is reproduced, not written out)."""
+  none = "none"
+  cpu = "cpu"
+  nvme = "nvme"
+
+
+_OffloadDeviceEnum.__name__ = _OffloadDeviceEnum.__qualname__ = "OffloadDeviceEnum"
+
+
+def ds_estimate_table(stage: int, total_params: int, largest_layer_params: int = 0, num_gpus_per_node: int = 1,
+                      num_nodes: int = 1, additional_buffer_factor: float = 1.5) -> str:
+  """The exact text deepspeed `estimate_zero{2,3}_model_states_mem_needs_all_cold` prints (stage 2 or 3)."""
+  nodes_str = "nodes" if num_nodes > 1 else "node"
+  gpus_str = "GPUs" if num_gpus_per_node > 1 else "GPU"
+  cpu = f"{_OffloadDeviceEnum.cpu:4}"  # as DeepSpeed formats it: 'OffloadDeviceEnum.cpu' on Python 3.11
+  head = ("Estimated memory needed for params, optim states and gradients for a:\n"
+          f"HW: Setup with {num_nodes} {nodes_str}, {num_gpus_per_node} {gpus_str} per node.\n")
+  lines = []
+  if stage == 2:
+    head += f"SW: Model with {int(total_params/1e6)}M total params."
+    for off in (True, False):
+      c, g = ds_zero2_model_states(total_params, num_gpus_per_node, num_nodes, off, additional_buffer_factor)
+      lines.append(f" {c/2**30:7.2f}GB | {g/2**30:6.2f}GB | offload_optimizer={cpu if off else 'none'}")
+  else:
+    head += (f"SW: Model with {int(total_params/1e6)}M total params, "
+             f"{int(largest_layer_params/1e6)}M largest layer params.")
+    for off, offp, zi in _ds_zero3_options():
+      c, g, _ = ds_zero3_model_states(total_params, largest_layer_params, num_gpus_per_node, num_nodes, off,
+                                      offp, zi, additional_buffer_factor)
+      lines.append(f" {c/2**30:7.2f}GB | {g/2**30:6.2f}GB | offload_param={cpu if offp else 'none'}, "
+                   f"offload_optimizer={cpu if off else 'none'}, zero_init={1 if zi else 0}")
+  return "\n".join([head, "  per CPU  |  per GPU |   Options", *lines]) + "\n"
+
+
+# ----------------------------------------------------------------------------- activations
+
+def block_activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, elem: int,
+                           policy: str = "none") -> tuple[int, int]:
+  """Bytes one block keeps for its backward pass: (device, host), per rank.
+
+  With s = seq_len, b = micro_batch, h = d_model, f = ffn_dim, a = n_heads, k = kv_heads·head_dim and
+  e = elem bytes, a block without remat saves (Korthikanti et al. 2022, sec. 4.1, without dropout):
+    2·e·sbh (the two norm inputs) + e·sbh (qkv input) + e·sb(h + 2k) (Q, K, V) + e·a·s²·b (softmax
+    probabilities) + e·sbh (attention output) + MLP: GELU e·sb(h + 2f), SwiGLU e·sb(h + 4f).
+  With e = 2, k = h, f = 4h: 32·sbh + 2·as²b; their 34·sbh + 5·as²b adds the dropout masks and outputs.
+  Policies (jax_impl/offload.py names): 'full' keeps the block input e·sbh; 'save_dots' keeps it plus every
+  matmul output, 'save_dots_no_batch' only the weight matmuls (no batch dimension: not QK^T or PV);
+  'offload_dots_no_batch' / 'offload_names' keep the input on the device and those outputs on the host.
+  """
+  if policy not in REMAT_POLICIES:
+    raise ValueError(f"remat policy must be one of {', '.join(REMAT_POLICIES)}; got {policy!r}")
+  sb, h, f = seq_len * micro_batch, model.d_model, model.ffn_dim
+  k = model.kv_heads * model.head_dim
+  probs = model.n_heads * seq_len * seq_len * micro_batch
+  mlp_in, mlp_dots = (h + 2 * f, f) if model.mlp == "gelu" else (h + 4 * f, 2 * f)
+  weight_dots = sb * ((h + 2 * k) + h + mlp_dots + h)  # qkv, attention proj, fc (gate+up), mlp proj outputs
+  if policy == "none":
+    return elem * (sb * (2 * h + h + (h + 2 * k) + h + mlp_in) + probs), 0
+  if policy == "full":
+    return elem * sb * h, 0
+  if policy == "save_dots":
+    return elem * (sb * h + weight_dots + probs + sb * h), 0
+  if policy == "save_dots_no_batch":
+    return elem * (sb * h + weight_dots), 0
+  return elem * sb * h, elem * weight_dots  # offload_dots_no_batch, offload_names
+
+
+def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, elem: int,
+                     policy: str = "none") -> tuple[int, int]:
+  """Activation bytes at the end of the forward pass: (device, host), per rank.
+
+  n_layers × `block_activation_bytes`, plus the recompute working set of one block under any remat policy
+  (the block being recomputed holds its full activations), plus the embedding output and final norm input
+  (2·e·sbh) and the logits (e·sbV, and another 4·sbV when the loss upcasts them to fp32).
+  """
+  dev, host = block_activation_bytes(model, micro_batch, seq_len, elem, policy)
+  sb = seq_len * micro_batch
+  extra = 2 * elem * sb * model.d_model + elem * sb * model.vocab_size + (FP32 * sb * model.vocab_size
+                                                                          if elem != FP32 else 0)
+  if policy != "none":
+    extra += block_activation_bytes(model, micro_batch, seq_len, elem, "none")[0]
+  return model.n_layers * dev + extra, model.n_layers * host
+
+
+# ----------------------------------------------------------------------------- per-category model
+
+def _kind(offloaded: bool) -> str:
+  return "host" if offloaded else "device"
+
+
+def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
+  """DeepSpeed side, per rank. Compute params and grads in the module dtype (e = 2 under bf16, else 4);
+  ZeRO >= 1 keeps a separate fp32 master partition with its fp32 gradient (stage 0 only under bf16);
+  stage s >= 2 partitions the compute gradient, s = 3 also the compute params, whose device working set is
+  then the largest gathered module (DeepSpeed's 4·largest_layer_params). Offloaded master, fp32 gradient
+  and moments live on the host (CPU Adam updates them there); at stages 1-2 the device then holds only the
+  gradients of the module being reduced, and the host one more fp32 partition-sized staging buffer
+  (measured by torch_impl.memory on gpt2-tiny; docs/plans.md)."""
+  m, t, p = run.model, run.train, run.deepspeed
+  n, e = param_count(m), 2 if t.precision == "bf16" else FP32
+  off_opt, off_par = p.offload_optimizer == "cpu", p.offload_param == "cpu"
+  opt_shard = ranks if p.zero_stage >= 1 else 1
+  rows = []
+  if p.zero_stage == 3:
+    rows.append(Row("deepspeed", "params", _kind(off_par), e * math.ceil(n / ranks), "partition"))
+    rows.append(Row("deepspeed", "params", "device", e * largest_layer_params(m), "in-step (gathered module)"))
+  else:
+    rows.append(Row("deepspeed", "params", "device", e * n))
+  grad_shard = ranks if p.zero_stage >= 2 else 1
+  if p.zero_stage in (1, 2) and off_opt:  # each module's grads are copied to the host as they are reduced
+    rows.append(Row("deepspeed", "gradients", "device", e * largest_layer_params(m), "compute dtype, in flight"))
+    rows.append(Row("deepspeed", "buffers", "host", FP32 * math.ceil(n / opt_shard), "fp32 host staging"))
+    if t.grad_accum_steps > 1:  # stage_1_and_2 accumulated_grads_in_cpu
+      rows.append(Row("deepspeed", "gradients", "host", FP32 * math.ceil(n / opt_shard), "fp32 accumulation"))
+  else:
+    rows.append(Row("deepspeed", "gradients", "device", e * math.ceil(n / grad_shard), "compute dtype"))
+  master = p.zero_stage >= 1 or t.precision == "bf16"
+  if master:
+    rows.append(Row("deepspeed", "master_params", _kind(off_opt), FP32 * math.ceil(n / opt_shard)))
+    if off_opt or e != FP32:
+      rows.append(Row("deepspeed", "gradients", _kind(off_opt), FP32 * math.ceil(n / opt_shard), "fp32 partition"))
+  rows.append(Row("deepspeed", "optimizer_moments", _kind(off_opt), 2 * FP32 * math.ceil(n / opt_shard)))
+  rows += _activation_rows("deepspeed", run, "full" if p.activation_checkpointing else "none", ranks=1)
+  return rows
+
+
+def _jax_rows(run: RunSpec) -> list[Row]:
+  """JAX side, per device of the data axis (D = jax.data_parallel). Params are the fp32 masters
+  (bf16 casts per layer inside the step), sharded over D at zero_stage 3; gradients fp32, sharded at
+  >= 2; Adam moments sharded at >= 1. Offloaded state is in host memory between steps; the rows
+  'in-step' give what XLA brings to the device during the step (params: one layer at a time with
+  scan_layers, else all of them; moments: all of them during the update)."""
+  m, t, p = run.model, run.train, run.jax
+  n, d = param_count(m), p.data_parallel
+  shard = {name: (d if p.zero_stage >= stage else 1) for name, stage in
+           (("params", 3), ("gradients", 2), ("optimizer_moments", 1))}
+  par = FP32 * math.ceil(n / shard["params"])
+  mom = 2 * FP32 * math.ceil(n / shard["optimizer_moments"])
+  rows = [Row("jax", "params", _kind(p.offload_params), par),
+          Row("jax", "gradients", "device", FP32 * math.ceil(n / shard["gradients"])),
+          Row("jax", "optimizer_moments", _kind(p.offload_opt_state), mom)]
+  if p.offload_params:
+    layer = FP32 * math.ceil(block_params(m) / shard["params"])
+    rows.append(Row("jax", "params", "device", 2 * layer if p.scan_layers else par,
+                    "in-step (2 layers, scan)" if p.scan_layers else "in-step"))
+  if p.offload_opt_state:
+    rows.append(Row("jax", "optimizer_moments", "device", mom, "in-step (update)"))
+  return rows + _activation_rows("jax", run, p.remat, ranks=d)
+
+
+def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int) -> list[Row]:
+  t = run.train
+  elem = 2 if t.precision == "bf16" else FP32
+  dev, host = activation_bytes(run.model, math.ceil(t.micro_batch_size / ranks), t.seq_len, elem, policy)
+  rows = [Row(side, "activations", "device", dev, f"remat {policy}")]
+  if host:
+    rows.append(Row(side, "activations", "host", host, f"remat {policy}"))
+  return rows
+
+
+def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed", "jax")) -> list[Row]:
+  """Predicted bytes per (side, category, kind), per rank / device.
+
+  Args:
+    run: model, train and both plans.
+    ranks: data-parallel ranks of the DeepSpeed side (the JAX side uses run.jax.data_parallel).
+    sides: which sides to estimate ('deepspeed', 'jax', 'torch': plain AdamW, fp32, no sharding).
+  Returns:
+    Rows; rows noted 'in-step' are transient copies of offloaded state (not resident between steps).
+  """
+  rows: list[Row] = []
+  for side in sides:
+    if side == "deepspeed":
+      rows += _deepspeed_rows(run, ranks)
+    elif side == "jax":
+      rows += _jax_rows(run)
+    elif side == "torch":
+      n = param_count(run.model)
+      rows += [Row("torch", "params", "device", FP32 * n), Row("torch", "gradients", "device", FP32 * n),
+               Row("torch", "optimizer_moments", "device", 2 * FP32 * n)]
+      rows += _activation_rows("torch", run, "none", ranks=1)
+    else:
+      raise ValueError(f"unknown side {side!r}; expected deepspeed, jax or torch")
+  return rows
+
+
+def totals(rows: Iterable[Row], side: str) -> dict[str, dict[str, int]]:
+  """category -> kind -> bytes of one side, resident state only (in-step rows left out)."""
+  out = {c: {k: 0 for k in KINDS} for c in CATEGORIES}
+  for r in rows:
+    if r.side == side and not r.note.startswith("in-step"):
+      out[r.category][r.kind] += r.bytes
+  return out
+
+
+def peak_device_bytes(rows: Iterable[Row], side: str) -> int:
+  """Peak device bytes of one side: resident state + max(activations, largest in-step transfer).
+
+  Activations peak at the end of the forward pass; offloaded moments come to the device in the update,
+  after activations are freed; offloaded params (without scan) are on the device through both.
+  """
+  rows = [r for r in rows if r.side == side]
+  resident = sum(r.bytes for r in rows if r.kind == "device" and not r.note.startswith("in-step")
+                 and r.category != "activations")
+  acts = sum(r.bytes for r in rows if r.kind == "device" and r.category == "activations")
+  in_params = sum(r.bytes for r in rows if r.note.startswith("in-step") and r.category == "params")
+  in_moments = sum(r.bytes for r in rows if r.note.startswith("in-step") and r.category == "optimizer_moments")
+  return resident + in_params + max(acts, in_moments)
+
+
+# ----------------------------------------------------------------------------- predicted vs measured
+
+def _run_of(report: dict[str, Any]) -> RunSpec:
+  from parity.spec import from_dict
+  return from_dict(RunSpec, report["run"])
+
+
+def _jax_predicted_by_kind(run: RunSpec) -> dict[str, int]:
+  """JAX state bytes per memory kind: parity.memory_jax's figure where that module exists, else ours."""
+  try:
+    from parity.memory_jax import jax_state_bytes
+  except ImportError:
+    jax_state_bytes = None
+  if jax_state_bytes is not None:
+    return {("host" if k.endswith("host") else k): int(v) for k, v in jax_state_bytes(run).items()}
+  tot = totals(estimate(run, sides=("jax",)), "jax")
+  return {k: sum(tot[c][k] for c in CATEGORIES if c != "activations") for k in KINDS}
+
+
+def predicted_vs_measured(report_json: dict[str, Any] | str) -> list[dict[str, Any]]:
+  """Rows (side, category, memory kind, predicted, measured, ratio) for a finished run's report.json.
+
+  DeepSpeed and torch sides: per category and kind, predicted by `estimate` vs what torch_impl.memory
+  measured on the live tensors (max over the probed moments of step 0). JAX: state bytes per memory kind
+  ('pinned_host' / 'unpinned_host' counted as 'host'). Every side also gets its peak host RSS (measured
+  only: it includes the libraries and the data). ratio = measured / predicted (None when either is
+  missing or predicted is 0).
+  """
+  import json
+  if isinstance(report_json, str):
+    with open(report_json) as f:
+      report_json = json.load(f)
+  run = _run_of(report_json)
+  rows: list[dict[str, Any]] = []
+  for side, info in report_json.get("sides", {}).items():
+    summ = info.get("summary") or {}
+    if side in ("deepspeed", "torch"):
+      pred = totals(estimate(run, sides=(side,)), side)
+      meas = summ.get("state_bytes_by_category") or {}
+      for cat in sorted(set(CATEGORIES) | set(meas), key=lambda c: (c not in CATEGORIES, c)):
+        for kind in KINDS:
+          rows.append(_row(side, cat, kind, pred.get(cat, {}).get(kind), (meas.get(cat) or {}).get(kind)))
+    elif side == "jax":
+      pred_k = _jax_predicted_by_kind(run)
+      meas_k: dict[str, int] = {}
+      for k, v in (summ.get("state_bytes_by_memory_kind") or {}).items():
+        key = "host" if k.endswith("host") else k
+        meas_k[key] = meas_k.get(key, 0) + int(v)
+      for kind in KINDS:
+        rows.append(_row(side, "state", kind, pred_k.get(kind), meas_k.get(kind)))
+    rows.append(_row(side, "peak_rss", "host", None, summ.get("peak_host_rss_bytes")))
+  return rows
+
+
+def _row(side: str, category: str, kind: str, predicted: int | None, measured: int | None) -> dict[str, Any]:
+  ratio = measured / predicted if predicted and measured is not None else None
+  return {"side": side, "category": category, "memory_kind": kind, "predicted": predicted,
+          "measured": measured, "ratio": ratio}
+
+
+# ----------------------------------------------------------------------------- `parity estimate`
+
+def add_estimate_arguments(parser) -> None:
+  """Options of `parity estimate` (the lead wires the subcommand in parity/cli.py)."""
+  src = parser.add_mutually_exclusive_group()
+  src.add_argument("--preset", help="a run preset (parity.spec.PRESETS); default gpt2-small-cpu")
+  src.add_argument("--model", help="a model size preset (parity.hf.MODEL_PRESETS, e.g. gpt2-124m, llama-7b)")
+  parser.add_argument("--plan", help="a plan pair of parity.plans.PLANS (default: the run's own plans)")
+  parser.add_argument("--micro-batch", type=int, help="sequences per micro batch per rank")
+  parser.add_argument("--seq-len", type=int, help="tokens per sequence")
+  parser.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision")
+  parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed side")
+  parser.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON")
+
+
+def resolve_estimate_run(preset: str | None = None, model: str | None = None, plan: str | None = None,
+                         micro_batch: int | None = None, seq_len: int | None = None,
+                         precision: str | None = None) -> RunSpec:
+  """The RunSpec an estimate describes. A model preset gets TrainSpec defaults with seq_len = min(1024,
+  its max_seq_len) unless given. Raises SpecError on unknown names or invalid values."""
+  from parity.spec import PRESETS, SpecError, TrainSpec, preset as get_preset
+  if model is not None:
+    from parity.hf import MODEL_PRESETS
+    if model not in MODEL_PRESETS:
+      raise SpecError(f"unknown model {model!r}; known models: {', '.join(MODEL_PRESETS)}")
+    spec = MODEL_PRESETS[model]
+    run = RunSpec(model=spec, train=TrainSpec(seq_len=min(1024, spec.max_seq_len)))
+  else:
+    run = get_preset(preset or next(iter(PRESETS)))
+  train = {k: v for k, v in (("micro_batch_size", micro_batch), ("seq_len", seq_len),
+                             ("precision", precision)) if v is not None}
+  run = dataclasses.replace(run, train=dataclasses.replace(run.train, **train))
+  if plan is not None:
+    from parity.plans import apply_plan
+    return apply_plan(run, plan)
+  return run.validate()
+
+
+def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
+  """Everything `parity estimate` prints, JSON-ready: rows, peaks, and DeepSpeed's own estimator figures."""
+  rows = estimate(run, ranks=ranks)
+  n, big = param_count(run.model), largest_layer_params(run.model)
+  p = run.deepspeed
+  if p.zero_stage == 3:
+    cpu, gpu, _ = ds_zero3_model_states(n, big, ranks, 1, p.offload_optimizer == "cpu", p.offload_param == "cpu")
+  else:
+    cpu, gpu = ds_zero2_model_states(n, ranks, 1, p.offload_optimizer == "cpu")
+  return {"total_params": n, "largest_layer_params": big, "rows": [dataclasses.asdict(r) for r in rows],
+          "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in ("deepspeed", "jax")},
+          "deepspeed_estimator": {"function": f"estimate_zero{3 if p.zero_stage == 3 else 2}_model_states_mem_needs",
+                                  "cpu_bytes": cpu, "gpu_bytes": gpu}}
+
+
+def _gib(n: int | None) -> str:
+  return "-" if n is None else f"{n / 2**30:,.3f}"
+
+
+def run_estimate(args) -> int:
+  """`parity estimate`: prints the per-category model for both sides and DeepSpeed's own figures.
+
+  Returns 0, or 2 on bad input (the message names the option).
+  """
+  import json
+  from rich.console import Console
+  from rich.table import Table
+  from parity.spec import SpecError
+  con = Console(highlight=False, width=160)
+  try:
+    run = resolve_estimate_run(args.preset, args.model, args.plan, args.micro_batch, args.seq_len,
+                               getattr(args, "precision", None))
+  except SpecError as exc:
+    con.print(f"[red]error:[/red] {exc}")
+    return 2
+  out = estimate_json(run, args.ranks)
+  rows = estimate(run, ranks=args.ranks)
+  t = run.train
+  table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
+                      f"{t.precision} (GiB per rank)")
+  for col in ("category", "deepspeed device", "deepspeed host", "jax device", "jax host"):
+    table.add_column(col, justify="left" if col == "category" else "right")
+  tot = {s: totals(rows, s) for s in ("deepspeed", "jax")}
+  for cat in CATEGORIES:
+    table.add_row(cat, *(_gib(tot[s][cat][k]) for s in ("deepspeed", "jax") for k in KINDS))
+  table.add_row("peak device", _gib(out["peak_device_bytes"]["deepspeed"]), "",
+                _gib(out["peak_device_bytes"]["jax"]), "")
+  con.print(table)
+  ds = out["deepspeed_estimator"]
+  con.print(f"DeepSpeed's {ds['function']} (model states only, fp16 params, buffer factor 1.5): "
+            f"gpu {_gib(ds['gpu_bytes'])} GiB, cpu {_gib(ds['cpu_bytes'])} GiB")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=1)
+  return 0

@@ -1,0 +1,345 @@
+"""Named plan pairs (a DeepSpeed plan and its JAX counterpart) and the planner behind `parity plan`.
+
+`PLANS` pairs each `DeepSpeedPlan` with the `JaxPlan` that keeps the same state in the same places:
+ZeRO stage s <-> JAX `zero_stage` s (sharding over the data axis), DeepSpeed `offload_optimizer: cpu`
+<-> `offload_opt_state` (Adam moments and, in DeepSpeed, the fp32 master copy on the host),
+`offload_param: cpu` <-> `offload_params`, activation checkpointing <-> `remat='full'`.
+`apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
+model of `parity.memory` and a roofline step-time model (docs/plans.md). No jax or torch import.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from typing import Any
+
+from parity import memory
+from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
+
+__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
+           "step_time", "choose_plan", "add_plan_arguments", "run_plan"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+  """One DeepSpeed plan and the JAX plan that places the same training state in the same memory."""
+
+  deepspeed: DeepSpeedPlan
+  """ZeRO stage, offload and activation checkpointing of the DeepSpeed side."""
+  jax: JaxPlan
+  """Memory kinds, sharding and remat policy of the JAX side."""
+  description: str
+  """One line: what the pair keeps where."""
+
+
+_OFF = dict(offload_optimizer="none")
+PLANS: dict[str, Plan] = {
+    "zero0": Plan(DeepSpeedPlan(zero_stage=0, **_OFF), JaxPlan(offload_opt_state=False),
+                  "everything replicated on the device: no sharding, no offload"),
+    "zero1": Plan(DeepSpeedPlan(zero_stage=1, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=1),
+                  "optimizer state (fp32 master + Adam moments) sharded over data-parallel ranks"),
+    "zero2": Plan(DeepSpeedPlan(zero_stage=2, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=2),
+                  "optimizer state and gradients sharded"),
+    "zero2-offload": Plan(DeepSpeedPlan(), JaxPlan(),
+                          "default pair: ZeRO-2 + optimizer on the CPU <-> Adam moments in pinned_host"),
+    "zero2-offload-remat": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="full"),
+                                "default pair + every block recomputed in the backward pass"),
+    "zero3": Plan(DeepSpeedPlan(zero_stage=3, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=3),
+                  "params, gradients and optimizer state sharded (FSDP)"),
+    "zero3-offload-all": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu"),
+                              JaxPlan(offload_params=True, zero_stage=3),
+                              "ZeRO-3 with optimizer state and params on the host"),
+    "zero3-offload-all-remat": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu", activation_checkpointing=True),
+                                    JaxPlan(offload_params=True, zero_stage=3, remat="full"),
+                                    "ZeRO-3, everything offloaded, every block recomputed"),
+    "zero3-fsdp4": Plan(DeepSpeedPlan(zero_stage=3, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=3,
+                                                                      data_parallel=4),
+                        "FSDP over 4 devices on the JAX side (DeepSpeed: ZeRO-3 on its ranks)"),
+    "scan-offload": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu"),
+                         JaxPlan(offload_params=True, scan_layers=True),
+                         "params on the host, brought to the device one layer at a time (scan / ZeRO-3 fetch)"),
+    "act-offload": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="offload_dots_no_batch"),
+                        "JAX keeps weight-matmul outputs in host memory; DeepSpeed recomputes each block"),
+}
+"""Named plan pairs for `parity compare --plan NAME`; see docs/plans.md for the table."""
+
+DEFAULT_PLAN = "zero2-offload"
+"""The pair RunSpec() uses (DeepSpeedPlan() and JaxPlan())."""
+
+
+def apply_plan(run: RunSpec, name: str) -> RunSpec:
+  """Returns `run` with the DeepSpeed and JAX plans of PLANS[name], validated.
+
+  Raises:
+    SpecError: unknown name (the known ones are listed), or the plan does not fit the run (e.g. a
+      micro batch not divisible by the plan's data_parallel).
+  """
+  try:
+    plan = PLANS[name]
+  except KeyError:
+    raise SpecError(f"unknown plan {name!r}; known plans: {', '.join(PLANS)} (or 'auto')") from None
+  out = dataclasses.replace(run, deepspeed=plan.deepspeed, jax=plan.jax)
+  try:
+    return out.validate()
+  except SpecError as exc:
+    raise SpecError(f"plan {name!r}: {exc}") from None
+
+
+def plan_of(run: RunSpec) -> str | None:
+  """Name of the plan pair a run uses, or None when its plans are not one of PLANS."""
+  for name, plan in PLANS.items():
+    if plan.deepspeed == run.deepspeed and plan.jax == run.jax:
+      return name
+  return None
+
+
+# ----------------------------------------------------------------------------- hardware
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hardware:
+  """One accelerator and its link to host memory."""
+
+  name: str
+  device_bytes: int
+  """Accelerator memory, bytes."""
+  peak_flops: float
+  """Dense bf16 peak, FLOP/s (no sparsity)."""
+  host_link_bytes_per_s: float
+  """Host <-> device bandwidth per direction, bytes/s (PCIe, or NVLink-C2C on GH200)."""
+  host_bytes: int
+  """Host memory of a typical node, bytes (override with --host-memory)."""
+
+
+GB, GiB = 10**9, 2**30
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA data sheets: A100 (PCIe gen4 x16: 32 GB/s per direction), H100 SXM / H200 (PCIe gen5 x16:
+    # 64 GB/s), GH200 (NVLink-C2C 900 GB/s total = 450 GB/s per direction, 480 GB LPDDR5X).
+    "A100-40": Hardware("A100-40", 40 * GiB, 312e12, 32 * GB, 512 * GiB),
+    "A100-80": Hardware("A100-80", 80 * GiB, 312e12, 32 * GB, 512 * GiB),
+    "H100": Hardware("H100", 80 * GiB, 989e12, 64 * GB, 512 * GiB),
+    "H200": Hardware("H200", 141 * GB, 989e12, 64 * GB, 1024 * GiB),
+    "GH200": Hardware("GH200", 96 * GiB, 989e12, 450 * GB, 480 * GB),
+}
+"""Accelerator presets of `parity plan --hardware`."""
+
+
+# ----------------------------------------------------------------------------- cost model
+
+def _flops_per_token(model: ModelSpec, seq_len: int) -> float:
+  """Training FLOPs per token: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B; causal masking ignored)."""
+  return 6 * memory.param_count(model) + 12 * model.n_layers * model.d_model * seq_len
+
+
+def _recompute_flops_per_token(model: ModelSpec, seq_len: int, policy: str) -> float:
+  """Extra FLOPs per token of a remat policy: 'full' reruns the forward (2·N + 4·L·h·s); the *_no_batch
+  policies rerun the attention score/value matmuls (4·L·h·s); none and save_dots rerun no matmul."""
+  attention = 4 * model.n_layers * model.d_model * seq_len
+  if policy == "full":
+    return 2 * memory.param_count(model) + attention
+  if policy in ("save_dots_no_batch", "offload_dots_no_batch", "offload_names"):
+    return attention
+  return 0.0
+
+
+def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row]) -> int:
+  """Host <-> device bytes per optimizer step (both directions summed).
+
+  DeepSpeed: offload_optimizer sends the gradients down and the updated params up (2·e·N); offload_param
+  also fetches the params for every micro batch's forward and backward (2·e·N·GAS). JAX: offloaded moments
+  go in and out (2·8·N), offloaded params in and out (2·4·N); offloaded activations out and back (2·bytes)
+  per micro batch. Sizes per rank.
+  """
+  t = run.train
+  n = memory.param_count(run.model)
+  if side == "deepspeed":
+    p, e = run.deepspeed, 2 if t.precision == "bf16" else 4
+    out = 2 * e * n if p.offload_optimizer == "cpu" else 0
+    return out + (2 * e * n * t.grad_accum_steps if p.offload_param == "cpu" else 0)
+  host = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host")
+  moments = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "optimizer_moments")
+  params = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "params")
+  acts = host - moments - params
+  return 2 * moments + 2 * params + 2 * acts * t.grad_accum_steps
+
+
+def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
+              mfu: float = 0.4) -> tuple[float, float, float]:
+  """(step, compute, transfer) seconds of one optimizer step on one rank: compute = FLOPs / (peak · mfu),
+  transfer = bytes / bandwidth, step = max(compute, transfer) (transfers overlap compute)."""
+  t = run.train
+  tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / (run.jax.data_parallel if side == "jax" else 1)
+  policy = run.jax.remat if side == "jax" else ("full" if run.deepspeed.activation_checkpointing else "none")
+  flops = tokens * (_flops_per_token(run.model, t.seq_len) + _recompute_flops_per_token(run.model, t.seq_len,
+                                                                                           policy))
+  compute = flops / (hw.peak_flops * mfu)
+  transfer = _transfer_bytes(run, side, rows) / hw.host_link_bytes_per_s
+  return max(compute, transfer), compute, transfer
+
+
+# ----------------------------------------------------------------------------- planner
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Candidate:
+  """One plan pair evaluated on one machine: the slower side's cost, and why it does not fit (if so)."""
+
+  name: str
+  step_s: float
+  """Estimated optimizer-step time of the slower side, seconds."""
+  compute_s: float
+  transfer_s: float
+  peak_device_bytes: dict[str, int]
+  """side -> predicted peak device bytes per rank."""
+  host_bytes: dict[str, int]
+  """side -> predicted resident host bytes per rank."""
+  problems: tuple[str, ...]
+  """Why the plan does not fit; empty when it fits."""
+
+  @property
+  def fits(self) -> bool:
+    return not self.problems
+
+
+def _candidate(name: str, run: RunSpec, hw: Hardware, host_bytes: int, *, sides: tuple[str, ...],
+               mfu: float, reserve: float, ranks: int) -> Candidate:
+  rows = memory.estimate(run, ranks=ranks, sides=sides)
+  usable = int(hw.device_bytes * (1 - reserve))
+  peaks = {s: memory.peak_device_bytes(rows, s) for s in sides}
+  hosts = {s: sum(v["host"] for v in memory.totals(rows, s).values()) for s in sides}
+  problems = [f"{s} needs {peaks[s] / GiB:.1f} GiB on the device > {usable / GiB:.1f} GiB usable"
+              for s in sides if peaks[s] > usable]
+  problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
+               for s in sides if hosts[s] > host_bytes]
+  times = [step_time(run, s, hw, rows, mfu=mfu) for s in sides]
+  step, compute, transfer = max(times)
+  return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems))
+
+
+def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
+                devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
+                reserve: float = 0.1) -> tuple[Candidate | None, list[Candidate]]:
+  """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first).
+
+  Args:
+    model, train: what is trained (train.micro_batch_size is per rank on the DeepSpeed side and split over
+      the data axis on the JAX side).
+    hw: the accelerator (memory, bf16 peak, host link bandwidth).
+    host_bytes: host memory per rank, bytes; default hw.host_bytes.
+    devices: data-parallel devices; plans are evaluated with jax.data_parallel = devices and DeepSpeed on
+      `devices` ranks (zero3-fsdp4 only when devices == 4).
+    sides: sides that must fit; a pair costs its slower side.
+    mfu: assumed model-FLOPs utilisation of the peak.
+    reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
+  """
+  host = hw.host_bytes if host_bytes is None else host_bytes
+  out, seen = [], set()
+  for name, plan in PLANS.items():
+    if plan.jax.data_parallel not in (1, devices):
+      continue
+    jax_plan = dataclasses.replace(plan.jax, data_parallel=devices)
+    if (plan.deepspeed, jax_plan) in seen:  # e.g. zero3 == zero3-fsdp4 on 4 devices
+      continue
+    seen.add((plan.deepspeed, jax_plan))
+    run = RunSpec(model=model, train=train, jax=jax_plan, deepspeed=plan.deepspeed)
+    out.append(_candidate(name, run, hw, host, sides=sides, mfu=mfu, reserve=reserve, ranks=devices))
+  out.sort(key=lambda c: c.step_s)
+  best = next((c for c in out if c.fits), None)
+  return best, out
+
+
+def explain(best: Candidate | None, ranked: list[Candidate]) -> list[str]:
+  """One line per plan cheaper than the choice (or every plan when none fits): why it does not fit."""
+  lines = []
+  for c in ranked:
+    if best is not None and c.name == best.name:
+      break
+    lines.append(f"{c.name} ({c.step_s * 1e3:.1f} ms/step) does not fit: " + "; ".join(c.problems))
+  return lines
+
+
+# ----------------------------------------------------------------------------- `parity plan`
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+  """Options of `parity plan` (the lead wires the subcommand in parity/cli.py)."""
+  src = parser.add_mutually_exclusive_group()
+  src.add_argument("--preset", help="a run preset (parity.spec.PRESETS)")
+  src.add_argument("--model", default=None, help="a model size preset (parity.hf.MODEL_PRESETS), e.g. llama-7b")
+  parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro batch per device")
+  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default min(2048, max))")
+  parser.add_argument("--grad-accum", type=int, default=1, help="micro batches per optimizer step")
+  parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+  parser.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
+  parser.add_argument("--device-memory", type=float, help="device memory, GiB (overrides --hardware)")
+  parser.add_argument("--host-memory", type=float, help="host memory per device, GiB")
+  parser.add_argument("--bandwidth", type=float, help="host<->device bandwidth per direction, GB/s")
+  parser.add_argument("--peak-tflops", type=float, help="bf16 peak, TFLOP/s")
+  parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
+  parser.add_argument("--devices", type=int, default=1, help="data-parallel devices")
+  parser.add_argument("--sides", default="deepspeed,jax", help="sides that must fit, comma-separated")
+  parser.add_argument("--json", metavar="FILE", help="also write the ranking as JSON")
+
+
+def _plan_inputs(args) -> tuple[ModelSpec, TrainSpec, Hardware]:
+  """ModelSpec, TrainSpec and Hardware from `parity plan` options. Raises SpecError on bad values."""
+  from parity.hf import MODEL_PRESETS
+  from parity.spec import preset
+  if args.preset:
+    model = preset(args.preset).model
+  else:
+    name = args.model or "llama-7b"
+    if name not in MODEL_PRESETS:
+      raise SpecError(f"unknown model {name!r}; known models: {', '.join(MODEL_PRESETS)}")
+    model = MODEL_PRESETS[name]
+  seq = args.seq_len or min(2048, model.max_seq_len)
+  train = TrainSpec(micro_batch_size=args.micro_batch, seq_len=seq, grad_accum_steps=args.grad_accum,
+                    precision=args.precision).validate(model)
+  hw = HARDWARE[args.hardware]
+  changes = {k: v for k, v in (
+      ("device_bytes", None if args.device_memory is None else int(args.device_memory * GiB)),
+      ("host_bytes", None if args.host_memory is None else int(args.host_memory * GiB)),
+      ("host_link_bytes_per_s", None if args.bandwidth is None else args.bandwidth * GB),
+      ("peak_flops", None if args.peak_tflops is None else args.peak_tflops * 1e12)) if v is not None}
+  if any(v <= 0 for v in changes.values()) or not 0 < args.mfu <= 1 or args.devices < 1:
+    raise SpecError("memory, bandwidth and peak must be > 0, --mfu in (0, 1], --devices >= 1")
+  return model, train, dataclasses.replace(hw, **changes)
+
+
+def run_plan(args) -> int:
+  """`parity plan`: prints every plan pair's cost, the choice, and why cheaper ones do not fit.
+
+  Returns 0 when a plan fits, 1 when none does, 2 on bad input.
+  """
+  from rich.console import Console
+  from rich.table import Table
+  con = Console(highlight=False, width=170)
+  try:
+    model, train, hw = _plan_inputs(args)
+    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    if not sides or set(sides) - {"deepspeed", "jax"}:
+      raise SpecError(f"--sides must list deepspeed and/or jax; got {args.sides!r}")
+  except SpecError as exc:
+    con.print(f"[red]error:[/red] {exc}")
+    return 2
+  best, ranked = choose_plan(model, train, hw, devices=args.devices, sides=sides, mfu=args.mfu)
+  table = Table(title=f"{memory.param_count(model):,} params, {train.tokens_per_step:,} tokens/step on "
+                      f"{args.devices} x {hw.name} ({hw.device_bytes / GiB:.0f} GiB, "
+                      f"{hw.host_link_bytes_per_s / GB:.0f} GB/s host link, MFU {args.mfu})")
+  for col in ("plan", "step s", "compute s", "transfer s", *(f"{s} peak GiB" for s in sides),
+              *(f"{s} host GiB" for s in sides), "fits"):
+    table.add_column(col, justify="left" if col in ("plan", "fits") else "right")
+  for c in ranked:
+    mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
+    table.add_row(c.name, f"{c.step_s:.3f}", f"{c.compute_s:.3f}", f"{c.transfer_s:.3f}",
+                  *(f"{c.peak_device_bytes[s] / GiB:.1f}" for s in sides),
+                  *(f"{c.host_bytes[s] / GiB:.1f}" for s in sides), mark)
+  con.print(table)
+  con.print(f"choice: {best.name} — {PLANS[best.name].description}" if best else
+            "[red]no plan fits[/red]: more devices, a smaller micro batch or sequence, or more memory")
+  for line in explain(best, ranked):
+    con.print("  " + line)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"choice": best.name if best else None, "ranked": [dict(dataclasses.asdict(c), fits=c.fits)
+                                                                  for c in ranked]}, f, indent=1)
+  return 0 if best else 1

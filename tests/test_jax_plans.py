@@ -1,0 +1,204 @@
+"""JaxPlan techniques on one device: scan over layers, remat/activation-offload policies, gradient
+accumulation, host offload evidence per option, and the exact state-bytes prediction."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from parity.memory_jax import jax_state_bytes  # noqa: E402
+from parity.spec import REMAT_POLICIES, JaxPlan, ModelSpec, RunSpec, TrainSpec  # noqa: E402
+from parity.weights import init_params  # noqa: E402
+
+from jax_impl import model as M  # noqa: E402
+from jax_impl import offload, remat, worker  # noqa: E402
+from jax_impl.step import Trainer  # noqa: E402
+
+GPT2 = ModelSpec(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq_len=16)
+LLAMA = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, norm="rmsnorm",
+                  mlp="swiglu", position="rope", bias=False, tie_embeddings=False, d_ff=48)
+TRAIN = TrainSpec(steps=3, micro_batch_size=2, grad_accum_steps=2, seq_len=8, warmup_steps=1, lr=1e-2, eval_every=0)
+
+
+def tokens(shape, seed=0):
+  return np.random.default_rng(seed).integers(0, GPT2.vocab_size, shape).astype(np.uint16)
+
+
+def value_and_grad(spec, params, tok, **kw):
+  return jax.jit(jax.value_and_grad(lambda p: M.loss_fn(p, tok, spec, **kw)))(params)
+
+
+def assert_trees_close(got, want, atol, what):
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=0, atol=atol, err_msg=f"{what}: {k}")
+
+
+def trainer(plan: JaxPlan, train: TrainSpec = TRAIN, model: ModelSpec = GPT2) -> Trainer:
+  t = Trainer.build(RunSpec(model=model, train=train, jax=plan), init_params(model, 0))
+  t.compile((train.grad_accum_steps, train.micro_batch_size, train.seq_len + 1), None)
+  return t
+
+
+# ----------------------------------------------------------------------------- scan over layers
+
+
+@pytest.mark.parametrize("spec", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_scan_layout_maps_both_ways_and_equals_the_unrolled_model(spec):
+  canonical = init_params(spec, 0)
+  stacked = M.to_flax(canonical, spec, scan_layers=True)
+  assert set(stacked) >= {M.LAYERS} and not any(k.startswith("h_") for k in stacked)
+  assert stacked[M.LAYERS]["attn"]["qkv"]["kernel"].shape[0] == spec.n_layers  # layer axis 0
+  back = M.from_flax(stacked, spec, scan_layers=True)
+  assert all(np.array_equal(back[k], canonical[k]) for k in canonical)
+  tok = tokens((2, 9))
+  l0, g0 = value_and_grad(spec, M.to_flax(canonical, spec), tok)
+  l1, g1 = value_and_grad(spec, stacked, tok, scan_layers=True, layer_to_device=True)
+  np.testing.assert_allclose(float(l1), float(l0), rtol=0, atol=1e-6)
+  assert_trees_close(M.from_flax(g1, spec, scan_layers=True), M.from_flax(g0, spec), 1e-6, "grad")
+
+
+def test_scan_layout_rejects_mismatched_trees():
+  with pytest.raises(ValueError, match="differ across layers"):
+    M.tree_from_canonical({"h.0.ln_1.weight": True, "h.1.ln_1.weight": False}, n_layers=2)
+
+
+# ----------------------------------------------------------------------------- remat / activation offload
+
+
+@pytest.mark.parametrize("policy", REMAT_POLICIES[1:])
+def test_remat_policies_give_the_same_loss_and_gradients(policy):
+  canonical, tok = init_params(GPT2, 0), tokens((2, 9))
+  l0, g0 = value_and_grad(GPT2, M.to_flax(canonical, GPT2), tok)
+  l1, g1 = value_and_grad(GPT2, M.to_flax(canonical, GPT2), tok, remat=policy)
+  l2, g2 = value_and_grad(GPT2, M.to_flax(canonical, GPT2, scan_layers=True), tok, remat=policy, scan_layers=True)
+  assert float(l1) == pytest.approx(float(l0), abs=1e-6) and float(l2) == pytest.approx(float(l0), abs=1e-6)
+  assert_trees_close(M.from_flax(g1, GPT2), M.from_flax(g0, GPT2), 1e-6, policy)
+  assert_trees_close(M.from_flax(g2, GPT2, scan_layers=True), M.from_flax(g0, GPT2), 1e-6, f"{policy}+scan")
+
+
+@pytest.mark.parametrize("policy,to_host", [
+    ("none", 0), ("full", 0), ("save_dots", 0), ("save_dots_no_batch", 0),
+    ("offload_names", len(remat.RESIDUAL_NAMES) * GPT2.n_layers), ("offload_dots_no_batch", None)])
+def test_activation_offload_is_planned_in_the_jaxpr(policy, to_host):
+  """On CPU, activation offload exists only in the jaxpr of the differentiated step.
+
+  jax 0.10.2 lowers the policy's in-jit `device_put` to host memory to nothing on the CPU backend
+  (NUMERICS.md): neither the lowered StableHLO nor the compiled HLO carries a host annotation, so
+  the test reads the jaxpr, where `offload_names` moves each named residual of each block to host
+  memory (and back in the backward pass). That the names sit on real residuals is what makes the
+  count exact: a name on a value the backward does not read would not be offloaded.
+  """
+  params, tok = M.to_flax(init_params(GPT2, 0), GPT2), tokens((2, 9))
+  traced = jax.jit(jax.grad(lambda p: M.loss_fn(p, tok, GPT2, remat=policy))).trace(params)
+  moves = remat.device_puts_in_jaxpr(str(traced.jaxpr))
+  if to_host is None:
+    assert moves["to_host"] > 0 and moves["to_device"] == moves["to_host"], moves
+  else:
+    assert moves == {"to_host": to_host, "to_device": to_host}, moves
+  lowered = traced.lower().as_text()
+  assert "pinned_host" not in lowered and "annotate_device_placement" not in lowered  # CPU drops it
+
+
+def test_offload_policy_uses_the_plan_host_kind():
+  pol = remat.policy("offload_names", "unpinned_host")
+  assert callable(pol)
+  with pytest.raises(ValueError, match="jax.remat must be one of"):
+    remat.policy("offload_everything")
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+
+
+def test_grad_accumulation_equals_one_micro_batch_of_the_same_total():
+  accum = trainer(JaxPlan(offload_opt_state=False))
+  whole = trainer(JaxPlan(offload_opt_state=False), dataclasses.replace(TRAIN, grad_accum_steps=1, micro_batch_size=4))
+  b = tokens((TRAIN.steps, 2, 2, 9))
+  for step in range(TRAIN.steps):
+    m_acc, m_one = accum.step(b[step]), whole.step(b[step].reshape(1, 4, 9))
+    assert m_acc["loss"] == pytest.approx(m_one["loss"], abs=2e-6)
+    assert m_acc["grad_norm"] == pytest.approx(m_one["grad_norm"], rel=2e-5)
+    assert m_acc["lr"] == m_one["lr"]
+  assert_trees_close(accum.canonical_params(), whole.canonical_params(), 2e-6, "params")
+
+
+# ----------------------------------------------------------------------------- host offload evidence
+
+OFFLOAD_PLANS = {
+    "opt_state": JaxPlan(offload_opt_state=True),
+    "params": JaxPlan(offload_opt_state=False, offload_params=True),
+    "both": JaxPlan(offload_opt_state=True, offload_params=True),
+    "scan_params": JaxPlan(offload_opt_state=False, offload_params=True, scan_layers=True),
+    "scan_all_names": JaxPlan(offload_opt_state=True, offload_params=True, scan_layers=True, remat="offload_names"),
+}
+
+
+@pytest.fixture(scope="module")
+def offloaded():
+  """Each offload plan trained for TRAIN.steps steps: name -> (trainer, losses)."""
+  b = tokens((TRAIN.steps, 2, 2, 9))
+  out = {"default": None}
+  for name, plan in {"default": JaxPlan(), **OFFLOAD_PLANS}.items():
+    t = trainer(plan)
+    out[name] = (t, [t.step(x)["loss"] for x in b])
+  return out
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD_PLANS))
+def test_compiled_entry_buffers_in_host_space_are_exactly_the_offloaded_state(offloaded, name):
+  """The compiled step's entry parameters/results in memory space S(5) are exactly the leaves of
+  the offloaded groups (params first, then opt_state, then the batch / metrics: never)."""
+  t, _ = offloaded[name]
+  plan = t.run.jax
+  n_p, n_o = len(jax.tree.leaves(t.state.params)), len(jax.tree.leaves(t.state.opt_state))
+  args, results = offload.entry_buffers(t.compiled_text)
+  want = [plan.offload_params] * n_p + [plan.offload_opt_state] * n_o
+  assert [host for _, host in args] == want + [False]
+  assert [host for _, host in results] == want + [False] * 3  # loss, grad_norm, lr
+  ev = t.offload_evidence()
+  state_bytes = offload.bytes_by_memory_kind(t.state)
+  host = ev["offload_params"]["host_to_device_bytes"] + ev["offload_opt_state"]["host_to_device_bytes"]
+  assert host == state_bytes.get("pinned_host", 0)
+  for option in ("offload_params", "offload_opt_state"):
+    assert ev[option]["moved_bytes_per_step"] == 2 * ev[option]["host_to_device_bytes"]
+
+
+def test_scan_param_offload_moves_each_layer_in_the_scan_body(offloaded):
+  """The per-layer host->device move is an in-jit device_put: dropped by the CPU lowering, so it is
+  asserted from the jaxpr (one move per stacked leaf inside the scan body, plus the remat reloads)."""
+  t, _ = offloaded["scan_params"]
+  n_stacked = len(jax.tree.leaves(t.state.params[M.LAYERS]))
+  assert t.offload_evidence()["jaxpr_device_puts"] == {"to_host": 0, "to_device": n_stacked}
+  assert offloaded["scan_all_names"][0].offload_evidence()["jaxpr_device_puts"]["to_host"] > 0
+  assert offloaded["params"][0].offload_evidence()["jaxpr_device_puts"] == {"to_host": 0, "to_device": 0}
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD_PLANS))
+def test_every_plan_trains_like_the_default(offloaded, name):
+  _, want = offloaded["default"]
+  t, got = offloaded[name]
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6, err_msg=name)
+  assert offload.state_memory_kinds(t.state) == {g: t.placement.kind(g) for g in ("params", "opt_state")}
+
+
+@pytest.mark.parametrize("name", ["default", *OFFLOAD_PLANS])
+def test_predicted_state_bytes_equal_the_live_arrays(offloaded, name):
+  t, _ = offloaded[name]
+  dev = t.placement.mesh.devices.flat[0]
+  assert jax_state_bytes(t.run) == offload.bytes_by_memory_kind(t.state, dev)
+
+
+# ----------------------------------------------------------------------------- worker device count
+
+
+def test_worker_forces_the_host_device_count_from_the_request(tmp_path):
+  req = tmp_path / "request.json"
+  req.write_text(json.dumps({"run": {"jax": {"data_parallel": 4}}}))
+  env = {}
+  assert worker.force_host_devices([str(req), "--side", "jax"], env) == 4
+  assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  assert worker.force_host_devices([str(req)], env) is None and env["XLA_FLAGS"].endswith("=8")
+  req.write_text(json.dumps({"run": {"jax": {"data_parallel": 1}}}))
+  assert worker.force_host_devices([str(req)], {}) is None

@@ -1,0 +1,79 @@
+"""parity.plans: the named plan pairs, apply_plan, and the planner."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from parity import plans
+from parity.hf import MODEL_PRESETS
+from parity.spec import DeepSpeedPlan, JaxPlan, RunSpec, SpecError, TrainSpec, preset
+
+GiB = 2**30
+
+
+def test_default_pair_is_the_default_run():
+  assert plans.PLANS[plans.DEFAULT_PLAN].deepspeed == DeepSpeedPlan()
+  assert plans.PLANS[plans.DEFAULT_PLAN].jax == JaxPlan()
+  assert plans.plan_of(RunSpec()) == plans.DEFAULT_PLAN
+
+
+@pytest.mark.parametrize("name", list(plans.PLANS))
+def test_every_plan_applies_to_gpt2_tiny(name):
+  run = plans.apply_plan(preset("gpt2-tiny"), name)
+  assert (run.deepspeed, run.jax) == (plans.PLANS[name].deepspeed, plans.PLANS[name].jax)
+  assert plans.plan_of(run) == name and plans.PLANS[name].description
+
+
+def test_apply_plan_errors_name_the_problem():
+  with pytest.raises(SpecError, match="known plans"):
+    plans.apply_plan(preset("gpt2-tiny"), "zero9")
+  odd = preset("gpt2-tiny")
+  odd = odd.__class__(model=odd.model, train=TrainSpec(micro_batch_size=3, seq_len=32), jax=odd.jax)
+  with pytest.raises(SpecError, match="zero3-fsdp4.*data_parallel"):
+    plans.apply_plan(odd, "zero3-fsdp4")
+
+
+def test_planner_7b_on_one_80gb_device_picks_a_plan_that_fits():
+  train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
+  hw = plans.HARDWARE["A100-80"]
+  best, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, hw, host_bytes=512 * GiB,
+                                   sides=("deepspeed",))
+  assert best is not None and best.fits
+  assert best.peak_device_bytes["deepspeed"] <= 0.9 * hw.device_bytes
+  assert best.host_bytes["deepspeed"] <= 512 * GiB
+  assert ranked == sorted(ranked, key=lambda c: c.step_s)
+  cheaper = [c for c in ranked if c.step_s < best.step_s]
+  assert cheaper and all(not c.fits for c in cheaper)
+  lines = plans.explain(best, ranked)
+  assert len(lines) == len(cheaper) and all("does not fit" in ln and "GiB" in ln for ln in lines)
+  assert {"zero0", "zero2"} <= {ln.split()[0] for ln in lines}  # unsharded, unoffloaded 7B: ~16 bytes/param
+
+
+def test_planner_both_sides_fit_on_h200_and_not_on_80gb():
+  train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
+  best, _ = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, plans.HARDWARE["H200"], host_bytes=512 * GiB)
+  assert best is not None and set(best.peak_device_bytes) == {"deepspeed", "jax"}
+  none, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, plans.HARDWARE["A100-80"], host_bytes=512 * GiB)
+  assert none is None and len(plans.explain(None, ranked)) == len(ranked)
+
+
+def test_planner_prefers_no_offload_when_it_fits():
+  train = TrainSpec(micro_batch_size=8, seq_len=1024, precision="bf16")
+  best, _ = plans.choose_plan(MODEL_PRESETS["gpt2-124m"], train, plans.HARDWARE["H100"])
+  assert best is not None and best.transfer_s == 0.0
+
+
+def test_plan_cli(tmp_path, capsys):
+  parser = argparse.ArgumentParser()
+  plans.add_plan_arguments(parser)
+  out = tmp_path / "p.json"
+  rc = plans.run_plan(parser.parse_args(["--model", "llama-7b", "--hardware", "A100-80", "--host-memory", "512",
+                                         "--sides", "deepspeed", "--json", str(out)]))
+  text = capsys.readouterr().out
+  assert rc == 0 and "choice:" in text and "does not fit" in text
+  data = json.loads(out.read_text())
+  assert data["choice"] == next(c["name"] for c in data["ranked"] if c["fits"])
+  assert plans.run_plan(parser.parse_args(["--model", "nope"])) == 2
+  assert plans.run_plan(parser.parse_args(["--sides", "tpu"])) == 2
