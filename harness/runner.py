@@ -111,22 +111,15 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   t0 = time.time()
   with open(out / "stdout.log", "wb") as so, open(out / "stderr.log", "wb") as se:
     proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=full_env, start_new_session=True)
-  rc, rusage, timed_out, last = None, None, False, -1
-  while True:
-    pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
-    if pid:
-      rc = os.waitstatus_to_exitcode(status)
-      proc.returncode = rc
-      break
-    if on_progress is not None:
-      n = _count_lines(out / "steps.jsonl")
-      if n != last:
-        on_progress(side, n)
-        last = n
-    if time.time() - t0 > timeout_s:
-      timed_out = True
-      _kill_group(proc.pid)
-    time.sleep(POLL_S)
+  try:
+    rc, rusage, timed_out = _watch(proc, side, out, t0, timeout_s, on_progress)
+  except BaseException:  # Ctrl-C / SIGTERM of the harness: never leave a worker behind
+    _kill_group(proc.pid)
+    _, status, _ = os.wait4(proc.pid, 0)
+    summary = _harness_summary(side, "killed", "interrupted: the harness was stopped (Ctrl-C or SIGTERM) and "
+                               "killed this side", out, read_summary(out / "summary.json"))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    raise
   wall = time.time() - t0
   if on_progress is not None:
     on_progress(side, _count_lines(out / "steps.jsonl"))
@@ -139,6 +132,24 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   peak = rusage.ru_maxrss * 1024 if rusage is not None else None
   return SideRun(side=side, status=status, returncode=rc, wall_s=wall, peak_rss_bytes=peak,
                  summary=summary, error=error)
+
+
+def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress) -> tuple[int, object, bool]:
+  """Polls the worker until it exits; kills its process group past the timeout. Returns (rc, rusage, timed_out)."""
+  last, timed_out = -1, False
+  while True:
+    pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
+    if pid:
+      return os.waitstatus_to_exitcode(status), rusage, timed_out
+    if on_progress is not None:
+      n = _count_lines(out / "steps.jsonl")
+      if n != last:
+        on_progress(side, n)
+        last = n
+    if time.time() - t0 > timeout_s and not timed_out:
+      timed_out = True
+      _kill_group(proc.pid)
+    time.sleep(POLL_S)
 
 
 def _kill_group(pid: int) -> None:

@@ -27,6 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.spec import ModelSpec
 from parity.weights import check_names_and_shapes, param_shapes
 
+from jax_impl import remat as remat_lib
+
 __all__ = ["GPT", "TRANSPOSED", "LAYERS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
            "stack_layers", "unstack_layers", "loss_fn", "rope_tables", "compute_dtype"]
 
@@ -196,7 +198,6 @@ def _params_to_device(variables: Any) -> Any:
 
 def _block_class(remat: str, host_kind: str, scanned: bool, layer_to_device: bool) -> Any:
   """Block wrapped in the plan's jax.checkpoint policy and, for scanned host params, a per-layer move."""
-  from jax_impl import remat as remat_lib  # noqa: PLC0415 (model.py stays importable on its own)
   cls: Any = Block
   if layer_to_device:
     cls = nn.map_variables(cls, "params", trans_in_fn=_params_to_device, init=False)

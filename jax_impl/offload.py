@@ -17,6 +17,10 @@ offload combines with sharding: the memory kind sits on the same NamedSharding.
 With `plan.scan_layers` and `offload_params`, the layer-stacked params stay in host memory
 through the forward and backward pass: `to_device` leaves the `LAYERS` subtree alone, and the
 model moves each layer's slice to device inside the scan body (`model._params_to_device`).
+The transpose of that move sends each layer's gradient slice to host memory (JAX keeps a
+cotangent in its primal's memory space; a custom_vjp cannot change that), and the step moves
+the gradients back to device for the optimizer update, which works on a device copy of all
+params (`step.make_train_step`): the forward/backward peak holds one layer, the update all.
 
 What CPU can and cannot show (NUMERICS.md): arrays really carry the memory kind, the
 lowered StableHLO carries `mhlo.memory_kind = "pinned_host"` at the jit boundary, and the
@@ -85,8 +89,8 @@ class Placement:
   plan: JaxPlan
 
   def kind(self, group: str) -> str:
-    """Memory kind between steps of a state group ('params' or 'opt_state')."""
-    offloaded = {"params": self.plan.offload_params, "opt_state": self.plan.offload_opt_state}[group]
+    """Memory kind between steps of a state group ('params' or 'opt_state'); gradients ('grads') stay on device."""
+    offloaded = {"params": self.plan.offload_params, "opt_state": self.plan.offload_opt_state, "grads": False}[group]
     return self.plan.host_memory_kind if offloaded else DEVICE_KIND
 
   def sharded(self, group: str) -> bool:
@@ -108,7 +112,7 @@ class Placement:
 
   def group_shardings(self, group: str, tree: Any, kind: str | None = None) -> Any:
     """Pytree of NamedShardings (memory kind of `group`, or `kind`) matching `tree` (arrays or shapes)."""
-    kind = kind or self.kind(group if group != "grads" else "params")
+    kind = kind or self.kind(group)
     spec = lambda path, x: self.leaf_spec(group, x, _is_stacked(path))
     return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(self.mesh, spec(p, x), memory_kind=kind), tree)
 
@@ -249,9 +253,15 @@ def entry_buffers(compiled_text: str) -> tuple[list[tuple[int, bool]], list[tupl
   return parse(args), parse(results)
 
 
-def _group_moves(compiled_text: str, groups: dict[str, int]) -> dict[str, dict[str, int]]:
+def _group_moves(compiled_text: str, groups: dict[str, int], kept: list[int] | None
+                 ) -> dict[str, dict[str, int]]:
   """Host bytes in/out per step of each state group, from the entry buffers (groups in argument order)."""
   args, results = entry_buffers(compiled_text)
+  if kept is not None:  # jit drops unused arguments (e.g. the clip state's last norm) from the entry
+    full: list[tuple[int, bool]] = [(0, False)] * (max(kept, default=-1) + 1)
+    for i, buf in zip(sorted(kept), args):
+      full[i] = buf
+    args = full
   out, start = {}, 0
   for name, n in groups.items():
     host_in = sum(b for b, host in args[start:start + n] if host)
@@ -263,7 +273,7 @@ def _group_moves(compiled_text: str, groups: dict[str, int]) -> dict[str, dict[s
 
 
 def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pinned_host",
-                     groups: dict[str, int] | None = None) -> dict[str, Any]:
+                     groups: dict[str, int] | None = None, kept: list[int] | None = None) -> dict[str, Any]:
   """Counts the host-placement annotations a compiled step carries, and the bytes they move.
 
   Args:
@@ -272,6 +282,7 @@ def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pi
     host_kind: the host memory kind of the plan.
     groups: state group -> number of leaves, in the step's argument (and result) order, e.g.
       {"params": 16, "opt_state": 37}; adds one entry per group with its host bytes per step.
+    kept: indices of the flat arguments the executable kept (jit prunes unused ones); None: all.
   Returns:
     lowered_host_args_results: entry arguments/results with `mhlo.memory_kind = "<host_kind>"`;
     lowered_host_placements: `annotate_device_placement` ops placing a value in host memory;
@@ -289,5 +300,5 @@ def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pi
       "compiled_host_buffers": compiled_text.count("S(5)"),
   }
   if groups:
-    out.update(_group_moves(compiled_text, groups))
+    out.update(_group_moves(compiled_text, groups, kept))
   return out

@@ -7,6 +7,13 @@ micro batches and sums the gradients of loss_i / grad_accum_steps, as DeepSpeed'
 does (it divides each micro-batch loss by GAS before backward and accumulates .grad), then
 applies the optimizer once. The reported loss is the mean of the micro-batch losses.
 
+The JaxPlan shapes the step without changing its arithmetic: `remat` wraps each block in a
+jax.checkpoint policy (`jax_impl.remat`), `scan_layers` runs the blocks as one scan over
+layer-stacked params, `offload_*` place state groups in host memory (`jax_impl.offload`), and
+`zero_stage` / `data_parallel` shard the state over the mesh's `data` axis (stage 2 adds a
+sharding constraint on the accumulated gradients). Every plan gives the default plan's loss
+to fp32 rounding (tests/test_jax_plans*.py).
+
 `Trainer` is the thin stateful shell the worker drives: it owns the live state, feeds
 batches, and reads metrics; the arithmetic is all in `train_step`.
 """
@@ -92,7 +99,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   loss = _model_loss(run, placement)
   layers_on_host = run.jax.scan_layers and placement.kind("params") != "device"
   def train_step(state: TrainState, batch_amtp1: jax.Array) -> tuple[TrainState, Metrics]:
-    grad_shd = placement.group_shardings("grads", state.params, kind="device") if placement.sharded("grads") else None
+    grad_shd = placement.group_shardings("grads", state.params) if placement.sharded("grads") else None
     fwd_params = placement.to_device("params", state.params, shardings.params, keep_layers=True)
     opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
     loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd,
@@ -228,6 +235,14 @@ class Trainer:
                                          jax.ShapeDtypeStruct(val_shape, dtype, sharding=batch_shd)).compile()
       self.compile_times_s["eval_compile"] = time.perf_counter() - t0
 
+  def kept_args(self) -> list[int] | None:
+    """Flat argument indices the compiled step kept (jit prunes unused inputs from the entry).
+
+    Read from the executable's private `_kept_var_idx` (jax 0.10.2); None when it is unavailable.
+    """
+    kept = getattr(getattr(self.step_fn, "_executable", None), "_kept_var_idx", None)
+    return None if kept is None else sorted(kept)
+
   def offload_evidence(self) -> dict[str, Any]:
     """Compiler evidence of the plan's offload (after `compile`), per offload option.
 
@@ -239,7 +254,8 @@ class Trainer:
     """
     groups = {"offload_params": len(jax.tree.leaves(self.state.params)),
               "offload_opt_state": len(jax.tree.leaves(self.state.opt_state))}
-    ev = offload_lib.offload_evidence(self.lowered_text, self.compiled_text, self.run.jax.host_memory_kind, groups)
+    ev = offload_lib.offload_evidence(self.lowered_text, self.compiled_text, self.run.jax.host_memory_kind,
+                                      groups, self.kept_args())
     ev["jaxpr_device_puts"] = remat_lib.device_puts_in_jaxpr(self.jaxpr_text)
     return ev
 

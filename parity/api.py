@@ -77,10 +77,17 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     (run_dir / "migration.json").write_text(port.report.to_json())
     (run_dir / "migration.md").write_text(port.report.to_markdown())
   limit = timeout_s if timeout_s is not None else spec.timeout_s
-  side_runs = {}
+  side_runs, interrupted = {}, None
   with _progress(progress, spec) as on_progress:
     for side in spec.sides:
-      side_runs[side] = run_side(run_dir, side, timeout_s=limit, on_progress=on_progress)
+      if interrupted is not None:
+        side_runs[side] = not_run(side, "not started: the run was interrupted")
+        continue
+      try:
+        side_runs[side] = run_side(run_dir, side, timeout_s=limit, on_progress=on_progress)
+      except KeyboardInterrupt as exc:  # the side was killed and has a summary; report, then re-raise
+        interrupted = exc
+        side_runs[side] = _interrupted_run(run_dir, side)
   side_data, steps_by_side = {}, {}
   for side, sr in side_runs.items():
     st = read_steps(run_dir / side / "steps.jsonl")
@@ -95,11 +102,28 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
                         verdict=v, wall_s=0.0, prepare_s=prep["prepare_s"])
   report.data["plan"] = plan_choice
+  from parity import memory
+  report.data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(report.data),
+                           "note": "predicted by parity.memory (parity estimate); measured from the live "
+                                   "state arrays / engine tensors of each side"}
   report.data["timing"]["wall_s"] = time.time() - t0
   busy = sum(report.data["timing"]["sides_s"].values())
   report.data["timing"]["overhead_ratio"] = report.data["timing"]["wall_s"] / busy if busy else None
+  if interrupted is not None:
+    report.data["verdict"]["message"] = "INTERRUPTED: " + report.data["verdict"]["message"]
+    report.data["verdict"]["passed"] = False
   write_all(report)
+  if interrupted is not None:
+    raise interrupted
   return report
+
+
+def _interrupted_run(run_dir: Path, side: str):
+  from harness.runner import SideRun
+  from parity.protocol import read_summary
+  summ = read_summary(run_dir / side / "summary.json") or {"side": side, "status": "killed"}
+  return SideRun(side=side, status="killed", returncode=None, wall_s=0.0, peak_rss_bytes=None, summary=summ,
+                 error=summ.get("error"))
 
 
 def _apply_plan(spec, plan: str, hardware: str):

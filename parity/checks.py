@@ -89,12 +89,13 @@ def series_check(metric: str, a_side: str, a: Sequence[dict], b_side: str, b: Se
   worst_i = int(np.nanargmax(ratio)) if np.any(np.isfinite(ratio)) or np.any(np.isinf(ratio)) else 0
   first = common[int(np.argmax(bad))] if bad.any() else None
   value = float(diff[worst_i]) if np.isfinite(diff[worst_i]) else float("nan")
+  worst_allowed = float(allowed[worst_i]) if np.isfinite(allowed[worst_i]) else tol.atol
   detail = (f"max |Δ{metric}| = {value:.3g} at step {common[worst_i]} "
-            f"(tolerance {allowed[worst_i]:.3g}) over {len(common)} steps")
+            f"(tolerance {worst_allowed:.3g}) over {len(common)} steps")
   if nan_mismatch:
     detail += f"; {nan_mismatch} step(s) finite on one side only"
   return Check(name=f"{metric} {a_side}~{b_side}", metric=metric, sides=(a_side, b_side), value=value,
-               tolerance=float(allowed[worst_i]), passed=not bad.any(), first_failing_step=first,
+               tolerance=worst_allowed, passed=not bad.any(), first_failing_step=first,
                worst=common[worst_i], detail=detail, reason=tol.reason)
 
 
@@ -220,6 +221,10 @@ def verdict(checks: Sequence[Check], statuses: dict[str, str]) -> Verdict:
   """The run's verdict from its checks and each side's status."""
   failing = [c for c in checks if not c.passed]
   bad_sides = {s: st for s, st in statuses.items() if st != "ok"}
+  if len(statuses) == 1:
+    (side, st), = statuses.items()
+    return Verdict(st == "ok", None, f"ONE SIDE: {side} {'ran ok' if st == 'ok' else 'did not finish (' + st + ')'}; "
+                   "nothing to compare (run two or more sides for a parity verdict)")
   if not failing and not bad_sides:
     return Verdict(True, None, f"PASS: {len(checks)} checks within tolerance across {len(statuses)} sides")
   inf = float("inf")

@@ -101,7 +101,9 @@ def print_summary(report, con) -> None:
     c.add_column(col)
   for ch in report.checks:
     val = ch["value"]
-    c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, float) else str(val), f"{ch['tolerance']:.3g}",
+    tol = ch["tolerance"]
+    c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val),
+              f"{tol:.3g}" if isinstance(tol, (int, float)) else "n/a",
               "yes" if ch["passed"] else "[red]NO[/red]",
               "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))
   con.print(c)
@@ -115,7 +117,13 @@ def _run_report(args) -> int:
   path = Path(args.run_dir) / "report.json"
   if not path.exists():
     raise SpecError(f"{path} does not exist: pass the folder of a finished `parity compare` run")
-  report = Report(data=json.loads(path.read_text()), run_dir=Path(args.run_dir))
+  try:
+    data = json.loads(path.read_text())
+  except json.JSONDecodeError as exc:
+    raise SpecError(f"{path}: not valid JSON ({exc}); the run may have been interrupted while writing it") from None
+  if not isinstance(data, dict) or data.get("schema") != "parity.report/1":
+    raise SpecError(f"{path}: not a parity report (expected schema 'parity.report/1')")
+  report = Report(data=data, run_dir=Path(args.run_dir))
   print_summary(report, _console())
   return report.exit_code
 
@@ -159,7 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
+def _sigterm_as_interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+  import signal
+  signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # SIGTERM stops the workers too, like Ctrl-C
   ap = build_parser()
   args = ap.parse_args(argv)
   try:
@@ -184,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parity {args.command}: error: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT
   except KeyboardInterrupt:
-    print("parity: interrupted", file=sys.stderr)
+    print("parity: interrupted; the running side was killed and the report marks it", file=sys.stderr)
     return 130
 
 

@@ -34,7 +34,7 @@ class Corpus:
     source: human description (path or 'stdlib').
     sha256: hash of all token ids (train then val), to tie a report to its data.
     n_files: number of files read (0 for a .bin file).
-    vocab_size: smallest vocabulary that covers the ids (256 for bytes).
+    vocab_size: vocabulary the ids need: 256 for byte-level text, max id + 1 for a .bin file.
   """
   train: np.ndarray
   val: np.ndarray
@@ -78,6 +78,8 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
     DataError: the source does not exist, is empty, or holds too few tokens.
   """
   n_files = 0
+  if not source or not str(source).strip():
+    raise DataError("data source is empty; pass 'stdlib', a text file, a folder, or a .bin file")
   if source == "stdlib":
     blob, n_files = _read_files(_stdlib_files(), max_bytes or STDLIB_MAX_BYTES)
     ids = np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)
@@ -86,7 +88,10 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
     if not path.exists():
       raise DataError(f"data source {source!r} does not exist; pass 'stdlib', a text file, a folder, or a .bin file")
     if path.is_file() and path.suffix == ".bin":
-      ids = np.fromfile(path, dtype=np.uint16)
+      if path.stat().st_size % 2:
+        raise DataError(f"{source}: {path.stat().st_size} bytes is not a whole number of uint16 token ids "
+                        "(a nanoGPT .bin holds little-endian uint16)")
+      ids = np.fromfile(path, dtype="<u2")
     elif path.is_file():
       blob, n_files = _read_files([path], max_bytes)
       ids = np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)
@@ -101,9 +106,10 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
   if ids.size < 64:
     raise DataError(f"data source {source!r} holds only {ids.size} tokens; need at least 64")
   n_val = max(1, int(ids.size * val_fraction))
+  is_bytes = source == "stdlib" or not str(source).endswith(".bin")
   return Corpus(train=ids[:-n_val], val=ids[-n_val:], source=source,
                 sha256=hashlib.sha256(ids.tobytes()).hexdigest(), n_files=n_files,
-                vocab_size=max(256, int(ids.max()) + 1))
+                vocab_size=256 if is_bytes else int(ids.max()) + 1)
 
 
 def _windows(ids: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:

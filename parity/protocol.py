@@ -175,7 +175,8 @@ class SideIO:
              state_bytes_by_memory_kind: dict[str, int] | None = None, extra: dict[str, Any] | None = None) -> dict:
     """Writes final.safetensors (when given) and summary.json. Returns the summary."""
     if final_params is not None:
-      weights.save(final_params, self.out / "final.safetensors", metadata={"side": self.side})
+      weights.save(final_params, self.out / "final.safetensors",
+                   metadata={"side": self.side, **weights.spec_metadata(self.run.model)})
     times = self._step_times
     warm = times[2:] if len(times) > 3 else times[1:] or times
     med = statistics.median(warm) if warm else None

@@ -28,13 +28,16 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
   if not p.exists():
     raise SpecError(f"config file not found: {p}")
   text = p.read_text()
-  try:
-    data = yaml.safe_load(text)
-  except yaml.YAMLError as exc:
+  if p.suffix.lower() in (".json", ".hjson", ".json5"):  # JSON as DeepSpeed reads it: comments, trailing commas
+    import hjson
     try:
-      import hjson
       data = hjson.loads(text)
-    except Exception:
+    except hjson.HjsonDecodeError as exc:
+      raise SpecError(f"{p}: cannot parse config at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+  else:
+    try:
+      data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
       mark = getattr(exc, "problem_mark", None)
       where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
       raise SpecError(f"{p}: cannot parse config{where}: {getattr(exc, 'problem', exc)}") from None
@@ -91,6 +94,15 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
   return spec.validate()
 
 
+PERTURBABLE = frozenset({
+    "model.norm_eps", "model.gelu_approximate", "model.attn_scale", "model.rope_theta",
+    "train.lr", "train.warmup_steps", "train.warmup_min_ratio", "train.cos_min_ratio", "train.lr_schedule",
+    "train.lr_schedule_params", "train.beta1", "train.beta2", "train.eps", "train.weight_decay", "train.grad_clip",
+    "train.precision"})
+"""Settings one side may change on its own: numerics only. Weights and batches are shared files, so keys that
+shape them (seeds, sizes, steps, layer layout) cannot differ per side."""
+
+
 def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[str, Any]]:
   """Parses `--perturb side:key=value` (debug: make one side differ on purpose).
 
@@ -107,17 +119,22 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[
     if side not in sides:
       raise SpecError(f"--perturb {item!r}: side {side!r} is not among the sides run ({', '.join(sides)})")
     key, raw = kv.split("=", 1)
-    if key not in DEBUG_KEYS and not key.startswith(("model.", "train.")):
-      raise SpecError(f"--perturb {item!r}: key must be model.<field>, train.<field> or one of {', '.join(DEBUG_KEYS)}")
+    if key not in DEBUG_KEYS and key not in PERTURBABLE:
+      hint = (" (it shapes the shared weights or batches, so it cannot differ per side)"
+              if key.startswith(("model.", "train.")) else "")
+      raise SpecError(f"--perturb {item!r}: {key!r} cannot be perturbed{hint}; use one of "
+                      f"{', '.join(sorted(PERTURBABLE))} or {', '.join(DEBUG_KEYS)}")
     try:
       value = json.loads(raw)
     except json.JSONDecodeError:
       value = raw
+    if key in DEBUG_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+      raise SpecError(f"--perturb {item!r}: {key} takes a step number (an integer >= 0); got {raw!r}")
     out.setdefault(side, {})[key] = value
   for side, kv in out.items():  # validate overrides now, not inside a worker
     fields = [f"{k}={json.dumps(v)}" for k, v in kv.items() if k not in DEBUG_KEYS]
     if fields:
-      apply_overrides(RunSpec(), fields)
+      apply_overrides(RunSpec(), fields).validate()
   return out
 
 
@@ -144,7 +161,12 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   """
   t0 = time.time()
   run_dir = Path(run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
+  if run_dir.exists() and not run_dir.is_dir():
+    raise SpecError(f"--out {run_dir}: exists and is not a folder")
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as exc:
+    raise SpecError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
   corpus = corpus or load_corpus(spec.data)
   if corpus.vocab_size > spec.model.vocab_size:
     raise SpecError(f"data {spec.data!r} has token ids up to {corpus.vocab_size - 1}, beyond "
@@ -160,7 +182,7 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   else:
     params, meta = dict(init_params), {"source": "given"}
     weights.check_names_and_shapes(params, spec.model, source="initial weights")
-  weights.save(params, run_dir / "init.safetensors", metadata=meta)
+  weights.save(params, run_dir / "init.safetensors", metadata={**meta, **weights.spec_metadata(spec.model)})
   data_info = {"source": corpus.source, "sha256": corpus.sha256, "train_tokens": int(corpus.train.size),
                "val_tokens": int(corpus.val.size), "files": corpus.n_files}
   (run_dir / "config.json").write_text(json.dumps(to_dict(spec), indent=2))

@@ -30,7 +30,8 @@ import numpy as np
 from parity.spec import ModelSpec
 
 __all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices",
-           "RESIDUAL_PROJECTIONS"]
+           "RESIDUAL_PROJECTIONS",
+           "SPEC_METADATA_KEY", "spec_metadata"]
 
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
 """Weights whose init std is scaled by 1/sqrt(2 * n_layers) (GPT-2 paper, section 2.3)."""
@@ -126,6 +127,17 @@ def zero_grad_slices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
   q = spec.n_heads * spec.head_dim
   k = spec.kv_heads * spec.head_dim
   return {f"h.{i}.attn.qkv.bias": (q, q + k) for i in range(spec.n_layers)}
+
+
+SPEC_METADATA_KEY = "parity_model_spec"
+"""safetensors metadata key holding the ModelSpec as JSON (read by `parity convert-weights`)."""
+
+
+def spec_metadata(spec: ModelSpec) -> dict[str, str]:
+  """{SPEC_METADATA_KEY: the spec as JSON}, so a canonical file says which model it holds."""
+  import json
+  from parity.spec import to_dict
+  return {SPEC_METADATA_KEY: json.dumps(to_dict(spec), sort_keys=True, separators=(",", ":"))}
 
 
 def save(params: dict[str, np.ndarray], path: str | Path, metadata: dict[str, str] | None = None) -> None:

@@ -148,3 +148,48 @@ def test_real_zero2_offload_config_runs_head_to_head(tmp_path):
   assert rep["sides"]["jax"]["summary"]["state_memory_kinds"]["opt_state"] == "pinned_host"
   mig = json.loads((out / "migration.json").read_text())
   assert mig["status"] == "ported" and all(e["fate"] in ("mapped", "not_needed", "unsupported") for e in mig["entries"])
+
+
+@requires_jax
+@requires_torch
+def test_ctrl_c_kills_the_running_side_and_still_writes_a_report(tmp_path):
+  import os
+  import signal
+  import time
+  out = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--steps", "4",
+                           "--sides", "torch,jax", "--out", str(out), "--no-progress",
+                           "--perturb", "torch:hang_at_step=1"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  steps = out / "torch" / "steps.jsonl"
+  deadline = time.time() + 120
+  while time.time() < deadline and not (steps.exists() and steps.read_text().count("\n") >= 1):
+    time.sleep(0.2)
+  worker_pid = int((out / "torch" / "pid").read_text())
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err
+  time.sleep(0.5)
+  with pytest.raises(ProcessLookupError):
+    os.kill(worker_pid, 0)  # the hanging worker is gone
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["verdict"]["message"].startswith("INTERRUPTED") and not rep["verdict"]["passed"]
+  assert rep["sides"]["torch"]["status"] == "killed" and "interrupted" in rep["sides"]["torch"]["error"]
+  assert rep["sides"]["jax"]["status"] == "not_run"
+
+
+@requires_jax
+@requires_torch
+@pytest.mark.parametrize("perturb, metric", [
+    ("torch:train.weight_decay=0.0", "params"),   # a wrong decay mask/default: params drift by ~wd*lr per step
+    ("torch:train.grad_clip=0.5", None),          # a different clipping threshold
+    ("jax:train.eps=1e-6", "loss"),               # a different Adam epsilon
+])
+def test_wrong_optimizer_settings_are_caught(tmp_path, perturb, metric):
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--out", str(out),
+           "--no-progress", "--perturb", perturb)
+  assert p.returncode == 1, p.stdout[-2000:]
+  rep = json.loads((out / "report.json").read_text())
+  failed = {c["metric"] for c in rep["checks"] if not c["passed"]}
+  assert failed and (metric is None or metric in failed), failed

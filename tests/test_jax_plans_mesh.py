@@ -124,5 +124,24 @@ def test_sharded_offload_moves_one_shard_per_device(report):
   assert ev["jaxpr_device_puts"]["to_host"] > 0  # activation offload, visible only in the jaxpr on CPU
 
 
+@pytest.mark.slow
+def test_cli_runs_a_sharded_plan_and_the_worker_forces_the_devices(tmp_path):
+  """`parity compare --set jax.data_parallel=4 --set jax.zero_stage=3`: the worker reads the request
+  and sets the forced CPU device count itself (no XLA_FLAGS from the caller)."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  proc = subprocess.run([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--sides", "jax",
+                         "--steps", "3", "--set", f"jax.data_parallel={N_DEV}", "--set", "jax.zero_stage=3",
+                         "--out", str(tmp_path / "run")], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  from parity.memory_jax import jax_state_bytes
+  from parity.spec import RunSpec, from_dict
+  summary = json.loads((tmp_path / "run" / "jax" / "summary.json").read_text())
+  run = from_dict(RunSpec, json.loads((tmp_path / "run" / "request.json").read_text())["run"])
+  assert summary["mesh_devices"] == N_DEV and summary["status"] == "ok"
+  assert summary["state_shardings"]["params"]["replicated"] == 0
+  assert summary["state_bytes_by_memory_kind"] == jax_state_bytes(run)
+
+
 if __name__ == "__main__":
   print(json.dumps(probe()))

@@ -63,8 +63,14 @@ def test_perturb_parsing():
   assert p == {"jax": {"model.norm_eps": 1e-3}, "deepspeed": {"kill_at_step": 2}}
   with pytest.raises(SpecError, match="not among the sides"):
     parse_perturb(["torch:kill_at_step=1"], ["jax"])
-  with pytest.raises(SpecError, match="unknown key"):
+  with pytest.raises(SpecError, match="cannot be perturbed"):
     parse_perturb(["jax:model.nrm_eps=1"], ["jax"])
+  with pytest.raises(SpecError, match="shapes the shared weights or batches"):
+    parse_perturb(["jax:train.seed=5"], ["jax"])
+  with pytest.raises(SpecError, match="integer >= 0"):
+    parse_perturb(["jax:nan_at_step=abc"], ["jax"])
+  with pytest.raises(SpecError, match="integer >= 0"):
+    parse_perturb(["jax:kill_at_step=1.5"], ["jax"])
 
 
 def test_init_follows_gpt2_scheme():

@@ -20,6 +20,7 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
 from __future__ import annotations
 
 import os
+import sys
 import socket
 from typing import Any, Callable
 
@@ -67,6 +68,9 @@ def setup_distributed() -> str:
   cuda = torch.cuda.is_available()
   if not cuda:
     os.environ["DS_ACCELERATOR"] = "cpu"
+  # DeepSpeed JIT-builds its ops (CPU Adam) into TORCH_EXTENSIONS_DIR; one folder per environment, so two
+  # virtualenvs on one machine do not rebuild (or lock) each other's build.
+  os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
   os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
   if "MASTER_PORT" not in os.environ:
     os.environ["MASTER_PORT"] = str(_free_port())

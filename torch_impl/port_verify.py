@@ -21,6 +21,7 @@ import sys
 import traceback
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # as engine.py
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -16,7 +16,7 @@ from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
 from parity.hf.tensors import canonical_to_hf, hf_to_canonical
 from parity.spec import ModelSpec, RunSpec, SpecError, from_dict, to_dict
 
-SPEC_METADATA_KEY = "parity_model_spec"
+SPEC_METADATA_KEY = weights.SPEC_METADATA_KEY
 """safetensors metadata key of a canonical file holding the ModelSpec as JSON (one key: header order is stable)."""
 
 
@@ -178,7 +178,7 @@ def save_hf_checkpoint(folder: str | Path, spec: ModelSpec, params: Mapping[str,
 
 def canonical_metadata(spec: ModelSpec) -> dict[str, str]:
   """safetensors metadata of a canonical file: {SPEC_METADATA_KEY: compact sorted JSON of the spec}."""
-  return {SPEC_METADATA_KEY: json.dumps(to_dict(spec), sort_keys=True, separators=(",", ":"))}
+  return weights.spec_metadata(spec)
 
 
 def spec_from_metadata(meta: Mapping[str, str], *, source: str = "metadata") -> ModelSpec | None:

@@ -198,4 +198,11 @@ def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = ""):
   if result.ported is None:
     raise SpecError(f"{source or 'DeepSpeed config'}: refused: " + "; ".join(result.report.errors))
   spec = to_run_spec(result.ported, base)
-  return spec, result.ds_config, result
+  ds = {k: v for k, v in result.ds_config.items() if v is not None}
+  if not isinstance(ds.get("optimizer"), dict) or "type" not in ds["optimizer"]:
+    # As the HF Trainer does for a config without an optimizer: the run's AdamW (the same one the port
+    # built from the same values), passed to DeepSpeed in its config.
+    t = spec.train
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps,
+                                                   "weight_decay": t.weight_decay}}
+  return spec, ds, result

@@ -13,6 +13,8 @@ report.json, schema 'parity.report/1' (units in key names):
                   summary.json>, series: {step, loss, grad_norm, lr, loss_scale, skipped, step_time_s, tokens,
                   val_step, val_loss}}}
   timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, overhead_ratio}
+  plan           {name, chosen_by, why} when --plan was given, else null
+  memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}
 """
 from parity.report.build import Report, build_report
 from parity.report.write import write_markdown, write_plot, write_all

@@ -87,7 +87,8 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
                    "harness_peak_rss_bytes": sr.peak_rss_bytes, "summary": summ,
                    "series": _series(side_steps.get(name, []))}
     busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
-    sides_s[name] = busy
+    # a side that did not finish never reported its own times: count the wall time the harness saw
+    sides_s[name] = busy if sr.status == "ok" else sr.wall_s
   busy_total = sum(sides_s.values())
   data = {
       "schema": REPORT_SCHEMA,

@@ -51,7 +51,9 @@ def side_rows(report: Report) -> list[dict]:
 def write_markdown(report: Report, path: Path) -> None:
   d = report.data
   v = d["verdict"]
-  out = [f"# parity report: {'PASS' if v['passed'] else 'FAIL'}", "", f"**{v['message']}**", "",
+  head = v["message"].split(":", 1)[0] if v["message"].startswith(("ONE SIDE", "INTERRUPTED")) else \
+      ("PASS" if v["passed"] else "FAIL")
+  out = [f"# parity report: {head}", "", f"**{v['message']}**", "",
          f"- preset `{d['preset']}`, config hash `{d['config_hash']}`, precision `{d['run']['train']['precision']}`",
          f"- data: `{d['data']['source']}` ({d['data']['train_tokens']:,} train / {d['data']['val_tokens']:,} "
          f"held-out tokens, sha256 `{d['data']['sha256'][:16]}`)",
@@ -78,6 +80,14 @@ def write_markdown(report: Report, path: Path) -> None:
     if s["error"]:
       err = s["error"].strip().splitlines()
       out += ["", f"**{name} {s['status']}**:", "```", *err[-15:], "```"]
+  mem = (d.get("memory") or {}).get("predicted_vs_measured") or []
+  rows = [r for r in mem if r["predicted"] or r["measured"]]
+  if rows:
+    out += ["", "## Memory: predicted vs measured", "", d["memory"]["note"] + ".", "",
+            "| side | category | memory kind | predicted | measured | measured / predicted |", "|---|---|---|---|---|---|"]
+    for r in rows:
+      out.append(f"| {r['side']} | {r['category']} | {r['memory_kind']} | {fmt_bytes(r['predicted'])} "
+                 f"| {fmt_bytes(r['measured'])} | {_f(r['ratio'], '.3f')} |")
   out += ["", "## Checks", "", "| check | value | tolerance | passed | first failing step | detail |", "|---|---|---|---|---|---|"]
   for c in d["checks"]:
     out.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['tolerance'])} | {'yes' if c['passed'] else '**no**'} "
