@@ -4,7 +4,7 @@ Every option of `parity.spec.ModelSpec` is implemented here: pre-norm blocks,
 LayerNorm (with or without bias) or RMSNorm, GELU (tanh or erf) or SwiGLU MLP,
 learned or rotary positions, grouped-query attention, tied or untied head.
 
-Numerics follow PyTorch, not Flax defaults (NUMERICS.md): the norm epsilon is
+Numerics follow PyTorch, not Flax defaults (shared/NUMERICS.md): the norm epsilon is
 `spec.norm_eps` (Flax 1e-6, torch 1e-5), LayerNorm uses the two-pass biased
 variance as `torch.nn.LayerNorm`, GELU uses `spec.gelu_approximate` explicitly,
 and norms compute in float32 whatever the compute dtype.

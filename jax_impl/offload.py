@@ -22,7 +22,7 @@ cotangent in its primal's memory space; a custom_vjp cannot change that), and th
 the gradients back to device for the optimizer update, which works on a device copy of all
 params (`step.make_train_step`): the forward/backward peak holds one layer, the update all.
 
-What CPU can and cannot show (NUMERICS.md): arrays really carry the memory kind, the
+What CPU can and cannot show (shared/NUMERICS.md): arrays really carry the memory kind, the
 lowered StableHLO carries `mhlo.memory_kind = "pinned_host"` at the jit boundary, and the
 compiled HLO marks those entry buffers with memory space 5 (`S(5)`); but in-jit
 `device_put` lowers to nothing on CPU and `memory_analysis()` counts host buffers as
@@ -290,7 +290,7 @@ def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pi
     compiled_host_buffers: every `S(5)` layout in the compiled module (GPU adds in-step copies);
     per group (when `groups`): host_to_device_bytes (entry parameters in S(5)),
     device_to_host_bytes (entry results in S(5)) and their sum moved_bytes_per_step, per device.
-    `unpinned_host` gets no S(5) on CPU (NUMERICS.md).
+    `unpinned_host` gets no S(5) on CPU (shared/NUMERICS.md).
   """
   entry = _entry_layout(compiled_text)
   out: dict[str, Any] = {

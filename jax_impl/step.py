@@ -38,7 +38,7 @@ from jax_impl.offload import Placement, TrainState, make_placement
 
 __all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer"]
 
-# fp32 parity on GPU: f32 matmuls must not silently use TF32 (NUMERICS.md).
+# fp32 parity on GPU: f32 matmuls must not silently use TF32 (shared/NUMERICS.md).
 jax.config.update("jax_default_matmul_precision", "highest")
 
 Metrics = dict[str, jax.Array]

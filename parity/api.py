@@ -147,7 +147,19 @@ def _progress(enabled: bool, spec):
   if not enabled:
     yield None
     return
+  from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+  if not Console().is_terminal:  # a log file: plain lines at start and every quarter of the steps
+    shown: dict[str, int] = {}
+    total = spec.train.steps
+
+    def on_line(side: str, n: int) -> None:
+      quarter = (4 * n) // total if total else 4
+      if shown.get(side) != quarter:
+        shown[side] = quarter
+        print(f"[{time.strftime('%H:%M:%S')}] {side}: {n}/{total} steps", flush=True)
+    yield on_line
+    return
   cols = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
           TimeElapsedColumn())
   with Progress(*cols, transient=False) as prog:

@@ -61,7 +61,8 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
             data: str | None = None) -> RunSpec:
   """Builds the RunSpec of a comparison: preset, then config file, then flags, then `key=value` overrides.
 
-  A config file may name its own base with a top-level `preset:` key.
+  A config file may name its own base with a top-level `preset:` key. A config written by `parity port`
+  (schema 'parity.ported/1') sets the training and plan sections; the model and data come from the preset.
   Raises:
     SpecError: unknown preset or key, a value of the wrong type or out of range.
   """
@@ -73,7 +74,13 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
   elif config is not None:
     cfg = dict(config)
   name = cfg.pop("preset", None) or preset_name or DEFAULT_PRESET
-  base = to_dict(preset(name))
+  if cfg.get("schema") == "parity.ported/1":  # the output of `parity port`: the JAX config of a DeepSpeed run
+    from parity.migrate._reverse import load_ported, to_run_spec
+    spec = to_run_spec(load_ported(cfg, source=source), preset(name))
+    cfg = {}
+  else:
+    spec = None
+  base = to_dict(spec if spec is not None else preset(name))
   try:
     spec = from_dict(RunSpec, _merge(base, cfg))
   except SpecError as exc:

@@ -327,7 +327,7 @@ PRESETS: dict[str, RunSpec] = {
         model=ModelSpec(d_model=64, n_layers=2, n_heads=2, max_seq_len=64),
         train=TrainSpec(steps=16, micro_batch_size=4, seq_len=32, lr=1e-3, warmup_steps=3,
                         eval_every=8, eval_batches=2)),
-    # ~0.5 M params, 100 steps: the configuration NUMERICS.md measured.
+    # ~0.5 M params, 100 steps: the configuration shared/NUMERICS.md measured.
     "gpt2-mini": RunSpec(
         model=ModelSpec(d_model=128, n_layers=2, n_heads=4, max_seq_len=64),
         train=TrainSpec(steps=100, micro_batch_size=8, seq_len=64, warmup_steps=10, eval_every=25)),

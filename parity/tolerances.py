@@ -21,7 +21,7 @@ class Tolerance:
 _FP32 = {
     "loss": Tolerance(1e-5, 0.0, (
         "Per-step training loss, nats. Independent fp32 stacks with every setting matched agree to "
-        "<= 4.3e-6 over 100 steps (NUMERICS.md, 3.5 M params; re-measured by this project, see "
+        "<= 4.3e-6 over 100 steps (shared/NUMERICS.md, 3.5 M params; re-measured by this project, see "
         "benchmarks/results). 1e-5 leaves ~2x headroom and is still 300x below the smallest "
         "mismatch we plant (LayerNorm eps 1e-5 vs 1e-6 moves the step-0 loss by ~3e-3).")),
     "val_loss": Tolerance(1e-5, 0.0, "Held-out loss, same arithmetic as the training loss: same bound."),
@@ -51,7 +51,7 @@ _BF16 = {
     "loss": Tolerance(2e-2, 0.0, (
         "bf16 compute on both sides (fp32 master weights): the bf16-vs-fp32 spread inside one "
         "framework is ~5e-4 in calm phases and up to 1.2e-2 in early high-gradient steps "
-        "(NUMERICS.md, 3.5 M params), and the two sides round differently (DeepSpeed casts the "
+        "(shared/NUMERICS.md, 3.5 M params), and the two sides round differently (DeepSpeed casts the "
         "whole module, Flax casts per layer), so that spread is the honest tolerance.")),
     "val_loss": Tolerance(2e-2, 0.0, "Same as the bf16 training loss."),
     "grad_norm": Tolerance(1e-4, 5e-2, "bf16 gradients carry ~3 significant digits; 5% covers the measured spread."),

@@ -379,7 +379,7 @@ def test_to_run_spec():
               "bf16": {"enabled": True}}).ported
   spec = to_run_spec(ok, base)
   # compare runs base.train.steps; the schedule keeps its own length (total_num_steps 30)
-  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) == (12, 3e-4, 0.95, "bf16")
+  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) == (base.train.steps, 3e-4, 0.95, "bf16")
   assert spec.train.lr_schedule == "WarmupCosineLR" and spec.train.lr_schedule_params["total_num_steps"] == 30
   assert spec.train.grad_accum_steps == 2 and spec.train.micro_batch_size == 4
   warm = to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
@@ -405,3 +405,15 @@ def test_cli_exit_codes_and_reports(tmp_path, capsys):
   assert json.loads(back.read_text())["optimizer"]["type"] == "AdamW"
   bad = _write(tmp_path, "{ nope: ]")
   assert cli.main([str(bad), "--quiet"]) == 2
+
+
+def test_ported_yaml_runs_as_a_compare_config(tmp_path):
+  """`parity port -o run.yaml` writes what `parity compare --config run.yaml` runs."""
+  from parity.run import resolve
+  src = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.05}},
+                                     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}))
+  out = tmp_path / "run.yaml"
+  assert cli.main([str(src), "--quiet", "-o", str(out)]) == 0
+  spec = resolve("gpt2-tiny", config=out)
+  assert spec.train.lr == 3e-4 and spec.train.weight_decay == 0.05 and spec.train.lr_schedule == "WarmupLR"
+  assert spec.model == PRESETS["gpt2-tiny"].model
