@@ -18,35 +18,22 @@ __all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", 
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-  """Reads a run config (YAML or JSON; JSON with comments/trailing commas via hjson).
+  """Reads a run config: YAML, or JSON as DeepSpeed reads it (comments, trailing commas).
 
+  The readers are parity.migrate's, so run configs and DeepSpeed configs parse alike.
   Raises:
-    SpecError: missing file, or a syntax error (with the file name and position).
+    SpecError: missing file, a syntax error (with file, line and column), or a top level that is not a mapping.
   """
-  import yaml
+  from parity.migrate._read import PortError, read_deepspeed_config, read_structured
   p = Path(path)
   if not p.exists():
     raise SpecError(f"config file not found: {p}")
-  text = p.read_text()
-  if p.suffix.lower() in (".json", ".hjson", ".json5"):  # JSON as DeepSpeed reads it: comments, trailing commas
-    import hjson
-    try:
-      data = hjson.loads(text)
-    except hjson.HjsonDecodeError as exc:
-      raise SpecError(f"{p}: cannot parse config at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-  else:
-    try:
-      data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-      mark = getattr(exc, "problem_mark", None)
-      where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-      raise SpecError(f"{p}: cannot parse config{where}: {getattr(exc, 'problem', exc)}") from None
-  if data is None:
-    data = {}
-  if not isinstance(data, Mapping):
-    raise SpecError(f"{p}: a run config must be a mapping of sections (model, train, jax, deepspeed, ...), "
-                    f"got {type(data).__name__}")
-  return dict(data)
+  try:
+    if p.suffix.lower() in (".json", ".hjson", ".json5"):
+      return read_deepspeed_config(p)
+    return read_structured(p)
+  except PortError as exc:
+    raise SpecError(str(exc)) from None
 
 
 def _merge(base: dict, top: Mapping) -> dict:
