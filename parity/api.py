@@ -100,15 +100,12 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   v = verdict(checks, {s: sr.status for s, sr in side_runs.items()})
   report = build_report(spec=spec, preset_name=name, run_dir=run_dir, data_info=prep["corpus"],
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
-                        verdict=v, wall_s=0.0, prepare_s=prep["prepare_s"])
+                        verdict=v, wall_s=time.time() - t0, prepare_s=prep["prepare_s"])
   report.data["plan"] = plan_choice
   from parity import memory
   report.data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(report.data),
                            "note": "predicted by parity.memory (parity estimate); measured from the live "
                                    "state arrays / engine tensors of each side"}
-  report.data["timing"]["wall_s"] = time.time() - t0
-  busy = sum(report.data["timing"]["sides_s"].values())
-  report.data["timing"]["overhead_ratio"] = report.data["timing"]["wall_s"] / busy if busy else None
   if interrupted is not None:
     report.data["verdict"]["message"] = "INTERRUPTED: " + report.data["verdict"]["message"]
     report.data["verdict"]["passed"] = False
