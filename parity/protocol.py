@@ -41,7 +41,8 @@ import numpy as np
 from parity import schedule, weights
 from parity.spec import RunSpec, apply_overrides, from_dict
 
-__all__ = ["SideIO", "SIDE_WORKERS", "REQUEST_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "read_steps", "read_summary"]
+__all__ = ["SideIO", "SIDE_WORKERS", "REQUEST_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "parse_debug_value",
+           "read_steps", "read_summary"]
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"
@@ -49,8 +50,28 @@ LAUNCH_ENV = "PARITY_LAUNCH_TIME"
 """Environment variable holding time.time() when the harness spawned the worker."""
 SIDE_WORKERS = {"jax": "jax_impl.worker", "deepspeed": "torch_impl.worker", "torch": "torch_impl.worker"}
 """Side name -> worker module."""
-DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step")
-"""Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths."""
+DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps")
+"""Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
+Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
+the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would."""
+STEP_LIST_KEYS = ("overflow_at_steps",)
+"""DEBUG_KEYS whose value is a list of steps."""
+
+
+def parse_debug_value(key: str, value: Any) -> int | tuple[int, ...]:
+  """Checks one debug value: a step (int >= 0), or for STEP_LIST_KEYS a list of steps (or one step).
+
+  Raises:
+    ValueError: naming the key and what it takes.
+  """
+  if key in STEP_LIST_KEYS:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):
+      raise ValueError(f"{key} takes a list of step numbers (integers >= 0); got {value!r}")
+    return tuple(sorted(set(items)))
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"{key} takes a step number (an integer >= 0); got {value!r}")
+  return value
 
 
 def read_steps(path: str | Path) -> list[dict[str, Any]]:
@@ -105,7 +126,7 @@ class SideIO:
     self.out = self.run_dir / side
     self.out.mkdir(parents=True, exist_ok=True)
     perturb = dict(self.request.get("perturb", {}).get(side, {}))
-    self.debug = {k: int(perturb.pop(k)) for k in DEBUG_KEYS if k in perturb}
+    self.debug = {k: parse_debug_value(k, perturb.pop(k)) for k in DEBUG_KEYS if k in perturb}
     base = from_dict(RunSpec, self.request["run"])
     self.run = apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in perturb.items()]) if perturb else base
     self.perturbed = perturb
@@ -128,6 +149,10 @@ class SideIO:
   def val_batches(self) -> np.ndarray:
     """uint16 (eval_batches, micro_batch_size, seq_len + 1)."""
     return np.load(self.run_dir / self.request["val_batches"])
+
+  def forced_overflow(self, step: int) -> bool:
+    """True when this side must make step `step`'s gradient overflow (debug `overflow_at_steps`)."""
+    return step in self.debug.get("overflow_at_steps", ())
 
   def lr(self, step: int) -> float:
     """Learning rate DeepSpeed's WarmupCosineLR applies at optimizer step `step`."""
@@ -199,7 +224,7 @@ class SideIO:
         "peak_device_bytes": peak_device_bytes,
         "peak_host_rss_bytes": peak_rss_bytes(),
         "state_bytes_by_memory_kind": state_bytes_by_memory_kind or {},
-        "perturbed": {**self.perturbed, **self.debug},
+        "perturbed": {**self.perturbed, **{k: list(v) if isinstance(v, tuple) else v for k, v in self.debug.items()}},
         **(extra or {}),
     }
     self._steps.close()

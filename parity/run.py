@@ -11,7 +11,7 @@ import numpy as np
 
 from parity import weights
 from parity.data import Corpus, load_corpus, make_batches
-from parity.protocol import DEBUG_KEYS, REQUEST_SCHEMA
+from parity.protocol import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
 from parity.spec import DEFAULT_PRESET, RunSpec, SpecError, apply_overrides, config_hash, from_dict, preset, to_dict
 
 __all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb"]
@@ -92,7 +92,8 @@ PERTURBABLE = frozenset({
     "model.norm_eps", "model.gelu_approximate", "model.attn_scale", "model.rope_theta",
     "train.lr", "train.warmup_steps", "train.warmup_min_ratio", "train.cos_min_ratio", "train.lr_schedule",
     "train.lr_schedule_params", "train.beta1", "train.beta2", "train.eps", "train.weight_decay", "train.grad_clip",
-    "train.precision"})
+    "train.precision", "train.loss_scale", "train.initial_scale_power", "train.loss_scale_window",
+    "train.hysteresis", "train.consecutive_hysteresis", "train.min_loss_scale"})
 """Settings one side may change on its own: numerics only. Weights and batches are shared files, so keys that
 shape them (seeds, sizes, steps, layer layout) cannot differ per side."""
 
@@ -101,7 +102,8 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[
   """Parses `--perturb side:key=value` (debug: make one side differ on purpose).
 
   Keys: `model.<field>` / `train.<field>` (applied to that side's spec only) or one of
-  DEBUG_KEYS (nan_at_step, kill_at_step, hang_at_step, raise_at_step).
+  DEBUG_KEYS (nan_at_step, kill_at_step, hang_at_step, raise_at_step: a step; overflow_at_steps: a JSON
+  list of steps, e.g. `jax:overflow_at_steps=[3,7]`).
   Raises:
     SpecError: malformed item, unknown side, or unknown key.
   """
@@ -122,8 +124,12 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[
       value = json.loads(raw)
     except json.JSONDecodeError:
       value = raw
-    if key in DEBUG_KEYS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-      raise SpecError(f"--perturb {item!r}: {key} takes a step number (an integer >= 0); got {raw!r}")
+    if key in DEBUG_KEYS:
+      try:
+        value = parse_debug_value(key, value)
+      except ValueError as exc:
+        raise SpecError(f"--perturb {item!r}: {exc}") from None
+      value = list(value) if isinstance(value, tuple) else value
     out.setdefault(side, {})[key] = value
   for side, kv in out.items():  # validate overrides now, not inside a worker
     fields = [f"{k}={json.dumps(v)}" for k, v in kv.items() if k not in DEBUG_KEYS]

@@ -160,8 +160,21 @@ class TrainSpec:
   """Decoupled (AdamW) weight decay; applied as p -= lr * wd * p on decayed tensors only."""
   grad_clip: float = 1.0
   """Max global L2 norm of the gradient; 0 disables clipping (DeepSpeed gradient_clipping)."""
-  precision: Literal["fp32", "bf16"] = "fp32"
-  """Compute precision; master weights and optimizer state stay fp32."""
+  precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+  """Compute precision; master weights and optimizer state stay fp32. fp16 adds loss scaling (below)."""
+  loss_scale: float = 0.0
+  """fp16 only: a static loss scale, or 0 for dynamic loss scaling (DeepSpeed fp16.loss_scale)."""
+  initial_scale_power: int = 16
+  """fp16 dynamic scaling starts at 2**initial_scale_power (DeepSpeed fp16.initial_scale_power)."""
+  loss_scale_window: int = 1000
+  """fp16: clean steps after the last overflow before the scale doubles (DeepSpeed fp16.loss_scale_window)."""
+  hysteresis: int = 2
+  """fp16: overflows tolerated (update skipped, scale kept) before the scale halves (DeepSpeed fp16.hysteresis)."""
+  consecutive_hysteresis: bool = False
+  """fp16: refill the hysteresis on every clean step, not only when the scale grows
+  (DeepSpeed fp16.consecutive_hysteresis)."""
+  min_loss_scale: float = 1.0
+  """fp16: the dynamic scale never halves below this (DeepSpeed fp16.min_loss_scale)."""
   seed: int = 0
   """Seed of the numpy weight init."""
   data_seed: int = 1234
@@ -197,8 +210,14 @@ class TrainSpec:
     if self.lr_schedule_params is not None and not isinstance(self.lr_schedule_params, dict):
       raise SpecError(f"train.lr_schedule_params must be null or a mapping of DeepSpeed scheduler params; "
                       f"got {self.lr_schedule_params!r}")
-    if self.precision not in ("fp32", "bf16"):
-      raise SpecError(f"train.precision must be 'fp32' or 'bf16'; got {self.precision!r}")
+    if self.precision not in ("fp32", "bf16", "fp16"):
+      raise SpecError(f"train.precision must be 'fp32', 'bf16' or 'fp16'; got {self.precision!r}")
+    if self.loss_scale < 0 or not self.min_loss_scale > 0:
+      raise SpecError(f"train.loss_scale must be >= 0 (0: dynamic) and train.min_loss_scale > 0; "
+                      f"got {self.loss_scale}, {self.min_loss_scale}")
+    if self.loss_scale_window < 1 or self.hysteresis < 1 or not 0 <= self.initial_scale_power <= 127:
+      raise SpecError(f"train.loss_scale_window and train.hysteresis must be >= 1 and train.initial_scale_power "
+                      f"in [0, 127]; got {self.loss_scale_window}, {self.hysteresis}, {self.initial_scale_power}")
     from parity import schedule
     if self.lr_schedule not in schedule.COMPARE_SCHEDULERS:
       raise SpecError(f"train.lr_schedule {self.lr_schedule!r}: parity compare runs "
