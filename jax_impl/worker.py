@@ -59,11 +59,11 @@ def run_side(io: SideIO) -> int:
     for step in range(train.steps):
       io.before_step(step, poison=trainer.poison)
       t0 = time.perf_counter()
-      metrics = trainer.step(batches[step])
+      forced = {"force_overflow": True} if io.forced_overflow(step) else {}
+      metrics = trainer.step(batches[step], **forced)  # loss, grad_norm, lr (+ loss_scale, skipped in fp16)
       step_time_s = time.perf_counter() - t0
       val_loss = trainer.evaluate(val) if io.is_eval_step(step) else None
-      if not io.record(step, loss=metrics["loss"], grad_norm=metrics["grad_norm"], lr=metrics["lr"],
-                       step_time_s=step_time_s, val_loss=val_loss):
+      if not io.record(step, step_time_s=step_time_s, val_loss=val_loss, **metrics):
         status = "nan"
         break
   device = trainer.placement.mesh.devices.flat[0]

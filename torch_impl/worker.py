@@ -46,9 +46,9 @@ def _make_trainer(io: SideIO, params: dict[str, np.ndarray]):
 def _check_batches(batches: np.ndarray, io: SideIO) -> None:
   t = io.run.train
   want = (t.steps, t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1)
-  if tuple(batches.shape) != want:
-    raise ValueError(f"{io.request['batches']}: shape {tuple(batches.shape)} != (steps, grad_accum_steps, "
-                     f"micro_batch_size, seq_len + 1) = {want} of the run spec; regenerate the batches")
+  if batches.ndim != 4 or batches.shape[0] < t.steps or tuple(batches.shape[1:]) != want[1:]:
+    raise ValueError(f"{io.request['batches']}: shape {tuple(batches.shape)}; the run spec needs (>= steps, grad_accum_steps, "
+                     f"micro_batch_size, seq_len + 1) = {want}; regenerate the batches")
 
 
 def _finish_kwargs(trainer) -> dict:
@@ -81,7 +81,8 @@ def side_main(io: SideIO) -> int:
     micro = np.asarray(batches[step])
     sync()
     t0 = time.perf_counter()
-    metrics = trainer.step(micro, probe=step == 0)  # step 0 is outside the median step time
+    forced = {"force_overflow": True} if io.forced_overflow(step) else {}
+    metrics = trainer.step(micro, probe=step == 0, **forced)  # step 0 is outside the median step time
     sync()
     dt = time.perf_counter() - t0
     val_loss = trainer.eval_loss(val) if val is not None and io.is_eval_step(step) else None
