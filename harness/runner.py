@@ -86,7 +86,8 @@ def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str
 
 def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
              on_progress: Callable[[str, int], None] | None = None,
-             python: str = sys.executable, env: dict[str, str] | None = None) -> SideRun:
+             python: str = sys.executable, env: dict[str, str] | None = None,
+             module: str | None = None) -> SideRun:
   """Runs one side to completion (or failure) and returns what happened.
 
   Args:
@@ -96,6 +97,8 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
     on_progress: called with (side, steps recorded so far) while the side runs.
     python: interpreter for the worker.
     env: extra environment variables for the worker.
+    module: the worker module to run (`python -m MODULE`); default SIDE_WORKERS[side]. `parity diagnose`
+      runs its own workers (parity.diagnose.DIAGNOSE_WORKERS) through the same protocol.
   Returns:
     SideRun; run_dir/<side>/summary.json always exists afterwards.
   """
@@ -104,7 +107,7 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   out.mkdir(parents=True, exist_ok=True)
   for stale in ("summary.json", "steps.jsonl", "final.safetensors"):
     (out / stale).unlink(missing_ok=True)
-  cmd = [python, "-m", SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
+  cmd = [python, "-m", module or SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
   full_env = {**os.environ, **(env or {}), LAUNCH_ENV: repr(time.time()), "PYTHONUNBUFFERED": "1"}
   root = str(Path(__file__).resolve().parents[1])
   full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")

@@ -29,8 +29,8 @@ from parity.weights import check_names_and_shapes, param_shapes
 
 from jax_impl import remat as remat_lib
 
-__all__ = ["GPT", "TRANSPOSED", "LAYERS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
-           "stack_layers", "unstack_layers", "loss_fn", "rope_tables", "compute_dtype"]
+__all__ = ["GPT", "TRANSPOSED", "LAYERS", "TAPS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
+           "stack_layers", "unstack_layers", "loss_fn", "loss_and_taps", "tap_name", "rope_tables", "compute_dtype"]
 
 Dtype = Any
 Params = dict[str, Any]
@@ -45,10 +45,51 @@ LAYERS = "h"
 _EMBEDDINGS = ("wte", "wpe")
 _NORMS = ("ln_1", "ln_2", "ln_f")
 
+TAPS = "intermediates"
+"""Flax collection the diagnose taps are sown into (`parity diagnose`, docs/diagnose.md). Taps are recorded only
+when a caller applies the model with this collection mutable (`loss_and_taps`); in training it is not, and
+`_tap` adds nothing to the traced computation."""
+_NORM_TAP = "out"
+"""Sow name of a Norm's output; a Norm's tap is named after the module itself (`tap_name`)."""
+_SUB_OUT = "_out"
+"""Suffix of a tap sown under a submodule's name (`fc_out` is tap `fc`): Flax forbids a variable and a
+submodule of the same name in one scope."""
+
+
+def _tap(module: nn.Module, name: str, make: Any) -> None:
+  """Sows `make()` as diagnose tap `name` of `module`, only while the TAPS collection is mutable.
+
+  Args:
+    module: the module whose scope holds the tap (its path is the tap's Flax location).
+    name: the tap's last name part (canonical: see `tap_name`).
+    make: a zero-argument function returning the value in the canonical layout; called only when
+      tapping, so layout changes (transposes) cost nothing in training.
+  """
+  if module.is_mutable_collection(TAPS) and not module.is_initializing():
+    module.sow(TAPS, name, make(), reduce_fn=lambda _, x: x, init_fn=lambda: None)
+
+
+def tap_name(location: str) -> str:
+  """Flax location of a sown tap -> canonical tap name (`parity.diagnose`).
+
+  The location is the path in the variables, collection first. `h_{i}` becomes `h.{i}`; a
+  norm's own output (`.../ln_1/out`) is named after the norm; a submodule's output sown in its
+  parent as `<sub>_out` is named `<sub>`.
+
+  >>> [tap_name(f"intermediates/{p}") for p in ("h_0/attn/q", "h_1/ln_2/out", "h_0/mlp/fc_out", "logits")]
+  ['h.0.attn.q', 'h.1.ln_2', 'h.0.mlp.fc', 'logits']
+  """
+  parts = location.split("/")[1:]
+  if len(parts) >= 2 and parts[-2] in _NORMS and parts[-1] == _NORM_TAP:
+    parts = parts[:-1]
+  elif parts and parts[-1].endswith(_SUB_OUT):
+    parts[-1] = parts[-1][:-len(_SUB_OUT)]
+  return ".".join(f"h.{p[2:]}" if p.startswith("h_") and p[2:].isdigit() else p for p in parts)
+
 
 def compute_dtype(precision: str) -> Dtype:
   """TrainSpec.precision ('fp32' | 'bf16') -> the activation dtype; params stay float32."""
-  return {"fp32": jnp.float32, "bf16": jnp.bfloat16}[precision]
+  return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
 
 
 # ----------------------------------------------------------------------------- layers
@@ -78,7 +119,9 @@ class Norm(nn.Module):
     y = y * self.param("scale", nn.initializers.ones, (d,), jnp.float32)
     if s.norm == "layernorm" and s.bias:
       y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
-    return y.astype(self.dtype)
+    y = y.astype(self.dtype)
+    _tap(self, _NORM_TAP, lambda: y)
+    return y
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -122,9 +165,15 @@ def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: floa
 
 
 class Attention(nn.Module):
-  """Causal grouped-query self-attention; kv head k serves query heads k*G .. k*G+G-1 (HF repeat_kv)."""
+  """Causal grouped-query self-attention; kv head k serves query heads k*G .. k*G+G-1 (HF repeat_kv).
+
+  Attributes:
+    causal: apply the causal mask. Always True in training; False only as a planted bug of
+      `parity diagnose` (`--plant SIDE:no_causal_mask`).
+  """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
+  causal: bool = True
 
   @nn.compact
   def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -142,16 +191,25 @@ class Attention(nn.Module):
       cos_th, sin_th = rope_tables(t, h, s.rope_theta)
       q_btnh = apply_rope(q_btnh, cos_th, sin_th)
       k_btkh = apply_rope(k_btkh, cos_th, sin_th)
+    _tap(self, "q", lambda: q_btnh.transpose(0, 2, 1, 3))  # (B, N, T, H)
+    _tap(self, "k", lambda: k_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
+    _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
     scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
                               preferred_element_type=jnp.float32) * s.scale
-    causal_ts = np.tril(np.ones((t, t), dtype=bool))
-    scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
+    _tap(self, "scores", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
+    if self.causal:
+      causal_ts = np.tril(np.ones((t, t), dtype=bool))
+      scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
     probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
+    _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
     out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
     out_btd = checkpoint_name(out_btkgh.reshape(b, t, n * h), "attn_out")  # heads in query-head order
+    _tap(self, "context", lambda: out_btd)  # (B, T, N * H)
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
-    return _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(out_btd)
+    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(out_btd)
+    _tap(self, "out", lambda: y_btd)
+    return y_btd
 
 
 class Mlp(nn.Module):
@@ -165,14 +223,21 @@ class Mlp(nn.Module):
     f = s.ffn_dim
     x_btd = checkpoint_name(x_btd, "mlp_in")
     if s.mlp == "gelu":
-      hid_btf = jax.nn.gelu(_dense(f, s, self.dtype, "fc")(x_btd), approximate=s.gelu_approximate)
+      fc_btf = _dense(f, s, self.dtype, "fc")(x_btd)
+      _tap(self, "fc" + _SUB_OUT, lambda: fc_btf)
+      hid_btf = jax.nn.gelu(fc_btf, approximate=s.gelu_approximate)
     else:
       gate_btf = _dense(f, s, self.dtype, "gate")(x_btd)
       up_btf = _dense(f, s, self.dtype, "up")(x_btd)
+      _tap(self, "gate" + _SUB_OUT, lambda: gate_btf)
+      _tap(self, "up" + _SUB_OUT, lambda: up_btf)
       hid_btf = jax.nn.silu(gate_btf) * up_btf
+    _tap(self, "act", lambda: hid_btf)
     hid_btf = checkpoint_name(hid_btf, "mlp_hidden")
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
-    return _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(hid_btf)
+    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(hid_btf)
+    _tap(self, "out", lambda: y_btd)
+    return y_btd
 
 
 class Block(nn.Module):
@@ -183,11 +248,16 @@ class Block(nn.Module):
   spec: ModelSpec
   dtype: Dtype = jnp.float32
   scanned: bool = False
+  causal: bool = True
+  """See `Attention.causal` (diagnose plant only)."""
 
   @nn.compact
   def __call__(self, x_btd: jax.Array, _: Any = None) -> Any:
-    x_btd = x_btd + Attention(self.spec, self.dtype, name="attn")(Norm(self.spec, self.dtype, name="ln_1")(x_btd))
+    attn = Attention(self.spec, self.dtype, self.causal, name="attn")
+    x_btd = x_btd + attn(Norm(self.spec, self.dtype, name="ln_1")(x_btd))
+    _tap(self, "resid_mid", lambda: x_btd)
     x_btd = x_btd + Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd))
+    _tap(self, "out", lambda: x_btd)
     return (x_btd, None) if self.scanned else x_btd
 
 
@@ -219,6 +289,7 @@ class GPT(nn.Module):
     layer_to_device: with scan_layers, move each layer's param slice to device memory inside the
       scan body (the stacked params live in host memory; JaxPlan.offload_params).
     host_memory_kind: host memory kind for the offload remat policies.
+    causal: see `Attention.causal`; False only as a `parity diagnose` plant.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
@@ -226,6 +297,7 @@ class GPT(nn.Module):
   scan_layers: bool = False
   layer_to_device: bool = False
   host_memory_kind: str = "pinned_host"
+  causal: bool = True
 
   def _remat_name(self) -> str:
     if isinstance(self.remat, bool):
@@ -238,10 +310,10 @@ class GPT(nn.Module):
                          self.layer_to_device and self.scan_layers and not self.is_initializing())
     if not self.scan_layers:
       for i in range(s.n_layers):
-        x_btd = block(s, self.dtype, name=f"h_{i}")(x_btd)
+        x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd)
       return x_btd
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers)
-    x_btd, _ = scanned(s, self.dtype, True, name=LAYERS)(x_btd, None)
+    x_btd, _ = scanned(s, self.dtype, True, self.causal, name=LAYERS)(x_btd, None)
     return x_btd
 
   @nn.compact
@@ -267,16 +339,20 @@ class GPT(nn.Module):
       wpe = nn.Embed(s.max_seq_len, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wpe",
                      embedding_init=nn.initializers.normal(s.init_std))
       x_btd = x_btd + wpe(jnp.arange(t, dtype=jnp.int32))[None]  # (1, T, D)
+    _tap(self, "embed", lambda: x_btd)
     x_btd = self._blocks(x_btd)
     x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)
     if s.tie_embeddings:
-      return wte.attend(x_btd)  # x @ wte.T
-    return _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
+      logits_btv = wte.attend(x_btd)  # x @ wte.T
+    else:
+      logits_btv = _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
+    _tap(self, "logits", lambda: logits_btv)
+    return logits_btv
 
 
 def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: Dtype = jnp.float32,
             remat: str | bool = False, scan_layers: bool = False, layer_to_device: bool = False,
-            host_memory_kind: str = "pinned_host") -> jax.Array:
+            host_memory_kind: str = "pinned_host", causal: bool = True) -> jax.Array:
   """Mean next-token cross-entropy, nats, float32.
 
   Args:
@@ -285,17 +361,49 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
       Inputs are tokens[:, :-1], targets tokens[:, 1:].
     spec: the model spec.
     dtype: compute dtype of the forward pass; log_softmax is always float32.
-    remat, scan_layers, layer_to_device, host_memory_kind: see `GPT`.
+    remat, scan_layers, layer_to_device, host_memory_kind, causal: see `GPT`.
   Returns:
     Scalar float32: mean over all B * T target tokens of -log p(target).
   """
   tokens = tokens_btp1.astype(jnp.int32)
   inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
-  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind)
+  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind, causal)
   logits_btv = model.apply({"params": params}, inputs_bt).astype(jnp.float32)
-  logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
+  return _mean_nll(logits_btv, targets_bt)
+
+
+def _mean_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
   nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
   return jnp.mean(nll_bt)
+
+
+def loss_and_taps(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: Dtype = jnp.float32,
+                  causal: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`loss_fn` of one micro batch, plus every diagnose tap of the forward pass (`parity diagnose`).
+
+  Unrolled layers and no remat only (the taps are sown per block module). Jittable.
+
+  Args:
+    params: Flax params (unrolled `to_flax` layout), float32.
+    tokens_btp1: token ids, shape (B, T + 1); inputs tokens[:, :-1], targets tokens[:, 1:].
+    spec: the model spec.
+    dtype: compute dtype.
+    causal: see `GPT.causal`.
+  Returns:
+    loss: float32 scalar, nats (what `loss_fn` returns).
+    taps: Flax location (e.g. 'intermediates/h_0/attn/q'; `tap_name` gives the canonical name) ->
+      array in the canonical layout: q/k/v (B, heads, T, H), scores/probs (B, N, T, S), the rest
+      (B, T, features).
+  """
+  tokens = tokens_btp1.astype(jnp.int32)
+  inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
+  model = GPT(spec, dtype, causal=causal)
+  logits_btv, state = model.apply({"params": params}, inputs_bt, mutable=[TAPS])
+  taps = {}
+  for path, value in jax.tree_util.tree_flatten_with_path(state[TAPS])[0]:
+    taps["/".join((TAPS, *(str(getattr(k, "key", k)) for k in path)))] = value
+  return _mean_nll(logits_btv, targets_bt), taps
 
 
 # ----------------------------------------------------------------------------- layout mapping

@@ -3,6 +3,11 @@
 Reads the run through `parity.protocol.SideIO`, trains with `jax_impl.step.Trainer`, and
 writes steps.jsonl, summary.json and final.safetensors. Exit codes: 0 ok, 3 non-finite
 loss or grad norm (status 'nan'), 1 crash (status 'crashed', written by `main_guard`).
+
+Run control (`SideIO.control()`): with resume_from, the whole TrainState is restored from the
+checkpoint's orbax state (same shardings and memory kinds) before compiling, and training
+continues at the checkpoint's step + 1; with save_checkpoint_at_step K, the state after step K
+is saved (`jax_impl.checkpoint.save_train_state`); stop_after_step S ends the loop after step S.
 """
 from __future__ import annotations
 
@@ -44,19 +49,22 @@ def _check_batches(shape: tuple[int, ...], val_shape: tuple[int, ...], train: Tr
 def run_side(io: SideIO) -> int:
   """Trains one run; returns the process exit code."""
   import jax
-  from jax_impl import offload
+  from jax_impl import checkpoint, offload
   from jax_impl.step import Trainer
 
+  control = io.control()  # refusals (bad keys, a checkpoint of another run) end here, as 'crashed'
   train = io.run.train
   batches, val = io.batches(), io.val_batches()
   _check_batches(batches.shape, val.shape, train)
   trainer = Trainer.build(io.run, io.init_params())
+  if control.resume_dir is not None:
+    trainer.state = checkpoint.restore_train_state(control.resume_dir, trainer.state, trainer.shardings)
   io.ready()
   trainer.compile(batches.shape[1:], val.shape if train.eval_every > 0 else None, batches.dtype)
   io.compile_s = trainer.compile_s
   status = "ok"
   with jax.transfer_guard("disallow"):  # every host<->device move below is explicit
-    for step in range(train.steps):
+    for step in control.steps():
       io.before_step(step, poison=trainer.poison)
       t0 = time.perf_counter()
       forced = {"force_overflow": True} if io.forced_overflow(step) else {}
@@ -66,6 +74,9 @@ def run_side(io: SideIO) -> int:
       if not io.record(step, step_time_s=step_time_s, val_loss=val_loss, **metrics):
         status = "nan"
         break
+      if step == control.save_at:
+        with jax.transfer_guard("allow"):  # orbax reads the state to host memory
+          io.save_checkpoint(step, lambda folder: checkpoint.save_train_state(folder, trainer.state), _versions())
   device = trainer.placement.mesh.devices.flat[0]
   extra = {"state_memory_kinds": offload.state_memory_kinds(trainer.state),
            "memory_analysis": trainer.memory_analysis,

@@ -21,7 +21,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
             timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None,
             deepspeed_config: str | Path | None = None, plan: str | None = None,
-            hardware: str = "H100") -> Report:
+            hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
+            resume_at: int | None = None) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report.
 
   Args:
@@ -42,6 +43,13 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     plan: a plan pair of parity.plans.PLANS applied to both sides, or 'auto' for the fastest pair that
       fits `hardware` by the memory model (parity.plans.choose_plan); the choice is recorded in the report.
     hardware: a parity.plans.HARDWARE preset, for plan='auto'.
+    noise_envelope: rerun every side that finished with the batches' rows in reverse order, and hold
+      each pair's loss-difference curve against the noisier side's rerun difference
+      (parity.checks.envelope_check). None: only for bf16/fp16 runs.
+    determinism_steps: rerun each side that finished for its first N steps in a new process and
+      state whether the records are bit-identical (reported; does not gate the verdict). 0: skip.
+    resume_at: also save a checkpoint at this step in that rerun, resume from it in a new process
+      and check the rest of the run is bit-identical to the uninterrupted one (gates the verdict).
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
@@ -97,11 +105,20 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
                        "final": weights.load(final) if sr.status == "ok" and final.exists() else None}
   init = weights.load(run_dir / "init.safetensors")
   checks, table = compare_sides(side_data, spec=spec, init=init)
+  self_info, self_checks = {}, []
+  if interrupted is None:
+    try:
+      self_info, self_checks = _self_runs(run_dir, spec, side_data, limit, noise_envelope=noise_envelope,
+                                          determinism_steps=determinism_steps, resume_at=resume_at)
+    except KeyboardInterrupt as exc:
+      interrupted = exc
+  checks += self_checks
   v = verdict(checks, {s: sr.status for s, sr in side_runs.items()})
   report = build_report(spec=spec, preset_name=name, run_dir=run_dir, data_info=prep["corpus"],
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
                         verdict=v, wall_s=time.time() - t0, prepare_s=prep["prepare_s"])
   report.data["plan"] = plan_choice
+  report.data.update(self_info)
   from parity import memory
   report.data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(report.data),
                            "note": "predicted by parity.memory (parity estimate); measured from the live "
@@ -113,6 +130,79 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   if interrupted is not None:
     raise interrupted
   return report
+
+
+def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_envelope: bool | None,
+               determinism_steps: int, resume_at: int | None) -> tuple[dict, list]:
+  """Noise envelope, determinism and resume runs (harness.self_runs) and their checks.
+
+  Returns:
+    (report fields `noise_envelope`, `determinism`, `resume`; the checks they add).
+  Raises:
+    SpecError: resume_at outside [0, steps - 2] or determinism_steps < 0.
+  """
+  from harness import self_runs
+  from parity.checks import envelope_check, repeat_check
+  from parity.spec import SpecError
+  from parity.tolerances import envelope_rule
+  t = spec.train
+  ok = [s for s, d in side_data.items() if d["status"] == "ok"]
+  info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}}
+  checks = []
+  if noise_envelope is None:
+    noise_envelope = t.precision != "fp32"
+  if noise_envelope and len(side_data) > 1 and ok:
+    rule = envelope_rule(t.precision)
+    env, runs = {}, {}
+    for side in ok:
+      sr, noise_steps = self_runs.run_noise(run_dir, side, timeout_s=limit)
+      ref = {int(r["step"]): float(r["loss"]) for r in side_data[side]["steps"]}
+      runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
+      if sr.status == "ok":
+        env[side] = {int(r["step"]): abs(ref[int(r["step"])] - float(r["loss"])) for r in noise_steps
+                     if int(r["step"]) in ref}
+    info["noise_envelope"] = {
+        "method": "each side rerun with every step's micro batches and every micro batch's rows in reverse "
+                  "order (the same loss and gradient in exact arithmetic; only the reduction order changes)",
+        "rule": {"factor": rule.factor, "floor": rule.floor, "window": rule.window, "reason": rule.reason},
+        "runs": runs, "sides": {s: {"steps": sorted(e), "abs_loss_diff": [e[k] for k in sorted(e)]}
+                                for s, e in env.items()}}
+    names = list(side_data)
+    for i, a in enumerate(names):
+      for b in names[i + 1:]:
+        c = envelope_check(a, side_data[a]["steps"], b, side_data[b]["steps"], env, rule)
+        if c is not None:
+          checks.append(c)
+  if determinism_steps < 0:
+    raise SpecError(f"determinism_steps must be >= 0; got {determinism_steps}")
+  if resume_at is not None and not 0 <= resume_at <= t.steps - 2:
+    raise SpecError(f"resume_at must be in [0, train.steps - 2 = {t.steps - 2}]; got {resume_at}")
+  prefix = min(determinism_steps, t.steps)
+  stop = max(prefix - 1, resume_at if resume_at is not None else -1)
+  for side in ok if stop >= 0 else ():
+    sr, again = self_runs.run_repeat(run_dir, side, stop_after_step=stop, save_checkpoint_at_step=resume_at,
+                                     timeout_s=limit)
+    if prefix > 0:
+      c = repeat_check("determinism", side, side_data[side]["steps"], [r for r in again if r["step"] < prefix],
+                       gating=False)
+      checks.append(c)
+      info["determinism"][side] = {"deterministic": c.passed, "steps_checked": prefix, "detail": c.detail,
+                                   "status": sr.status}
+    if resume_at is not None:
+      if sr.status != "ok":
+        c = repeat_check("resume", side, side_data[side]["steps"], [], from_step=resume_at + 1, gating=True)
+        c.detail = f"the checkpointing run did not finish ({sr.status}): {sr.error}"
+      else:
+        rr, rest, out = self_runs.run_resume(run_dir, side, timeout_s=limit)
+        final = out / "final.safetensors"
+        c = repeat_check("resume", side, side_data[side]["steps"], rest, from_step=resume_at + 1,
+                         final_a=side_data[side]["final"],
+                         final_b=weights.load(final) if rr.status == "ok" and final.exists() else None, gating=True)
+        if rr.status != "ok":
+          c.passed, c.detail = False, f"the resumed run did not finish ({rr.status}): {rr.error}"
+      checks.append(c)
+      info["resume"][side] = {"resumed_at_step": resume_at + 1, "bit_identical": c.passed, "detail": c.detail}
+  return info, checks
 
 
 def _interrupted_run(run_dir: Path, side: str):

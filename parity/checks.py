@@ -14,13 +14,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from parity.tolerances import tolerance
+from parity.tolerances import EnvelopeRule, tolerance
 from parity.weights import zero_grad_slices
 
-__all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", "verdict"]
+__all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", "verdict", "envelope_check",
+           "windowed_rms", "repeat_check", "BITWISE_KEYS"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
-METRIC_ORDER = {m: i for i, m in enumerate(("completed", *SERIES_METRICS, "params", "params_zero_grad"))}
+METRIC_ORDER = {m: i for i, m in enumerate(("completed", *SERIES_METRICS, "loss_envelope", "params",
+                                            "params_zero_grad", "resume", "determinism"))}
+BITWISE_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "val_loss")
+"""StepRecord fields that must be bit-identical between two runs of the same side (determinism, resume)."""
 
 
 @dataclasses.dataclass
@@ -39,6 +43,8 @@ class Check:
     worst: where the largest difference is (step number or tensor name).
     detail: one line for humans.
     reason: why the tolerance is what it is (from the tolerance table).
+    gating: whether a failure fails the verdict (False: reported only, e.g. determinism, which
+      GPU kernels do not promise).
   """
   name: str
   metric: str
@@ -50,6 +56,7 @@ class Check:
   worst: Any = None
   detail: str = ""
   reason: str = ""
+  gating: bool = True
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
@@ -173,6 +180,125 @@ def completion_check(a_side: str, a_status: str, a_steps: int, b_side: str, b_st
                reason="Both sides must run every step to be compared; a crash, kill, timeout or NaN fails parity.")
 
 
+def windowed_rms(steps: Sequence[int], values: np.ndarray, window: int) -> list[tuple[int, int, float]]:
+  """RMS of `values` over consecutive windows of `window` steps.
+
+  Args:
+    steps: sorted step numbers, one per value.
+    values: float64 array, same length.
+    window: steps per window (>= 1); a last window shorter than half a window joins the previous one.
+  Returns:
+    [(first step, last step, rms)] per window.
+  """
+  n = len(values)
+  bounds = list(range(0, n, window)) + [n]
+  if len(bounds) > 2 and bounds[-1] - bounds[-2] < max(1, window // 2):
+    bounds.pop(-2)
+  return [(int(steps[lo]), int(steps[hi - 1]), float(np.sqrt(np.mean(np.square(values[lo:hi])))))
+          for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict],
+                   noise: dict[str, dict[int, float]], rule: EnvelopeRule) -> Check | None:
+  """The loss-difference curve of two sides against their measured noise envelopes.
+
+  Args:
+    a, b: StepRecords of the two sides.
+    noise: side -> (step -> |loss_side - loss_rerun|, nats) of each side's reduction-order rerun
+      (harness.self_runs.run_noise); the pair is held against the noisier of its two sides, window
+      by window, or against the one side measured when only one is.
+    rule: factor, floor and window (parity.tolerances.ENVELOPE_RULES).
+  Returns:
+    A 'loss_envelope' Check, or None when neither side has an envelope or no step is shared. Per
+    window k, value = rms_k|Δloss| and tolerance = factor · max(rms_k(envelope_a), rms_k(envelope_b))
+    + floor at the worst window (largest ratio); first_failing_step is the first step of the first
+    window over its bound.
+  """
+  envs = [noise[s] for s in (a_side, b_side) if s in noise]
+  sa, sb = _steps_by_index(a, "loss"), _steps_by_index(b, "loss")
+  common = sorted(set(sa) & set(sb).intersection(*envs)) if envs else []
+  if not common:
+    return None
+  d = np.array([abs(sa[s] - sb[s]) for s in common], dtype=np.float64)
+  ns = [np.array([e[s] for s in common], dtype=np.float64) for e in envs]
+  finite = np.isfinite(d) & np.all([np.isfinite(n) for n in ns], axis=0)
+  if not finite.all():
+    bad = common[int(np.argmax(~finite))]
+    return Check(name=f"loss_envelope {a_side}~{b_side}", metric="loss_envelope", sides=(a_side, b_side),
+                 value=float("nan"), tolerance=rule.floor, passed=False, first_failing_step=bad, worst=bad,
+                 detail=f"non-finite loss difference or envelope at step {bad}", reason=rule.reason)
+  wd = windowed_rms(common, d, rule.window)
+  wn = [max(w) for w in zip(*[windowed_rms(common, n, rule.window) for n in ns])]
+  noise_label = "/".join(s for s in (a_side, b_side) if s in noise)
+  allowed = [rule.factor * x[2] + rule.floor for x in wn]
+  ratios = [x[2] / lim for x, lim in zip(wd, allowed)]
+  worst = int(np.argmax(ratios))
+  failing = [i for i, r in enumerate(ratios) if r > 1.0]
+  first = wd[failing[0]][0] if failing else None
+  lo, hi, rms = wd[worst]
+  detail = (f"worst window steps {lo}-{hi}: rms |Δloss| {rms:.3g} vs envelope rms {wn[worst][2]:.3g} "
+            f"(bound {rule.factor:g}x + {rule.floor:g} = {allowed[worst]:.3g}); {len(failing)} of {len(wd)} windows "
+            f"over; envelope: noisier of {noise_label} reruns with reversed batch order")
+  return Check(name=f"loss_envelope {a_side}~{b_side}", metric="loss_envelope", sides=(a_side, b_side),
+               value=rms, tolerance=allowed[worst], passed=not failing, first_failing_step=first,
+               worst=f"steps {lo}-{hi}", detail=detail, reason=rule.reason)
+
+
+def repeat_check(kind: str, side: str, first: Sequence[dict], again: Sequence[dict], *, from_step: int = 0,
+                 final_a: dict[str, np.ndarray] | None = None, final_b: dict[str, np.ndarray] | None = None,
+                 gating: bool) -> Check:
+  """Bit-for-bit comparison of two runs of the same side (determinism or checkpoint/resume).
+
+  Args:
+    kind: 'determinism' (a rerun of a prefix) or 'resume' (a run resumed from a checkpoint).
+    first, again: StepRecords of the original run and of the rerun.
+    from_step: the first step the rerun recorded (resume: the checkpoint step + 1).
+    final_a, final_b: final params of both, compared bitwise when both are given.
+    gating: whether a mismatch fails the verdict.
+  Returns:
+    A Check with value = the largest absolute difference over BITWISE_KEYS (0.0 when identical)
+    and tolerance 0. A rerun that recorded no step fails.
+  """
+  sa = {int(r["step"]): r for r in first}
+  sb = {int(r["step"]): r for r in again if int(r["step"]) >= from_step}
+  steps = sorted(set(sa) & set(sb))
+  label = f"{side} {kind}"
+  reason = ("Same side, same inputs, same machine: every recorded field must be bit-identical "
+            + ("(CPU kernels are deterministic; GPU kernels need not be, so this does not gate the verdict)."
+               if kind == "determinism" else "after restoring a checkpoint in a new process (issue #5)."))
+  if not steps:
+    return Check(name=label, metric=kind, sides=(side, f"{side}#{kind}"), value=float("nan"), tolerance=0.0,
+                 passed=False, detail=f"the {kind} run recorded no step from {from_step} on", reason=reason,
+                 gating=gating)
+  worst, first_bad = 0.0, None
+  for s in steps:
+    for k in BITWISE_KEYS:
+      x, y = sa[s].get(k), sb[s].get(k)
+      if x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
+        continue
+      first_bad = s if first_bad is None else first_bad
+      try:
+        worst = max(worst, abs(float(x) - float(y)))
+      except (TypeError, ValueError):
+        worst = float("inf")
+  tensors_bad = []
+  if final_a is not None and final_b is not None:
+    tensors_bad = [n for n in final_a if n not in final_b or not np.array_equal(final_a[n], final_b[n])]
+    for n in tensors_bad:
+      if n in final_b and final_a[n].shape == final_b[n].shape:
+        worst = max(worst, float(np.max(np.abs(final_a[n].astype(np.float64) - final_b[n]))))
+  same = first_bad is None and not tensors_bad
+  what = f"steps {steps[0]}-{steps[-1]}" + (" and final params" if final_a is not None and final_b is not None else "")
+  detail = (f"bit-identical over {what}" if same else
+            f"differs: first at step {first_bad}" if first_bad is not None else "records identical")
+  if tensors_bad:
+    detail += f"; final params differ in {len(tensors_bad)} tensors (e.g. {tensors_bad[0]})"
+  if not same:
+    detail += f"; max |Δ| {worst:.3g}"
+  return Check(name=label, metric=kind, sides=(side, f"{side}#{kind}"), value=worst, tolerance=0.0, passed=same,
+               first_failing_step=first_bad, worst=first_bad, detail=detail, reason=reason, gating=gating)
+
+
 def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) -> tuple[list[Check], list[dict]]:
   """All pairwise checks.
 
@@ -219,14 +345,15 @@ class Verdict:
 
 def verdict(checks: Sequence[Check], statuses: dict[str, str]) -> Verdict:
   """The run's verdict from its checks and each side's status."""
-  failing = [c for c in checks if not c.passed]
+  failing = [c for c in checks if not c.passed and c.gating]
   bad_sides = {s: st for s, st in statuses.items() if st != "ok"}
   if len(statuses) == 1:
     (side, st), = statuses.items()
     return Verdict(st == "ok", None, f"ONE SIDE: {side} {'ran ok' if st == 'ok' else 'did not finish (' + st + ')'}; "
                    "nothing to compare (run two or more sides for a parity verdict)")
   if not failing and not bad_sides:
-    return Verdict(True, None, f"PASS: {len(checks)} checks within tolerance across {len(statuses)} sides")
+    gating = sum(c.gating for c in checks)
+    return Verdict(True, None, f"PASS: {gating} checks within tolerance across {len(statuses)} sides")
   inf = float("inf")
   failing.sort(key=lambda c: (c.first_failing_step if c.first_failing_step is not None else inf,
                               METRIC_ORDER.get(c.metric, 99)))

@@ -6,6 +6,9 @@
   parity convert-weights SRC DST   (Hugging Face folder <-> canonical safetensors <-> orbax)
   parity estimate [--model llama-7b] [--plan NAME]   (memory model, both sides, vs DeepSpeed's estimators)
   parity plan --model llama-7b --hardware H100       (fastest plan pair that fits)
+  parity diagnose [--preset NAME | --config FILE | --hf-model DIR] [--step N] [--sides jax,torch]
+                  [--perturb side:key=value ...] [--plant side:kind ...] [--out DIR]
+                                   (one step, both sides: the first tensor that differs)
   parity report RUN_DIR            (print the summary of a finished run)
   parity presets                   (list the built-in presets)
 
@@ -63,7 +66,63 @@ def _add_compare(sub) -> None:
   p.add_argument("--deepspeed-config", metavar="FILE",
                  help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
                       "the JAX and torch sides run its port; see `parity port`")
+  env = p.add_mutually_exclusive_group()
+  env.add_argument("--noise-envelope", dest="noise_envelope", action="store_true", default=None,
+                   help="rerun every side with its batches' rows in reverse order and hold each pair's loss "
+                        "difference against that rounding noise (default: on for bf16/fp16 only)")
+  env.add_argument("--no-noise-envelope", dest="noise_envelope", action="store_false")
+  p.add_argument("--determinism-steps", type=int, default=8, metavar="N",
+                 help="rerun each side's first N steps in a new process and state whether they are bit-identical "
+                      "(reported, not gating; default 8, 0 skips)")
+  p.add_argument("--resume-at", type=int, metavar="STEP",
+                 help="also checkpoint each side at STEP in that rerun, resume in a new process and check the rest "
+                      "of the run is bit-identical to the uninterrupted one")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_diagnose(sub) -> None:
+  p = sub.add_parser("diagnose", help="one step on identical weights and batch: the first tensor where two sides differ",
+                     description="Runs one training step of two sides on the same initial weights and batch, "
+                                 "records every forward intermediate, gradient and the first update, and names "
+                                 "the first tensor that breaks tolerance (docs/diagnose.md).")
+  p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
+  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset")
+  p.add_argument("--hf-model", metavar="DIR", help="a local Hugging Face checkpoint folder (model spec and weights)")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help="dotted override, e.g. --set model.n_layers=2")
+  p.add_argument("--step", type=int, default=0, help="batch (batches.npy[STEP]) and lr position to diagnose (default 0)")
+  p.add_argument("--sides", default="jax,torch", help="reference,candidate (default jax,torch)")
+  p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
+                 help="change one side on purpose, e.g. jax:model.norm_eps=1e-6")
+  p.add_argument("--plant", action="append", default=[], metavar="SIDE:KIND",
+                 help="plant a bug in one side: no_causal_mask, transpose=<square weight>, decay_all")
+  p.add_argument("--out", help="output folder (default runs/<time>-diagnose-<hash>)")
+  p.add_argument("--timeout", type=float, default=600.0, help="per-side wall-clock limit in seconds (default 600)")
+
+
+def _run_diagnose(args) -> int:
+  from parity.diagnose import diagnose
+  con = _console()
+  res = diagnose(args.preset, config=args.config, overrides=args.overrides, hf_model=args.hf_model, step=args.step,
+                 sides=[s.strip() for s in args.sides.split(",") if s.strip()], perturb=args.perturb,
+                 plants=args.plant, out=args.out, timeout_s=args.timeout)
+  a, b = res.sides
+  con.print(f"parity diagnose — {res.run_dir}: {a} vs {b}, step {res.step} "
+            f"(update at lr position {res.lr_step}, lr {res.lr:.3g})")
+  f = res.first
+  if f is not None:
+    con.print(f"[bold red]FIRST DIFFERENCE: {f.name}[/bold red] ({f.kind}, shape {list(f.shape)})")
+    for side, where in f.where.items():
+      con.print(f"  {side}: {where}")
+    con.print(f"  max abs error {f.max_abs_err:.3g}, max rel error {f.max_rel_err:.3g} (scale {f.scale:.3g})")
+    con.print(f"  worst element {f.worst_index}: {a} {f.ref_value}, {b} {f.cand_value}; |Δ| {f.worst_abs_err:.3g} "
+              f"> tolerance {f.tolerance:.3g}")
+    if f.note:
+      con.print(f"  {f.note}")
+  style = "bold green" if res.passed else "bold red"
+  con.print(f"[{style}]{'PASS' if res.passed else 'FAIL'}: {res.message}[/{style}]", soft_wrap=True)
+  con.print(f"diagnose: {Path(res.run_dir) / 'diagnose.md'} (also diagnose.json)")
+  return res.exit_code
 
 
 def _run_compare(args) -> int:
@@ -73,7 +132,8 @@ def _run_compare(args) -> int:
                    sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
                    perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
                    hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
-                   hardware=args.hardware)
+                   hardware=args.hardware, noise_envelope=args.noise_envelope,
+                   determinism_steps=args.determinism_steps, resume_at=args.resume_at)
   print_summary(report, con)
   return report.exit_code
 
@@ -104,9 +164,13 @@ def print_summary(report, con) -> None:
     tol = ch["tolerance"]
     c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val),
               f"{tol:.3g}" if isinstance(tol, (int, float)) else "n/a",
-              "yes" if ch["passed"] else "[red]NO[/red]",
+              "yes" if ch["passed"] else ("[red]NO[/red]" if ch.get("gating", True) else "no (reported only)"),
               "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))
   con.print(c)
+  det = report.data.get("determinism") or {}
+  if det:
+    con.print("determinism (first steps rerun in a new process): " + ", ".join(
+        f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items()))
   style = "bold green" if report.passed else "bold red"
   con.print(f"[{style}]{report.message}[/{style}]")
   con.print(f"report: {Path(report.run_dir) / 'report.md'} (also report.json, loss.png)")
@@ -144,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="parity", description=__doc__.split("\n\n")[0])
   sub = ap.add_subparsers(dest="command", required=True)
   _add_compare(sub)
+  _add_diagnose(sub)
   try:
     from parity.migrate import cli as migrate_cli
   except ImportError:
@@ -179,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     if args.command == "compare":
       return _run_compare(args)
+    if args.command == "diagnose":
+      return _run_diagnose(args)
     if args.command == "port":
       from parity.migrate import cli as migrate_cli
       return migrate_cli.run(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance"]
+__all__ = ["Tolerance", "TOLERANCES", "tolerance", "EnvelopeRule", "ENVELOPE_RULES", "envelope_rule"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,7 +62,43 @@ _BF16 = {
     "params_zero_grad": _FP32["params_zero_grad"],
 }
 
-TOLERANCES: dict[str, dict[str, Tolerance]] = {"fp32": _FP32, "bf16": _BF16}
+_FP16 = dict(_BF16)  # PROVISIONAL until measured
+
+TOLERANCES: dict[str, dict[str, Tolerance]] = {"fp32": _FP32, "bf16": _BF16, "fp16": _FP16}
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EnvelopeRule:
+  """How far the loss-difference curve of two sides may sit above the measured noise envelope.
+
+  The envelope is |loss_ref(t) - loss_noise(t)| between one side and a rerun of that side whose
+  only change is the floating-point reduction order (every micro batch's rows, and the micro
+  batches of each step, in reverse order: the same mean loss and gradient in exact arithmetic).
+  Steps are cut into windows of `window` steps; window k passes when
+      rms_k(|loss_a - loss_b|) <= factor * rms_k(envelope) + floor.
+
+  Attributes:
+    factor: allowed ratio of the pair's RMS difference to the envelope's, per window.
+    floor: nats added to the bound, so a window where the envelope happens to be tiny does not fail.
+    window: steps per window (the last window takes the remainder).
+    reason: the measurement behind the numbers.
+  """
+  factor: float
+  floor: float
+  window: int
+  reason: str
+
+
+_BF16_ENVELOPE = EnvelopeRule(factor=4.0, floor=1e-3, window=10, reason=(
+    "PROVISIONAL, being measured (benchmarks/noise_envelope.py)."))
+ENVELOPE_RULES: dict[str, EnvelopeRule] = {"fp32": _BF16_ENVELOPE, "bf16": _BF16_ENVELOPE, "fp16": _BF16_ENVELOPE}
+"""Noise-envelope rule per precision (parity.checks.envelope_check)."""
+
+
+def envelope_rule(precision: str) -> EnvelopeRule:
+  """Raises KeyError naming the precision that has no rule."""
+  if precision not in ENVELOPE_RULES:
+    raise KeyError(f"no noise-envelope rule for precision {precision!r}; known: {sorted(ENVELOPE_RULES)}")
+  return ENVELOPE_RULES[precision]
 
 
 def tolerance(precision: str, metric: str) -> Tolerance:

@@ -78,3 +78,73 @@ def test_verdict_names_first_failing_step_and_metric():
   v = verdict(checks, {"x": "ok", "y": "killed"})
   assert not v.passed and "y (killed)" in v.message and v.first_failure.metric == "completed"
   assert v.first_failure.first_failing_step == 1
+
+
+# --------------------------------------------------------------------------- noise envelope, repeats
+from parity.checks import envelope_check, repeat_check, windowed_rms  # noqa: E402
+from parity.tolerances import EnvelopeRule  # noqa: E402
+
+_RULE = EnvelopeRule(factor=3.0, floor=1e-6, window=10, reason="test")
+
+
+def test_windowed_rms_merges_a_short_tail():
+  w = windowed_rms(list(range(23)), np.ones(23), 10)
+  assert [(lo, hi) for lo, hi, _ in w] == [(0, 9), (10, 22)] and all(r == 1.0 for *_, r in w)
+  w = windowed_rms(list(range(26)), np.arange(26.0), 10)
+  assert [(lo, hi) for lo, hi, _ in w] == [(0, 9), (10, 19), (20, 25)]
+  assert w[0][2] == pytest.approx(np.sqrt(np.mean(np.arange(10.0) ** 2)))
+
+
+def _noisy(n, scale, seed):
+  return np.random.default_rng(seed).normal(0.0, scale, n)
+
+
+def test_envelope_passes_rounding_noise_and_fails_a_drift():
+  n = 60
+  base = np.linspace(5.0, 2.0, n)
+  noise = {"a": {i: abs(x) for i, x in enumerate(_noisy(n, 1e-3, 0))}}
+  b_ok = base + _noisy(n, 1e-3, 1)
+  c = envelope_check("a", _recs(base), "b", _recs(b_ok), noise, _RULE)
+  assert c.passed and c.metric == "loss_envelope" and c.value < c.tolerance
+  k = np.arange(n)
+  drift = b_ok + np.where(k >= 20, (k - 20) * 2e-3, 0.0)  # from step 20 on, a difference growing past the noise
+  c = envelope_check("a", _recs(base), "b", _recs(drift), noise, _RULE)
+  assert not c.passed and c.first_failing_step == 20
+  assert "windows" in c.detail
+
+
+def test_envelope_uses_the_noisier_side_and_skips_without_an_envelope():
+  n = 30
+  base = np.full(n, 3.0)
+  other = base + 5e-3
+  quiet = {i: 1e-4 for i in range(n)}
+  loud = {i: 4e-3 for i in range(n)}
+  assert not envelope_check("a", _recs(base), "b", _recs(other), {"a": quiet}, _RULE).passed
+  assert envelope_check("a", _recs(base), "b", _recs(other), {"a": quiet, "b": loud}, _RULE).passed
+  assert envelope_check("a", _recs(base), "b", _recs(other), {"c": loud}, _RULE) is None
+  nan = envelope_check("a", _recs(base), "b", _recs([*other[:-1], math.nan]), {"a": loud}, _RULE)
+  assert not nan.passed and nan.first_failing_step == n - 1
+
+
+def test_repeat_check_is_bitwise():
+  a = _recs([5.0, 4.0, 3.0])
+  assert repeat_check("determinism", "jax", a, _recs([5.0, 4.0]), gating=False).passed
+  c = repeat_check("determinism", "jax", a, _recs([5.0, 4.0 + 2 ** -40]), gating=False)
+  assert not c.passed and c.first_failing_step == 1 and not c.gating and c.value > 0
+  p = {"w": np.ones((2, 2), np.float32)}
+  q = {"w": np.ones((2, 2), np.float32)}
+  q["w"][1, 1] = np.nextafter(np.float32(1), np.float32(2))
+  c = repeat_check("resume", "torch", a, a[2:], from_step=2, final_a=p, final_b=q, gating=True)
+  assert not c.passed and "final params differ" in c.detail and c.gating
+  assert repeat_check("resume", "torch", a, a[2:], from_step=2, final_a=p, final_b=dict(p), gating=True).passed
+  assert not repeat_check("resume", "torch", a, [], from_step=2, gating=True).passed
+
+
+def test_non_gating_failures_do_not_fail_the_verdict():
+  a = _recs([5.0, 4.0])
+  det = repeat_check("determinism", "a", a, _recs([5.0, 4.1]), gating=False)
+  ok = series_check("loss", "a", a, "b", a, "fp32")
+  v = verdict([ok, det], {"a": "ok", "b": "ok"})
+  assert v.passed and "1 checks" in v.message
+  res = repeat_check("resume", "a", a, _recs([5.0, 4.1])[1:], from_step=1, gating=True)
+  assert not verdict([ok, res], {"a": "ok", "b": "ok"}).passed

@@ -25,8 +25,44 @@ from torch import nn
 from parity.spec import ModelSpec
 from parity.weights import decays, param_shapes
 
-__all__ = ["GPT", "RMSNorm", "build_model", "load_canonical", "to_canonical", "lm_loss", "rope_tables",
-           "decay_groups", "count_params"]
+__all__ = ["GPT", "RMSNorm", "TapRecorder", "build_model", "load_canonical", "to_canonical", "lm_loss",
+           "rope_tables", "decay_groups", "count_params"]
+
+
+class TapRecorder:
+  """Collects the diagnose taps of a forward pass (`parity diagnose`, docs/diagnose.md).
+
+  `GPT.record_taps(recorder)` attaches it; each module then stores its intermediates under
+  canonical tap names (module name + tap, e.g. `h.0.attn.q`). Only the first value of each
+  name is kept, so with gradient accumulation the taps are those of the first micro batch.
+
+  Attributes:
+    values: canonical tap name -> detached float32 copy, canonical layout (q/k/v (B, heads, T, hd),
+      scores/probs (B, nh, T, S), all else (B, T, features)).
+    where: canonical tap name -> the torch module and tap, e.g. 'h.0.attn (Attention) q'.
+  """
+
+  def __init__(self):
+    self.values: dict[str, torch.Tensor] = {}
+    self.where: dict[str, str] = {}
+
+  def record(self, module: nn.Module, name: str, make) -> None:
+    prefix = module._tap_prefix
+    key = f"{prefix}.{name}" if prefix else name
+    if key not in self.values:
+      self.values[key] = make().detach().float().clone()
+      self.where[key] = f"{prefix or '<model>'} ({type(module).__name__}) {name}"
+
+
+class _Tapped:
+  """Mixin: a module that can report diagnose taps. No cost unless a TapRecorder is attached."""
+  _taps: TapRecorder | None = None
+  _tap_prefix: str = ""
+
+  def _tap(self, name: str, make) -> None:
+    """Records `make()` as tap `name` when a recorder is attached; `make` is not called otherwise."""
+    if self._taps is not None:
+      self._taps.record(self, name, make)
 
 
 class RMSNorm(nn.Module):
@@ -93,17 +129,22 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
   return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(_Tapped, nn.Module):
   """Causal self-attention with grouped-query heads.
 
   qkv rows are [q heads | k heads | v heads] (parity.weights); query head i
   attends with key/value head i // (n_heads // kv_heads), as HF `repeat_kv` and
   SDPA `enable_gqa` do.
+
+  Attributes:
+    causal: apply the causal mask. Always True in training; False only as a planted bug of
+      `parity diagnose` (`--plant SIDE:no_causal_mask`).
   """
 
   def __init__(self, spec: ModelSpec):
     super().__init__()
     self.spec = spec
+    self.causal = True
     hd = spec.head_dim
     self.qkv = nn.Linear(spec.d_model, (spec.n_heads + 2 * spec.kv_heads) * hd, bias=spec.bias)
     self.proj = nn.Linear(spec.n_heads * hd, spec.d_model, bias=spec.bias)
@@ -119,16 +160,37 @@ class Attention(nn.Module):
     v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
     if rope is not None:
       q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+    self._tap("q", lambda: q)
+    self._tap("k", lambda: k)
+    self._tap("v", lambda: v)
     if s.kv_heads != s.n_heads:
       rep = s.n_heads // s.kv_heads
       k = k.repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
       v = v.repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s.scale)  # (B, nh, T, hd)
+    if self._taps is not None:  # SDPA hides scores and probs: recompute them from the same q, k for the taps
+      self._attention_taps(q, k, t)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=s.scale)  # (B, nh, T, hd)
     y = y.transpose(1, 2).reshape(b, t, q_dim)  # (B, T, nh * hd)
-    return self.proj(y)
+    self._tap("context", lambda: y)
+    out = self.proj(y)
+    self._tap("out", lambda: out)
+    return out
+
+  def _attention_taps(self, q: torch.Tensor, k: torch.Tensor, t: int) -> None:
+    """Taps `scores` (scaled q.k, before the mask) and `probs` (after mask and softmax), (B, nh, T, S).
+
+    The forward output still comes from SDPA; these are the same math spelled out (SDPA's
+    math backend), so a bug in the SDPA call itself shows up first at `context`.
+    """
+    scores = torch.matmul(q, k.transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S)
+    self._tap("scores", lambda: scores)
+    if self.causal:
+      keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+      scores = scores.masked_fill(~keep, float("-inf"))
+    self._tap("probs", lambda: torch.softmax(scores.float(), dim=-1))
 
 
-class MLP(nn.Module):
+class MLP(_Tapped, nn.Module):
   """fc -> GELU -> proj (gelu), or proj(silu(gate(x)) * up(x)) (swiglu)."""
 
   def __init__(self, spec: ModelSpec):
@@ -145,13 +207,21 @@ class MLP(nn.Module):
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     """x: (B, T, d_model) -> (B, T, d_model)."""
     if self.spec.mlp == "gelu":
-      h = F.gelu(self.fc(x), approximate="tanh" if self.spec.gelu_approximate else "none")  # (B, T, d_ff)
+      fc = self.fc(x)  # (B, T, d_ff)
+      self._tap("fc", lambda: fc)
+      h = F.gelu(fc, approximate="tanh" if self.spec.gelu_approximate else "none")  # (B, T, d_ff)
     else:
-      h = F.silu(self.gate(x)) * self.up(x)  # (B, T, d_ff)
-    return self.proj(h)
+      gate, up = self.gate(x), self.up(x)  # (B, T, d_ff) each
+      self._tap("gate", lambda: gate)
+      self._tap("up", lambda: up)
+      h = F.silu(gate) * up  # (B, T, d_ff)
+    self._tap("act", lambda: h)
+    out = self.proj(h)
+    self._tap("out", lambda: out)
+    return out
 
 
-class Block(nn.Module):
+class Block(_Tapped, nn.Module):
   """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
   def __init__(self, spec: ModelSpec):
@@ -162,11 +232,21 @@ class Block(nn.Module):
     self.mlp = MLP(spec)
 
   def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    x = x + self.attn(self.ln_1(x), rope)
-    return x + self.mlp(self.ln_2(x))
+    if self._taps is None:
+      x = x + self.attn(self.ln_1(x), rope)
+      return x + self.mlp(self.ln_2(x))
+    h = self.ln_1(x)
+    self._tap("ln_1", lambda: h)
+    x = x + self.attn(h, rope)
+    self._tap("resid_mid", lambda: x)
+    h = self.ln_2(x)
+    self._tap("ln_2", lambda: h)
+    x = x + self.mlp(h)
+    self._tap("out", lambda: x)
+    return x
 
 
-class GPT(nn.Module):
+class GPT(_Tapped, nn.Module):
   """GPT-2 / LLaMA-family decoder described by a ModelSpec.
 
   Args:
@@ -211,12 +291,28 @@ class GPT(nn.Module):
       x = x + self.wpe(torch.arange(t, device=tokens.device))  # (B, T, d)
     else:
       rope = rope_tables(t, s.head_dim, s.rope_theta, device=tokens.device)
+    self._tap("embed", lambda: x)
     for block in self.h:
       x = block(x, rope) if self.checkpoint is None else self.checkpoint(block, x, rope)
     x = self.ln_f(x)
-    if s.tie_embeddings:
-      return F.linear(x, self.wte.weight)  # (B, T, V)
-    return self.lm_head(x)  # (B, T, V)
+    self._tap("ln_f", lambda: x)
+    logits = F.linear(x, self.wte.weight) if s.tie_embeddings else self.lm_head(x)  # (B, T, V)
+    self._tap("logits", lambda: logits)
+    return logits
+
+  def record_taps(self, recorder: TapRecorder | None) -> None:
+    """Attaches (or, with None, detaches) a TapRecorder to this model and every tapped submodule.
+
+    Module names are the canonical prefixes (`h.0.attn`), so tap names match the JAX side's.
+    Raises:
+      ValueError: activation checkpointing is on (a recomputed block would record again).
+    """
+    if recorder is not None and self.checkpoint is not None:
+      raise ValueError("diagnose taps need a model without activation checkpointing (GPT.checkpoint is set)")
+    for name, module in self.named_modules():
+      if isinstance(module, _Tapped):
+        module._taps = recorder
+        module._tap_prefix = name
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

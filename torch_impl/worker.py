@@ -4,6 +4,11 @@ Reads the request through `parity.protocol.SideIO`, trains with the DeepSpeed
 engine (`--side deepspeed`) or the plain-torch baseline (`--side torch`), and
 writes steps.jsonl, summary.json and final.safetensors. Exit codes: 0 ok,
 1 crashed (summary carries the traceback), 3 non-finite loss or grad norm.
+
+Run control (`SideIO.control()`): with resume_from, the trainer is built from the initial
+weights and then restored from the checkpoint (`torch_impl.checkpoint.restore`), and training
+continues at the checkpoint's step + 1; with save_checkpoint_at_step K, the complete state
+after step K is saved (`torch_impl.checkpoint.save`); stop_after_step S ends after step S.
 """
 from __future__ import annotations
 
@@ -68,27 +73,35 @@ def _finish_kwargs(trainer) -> dict:
 def side_main(io: SideIO) -> int:
   """Trains one torch side as the request describes; returns the exit code."""
   import torch
+  from torch_impl import checkpoint
+  control = io.control()  # refusals (bad keys, a checkpoint of another run) end here, as 'crashed'
   t = io.run.train
   _determinism(t.seed)
   trainer = _make_trainer(io, io.init_params())
+  if control.resume_dir is not None:
+    checkpoint.restore(trainer, control.resume_dir, control.resume_meta)
   batches = io.batches()
   _check_batches(batches, io)
   val = io.val_batches() if t.eval_every > 0 else None
   sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
   io.ready()
-  for step in range(t.steps):
+  for step in control.steps():
     io.before_step(step, poison=trainer.poison)
     micro = np.asarray(batches[step])
     sync()
     t0 = time.perf_counter()
     forced = {"force_overflow": True} if io.forced_overflow(step) else {}
-    metrics = trainer.step(micro, probe=step == 0, **forced)  # step 0 is outside the median step time
+    probe = step == control.first_step  # the first step is outside the median step time
+    metrics = trainer.step(micro, probe=probe, **forced)
     sync()
     dt = time.perf_counter() - t0
     val_loss = trainer.eval_loss(val) if val is not None and io.is_eval_step(step) else None
     if not io.record(step, step_time_s=dt, val_loss=val_loss, **metrics):
       io.finish("nan", error=f"non-finite loss or grad norm at step {step}: {metrics}", **_finish_kwargs(trainer))
       return EXIT_NAN
+    if step == control.save_at:
+      io.save_checkpoint(step, lambda folder: checkpoint.save(trainer, folder, step),
+                         trainer.describe()["versions"])
   io.finish("ok", final_params=trainer.final_params(), **_finish_kwargs(trainer))
   return EXIT_OK
 

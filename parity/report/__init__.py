@@ -7,7 +7,8 @@ report.json, schema 'parity.report/1' (units in key names):
   environment    {python, platform, machine, cpu_count, versions: {package: version}} of the harness
   verdict        {passed, message, first_failure: {check, metric, sides, step, value, tolerance} | null}
   tolerances     {precision: {metric: {atol, rtol, reason}}} (the table in force)
-  checks         [{name, metric, sides, value, tolerance, passed, first_failing_step, worst, detail, reason}]
+  checks         [{name, metric, sides, value, tolerance, passed, first_failing_step, worst, detail, reason,
+                   gating}] (gating false: reported, does not decide the verdict)
   params_table   [{tensor, sides, max_abs_diff, max_abs_moved, ratio, passed}]
   sides          {side: {status, error, returncode, wall_s, harness_peak_rss_bytes, summary: <the side's
                   summary.json>, series: {step, loss, grad_norm, lr, loss_scale, skipped, step_time_s, tokens,
@@ -15,6 +16,11 @@ report.json, schema 'parity.report/1' (units in key names):
   timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, overhead_ratio}
   plan           {name, chosen_by, why} when --plan was given, else null
   memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}
+  noise_envelope {method, rule: {factor, floor, window, reason}, runs: {side: {status, wall_s, error}},
+                  sides: {side: {steps, abs_loss_diff}}} | null: each side's reduction-order rerun behind the
+                 loss_envelope checks (bf16/fp16 by default)
+  determinism    {side: {deterministic, steps_checked, detail, status}}: a rerun of each side's first steps
+  resume         {side: {resumed_at_step, bit_identical, detail}} when a resume check was asked for
 """
 from parity.report.build import Report, build_report
 from parity.report.write import write_markdown, write_plot, write_all

@@ -88,9 +88,11 @@ def write_markdown(report: Report, path: Path) -> None:
     for r in rows:
       out.append(f"| {r['side']} | {r['category']} | {r['memory_kind']} | {fmt_bytes(r['predicted'])} "
                  f"| {fmt_bytes(r['measured'])} | {_f(r['ratio'], '.3f')} |")
+  out += _self_sections(d)
   out += ["", "## Checks", "", "| check | value | tolerance | passed | first failing step | detail |", "|---|---|---|---|---|---|"]
   for c in d["checks"]:
-    out.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['tolerance'])} | {'yes' if c['passed'] else '**no**'} "
+    ok = "yes" if c["passed"] else ("**no**" if c.get("gating", True) else "no (reported only)")
+    out.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['tolerance'])} | {ok} "
                f"| {_f(c['first_failing_step'], 'd')} | {c['detail']} |")
   out += ["", "## Tolerances", "", "| precision | metric | atol | rtol | reason |", "|---|---|---|---|---|"]
   for p, tab in d["tolerances"].items():
@@ -98,6 +100,35 @@ def write_markdown(report: Report, path: Path) -> None:
       out.append(f"| {p} | {m} | {t['atol']:g} | {t['rtol']:g} | {t['reason']} |")
   out += ["", "![loss curves](loss.png)", ""]
   path.write_text("\n".join(out))
+
+
+def _self_sections(d: dict) -> list[str]:
+  """Markdown for the noise envelope, determinism and resume fields of report.json."""
+  out = []
+  env = d.get("noise_envelope")
+  if env:
+    r = env["rule"]
+    out += ["", "## Noise envelope", "", f"{env['method'][0].upper()}{env['method'][1:]}. Each pair passes when, in "
+            f"every window of {r['window']} steps, rms |Δloss| ≤ {r['factor']:g} × rms(envelope of the noisier side) "
+            f"+ {r['floor']:g}. {r['reason']}", "",
+            "| side | rerun status | max |Δloss| | median |Δloss| | steps |", "|---|---|---|---|---|"]
+    for side, run in env["runs"].items():
+      diffs = sorted(env["sides"].get(side, {}).get("abs_loss_diff", []))
+      out.append(f"| {side} | {run['status']} | {_f(diffs[-1] if diffs else None)} "
+                 f"| {_f(diffs[len(diffs) // 2] if diffs else None)} | {len(diffs)} |")
+  det = d.get("determinism") or {}
+  if det:
+    out += ["", "## Determinism", "", "| side | deterministic | detail |", "|---|---|---|"]
+    for side, x in det.items():
+      out.append(f"| {side} | {'yes' if x['deterministic'] else '**no**'} | {x['detail']} "
+                 f"(rerun of the first {x['steps_checked']} steps in a new process) |")
+  res = d.get("resume") or {}
+  if res:
+    out += ["", "## Checkpoint / resume", "", "| side | resumed at step | bit-identical to the uninterrupted run | detail |",
+            "|---|---|---|---|"]
+    for side, x in res.items():
+      out.append(f"| {side} | {x['resumed_at_step']} | {'yes' if x['bit_identical'] else '**no**'} | {x['detail']} |")
+  return out
 
 
 def write_plot(report: Report, path: Path) -> bool:
@@ -127,6 +158,10 @@ def write_plot(report: Report, path: Path) -> bool:
       ax2.semilogy(st, [max(abs(la[k] - lb[k]), 1e-12) for k in st], lw=1, label=f"{a} vs {b}")
   if tol:
     ax2.axhline(tol, color="k", ls="--", lw=1, label=f"tolerance {tol:g}")
+  env = report.data.get("noise_envelope")
+  for side, e in ((env or {}).get("sides") or {}).items():
+    ax2.semilogy(e["steps"], [max(x, 1e-12) for x in e["abs_loss_diff"]], ls=":", lw=0.8,
+                 label=f"noise envelope of {side} (reversed batch order)")
   ax2.set_xlabel("step"); ax2.set_ylabel("|Δ loss|"); ax2.set_title("loss difference per pair"); ax2.legend()
   fig.suptitle(report.message[:120], fontsize=9)
   fig.tight_layout()
