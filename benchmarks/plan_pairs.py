@@ -35,7 +35,8 @@ def main() -> int:
   for name in PLANS:
     out = tmp / name
     cmd = [sys.executable, "-m", "parity.cli", "compare", "--preset", args.preset, "--steps", str(args.steps),
-           "--sides", args.sides, "--plan", name, "--out", str(out), "--no-progress"]
+           "--sides", args.sides, "--plan", name, "--out", str(out), "--no-progress",
+           "--determinism-steps", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if not (out / "report.json").exists():
       rows.append({"plan": name, "exit": proc.returncode, "verdict": proc.stderr.strip()[-300:]})

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from parity import weights
 from parity.spec import RunSpec
 
 from jax_impl import model as model_lib
@@ -45,7 +46,8 @@ Metrics = dict[str, jax.Array]
 
 
 def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, jax.Array], jax.Array],
-                     grad_shardings: Any = None, grads_to_device: bool = False) -> tuple[jax.Array, Any]:
+                     grad_shardings: Any = None, grads_to_device: bool = False,
+                     loss_multiplier: jax.Array | None = None) -> tuple[jax.Array, Any]:
   """Mean loss and averaged gradient over the micro batches, DeepSpeed style.
 
   Args:
@@ -57,15 +59,19 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
     grads_to_device: move each micro batch's gradient to device memory (params partly in host
       memory: the gradient of a host-resident input is born in host memory, the transpose of the
       in-scan move to device).
+    loss_multiplier: fp16 only, float32 scalar m: differentiate (loss_i / A) * m, DeepSpeed's order
+      (`engine.backward` divides by GAS, then the fp16 optimizer multiplies by the loss scale);
+      m = loss scale, times inf to force an overflow. None: no multiply (fp32/bf16 unchanged).
   Returns:
-    loss: float32 scalar, mean over the A micro-batch losses (nats).
-    grads: pytree like params, sum over micro batches of grad(loss_i / A), float32.
+    loss: float32 scalar, mean over the A micro-batch losses (nats, never scaled).
+    grads: pytree like params, sum over micro batches of grad(m * loss_i / A), float32.
   """
   accum = batch_amtp1.shape[0]
 
   def scaled(p: Any, tokens_mtp1: jax.Array) -> tuple[jax.Array, jax.Array]:
     loss_i = loss(p, tokens_mtp1)
-    return loss_i / accum, loss_i  # DeepSpeed: loss / gradient_accumulation_steps before backward
+    out = loss_i / accum  # DeepSpeed: loss / gradient_accumulation_steps before backward
+    return (out if loss_multiplier is None else out * loss_multiplier), loss_i
 
   grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
@@ -84,7 +90,7 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
   return loss_sum / accum, grads
 
 
-StepFn = Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]
+StepFn = Callable[..., tuple[TrainState, Metrics]]
 
 
 def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -92,26 +98,48 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   """The pure step for this run (not yet jitted).
 
   Returns:
-    train_step(state, batch (A, M, T + 1) ints) -> (new state, metrics), where metrics holds
-    float32 scalars `loss` (mean over micro batches, nats), `grad_norm` (global L2 norm of the
-    averaged gradient before clipping) and `lr` (learning rate applied by this update).
+    fp32/bf16: train_step(state, batch (A, M, T + 1) ints) -> (new state, metrics), where metrics
+    holds float32 scalars `loss` (mean over micro batches, nats), `grad_norm` (global L2 norm of
+    the averaged gradient before clipping) and `lr` (learning rate applied by this update).
+
+    fp16: train_step(state, batch, overflow_factor) with overflow_factor a float32 scalar (1 normally,
+    inf to force this step's gradient to overflow: it multiplies the scaled loss, so one executable
+    serves both). The loss is multiplied by the loss scale of the state (`optim.loss_scaled`); metrics
+    add `loss_scale` (the scale this step used), `skipped` (bool: the gradient overflowed and the
+    update was skipped) and `at_min_scale` (bool: an overflow at train.min_loss_scale, where DeepSpeed
+    raises; `Trainer.step` raises). On a skipped step `grad_norm` is inf and `lr` the rate the update
+    would have applied (the next step repeats it), as DeepSpeed reports them.
   """
   loss = _model_loss(run, placement)
   layers_on_host = run.jax.scan_layers and placement.kind("params") != "device"
-  def train_step(state: TrainState, batch_amtp1: jax.Array) -> tuple[TrainState, Metrics]:
+  fp16 = run.train.precision == "fp16"
+  ls_cfg = optim.LossScaleConfig.from_train(run.train) if fp16 else None
+
+  def train_step(state: TrainState, batch_amtp1: jax.Array,
+                 overflow_factor: jax.Array | None = None) -> tuple[TrainState, Metrics]:
     grad_shd = placement.group_shardings("grads", state.params) if placement.sharded("grads") else None
     fwd_params = placement.to_device("params", state.params, shardings.params, keep_layers=True)
     opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
-    loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd,
-                                       grads_to_device=layers_on_host)
+    scale = optim.loss_scale_of(opt_state) if fp16 else None
+    loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd, grads_to_device=layers_on_host,
+                                       loss_multiplier=None if scale is None else scale * overflow_factor)
     params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
     lr = schedule(optim.step_count_of(opt_state))
+    old_ls = optim.loss_scale_state_of(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = {"loss": loss_val, "grad_norm": optim.grad_norm_of(opt_state), "lr": lr}
+    if fp16:
+      new_ls = optim.loss_scale_state_of(opt_state)
+      skipped = new_ls.last_overflow_iter == old_ls.cur_iter
+      true_norm = metrics["grad_norm"] * (new_ls.scale / scale)  # the clip saw g / new scale (optim.loss_scaled)
+      metrics.update(grad_norm=jnp.where(skipped, jnp.float32(jnp.inf), true_norm), loss_scale=scale,
+                     skipped=skipped, at_min_scale=optim.overflow_at_minimum(old_ls, skipped, ls_cfg))
     return TrainState(params=params, opt_state=opt_state), metrics
 
-  return train_step
+  if fp16:
+    return train_step
+  return lambda state, batch_amtp1: train_step(state, batch_amtp1)
 
 
 def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
@@ -195,17 +223,24 @@ class Trainer:
   lowered_text: str = ""
   compiled_text: str = ""
   memory_analysis: dict[str, int] = dataclasses.field(default_factory=dict)
+  _factors: dict[bool, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
 
   @classmethod
   def build(cls, run: RunSpec, canonical: dict[str, np.ndarray], mesh: jax.sharding.Mesh | None = None) -> "Trainer":
-    """Maps the canonical weights, places the state and jits the functions (no compilation yet)."""
+    """Maps the canonical weights, places the state and jits the functions (no compilation yet).
+
+    bf16/fp16: the master weights start as the canonical weights rounded to the compute dtype, as
+    DeepSpeed's do (`parity.weights.master_weights`).
+    """
     placement = make_placement(run.jax, mesh)
     scan = run.jax.scan_layers
+    canonical = weights.master_weights(canonical, run.train.precision)  # bf16/fp16: rounded, as DeepSpeed's
     tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan)
     state, shardings = init_state(placement, model_lib.to_flax(canonical, run.model, scan_layers=scan), tx)
     step = make_train_step(run, tx, schedule, placement, shardings)
     metrics_shd = placement.replicated()
-    jit_step = jax.jit(step, in_shardings=(shardings, placement.batch_sharding()),
+    extra = (metrics_shd,) if run.train.precision == "fp16" else ()  # the overflow factor
+    jit_step = jax.jit(step, in_shardings=(shardings, placement.batch_sharding(), *extra),
                        out_shardings=(shardings, metrics_shd), donate_argnums=(0,))
     jit_eval = jax.jit(make_eval_loss(run, placement, shardings.params),
                        in_shardings=(shardings.params, placement.batch_sharding()), out_shardings=metrics_shd)
@@ -219,8 +254,9 @@ class Trainer:
     """Lowers and compiles the step (and eval, when `val_shape`) for these batch shapes, timed."""
     batch_shd = self.placement.batch_sharding()
     t0 = time.perf_counter()
+    extra = (jax.ShapeDtypeStruct((), jnp.float32, sharding=self.placement.replicated()),) if self.fp16 else ()
     traced = self.jit_step.trace(_abstract(self.state, self.shardings),
-                                 jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_shd))
+                                 jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_shd), *extra)
     self.jaxpr_text = str(traced.jaxpr)
     lowered = traced.lower()
     t1 = time.perf_counter()
@@ -259,12 +295,46 @@ class Trainer:
     ev["jaxpr_device_puts"] = remat_lib.device_puts_in_jaxpr(self.jaxpr_text)
     return ev
 
-  def step(self, batch_amtp1: np.ndarray) -> dict[str, float]:
-    """Runs one optimizer step on a host batch (A, M, T + 1); returns host-synchronised metrics."""
+  @property
+  def fp16(self) -> bool:
+    return self.run.train.precision == "fp16"
+
+  def _overflow_factor(self, force: bool) -> jax.Array:
+    """The fp16 step's overflow_factor input, placed once per value: 1, or inf to force an overflow."""
+    if force not in self._factors:
+      self._factors[force] = jax.device_put(np.float32(np.inf if force else 1.0), self.placement.replicated())
+    return self._factors[force]
+
+  def step(self, batch_amtp1: np.ndarray, *, force_overflow: bool = False) -> dict[str, float | bool]:
+    """Runs one optimizer step on a host batch (A, M, T + 1); returns host-synchronised metrics.
+
+    Args:
+      batch_amtp1: uint16 token ids (A, M, T + 1).
+      force_overflow: fp16 only: make this step's scaled gradient non-finite inside the compiled
+        step (debug `overflow_at_steps`); the update is skipped and the loss scale backs off.
+    Returns:
+      loss, grad_norm, lr (floats); fp16 adds loss_scale (float) and skipped (bool).
+    Raises:
+      ValueError: force_overflow on a run that is not fp16.
+      parity.loss_scale.LossScaleAtMinimum: an overflow with the scale at train.min_loss_scale
+        (DeepSpeed's DynamicLossScaler raises there); the state is already updated.
+    """
+    if force_overflow and not self.fp16:
+      raise ValueError(f"force_overflow (debug overflow_at_steps) needs train.precision='fp16' (loss scaling); "
+                       f"this run has train.precision={self.run.train.precision!r}")
     batch = jax.device_put(np.ascontiguousarray(batch_amtp1), self.placement.batch_sharding())
-    self.state, metrics = self.step_fn(self.state, batch)
+    extra = (self._overflow_factor(force_overflow),) if self.fp16 else ()
+    self.state, metrics = self.step_fn(self.state, batch, *extra)
     jax.block_until_ready((self.state, metrics))
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    out = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if self.fp16:
+      out["skipped"] = bool(out["skipped"])
+      if out.pop("at_min_scale"):
+        from parity.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
+        ls = optim.loss_scale_state_of(self.state.opt_state)
+        raise LossScaleAtMinimum(MSG_AT_MINIMUM.format(step=int(jax.device_get(ls.cur_iter)) - 1,
+                                                       min_scale=self.run.train.min_loss_scale))
+    return out
 
   def evaluate(self, val_emtp1: np.ndarray) -> float:
     """Validation loss (nats) of the current params on host micro batches (E, M, T + 1)."""

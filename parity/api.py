@@ -118,7 +118,11 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
                         verdict=v, wall_s=time.time() - t0, prepare_s=prep["prepare_s"])
   report.data["plan"] = plan_choice
+  extra_s = self_info.pop("self_runs_s", 0.0)
   report.data.update(self_info)
+  timing = report.data["timing"]
+  busy_total = sum(timing["sides_s"].values()) + extra_s
+  timing.update(self_runs_s=extra_s, overhead_ratio=timing["wall_s"] / busy_total if busy_total > 0 else None)
   from parity import memory
   report.data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(report.data),
                            "note": "predicted by parity.memory (parity estimate); measured from the live "
@@ -147,8 +151,14 @@ def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_enve
   from parity.tolerances import envelope_rule
   t = spec.train
   ok = [s for s, d in side_data.items() if d["status"] == "ok"]
-  info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}}
+  info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}, "self_runs_s": 0.0}
   checks = []
+
+  def busy(sr) -> None:  # what the side itself spent (as build_report counts the main runs)
+    summ = sr.summary or {}
+    own = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
+    info["self_runs_s"] += own if sr.status == "ok" else sr.wall_s
+
   if noise_envelope is None:
     noise_envelope = t.precision != "fp32"
   if noise_envelope and len(side_data) > 1 and ok:
@@ -156,6 +166,7 @@ def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_enve
     env, runs = {}, {}
     for side in ok:
       sr, noise_steps = self_runs.run_noise(run_dir, side, timeout_s=limit)
+      busy(sr)
       ref = {int(r["step"]): float(r["loss"]) for r in side_data[side]["steps"]}
       runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
       if sr.status == "ok":
@@ -182,6 +193,7 @@ def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_enve
   for side in ok if stop >= 0 else ():
     sr, again = self_runs.run_repeat(run_dir, side, stop_after_step=stop, save_checkpoint_at_step=resume_at,
                                      timeout_s=limit)
+    busy(sr)
     if prefix > 0:
       c = repeat_check("determinism", side, side_data[side]["steps"], [r for r in again if r["step"] < prefix],
                        gating=False)
@@ -194,6 +206,7 @@ def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_enve
         c.detail = f"the checkpointing run did not finish ({sr.status}): {sr.error}"
       else:
         rr, rest, out = self_runs.run_resume(run_dir, side, timeout_s=limit)
+        busy(rr)
         final = out / "final.safetensors"
         c = repeat_check("resume", side, side_data[side]["steps"], rest, from_step=resume_at + 1,
                          final_a=side_data[side]["final"],

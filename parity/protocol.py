@@ -469,7 +469,11 @@ class SideIO:
   # ------------------------------------------------------------------ outputs
   def record(self, step: int, *, loss: float, grad_norm: float, lr: float, step_time_s: float,
              loss_scale: float = 1.0, skipped: bool = False, val_loss: float | None = None) -> bool:
-    """Appends one StepRecord and flushes it. Returns False when loss or grad norm is not finite."""
+    """Appends one StepRecord and flushes it.
+
+    Returns False when the loss is not finite, or the grad norm is not finite on a step that was not
+    skipped (an fp16 step skipped on overflow reports grad_norm inf, as DeepSpeed does).
+    """
     rec = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(lr),
            "loss_scale": float(loss_scale), "skipped": bool(skipped), "step_time_s": float(step_time_s),
            "tokens": self.run.train.tokens_per_step}
@@ -479,7 +483,8 @@ class SideIO:
     self._steps.flush()
     self._step_times.append(step_time_s)
     self.steps_done = step + 1
-    return math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])
+    # an fp16 step skipped on overflow reports grad_norm inf, as DeepSpeed does: that is not a failure
+    return math.isfinite(rec["loss"]) and (rec["skipped"] or math.isfinite(rec["grad_norm"]))
 
   def finish(self, status: str, *, final_params: dict[str, np.ndarray] | None = None, error: str | None = None,
              versions: dict[str, str] | None = None, device: str = "cpu", peak_device_bytes: int | None = None,

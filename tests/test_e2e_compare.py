@@ -49,12 +49,19 @@ def test_three_sides_reach_parity_on_real_text(tmp_path):
   for f in ("report.md", "report.json", "loss.png", "metrics.jsonl", "config.json"):
     assert (out / f).exists(), f
   assert "PASS" in (out / "report.md").read_text()
+  # each side's first steps were rerun in a new process: the report states it was bit-identical
+  for name in ("jax", "deepspeed", "torch"):
+    det = rep["determinism"][name]
+    assert det["deterministic"] is True and det["steps_checked"] == 8, (name, det)
+  assert "## Determinism" in (out / "report.md").read_text()
+  assert rep["noise_envelope"] is None  # fp32: the fixed table decides
 
 
 @requires_all
 def test_planted_mismatch_fails_at_step_zero(tmp_path):
   out = tmp_path / "run"
-  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "3", "--sides", "jax,torch", "--out", str(out),
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "3", "--sides", "jax,torch", "--determinism-steps", "0",
+           "--out", str(out),
            "--no-progress", "--perturb", "jax:model.norm_eps=1e-3")
   assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
@@ -66,7 +73,7 @@ def test_planted_mismatch_fails_at_step_zero(tmp_path):
 @requires_all
 def test_killed_and_nan_sides_are_reported_and_others_kept(tmp_path):
   import parity
-  rep = parity.compare("gpt2-tiny", steps=5, out=tmp_path / "run",
+  rep = parity.compare("gpt2-tiny", steps=5, out=tmp_path / "run", determinism_steps=0,
                        perturb=["deepspeed:kill_at_step=2", "torch:nan_at_step=3"])
   assert rep.exit_code == 1 and not rep.passed
   assert rep.side("deepspeed")["status"] == "killed" and "SIGKILL" in rep.side("deepspeed")["error"]
@@ -86,6 +93,7 @@ def test_killed_and_nan_sides_are_reported_and_others_kept(tmp_path):
 def test_hang_and_crash_are_reported(tmp_path):
   import parity
   rep = parity.compare("gpt2-tiny", steps=4, sides=["torch", "jax"], out=tmp_path / "run", timeout_s=45,
+                       determinism_steps=0,
                        perturb=["jax:hang_at_step=1", "torch:raise_at_step=2"])
   assert rep.side("jax")["status"] == "timeout"
   assert rep.side("torch")["status"] == "crashed" and "injected failure at step 2" in rep.side("torch")["error"]
@@ -100,7 +108,7 @@ def test_hang_and_crash_are_reported(tmp_path):
     (["--perturb", "jax-norm"], "SIDE:KEY=VALUE"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, args, needle):
-  p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", *args, timeout=120)
+  p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", "--determinism-steps", "0", *args, timeout=120)
   assert p.returncode == 2 and needle in p.stderr, p.stderr
 
 
@@ -114,7 +122,8 @@ def test_compare_from_a_hugging_face_checkpoint(tmp_path):
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
   transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
   out = tmp_path / "run"
-  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--hf-model",
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--determinism-steps", "0",
+           "--hf-model",
            str(tmp_path / "hf"), "--out", str(out), "--no-progress")
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
@@ -137,7 +146,8 @@ HF_ZERO2 = REALWORLD / "huggingface__transformers__tests__deepspeed__ds_config_z
 def test_real_zero2_offload_config_runs_head_to_head(tmp_path):
   """The HF Trainer's ZeRO-2 + CPU offload config: DeepSpeed runs the file, JAX its port."""
   out = tmp_path / "run"
-  p = _cli("compare", "--preset", "gpt2-tiny", "--deepspeed-config", str(HF_ZERO2), "--out", str(out),
+  p = _cli("compare", "--preset", "gpt2-tiny", "--deepspeed-config", str(HF_ZERO2), "--determinism-steps", "0",
+           "--out", str(out),
            "--no-progress")
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
@@ -187,9 +197,36 @@ def test_ctrl_c_kills_the_running_side_and_still_writes_a_report(tmp_path):
 ])
 def test_wrong_optimizer_settings_are_caught(tmp_path, perturb, metric):
   out = tmp_path / "run"
-  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--out", str(out),
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--determinism-steps", "0",
+           "--out", str(out),
            "--no-progress", "--perturb", perturb)
   assert p.returncode == 1, p.stdout[-2000:]
   rep = json.loads((out / "report.json").read_text())
   failed = {c["metric"] for c in rep["checks"] if not c["passed"]}
   assert failed and (metric is None or metric in failed), failed
+
+
+@requires_all
+def test_compare_reruns_each_side_for_determinism_resume_and_noise(tmp_path):
+  """--determinism-steps / --resume-at / --noise-envelope: the reruns live in subfolders and their checks
+  are in the report; determinism is reported only, resume gates the verdict."""
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "8", "--sides", "jax,torch", "--determinism-steps", "4",
+           "--resume-at", "3", "--noise-envelope", "--out", str(out), "--no-progress")
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  rep = json.loads((out / "report.json").read_text())
+  checks = {c["name"]: c for c in rep["checks"]}
+  for side in ("jax", "torch"):
+    assert checks[f"{side} determinism"]["passed"] and not checks[f"{side} determinism"]["gating"]
+    assert checks[f"{side} resume"]["passed"] and checks[f"{side} resume"]["gating"]
+    assert rep["resume"][side]["bit_identical"] and rep["resume"][side]["resumed_at_step"] == 4
+    assert "final params" in rep["resume"][side]["detail"]
+    assert (out / "repeat" / side / "checkpoint" / "meta.json").exists()
+    resumed = [json.loads(x)["step"] for x in (out / "resume" / side / "steps.jsonl").read_text().splitlines()]
+    assert resumed == [4, 5, 6, 7]
+    assert len(rep["noise_envelope"]["sides"][side]["steps"]) == 8
+  env = checks["loss_envelope jax~torch"]
+  assert env["passed"] and env["value"] <= env["tolerance"]
+  assert rep["timing"]["self_runs_s"] > 0
+  md = (out / "report.md").read_text()
+  assert "## Checkpoint / resume" in md and "## Noise envelope" in md

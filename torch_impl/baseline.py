@@ -7,17 +7,41 @@ It reproduces what the DeepSpeed engine does, with no DeepSpeed import:
   * gradient accumulation by backpropagating loss / grad_accum_steps per micro batch;
   * clipping by DeepSpeed ZeRO-1/2's formula, not torch's `clip_grad_norm_` (see `clip_like_deepspeed`).
 With precision 'bf16' the forward runs under `torch.autocast(dtype=bfloat16)`; params,
-gradients and Adam moments stay float32.
+gradients and Adam moments stay float32, the masters starting rounded to bfloat16 as DeepSpeed's
+do (`parity.weights.master_weights`).
+
+With precision 'fp16' it does what DeepSpeed's fp16 engine does, not torch's GradScaler:
+  * the float32 master weights start as the initial weights rounded to float16: DeepSpeed casts the
+    module to half first and copies the ZeRO optimizer's fp32 master partition from it
+    (`DeepSpeedZeroOptimizer.__init__`: `single_partition_of_fp32_groups` from the bit16 groups;
+    `parity.weights.master_weights`);
+  * `self.model` keeps the float32 master weights (AdamW updates them); forward and backward run
+    on `self.half_model`, a float16 copy of the whole module (LayerNorm and embeddings included),
+    refreshed from the masters after every applied update. This is DeepSpeed's layout
+    (`fp16.enabled` casts the module to half; the ZeRO optimizer owns an fp32 master partition and
+    copies it back into the half params after each step), chosen over `torch.autocast(float16)`
+    because autocast keeps the residual stream, embeddings and LayerNorm weights in float32 and
+    computes float32 parameter gradients, so it would overflow at other scales than DeepSpeed
+    (and JAX, whose fp16 residual stream is float16 too);
+  * the loss is multiplied by the scale of `self.loss_scaler` (`parity.loss_scale.LossScaler`,
+    DeepSpeed's DynamicLossScaler) before backward; the float16 gradients are accumulated over the
+    micro batches, then copied to float32;
+  * any non-finite gradient skips the step: no AdamW step, `step_index` (the LR schedule position)
+    not advanced, grad_norm reported as inf (DeepSpeed's `_global_grad_norm` on overflow);
+  * otherwise the gradients are divided by the scale *after* its update, as DeepSpeed's
+    `unscale_and_clip_grads` does (see `jax_impl.optim.loss_scaled`), then clipped and applied.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import numpy as np
 import torch
 
-from parity import schedule
+from parity import schedule, weights
+from parity.loss_scale import LossScaler
 from parity.spec import RunSpec
 from torch_impl import memory
 from torch_impl.model import build_model, decay_groups, lm_loss, to_canonical
@@ -83,28 +107,55 @@ class TorchTrainer:
     t = run.train
     self.run = run
     self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    self.model = build_model(run.model, params, device=self.device)
+    # bf16/fp16: the fp32 masters start rounded to the compute dtype, as DeepSpeed's do
+    self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
     self.optimizer = torch.optim.AdamW(decay_groups(self.model, t.weight_decay), lr=0.0,
                                        betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                                        foreach=False)
     self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
     self.step_index = 0
+    """Optimizer updates applied = the LR schedule position (skipped fp16 steps do not count)."""
     self._snapshots: list[memory.StateBytes] = []
+    self.loss_scaler: LossScaler | None = None
+    """fp16 only: DeepSpeed's loss scaler (state_dict / load_state_dict); its cur_iter counts every step run."""
+    self.half_model = None
+    if t.precision == "fp16":
+      self.loss_scaler = LossScaler.from_train(t, raise_at_min=True)
+      self.half_model = copy.deepcopy(self.model).half()
+      halves = dict(self.half_model.named_parameters())
+      names = {id(p): n for n, p in self.model.named_parameters()}
+      self._half_params = [halves[names[id(p)]] for p in self.params]  # aligned with self.params
 
   def _autocast(self):
     if self.run.train.precision == "bf16":
       return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
-  def step(self, micro_batches: np.ndarray, *, probe: bool = False) -> dict[str, float]:
+  def step(self, micro_batches: np.ndarray, *, probe: bool = False,
+           force_overflow: bool = False) -> dict[str, float | bool]:
     """One optimizer step over (grad_accum_steps, micro_batch_size, seq_len + 1) uint16 tokens.
 
-    Returns loss (mean over micro batches, nats), grad_norm (pre-clip) and lr (applied).
-    Raises ValueError when the number of micro batches differs from train.grad_accum_steps.
+    Args:
+      micro_batches: uint16 token ids (A, M, T + 1).
+      probe: measure state bytes before and after the update.
+      force_overflow: fp16 only: multiply the scaled loss by inf, so every gradient is non-finite
+        and the step is skipped (debug `overflow_at_steps`).
+    Returns:
+      loss (mean over micro batches, nats), grad_norm (pre-clip; inf on a skipped step) and lr (the
+      rate of this step's update); fp16 adds loss_scale (the scale this step used) and skipped.
+    Raises:
+      ValueError: the number of micro batches differs from train.grad_accum_steps, or
+        force_overflow on a run that is not fp16.
+      parity.loss_scale.LossScaleAtMinimum: an overflow at train.min_loss_scale (DeepSpeed raises).
     """
     t = self.run.train
     if len(micro_batches) != t.grad_accum_steps:
       raise ValueError(f"got {len(micro_batches)} micro batches; train.grad_accum_steps={t.grad_accum_steps}")
+    if self.loss_scaler is not None:
+      return self._step_fp16(micro_batches, probe=probe, force_overflow=force_overflow)
+    if force_overflow:
+      raise ValueError(f"force_overflow (debug overflow_at_steps) needs train.precision='fp16' (loss scaling); "
+                       f"this run has train.precision={t.precision!r}")
     lr = schedule.train_lr(t, self.step_index)
     for g in self.optimizer.param_groups:
       g["lr"] = lr
@@ -127,14 +178,59 @@ class TorchTrainer:
     self.step_index += 1
     return {"loss": sum(losses) / len(losses), "grad_norm": float(norm), "lr": lr}
 
+  def _step_fp16(self, micro_batches: np.ndarray, *, probe: bool, force_overflow: bool) -> dict[str, float | bool]:
+    """`step` for precision 'fp16': DeepSpeed's loss-scaled step on the float16 module copy."""
+    t, scaler = self.run.train, self.loss_scaler
+    lr = schedule.train_lr(t, self.step_index)
+    scale = scaler.scale
+    multiplier = scale * (float("inf") if force_overflow else 1.0)
+    self.half_model.zero_grad(set_to_none=True)
+    losses = []
+    for mb in micro_batches:
+      tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
+      loss = lm_loss(self.half_model(tokens[:, :-1]), tokens[:, 1:])  # float32 (logits cast up)
+      ((loss / t.grad_accum_steps) * multiplier).backward()  # DeepSpeed: loss / GAS, then .float() * scale
+      losses.append(float(loss.detach()))
+    grads16 = [h.grad for h in self._half_params]
+    overflow = any(g is not None and not bool(torch.isfinite(g).all()) for g in grads16)
+    self.half_model.zero_grad(set_to_none=True)
+    scaler.update(overflow)  # raises LossScaleAtMinimum where DeepSpeed raises
+    out = {"loss": sum(losses) / len(losses), "lr": lr, "loss_scale": scale, "skipped": overflow}
+    if overflow:
+      return {**out, "grad_norm": float("inf")}
+    divisor = scaler.scale  # DeepSpeed unscales with the updated scale (unscale_and_clip_grads after _update_scale)
+    for p, g in zip(self.params, grads16):
+      p.grad = None if g is None else g.float() / divisor
+    norm = global_grad_norm(self.params)
+    clip_like_deepspeed(self.params, t.grad_clip, norm)
+    for g in self.optimizer.param_groups:
+      g["lr"] = lr
+    if probe:
+      self._snapshots.append(self._measure())
+    self.optimizer.step()
+    self.optimizer.zero_grad(set_to_none=True)
+    if probe:
+      self._snapshots.append(self._measure())
+    self.refresh_half_model()
+    self.step_index += 1
+    return {**out, "grad_norm": float(norm) * divisor / scale}  # the true norm (scaled norm / used scale)
+
+  @torch.no_grad()
+  def refresh_half_model(self) -> None:
+    """fp16: copies the float32 masters (`self.model`) into the float16 compute copy; call after loading them."""
+    if self.half_model is not None:
+      for p, h in zip(self.params, self._half_params):
+        h.copy_(p)
+
   @torch.no_grad()
   def eval_loss(self, val_batches: np.ndarray) -> float:
-    """Mean token cross-entropy over held-out micro batches, nats."""
+    """Mean token cross-entropy over held-out micro batches, nats (fp16: on the float16 compute copy)."""
     losses = []
+    model = self.half_model if self.half_model is not None else self.model
     for mb in val_batches:
       tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
       with self._autocast():
-        logits = self.model(tokens[:, :-1])
+        logits = model(tokens[:, :-1])
       losses.append(float(lm_loss(logits, tokens[:, 1:])))
     return sum(losses) / len(losses)
 
@@ -142,6 +238,8 @@ class TorchTrainer:
     """Fills the token embedding with NaN; the next loss is NaN."""
     with torch.no_grad():
       self.model.wte.weight.fill_(float("nan"))
+      if self.half_model is not None:
+        self.half_model.wte.weight.fill_(float("nan"))
 
   def final_params(self) -> dict[str, np.ndarray]:
     return to_canonical(self.model)

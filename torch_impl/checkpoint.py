@@ -121,6 +121,8 @@ def _restore_torch(trainer, folder: Path, step: int) -> None:
   trainer.optimizer.load_state_dict(state["optimizer"])
   trainer.step_index = int(state["step_index"])
   _load_scaler(trainer, state.get("loss_scaler"), path)
+  if getattr(trainer, "half_model", None) is not None:
+    trainer.refresh_half_model()  # fp16: the float16 compute copy follows the restored masters
   torch.set_rng_state(state["torch_rng_state"].cpu())
 
 

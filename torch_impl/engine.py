@@ -16,6 +16,18 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
     iteration -1, so optimizer step k applies `parity.schedule.train_lr(train, k)`.
   * ZeRO-1/2 clip with g / max(1, (||g|| + 1e-6) / clip) and expose the
     pre-clip norm through `engine.get_global_grad_norm()`.
+  * fp16 (`fp16.enabled`, train.precision='fp16'): the module is cast to half, the ZeRO
+    optimizer keeps fp32 masters and a `DynamicLossScaler` (parity.loss_scale is its reference).
+    On overflow the ZeRO optimizer skips the update, sets its `_global_grad_norm` to inf, and the
+    engine counts `skipped_steps` and does not step the LR scheduler (`_take_model_step`).
+    ZeRO stage 0 is refused for fp16: DeepSpeed then uses `FP16_Optimizer`, whose scale rule
+    ignores hysteresis (parity.loss_scale module docstring).
+  * fp16 on a CPU without AVX512-FP16: DeepSpeed's CPU accelerator reports fp16 unsupported
+    (`is_fp16_supported` asks `torch.ops.mkldnn._is_mkldnn_fp16_supported()`, False on this
+    machine) and `DeepSpeedEngine._do_sanity_check` raises "Type fp16 is not supported on your
+    device". torch's CPU kernels compute float16 correctly all the same (slowly, through float32
+    arithmetic), so `build_engine` overrides that answer (`_allow_fp16_on_cpu`); measured on
+    gpt2-tiny, the engine's fp16 losses equal the plain-torch fp16 side's bit for bit.
 """
 from __future__ import annotations
 
@@ -33,7 +45,7 @@ from parity.weights import param_shapes
 from torch_impl import memory
 from torch_impl.model import build_model, decay_groups, lm_loss
 
-__all__ = ["setup_distributed", "ds_config", "build_engine", "torch_step", "eval_loss", "final_fp32_params",
+__all__ = ["setup_distributed", "ds_config", "fp16_config", "build_engine", "torch_step", "eval_loss", "final_fp32_params",
            "optimizer_classes", "engine_state_bytes", "DeepSpeedTrainer"]
 
 STEPS_PER_PRINT = 10**9
@@ -117,10 +129,62 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
       "gradient_clipping": t.grad_clip,
       "zero_optimization": zero,
       "bf16": {"enabled": t.precision == "bf16"},
-      "fp16": {"enabled": False},
+      "fp16": fp16_config(t),
       "steps_per_print": STEPS_PER_PRINT,
       "wall_clock_breakdown": False,
   }
+
+
+def fp16_config(train) -> dict[str, Any]:
+  """DeepSpeed's `fp16` block for a TrainSpec ({"enabled": False} unless precision is 'fp16').
+
+  Args:
+    train: a parity.spec.TrainSpec.
+  Returns:
+    {"enabled": True, "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+    "consecutive_hysteresis", "min_loss_scale"} (DeepSpeed `runtime/precision_config.py`
+    `DeepSpeedFP16Config`), or {"enabled": False}.
+  Raises:
+    ValueError: train.min_loss_scale is not a whole number (DeepSpeed's fp16.min_loss_scale is an int).
+  """
+  if train.precision != "fp16":
+    return {"enabled": False}
+  if float(train.min_loss_scale) != int(train.min_loss_scale):
+    raise ValueError(f"train.min_loss_scale={train.min_loss_scale}: DeepSpeed's fp16.min_loss_scale is an integer; "
+                     "use a whole number (default 1)")
+  return {"enabled": True, "loss_scale": float(train.loss_scale), "initial_scale_power": train.initial_scale_power,
+          "loss_scale_window": train.loss_scale_window, "hysteresis": train.hysteresis,
+          "consecutive_hysteresis": train.consecutive_hysteresis, "min_loss_scale": int(train.min_loss_scale)}
+
+
+MSG_FP16_STAGE0 = ("train.precision='fp16' with deepspeed.zero_stage=0: DeepSpeed then wraps the optimizer in "
+                   "FP16_Optimizer, whose loss scale halves on every overflow (fp16.hysteresis ignored) and never "
+                   "raises at the minimum, unlike the DynamicLossScaler of ZeRO stages 1-3 that the other sides "
+                   "reproduce. Use deepspeed.zero_stage >= 1 (e.g. 2) for an fp16 comparison.")
+
+
+def _allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
+  """Lets DeepSpeed's CPU accelerator accept fp16 when torch's CPU kernels can run it. Returns True when patched.
+
+  DeepSpeed's `CPU_Accelerator.is_fp16_supported` answers with
+  `torch.ops.mkldnn._is_mkldnn_fp16_supported()` (AVX512-FP16 / AMX-FP16 hardware); without it the
+  engine refuses fp16 ("Type fp16 is not supported on your device", `DeepSpeedEngine._do_sanity_check`).
+  The answer is overridden on the accelerator object only when the config enables fp16, the
+  accelerator is the CPU one, and torch multiplies float16 matrices here (checked on a small
+  product). The override stays for the process: DeepSpeed asks `supported_dtypes()` again when it
+  all-reduces gradients (`engine.split_half_float_double_sparse`).
+  """
+  if not (config.get("fp16") or {}).get("enabled"):
+    return False
+  from deepspeed.accelerator import get_accelerator
+  acc = get_accelerator()
+  if acc.device_name() != "cpu" or acc.is_fp16_supported():
+    return False
+  a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float16)
+  if not torch.equal((a @ a).float(), torch.tensor([[7.0, 10.0], [15.0, 22.0]])):
+    return False
+  acc.is_fp16_supported = lambda: True
+  return True
 
 
 def _basic_optimizer(engine) -> torch.optim.Optimizer:
@@ -217,11 +281,21 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
     The `deepspeed.DeepSpeedEngine` (the module is on the engine's device).
   Raises:
     RuntimeError: DeepSpeed built a different optimizer, scheduler, ZeRO stage, offload, accumulation or
-      activation checkpointing than planned.
+      activation checkpointing than planned, or the config's fp16.enabled disagrees with train.precision.
+    ValueError: fp16 under ZeRO stage 0 (MSG_FP16_STAGE0).
   """
+  config = ds_config(run) if config is None else config
+  if bool((config.get("fp16") or {}).get("enabled")) != (run.train.precision == "fp16"):
+    raise RuntimeError(f"the DeepSpeed config has fp16.enabled={bool((config.get('fp16') or {}).get('enabled'))} but "
+                       f"train.precision={run.train.precision!r}; port the config (`parity port`) so every side "
+                       "runs the same precision")
+  if run.train.precision == "fp16":
+    if int((config.get("zero_optimization") or {}).get("stage", 0)) == 0:
+      raise ValueError(MSG_FP16_STAGE0)
   setup_distributed()
   import deepspeed
-  config = ds_config(run) if config is None else config
+  if run.train.precision == "fp16":
+    _allow_fp16_on_cpu(config)
   model = build_model(run.model, params)
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)
@@ -242,8 +316,8 @@ def _module_grad_norm(module: torch.nn.Module) -> float:
   return sq ** 0.5
 
 
-def torch_step(engine, micro_batches: np.ndarray, *,
-               before_update: Callable[[], None] | None = None) -> dict[str, float]:
+def torch_step(engine, micro_batches: np.ndarray, *, before_update: Callable[[], None] | None = None,
+               force_overflow: bool = False) -> dict[str, float | bool]:
   """One optimizer step of a DeepSpeed engine over the micro batches of that step.
 
   For each micro batch: forward, `engine.backward(loss)` (DeepSpeed divides the
@@ -255,33 +329,49 @@ def torch_step(engine, micro_batches: np.ndarray, *,
     micro_batches: uint16 token ids, (grad_accum_steps, micro_batch_size, seq_len + 1);
       inputs are [..., :-1], targets [..., 1:].
     before_update: called after the last backward, right before the update (state probes).
+    force_overflow: fp16 only: backpropagate the last micro batch's loss times inf, so the engine's
+      own overflow check (the ZeRO optimizer's, on the scaled fp16 gradients) fires and DeepSpeed
+      skips the step and backs off the scale (debug `overflow_at_steps`).
   Returns:
     loss: mean over micro batches of the unscaled mean token cross-entropy, nats.
-    grad_norm: global L2 norm of the accumulated gradient before clipping.
-    lr: learning rate the optimizer applied in this step.
+    grad_norm: global L2 norm of the accumulated gradient before clipping (inf on a skipped step).
+    lr: learning rate the optimizer applied in this step (on a skipped step: would have applied;
+      the scheduler does not advance, so the next step repeats it).
+    fp16 adds loss_scale (the optimizer's `loss_scale` this step multiplied the loss by) and
+    skipped (`engine.skipped_steps` grew).
   Raises:
-    ValueError: the number of micro batches differs from the engine's accumulation steps.
+    ValueError: the number of micro batches differs from the engine's accumulation steps, or
+      force_overflow without fp16.
   """
   gas = engine.gradient_accumulation_steps()
   if len(micro_batches) != gas:
     raise ValueError(f"got {len(micro_batches)} micro batches; the engine accumulates {gas}")
+  fp16 = engine.fp16_enabled()
+  if force_overflow and not fp16:
+    raise ValueError("force_overflow (debug overflow_at_steps) needs train.precision='fp16' (fp16.enabled)")
   lr = float(engine.optimizer.param_groups[0]["lr"])
+  scale = float(engine.optimizer.loss_scale) if fp16 else 1.0  # the ZeRO optimizer's DynamicLossScaler.cur_scale
+  skipped_before = engine.skipped_steps
   losses, grad_norm = [], None
   for i, mb in enumerate(micro_batches):
     tokens = _tokens(mb, engine.device)
     loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
-    engine.backward(loss)
+    last = i == gas - 1
+    engine.backward(loss * float("inf") if force_overflow and last else loss)
     losses.append(float(loss.detach()))
-    if i == gas - 1:
+    if last:
       if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled():
         grad_norm = _module_grad_norm(engine.module)  # the engine keeps no norm without ZeRO
       if before_update is not None:
         before_update()
     engine.step()
   if grad_norm is None:
-    norm = engine.get_global_grad_norm()
+    norm = engine.get_global_grad_norm()  # inf on a skipped fp16 step (DeepSpeedZeroOptimizer.step)
     grad_norm = float("nan") if norm is None else float(norm)
-  return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, "lr": lr}
+  out = {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, "lr": lr}
+  if fp16:
+    out.update(loss_scale=scale, skipped=engine.skipped_steps > skipped_before)
+  return out
 
 
 @torch.no_grad()
@@ -342,10 +432,11 @@ class DeepSpeedTrainer:
   def device(self) -> torch.device:
     return self.engine.device
 
-  def step(self, micro_batches: np.ndarray, *, probe: bool = False) -> dict[str, float]:
-    """One optimizer step; with probe, state bytes are measured before and after the update."""
+  def step(self, micro_batches: np.ndarray, *, probe: bool = False,
+           force_overflow: bool = False) -> dict[str, float | bool]:
+    """One optimizer step (`torch_step`); with probe, state bytes are measured before and after the update."""
     hook = (lambda: self._snapshots.append(engine_state_bytes(self.engine, self.run))) if probe else None
-    metrics = torch_step(self.engine, micro_batches, before_update=hook)
+    metrics = torch_step(self.engine, micro_batches, before_update=hook, force_overflow=force_overflow)
     if probe:
       self._snapshots.append(engine_state_bytes(self.engine, self.run))
     return metrics

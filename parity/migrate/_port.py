@@ -222,7 +222,9 @@ def _precision(ctx: Ctx) -> dict[str, Any] | None:
       ctx.refuse(f"data_types.{k}", f"data_types.{k}: overriding module dtypes is not supported; use fp16/bf16.")
   ctx.mark("data_types", "not_needed", None, "default: DeepSpeed keeps fp32 buffers/modules it needs",
            overwrite=False)
-  skip = (fp16_on and bool(ls and ls["dynamic"])) or (bf16_on and check)
+  # fp16: DeepSpeed checks every step for overflow and skips it, static scale or dynamic (engine.py
+  # `_configure_zero_optimizer`: check_grad_overflow = True for fp16; FP16_Optimizer.step at stage 0).
+  skip = fp16_on or (bf16_on and check)
   if fp16_on and ls is None:
     return None
   return {"compute_dtype": compute, "grad_accum_dtype": acc, "loss_scale": ls if fp16_on else None,

@@ -53,9 +53,9 @@ def _precision(p: PortedConfig, out: dict[str, Any], report: Report) -> None:
       return
     if not float(ls.min_scale).is_integer():
       report.refuse(f"precision.loss_scale.min_scale {ls.min_scale}: DeepSpeed's min_loss_scale is an integer.")
-    if pr.skip_nonfinite_updates != ls.dynamic:
-      report.refuse("precision.skip_nonfinite_updates must equal loss_scale.dynamic for fp16: DeepSpeed skips "
-                    "overflowing steps exactly when the loss scale is dynamic.")
+    if not pr.skip_nonfinite_updates:
+      report.refuse("precision.skip_nonfinite_updates: false with fp16 has no DeepSpeed equivalent: DeepSpeed "
+                    "skips every overflowing fp16 step, with a static or a dynamic loss scale.")
     out["fp16"] = {"enabled": True, "loss_scale": 0 if ls.dynamic else ls.static_scale,
                    "initial_scale_power": ls.initial_scale_power, "loss_scale_window": ls.window,
                    "hysteresis": ls.hysteresis, "consecutive_hysteresis": ls.consecutive_hysteresis,
@@ -122,7 +122,7 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
 
   Raises:
     SpecError: naming what compare cannot run yet (anything but AdamW with one of
-      parity.schedule.COMPARE_SCHEDULERS, fp32/bf16, one rank, remat none/full).
+      parity.schedule.COMPARE_SCHEDULERS, one rank, remat none/full; fp16 only under ZeRO stages 1-3).
   The number of steps compare runs stays `base.train.steps`; the schedule keeps its own length.
   """
   o, s, b, pr = ported.optimizer, ported.scheduler, ported.batch, ported.precision
@@ -135,8 +135,7 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
                     f"{s.type} (OneCycle also cycles Adam's betas, which compare does not).")
   if b.world != 1:
     raise SpecError(f"parity compare runs one data-parallel rank; the ported batch has world={b.world}.")
-  if pr.compute_dtype == "fp16":
-    raise SpecError("parity compare runs fp32 or bf16; the ported precision is fp16 (loss scaling not in compare).")
+  fp16 = _fp16_fields(pr, ported.sharding.zero_stage)
   if ported.remat.policy == "offload_to_host":
     raise SpecError("parity compare's JaxPlan has remat none/full; the ported remat is offload_to_host.")
   sh = ported.sharding
@@ -145,7 +144,7 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
       base.train, micro_batch_size=b.micro, grad_accum_steps=b.grad_accum, **sched,
       lr=o.params["lr"], beta1=o.params["betas"][0], beta2=o.params["betas"][1],
       eps=o.params["eps"], weight_decay=o.params["weight_decay"], grad_clip=ported.clipping.max_global_norm,
-      precision=pr.compute_dtype)
+      precision=pr.compute_dtype, **fp16)
   host = [k for k in (sh.opt_state_memory_kind, sh.params_memory_kind) if k != "device"]
   jax = dataclasses.replace(base.jax, offload_opt_state=sh.opt_state_memory_kind != "device",
                             offload_params=sh.params_memory_kind != "device",
@@ -155,6 +154,26 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
                            offload_optimizer="cpu" if sh.opt_state_memory_kind != "device" else "none",
                            offload_param="cpu" if sh.params_memory_kind != "device" else "none")
   return dataclasses.replace(base, train=train, jax=jax, deepspeed=ds).validate()
+
+
+def _fp16_fields(pr: Any, zero_stage: int) -> dict[str, Any]:
+  """TrainSpec loss-scale fields of a ported fp16 precision ({} for fp32/bf16).
+
+  Raises:
+    SpecError: fp16 under ZeRO stage 0 (DeepSpeed's FP16_Optimizer ignores hysteresis; the other sides
+      follow the DynamicLossScaler of stages 1-3), or fp16 without loss-scale settings.
+  """
+  if pr.compute_dtype != "fp16":
+    return {}
+  ls = pr.loss_scale
+  if ls is None:
+    raise SpecError("the ported precision is fp16 without loss-scale settings (precision.loss_scale).")
+  if zero_stage == 0:
+    raise SpecError("parity compare runs fp16 under ZeRO stages 1-3: at stage 0 DeepSpeed's FP16_Optimizer halves "
+                    "the loss scale on every overflow (fp16.hysteresis ignored). Set zero_optimization.stage >= 1.")
+  return {"loss_scale": 0.0 if ls.dynamic else float(ls.static_scale), "initial_scale_power": ls.initial_scale_power,
+          "loss_scale_window": ls.window, "hysteresis": ls.hysteresis,
+          "consecutive_hysteresis": ls.consecutive_hysteresis, "min_loss_scale": float(ls.min_scale)}
 
 
 def compare_flags(raw: dict[str, Any], base: RunSpec) -> Flags:

@@ -108,20 +108,14 @@ class LossScaleState:
 
 def loss_scale_update(s: LossScaleState, overflow: bool, *, window: int, min_scale: float, delayed_shift: int,
                       consecutive_hysteresis: bool) -> LossScaleState:
-  """DynamicLossScaler.update_scale, as a pure function (raising at the minimum scale is left to the caller)."""
-  scale, hyst, last = s.scale, s.hysteresis, s.last_overflow_iter
-  if overflow:
-    if delayed_shift == 1 or hyst == 1:
-      scale = max(scale / 2.0, min_scale)
-    else:
-      hyst -= 1
-    last = s.cur_iter
-  else:
-    if consecutive_hysteresis:
-      hyst = delayed_shift
-    stable = (s.cur_iter - last) - 1
-    if stable > 0 and stable % window == 0:
-      if not consecutive_hysteresis:
-        hyst = delayed_shift
-      scale *= 2.0
-  return LossScaleState(scale, hyst, s.cur_iter + 1, last)
+  """DynamicLossScaler.update_scale, as a pure function (raising at the minimum scale is left to the caller).
+
+  One implementation: this steps `parity.loss_scale.LossScaler` (checked against DeepSpeed's class in
+  tests/test_loss_scale.py) from `s`.
+  """
+  from parity.loss_scale import LossScaler
+  scaler = LossScaler(scale=s.scale, window=window, hysteresis=delayed_shift, min_scale=min_scale,
+                      consecutive_hysteresis=consecutive_hysteresis, raise_at_min=False, cur_hysteresis=s.hysteresis,
+                      cur_iter=s.cur_iter, last_overflow_iter=s.last_overflow_iter)
+  scaler.update(overflow)
+  return LossScaleState(scaler.scale, scaler.cur_hysteresis, scaler.cur_iter, scaler.last_overflow_iter)

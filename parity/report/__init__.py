@@ -13,7 +13,8 @@ report.json, schema 'parity.report/1' (units in key names):
   sides          {side: {status, error, returncode, wall_s, harness_peak_rss_bytes, summary: <the side's
                   summary.json>, series: {step, loss, grad_norm, lr, loss_scale, skipped, step_time_s, tokens,
                   val_step, val_loss}}}
-  timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, overhead_ratio}
+  timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, self_runs_s (the same for
+                  the noise/determinism/resume reruns), overhead_ratio = wall_s / (sum(sides_s) + self_runs_s)}
   plan           {name, chosen_by, why} when --plan was given, else null
   memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}
   noise_envelope {method, rule: {factor, floor, window, reason}, runs: {side: {status, wall_s, error}},
