@@ -49,14 +49,15 @@ def reversed_batches(batches_samtp1: np.ndarray) -> np.ndarray:
 
 def run_noise(run_dir: Path, side: str, *, timeout_s: float,
               on_progress: Callable[[str, int], None] | None = None) -> tuple[SideRun, list[dict]]:
-  """Reruns `side` on reversed batches, unperturbed, in run_dir/noise/. Returns (run, its StepRecords)."""
+  """Reruns `side` on reversed batches in run_dir/noise/, configured exactly as its main run (perturbations
+  included: the rerun must differ from that run by reduction order only). Returns (run, its StepRecords)."""
   sub = Path(run_dir) / NOISE_DIR
   sub.mkdir(parents=True, exist_ok=True)
   if not (sub / "batches.npy").exists():
     np.save(sub / "batches.npy", reversed_batches(np.load(Path(run_dir) / "batches.npy", mmap_mode="r")))
   req_path = derive_request(run_dir, NOISE_DIR)
   req = json.loads(req_path.read_text())
-  req.update(batches="batches.npy", perturb={})  # its own batches; the unperturbed configuration
+  req["batches"] = "batches.npy"  # its own batches; everything else (perturbations included) as the main run
   req_path.write_text(json.dumps(req, indent=2))
   sr = run_side(sub, side, timeout_s=timeout_s, on_progress=on_progress)
   return sr, read_steps(sub / side / "steps.jsonl")

@@ -143,12 +143,25 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
 
 
 def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
-  """(params, tokens (M, T + 1)) -> mean cross-entropy, with the plan's layout, remat and per-layer moves."""
+  """(params, tokens (M, T + 1)) -> mean cross-entropy, with the plan's layout, remat and per-layer moves.
+
+  bf16/fp16 use DeepSpeed's layout: the whole fp32 param tree is cast to the compute dtype at the top of the
+  loss (LayerNorm weights and embeddings included), so a weight used twice (the tied embedding) sums its
+  two gradients in the compute dtype, and the cast's transpose hands the optimizer an fp32 gradient of
+  the rounded value, as DeepSpeed copies its bf16/fp16 grads into the fp32 master partition. Measured on
+  gpt2-tiny bf16 (30 steps) against the torch baseline (which casts its module the same way): Flax's
+  per-layer casts instead (fp32 params, `dtype=bfloat16`) were 5x further off in rms |Δloss| (1.1e-3 vs
+  2.2e-4) and 3x in grad norm.
+  """
   plan = run.jax
   layer_to_device = plan.scan_layers and placement.kind("params") != "device"
   kw = dict(dtype=model_lib.compute_dtype(run.train.precision), remat=plan.remat if remat else "none",
             scan_layers=plan.scan_layers, layer_to_device=layer_to_device, host_memory_kind=plan.host_memory_kind)
-  return lambda p, tokens_mtp1: model_lib.loss_fn(p, tokens_mtp1, run.model, **kw)
+  dtype = kw["dtype"]
+  if dtype == jnp.float32:
+    return lambda p, tokens_mtp1: model_lib.loss_fn(p, tokens_mtp1, run.model, **kw)
+  cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)  # DeepSpeed's layout: the whole module in bf16/fp16
+  return lambda p, tokens_mtp1: model_lib.loss_fn(cast(p), tokens_mtp1, run.model, **kw)
 
 
 def make_eval_loss(run: RunSpec, placement: Placement, param_shardings: Any) -> Callable[[Any, jax.Array], jax.Array]:

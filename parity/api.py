@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -108,7 +109,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   self_info, self_checks = {}, []
   if interrupted is None:
     try:
-      self_info, self_checks = _self_runs(run_dir, spec, side_data, limit, noise_envelope=noise_envelope,
+      self_info, self_checks = _self_runs(run_dir, spec, side_data, checks, limit, noise_envelope=noise_envelope,
                                           determinism_steps=determinism_steps, resume_at=resume_at)
     except KeyboardInterrupt as exc:
       interrupted = exc
@@ -136,9 +137,11 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   return report
 
 
-def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_envelope: bool | None,
-               determinism_steps: int, resume_at: int | None) -> tuple[dict, list]:
+def _self_runs(run_dir: Path, spec, side_data: dict, main_checks: list, limit: float, *,
+               noise_envelope: bool | None, determinism_steps: int, resume_at: int | None) -> tuple[dict, list]:
   """Noise envelope, determinism and resume runs (harness.self_runs) and their checks.
+
+  In bf16/fp16, the pointwise checks in `main_checks` that an envelope check covers are marked non-gating.
 
   Returns:
     (report fields `noise_envelope`, `determinism`, `resume`; the checks they add).
@@ -146,7 +149,7 @@ def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_enve
     SpecError: resume_at outside [0, steps - 2] or determinism_steps < 0.
   """
   from harness import self_runs
-  from parity.checks import envelope_check, repeat_check
+  from parity.checks import envelope_check, envelope_params_check, param_ratios, relative_diff, repeat_check
   from parity.spec import SpecError
   from parity.tolerances import envelope_rule
   t = spec.train
@@ -163,27 +166,52 @@ def _self_runs(run_dir: Path, spec, side_data: dict, limit: float, *, noise_enve
     noise_envelope = t.precision != "fp32"
   if noise_envelope and len(side_data) > 1 and ok:
     rule = envelope_rule(t.precision)
-    env, runs = {}, {}
+    env: dict[str, dict[str, dict]] = {"loss": {}, "grad_norm": {}, "val_loss": {}}
+    penv: dict[str, dict[str, float]] = {}
+    runs = {}
+    init = weights.load(run_dir / "init.safetensors")
     for side in ok:
       sr, noise_steps = self_runs.run_noise(run_dir, side, timeout_s=limit)
       busy(sr)
-      ref = {int(r["step"]): float(r["loss"]) for r in side_data[side]["steps"]}
       runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
-      if sr.status == "ok":
-        env[side] = {int(r["step"]): abs(ref[int(r["step"])] - float(r["loss"])) for r in noise_steps
-                     if int(r["step"]) in ref}
+      if sr.status != "ok":
+        continue
+      ref = {int(r["step"]): r for r in side_data[side]["steps"]}
+      for metric in env:
+        env[metric][side] = {
+            k: (relative_diff(ref[k][metric], r[metric]) if metric == "grad_norm" else abs(ref[k][metric] - r[metric]))
+            for r in noise_steps for k in [int(r["step"])]
+            if k in ref and r.get(metric) is not None and ref[k].get(metric) is not None and not r.get("skipped")}
+      final = run_dir / self_runs.NOISE_DIR / side / "final.safetensors"
+      if side_data[side]["final"] is not None and final.exists():
+        penv[side] = param_ratios(side_data[side]["final"], weights.load(final), init, spec.model)
     info["noise_envelope"] = {
         "method": "each side rerun with every step's micro batches and every micro batch's rows in reverse "
                   "order (the same loss and gradient in exact arithmetic; only the reduction order changes)",
-        "rule": {"factor": rule.factor, "floor": rule.floor, "window": rule.window, "reason": rule.reason},
-        "runs": runs, "sides": {s: {"steps": sorted(e), "abs_loss_diff": [e[k] for k in sorted(e)]}
-                                for s, e in env.items()}}
+        "rule": dataclasses.asdict(rule), "runs": runs,
+        "sides": {s: {"steps": sorted(e), "abs_loss_diff": [e[k] for k in sorted(e)],
+                      "grad_norm_rel_diff": [env["grad_norm"][s].get(k) for k in sorted(e)],
+                      "params_ratio_max": max(penv[s].values()) if penv.get(s) else None}
+                  for s, e in env["loss"].items()}}
     names = list(side_data)
+    enveloped = set()
     for i, a in enumerate(names):
       for b in names[i + 1:]:
-        c = envelope_check(a, side_data[a]["steps"], b, side_data[b]["steps"], env, rule)
-        if c is not None:
-          checks.append(c)
+        for metric, noise in env.items():
+          c = envelope_check(a, side_data[a]["steps"], b, side_data[b]["steps"], noise, rule, metric=metric)
+          if c is not None:
+            checks.append(c)
+            enveloped.add((metric, a, b))
+        if side_data[a]["final"] is not None and side_data[b]["final"] is not None:
+          c = envelope_params_check(a, side_data[a]["final"], b, side_data[b]["final"], init, spec.model, penv, rule)
+          if c is not None:
+            checks.append(c)
+            enveloped.add(("params", a, b))
+    if t.precision != "fp32":  # the envelope decides; the fixed table (fp32's is measured tight) is reported
+      for c in main_checks:
+        if (c.metric, *c.sides) in enveloped:
+          c.gating = False
+          c.detail += f" (reported only: in {t.precision} the noise envelope decides)"
   if determinism_steps < 0:
     raise SpecError(f"determinism_steps must be >= 0; got {determinism_steps}")
   if resume_at is not None and not 0 <= resume_at <= t.steps - 2:

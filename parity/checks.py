@@ -18,11 +18,12 @@ from parity.tolerances import EnvelopeRule, tolerance
 from parity.weights import zero_grad_slices
 
 __all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", "verdict", "envelope_check",
-           "windowed_rms", "repeat_check", "BITWISE_KEYS"]
+           "envelope_params_check", "param_ratios", "relative_diff", "windowed_rms", "repeat_check", "BITWISE_KEYS"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
-METRIC_ORDER = {m: i for i, m in enumerate(("completed", *SERIES_METRICS, "loss_envelope", "params",
-                                            "params_zero_grad", "resume", "determinism"))}
+METRIC_ORDER = {m: i for i, m in enumerate(("completed", *SERIES_METRICS, "loss_envelope", "grad_norm_envelope",
+                                            "val_loss_envelope", "params", "params_envelope", "params_zero_grad",
+                                            "resume", "determinism"))}
 BITWISE_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "val_loss")
 """StepRecord fields that must be bit-identical between two runs of the same side (determinism, resume)."""
 
@@ -199,49 +200,119 @@ def windowed_rms(steps: Sequence[int], values: np.ndarray, window: int) -> list[
 
 
 def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict],
-                   noise: dict[str, dict[int, float]], rule: EnvelopeRule) -> Check | None:
-  """The loss-difference curve of two sides against their measured noise envelopes.
+                   noise: dict[str, dict[int, float]], rule: EnvelopeRule, metric: str = "loss",
+                   window: int | None = None) -> Check | None:
+  """The difference curve of one per-step metric of two sides against their measured noise envelopes.
 
   Args:
     a, b: StepRecords of the two sides.
-    noise: side -> (step -> |loss_side - loss_rerun|, nats) of each side's reduction-order rerun
-      (harness.self_runs.run_noise); the pair is held against the noisier of its two sides, window
-      by window, or against the one side measured when only one is.
+    noise: side -> (step -> |metric_side - metric_rerun|, relative (`relative_diff`) for grad_norm) of each
+      side's reduction-order rerun (harness.self_runs.run_noise); the pair is held against the noisier of its
+      two sides, window by window, or against the one side measured when only one is.
     rule: factor, floor and window (parity.tolerances.ENVELOPE_RULES).
+    metric: 'loss' (nats), 'grad_norm' or 'val_loss' (nats; few steps, so one window by default).
+    window: steps per window (default rule.window; for val_loss all eval steps in one window).
   Returns:
-    A 'loss_envelope' Check, or None when neither side has an envelope or no step is shared. Per
-    window k, value = rms_k|Δloss| and tolerance = factor · max(rms_k(envelope_a), rms_k(envelope_b))
-    + floor at the worst window (largest ratio); first_failing_step is the first step of the first
-    window over its bound.
+    A '<metric>_envelope' Check, or None when neither side has an envelope or no step is shared. Per
+    window k, value = rms_k|Δ| (relative for grad_norm) and tolerance = factor · max(rms_k(envelope_a),
+    rms_k(envelope_b)) + floor (rule.grad_norm_floor for grad_norm) at the worst window (largest ratio); first_failing_step is the first step of the first
+    window over its bound. Skipped steps (fp16 overflow) are left out when both sides skipped them.
   """
+  name, kind = f"{metric}_envelope {a_side}~{b_side}", f"{metric}_envelope"
+  relative = metric == "grad_norm"  # norms span orders of magnitude over a run: compare relative differences
+  floor = rule.grad_norm_floor if relative else rule.floor
   envs = [noise[s] for s in (a_side, b_side) if s in noise]
-  sa, sb = _steps_by_index(a, "loss"), _steps_by_index(b, "loss")
-  common = sorted(set(sa) & set(sb).intersection(*envs)) if envs else []
+  skipped = {int(r["step"]) for r in (*a, *b) if r.get("skipped")}
+  sa, sb = _steps_by_index(a, metric), _steps_by_index(b, metric)
+  common = sorted((set(sa) & set(sb).intersection(*envs)) - skipped) if envs else []
   if not common:
     return None
-  d = np.array([abs(sa[s] - sb[s]) for s in common], dtype=np.float64)
+  width = window or (len(common) if metric == "val_loss" else rule.window)
+  d = np.array([_rel(sa[s], sb[s]) if relative else abs(sa[s] - sb[s]) for s in common], dtype=np.float64)
   ns = [np.array([e[s] for s in common], dtype=np.float64) for e in envs]
   finite = np.isfinite(d) & np.all([np.isfinite(n) for n in ns], axis=0)
   if not finite.all():
     bad = common[int(np.argmax(~finite))]
-    return Check(name=f"loss_envelope {a_side}~{b_side}", metric="loss_envelope", sides=(a_side, b_side),
-                 value=float("nan"), tolerance=rule.floor, passed=False, first_failing_step=bad, worst=bad,
-                 detail=f"non-finite loss difference or envelope at step {bad}", reason=rule.reason)
-  wd = windowed_rms(common, d, rule.window)
-  wn = [max(w) for w in zip(*[windowed_rms(common, n, rule.window) for n in ns])]
+    return Check(name=name, metric=kind, sides=(a_side, b_side), value=float("nan"), tolerance=floor,
+                 passed=False, first_failing_step=bad, worst=bad,
+                 detail=f"non-finite {metric} difference or envelope at step {bad}", reason=rule.reason)
+  wd = windowed_rms(common, d, width)
+  wn = [max(w) for w in zip(*[windowed_rms(common, n, width) for n in ns])]
   noise_label = "/".join(s for s in (a_side, b_side) if s in noise)
-  allowed = [rule.factor * x[2] + rule.floor for x in wn]
-  ratios = [x[2] / lim for x, lim in zip(wd, allowed)]
+  allowed = [rule.factor * x[2] + floor for x in wn]
+  ratios = [x[2] / lim if lim > 0 else (0.0 if x[2] == 0 else math.inf) for x, lim in zip(wd, allowed)]
   worst = int(np.argmax(ratios))
   failing = [i for i, r in enumerate(ratios) if r > 1.0]
   first = wd[failing[0]][0] if failing else None
   lo, hi, rms = wd[worst]
-  detail = (f"worst window steps {lo}-{hi}: rms |Δloss| {rms:.3g} vs envelope rms {wn[worst][2]:.3g} "
-            f"(bound {rule.factor:g}x + {rule.floor:g} = {allowed[worst]:.3g}); {len(failing)} of {len(wd)} windows "
+  detail = (f"worst window steps {lo}-{hi}: rms |Δ{metric}| {rms:.3g} vs envelope rms {wn[worst][2]:.3g} "
+            f"(bound {rule.factor:g}x + {floor:g} = {allowed[worst]:.3g}); {len(failing)} of {len(wd)} windows "
             f"over; envelope: noisier of {noise_label} reruns with reversed batch order")
-  return Check(name=f"loss_envelope {a_side}~{b_side}", metric="loss_envelope", sides=(a_side, b_side),
-               value=rms, tolerance=allowed[worst], passed=not failing, first_failing_step=first,
-               worst=f"steps {lo}-{hi}", detail=detail, reason=rule.reason)
+  return Check(name=name, metric=kind, sides=(a_side, b_side), value=rms, tolerance=allowed[worst],
+               passed=not failing, first_failing_step=first, worst=f"steps {lo}-{hi}", detail=detail,
+               reason=rule.reason)
+
+
+def relative_diff(x: float, y: float) -> float:
+  """|x - y| / max(|x|, |y|), 0 when both are 0."""
+  scale = max(abs(x), abs(y))
+  return abs(x - y) / scale if scale > 0 else 0.0
+
+
+_rel = relative_diff
+
+
+def param_ratios(final: dict[str, np.ndarray], other: dict[str, np.ndarray], init: dict[str, np.ndarray],
+                 spec) -> dict[str, float]:
+  """Per tensor: max|final - other| / the larger distance either moved from init, zero-gradient slices left out.
+
+  Args:
+    final, other, init: canonical params (name -> array) with the same names and shapes.
+    spec: the ModelSpec (parity.weights.zero_grad_slices).
+  Returns:
+    name -> ratio (0.0 when neither moved and they are equal; inf when they differ without moving).
+  """
+  zslices = zero_grad_slices(spec)
+  out = {}
+  for name in final:
+    pa, pb, p0 = (np.asarray(x, dtype=np.float64) for x in (final[name], other[name], init[name]))
+    mask = np.ones(pa.shape, dtype=bool)
+    if name in zslices:
+      mask[slice(*zslices[name])] = False
+    d = float(np.max(np.abs(pa - pb)[mask], initial=0.0))
+    moved = max(float(np.max(np.abs(pa - p0)[mask], initial=0.0)), float(np.max(np.abs(pb - p0)[mask], initial=0.0)))
+    out[name] = d / moved if moved > 0 else (0.0 if d == 0 else math.inf)
+  return out
+
+
+def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
+                          init: dict[str, np.ndarray], spec, noise: dict[str, dict[str, float]],
+                          rule: EnvelopeRule) -> Check | None:
+  """Final params of two sides against the final params of their reduction-order reruns.
+
+  Per tensor, ratio = max|a - b| / distance moved (`param_ratios`, zero-gradient slices left out); it passes when
+  ratio <= factor · max(noise ratio of a, noise ratio of b) + params_floor, where a side's noise ratio is the
+  same quantity between that side and its rerun.
+
+  Returns:
+    A 'params_envelope' Check (value: the pair's ratio at the worst tensor, tolerance: its bound there), or None
+    when neither side has a rerun's final params.
+  """
+  envs = [noise[s] for s in (a_side, b_side) if s in noise]
+  if not envs:
+    return None
+  pair = param_ratios(a, b, init, spec)
+  rows = []
+  for name, r in pair.items():
+    bound = rule.factor * max(e.get(name, 0.0) for e in envs) + rule.params_floor
+    rows.append((r / bound if math.isfinite(r) else math.inf, name, r, bound))
+  rows.sort(reverse=True)
+  score, name, r, bound = rows[0]
+  over = sum(x[0] > 1.0 for x in rows)
+  detail = (f"worst tensor {name}: max |Δ| / moved = {r:.3g} vs bound {bound:.3g} ({rule.factor:g}x the noisier "
+            f"rerun's + {rule.params_floor:g}); {over} of {len(rows)} tensors over")
+  return Check(name=f"params_envelope {a_side}~{b_side}", metric="params_envelope", sides=(a_side, b_side),
+               value=r, tolerance=bound, passed=over == 0, worst=name, detail=detail, reason=rule.reason)
 
 
 def repeat_check(kind: str, side: str, first: Sequence[dict], again: Sequence[dict], *, from_step: int = 0,

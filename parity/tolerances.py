@@ -92,16 +92,23 @@ class EnvelopeRule:
   Steps are cut into windows of `window` steps; window k passes when
       rms_k(|loss_a - loss_b|) <= factor * rms_k(envelope) + floor.
 
+  The same rule holds grad norms (no floor) and final params: per tensor, max|a - b| / distance moved
+  <= factor * (the same ratio between a side and its rerun) + params_floor.
+
   Attributes:
     factor: allowed ratio of the pair's RMS difference to the envelope's, per window.
-    floor: nats added to the bound, so a window where the envelope happens to be tiny does not fail.
+    floor: nats added to the loss bound, so a window where the envelope happens to be tiny does not fail.
     window: steps per window (the last window takes the remainder).
     reason: the measurement behind the numbers.
+    params_floor: added to the per-tensor params bound (never stricter than the fp32 params rtol).
+    grad_norm_floor: added to the grad-norm bound, relative (never stricter than the fp32 grad_norm rtol).
   """
   factor: float
   floor: float
   window: int
   reason: str
+  params_floor: float = 2e-3
+  grad_norm_floor: float = 2e-4
 
 
 _BF16_ENVELOPE = EnvelopeRule(factor=4.0, floor=1e-3, window=10, reason=(

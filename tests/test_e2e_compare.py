@@ -230,3 +230,24 @@ def test_compare_reruns_each_side_for_determinism_resume_and_noise(tmp_path):
   assert rep["timing"]["self_runs_s"] > 0
   md = (out / "report.md").read_text()
   assert "## Checkpoint / resume" in md and "## Noise envelope" in md
+
+
+@requires_all
+def test_bf16_verdict_uses_the_noise_envelope_and_catches_a_planted_bug(tmp_path):
+  """bf16 on every side: each side is rerun with reversed batch order; jax~torch holds its envelope, while a
+  DeepSpeed side with a wrong LayerNorm eps breaks it (the fixed bf16 table alone would not decide)."""
+  out = tmp_path / "run"
+  p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "30", "--set", 'train.precision="bf16"',
+           "--perturb", "deepspeed:model.norm_eps=1e-3", "--determinism-steps", "0", "--out", str(out),
+           "--no-progress")
+  assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+  rep = json.loads((out / "report.json").read_text())
+  checks = {c["name"]: c for c in rep["checks"]}
+  for metric in ("loss", "grad_norm", "val_loss", "params"):
+    assert checks[f"{metric}_envelope jax~torch"]["passed"], checks[f"{metric}_envelope jax~torch"]
+    assert checks[f"{metric} jax~torch"]["gating"] is False  # the envelope decides in bf16
+  assert not checks["loss_envelope jax~deepspeed"]["passed"] and not checks["loss_envelope deepspeed~torch"]["passed"]
+  assert "deepspeed" in rep["verdict"]["first_failure"]["sides"]
+  assert set(rep["noise_envelope"]["sides"]) == {"jax", "torch", "deepspeed"}
+  assert "bf16" in rep["tolerances"] and "logits" in rep["tolerances"]["bf16"]
+  assert "## Noise envelope" in (out / "report.md").read_text()

@@ -110,12 +110,18 @@ def _self_sections(d: dict) -> list[str]:
     r = env["rule"]
     out += ["", "## Noise envelope", "", f"{env['method'][0].upper()}{env['method'][1:]}. Each pair passes when, in "
             f"every window of {r['window']} steps, rms |Δloss| ≤ {r['factor']:g} × rms(envelope of the noisier side) "
-            f"+ {r['floor']:g}. {r['reason']}", "",
-            "| side | rerun status | max |Δloss| | median |Δloss| | steps |", "|---|---|---|---|---|"]
+            f"+ {r['floor']:g} nats; grad norms the same on relative differences (+ {r['grad_norm_floor']:g}); final "
+            f"params per tensor, max |Δ| / distance moved ≤ {r['factor']:g} × the rerun's + {r['params_floor']:g}. "
+            f"{r['reason']}", "",
+            "| side | rerun status | max |Δloss| | median |Δloss| | max rel. Δgrad norm | params: max |Δ| / moved | steps |",
+            "|---|---|---|---|---|---|---|"]
     for side, run in env["runs"].items():
-      diffs = sorted(env["sides"].get(side, {}).get("abs_loss_diff", []))
+      e = env["sides"].get(side, {})
+      diffs = sorted(e.get("abs_loss_diff", []))
+      gn = [x for x in e.get("grad_norm_rel_diff", []) if x is not None]
       out.append(f"| {side} | {run['status']} | {_f(diffs[-1] if diffs else None)} "
-                 f"| {_f(diffs[len(diffs) // 2] if diffs else None)} | {len(diffs)} |")
+                 f"| {_f(diffs[len(diffs) // 2] if diffs else None)} | {_f(max(gn) if gn else None)} "
+                 f"| {_f(e.get('params_ratio_max'))} | {len(diffs)} |")
   det = d.get("determinism") or {}
   if det:
     out += ["", "## Determinism", "", "| side | deterministic | detail |", "|---|---|---|"]
