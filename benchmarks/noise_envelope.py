@@ -17,8 +17,10 @@ Usage: python benchmarks/noise_envelope.py [--preset gpt2-small-cpu] [--steps 20
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -31,9 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 from harness.runner import run_side  # noqa: E402
 from parity import api  # noqa: E402
-from parity.checks import windowed_rms  # noqa: E402
+from parity import weights  # noqa: E402
+from parity.checks import param_ratios, relative_diff, windowed_rms  # noqa: E402
 from parity.protocol import derive_request, read_steps  # noqa: E402
-from parity.tolerances import ENVELOPE_RULES, EnvelopeRule  # noqa: E402
+from parity.spec import RunSpec, from_dict  # noqa: E402
+from parity.tolerances import envelope_rule  # noqa: E402
 
 BUGS = {
     "weight decay off": {"train.weight_decay": 0.0},
@@ -59,47 +63,91 @@ def _loss(records: list[dict]) -> dict[int, float]:
   return {int(r["step"]): float(r["loss"]) for r in records}
 
 
-def ratios(a: dict[int, float], b: dict[int, float], envs: list[dict[int, float]], window: int) -> list[float]:
-  """Per window: rms|a - b| / max over envs of rms(env), over the steps all share."""
+def raw_ratios(a: dict[int, float], b: dict[int, float], envs: list[dict[int, float]], window: int,
+               relative: bool = False) -> list[float]:
+  """Per window: rms|a - b| / max over envs of rms(env), over the steps all share (relative differences for
+  grad norms), i.e. the factor a pair needs, before the rule's floor."""
   steps = sorted(set(a) & set(b).intersection(*envs))
-  d = windowed_rms(steps, np.array([abs(a[k] - b[k]) for k in steps]), window)
+  diff = [relative_diff(a[k], b[k]) if relative else abs(a[k] - b[k]) for k in steps]
+  d = windowed_rms(steps, np.array(diff), window)
   n = [max(w[2] for w in ws) for ws in zip(*[windowed_rms(steps, np.array([e[k] for k in steps]), window)
                                             for e in envs])]
   return [x[2] / max(y, 1e-300) for x, y in zip(d, n)]
 
 
-def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: int) -> dict:
-  rep = api.compare(preset, steps=steps, overrides=[f'train.precision="{precision}"'], out=tmp / precision,
-                    noise_envelope=True, determinism_steps=0)
-  d = rep.data
-  run_dir = Path(rep.run_dir)
-  loss = {s: _loss(read_steps(run_dir / s / "steps.jsonl")) for s in d["sides"]}
-  env = {s: dict(zip(e["steps"], e["abs_loss_diff"])) for s, e in d["noise_envelope"]["sides"].items()}
-  out = {"verdict": d["verdict"]["message"], "rule": d["noise_envelope"]["rule"],
-         "envelopes": {s: {"max": max(e.values()), "rms_per_window": [w[2] for w in windowed_rms(
-             sorted(e), np.array([e[k] for k in sorted(e)]), window)]} for s, e in env.items()},
-         "pairs": {}, "bugs": {}, "checks": [c for c in d["checks"] if c["metric"] == "loss_envelope"]}
-  names = list(loss)
+def _side(folder: Path) -> tuple[list[dict], dict | None]:
+  f = folder / "final.safetensors"
+  return read_steps(folder / "steps.jsonl"), (weights.load(f) if f.exists() else None)
+
+
+def _noise(main: tuple, rerun: tuple, init: dict, spec) -> dict:
+  ref = {int(r["step"]): r for r in main[0]}
+  out = {"loss": {}, "grad_norm": {}}
+  for r in rerun[0]:
+    k = int(r["step"])
+    if k in ref and not r.get("skipped"):
+      out["loss"][k] = abs(ref[k]["loss"] - r["loss"])
+      out["grad_norm"][k] = relative_diff(ref[k]["grad_norm"], r["grad_norm"])
+  out["params"] = param_ratios(main[1], rerun[1], init, spec.model) if main[1] and rerun[1] else {}
+  return out
+
+
+def _pair(a: tuple, b: tuple, envs: list[dict], init: dict, spec, window: int) -> dict:
+  la = {int(r["step"]): r["loss"] for r in a[0] if not r.get("skipped")}
+  lb = {int(r["step"]): r["loss"] for r in b[0] if not r.get("skipped")}
+  ga = {int(r["step"]): r["grad_norm"] for r in a[0] if not r.get("skipped")}
+  gb = {int(r["step"]): r["grad_norm"] for r in b[0] if not r.get("skipped")}
+  rl = raw_ratios(la, lb, [e["loss"] for e in envs], window)
+  rg = raw_ratios(ga, gb, [e["grad_norm"] for e in envs], window, relative=True)
+  out = {"loss_worst_ratio": max(rl), "loss_median_ratio": float(np.median(rl)), "loss_per_window": rl,
+         "grad_norm_worst_ratio": max(rg), "grad_norm_median_ratio": float(np.median(rg)),
+         "max_abs_dloss": max(abs(la[k] - lb[k]) for k in la if k in lb)}
+  if a[1] and b[1]:
+    pr = param_ratios(a[1], b[1], init, spec.model)
+    out["params_worst_ratio"] = max(pr[n] / max(max(e["params"].get(n, 0.0) for e in envs), 1e-300) for n in pr)
+  return out
+
+
+def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: int, reuse: bool) -> dict:
+  run_dir = tmp / precision
+  if not (reuse and (run_dir / "report.json").exists()):
+    api.compare(preset, steps=steps, overrides=[f'train.precision="{precision}"'], out=run_dir,
+                noise_envelope=True, determinism_steps=0)
+  d = json.loads((run_dir / "report.json").read_text())
+  spec = from_dict(RunSpec, d["run"])
+  init = weights.load(run_dir / "init.safetensors")
+  main = {s: _side(run_dir / s) for s in d["sides"]}
+  noise = {s: _noise(main[s], _side(run_dir / "noise" / s), init, spec) for s in main
+           if (run_dir / "noise" / s / "steps.jsonl").exists()}
+  out = {"verdict": d["verdict"]["message"], "rule": dataclasses.asdict(envelope_rule(precision)),
+         "envelopes": {s: {"loss_max": max(e["loss"].values()),
+                           "loss_rms_per_window": [w[2] for w in windowed_rms(
+                               sorted(e["loss"]), np.array([e["loss"][k] for k in sorted(e["loss"])]), window)],
+                           "grad_norm_rel_max": max(e["grad_norm"].values()),
+                           "params_ratio_max": max(e["params"].values()) if e["params"] else None}
+                       for s, e in noise.items()},
+         "pairs": {}, "bugs": {}}
+  names = list(main)
   for i, a in enumerate(names):
     for b in names[i + 1:]:
-      r = ratios(loss[a], loss[b], [env[x] for x in (a, b) if x in env], window)
-      out["pairs"][f"{a}~{b}"] = {"worst_ratio": max(r), "median_ratio": float(np.median(r)), "per_window": r,
-                                  "max_abs_dloss": max(abs(loss[a][k] - loss[b][k]) for k in loss[a] if k in loss[b])}
+      out["pairs"][f"{a}~{b}"] = _pair(main[a], main[b], [noise[x] for x in (a, b) if x in noise], init, spec,
+                                       window)
   lr = d["run"]["train"]["lr"]
-  if "torch" in loss and "torch" in env:
+  if "torch" in main and "torch" in noise:
     for j, (name, pert) in enumerate(BUGS.items()):
       pert = {"train.lr": lr * 1.05} if pert == "lr" else pert
       sub = f"bug{j}"
-      req_path = derive_request(run_dir, sub)
-      req = json.loads(req_path.read_text())
-      req["perturb"] = {"torch": pert}
-      req_path.write_text(json.dumps(req, indent=2))
-      sr = run_side(run_dir / sub, "torch", timeout_s=3600)
-      bug = _loss(read_steps(run_dir / sub / "torch" / "steps.jsonl"))
-      r = ratios(loss["torch"], bug, [env["torch"]], window) if sr.status == "ok" else []
-      out["bugs"][name] = {"perturb": pert, "status": sr.status, "worst_ratio": max(r) if r else None,
-                           "per_window": r, "max_abs_dloss": max((abs(loss["torch"][k] - bug[k]) for k in bug
-                                                                  if k in loss["torch"]), default=None)}
+      done = (run_dir / sub / "torch" / "summary.json").exists()
+      if not (reuse and done):
+        req_path = derive_request(run_dir, sub)
+        req = json.loads(req_path.read_text())
+        req["perturb"] = {"torch": pert}
+        req_path.write_text(json.dumps(req, indent=2))
+        run_side(run_dir / sub, "torch", timeout_s=3600)
+      bug = _side(run_dir / sub / "torch")
+      ok = len(bug[0]) == spec.train.steps and bug[1] is not None
+      out["bugs"][name] = {"perturb": pert, "status": "ok" if ok else "failed",
+                           **(_pair(main["torch"], bug, [noise["torch"]], init, spec, window) if ok else {})}
   return out
 
 
@@ -109,16 +157,18 @@ def main() -> int:
   ap.add_argument("--steps", type=int, default=200)
   ap.add_argument("--precisions", default="bf16")
   ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+  ap.add_argument("--work", help="folder for the runs (default: a new temporary folder); with --reuse, runs "
+                                 "already finished there are read instead of rerun")
+  ap.add_argument("--reuse", action="store_true")
   args = ap.parse_args()
-  tmp = Path(tempfile.mkdtemp(prefix="parity-noise-"))
+  tmp = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="parity-noise-"))
   import importlib.metadata as md
   versions = {p: md.version(p) for p in ("torch", "deepspeed", "jax", "jaxlib", "flax", "optax")}
   result = {"date": dt.date.today().isoformat(), "host": {"cpu": cpu_name(), "platform": platform.platform()},
             "versions": versions, "preset": args.preset, "steps": args.steps, "precisions": {}}
   for p in args.precisions.split(","):
-    rule: EnvelopeRule = ENVELOPE_RULES[p]
-    result["precisions"][p] = one_precision(args.preset, args.steps, p, tmp, rule.window)
-  stamp = f"{result['date']}-{platform.node() or 'host'}-noise-envelope"
+    result["precisions"][p] = one_precision(args.preset, args.steps, p, tmp, envelope_rule(p).window, args.reuse)
+  stamp = f"{result['date']}-{platform.node() or 'host'}-cpu{os.cpu_count()}-{args.preset}-noise-envelope"
   res = Path(args.results)
   res.mkdir(parents=True, exist_ok=True)
   (res / f"{stamp}.json").write_text(json.dumps(result, indent=2))
@@ -127,20 +177,30 @@ def main() -> int:
            f"Command: `python benchmarks/noise_envelope.py --preset {args.preset} --steps {args.steps} "
            f"--precisions {args.precisions}`", ""]
   for p, r in result["precisions"].items():
+    ru = r["rule"]
     lines += [f"## {p}", "", f"Verdict of the compare: {r['verdict']}", "",
-              f"Rule: per window of {r['rule']['window']} steps, rms|Δloss| ≤ {r['rule']['factor']:g} × rms(envelope) "
-              f"+ {r['rule']['floor']:g}.", "", "| envelope of | max |Δloss| | rms per window (first, median, max) |",
-              "|---|---|---|"]
-    for s, e in r["envelopes"].items():
-      w = e["rms_per_window"]
-      lines.append(f"| {s} | {e['max']:.3g} | {w[0]:.2g}, {float(np.median(w)):.2g}, {max(w):.2g} |")
-    lines += ["", "| pair / planted bug (torch vs torch) | max |Δloss| | worst window ratio | median ratio |", "|---|---|---|---|"]
-    for k, x in r["pairs"].items():
-      lines.append(f"| {k} | {x['max_abs_dloss']:.3g} | {x['worst_ratio']:.1f} | {x['median_ratio']:.1f} |")
-    for k, x in r["bugs"].items():
-      wr = "n/a" if x["worst_ratio"] is None else f"{x['worst_ratio']:.1f}"
-      med = "n/a" if not x["per_window"] else f"{float(np.median(x['per_window'])):.1f}"
-      lines.append(f"| bug: {k} | {x['max_abs_dloss']:.3g} | {wr} | {med} |")
+              f"Rule in force: per window of {ru['window']} steps, rms|Δloss| ≤ {ru['factor']:g} × rms(envelope) + "
+              f"{ru['floor']:g}; grad norm relative, + {ru['grad_norm_floor']:g}; params per tensor ≤ {ru['factor']:g}"
+              f" × the rerun's ratio + {ru['params_floor']:g}. Ratios below are raw (pair ÷ envelope, no floor): "
+              "the factor each pair or bug would need.", "",
+              "| envelope of | max |Δloss| | loss rms per window (first, median, max) | max rel. Δgrad norm | "
+              "params max |Δ|/moved |", "|---|---|---|---|---|"]
+    for s_, e in r["envelopes"].items():
+      w = e["loss_rms_per_window"]
+      pm = "n/a" if e["params_ratio_max"] is None else f"{e['params_ratio_max']:.3g}"
+      lines.append(f"| {s_} | {e['loss_max']:.3g} | {w[0]:.2g}, {float(np.median(w)):.2g}, {max(w):.2g} "
+                   f"| {e['grad_norm_rel_max']:.3g} | {pm} |")
+    lines += ["", "| pair / planted bug (torch vs torch) | max |Δloss| | loss: worst window ratio (median) "
+              "| grad norm: worst (median) | params: worst tensor ratio |", "|---|---|---|---|---|"]
+    rows = list(r["pairs"].items()) + [(f"bug: {k}", x) for k, x in r["bugs"].items()]
+    for k, x in rows:
+      if "loss_worst_ratio" not in x:
+        lines.append(f"| {k} | run failed | | | |")
+        continue
+      pw = x.get("params_worst_ratio")
+      lines.append(f"| {k} | {x['max_abs_dloss']:.3g} | {x['loss_worst_ratio']:.1f} ({x['loss_median_ratio']:.1f}) "
+                   f"| {x['grad_norm_worst_ratio']:.1f} ({x['grad_norm_median_ratio']:.1f}) "
+                   f"| {'n/a' if pw is None else f'{pw:.1f}'} |")
     lines.append("")
   (res / f"{stamp}.md").write_text("\n".join(lines))
   print("\n".join(lines))

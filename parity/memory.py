@@ -228,7 +228,7 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
   gradients of the module being reduced, and the host one more fp32 partition-sized staging buffer
   (measured by torch_impl.memory on gpt2-tiny; docs/plans.md)."""
   m, t, p = run.model, run.train, run.deepspeed
-  n, e = param_count(m), 2 if t.precision == "bf16" else FP32
+  n, e = param_count(m), FP32 if t.precision == "fp32" else 2
   off_opt, off_par = p.offload_optimizer == "cpu", p.offload_param == "cpu"
   opt_shard = ranks if p.zero_stage >= 1 else 1
   rows = []
@@ -245,7 +245,7 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
       rows.append(Row("deepspeed", "gradients", "host", FP32 * math.ceil(n / opt_shard), "fp32 accumulation"))
   else:
     rows.append(Row("deepspeed", "gradients", "device", e * math.ceil(n / grad_shard), "compute dtype"))
-  master = p.zero_stage >= 1 or t.precision == "bf16"
+  master = p.zero_stage >= 1 or t.precision != "fp32"
   if master:
     rows.append(Row("deepspeed", "master_params", _kind(off_opt), FP32 * math.ceil(n / opt_shard)))
     if off_opt or e != FP32:
@@ -257,7 +257,7 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
 
 def _jax_rows(run: RunSpec) -> list[Row]:
   """JAX side, per device of the data axis (D = jax.data_parallel). Params are the fp32 masters
-  (bf16 casts per layer inside the step), sharded over D at zero_stage 3; gradients fp32, sharded at
+  (bf16/fp16 casts of the whole tree inside the step), sharded over D at zero_stage 3; gradients fp32, sharded at
   >= 2; Adam moments sharded at >= 1. Offloaded state is in host memory between steps; the rows
   'in-step' give what XLA brings to the device during the step (params: one layer at a time with
   scan_layers, else all of them; moments: all of them during the update)."""
@@ -281,7 +281,7 @@ def _jax_rows(run: RunSpec) -> list[Row]:
 
 def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int) -> list[Row]:
   t = run.train
-  elem = 2 if t.precision == "bf16" else FP32
+  elem = FP32 if t.precision == "fp32" else 2
   dev, host = activation_bytes(run.model, math.ceil(t.micro_batch_size / ranks), t.seq_len, elem, policy)
   rows = [Row(side, "activations", "device", dev, f"remat {policy}")]
   if host:
@@ -409,23 +409,31 @@ def add_estimate_arguments(parser) -> None:
   parser.add_argument("--plan", help="a plan pair of parity.plans.PLANS (default: the run's own plans)")
   parser.add_argument("--micro-batch", type=int, help="sequences per micro batch per rank")
   parser.add_argument("--seq-len", type=int, help="tokens per sequence")
-  parser.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision")
+  parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision")
   parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed side")
   parser.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON")
+
+
+def model_preset_train(model: ModelSpec) -> "TrainSpec":
+  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS) in `parity estimate` and `parity plan`:
+  micro batch 1, seq_len min(2048, max_seq_len), bf16 (how such models are trained); other fields TrainSpec's."""
+  from parity.spec import TrainSpec
+  return TrainSpec(micro_batch_size=1, seq_len=min(2048, model.max_seq_len), precision="bf16")
 
 
 def resolve_estimate_run(preset: str | None = None, model: str | None = None, plan: str | None = None,
                          micro_batch: int | None = None, seq_len: int | None = None,
                          precision: str | None = None) -> RunSpec:
-  """The RunSpec an estimate describes. A model preset gets TrainSpec defaults with seq_len = min(1024,
-  its max_seq_len) unless given. Raises SpecError on unknown names or invalid values."""
+  """The RunSpec an estimate describes: a run preset's own train spec, or for a model preset
+  `model_preset_train` (what `parity plan` assumes too); given values override. Raises SpecError on
+  unknown names or invalid values."""
   from parity.spec import PRESETS, SpecError, TrainSpec, preset as get_preset
   if model is not None:
     from parity.hf import MODEL_PRESETS
     if model not in MODEL_PRESETS:
       raise SpecError(f"unknown model {model!r}; known models: {', '.join(MODEL_PRESETS)}")
     spec = MODEL_PRESETS[model]
-    run = RunSpec(model=spec, train=TrainSpec(seq_len=min(1024, spec.max_seq_len)))
+    run = RunSpec(model=spec, train=model_preset_train(spec))
   else:
     run = get_preset(preset or next(iter(PRESETS)))
   train = {k: v for k, v in (("micro_batch_size", micro_batch), ("seq_len", seq_len),

@@ -105,22 +105,29 @@ class Hardware:
   device_bytes: int
   """Accelerator memory, bytes."""
   peak_flops: float
-  """Dense bf16 peak, FLOP/s (no sparsity)."""
+  """Dense bf16/fp16 tensor-core peak, FLOP/s (no sparsity)."""
   host_link_bytes_per_s: float
   """Host <-> device bandwidth per direction, bytes/s (PCIe, or NVLink-C2C on GH200)."""
   host_bytes: int
   """Host memory of a typical node, bytes (override with --host-memory)."""
+  peak_flops_fp32: float = 0.0
+  """fp32 peak without TF32, FLOP/s: what an fp32 run gets (JAX matmul precision 'highest', torch TF32 off)."""
+
+  def peak(self, precision: str) -> float:
+    """FLOP/s for a run at this precision (fp32: peak_flops_fp32 when known, else the bf16 peak)."""
+    return self.peak_flops_fp32 if precision == "fp32" and self.peak_flops_fp32 > 0 else self.peak_flops
 
 
 GB, GiB = 10**9, 2**30
 HARDWARE: dict[str, Hardware] = {
     # NVIDIA data sheets: A100 (PCIe gen4 x16: 32 GB/s per direction), H100 SXM / H200 (PCIe gen5 x16:
     # 64 GB/s), GH200 (NVLink-C2C 900 GB/s total = 450 GB/s per direction, 480 GB LPDDR5X).
-    "A100-40": Hardware("A100-40", 40 * GiB, 312e12, 32 * GB, 512 * GiB),
-    "A100-80": Hardware("A100-80", 80 * GiB, 312e12, 32 * GB, 512 * GiB),
-    "H100": Hardware("H100", 80 * GiB, 989e12, 64 * GB, 512 * GiB),
-    "H200": Hardware("H200", 141 * GB, 989e12, 64 * GB, 1024 * GiB),
-    "GH200": Hardware("GH200", 96 * GiB, 989e12, 450 * GB, 480 * GB),
+    # fp32 (no TF32): A100 19.5 TFLOP/s, H100/H200/GH200 SXM 67 TFLOP/s.
+    "A100-40": Hardware("A100-40", 40 * GiB, 312e12, 32 * GB, 512 * GiB, 19.5e12),
+    "A100-80": Hardware("A100-80", 80 * GiB, 312e12, 32 * GB, 512 * GiB, 19.5e12),
+    "H100": Hardware("H100", 80 * GiB, 989e12, 64 * GB, 512 * GiB, 67e12),
+    "H200": Hardware("H200", 141 * GB, 989e12, 64 * GB, 1024 * GiB, 67e12),
+    "GH200": Hardware("GH200", 96 * GiB, 989e12, 450 * GB, 480 * GB, 67e12),
 }
 """Accelerator presets of `parity plan --hardware`."""
 
@@ -154,7 +161,7 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row]) -> int:
   t = run.train
   n = memory.param_count(run.model)
   if side == "deepspeed":
-    p, e = run.deepspeed, 2 if t.precision == "bf16" else 4
+    p, e = run.deepspeed, 4 if t.precision == "fp32" else 2
     out = 2 * e * n if p.offload_optimizer == "cpu" else 0
     return out + (2 * e * n * t.grad_accum_steps if p.offload_param == "cpu" else 0)
   host = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host")
@@ -166,14 +173,15 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row]) -> int:
 
 def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
               mfu: float = 0.4) -> tuple[float, float, float]:
-  """(step, compute, transfer) seconds of one optimizer step on one rank: compute = FLOPs / (peak · mfu),
+  """(step, compute, transfer) seconds of one optimizer step on one rank: compute = FLOPs / (peak · mfu) with
+  the precision's peak (`Hardware.peak`),
   transfer = bytes / bandwidth, step = max(compute, transfer) (transfers overlap compute)."""
   t = run.train
   tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / (run.jax.data_parallel if side == "jax" else 1)
   policy = run.jax.remat if side == "jax" else ("full" if run.deepspeed.activation_checkpointing else "none")
   flops = tokens * (_flops_per_token(run.model, t.seq_len) + _recompute_flops_per_token(run.model, t.seq_len,
                                                                                            policy))
-  compute = flops / (hw.peak_flops * mfu)
+  compute = flops / (hw.peak(t.precision) * mfu)
   transfer = _transfer_bytes(run, side, rows) / hw.host_link_bytes_per_s
   return max(compute, transfer), compute, transfer
 
@@ -265,15 +273,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
   src = parser.add_mutually_exclusive_group()
   src.add_argument("--preset", help="a run preset (parity.spec.PRESETS)")
   src.add_argument("--model", default=None, help="a model size preset (parity.hf.MODEL_PRESETS), e.g. llama-7b")
-  parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro batch per device")
-  parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default min(2048, max))")
-  parser.add_argument("--grad-accum", type=int, default=1, help="micro batches per optimizer step")
-  parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+  parser.add_argument("--micro-batch", type=int, help="sequences per micro batch per device (default: the "
+                                                     "preset's; a --model: 1)")
+  parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's; a --model: "
+                                                  "min(2048, max))")
+  parser.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default: the preset's; 1)")
+  parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                      help="compute precision (default: the preset's; a --model: bf16); fp32 uses the fp32 peak")
   parser.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
   parser.add_argument("--device-memory", type=float, help="device memory, GiB (overrides --hardware)")
   parser.add_argument("--host-memory", type=float, help="host memory per device, GiB")
   parser.add_argument("--bandwidth", type=float, help="host<->device bandwidth per direction, GB/s")
-  parser.add_argument("--peak-tflops", type=float, help="bf16 peak, TFLOP/s")
+  parser.add_argument("--peak-tflops", type=float, help="peak at the run's precision, TFLOP/s (default: the preset's)")
   parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
   parser.add_argument("--devices", type=int, default=1, help="data-parallel devices")
   parser.add_argument("--sides", default="deepspeed,jax", help="sides that must fit, comma-separated")
@@ -285,21 +296,23 @@ def _plan_inputs(args) -> tuple[ModelSpec, TrainSpec, Hardware]:
   from parity.hf import MODEL_PRESETS
   from parity.spec import preset
   if args.preset:
-    model = preset(args.preset).model
+    model, base = preset(args.preset).model, preset(args.preset).train
   else:
     name = args.model or "llama-7b"
     if name not in MODEL_PRESETS:
       raise SpecError(f"unknown model {name!r}; known models: {', '.join(MODEL_PRESETS)}")
     model = MODEL_PRESETS[name]
-  seq = args.seq_len or min(2048, model.max_seq_len)
-  train = TrainSpec(micro_batch_size=args.micro_batch, seq_len=seq, grad_accum_steps=args.grad_accum,
-                    precision=args.precision).validate(model)
+    base = memory.model_preset_train(model)  # the same defaults as `parity estimate --model`
+  given = {k: v for k, v in (("micro_batch_size", args.micro_batch), ("seq_len", args.seq_len),
+                             ("grad_accum_steps", args.grad_accum), ("precision", args.precision)) if v is not None}
+  train = dataclasses.replace(base, **given).validate(model)
   hw = HARDWARE[args.hardware]
   changes = {k: v for k, v in (
       ("device_bytes", None if args.device_memory is None else int(args.device_memory * GiB)),
       ("host_bytes", None if args.host_memory is None else int(args.host_memory * GiB)),
       ("host_link_bytes_per_s", None if args.bandwidth is None else args.bandwidth * GB),
-      ("peak_flops", None if args.peak_tflops is None else args.peak_tflops * 1e12)) if v is not None}
+      ("peak_flops", None if args.peak_tflops is None else args.peak_tflops * 1e12),
+      ("peak_flops_fp32", None if args.peak_tflops is None else args.peak_tflops * 1e12)) if v is not None}
   if any(v <= 0 for v in changes.values()) or not 0 < args.mfu <= 1 or args.devices < 1:
     raise SpecError("memory, bandwidth and peak must be > 0, --mfu in (0, 1], --devices >= 1")
   return model, train, dataclasses.replace(hw, **changes)
