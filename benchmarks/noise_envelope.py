@@ -4,7 +4,7 @@ For each precision asked for:
   1. `parity.compare` on the preset with every side and the noise envelope on (each side rerun with
      its batches' rows in reverse order; harness.self_runs), as a user would run it;
   2. the plain-torch side rerun with one setting wrong at a time (weight decay off, LayerNorm eps,
-     GELU form, grad clip, lr +5%, beta2), each held against the correct torch run with torch's own
+     GELU form, lr +5%), each held against the correct torch run with torch's own
      envelope (parity.checks.envelope_check), the same rule the verdict uses.
 It prints and writes, per precision: each side's envelope (rms per window), each pair's worst
 window ratio rms|Δloss| / rms(envelope), and each bug's ratio, i.e. the margin between what the
@@ -43,10 +43,10 @@ BUGS = {
     "weight decay off": {"train.weight_decay": 0.0},
     "LayerNorm eps 1e-6": {"model.norm_eps": 1e-6},
     "GELU exact (not tanh)": {"model.gelu_approximate": False},
-    "grad clip 0.5": {"train.grad_clip": 0.5},
     "lr +5%": "lr",
-    "beta2 0.99": {"train.beta2": 0.99},
 }
+"""Subtle bugs (in fp32 each moves the loss by 1e-3..1e-2 over a run); grossly wrong settings such as grad clip
+0.5 vs 1.0 sat ~90x above the bf16 envelope in an earlier measurement and are left out to save time."""
 
 
 def cpu_name() -> str:

@@ -79,6 +79,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     spec, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec,
                                           source=str(deepspeed_config))
   pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
+  _check_run_options(spec, pert, timeout_s, determinism_steps, resume_at)
   run_dir = Path(out) if out is not None else default_run_dir(spec, name)
   prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init,
                          deepspeed_config=ds_cfg if port is not None else None)
@@ -106,14 +107,13 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
                        "final": weights.load(final) if sr.status == "ok" and final.exists() else None}
   init = weights.load(run_dir / "init.safetensors")
   checks, table = compare_sides(side_data, spec=spec, init=init)
-  self_info, self_checks = {}, []
+  self_info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}, "self_runs_s": 0.0}
   if interrupted is None:
-    try:
-      self_info, self_checks = _self_runs(run_dir, spec, side_data, checks, limit, noise_envelope=noise_envelope,
-                                          determinism_steps=determinism_steps, resume_at=resume_at)
+    try:  # results land in self_info and checks as each rerun finishes, so an interrupt keeps them
+      _self_runs(run_dir, spec, side_data, checks, limit, self_info, noise_envelope=noise_envelope,
+                 determinism_steps=determinism_steps, resume_at=resume_at)
     except KeyboardInterrupt as exc:
       interrupted = exc
-  checks += self_checks
   v = verdict(checks, {s: sr.status for s, sr in side_runs.items()})
   report = build_report(spec=spec, preset_name=name, run_dir=run_dir, data_info=prep["corpus"],
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
@@ -129,7 +129,9 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
                            "note": "predicted by parity.memory (parity estimate); measured from the live "
                                    "state arrays / engine tensors of each side"}
   if interrupted is not None:
-    report.data["verdict"]["message"] = "INTERRUPTED: " + report.data["verdict"]["message"]
+    msg = report.data["verdict"]["message"]
+    report.data["verdict"]["message"] = ("INTERRUPTED: stopped before every run and check finished; so far: "
+                                         + (msg.replace("PASS: ", "", 1) if msg.startswith("PASS") else msg))
     report.data["verdict"]["passed"] = False
   write_all(report)
   if interrupted is not None:
@@ -137,25 +139,50 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   return report
 
 
-def _self_runs(run_dir: Path, spec, side_data: dict, main_checks: list, limit: float, *,
-               noise_envelope: bool | None, determinism_steps: int, resume_at: int | None) -> tuple[dict, list]:
-  """Noise envelope, determinism and resume runs (harness.self_runs) and their checks.
+def _check_run_options(spec, pert: dict, timeout_s: float | None, determinism_steps: int,
+                       resume_at: int | None) -> None:
+  """Refuses, before any side starts, options that would only fail later (SpecError naming the option)."""
+  from parity.protocol import STEP_LIST_KEYS
+  from parity.spec import SpecError
+  t = spec.train
+  if timeout_s is not None and not timeout_s > 0:
+    raise SpecError(f"--timeout must be > 0 seconds; got {timeout_s}")
+  if determinism_steps < 0:
+    raise SpecError(f"--determinism-steps must be >= 0 (0 skips the rerun); got {determinism_steps}")
+  if resume_at is not None and not 0 <= resume_at <= t.steps - 2:
+    raise SpecError(f"--resume-at must be a step in [0, train.steps - 2 = {t.steps - 2}] (the resumed run needs "
+                    f"at least one step left); got {resume_at}")
+  for side, kv in pert.items():
+    for key, value in kv.items():
+      steps = value if key in STEP_LIST_KEYS else [value] if key.endswith("_at_step") else None
+      if steps is None:
+        continue
+      if not steps:
+        raise SpecError(f"--perturb {side}:{key}: an empty list injects nothing; give at least one step")
+      if max(steps) >= t.steps:
+        raise SpecError(f"--perturb {side}:{key}={value}: step {max(steps)} is never reached (train.steps = {t.steps})")
+    precision = kv.get("train.precision", t.precision)
+    if "overflow_at_steps" in kv and precision != "fp16":
+      raise SpecError(f"--perturb {side}:overflow_at_steps needs loss scaling: that side runs "
+                      f"train.precision={precision!r}; use 'fp16'")
 
-  In bf16/fp16, the pointwise checks in `main_checks` that an envelope check covers are marked non-gating.
 
-  Returns:
-    (report fields `noise_envelope`, `determinism`, `resume`; the checks they add).
-  Raises:
-    SpecError: resume_at outside [0, steps - 2] or determinism_steps < 0.
+def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float, info: dict, *,
+               noise_envelope: bool | None, determinism_steps: int, resume_at: int | None) -> None:
+  """Noise envelope, determinism and resume runs (harness.self_runs); their checks are appended to `checks`
+  and their report fields (`noise_envelope`, `determinism`, `resume`, `self_runs_s`) set in `info` as each
+  finishes, so an interrupt keeps what finished.
+
+  In bf16/fp16, the pointwise checks that an envelope check covers are marked non-gating; a side whose noise
+  rerun did not finish gets a failing 'noise_rerun' check (the verdict never falls back to the loose table).
+  Options are checked by `_check_run_options` before any side starts.
   """
   from harness import self_runs
-  from parity.checks import envelope_check, envelope_params_check, param_ratios, relative_diff, repeat_check
-  from parity.spec import SpecError
+  from parity.checks import Check, envelope_check, envelope_params_check, param_ratios, relative_diff, repeat_check
   from parity.tolerances import envelope_rule
   t = spec.train
   ok = [s for s, d in side_data.items() if d["status"] == "ok"]
-  info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}, "self_runs_s": 0.0}
-  checks = []
+  main_checks = list(checks)
 
   def busy(sr) -> None:  # what the side itself spent (as build_report counts the main runs)
     summ = sr.summary or {}
@@ -175,6 +202,11 @@ def _self_runs(run_dir: Path, spec, side_data: dict, main_checks: list, limit: f
       busy(sr)
       runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
       if sr.status != "ok":
+        checks.append(Check(name=f"noise_rerun {side}", metric="noise_rerun", sides=(side, f"{side}#noise"),
+                            value=float("nan"), tolerance=0.0, passed=False,
+                            detail=f"the reduction-order rerun of {side} did not finish ({sr.status}): {sr.error}; "
+                                   "its pairs have no noise envelope",
+                            reason="The bf16/fp16 verdict rests on each side's noise envelope."))
         continue
       ref = {int(r["step"]): r for r in side_data[side]["steps"]}
       for metric in env:
@@ -197,12 +229,14 @@ def _self_runs(run_dir: Path, spec, side_data: dict, main_checks: list, limit: f
     enveloped = set()
     for i, a in enumerate(names):
       for b in names[i + 1:]:
+        if a not in env["loss"] or b not in env["loss"]:
+          continue  # a rerun failed (see noise_envelope.runs): this pair keeps the fixed table
         for metric, noise in env.items():
           c = envelope_check(a, side_data[a]["steps"], b, side_data[b]["steps"], noise, rule, metric=metric)
           if c is not None:
             checks.append(c)
             enveloped.add((metric, a, b))
-        if side_data[a]["final"] is not None and side_data[b]["final"] is not None:
+        if a in penv and b in penv:
           c = envelope_params_check(a, side_data[a]["final"], b, side_data[b]["final"], init, spec.model, penv, rule)
           if c is not None:
             checks.append(c)
@@ -212,10 +246,6 @@ def _self_runs(run_dir: Path, spec, side_data: dict, main_checks: list, limit: f
         if (c.metric, *c.sides) in enveloped:
           c.gating = False
           c.detail += f" (reported only: in {t.precision} the noise envelope decides)"
-  if determinism_steps < 0:
-    raise SpecError(f"determinism_steps must be >= 0; got {determinism_steps}")
-  if resume_at is not None and not 0 <= resume_at <= t.steps - 2:
-    raise SpecError(f"resume_at must be in [0, train.steps - 2 = {t.steps - 2}]; got {resume_at}")
   prefix = min(determinism_steps, t.steps)
   stop = max(prefix - 1, resume_at if resume_at is not None else -1)
   for side in ok if stop >= 0 else ():
@@ -243,7 +273,6 @@ def _self_runs(run_dir: Path, spec, side_data: dict, main_checks: list, limit: f
           c.passed, c.detail = False, f"the resumed run did not finish ({rr.status}): {rr.error}"
       checks.append(c)
       info["resume"][side] = {"resumed_at_step": resume_at + 1, "bit_identical": c.passed, "detail": c.detail}
-  return info, checks
 
 
 def _interrupted_run(run_dir: Path, side: str):

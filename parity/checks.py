@@ -21,9 +21,11 @@ __all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", 
            "envelope_params_check", "param_ratios", "relative_diff", "windowed_rms", "repeat_check", "BITWISE_KEYS"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
-METRIC_ORDER = {m: i for i, m in enumerate(("completed", *SERIES_METRICS, "loss_envelope", "grad_norm_envelope",
+FP16_SERIES = ("loss_scale", "skipped")
+"""Compared exactly between sides in fp16 runs: the dynamic loss scale of each step and whether it was skipped."""
+METRIC_ORDER = {m: i for i, m in enumerate(("completed", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope", "grad_norm_envelope",
                                             "val_loss_envelope", "params", "params_envelope", "params_zero_grad",
-                                            "resume", "determinism"))}
+                                            "noise_rerun", "resume", "determinism"))}
 BITWISE_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "val_loss")
 """StepRecord fields that must be bit-identical between two runs of the same side (determinism, resume)."""
 
@@ -386,7 +388,7 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
   for (na, a), (nb, b) in itertools.combinations(sides.items(), 2):
     checks.append(completion_check(na, a["status"], len(a["steps"]), nb, b["status"], len(b["steps"]),
                                    spec.train.steps))
-    for metric in SERIES_METRICS:
+    for metric in SERIES_METRICS + (FP16_SERIES if precision == "fp16" else ()):
       c = series_check(metric, na, a["steps"], nb, b["steps"], precision)
       if c is not None:
         checks.append(c)
@@ -420,6 +422,9 @@ def verdict(checks: Sequence[Check], statuses: dict[str, str]) -> Verdict:
   bad_sides = {s: st for s, st in statuses.items() if st != "ok"}
   if len(statuses) == 1:
     (side, st), = statuses.items()
+    if failing:  # e.g. a resume check of the one side
+      first = min(failing, key=lambda c: METRIC_ORDER.get(c.metric, 99))
+      return Verdict(False, first, f"FAIL: {side}: {first.name}: {first.detail}")
     return Verdict(st == "ok", None, f"ONE SIDE: {side} {'ran ok' if st == 'ok' else 'did not finish (' + st + ')'}; "
                    "nothing to compare (run two or more sides for a parity verdict)")
   if not failing and not bad_sides:

@@ -38,6 +38,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from parity import schedule, weights
+from parity.protocol import DEBUG_KEYS
 from parity.spec import ModelSpec, RunSpec, SpecError, TrainSpec
 from parity.tolerances import tolerance
 
@@ -574,6 +575,13 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
     raise SpecError("reuse=True needs run_dir: a folder prepared by an earlier diagnose")
   lr_step, lr = lr_position(spec.train, step)
   pert = parse_perturb(list(perturb), sides)
+  for side, kv in pert.items():
+    for key, value in kv.items():
+      if key in DEBUG_KEYS:
+        raise SpecError(f"--perturb {side}:{key}: fault injections are for `parity compare`; diagnose runs one "
+                        "step (plant a model bug with --plant instead)")
+      if key == "train.precision" and value != "fp32":
+        raise SpecError(f"--perturb {side}:train.precision={value!r}: parity diagnose compares fp32 steps only")
   plant_map = parse_plants(list(plants), sides, spec.model)
   if run_dir is None:
     prepare_run_dir(spec, folder, perturb=pert, init_params=init_given)

@@ -524,8 +524,11 @@ class SideIO:
     return summary
 
   def fail(self, exc: BaseException, **kw) -> dict:
-    """Writes a 'crashed' summary carrying the traceback."""
-    return self.finish("crashed", error="".join(traceback.format_exception(exc))[-4000:], **kw)
+    """Writes a 'crashed' summary: `error` is the exception's own one-line message (what a user reads in the
+    report), `traceback` its last 8000 characters (the full one is in the side's stderr.log)."""
+    headline = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    extra = {**(kw.pop("extra", None) or {}), "traceback": "".join(traceback.format_exception(exc))[-8000:]}
+    return self.finish("crashed", error=" ".join(x.strip() for x in headline)[:2000], extra=extra, **kw)
 
 
 def main_guard(side_main: Callable[[SideIO], int], argv: list[str] | None = None) -> int:

@@ -72,15 +72,26 @@ _BF16 = {
     "params_zero_grad": _FP32["params_zero_grad"],
 }
 
+_LOSS_SCALE = {
+    "loss_scale": Tolerance(0.0, 0.0, (
+        "fp16 loss scale used by each step: both sides run DeepSpeed's DynamicLossScaler (parity/loss_scale.py, "
+        "property-tested against DeepSpeed's class), a power of two moved by the same overflow decisions, so it "
+        "must be equal; a difference is a loss-scaler setting or overflow-detection bug.")),
+    "skipped": Tolerance(0.0, 0.0, "Whether each fp16 step was skipped for overflow: must be the same step on "
+                         "every side (tests/test_loss_scale.py forces and provokes overflows)."),
+}
+
 _FP16 = {
     **_BF16,  # PROVISIONAL until measured
     "logits": Tolerance(0.0, 3e-3, (
         "Relative to max |reference logit|. fp16 (whole module) vs fp64 logits at init: 5.6e-4 / 7.7e-4 "
         "(gpt2-tiny / gpt2-small-cpu), 8x tighter than bf16 (10 vs 7 mantissa bits); two sides up to "
         "their sum, ~1.5e-3; 2x headroom.")),
+    **_LOSS_SCALE,
 }
 
 TOLERANCES: dict[str, dict[str, Tolerance]] = {"fp32": _FP32, "bf16": _BF16, "fp16": _FP16}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EnvelopeRule:

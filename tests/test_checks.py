@@ -148,3 +148,25 @@ def test_non_gating_failures_do_not_fail_the_verdict():
   assert v.passed and "1 checks" in v.message
   res = repeat_check("resume", "a", a, _recs([5.0, 4.1])[1:], from_step=1, gating=True)
   assert not verdict([ok, res], {"a": "ok", "b": "ok"}).passed
+
+
+def test_one_side_with_a_failing_gating_check_fails():
+  a = _recs([5.0, 4.0])
+  res = repeat_check("resume", "torch", a, [], from_step=1, gating=True)
+  v = verdict([res], {"torch": "ok"})
+  assert not v.passed and v.message.startswith("FAIL: torch: torch resume")
+  det = repeat_check("determinism", "torch", a, _recs([5.0, 4.5]), gating=False)
+  assert verdict([det], {"torch": "ok"}).passed
+
+
+def test_fp16_pairs_compare_loss_scale_and_skipped_exactly():
+  spec = PRESETS["gpt2-tiny"]
+  import dataclasses as dc
+  spec = dc.replace(spec, train=dc.replace(spec.train, precision="fp16", steps=3))
+  a = [{"step": i, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "loss_scale": 65536.0, "skipped": False} for i in range(3)]
+  b = [dict(r) for r in a]
+  b[2]["loss_scale"] = 32768.0
+  checks, _ = compare_sides({"jax": {"status": "ok", "steps": a, "final": None},
+                             "torch": {"status": "ok", "steps": b, "final": None}}, spec=spec, init={})
+  by = {c.metric: c for c in checks}
+  assert not by["loss_scale"].passed and by["loss_scale"].first_failing_step == 2 and by["skipped"].passed

@@ -106,9 +106,16 @@ def test_hang_and_crash_are_reported(tmp_path):
     (["--sides", "jax,mxnet"], "sides must be"),
     (["--data", "/does/not/exist"], "does not exist"),
     (["--perturb", "jax-norm"], "SIDE:KEY=VALUE"),
+    (["--preset", "gpt2-tiny", "--resume-at", "15"], "--resume-at must be a step in [0, train.steps - 2 = 14]"),
+    (["--preset", "gpt2-tiny", "--resume-at", "-1"], "--resume-at must be"),
+    (["--preset", "gpt2-tiny", "--timeout", "0"], "--timeout must be > 0"),
+    (["--preset", "gpt2-tiny", "--perturb", "jax:overflow_at_steps=[2]"], "needs loss scaling"),
+    (["--preset", "gpt2-tiny", "--perturb", "jax:kill_at_step=999"], "is never reached"),
+    (["--preset", "gpt2-tiny", "--perturb", "jax:overflow_at_steps=[]", "--set", 'train.precision="fp16"'],
+     "empty list"),
 ])
 def test_bad_input_exits_2_with_a_clear_message(tmp_path, args, needle):
-  p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", "--determinism-steps", "0", *args, timeout=120)
+  p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", *args, timeout=120)
   assert p.returncode == 2 and needle in p.stderr, p.stderr
 
 
@@ -251,3 +258,11 @@ def test_bf16_verdict_uses_the_noise_envelope_and_catches_a_planted_bug(tmp_path
   assert set(rep["noise_envelope"]["sides"]) == {"jax", "torch", "deepspeed"}
   assert "bf16" in rep["tolerances"] and "logits" in rep["tolerances"]["bf16"]
   assert "## Noise envelope" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("steps", ["-3"])
+def test_negative_determinism_steps_exit_2_before_any_side_runs(tmp_path, steps):
+  p = _cli("compare", "--preset", "gpt2-tiny", "--determinism-steps", steps, "--out", str(tmp_path / "r"),
+           "--no-progress", timeout=120)
+  assert p.returncode == 2 and "--determinism-steps must be >= 0" in p.stderr, p.stderr
+  assert not (tmp_path / "r" / "jax").exists()
