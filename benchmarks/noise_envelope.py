@@ -108,7 +108,8 @@ def _pair(a: tuple, b: tuple, envs: list[dict], init: dict, spec, window: int) -
   return out
 
 
-def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: int, reuse: bool) -> dict:
+def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: int, reuse: bool,
+                  n_bugs: int = len(BUGS)) -> dict:
   run_dir = tmp / precision
   if not (reuse and (run_dir / "report.json").exists()):
     api.compare(preset, steps=steps, overrides=[f'train.precision="{precision}"'], out=run_dir,
@@ -134,7 +135,7 @@ def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: in
                                        window)
   lr = d["run"]["train"]["lr"]
   if "torch" in main and "torch" in noise:
-    for j, (name, pert) in enumerate(BUGS.items()):
+    for j, (name, pert) in enumerate(list(BUGS.items())[:n_bugs]):
       pert = {"train.lr": lr * 1.05} if pert == "lr" else pert
       sub = f"bug{j}"
       done = (run_dir / sub / "torch" / "summary.json").exists()
@@ -160,6 +161,7 @@ def main() -> int:
   ap.add_argument("--work", help="folder for the runs (default: a new temporary folder); with --reuse, runs "
                                  "already finished there are read instead of rerun")
   ap.add_argument("--reuse", action="store_true")
+  ap.add_argument("--bugs", type=int, default=len(BUGS), help=f"planted bugs to run, the first N of {len(BUGS)}")
   args = ap.parse_args()
   tmp = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="parity-noise-"))
   import importlib.metadata as md
@@ -167,7 +169,8 @@ def main() -> int:
   result = {"date": dt.date.today().isoformat(), "host": {"cpu": cpu_name(), "platform": platform.platform()},
             "versions": versions, "preset": args.preset, "steps": args.steps, "precisions": {}}
   for p in args.precisions.split(","):
-    result["precisions"][p] = one_precision(args.preset, args.steps, p, tmp, envelope_rule(p).window, args.reuse)
+    result["precisions"][p] = one_precision(args.preset, args.steps, p, tmp, envelope_rule(p).window, args.reuse,
+                                            args.bugs)
   stamp = f"{result['date']}-{platform.node() or 'host'}-cpu{os.cpu_count()}-{args.preset}-noise-envelope"
   res = Path(args.results)
   res.mkdir(parents=True, exist_ok=True)

@@ -59,16 +59,20 @@ _BF16 = {
         "3.2e-3 / 5.5e-3, whole module in bf16 (DeepSpeed's layout) 4.4e-3 / 6.1e-3 (gpt2-tiny / "
         "gpt2-small-cpu); two sides each that far from exact differ by up to their sum, ~1.2e-2; 2x headroom.")),
     "loss": Tolerance(2e-2, 0.0, (
-        "bf16 compute on both sides (fp32 master weights): the bf16-vs-fp32 spread inside one "
-        "framework is ~5e-4 in calm phases and up to 1.2e-2 in early high-gradient steps "
-        "(shared/NUMERICS.md, 3.5 M params), and the two sides round differently (DeepSpeed casts the "
-        "whole module, Flax casts per layer), so that spread is the honest tolerance.")),
-    "val_loss": Tolerance(2e-2, 0.0, "Same as the bf16 training loss."),
-    "grad_norm": Tolerance(1e-4, 5e-2, "bf16 gradients carry ~3 significant digits; 5% covers the measured spread."),
+        "The bf16-vs-fp32 spread inside one framework: ~5e-4 in calm phases, up to 1.2e-2 in early "
+        "high-gradient steps (shared/NUMERICS.md). It holds between correct sides on stable runs (gpt2-tiny, "
+        "30 steps: <= 6e-4) but not through a loss spike, which amplifies bf16 rounding: gpt2-small-cpu "
+        "(200 steps, spike near step 24) put correct sides 0.098 (DeepSpeed~torch) to 0.44 (JAX~DeepSpeed) "
+        "apart, and one side 0.075 from its own reduction-order rerun. So the noise envelope decides bf16 "
+        "runs and this entry is reported only (it gates with --no-noise-envelope).")),
+    "val_loss": Tolerance(2e-2, 0.0, "Same as the bf16 training loss (reported only under the envelope)."),
+    "grad_norm": Tolerance(1e-4, 5e-2, ("bf16 gradients carry ~3 significant digits; 5% covers calm phases; "
+                                        "reported only under the envelope, like the loss.")),
     "lr": _FP32["lr"],
     "params": Tolerance(0.0, 0.5, (
         "bf16 rounding changes every update; parameters are compared only for gross errors "
-        "(a difference larger than half the distance travelled).")),
+        "(a difference larger than half the distance travelled); through a loss spike correct sides end up "
+        "1.2x apart, so under the envelope this is reported only.")),
     "params_zero_grad": _FP32["params_zero_grad"],
 }
 
@@ -82,11 +86,22 @@ _LOSS_SCALE = {
 }
 
 _FP16 = {
-    **_BF16,  # PROVISIONAL until measured
     "logits": Tolerance(0.0, 3e-3, (
         "Relative to max |reference logit|. fp16 (whole module) vs fp64 logits at init: 5.6e-4 / 7.7e-4 "
         "(gpt2-tiny / gpt2-small-cpu), 8x tighter than bf16 (10 vs 7 mantissa bits); two sides up to "
         "their sum, ~1.5e-3; 2x headroom.")),
+    "loss": Tolerance(1e-2, 0.0, (
+        "fp16 with dynamic loss scaling on every side, DeepSpeed's layout: max |Δloss| between any two sides "
+        "5.0e-3 (gpt2-tiny, 200 steps, natural overflows skipped at steps 3 and 107 on all three sides); 2x. "
+        "Reported only when the noise envelope is measured (the default), which decides.")),
+    "val_loss": Tolerance(1e-2, 0.0, "Same as the fp16 training loss (measured <= 4.8e-4)."),
+    "grad_norm": Tolerance(1e-4, 3e-2, (
+        "Relative; measured <= 1.3e-2 between JAX and the torch sides, 1.8e-3 between DeepSpeed and torch "
+        "(gpt2-tiny, 200 steps; skipped steps, whose norm is inf on every side, excluded); 2.3x.")),
+    "lr": _FP32["lr"],
+    "params": Tolerance(0.0, 0.1, (
+        "Per tensor, max |a - b| / distance moved: measured <= 0.0225 (gpt2-tiny, 200 steps); 4x.")),
+    "params_zero_grad": _FP32["params_zero_grad"],
     **_LOSS_SCALE,
 }
 
@@ -122,9 +137,21 @@ class EnvelopeRule:
   grad_norm_floor: float = 2e-4
 
 
-_BF16_ENVELOPE = EnvelopeRule(factor=4.0, floor=1e-3, window=10, reason=(
-    "PROVISIONAL, being measured (benchmarks/noise_envelope.py)."))
-ENVELOPE_RULES: dict[str, EnvelopeRule] = {"fp32": _BF16_ENVELOPE, "bf16": _BF16_ENVELOPE, "fp16": _BF16_ENVELOPE}
+_BF16_ENVELOPE = EnvelopeRule(factor=10.0, floor=1e-3, window=10, reason=(
+    "Measured (benchmarks/results/*-noise-envelope.md): on gpt2-small-cpu in bf16 (200 steps, a loss spike near "
+    "step 24 on every side) the pairs need, in their worst window, 6.4x (JAX vs either torch side) and 1.3x "
+    "(DeepSpeed vs torch, the same layout in the same framework) the noisier side's envelope, once the first "
+    "window's ~1e-3-nat cast-placement difference is under the floor; 10x leaves 1.6x margin. The price: a bug "
+    "whose effect stays within 10x of bf16 rounding noise passes (weight decay off and LayerNorm eps 1e-5 vs 1e-6 "
+    "do on this preset; they are fp32-size effects: use an fp32 compare or `parity diagnose` for them)."))
+_FP16_ENVELOPE = EnvelopeRule(factor=6.0, floor=1e-3, window=10, reason=(
+    "Measured on gpt2-tiny in fp16 (200 steps, all sides skip the same overflowing steps): correct pairs need at "
+    "most 3.4x the noisier side's envelope (grad norm, JAX vs DeepSpeed); 6x leaves 1.8x margin and still fails "
+    "weight decay off (grad norm 12x, params 9x) and LayerNorm eps 1e-6 (grad norm 36x)."))
+_FP32_ENVELOPE = EnvelopeRule(factor=10.0, floor=1e-5, window=10, params_floor=2e-3, grad_norm_floor=2e-4, reason=(
+    "fp32 runs gate on the fixed fp32 table; with --noise-envelope the envelope checks are added with bf16's "
+    "factor and the fp32 table's floors (loss 1e-5 nats, grad norm 2e-4 relative, params 2e-3)."))
+ENVELOPE_RULES: dict[str, EnvelopeRule] = {"fp32": _FP32_ENVELOPE, "bf16": _BF16_ENVELOPE, "fp16": _FP16_ENVELOPE}
 """Noise-envelope rule per precision (parity.checks.envelope_check)."""
 
 
