@@ -120,7 +120,8 @@ def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: in
   main = {s: _side(run_dir / s) for s in d["sides"]}
   noise = {s: _noise(main[s], _side(run_dir / "noise" / s), init, spec) for s in main
            if (run_dir / "noise" / s / "steps.jsonl").exists()}
-  out = {"verdict": d["verdict"]["message"], "rule": dataclasses.asdict(envelope_rule(precision)),
+  out = {"verdict": d["verdict"]["message"], "run_factor": (d.get("noise_envelope") or {}).get("rule", {}).get("factor"),
+         "rule": dataclasses.asdict(envelope_rule(precision)),
          "envelopes": {s: {"loss_max": max(e["loss"].values()),
                            "loss_rms_per_window": [w[2] for w in windowed_rms(
                                sorted(e["loss"]), np.array([e["loss"][k] for k in sorted(e["loss"])]), window)],
@@ -181,7 +182,8 @@ def main() -> int:
            f"--precisions {args.precisions}`", ""]
   for p, r in result["precisions"].items():
     ru = r["rule"]
-    lines += [f"## {p}", "", f"Verdict of the compare: {r['verdict']}", "",
+    lines += [f"## {p}", "", f"Verdict of the compare as it ran (envelope factor then {r['run_factor']:g}): "
+              f"{r['verdict']}", "",
               f"Rule in force: per window of {ru['window']} steps, rms|Δloss| ≤ {ru['factor']:g} × rms(envelope) + "
               f"{ru['floor']:g}; grad norm relative, + {ru['grad_norm_floor']:g}; params per tensor ≤ {ru['factor']:g}"
               f" × the rerun's ratio + {ru['params_floor']:g}. Ratios below are raw (pair ÷ envelope, no floor): "
