@@ -30,8 +30,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness.runner import run_side  # noqa: E402
+from harness_overhead import cpu_name  # noqa: E402
 from parity import api  # noqa: E402
 from parity import weights  # noqa: E402
 from parity.checks import param_ratios, relative_diff, windowed_rms  # noqa: E402
@@ -47,20 +49,6 @@ BUGS = {
 }
 """Subtle bugs (in fp32 each moves the loss by 1e-3..1e-2 over a run); grossly wrong settings such as grad clip
 0.5 vs 1.0 sat ~90x above the bf16 envelope in an earlier measurement and are left out to save time."""
-
-
-def cpu_name() -> str:
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def _loss(records: list[dict]) -> dict[int, float]:
-  return {int(r["step"]): float(r["loss"]) for r in records}
 
 
 def raw_ratios(a: dict[int, float], b: dict[int, float], envs: list[dict[int, float]], window: int,
