@@ -429,7 +429,9 @@ def verdict(checks: Sequence[Check], statuses: dict[str, str]) -> Verdict:
                    "nothing to compare (run two or more sides for a parity verdict)")
   if not failing and not bad_sides:
     gating = sum(c.gating for c in checks)
-    return Verdict(True, None, f"PASS: {gating} checks within tolerance across {len(statuses)} sides")
+    extra = len(checks) - gating
+    more = f" (+{extra} reported only)" if extra else ""
+    return Verdict(True, None, f"PASS: {gating} checks within tolerance across {len(statuses)} sides{more}")
   inf = float("inf")
   failing.sort(key=lambda c: (c.first_failing_step if c.first_failing_step is not None else inf,
                               METRIC_ORDER.get(c.metric, 99)))

@@ -164,7 +164,8 @@ def print_summary(report, con) -> None:
     tol = ch["tolerance"]
     c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val),
               f"{tol:.3g}" if isinstance(tol, (int, float)) else "n/a",
-              "yes" if ch["passed"] else ("[red]NO[/red]" if ch.get("gating", True) else "no (reported only)"),
+              ("yes" if ch["passed"] else "[red]NO[/red]") if ch.get("gating", True) else
+              ("yes (reported only)" if ch["passed"] else "no (reported only)"),
               "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))
   con.print(c)
   det = report.data.get("determinism") or {}

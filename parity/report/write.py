@@ -64,6 +64,7 @@ def write_markdown(report: Report, path: Path) -> None:
          f"- environment: Python {d['environment']['python']}, {d['environment']['platform']}, "
          f"{d['environment']['cpu_count']} CPUs; " + ", ".join(f"{k} {x}" for k, x in d['environment']['versions'].items()),
          f"- wall time {d['timing']['wall_s']:.1f} s; harness overhead ratio {_f(d['timing']['overhead_ratio'], '.3f')}",
+         f"- memory plan: {_plan_line(d)}",
          "", "## Sides", "",
          "| side | status | steps | loss first → last | val loss | tokens/s | init s | compile s | peak RSS | peak device | state bytes by memory kind |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -91,7 +92,8 @@ def write_markdown(report: Report, path: Path) -> None:
   out += _self_sections(d)
   out += ["", "## Checks", "", "| check | value | tolerance | passed | first failing step | detail |", "|---|---|---|---|---|---|"]
   for c in d["checks"]:
-    ok = "yes" if c["passed"] else ("**no**" if c.get("gating", True) else "no (reported only)")
+    ok = ("yes" if c["passed"] else "**no**") if c.get("gating", True) else \
+        ("yes (reported only)" if c["passed"] else "no (reported only)")
     out.append(f"| {c['name']} | {_f(c['value'])} | {_f(c['tolerance'])} | {ok} "
                f"| {_f(c['first_failing_step'], 'd')} | {c['detail']} |")
   out += ["", "## Tolerances", "", "| precision | metric | atol | rtol | reason |", "|---|---|---|---|---|"]
@@ -100,6 +102,16 @@ def write_markdown(report: Report, path: Path) -> None:
       out.append(f"| {p} | {m} | {t['atol']:g} | {t['rtol']:g} | {t['reason']} |")
   out += ["", "![loss curves](loss.png)", ""]
   path.write_text("\n".join(out))
+
+
+def _plan_line(d: dict) -> str:
+  """The plan pair (when --plan chose one) and each side's plan settings, one line."""
+  plan = d.get("plan") or {}
+  j, ds = d["run"]["jax"], d["run"]["deepspeed"]
+  head = f"`{plan['name']}` ({plan.get('chosen_by', 'user')}); " if plan.get("name") else ""
+  jax_kinds = ", ".join(k for k in ("offload_opt_state", "offload_params") if j.get(k)) or "no offload"
+  return (f"{head}DeepSpeed ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, offload_param "
+          f"{ds.get('offload_param')}; JAX {jax_kinds}, remat {j.get('remat')}, zero_stage {j.get('zero_stage')}")
 
 
 def _self_sections(d: dict) -> list[str]:
