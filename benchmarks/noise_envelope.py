@@ -36,7 +36,7 @@ from harness.runner import run_side  # noqa: E402
 from harness_overhead import cpu_name  # noqa: E402
 from parity import api  # noqa: E402
 from parity import weights  # noqa: E402
-from parity.checks import param_ratios, relative_diff, windowed_rms  # noqa: E402
+from parity.checks import param_ratios, relative_diff, rerun_differences, windowed_rms  # noqa: E402
 from parity.protocol import derive_request, read_steps  # noqa: E402
 from parity.spec import RunSpec, from_dict  # noqa: E402
 from parity.tolerances import envelope_rule  # noqa: E402
@@ -69,13 +69,7 @@ def _side(folder: Path) -> tuple[list[dict], dict | None]:
 
 
 def _noise(main: tuple, rerun: tuple, init: dict, spec) -> dict:
-  ref = {int(r["step"]): r for r in main[0]}
-  out = {"loss": {}, "grad_norm": {}}
-  for r in rerun[0]:
-    k = int(r["step"])
-    if k in ref and not r.get("skipped"):
-      out["loss"][k] = abs(ref[k]["loss"] - r["loss"])
-      out["grad_norm"][k] = relative_diff(ref[k]["grad_norm"], r["grad_norm"])
+  out: dict = rerun_differences(main[0], rerun[0])
   out["params"] = param_ratios(main[1], rerun[1], init, spec.model) if main[1] and rerun[1] else {}
   return out
 

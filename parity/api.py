@@ -178,7 +178,8 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
   Options are checked by `_check_run_options` before any side starts.
   """
   from harness import self_runs
-  from parity.checks import Check, envelope_check, envelope_params_check, param_ratios, relative_diff, repeat_check
+  from parity.checks import (ENVELOPE_METRICS, Check, envelope_check, envelope_params_check, param_ratios,
+                             repeat_check, rerun_differences)
   from parity.tolerances import envelope_rule
   t = spec.train
   ok = [s for s, d in side_data.items() if d["status"] == "ok"]
@@ -193,7 +194,7 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
     noise_envelope = t.precision != "fp32"
   if noise_envelope and len(side_data) > 1 and ok:
     rule = envelope_rule(t.precision)
-    env: dict[str, dict[str, dict]] = {"loss": {}, "grad_norm": {}, "val_loss": {}}
+    env: dict[str, dict[str, dict]] = {m: {} for m in ENVELOPE_METRICS}
     penv: dict[str, dict[str, float]] = {}
     runs = {}
     init = weights.load(run_dir / "init.safetensors")
@@ -208,12 +209,8 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
                                    "its pairs have no noise envelope",
                             reason="The bf16/fp16 verdict rests on each side's noise envelope."))
         continue
-      ref = {int(r["step"]): r for r in side_data[side]["steps"]}
-      for metric in env:
-        env[metric][side] = {
-            k: (relative_diff(ref[k][metric], r[metric]) if metric == "grad_norm" else abs(ref[k][metric] - r[metric]))
-            for r in noise_steps for k in [int(r["step"])]
-            if k in ref and r.get(metric) is not None and ref[k].get(metric) is not None and not r.get("skipped")}
+      for metric, diffs in rerun_differences(side_data[side]["steps"], noise_steps).items():
+        env[metric][side] = diffs
       final = run_dir / self_runs.NOISE_DIR / side / "final.safetensors"
       if side_data[side]["final"] is not None and final.exists():
         penv[side] = param_ratios(side_data[side]["final"], weights.load(final), init, spec.model)

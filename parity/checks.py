@@ -18,7 +18,8 @@ from parity.tolerances import EnvelopeRule, tolerance
 from parity.weights import zero_grad_slices
 
 __all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", "verdict", "envelope_check",
-           "envelope_params_check", "param_ratios", "relative_diff", "windowed_rms", "repeat_check", "BITWISE_KEYS"]
+           "envelope_params_check", "param_ratios", "relative_diff", "rerun_differences", "ENVELOPE_METRICS",
+           "windowed_rms", "repeat_check", "BITWISE_KEYS"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
 FP16_SERIES = ("loss_scale", "skipped")
@@ -230,7 +231,7 @@ def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict
   if not common:
     return None
   width = window or (len(common) if metric == "val_loss" else rule.window)
-  d = np.array([_rel(sa[s], sb[s]) if relative else abs(sa[s] - sb[s]) for s in common], dtype=np.float64)
+  d = np.array([relative_diff(sa[s], sb[s]) if relative else abs(sa[s] - sb[s]) for s in common], dtype=np.float64)
   ns = [np.array([e[s] for s in common], dtype=np.float64) for e in envs]
   finite = np.isfinite(d) & np.all([np.isfinite(n) for n in ns], axis=0)
   if not finite.all():
@@ -261,7 +262,29 @@ def relative_diff(x: float, y: float) -> float:
   return abs(x - y) / scale if scale > 0 else 0.0
 
 
-_rel = relative_diff
+ENVELOPE_METRICS = ("loss", "grad_norm", "val_loss")
+"""Per-step metrics held against a noise envelope (grad_norm on relative differences)."""
+
+
+def rerun_differences(main: Sequence[dict], rerun: Sequence[dict]) -> dict[str, dict[int, float]]:
+  """Step-by-step difference between a run and its reduction-order rerun: the envelope of that side.
+
+  Args:
+    main, rerun: StepRecords of the same side (harness.self_runs.run_noise).
+  Returns:
+    metric -> (step -> |main - rerun|) for ENVELOPE_METRICS, relative (`relative_diff`) for grad_norm; steps
+    the rerun skipped (fp16 overflow) or did not record the metric at are left out.
+  """
+  ref = {int(r["step"]): r for r in main}
+  out: dict[str, dict[int, float]] = {m: {} for m in ENVELOPE_METRICS}
+  for r in rerun:
+    k = int(r["step"])
+    if k not in ref or r.get("skipped"):
+      continue
+    for m in ENVELOPE_METRICS:
+      if r.get(m) is not None and ref[k].get(m) is not None:
+        out[m][k] = relative_diff(ref[k][m], r[m]) if m == "grad_norm" else abs(ref[k][m] - r[m])
+  return out
 
 
 def param_ratios(final: dict[str, np.ndarray], other: dict[str, np.ndarray], init: dict[str, np.ndarray],
