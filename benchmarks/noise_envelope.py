@@ -123,10 +123,7 @@ def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: in
       sub = f"bug{j}"
       done = (run_dir / sub / "torch" / "summary.json").exists()
       if not (reuse and done):
-        req_path = derive_request(run_dir, sub)
-        req = json.loads(req_path.read_text())
-        req["perturb"] = {"torch": pert}
-        req_path.write_text(json.dumps(req, indent=2))
+        derive_request(run_dir, sub, perturb={"torch": pert})
         run_side(run_dir / sub, "torch", timeout_s=3600)
       bug = _side(run_dir / sub / "torch")
       ok = len(bug[0]) == spec.train.steps and bug[1] is not None

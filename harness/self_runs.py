@@ -16,7 +16,6 @@ the parent's weights and batches (`parity.protocol.derive_request`):
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -55,10 +54,7 @@ def run_noise(run_dir: Path, side: str, *, timeout_s: float,
   sub.mkdir(parents=True, exist_ok=True)
   if not (sub / "batches.npy").exists():
     np.save(sub / "batches.npy", reversed_batches(np.load(Path(run_dir) / "batches.npy", mmap_mode="r")))
-  req_path = derive_request(run_dir, NOISE_DIR)
-  req = json.loads(req_path.read_text())
-  req["batches"] = "batches.npy"  # its own batches; everything else (perturbations included) as the main run
-  req_path.write_text(json.dumps(req, indent=2))
+  derive_request(run_dir, NOISE_DIR, batches="batches.npy")  # everything else (perturbations too) as the main run
   sr = run_side(sub, side, timeout_s=timeout_s, on_progress=on_progress)
   return sr, read_steps(sub / side / "steps.jsonl")
 

@@ -207,7 +207,8 @@ class RunControl:
     return range(self.first_step, self.last_step + 1)
 
 
-def derive_request(run_dir: str | Path, sub_dir: str | Path, **keys: Any) -> Path:
+def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | None = None,
+                   perturb: dict[str, dict[str, Any]] | None = None, **keys: Any) -> Path:
   """Writes `run_dir/<sub_dir>/request.json`: the run's request plus run-control keys, sharing its inputs.
 
   The derived run is the same run (spec, perturbations, DeepSpeed config) in its own folder, so a repeat,
@@ -218,6 +219,9 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, **keys: Any) -> Pat
   Args:
     run_dir: a prepared run folder (holds request.json, see `parity.run.prepare_run_dir`).
     sub_dir: relative folder inside run_dir for the derived run, e.g. "resume" or "checks/repeat".
+    batches: a batches file of the derived run's own (relative to run_dir/<sub_dir>, or absolute) instead of
+      the parent's, e.g. the reduction-order rerun's reversed batches (harness.self_runs.run_noise).
+    perturb: per-side perturbations replacing the parent's (parity.run.parse_perturb's form).
     **keys: CONTROL_KEYS to set: stop_after_step=S and save_checkpoint_at_step=K (ints >= 0),
       resume_from="<folder>" (relative to run_dir/<sub_dir>, the folder of the derived request, or absolute;
       '{side}' is replaced by each side's name, e.g. resume_from="../stop/{side}/checkpoint"). None omits a key.
@@ -259,6 +263,10 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, **keys: Any) -> Pat
       request[key] = (up / request[key]).as_posix()
   request["derived_from"] = (up / "request.json").as_posix()
   request.update({k: v for k, v in keys.items() if v is not None})
+  if batches is not None:
+    request["batches"] = batches
+  if perturb is not None:
+    request["perturb"] = {side: dict(kv) for side, kv in perturb.items()}
   path = out / "request.json"
   path.write_text(json.dumps(request, indent=2))
   return path

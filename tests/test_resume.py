@@ -212,3 +212,15 @@ def test_resume_with_another_train_spec_is_refused(runs):
   res = runs.run("other_lr", "torch")
   assert res.status == "crashed"
   assert "resume_from=" in res.error and "train.lr: checkpoint 0.001 != this run 0.002" in res.error
+
+
+def test_derive_request_can_give_the_rerun_its_own_batches_and_perturbations(tmp_path):
+  from parity.protocol import REQUEST_SCHEMA, derive_request
+  (tmp_path / "request.json").write_text(json.dumps({"schema": REQUEST_SCHEMA, "batches": "batches.npy",
+                                                     "init_weights": "init.safetensors",
+                                                     "perturb": {"jax": {"train.lr": 0.002}}}))
+  kept = json.loads(derive_request(tmp_path, "noise", batches="batches.npy").read_text())
+  assert kept["batches"] == "batches.npy" and kept["init_weights"] == "../init.safetensors"
+  assert kept["perturb"] == {"jax": {"train.lr": 0.002}}
+  bug = json.loads(derive_request(tmp_path, "bug0", perturb={"torch": {"train.weight_decay": 0.0}}).read_text())
+  assert bug["batches"] == "../batches.npy" and bug["perturb"] == {"torch": {"train.weight_decay": 0.0}}
