@@ -38,7 +38,7 @@ from jax_impl.model import tree_from_canonical
 __all__ = ["ClipState", "clip_by_global_norm_deepspeed", "warmup_cosine_schedule", "decay_mask",
            "make_optimizer", "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "LossScaleState",
            "LossScaledState", "LossScaleConfig", "loss_scaled", "next_loss_scale", "loss_scale_of",
-           "loss_scale_state_of", "overflow_at_minimum"]
+           "loss_scale_state_of", "overflow_at_minimum", "GlobalStats", "global_stats"]
 
 DEEPSPEED_CLIP_EPS = 1e-6
 """Added to the global norm before dividing by the clip value (DeepSpeed ZeRO-1/2)."""
@@ -49,13 +49,17 @@ class ClipState(NamedTuple):
   grad_norm: jax.Array  # shape=(), dtype=float32: global L2 norm of the last input, before clipping
 
 
-def clip_by_global_norm_deepspeed(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None = None
+                                   ) -> optax.GradientTransformation:
   """Clips the gradient by its global L2 norm with DeepSpeed's formula, and records that norm.
 
   g <- g * (1 / s),  s = max(1, (||g|| + 1e-6) / max_norm); the identity when max_norm == 0.
 
   Args:
     max_norm: DeepSpeed `gradient_clipping` (>= 0); 0 disables clipping (the norm is still recorded).
+    global_norm: float32 scalar: use this as ||g|| instead of the norm of the update's input. The
+      layer-streamed update (`jax_impl.stream`) feeds the chain one layer at a time and passes the
+      norm of the whole gradient here (`global_stats`).
   Returns:
     A GradientTransformation whose state is a ClipState.
   Raises:
@@ -78,7 +82,7 @@ def clip_by_global_norm_deepspeed(max_norm: float) -> optax.GradientTransformati
 
   def update_fn(updates: Any, state: ClipState, params: Any = None) -> tuple[Any, ClipState]:
     del state, params
-    norm = optax.tree.norm(updates).astype(jnp.float32)
+    norm = optax.tree.norm(updates).astype(jnp.float32) if global_norm is None else global_norm
     if max_norm > 0:
       scale = jnp.maximum((norm + DEEPSPEED_CLIP_EPS) / max_norm, 1.0)
       inv_scale = 1.0 / scale  # DeepSpeed multiplies by 1 / combined_scale
@@ -134,25 +138,63 @@ def decay_mask(spec: ModelSpec, scan_layers: bool = False) -> dict[str, Any]:
   return tree_from_canonical(values, n_layers=spec.n_layers if scan_layers else None)
 
 
-def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = False
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def _restrict(full: Any, tree: Any) -> Any:
+  """The part of the dict tree `full` whose keys `tree` has, recursively (a sub-tree's decay mask)."""
+  if isinstance(full, dict):
+    return {k: _restrict(full[k], tree[k]) for k in tree}
+  return full
+
+
+class GlobalStats(NamedTuple):
+  """Whole-gradient quantities the layer-streamed update computes once and hands every slice's update."""
+  grad_norm: jax.Array  # shape=(), float32: pre-clip norm of the (unscaled) gradient, what the clip divides by
+  overflow: jax.Array | None  # shape=(), bool: fp16 only, the scaled gradient has a non-finite element
+
+
+def global_stats(train: TrainSpec, grads: Any, opt_state: Any) -> GlobalStats:
+  """The whole gradient's norm (and fp16 overflow), computed as the full chain computes them.
+
+  Args:
+    train: the training spec (precision, loss-scale settings).
+    grads: the whole float32 gradient (loss-scaled under fp16), any layout.
+    opt_state: the `make_optimizer` state before the update.
+  Returns:
+    GlobalStats for `make_optimizer(..., stats=)`. fp16: the norm is that of the gradient divided by
+    the loss scale *after* this step's update (`loss_scaled`'s order).
+  """
+  if train.precision != "fp16":
+    return GlobalStats(optax.tree.norm(grads).astype(jnp.float32), None)
+  overflow = ~_all_finite(grads)
+  new_ls = next_loss_scale(loss_scale_state_of(opt_state), overflow, LossScaleConfig.from_train(train))
+  unscaled = jax.tree.map(lambda g: g / new_ls.scale.astype(g.dtype), grads)
+  return GlobalStats(optax.tree.norm(unscaled).astype(jnp.float32), overflow)
+
+
+def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = False,
+                   stats: GlobalStats | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the DeepSpeed-equivalent optimizer for this model and training spec.
+
+  Every transform but the clip and the fp16 overflow check is elementwise, so with `stats` the chain can
+  be applied to any sub-tree of the params (one layer's slice of a scan-stacked tree, or the non-layer
+  params): its state is the full state restricted to the same keys, and the decay mask restricts itself.
 
   Args:
     spec, train: the model and training specs.
     scan_layers: the params use the layer-stacked layout (`model.stack_layers`).
+    stats: whole-gradient norm and overflow (`global_stats`), used instead of the update input's own.
 
   Returns:
     (tx, schedule): the optax chain (state: (ClipState, adamw state)) and its learning-rate
     schedule, so the step can report the lr it applies.
   """
   schedule = warmup_cosine_schedule(train)
+  full_mask = decay_mask(spec, scan_layers)
   tx = optax.chain(
-      clip_by_global_norm_deepspeed(train.grad_clip),
+      clip_by_global_norm_deepspeed(train.grad_clip, None if stats is None else stats.grad_norm),
       optax.adamw(learning_rate=schedule, b1=train.beta1, b2=train.beta2, eps=train.eps, eps_root=0.0,
-                  weight_decay=train.weight_decay, mask=decay_mask(spec, scan_layers)))
+                  weight_decay=train.weight_decay, mask=lambda tree: _restrict(full_mask, tree)))
   if train.precision == "fp16":
-    tx = loss_scaled(tx, LossScaleConfig.from_train(train))
+    tx = loss_scaled(tx, LossScaleConfig.from_train(train), None if stats is None else stats.overflow)
   return tx, schedule
 
 
@@ -251,7 +293,8 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones((), bool)
 
 
-def loss_scaled(inner: optax.GradientTransformation, cfg: LossScaleConfig) -> optax.GradientTransformation:
+def loss_scaled(inner: optax.GradientTransformation, cfg: LossScaleConfig,
+                overflow: jax.Array | None = None) -> optax.GradientTransformation:
   """Wraps an optimizer for fp16 training with DeepSpeed's (dynamic) loss scaling.
 
   The update takes the gradient of (loss * scale), scale = `loss_scale_of(state)` (the step
@@ -274,6 +317,8 @@ def loss_scaled(inner: optax.GradientTransformation, cfg: LossScaleConfig) -> op
   Args:
     inner: the optimizer (clip + AdamW chain), fed the unscaled float32 gradient.
     cfg: loss-scale settings.
+    overflow: bool scalar: use this instead of checking the update's input (the layer-streamed
+      update checks the whole gradient once, `global_stats`).
   Returns:
     A GradientTransformation with a LossScaledState.
   References:
@@ -288,13 +333,13 @@ def loss_scaled(inner: optax.GradientTransformation, cfg: LossScaleConfig) -> op
     return LossScaledState(loss_scale=ls, inner=inner.init(params))
 
   def update_fn(scaled_grads: Any, state: LossScaledState, params: Any = None) -> tuple[Any, LossScaledState]:
-    overflow = ~_all_finite(scaled_grads)
-    loss_scale = next_loss_scale(state.loss_scale, overflow, cfg)
+    found = ~_all_finite(scaled_grads) if overflow is None else overflow
+    loss_scale = next_loss_scale(state.loss_scale, found, cfg)
     divisor = loss_scale.scale  # DeepSpeed unscales with the scale *after* its update (see the docstring)
     grads = jax.tree.map(lambda g: g / divisor.astype(g.dtype), scaled_grads)
     updates, new_inner = inner.update(grads, state.inner, params)
-    keep = lambda new, old: jnp.where(overflow, old, new)
-    updates = jax.tree.map(lambda u: jnp.where(overflow, jnp.zeros_like(u), u), updates)
+    keep = lambda new, old: jnp.where(found, old, new)
+    updates = jax.tree.map(lambda u: jnp.where(found, jnp.zeros_like(u), u), updates)
     new_inner = jax.tree.map(keep, new_inner, state.inner)
     return updates, LossScaledState(loss_scale=loss_scale, inner=new_inner)
 

@@ -35,6 +35,7 @@ from jax_impl import model as model_lib
 from jax_impl import optim
 from jax_impl import offload as offload_lib
 from jax_impl import remat as remat_lib
+from jax_impl import stream as stream_lib
 from jax_impl.offload import Placement, TrainState, make_placement
 
 __all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer"]
@@ -114,20 +115,27 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   layers_on_host = run.jax.scan_layers and placement.kind("params") != "device"
   fp16 = run.train.precision == "fp16"
   ls_cfg = optim.LossScaleConfig.from_train(run.train) if fp16 else None
+  streamed = stream_lib.streams_update(run)
 
   def train_step(state: TrainState, batch_amtp1: jax.Array,
                  overflow_factor: jax.Array | None = None) -> tuple[TrainState, Metrics]:
     grad_shd = placement.group_shardings("grads", state.params) if placement.sharded("grads") else None
     fwd_params = placement.to_device("params", state.params, shardings.params, keep_layers=True)
-    opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
+    if streamed:  # the moments stay where they are; the update streams them (jax_impl.stream)
+      opt_state = stream_lib.scalars_to_device(placement, state.opt_state, state.params)
+    else:
+      opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
     scale = optim.loss_scale_of(opt_state) if fp16 else None
     loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd, grads_to_device=layers_on_host,
                                        loss_multiplier=None if scale is None else scale * overflow_factor)
-    params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
     lr = schedule(optim.step_count_of(opt_state))
     old_ls = optim.loss_scale_state_of(opt_state)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    if streamed:  # one layer's params and moments on the device at a time (jax_impl.stream)
+      params, opt_state = stream_lib.streamed_update(run, placement, grads, opt_state, state.params)
+    else:
+      params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
     metrics = {"loss": loss_val, "grad_norm": optim.grad_norm_of(opt_state), "lr": lr}
     if fp16:
       new_ls = optim.loss_scale_state_of(opt_state)

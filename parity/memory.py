@@ -259,8 +259,10 @@ def _jax_rows(run: RunSpec) -> list[Row]:
   """JAX side, per device of the data axis (D = jax.data_parallel). Params are the fp32 masters
   (bf16/fp16 casts of the whole tree inside the step), sharded over D at zero_stage 3; gradients fp32, sharded at
   >= 2; Adam moments sharded at >= 1. Offloaded state is in host memory between steps; the rows
-  'in-step' give what XLA brings to the device during the step (params: one layer at a time with
-  scan_layers, else all of them; moments: all of them during the update)."""
+  'in-step' give what XLA brings to the device during the step. Without scan_layers: all offloaded params
+  (forward, backward and update) and all offloaded moments (update). With scan_layers
+  (`jax_impl.stream`): the non-layer params and moments plus two layers' worth (the slice in use and the
+  one XLA prefetches), in the forward/backward scan and in the layer-streamed update alike."""
   m, t, p = run.model, run.train, run.jax
   n, d = param_count(m), p.data_parallel
   shard = {name: (d if p.zero_stage >= stage else 1) for name, stage in
@@ -270,12 +272,14 @@ def _jax_rows(run: RunSpec) -> list[Row]:
   rows = [Row("jax", "params", _kind(p.offload_params), par),
           Row("jax", "gradients", "device", FP32 * math.ceil(n / shard["gradients"])),
           Row("jax", "optimizer_moments", _kind(p.offload_opt_state), mom)]
+  outside = n - m.n_layers * block_params(m)  # embeddings, final norm (and an untied head)
+  streamed = lambda k: FP32 * (math.ceil(outside / shard[k]) + 2 * math.ceil(block_params(m) / shard[k]))
   if p.offload_params:
-    layer = FP32 * math.ceil(block_params(m) / shard["params"])
-    rows.append(Row("jax", "params", "device", 2 * layer if p.scan_layers else par,
-                    "in-step (2 layers, scan)" if p.scan_layers else "in-step"))
+    rows.append(Row("jax", "params", "device", streamed("params") if p.scan_layers else par,
+                    "in-step (non-layer + 2 layers, scan)" if p.scan_layers else "in-step"))
   if p.offload_opt_state:
-    rows.append(Row("jax", "optimizer_moments", "device", mom, "in-step (update)"))
+    rows.append(Row("jax", "optimizer_moments", "device", 2 * streamed("optimizer_moments") if p.scan_layers else mom,
+                    "in-step (update: non-layer + 2 layers, streamed)" if p.scan_layers else "in-step (update)"))
   return rows + _activation_rows("jax", run, p.remat, ranks=d)
 
 

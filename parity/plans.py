@@ -60,6 +60,8 @@ PLANS: dict[str, Plan] = {
     "scan-offload": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu"),
                          JaxPlan(offload_params=True, scan_layers=True),
                          "params on the host, brought to the device one layer at a time (scan / ZeRO-3 fetch)"),
+    "zero2-offload-scan": Plan(DeepSpeedPlan(), JaxPlan(scan_layers=True),
+                               "default pair; JAX streams the Adam moments through the update one layer at a time"),
     "act-offload": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="offload_dots_no_batch"),
                         "JAX keeps weight-matmul outputs in host memory; DeepSpeed recomputes each block"),
 }

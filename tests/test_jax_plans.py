@@ -8,12 +8,13 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
+from parity import memory  # noqa: E402
 from parity.memory_jax import jax_state_bytes  # noqa: E402
 from parity.spec import REMAT_POLICIES, JaxPlan, ModelSpec, RunSpec, TrainSpec  # noqa: E402
 from parity.weights import init_params  # noqa: E402
 
 from jax_impl import model as M  # noqa: E402
-from jax_impl import offload, remat, worker  # noqa: E402
+from jax_impl import offload, remat, stream, worker  # noqa: E402
 from jax_impl.step import Trainer  # noqa: E402
 
 GPT2 = ModelSpec(vocab_size=64, d_model=32, n_layers=3, n_heads=2, max_seq_len=16)
@@ -130,6 +131,7 @@ OFFLOAD_PLANS = {
     "params": JaxPlan(offload_opt_state=False, offload_params=True),
     "both": JaxPlan(offload_opt_state=True, offload_params=True),
     "scan_params": JaxPlan(offload_opt_state=False, offload_params=True, scan_layers=True),
+    "scan_opt_state": JaxPlan(offload_opt_state=True, scan_layers=True),
     "scan_all_names": JaxPlan(offload_opt_state=True, offload_params=True, scan_layers=True, remat="offload_names"),
 }
 
@@ -160,22 +162,90 @@ def test_compiled_entry_buffers_in_host_space_are_exactly_the_offloaded_state(of
   ev = t.offload_evidence()
   state_bytes = offload.bytes_by_memory_kind(t.state)
   host = ev["offload_params"]["host_to_device_bytes"] + ev["offload_opt_state"]["host_to_device_bytes"]
-  assert host == state_bytes.get("pinned_host", 0)
+  leaves = jax.tree.leaves(t.state)
+  pruned_host = sum(x.nbytes for i, (x, h) in enumerate(zip(leaves, want)) if h and i not in kept)
+  assert pruned_host <= 4  # at most the clip state's previous norm, which the step never reads
+  assert host == state_bytes.get("pinned_host", 0) - pruned_host
+  group_host = {"offload_params": sum(x.nbytes for x in jax.tree.leaves(t.state.params)) * plan.offload_params,
+                "offload_opt_state": sum(x.nbytes for x in jax.tree.leaves(t.state.opt_state)) * plan.offload_opt_state}
   for option in ("offload_params", "offload_opt_state"):
-    assert ev[option]["moved_bytes_per_step"] == 2 * ev[option]["host_to_device_bytes"]
+    assert ev[option]["device_to_host_bytes"] == group_host[option]  # every offloaded leaf is written back
+    assert ev[option]["moved_bytes_per_step"] == ev[option]["host_to_device_bytes"] + group_host[option]
 
 
 def test_scan_param_offload_moves_each_layer_in_the_scan_body(offloaded):
   """The per-layer host->device move is an in-jit device_put: dropped by the CPU lowering, so it is
-  asserted from the jaxpr: one move per stacked leaf in the scan body; its transpose sends each
-  layer's gradient slice to host memory (JAX keeps a cotangent in its primal's memory space), and
-  the step moves every gradient to device for the update (no-ops for the device-resident ones)."""
+  asserted from the jaxpr. Forward/backward: one move per stacked leaf in the scan body; its transpose
+  sends each layer's gradient slice to host memory (JAX keeps a cotangent in its primal's memory space),
+  and the step moves every gradient to device (no-ops for the device-resident ones). The layer-streamed
+  update (jax_impl.stream): the non-layer params to device once, then per layer one move in and one
+  move back per stacked leaf."""
   t, _ = offloaded["scan_params"]
   n_stacked = len(jax.tree.leaves(t.state.params[M.LAYERS]))
   n_all = len(jax.tree.leaves(t.state.params))
-  assert t.offload_evidence()["jaxpr_device_puts"] == {"to_host": n_stacked, "to_device": n_stacked + n_all}
+  fwd_bwd = {"to_host": n_stacked, "to_device": n_stacked + n_all}
+  update = {"to_host": n_stacked, "to_device": (n_all - n_stacked) + n_stacked}
+  assert t.offload_evidence()["jaxpr_device_puts"] == {k: fwd_bwd[k] + update[k] for k in fwd_bwd}
   assert offloaded["scan_all_names"][0].offload_evidence()["jaxpr_device_puts"]["to_host"] > 0
   assert offloaded["params"][0].offload_evidence()["jaxpr_device_puts"] == {"to_host": 0, "to_device": 0}
+
+
+def test_scan_opt_state_offload_streams_the_moments_one_layer_at_a_time(offloaded):
+  """Moments in host memory with scan_layers: the update brings the optimizer's scalars and the
+  non-layer moments to the device once, and each layer's mu and nu slices in and out of the scan body;
+  the whole-state move of the unstreamed update (every moment leaf at once) is gone."""
+  t, _ = offloaded["scan_opt_state"]
+  n_stacked = len(jax.tree.leaves(t.state.params[M.LAYERS]))
+  n_all = len(jax.tree.leaves(t.state.params))
+  n_scalars = len(jax.tree.leaves(t.state.opt_state)) - 2 * n_all
+  assert n_scalars == 3  # the clip's norm, Adam's count, the schedule's count
+  moves = t.offload_evidence()["jaxpr_device_puts"]
+  assert moves == {"to_host": 2 * n_stacked, "to_device": n_scalars + 2 * (n_all - n_stacked) + 2 * n_stacked}
+  def update(grads, opt_state, params):
+    opt_state = stream.scalars_to_device(t.placement, opt_state, params)
+    return stream.streamed_update(t.run, t.placement, grads, opt_state, params)
+
+  grads = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t.state.params)
+  jaxpr = jax.make_jaxpr(update)(grads, t.state.opt_state, t.state.params).jaxpr
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert scan.params["length"] == t.run.model.n_layers
+  body = scan.params["jaxpr"].jaxpr
+  assert remat.device_puts_in_jaxpr(str(body)) == {"to_host": 2 * n_stacked, "to_device": 2 * n_stacked}
+  # What one iteration brings to the device is one layer's mu and nu; the memory model's in-step row
+  # is the non-layer moments plus two such slices (the one in use and the one XLA prefetches).
+  puts = [e for e in body.eqns if e.primitive.name == "device_put" and "Device" in str(e.params["devices"])]
+  per_layer = sum(v.aval.size * v.aval.dtype.itemsize for e in puts for v in e.invars)
+  n_block = memory.block_params(t.run.model)
+  assert per_layer == 2 * 4 * n_block
+  (row,) = [r for r in memory.estimate(t.run, sides=("jax",)) if r.category == "optimizer_moments"
+            and r.note.startswith("in-step")]
+  outside = memory.param_count(t.run.model) - t.run.model.n_layers * n_block
+  assert row.bytes == 2 * 4 * outside + 2 * per_layer
+  unstreamed = offloaded["opt_state"][0].offload_evidence()["jaxpr_device_puts"]
+  assert unstreamed == {"to_host": 0, "to_device": 0}  # the plain update: moved at the jit boundary
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_streamed_update_equals_the_whole_tree_update_in_mixed_precision(precision):
+  """bf16 and fp16 (a forced overflow at step 1, a natural one possible at 2**20) under the layer-streamed
+  update give the unstreamed plan's losses, norms, loss scales, skips and final params: the global norm
+  and the overflow are taken over the whole gradient before the per-layer updates."""
+  train = dataclasses.replace(TRAIN, steps=4, precision=precision, initial_scale_power=20, hysteresis=1,
+                              loss_scale_window=2)
+  b = tokens((train.steps, 2, 2, 9), seed=3)
+  out = {}
+  for name, plan in {"plain": JaxPlan(offload_opt_state=False, scan_layers=True),
+                     "streamed": JaxPlan(offload_opt_state=True, offload_params=True, scan_layers=True)}.items():
+    t = trainer(plan, train)
+    kw = lambda i: {"force_overflow": i == 1} if precision == "fp16" else {}
+    out[name] = ([t.step(x, **kw(i)) for i, x in enumerate(b)], t.canonical_params())
+  (plain, p_plain), (streamed, p_streamed) = out["plain"], out["streamed"]
+  if precision == "fp16":
+    assert [m["skipped"] for m in streamed] == [m["skipped"] for m in plain] and streamed[1]["skipped"]
+    assert [m["loss_scale"] for m in streamed] == [m["loss_scale"] for m in plain]
+  for key in ("loss", "grad_norm", "lr"):
+    np.testing.assert_allclose([m[key] for m in streamed], [m[key] for m in plain], rtol=1e-6, err_msg=key)
+  assert_trees_close(p_streamed, p_plain, 1e-6, "params")
 
 
 @pytest.mark.parametrize("name", list(OFFLOAD_PLANS))

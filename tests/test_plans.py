@@ -51,11 +51,37 @@ def test_planner_7b_on_one_80gb_device_picks_a_plan_that_fits():
   assert {"zero0", "zero2"} <= {ln.split()[0] for ln in lines}  # unsharded, unoffloaded 7B: ~16 bytes/param
 
 
-def test_planner_both_sides_fit_on_h200_and_not_on_80gb():
+def test_planner_7b_on_one_80gb_device_fits_both_sides_by_streaming_the_jax_update():
+  """Issue #4: llama-7b, one 80 GB device, 512 GB host, both sides. The plain JAX update brings all 50 GiB of
+  fp32 Adam moments to the device at once, so every unstreamed pair fails on the JAX side; the layer-streamed
+  update (scan_layers) holds two layers' moments, and its pair is the cheapest that fits."""
+  train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
+  for hw in (plans.HARDWARE["A100-80"], plans.HARDWARE["H100"]):
+    best, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, hw, host_bytes=512 * GiB)
+    assert best is not None and best.name == "zero2-offload-scan", hw.name
+    assert set(best.peak_device_bytes) == {"deepspeed", "jax"}
+    assert max(best.peak_device_bytes.values()) <= 0.9 * hw.device_bytes
+    by_name = {c.name: c for c in ranked}
+    plain = by_name["zero2-offload"]  # the same pair without the streamed update
+    assert plain.step_s == best.step_s and not plain.fits
+    assert plain.peak_device_bytes["jax"] - best.peak_device_bytes["jax"] > 30 * GiB  # ~all the moments
+    assert any(p.startswith("jax needs") for p in plain.problems)
+    lines = plans.explain(best, ranked)
+    assert lines and all("does not fit" in ln for ln in lines)
+    assert {"zero0", "zero2", "zero2-offload"} <= {ln.split()[0] for ln in lines}
+    assert by_name["scan-offload"].fits and by_name["scan-offload"].step_s > best.step_s
+
+
+def test_planner_both_sides_fit_on_h200_without_streaming():
   train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
   best, _ = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, plans.HARDWARE["H200"], host_bytes=512 * GiB)
   assert best is not None and set(best.peak_device_bytes) == {"deepspeed", "jax"}
-  none, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, plans.HARDWARE["A100-80"], host_bytes=512 * GiB)
+  assert not plans.PLANS[best.name].jax.scan_layers
+
+
+def test_planner_explains_every_plan_when_none_fits():
+  train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
+  none, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, plans.HARDWARE["A100-40"], host_bytes=64 * GiB)
   assert none is None and len(plans.explain(None, ranked)) == len(ranked)
 
 

@@ -110,8 +110,12 @@ def _plan_line(d: dict) -> str:
   j, ds = d["run"]["jax"], d["run"]["deepspeed"]
   head = f"`{plan['name']}` ({plan.get('chosen_by', 'user')}); " if plan.get("name") else ""
   jax_kinds = ", ".join(k for k in ("offload_opt_state", "offload_params") if j.get(k)) or "no offload"
+  if j.get("scan_layers"):
+    offloaded = j.get("offload_opt_state") or j.get("offload_params")
+    jax_kinds += ", scan_layers" + (" (update streamed one layer at a time)" if offloaded else "")
   return (f"{head}DeepSpeed ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, offload_param "
-          f"{ds.get('offload_param')}; JAX {jax_kinds}, remat {j.get('remat')}, zero_stage {j.get('zero_stage')}")
+          f"{ds.get('offload_param')}; JAX {jax_kinds}, remat {j.get('remat')}, zero_stage {j.get('zero_stage')}, "
+          f"data_parallel {j.get('data_parallel', 1)}")
 
 
 def _self_sections(d: dict) -> list[str]:

@@ -1,0 +1,117 @@
+"""The layer-streamed optimizer update: AdamW applied one layer at a time inside a `jax.lax.scan`.
+
+With `scan_layers`, every block tensor is stacked on a leading layer axis under `LAYERS`, and so are
+its Adam moments. When the params or the optimizer state live in host memory (`offload_params`,
+`offload_opt_state`), the plain update (`optax` on the whole tree) makes XLA bring all of them to
+the device at once: for a 7B model the 50 GiB of fp32 moments alone. This update instead:
+
+  1. computes the whole-gradient quantities once, on the device-resident gradient
+     (`optim.global_stats`: the pre-clip norm, and under fp16 the overflow flag);
+  2. applies the same optax chain, built with those stats (`optim.make_optimizer(stats=)`), to the
+     non-layer params (embeddings, final norm) as one sub-tree;
+  3. scans over the layer axis: each iteration moves one layer's param and moment slices to device
+     memory (`jax.device_put(..., jax.memory.Space.Device)`), updates them, and moves the results back
+     to the group's memory space; the scan stacks them into the new state.
+
+Every transform of the chain except the clip's norm and the fp16 overflow check is elementwise, so
+each slice gets exactly the arithmetic the whole-tree update gives it; the scalars of the state
+(Adam's count, the schedule's count, the clip's recorded norm, the loss scale) come out of every
+sub-update identical, and are taken from the non-layer one. The device then holds one layer's
+moments and params at a time (two with XLA's prefetch of the next slice), plus the gradient.
+
+The moves are the same in-jit `device_put`s the forward pass uses for per-layer params
+(`model._params_to_device`), so the same caveat holds: the CPU backend drops them from the lowered
+program, and the jaxpr is where CPU shows them (`remat.device_puts_in_jaxpr`).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import optax
+
+from parity.spec import RunSpec
+
+from jax_impl import optim
+from jax_impl.offload import DEVICE_KIND, LAYERS, Placement
+
+__all__ = ["streams_update", "scalars_to_device", "streamed_update"]
+
+
+def streams_update(run: RunSpec) -> bool:
+  """Whether the step updates the state layer by layer: scan_layers with params or optimizer state offloaded."""
+  return run.jax.scan_layers and (run.jax.offload_params or run.jax.offload_opt_state)
+
+
+def _map_param_trees(opt_state: Any, treedef: Any, fn: Callable[[Any], Any],
+                     other: Callable[[Any], Any] = lambda x: x) -> Any:
+  """Applies fn to every sub-tree of opt_state shaped like `treedef` (Adam's mu and nu), `other` to every
+  other leaf (the scalars: counts, the clip's norm, the loss scale)."""
+  is_params = lambda x: isinstance(x, dict) and jax.tree.structure(x) == treedef
+  return jax.tree.map(lambda x: fn(x) if is_params(x) else other(x), opt_state, is_leaf=is_params)
+
+
+def _move(tree: Any, space: Any) -> Any:
+  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def scalars_to_device(placement: Placement, opt_state: Any, params: Any) -> Any:
+  """Inside jit: the optimizer state with its scalars (counts, clip norm, loss scale) in device memory and
+  its params-shaped parts (the moments) left where they are; identity when the state is on the device."""
+  if placement.kind("opt_state") == DEVICE_KIND:
+    return opt_state
+  return _map_param_trees(opt_state, jax.tree.structure(params), lambda t: t,
+                          lambda x: jax.device_put(x, jax.memory.Space.Device))
+
+
+def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: Any, params: Any
+                    ) -> tuple[Any, Any]:
+  """One optimizer update, the layer subtree streamed through device memory one layer at a time.
+
+  Args:
+    run: the resolved RunSpec (model and train specs for the optimizer; `streams_update(run)` true).
+    placement: the memory plan (which groups live in host memory).
+    grads: float32 gradient pytree (scan layout), in device memory; loss-scaled under fp16.
+    opt_state: the `optim.make_optimizer` state: moments in their between-steps memory kind, scalars in
+      device memory (`scalars_to_device`).
+    params: the fp32 master params (scan layout), in their between-steps memory kind.
+  Returns:
+    (new params, new opt_state) in the same layout; the `LAYERS` subtree of each group is in that
+    group's between-steps memory space, the rest in device memory (the jit's out shardings place it).
+  """
+  full_def = jax.tree.structure(params)
+  rest_of = lambda t: {k: v for k, v in t.items() if k != LAYERS}
+  rest_def = jax.tree.structure(rest_of(params))
+  layer_def = jax.tree.structure({LAYERS: params[LAYERS]})
+  params_host = placement.kind("params") != DEVICE_KIND
+  opt_host = placement.kind("opt_state") != DEVICE_KIND
+  to_device = lambda tree, host: _move(tree, jax.memory.Space.Device) if host else tree
+  to_home = lambda tree, host: _move(tree, jax.memory.Space.Host) if host else tree
+
+  stats = optim.global_stats(run.train, grads, opt_state)
+  tx, _ = optim.make_optimizer(run.model, run.train, scan_layers=True, stats=stats)
+
+  # The non-layer params (embeddings, final norm) and their moments: one sub-tree update on the device.
+  rest_params = to_device(rest_of(params), params_host)
+  rest_state = _map_param_trees(opt_state, full_def, lambda t: to_device(rest_of(t), opt_host))
+  updates, new_rest_state = tx.update(rest_of(grads), rest_state, rest_params)
+  new_rest_params = optax.apply_updates(rest_params, updates)
+
+  moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
+  _map_param_trees(opt_state, full_def, lambda t: moments.append(t[LAYERS]))
+
+  def body(_: None, xs: tuple[Any, Any, list[Any]]) -> tuple[None, tuple[Any, list[Any]]]:
+    g_l, p_l, m_l = xs
+    p_l = to_device(p_l, params_host)
+    slices = iter([to_device(m, opt_host) for m in m_l])
+    state_l = _map_param_trees(opt_state, full_def, lambda _t: {LAYERS: next(slices)})
+    upd_l, new_state_l = tx.update({LAYERS: g_l}, state_l, {LAYERS: p_l})
+    new_p_l = optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS]
+    new_m_l: list[Any] = []
+    _map_param_trees(new_state_l, layer_def, lambda t: new_m_l.append(t[LAYERS]))
+    return None, (to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l])
+
+  _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments))
+  stacked = iter(new_moments)
+  new_state = _map_param_trees(new_rest_state, rest_def, lambda t: {**t, LAYERS: next(stacked)})
+  return {**new_rest_params, LAYERS: new_layers}, new_state
