@@ -19,8 +19,9 @@ through the forward and backward pass: `to_device` leaves the `LAYERS` subtree a
 model moves each layer's slice to device inside the scan body (`model._params_to_device`).
 The transpose of that move sends each layer's gradient slice to host memory (JAX keeps a
 cotangent in its primal's memory space; a custom_vjp cannot change that), and the step moves
-the gradients back to device for the optimizer update, which works on a device copy of all
-params (`step.make_train_step`): the forward/backward peak holds one layer, the update all.
+the gradients back to device for the optimizer update. With scan_layers that update is streamed
+too (`jax_impl.stream`): one layer's params and moments come to the device at a time, so the
+device never holds all offloaded state at once.
 
 What CPU can and cannot show (shared/NUMERICS.md): arrays really carry the memory kind, the
 lowered StableHLO carries `mhlo.memory_kind = "pinned_host"` at the jit boundary, and the

@@ -9,7 +9,8 @@ applies the optimizer once. The reported loss is the mean of the micro-batch los
 
 The JaxPlan shapes the step without changing its arithmetic: `remat` wraps each block in a
 jax.checkpoint policy (`jax_impl.remat`), `scan_layers` runs the blocks as one scan over
-layer-stacked params, `offload_*` place state groups in host memory (`jax_impl.offload`), and
+layer-stacked params (and, with offloaded state, streams the optimizer update one layer at a time:
+`jax_impl.stream`), `offload_*` place state groups in host memory (`jax_impl.offload`), and
 `zero_stage` / `data_parallel` shard the state over the mesh's `data` axis (stage 2 adds a
 sharding constraint on the accumulated gradients). Every plan gives the default plan's loss
 to fp32 rounding (tests/test_jax_plans*.py).

@@ -276,3 +276,25 @@ def test_worker_forces_the_host_device_count_from_the_request(tmp_path):
   assert worker.force_host_devices([str(req)], env) is None and env["XLA_FLAGS"].endswith("=8")
   req.write_text(json.dumps({"run": {"jax": {"data_parallel": 1}}}))
   assert worker.force_host_devices([str(req)], {}) is None
+
+
+# ----------------------------------------------------------------------------- the GPU memory script, on CPU
+
+
+def test_gpu_memory_script_runs_its_cpu_check(tmp_path):
+  """benchmarks/gpu_memory.py (what a session with a GPU runs) works end to end on CPU in --tiny mode."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_memory.py"
+  proc = subprocess.run([sys.executable, str(script), "--tiny", "--plans", "scan-offload", "--steps", "1",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (r,) = json.loads((tmp_path / "gpu-memory.json").read_text())["results"]
+  assert r["state_memory_kinds"] == {"params": "pinned_host", "opt_state": "pinned_host"}
+  assert r["predicted_peak_device_bytes"] > 0 and r["memory_analysis"] and len(r["step_s"]) == 1
+  assert r["jaxpr_device_puts"]["to_device"] > 0  # the per-layer moves of the forward pass and the update
+  assert "`scan-offload`" in (tmp_path / "gpu-memory.md").read_text()
+  bad = subprocess.run([sys.executable, str(script), "--plans", "zero9", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "zero9" in bad.stderr
