@@ -58,8 +58,12 @@ PLANS: dict[str, Plan] = {
                                                                       data_parallel=4),
                         "FSDP over 4 devices on the JAX side (DeepSpeed: ZeRO-3 on its ranks)"),
     "scan-offload": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu"),
-                         JaxPlan(offload_params=True, scan_layers=True),
-                         "params on the host, brought to the device one layer at a time (scan / ZeRO-3 fetch)"),
+                         JaxPlan(offload_params=True, zero_stage=3, scan_layers=True),
+                         "ZeRO-3 with params and optimizer state on the host, brought to the device one layer at "
+                         "a time (JAX: scan, forward, backward and update)"),
+    "scan-offload-remat": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu", activation_checkpointing=True),
+                               JaxPlan(offload_params=True, zero_stage=3, scan_layers=True, remat="full"),
+                               "scan-offload + every block recomputed in the backward pass"),
     "zero2-offload-scan": Plan(DeepSpeedPlan(), JaxPlan(scan_layers=True),
                                "default pair; JAX streams the Adam moments through the update one layer at a time"),
     "act-offload": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="offload_dots_no_batch"),
@@ -152,20 +156,23 @@ def _recompute_flops_per_token(model: ModelSpec, seq_len: int, policy: str) -> f
   return 0.0
 
 
-def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row]) -> int:
-  """Host <-> device bytes per optimizer step (both directions summed).
+def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int = 1) -> int:
+  """Host <-> device bytes per optimizer step over one device's link (both directions summed).
 
-  DeepSpeed: offload_optimizer sends the gradients down and the updated params up (2·e·N); offload_param
-  also fetches the params for every micro batch's forward and backward (2·e·N·GAS). JAX: offloaded moments
-  go in and out (2·8·N), offloaded params in and out (2·4·N); offloaded activations out and back (2·bytes)
-  per micro batch. Sizes per rank.
+  DeepSpeed on W ranks: offload_optimizer sends each rank's gradient partition down and its updated param
+  partition up (2·e·N/W; stage 0 has no offload); offload_param (stage 3) also fetches each rank's param
+  partition for every micro batch's forward and backward (2·e·N/W·GAS; the rest of each layer arrives by
+  all-gather over the device interconnect, not the host link). JAX (rows per device, so already sharded):
+  offloaded moments go in and out (2·8·N/D), offloaded params in and out (2·4·N/D); offloaded activations
+  out and back (2·bytes) per micro batch.
   """
   t = run.train
   n = memory.param_count(run.model)
   if side == "deepspeed":
     p, e = run.deepspeed, 4 if t.precision == "fp32" else 2
-    out = 2 * e * n if p.offload_optimizer == "cpu" else 0
-    return out + (2 * e * n * t.grad_accum_steps if p.offload_param == "cpu" else 0)
+    part = math.ceil(n / (ranks if p.zero_stage >= 1 else 1))
+    out = 2 * e * part if p.offload_optimizer == "cpu" else 0
+    return out + (2 * e * part * t.grad_accum_steps if p.offload_param == "cpu" else 0)
   host = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host")
   moments = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "optimizer_moments")
   params = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "params")
@@ -174,7 +181,7 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row]) -> int:
 
 
 def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
-              mfu: float = 0.4) -> tuple[float, float, float]:
+              mfu: float = 0.4, ranks: int = 1) -> tuple[float, float, float]:
   """(step, compute, transfer) seconds of one optimizer step on one rank: compute = FLOPs / (peak · mfu) with
   the precision's peak (`Hardware.peak`),
   transfer = bytes / bandwidth, step = max(compute, transfer) (transfers overlap compute)."""
@@ -184,7 +191,7 @@ def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
   flops = tokens * (_flops_per_token(run.model, t.seq_len) + _recompute_flops_per_token(run.model, t.seq_len,
                                                                                            policy))
   compute = flops / (hw.peak(t.precision) * mfu)
-  transfer = _transfer_bytes(run, side, rows) / hw.host_link_bytes_per_s
+  transfer = _transfer_bytes(run, side, rows, ranks) / hw.host_link_bytes_per_s
   return max(compute, transfer), compute, transfer
 
 
@@ -211,9 +218,11 @@ class Candidate:
     return not self.problems
 
 
-def _candidate(name: str, run: RunSpec, hw: Hardware, host_bytes: int, *, sides: tuple[str, ...],
-               mfu: float, reserve: float, ranks: int) -> Candidate:
-  rows = memory.estimate(run, ranks=ranks, sides=sides)
+def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: int, *, mfu: float, reserve: float,
+               ranks: int) -> Candidate:
+  """Costs one pair; `runs` maps each side that must fit to the RunSpec it would run."""
+  sides = tuple(runs)
+  rows = [r for s, run in runs.items() for r in memory.estimate(run, ranks=ranks, sides=(s,))]
   usable = int(hw.device_bytes * (1 - reserve))
   peaks = {s: memory.peak_device_bytes(rows, s) for s in sides}
   hosts = {s: sum(v["host"] for v in memory.totals(rows, s).values()) for s in sides}
@@ -221,7 +230,7 @@ def _candidate(name: str, run: RunSpec, hw: Hardware, host_bytes: int, *, sides:
               for s in sides if peaks[s] > usable]
   problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
                for s in sides if hosts[s] > host_bytes]
-  times = [step_time(run, s, hw, rows, mfu=mfu) for s in sides]
+  times = [step_time(run, s, hw, rows, mfu=mfu, ranks=ranks) for s, run in runs.items()]
   step, compute, transfer = max(times)
   return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems))
 
@@ -232,8 +241,9 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
   """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first).
 
   Args:
-    model, train: what is trained (train.micro_batch_size is per rank on the DeepSpeed side and split over
-      the data axis on the JAX side).
+    model, train: what is trained; train.micro_batch_size is per device on both sides (DeepSpeed's
+      `train_micro_batch_size_per_gpu`; the JAX side gets a micro batch of micro_batch_size · devices split
+      over its data axis), so both sides process the same global batch.
     hw: the accelerator (memory, bf16 peak, host link bandwidth).
     host_bytes: host memory per rank, bytes; default hw.host_bytes.
     devices: data-parallel devices; plans are evaluated with jax.data_parallel = devices and DeepSpeed on
@@ -243,6 +253,7 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
   """
   host = hw.host_bytes if host_bytes is None else host_bytes
+  jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
   for name, plan in PLANS.items():
     if plan.jax.data_parallel not in (1, devices):
@@ -251,8 +262,9 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     if (plan.deepspeed, jax_plan) in seen:  # e.g. zero3 == zero3-fsdp4 on 4 devices
       continue
     seen.add((plan.deepspeed, jax_plan))
-    run = RunSpec(model=model, train=train, jax=jax_plan, deepspeed=plan.deepspeed)
-    out.append(_candidate(name, run, hw, host, sides=sides, mfu=mfu, reserve=reserve, ranks=devices))
+    runs = {"deepspeed": RunSpec(model=model, train=train, deepspeed=plan.deepspeed),
+            "jax": RunSpec(model=model, train=jax_train, jax=jax_plan)}
+    out.append(_candidate(name, {s: runs[s] for s in sides}, hw, host, mfu=mfu, reserve=reserve, ranks=devices))
   out.sort(key=lambda c: c.step_s)
   best = next((c for c in out if c.fits), None)
   return best, out

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 
 import pytest
 
-from parity import plans
+from parity import memory, plans
 from parity.hf import MODEL_PRESETS
 from parity.spec import DeepSpeedPlan, JaxPlan, RunSpec, SpecError, TrainSpec, preset
 
@@ -70,6 +72,29 @@ def test_planner_7b_on_one_80gb_device_fits_both_sides_by_streaming_the_jax_upda
     assert lines and all("does not fit" in ln for ln in lines)
     assert {"zero0", "zero2", "zero2-offload"} <= {ln.split()[0] for ln in lines}
     assert by_name["scan-offload"].fits and by_name["scan-offload"].step_s > best.step_s
+
+
+def test_planner_70b_on_8_devices_needs_fsdp_offload_scan_and_remat():
+  """llama-70b on 8 x H100 (1 TiB host each): every pair without the streamed update needs > 72 GiB on the JAX
+  side; ZeRO-3 + offload + scan without remat still holds every layer's activations; the choice recomputes."""
+  train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
+  best, ranked = plans.choose_plan(MODEL_PRESETS["llama-70b"], train, plans.HARDWARE["H100"], host_bytes=1024 * GiB,
+                                   devices=8)
+  assert best is not None and best.name == "scan-offload-remat"
+  by_name = {c.name: c for c in ranked}
+  assert not by_name["scan-offload"].fits and not by_name["zero3-offload-all-remat"].fits
+  # Both sides process the same global batch (micro batch per device), so a pair without remat on either
+  # side has the same compute on both; DeepSpeed's PCIe traffic is its partition, 1/8 of the model.
+  n = memory.param_count(MODEL_PRESETS["llama-70b"])
+  runs = {"deepspeed": RunSpec(model=MODEL_PRESETS["llama-70b"], train=train, deepspeed=plans.PLANS["scan-offload"].deepspeed),
+          "jax": RunSpec(model=MODEL_PRESETS["llama-70b"], train=dataclasses.replace(train, micro_batch_size=8),
+                         jax=dataclasses.replace(plans.PLANS["scan-offload"].jax, data_parallel=8))}
+  rows = [r for s, run in runs.items() for r in memory.estimate(run, ranks=8, sides=(s,))]
+  hw = plans.HARDWARE["H100"]
+  ds = plans.step_time(runs["deepspeed"], "deepspeed", hw, rows, ranks=8)
+  jx = plans.step_time(runs["jax"], "jax", hw, rows, ranks=8)
+  assert ds[1] == pytest.approx(jx[1], rel=1e-12)
+  assert ds[2] * hw.host_link_bytes_per_s == pytest.approx(2 * 2 * 2 * math.ceil(n / 8))  # (opt + param) x in/out x bf16
 
 
 def test_planner_both_sides_fit_on_h200_without_streaming():
