@@ -9,8 +9,8 @@ For each plan (one fresh process per plan, so the allocator's peak belongs to th
   * allocator: `device.memory_stats()` after the steps (`peak_bytes_in_use`, `bytes_in_use`, `bytes_limit`);
     the CPU backend reports none, and the table says so;
   * state: bytes of the live state per memory kind (`jax_impl.offload.bytes_by_memory_kind`);
-  * step time (median of the timed steps) and, once per run, the host->device bandwidth of a pinned_host
-    array (GB/s), which the planner's cost model assumes.
+  * step time (median of the timed steps) and the host->device bandwidth of a pinned_host array (GB/s, in
+    every plan's process; the report gives the median), which the planner's cost model assumes.
 
 Writes <out>/gpu-memory.json and gpu-memory.md. Needs jax, flax, optax and numpy only (no torch, DeepSpeed or
 pydantic), so it runs on the lent GPU machine as is.
@@ -42,9 +42,10 @@ GiB = 2**30
 def _run_spec(args: argparse.Namespace):
   from parity.memory import resolve_estimate_run
   if args.tiny:
-    return resolve_estimate_run(preset="gpt2-tiny", plan=args.one, precision=args.precision)
-  return resolve_estimate_run(model=args.model, plan=args.one, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                              precision=args.precision)
+    return resolve_estimate_run(preset="gpt2-tiny", plan=args.one, micro_batch=args.micro_batch,
+                                seq_len=args.seq_len, precision=args.precision)
+  return resolve_estimate_run(model=args.model, plan=args.one, micro_batch=args.micro_batch or 1,
+                              seq_len=args.seq_len or 1024, precision=args.precision)
 
 
 def _bandwidth_gbs(nbytes: int = 256 * 2**20) -> float | None:
@@ -104,8 +105,8 @@ def run_one(args: argparse.Namespace) -> dict:
       "state_memory_kinds": offload.state_memory_kinds(trainer.state),
       "jaxpr_device_puts": trainer.offload_evidence()["jaxpr_device_puts"],
       "init_s": init_s, "compile_s": trainer.compile_s, "step_s": times,
-      "median_step_s": statistics.median(times) if times else None, "last_loss": metrics["loss"] if times else None,
-      "host_to_device_gbs": _bandwidth_gbs() if args.bandwidth else None,
+      "median_step_s": statistics.median(times), "last_loss": metrics["loss"],
+      "host_to_device_gbs": _bandwidth_gbs(),
   }
 
 
@@ -126,19 +127,21 @@ def markdown(results: list[dict], header: dict) -> str:
          f"{header['machine']}. Versions: {header['versions']}.", ""]
   if header.get("nvidia_smi"):
     out += ["```", header["nvidia_smi"].strip(), "```", ""]
-  first = next((r for r in results if "error" not in r), None)
-  if first:
-    m, t = first["model"], first["train"]
+  ok = [r for r in results if "error" not in r]
+  if ok:
+    m, t = ok[0]["model"], ok[0]["train"]
+    bw = [r["host_to_device_gbs"] for r in ok if r.get("host_to_device_gbs")]
+    bw_text = f"{statistics.median(bw):.1f} GB/s (median over {len(bw)} plan processes)" if bw else \
+        "not measured (no pinned_host memory on this backend)"
     out += [f"Model: {m['n_layers']} layers × d_model {m['d_model']}, vocab {m['vocab_size']}; micro batch "
             f"{t['micro_batch_size']} × seq {t['seq_len']}, {t['precision']}, grad accum {t['grad_accum_steps']}. "
-            f"Host→device bandwidth (pinned_host, 256 MiB): "
-            f"{first['host_to_device_gbs'] and round(first['host_to_device_gbs'], 1)} GB/s.", ""]
+            f"Host→device bandwidth (pinned_host, 256 MiB): {bw_text}.", ""]
   out += ["| plan | predicted peak | allocator peak | peak / predicted | XLA temp | XLA args | "
           "XLA host args | state on device | state on host | median step s | compile s |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     if "error" in r:
-      out.append(f"| `{r['plan']}` | failed: {r['error'][:120]} |||||||||")
+      out.append(f"| `{r['plan']}` | failed: {r['error'][:120]} " + "| " * 9 + "|")
       continue
     ma, al, kinds = r["memory_analysis"], r["allocator"], r["state_bytes_by_kind"]
     peak = al.get("peak_bytes_in_use")
@@ -148,8 +151,9 @@ def markdown(results: list[dict], header: dict) -> str:
                f"{_gib(ma.get('temp_size_in_bytes'))} | {_gib(ma.get('argument_size_in_bytes'))} | "
                f"{_gib(ma.get('host_argument_size_in_bytes'))} | {_gib(kinds.get('device', 0))} | {_gib(host)} | "
                f"{r['median_step_s']:.3f} | {r['compile_s']:.1f} |")
-  out += ["", "The predicted peak is `parity.memory.peak_device_bytes` (resident device state + in-step copies of "
-          "offloaded state + max(activations, in-step moments)); the allocator peak is the process's "
+  out += ["", "The predicted peak is `parity.memory.peak_device_bytes` (resident device state + max(forward/backward "
+          "phase: activations and fetched or cast params, update phase: fetched state and the streamed update's "
+          "new stacks)); the allocator peak is the process's "
           "`memory_stats()['peak_bytes_in_use']` after compile and the timed steps (one process per plan)."]
   return "\n".join(out) + "\n"
 
@@ -159,37 +163,43 @@ def main() -> int:
   ap.add_argument("--model", default="gpt2-1.5b", help="a parity.hf.MODEL_PRESETS name")
   ap.add_argument("--tiny", action="store_true", help="the gpt2-tiny run preset (a CPU check of this script)")
   ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated parity.plans.PLANS names")
-  ap.add_argument("--micro-batch", type=int, default=1)
-  ap.add_argument("--seq-len", type=int, default=1024)
+  ap.add_argument("--micro-batch", type=int, help="sequences per micro batch (default 1; --tiny: the preset's)")
+  ap.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024; --tiny: the preset's)")
   ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
   ap.add_argument("--steps", type=int, default=3)
   ap.add_argument("--timeout", type=float, default=240.0, help="seconds per plan before it is reported failed")
   ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu-memory.json / .md")
   ap.add_argument("--one", help=argparse.SUPPRESS)
   ap.add_argument("--json", help=argparse.SUPPRESS)
-  ap.add_argument("--bandwidth", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args()
+  if args.steps < 1:
+    ap.error(f"--steps must be >= 1; got {args.steps}")
   if args.tiny:
     args.steps = min(args.steps, 2)
   if args.one:
     Path(args.json).write_text(json.dumps(run_one(args), indent=1, default=str))
     return 0
 
+  from parity.hf import MODEL_PRESETS
   from parity.plans import PLANS
-  plans = [p for p in args.plans.split(",") if p]
+  plans = [p.strip() for p in args.plans.split(",") if p.strip()]
   unknown = [p for p in plans if p not in PLANS]
-  if unknown:
-    print(f"unknown plan(s) {unknown}; known: {', '.join(PLANS)}", file=sys.stderr)
+  if unknown or not plans:
+    print(f"--plans: unknown or no plan(s) {unknown or args.plans!r}; known: {', '.join(PLANS)}", file=sys.stderr)
+    return 2
+  if not args.tiny and args.model not in MODEL_PRESETS:
+    print(f"--model {args.model!r} is not a model preset; known: {', '.join(MODEL_PRESETS)}", file=sys.stderr)
     return 2
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
   results = []
-  for i, name in enumerate(plans):
+  for name in plans:
     path = out / f"gpu-memory-{name}.json"
-    cmd = [sys.executable, __file__, "--one", name, "--json", str(path), "--model", args.model,
-           "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--precision", args.precision,
-           "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (["--bandwidth"] if i == 0 else [])
+    sizes = [f for flag, v in (("--micro-batch", args.micro_batch), ("--seq-len", args.seq_len)) if v is not None
+             for f in (flag, str(v))]
+    cmd = [sys.executable, __file__, "--one", name, "--json", str(path), "--model", args.model, *sizes,
+           "--precision", args.precision, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
     t0 = time.perf_counter()
     try:
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

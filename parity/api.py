@@ -63,7 +63,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   spec = resolve(preset, config=config, overrides=overrides, steps=steps, sides=sides, data=data)
   plan_choice = None
   if plan is not None:
-    spec, plan_choice = _apply_plan(spec, plan, hardware)
+    spec, plan_choice = _apply_plan(spec, plan, hardware, overrides)
   init = None
   if hf_model is not None:
     from parity import convert, hf
@@ -280,8 +280,23 @@ def _interrupted_run(run_dir: Path, side: str):
                  error=summ.get("error"))
 
 
-def _apply_plan(spec, plan: str, hardware: str):
-  """(spec with the plan pair applied, {name, why}) for `--plan NAME|auto`."""
+def _apply_plan(spec, plan: str, hardware: str, overrides: Sequence[str] = ()):
+  """(spec with the plan pair applied, {name, chosen_by, why?, overrides?}) for `--plan NAME|auto`.
+
+  The pair replaces both sides' plans; the `jax.*` / `deepspeed.*` entries of `overrides` are then applied on
+  top of it (and recorded), so `--plan zero3 --set jax.remat=full` means the pair with that one change.
+  """
+  from parity import plans
+  from parity.spec import SpecError, apply_overrides
+  on_top = [o for o in overrides if o.split("=", 1)[0].strip().startswith(("jax.", "deepspeed."))]
+  spec, choice = _plan_pair(spec, plan, hardware)
+  if on_top:
+    spec = apply_overrides(spec, on_top).validate()
+    choice["overrides"] = on_top
+  return spec, choice
+
+
+def _plan_pair(spec, plan: str, hardware: str):
   from parity import plans
   from parity.spec import SpecError
   if plan != "auto":

@@ -24,7 +24,7 @@ from parity.weights import param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
-           "activation_bytes", "estimate", "totals", "peak_device_bytes", "predicted_vs_measured",
+           "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes", "predicted_vs_measured",
            "add_estimate_arguments", "run_estimate"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
@@ -256,13 +256,18 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
 
 
 def _jax_rows(run: RunSpec) -> list[Row]:
-  """JAX side, per device of the data axis (D = jax.data_parallel). Params are the fp32 masters
-  (bf16/fp16 casts of the whole tree inside the step), sharded over D at zero_stage 3; gradients fp32, sharded at
-  >= 2; Adam moments sharded at >= 1. Offloaded state is in host memory between steps; the rows
-  'in-step' give what XLA brings to the device during the step. Without scan_layers: all offloaded params
-  (forward, backward and update) and all offloaded moments (update). With scan_layers
-  (`jax_impl.stream`): the non-layer params and moments plus two layers' worth (the slice in use and the
-  one XLA prefetches), in the forward/backward scan and in the layer-streamed update alike."""
+  """JAX side, per device of the data axis (D = jax.data_parallel). Params are the fp32 masters, sharded
+  over D at zero_stage 3; gradients fp32, sharded at >= 2; Adam moments sharded at >= 1. Offloaded state is
+  in host memory between steps. Rows noted 'in-step' are what exists only during the step, by phase
+  (`peak_device_bytes`):
+
+  * forward/backward: offloaded params brought to the device (all of them; with scan_layers the non-layer
+    params and 2 layers: the slice in use and the one XLA prefetches); under bf16/fp16 the compute-dtype
+    copy the step casts (the whole tree, or per layer with scan_layers and offloaded params);
+  * update: offloaded params and moments brought in (all; or, streamed by `jax_impl.stream` with
+    scan_layers, the non-layer state and 2 layers), and the streamed update's new layer stacks, which are
+    scan outputs beside the donated old ones, in each group's own memory kind.
+  """
   m, t, p = run.model, run.train, run.jax
   n, d = param_count(m), p.data_parallel
   shard = {name: (d if p.zero_stage >= stage else 1) for name, stage in
@@ -272,14 +277,30 @@ def _jax_rows(run: RunSpec) -> list[Row]:
   rows = [Row("jax", "params", _kind(p.offload_params), par),
           Row("jax", "gradients", "device", FP32 * math.ceil(n / shard["gradients"])),
           Row("jax", "optimizer_moments", _kind(p.offload_opt_state), mom)]
-  outside = n - m.n_layers * block_params(m)  # embeddings, final norm (and an untied head)
-  streamed = lambda k: FP32 * (math.ceil(outside / shard[k]) + 2 * math.ceil(block_params(m) / shard[k]))
+  layers = m.n_layers * block_params(m)
+  outside = n - layers  # embeddings, final norm (and an untied head)
+  window = lambda k: math.ceil(outside / shard[k]) + min(2, m.n_layers) * math.ceil(block_params(m) / shard[k])
+  streamed = p.scan_layers and (p.offload_params or p.offload_opt_state)
   if p.offload_params:
-    rows.append(Row("jax", "params", "device", streamed("params") if p.scan_layers else par,
-                    "in-step (non-layer + 2 layers, scan)" if p.scan_layers else "in-step"))
+    fetched = FP32 * window("params") if p.scan_layers else par
+    what = "non-layer + 2 layers" if p.scan_layers else "all"
+    rows.append(Row("jax", "params", "device", fetched, f"in-step (forward/backward: fetched, {what})"))
+    rows.append(Row("jax", "params", "device", fetched, f"in-step (update: fetched, {what})"))
+  if t.precision != "fp32":
+    e = 2
+    per_layer = p.scan_layers and p.offload_params
+    copy = e * window("params") if per_layer else e * math.ceil(n / shard["params"])
+    rows.append(Row("jax", "params", "device", copy, f"in-step (forward/backward: {t.precision} compute copy"
+                                                      f"{', per layer' if per_layer else ''})"))
   if p.offload_opt_state:
-    rows.append(Row("jax", "optimizer_moments", "device", 2 * streamed("optimizer_moments") if p.scan_layers else mom,
-                    "in-step (update: non-layer + 2 layers, streamed)" if p.scan_layers else "in-step (update)"))
+    rows.append(Row("jax", "optimizer_moments", "device",
+                    2 * FP32 * window("optimizer_moments") if p.scan_layers else mom,
+                    "in-step (update: fetched, non-layer + 2 layers)" if p.scan_layers else "in-step (update: fetched, all)"))
+  if streamed:
+    rows.append(Row("jax", "params", _kind(p.offload_params), FP32 * math.ceil(layers / shard["params"]),
+                    "in-step (update: new layer stack)"))
+    rows.append(Row("jax", "optimizer_moments", _kind(p.offload_opt_state),
+                    2 * FP32 * math.ceil(layers / shard["optimizer_moments"]), "in-step (update: new layer stacks)"))
   return rows + _activation_rows("jax", run, p.remat, ranks=d)
 
 
@@ -328,19 +349,34 @@ def totals(rows: Iterable[Row], side: str) -> dict[str, dict[str, int]]:
   return out
 
 
-def peak_device_bytes(rows: Iterable[Row], side: str) -> int:
-  """Peak device bytes of one side: resident state + max(activations, largest in-step transfer).
+def _phase(note: str) -> str:
+  """'forward', 'update' or 'both' for an in-step row (by its note), 'resident' otherwise."""
+  if not note.startswith("in-step"):
+    return "resident"
+  if note.startswith("in-step (forward"):
+    return "forward"
+  return "update" if note.startswith("in-step (update") else "both"
 
-  Activations peak at the end of the forward pass; offloaded moments come to the device in the update,
-  after activations are freed; offloaded params (without scan) are on the device through both.
+
+def peak_device_bytes(rows: Iterable[Row], side: str) -> int:
+  """Peak device bytes of one side: resident state + max(forward/backward phase, update phase).
+
+  The forward/backward phase holds the activations (they peak at the end of the forward pass) and the
+  in-step rows noted 'forward/backward'; the update phase, after the activations are freed, holds the rows
+  noted 'update'; other in-step rows (e.g. DeepSpeed's gathered module) count in both. The gradients are
+  counted as resident: they exist from the first backward to the end of the update.
   """
-  rows = [r for r in rows if r.side == side]
-  resident = sum(r.bytes for r in rows if r.kind == "device" and not r.note.startswith("in-step")
-                 and r.category != "activations")
-  acts = sum(r.bytes for r in rows if r.kind == "device" and r.category == "activations")
-  in_params = sum(r.bytes for r in rows if r.note.startswith("in-step") and r.category == "params")
-  in_moments = sum(r.bytes for r in rows if r.note.startswith("in-step") and r.category == "optimizer_moments")
-  return resident + in_params + max(acts, in_moments)
+  rows = [r for r in rows if r.side == side and r.kind == "device"]
+  by = {ph: sum(r.bytes for r in rows if _phase(r.note) == ph and r.category != "activations")
+        for ph in ("resident", "forward", "update", "both")}
+  acts = sum(r.bytes for r in rows if r.category == "activations")
+  return by["resident"] + by["both"] + max(acts + by["forward"], by["update"])
+
+
+def peak_host_bytes(rows: Iterable[Row], side: str) -> int:
+  """Peak host bytes of one side: resident host state + the in-step host rows (the streamed update's new
+  layer stacks of host-resident groups; activations offloaded by a remat policy are resident rows)."""
+  return sum(r.bytes for r in rows if r.side == side and r.kind == "host")
 
 
 # ----------------------------------------------------------------------------- predicted vs measured
@@ -460,6 +496,7 @@ def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
     cpu, gpu = ds_zero2_model_states(n, ranks, 1, p.offload_optimizer == "cpu")
   return {"total_params": n, "largest_layer_params": big, "rows": [dataclasses.asdict(r) for r in rows],
           "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in ("deepspeed", "jax")},
+          "peak_host_bytes": {s: peak_host_bytes(rows, s) for s in ("deepspeed", "jax")},
           "deepspeed_estimator": {"function": f"estimate_zero{3 if p.zero_stage == 3 else 2}_model_states_mem_needs",
                                   "cpu_bytes": cpu, "gpu_bytes": gpu}}
 
@@ -494,8 +531,14 @@ def run_estimate(args) -> int:
   tot = {s: totals(rows, s) for s in ("deepspeed", "jax")}
   for cat in CATEGORIES:
     table.add_row(cat, *(_gib(tot[s][cat][k]) for s in ("deepspeed", "jax") for k in KINDS))
-  table.add_row("peak device", _gib(out["peak_device_bytes"]["deepspeed"]), "",
-                _gib(out["peak_device_bytes"]["jax"]), "")
+  for phase, label in (("forward", "in step: forward/backward"), ("update", "in step: update"),
+                       ("both", "in step: whole step")):
+    cells = [sum(r.bytes for r in rows if r.side == s and r.kind == k and _phase(r.note) == phase)
+             for s in ("deepspeed", "jax") for k in KINDS]
+    if any(cells):
+      table.add_row(label, *(_gib(c) for c in cells))
+  table.add_row("peak device / host", _gib(out["peak_device_bytes"]["deepspeed"]), _gib(peak_host_bytes(rows, "deepspeed")),
+                _gib(out["peak_device_bytes"]["jax"]), _gib(peak_host_bytes(rows, "jax")))
   con.print(table)
   ds = out["deepspeed_estimator"]
   con.print(f"DeepSpeed's {ds['function']} (model states only, fp16 params, buffer factor 1.5): "

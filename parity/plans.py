@@ -173,9 +173,10 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int 
     part = math.ceil(n / (ranks if p.zero_stage >= 1 else 1))
     out = 2 * e * part if p.offload_optimizer == "cpu" else 0
     return out + (2 * e * part * t.grad_accum_steps if p.offload_param == "cpu" else 0)
-  host = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host")
-  moments = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "optimizer_moments")
-  params = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "params")
+  resident = [r for r in rows if r.side == "jax" and r.kind == "host" and not r.note.startswith("in-step")]
+  host = sum(r.bytes for r in resident)
+  moments = sum(r.bytes for r in resident if r.category == "optimizer_moments")
+  params = sum(r.bytes for r in resident if r.category == "params")
   acts = host - moments - params
   return 2 * moments + 2 * params + 2 * acts * t.grad_accum_steps
 
@@ -209,7 +210,7 @@ class Candidate:
   peak_device_bytes: dict[str, int]
   """side -> predicted peak device bytes per rank."""
   host_bytes: dict[str, int]
-  """side -> predicted resident host bytes per rank."""
+  """side -> predicted peak host bytes per rank (resident + in-step host rows)."""
   problems: tuple[str, ...]
   """Why the plan does not fit; empty when it fits."""
 
@@ -225,7 +226,7 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
   rows = [r for s, run in runs.items() for r in memory.estimate(run, ranks=ranks, sides=(s,))]
   usable = int(hw.device_bytes * (1 - reserve))
   peaks = {s: memory.peak_device_bytes(rows, s) for s in sides}
-  hosts = {s: sum(v["host"] for v in memory.totals(rows, s).values()) for s in sides}
+  hosts = {s: memory.peak_host_bytes(rows, s) for s in sides}
   problems = [f"{s} needs {peaks[s] / GiB:.1f} GiB on the device > {usable / GiB:.1f} GiB usable"
               for s in sides if peaks[s] > usable]
   problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
@@ -264,6 +265,13 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     seen.add((plan.deepspeed, jax_plan))
     runs = {"deepspeed": RunSpec(model=model, train=train, deepspeed=plan.deepspeed),
             "jax": RunSpec(model=model, train=jax_train, jax=jax_plan)}
+    try:
+      for s in sides:
+        runs[s].validate()
+    except SpecError as exc:  # a pair this run cannot use: ranked last, with the reason
+      out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
+                           (f"not runnable here: {exc}",)))
+      continue
     out.append(_candidate(name, {s: runs[s] for s in sides}, hw, host, mfu=mfu, reserve=reserve, ranks=devices))
   out.sort(key=lambda c: c.step_s)
   best = next((c for c in out if c.fits), None)
@@ -367,6 +375,7 @@ def run_plan(args) -> int:
     con.print("  " + line)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"choice": best.name if best else None, "ranked": [dict(dataclasses.asdict(c), fits=c.fits)
-                                                                  for c in ranked]}, f, indent=1)
+      finite = lambda d: {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+      json.dump({"choice": best.name if best else None,
+                 "ranked": [finite(dict(dataclasses.asdict(c), fits=c.fits)) for c in ranked]}, f, indent=1)
   return 0 if best else 1

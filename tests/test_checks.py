@@ -170,3 +170,17 @@ def test_fp16_pairs_compare_loss_scale_and_skipped_exactly():
                              "torch": {"status": "ok", "steps": b, "final": None}}, spec=spec, init={})
   by = {c.metric: c for c in checks}
   assert not by["loss_scale"].passed and by["loss_scale"].first_failing_step == 2 and by["skipped"].passed
+
+
+def test_series_check_treats_equal_infinities_as_a_match_without_warnings():
+  """fp16 skipped steps record grad_norm = inf on both sides: a match (diff 0), not nan and no RuntimeWarning."""
+  import warnings
+  a = [{"step": 0, "grad_norm": 1.0}, {"step": 1, "grad_norm": float("inf")}, {"step": 2, "grad_norm": 2.0}]
+  b = [{"step": 0, "grad_norm": 1.0}, {"step": 1, "grad_norm": float("inf")}, {"step": 2, "grad_norm": 2.0}]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    c = series_check("grad_norm", "jax", a, "torch", b, "fp16")
+  assert c.passed and c.value == 0.0
+  b[1]["grad_norm"] = 3.0
+  c = series_check("grad_norm", "jax", a, "torch", b, "fp16")
+  assert not c.passed and c.first_failing_step == 1

@@ -218,7 +218,7 @@ def test_scan_opt_state_offload_streams_the_moments_one_layer_at_a_time(offloade
   n_block = memory.block_params(t.run.model)
   assert per_layer == 2 * 4 * n_block
   (row,) = [r for r in memory.estimate(t.run, sides=("jax",)) if r.category == "optimizer_moments"
-            and r.note.startswith("in-step")]
+            and r.note.startswith("in-step (update: fetched")]
   outside = memory.param_count(t.run.model) - t.run.model.n_layers * n_block
   assert row.bytes == 2 * 4 * outside + 2 * per_layer
   unstreamed = offloaded["opt_state"][0].offload_evidence()["jaxpr_device_puts"]

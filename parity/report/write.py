@@ -108,7 +108,8 @@ def _plan_line(d: dict) -> str:
   """The plan pair (when --plan chose one) and each side's plan settings, one line."""
   plan = d.get("plan") or {}
   j, ds = d["run"]["jax"], d["run"]["deepspeed"]
-  head = f"`{plan['name']}` ({plan.get('chosen_by', 'user')}); " if plan.get("name") else ""
+  extra = f", then {', '.join(plan['overrides'])}" if plan.get("overrides") else ""
+  head = f"`{plan['name']}` ({plan.get('chosen_by', 'user')}{extra}); " if plan.get("name") else ""
   jax_kinds = ", ".join(k for k in ("offload_opt_state", "offload_params") if j.get(k)) or "no offload"
   if j.get("scan_layers"):
     offloaded = j.get("offload_opt_state") or j.get("offload_params")
