@@ -9,11 +9,15 @@ One step on the run's initial weights and `batches.npy[step]` (see `parity.diagn
     fresh optimizer state whose schedule count is set to the request's `lr_step`, so the update applies
     `parity.schedule.train_lr(train, lr_step)` with the bias correction of a first Adam step (the torch
     worker does the same with a fresh torch AdamW).
+bf16/fp16: the step starts from the master weights rounded to the compute dtype and computes as
+`jax_impl.step` does (the whole param tree cast at the top of the loss; fp16 with the loss scale, the
+recorded gradient unscaled); the same step in fp32 on those weights goes to `diagnose.fp32.safetensors`.
 Plants of this side (request `diagnose_plants`) are applied here: `no_causal_mask` (GPT.causal=False),
 `transpose` (canonical weights transposed before `to_flax`), `decay_all` (every leaf in the decay mask).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from unittest import mock
@@ -22,6 +26,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is
 
 from parity import diagnose as dg  # noqa: E402
 from parity.protocol import SideIO, main_guard  # noqa: E402
+from parity.weights import master_weights  # noqa: E402
 
 
 def _with_schedule_count(opt_state, count: int):
@@ -50,46 +55,66 @@ def _where_params(names, prefix: str, what: str) -> dict[str, str]:
   return out
 
 
-def run_side(io: SideIO) -> int:
-  """Writes this side's diagnose tensors; returns the exit code (0)."""
+def _one_step(spec, train, canonical, batch, req, causal: bool):
+  """Taps, loss, gradients and first update of one step in `train.precision`, as the training step computes them.
+
+  bf16/fp16 follow `jax_impl.step._model_loss`: the whole fp32 param tree is cast to the compute dtype at the
+  top of the loss (DeepSpeed's layout), so the gradient is the fp32 gradient of the rounded params. fp16
+  multiplies the loss by the fresh optimizer state's loss scale and divides the recorded gradient by the scale
+  the update used (`optim.loss_scaled`'s order).
+
+  Args:
+    spec: the model spec.
+    train: the training spec; its precision picks the compute dtype.
+    canonical: canonical float32 weights the step starts from (plants and master-weight rounding applied).
+    batch: token ids (A, M, T + 1).
+    req: the diagnose WorkerRequest (lr position, plants).
+    causal: False only under the `no_causal_mask` plant.
+  Returns:
+    (tensors, where, lr): canonical tap name -> float32 numpy array, tap name -> Flax location, the update's lr.
+  Raises:
+    RuntimeError: fp16 only, the gradient overflowed at the initial loss scale (the update would be skipped).
+  """
   import jax
+  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax_impl import model as model_lib
   from jax_impl import optim
   from jax_impl.step import accumulate_grads  # also sets jax_default_matmul_precision=highest
 
-  req = dg.read_request(io.request, io.side)
-  run = io.run
-  dg.check_plan(run)
-  spec, plants = run.model, req.plants
-  canonical = dg.apply_weight_plants(io.init_params(), plants)
-  batch = np.ascontiguousarray(io.batches()[req.step])  # (A, M, T + 1)
-  dtype = model_lib.compute_dtype(run.train.precision)
-  causal = not plants["no_causal_mask"]
+  dtype = model_lib.compute_dtype(train.precision)
+  cast = (lambda p: p) if dtype == jnp.float32 else (lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
   params = jax.device_put(model_lib.to_flax(canonical, spec))
-  io.ready()
-
-  _, taps = jax.jit(lambda p, x: model_lib.loss_and_taps(p, x, spec, dtype=dtype, causal=causal))(params, batch[0])
-  loss = lambda p, x: model_lib.loss_fn(p, x, spec, dtype=dtype, causal=causal)
-  loss_val, grads = jax.jit(lambda p, b: accumulate_grads(p, b, loss))(params, batch)
-  if plants["decay_all"]:
+  _, taps = jax.jit(lambda p, x: model_lib.loss_and_taps(cast(p), x, spec, dtype=dtype, causal=causal))(
+      params, batch[0])
+  loss = lambda p, x: model_lib.loss_fn(cast(p), x, spec, dtype=dtype, causal=causal)
+  if req.plants["decay_all"]:
     with mock.patch.object(optim, "decay_mask", _decay_all_mask):
-      tx, schedule = optim.make_optimizer(spec, run.train)
+      tx, schedule = optim.make_optimizer(spec, train)
   else:
-    tx, schedule = optim.make_optimizer(spec, run.train)
+    tx, schedule = optim.make_optimizer(spec, train)
   opt_state = _with_schedule_count(tx.init(params), req.lr_step)
   lr = float(schedule(optim.step_count_of(opt_state)))
+  fp16 = train.precision == "fp16"
+
+  scale = optim.loss_scale_of(opt_state) if fp16 else None
+  loss_val, grads = jax.jit(lambda p, b, m: accumulate_grads(p, b, loss, loss_multiplier=m))(params, batch, scale)
 
   @jax.jit
   def update(p, g, s):
-    updates, _ = tx.update(g, s, p)
-    return optax.apply_updates(p, updates)
+    updates, new_s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), new_s
 
-  new_params = update(params, grads, opt_state)
-
+  new_params, new_state = update(params, grads, opt_state)
+  if fp16:
+    old_ls, new_ls = optim.loss_scale_state_of(opt_state), optim.loss_scale_state_of(new_state)
+    if int(new_ls.last_overflow_iter) == int(old_ls.cur_iter):
+      raise RuntimeError(f"fp16: the gradient overflowed at the initial loss scale {float(old_ls.scale):g}, so the "
+                         "update would be skipped; diagnose another --step or lower train.initial_scale_power")
+    grads = jax.tree.map(lambda x: x / new_ls.scale, grads)  # DeepSpeed unscales by the scale after its update
   taps = jax.device_get(taps)
-  out = {model_lib.tap_name(loc): np.asarray(v) for loc, v in taps.items()}
+  out = {model_lib.tap_name(loc): np.asarray(v, np.float32) for loc, v in taps.items()}
   where = {model_lib.tap_name(loc): loc for loc in taps}
   out["loss"] = np.asarray(jax.device_get(loss_val), np.float32)
   where["loss"] = "step.accumulate_grads(model.loss_fn): mean over micro batches"
@@ -100,12 +125,35 @@ def run_side(io: SideIO) -> int:
   out.update({f"update/{n}": p1[n] for n in names})
   where.update(_where_params(names, "grad/", "gradient of"))
   where.update(_where_params(names, "update/", "optim.make_optimizer chain update of"))
+  return out, where, lr
+
+
+def run_side(io: SideIO) -> int:
+  """Writes this side's diagnose tensors (and, in bf16/fp16, its fp32 reference); returns the exit code (0)."""
+  import jax
+  import numpy as np
+  import optax
+
+  req = dg.read_request(io.request, io.side)
+  run = io.run
+  dg.check_plan(run)
+  spec, plants, train = run.model, req.plants, run.train
+  # bf16/fp16: the step starts from the master weights rounded to the compute dtype, as `Trainer.build` does
+  canonical = master_weights(dg.apply_weight_plants(io.init_params(), plants), train.precision)
+  batch = np.ascontiguousarray(io.batches()[req.step])  # (A, M, T + 1)
+  causal = not plants["no_causal_mask"]
+  io.ready()
+
+  out, where, lr = _one_step(spec, train, canonical, batch, req, causal)
   dg.write_outputs(io.out, out, where, dg.side_inputs(io.request, io.side))
+  if train.precision != "fp32":  # the same step in fp32 on the same (rounded) weights: the error reference
+    ref, ref_where, _ = _one_step(spec, dataclasses.replace(train, precision="fp32"), canonical, batch, req, causal)
+    dg.write_outputs(io.out, ref, ref_where, dg.side_inputs(io.request, io.side), file=dg.REFERENCE_FILE)
   import flax
   io.finish("ok", versions={"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
             device=str(jax.devices()[0]),
             extra={"diagnose": {"step": req.step, "lr_step": req.lr_step, "lr": lr, "loss": float(out["loss"]),
-                                "plants": plants, "tensors": len(out)}})
+                                "precision": train.precision, "plants": plants, "tensors": len(out)}})
   return 0
 
 

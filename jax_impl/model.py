@@ -9,6 +9,16 @@ Numerics follow PyTorch, not Flax defaults (shared/NUMERICS.md): the norm epsilo
 variance as `torch.nn.LayerNorm`, GELU uses `spec.gelu_approximate` explicitly,
 and norms compute in float32 whatever the compute dtype.
 
+In bf16/fp16 each op rounds where torch's bf16/fp16 kernels round, not once per jnp op (measured with
+`parity diagnose` in bf16, docs/precision.md): linear layers accumulate in float32 and add the bias
+before one rounding (torch's addmm), GELU and SiLU compute in float32 and round once ("opmath"),
+residual and position adds round once even when a float32 op reads them next, RMSNorm rounds the
+normalised value before the weight multiply (HF `LlamaRMSNorm`), and attention follows the fused SDPA
+kernel: float32 scores and softmax statistics, unnormalised probabilities rounded for the product with
+v (float32 accumulation), divided by the float32 row sum, rounded once. Reductions that produce a
+gradient (bias, norm weight, position embedding) thereby sum in float32, as torch's do. In float32
+every op is the plain one, unchanged (bitwise).
+
 `to_flax` / `from_flax` are the only place where the canonical (torch) layout
 meets the Flax layout. Axis letters in names: B batch, T/S query/key positions,
 D d_model, N query heads, K kv heads, G query heads per kv head, H head_dim,
@@ -29,7 +39,7 @@ from parity.weights import check_names_and_shapes, param_shapes
 
 from jax_impl import remat as remat_lib
 
-__all__ = ["GPT", "TRANSPOSED", "LAYERS", "TAPS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
+__all__ = ["GPT", "Dense", "TRANSPOSED", "LAYERS", "TAPS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
            "stack_layers", "unstack_layers", "loss_fn", "loss_and_taps", "tap_name", "rope_tables", "compute_dtype"]
 
 Dtype = Any
@@ -95,8 +105,40 @@ def compute_dtype(precision: str) -> Dtype:
 # ----------------------------------------------------------------------------- layers
 
 
+def _reduced(dtype: Dtype) -> bool:
+  """True for bf16/fp16 compute, where ops follow torch's rounding points (module docstring)."""
+  return jnp.dtype(dtype) != jnp.dtype(jnp.float32)
+
+
+def _add(a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Array:
+  """a + b, broadcasting; bf16/fp16: in float32, rounded to `dtype` once (torch's add), spelled out.
+
+  The value is the dtype's own add, but written as a plain `a + b` in bf16 XLA may keep the sum in float32
+  for a float32 consumer (the next LayerNorm) and skip its rounding ("excess precision"): measured with
+  `parity diagnose`, the residual stream then reached ln_2 unrounded (1.22x torch's error there; 1.00x
+  spelled out). The broadcast operand's gradient (wpe over the batch) is then summed in float32, as torch's.
+  """
+  if not _reduced(dtype):
+    return a + b
+  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
+
+
+def _opmath(fn: Any, x: jax.Array, dtype: Dtype) -> jax.Array:
+  """fn(x) as torch's reduced-precision elementwise kernels compute it: in float32, rounded to `dtype` once.
+
+  In float32 it is plain fn(x). x: any shape; the result has x's shape, in `dtype` when reduced.
+  """
+  if not _reduced(dtype):
+    return fn(x)
+  return fn(x.astype(jnp.float32)).astype(dtype)
+
+
 class Norm(nn.Module):
   """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA), in float32.
+
+  The output is rounded to `dtype` once (torch's layer_norm kernel); bf16/fp16 RMSNorm rounds the
+  normalised value first and multiplies by the weight in `dtype`, as HF `LlamaRMSNorm` and
+  `torch_impl.model.RMSNorm` do.
 
   Params: `scale` (D,) and, for LayerNorm with spec.bias, `bias` (D,); float32.
   """
@@ -116,7 +158,15 @@ class Norm(nn.Module):
     else:
       ms_bt1 = jnp.mean(x * x, axis=-1, keepdims=True)
       y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
-    y = y * self.param("scale", nn.initializers.ones, (d,), jnp.float32)
+    scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
+    if s.norm == "rmsnorm" and _reduced(self.dtype):
+      # HF LlamaRMSNorm: round y, then weight * y rounded once (the product of two bf16/fp16 values is exact in
+      # float32, so this is the dtype's multiply); in float32 so that the weight's gradient sums over (B, T) in
+      # float32, as torch's reduction of it does, not in the dtype
+      y = (y.astype(self.dtype).astype(jnp.float32) * scale.astype(self.dtype).astype(jnp.float32)).astype(self.dtype)
+      _tap(self, _NORM_TAP, lambda: y)
+      return y
+    y = y * scale
     if s.norm == "layernorm" and s.bias:
       y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
     y = y.astype(self.dtype)
@@ -157,11 +207,49 @@ def apply_rope(x_btnh: jax.Array, cos_th: np.ndarray, sin_th: np.ndarray) -> jax
   return x_btnh * cos + rotated * sin
 
 
+class Dense(nn.Module):
+  """`nn.Dense` (params `kernel` [in, out], `bias` [out]), rounding as torch's `nn.Linear` does.
+
+  float32: exactly nn.Dense (dot_general, then the bias added). bf16/fp16: the product accumulates in
+  float32 and the bias is added in float32 before the output is rounded once, as torch's addmm (CPU
+  gemm with beta = 1, CUDA cuBLASLt bias epilogue); so the bias gradient is also summed over (B, T)
+  in float32 and rounded once, as torch's `grad_output.sum(0)`, instead of a bf16 reduction.
+
+  Attributes:
+    features: output width.
+    use_bias: add `bias`.
+    dtype: compute dtype; params are float32 (`param_dtype`) unless the caller cast the tree.
+    kernel_init: initializer of `kernel`.
+  """
+  features: int
+  use_bias: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: (..., in) -> (..., features) in `dtype`."""
+    kernel = self.param("kernel", self.kernel_init, (jnp.shape(x)[-1], self.features), self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    if not _reduced(self.dtype):
+      y = jax.lax.dot_general(x, kernel, dims, precision=None)
+      if bias is not None:
+        y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+      return y
+    y = jax.lax.dot_general(x, kernel, dims, preferred_element_type=jnp.float32)
+    if bias is not None:
+      y = y + bias.astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
 def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: float | None = None,
-           bias: bool | None = None) -> nn.Dense:
-  return nn.Dense(features, use_bias=spec.bias if bias is None else bias, dtype=dtype,
-                  param_dtype=jnp.float32, name=name,
-                  kernel_init=nn.initializers.normal(spec.init_std if std is None else std))
+           bias: bool | None = None) -> Dense:
+  return Dense(features, use_bias=spec.bias if bias is None else bias, dtype=dtype,
+               param_dtype=jnp.float32, name=name,
+               kernel_init=nn.initializers.normal(spec.init_std if std is None else std))
 
 
 class Attention(nn.Module):
@@ -201,15 +289,41 @@ class Attention(nn.Module):
     if self.causal:
       causal_ts = np.tril(np.ones((t, t), dtype=bool))
       scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
-    _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
+    if _reduced(self.dtype):
+      out_btkgh = self._fused_context(scores_bkgts, v_btkh)
+    else:
+      probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
+      _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
+      out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
     out_btd = checkpoint_name(out_btkgh.reshape(b, t, n * h), "attn_out")  # heads in query-head order
     _tap(self, "context", lambda: out_btd)  # (B, T, N * H)
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
     y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(out_btd)
     _tap(self, "out", lambda: y_btd)
     return y_btd
+
+  def _fused_context(self, scores_bkgts: jax.Array, v_bskh: jax.Array) -> jax.Array:
+    """bf16/fp16 softmax(scores) @ v in the order of torch's fused SDPA kernel (flash attention on CPU).
+
+    Softmax statistics in float32 (row max m, e = exp(s - m), row sum l = sum e); e rounded to the
+    compute dtype for the product with v, accumulated in float32; divided by l; rounded once. The
+    kernel's per-block rescaling of e is exact up to float32 rounding for rows within one key block.
+
+    Args:
+      scores_bkgts: float32 masked, scaled scores (B, K, G, T, S).
+      v_bskh: values (B, S, K, H) in the compute dtype.
+    Returns:
+      Context (B, T, K, G, H) in the compute dtype.
+    """
+    b, k, g, t, _ = scores_bkgts.shape
+    m_bkgt1 = jax.lax.stop_gradient(jnp.max(scores_bkgts, axis=-1, keepdims=True))
+    e_bkgts = jnp.exp(scores_bkgts - m_bkgt1)
+    l_bkgt1 = jnp.sum(e_bkgts, axis=-1, keepdims=True)
+    _tap(self, "probs", lambda: (e_bkgts / l_bkgt1).reshape(b, k * g, t, t))  # float32, as the kernel's
+    acc_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", e_bkgts.astype(self.dtype), v_bskh.astype(self.dtype),
+                           preferred_element_type=jnp.float32)
+    l_btkg1 = l_bkgt1[..., 0].transpose(0, 3, 1, 2)[..., None]  # (B, T, K, G, 1)
+    return (acc_btkgh / l_btkg1).astype(self.dtype)
 
 
 class Mlp(nn.Module):
@@ -225,13 +339,13 @@ class Mlp(nn.Module):
     if s.mlp == "gelu":
       fc_btf = _dense(f, s, self.dtype, "fc")(x_btd)
       _tap(self, "fc" + _SUB_OUT, lambda: fc_btf)
-      hid_btf = jax.nn.gelu(fc_btf, approximate=s.gelu_approximate)
+      hid_btf = _opmath(lambda x: jax.nn.gelu(x, approximate=s.gelu_approximate), fc_btf, self.dtype)
     else:
       gate_btf = _dense(f, s, self.dtype, "gate")(x_btd)
       up_btf = _dense(f, s, self.dtype, "up")(x_btd)
       _tap(self, "gate" + _SUB_OUT, lambda: gate_btf)
       _tap(self, "up" + _SUB_OUT, lambda: up_btf)
-      hid_btf = jax.nn.silu(gate_btf) * up_btf
+      hid_btf = _opmath(jax.nn.silu, gate_btf, self.dtype) * up_btf  # torch: F.silu rounds, then the product
     _tap(self, "act", lambda: hid_btf)
     hid_btf = checkpoint_name(hid_btf, "mlp_hidden")
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
@@ -254,9 +368,10 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_btd: jax.Array, _: Any = None) -> Any:
     attn = Attention(self.spec, self.dtype, self.causal, name="attn")
-    x_btd = x_btd + attn(Norm(self.spec, self.dtype, name="ln_1")(x_btd))
+    x_btd = _add(x_btd, attn(Norm(self.spec, self.dtype, name="ln_1")(x_btd)), self.dtype)
     _tap(self, "resid_mid", lambda: x_btd)
-    x_btd = x_btd + Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd))
+    x_btd = _add(x_btd, Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd)),
+                 self.dtype)
     _tap(self, "out", lambda: x_btd)
     return (x_btd, None) if self.scanned else x_btd
 
@@ -338,7 +453,7 @@ class GPT(nn.Module):
     if s.position == "learned":
       wpe = nn.Embed(s.max_seq_len, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wpe",
                      embedding_init=nn.initializers.normal(s.init_std))
-      x_btd = x_btd + wpe(jnp.arange(t, dtype=jnp.int32))[None]  # (1, T, D)
+      x_btd = _add(x_btd, wpe(jnp.arange(t, dtype=jnp.int32))[None], self.dtype)  # + (1, T, D)
     _tap(self, "embed", lambda: x_btd)
     x_btd = self._blocks(x_btd)
     x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -225,3 +226,121 @@ def test_matched_llama_family_breaks_nothing(tmp_path):
   assert r.side_status == {"jax": "ok", "torch": "ok"}, r.message
   assert r.passed, r.message
   assert "h.1.mlp.gate" in [t.name for t in r.tensors] and "grad/lm_head.weight" in [t.name for t in r.tensors]
+
+
+# ----------------------------------------------------------------------------- bf16 / fp16 vs each side's fp32
+
+
+def _bf16(x):
+  from parity.weights import round_to_bfloat16
+  return round_to_bfloat16(np.asarray(x, np.float32))
+
+
+def test_precision_rule_names_the_side_that_rounds_more_and_ignores_tiny_errors():
+  rng = np.random.default_rng(1)
+  spec = GPT2
+  ref = {n: rng.standard_normal((4, 8, 16)).astype(np.float32) for n in dg.forward_taps(spec)}
+  once = {n: _bf16(v) for n, v in ref.items()}  # one rounding: what a correct bf16 op does
+  twice = dict(once)
+  # h.0.attn.probs rounded with 2 fewer bits: ~4x the error of one bf16 rounding
+  coarse = ref["h.0.attn.probs"] * np.float32(1 + 2.0 ** -6 * rng.uniform(-1, 1, ref["h.0.attn.probs"].shape))
+  twice["h.0.attn.probs"] = coarse.astype(np.float32)
+  tiny = dict(once)
+  tiny["h.0.ln_1"] = ref["h.0.ln_1"] * np.float32(1 + 1e-6)  # exact to 1e-6 vs one rounding: both far below floor
+  refs = {"jax": ref, "torch": ref}
+  init, train = {}, preset("gpt2-tiny").train
+  fwd = lambda r: [t for t in r if t.kind == "forward"]
+  matched = fwd(dg.compare_precision(spec, train, "bf16", ("jax", "torch"), {"jax": once, "torch": dict(once)}, refs,
+                                     init, 1e-3))
+  assert matched and all(t.passed and t.ratio == 1.0 for t in matched)
+  assert 1e-3 < matched[0].rms_err["jax"] < 2.0 ** -8  # one rounding: ~u / sqrt(3..6)
+  r = fwd(dg.compare_precision(spec, train, "bf16", ("jax", "torch"), {"jax": once, "torch": twice}, refs, init, 1e-3))
+  bad = [t for t in r if not t.passed]
+  assert [t.name for t in bad] == ["h.0.attn.probs"] and bad[0].off == "torch" and bad[0].ratio > 2
+  r = fwd(dg.compare_precision(spec, train, "bf16", ("jax", "torch"), {"jax": tiny, "torch": dict(tiny)}, refs, init,
+                               1e-3))
+  ln = next(t for t in r if t.name == "h.0.ln_1")
+  assert ln.passed and ln.rms_err["jax"] < 1e-5  # equal tiny errors: no ratio to speak of
+  assert dg.precision_errors(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == (float("inf"), float("inf"))
+
+
+def test_precision_update_is_judged_against_adam_on_the_sides_own_gradient():
+  spec, train = GPT2, preset("gpt2-tiny").train
+  lr = 1e-3
+  name = "ln_f.weight"  # not decayed
+  p0 = np.ones(32, np.float32)
+  g_ref = np.linspace(-1, 1, 32).astype(np.float32) * 1e-2
+  g_low = _bf16(g_ref)
+  g_low[16] = -g_low[16]  # rounding flipped a small element's sign: the update moves 2 lr there, legitimately
+  step = lambda g, decay=False: dg.compare.adamw_first_step(p0, g, lr, train, decay, 1.0).astype(np.float32)
+  ref = {"grad/" + name: g_ref, "update/" + name: step(g_ref)}
+  good = {"grad/" + name: g_low, "update/" + name: step(g_low)}
+  decayed = {"grad/" + name: g_low, "update/" + name: step(g_low, decay=True)}  # decay where it must not be
+  only = lambda r: next(t for t in r if t.name == "update/" + name)
+  low = {"jax": good, "torch": good}
+  with mock.patch.object(dg.compare, "tap_order", lambda s: ["update/" + name]):
+    ok = only(dg.compare_precision(spec, train, "bf16", ("jax", "torch"), low, {"jax": ref, "torch": ref},
+                                   {name: p0}, lr))
+    assert ok.passed and ok.max_err["jax"] > 1.0  # 2 lr off the fp32 step at the flipped element, and still fine
+    bad = only(dg.compare_precision(spec, train, "bf16", ("jax", "torch"), {"jax": good, "torch": decayed},
+                                    {"jax": ref, "torch": ref}, {name: p0}, lr))
+  assert bad.off == "torch" and bad.adam_residual["torch"] > 10 > 1 > bad.adam_residual["jax"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+  """One gpt2-tiny bf16 folder, both sides diagnosed once (bf16 and fp32 each) with nothing planted."""
+  out = tmp_path_factory.mktemp("diagnose") / "tiny-bf16"
+  return dg.diagnose("gpt2-tiny", overrides=['train.precision="bf16"'], out=out)
+
+
+@pytest.mark.slow
+@requires_both
+def test_bf16_matched_reports_per_tap_errors_and_jax_rounds_like_torch(tiny_bf16):
+  r = tiny_bf16
+  assert r.side_status == {"jax": "ok", "torch": "ok"}, r.message
+  spec = preset("gpt2-tiny").model
+  assert r.precision == "bf16" and [t.name for t in r.precision_tensors] == dg.tap_order(spec)
+  assert all(t.passed for t in r.tensors), "the two fp32 runs on the rounded weights must agree"
+  u = dg.UNIT_ROUNDOFF["bf16"]
+  by = {t.name: t for t in r.precision_tensors}
+  for t in r.precision_tensors:
+    if t.kind in ("forward", "grad"):  # real bf16 errors: between a fraction of one rounding and a few
+      assert all(0 < e < 6 * u for e in t.rms_err.values()), t
+  # forward: every op rounds where torch's kernel rounds (attention probs as SDPA's float32 internals)
+  assert all(t.passed for t in r.precision_tensors if t.kind == "forward"), r.message
+  assert by["h.0.attn.probs"].rms_err["jax"] < 0.1 * u
+  # no JAX departure anywhere; the only flags are torch's CPU LayerNorm backward, which sums the weight and
+  # bias gradients in bf16 (docs/diagnose.md)
+  flagged = [t for t in r.precision_tensors if not t.passed]
+  assert all(t.off == "torch" and t.kind == "grad" and t.name.split(".")[-2].split("/")[-1].startswith("ln_")
+             for t in flagged), [(t.name, t.off) for t in flagged]
+  assert r.first is None or r.first.name == flagged[0].name
+  data = json.loads((r.run_dir / "diagnose.json").read_text())
+  assert data["precision"] == "bf16" and len(data["precision_tensors"]) == len(r.precision_tensors)
+  assert "rms_err" in data["precision_tensors"][0] and "adam_residual" in data["precision_tensors"][-1]
+  md = (r.run_dir / "diagnose.md").read_text()
+  assert "## bf16: each side's error against its own fp32 run" in md and "`h.1.mlp.act`" in md
+
+
+@pytest.mark.slow
+@requires_both
+def test_bf16_planted_bug_is_localised_in_the_fp32_runs(tiny_bf16):
+  r = dg.diagnose(run_dir=tiny_bf16.run_dir, reuse=True, plants=["torch:no_causal_mask"])
+  assert r.side_status == {"jax": "ok", "torch": "ok"}, r.message
+  assert r.first is not None and r.first.name == "h.0.attn.probs", r.message
+  assert "fp32 runs" in r.message and r.exit_code == 1
+  # a plant changes both of torch's runs alike, so its bf16 error against its own fp32 run stays a rounding
+  # error; the comparison of the two sides' fp32 runs is what names it (future positions: |Δ| ~ 1)
+  assert r.first.worst_abs_err > 0.5
+  probs = next(t for t in r.precision_tensors if t.name == "h.0.attn.probs")
+  assert probs.rms_err["torch"] < dg.UNIT_ROUNDOFF["bf16"]
+
+
+@pytest.mark.slow
+@requires_both
+def test_bf16_llama_family_matched_passes(tmp_path):
+  r = dg.diagnose("gpt2-tiny", config=LLAMA_RUN, overrides=['train.precision="bf16"'], out=tmp_path / "llama-bf16")
+  assert r.side_status == {"jax": "ok", "torch": "ok"}, r.message
+  assert r.passed, r.message  # RMSNorm, SwiGLU, RoPE, GQA: both sides round alike
+  assert {t.name for t in r.precision_tensors} >= {"h.1.mlp.gate", "grad/lm_head.weight", "update/wte.weight"}

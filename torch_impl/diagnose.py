@@ -9,58 +9,100 @@ initial weights and `batches.npy[step]` (see `parity.diagnose`), written to
   * `loss`: the step's loss (mean over micro batches), as the trainer reports it;
   * `update/<param>`: the params after the step: a fresh torch AdamW whose schedule position
     (`TorchTrainer.step_index`) is set to the request's `lr_step`.
+bf16/fp16: the taps and gradients come from the trainer's compute-dtype module copy (fp16 gradients
+divided by the loss scale the trainer unscaled with), `attn.scores`/`attn.probs` are SDPA's float32
+internals (`_sdpa_internal_taps`), and the same step in fp32 from the trainer's rounded masters goes to
+`diagnose.fp32.safetensors`.
 Plants of this side (request `diagnose_plants`): `no_causal_mask` (Attention.causal=False),
 `transpose` (canonical weights transposed before loading), `decay_all` (every param group decayed).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
+from unittest import mock
+
+import numpy as np
 
 from parity import diagnose as dg
 from parity.protocol import SideIO, main_guard
 
 
-def side_main(io: SideIO) -> int:
-  """Writes this side's diagnose tensors; returns the exit code (0)."""
+def _sdpa_internal_taps(self, q, k, t: int) -> None:
+  """bf16/fp16 replacement of `Attention._attention_taps`: the scores and probs SDPA's kernel computes inside.
+
+  The fused kernel (flash on CPU, likewise on CUDA) multiplies the bf16/fp16 q and k with float32
+  accumulation and takes the softmax in float32; spelling it out in the compute dtype, as the fp32 taps
+  do, would round the scores and probs where the forward never rounds them. Taps only: SDPA still makes
+  the context. q, k: (B, nh, T, hd) in the compute dtype.
+  """
+  import torch
+  scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S) float32
+  self._tap("scores", lambda: scores)
+  if self.causal:
+    keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~keep, float("-inf"))
+  self._tap("probs", lambda: torch.softmax(scores, dim=-1))
+
+
+def _one_step(run, params, plants, batch, lr_step: int):
+  """Taps, loss, gradients and first update of one `TorchTrainer.step` in `run.train.precision`.
+
+  bf16/fp16: the trainer runs the forward and backward on its compute-dtype copy of the module
+  (`TorchTrainer.half_model`, DeepSpeed's layout); the taps and gradients are read there, fp16 gradients
+  divided by the loss scale the trainer unscaled them with.
+
+  Args:
+    run: the run spec (its train.precision is the one run).
+    params: canonical float32 weights with this side's plants applied (the trainer rounds bf16/fp16 masters).
+    plants: this side's plants (`parity.diagnose.read_request`).
+    batch: uint16 token ids (A, M, T + 1).
+    lr_step: the schedule position of the update.
+  Returns:
+    (tensors, where, metrics): canonical tap name -> float32 numpy array, tap name -> torch module, the step's
+    metrics.
+  Raises:
+    RuntimeError: a gradient was not recorded, or (fp16) the step overflowed and was skipped.
+  """
   import numpy as np
   import torch
   from torch_impl.baseline import TorchTrainer
   from torch_impl.model import Attention, TapRecorder, to_canonical
 
-  if io.side != "torch":
-    raise ValueError(f"torch_impl.diagnose runs the 'torch' side; got --side {io.side} "
-                     "(DeepSpeed runs the same torch model: diagnose it as 'torch')")
-  req = dg.read_request(io.request, io.side)
-  run = io.run
   torch.manual_seed(run.train.seed)
-  plants = req.plants
-  trainer = TorchTrainer(run, dg.apply_weight_plants(io.init_params(), plants))
+  trainer = TorchTrainer(run, params)
   model = trainer.model
+  compute = trainer.half_model if trainer.half_model is not None else model  # where forward and backward run
   if plants["no_causal_mask"]:
-    for m in model.modules():
+    for m in [*model.modules(), *compute.modules()]:
       if isinstance(m, Attention):
         m.causal = False
   if plants["decay_all"]:
     for group in trainer.optimizer.param_groups:
       group["weight_decay"] = float(run.train.weight_decay)
-  batch = np.asarray(io.batches()[req.step])  # (A, M, T + 1)
-  io.ready()
 
   recorder = TapRecorder()
-  model.record_taps(recorder)
+  compute.record_taps(recorder)
   grads: dict[str, torch.Tensor] = {}
 
   def keep_grad(name: str):
     return lambda p: grads.__setitem__(name, p.grad.detach().float().cpu().clone())
 
-  hooks = [p.register_post_accumulate_grad_hook(keep_grad(n)) for n, p in model.named_parameters()]
-  trainer.step_index = req.lr_step
+  hooks = [p.register_post_accumulate_grad_hook(keep_grad(n)) for n, p in compute.named_parameters()]
+  trainer.step_index = lr_step
+  reduced = run.train.precision != "fp32"
   try:
-    metrics = trainer.step(batch)
+    with mock.patch.object(Attention, "_attention_taps", _sdpa_internal_taps) if reduced else contextlib.nullcontext():
+      metrics = trainer.step(batch)
   finally:
     for h in hooks:
       h.remove()
-    model.record_taps(None)
+    compute.record_taps(None)
+  if metrics.get("skipped"):
+    raise RuntimeError(f"fp16: the gradient overflowed at the initial loss scale {metrics['loss_scale']:g}, so the "
+                       "update was skipped; diagnose another --step or lower train.initial_scale_power")
+  divisor = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0  # fp16: DeepSpeed's unscale
 
   names = dg.param_order(run.model)
   missing = [n for n in names if n not in grads]
@@ -72,14 +114,41 @@ def side_main(io: SideIO) -> int:
   out["loss"] = np.asarray(metrics["loss"], np.float32)
   where["loss"] = "baseline.TorchTrainer.step: mean over micro batches"
   for n in names:
-    out[f"grad/{n}"] = grads[n].numpy()
+    out[f"grad/{n}"] = grads[n].numpy() / np.float32(divisor) if divisor != 1.0 else grads[n].numpy()
     where[f"grad/{n}"] = f"{n}.grad (accumulated, before clip_like_deepspeed)"
     out[f"update/{n}"] = after[n]
     where[f"update/{n}"] = f"{n} after TorchTrainer.step (torch.optim.AdamW)"
+  if reduced:
+    where.update({f"h.{i}.attn.{t}": f"h.{i}.attn (Attention) {t}: SDPA's float32 internals, recomputed"
+                  for i in range(run.model.n_layers) for t in ("scores", "probs")})
+  return out, where, metrics
+
+
+def side_main(io: SideIO) -> int:
+  """Writes this side's diagnose tensors (and, in bf16/fp16, its fp32 reference); returns the exit code (0)."""
+  import torch
+  from parity.weights import master_weights
+
+  if io.side != "torch":
+    raise ValueError(f"torch_impl.diagnose runs the 'torch' side; got --side {io.side} "
+                     "(DeepSpeed runs the same torch model: diagnose it as 'torch')")
+  req = dg.read_request(io.request, io.side)
+  run = io.run
+  params = dg.apply_weight_plants(io.init_params(), req.plants)
+  batch = np.asarray(io.batches()[req.step])  # (A, M, T + 1)
+  io.ready()
+
+  out, where, metrics = _one_step(run, params, req.plants, batch, req.lr_step)
   dg.write_outputs(io.out, out, where, dg.side_inputs(io.request, io.side))
-  io.finish("ok", versions={"torch": torch.__version__}, device=str(trainer.device),
+  if run.train.precision != "fp32":  # the same step in fp32 from the same rounded masters: the error reference
+    fp32 = dataclasses.replace(run, train=dataclasses.replace(run.train, precision="fp32"))
+    ref, ref_where, _ = _one_step(fp32, master_weights(params, run.train.precision), req.plants, batch, req.lr_step)
+    dg.write_outputs(io.out, ref, ref_where, dg.side_inputs(io.request, io.side), file=dg.REFERENCE_FILE)
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  io.finish("ok", versions={"torch": torch.__version__}, device=device,
             extra={"diagnose": {"step": req.step, "lr_step": req.lr_step, "lr": float(metrics["lr"]),
-                                "loss": float(metrics["loss"]), "plants": plants, "tensors": len(out)}})
+                                "loss": float(metrics["loss"]), "precision": run.train.precision,
+                                "plants": req.plants, "tensors": len(out)}})
   return 0
 
 

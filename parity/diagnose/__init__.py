@@ -22,6 +22,12 @@ there (WarmupCosineLR gives 0 at steps 0 and 1) the position moves to the first 
 recorded as `lr_step` (gpt2-tiny: step 2, lr 3.3e-4). An lr of 0 would make every update the identity
 and hide optimizer bugs such as a wrong decay mask.
 
+bf16/fp16 (train.precision): each worker also writes `<side>/diagnose.fp32.safetensors`, the same step
+in fp32 from the same rounded master weights. The two fp32 runs are compared with `RULES` first (a bug of
+any precision); then each side's reduced-precision error against its own fp32 run (`compare_precision`)
+names the first tensor where one side rounds differently (`PRECISION_RULE`); updates are checked against
+a first AdamW step from the side's own gradient. docs/diagnose.md has the measurements.
+
 Planted bugs for testing the tool (`--plant SIDE:KIND`, request key `diagnose_plants`): `no_causal_mask`,
 `transpose=<canonical square weight>` (transposed when that side loads it), `decay_all` (weight decay
 on every tensor, norms and biases included). Numeric settings go through `--perturb` as in compare.
@@ -40,16 +46,20 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parity import schedule, weights
-from parity.diagnose.compare import RULES, Rule, TensorDiff, compare_outputs, compare_tensor  # noqa: F401
+from parity.diagnose.compare import (  # noqa: F401
+    PRECISION_RULE, RULES, UNIT_ROUNDOFF, PrecisionDiff, PrecisionRule, Rule, TensorDiff, compare_outputs,
+    compare_precision, compare_tensor, precision_errors)
 from parity.diagnose.inputs import (  # noqa: F401
-    DIAGNOSE_WORKERS, INPUTS_METADATA_KEY, OUTPUT_FILE, PLANT_KINDS, PLANTS_KEY, REQUEST_KEY, WHERE_METADATA_KEY,
+    DIAGNOSE_WORKERS, INPUTS_METADATA_KEY, OUTPUT_FILE, PLANT_KINDS, PLANTS_KEY, REFERENCE_FILE, REQUEST_KEY,
+    WHERE_METADATA_KEY,
     WorkerRequest, _metadata, _read_outputs, apply_weight_plants, check_plan, forward_taps, lr_position, param_order,
     parse_plants, read_request, side_inputs, tap_order, write_outputs)
 from parity.protocol import DEBUG_KEYS
 from parity.spec import RunSpec, SpecError
 from parity.tolerances import tolerance
 
-__all__ = ["Rule", "RULES", "TensorDiff", "DiagnoseResult", "diagnose", "tap_order", "forward_taps",
+__all__ = ["Rule", "RULES", "TensorDiff", "PrecisionRule", "PRECISION_RULE", "PrecisionDiff", "compare_precision",
+           "precision_errors", "REFERENCE_FILE", "DiagnoseResult", "diagnose", "tap_order", "forward_taps",
            "param_order", "parse_plants", "apply_weight_plants", "lr_position", "compare_tensor",
            "compare_outputs", "check_plan", "side_inputs", "DIAGNOSE_WORKERS", "PLANTS_KEY", "REQUEST_KEY", "OUTPUT_FILE",
            "PLANT_KINDS", "read_request", "write_outputs"]
@@ -70,6 +80,10 @@ class DiagnoseResult:
     first: the first tensor that broke its rule, or None.
     side_status: side -> worker status ('ok', 'crashed', ...), with `side_errors` for failures.
     message: one line for humans.
+    precision: train.precision of the run. In bf16/fp16 `tensors` compares the two sides' fp32 runs of the
+      step (on the rounded master weights) with `RULES`, and `precision_tensors` holds each side's
+      reduced-precision error against its own fp32 run (`PRECISION_RULE`); `first` is the first fp32
+      difference if there is one, else the first tensor where one side's error is off (`first_precision`).
   """
   run_dir: Path
   sides: tuple[str, str]
@@ -84,6 +98,9 @@ class DiagnoseResult:
   plants: dict[str, Any] = dataclasses.field(default_factory=dict)
   perturb: dict[str, Any] = dataclasses.field(default_factory=dict)
   wall_s: float = 0.0
+  precision: str = "fp32"
+  precision_tensors: list[PrecisionDiff] = dataclasses.field(default_factory=list)
+  first_precision: PrecisionDiff | None = None
 
   @property
   def passed(self) -> bool:
@@ -100,7 +117,14 @@ class DiagnoseResult:
             "side_status": self.side_status, "side_errors": self.side_errors, "plants": self.plants,
             "perturb": self.perturb, "wall_s": self.wall_s,
             "rules": {k: dataclasses.asdict(r) for k, r in RULES.items()},
-            "tensors": [t.to_json() for t in self.tensors]}
+            "tensors": [t.to_json() for t in self.tensors],
+            "precision": self.precision,
+            **({"reference": "each side's own fp32 run of the same step on the same rounded weights",
+                "precision_rule": dataclasses.asdict(PRECISION_RULE),
+                "unit_roundoff": UNIT_ROUNDOFF[self.precision],
+                "first_precision": None if self.first_precision is None else self.first_precision.to_json(),
+                "precision_tensors": [t.to_json() for t in self.precision_tensors]}
+               if self.precision != "fp32" else {})}
 
   def to_markdown(self) -> str:
     a, b = self.sides
@@ -129,6 +153,10 @@ class DiagnoseResult:
                    f"{RULES[kind].rtol:g} |")
     lines += ["", "Rule: |Δ| <= atol + rtol · scale (scale = max|reference|; for updates elementwise: rtol · distance "
               "moved + 4 float32 ulps + lr · kappa). Reasons: diagnose.json `rules`; docs/diagnose.md.", ""]
+    if self.precision != "fp32":
+      at = lines.index("## Worst relative error by kind")
+      lines[at] = "## fp32 runs of both sides (rounded weights): worst by kind"
+      lines += _precision_markdown(self)
     return "\n".join(lines)
 
 
@@ -141,6 +169,56 @@ def _first_message(first: TensorDiff, sides: tuple[str, str]) -> str:
           f"{first.max_rel_err:.3g}; worst element{at}: |Δ| {first.worst_abs_err:.3g} > tolerance "
           f"{first.tolerance:.3g}{vals}"
           + (f"; {first.note}" if first.note else ""))
+
+
+def _precision_markdown(r: DiagnoseResult) -> list[str]:
+  a, b = r.sides
+  rule, floor = PRECISION_RULE, PRECISION_RULE.floor_u * UNIT_ROUNDOFF[r.precision]
+  lines = [f"## {r.precision}: each side's error against its own fp32 run", "",
+           f"rms relative error (rms(x - ref) / rms(ref); updates: relative to the fp32 step) and max relative error "
+           f"(max|x - ref| / max|ref|). A side is off where its rms error is > {rule.factor:g}x the other side's and "
+           f"> {floor:.3g} ({rule.floor_u:g} unit roundoff of {r.precision}).", "",
+           "Updates are judged instead by each side's update against a first AdamW step from its own gradient "
+           "(`adam a / b`: max error / allowed, off above 1).", "",
+           f"| tensor | {a} rms | {b} rms | ratio | {a} max | {b} max | adam {a} / {b} | off |",
+           "|---|---|---|---|---|---|---|---|"]
+  for t in r.precision_tensors:
+    if t.note:
+      lines.append(f"| `{t.name}` | | | | | | | {t.note} |")
+      continue
+    adam = " / ".join(f"{t.adam_residual[s]:.2g}" for s in (a, b)) if t.adam_residual else ""
+    lines.append(f"| `{t.name}` | {t.rms_err[a]:.3g} | {t.rms_err[b]:.3g} | {t.ratio:.2f} | {t.max_err[a]:.3g} | "
+                 f"{t.max_err[b]:.3g} | {adam} | {'**' + t.off + '**' if t.off else ''} |")
+  return lines + [""]
+
+
+def _precision_first(pd: PrecisionDiff, sides: tuple[str, str], low: Mapping[str, Mapping[str, Any]],
+                     ref: Mapping[str, Mapping[str, Any]], init: Mapping[str, Any], precision: str) -> TensorDiff:
+  """A flagged PrecisionDiff as a TensorDiff (what the CLI prints): |Δ| is the off side's rms relative error,
+  the tolerance `factor` x the other side's (or the floor); the worst element is the off side's largest error."""
+  import numpy as np
+  off = pd.off
+  other = sides[1] if off == sides[0] else sides[0]
+  x, r = np.asarray(low[off][pd.name], np.float64), np.asarray(ref[off][pd.name], np.float64)
+  d = np.abs(x - r)
+  flat = int(np.argmax(np.where(np.isfinite(d), d, np.inf))) if d.size else 0
+  idx = tuple(int(i) for i in np.unravel_index(flat, d.shape)) if d.ndim else None
+  floor = PRECISION_RULE.floor_u * UNIT_ROUNDOFF[precision]
+  if pd.kind == "update":
+    note = (f"{off}'s {precision} update is {pd.adam_residual[off]:.3g}x the allowed distance from a first AdamW "
+            f"step on its own {precision} gradient ({other}: {pd.adam_residual[other]:.3g}x): its optimizer step "
+            "differs, not its gradient (|Δ| and tolerance are these ratios)")
+    err, tol = pd.adam_residual[off], 1.0
+  else:
+    note = (f"{precision} vs each side's own fp32 run, rms relative error: {off} {pd.rms_err[off]:.3g}, {other} "
+            f"{pd.rms_err[other]:.3g} ({pd.ratio:.3g}x > {PRECISION_RULE.factor:g}x): {off} rounds differently here "
+            f"(|Δ| and tolerance are these rms errors; worst element: {off}'s largest error)")
+    err, tol = pd.rms_err[off], max(PRECISION_RULE.factor * pd.rms_err[other], floor)
+  return TensorDiff(pd.name, pd.kind, pd.shape, float(np.max(d, initial=0.0)), pd.max_err[off],
+                    float(np.max(np.abs(r), initial=0.0)), tol, idx,
+                    float(np.asarray(low[sides[0]][pd.name]).reshape(-1)[flat]) if d.size else None,
+                    float(np.asarray(low[sides[1]][pd.name]).reshape(-1)[flat]) if d.size else None, False,
+                    worst_abs_err=err, note=note)
 
 
 def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None = None, overrides: Sequence[str] = (),
@@ -195,9 +273,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
       init_given = None
     folder = Path(out) if out is not None else default_run_dir(spec, "diagnose")
   check_plan(spec)
-  if spec.train.precision != "fp32":
-    raise SpecError(f"parity diagnose compares fp32 arithmetic; got train.precision={spec.train.precision!r} "
-                    "(bf16 differs everywhere by design: see NUMERICS.md)")
+  precision = spec.train.precision
   if spec.train.steps <= step or step < 0:
     raise SpecError(f"--step {step}: the run has train.steps={spec.train.steps} (steps 0..{spec.train.steps - 1})")
   if reuse and run_dir is None:
@@ -209,8 +285,9 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
       if key in DEBUG_KEYS:
         raise SpecError(f"--perturb {side}:{key}: fault injections are for `parity compare`; diagnose runs one "
                         "step (plant a model bug with --plant instead)")
-      if key == "train.precision" and value != "fp32":
-        raise SpecError(f"--perturb {side}:train.precision={value!r}: parity diagnose compares fp32 steps only")
+      if key == "train.precision" and value != precision:
+        raise SpecError(f"--perturb {side}:train.precision={value!r}: both sides run the run's precision "
+                        f"({precision!r}); set it for both with --set 'train.precision=\"bf16\"'")
   plant_map = parse_plants(list(plants), sides, spec.model)
   if run_dir is None:
     prepare_run_dir(spec, folder, perturb=pert, init_params=init_given)
@@ -220,38 +297,68 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
   request[PLANTS_KEY] = plant_map
   (folder / "request.json").write_text(json.dumps(request, indent=2))
 
-  status, errors, outputs, where = {}, {}, {}, {}
+  reduced = precision != "fp32"
+  files = (OUTPUT_FILE, REFERENCE_FILE) if reduced else (OUTPUT_FILE,)
+  status, errors, outputs, refs, where = {}, {}, {}, {}, {}
   for side in sides:
-    path = folder / side / OUTPUT_FILE
-    if reuse and path.exists() and _metadata(path).get(INPUTS_METADATA_KEY) == side_inputs(request, side):
+    paths = [folder / side / f for f in files]
+    if reuse and all(p.exists() and _metadata(p).get(INPUTS_METADATA_KEY) == side_inputs(request, side) for p in paths):
       status[side], errors[side] = "ok", None
-      outputs[side], where[side] = _read_outputs(path)
-      continue
-    path.unlink(missing_ok=True)
-    sr = run_side(folder, side, timeout_s=timeout_s, module=DIAGNOSE_WORKERS[side])
-    status[side], errors[side] = sr.status, sr.error
-    if sr.status == "ok" and path.exists():
-      outputs[side], where[side] = _read_outputs(path)
-    elif sr.status == "ok":
-      status[side], errors[side] = "crashed", f"worker finished without writing {path}"
-  tensors, first = [], None
+    else:
+      for p in paths:
+        p.unlink(missing_ok=True)
+      sr = run_side(folder, side, timeout_s=timeout_s, module=DIAGNOSE_WORKERS[side])
+      status[side], errors[side] = sr.status, sr.error
+      if sr.status == "ok" and not all(p.exists() for p in paths):
+        status[side], errors[side] = "crashed", f"worker finished without writing {', '.join(map(str, paths))}"
+    if status[side] == "ok":
+      outputs[side], where[side] = _read_outputs(paths[0])
+      if reduced:
+        refs[side], _ = _read_outputs(paths[1])
+  tensors, first, ptensors, pfirst = [], None, [], None
   a, b = sides
   if len(outputs) == 2:
-    init = weights.load(folder / "init.safetensors")
-    tensors = compare_outputs(spec.model, spec.train, outputs[a], outputs[b], init, lr)
+    # bf16/fp16: both sides start from the master weights rounded to the compute dtype (DeepSpeed's layout)
+    init = weights.master_weights(weights.load(folder / "init.safetensors"), precision)
+    train32 = dataclasses.replace(spec.train, precision="fp32")
+    tensors = compare_outputs(spec.model, train32, refs[a] if reduced else outputs[a],
+                              refs[b] if reduced else outputs[b], init, lr)
     for t in tensors:
       t.where = {s: where[s].get(t.name, "?") for s in sides}
     first = next((t for t in tensors if not t.passed), None)
+    if reduced:
+      ptensors = compare_precision(spec.model, spec.train, precision, (a, b), outputs, refs, init, lr)
+      pfirst = next((t for t in ptensors if not t.passed), None)
+      if first is not None:
+        first.note = ("the two sides' fp32 runs of this step already differ here (a bug of any precision, not a "
+                      f"{precision} rounding)" + (f"; {first.note}" if first.note else ""))
+      elif pfirst is not None:
+        if pfirst.note:  # missing or misshapen on some run
+          first = TensorDiff(pfirst.name, pfirst.kind, pfirst.shape, math.inf, math.inf, 0.0, 0.0, None, None, None,
+                             False, note=pfirst.note)
+        else:
+          first = _precision_first(pfirst, (a, b), outputs, refs, init, precision)
+        first.where = {s: where[s].get(first.name, "?") for s in sides}
   bad = {s: st for s, st in status.items() if st != "ok"}
   if bad:
     message = "side(s) did not finish: " + "; ".join(f"{s} ({st}): {(errors[s] or '')[-600:]}" for s, st in bad.items())
+  elif first is None and reduced:
+    floor = PRECISION_RULE.floor_u * UNIT_ROUNDOFF[precision]
+    judged = [t for t in ptensors if t.kind != "update" and max(t.rms_err.values()) > floor]
+    worst = max(judged, key=lambda t: t.ratio, default=None)
+    largest = f"largest ratio above the floor {worst.ratio:.2f} at {worst.name}; " if worst else ""
+    message = (f"no tensor breaks tolerance: the fp32 runs agree ({len(tensors)} tensors) and in {precision} neither "
+               f"side's error vs its fp32 run is > {PRECISION_RULE.factor:g}x the other's ({largest}updates within "
+               f"a first AdamW step of their own gradients; step {step})")
   elif first is None:
     message = f"no tensor breaks tolerance: {len(tensors)} tensors of {a} and {b} agree (step {step})"
   else:
-    message = _first_message(first, sides)
+    in_fp32 = reduced and first is next((t for t in tensors if not t.passed), None)
+    message = (f"[fp32 runs of the {precision} step] " if in_fp32 else "") + _first_message(first, sides)
   result = DiagnoseResult(run_dir=folder, sides=(a, b), step=step, lr_step=lr_step, lr=lr, tensors=tensors,
                           first=first, side_status=status, side_errors=errors, message=message, plants=plant_map,
-                          perturb=pert, wall_s=time.time() - t0)
+                          perturb=pert, wall_s=time.time() - t0, precision=precision, precision_tensors=ptensors,
+                          first_precision=pfirst)
   (folder / "diagnose.json").write_text(json.dumps(result.to_json(), indent=2))
   (folder / "diagnose.md").write_text(result.to_markdown())
   return result

@@ -20,6 +20,9 @@ PLANTS_KEY = "diagnose_plants"
 REQUEST_KEY = "diagnose"
 """request.json key: {'step': batch index, 'lr_step': schedule position of the update}."""
 OUTPUT_FILE = "diagnose.safetensors"
+"""A worker's tensors in the run's precision."""
+REFERENCE_FILE = "diagnose.fp32.safetensors"
+"""bf16/fp16 runs only: the same worker's step in fp32 on the same (rounded) weights, the error reference."""
 WHERE_METADATA_KEY = "parity_diagnose_where"
 """safetensors metadata key: JSON of tap name -> where the side computed it (Flax path / torch module)."""
 INPUTS_METADATA_KEY = "parity_diagnose_inputs"
@@ -172,10 +175,18 @@ def side_inputs(request: Mapping[str, Any], side: str) -> str:
 
 
 def write_outputs(out_dir: str | Path, tensors: Mapping[str, np.ndarray], where: Mapping[str, str],
-                  inputs: str = "") -> Path:
-  """Writes a worker's diagnose.safetensors (float32, contiguous) with its `where` map and `side_inputs`."""
+                  inputs: str = "", file: str = OUTPUT_FILE) -> Path:
+  """Writes a worker's tensors (float32, contiguous) with its `where` map and `side_inputs`.
+
+  Args:
+    out_dir: the side's folder.
+    tensors: canonical tap name -> array.
+    where: tap name -> where the side computed it.
+    inputs: `side_inputs` of the request (for reuse).
+    file: OUTPUT_FILE (the run's precision) or REFERENCE_FILE (the fp32 reference of a bf16/fp16 run).
+  """
   from safetensors.numpy import save_file
-  path = Path(out_dir) / OUTPUT_FILE
+  path = Path(out_dir) / file
   save_file({k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in tensors.items()}, str(path),
             metadata={WHERE_METADATA_KEY: json.dumps(dict(where)), INPUTS_METADATA_KEY: inputs})
   return path
