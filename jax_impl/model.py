@@ -26,6 +26,8 @@ F MLP width, V vocab.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -376,16 +378,19 @@ class Block(nn.Module):
     return (x_btd, None) if self.scanned else x_btd
 
 
-def _params_to_device(variables: Any) -> Any:
-  """One layer's params (a slice of the host-resident stack) moved into device memory, in the scan body."""
-  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), variables)
+def _params_to_device(variables: Any, dtype: Dtype) -> Any:
+  """One layer's params (a slice of the host-resident fp32 stack) moved into device memory in the scan body,
+  then cast to the compute dtype there (bf16/fp16: the per-layer form of the step's whole-tree cast, which
+  would otherwise run on the whole stack in host memory; the cast's transpose still hands the optimizer an
+  fp32 gradient of the rounded value)."""
+  return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device).astype(dtype), variables)
 
 
-def _block_class(remat: str, host_kind: str, scanned: bool, layer_to_device: bool) -> Any:
-  """Block wrapped in the plan's jax.checkpoint policy and, for scanned host params, a per-layer move."""
+def _block_class(remat: str, host_kind: str, scanned: bool, layer_to_device: bool, dtype: Dtype) -> Any:
+  """Block wrapped in the plan's jax.checkpoint policy and, for scanned host params, a per-layer move (and cast)."""
   cls: Any = Block
   if layer_to_device:
-    cls = nn.map_variables(cls, "params", trans_in_fn=_params_to_device, init=False)
+    cls = nn.map_variables(cls, "params", trans_in_fn=functools.partial(_params_to_device, dtype=dtype), init=False)
   pol = remat_lib.policy(remat, host_kind)
   if pol is not None:
     cls = nn.remat(cls, policy=pol, prevent_cse=not scanned)
@@ -402,7 +407,8 @@ class GPT(nn.Module):
     scan_layers: run the blocks as one `nn.scan` over params stacked on a leading layer axis,
       under the module name `LAYERS` ("h") instead of h_0 .. h_{L-1}.
     layer_to_device: with scan_layers, move each layer's param slice to device memory inside the
-      scan body (the stacked params live in host memory; JaxPlan.offload_params).
+      scan body and cast it to `dtype` there (the stacked params live in host memory, fp32;
+      JaxPlan.offload_params).
     host_memory_kind: host memory kind for the offload remat policies.
     causal: see `Attention.causal`; False only as a `parity diagnose` plant.
   """
@@ -422,7 +428,7 @@ class GPT(nn.Module):
   def _blocks(self, x_btd: jax.Array) -> jax.Array:
     s = self.spec
     block = _block_class(self._remat_name(), self.host_memory_kind, self.scan_layers,
-                         self.layer_to_device and self.scan_layers and not self.is_initializing())
+                         self.layer_to_device and self.scan_layers and not self.is_initializing(), self.dtype)
     if not self.scan_layers:
       for i in range(s.n_layers):
         x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd)

@@ -170,6 +170,9 @@ def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Calla
   if dtype == jnp.float32:
     return lambda p, tokens_mtp1: model_lib.loss_fn(p, tokens_mtp1, run.model, **kw)
   cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)  # DeepSpeed's layout: the whole module in bf16/fp16
+  if layer_to_device:  # the host-resident layer stack is cast per layer on the device, in the scan body (model)
+    cast_rest = lambda p: {k: (v if k == model_lib.LAYERS else cast(v)) for k, v in p.items()}
+    return lambda p, tokens_mtp1: model_lib.loss_fn(cast_rest(p), tokens_mtp1, run.model, **kw)
   return lambda p, tokens_mtp1: model_lib.loss_fn(cast(p), tokens_mtp1, run.model, **kw)
 
 
