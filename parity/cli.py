@@ -109,18 +109,19 @@ def _run_diagnose(args) -> int:
   a, b = res.sides
   con.print(f"parity diagnose — {res.run_dir}: {a} vs {b}, step {res.step} "
             f"(update at lr position {res.lr_step}, lr {res.lr:.3g})")
+  from rich.markup import escape
   f = res.first
   if f is not None:
     con.print(f"[bold red]FIRST DIFFERENCE: {f.name}[/bold red] ({f.kind}, shape {list(f.shape)})")
     for side, where in f.where.items():
-      con.print(f"  {side}: {where}")
+      con.print(f"  {side}: {escape(str(where))}")
     con.print(f"  max abs error {f.max_abs_err:.3g}, max rel error {f.max_rel_err:.3g} (scale {f.scale:.3g})")
     con.print(f"  worst element {f.worst_index}: {a} {f.ref_value}, {b} {f.cand_value}; |Δ| {f.worst_abs_err:.3g} "
               f"> tolerance {f.tolerance:.3g}")
     if f.note:
-      con.print(f"  {f.note}")
+      con.print(f"  {escape(f.note)}")
   style = "bold green" if res.passed else "bold red"
-  con.print(f"[{style}]{'PASS' if res.passed else 'FAIL'}: {res.message}[/{style}]", soft_wrap=True)
+  con.print(f"[{style}]{'PASS' if res.passed else 'FAIL'}: {escape(res.message)}[/{style}]", soft_wrap=True)
   con.print(f"diagnose: {Path(res.run_dir) / 'diagnose.md'} (also diagnose.json)")
   return res.exit_code
 
