@@ -344,3 +344,21 @@ def test_bf16_llama_family_matched_passes(tmp_path):
   assert r.side_status == {"jax": "ok", "torch": "ok"}, r.message
   assert r.passed, r.message  # RMSNorm, SwiGLU, RoPE, GQA: both sides round alike
   assert {t.name for t in r.precision_tensors} >= {"h.1.mlp.gate", "grad/lm_head.weight", "update/wte.weight"}
+
+
+def test_ctrl_c_still_writes_the_report_then_reraises(tmp_path, monkeypatch):
+  """Ctrl-C while a worker runs: the report says which side was interrupted and which never started, then
+  the KeyboardInterrupt reaches the caller (the CLI exits 130)."""
+  import harness.runner
+  from parity.diagnose import diagnose
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(harness.runner, "run_side", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    diagnose("gpt2-tiny", out=str(tmp_path / "d"))
+  report = json.loads((tmp_path / "d" / "diagnose.json").read_text())
+  assert report["side_status"] == {"jax": "interrupted", "torch": "not_run"}
+  assert "Ctrl-C" in report["side_errors"]["jax"] and "not started" in report["side_errors"]["torch"]
+  assert (tmp_path / "d" / "diagnose.md").exists()

@@ -300,14 +300,23 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
   reduced = precision != "fp32"
   files = (OUTPUT_FILE, REFERENCE_FILE) if reduced else (OUTPUT_FILE,)
   status, errors, outputs, refs, where = {}, {}, {}, {}, {}
+  interrupted: KeyboardInterrupt | None = None
   for side in sides:
     paths = [folder / side / f for f in files]
+    if interrupted is not None:
+      status[side], errors[side] = "not_run", "not started: the diagnose was interrupted (Ctrl-C)"
+      continue
     if reuse and all(p.exists() and _metadata(p).get(INPUTS_METADATA_KEY) == side_inputs(request, side) for p in paths):
       status[side], errors[side] = "ok", None
     else:
       for p in paths:
         p.unlink(missing_ok=True)
-      sr = run_side(folder, side, timeout_s=timeout_s, module=DIAGNOSE_WORKERS[side])
+      try:
+        sr = run_side(folder, side, timeout_s=timeout_s, module=DIAGNOSE_WORKERS[side])
+      except KeyboardInterrupt as exc:  # run_side killed the worker; report what was done, then re-raise
+        interrupted = exc
+        status[side], errors[side] = "interrupted", "interrupted by the user (Ctrl-C)"
+        continue
       status[side], errors[side] = sr.status, sr.error
       if sr.status == "ok" and not all(p.exists() for p in paths):
         status[side], errors[side] = "crashed", f"worker finished without writing {', '.join(map(str, paths))}"
@@ -361,5 +370,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
                           first_precision=pfirst)
   (folder / "diagnose.json").write_text(json.dumps(result.to_json(), indent=2))
   (folder / "diagnose.md").write_text(result.to_markdown())
+  if interrupted is not None:
+    raise interrupted
   return result
 
