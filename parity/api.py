@@ -64,6 +64,11 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   plan_choice = None
   if plan is not None:
     spec, plan_choice = _apply_plan(spec, plan, hardware, overrides)
+  else:  # name the pair the run's plans happen to be (the default pair, unless --set changed them)
+    from parity.plans import DEFAULT_PLAN, plan_of
+    matched = plan_of(spec)
+    if matched is not None:
+      plan_choice = {"name": matched, "chosen_by": "default" if matched == DEFAULT_PLAN else "the run's settings"}
   init = None
   if hf_model is not None:
     from parity import convert, hf

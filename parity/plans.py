@@ -357,7 +357,7 @@ def run_plan(args) -> int:
     con.print(f"[red]error:[/red] {exc}")
     return 2
   best, ranked = choose_plan(model, train, hw, devices=args.devices, sides=sides, mfu=args.mfu)
-  table = Table(title=f"{memory.param_count(model):,} params, {train.tokens_per_step:,} tokens/step on "
+  table = Table(title=f"{memory.param_count(model):,} params, {train.tokens_per_step:,} tokens/step per device on "
                       f"{args.devices} x {hw.name} ({hw.device_bytes / GiB:.0f} GiB, "
                       f"{hw.host_link_bytes_per_s / GB:.0f} GB/s host link, MFU {args.mfu})")
   for col in ("plan", "step s", "compute s", "transfer s", *(f"{s} peak GiB" for s in sides),

@@ -83,6 +83,12 @@ def setup_distributed() -> str:
   # DeepSpeed JIT-builds its ops (CPU Adam) into TORCH_EXTENSIONS_DIR; one folder per environment, so two
   # virtualenvs on one machine do not rebuild (or lock) each other's build.
   os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+  # The build uses the first `ninja` on PATH; the environment's own (pip installs one with deepspeed) and a
+  # system one write incompatible build logs, so switching between an activated virtualenv and
+  # `.venv/bin/parity` rebuilt every op (40-80 s each). Always put this environment's bin first.
+  env_bin = os.path.dirname(sys.executable)
+  if os.path.exists(os.path.join(env_bin, "ninja")):
+    os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "").replace(env_bin + os.pathsep, "", 1)
   os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
   if "MASTER_PORT" not in os.environ:
     os.environ["MASTER_PORT"] = str(_free_port())
