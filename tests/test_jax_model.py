@@ -10,6 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 from parity.spec import ModelSpec  # noqa: E402
 from parity.weights import init_params, param_shapes  # noqa: E402
 
+from jax_impl import layout  # noqa: E402
 from jax_impl import model as M  # noqa: E402
 
 GPT2 = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
@@ -141,7 +142,7 @@ def test_only_linear_weights_are_transposed(name):
   for cname, arr in canonical.items():
     path, transposed = M.flax_path(cname)
     paths.add(path)
-    leaf = M._get(tree, path)
+    leaf = layout._get(tree, path)
     assert transposed == (path[-1] == "kernel") == cname.endswith(M.TRANSPOSED), cname
     np.testing.assert_array_equal(leaf, arr.T if transposed else arr)
   assert len(paths) == len(canonical)  # one Flax leaf per canonical tensor

@@ -12,6 +12,7 @@ from parity import schedule  # noqa: E402
 from parity.spec import ModelSpec, TrainSpec, preset  # noqa: E402
 from parity.weights import decays, init_params, param_shapes  # noqa: E402
 
+from jax_impl import layout  # noqa: E402
 from jax_impl import model as M  # noqa: E402
 from jax_impl import optim  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_decay_mask_follows_parity_weights(spec):
   assert jax.tree.structure(mask) == jax.tree.structure(params)
   for name in param_shapes(spec):
     path, _ = M.flax_path(name)
-    assert M._get(mask, path) is decays(name), name
+    assert layout._get(mask, path) is decays(name), name
   assert mask["wte"]["embedding"] is False
   assert mask["ln_f"]["scale"] is False
   assert mask["h_0"]["ln_1"]["scale"] is False
