@@ -76,7 +76,6 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
     RuntimeError: fp16 only, the gradient overflowed at the initial loss scale (the update would be skipped).
   """
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax_impl import model as model_lib
@@ -84,7 +83,7 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
   from jax_impl.step import accumulate_grads  # also sets jax_default_matmul_precision=highest
 
   dtype = model_lib.compute_dtype(train.precision)
-  cast = (lambda p: p) if dtype == jnp.float32 else (lambda p: jax.tree.map(lambda x: x.astype(dtype), p))
+  cast = lambda p: model_lib.cast_params(p, dtype)  # as jax_impl.step's loss does
   params = jax.device_put(model_lib.to_flax(canonical, spec))
   _, taps = jax.jit(lambda p, x: model_lib.loss_and_taps(cast(p), x, spec, dtype=dtype, causal=causal))(
       params, batch[0])

@@ -44,7 +44,8 @@ from jax_impl.layout import (LAYERS, NORM_MODULES, TRANSPOSED, Params, flax_path
                              tree_from_canonical, unstack_layers)
 
 __all__ = ["GPT", "Dense", "TRANSPOSED", "LAYERS", "TAPS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
-           "stack_layers", "unstack_layers", "loss_fn", "loss_and_taps", "tap_name", "rope_tables", "compute_dtype"]
+           "stack_layers", "unstack_layers", "loss_fn", "loss_and_taps", "tap_name", "rope_tables", "compute_dtype",
+           "cast_params"]
 
 Dtype = Any
 
@@ -93,6 +94,14 @@ def tap_name(location: str) -> str:
 def compute_dtype(precision: str) -> Dtype:
   """TrainSpec.precision ('fp32' | 'bf16') -> the activation dtype; params stay float32."""
   return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
+
+
+def cast_params(params: Params, dtype: Dtype) -> Params:
+  """The fp32 param tree cast to the compute dtype, DeepSpeed's bf16/fp16 layout (the whole module in that
+  dtype, embeddings and norm weights included); the tree itself when dtype is float32."""
+  if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
+    return params
+  return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
 # ----------------------------------------------------------------------------- layers

@@ -166,10 +166,7 @@ def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Calla
   layer_to_device = plan.scan_layers and placement.kind("params") != "device"
   kw = dict(dtype=model_lib.compute_dtype(run.train.precision), remat=plan.remat if remat else "none",
             scan_layers=plan.scan_layers, layer_to_device=layer_to_device, host_memory_kind=plan.host_memory_kind)
-  dtype = kw["dtype"]
-  if dtype == jnp.float32:
-    return lambda p, tokens_mtp1: model_lib.loss_fn(p, tokens_mtp1, run.model, **kw)
-  cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)  # DeepSpeed's layout: the whole module in bf16/fp16
+  cast = lambda p: model_lib.cast_params(p, kw["dtype"])  # DeepSpeed's layout: the whole module in bf16/fp16
   if layer_to_device:  # the host-resident layer stack is cast per layer on the device, in the scan body (model)
     cast_rest = lambda p: {k: (v if k == model_lib.LAYERS else cast(v)) for k, v in p.items()}
     return lambda p, tokens_mtp1: model_lib.loss_fn(cast_rest(p), tokens_mtp1, run.model, **kw)
