@@ -23,6 +23,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -96,8 +97,8 @@ def run_one(args: argparse.Namespace) -> dict:
   rows = memory.estimate(run, sides=("jax",))
   return {
       "plan": args.one, "backend": jax.default_backend(), "device": str(dev),
-      "model": dataclass_dict(run.model), "train": dataclass_dict(t), "jax_plan": dataclass_dict(run.jax),
-      "predicted_rows": [r._asdict() if hasattr(r, "_asdict") else dataclass_dict(r) for r in rows],
+      "model": dataclasses.asdict(run.model), "train": dataclasses.asdict(t), "jax_plan": dataclasses.asdict(run.jax),
+      "predicted_rows": [dataclasses.asdict(r) for r in rows],
       "predicted_peak_device_bytes": memory.peak_device_bytes(rows, "jax"),
       "memory_analysis": trainer.memory_analysis,
       "allocator": {k: int(stats[k]) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit") if k in stats},
@@ -108,11 +109,6 @@ def run_one(args: argparse.Namespace) -> dict:
       "median_step_s": statistics.median(times), "last_loss": metrics["loss"],
       "host_to_device_gbs": _bandwidth_gbs(),
   }
-
-
-def dataclass_dict(obj) -> dict:
-  import dataclasses
-  return dataclasses.asdict(obj)
 
 
 def _gib(n) -> str:

@@ -291,8 +291,7 @@ def _apply_plan(spec, plan: str, hardware: str, overrides: Sequence[str] = ()):
   The pair replaces both sides' plans; the `jax.*` / `deepspeed.*` entries of `overrides` are then applied on
   top of it (and recorded), so `--plan zero3 --set jax.remat=full` means the pair with that one change.
   """
-  from parity import plans
-  from parity.spec import SpecError, apply_overrides
+  from parity.spec import apply_overrides
   on_top = [o for o in overrides if o.split("=", 1)[0].strip().startswith(("jax.", "deepspeed."))]
   spec, choice = _plan_pair(spec, plan, hardware)
   if on_top:
@@ -302,6 +301,7 @@ def _apply_plan(spec, plan: str, hardware: str, overrides: Sequence[str] = ()):
 
 
 def _plan_pair(spec, plan: str, hardware: str):
+  """(spec with the named or planner-chosen pair applied, {name, chosen_by, why?})."""
   from parity import plans
   from parity.spec import SpecError
   if plan != "auto":
