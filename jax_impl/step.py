@@ -371,3 +371,15 @@ class Trainer:
   def canonical_params(self) -> dict[str, np.ndarray]:
     """Current fp32 master params in the canonical (torch) layout."""
     return model_lib.from_flax(self.state.params, self.run.model, scan_layers=self.run.jax.scan_layers)
+
+  def canonical_moments(self) -> dict[str, np.ndarray]:
+    """Adam's bias-corrected per-element gradient RMS sqrt(nu / (1 - beta2^count)), canonical layout, float32.
+
+    count is the number of Adam updates applied (fp16 overflow-skipped steps do not count); all zeros before
+    the first update. Read by the params rule (parity.checks.param_checks).
+    """
+    adam = optim._find(self.state.opt_state, optax.ScaleByAdamState)
+    count = int(jax.device_get(adam.count))
+    nu = model_lib.from_flax(adam.nu, self.run.model, scan_layers=self.run.jax.scan_layers)
+    corr = 1.0 - float(self.run.train.beta2) ** count if count > 0 else 1.0
+    return {k: np.sqrt(np.maximum(v.astype(np.float64), 0.0) / corr).astype(np.float32) for k, v in nu.items()}

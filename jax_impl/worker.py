@@ -1,7 +1,7 @@
 """JAX side of a comparison: `python -m jax_impl.worker run_dir/request.json --side jax`.
 
 Reads the run through `parity.protocol.SideIO`, trains with `jax_impl.step.Trainer`, and
-writes steps.jsonl, summary.json and final.safetensors. Exit codes: 0 ok, 3 non-finite
+writes steps.jsonl, summary.json, final.safetensors and final_moments.safetensors (Adam's sqrt(v_hat)). Exit codes: 0 ok, 3 non-finite
 loss or grad norm (status 'nan'), 1 crash (status 'crashed', written by `main_guard`).
 
 Run control (`SideIO.control()`): with resume_from, the whole TrainState is restored from the
@@ -18,6 +18,7 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
+from parity.checks import AdamSensitivity  # noqa: E402
 from parity.protocol import SideIO, main_guard  # noqa: E402
 from parity.spec import TrainSpec, to_dict  # noqa: E402
 
@@ -62,7 +63,8 @@ def run_side(io: SideIO) -> int:
   io.ready()
   trainer.compile(batches.shape[1:], val.shape if train.eval_every > 0 else None, batches.dtype)
   io.compile_s = trainer.compile_s
-  status = "ok"
+  status, moments_error = "ok", None
+  sens = AdamSensitivity(train.eps)  # per-element Adam sensitivity for the params rule (parity.checks)
   with jax.transfer_guard("disallow"):  # every host<->device move below is explicit
     for step in control.steps():
       io.before_step(step, poison=trainer.poison)
@@ -74,6 +76,11 @@ def run_side(io: SideIO) -> int:
       if not io.record(step, step_time_s=step_time_s, val_loss=val_loss, **metrics):
         status = "nan"
         break
+      if not metrics.get("skipped") and moments_error is None:
+        try:  # the params rule falls back to its per-tensor form without them, and says so
+          sens.add(trainer.canonical_moments(), float(metrics["lr"]))
+        except (ValueError, KeyError) as exc:
+          moments_error = f"{type(exc).__name__}: {exc}"
       if step == control.save_at:
         with jax.transfer_guard("allow"):  # orbax reads the state to host memory
           io.save_checkpoint(step, lambda folder: checkpoint.save_train_state(folder, trainer.state), _versions())
@@ -86,7 +93,13 @@ def run_side(io: SideIO) -> int:
            "mesh_devices": int(trainer.placement.mesh.size),
            "compile_times_s": trainer.compile_times_s,
            "plan": to_dict(io.run.jax)}
-  io.finish(status, final_params=trainer.canonical_params() if status == "ok" else None,
+  moments = None
+  if status == "ok" and moments_error is None:
+    rms = trainer.canonical_moments()
+    moments = {"grad_rms": rms, "sensitivity": sens.result(rms)}
+  elif moments_error is not None:
+    extra["moments_error"] = moments_error
+  io.finish(status, final_params=trainer.canonical_params() if status == "ok" else None, final_moments=moments,
             error="non-finite loss or grad_norm" if status == "nan" else None,
             versions=_versions(), device=str(device), peak_device_bytes=_peak_device_bytes(device),
             state_bytes_by_memory_kind=offload.bytes_by_memory_kind(trainer.state, device), extra=extra)

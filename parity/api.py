@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 from parity import weights
 from parity.checks import compare_sides, verdict
-from parity.protocol import read_steps
+from parity.protocol import FINAL_MOMENTS, read_moments, read_steps
 from parity.report import Report, build_report, write_all
 from parity.run import default_run_dir, parse_perturb, prepare_run_dir, resolve
 from parity.spec import DEFAULT_PRESET
@@ -110,6 +110,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     final = run_dir / side / "final.safetensors"
     side_data[side] = {"status": sr.status, "steps": st,
                        "final": weights.load(final) if sr.status == "ok" and final.exists() else None}
+    side_data[side]["moments"] = read_moments(run_dir / side / FINAL_MOMENTS) if side_data[side]["final"] else None
   init = weights.load(run_dir / "init.safetensors")
   checks, table = compare_sides(side_data, spec=spec, init=init)
   self_info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}, "self_runs_s": 0.0}

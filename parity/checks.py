@@ -19,9 +19,11 @@ from parity.weights import zero_grad_slices
 
 __all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", "verdict", "envelope_check",
            "envelope_params_check", "param_ratios", "relative_diff", "rerun_differences", "ENVELOPE_METRICS",
-           "windowed_rms", "repeat_check", "BITWISE_KEYS"]
+           "windowed_rms", "repeat_check", "BITWISE_KEYS", "AdamSensitivity"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
+FINAL_MOMENTS_NAME = "final_moments.safetensors"
+"""parity.protocol.FINAL_MOMENTS (named here for messages; checks does not import the protocol)."""
 FP16_SERIES = ("loss_scale", "skipped")
 """Compared exactly between sides in fp16 runs: the dynamic loss scale of each step and whether it was skipped."""
 METRIC_ORDER = {m: i for i, m in enumerate(("completed", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope", "grad_norm_envelope",
@@ -112,17 +114,39 @@ def series_check(metric: str, a_side: str, a: Sequence[dict], b_side: str, b: Se
 
 
 def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
-                 init: dict[str, np.ndarray], spec, precision: str, lr_sum: float) -> tuple[list[Check], list[dict]]:
+                 init: dict[str, np.ndarray], spec, precision: str, lr_sum: float,
+                 moments: dict[str, dict | None] | None = None) -> tuple[list[Check], list[dict]]:
   """Final-parameter checks of one pair, and the per-tensor table.
 
-  Every tensor: max|a - b| / max(max|a - init|, max|b - init|) <= params.rtol, excluding
-  zero-gradient slices (parity.weights.zero_grad_slices), which get Adam's step bound
-  |a - b| <= 2 * lr_sum instead.
+  The rule, per element i of a tensor T (fp32 with both sides' moments, parity.protocol.FINAL_MOMENTS):
+
+      |a_i - b_i| <= rtol * moved_T + min(2 * sum_t lr_t, kappa * g_T * S_i)
+
+  rtol * moved_T is the dynamics term (params.rtol times the larger distance either side moved T from init).
+  The second term is how far Adam can carry gradient rounding noise: each update is lr_t * m_hat / (sqrt(v_hat)
+  + eps), at most ~lr_t in size (Kingma & Ba 2015, sec. 2.1), so two sides differ by at most 2 * sum_t lr_t;
+  and a gradient perturbation delta moves it by about lr_t * delta / (sqrt(v_hat_t,i) + eps). With delta ~
+  kappa * g_T (g_T: the tensor's gradient scale, the RMS over T of the final sqrt(v_hat), larger side; kappa:
+  params_grad_noise.rtol, measured) and S_i = max over the sides of sum_t lr_t / (sqrt(v_hat_t,i) + eps),
+  the element's accumulated sensitivity, the noise term is kappa * g_T * S_i, capped by the step bound. An element
+  whose gradient was ever at rounding level (at step 1 Adam's update is lr * g / (|g| + eps) = +-lr) gets up to
+  2 * sum lr; an element with a large gradient gets ~kappa * sum lr * g_T / |g_i|, far below a real bug's effect.
+  This holds for any lr schedule. Zero-gradient slices (parity.weights.zero_grad_slices) are the S_i -> sum
+  lr / eps limit: they get the step bound 2 * sum lr in their own 'params_zero_grad' check.
+
+  Fallback (said in the detail): without moments from both sides, or in bf16/fp16 (kappa unmeasured there; their
+  params entry is a gross bound and the noise envelope decides), every tensor must satisfy
+  max|a - b| / max(max|a - init|, max|b - init|) <= params.rtol.
 
   Args:
     a, b, init: canonical float32 params (name -> array), same names and shapes.
     spec: the ModelSpec (for the zero-gradient slices).
     lr_sum: sum of the learning rates applied over the run.
+    moments: side -> {'grad_rms': name -> array, 'sensitivity': name -> array} (parity.protocol.read_moments) or
+      None for a side that wrote none.
+  Returns:
+    (checks, table): table rows carry tensor, sides, max_abs_diff, max_abs_moved, ratio (the per-tensor ratio
+    above), rule ('adam' or 'per_tensor'), score (largest |a_i - b_i| / allowed_i under the rule) and passed.
   Raises:
     ValueError: the two sides' tensors differ in names or shapes.
   """
@@ -130,6 +154,11 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
     raise ValueError(f"final params of {a_side} and {b_side} name different tensors: "
                      f"{sorted(set(a) ^ set(b))[:5]}")
   tol, ztol = tolerance(precision, "params"), tolerance(precision, "params_zero_grad")
+  moments = moments or {}
+  ma, mb = moments.get(a_side), moments.get(b_side)
+  missing = [s for s, m in ((a_side, ma), (b_side, mb)) if m is None]
+  use_adam = precision == "fp32" and not missing and all(set(m["grad_rms"]) >= set(a) for m in (ma, mb))
+  kappa = tolerance(precision, "params_grad_noise").rtol if use_adam else 0.0
   zslices = zero_grad_slices(spec)
   table, worst, zworst = [], None, None
   nan_tensors = []
@@ -147,24 +176,50 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
     d = np.abs(pa - pb)[mask]
     moved = max(float(np.max(np.abs(pa - p0)[mask], initial=0.0)), float(np.max(np.abs(pb - p0)[mask], initial=0.0)))
     maxd = float(np.max(d, initial=0.0))
-    if not (np.all(np.isfinite(pa)) and np.all(np.isfinite(pb))):
+    finite = bool(np.all(np.isfinite(pa)) and np.all(np.isfinite(pb)))
+    if not finite:
       nan_tensors.append(name)
       maxd = float("nan")
     ratio = maxd / moved if moved > 0 else (0.0 if maxd == 0 else float("inf"))
+    if use_adam:
+      g = max(float(np.sqrt(np.mean(np.square(m["grad_rms"][name].astype(np.float64))))) for m in (ma, mb))
+      sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
+      allowed = tol.rtol * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)
+      with np.errstate(invalid="ignore", divide="ignore"):
+        scores = np.where(allowed > 0, d / np.maximum(allowed, 1e-300), np.where(d == 0, 0.0, np.inf))
+      k = int(np.argmax(scores)) if scores.size else 0
+      score = float(scores[k]) if finite and scores.size else (0.0 if finite else float("nan"))
+      at = (float(d[k]) if d.size else 0.0, float(allowed[k]) if d.size else 0.0)
+    else:
+      score = ratio / tol.rtol if tol.rtol > 0 else (0.0 if ratio == 0 else float("inf"))
+      at = (maxd, tol.rtol * moved)
     table.append({"tensor": name, "sides": [a_side, b_side], "max_abs_diff": maxd, "max_abs_moved": moved,
-                  "ratio": ratio, "passed": bool(ratio <= tol.rtol)})
-    if worst is None or not ratio <= worst[1]:
-      worst = (name, ratio, maxd, moved)
+                  "ratio": ratio, "rule": "adam" if use_adam else "per_tensor", "score": score,
+                  "passed": bool(score <= 1.0)})
+    if worst is None or not score <= worst[1]:
+      worst = (name, score, maxd, moved, ratio, *at)
   checks = []
   if worst is not None:
     passed = all(t["passed"] for t in table)
-    detail = (f"worst tensor {worst[0]}: max |Δ| = {worst[2]:.3g}, moved {worst[3]:.3g} from init "
-              f"(ratio {worst[1]:.3g}); {sum(not t['passed'] for t in table)} of {len(table)} tensors over")
+    over = f"{sum(not t['passed'] for t in table)} of {len(table)} tensors over"
+    if use_adam:
+      detail = (f"worst tensor {worst[0]}: element |Δ| = {worst[5]:.3g} vs allowed {worst[6]:.3g} "
+                f"({worst[1]:.3g}x; {tol.rtol:g}·moved {worst[3]:.3g} + min(2·Σlr, {kappa:g}·g·S_i)); tensor max |Δ| "
+                f"{worst[2]:.3g}; {over}; rule: Adam per element (moments of both sides)")
+      value, bound = worst[5], worst[6]
+    else:
+      why = (f"{', '.join(missing)} wrote no {FINAL_MOMENTS_NAME}" if missing else
+             f"{precision}: the per-element rule is measured in fp32 only")
+      detail = (f"worst tensor {worst[0]}: max |Δ| = {worst[2]:.3g}, moved {worst[3]:.3g} from init "
+                f"(ratio {worst[4]:.3g}); {over}; rule: per-tensor fallback ({why})")
+      value, bound = float(worst[4]), tol.rtol
     if nan_tensors:
       detail += f"; non-finite values in {nan_tensors[:3]}"
+      value = float("nan")
+    reason = tol.reason + (" " + tolerance(precision, "params_grad_noise").reason if use_adam else "")
     checks.append(Check(name=f"params {a_side}~{b_side}", metric="params", sides=(a_side, b_side),
-                        value=float(worst[1]), tolerance=tol.rtol, passed=passed, worst=worst[0],
-                        detail=detail, reason=tol.reason))
+                        value=value, tolerance=bound, passed=passed, worst=worst[0],
+                        detail=detail, reason=reason))
   if zworst is not None:
     bound = 2.0 * lr_sum
     checks.append(Check(name=f"params_zero_grad {a_side}~{b_side}", metric="params_zero_grad",
@@ -172,6 +227,32 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
                         worst=zworst[0], detail=f"key-bias slices: max |Δ| = {zworst[1]:.3g} "
                         f"(Adam step bound 2·Σlr = {bound:.3g}) at {zworst[0]}", reason=ztol.reason))
   return checks, table
+
+
+class AdamSensitivity:
+  """Per element, S_i = sum over Adam updates t of lr_t / (sqrt(v_hat_t,i) + eps): how far rounding noise in that
+  element's gradient can move its parameter (the params rule, `param_checks`). Numpy only; every side feeds it.
+
+  Args:
+    eps: Adam's epsilon (train.eps).
+  """
+
+  def __init__(self, eps: float):
+    self.eps = float(eps)
+    self.total: dict[str, np.ndarray] = {}
+
+  def add(self, grad_rms: dict[str, np.ndarray], lr: float) -> None:
+    """One applied update: grad_rms = name -> sqrt(v_hat) after it (any float dtype, the param's shape); lr its
+    learning rate. Skipped updates (fp16 overflow) are not added."""
+    for name, r in grad_rms.items():
+      inc = float(lr) / (np.asarray(r, dtype=np.float64) + self.eps)
+      self.total[name] = self.total[name] + inc if name in self.total else inc
+
+  def result(self, names) -> dict[str, np.ndarray]:
+    """name -> float32 S_i for `names` (zeros shaped like nothing added when no update was applied: pass the
+    final grad_rms dict, whose shapes are used)."""
+    return {n: self.total[n].astype(np.float32) if n in self.total else np.zeros_like(names[n], dtype=np.float32)
+            for n in names}
 
 
 def completion_check(a_side: str, a_status: str, a_steps: int, b_side: str, b_status: str, b_steps: int,
@@ -400,7 +481,8 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
   """All pairwise checks.
 
   Args:
-    sides: side -> {'status': str, 'steps': list of StepRecord dicts, 'final': params dict or None}.
+    sides: side -> {'status': str, 'steps': list of StepRecord dicts, 'final': params dict or None, and
+      optionally 'moments': parity.protocol.read_moments output or None}.
       Insertion order decides the reference of each pair (the earlier side).
     spec: the RunSpec.
     init: canonical initial params.
@@ -418,7 +500,8 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
         checks.append(c)
     if a.get("final") is not None and b.get("final") is not None:
       lr_sum = float(sum(r["lr"] for r in a["steps"]))
-      pc, pt = param_checks(na, a["final"], nb, b["final"], init, spec.model, precision, lr_sum)
+      pc, pt = param_checks(na, a["final"], nb, b["final"], init, spec.model, precision, lr_sum,
+                            moments={na: a.get("moments"), nb: b.get("moments")})
       checks.extend(pc)
       table.extend(pt)
   return checks, table

@@ -9,6 +9,10 @@ Files of one run (DESIGN.md):
   run_dir/<side>/steps.jsonl    one StepRecord per optimizer step, flushed as it is written
   run_dir/<side>/summary.json   Summary, written once at the end (also on failure when possible)
   run_dir/<side>/final.safetensors  canonical final fp32 (master) params
+  run_dir/<side>/final_moments.safetensors  float32, per canonical param: 'grad_rms/<name>' = Adam's
+                                bias-corrected sqrt(v_hat) at the end, 'sensitivity/<name>' = sum over updates of
+                                lr_t / (sqrt(v_hat_t) + eps) (parity.checks.AdamSensitivity); read by the params
+                                rule (parity.checks.param_checks); optional
 
 A worker is `python -m <package>.worker run_dir/request.json --side <side>`; it
 uses `SideIO` for everything above, so both frameworks write identical records.
@@ -63,7 +67,8 @@ from parity.spec import RunSpec, apply_overrides, config_hash, from_dict, to_dic
 
 __all__ = ["SideIO", "SIDE_WORKERS", "REQUEST_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "parse_debug_value",
            "read_steps", "read_summary", "CONTROL_KEYS", "RunControl", "ControlError", "derive_request",
-           "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA", "read_checkpoint_meta"]
+           "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA", "read_checkpoint_meta", "FINAL_MOMENTS",
+           "read_moments"]
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"
@@ -77,6 +82,36 @@ Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a l
 the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
+
+
+FINAL_MOMENTS = "final_moments.safetensors"
+"""In run_dir/<side>/: per canonical param (float32, the param's shape) 'grad_rms/<name>' (Adam's bias-corrected
+sqrt(v_hat) at the end of the run) and 'sensitivity/<name>' (sum_t lr_t / (sqrt(v_hat_t) + eps), units
+param / gradient), written by every side whose optimizer keeps a second moment."""
+MOMENT_KINDS = ("grad_rms", "sensitivity")
+
+
+def read_moments(path: str | Path) -> dict[str, dict[str, np.ndarray]] | None:
+  """Reads a FINAL_MOMENTS file: {'grad_rms': name -> array, 'sensitivity': name -> array} (float32, >= 0).
+
+  Returns None when the file does not exist, cannot be read, or holds negative or non-finite values: the side
+  then counts as one that could not provide moments, and the params rule falls back to its per-tensor form for
+  its pairs and says so in the check's detail. Never raises for the file's content.
+  """
+  path = Path(path)
+  try:
+    out = weights.load(path)
+  except Exception:  # missing, truncated or foreign: the fallback covers it
+    return None
+  if not all(np.all(np.isfinite(a)) and not np.any(a < 0) for a in out.values()):
+    return None
+  split: dict[str, dict[str, np.ndarray]] = {k: {} for k in MOMENT_KINDS}
+  for key, arr in out.items():
+    kind, _, name = key.partition("/")
+    if kind not in split or not name:
+      return None
+    split[kind][name] = arr
+  return split if split["grad_rms"] and set(split["grad_rms"]) == set(split["sensitivity"]) else None
 
 
 CONTROL_KEYS = ("stop_after_step", "save_checkpoint_at_step", "resume_from")
@@ -257,6 +292,11 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   request = {k: v for k, v in json.loads(parent.read_text()).items() if k not in CONTROL_KEYS}
   out = run_dir / sub
   out.mkdir(parents=True, exist_ok=True)
+  theirs = read_summary(out / "request.json")  # a request already there must be this very run's (same run_id)
+  if theirs is not None and theirs.get("run_id") != request.get("run_id"):
+    raise ControlError(f"derive_request: {out / 'request.json'} belongs to another run (run_id "
+                       f"{theirs.get('run_id')!r}, this run {request.get('run_id')!r}); a run never reuses another "
+                       "run's files: use a fresh run folder")
   up = Path(os.path.relpath(run_dir, out))
   for key in _INPUT_KEYS:
     if isinstance(request.get(key), str) and not Path(request[key]).is_absolute():
@@ -495,18 +535,28 @@ class SideIO:
     return math.isfinite(rec["loss"]) and (rec["skipped"] or math.isfinite(rec["grad_norm"]))
 
   def finish(self, status: str, *, final_params: dict[str, np.ndarray] | None = None, error: str | None = None,
-             versions: dict[str, str] | None = None, device: str = "cpu", peak_device_bytes: int | None = None,
+             final_moments: dict[str, dict[str, np.ndarray]] | None = None, versions: dict[str, str] | None = None, device: str = "cpu", peak_device_bytes: int | None = None,
              state_bytes_by_memory_kind: dict[str, int] | None = None, extra: dict[str, Any] | None = None) -> dict:
-    """Writes final.safetensors (when given) and summary.json. Returns the summary."""
+    """Writes final.safetensors and FINAL_MOMENTS (each when given; moments only with params) and summary.json.
+
+    final_moments: {'grad_rms': ..., 'sensitivity': ...}, each canonical name -> float32 array (FINAL_MOMENTS).
+    Returns the summary.
+    """
     if final_params is not None:
       weights.save(final_params, self.out / "final.safetensors",
                    metadata={"side": self.side, **weights.spec_metadata(self.run.model)})
+      if final_moments is not None:
+        flat = {f"{kind}/{name}": arr for kind, tree in final_moments.items() for name, arr in tree.items()}
+        weights.save(flat, self.out / FINAL_MOMENTS, metadata={"side": self.side, "kind": "adam_moments"})
+      else:  # never leave an earlier run's moments beside these params
+        (self.out / FINAL_MOMENTS).unlink(missing_ok=True)
     times = self._step_times
     warm = times[2:] if len(times) > 3 else times[1:] or times
     med = statistics.median(warm) if warm else None
     t_ready = self._t_ready or time.time()
     summary = {
         "schema": SUMMARY_SCHEMA,
+        "run_id": self.request.get("run_id"),  # the harness reads only summaries of its own run
         "side": self.side,
         "status": status,
         "error": error,

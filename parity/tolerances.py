@@ -45,6 +45,14 @@ _FP32 = {
         "stacks: <= 1.1e-4 (gpt2-small-cpu, 200 steps, all three pairs) and <= 2e-5 (gpt2-tiny, "
         "200 steps); 2e-3 leaves ~20x headroom. Wrong settings measured on gpt2-tiny after 4 "
         "steps: weight decay off on one side 8.9e-3, grad_clip 0.5 vs 1.0 1.8e-2 (both caught).")),
+    "params_grad_noise": Tolerance(0.0, 1e-6, (
+        "kappa of the per-element Adam params rule (parity.checks.param_checks): gradient rounding noise relative "
+        "to the tensor's gradient scale (RMS of sqrt(v_hat)). Measured: gpt2-tiny, Constant lr 6e-4, 4 steps, "
+        "jax~torch (losses within 1e-6) needs kappa >= 5.9e-8 at h.1.mlp.fc.weight, an element whose gradient hit "
+        "rounding level (harmonic-mean sqrt(v_hat) 5.9e-8 vs the tensor's 8.2e-4); the per-tensor rule failed it "
+        "(ratio 2.8e-3 > 2e-3). 1e-6 leaves 17x headroom and adds only 1e-6 * sum(lr) * g_T / |g_i| to an element "
+        "with a normal gradient, far below the dynamics term; grid over schedules x lr x eps and planted bugs: "
+        "benchmarks/params_rule.py, results in benchmarks/results/params_rule.md.")),
     "params_zero_grad": Tolerance(0.0, 0.0, (
         "Slices whose true gradient is exactly zero (attention key bias: softmax is shift-"
         "invariant per query row). Their updates are Adam-normalised rounding noise, so only "

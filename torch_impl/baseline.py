@@ -244,6 +244,24 @@ class TorchTrainer:
   def final_params(self) -> dict[str, np.ndarray]:
     return to_canonical(self.model)
 
+  def final_moments(self) -> dict[str, np.ndarray]:
+    """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)), canonical, float32.
+
+    Zeros for a param no update has touched yet. Raises KeyError when the optimizer keeps no exp_avg_sq.
+    """
+    beta2 = float(self.run.train.beta2)
+    own = dict(self.model.named_parameters())
+    out = {}
+    for name in weights.param_shapes(self.run.model):
+      st = self.optimizer.state.get(own[name], {})
+      if not st:
+        out[name] = np.zeros(tuple(own[name].shape), dtype=np.float32)
+        continue
+      t = int(st["step"])
+      v = st["exp_avg_sq"].detach().double().cpu().numpy()
+      out[name] = np.sqrt(v / (1.0 - beta2 ** t if t > 0 else 1.0)).astype(np.float32)
+    return out
+
   def _measure(self) -> memory.StateBytes:
     return memory.state_bytes(self.model, self.optimizer)
 

@@ -409,6 +409,30 @@ def final_fp32_params(engine) -> dict[str, np.ndarray]:
   return {k: out[k] for k in param_shapes(engine.module.spec)}  # canonical order
 
 
+def final_moments(engine, beta2: float) -> dict[str, np.ndarray]:
+  """Canonical float32 sqrt(exp_avg_sq / (1 - beta2^step)) of every param, gathered from any ZeRO stage 0-3.
+
+  `step` is the optimizer's own update count (per-param state, else the param group's). A collective under
+  ZeRO: every rank must call it. Raises KeyError when the optimizer keeps no exp_avg_sq (not an Adam) or no step.
+  """
+  from deepspeed.utils import safe_get_full_optimizer_state
+  basic = _basic_optimizer(engine)
+  steps = [int(st["step"]) for st in basic.state.values() if isinstance(st, dict) and "step" in st]
+  steps += [int(g["step"]) for g in basic.param_groups if "step" in g]
+  if not steps:
+    raise KeyError(f"{type(basic).__name__} records no update count ('step'): cannot bias-correct exp_avg_sq")
+  t = max(steps)
+  corr = 1.0 - beta2 ** t if t > 0 else 1.0
+  out = {}
+  for name, p in engine.module.named_parameters():
+    v = safe_get_full_optimizer_state(p, "exp_avg_sq")
+    if v is None:
+      raise KeyError(f"{name}: DeepSpeed returned no exp_avg_sq (optimizer {type(basic).__name__})")
+    v = v.detach().double().cpu().numpy().reshape(tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape))
+    out[name] = np.sqrt(np.maximum(v, 0.0) / corr).astype(np.float32)
+  return {k: out[k] for k in param_shapes(engine.module.spec)}
+
+
 def engine_state_bytes(engine, run: RunSpec) -> memory.StateBytes:
   """Bytes of params, gradients, master copy, moments and buffers held by the engine now."""
   wrapper = engine.optimizer
@@ -457,6 +481,10 @@ class DeepSpeedTrainer:
 
   def final_params(self) -> dict[str, np.ndarray]:
     return final_fp32_params(self.engine)
+
+  def final_moments(self) -> dict[str, np.ndarray]:
+    """Adam's bias-corrected per-element gradient RMS, canonical, float32 (`final_moments`). A ZeRO collective."""
+    return final_moments(self.engine, float(self.run.train.beta2))
 
   def state_bytes(self) -> memory.StateBytes:
     """Per-(category, kind) maximum over the probed moments (now, when nothing was probed)."""

@@ -2,7 +2,8 @@
 
 Reads the request through `parity.protocol.SideIO`, trains with the DeepSpeed
 engine (`--side deepspeed`) or the plain-torch baseline (`--side torch`), and
-writes steps.jsonl, summary.json and final.safetensors. Exit codes: 0 ok,
+writes steps.jsonl, summary.json, final.safetensors and final_moments.safetensors
+(Adam's sqrt(v_hat)). Exit codes: 0 ok,
 1 crashed (summary carries the traceback), 3 non-finite loss or grad norm.
 
 Run control (`SideIO.control()`): with resume_from, the trainer is built from the initial
@@ -18,6 +19,7 @@ import time
 
 import numpy as np
 
+from parity.checks import AdamSensitivity
 from parity.protocol import SideIO, main_guard
 
 EXIT_OK, EXIT_NAN = 0, 3
@@ -85,6 +87,7 @@ def side_main(io: SideIO) -> int:
   val = io.val_batches() if t.eval_every > 0 else None
   sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
   io.ready()
+  sens, moments_error = AdamSensitivity(t.eps), None  # per-element Adam sensitivity for the params rule
   for step in control.steps():
     io.before_step(step, poison=trainer.poison)
     micro = np.asarray(batches[step])
@@ -99,10 +102,22 @@ def side_main(io: SideIO) -> int:
     if not io.record(step, step_time_s=dt, val_loss=val_loss, **metrics):
       io.finish("nan", error=f"non-finite loss or grad norm at step {step}: {metrics}", **_finish_kwargs(trainer))
       return EXIT_NAN
+    if not metrics.get("skipped") and moments_error is None:
+      try:  # the params rule falls back to its per-tensor form without them, and says so
+        sens.add(trainer.final_moments(), float(metrics["lr"]))
+      except (ValueError, KeyError, RuntimeError) as exc:
+        moments_error = f"{type(exc).__name__}: {exc}"
     if step == control.save_at:
       io.save_checkpoint(step, lambda folder: checkpoint.save(trainer, folder, step),
                          trainer.describe()["versions"])
-  io.finish("ok", final_params=trainer.final_params(), **_finish_kwargs(trainer))
+  kw = _finish_kwargs(trainer)
+  moments = None
+  if moments_error is None:
+    rms = trainer.final_moments()
+    moments = {"grad_rms": rms, "sensitivity": sens.result(rms)}
+  else:
+    kw["extra"]["moments_error"] = moments_error
+  io.finish("ok", final_params=trainer.final_params(), final_moments=moments, **kw)
   return EXIT_OK
 
 

@@ -1,0 +1,113 @@
+"""The per-element Adam params rule (parity.checks.param_checks, issue #11 item 2)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import requires_jax, requires_torch
+from parity.checks import AdamSensitivity, param_checks
+from parity.spec import PRESETS
+from parity.weights import init_params
+
+SPEC = PRESETS["gpt2-tiny"].model
+LR, STEPS, EPS = 1e-3, 4, 1e-8
+
+
+def _pair(seed: int = 0):
+  """init, a, b (b = a + fp32-size noise), and both sides' moments: every element's gradient RMS 1e-2 over 4
+  updates at lr 1e-3, so S_i = 4e-3 / (1e-2 + eps) = 0.4."""
+  init = init_params(SPEC, seed)
+  rng = np.random.default_rng(seed)
+  a = {k: v + LR * STEPS * np.sign(rng.standard_normal(v.shape)).astype(np.float32) for k, v in init.items()}
+  b = {k: v + 1e-9 * rng.standard_normal(v.shape).astype(np.float32) for k, v in a.items()}
+  sens = AdamSensitivity(EPS)
+  rms = {k: np.full(v.shape, 1e-2, np.float32) for k, v in init.items()}
+  for _ in range(STEPS):
+    sens.add(rms, LR)
+  mom = {"grad_rms": rms, "sensitivity": sens.result(rms)}
+  return init, a, b, {"a": mom, "b": {k: {n: x.copy() for n, x in t.items()} for k, t in mom.items()}}
+
+
+def _params_check(a, b, init, moments):
+  checks, table = param_checks("a", a, "b", b, init, SPEC, "fp32", lr_sum=LR * STEPS, moments=moments)
+  return {c.metric: c for c in checks}["params"], table
+
+
+def test_near_zero_gradient_element_may_differ_by_a_full_adam_step():
+  init, a, b, moms = _pair()
+  name = "h.1.mlp.fc.weight"
+  b[name][3, 5] = a[name][3, 5] - 2 * LR  # opposite-sign first step: 2·lr apart, as rounding noise does at step 1
+  for m in moms.values():  # its gradient sat at rounding level: sqrt(v_hat) ~ 1e-11 at every update
+    m["grad_rms"][name][3, 5] = 1e-11
+    m["sensitivity"][name][3, 5] = STEPS * LR / (1e-11 + EPS)
+  check, table = _params_check(a, b, init, moms)
+  assert check.passed, check.detail
+  assert "Adam per element" in check.detail
+  old, _ = _params_check(a, b, init, None)  # the per-tensor rule flagged exactly this: 2e-3 / 4e-3 = 0.5 > 2e-3
+  assert not old.passed and old.worst == name
+
+
+def test_large_gradient_element_with_the_same_difference_fails():
+  init, a, b, moms = _pair()
+  name = "h.1.mlp.fc.weight"
+  b[name][3, 5] = a[name][3, 5] - 2 * LR  # the same 2·lr, on an element whose gradient is 1e-2 (S_i = 0.4)
+  check, table = _params_check(a, b, init, moms)
+  assert not check.passed and check.worst == name
+  assert check.value == pytest.approx(2 * LR, rel=1e-3) and check.tolerance < 1e-4
+  assert [t["tensor"] for t in table if not t["passed"]] == [name]
+
+
+def test_a_small_real_bug_on_every_element_still_fails():
+  init, a, b, moms = _pair()
+  b = {k: v * (1 - 1e-3 * LR) if k.endswith("fc.weight") else v for k, v in a.items()}  # weight decay 1e-3·lr
+  b = {k: v + 3e-5 if k.endswith("fc.weight") else v for k, v in b.items()}  # a 0.75% drift of the movement
+  check, _ = _params_check(a, b, init, moms)
+  assert not check.passed
+
+
+@pytest.mark.parametrize("missing", ["a", "b", "both"])
+def test_missing_moments_fall_back_to_the_per_tensor_rule_and_say_so(missing):
+  init, a, b, moms = _pair()
+  if missing == "both":
+    moms = {"a": None, "b": None}
+  else:
+    moms[missing] = None
+  check, table = _params_check(a, b, init, moms)
+  assert check.passed and "per-tensor fallback" in check.detail and "final_moments.safetensors" in check.detail
+  assert ("a, b" if missing == "both" else missing) in check.detail
+  assert all(t["rule"] == "per_tensor" for t in table)
+  name = "h.0.mlp.fc.weight"
+  b[name] = a[name] + 1e-2 * (a[name] - init[name])  # 1% of the movement: over 2e-3 under the fallback
+  check, _ = _params_check(a, b, init, moms)
+  assert not check.passed and check.worst == name
+
+
+def test_bf16_keeps_the_per_tensor_rule():
+  init, a, b, moms = _pair()
+  checks, table = param_checks("a", a, "b", b, init, SPEC, "bf16", lr_sum=LR * STEPS, moments=moms)
+  assert all(t["rule"] == "per_tensor" for t in table)
+  assert "measured in fp32 only" in {c.metric: c for c in checks}["params"].detail
+
+
+def test_sensitivity_accumulates_lr_over_rms_plus_eps():
+  s = AdamSensitivity(1e-8)
+  s.add({"w": np.array([1e-2, 0.0])}, 1e-3)
+  s.add({"w": np.array([1e-2, 0.0])}, 0.0)  # an lr-0 step (WarmupCosineLR's step 0) adds nothing
+  out = s.result({"w": np.zeros(2), "v": np.zeros(3)})
+  np.testing.assert_allclose(out["w"], [1e-3 / (1e-2 + 1e-8), 1e-3 / 1e-8], rtol=1e-6)
+  assert out["w"].dtype == np.float32 and out["v"].shape == (3,) and not out["v"].any()
+
+
+@requires_jax
+@requires_torch
+def test_constant_lr_correct_pair_passes_and_a_planted_bug_fails(tmp_path):
+  import parity
+  sets = ['train.lr_schedule="Constant"', "train.lr=6e-4"]  # failed before: h.1.mlp.fc.weight ratio 2.8e-3 > 2e-3
+  rep = parity.compare("gpt2-tiny", steps=4, sides=["jax", "torch"], out=tmp_path / "ok", overrides=sets,
+                       noise_envelope=False, determinism_steps=0)
+  params = next(c for c in rep.data["checks"] if c["metric"] == "params")
+  assert rep.passed and params["passed"] and "Adam per element" in params["detail"], params
+  bug = parity.compare("gpt2-tiny", steps=4, sides=["jax", "torch"], out=tmp_path / "bug", overrides=sets,
+                       perturb=["torch:train.weight_decay=0.0"], noise_envelope=False, determinism_steps=0)
+  params = next(c for c in bug.data["checks"] if c["metric"] == "params")
+  assert not bug.passed and not params["passed"] and "Adam per element" in params["detail"]
