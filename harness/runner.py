@@ -1,7 +1,11 @@
 """Starts one worker process per side, watches it, and collects what it left.
 
 The harness never imports jax or torch: a side is `python -m <worker> request.json
---side S` in its own process group, with its own timeout. Whatever happens to
+--side S` in its own process group, with its own timeout, bound to this process
+(`harness.lifetime`: it dies with the harness, kill -9 included, and by its own
+deadline), in the one op-build environment (`harness.env`). Time a worker spends
+building DeepSpeed ops (its `phase` file says so) is shown instead of its step
+count and is not counted against the timeout (up to lifetime.BUILD_LIMIT_S). Whatever happens to
 the process (exit, crash, SIGKILL, hang, NaN), `run_side` returns a SideRun and
 leaves `run_dir/<side>/summary.json` describing it, so the report always has
 every side.
@@ -12,15 +16,16 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from harness import lifetime
+from harness.env import worker_env
 from parity.protocol import LAUNCH_ENV, SIDE_WORKERS, read_steps, read_summary
 
-__all__ = ["SideRun", "run_side", "STATUSES"]
+__all__ = ["SideRun", "run_side", "build_ops", "STATUSES"]
 
 STATUSES = ("ok", "nan", "crashed", "killed", "timeout", "not_run")
 """ok: all steps ran; nan: a non-finite loss or grad norm stopped the side; crashed: the worker
@@ -85,7 +90,7 @@ def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str
 
 
 def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
-             on_progress: Callable[[str, int], None] | None = None,
+             on_progress: Callable[..., None] | None = None,
              python: str = sys.executable, env: dict[str, str] | None = None,
              module: str | None = None) -> SideRun:
   """Runs one side to completion (or failure) and returns what happened.
@@ -93,8 +98,11 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   Args:
     run_dir: folder holding request.json (see parity.protocol).
     side: a key of parity.protocol.SIDE_WORKERS.
-    timeout_s: wall-clock limit, seconds; past it the process group gets SIGKILL.
-    on_progress: called with (side, steps recorded so far) while the side runs.
+    timeout_s: wall-clock limit, seconds, not counting time the worker reports building DeepSpeed ops (at most
+      lifetime.BUILD_LIMIT_S of it); past it the process group gets SIGKILL.
+    on_progress: called with (side, steps recorded so far) while the side runs, and with (side, steps, note)
+      while the worker reports a phase outside its steps (note: e.g. "building DeepSpeed op cpu_adam (first use,
+      ~1 min)"; an empty note when that phase ends).
     python: interpreter for the worker.
     env: extra environment variables for the worker.
     module: the worker module to run (`python -m MODULE`); default SIDE_WORKERS[side]. `parity diagnose`
@@ -105,24 +113,26 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   run_dir = Path(run_dir)
   out = run_dir / side
   out.mkdir(parents=True, exist_ok=True)
-  for stale in ("summary.json", "steps.jsonl", "final.safetensors"):
+  for stale in ("summary.json", "steps.jsonl", "final.safetensors", lifetime.PHASE_FILE):
     (out / stale).unlink(missing_ok=True)
-  cmd = [python, "-m", module or SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
-  full_env = {**os.environ, **(env or {}), LAUNCH_ENV: repr(time.time()), "PYTHONUNBUFFERED": "1"}
-  root = str(Path(__file__).resolve().parents[1])
-  full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+  cmd = [python, "-m", "harness.boot", module or SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
+  full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
+                         lifetime.PHASE_ENV: str(out / lifetime.PHASE_FILE)}, python)
   t0 = time.time()
   with open(out / "stdout.log", "wb") as so, open(out / "stderr.log", "wb") as se:
-    proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=full_env, start_new_session=True)
+    proc = lifetime.spawn(cmd, stdout=so, stderr=se, env=full_env, timeout_s=timeout_s)
   try:
     rc, rusage, timed_out = _watch(proc, side, out, t0, timeout_s, on_progress)
   except BaseException:  # Ctrl-C / SIGTERM of the harness: never leave a worker behind
     _kill_group(proc.pid)
     _, status, _ = os.wait4(proc.pid, 0)
+    lifetime.release(proc)
     summary = _harness_summary(side, "killed", "interrupted: the harness was stopped (Ctrl-C or SIGTERM) and "
                                "killed this side", out, read_summary(out / "summary.json"))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     raise
+  lifetime.release(proc)
+  (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
   wall = time.time() - t0
   if on_progress is not None:
     on_progress(side, _count_lines(out / "steps.jsonl"))
@@ -138,21 +148,41 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
 
 
 def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress) -> tuple[int, object, bool]:
-  """Polls the worker until it exits; kills its process group past the timeout. Returns (rc, rusage, timed_out)."""
-  last, timed_out = -1, False
+  """Polls the worker until it exits; kills its process group past the timeout. Returns (rc, rusage, timed_out).
+
+  While the worker's phase file is non-empty (a DeepSpeed op build) its clock stops, for at most
+  lifetime.BUILD_LIMIT_S in all, and on_progress gets the phase as a note."""
+  last, note, timed_out, paused, t_prev = -1, "", False, 0.0, time.time()
   while True:
     pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
     if pid:
+      if note and on_progress is not None:  # the phase ended with the process: the line shows steps again
+        on_progress(side, _count_lines(out / "steps.jsonl"), "")
       return os.waitstatus_to_exitcode(status), rusage, timed_out
+    now = time.time()
+    phase = _read_phase(out)
+    if phase:
+      paused = min(lifetime.BUILD_LIMIT_S, paused + (now - t_prev))
+    t_prev = now
     if on_progress is not None:
       n = _count_lines(out / "steps.jsonl")
-      if n != last:
+      if phase != note:
+        on_progress(side, n, phase)
+        note, last = phase, n
+      elif n != last:
         on_progress(side, n)
         last = n
-    if time.time() - t0 > timeout_s and not timed_out:
+    if now - t0 - paused > timeout_s and not timed_out:
       timed_out = True
       _kill_group(proc.pid)
     time.sleep(POLL_S)
+
+
+def _read_phase(out: Path) -> str:
+  try:
+    return (out / lifetime.PHASE_FILE).read_text(errors="replace").strip()[:200]
+  except OSError:
+    return ""
 
 
 def _kill_group(pid: int) -> None:
@@ -169,6 +199,40 @@ def _harness_summary(side: str, status: str, error: str | None, out: Path, worke
   base.update({"schema": "parity.summary/1", "side": side, "status": status, "error": error,
                "steps_completed": len(steps), "written_by": "harness"})
   return base
+
+
+def build_ops(names: list[str], *, timeout_s: float = lifetime.BUILD_LIMIT_S, python: str = sys.executable) -> int:
+  """`parity build-ops`: builds DeepSpeed's ops up front in a worker (`python -m torch_impl.ops NAMES`), so that no
+  side builds inside a timed run. Its lines go straight to this process's stdout/stderr.
+
+  Args:
+    names: op names (empty: all of torch_impl.ops.OPS); an unknown one makes the worker exit 2 naming it.
+    timeout_s: wall-clock limit, seconds; past it the worker's process group is killed (its stale lock is
+      removed by the next build).
+  Returns:
+    The worker's exit code: 0 built, 1 a build failed, 2 bad op name; 1 on timeout (with a message).
+  Raises:
+    KeyboardInterrupt: after killing the worker's process group.
+  """
+  cmd = [python, "-m", "harness.boot", "torch_impl.ops", *names]
+  proc = lifetime.spawn(cmd, env=worker_env(None, python), timeout_s=timeout_s)
+  t0 = time.time()
+  try:
+    while proc.poll() is None:
+      if time.time() - t0 > timeout_s:
+        _kill_group(proc.pid)
+        proc.wait()
+        print(f"parity build-ops: error: the build did not finish within {timeout_s:g} s and was stopped; "
+              "run it again (the lock it left is removed) or raise --timeout", file=sys.stderr)
+        return 1
+      time.sleep(POLL_S)
+  except BaseException:
+    _kill_group(proc.pid)
+    proc.wait()
+    raise
+  finally:
+    lifetime.release(proc)
+  return proc.returncode if proc.returncode >= 0 else 1
 
 
 def not_run(side: str, reason: str) -> SideRun:

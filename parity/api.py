@@ -328,7 +328,10 @@ def _progress(enabled: bool, spec):
     shown: dict[str, int] = {}
     total = spec.train.steps
 
-    def on_line(side: str, n: int) -> None:
+    def on_line(side: str, n: int, note: str | None = None) -> None:
+      if note:  # the worker is outside its steps (a DeepSpeed op build): say so instead of 0/N steps
+        print(f"[{time.strftime('%H:%M:%S')}] {side}: {note}", flush=True)
+        return
       quarter = (4 * n) // total if total else 4
       if shown.get(side) != quarter:
         shown[side] = quarter
@@ -340,7 +343,11 @@ def _progress(enabled: bool, spec):
   with Progress(*cols, transient=False) as prog:
     tasks = {s: prog.add_task(s, total=spec.train.steps, start=False) for s in spec.sides}
 
-    def on_progress(side: str, n: int) -> None:
+    def on_progress(side: str, n: int, note: str | None = None) -> None:
+      if note is not None:  # "deepspeed: building DeepSpeed op cpu_adam (first use, ~1 min)"; "" when it ends
+        prog.update(tasks[side], description=f"{side}: {note}" if note else side)
+        if note:
+          return
       prog.start_task(tasks[side])
       prog.update(tasks[side], completed=n)
     yield on_progress

@@ -9,6 +9,7 @@
   parity diagnose [--preset NAME | --config FILE | --hf-model DIR] [--step N] [--sides jax,torch]
                   [--perturb side:key=value ...] [--plant side:kind ...] [--out DIR]
                                    (one step, both sides: the first tensor that differs)
+  parity build-ops [OP ...]        (build DeepSpeed's C++ ops once, up front)
   parity report RUN_DIR            (print the summary of a finished run)
   parity presets                   (list the built-in presets)
 
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
   memory.add_estimate_arguments(p)
   p = sub.add_parser("plan", help="choose the sharding/offload/remat plan that fits a device and is fastest")
   plans.add_plan_arguments(p)
+  p = sub.add_parser("build-ops", help="build DeepSpeed's C++ ops once, up front (first use takes minutes)",
+                     description="Builds (or loads, when built) DeepSpeed's JIT ops cpu_adam, deepspeed_shm_comm and "
+                                 "fused_adam into this environment's torch_extensions folder, removing a stale build "
+                                 "lock an interrupted build left, so no DeepSpeed side builds inside its timed run.")
+  p.add_argument("ops", nargs="*", help="ops to build (default: all three)")
+  p.add_argument("--timeout", type=float, default=None, help="seconds before the build is stopped (default 1800)")
   p = sub.add_parser("report", help="print the summary of a finished run")
   p.add_argument("run_dir")
   p = sub.add_parser("presets", help="list built-in presets")
@@ -260,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
       from parity import plans
       return plans.run_plan(args)
+    if args.command == "build-ops":
+      from harness.runner import build_ops  # harness depends on parity, not the reverse
+      if args.timeout is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+      return build_ops(args.ops, **({"timeout_s": args.timeout} if args.timeout else {}))
     if args.command == "report":
       return _run_report(args)
     return _run_presets(args)

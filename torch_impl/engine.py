@@ -32,13 +32,13 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
 from __future__ import annotations
 
 import os
-import sys
 import socket
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from harness.env import build_environ
 from parity import schedule
 from parity.spec import RunSpec
 from parity.weights import param_shapes
@@ -72,7 +72,9 @@ def setup_distributed() -> str:
   imported) and uses the gloo backend; with CUDA, nccl. The single-process
   rendezvous variables (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK=0,
   WORLD_SIZE=1, LOCAL_RANK=0) are set only where absent, so processes started
-  by `deepspeed` or `torchrun` keep theirs. Idempotent.
+  by `deepspeed` or `torchrun` keep theirs. The op-build environment is
+  `harness.env.build_environ`'s, and op builds go through `torch_impl.ops`'s
+  hooks (stale locks removed, progress reported). Idempotent.
 
   Returns:
     The torch.distributed backend name ('gloo' or 'nccl').
@@ -80,21 +82,17 @@ def setup_distributed() -> str:
   cuda = torch.cuda.is_available()
   if not cuda:
     os.environ["DS_ACCELERATOR"] = "cpu"
-  # DeepSpeed JIT-builds its ops (CPU Adam) into TORCH_EXTENSIONS_DIR; one folder per environment, so two
-  # virtualenvs on one machine do not rebuild (or lock) each other's build.
-  os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-  # The build uses the first `ninja` on PATH; the environment's own (pip installs one with deepspeed) and a
-  # system one write incompatible build logs, so switching between an activated virtualenv and
-  # `.venv/bin/parity` rebuilt every op (40-80 s each). Always put this environment's bin first.
-  env_bin = os.path.dirname(sys.executable)
-  if os.path.exists(os.path.join(env_bin, "ninja")):
-    os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "").replace(env_bin + os.pathsep, "", 1)
+  # DeepSpeed JIT-builds its ops into TORCH_EXTENSIONS_DIR with the first ninja on PATH: the one environment
+  # every process of this virtualenv builds in (harness.env), so no call path rebuilds another's ops.
+  build_environ(os.environ)
   os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
   if "MASTER_PORT" not in os.environ:
     os.environ["MASTER_PORT"] = str(_free_port())
   for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
     os.environ.setdefault(key, value)
   import deepspeed
+  from torch_impl import ops
+  ops.install_build_hooks()  # stale build locks cleared, builds shown in the progress line and kept off the clock
   backend = "nccl" if cuda else "gloo"
   if cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

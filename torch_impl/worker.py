@@ -61,7 +61,7 @@ def _check_batches(batches: np.ndarray, io: SideIO) -> None:
 def _finish_kwargs(trainer) -> dict:
   """versions/device/memory fields of summary.json, from the trainer."""
   import torch
-  from torch_impl import memory
+  from torch_impl import memory, ops
   info = trainer.describe()
   state = trainer.state_bytes()
   cuda = trainer.device.type == "cuda"
@@ -69,7 +69,7 @@ def _finish_kwargs(trainer) -> dict:
           "device": f"cuda ({torch.cuda.get_device_name(trainer.device)})" if cuda else "cpu",
           "peak_device_bytes": int(torch.cuda.max_memory_allocated(trainer.device)) if cuda else None,
           "state_bytes_by_memory_kind": memory.by_memory_kind(state),
-          "extra": {"state_bytes_by_category": state, **info}}
+          "extra": {"state_bytes_by_category": state, "op_build_s": ops.build_s(), **info}}
 
 
 def side_main(io: SideIO) -> int:
@@ -86,6 +86,8 @@ def side_main(io: SideIO) -> int:
   _check_batches(batches, io)
   val = io.val_batches() if t.eval_every > 0 else None
   sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+  from torch_impl import ops
+  io.launch_time += ops.build_s()  # time in DeepSpeed op builds is not initialisation: off init_s (op_build_s)
   io.ready()
   sens, moments_error = AdamSensitivity(t.eps), None  # per-element Adam sensitivity for the params rule
   for step in control.steps():

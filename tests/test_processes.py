@@ -1,0 +1,295 @@
+"""Process lifetime and DeepSpeed op builds (issue #11 items 7 and 8).
+
+7: no worker outlives the `parity` process (kill -9 included), its pipe, or its own deadline.
+8: a stale op-build lock is detected and removed, a live one is waited on (and removed when its builder dies),
+   a build is shown as a phase and kept off the side's clock, and every process builds in one environment.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_jax, requires_torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+  """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
+def _wait_gone(pids: list[int], within_s: float) -> list[int]:
+  t_end = time.time() + within_s
+  while time.time() < t_end and any(_alive(p) for p in pids):
+    time.sleep(0.1)
+  return [p for p in pids if _alive(p)]
+
+
+def _sleeper(tmp_path: Path, body: str) -> dict[str, str]:
+  """A module `sleeper` in tmp_path (returns the env that finds it)."""
+  (tmp_path / "sleeper.py").write_text(textwrap.dedent(body))
+  from harness.env import worker_env
+  return worker_env({"PYTHONPATH": str(tmp_path)})
+
+
+# ----------------------------------------------------------------------------- item 7
+
+@requires_jax
+@requires_torch
+def test_kill_9_of_parity_ends_its_worker(tmp_path):
+  """kill -9 of `parity compare` mid-run: the worker (hung on purpose) is gone within a few seconds."""
+  out = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--steps", "4",
+                           "--sides", "jax,torch", "--out", str(out), "--timeout", "600", "--no-progress",
+                           "--perturb", "jax:hang_at_step=0"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    pid_file = out / "jax" / "pid"
+    t_end = time.time() + 120
+    while not pid_file.exists() and time.time() < t_end and proc.poll() is None:
+      time.sleep(0.2)
+    assert pid_file.exists(), "the jax worker never started"
+    worker = int(pid_file.read_text())
+    assert _alive(worker)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _wait_gone([worker], 5.0) == [], f"worker {worker} still runs after its parity process was killed"
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+def test_closed_pipe_ends_worker_and_its_children(tmp_path):
+  """The portable fallback: when the harness's end of the pipe closes, the worker kills its whole process group
+  (a child it started included), though its parent process is still alive (so PDEATHSIG never fires)."""
+  from harness import lifetime
+  env = _sleeper(tmp_path, """
+    import subprocess, sys, time
+    child = subprocess.Popen(["sleep", "120"])
+    print(child.pid, flush=True)
+    time.sleep(120)
+  """)
+  proc = lifetime.spawn([sys.executable, "-m", "harness.boot", "sleeper"], env=env, timeout_s=600,
+                        stdout=subprocess.PIPE)
+  child = int(proc.stdout.readline())
+  assert _alive(proc.pid) and _alive(child)
+  lifetime.release(proc)
+  assert proc.wait(timeout=10) == -signal.SIGKILL
+  assert _wait_gone([child], 5.0) == [], "the worker's own child survived"
+
+
+def test_worker_ends_by_its_own_deadline(tmp_path, monkeypatch):
+  """A worker whose parent is alive but no longer watching ends by itself past timeout + grace."""
+  from harness import lifetime
+  monkeypatch.setattr(lifetime, "DEADLINE_GRACE_S", 0.5)
+  env = _sleeper(tmp_path, "import time\ntime.sleep(120)\n")
+  t0 = time.time()
+  proc = lifetime.spawn([sys.executable, "-m", "harness.boot", "sleeper"], env=env, timeout_s=1.0,
+                        stderr=subprocess.PIPE)
+  try:
+    rc = proc.wait(timeout=30)
+  finally:
+    lifetime.release(proc)
+  assert rc == -signal.SIGKILL and time.time() - t0 < 30
+  assert b"past its deadline" in proc.stderr.read()
+
+
+def test_worker_started_by_hand_is_not_bound(monkeypatch):
+  """Without the harness's variables (a worker run by hand or by a test) nothing is armed."""
+  from harness import lifetime
+  for key in (lifetime.PARENT_PID_ENV, lifetime.PARENT_FD_ENV, lifetime.DEADLINE_ENV):
+    monkeypatch.delenv(key, raising=False)
+  assert lifetime.watch_parent({}) == {"pdeathsig": False, "pipe": False, "deadline": None}
+
+
+# ----------------------------------------------------------------------------- item 8: locks
+
+@pytest.fixture
+def ext_dir(tmp_path, monkeypatch):
+  d = tmp_path / "torch_extensions"
+  (d / "cpu_adam").mkdir(parents=True)
+  monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(d))
+  return d
+
+
+@requires_torch
+def test_stale_lock_is_removed_with_a_message(ext_dir):
+  from torch_impl import ops
+  lock = ext_dir / "cpu_adam" / "lock"
+  lock.touch()
+  said = []
+  assert ops.lock_state(lock.parent)[0] == "stale"
+  assert ops.clear_stale_lock(lock.parent, said.append) and not lock.exists()
+  assert said and "removed stale DeepSpeed op build lock" in said[0] and str(lock) in said[0]
+  assert ops.lock_state(lock.parent) == ("free", "no lock")
+
+
+@requires_torch
+def test_live_lock_is_kept_and_removed_once_its_builder_dies(ext_dir):
+  """A lock held open by a live process (the builder, as torch's FileBaton holds it) is live; kill the
+  builder and it is stale."""
+  from torch_impl import ops
+  lock = ext_dir / "cpu_adam" / "lock"
+  holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+                             f"fd = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL)\nprint('held', flush=True)\n"
+                             "time.sleep(120)"], stdout=subprocess.PIPE)
+  try:
+    assert holder.stdout.readline().strip() == b"held"
+    state, detail = ops.lock_state(lock.parent)
+    assert state == "live" and f"pid {holder.pid} holds the lock" in detail
+    assert not ops.clear_stale_lock(lock.parent, print) and lock.exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  assert ops.lock_state(lock.parent)[0] == "stale"
+
+
+class _FakeBuilder:
+  """Emulates torch's JIT build of one op: wait on the lock while it exists (FileBaton.wait), else take it,
+  'compile' (writes <op>.so), release; then import the library (ImportError when there is none)."""
+  name = "cpu_adam"
+  seen_phase: list = []
+
+  def __init__(self, ext_dir: Path, build_s: float = 0.3):
+    self.dir, self.build_s = ext_dir / self.name, build_s
+
+  def jit_load(self, verbose=True):
+    lock = self.dir / "lock"
+    try:
+      fd = os.open(lock, os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+      while lock.exists():
+        time.sleep(0.05)
+    else:
+      _FakeBuilder.seen_phase.append(Path(os.environ["PARITY_PHASE_FILE"]).read_text().strip())
+      time.sleep(self.build_s)
+      (self.dir / f"{self.name}.so").write_text("built")
+      os.close(fd)
+      lock.unlink()
+    if not (self.dir / f"{self.name}.so").exists():
+      raise ImportError(f"no {self.name}.so")
+    return "module"
+
+
+@requires_torch
+def test_build_hook_recovers_a_stale_lock_and_reports_the_build(ext_dir, tmp_path, monkeypatch):
+  """Before: a stale lock made every later process wait forever. Now the hook removes it, the phase file says
+  'building DeepSpeed op cpu_adam (first use, ~1 min)' during the build, and the build time is counted."""
+  from harness import lifetime
+  from torch_impl import ops
+  cls = type("Builder", (_FakeBuilder,), {})
+  monkeypatch.setenv(lifetime.PHASE_ENV, str(tmp_path / "phase"))
+  (ext_dir / "cpu_adam" / "lock").touch()  # left by an interrupted build
+  said, before = [], ops.build_s()
+  _FakeBuilder.seen_phase = []
+  ops.install_build_hooks(said.append, cls=cls)
+  assert cls(ext_dir).jit_load() == "module"
+  assert _FakeBuilder.seen_phase == ["building DeepSpeed op cpu_adam (first use, ~1 min)"]
+  assert any("removed stale DeepSpeed op build lock" in m for m in said)
+  assert not (tmp_path / "phase").exists(), "the phase is cleared after the build"
+  assert ops.build_s() - before >= 0.3
+
+
+@requires_torch
+def test_build_hook_builds_when_the_builder_it_waited_on_dies(ext_dir, tmp_path, monkeypatch):
+  """Another process holds the lock (live), then dies mid-build: the waiting process removes the lock it left
+  and builds the op itself, instead of waiting forever."""
+  from harness import lifetime
+  from torch_impl import ops
+  monkeypatch.setattr(ops, "RECHECK_S", 0.2)
+  monkeypatch.setenv(lifetime.PHASE_ENV, str(tmp_path / "phase"))
+  cls = type("Builder", (_FakeBuilder,), {})
+  lock = ext_dir / "cpu_adam" / "lock"
+  holder = subprocess.Popen([sys.executable, "-c", "import os, time\n"
+                             f"fd = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL)\nprint('held', flush=True)\n"
+                             "time.sleep(120)"], stdout=subprocess.PIPE)
+  assert holder.stdout.readline().strip() == b"held"
+  said = []
+  ops.install_build_hooks(said.append, cls=cls)
+  _FakeBuilder.seen_phase = []
+  killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill -9 {holder.pid}"])
+  t0 = time.time()
+  try:
+    assert cls(ext_dir).jit_load() == "module"
+  finally:
+    holder.kill()
+    holder.wait()
+    killer.wait()
+  assert time.time() - t0 < 15
+  assert said[0].startswith("waiting for DeepSpeed op cpu_adam: another process is building it (pid ")
+  assert any("removed stale DeepSpeed op build lock" in m for m in said)
+  assert (ext_dir / "cpu_adam" / "cpu_adam.so").read_text() == "built"
+
+
+# ----------------------------------------------------------------------------- item 8: harness, environment
+
+def test_build_phase_is_shown_and_off_the_clock(tmp_path):
+  """A worker 'building' for 2.5 s under a 1.5 s timeout is not timed out, and the progress callback gets the
+  phase as a note (the line says it instead of 0/N steps)."""
+  from harness.runner import run_side
+  (tmp_path / "request.json").write_text("{}")
+  (tmp_path / "fakebuild.py").write_text(textwrap.dedent("""
+    import os, time
+    from harness import lifetime
+    lifetime.set_phase("building DeepSpeed op cpu_adam (first use, ~1 min)")
+    time.sleep(2.5)
+    lifetime.set_phase(None)
+  """))
+  notes = []
+  sr = run_side(tmp_path, "deepspeed", timeout_s=1.5, module="fakebuild", env={"PYTHONPATH": str(tmp_path)},
+                on_progress=lambda side, n, note=None: notes.append(note) if note is not None else None)
+  assert sr.status != "timeout", sr.error
+  assert "building DeepSpeed op cpu_adam (first use, ~1 min)" in notes and notes[-1] == ""
+  assert not (tmp_path / "deepspeed" / "phase").exists()
+
+
+def test_one_build_environment_whatever_the_callers_path(tmp_path):
+  """Cause of the double rebuilds: the system ninja (1.11) reads the venv ninja's (1.13) .ninja_log as foreign and
+  rebuilds everything. Every launch path gets this environment's ninja first and one TORCH_EXTENSIONS_DIR, and
+  build_environ is idempotent, so an op built once is up to date for every later process."""
+  from harness.env import build_environ, env_bin, extensions_dir, worker_env
+  venv_ninja = os.path.join(env_bin(), "ninja")
+  if not os.path.exists(venv_ninja):
+    pytest.skip("this environment has no ninja of its own")
+  scrubbed = {"PATH": "/usr/local/bin:/usr/bin:/bin"}  # `.venv/bin/python -m pytest` without activating
+  env = build_environ(dict(scrubbed))
+  assert shutil.which("ninja", path=env["PATH"]) == venv_ninja
+  assert env["TORCH_EXTENSIONS_DIR"] == extensions_dir()
+  assert build_environ(dict(env)) == env
+  old_path = os.environ.get("PATH", "")
+  try:
+    os.environ["PATH"] = scrubbed["PATH"]
+    assert shutil.which("ninja", path=worker_env()["PATH"]) == venv_ninja
+  finally:
+    os.environ["PATH"] = old_path
+  built = Path(extensions_dir()) / "deepspeed_shm_comm"
+  if not any(built.glob("*.so")) or (built / "lock").exists():
+    return
+  copy = tmp_path / "op"
+  shutil.copytree(built, copy, symlinks=True)  # copytree keeps mtimes: ninja's view of the build is unchanged
+  (copy / "lock").unlink(missing_ok=True)
+  dry = subprocess.run([shutil.which("ninja", path=env["PATH"]), "-n"], cwd=copy, capture_output=True, text=True,
+                       env=env, timeout=60)
+  assert "no work to do" in dry.stdout, dry.stdout[-500:]
+
+
+def test_build_ops_refuses_an_unknown_op():
+  proc = subprocess.run([sys.executable, "-m", "parity.cli", "build-ops", "cpu_adamm"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert "unknown DeepSpeed op(s) cpu_adamm; known: cpu_adam, deepspeed_shm_comm, fused_adam" in proc.stderr
+  assert "Traceback" not in proc.stderr
