@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from parity.data import DataError
+from parity.inputs import count_arg
 from parity.spec import DEFAULT_PRESET, PRESETS, SpecError, to_dict
 
 __all__ = ["main"]
@@ -55,7 +56,7 @@ def _add_compare(sub) -> None:
   p.add_argument("--plan", help="a DeepSpeed <-> JAX plan pair (see `parity plan`; e.g. zero3-offload-all), "
                                  "or 'auto': the fastest pair that fits --hardware by the memory model")
   p.add_argument("--hardware", default="H100", help="accelerator preset for --plan auto (A100-40, A100-80, H100, H200, GH200)")
-  p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+  p.add_argument("--steps", type=count_arg, help="optimizer steps (train.steps)")
   p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
   p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, or a nanoGPT .bin of uint16 ids")
   p.add_argument("--out", help="run folder (default runs/<time>-<preset>-<hash>)")
@@ -79,6 +80,13 @@ def _add_compare(sub) -> None:
                  help="also checkpoint each side at STEP in that rerun, resume in a new process and check the rest "
                       "of the run is bit-identical to the uninterrupted one")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  _add_allow_large(p)
+
+
+def _add_allow_large(p) -> None:
+  p.add_argument("--allow-large", action="store_true",
+                 help="run even when the estimated memory or disk of the run exceeds what this machine has "
+                      "(sets PARITY_ALLOW_LARGE=1; see parity.inputs.check_resources)")
 
 
 def _add_diagnose(sub) -> None:
@@ -99,6 +107,7 @@ def _add_diagnose(sub) -> None:
                  help="plant a bug in one side: no_causal_mask, transpose=<square weight>, decay_all")
   p.add_argument("--out", help="output folder (default runs/<time>-diagnose-<hash>)")
   p.add_argument("--timeout", type=float, default=600.0, help="per-side wall-clock limit in seconds (default 600)")
+  _add_allow_large(p)
 
 
 def _run_diagnose(args) -> int:
@@ -180,17 +189,8 @@ def print_summary(report, con) -> None:
 
 
 def _run_report(args) -> int:
-  from parity.report import Report
-  path = Path(args.run_dir) / "report.json"
-  if not path.exists():
-    raise SpecError(f"{path} does not exist: pass the folder of a finished `parity compare` run")
-  try:
-    data = json.loads(path.read_text())
-  except json.JSONDecodeError as exc:
-    raise SpecError(f"{path}: not valid JSON ({exc}); the run may have been interrupted while writing it") from None
-  if not isinstance(data, dict) or data.get("schema") != "parity.report/1":
-    raise SpecError(f"{path}: not a parity report (expected schema 'parity.report/1')")
-  report = Report(data=data, run_dir=Path(args.run_dir))
+  from parity.report.read import load_report
+  report = load_report(args.run_dir)  # every section print_summary reads is checked (InputError names it)
   print_summary(report, _console())
   return report.exit_code
 
@@ -250,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
   signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # SIGTERM stops the workers too, like Ctrl-C
   ap = build_parser()
   args = ap.parse_args(argv)
+  if getattr(args, "allow_large", False):
+    import os
+    from parity.inputs import ALLOW_LARGE_ENV
+    os.environ[ALLOW_LARGE_ENV] = "1"
   try:
     if args.command == "compare":
       return _run_compare(args)
@@ -278,9 +282,35 @@ def main(argv: list[str] | None = None) -> int:
   except (SpecError, DataError, _PortError) as exc:
     print(f"parity {args.command}: error: {exc}", file=sys.stderr)
     return EXIT_BAD_INPUT
+  except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, UnicodeError) as exc:
+    # the rule: an input error of any module (the ValueError family, a path that is not there) is bad input
+    print(f"parity {args.command}: error: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+  except MemoryError:
+    print(f"parity {args.command}: error: out of memory; the sizes asked for (train.steps, micro_batch_size, "
+          "seq_len, model.*) do not fit this machine: reduce them", file=sys.stderr)
+    return EXIT_BAD_INPUT
   except KeyboardInterrupt:
     print("parity: interrupted; the running side was killed and the report marks it", file=sys.stderr)
     return 130
+  except Exception as exc:  # a bug, not bad input: one line, the traceback in a file, exit 1
+    print(f"parity {args.command}: internal error: {type(exc).__name__}: {str(exc)[:300]} "
+          f"(traceback saved to {_save_traceback(args.command)}; please report it)", file=sys.stderr)
+    return EXIT_FAIL
+
+
+def _save_traceback(command: str) -> str:
+  """Writes the current exception's traceback to a new file in the temp folder; returns its path."""
+  import tempfile
+  import traceback
+  try:
+    fd, path = tempfile.mkstemp(prefix=f"parity-{command}-error-", suffix=".txt")
+    with open(fd, "w", encoding="utf-8") as f:
+      f.write(" ".join(["parity", *sys.argv[1:]]) + "\n\n" + traceback.format_exc())
+    return path
+  except OSError as exc:
+    return f"nowhere: {exc.strerror}"
+
 
 
 if __name__ == "__main__":

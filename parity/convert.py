@@ -94,7 +94,8 @@ def read_bin(files: Sequence[Path]) -> dict[str, np.ndarray]:
   """
   with tempfile.TemporaryDirectory(prefix="parity-bin-") as tmp:
     out = Path(tmp) / "bin.safetensors"
-    _worker("torch_impl.convert_worker", "bin-to-safetensors", str(out), *map(str, files))
+    # absolute: the worker runs from the repository root, not the user's current directory
+    _worker("torch_impl.convert_worker", "bin-to-safetensors", str(out), *(str(Path(f).absolute()) for f in files))
     tensors, _ = hf.read_safetensors(out)
     return tensors
 
@@ -176,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
   import json
   from parity.spec import from_dict
   try:
-    spec = from_dict(ModelSpec, json.loads(Path(args.spec).read_text()), path="model") if args.spec else None
+    from parity.inputs import load_json
+    spec = from_dict(ModelSpec, load_json(args.spec, what="--spec file"), path="model") if args.spec else None
     done = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, spec=spec,
                    force=args.force)
   except (SpecError, ValueError, FileNotFoundError, FileExistsError) as exc:

@@ -112,6 +112,11 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
                 vocab_size=256 if is_bytes else int(ids.max()) + 1)
 
 
+_CHUNK_TOKENS = 1 << 22
+"""Tokens gathered per chunk by make_batches (32 MiB of int64 indices): peak memory is the uint16 batches plus
+this, where one fancy-index over the whole run took 8 + 2 + 2 bytes per token."""
+
+
 def _windows(ids: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
   idx = starts[..., None] + np.arange(length)
   return ids[idx]
@@ -139,8 +144,12 @@ def make_batches(corpus: Corpus, *, steps: int, grad_accum_steps: int, micro_bat
                       "use a larger corpus or a shorter train.seq_len")
   rng = np.random.default_rng(seed)
   starts = rng.integers(0, corpus.train.size - w, size=(steps, grad_accum_steps, micro_batch_size))
-  train = _windows(corpus.train, starts, w)
+  train = np.empty(starts.shape + (w,), dtype=np.uint16)  # the only full-size array: 2 bytes per token
+  flat_starts, flat = starts.reshape(-1), train.reshape(-1, w)
+  rows = max(1, _CHUNK_TOKENS // w)  # windows gathered per chunk: int64 indices stay small, not 8 bytes per token
+  for i in range(0, flat_starts.size, rows):
+    flat[i:i + rows] = _windows(corpus.train, flat_starts[i:i + rows], w)
   n_val = max(eval_batches, 1) * micro_batch_size
   vstarts = np.linspace(0, corpus.val.size - w, num=n_val).astype(np.int64)
   val = _windows(corpus.val, vstarts, w).reshape(max(eval_batches, 1), micro_batch_size, w)
-  return train.astype(np.uint16), val.astype(np.uint16)
+  return train, val.astype(np.uint16)

@@ -58,6 +58,7 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
   if isinstance(config, (str, Path)):
     source = str(config)
     cfg = load_config_file(config)
+    cfg = _data_relative_to(cfg, Path(config))
   elif config is not None:
     cfg = dict(config)
   name = cfg.pop("preset", None) or preset_name or DEFAULT_PRESET
@@ -70,6 +71,8 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
   base = to_dict(spec if spec is not None else preset(name))
   try:
     spec = from_dict(RunSpec, _merge(base, cfg))
+    from parity.spec import check_numbers
+    check_numbers(spec)  # out-of-range numbers are named with the file they came from
   except SpecError as exc:
     raise SpecError(f"{source}: {exc}") from None
   flags = {}
@@ -85,7 +88,32 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
     spec = apply_overrides(spec, list(overrides))
   if spec.train.eval_every > spec.train.steps:
     spec = apply_overrides(spec, [f"train.eval_every={spec.train.steps}"])
+  if _is_path(spec.data) and not Path(spec.data).expanduser().is_absolute():  # --data / --set: relative to the cwd
+    import dataclasses
+    spec = dataclasses.replace(spec, data=str(Path(spec.data).expanduser().absolute()))
   return spec.validate()
+
+
+def _is_path(data: Any) -> bool:
+  return isinstance(data, str) and bool(data.strip()) and data != "stdlib"
+
+
+def _data_relative_to(cfg: dict[str, Any], config: Path) -> dict[str, Any]:
+  """A relative `data:` path in a config file names a path next to that file, as users expect (not the cwd).
+
+  Raises:
+    DataError: nothing at the resolved path; the message names the folder it was resolved against.
+  """
+  data = cfg.get("data")
+  if not _is_path(data) or Path(data).expanduser().is_absolute():
+    return cfg
+  where = config.absolute().parent
+  resolved = where / data
+  if not resolved.exists():
+    from parity.data import DataError
+    raise DataError(f"{config}: data {data!r} is resolved relative to the config file's folder {where}, and "
+                    f"{resolved} does not exist; fix the path (or make it absolute)")
+  return {**cfg, "data": str(resolved)}
 
 
 PERTURBABLE = frozenset({

@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping, TypeVar
 
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
-    "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash",
+    "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
 ]
 
 
@@ -26,6 +26,39 @@ class SpecError(ValueError):
 MAX_SEQ_LEN = 1 << 17
 """Largest model.max_seq_len accepted (128 Ki tokens); a typo like 1e9 would otherwise allocate the table."""
 MAX_VOCAB = 1 << 22
+INT_MAX = 2**31 - 1
+"""Largest value of any integer field (steps, sizes, seeds, counters). JAX without x64 keeps step counters and
+shapes as int32, and torch.manual_seed refuses seeds past 64 bits; 2^31 - 1 covers every real run, and a
+10^23 typo is refused here, by name, instead of overflowing inside a worker."""
+
+
+def check_numbers(run: "RunSpec") -> "RunSpec":
+  """The numeric rule of `_check_numbers` over every section of a RunSpec (no cross-field checks)."""
+  _check_numbers(run, "")
+  for name in ("model", "train", "jax", "deepspeed"):
+    _check_numbers(getattr(run, name), name)
+  return run
+
+
+def _check_numbers(obj: Any, section: str) -> None:
+  """The rule for every numeric field of a spec section: integers in [-INT_MAX, INT_MAX], floats finite.
+
+  Also walks mapping fields (train.lr_schedule_params). Field-specific ranges stay in each `validate`.
+  Raises:
+    SpecError: naming `section.field` and the value.
+  """
+  from parity.inputs import check_tree
+  for f in dataclasses.fields(obj):
+    v = getattr(obj, f.name)
+    key = f"{section}.{f.name}" if section else f.name
+    if isinstance(v, bool) or v is None:
+      continue
+    if isinstance(v, int) and not -INT_MAX <= v <= INT_MAX:
+      raise SpecError(f"{key} = {v} is out of range: integer fields must be at most {INT_MAX:,} (2^31 - 1)")
+    if isinstance(v, float) and not math.isfinite(v):
+      raise SpecError(f"{key} = {v}: must be a finite number (a value such as 1e400 overflows to inf)")
+    if isinstance(v, dict):
+      check_tree(v, key)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +118,7 @@ class ModelSpec:
 
   def validate(self) -> "ModelSpec":
     """Raises SpecError naming the field when the spec cannot describe a model."""
+    _check_numbers(self, "model")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
       if getattr(self, name) < 1:
         raise SpecError(f"model.{name} must be >= 1; got {getattr(self, name)}")
@@ -189,6 +223,8 @@ class TrainSpec:
     return self.micro_batch_size * self.grad_accum_steps * self.seq_len
 
   def validate(self, model: ModelSpec | None = None) -> "TrainSpec":
+    """Raises SpecError naming the field when a value is out of range or inconsistent with `model`."""
+    _check_numbers(self, "train")
     for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
       if getattr(self, name) < 1:
         raise SpecError(f"train.{name} must be >= 1; got {getattr(self, name)}")
@@ -257,6 +293,7 @@ class JaxPlan:
   """Devices on the mesh's data axis (the micro batch is split over them); 1 = one device."""
 
   def validate(self) -> "JaxPlan":
+    _check_numbers(self, "jax")
     if self.remat not in REMAT_POLICIES:
       raise SpecError(f"jax.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
     if self.zero_stage not in (0, 1, 2, 3):
@@ -285,6 +322,7 @@ class DeepSpeedPlan:
   """Recompute each block in the backward pass (deepspeed.checkpointing / torch.utils.checkpoint)."""
 
   def validate(self) -> "DeepSpeedPlan":
+    _check_numbers(self, "deepspeed")
     if self.zero_stage not in (0, 1, 2, 3):
       raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
     for name in ("offload_optimizer", "offload_param"):
@@ -317,6 +355,7 @@ class RunSpec:
   """Wall-clock limit of one side, seconds; a side past it is killed and reported as 'timeout'."""
 
   def validate(self) -> "RunSpec":
+    _check_numbers(self, "")
     self.model.validate()
     self.train.validate(self.model)
     self.deepspeed.validate()
@@ -358,7 +397,7 @@ def preset(name: str) -> RunSpec:
   """Returns the named preset. Raises SpecError listing the known names."""
   try:
     return PRESETS[name]
-  except KeyError:
+  except (KeyError, TypeError):  # TypeError: a config's `preset:` that is a list or mapping
     raise SpecError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
 
 
@@ -419,13 +458,23 @@ def _coerce(key: str, default: Any, value: Any) -> Any:
       try:
         return int(str(value))
       except ValueError:
-        raise SpecError(f"{key}: expected an integer, got {value!r}") from None
+        pass
+      try:  # '1e6' (YAML reads exponent notation without a dot as a string)
+        x = float(str(value))
+      except ValueError:
+        x = math.nan
+      if not (math.isfinite(x) and x.is_integer()):
+        raise SpecError(f"{key}: expected an integer, got {str(value)[:40]!r}") from None
+      value = x
     return int(value)
   if isinstance(default, float):
     try:
-      return float(value)
-    except (TypeError, ValueError):
-      raise SpecError(f"{key}: expected a number, got {value!r}") from None
+      out = float(value)
+    except (TypeError, ValueError, OverflowError):
+      raise SpecError(f"{key}: expected a finite number, got {str(value)[:40]!r}") from None
+    if not math.isfinite(out):
+      raise SpecError(f"{key} = {str(value)[:40]}: must be a finite number (1e400 overflows to inf)")
+    return out
   return value
 
 

@@ -193,12 +193,15 @@ def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarra
 
   Raises:
     FileNotFoundError: the file does not exist.
-    ValueError: a tensor is missing, unexpected, or has the wrong shape (named).
+    ValueError: a tensor is missing, unexpected, or has the wrong shape (named); parity.inputs.InputError
+      (a ValueError) when the file is not a valid safetensors file (truncated, bad header, entry without dtype).
   """
   from safetensors.numpy import load_file
+  from parity.inputs import safetensors_header
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"weights file not found: {path}")
+  safetensors_header(path)  # the header is checked before safetensors maps anything
   params = load_file(str(path))
   if spec is not None:
     check_names_and_shapes(params, spec, source=str(path))

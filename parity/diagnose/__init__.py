@@ -290,6 +290,8 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
                         f"({precision!r}); set it for both with --set 'train.precision=\"bf16\"'")
   plant_map = parse_plants(list(plants), sides, spec.model)
   if run_dir is None:
+    from parity.inputs import check_resources
+    check_resources(spec, folder)  # sizes that cannot fit are refused before anything is allocated
     prepare_run_dir(spec, folder, perturb=pert, init_params=init_given)
   request = json.loads((folder / "request.json").read_text())
   request["perturb"] = pert

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import struct
 from pathlib import Path
 from typing import Mapping
 
@@ -14,6 +12,7 @@ import numpy as np
 from parity import weights
 from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
 from parity.hf.tensors import canonical_to_hf, hf_to_canonical
+from parity.inputs import InputError, load_json, parse_text, safetensors_header
 from parity.spec import ModelSpec, RunSpec, SpecError, from_dict, to_dict
 
 SPEC_METADATA_KEY = weights.SPEC_METADATA_KEY
@@ -43,22 +42,17 @@ def read_safetensors(path: str | Path, *, stored_dtypes: dict[str, str] | None =
       match its shape (named).
   """
   path = Path(path)
-  with open(path, "rb") as f:
-    head = f.read(8)
-    if len(head) != 8:
-      raise HFFormatError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", head)
-    header = json.loads(f.read(n))
-  meta = header.pop("__metadata__", None) or {}
-  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if header else np.zeros(0, np.uint8)
+  try:  # one header check for every safetensors reader (parity.inputs): lengths, entries, offsets, dtypes
+    header, meta, data_start = safetensors_header(path)
+  except InputError as exc:
+    raise HFFormatError(str(exc)) from None
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start) if header and data_start < path.stat().st_size \
+      else np.zeros(0, np.uint8)
   out = {}
   for name, info in header.items():
     dt, shape, (start, stop) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
     if dt not in _ST_DTYPES and dt != "BF16":
       raise HFFormatError(f"{path}: tensor {name!r} has dtype {dt}, which is not supported")
-    itemsize = 2 if dt == "BF16" else np.dtype(_ST_DTYPES[dt]).itemsize
-    if stop - start != math.prod(shape) * itemsize or stop > data.size:
-      raise HFFormatError(f"{path}: tensor {name!r} bytes [{start}, {stop}) do not hold shape {shape} of {dt}")
     raw = data[start:stop]
     if stored_dtypes is not None:
       stored_dtypes[name] = dt
@@ -86,14 +80,34 @@ def hf_weight_files(folder: str | Path) -> tuple[str, list[Path]]:
     if (folder / single).exists():
       return kind, [folder / single]
     if (folder / index).exists():
-      weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
-      files = [folder / f for f in sorted(set(weight_map.values()))]
+      files = [folder / f for f in sorted(set(_weight_map(folder / index).values()))]
       gone = [str(f) for f in files if not f.exists()]
       if gone or not files:
         raise FileNotFoundError(f"{folder / index} names missing shard(s): {gone or 'none listed'}")
       return kind, files
   raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json, pytorch_model.bin "
                           "or pytorch_model.bin.index.json")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+  """The `weight_map` of an HF index file: tensor name -> shard file name in the same folder.
+
+  Raises:
+    HFFormatError: the file is not UTF-8 JSON, has no `weight_map` mapping, or a shard is not a plain file name
+      (a path such as ../x would read outside the checkpoint folder).
+  """
+  try:
+    data = load_json(index, what="HF index")
+  except InputError as exc:
+    raise HFFormatError(str(exc)) from None
+  wm = data.get("weight_map") if isinstance(data, dict) else None
+  if not isinstance(wm, dict) or not wm:
+    raise HFFormatError(f"{index}: 'weight_map' must be a non-empty mapping of tensor name -> shard file; got "
+                        f"{type(wm).__name__ if wm is not None else 'none'}; the index is corrupt")
+  for k, v in wm.items():
+    if not isinstance(v, str) or not v or Path(v).name != v or v in (".", ".."):
+      raise HFFormatError(f"{index}: weight_map[{k!r}] = {v!r} is not a shard file name in the checkpoint folder")
+  return wm
 
 
 def _read_shards(folder: Path, files: list[Path], notes: list[str]) -> dict[str, np.ndarray]:
@@ -108,7 +122,7 @@ def _read_shards(folder: Path, files: list[Path], notes: list[str]) -> dict[str,
       out[k], where[k] = v, f
   index = folder / "model.safetensors.index.json"
   if index.exists() and len(files) > 1:
-    for k, shard in json.loads(index.read_text())["weight_map"].items():
+    for k, shard in _weight_map(index).items():
       if where.get(k) is None or where[k].name != shard:
         raise HFFormatError(f"{index.name}: tensor {k!r} is listed in {shard} but "
                             f"{'absent' if k not in where else 'stored in ' + where[k].name}")
@@ -146,7 +160,13 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
   cfg_path = folder / "config.json"
   if not cfg_path.exists():
     raise FileNotFoundError(f"{folder}: no config.json; pass the folder written by save_pretrained")
-  family, spec, notes = parse_hf_config(json.loads(cfg_path.read_text()))
+  try:
+    cfg = load_json(cfg_path, what="HF config")
+  except InputError as exc:
+    raise HFFormatError(str(exc)) from None
+  if not isinstance(cfg, dict):
+    raise HFFormatError(f"{cfg_path}: the top level must be an object; got {type(cfg).__name__}")
+  family, spec, notes = parse_hf_config(cfg)
   kind, files = hf_weight_files(folder)
   if kind == "bin":
     if bin_reader is None:
@@ -186,7 +206,7 @@ def spec_from_metadata(meta: Mapping[str, str], *, source: str = "metadata") -> 
   if SPEC_METADATA_KEY not in meta:
     return None
   try:
-    return from_dict(ModelSpec, json.loads(meta[SPEC_METADATA_KEY])).validate()
+    return from_dict(ModelSpec, parse_text(meta[SPEC_METADATA_KEY], source, "json")).validate()
   except (json.JSONDecodeError, SpecError) as exc:
     raise HFFormatError(f"{source}: bad {SPEC_METADATA_KEY} metadata: {exc}") from None
 
@@ -208,16 +228,21 @@ def load_canonical(path: str | Path, spec: ModelSpec | None = None) -> tuple[dic
     HFFormatError: no spec found anywhere, or metadata and `spec` disagree.
     ValueError: tensors do not match the spec (named).
   """
-  from safetensors import safe_open
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"canonical weights not found: {path}")
-  with safe_open(str(path), framework="numpy") as f:
-    stored = spec_from_metadata(f.metadata() or {}, source=str(path))
+  try:
+    _, meta, _ = safetensors_header(path)
+  except InputError as exc:
+    raise HFFormatError(str(exc)) from None
+  stored = spec_from_metadata(meta, source=str(path))
   if stored is None:
     for side in (path.with_name(path.name + ".spec.json"), path.with_name("spec.json")):
       if side.exists():
-        stored = from_dict(ModelSpec, json.loads(side.read_text()), path="model").validate()
+        try:
+          stored = from_dict(ModelSpec, load_json(side, what="spec file"), path="model").validate()
+        except SpecError as exc:  # InputError is one
+          raise HFFormatError(f"{side}: {exc}") from None
         break
   if stored is not None and spec is not None and stored != spec:
     raise HFFormatError(f"{path}: stored spec {to_dict(stored)} differs from the given spec {to_dict(spec)}")

@@ -8,6 +8,8 @@ from typing import Any
 import hjson
 import yaml
 
+from parity.inputs import InputError, parse_text, read_text
+
 __all__ = ["PortError", "read_deepspeed_config", "read_structured"]
 
 
@@ -40,12 +42,10 @@ def read_deepspeed_config(path: str | Path) -> dict[str, Any]:
       top level that is not an object.
   """
   p = Path(path)
-  try:
-    text = p.read_text(encoding="utf-8")
-  except OSError as e:
-    raise PortError(f"{p}: cannot read the config ({e.strerror}). Check the path.") from None
-  try:
-    data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+  try:  # parity.inputs: UTF-8 text under a size cap, no deep nesting, finite numbers (the rules of every reader)
+    data = parse_text(read_text(p, what="config"), str(p), "hjson", object_pairs_hook=_no_duplicates)
+  except InputError as e:
+    raise PortError(str(e)) from None
   except hjson.HjsonDecodeError as e:
     raise PortError(f"{p}:{e.lineno}:{e.colno}: not valid JSON/hjson: {e.msg}. Fix the syntax at that position."
                     ) from None
@@ -60,11 +60,9 @@ def read_structured(path: str | Path) -> dict[str, Any]:
   """Reads a YAML or JSON file (a ported config) into a dict. Raises PortError with line and column."""
   p = Path(path)
   try:
-    text = p.read_text(encoding="utf-8")
-  except OSError as e:
-    raise PortError(f"{p}: cannot read ({e.strerror}). Check the path.") from None
-  try:
-    data = yaml.safe_load(text)
+    data = parse_text(read_text(p, what="config"), str(p), "yaml")
+  except InputError as e:
+    raise PortError(str(e)) from None
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

@@ -1,0 +1,324 @@
+"""One safe way in for every file and number a user gives `parity` (numpy only; no jax, no torch).
+
+Rules (each covers whole classes of input, not single cases):
+  * text files (run configs, DeepSpeed configs, HF config.json/index files, report.json, spec sidecars) are read
+    by `read_text`: must exist, be a file, be at most MAX_TEXT_BYTES, hold no NUL byte and decode as UTF-8;
+  * parsed trees go through `check_tree`: nesting at most MAX_DEPTH levels (a 5,000-deep file would otherwise
+    raise RecursionError in the parser or later in our own recursive code) and every float finite (JSON's
+    1e400 parses to inf);
+  * safetensors headers are checked by `safetensors_header` before any byte of tensor data is mapped: the
+    8-byte length must fit the file and MAX_HEADER_BYTES, the header must be a JSON object whose entries each
+    carry dtype, shape and data_offsets, and the offsets must lie inside the file;
+  * sizes are checked by `check_resources` before a run allocates: the memory model (parity.memory) and the
+    bytes of batches.npy against the machine's available memory and free disk.
+Every refusal is an `InputError` (a SpecError, so a ValueError): the CLI prints it and exits 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+from parity.spec import SpecError
+
+__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_HEADER_BYTES", "read_text", "check_tree", "parse_text",
+           "load_json", "safetensors_header", "count_arg", "Resources", "estimate_resources",
+           "check_resources", "available_memory_bytes"]
+
+MAX_TEXT_BYTES = 16 * 2**20
+"""Largest config/JSON file read (16 MiB). The largest real config in shared/realworld is under 10 KiB and an
+HF model.safetensors.index.json of a 70B model is ~70 KiB; anything past 16 MiB is not a config."""
+MAX_DEPTH = 100
+"""Deepest nesting accepted in a parsed config. Real DeepSpeed configs nest 3-4 levels; 100 stays far below
+Python's recursion limit (1000), which the parsers and our recursive helpers (to_dict, _merge) share."""
+MAX_HEADER_BYTES = 100 * 2**20
+"""safetensors' own limit on the JSON header (100 MB, `safetensors` N_MAX_HEADER); larger is corrupt."""
+
+
+class InputError(SpecError):
+  """A file or value given by the user cannot be used. The message names the file/key, the value and the fix."""
+
+
+def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
+  """The text of a small UTF-8 file (a UTF-8 BOM is accepted and dropped).
+
+  Raises:
+    InputError: missing, a folder, unreadable, larger than `max_bytes`, binary (a NUL byte) or not UTF-8;
+      the message names the path and `what` it was meant to be.
+  """
+  p = Path(path)
+  if not p.exists():
+    raise InputError(f"{what} not found: {p} (resolved to {p.absolute()}); check the path")
+  if p.is_dir():
+    raise InputError(f"{what} {p} is a folder; pass a file")
+  try:
+    size = p.stat().st_size
+    if size > max_bytes:
+      raise InputError(f"{what} {p} is {size:,} bytes, over the {max_bytes:,}-byte limit for a text config; "
+                       "is it the right file?")
+    raw = p.read_bytes()
+  except OSError as exc:
+    raise InputError(f"{what} {p}: cannot read it ({exc.strerror}); check the path and its permissions") from None
+  nul = raw.find(b"\x00")
+  if nul >= 0:
+    raise InputError(f"{what} {p} is binary (NUL byte at offset {nul}), not a text config; "
+                     "pass the YAML/JSON file")
+  try:
+    return raw.decode("utf-8-sig")
+  except UnicodeDecodeError as exc:
+    raise InputError(f"{what} {p} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                     "save it as UTF-8") from None
+
+
+def check_tree(data: Any, source: str, *, max_depth: int = MAX_DEPTH) -> Any:
+  """Walks a parsed config without recursion; returns `data` unchanged.
+
+  Raises:
+    InputError: nesting deeper than `max_depth`, or a float that is inf/nan (named by its key path).
+  """
+  stack = [(data, "", 0)]
+  while stack:
+    node, key, depth = stack.pop()
+    if depth > max_depth:
+      raise InputError(f"{source}: nesting deeper than {max_depth} levels at {key or 'the top level'}; "
+                       "a config is a few levels deep, check the file")
+    if isinstance(node, float) and not math.isfinite(node):
+      raise InputError(f"{source}: {key or 'value'} is {node} (a number too large for a float, or not a number); "
+                       "every number must be finite, check it")
+    if isinstance(node, dict):
+      stack.extend((v, f"{key}.{k}" if key else str(k), depth + 1) for k, v in node.items())
+    elif isinstance(node, (list, tuple)):
+      stack.extend((v, f"{key}[{i}]", depth + 1) for i, v in enumerate(node))
+  return data
+
+
+def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable | None = None) -> Any:
+  """Parses JSON ('json'), hjson ('hjson', DeepSpeed's reader) or YAML ('yaml', safe loader) and `check_tree`s it.
+
+  Syntax errors are left to the caller's parser-specific handling (json.JSONDecodeError, hjson.HjsonDecodeError,
+  yaml.YAMLError pass through); what no parser reports well is turned into InputError here.
+  Raises:
+    InputError: nesting too deep (RecursionError inside the parser), an integer with too many digits, inf/nan.
+  """
+  try:
+    if fmt == "json":
+      data = json.loads(text, object_pairs_hook=object_pairs_hook)
+    elif fmt == "hjson":
+      import hjson
+      data = hjson.loads(text, object_pairs_hook=object_pairs_hook)
+    elif fmt == "yaml":
+      import yaml
+      data = yaml.safe_load(text)
+    else:
+      raise ValueError(f"unknown format {fmt!r}")
+  except RecursionError:
+    raise InputError(f"{source}: nested too deeply to parse (over Python's recursion limit); a config is a few "
+                     "levels deep, check the file") from None
+  except OverflowError:  # hjson reads integral floats as int: 1e400 -> int(inf)
+    raise InputError(f"{source}: a number is too large for a float (e.g. 1e400); every number must be finite, "
+                     "check the file") from None
+  except ValueError as exc:
+    if "digits" not in str(exc):  # syntax errors: the caller's own handler names line and column
+      raise
+    raise InputError(f"{source}: an integer has too many digits ({exc}); check the number") from None
+  return check_tree(data, source)
+
+
+def load_json(path: str | Path, *, what: str = "JSON file") -> Any:
+  """read_text + JSON parse + check_tree. Raises InputError naming the file (and line/column on a syntax error)."""
+  try:
+    return parse_text(read_text(path, what=what), str(path), "json")
+  except json.JSONDecodeError as exc:
+    raise InputError(f"{what} {path}:{exc.lineno}:{exc.colno}: not valid JSON: {exc.msg}; fix the syntax there"
+                     ) from None
+
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_header(path: str | Path) -> tuple[dict[str, dict], dict[str, str], int]:
+  """Reads and checks a safetensors header without touching the tensor data.
+
+  Returns:
+    (name -> {dtype, shape, data_offsets}, string metadata, byte offset where the data starts).
+  Raises:
+    InputError: missing file, shorter than 8 bytes, header length past the file or MAX_HEADER_BYTES, header not
+      UTF-8 JSON object, an entry without dtype/shape/data_offsets, a negative dimension, an unknown dtype, or a
+      byte range that does not match its shape or lies past the end of the file (each named).
+  """
+  p = Path(path)
+  if not p.is_file():
+    raise InputError(f"safetensors file not found: {p}")
+  size = p.stat().st_size
+  with open(p, "rb") as f:
+    head = f.read(8)
+    if len(head) != 8:
+      raise InputError(f"{p}: not a safetensors file ({size} bytes, shorter than its 8-byte header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, MAX_HEADER_BYTES):
+      raise InputError(f"{p}: safetensors header length {n:,} bytes exceeds the file ({size:,} bytes) or the "
+                       f"{MAX_HEADER_BYTES:,}-byte limit: the file is truncated or not safetensors")
+    raw = f.read(n)
+  try:
+    header = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
+    raise InputError(f"{p}: safetensors header is not valid JSON ({type(exc).__name__}); the file is corrupt"
+                     ) from None
+  if not isinstance(header, dict):
+    raise InputError(f"{p}: safetensors header must be a JSON object; got {type(header).__name__}")
+  meta = header.pop("__metadata__", None) or {}
+  if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+    raise InputError(f"{p}: safetensors __metadata__ must map strings to strings")
+  data_size = size - 8 - n
+  for name, info in header.items():
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+      missing = sorted({"dtype", "shape", "data_offsets"} - set(info)) if isinstance(info, dict) else "all"
+      raise InputError(f"{p}: tensor {name!r} has no {missing} in the safetensors header; the file is corrupt")
+    dt, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    if dt not in _ST_ITEMSIZE:
+      raise InputError(f"{p}: tensor {name!r} has dtype {dt!r}, not a safetensors dtype this tool reads "
+                       f"({', '.join(_ST_ITEMSIZE)})")
+    if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in shape)):
+      raise InputError(f"{p}: tensor {name!r} has shape {shape!r}; expected a list of integers >= 0")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) and not isinstance(o, bool)
+                                                                for o in offs)):
+      raise InputError(f"{p}: tensor {name!r} has data_offsets {offs!r}; expected [start, stop]")
+    start, stop = offs
+    if not 0 <= start <= stop <= data_size or stop - start != math.prod(shape) * _ST_ITEMSIZE[dt]:
+      raise InputError(f"{p}: tensor {name!r} bytes [{start}, {stop}) do not hold shape {tuple(shape)} of {dt} "
+                       f"within the {data_size:,} data bytes; the file is truncated or corrupt")
+  return header, meta, 8 + n
+
+
+def count_arg(text: str) -> int:
+  """argparse type for counts: an integer, also written as an integral float ('2e9'); refuses inf/nan/fractions."""
+  import argparse
+  try:
+    return int(text)
+  except ValueError:
+    pass
+  try:
+    x = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if not math.isfinite(x) or not x.is_integer():
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+  return int(x)
+
+
+# ----------------------------------------------------------------------------- resources
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+  """What a run needs before it starts, bytes.
+
+  Attributes:
+    params: number of model parameters (closed form; no per-layer table is built).
+    batches_bytes: size of batches.npy (steps x grad_accum x micro_batch x (seq_len + 1) uint16 tokens).
+    memory_bytes: peak host RAM of the largest single process: the memory model's device + host bytes of the
+      heavier side (on a CPU machine both kinds are RAM) plus the batches it reads.
+    disk_bytes: what the run folder will hold: batches.npy twice (run + noise rerun), init.safetensors and one
+      final.safetensors per side and rerun.
+  """
+  params: int
+  batches_bytes: int
+  memory_bytes: int
+  disk_bytes: int
+
+
+def _param_count(model) -> int:
+  """Parameter count from a 1- and 2-layer copy of the spec: exact, and cheap for any n_layers."""
+  from parity.weights import param_shapes
+  one = sum(math.prod(s) for s in param_shapes(dataclasses.replace(model, n_layers=1)).values())
+  two = sum(math.prod(s) for s in param_shapes(dataclasses.replace(model, n_layers=2)).values())
+  return one + (model.n_layers - 1) * (two - one)
+
+
+STATE_BYTES_PER_PARAM_FLOOR = 16
+"""fp32 params + gradients + Adam's two moments: the least any side holds per parameter (4 + 4 + 8 bytes)."""
+ALLOW_LARGE_ENV = "PARITY_ALLOW_LARGE"
+"""Set to 1 to run past check_resources' refusal (the `--allow-large` flag sets it)."""
+LARGE_MODEL_PARAMS = 2 * 10**9
+"""Above this count the per-category memory model is skipped (it lists every tensor) and the floor is used."""
+
+
+def estimate_resources(spec) -> Resources:
+  """Bytes a run of `spec` (a RunSpec) needs; cheap for absurd sizes (nothing is allocated). See Resources."""
+  t, m = spec.train, spec.model
+  n = _param_count(m)
+  batches = (t.steps * t.grad_accum_steps * t.micro_batch_size * (t.seq_len + 1) * 2
+             + max(t.eval_batches, 1) * t.micro_batch_size * (t.seq_len + 1) * 2 + 128)
+  state = n * STATE_BYTES_PER_PARAM_FLOOR
+  if n <= LARGE_MODEL_PARAMS:
+    from parity import memory
+    rows = memory.estimate(spec, sides=("deepspeed", "jax"))
+    state = max(state, *(sum(r.bytes for r in rows if r.side == s) for s in ("deepspeed", "jax")))
+  disk = 2 * batches + n * 4 * (1 + 2 * len(spec.sides))
+  return Resources(params=n, batches_bytes=batches, memory_bytes=state + batches, disk_bytes=disk)
+
+
+def available_memory_bytes() -> int | None:
+  """MemAvailable from /proc/meminfo (Linux), else physical memory (sysconf), else None."""
+  try:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def _free_disk_bytes(folder: Path) -> int | None:
+  p = folder.absolute()
+  while not p.exists() and p != p.parent:
+    p = p.parent
+  try:
+    return shutil.disk_usage(p).free
+  except OSError:
+    return None
+
+
+def _gb(n: int) -> str:
+  for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+    if n >= size / 10 or unit == "MB":
+      return f"{n / size:,.3g} {unit}"
+
+
+def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False) -> Resources:
+  """Refuses a run whose estimated memory or disk exceeds what this machine has, before anything is allocated.
+
+  Rule: refuse when Resources.memory_bytes > available memory (MemAvailable) or Resources.disk_bytes > free disk
+  under `run_dir`; `allow_large`, or PARITY_ALLOW_LARGE=1 (what `--allow-large` sets), skips the refusal (e.g.
+  memory that will be freed, swap).
+  Returns:
+    The estimate.
+  Raises:
+    InputError: naming the sizes behind the estimate, the estimate, what is available and the fix.
+  """
+  r = estimate_resources(spec)
+  if allow_large or os.environ.get(ALLOW_LARGE_ENV) == "1":
+    return r
+  t, m = spec.train, spec.model
+  why = (f"{r.params:,} params (model.n_layers={m.n_layers}, d_model={m.d_model}, vocab_size={m.vocab_size}); "
+         f"batches.npy {_gb(r.batches_bytes)} (train.steps={t.steps} x grad_accum_steps={t.grad_accum_steps} x "
+         f"micro_batch_size={t.micro_batch_size} x (seq_len+1)={t.seq_len + 1} x 2 bytes)")
+  mem = available_memory_bytes()
+  if mem is not None and r.memory_bytes > mem:
+    raise InputError(f"the run needs ~{_gb(r.memory_bytes)} of memory, more than the {_gb(mem)} available: {why}. "
+                     "Reduce these sizes, or pass --allow-large (PARITY_ALLOW_LARGE=1) to try anyway")
+  disk = _free_disk_bytes(Path(run_dir))
+  if disk is not None and r.disk_bytes > disk:
+    raise InputError(f"the run folder would hold ~{_gb(r.disk_bytes)}, more than the {_gb(disk)} free under "
+                     f"{Path(run_dir).absolute()}: {why}. Reduce these sizes, free disk, or pass --allow-large (PARITY_ALLOW_LARGE=1)")
+  return r
