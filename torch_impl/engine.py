@@ -221,15 +221,20 @@ ZERO_WRAPPERS = {0: None, 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimize
 """Optimizer wrapper class DeepSpeed builds per ZeRO stage (fp32; stage 0 has none unless bf16 is on)."""
 
 
-def _zero_problems(info: dict[str, Any], run: RunSpec) -> list[str]:
-  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan."""
+def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> list[str]:
+  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the
+  optimizer is the client torch.optim.AdamW (`client_optimizer`), which offload keeps (no DeepSpeedCPUAdam)."""
   plan, problems = run.deepspeed, []
   if info["zero_stage"] != plan.zero_stage:
     problems.append(f"zero stage {info['zero_stage']} != planned {plan.zero_stage}")
   wrapper = ZERO_WRAPPERS[plan.zero_stage]
   if wrapper is not None and info["wrapper"] != wrapper:
     problems.append(f"stage {plan.zero_stage} should wrap the optimizer in {wrapper}; got {info['wrapper']}")
-  if plan.offload_optimizer == "cpu" and (info["optimizer"] != "DeepSpeedCPUAdam" or not info["cpu_offload"]):
+  if client and info["optimizer"] != "AdamW":
+    problems.append(f"the config has no optimizer section, so the client torch.optim.AdamW should run; got "
+                    f"{info['optimizer']}")
+  elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != "DeepSpeedCPUAdam"
+                                                           or not info["cpu_offload"]):
     problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
   if plan.offload_optimizer == "none" and (info["optimizer"] == "DeepSpeedCPUAdam" or info["cpu_offload"]):
     problems.append(f"offload_optimizer=none but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
@@ -246,10 +251,10 @@ def _zero_problems(info: dict[str, Any], run: RunSpec) -> list[str]:
   return problems
 
 
-def _check_engine(engine, run: RunSpec) -> None:
+def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
   """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage or offload the plan asks for."""
   info = optimizer_classes(engine)
-  problems = _zero_problems(info, run)
+  problems = _zero_problems(info, run, client)
   if info["adamw_mode"] is False:
     problems.append("the Adam optimizer runs in Adam (L2) mode, not AdamW")
   planned = schedule.deepspeed_scheduler(run.train)
@@ -304,8 +309,31 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)
   groups = decay_groups(model, run.train.weight_decay)
-  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
-  _check_engine(engine, run)
+  engine = initialize(model, groups, config, run.train)
+  _check_engine(engine, run, client=not has_optimizer_section(config))
+  return engine
+
+
+def has_optimizer_section(config: dict[str, Any]) -> bool:
+  """True when DeepSpeed builds the optimizer from the config (an `optimizer` object with a `type`)."""
+  return isinstance(config.get("optimizer"), dict) and "type" in config["optimizer"]
+
+
+def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
+  """The optimizer a training script (the HF Trainer) passes to deepspeed.initialize for a config without an
+  optimizer section: torch.optim.AdamW with the run's lr, betas and eps; each param group keeps its own
+  weight_decay (`decay_groups`). DeepSpeed then refuses it under offload_optimizer unless the config sets
+  zero_force_ds_cpu_optimizer: false (engine._configure_optimizer), as parity.migrate does beforehand."""
+  return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
+                           weight_decay=train.weight_decay)
+
+
+def initialize(model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any], train):
+  """`deepspeed.initialize` as `parity compare` runs a config: the config's optimizer when it has a section, else the
+  client optimizer (`client_optimizer`). Returns the engine; raises whatever DeepSpeed raises for the config."""
+  import deepspeed
+  client = None if has_optimizer_section(config) else client_optimizer(groups, train)
+  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client, config=config)
   return engine
 
 

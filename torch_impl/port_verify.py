@@ -1,6 +1,7 @@
 """DeepSpeed side of `parity port --verify`: runs DeepSpeed's own scheduler and optimizer, writes the values.
 
     python -m torch_impl.port_verify REQUEST.json OUT.npz
+    python -m torch_impl.port_verify --accepts CONFIGS.json OUT.json   (the DeepSpeed acceptance oracle, `accepts`)
 
 REQUEST (written by parity.migrate.verify): {"ds_config": {...}, "steps": N, "seed": S, "shapes": [[..], ..],
 "base_lr": float}. The model is a list of parameters p_i with loss sum_i <p_i, G_i[step]>, so the gradient
@@ -15,16 +16,13 @@ mode ('engine'|'schedule'), note (str).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import traceback
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))  # as engine.py
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from torch_impl.engine import setup_distributed  # the workers' environment: DS_ACCELERATOR, ninja, ops dir
 
 
 def draws(shapes: list[list[int]], steps: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -50,19 +48,10 @@ class _Probe(torch.nn.Module):
     return out
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def run_engine(req: dict) -> dict:
+  setup_distributed()
   import deepspeed
   from deepspeed.utils import safe_get_full_fp32_param
-  for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_RANK": "0"}.items():
-    os.environ.setdefault(k, v)
-  deepspeed.init_distributed(dist_backend="gloo")
   steps = req["steps"]
   params, grads = draws(req["shapes"], steps, req["seed"])
   model = _Probe(params)
@@ -104,7 +93,41 @@ def run_schedule(req: dict, why: str) -> dict:
           "note": f"DeepSpeed's {cfg.get('scheduler', {}).get('type', 'no')} scheduler class alone; {why}"}
 
 
+def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
+  """Asks the installed DeepSpeed whether it accepts each config, as `parity compare` would run it.
+
+  Per config: `deepspeed.initialize` on a tiny model (two Linear layers, decay/no-decay groups) through
+  torch_impl.engine.initialize (the client torch.optim.AdamW when the config has no optimizer section), fp16 allowed
+  on a CPU as compare allows it. Args: configs {name: resolved DeepSpeed config}; train {lr, beta1, beta2, eps,
+  weight_decay}. Returns {name: {"accepted": bool, "error": "Type: first line" or None}}.
+  """
+  import types
+  from torch_impl.engine import _allow_fp16_on_cpu, initialize
+  setup_distributed()
+  t = types.SimpleNamespace(**train)
+  out = {}
+  for name, cfg in configs.items():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    groups = [{"params": [m.weight for m in model], "weight_decay": t.weight_decay},
+              {"params": [m.bias for m in model], "weight_decay": 0.0}]
+    try:
+      _allow_fp16_on_cpu(cfg)
+      engine = initialize(model, groups, dict(cfg, steps_per_print=10 ** 9), t)
+      out[name] = {"accepted": True, "error": None, "optimizer": type(engine.optimizer).__name__}
+      engine.destroy()
+    except Exception as e:  # noqa: BLE001  the answer: DeepSpeed refused this config
+      msg = str(e).strip().splitlines()
+      out[name] = {"accepted": False, "error": f"{type(e).__name__}: {msg[0] if msg else ''}"}
+  return out
+
+
 def main(argv: list[str]) -> int:
+  if argv and argv[0] == "--accepts":
+    req = json.loads(open(argv[1]).read())
+    with open(argv[2], "w") as f:
+      json.dump(accepts(req["configs"], req["train"]), f)
+    return 0
   req_path, out_path = argv
   with open(req_path) as f:
     req = json.load(f)

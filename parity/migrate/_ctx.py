@@ -82,9 +82,12 @@ class Ctx:
     for leaf in self.leaves_under(path):
       self.report.set(leaf, fate, target, reason, value=self.leaves[leaf], overwrite=overwrite)
 
-  def refuse(self, path: str | None, message: str, *, fate_reason: str | None = None) -> None:
-    """Records a refusal; marks the key unsupported with `fate_reason` (default: the message)."""
+  def refuse(self, path: str | None, message: str, *, fate_reason: str | None = None, deepspeed: bool = False) -> None:
+    """Records a refusal; marks the key unsupported with `fate_reason` (default: the message). `deepspeed`: DeepSpeed
+    itself refuses this (config parse or deepspeed.initialize), not only the port (Report.deepspeed_refusals)."""
     self.report.refuse(message)
+    if deepspeed and message not in self.report.deepspeed_refusals:
+      self.report.deepspeed_refusals.append(message)
     if path is not None:
       self.mark(path, "unsupported", None, fate_reason or message)
 
@@ -153,4 +156,5 @@ class Ctx:
       if k not in known:
         close = difflib.get_close_matches(k, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else f" Known keys: {', '.join(known)}."
-        self.refuse(f"{section}.{k}", f"{section}.{k}: unknown key; DeepSpeed 0.19.8 rejects it ({why}).{hint}")
+        self.refuse(f"{section}.{k}", f"{section}.{k}: unknown key; DeepSpeed 0.19.8 rejects it ({why}).{hint}",
+                    deepspeed=True)

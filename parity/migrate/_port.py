@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from parity.migrate._accept import check_deepspeed_accepts
 from parity.migrate._ctx import MISSING, UNRESOLVED, Ctx, Flags
 from parity.migrate._model import PortedConfig
 from parity.migrate._port_optim import port_optimizer, port_scheduler
@@ -122,7 +123,7 @@ def _batch(ctx: Ctx) -> dict[str, Any] | None:
                 ("train_batch_size", tb, f"micro * world = {mb} * {world}")]
   else:
     ctx.refuse(None, "batch: DeepSpeed asserts 'Either train_batch_size or train_micro_batch_size_per_gpu needs to "
-               "be provided'. Add one (or set it to \"auto\" and pass --micro-batch).")
+               "be provided'. Add one (or set it to \"auto\" and pass --micro-batch).", deepspeed=True)
     return None
   for key, val, how in derived:
     if ctx.get(key) != "auto":
@@ -132,7 +133,7 @@ def _batch(ctx: Ctx) -> dict[str, Any] | None:
   if min(tb, mb, gas) <= 0 or tb != mb * gas * world:
     ctx.refuse("train_batch_size", f"batch arithmetic: train_batch_size must equal micro * GAS * world; "
                f"{tb} != {mb} * {gas} * {world} = {mb * gas * world}. Fix train_batch_size, "
-               "train_micro_batch_size_per_gpu, gradient_accumulation_steps or --world-size.")
+               "train_micro_batch_size_per_gpu, gradient_accumulation_steps or --world-size.", deepspeed=True)
     return None
   return {"micro": mb, "grad_accum": gas, "world": world, "global_batch": tb}
 
@@ -205,7 +206,7 @@ def _precision(ctx: Ctx) -> dict[str, Any] | None:
   bf16_on, check = _bf16(ctx)
   if fp16_on and bf16_on:
     ctx.refuse("fp16.enabled", "fp16.enabled and bf16.enabled are both true; DeepSpeed asserts 'bfloat16 and fp16 "
-               "modes cannot be simultaneously enabled'. Enable one.")
+               "modes cannot be simultaneously enabled'. Enable one.", deepspeed=True)
     return None
   compute = "fp16" if fp16_on else ("bf16" if bf16_on else "fp32")
   acc = ctx.get("data_types.grad_accum_dtype")
@@ -246,7 +247,7 @@ def _misc(ctx: Ctx) -> None:
       continue
     if key in _REMOVED_TOP:
       ctx.refuse(key, f"{key}: DeepSpeed 0.19.8 raises DeepSpeedConfigError: '{_REMOVED_TOP[key]}'. Remove the "
-                 "section.")
+                 "section.", deepspeed=True)
     elif key in _NOT_NEEDED_TOP:
       ctx.mark(key, "not_needed", None, _NOT_NEEDED_TOP[key])
     elif key in _UNSUPPORTED_TOP:
@@ -297,6 +298,7 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
   optimizer = port_optimizer(ctx, offload)
   scheduler = port_scheduler(ctx, optimizer)
   remat = port_remat(ctx)
+  check_deepspeed_accepts(ctx)
   for leaf, value in ctx.leaves.items():
     if leaf not in report.entries:
       ctx.refuse(leaf, f"{leaf}: not recognised by the port ({value!r}). Remove it or extend parity.migrate.")

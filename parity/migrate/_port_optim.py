@@ -61,11 +61,11 @@ def _check_keys(ctx: Ctx, allowed: set[str], cls: str) -> bool:
   ok = True
   for k in (node if isinstance(node, dict) else {}):
     if k == "max_grad_norm":
-      ctx.refuse("optimizer.params.max_grad_norm", MSG_MAX_GRAD_NORM)
+      ctx.refuse("optimizer.params.max_grad_norm", MSG_MAX_GRAD_NORM, deepspeed=True)
       ok = False
     elif k not in allowed:
       ctx.refuse(f"optimizer.params.{k}", f"optimizer.params.{k}: {cls} has no such argument; DeepSpeed passes every "
-                 f"param to {cls}(...) and fails with TypeError. Known: {', '.join(sorted(allowed))}.")
+                 f"param to {cls}(...) and fails with TypeError. Known: {', '.join(sorted(allowed))}.", deepspeed=True)
       ok = False
   return ok
 
@@ -148,7 +148,7 @@ def _lamb(ctx: Ctx, onebit: str | None) -> dict[str, Any] | None:
                "the AMSGrad variant'. Remove it.")
   if ctx.num("fp16.loss_scale", 0) not in (0, None):
     ctx.refuse("optimizer.type", "optimizer.type Lamb: DeepSpeed asserts 'DeepSpeed lamb optimizer requires dynamic "
-               "loss scaling'; fp16.loss_scale must be 0.")
+               "loss scaling'; fp16.loss_scale must be 0.", deepspeed=True)
   ctx.warn("Lamb: DeepSpeed's FusedLamb is a CUDA kernel; `--verify` on a CPU machine checks the port against "
            "parity's transcription of fused_lamb_cuda_kernel.cu, not against DeepSpeed.")
   _mark_params(ctx, {k: "FusedLamb argument" for k in p}, {"amsgrad": "false: plain Lamb"})
@@ -166,7 +166,7 @@ def _sgd(ctx: Ctx) -> dict[str, Any] | None:
        "nesterov": ctx.boolean("optimizer.params.nesterov", False)}
   if p["nesterov"] and (not p["momentum"] or p["dampening"]):
     ctx.refuse("optimizer.params.nesterov", "optimizer.params.nesterov: torch.optim.SGD raises 'Nesterov momentum "
-               f"requires a momentum and zero dampening'; got momentum={p['momentum']}, dampening={p['dampening']}.")
+               f"requires a momentum and zero dampening'; got momentum={p['momentum']}, dampening={p['dampening']}.", deepspeed=True)
   if ctx.get("optimizer.params.maximize") is True:
     ctx.refuse("optimizer.params.maximize", "optimizer.params.maximize: true is not supported by the port.")
   for k in ("lr", "weight_decay"):
@@ -216,7 +216,10 @@ def port_optimizer(ctx: Ctx, offload: str | None) -> dict[str, Any] | None:
     for k in _ONEBIT[lname][1]:
       ctx.mark(f"optimizer.params.{k}", "not_needed", None,
                "compression-stage / communication setting of the 1-bit optimizer; JAX all-reduces uncompressed")
-    ctx.mark("optimizer.type", "mapped", "optimizer.type", why)
+    ctx.refuse("optimizer.type", f"optimizer.type {name!r}: DeepSpeed 0.19.8 asserts at deepspeed.initialize "
+               f"'{name} is not a supported DeepSpeed Optimizer' (the 1-bit/0-1 optimizers were removed). Fix: "
+               f"use \"type\": \"{'AdamW' if kind == 'adamw' else 'Lamb'}\", the uncompressed update it ports to.",
+               deepspeed=True)
     return out
   if lname in ("adam", "adamw"):
     ctx.mark("optimizer.type", "mapped", "optimizer.type", "type Adam runs AdamW (decoupled decay) unless "
@@ -234,7 +237,7 @@ def port_optimizer(ctx: Ctx, offload: str | None) -> dict[str, Any] | None:
                "Adam, AdamW, Lamb, SGD and the 1-bit/0-1 variants. Use one of those or port by hand.")
     return None
   ctx.refuse("optimizer.type", f"optimizer.type {name!r}: DeepSpeed asserts '{name} is not a supported DeepSpeed "
-             "Optimizer' (neither a DeepSpeed optimizer nor in torch.optim; names are case-sensitive there).")
+             "Optimizer' (neither a DeepSpeed optimizer nor in torch.optim; names are case-sensitive there).", deepspeed=True)
   return None
 
 
@@ -252,7 +255,7 @@ def _sched_value(ctx: Ctx, kind: str, key: str) -> Any:
       return SCHEDULER_DEFAULTS[kind][key]
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
       ctx.refuse(path, f"{path}: got {v!r}; DeepSpeed {kind} raises '{key} must be a positive integer'. "
-                 "Use an integer >= 1.")
+                 "Use an integer >= 1.", deepspeed=True)
       return None
     return v
   if key in ("warmup_type",):
@@ -289,7 +292,7 @@ def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any]
                  "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest.")
     else:
       ctx.refuse("scheduler.type", f"scheduler.type {name!r}: DeepSpeed asserts 'DeepSpeed does not recognize LR "
-                 f"scheduler {name}'. Known: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.")
+                 f"scheduler {name}'. Known: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.", deepspeed=True)
     return None
   ctx.mark("scheduler.type", "mapped", "scheduler.type", f"{name}: value at every step equals DeepSpeed's, incl. "
            "step 0 (scheduler iteration -1) and no advance on a skipped step")
@@ -304,7 +307,7 @@ def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any]
   for k in params:
     if k not in defaults:
       ctx.refuse(f"scheduler.params.{k}", f"scheduler.params.{k}: {name} has no such argument (TypeError in "
-                 f"DeepSpeed). Known: {', '.join(defaults)}.")
+                 f"DeepSpeed). Known: {', '.join(defaults)}.", deepspeed=True)
   out = {k: _sched_value(ctx, name, k) for k in defaults}
   base_lr = optimizer["params"]["lr"] if optimizer else None
   if name == "WarmupLR" and not ctx.has("scheduler.params.warmup_max_lr"):
@@ -316,7 +319,7 @@ def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any]
                                                                         "cycle_second_stair_count")]:
     if not ctx.has(f"scheduler.params.{req}"):
       ctx.refuse("scheduler.type", f"scheduler.params.{req} is required by {name} (no default; DeepSpeed fails "
-                 f"with TypeError). Add it, e.g. --total-steps N with \"{req}\": \"auto\".")
+                 f"with TypeError). Add it, e.g. --total-steps N with \"{req}\": \"auto\".", deepspeed=True)
   if "warmup_num_steps" in out and isinstance(out["warmup_num_steps"], int) and out["warmup_num_steps"] < 2:
     ctx.implied("scheduler.params.warmup_num_steps", 2, f"DeepSpeed clamps warmup_num_steps "
                 f"{out['warmup_num_steps']} to max(2, warmup_num_steps)")

@@ -51,6 +51,10 @@ class Report:
   warnings: list[str] = dataclasses.field(default_factory=list)
   errors: list[str] = dataclasses.field(default_factory=list)
   """Refusal reasons; the first is the one printed."""
+  deepspeed_refusals: list[str] = dataclasses.field(default_factory=list)
+  """The refusals DeepSpeed itself would make (at config parse or deepspeed.initialize), a subset of `errors`;
+  the rest are what the JAX port cannot express. Empty exactly when the installed DeepSpeed accepts the config
+  (tests/test_port_acceptance.py asks it)."""
   direction: str = "deepspeed->jax"
 
   @property
@@ -77,6 +81,8 @@ class Report:
         "status": "ported" if self.ported else "refused",
         "error": self.errors[0] if self.errors else None,
         "errors": list(self.errors),
+        "deepspeed_accepts": not self.deepspeed_refusals,
+        "deepspeed_refusals": list(self.deepspeed_refusals),
         "warnings": list(self.warnings),
         "implied": list(self.implied),
         "entries": [e.to_dict() for e in self.entries.values()],

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from typing import Any
 
 from pydantic import ValidationError
@@ -218,10 +220,14 @@ def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = ""):
     raise SpecError(f"{source or 'DeepSpeed config'}: refused: " + "; ".join(result.report.errors))
   spec = to_run_spec(result.ported, base)
   ds = {k: v for k, v in result.ds_config.items() if v is not None}
-  if not isinstance(ds.get("optimizer"), dict) or "type" not in ds["optimizer"]:
-    # As the HF Trainer does for a config without an optimizer: the run's AdamW (the same one the port
-    # built from the same values), passed to DeepSpeed in its config.
-    t = spec.train
-    ds["optimizer"] = {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps,
-                                                   "weight_decay": t.weight_decay}}
+  # A config without an optimizer section runs as the HF Trainer runs it: the DeepSpeed side passes a client
+  # torch.optim.AdamW (torch_impl.engine.client_optimizer) to deepspeed.initialize; the config is not amended, so
+  # DeepSpeed accepts or refuses exactly what it would (the port has already refused what it would refuse).
+  for i in result.report.implied:
+    print(f"parity compare: filled in {i['key']} = {json.dumps(i['value'], default=str)} ({i['reason']})",
+          file=sys.stderr)
+  for e in result.report.entries.values():
+    if e.value == "auto":
+      print(f"parity compare: filled in \"auto\" {e.key} = {json.dumps(e.resolved, default=str)} (from the run spec)",
+            file=sys.stderr)
   return spec, ds, result

@@ -1,4 +1,5 @@
-"""`parity port --verify`: DeepSpeed (torch subprocess) vs the ported optax optimizer (jax subprocess).
+"""`parity port --verify`: DeepSpeed (torch process) vs the ported optax optimizer (jax process), both started by
+harness.launch (the one launcher: the workers' environment, a process group, a timeout).
 
 parity never imports jax or torch: each side runs as `python -m <side>.port_verify REQUEST OUT.npz` and this
 module compares the files. Criteria: learning rate (and OneCycle's beta1) equal to 1e-12 relative at every
@@ -11,9 +12,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,14 +22,24 @@ from parity.migrate import reference
 from parity.migrate._port import PortResult
 from parity.migrate._reverse import to_deepspeed
 
-__all__ = ["verify", "VerifyOutcome", "LR_RTOL", "SHAPES", "verify_request"]
+__all__ = ["verify", "VerifyOutcome", "VerifyTimeout", "LR_RTOL", "SHAPES", "verify_request", "DEFAULT_TIMEOUT_S"]
 
 LR_RTOL = 1e-12
 """Schedules are float64 on both sides; only libm differences (log, cos) remain."""
 ULPS_PER_STEP = 2.0
 """fp32 params: each step rounds the update and the add once on each side."""
 SHAPES = [[7, 5], [5], [3, 4, 2]]
-_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TIMEOUT_S = 900.0
+"""Per side. Measured: 200 steps take ~10 s a side on 2 idle cores once DeepSpeed's ops are built; a first use
+JIT-builds cpu_adam / shm_comm (~1 min each idle, several on a busy machine), hence the margin."""
+
+
+class VerifyTimeout(RuntimeError):
+  """A side of --verify was still running at its limit (killed with its process group). Attributes: side, timeout_s."""
+
+  def __init__(self, side: str, timeout_s: float):
+    super().__init__(f"the {side} side did not finish within {timeout_s:g} s and was stopped")
+    self.side, self.timeout_s = side, timeout_s
 
 
 @dataclasses.dataclass
@@ -88,11 +96,13 @@ def verify_request(result: PortResult, steps: int, seed: int = 0) -> tuple[dict,
 
 
 def _run(module: str, req: dict, tmp: Path, name: str, timeout: float) -> dict[str, Any]:
+  from harness.launch import LaunchTimeout, run_module
   req_path, out_path = tmp / f"{name}.json", tmp / f"{name}.npz"
   req_path.write_text(json.dumps(req))
-  env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-m", module, str(req_path), str(out_path)], cwd=str(_ROOT), env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  try:
+    proc = run_module(module, [str(req_path), str(out_path)], timeout_s=timeout)
+  except LaunchTimeout:
+    raise VerifyTimeout(name, timeout) from None
   if proc.returncode != 0 or not out_path.exists():
     raise RuntimeError(f"{module} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
   with np.load(out_path) as d:
@@ -158,8 +168,13 @@ def _reference_params(ported: dict, steps: int, seed: int) -> np.ndarray:
   return np.concatenate([p.reshape(-1) for p in params]), np.stack(out)
 
 
-def verify(result: PortResult, *, steps: int = 200, seed: int = 0, timeout: float = 900.0) -> VerifyOutcome:
-  """Runs both sides and compares. Raises RuntimeError if a side crashes outright."""
+def verify(result: PortResult, *, steps: int = 200, seed: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> VerifyOutcome:
+  """Runs both sides (each through harness.launch, `timeout` seconds each) and compares.
+
+  Raises:
+    VerifyTimeout: a side ran past `timeout` (it was killed).
+    RuntimeError: a side crashed outright.
+  """
   ds_req, jax_req, notes = verify_request(result, steps, seed)
   with tempfile.TemporaryDirectory(prefix="parity-port-verify-") as tmp:
     ds = _run("torch_impl.port_verify", ds_req, Path(tmp), "deepspeed", timeout)
