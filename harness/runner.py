@@ -112,9 +112,13 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   """
   run_dir = Path(run_dir)
   out = run_dir / side
-  out.mkdir(parents=True, exist_ok=True)
-  for stale in ("summary.json", "steps.jsonl", "final.safetensors", lifetime.PHASE_FILE):
-    (out / stale).unlink(missing_ok=True)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "steps.jsonl", "final.safetensors", lifetime.PHASE_FILE):
+      (out / stale).unlink(missing_ok=True)
+    (out / "stderr.log").touch()
+  except OSError as exc:  # disk full, read-only folder: the side cannot run; say where and why
+    return not_run(side, f"cannot prepare {out} ({exc.strerror or exc}): the folder must be writable with free space")
   cmd = [python, "-m", "harness.boot", module or SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
   full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
                          lifetime.PHASE_ENV: str(out / lifetime.PHASE_FILE)}, python)
@@ -129,7 +133,7 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
     lifetime.release(proc)
     summary = _harness_summary(side, "killed", "interrupted: the harness was stopped (Ctrl-C or SIGTERM) and "
                                "killed this side", out, read_summary(out / "summary.json"))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _write_summary(out, summary)
     raise
   lifetime.release(proc)
   (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
@@ -141,7 +145,7 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   status, error = _classify(rc, timed_out, summary, stderr)
   if summary is None or summary.get("status") != status:
     summary = _harness_summary(side, status, error, out, summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _write_summary(out, summary)
   peak = rusage.ru_maxrss * 1024 if rusage is not None else None
   return SideRun(side=side, status=status, returncode=rc, wall_s=wall, peak_rss_bytes=peak,
                  summary=summary, error=error)
@@ -199,6 +203,15 @@ def _harness_summary(side: str, status: str, error: str | None, out: Path, worke
   base.update({"schema": "parity.summary/1", "side": side, "status": status, "error": error,
                "steps_completed": len(steps), "written_by": "harness"})
   return base
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+  """Writes the harness's summary.json; a folder that cannot take it (disk full, read-only, removed) is noted in the
+  summary the report gets instead of raising."""
+  try:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+  except OSError as exc:
+    summary["summary_not_written"] = f"{out / 'summary.json'}: {exc.strerror or exc}"
 
 
 def build_ops(names: list[str], *, timeout_s: float = lifetime.BUILD_LIMIT_S, python: str = sys.executable) -> int:

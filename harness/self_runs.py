@@ -50,11 +50,10 @@ def run_noise(run_dir: Path, side: str, *, timeout_s: float,
               on_progress: Callable[[str, int], None] | None = None) -> tuple[SideRun, list[dict]]:
   """Reruns `side` on reversed batches in run_dir/noise/, configured exactly as its main run (perturbations
   included: the rerun must differ from that run by reduction order only). Returns (run, its StepRecords)."""
-  sub = Path(run_dir) / NOISE_DIR
-  sub.mkdir(parents=True, exist_ok=True)
-  if not (sub / "batches.npy").exists():
-    np.save(sub / "batches.npy", reversed_batches(np.load(Path(run_dir) / "batches.npy", mmap_mode="r")))
-  derive_request(run_dir, NOISE_DIR, batches="batches.npy")  # everything else (perturbations too) as the main run
+  sub = derive_request(run_dir, NOISE_DIR, batches="batches.npy").parent  # refuses another run's noise/ folder
+  tmp = sub / "batches.npy.tmp.npy"  # always from this run's batches, never a file found there
+  np.save(tmp, reversed_batches(np.load(Path(run_dir) / "batches.npy", mmap_mode="r")))
+  tmp.replace(sub / "batches.npy")
   sr = run_side(sub, side, timeout_s=timeout_s, on_progress=on_progress)
   return sr, read_steps(sub / side / "steps.jsonl")
 

@@ -11,7 +11,7 @@ from parity import weights
 from parity.checks import compare_sides, verdict
 from parity.protocol import FINAL_MOMENTS, read_moments, read_steps
 from parity.report import Report, build_report, write_all
-from parity.run import default_run_dir, parse_perturb, prepare_run_dir, resolve
+from parity.run import RunIOError, claim_run_dir, default_run_dir, parse_perturb, prepare_run_dir, resolve
 from parity.spec import DEFAULT_PRESET
 
 __all__ = ["compare"]
@@ -23,7 +23,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None,
             deepspeed_config: str | Path | None = None, plan: str | None = None,
             hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
-            resume_at: int | None = None) -> Report:
+            resume_at: int | None = None, force: bool = False, command: str | None = None) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report.
 
   Args:
@@ -31,7 +31,10 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     config: a run config file (YAML/JSON) or mapping, merged over the preset.
     overrides: dotted `section.key=value` strings, applied last.
     steps, sides, data: shortcuts for train.steps, sides and data.
-    out: run folder (default runs/<time>-<preset>-<hash>).
+    out: run folder (default runs/<time>-<preset>-<hash>): new, or empty. It is locked while the run writes it
+      (parity.run.claim_run_dir): a folder in use by a live run, or holding an earlier run, is refused.
+    force: move an earlier run found in `out` aside to `<out>.old-<time>` (never deleted, never mixed).
+    command: the command line recorded in the folder's lock (default sys.argv).
     perturb: per-side debug changes, `side:key=value` strings or {side: {key: value}}
       (see parity.run.parse_perturb); they make the sides differ on purpose.
     timeout_s: per-side wall-clock limit, seconds (default: the spec's timeout_s).
@@ -54,10 +57,11 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
-    SpecError, DataError: bad input, before any side starts.
+    SpecError, DataError: bad input, before any side starts (RunFolderError: `out` cannot be used; nothing of
+      this run is left behind).
+    RunIOError: the run's input files could not be written (disk full, read-only folder); later write failures
+      do not raise: the report goes wherever it can and `report.data['write_errors']` names what failed (exit 1).
   """
-  from harness.runner import not_run, run_side  # harness depends on parity, not the reverse
-
   t0 = time.time()
   name = preset or DEFAULT_PRESET
   spec = resolve(preset, config=config, overrides=overrides, steps=steps, sides=sides, data=data)
@@ -86,13 +90,33 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
   _check_run_options(spec, pert, timeout_s, determinism_steps, resume_at)
   run_dir = Path(out) if out is not None else default_run_dir(spec, name)
-  from parity.inputs import check_resources
-  check_resources(spec, run_dir)  # sizes that cannot fit are refused before any folder or array exists
-  prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init,
-                         deepspeed_config=ds_cfg if port is not None else None)
-  if port is not None:
-    (run_dir / "migration.json").write_text(port.report.to_json())
-    (run_dir / "migration.md").write_text(port.report.to_markdown())
+  claim = claim_run_dir(out if out is not None else run_dir, force=force, command=command)  # '' refused, not '.'
+  try:
+    prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init,
+                           deepspeed_config=ds_cfg if port is not None else None, run_id=claim.run_id)
+    if port is not None:
+      from parity.run import write_new
+      write_new(run_dir / "migration.json", port.report.to_json())
+      write_new(run_dir / "migration.md", port.report.to_markdown())
+    init = weights.load(run_dir / "init.safetensors")  # the run's own, read once, before any side can touch it
+  except BaseException:  # refused or failed before any side started: leave nothing of this run behind
+    claim.abandon()
+    raise
+  try:
+    report = _run_and_report(run_dir, spec, name, claim, prep, pert, init, plan_choice, t0, timeout_s, progress,
+                             noise_envelope, determinism_steps, resume_at)
+  finally:
+    claim.release()
+  if isinstance(report, BaseException):
+    raise report
+  return report
+
+
+def _run_and_report(run_dir: Path, spec, name: str, claim, prep: dict, pert: dict, init: dict, plan_choice, t0: float,
+                    timeout_s, progress: bool, noise_envelope, determinism_steps: int, resume_at):
+  """Runs the sides and the reruns in the claimed folder and writes the report; returns the Report, or the
+  KeyboardInterrupt to re-raise once the report is written."""
+  from harness.runner import not_run, run_side  # harness depends on parity, not the reverse
   limit = timeout_s if timeout_s is not None else spec.timeout_s
   side_runs, interrupted = {}, None
   with _progress(progress, spec) as on_progress:
@@ -107,21 +131,23 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
         side_runs[side] = _interrupted_run(run_dir, side)
   side_data, steps_by_side = {}, {}
   for side, sr in side_runs.items():
-    st = read_steps(run_dir / side / "steps.jsonl")
+    st, final = side_outputs(run_dir / side, sr, claim.run_id, expected_steps=spec.train.steps)
     steps_by_side[side] = st
-    final = run_dir / side / "final.safetensors"
-    side_data[side] = {"status": sr.status, "steps": st,
-                       "final": weights.load(final) if sr.status == "ok" and final.exists() else None}
+    side_data[side] = {"status": sr.status, "steps": st, "final": final}
     side_data[side]["moments"] = read_moments(run_dir / side / FINAL_MOMENTS) if side_data[side]["final"] else None
-  init = weights.load(run_dir / "init.safetensors")
   checks, table = compare_sides(side_data, spec=spec, init=init)
   self_info: dict = {"noise_envelope": None, "determinism": {}, "resume": {}, "self_runs_s": 0.0}
   if interrupted is None:
     try:  # results land in self_info and checks as each rerun finishes, so an interrupt keeps them
       _self_runs(run_dir, spec, side_data, checks, limit, self_info, noise_envelope=noise_envelope,
-                 determinism_steps=determinism_steps, resume_at=resume_at)
+                 determinism_steps=determinism_steps, resume_at=resume_at, init=init, run_id=claim.run_id)
     except KeyboardInterrupt as exc:
       interrupted = exc
+    except (OSError, ValueError) as exc:  # a rerun's files could not be written or read: its checks fail, said why
+      from parity.checks import Check
+      checks.append(Check(name="reruns", metric="reruns", sides=tuple(spec.sides[:2]), value=float("nan"),
+                          tolerance=0.0, passed=False, detail=f"the noise/determinism/resume reruns stopped: {exc}",
+                          reason="A rerun that could not run cannot vouch for the verdict."))
   v = verdict(checks, {s: sr.status for s, sr in side_runs.items()})
   report = build_report(spec=spec, preset_name=name, run_dir=run_dir, data_info=prep["corpus"],
                         side_runs=side_runs, side_steps=steps_by_side, checks=checks, params_table=table,
@@ -141,10 +167,54 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     report.data["verdict"]["message"] = ("INTERRUPTED: stopped before every run and check finished; so far: "
                                          + (msg.replace("PASS: ", "", 1) if msg.startswith("PASS") else msg))
     report.data["verdict"]["passed"] = False
+  report.data["run_folder"] = {"run_id": claim.run_id, "moved_aside_to": str(claim.moved_to) if claim.moved_to else None,
+                                "stale_lock_taken_over": claim.stale_lock}
   write_all(report)
-  if interrupted is not None:
-    raise interrupted
-  return report
+  return interrupted if interrupted is not None else report
+
+
+def side_outputs(out: Path, sr, run_id: str | None, *, expected_steps: int | None) -> tuple[list[dict], dict | None]:
+  """Reads what a side left in `out` (run_dir/<side>), trusting an 'ok' only when its files are whole and this run's.
+
+  A side that reports 'ok' is downgraded to 'crashed' (sr.status, sr.error and sr.summary updated; the message names
+  the file) when: its summary carries another run's id; steps.jsonl is missing, truncated or holds another number
+  of records than `expected_steps`; or final.safetensors is missing or unreadable. The rule is on the files, not on
+  how they went missing (deleted, truncated, disk full, an earlier run's leftovers).
+  Args:
+    out: the side's folder.
+    sr: its harness.runner.SideRun (mutated on a downgrade).
+    run_id: this run's id (None: not checked).
+    expected_steps: StepRecords an 'ok' run must have left (None: not checked).
+  Returns:
+    (StepRecords, final params or None).
+  """
+  try:
+    steps = read_steps(out / "steps.jsonl")
+  except (OSError, UnicodeDecodeError) as exc:
+    steps, problem = [], f"{out / 'steps.jsonl'} cannot be read ({exc})"
+  else:
+    problem = None
+  if sr.status != "ok":
+    return steps, None
+  theirs = (sr.summary or {}).get("run_id")
+  final = None
+  if run_id is not None and theirs is not None and theirs != run_id:
+    problem = f"{out / 'summary.json'} belongs to another run (run_id {theirs}, this run {run_id})"
+  elif problem is None and not (out / "steps.jsonl").is_file():
+    problem = f"{out / 'steps.jsonl'} is missing (deleted while the run was going?)"
+  elif problem is None and expected_steps is not None and len(steps) != expected_steps:
+    problem = (f"{out / 'steps.jsonl'} holds {len(steps)} whole step records, {expected_steps} expected "
+               "(truncated or overwritten while the run was going?)")
+  if problem is None:
+    try:
+      final = weights.load(out / "final.safetensors")
+    except Exception as exc:  # missing, truncated, foreign: any reason makes the side's result untrustworthy
+      problem = f"{out / 'final.safetensors'} cannot be read ({type(exc).__name__}: {exc})"
+  if problem is not None:
+    sr.status, sr.error = "crashed", f"the side reported 'ok' but its output is not whole: {problem}"
+    sr.summary = {**(sr.summary or {}), "status": "crashed", "error": sr.error}
+    return steps, None
+  return steps, final
 
 
 def _check_run_options(spec, pert: dict, timeout_s: float | None, determinism_steps: int,
@@ -176,7 +246,8 @@ def _check_run_options(spec, pert: dict, timeout_s: float | None, determinism_st
 
 
 def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float, info: dict, *,
-               noise_envelope: bool | None, determinism_steps: int, resume_at: int | None) -> None:
+               noise_envelope: bool | None, determinism_steps: int, resume_at: int | None,
+               init: dict | None = None, run_id: str | None = None) -> None:
   """Noise envelope, determinism and resume runs (harness.self_runs); their checks are appended to `checks`
   and their report fields (`noise_envelope`, `determinism`, `resume`, `self_runs_s`) set in `info` as each
   finishes, so an interrupt keeps what finished.
@@ -205,9 +276,10 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
     env: dict[str, dict[str, dict]] = {m: {} for m in ENVELOPE_METRICS}
     penv: dict[str, dict[str, float]] = {}
     runs = {}
-    init = weights.load(run_dir / "init.safetensors")
+    init = init if init is not None else weights.load(run_dir / "init.safetensors")
     for side in ok:
-      sr, noise_steps = self_runs.run_noise(run_dir, side, timeout_s=limit)
+      sr, _ = self_runs.run_noise(run_dir, side, timeout_s=limit)
+      noise_steps, noise_final = side_outputs(run_dir / self_runs.NOISE_DIR / side, sr, run_id, expected_steps=t.steps)
       busy(sr)
       runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
       if sr.status != "ok":
@@ -219,9 +291,8 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
         continue
       for metric, diffs in rerun_differences(side_data[side]["steps"], noise_steps).items():
         env[metric][side] = diffs
-      final = run_dir / self_runs.NOISE_DIR / side / "final.safetensors"
-      if side_data[side]["final"] is not None and final.exists():
-        penv[side] = param_ratios(side_data[side]["final"], weights.load(final), init, spec.model)
+      if side_data[side]["final"] is not None and noise_final is not None:
+        penv[side] = param_ratios(side_data[side]["final"], noise_final, init, spec.model)
     info["noise_envelope"] = {
         "method": "each side rerun with every step's micro batches and every micro batch's rows in reverse "
                   "order (the same loss and gradient in exact arithmetic; only the reduction order changes)",
@@ -268,12 +339,11 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
         c = repeat_check("resume", side, side_data[side]["steps"], [], from_step=resume_at + 1, gating=True)
         c.detail = f"the checkpointing run did not finish ({sr.status}): {sr.error}"
       else:
-        rr, rest, out = self_runs.run_resume(run_dir, side, timeout_s=limit)
+        rr, _, out = self_runs.run_resume(run_dir, side, timeout_s=limit)
         busy(rr)
-        final = out / "final.safetensors"
+        rest, final_b = side_outputs(out, rr, run_id, expected_steps=t.steps - resume_at - 1)
         c = repeat_check("resume", side, side_data[side]["steps"], rest, from_step=resume_at + 1,
-                         final_a=side_data[side]["final"],
-                         final_b=weights.load(final) if rr.status == "ok" and final.exists() else None, gating=True)
+                         final_a=side_data[side]["final"], final_b=final_b, gating=True)
         if rr.status != "ok":
           c.passed, c.detail = False, f"the resumed run did not finish ({rr.status}): {rr.error}"
       checks.append(c)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from parity.data import DataError
 from parity.inputs import count_arg
+from parity.run import RunIOError
 from parity.spec import DEFAULT_PRESET, PRESETS, SpecError, to_dict
 
 __all__ = ["main"]
@@ -59,7 +60,10 @@ def _add_compare(sub) -> None:
   p.add_argument("--steps", type=count_arg, help="optimizer steps (train.steps)")
   p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
   p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, or a nanoGPT .bin of uint16 ids")
-  p.add_argument("--out", help="run folder (default runs/<time>-<preset>-<hash>)")
+  p.add_argument("--out", help="run folder, new or empty (default runs/<time>-<preset>-<hash>); locked while the run "
+                                "writes it")
+  p.add_argument("--force", action="store_true",
+                 help="if --out holds an earlier run, move it aside to <out>.old-<time> (never deleted or mixed)")
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
                  help="debug: change one side on purpose, e.g. jax:model.norm_eps=1e-3 or deepspeed:kill_at_step=5")
   p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds")
@@ -144,7 +148,8 @@ def _run_compare(args) -> int:
                    perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
                    hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
                    hardware=args.hardware, noise_envelope=args.noise_envelope,
-                   determinism_steps=args.determinism_steps, resume_at=args.resume_at)
+                   determinism_steps=args.determinism_steps, resume_at=args.resume_at, force=args.force,
+                   command=" ".join(["parity", *sys.argv[1:]]))
   print_summary(report, con)
   return report.exit_code
 
@@ -185,7 +190,16 @@ def print_summary(report, con) -> None:
         f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items()))
   style = "bold green" if report.passed else "bold red"
   con.print(f"[{style}]{report.message}[/{style}]")
-  con.print(f"report: {Path(report.run_dir) / 'report.md'} (also report.json, loss.png)")
+  moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
+  if moved:
+    con.print(f"--force: the earlier run in {report.run_dir} was moved aside to {moved}")
+  where = report.data.get("report_written_to") or report.run_dir
+  for e in report.data.get("write_errors") or []:
+    con.print(f"[bold red]could not write {e['file']}: {e['error']}[/bold red]", soft_wrap=True)
+  if report.data.get("write_errors"):
+    con.print(f"[bold red]the report is incomplete (exit 1); what could be written is in {where}[/bold red]")
+  else:
+    con.print(f"report: {Path(where) / 'report.md'} (also report.json, loss.png)")
 
 
 def _run_report(args) -> int:
@@ -290,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parity {args.command}: error: out of memory; the sizes asked for (train.steps, micro_batch_size, "
           "seq_len, model.*) do not fit this machine: reduce them", file=sys.stderr)
     return EXIT_BAD_INPUT
+  except RunIOError as exc:  # the run's own files could not be written: attempted, no trustworthy result
+    print(f"parity {args.command}: error: {exc}", file=sys.stderr)
+    return EXIT_FAIL
   except KeyboardInterrupt:
     print("parity: interrupted; the running side was killed and the report marks it", file=sys.stderr)
     return 130

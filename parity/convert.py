@@ -139,24 +139,111 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
   for f in (src_format, dst_format):
     if f not in FORMATS:
       raise ConvertError(f"unknown format {f!r}; expected one of {', '.join(FORMATS)}")
-  if dst.exists() and not force:
-    raise ConvertError(f"{dst} exists; pass --force to replace it")
+  check_destination(src, dst, dst_format, force=force)
   model, params, notes = read_any(src, src_format, spec=spec)
-  if dst_format == "canonical":
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    hf.save_canonical(dst, params, model)
-  elif dst_format == "hf":
-    hf.save_hf_checkpoint(dst, model, params)
-  else:
-    with tempfile.TemporaryDirectory(prefix="parity-orbax-") as tmp:
-      canon = src  # a canonical source that carries its spec goes to the worker as it is
-      if src_format != "canonical" or spec is not None:
-        canon = Path(tmp) / "canonical.safetensors"
-        hf.save_canonical(canon, params, model)
-      _worker("jax_impl.convert_worker", "to-orbax", str(Path(canon).absolute()), str(dst.absolute()),
-              *(["--force"] if force else []))
+  stage = dst.with_name(f".{dst.stem}.partial-{os.getpid()}{dst.suffix}")  # new: the output is built beside dst
+  try:
+    if dst_format == "canonical":
+      dst.parent.mkdir(parents=True, exist_ok=True)
+      hf.save_canonical(stage, params, model)
+    elif dst_format == "hf":
+      hf.save_hf_checkpoint(stage, model, params)
+    else:
+      with tempfile.TemporaryDirectory(prefix="parity-orbax-") as tmp:
+        canon = src  # a canonical source that carries its spec goes to the worker as it is
+        if src_format != "canonical" or spec is not None:
+          canon = Path(tmp) / "canonical.safetensors"
+          hf.save_canonical(canon, params, model)
+        _worker("jax_impl.convert_worker", "to-orbax", str(Path(canon).absolute()), str(stage.absolute()))
+    _swap_in(stage, dst)
+  except BaseException:
+    _remove(stage)  # only the staging output this call created
+    raise
   n = model.n_params()
   return Converted(src_format, dst_format, dst, model, len(weights.param_shapes(model)), n, tuple(notes))
+
+
+def looks_like(path: Path, fmt: str) -> bool:
+  """Whether `path` is a checkpoint of `fmt`, by its layout: canonical: a `.safetensors` file whose header parses;
+  hf: a folder with config.json, a weights file (*.safetensors / pytorch_model*.bin) and no subfolders; orbax: a
+  folder with params/ and model_spec/ and nothing else but orbax's own files. Only such a path is replaced."""
+  import json
+  import struct
+  if path.is_symlink():
+    return False
+  if fmt == "canonical":
+    if not (path.is_file() and path.suffix == ".safetensors"):
+      return False
+    try:
+      with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return 2 <= n <= 100_000_000 and isinstance(json.loads(f.read(n)), dict)
+    except (OSError, struct.error, ValueError):
+      return False
+  if not path.is_dir():
+    return False
+  entries = list(path.iterdir())
+  if fmt == "hf":
+    weights_file = any(e.is_file() and (e.suffix == ".safetensors" or (e.name.startswith("pytorch_model")
+                                                                         and e.suffix == ".bin")) for e in entries)
+    return (path / "config.json").is_file() and weights_file and not any(
+        e.is_dir() and not e.name.startswith(".") for e in entries)
+  return (path / "params").is_dir() and (path / "model_spec").is_dir() and all(
+      e.name in ("params", "model_spec") or e.name.startswith(("_", ".")) or e.name.endswith(".json")
+      for e in entries)
+
+
+def check_destination(src: Path, dst: Path, dst_format: str, *, force: bool) -> None:
+  """Refuses a destination whose writing could destroy something, before anything is read or written.
+
+  Refused: '' ; dst that is src or lies inside it, or holds it (also through symlinks, `..`, relative paths); an
+  existing dst without `force`; with `force`, a dst that is a symlink or not a checkpoint of `dst_format`
+  (`looks_like`): --force replaces only a checkpoint of that format, and only once the new one is complete.
+  Raises:
+    ConvertError: naming the path and the fix.
+  """
+  if str(dst).strip() in ("", "."):
+    raise ConvertError(f"DST {str(dst)!r} names no new file or folder; give an output path")
+  s, d = Path(os.path.realpath(src)), Path(os.path.realpath(dst))
+  if s == d or s.is_relative_to(d) or d.is_relative_to(s):
+    raise ConvertError(f"DST {dst}: {'is' if s == d else 'overlaps'} the source {src}; writing it would destroy the "
+                       "source. Give an output path outside it")
+  if not (dst.exists() or dst.is_symlink()):
+    return
+  if not force:
+    raise ConvertError(f"{dst} exists; pass --force to replace it (only a {dst_format} checkpoint is replaced)")
+  if dst.is_symlink():
+    raise ConvertError(f"{dst} is a symbolic link; --force does not replace links. Remove it or give another path")
+  if not looks_like(dst, dst_format):
+    raise ConvertError(f"{dst} exists and is not a {dst_format} checkpoint; --force replaces only a checkpoint of the "
+                       "output format, never other files or folders. Give another output path")
+
+
+def _remove(path: Path) -> None:
+  import shutil
+  try:
+    if path.is_dir() and not path.is_symlink():
+      shutil.rmtree(path)
+    else:
+      path.unlink(missing_ok=True)
+  except OSError:
+    pass
+
+
+def _swap_in(stage: Path, dst: Path) -> None:
+  """Puts the complete output `stage` at `dst`; an existing dst (checked by check_destination) is removed only after
+  the new output took its name."""
+  if not (dst.exists() or dst.is_symlink()):
+    os.rename(stage, dst)
+    return
+  old = dst.with_name(f".{dst.stem}.replaced-{os.getpid()}{dst.suffix}")
+  os.rename(dst, old)
+  try:
+    os.rename(stage, dst)
+  except OSError:
+    os.rename(old, dst)
+    raise
+  _remove(old)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,7 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--from", dest="src_format", choices=FORMATS, help="source format (default: inferred)")
   p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format (default: inferred from DST)")
   p.add_argument("--spec", help="ModelSpec JSON file, for a canonical source without spec metadata")
-  p.add_argument("--force", action="store_true", help="replace DST if it exists")
+  p.add_argument("--force", action="store_true", help="replace DST if it is a checkpoint of the output format "
+                 "(never the source, never anything else); the old one goes only once the new one is complete")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,6 +272,10 @@ def run(args: argparse.Namespace) -> int:
   except (SpecError, ValueError, FileNotFoundError, FileExistsError) as exc:
     print(f"parity convert-weights: error: {exc}", file=sys.stderr)
     return 2
+  except OSError as exc:  # disk full, read-only folder: the output was not written; the source and an old DST stay
+    print(f"parity convert-weights: error: cannot write {exc.filename or args.dst} ({exc.strerror or exc}); "
+          "nothing was replaced", file=sys.stderr)
+    return 1
   print(f"{done.src_format} -> {done.dst_format}: {done.dst} ({done.n_tensors} tensors, "
         f"{done.n_params:,} params)")
   print("model: " + json.dumps(to_dict(done.spec), sort_keys=True))

@@ -37,8 +37,9 @@ class Report:
 
   @property
   def exit_code(self) -> int:
-    """0 when parity holds, 1 when it does not (bad input exits 2 before a report exists)."""
-    return 0 if self.passed else 1
+    """0 when parity holds and every report file was written; 1 when parity does not hold, or a report file could
+    not be written (`write_errors`: a result nobody can cite); bad input exits 2 before a report exists."""
+    return 0 if self.passed and not self.data.get("write_errors") else 1
 
   @property
   def checks(self) -> list[dict]:

@@ -1,7 +1,11 @@
 """Writing report.json, report.md, metrics.jsonl and loss.png."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
+import time
 from pathlib import Path
 
 from parity.report.build import Report
@@ -193,18 +197,79 @@ def write_plot(report: Report, path: Path) -> bool:
   return True
 
 
-def write_all(report: Report) -> dict[str, Path]:
-  """Writes report.json, report.md, metrics.jsonl (one object per step per side) and loss.png."""
-  rd = Path(report.run_dir)
-  paths = {"json": rd / "report.json", "md": rd / "report.md", "metrics": rd / "metrics.jsonl", "plot": rd / "loss.png"}
-  paths["json"].write_text(json.dumps(report.data, indent=2))
-  with open(paths["metrics"], "w") as f:
+def _write_file(path: Path, write) -> None:
+  """Writes `path` through a temporary file and a rename: a failed write (disk full) never leaves a partial file
+  under the real name, and the temporary file is removed."""
+  tmp = path.with_name(f".{path.name}.tmp")
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      tmp.unlink()
+    raise
+
+
+def _metrics(report: Report, path: Path) -> None:
+  with open(path, "w") as f:
     for name, s in report.data["sides"].items():
       ser = s["series"]
       for i, step in enumerate(ser["step"]):
         f.write(json.dumps({"side": name, "step": step, **{k: ser[k][i] for k in
                             ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")}}) + "\n")
-  write_markdown(report, paths["md"])
-  if not write_plot(report, paths["plot"]):
-    paths.pop("plot")
-  return paths
+
+
+def _fallback_dir(report: Report) -> Path:
+  rid = ((report.data.get("run_folder") or {}).get("run_id") or "")[:8] or time.strftime("%Y%m%d-%H%M%S")
+  return Path(tempfile.gettempdir()) / f"parity-report-{Path(report.run_dir).name}-{rid}"
+
+
+def write_all(report: Report) -> dict[str, Path]:
+  """Writes report.json, report.md, metrics.jsonl (one object per step per side) and loss.png into the run folder.
+
+  Never raises for the file system: each file is written on its own (through a temporary file, so none is left
+  half-written); a file that cannot be written (disk full, read-only folder, folder removed) is named in
+  `report.data['write_errors']` ([{file, error}]), which makes the exit code 1. When report.json or report.md
+  cannot be written in the run folder they are written to a fallback folder under the system's temp dir,
+  recorded in `report.data['report_written_to']`; if that fails too, the errors say so.
+  Returns:
+    name ('json', 'md', 'metrics', 'plot') -> path of each file written.
+  """
+  rd = Path(report.run_dir)
+  errors: list[dict[str, str]] = []
+  written: dict[str, Path] = {}
+
+  def attempt(key: str, path: Path, write) -> bool:
+    try:
+      _write_file(path, write)
+    except OSError as exc:
+      errors.append({"file": str(path), "error": exc.strerror or str(exc)})
+      return False
+    written[key] = path
+    return True
+
+  attempt("metrics", rd / "metrics.jsonl", lambda p: _metrics(report, p))
+  try:
+    plotted = write_plot(report, rd / ".loss.png.tmp.png")
+    if plotted:
+      os.replace(rd / ".loss.png.tmp.png", rd / "loss.png")
+      written["plot"] = rd / "loss.png"
+  except (OSError, RuntimeError) as exc:  # matplotlib wraps some I/O errors
+    with contextlib.suppress(OSError):
+      (rd / ".loss.png.tmp.png").unlink()
+    errors.append({"file": str(rd / "loss.png"), "error": getattr(exc, "strerror", None) or str(exc)})
+  for _ in range(2):  # report.json records the errors of every file written before it, itself included on retry
+    report.data["write_errors"] = list(errors)
+    json_ok = attempt("json", rd / "report.json", lambda p: p.write_text(json.dumps(report.data, indent=2)))
+    md_ok = attempt("md", rd / "report.md", lambda p: write_markdown(report, p))
+    if json_ok and md_ok:
+      break
+    rd = _fallback_dir(report)
+    try:
+      rd.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+      errors.append({"file": str(rd), "error": exc.strerror or str(exc)})
+      break
+    report.data["report_written_to"] = str(rd)
+  report.data["write_errors"] = errors
+  return written
