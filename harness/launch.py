@@ -1,9 +1,11 @@
 """One launcher for short helper processes (`parity port --verify`, the DeepSpeed acceptance oracle).
 
-The harness is the one place that starts processes. `run_module` starts `python -m MODULE ARGS...` the way
-`harness.runner.run_side` starts a worker: the repository on PYTHONPATH, unbuffered output, the launch time in
-`parity.protocol.LAUNCH_ENV`, its own process group (so a timeout kills the whole group, never leaving a DeepSpeed
-op build or a gloo rank behind), and a wall-clock limit. Never imports jax or torch.
+The harness is the one place that starts processes. `run_module` starts `python -m harness.boot MODULE ARGS...` the
+way `harness.runner.run_side` starts a worker: the workers' environment (`harness.env.worker_env`: this environment's
+ninja and TORCH_EXTENSIONS_DIR, so an op is never rebuilt because --verify and compare alternate; the repository on
+PYTHONPATH; unbuffered output), the launch time in `parity.protocol.LAUNCH_ENV`, bound to this process
+(`harness.lifetime.spawn`: its own process group, dies with its parent and by its own deadline), and a wall-clock
+limit past which the whole group is killed. Never imports jax or torch.
 """
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
+from harness import env as _env
+from harness import lifetime
 from parity.protocol import LAUNCH_ENV
 
-__all__ = ["Finished", "LaunchTimeout", "run_module", "worker_env"]
+__all__ = ["Finished", "LaunchTimeout", "run_module", "worker_env", "ROOT"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _env.ROOT
 POLL_S = 0.1
 
 
@@ -45,17 +48,13 @@ class Finished:
 
 
 def worker_env(env: dict[str, str] | None = None) -> dict[str, str]:
-  """The environment every process the harness starts gets: os.environ + `env`, LAUNCH_ENV, PYTHONUNBUFFERED, and the
-  repository first on PYTHONPATH. Framework settings (DS_ACCELERATOR, TORCH_EXTENSIONS_DIR, this environment's ninja
-  first on PATH) are made by the process itself (torch_impl.engine.setup_distributed), identically for every caller."""
-  full = {**os.environ, **(env or {}), LAUNCH_ENV: repr(time.time()), "PYTHONUNBUFFERED": "1"}
-  full["PYTHONPATH"] = str(ROOT) + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
-  return full
+  """The environment of a process the harness starts: `harness.env.worker_env(env)` plus LAUNCH_ENV (str -> str)."""
+  return _env.worker_env({**(env or {}), LAUNCH_ENV: repr(time.time())})
 
 
 def run_module(module: str, args: list[str], *, timeout_s: float, env: dict[str, str] | None = None,
                python: str = sys.executable) -> Finished:
-  """Runs `python -m module *args` from the repository root to completion.
+  """Runs `python -m module *args` (through harness.boot) from the repository root to completion.
 
   Args:
     module: dotted module name.
@@ -71,8 +70,8 @@ def run_module(module: str, args: list[str], *, timeout_s: float, env: dict[str,
   """
   t0 = time.time()
   with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se:
-    proc = subprocess.Popen([python, "-m", module, *args], stdout=so, stderr=se, cwd=str(ROOT),
-                            env=worker_env(env), start_new_session=True)
+    proc = lifetime.spawn([python, "-m", "harness.boot", module, *args], stdout=so, stderr=se, cwd=str(ROOT),
+                          env=worker_env(env), timeout_s=timeout_s)
     try:
       while proc.poll() is None:
         if time.time() - t0 > timeout_s:
@@ -83,6 +82,8 @@ def run_module(module: str, args: list[str], *, timeout_s: float, env: dict[str,
     except BaseException:
       _kill_group(proc)
       raise
+    finally:
+      lifetime.release(proc)
     so.seek(0)
     se.seek(0)
     return Finished(proc.returncode, so.read().decode("utf-8", "replace"), se.read().decode("utf-8", "replace"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -161,5 +162,9 @@ def test_item8_verify_sides_get_the_workers_environment(tmp_path):
   assert "import subprocess" not in src and "subprocess.run" not in src and "harness.launch" in src
   pv = (launch.ROOT / "torch_impl" / "port_verify.py").read_text()
   assert "setup_distributed()" in pv and "TORCH_EXTENSIONS_DIR" not in pv
+  from harness.env import env_bin, extensions_dir
   env = launch.worker_env({"X": "1"})
   assert env["PYTHONPATH"].split(":")[0] == str(launch.ROOT) and env["X"] == "1"
+  assert env["TORCH_EXTENSIONS_DIR"] == os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())
+  if os.path.exists(os.path.join(env_bin(), "ninja")):  # this environment's ninja first, never a system one
+    assert env["PATH"].split(os.pathsep)[0] == env_bin()
