@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
   signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # SIGTERM stops the workers too, like Ctrl-C
   ap = build_parser()
   args = ap.parse_args(argv)
+  bad = _bad_number_flag(args)
+  if bad:
+    ap.exit(EXIT_BAD_INPUT, f"parity {args.command}: error: {bad}\n")
   if getattr(args, "allow_large", False):
     import os
     from parity.inputs import ALLOW_LARGE_ENV
@@ -314,6 +317,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parity {args.command}: internal error: {type(exc).__name__}: {str(exc)[:300]} "
           f"(traceback saved to {_save_traceback(args.command)}; please report it)", file=sys.stderr)
     return EXIT_FAIL
+
+
+def _bad_number_flag(args) -> str | None:
+  """The rule for every numeric flag of every command (argparse's float() takes '1e400' and 'nan'): floats finite,
+  integers within parity.spec.INT_MAX. Returns the message naming the first bad flag, or None."""
+  import math
+  from parity.spec import INT_MAX
+  for dest, v in vars(args).items():
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(v, float) and not math.isfinite(v):
+      return f"{flag} {v}: must be a finite number"
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_MAX:
+      return f"{flag} {v}: out of range (at most {INT_MAX:,})"
+  return None
 
 
 def _save_traceback(command: str) -> str:

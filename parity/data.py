@@ -87,6 +87,9 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
     path = Path(source).expanduser()
     if not path.exists():
       raise DataError(f"data source {source!r} does not exist; pass 'stdlib', a text file, a folder, or a .bin file")
+    if not (path.is_file() or path.is_dir()):  # a FIFO or device (/dev/zero) would block or never end
+      raise DataError(f"data source {source!r} is not a regular file or folder (a pipe or device); save the corpus "
+                      "to a file")
     if path.is_file() and path.suffix == ".bin":
       if path.stat().st_size % 2:
         raise DataError(f"{source}: {path.stat().st_size} bytes is not a whole number of uint16 token ids "

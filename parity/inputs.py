@@ -56,6 +56,8 @@ def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT
     raise InputError(f"{what} not found: {p} (resolved to {p.absolute()}); check the path")
   if p.is_dir():
     raise InputError(f"{what} {p} is a folder; pass a file")
+  if not p.is_file():  # a FIFO or device (/dev/stdin, /dev/zero) would block or never end: refuse, do not read
+    raise InputError(f"{what} {p} is not a regular file (a pipe or device); save the config to a file and pass that")
   try:
     size = p.stat().st_size
     if size > max_bytes:

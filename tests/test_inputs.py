@@ -338,3 +338,35 @@ def test_relative_hf_folder_with_pytorch_model_bin_is_read(tmp_path, monkeypatch
   assert spec.model.n_layers == 1
   for k, v in hf.hf_to_canonical(tensors, spec.model, "gpt2").items():
     np.testing.assert_array_equal(init[k], v)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["compare", "--timeout", "1e400"], "--timeout inf: must be a finite number"),
+    (["compare", "--timeout", "nan"], "--timeout nan: must be a finite number"),
+    (["compare", "--steps", "99999999999"], "--steps 99999999999: out of range"),
+    (["plan", "--host-memory", "1e999"], "--host-memory inf: must be a finite number"),
+])
+def test_every_numeric_flag_of_every_command_is_finite_and_in_range(capsys, argv, match):
+  with pytest.raises(SystemExit) as exc:
+    cli.main(argv)
+  assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_pipes_and_devices_are_refused_not_read(tmp_path):
+  import os
+  fifo = tmp_path / "cfg.yaml"
+  os.mkfifo(fifo)  # reading it would block forever
+  with pytest.raises(SpecError, match="not a regular file"):
+    resolve("gpt2-tiny", config=fifo)
+  with pytest.raises(data.DataError, match="not a regular file or folder"):
+    data.load_corpus("/dev/zero")  # reading it would never end
+
+
+def test_diagnose_reuse_reads_request_json_through_the_safe_reader(tmp_path):
+  from parity.diagnose import diagnose
+  (tmp_path / "request.json").write_text('{"run": {"train": {"lr": 1e400}}}')
+  with pytest.raises(SpecError, match="too large for a float"):
+    diagnose(run_dir=tmp_path, reuse=True)
+  (tmp_path / "request.json").write_text('{"schema": "x"}')
+  with pytest.raises(SpecError, match="has no 'run' section"):
+    diagnose(run_dir=tmp_path, reuse=True)

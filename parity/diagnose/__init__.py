@@ -258,9 +258,12 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
     req_path = folder / "request.json"
     if not req_path.exists():
       raise SpecError(f"{req_path} does not exist: pass a folder prepared by `parity diagnose`")
-    request = json.loads(req_path.read_text())
+    from parity.inputs import load_json
     from parity.spec import from_dict
-    spec = from_dict(RunSpec, request["run"])
+    request = load_json(req_path, what="request")  # UTF-8 JSON, no deep nesting, finite numbers
+    if not isinstance(request, dict) or not isinstance(request.get("run"), dict):
+      raise SpecError(f"{req_path}: has no 'run' section; pass a folder prepared by `parity diagnose`")
+    spec = from_dict(RunSpec, request["run"], path="run")
   else:
     spec = resolve(preset, config=config, overrides=overrides, sides=sides)
     if hf_model is not None:
