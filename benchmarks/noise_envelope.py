@@ -95,7 +95,7 @@ def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: in
   run_dir = tmp / precision
   if not (reuse and (run_dir / "report.json").exists()):
     api.compare(preset, steps=steps, overrides=[f'train.precision="{precision}"'], out=run_dir,
-                noise_envelope=True, determinism_steps=0)
+                noise_envelope=True, determinism_steps=0, force=True)  # an earlier run there is moved aside
   d = json.loads((run_dir / "report.json").read_text())
   spec = from_dict(RunSpec, d["run"])
   init = weights.load(run_dir / "init.safetensors")

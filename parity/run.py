@@ -407,7 +407,8 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
   Returns:
     The RunFolder; call `release()` when the run ends (or `abandon()` if it was refused before starting).
   Raises:
-    RunFolderError: any refusal above (exit 2), or the folder cannot be created (the OS error is named).
+    RunFolderError: any refusal above (exit 2).
+    RunIOError: the folder or its lock cannot be written (read-only, disk full; exit 1); nothing is left behind.
   """
   if str(run_dir).strip() == "":
     raise RunFolderError("--out '': an empty path names no folder; give a new folder, e.g. --out runs/try")
@@ -458,7 +459,8 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
       for f in reversed(created):
         with contextlib.suppress(OSError):
           f.rmdir()
-      raise RunFolderError(f"--out {path}: cannot create {folder} ({exc.strerror}); choose a writable place") from None
+      raise RunIOError(exc.errno, f"--out {path}: cannot create {folder} ({exc.strerror}); nothing was written: "
+                                  "choose a writable place with free space") from None
   run_id = uuid.uuid4().hex
   info = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
           "started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -473,13 +475,17 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
       os.link(tmp, path / LOCK_NAME)  # atomic: fails when another run holds the lock
   except FileExistsError:
     lock = read_lock(path) or {}
+    with contextlib.suppress(OSError):
+      tmp.unlink()
     claim.abandon()
     raise RunFolderError(f"--out {path}: in use by a run that started at the same moment: {_describe_lock(lock)}; "
                          "choose another --out") from None
   except OSError as exc:
+    with contextlib.suppress(OSError):
+      tmp.unlink()
     claim.abandon()
-    raise RunFolderError(f"--out {path}: cannot write the lock {path / LOCK_NAME} ({exc.strerror}); "
-                         "choose a writable folder with free space") from None
+    raise RunIOError(exc.errno, f"--out {path}: cannot write the lock {path / LOCK_NAME} ({exc.strerror}); nothing "
+                                "was written: choose a writable folder with free space") from None
   finally:
     with contextlib.suppress(OSError):
       tmp.unlink()

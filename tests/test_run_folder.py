@@ -286,3 +286,33 @@ def test_runner_survives_an_unwritable_side_folder(tmp_path):
 
 def test_run_io_error_reads_as_its_message():
   assert str(RunIOError(errno.ENOSPC, "cannot write X (No space left on device)")).startswith("cannot write X")
+
+
+def test_read_only_or_full_folder_at_claim_exits_1_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+  def erofs(*a, **k):
+    raise OSError(errno.EROFS, "Read-only file system")
+  monkeypatch.setattr(os, "link", erofs)
+  rc = main([*TINY, "--out", str(tmp_path / "a" / "run")])
+  err = capsys.readouterr().err
+  assert rc == 1 and "Read-only file system" in err and ".parity.lock" in err and "Traceback" not in err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_only_a_checkpoint_of_the_output_format(tmp_path):
+  from parity.convert import looks_like
+  ob = tmp_path / "ob"
+  for d in ("params", "model_spec"):
+    (ob / d).mkdir(parents=True)
+  (ob / "_CHECKPOINT_METADATA").write_text("{}")
+  (ob / "commit_success.txt").write_text("ok")
+  assert looks_like(ob, "orbax") and not looks_like(ob, "hf") and not looks_like(ob, "canonical")
+  (ob / "thesis.tex").write_text("mine")
+  assert not looks_like(ob, "orbax")
+  hf_dir = tmp_path / "hf"
+  hf_dir.mkdir()
+  (hf_dir / "config.json").write_text("{}")
+  assert not looks_like(hf_dir, "hf")  # no weights file: not a checkpoint
+  (hf_dir / "model.safetensors").write_bytes(b"x")
+  assert looks_like(hf_dir, "hf")
+  (hf_dir / "src").mkdir()
+  assert not looks_like(hf_dir, "hf")  # a project folder with a config.json is not replaced
