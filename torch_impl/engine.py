@@ -32,13 +32,13 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
 from __future__ import annotations
 
 import os
-import sys
 import socket
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from harness.env import build_environ
 from parity import schedule
 from parity.spec import RunSpec
 from parity.weights import param_shapes
@@ -72,7 +72,9 @@ def setup_distributed() -> str:
   imported) and uses the gloo backend; with CUDA, nccl. The single-process
   rendezvous variables (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK=0,
   WORLD_SIZE=1, LOCAL_RANK=0) are set only where absent, so processes started
-  by `deepspeed` or `torchrun` keep theirs. Idempotent.
+  by `deepspeed` or `torchrun` keep theirs. The op-build environment is
+  `harness.env.build_environ`'s, and op builds go through `torch_impl.ops`'s
+  hooks (stale locks removed, progress reported). Idempotent.
 
   Returns:
     The torch.distributed backend name ('gloo' or 'nccl').
@@ -80,21 +82,17 @@ def setup_distributed() -> str:
   cuda = torch.cuda.is_available()
   if not cuda:
     os.environ["DS_ACCELERATOR"] = "cpu"
-  # DeepSpeed JIT-builds its ops (CPU Adam) into TORCH_EXTENSIONS_DIR; one folder per environment, so two
-  # virtualenvs on one machine do not rebuild (or lock) each other's build.
-  os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-  # The build uses the first `ninja` on PATH; the environment's own (pip installs one with deepspeed) and a
-  # system one write incompatible build logs, so switching between an activated virtualenv and
-  # `.venv/bin/parity` rebuilt every op (40-80 s each). Always put this environment's bin first.
-  env_bin = os.path.dirname(sys.executable)
-  if os.path.exists(os.path.join(env_bin, "ninja")):
-    os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "").replace(env_bin + os.pathsep, "", 1)
+  # DeepSpeed JIT-builds its ops into TORCH_EXTENSIONS_DIR with the first ninja on PATH: the one environment
+  # every process of this virtualenv builds in (harness.env), so no call path rebuilds another's ops.
+  build_environ(os.environ)
   os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
   if "MASTER_PORT" not in os.environ:
     os.environ["MASTER_PORT"] = str(_free_port())
   for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
     os.environ.setdefault(key, value)
   import deepspeed
+  from torch_impl import ops
+  ops.install_build_hooks()  # stale build locks cleared, builds shown in the progress line and kept off the clock
   backend = "nccl" if cuda else "gloo"
   if cuda:
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -223,15 +221,20 @@ ZERO_WRAPPERS = {0: None, 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimize
 """Optimizer wrapper class DeepSpeed builds per ZeRO stage (fp32; stage 0 has none unless bf16 is on)."""
 
 
-def _zero_problems(info: dict[str, Any], run: RunSpec) -> list[str]:
-  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan."""
+def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> list[str]:
+  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the
+  optimizer is the client torch.optim.AdamW (`client_optimizer`), which offload keeps (no DeepSpeedCPUAdam)."""
   plan, problems = run.deepspeed, []
   if info["zero_stage"] != plan.zero_stage:
     problems.append(f"zero stage {info['zero_stage']} != planned {plan.zero_stage}")
   wrapper = ZERO_WRAPPERS[plan.zero_stage]
   if wrapper is not None and info["wrapper"] != wrapper:
     problems.append(f"stage {plan.zero_stage} should wrap the optimizer in {wrapper}; got {info['wrapper']}")
-  if plan.offload_optimizer == "cpu" and (info["optimizer"] != "DeepSpeedCPUAdam" or not info["cpu_offload"]):
+  if client and info["optimizer"] != "AdamW":
+    problems.append(f"the config has no optimizer section, so the client torch.optim.AdamW should run; got "
+                    f"{info['optimizer']}")
+  elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != "DeepSpeedCPUAdam"
+                                                           or not info["cpu_offload"]):
     problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
   if plan.offload_optimizer == "none" and (info["optimizer"] == "DeepSpeedCPUAdam" or info["cpu_offload"]):
     problems.append(f"offload_optimizer=none but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
@@ -248,10 +251,10 @@ def _zero_problems(info: dict[str, Any], run: RunSpec) -> list[str]:
   return problems
 
 
-def _check_engine(engine, run: RunSpec) -> None:
+def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
   """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage or offload the plan asks for."""
   info = optimizer_classes(engine)
-  problems = _zero_problems(info, run)
+  problems = _zero_problems(info, run, client)
   if info["adamw_mode"] is False:
     problems.append("the Adam optimizer runs in Adam (L2) mode, not AdamW")
   planned = schedule.deepspeed_scheduler(run.train)
@@ -306,8 +309,31 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)
   groups = decay_groups(model, run.train.weight_decay)
-  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
-  _check_engine(engine, run)
+  engine = initialize(model, groups, config, run.train)
+  _check_engine(engine, run, client=not has_optimizer_section(config))
+  return engine
+
+
+def has_optimizer_section(config: dict[str, Any]) -> bool:
+  """True when DeepSpeed builds the optimizer from the config (an `optimizer` object with a `type`)."""
+  return isinstance(config.get("optimizer"), dict) and "type" in config["optimizer"]
+
+
+def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
+  """The optimizer a training script (the HF Trainer) passes to deepspeed.initialize for a config without an
+  optimizer section: torch.optim.AdamW with the run's lr, betas and eps; each param group keeps its own
+  weight_decay (`decay_groups`). DeepSpeed then refuses it under offload_optimizer unless the config sets
+  zero_force_ds_cpu_optimizer: false (engine._configure_optimizer), as parity.migrate does beforehand."""
+  return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
+                           weight_decay=train.weight_decay)
+
+
+def initialize(model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any], train):
+  """`deepspeed.initialize` as `parity compare` runs a config: the config's optimizer when it has a section, else the
+  client optimizer (`client_optimizer`). Returns the engine; raises whatever DeepSpeed raises for the config."""
+  import deepspeed
+  client = None if has_optimizer_section(config) else client_optimizer(groups, train)
+  engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client, config=config)
   return engine
 
 
@@ -425,8 +451,8 @@ def final_moments(engine, beta2: float) -> dict[str, np.ndarray]:
   corr = 1.0 - beta2 ** t if t > 0 else 1.0
   # ZeRO-1/2 link each param's fragment to the optimizer state lazily, and only on the path without CPU offload
   # (stage_1_and_2.py calls it after its own optimizer.step()); with offload_optimizer it never runs and
-  # safe_get_full_optimizer_state raises 'exp_avg_sq not found'. Linking copies each state into one flat buffer
-  # that the optimizer then updates in place: the same values, as DeepSpeed itself does without offload.
+  # safe_get_full_optimizer_state raises 'exp_avg_sq not found'. Linking only makes per-param views (narrow) of the
+  # flat partition's state tensors: nothing is copied or changed, as DeepSpeed itself does without offload.
   link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
   if callable(link) and basic.state:
     engine.optimizer._hp_optimizer_states_linked = False  # relink: an earlier link may predate the state
