@@ -27,7 +27,7 @@ from typing import Any, Callable
 from parity.spec import SpecError
 
 __all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_HEADER_BYTES", "read_text", "check_tree", "parse_text",
-           "load_json", "safetensors_header", "count_arg", "Resources", "estimate_resources",
+           "load_json", "safetensors_header", "count_arg", "tensor_count", "Resources", "estimate_resources",
            "check_resources", "available_memory_bytes"]
 
 MAX_TEXT_BYTES = 16 * 2**20
@@ -236,12 +236,21 @@ class Resources:
   disk_bytes: int
 
 
-def _param_count(model) -> int:
-  """Parameter count from a 1- and 2-layer copy of the spec: exact, and cheap for any n_layers."""
+def _per_layer(model, measure: Callable[[dict], int]) -> int:
+  """measure(param_shapes) of the full model from a 1- and 2-layer copy of the spec: exact, cheap for any n_layers."""
   from parity.weights import param_shapes
-  one = sum(math.prod(s) for s in param_shapes(dataclasses.replace(model, n_layers=1)).values())
-  two = sum(math.prod(s) for s in param_shapes(dataclasses.replace(model, n_layers=2)).values())
+  one = measure(param_shapes(dataclasses.replace(model, n_layers=1)))
+  two = measure(param_shapes(dataclasses.replace(model, n_layers=2)))
   return one + (model.n_layers - 1) * (two - one)
+
+
+def _param_count(model) -> int:
+  return _per_layer(model, lambda shapes: sum(math.prod(s) for s in shapes.values()))
+
+
+def tensor_count(model) -> int:
+  """Number of canonical tensors of a ModelSpec, without building the per-layer table."""
+  return _per_layer(model, len)
 
 
 STATE_BYTES_PER_PARAM_FLOOR = 16
@@ -322,5 +331,6 @@ def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False) -> 
   disk = _free_disk_bytes(Path(run_dir))
   if disk is not None and r.disk_bytes > disk:
     raise InputError(f"the run folder would hold ~{_gb(r.disk_bytes)}, more than the {_gb(disk)} free under "
-                     f"{Path(run_dir).absolute()}: {why}. Reduce these sizes, free disk, or pass --allow-large (PARITY_ALLOW_LARGE=1)")
+                     f"{Path(run_dir).absolute()}: {why}. Reduce these sizes, free disk, or pass --allow-large "
+                     "(PARITY_ALLOW_LARGE=1)")
   return r

@@ -12,7 +12,7 @@ import numpy as np
 from parity import weights
 from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
 from parity.hf.tensors import canonical_to_hf, hf_to_canonical
-from parity.inputs import InputError, load_json, parse_text, safetensors_header
+from parity.inputs import InputError, load_json, parse_text, safetensors_header, tensor_count
 from parity.spec import ModelSpec, RunSpec, SpecError, from_dict, to_dict
 
 SPEC_METADATA_KEY = weights.SPEC_METADATA_KEY
@@ -176,6 +176,10 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
     notes.append(f"read {len(files)} pickle(s) with torch.load(weights_only=True); floats widened to float32")
   else:
     tensors = _read_shards(folder, files, notes)
+  expected = tensor_count(spec)  # before hf_to_canonical lists every tensor: config.json may claim 10^7 layers
+  if expected > 2 * len(tensors) + 8:  # LLaMA's q|k|v are 3 HF tensors per canonical one; buffers, a tied head
+    raise HFFormatError(f"{cfg_path}: describes a model of {expected:,} tensors (n_layers={spec.n_layers}), but the "
+                        f"weight files hold {len(tensors):,}; config.json does not belong to these weights")
   params = hf_to_canonical(tensors, spec, family, notes=notes)
   return HFCheckpoint(family, spec, params, tuple(notes))
 
