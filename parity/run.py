@@ -155,10 +155,8 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[
               if key.startswith(("model.", "train.")) else "")
       raise SpecError(f"--perturb {item!r}: {key!r} cannot be perturbed{hint}; use one of "
                       f"{', '.join(sorted(PERTURBABLE))} or {', '.join(DEBUG_KEYS)}")
-    try:
-      value = json.loads(raw)
-    except json.JSONDecodeError:
-      value = raw
+    from parity.spec import parse_value
+    value = parse_value(raw, f"--perturb {item[:60]!r}")  # deep nesting and inf/nan refused as in config files
     if key in DEBUG_KEYS:
       try:
         value = parse_debug_value(key, value)

@@ -16,6 +16,7 @@ from typing import Any, Literal, Mapping, TypeVar
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
     "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
+    "parse_value",
 ]
 
 
@@ -478,6 +479,24 @@ def _coerce(key: str, default: Any, value: Any) -> Any:
   return value
 
 
+def parse_value(raw: str, source: str) -> Any:
+  """A `key=value` value: JSON where it parses (numbers, true/false, null, lists, objects), else the string.
+
+  Parsed through parity.inputs.parse_text, so deep nesting and inf/nan are refused like in a config file.
+  Raises:
+    SpecError (InputError): nesting too deep, a number that overflows; naming `source`.
+  """
+  from parity.inputs import parse_text
+  try:
+    return parse_text(raw, source, "json")
+  except json.JSONDecodeError:
+    return raw
+  except ValueError as exc:  # json's own 'Out of range float values' and the like
+    if isinstance(exc, SpecError):
+      raise
+    return raw
+
+
 def apply_overrides(spec: RunSpec, overrides: list[str]) -> RunSpec:
   """Applies dotted `key=value` overrides, e.g. `train.lr=3e-4`, `model.norm_eps=1e-6`.
 
@@ -489,10 +508,7 @@ def apply_overrides(spec: RunSpec, overrides: list[str]) -> RunSpec:
     if "=" not in item:
       raise SpecError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
     key, raw = item.split("=", 1)
-    try:
-      value = json.loads(raw)
-    except json.JSONDecodeError:
-      value = raw
+    value = parse_value(raw, f"override {key.strip()!r}")
     node = data
     parts = key.strip().split(".")
     for p in parts[:-1]:

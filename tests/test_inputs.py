@@ -380,3 +380,15 @@ def test_hf_config_claiming_far_more_layers_than_the_weights_is_refused_before_l
                                        "files hold 16"):
     hf.load_hf_checkpoint(folder)
   assert inputs.tensor_count(PRESETS["gpt2-tiny"].model) == len(weights.param_shapes(PRESETS["gpt2-tiny"].model))
+
+
+def test_set_and_perturb_values_go_through_the_same_parser_rules():
+  from parity.run import parse_perturb
+  deep = "[" * DEEP + "]" * DEEP
+  with pytest.raises(SpecError, match="override 'train.lr_schedule_params': nested too deeply"):
+    resolve("gpt2-tiny", overrides=[f"train.lr_schedule_params={deep}"])
+  with pytest.raises(SpecError, match="--perturb .*nested too deeply"):
+    parse_perturb([f"jax:train.lr_schedule_params={deep}"], ["jax", "torch"])
+  with pytest.raises(SpecError, match="value is nan"):
+    parse_perturb(["jax:train.lr=NaN"], ["jax", "torch"])
+  assert parse_perturb(["jax:train.lr_schedule=Constant"], ["jax", "torch"]) == {"jax": {"train.lr_schedule": "Constant"}}
