@@ -85,14 +85,15 @@ def test_numbers_that_overflow_are_refused_naming_file_and_key(tmp_path, name, t
 
 
 @pytest.mark.parametrize("override,match", [
-    ("train.lr=1e400", "train.lr = inf: must be a finite number"),
-    ("train.eps=NaN", "train.eps = nan"),
-    ("timeout_s=1e400", "timeout_s = inf"),
-    ("model.norm_eps=-Infinity", "model.norm_eps = -inf"),
+    ("train.lr=1e400", "override 'train.lr': value is inf .* every number must be finite"),
+    ("train.eps=NaN", "override 'train.eps': value is nan"),
+    ("timeout_s=1e400", "override 'timeout_s': value is inf"),
+    ("model.norm_eps=-Infinity", "override 'model.norm_eps': value is -inf"),
+    ('train.lr="1e400"', "train.lr = 1e400: must be a finite number"),  # a string: caught where it is coerced
     ("train.steps=1e23", "train.steps = .* is out of range"),
     ("train.data_seed=" + "9" * 30, "train.data_seed = 9{30} is out of range"),
     ("train.lr=1" + "0" * 400, "train.lr: expected a finite number"),
-    ("train.lr_schedule_params={\"x\": [1e999]}", r"train.lr_schedule_params: x\[0\] is inf"),
+    ("train.lr_schedule_params={\"x\": [1e999]}", r"train.lr_schedule_params': x\[0\] is inf"),
 ])
 def test_every_numeric_field_must_be_finite_and_in_range(override, match):
   with pytest.raises(SpecError, match=match):
