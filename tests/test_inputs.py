@@ -293,6 +293,7 @@ def test_unexpected_exception_is_one_line_and_exit_1_with_the_traceback_saved(mo
   assert code == 1 and err.count("\n") == 1 and "internal error: RuntimeError: a bug" in err
   saved = err.split("traceback saved to ")[1].split(";")[0]
   assert "Traceback" in open(saved).read()
+  __import__("os").remove(saved)
 
 
 def test_any_value_error_from_a_module_is_exit_2(monkeypatch, capsys):
