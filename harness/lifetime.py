@@ -44,9 +44,9 @@ DEADLINE_GRACE_S = 30.0
 alive its timeout (which writes the 'timeout' summary) always fires first; 30 s covers a harness poll
 (0.1 s) plus a SIGKILL and reap of a large process (seconds) with margin."""
 BUILD_LIMIT_S = 1800.0
-"""The most time a side may spend building DeepSpeed ops before its clock runs again. Measured here (2 cores):
-cpu_adam builds in ~60-90 s, deepspeed_shm_comm ~40 s, fused_adam ~30 s on an idle machine, up to ~4x that with
-other builds competing; 30 minutes bounds every op a worker can load, built in turn, on a busy machine."""
+"""The most time a side may spend building DeepSpeed ops before its clock runs again. Measured here (2 cores,
+load 5): cpu_adam 177 s, deepspeed_shm_comm 125 s, fused_adam 146 s, 7.5 min for all three (cpu_adam ~60 s idle);
+30 minutes is 4x the three built in turn on a busy machine."""
 PR_SET_PDEATHSIG = 1
 
 _extra_s = 0.0

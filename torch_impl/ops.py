@@ -38,12 +38,13 @@ OPS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"
 offload_optimizer (DeepSpeedCPUAdam), deepspeed_shm_comm for init_distributed on the CPU accelerator,
 fused_adam for an `Adam`/`AdamW` optimizer section without offload (port --verify)."""
 STALE_AGE_S = 1800.0
-"""Where processes cannot be inspected (no /proc), a lock older than this is taken as stale: longer than any
-one op build measured here (lifetime.BUILD_LIMIT_S's reasoning: ~1.5 min idle, ~6 min on a busy 2-core machine)."""
+"""Where processes cannot be inspected (no /proc), a lock older than this is taken as stale: 10x the longest op
+build measured here (cpu_adam, 177 s on a busy 2-core machine; FIRST_USE)."""
 RECHECK_S = 5.0
 """While waiting on another process's build, how often the lock is checked again for a builder that died."""
-FIRST_USE = {"cpu_adam": "~1 min", "deepspeed_shm_comm": "~40 s", "fused_adam": "~30 s"}
-"""Build times measured on this 2-core machine when idle (README, 'DeepSpeed ops'); shown in the progress line."""
+FIRST_USE = {"cpu_adam": "~1 min", "deepspeed_shm_comm": "~1 min", "fused_adam": "~1 min"}
+"""Build times shown in the progress line, measured on this 2-core machine (README, 'DeepSpeed ops'): idle, cpu_adam
+~60 s and deepspeed_shm_comm under 60 s; with other jobs running (load 5), 177 s, 125 s and fused_adam 146 s."""
 
 _build_s = 0.0
 
@@ -107,13 +108,11 @@ def lock_state(op_dir: str | Path) -> tuple[str, str]:
   holders = lock_holders(op_dir)
   if holders is None:
     if age > STALE_AGE_S:
-      return "stale", (f"{lock} is {age / 60:.0f} min old (over {STALE_AGE_S / 60:.0f} min; "
-                       "processes cannot be inspected)")
-    return "live", f"{lock} is {age:.0f} s old (processes cannot be inspected here; taken as stale after " \
-                   f"{STALE_AGE_S / 60:.0f} min)"
+      return "stale", f"{age / 60:.0f} min old (over {STALE_AGE_S / 60:.0f} min; processes cannot be inspected here)"
+    return "live", f"{age:.0f} s old (processes cannot be inspected here; stale after {STALE_AGE_S / 60:.0f} min)"
   if holders:
     return "live", "; ".join(f"pid {p} {why} ({_cmd(p)})" for p, why in holders[:3])
-  return "stale", f"{lock} ({age:.0f} s old) is held by no live process: an interrupted build left it"
+  return "stale", f"{age:.0f} s old, held by no live process, no build in its folder: an interrupted build left it"
 
 
 def clear_stale_lock(op_dir: str | Path, say: Callable[[str], None] = print) -> bool:
