@@ -460,6 +460,8 @@ def final_moments(engine, beta2: float) -> dict[str, np.ndarray]:
   out = {}
   for name, p in engine.module.named_parameters():
     v = safe_get_full_optimizer_state(p, "exp_avg_sq")
+    if v is None:  # ZeRO-0 fp32: the torch-style optimizer keeps the state on the module's own params
+      v = basic.state.get(p, {}).get("exp_avg_sq")
     if v is None:
       raise KeyError(f"{name}: DeepSpeed returned no exp_avg_sq (optimizer {type(basic).__name__})")
     v = v.detach().double().cpu().numpy().reshape(tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape))
