@@ -291,5 +291,5 @@ def test_build_ops_refuses_an_unknown_op():
   proc = subprocess.run([sys.executable, "-m", "parity.cli", "build-ops", "cpu_adamm"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr
-  assert "unknown DeepSpeed op(s) cpu_adamm; known: cpu_adam, deepspeed_shm_comm, fused_adam" in proc.stderr
+  assert "parity build-ops: error: unknown DeepSpeed op(s) cpu_adamm; known: cpu_adam, deepspeed_shm_comm, fused_adam" in proc.stderr
   assert "Traceback" not in proc.stderr

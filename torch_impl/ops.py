@@ -245,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
   try:
     took = build_ops(args.ops or list(OPS), say=lambda m: print(m, flush=True))
   except ValueError as exc:
-    print(f"error: {exc}", file=sys.stderr)
+    print(f"parity build-ops: error: {exc}", file=sys.stderr)
     return 2
   except Exception as exc:  # a compiler error: its output is above; one line here
-    print(f"error: building DeepSpeed ops failed: {type(exc).__name__}: {str(exc).strip()[:500]}", file=sys.stderr)
+    print(f"parity build-ops: error: building DeepSpeed ops failed: {type(exc).__name__}: {str(exc).strip()[:500]}", file=sys.stderr)
     return 1
   print("DeepSpeed ops ready in " + str(extensions_dir()) + ": " +
         ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), flush=True)
