@@ -32,7 +32,7 @@ import time
 from typing import IO
 
 __all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "PHASE_ENV", "PHASE_FILE", "DEADLINE_GRACE_S",
-           "BUILD_LIMIT_S", "spawn", "release", "watch_parent", "extend_deadline", "set_phase"]
+           "BUILD_LIMIT_S", "spawn", "kill_tree", "release", "watch_parent", "extend_deadline", "set_phase"]
 
 PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PARENT_FD", "PARITY_DEADLINE"
 PHASE_ENV, PHASE_FILE = "PARITY_PHASE_FILE", "phase"
@@ -88,6 +88,42 @@ def release(proc: subprocess.Popen) -> None:
     os.close(w)
 
 
+def _descendants(pid: int) -> list[int]:
+  """Every live descendant of `pid` (from /proc; [] where there is none). ninja starts each compiler in a process
+  group of its own, so killing a worker's group alone leaves its compilers running."""
+  children: dict[int, list[int]] = {}
+  try:
+    names = os.listdir("/proc")
+  except OSError:
+    return []
+  for name in names:
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/stat", "rb") as f:
+        ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+      continue
+    children.setdefault(ppid, []).append(int(name))
+  out, todo = [], [pid]
+  while todo:
+    for c in children.get(todo.pop(), []):
+      out.append(c)
+      todo.append(c)
+  return out
+
+
+def kill_tree(pid: int) -> None:
+  """SIGKILL to the process group led by `pid` and to every descendant of `pid`, in whatever group (a DeepSpeed op
+  build's compilers included). Descendants are listed first: once their parent dies they are re-parented."""
+  rest = _descendants(pid)
+  for target in (lambda: os.killpg(pid, signal.SIGKILL), *(lambda c=c: os.kill(c, signal.SIGKILL) for c in rest)):
+    try:
+      target()
+    except (ProcessLookupError, PermissionError):
+      pass
+
+
 def _die(why: str) -> None:
   """Kills this worker and everything it started (its process group, when it leads one), else exits."""
   try:
@@ -95,6 +131,11 @@ def _die(why: str) -> None:
     sys.stderr.flush()
   except (OSError, ValueError):
     pass
+  for c in _descendants(os.getpid()):  # children first: this process dies with its group below
+    try:
+      os.kill(c, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
   if os.getpgrp() == os.getpid():
     os.killpg(os.getpid(), signal.SIGKILL)
   os._exit(137)

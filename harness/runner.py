@@ -190,10 +190,8 @@ def _read_phase(out: Path) -> str:
 
 
 def _kill_group(pid: int) -> None:
-  try:
-    os.killpg(pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+  """Kills the worker's process group and every descendant of it (op-build compilers run in groups of their own)."""
+  lifetime.kill_tree(pid)
 
 
 def _harness_summary(side: str, status: str, error: str | None, out: Path, worker: dict | None) -> dict:

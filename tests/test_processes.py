@@ -74,12 +74,12 @@ def test_kill_9_of_parity_ends_its_worker(tmp_path):
 
 
 def test_closed_pipe_ends_worker_and_its_children(tmp_path):
-  """The portable fallback: when the harness's end of the pipe closes, the worker kills its whole process group
-  (a child it started included), though its parent process is still alive (so PDEATHSIG never fires)."""
+  """The portable fallback: when the harness's end of the pipe closes, the worker kills itself and its children
+  (one in a session of its own included), though its parent process is still alive (so PDEATHSIG never fires)."""
   from harness import lifetime
   env = _sleeper(tmp_path, """
     import subprocess, sys, time
-    child = subprocess.Popen(["sleep", "120"])
+    child = subprocess.Popen(["sleep", "120"], start_new_session=True)  # as ninja starts its compilers
     print(child.pid, flush=True)
     time.sleep(120)
   """)
@@ -114,6 +114,24 @@ def test_worker_started_by_hand_is_not_bound(monkeypatch):
   for key in (lifetime.PARENT_PID_ENV, lifetime.PARENT_FD_ENV, lifetime.DEADLINE_ENV):
     monkeypatch.delenv(key, raising=False)
   assert lifetime.watch_parent({}) == {"pdeathsig": False, "pipe": False, "deadline": None}
+
+
+def test_timeout_kills_grandchildren_in_their_own_groups(tmp_path):
+  """A side timed out while building: the harness kills the worker's group and its descendants in other groups
+  (ninja runs each compiler in a process group of its own; before, they ran on after the timeout)."""
+  from harness.runner import run_side
+  (tmp_path / "request.json").write_text("{}")
+  (tmp_path / "compiles.py").write_text(textwrap.dedent("""
+    import os, subprocess, time
+    child = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    open(os.environ["GRANDCHILD_PID"], "w").write(str(child.pid))
+    time.sleep(120)
+  """))
+  sr = run_side(tmp_path, "torch", timeout_s=3, module="compiles",
+                env={"PYTHONPATH": str(tmp_path), "GRANDCHILD_PID": str(tmp_path / "grandchild.pid")})
+  assert sr.status == "timeout"
+  grandchild = int((tmp_path / "grandchild.pid").read_text())
+  assert _wait_gone([grandchild], 5.0) == [], "a compiler-like grandchild outlived the side's timeout"
 
 
 # ----------------------------------------------------------------------------- item 8: locks
@@ -221,7 +239,8 @@ def test_build_hook_builds_when_the_builder_it_waited_on_dies(ext_dir, tmp_path,
   said = []
   ops.install_build_hooks(said.append, cls=cls)
   _FakeBuilder.seen_phase = []
-  killer = subprocess.Popen(["sh", "-c", f"sleep 1; kill -9 {holder.pid}"])
+  phase = tmp_path / "phase"  # the builder dies once the waiter says it waits
+  killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {phase} ]; do sleep 0.05; done; sleep 0.3; kill -9 {holder.pid}"])
   t0 = time.time()
   try:
     assert cls(ext_dir).jit_load() == "module"
