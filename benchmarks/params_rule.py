@@ -98,6 +98,7 @@ def cell(name: str, overrides: list[str], perturb: list[str], sides: list[str], 
 
 def grid(quick: bool) -> list[tuple[str, list[str], list[str], list[str]]]:
   cells = []
+  cells.append(("ok-Constant-6e-4-1e-8", ['train.lr_schedule="Constant"', "train.lr=6e-4"], [], ["jax", "torch"]))
   for sch in SCHEDULES:
     extra = ['train.lr_schedule_params={"total_num_steps": 8}'] if sch == "WarmupDecayLR" else []
     cells.append((f"ok-{sch}-1e-3-1e-8", [f'train.lr_schedule="{sch}"', *extra], [], ["jax", "torch"]))
@@ -110,6 +111,11 @@ def grid(quick: bool) -> list[tuple[str, list[str], list[str], list[str]]]:
         cells.append((f"ok-{sch}-{lr:g}-{eps:g}", [f'train.lr_schedule="{sch}"', f"train.lr={lr}", f"train.eps={eps}"],
                       [], ["jax", "torch"]))
   cells.append(("ok-ds-Constant-1e-3-1e-8", ['train.lr_schedule="Constant"'], [], ["jax", "deepspeed"]))
+  for stage in (0, 1, 3):
+    cells.append((f"ok-ds-zero{stage}-Constant-6e-3-1e-6", ['train.lr_schedule="Constant"', "train.lr=6e-3",
+                  "train.eps=1e-6", f"deepspeed.zero_stage={stage}", 'deepspeed.offload_optimizer="none"'], [],
+                  ["jax", "deepspeed"]))
+  cells.append(("ok-ds-Constant-6e-4-1e-8", ['train.lr_schedule="Constant"', "train.lr=6e-4"], [], ["jax", "deepspeed"]))
   for pert, label in BUGS:
     cells.append((f"bug-{label}", ['train.lr_schedule="Constant"'], [pert], ["jax", "torch"]))
   return cells
