@@ -39,37 +39,51 @@ def tiny_run_dir(tmp_path):
   return make
 
 
+_STARTS_DEEPSPEED = ("torch_impl.engine", "import deepspeed", "port_verify", "--verify", "--deepspeed-config")
+"""Module text that means its tests can load a DeepSpeed op without saying so in a marker (setup_distributed loads
+deepspeed_shm_comm; port --verify builds fused_adam)."""
+
+
 def _needs_deepspeed_ops(item) -> bool:
-  """A test that can start a DeepSpeed process: marked requires_deepspeed, or skipped unless deepspeed is installed
-  (requires_deepspeed / requires_all above)."""
+  """A test that can start a DeepSpeed process: marked requires_deepspeed, skipped unless deepspeed is installed
+  (requires_deepspeed / requires_all above), or in a module that reaches DeepSpeed (_STARTS_DEEPSPEED)."""
   for mark in item.iter_markers():
     if mark.name == "requires_deepspeed":
       return True
     if mark.name == "skipif" and "deepspeed" in str(mark.kwargs.get("reason", "")):
       return True
-  return False
+  try:
+    text = Path(str(item.fspath)).read_text(errors="replace")
+  except OSError:
+    return False
+  return any(needle in text for needle in _STARTS_DEEPSPEED)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_ops_built(request):
   """Builds DeepSpeed's JIT ops (cpu_adam, deepspeed_shm_comm, fused_adam) once, before the first test, when the
   session collected a test that can start DeepSpeed: no test then builds one inside its own timeout, and no op is
-  built twice (every process uses harness.env's one build environment). A no-op when all are built (~5 s to check
-  and load); on a fresh environment ~3 min on 2 idle cores (README, 'DeepSpeed ops'). A failed build is reported
-  and left to the tests that need the op."""
+  built twice (every process uses harness.env's one build environment). ~7 s when all are built (check and load);
+  on a fresh environment ~3-8 min on 2 cores (README, 'DeepSpeed ops'). A failed build is reported and left to the
+  tests that need the op."""
   if not HAS_DEEPSPEED or not any(_needs_deepspeed_ops(i) for i in request.session.items):
     yield None
     return
   import subprocess
   import time
   from harness.env import worker_env
+  import contextlib
   reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-  say = (lambda m: reporter.write_line(m)) if reporter is not None else print
-  say("conftest: building DeepSpeed ops once for this session (first use ~3 min; instant when built)")
+  capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+  def say(msg: str) -> None:  # shown even under output capture: the wait is the user's to see
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+      reporter.write_line(msg) if reporter is not None else print(msg)
+  say("conftest: building DeepSpeed ops once for this session (first use ~3-8 min on 2 cores; ~7 s when built)")
   t0 = time.time()
   proc = subprocess.run([sys.executable, "-m", "torch_impl.ops"], cwd=ROOT, env=worker_env(), capture_output=True,
                         text=True, timeout=1800)
   lines = (proc.stdout + proc.stderr).strip().splitlines()
-  say(f"conftest: DeepSpeed ops {'ready' if proc.returncode == 0 else 'FAILED'} in {time.time() - t0:.0f} s: "
-      + (lines[-1] if lines else ""))
+  say(f"conftest: {lines[-1] if lines else 'no output'} ({'ok' if proc.returncode == 0 else 'FAILED, exit '}"
+      f"{'' if proc.returncode == 0 else proc.returncode}; {time.time() - t0:.0f} s)")
   yield proc.returncode == 0
