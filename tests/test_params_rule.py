@@ -111,3 +111,20 @@ def test_constant_lr_correct_pair_passes_and_a_planted_bug_fails(tmp_path):
                        perturb=["torch:train.weight_decay=0.0"], noise_envelope=False, determinism_steps=0)
   params = next(c for c in bug.data["checks"] if c["metric"] == "params")
   assert not bug.passed and not params["passed"] and "Adam per element" in params["detail"]
+
+
+def test_read_moments_round_trip_and_unreadable_files_fall_back(tmp_path):
+  from parity import weights
+  from parity.protocol import read_moments
+  good = tmp_path / "m.safetensors"
+  weights.save({"grad_rms/w": np.ones((2, 3)), "sensitivity/w": np.full((2, 3), 0.5)}, good)
+  m = read_moments(good)
+  assert set(m) == {"grad_rms", "sensitivity"} and m["sensitivity"]["w"].shape == (2, 3)
+  bad = {"truncated": good.read_bytes()[:40], "empty": b""}
+  for name, data in bad.items():
+    (tmp_path / name).write_bytes(data)
+    assert read_moments(tmp_path / name) is None, name
+  weights.save({"grad_rms/w": -np.ones(2), "sensitivity/w": np.ones(2)}, tmp_path / "neg")
+  weights.save({"grad_rms/w": np.ones(2)}, tmp_path / "half")
+  weights.save({"w": np.ones(2)}, tmp_path / "foreign")
+  assert all(read_moments(tmp_path / n) is None for n in ("neg", "half", "foreign", "missing"))
