@@ -221,9 +221,8 @@ def build_ops(names: list[str], *, timeout_s: float = lifetime.BUILD_LIMIT_S, py
     timeout_s: wall-clock limit, seconds; past it the worker's process group is killed (its stale lock is
       removed by the next build).
   Returns:
-    The worker's exit code: 0 built, 1 a build failed, 2 bad op name; 1 on timeout (with a message).
-  Raises:
-    KeyboardInterrupt: after killing the worker's process group.
+    The worker's exit code: 0 built, 1 a build failed, 2 bad op name or extensions folder; 1 on timeout and 130 on
+    Ctrl-C/SIGTERM, each with a message (the worker and its compilers are killed; the next build removes the lock).
   """
   cmd = [python, "-m", "harness.boot", "torch_impl.ops", *names]
   proc = lifetime.spawn(cmd, env=worker_env(None, python), timeout_s=timeout_s)
@@ -237,6 +236,12 @@ def build_ops(names: list[str], *, timeout_s: float = lifetime.BUILD_LIMIT_S, py
               "run it again (the lock it left is removed) or raise --timeout", file=sys.stderr)
         return 1
       time.sleep(POLL_S)
+  except KeyboardInterrupt:
+    _kill_group(proc.pid)
+    proc.wait()
+    print("parity build-ops: interrupted; the build was stopped (the next build removes the lock it left)",
+          file=sys.stderr)
+    return 130
   except BaseException:
     _kill_group(proc.pid)
     proc.wait()

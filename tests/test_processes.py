@@ -240,7 +240,8 @@ def test_build_hook_builds_when_the_builder_it_waited_on_dies(ext_dir, tmp_path,
   ops.install_build_hooks(said.append, cls=cls)
   _FakeBuilder.seen_phase = []
   phase = tmp_path / "phase"  # the builder dies once the waiter says it waits
-  killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {phase} ]; do sleep 0.05; done; sleep 0.3; kill -9 {holder.pid}"])
+  killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {phase} ]; do sleep 0.05; done; sleep 0.3; "
+                                         f"kill -9 {holder.pid}"])
   t0 = time.time()
   try:
     assert cls(ext_dir).jit_load() == "module"
@@ -310,5 +311,18 @@ def test_build_ops_refuses_an_unknown_op():
   proc = subprocess.run([sys.executable, "-m", "parity.cli", "build-ops", "cpu_adamm"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 2, proc.stderr
-  assert "parity build-ops: error: unknown DeepSpeed op(s) cpu_adamm; known: cpu_adam, deepspeed_shm_comm, fused_adam" in proc.stderr
+  assert ("parity build-ops: error: unknown DeepSpeed op(s) cpu_adamm; known: cpu_adam, deepspeed_shm_comm, "
+          "fused_adam") in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_build_ops_refuses_an_extensions_dir_that_is_a_file(tmp_path):
+  """TORCH_EXTENSIONS_DIR naming a file was a NotADirectoryError (exit 1); it is bad input: exit 2, named, with
+  the fix."""
+  (tmp_path / "file").write_text("")
+  env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "file"))
+  proc = subprocess.run([sys.executable, "-m", "parity.cli", "build-ops", "cpu_adam"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert f"TORCH_EXTENSIONS_DIR={tmp_path / 'file'} is not a folder; point TORCH_EXTENSIONS_DIR at" in proc.stderr
   assert "Traceback" not in proc.stderr

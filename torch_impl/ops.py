@@ -216,13 +216,24 @@ def build_ops(names: list[str], say: Callable[[str], None] = print) -> dict[str,
   Returns:
     op -> seconds it took.
   Raises:
-    ValueError: an unknown op name (the message lists the known ones).
+    ValueError: an unknown op name (the message lists the known ones), or TORCH_EXTENSIONS_DIR is not a writable
+      folder (the message names it and the fix).
     RuntimeError: a build failed (DeepSpeed's message; the compiler output is above it).
   """
   unknown = [n for n in names if n not in OPS]
   if unknown:
     raise ValueError(f"unknown DeepSpeed op(s) {', '.join(unknown)}; known: {', '.join(OPS)}")
   build_environ(os.environ)
+  where = extensions_dir()
+  fix = "point TORCH_EXTENSIONS_DIR at a writable folder, or unset it (default: <virtualenv>/torch_extensions)"
+  if where.exists() and not where.is_dir():
+    raise ValueError(f"TORCH_EXTENSIONS_DIR={where} is not a folder; {fix}")
+  try:
+    where.mkdir(parents=True, exist_ok=True)
+    if not os.access(where, os.W_OK | os.X_OK):
+      raise PermissionError(f"no write permission on {where}")
+  except OSError as exc:
+    raise ValueError(f"TORCH_EXTENSIONS_DIR={where} cannot hold the builds ({exc.strerror or exc}); {fix}") from None
   import torch
   if not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"  # as torch_impl.engine.setup_distributed; before deepspeed is imported
@@ -248,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parity build-ops: error: {exc}", file=sys.stderr)
     return 2
   except Exception as exc:  # a compiler error: its output is above; one line here
-    print(f"parity build-ops: error: building DeepSpeed ops failed: {type(exc).__name__}: {str(exc).strip()[:500]}", file=sys.stderr)
+    print(f"parity build-ops: error: building DeepSpeed ops failed: {type(exc).__name__}: {str(exc).strip()[:500]}",
+          file=sys.stderr)
     return 1
   print("DeepSpeed ops ready in " + str(extensions_dir()) + ": " +
         ", ".join(f"{k} {v:.1f} s" for k, v in took.items()), flush=True)
