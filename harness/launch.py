@@ -10,8 +10,6 @@ limit past which the whole group is killed. Never imports jax or torch.
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -91,8 +89,6 @@ def run_module(module: str, args: list[str], *, timeout_s: float, env: dict[str,
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+  """Kills the process's group and every descendant (a DeepSpeed op build's compilers run in groups of their own)."""
+  lifetime.kill_tree(proc.pid)
   proc.wait()

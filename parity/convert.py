@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -74,12 +73,16 @@ def detect_format(path: str | Path, *, output: bool = False) -> str:
 
 
 def _worker(module: str, *args: str) -> None:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-  cmd = [sys.executable, "-m", module, *args]
+  """Runs one framework subprocess through the harness's launcher (the workers' environment, its own process
+  group, bound to this process's life, killed at WORKER_TIMEOUT_S).
+
+  Raises:
+    ConvertError: it timed out or exited non-zero (its last lines of output are included).
+  """
+  from harness.launch import LaunchTimeout, run_module  # harness launches every process; it imports parity lazily
   try:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-  except subprocess.TimeoutExpired:
+    proc = run_module(module, list(args), timeout_s=WORKER_TIMEOUT_S)
+  except LaunchTimeout:
     raise ConvertError(f"{module} {args[0]} did not finish within {WORKER_TIMEOUT_S:.0f} s") from None
   if proc.returncode != 0:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
