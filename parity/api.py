@@ -90,6 +90,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
   _check_run_options(spec, pert, timeout_s, determinism_steps, resume_at)
   run_dir = Path(out) if out is not None else default_run_dir(spec, name)
+  from parity.inputs import check_resources
+  check_resources(spec, run_dir)  # sizes that cannot fit are refused before any folder or array exists
   claim = claim_run_dir(out if out is not None else run_dir, force=force, command=command)  # '' refused, not '.'
   try:
     prep = prepare_run_dir(spec, run_dir, perturb=pert, init_params=init,

@@ -346,6 +346,5 @@ def _save_traceback(command: str) -> str:
     return f"nowhere: {exc.strerror}"
 
 
-
 if __name__ == "__main__":
   sys.exit(main())
