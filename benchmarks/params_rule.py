@@ -7,9 +7,16 @@ element). Also records kappa_needed: the smallest params_grad_noise.rtol under w
 passes (worst element's (|a_i - b_i| - rtol * moved) / (g_T * S_i)).
 
   .venv/bin/python benchmarks/params_rule.py [--steps 8] [--quick] [--out benchmarks/results/params_rule]
+  .venv/bin/python benchmarks/params_rule.py --precision bf16,fp16 [--out benchmarks/results/params_rule_envelope]
 
 Writes <out>.json and <out>.md. Each cell runs the sides in their own processes via parity.compare
 (noise_envelope=False, determinism_steps=0), run folders under /tmp/params-rule-bench/.
+
+With --precision bf16/fp16 the grid is the noise-envelope one (parity.checks.envelope_params_check): schedules
+x lr x precision on correct jax~torch pairs, two jax~deepspeed cells, and the noise-envelope benchmark's planted bugs
+(benchmarks/noise_envelope.py BUGS) on the torch side; each cell runs with the noise envelope on, and 'old' is the
+per-tensor envelope rule, 'new' the envelope + Adam per-element rule, both on the same final params and reruns;
+'old verdict' is the verdict with the old params_envelope check in place of the new one.
 """
 from __future__ import annotations
 
@@ -29,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import parity  # noqa: E402
 import parity.spec  # noqa: E402
 from parity import weights  # noqa: E402
-from parity.checks import param_checks  # noqa: E402
+from parity.checks import envelope_params_check, param_checks, param_ratios  # noqa: E402
 from parity.protocol import FINAL_MOMENTS, read_moments, read_steps  # noqa: E402
 from parity.spec import RunSpec, from_dict  # noqa: E402
-from parity.tolerances import tolerance  # noqa: E402
+from parity.tolerances import envelope_rule, tolerance  # noqa: E402
 from parity.weights import zero_grad_slices  # noqa: E402
 
 SCHEDULES = ("WarmupCosineLR", "Constant", "WarmupLR", "WarmupDecayLR", "LRRangeTest")
@@ -121,13 +128,166 @@ def grid(quick: bool) -> list[tuple[str, list[str], list[str], list[str]]]:
   return cells
 
 
+ENV_BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:model.norm_eps=1e-6", "LayerNorm eps 1e-6"),
+            ("torch:model.gelu_approximate=false", "GELU exact"), ("torch:train.lr=0.00105", "lr +5%"))
+"""benchmarks/noise_envelope.py BUGS, planted on the torch side of a jax~torch pair."""
+
+
+def envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, bounds) -> tuple[float, str]:
+  """Smallest kappa under which every element passes the envelope's per-element rule (bounds: tensor -> bound_T);
+  inf when an element exceeds bound_T·moved + 2·Σlr."""
+  zs = zero_grad_slices(spec)
+  worst, where = 0.0, ""
+  for n in a:
+    pa, pb, p0 = (np.asarray(x, np.float64) for x in (a[n], b[n], init[n]))
+    mask = np.ones(pa.shape, bool)
+    if n in zs:
+      mask[slice(*zs[n])] = False
+    d = np.abs(pa - pb)[mask]
+    moved = max(np.abs(pa - p0)[mask].max(initial=0), np.abs(pb - p0)[mask].max(initial=0))
+    exc = d - bounds[n] * moved
+    if not np.any(exc > 0):
+      continue
+    if np.any(exc > 2 * lr_sum):
+      return float("inf"), n
+    g = max(np.sqrt(np.mean(np.square(m["grad_rms"][n].astype(np.float64)))) for m in (ma, mb))
+    sens = np.maximum(ma["sensitivity"][n], mb["sensitivity"][n]).astype(np.float64)[mask]
+    k = float(np.max(exc / np.maximum(g * sens, 1e-300)))
+    if k > worst:
+      worst, where = k, n
+  return worst, where
+
+
+def envelope_cell(name: str, precision: str, overrides: list[str], perturb: list[str], sides: list[str], steps: int,
+                  root: Path) -> dict:
+  """One bf16/fp16 compare with the noise envelope; the old (per tensor) and new (per element) params envelope."""
+  out = root / name
+  shutil.rmtree(out, ignore_errors=True)
+  t0 = time.time()
+  rep = parity.compare("gpt2-tiny", steps=steps, sides=sides, out=out, perturb=perturb, noise_envelope=True,
+                       overrides=[f'train.precision="{precision}"', *overrides], determinism_steps=0)
+  spec = from_dict(RunSpec, json.loads((out / "config.json").read_text()))
+  init = weights.load(out / "init.safetensors")
+  a, b = sides
+  checks = rep.data["checks"]
+  failing = [c["name"] for c in checks if not c["passed"] and c.get("gating", True)]
+  row = {"cell": name, "precision": precision, "overrides": overrides, "perturb": perturb, "sides": sides,
+         "steps": steps, "verdict": rep.passed, "wall_s": round(time.time() - t0, 1), "failing": failing}
+  fin = {s: out / s / "final.safetensors" for s in sides}
+  nfin = {s: out / "noise" / s / "final.safetensors" for s in sides}
+  if all(p.exists() for p in (*fin.values(), *nfin.values())):
+    finals = {s: weights.load(fin[s]) for s in sides}
+    penv = {s: param_ratios(finals[s], weights.load(nfin[s]), init, spec.model) for s in sides}
+    moms = {s: read_moments(out / s / FINAL_MOMENTS) for s in sides}
+    steps_a = read_steps(out / a / "steps.jsonl")
+    lr_sum = float(sum(r["lr"] for r in steps_a if not r.get("skipped")))
+    rule = envelope_rule(precision)
+    old = envelope_params_check(a, finals[a], b, finals[b], init, spec.model, penv, rule)
+    new = envelope_params_check(a, finals[a], b, finals[b], init, spec.model, penv, rule, moments=moms,
+                                lr_sum=lr_sum, precision=precision)
+    others_pass = all(c["passed"] or not c.get("gating", True) for c in checks if c["metric"] != "params_envelope")
+    row.update(old_params_pass=old.passed, old_ratio=old.value, old_bound=old.tolerance, new_params_pass=new.passed,
+               new_detail=new.detail, old_detail=old.detail, lr_sum=lr_sum, old_verdict=others_pass and old.passed,
+               max_loss_diff=max(abs(x["loss"] - y["loss"]) for x, y in zip(steps_a, read_steps(out / b / "steps.jsonl"))
+                                 if not (x.get("skipped") or y.get("skipped"))))
+    if moms[a] and moms[b]:
+      bounds = {n: rule.factor * max(penv[s].get(n, 0.0) for s in sides) + rule.params_floor for n in finals[a]}
+      row["kappa_needed"], row["kappa_worst_tensor"] = envelope_kappa_needed(
+          finals[a], finals[b], init, moms[a], moms[b], spec.model, lr_sum, bounds)
+  shutil.rmtree(out, ignore_errors=True)
+  return row
+
+
+def envelope_grid(precisions: list[str]) -> list[tuple[str, str, list[str], list[str], list[str]]]:
+  """Cells most likely to break first: Constant and WarmupLR (flat lr: a rounding-level element moves ~sum lr)."""
+  cells = []
+  for sch in ("Constant", "bugs", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+    for prec in precisions:
+      if sch == "bugs":  # the default schedule (WarmupCosineLR), where the old rule had no false alarm to hide behind
+        cells += [(f"bug-{prec}-{label}", prec, [], [pert], ["jax", "torch"]) for pert, label in ENV_BUGS]
+        continue
+      extra = ['train.lr_schedule_params={"total_num_steps": 8}'] if sch == "WarmupDecayLR" else []
+      for lr in (6e-3, 1e-3, 1e-4):
+        cells.append((f"ok-{prec}-{sch}-{lr:g}", prec, [f'train.lr_schedule="{sch}"', f"train.lr={lr}", *extra], [],
+                      ["jax", "torch"]))
+      if sch in ("Constant", "WarmupLR"):
+        cells.append((f"ok-{prec}-ds-{sch}-1e-3", prec, [f'train.lr_schedule="{sch}"'], [], ["jax", "deepspeed"]))
+  return cells
+
+
+def envelope_main(args, precisions: list[str], argv) -> int:
+  root = Path("/tmp/params-envelope/bench")
+  rows = []
+  for name, prec, ov, pert, sides in envelope_grid(precisions):
+    if args.only and args.only not in name:
+      continue
+    try:
+      row = envelope_cell(name, prec, ov, pert, sides, args.steps, root)
+    except parity.spec.SpecError as exc:
+      print(f"{name}: skipped ({exc})", flush=True)
+      continue
+    rows.append(row)
+    print(json.dumps({k: row.get(k) for k in ("cell", "verdict", "old_verdict", "old_params_pass", "new_params_pass",
+                                               "kappa_needed", "failing", "wall_s")}), flush=True)
+  import deepspeed  # noqa: F401  (versions only)
+  import jax
+  import torch
+  summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+             "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                          "deepspeed": sys.modules["deepspeed"].__version__},
+             "command": " ".join(["benchmarks/params_rule.py", *(argv if argv is not None else sys.argv[1:])]),
+             "kappa": {p: tolerance(p, "params_grad_noise").rtol for p in precisions}, "by_precision": {}, "rows": rows}
+  lines = [f"# params envelope rule grid ({summary['date']})", "",
+           f"CPU {summary['cpu']}, Python {summary['python']}, {summary['versions']}; gpt2-tiny, {args.steps} steps, "
+           f"noise envelope on; kappa {summary['kappa']}. Command: `.venv/bin/python {summary['command']}`", ""]
+  for p in precisions:
+    ok = [r for r in rows if r["cell"].startswith(f"ok-{p}-")]
+    bugs = [r for r in rows if r["cell"].startswith(f"bug-{p}-")]
+    s = {"correct_cells": len(ok), "false_alarms_new": sum(not r.get("new_params_pass", False) for r in ok),
+         "false_alarms_old": sum(not r.get("old_params_pass", True) for r in ok),
+         "verdict_false_alarms_new": sum(not r["verdict"] for r in ok),
+         "verdict_false_alarms_old": sum(not r.get("old_verdict", True) for r in ok),
+         "max_kappa_needed_correct": max((r.get("kappa_needed", 0.0) for r in ok), default=0.0),
+         "bugs": len(bugs), "bugs_failing_old": sum(not r.get("old_verdict", True) for r in bugs),
+         "bugs_failing_new": sum(not r["verdict"] for r in bugs)}
+    summary["by_precision"][p] = s
+    lines.append(f"{p}: {s['correct_cells']} correct cells; params_envelope false alarms old {s['false_alarms_old']}, "
+                 f"new {s['false_alarms_new']} (verdict: old {s['verdict_false_alarms_old']}, new "
+                 f"{s['verdict_false_alarms_new']}); largest kappa needed by a correct pair "
+                 f"{s['max_kappa_needed_correct']:.3g} (rule {summary['kappa'][p]:.3g}); planted bugs failing the "
+                 f"verdict: old {s['bugs_failing_old']}, new {s['bugs_failing_new']} of {s['bugs']}.")
+  lines += ["", "| cell | sides | verdict new (old) | old params (ratio / bound) | new params | kappa needed | "
+            "max Δloss | failing checks (new) |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['cell']} | {'~'.join(r['sides'])} | {'PASS' if r['verdict'] else 'FAIL'} "
+                 f"({'PASS' if r.get('old_verdict') else 'FAIL'}) | {r.get('old_params_pass')} "
+                 f"({r.get('old_ratio', float('nan')):.3g} / {r.get('old_bound', float('nan')):.3g}) | "
+                 f"{r.get('new_params_pass')} | {r.get('kappa_needed', float('nan')):.3g} | "
+                 f"{r.get('max_loss_diff', float('nan')):.2g} | {', '.join(r['failing']) or '-'} |")
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out + ".json").write_text(json.dumps(summary, indent=2, default=str))
+  Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines[:2 + len(precisions) + 2]))
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--quick", action="store_true", help="fewer lr values and schedules x lr (2 busy cores)")
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "params_rule"))
   ap.add_argument("--only", default="", help="substring filter on cell names")
+  ap.add_argument("--precision", default="fp32", help="fp32 (the Adam params rule), or bf16 and/or fp16 comma-"
+                  "separated (the noise-envelope params rule, parity.checks.envelope_params_check)")
   args = ap.parse_args(argv)
+  precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+  if precisions != ["fp32"]:
+    if not precisions or not set(precisions) <= {"bf16", "fp16"}:
+      ap.error(f"--precision {args.precision!r}: give fp32 alone, or bf16 and/or fp16")
+    if args.out == ap.get_default("out"):
+      args.out = str(Path(__file__).parent / "results" / "params_rule_envelope")
+    return envelope_main(args, precisions, argv)
   root = Path("/tmp/params-rule-bench")
   rows = []
   for name, ov, pert, sides in grid(args.quick):

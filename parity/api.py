@@ -315,7 +315,10 @@ def _self_runs(run_dir: Path, spec, side_data: dict, checks: list, limit: float,
             checks.append(c)
             enveloped.add((metric, a, b))
         if a in penv and b in penv:
-          c = envelope_params_check(a, side_data[a]["final"], b, side_data[b]["final"], init, spec.model, penv, rule)
+          lr_sum = float(sum(r["lr"] for r in side_data[a]["steps"] if not r.get("skipped")))
+          c = envelope_params_check(a, side_data[a]["final"], b, side_data[b]["final"], init, spec.model, penv, rule,
+                                    moments={s: side_data[s].get("moments") for s in (a, b)}, lr_sum=lr_sum,
+                                    precision=t.precision)
           if c is not None:
             checks.append(c)
             enveloped.add(("params", a, b))

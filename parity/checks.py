@@ -396,32 +396,89 @@ def param_ratios(final: dict[str, np.ndarray], other: dict[str, np.ndarray], ini
 
 def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
                           init: dict[str, np.ndarray], spec, noise: dict[str, dict[str, float]],
-                          rule: EnvelopeRule) -> Check | None:
+                          rule: EnvelopeRule, *, moments: dict[str, dict | None] | None = None,
+                          lr_sum: float = 0.0, precision: str | None = None) -> Check | None:
   """Final params of two sides against the final params of their reduction-order reruns.
 
-  Per tensor, ratio = max|a - b| / distance moved (`param_ratios`, zero-gradient slices left out); it passes when
-  ratio <= factor · max(noise ratio of a, noise ratio of b) + params_floor, where a side's noise ratio is the
-  same quantity between that side and its rerun.
+  Per tensor T, bound_T = factor * max(noise ratio of a, noise ratio of b) + params_floor, where a side's noise
+  ratio is max|side - its rerun| / distance moved (`param_ratios`, zero-gradient slices left out). With both
+  sides' moments (parity.protocol.FINAL_MOMENTS) each element i must satisfy
 
+      |a_i - b_i| <= bound_T * moved_T + min(2 * sum_t lr_t, kappa * g_T * S_i)
+
+  the envelope's dynamics term plus the Adam noise term of the fp32 params rule (`param_checks`: g_T the RMS of
+  the final sqrt(v_hat) over T, larger side; S_i = max over the sides of sum_t lr_t / (sqrt(v_hat_t,i) + eps);
+  kappa = params_grad_noise.rtol of `precision`, fp32's scaled by the unit roundoff). It admits what the rerun
+  cannot show: an element whose gradient sat at rounding level in some update moves by up to lr_t with a sign
+  set by rounding, in any lr schedule (with Constant lr, the tensor's max over such elements is up to 2 * sum lr
+  while its movement is ~sum lr). Fallback (said in the detail): without moments from both sides, or without
+  `precision`, every tensor must satisfy max|a - b| / moved_T <= bound_T.
+
+  Args:
+    a, b, init: canonical float32 params (name -> array), same names and shapes.
+    spec: the ModelSpec (zero-gradient slices, parity.weights.zero_grad_slices).
+    noise: side -> (tensor -> noise ratio), for the sides whose rerun finished.
+    rule: the precision's EnvelopeRule.
+    moments: side -> parity.protocol.read_moments output, or None for a side that wrote none.
+    lr_sum: sum of the learning rates of the updates applied (skipped fp16 steps left out).
+    precision: 'fp32' | 'bf16' | 'fp16', selects kappa; None keeps the per-tensor rule.
   Returns:
-    A 'params_envelope' Check (value: the pair's ratio at the worst tensor, tolerance: its bound there), or None
-    when neither side has a rerun's final params.
+    A 'params_envelope' Check, or None when neither side has a rerun's final params. value / tolerance: the worst
+    element's |a_i - b_i| and its allowed bound (per element rule), or the worst tensor's ratio and bound_T
+    (fallback).
+  Raises:
+    KeyError: `precision` has no params_grad_noise entry.
   """
   envs = [noise[s] for s in (a_side, b_side) if s in noise]
   if not envs:
     return None
+  moments = moments or {}
+  ma, mb = moments.get(a_side), moments.get(b_side)
+  missing = [s for s, m in ((a_side, ma), (b_side, mb)) if m is None]
+  use_adam = (precision is not None and not missing
+              and all(set(m["grad_rms"]) >= set(a) and set(m["sensitivity"]) >= set(a) for m in (ma, mb)))
+  kappa = tolerance(precision, "params_grad_noise").rtol if use_adam else 0.0
   pair = param_ratios(a, b, init, spec)
+  zslices = zero_grad_slices(spec)
   rows = []
   for name, r in pair.items():
     bound = rule.factor * max(e.get(name, 0.0) for e in envs) + rule.params_floor
-    rows.append((r / bound if math.isfinite(r) else math.inf, name, r, bound))
-  rows.sort(reverse=True)
-  score, name, r, bound = rows[0]
-  over = sum(x[0] > 1.0 for x in rows)
-  detail = (f"worst tensor {name}: max |Δ| / moved = {r:.3g} vs bound {bound:.3g} ({rule.factor:g}x the noisier "
-            f"rerun's + {rule.params_floor:g}); {over} of {len(rows)} tensors over")
+    if not use_adam or not math.isfinite(r):
+      rows.append((r / bound if math.isfinite(r) else math.inf, name, r, bound, r, bound))
+      continue
+    pa, pb, p0 = (np.asarray(x, dtype=np.float64) for x in (a[name], b[name], init[name]))
+    mask = np.ones(pa.shape, dtype=bool)
+    if name in zslices:
+      mask[slice(*zslices[name])] = False
+    d = np.abs(pa - pb)[mask]
+    moved = max(float(np.max(np.abs(pa - p0)[mask], initial=0.0)), float(np.max(np.abs(pb - p0)[mask], initial=0.0)))
+    g = max(float(np.sqrt(np.mean(np.square(m["grad_rms"][name].astype(np.float64))))) for m in (ma, mb))
+    sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
+    allowed = bound * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)
+    with np.errstate(invalid="ignore", divide="ignore"):
+      scores = np.where(allowed > 0, d / np.maximum(allowed, 1e-300), np.where(d == 0, 0.0, np.inf))
+    if not scores.size:
+      rows.append((0.0, name, r, bound, 0.0, 0.0))
+      continue
+    k = int(np.argmax(scores))
+    rows.append((float(scores[k]), name, r, bound, float(d[k]), float(allowed[k])))
+  rows.sort(key=lambda x: (-x[0] if not math.isnan(x[0]) else -math.inf, x[1]))
+  score, name, r, bound, value, allowed = rows[0]
+  over = sum(not x[0] <= 1.0 for x in rows)
+  base = f"{rule.factor:g}x the noisier rerun's + {rule.params_floor:g}"
+  if use_adam:
+    detail = (f"worst tensor {name}: element |Δ| = {value:.3g} vs allowed {allowed:.3g} ({score:.3g}x; "
+              f"{bound:.3g}·moved + min(2·Σlr, {kappa:.3g}·g·S_i), {bound:.3g} = {base}); tensor max |Δ| / moved = "
+              f"{r:.3g}; {over} of {len(rows)} tensors over; rule: envelope + Adam per element (moments of both sides)")
+    reason = rule.reason + " " + tolerance(precision, "params_grad_noise").reason
+  else:
+    why = (f"{', '.join(missing)} wrote no {FINAL_MOMENTS_NAME}" if missing and precision is not None else
+           "no moments given" if precision is None else "a moments file lacks some tensors")
+    detail = (f"worst tensor {name}: max |Δ| / moved = {r:.3g} vs bound {bound:.3g} ({base}); {over} of "
+              f"{len(rows)} tensors over; rule: per-tensor fallback ({why})")
+    reason = rule.reason
   return Check(name=f"params_envelope {a_side}~{b_side}", metric="params_envelope", sides=(a_side, b_side),
-               value=r, tolerance=bound, passed=over == 0, worst=name, detail=detail, reason=rule.reason)
+               value=value, tolerance=allowed, passed=over == 0, worst=name, detail=detail, reason=reason)
 
 
 def repeat_check(kind: str, side: str, first: Sequence[dict], again: Sequence[dict], *, from_step: int = 0,

@@ -128,3 +128,79 @@ def test_read_moments_round_trip_and_unreadable_files_fall_back(tmp_path):
   weights.save({"grad_rms/w": np.ones(2)}, tmp_path / "half")
   weights.save({"w": np.ones(2)}, tmp_path / "foreign")
   assert all(read_moments(tmp_path / n) is None for n in ("neg", "half", "foreign", "missing"))
+
+
+# The bf16/fp16 noise-envelope params rule (parity.checks.envelope_params_check) with the same Adam term.
+
+NOISE_RATIO = 1e-4  # each side's max|side - rerun| / moved, every tensor: bound_T = 10 * 1e-4 + 2e-3 = 3e-3 (bf16)
+
+
+def _envelope_check(a, b, init, moments, precision="bf16"):
+  from parity.checks import envelope_params_check
+  from parity.tolerances import envelope_rule
+  noise = {s: {n: NOISE_RATIO for n in a} for s in ("a", "b")}
+  return envelope_params_check("a", a, "b", b, init, SPEC, noise, envelope_rule(precision), moments=moments,
+                               lr_sum=LR * STEPS, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_envelope_rounding_level_element_may_differ_by_a_full_adam_step(precision):
+  init, a, b, moms = _pair()
+  name = "h.0.attn.qkv.bias"
+  b[name][7] = a[name][7] - 2 * LR  # the Constant-lr false alarm: opposite-sign steps on a rounding-level gradient
+  for m in moms.values():
+    m["grad_rms"][name][7] = 1e-11
+    m["sensitivity"][name][7] = STEPS * LR / (1e-11 + EPS)
+  check = _envelope_check(a, b, init, moms, precision)
+  assert check.passed and "envelope + Adam per element" in check.detail, check.detail
+  old = _envelope_check(a, b, init, None, precision)  # the per-tensor envelope: 2e-3 / 4e-3 = 0.5 > 3e-3
+  assert not old.passed and old.worst == name and "per-tensor fallback" in old.detail
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_envelope_large_gradient_element_with_the_same_difference_fails(precision):
+  init, a, b, moms = _pair()
+  name = "h.0.attn.qkv.bias"
+  b[name][7] = a[name][7] - 2 * LR  # gradient RMS 1e-2 (S_i = 0.4): kappa * g * S_i = 2.6e-4 (bf16), far below
+  check = _envelope_check(a, b, init, moms, precision)
+  assert not check.passed and check.worst == name and check.value == pytest.approx(2 * LR, rel=1e-3)
+  assert check.tolerance < 3e-4 and "1 of" in check.detail
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_envelope_lr_ten_percent_on_every_element_still_fails(precision):
+  init, a, b, moms = _pair()
+  b = {k: v + 0.1 * (v - init[k]) if k.endswith("mlp.fc.weight") else v for k, v in a.items()}  # 1.1x the movement
+  check = _envelope_check(a, b, init, moms, precision)
+  assert not check.passed and check.worst.endswith("mlp.fc.weight"), check.detail
+
+
+@pytest.mark.parametrize("missing", ["b", "both"])
+def test_envelope_missing_moments_fall_back_per_tensor_and_say_so(missing):
+  init, a, b, moms = _pair()
+  moms = {"a": None, "b": None} if missing == "both" else {**moms, "b": None}
+  check = _envelope_check(a, b, init, moms)
+  assert check.passed and "per-tensor fallback" in check.detail and "final_moments.safetensors" in check.detail
+  assert ("a, b" if missing == "both" else "b wrote") in check.detail
+  name = "h.0.mlp.fc.weight"
+  b[name] = a[name] + 1e-2 * (a[name] - init[name])  # 1% of the movement: over bound_T = 3e-3
+  check = _envelope_check(a, b, init, moms)
+  assert not check.passed and check.worst == name and check.tolerance == pytest.approx(3e-3)
+
+
+def test_envelope_kappa_is_fp32s_scaled_by_unit_roundoff():
+  from parity.tolerances import tolerance
+  k32 = tolerance("fp32", "params_grad_noise").rtol
+  assert tolerance("bf16", "params_grad_noise").rtol == pytest.approx(k32 * 2.0 ** -8 / 2.0 ** -24)
+  assert tolerance("fp16", "params_grad_noise").rtol == pytest.approx(k32 * 2.0 ** -11 / 2.0 ** -24)
+
+
+@requires_jax
+@requires_torch
+def test_bf16_constant_lr_correct_pair_passes_the_params_envelope(tmp_path):
+  import parity
+  # failed before: params_envelope h.0.attn.qkv.bias max |Δ| / moved = 0.216 vs bound 0.1
+  rep = parity.compare("gpt2-tiny", steps=8, sides=["jax", "torch"], out=tmp_path / "ok", determinism_steps=0,
+                       overrides=['train.precision="bf16"', 'train.lr_schedule="Constant"'], noise_envelope=True)
+  pe = next(c for c in rep.data["checks"] if c["metric"] == "params_envelope")
+  assert rep.passed and pe["passed"] and "envelope + Adam per element" in pe["detail"], pe
