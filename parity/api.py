@@ -11,13 +11,13 @@ from parity import weights
 from parity.checks import compare_sides, verdict
 from parity.protocol import FINAL_MOMENTS, read_moments, read_steps
 from parity.report import Report, build_report, write_all
-from parity.run import RunIOError, claim_run_dir, default_run_dir, parse_perturb, prepare_run_dir, resolve
-from parity.spec import DEFAULT_PRESET
+from parity.run import claim_run_dir, default_run_dir, parse_perturb, prepare_run_dir
 
 __all__ = ["compare"]
 
 
-def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None, overrides: Sequence[str] = (),
+def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None,
+            overrides: Mapping[str, object] | Sequence[str] = (),
             steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
             out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
             timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None,
@@ -63,30 +63,11 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
       do not raise: the report goes wherever it can and `report.data['write_errors']` names what failed (exit 1).
   """
   t0 = time.time()
-  name = preset or DEFAULT_PRESET
-  spec = resolve(preset, config=config, overrides=overrides, steps=steps, sides=sides, data=data)
-  plan_choice = None
-  if plan is not None:
-    spec, plan_choice = _apply_plan(spec, plan, hardware, overrides)
-  else:  # name the pair the run's plans happen to be (the default pair, unless --set changed them)
-    from parity.plans import DEFAULT_PLAN, plan_of
-    matched = plan_of(spec)
-    if matched is not None:
-      plan_choice = {"name": matched, "chosen_by": "default" if matched == DEFAULT_PLAN else "the run's settings"}
-  init = None
-  if hf_model is not None:
-    from parity import convert, hf
-    from parity.spec import SpecError
-    try:
-      spec, init = hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
-    except (ValueError, FileNotFoundError) as exc:  # HFFormatError is a SpecError (a ValueError)
-      raise SpecError(f"--hf-model {hf_model}: {exc}") from None
-  port = None
-  if deepspeed_config is not None:
-    from parity.migrate import read_deepspeed_config
-    from parity.migrate._reverse import port_for_compare
-    spec, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec,
-                                          source=str(deepspeed_config))
+  from parity.resolve import resolve_run
+  run = resolve_run(preset, config=config, hf_model=hf_model, plan=plan, hardware=hardware,
+                    deepspeed_config=deepspeed_config, steps=steps, sides=sides, data=data, overrides=overrides)
+  spec, name, plan_choice, init, port = run.spec, run.preset, run.plan, run.init_params, run.port
+  ds_cfg = dict(run.deepspeed_config) if run.deepspeed_config is not None else None
   pert = parse_perturb(list(perturb), spec.sides) if not isinstance(perturb, Mapping) else dict(perturb)
   _check_run_options(spec, pert, timeout_s, determinism_steps, resume_at)
   run_dir = Path(out) if out is not None else default_run_dir(spec, name)
@@ -361,37 +342,6 @@ def _interrupted_run(run_dir: Path, side: str):
   summ = read_summary(run_dir / side / "summary.json") or {"side": side, "status": "killed"}
   return SideRun(side=side, status="killed", returncode=None, wall_s=0.0, peak_rss_bytes=None, summary=summ,
                  error=summ.get("error"))
-
-
-def _apply_plan(spec, plan: str, hardware: str, overrides: Sequence[str] = ()):
-  """(spec with the plan pair applied, {name, chosen_by, why?, overrides?}) for `--plan NAME|auto`.
-
-  The pair replaces both sides' plans; the `jax.*` / `deepspeed.*` entries of `overrides` are then applied on
-  top of it (and recorded), so `--plan zero3 --set jax.remat=full` means the pair with that one change.
-  """
-  from parity.spec import apply_overrides
-  on_top = [o for o in overrides if o.split("=", 1)[0].strip().startswith(("jax.", "deepspeed."))]
-  spec, choice = _plan_pair(spec, plan, hardware)
-  if on_top:
-    spec = apply_overrides(spec, on_top).validate()
-    choice["overrides"] = on_top
-  return spec, choice
-
-
-def _plan_pair(spec, plan: str, hardware: str):
-  """(spec with the named or planner-chosen pair applied, {name, chosen_by, why?})."""
-  from parity import plans
-  from parity.spec import SpecError
-  if plan != "auto":
-    return plans.apply_plan(spec, plan), {"name": plan, "chosen_by": "user"}
-  if hardware not in plans.HARDWARE:
-    raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
-  best, ranked = plans.choose_plan(spec.model, spec.train, plans.HARDWARE[hardware], sides=tuple(
-      s for s in spec.sides if s in ("jax", "deepspeed")) or ("jax",))
-  if best is None:
-    raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
-  return plans.apply_plan(spec, best.name), {"name": best.name, "chosen_by": f"planner ({hardware})",
-                                             "why": plans.explain(best, ranked)}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from pathlib import Path
 from parity.data import DataError
 from parity.inputs import count_arg
 from parity.run import RunIOError
-from parity.spec import DEFAULT_PRESET, PRESETS, SpecError, to_dict
+from parity.spec import DEFAULT_PRESET, PRESETS, SpecError, parse_overrides, to_dict
 
 __all__ = ["main"]
 
@@ -117,7 +117,7 @@ def _add_diagnose(sub) -> None:
 def _run_diagnose(args) -> int:
   from parity.diagnose import diagnose
   con = _console()
-  res = diagnose(args.preset, config=args.config, overrides=args.overrides, hf_model=args.hf_model, step=args.step,
+  res = diagnose(args.preset, config=args.config, overrides=parse_overrides(args.overrides), hf_model=args.hf_model, step=args.step,
                  sides=[s.strip() for s in args.sides.split(",") if s.strip()], perturb=args.perturb,
                  plants=args.plant, out=args.out, timeout_s=args.timeout)
   a, b = res.sides
@@ -143,7 +143,7 @@ def _run_diagnose(args) -> int:
 def _run_compare(args) -> int:
   from parity.api import compare
   con = _console()
-  report = compare(args.preset, config=args.config, overrides=args.overrides, steps=args.steps,
+  report = compare(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
                    sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
                    perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
                    hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,

@@ -342,7 +342,7 @@ class SideIO:
     perturb = dict(self.request.get("perturb", {}).get(side, {}))
     self.debug = {k: parse_debug_value(k, perturb.pop(k)) for k in DEBUG_KEYS if k in perturb}
     base = from_dict(RunSpec, self.request["run"])
-    self.run = apply_overrides(base, [f"{k}={json.dumps(v)}" for k, v in perturb.items()]) if perturb else base
+    self.run = apply_overrides(base, perturb) if perturb else base
     self.perturbed = perturb
     self._steps = open(self.out / "steps.jsonl", "w")
     self._step_times: list[float] = []

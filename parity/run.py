@@ -18,7 +18,7 @@ import numpy as np
 from parity import weights
 from parity.data import Corpus, load_corpus, make_batches
 from parity.protocol import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
-from parity.spec import DEFAULT_PRESET, RunSpec, SpecError, apply_overrides, config_hash, from_dict, preset, to_dict
+from parity.spec import RunSpec, SpecError, apply_overrides, config_hash, to_dict
 
 __all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb", "claim_run_dir",
            "RunFolder", "RunFolderError", "RunIOError", "read_lock", "write_new", "LOCK_NAME"]
@@ -51,54 +51,16 @@ def _merge(base: dict, top: Mapping) -> dict:
 
 
 def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
-            overrides: Sequence[str] = (), steps: int | None = None, sides: Sequence[str] | None = None,
-            data: str | None = None) -> RunSpec:
-  """Builds the RunSpec of a comparison: preset, then config file, then flags, then `key=value` overrides.
+            overrides: Mapping[str, Any] | Sequence[str] = (), steps: int | None = None,
+            sides: Sequence[str] | None = None, data: str | None = None) -> RunSpec:
+  """The RunSpec of `parity.resolve.resolve_run` for a preset, config, flags and overrides (no checkpoint, plan or
+  DeepSpeed config): a shorthand for tests and benchmarks.
 
-  A config file may name its own base with a top-level `preset:` key. A config written by `parity port`
-  (schema 'parity.ported/1') sets the training and plan sections; the model and data come from the preset.
   Raises:
     SpecError: unknown preset or key, a value of the wrong type or out of range.
   """
-  cfg: dict[str, Any] = {}
-  source = "config"
-  if isinstance(config, (str, Path)):
-    source = str(config)
-    cfg = load_config_file(config)
-    cfg = _data_relative_to(cfg, Path(config))
-  elif config is not None:
-    cfg = dict(config)
-  name = cfg.pop("preset", None) or preset_name or DEFAULT_PRESET
-  if cfg.get("schema") == "parity.ported/1":  # the output of `parity port`: the JAX config of a DeepSpeed run
-    from parity.migrate._reverse import load_ported, to_run_spec
-    spec = to_run_spec(load_ported(cfg, source=source), preset(name))
-    cfg = {}
-  else:
-    spec = None
-  base = to_dict(spec if spec is not None else preset(name))
-  try:
-    spec = from_dict(RunSpec, _merge(base, cfg))
-    from parity.spec import check_numbers
-    check_numbers(spec)  # out-of-range numbers are named with the file they came from
-  except SpecError as exc:
-    raise SpecError(f"{source}: {exc}") from None
-  flags = {}
-  if steps is not None:
-    flags["train"] = {"steps": steps}
-  if sides is not None:
-    flags["sides"] = list(sides)
-  if data is not None:
-    flags["data"] = data
-  if flags:
-    spec = from_dict(RunSpec, _merge(to_dict(spec), flags))
-  if overrides:
-    spec = apply_overrides(spec, list(overrides))
-  if spec.train.eval_every > spec.train.steps:
-    spec = apply_overrides(spec, [f"train.eval_every={spec.train.steps}"])
-  if _is_path(spec.data) and not Path(spec.data).expanduser().is_absolute():  # --data / --set: relative to the cwd
-    import dataclasses
-    spec = dataclasses.replace(spec, data=str(Path(spec.data).expanduser().absolute()))
-  return spec.validate()
+  from parity.resolve import resolve_run
+  return resolve_run(preset_name, config=config, overrides=overrides, steps=steps, sides=sides, data=data).spec
 
 
 def _is_path(data: Any) -> bool:
@@ -165,7 +127,7 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[
       value = list(value) if isinstance(value, tuple) else value
     out.setdefault(side, {})[key] = value
   for side, kv in out.items():  # validate overrides now, not inside a worker
-    fields = [f"{k}={json.dumps(v)}" for k, v in kv.items() if k not in DEBUG_KEYS]
+    fields = {k: v for k, v in kv.items() if k not in DEBUG_KEYS}
     if fields:
       apply_overrides(RunSpec(), fields).validate()
   return out

@@ -11,12 +11,12 @@ import enum
 import hashlib
 import json
 import math
-from typing import Any, Literal, Mapping, TypeVar
+from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
     "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
-    "parse_value",
+    "parse_value", "parse_overrides",
 ]
 
 
@@ -497,23 +497,40 @@ def parse_value(raw: str, source: str) -> Any:
     return raw
 
 
-def apply_overrides(spec: RunSpec, overrides: list[str]) -> RunSpec:
-  """Applies dotted `key=value` overrides, e.g. `train.lr=3e-4`, `model.norm_eps=1e-6`.
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+  """`section.key=value` strings (the CLI's --set) -> {dotted key: parsed value}, in order (a later key wins).
 
-  Values are parsed as JSON where possible (numbers, true/false, null, lists), else as strings.
-  Raises SpecError naming the key when it does not exist or the value has the wrong type.
+  Values are parsed by `parse_value` (JSON where it parses, else the string).
+  Raises:
+    SpecError: an item without '=' or with an empty key, or a value parse_value refuses.
   """
-  data = to_dict(spec)
-  for item in overrides:
-    if "=" not in item:
+  out: dict[str, Any] = {}
+  for item in items:
+    if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
       raise SpecError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
     key, raw = item.split("=", 1)
-    value = parse_value(raw, f"override {key.strip()!r}")
+    out[key.strip()] = parse_value(raw, f"override {key.strip()!r}")
+  return out
+
+
+def apply_overrides(spec: RunSpec, overrides: Mapping[str, Any]) -> RunSpec:
+  """Applies dotted overrides, e.g. {'train.lr': 3e-4, 'model.norm_eps': 1e-6}, over `spec`.
+
+  Only the CLI parses `key=value` strings (`parse_overrides`); here values are already Python values.
+  Raises:
+    SpecError: naming the key when it does not exist or the value has the wrong type.
+  """
+  if not isinstance(overrides, Mapping):
+    raise SpecError(f"overrides must be a mapping of dotted keys to values (parity.spec.parse_overrides turns "
+                    f"key=value strings into one); got {type(overrides).__name__}")
+  data = to_dict(spec)
+  for key, value in overrides.items():
     node = data
-    parts = key.strip().split(".")
+    parts = str(key).strip().split(".")
     for p in parts[:-1]:
       if not isinstance(node.get(p), dict):
-        raise SpecError(f"override {key!r}: {p!r} is not a section; sections: {', '.join(k for k, v in data.items() if isinstance(v, dict))}")
+        raise SpecError(f"override {key!r}: {p!r} is not a section; sections: "
+                        f"{', '.join(k for k, v in data.items() if isinstance(v, dict))}")
       node = node[p]
     if parts[-1] not in node:
       raise SpecError(f"override {key!r}: unknown key {parts[-1]!r}; expected one of: {', '.join(node)}")

@@ -144,17 +144,16 @@ def test_planner_ranks_a_pair_the_run_cannot_use_last_with_the_reason(monkeypatc
 
 
 def test_compare_applies_jax_and_deepspeed_overrides_on_top_of_a_plan():
-  """`--plan NAME --set jax.* --set deepspeed.*`: the pair first, then the overrides (recorded); other keys
-  were applied before the plan and stay."""
-  from parity.api import _apply_plan
-  from parity.run import resolve
+  """`--plan NAME --set jax.* --set deepspeed.*`: the pair first, then every override once, last (recorded)."""
+  from parity.resolve import resolve_run
   over = ["jax.remat=\"full\"", "deepspeed.activation_checkpointing=true", "train.lr=0.001"]
-  spec, choice = _apply_plan(resolve("gpt2-tiny", overrides=over), "zero2-offload-scan", "H100", over)
+  run = resolve_run("gpt2-tiny", plan="zero2-offload-scan", overrides=over)
+  spec, choice = run.spec, run.plan
   assert spec.jax.scan_layers and spec.jax.offload_opt_state and spec.jax.remat == "full"
   assert spec.deepspeed.activation_checkpointing and spec.deepspeed.zero_stage == 2
   assert spec.train.lr == 0.001
   assert choice == {"name": "zero2-offload-scan", "chosen_by": "user", "overrides": over[:2]}
-  plain, choice = _apply_plan(resolve("gpt2-tiny"), "zero2-offload-scan", "H100")
-  assert plain.jax.remat == "none" and "overrides" not in choice
+  plain = resolve_run("gpt2-tiny", plan="zero2-offload-scan")
+  assert plain.spec.jax.remat == "none" and "overrides" not in plain.plan
   with pytest.raises(SpecError, match="jax.zero_stage"):
-    _apply_plan(resolve("gpt2-tiny"), "zero2", "H100", ["jax.zero_stage=7"])
+    resolve_run("gpt2-tiny", plan="zero2", overrides={"jax.zero_stage": 7})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from parity import schedule, weights
-from parity.spec import (PRESETS, DeepSpeedPlan, ModelSpec, RunSpec, SpecError, TrainSpec, apply_overrides,
+from parity.spec import (PRESETS, DeepSpeedPlan, ModelSpec, RunSpec, SpecError, TrainSpec, apply_overrides, parse_overrides,
                          config_hash, from_dict, to_dict)
 from parity.run import parse_perturb, resolve
 
@@ -18,14 +18,14 @@ def test_presets_validate_and_round_trip():
 
 
 def test_overrides_apply_and_reject_unknown_keys():
-  s = apply_overrides(RunSpec(), ["train.lr=3e-4", "model.norm_eps=1e-6", "jax.offload_params=true"])
+  s = apply_overrides(RunSpec(), parse_overrides(["train.lr=3e-4", "model.norm_eps=1e-6", "jax.offload_params=true"]))
   assert s.train.lr == 3e-4 and s.model.norm_eps == 1e-6 and s.jax.offload_params is True
   with pytest.raises(SpecError, match="unknown key 'lrr'"):
-    apply_overrides(RunSpec(), ["train.lrr=1"])
+    apply_overrides(RunSpec(), parse_overrides(["train.lrr=1"]))
   with pytest.raises(SpecError, match="expected an integer"):
-    apply_overrides(RunSpec(), ["train.steps=abc"])
+    apply_overrides(RunSpec(), parse_overrides(["train.steps=abc"]))
   with pytest.raises(SpecError, match="section.key=value"):
-    apply_overrides(RunSpec(), ["train.steps"])
+    apply_overrides(RunSpec(), parse_overrides(["train.steps"]))
 
 
 @pytest.mark.parametrize("bad, match", [

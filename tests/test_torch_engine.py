@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from parity import data, schedule, weights  # noqa: E402
 from parity.protocol import REQUEST_SCHEMA, read_steps, read_summary  # noqa: E402
-from parity.spec import DeepSpeedPlan, ModelSpec, RunSpec, apply_overrides, preset, to_dict  # noqa: E402
+from parity.spec import DeepSpeedPlan, ModelSpec, RunSpec, apply_overrides, parse_overrides, preset, to_dict  # noqa: E402
 from parity.tolerances import tolerance  # noqa: E402
 from torch_impl.baseline import CLIP_EPS, TorchTrainer, clip_like_deepspeed, global_grad_norm  # noqa: E402
 from torch_impl.engine import ds_config  # noqa: E402
@@ -94,8 +94,8 @@ def assert_close(name: str, got: np.ndarray, want: np.ndarray, atol: float) -> N
 # ----------------------------------------------------------------------------- config
 
 def test_ds_config_maps_every_spec_field():
-  run = apply_overrides(preset("gpt2-tiny"), ["train.grad_accum_steps=3", "train.weight_decay=0.05",
-                                              "train.grad_clip=0.5", "train.beta2=0.99"])
+  run = apply_overrides(preset("gpt2-tiny"), parse_overrides(["train.grad_accum_steps=3", "train.weight_decay=0.05",
+                                              "train.grad_clip=0.5", "train.beta2=0.99"]))
   cfg = ds_config(run)
   t = run.train
   assert cfg["train_micro_batch_size_per_gpu"] == t.micro_batch_size
@@ -117,12 +117,12 @@ def test_ds_config_maps_every_spec_field():
     ("WarmupLR", {"warmup_num_steps": 4}),
 ])
 def test_ds_config_scheduler_comes_from_parity_schedule(kind, params):
-  run = apply_overrides(preset("gpt2-tiny"), [f"train.lr_schedule={kind}",
-                                              f"train.lr_schedule_params={json.dumps(params)}"])
+  run = apply_overrides(preset("gpt2-tiny"), parse_overrides([f"train.lr_schedule={kind}",
+                                              f"train.lr_schedule_params={json.dumps(params)}"]))
   cfg = ds_config(run)
   assert cfg["scheduler"] == schedule.deepspeed_scheduler(run.train)
   assert cfg["scheduler"]["type"] == kind and cfg["scheduler"]["params"].items() >= params.items()
-  constant = apply_overrides(preset("gpt2-tiny"), ["train.lr_schedule=Constant"])
+  constant = apply_overrides(preset("gpt2-tiny"), parse_overrides(["train.lr_schedule=Constant"]))
   assert "scheduler" not in ds_config(constant)
 
 
@@ -350,8 +350,8 @@ def test_ported_scheduler_lr_matches_on_both_sides(tmp_path):
   pytest.importorskip("deepspeed")
   params = {"total_num_steps": 6, "warmup_num_steps": 3, "warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
             "warmup_type": "log"}
-  run = apply_overrides(tiny_run(steps=6, eval_every=0), ["train.lr_schedule=WarmupDecayLR",
-                                                          f"train.lr_schedule_params={json.dumps(params)}"])
+  run = apply_overrides(tiny_run(steps=6, eval_every=0), parse_overrides(["train.lr_schedule=WarmupDecayLR",
+                                                          f"train.lr_schedule_params={json.dumps(params)}"]))
   request = make_run_dir(tmp_path, run)
   results = {side: _load_side(tmp_path, side, run_worker(request, side)) for side in ("deepspeed", "torch")}
   want = [schedule.train_lr(run.train, k) for k in range(run.train.steps)]

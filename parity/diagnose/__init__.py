@@ -246,7 +246,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
     SpecError: bad input (unknown side, key, plant, step out of range, unsupported plan).
   """
   from harness.runner import run_side  # harness depends on parity, not the reverse
-  from parity.run import default_run_dir, parse_perturb, prepare_run_dir, resolve
+  from parity.run import default_run_dir, parse_perturb, prepare_run_dir
 
   t0 = time.time()
   sides = tuple(sides)
@@ -265,15 +265,9 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
       raise SpecError(f"{req_path}: has no 'run' section; pass a folder prepared by `parity diagnose`")
     spec = from_dict(RunSpec, request["run"], path="run")
   else:
-    spec = resolve(preset, config=config, overrides=overrides, sides=sides)
-    if hf_model is not None:
-      from parity import convert, hf
-      try:
-        spec, init_given = hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
-      except (ValueError, FileNotFoundError) as exc:
-        raise SpecError(f"--hf-model {hf_model}: {exc}") from None
-    else:
-      init_given = None
+    from parity.resolve import resolve_run
+    resolved = resolve_run(preset, config=config, hf_model=hf_model, overrides=overrides, sides=sides)
+    spec, init_given = resolved.spec, resolved.init_params
     folder = Path(out) if out is not None else default_run_dir(spec, "diagnose")
   check_plan(spec)
   precision = spec.train.precision

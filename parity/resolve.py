@@ -1,0 +1,257 @@
+"""One resolver for a run: every source of a run's settings, applied in one documented order.
+
+`resolve_run` is what `parity compare` and `parity diagnose` (and `parity.run.resolve`) build a run with. The
+sources, in the order they apply, each later one over the earlier ones:
+
+  1. base        the preset a config file names (`preset:`), else the `preset` argument, else DEFAULT_PRESET
+                 (a config's `preset:` and a different `preset` argument are refused as a conflict)
+  2. config      the config file's sections merged over the preset (a `parity port` output maps onto it)
+  3. checkpoint  an HF checkpoint (`--hf-model`) replaces the model section; its weights become the initial weights
+  4. plan        a plan pair (`--plan NAME|auto`) replaces the `jax` and `deepspeed` sections
+  5. flags       `steps`, `sides`, `data`
+  6. overrides   dotted `section.key: value` pairs, applied once, last, over everything above
+  7. DeepSpeed   a DeepSpeed config (`--deepspeed-config`) is ported against the result: its "auto" values are
+                 filled from the run so far, and what it sets explicitly decides the training, jax and
+                 deepspeed sections. An override that the config contradicts is refused naming both values
+                 (the DeepSpeed side runs the user's file verbatim, so a silent winner either way would make
+                 the sides differ or misreport the run).
+
+Nothing is applied twice and nothing applied earlier is replaced by a later step without that step's rule saying
+so. The result is one frozen ResolvedRun.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from parity.spec import DEFAULT_PRESET, RunSpec, SpecError, apply_overrides, from_dict, parse_overrides, preset, to_dict
+
+__all__ = ["ResolvedRun", "resolve_run", "overrides_mapping"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRun:
+  """Everything a run is built from, resolved.
+
+  Attributes:
+    spec: the validated RunSpec every side runs (sides differ only by `--perturb`).
+    preset: the preset the run is built on (the config file's own `preset:` when it names one).
+    plan: {'name', 'chosen_by', 'why'?} of the plan pair the run's plans are, or None when they match no pair.
+    init_source: absolute path of the HF checkpoint the initial weights come from; None: seeded init
+      (parity.weights.init_params).
+    init_params: canonical initial weights (name -> float32 array) from that checkpoint, or None.
+    deepspeed_config: the resolved DeepSpeed config the DeepSpeed side runs verbatim ("auto" filled), or None.
+    deepspeed_source: the DeepSpeed config file it came from, or None.
+    port: the migration PortResult (key-by-key report) of that config, or None.
+    overrides: the dotted overrides applied last (key -> value), as given.
+  """
+  spec: RunSpec
+  preset: str
+  plan: dict | None = None
+  init_source: str | None = None
+  init_params: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
+  deepspeed_config: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
+  deepspeed_source: str | None = None
+  port: Any = dataclasses.field(default=None, repr=False)
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
+  """A mapping of dotted keys to values from a mapping (returned as a dict) or `key=value` strings (the
+  convenient notebook form; parsed by parity.spec.parse_overrides). Raises SpecError on a malformed string."""
+  if overrides is None:
+    return {}
+  if isinstance(overrides, Mapping):
+    return {str(k).strip(): v for k, v in overrides.items()}
+  if isinstance(overrides, str):
+    raise SpecError(f"overrides {overrides!r}: pass a list of key=value strings or a mapping, not one string")
+  return parse_overrides(list(overrides))
+
+
+def resolve_run(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
+                hf_model: str | Path | None = None, plan: str | None = None, hardware: str = "H100",
+                deepspeed_config: str | Path | None = None, steps: int | None = None,
+                sides: Sequence[str] | None = None, data: str | None = None,
+                overrides: Mapping[str, Any] | Sequence[str] | None = None) -> ResolvedRun:
+  """Resolves one run from all its sources, in the order of this module's docstring.
+
+  Args:
+    preset_name: a parity.spec.PRESETS name, or None (the config's `preset:`, else DEFAULT_PRESET).
+    config: a run config file (YAML/JSON/hjson) or mapping with sections model, train, jax, deepspeed (+ preset,
+      data, sides, timeout_s), or a `parity port` output.
+    hf_model: a local Hugging Face checkpoint folder.
+    plan: a parity.plans.PLANS name, or 'auto' (the fastest pair that fits `hardware` by the memory model).
+    hardware: a parity.plans.HARDWARE preset, for plan='auto'.
+    deepspeed_config: a DeepSpeed JSON config file.
+    steps, sides, data: train.steps, sides and data.
+    overrides: dotted overrides, a mapping {'train.lr': 3e-4} or strings ['train.lr=3e-4'].
+  Returns:
+    The frozen ResolvedRun.
+  Raises:
+    SpecError (and its subclasses), DataError: unknown names or keys, wrong types, out-of-range values, a refused
+      DeepSpeed config, a conflict between two sources (both named).
+  """
+  from parity.run import _data_relative_to
+  over = overrides_mapping(overrides)
+  cfg, source = _config_mapping(config)
+  named = cfg.pop("preset", None)
+  if named is not None and preset_name is not None and named != preset_name:
+    raise SpecError(f"{source} names preset {named!r} but the preset given is {preset_name!r}; drop one of them")
+  name = named or preset_name or DEFAULT_PRESET
+  if isinstance(config, (str, Path)):
+    cfg = _data_relative_to(cfg, Path(config))
+  spec = _base_with_config(name, cfg, source)                                     # 1, 2
+  init_source, init_params = None, None
+  if hf_model is not None:                                                        # 3
+    spec, init_params = _from_checkpoint(hf_model, spec)
+    init_source = str(Path(hf_model).expanduser().absolute())
+  flags: dict[str, Any] = {}                                                      # 5 (before 4: auto plans see them)
+  if steps is not None:
+    flags["train"] = {"steps": steps}
+  if sides is not None:
+    flags["sides"] = list(sides)
+  if data is not None:
+    flags["data"] = data
+  plan_choice = None
+  if plan is not None:                                                            # 4, then 5 and 6 over it
+    pair, plan_choice = _plan_pair(spec, flags, over, plan, hardware)
+    spec = dataclasses.replace(spec, jax=pair.jax, deepspeed=pair.deepspeed)
+  spec = _apply(_apply(spec, flags, "flags"), over)                               # 5, 6
+  ds_cfg, port = None, None
+  if deepspeed_config is not None:                                                # 7
+    spec, ds_cfg, port = _port(deepspeed_config, spec, over)
+  if spec.train.eval_every > spec.train.steps:
+    spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, eval_every=spec.train.steps))
+  if _is_path(spec.data) and not Path(spec.data).expanduser().is_absolute():     # --data / --set: the cwd's
+    spec = dataclasses.replace(spec, data=str(Path(spec.data).expanduser().absolute()))
+  try:
+    spec = spec.validate()
+  except SpecError as exc:
+    raise SpecError(f"plan {plan_choice['name']!r}: {exc}" if plan is not None else str(exc)) from None
+  if init_params is not None:
+    _check_init_shapes(spec, init_params, init_source)
+  if plan_choice is None:
+    plan_choice = _plan_of(spec)
+  elif plan_choice.get("name") is not None:
+    on_top = {k: v for k, v in over.items() if k.startswith(("jax.", "deepspeed."))}
+    if on_top:
+      plan_choice["overrides"] = [f"{k}={json.dumps(v)}" for k, v in on_top.items()]
+  return ResolvedRun(spec=spec, preset=name, plan=plan_choice, init_source=init_source, init_params=init_params,
+                     deepspeed_config=ds_cfg, deepspeed_source=str(deepspeed_config) if deepspeed_config else None,
+                     port=port, overrides=over)
+
+
+def _config_mapping(config) -> tuple[dict[str, Any], str]:
+  from parity.run import load_config_file
+  if config is None:
+    return {}, "config"
+  if isinstance(config, (str, Path)):
+    return dict(load_config_file(config)), str(config)
+  if isinstance(config, Mapping):
+    return dict(config), "config"
+  raise SpecError(f"config: expected a file path or a mapping, got {type(config).__name__}")
+
+
+def _base_with_config(name: str, cfg: dict[str, Any], source: str) -> RunSpec:
+  """The preset `name` with the config's sections merged over it (or a `parity port` output mapped onto it)."""
+  from parity.run import _merge
+  from parity.spec import check_numbers
+  base = preset(name)
+  if cfg.get("schema") == "parity.ported/1":  # the output of `parity port`: the JAX config of a DeepSpeed run
+    from parity.migrate._reverse import load_ported, to_run_spec
+    return to_run_spec(load_ported(cfg, source=source), base)
+  try:
+    spec = from_dict(RunSpec, _merge(to_dict(base), cfg))
+    check_numbers(spec)  # out-of-range numbers are named with the file they came from
+  except SpecError as exc:
+    raise SpecError(f"{source}: {exc}") from None
+  return spec
+
+
+def _apply(spec: RunSpec, values: Mapping[str, Any], what: str | None = None) -> RunSpec:
+  """`values` over `spec`: nested sections ({'train': {'steps': 5}}) when `what` names them, else dotted keys."""
+  if not values:
+    return spec
+  if what is not None:
+    from parity.run import _merge
+    return from_dict(RunSpec, _merge(to_dict(spec), values))
+  return apply_overrides(spec, values)
+
+
+def _from_checkpoint(hf_model, spec: RunSpec):
+  from parity import convert, hf
+  try:
+    return hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
+  except (ValueError, FileNotFoundError) as exc:  # HFFormatError is a SpecError (a ValueError)
+    raise SpecError(f"--hf-model {hf_model}: {exc}") from None
+
+
+def _check_init_shapes(spec: RunSpec, init: Mapping[str, Any], source: str | None) -> None:
+  """The checkpoint's weights must still fit the model after the overrides (e.g. `--set model.d_model=` would not)."""
+  from parity import weights
+  want = weights.param_shapes(spec.model)
+  bad = [n for n, shp in want.items() if n not in init or tuple(init[n].shape) != tuple(shp)]
+  if bad:
+    n = bad[0]
+    got = tuple(init[n].shape) if n in init else "missing"
+    raise SpecError(f"--hf-model {source}: the overrides change the model so its weights no longer fit "
+                    f"({n}: checkpoint {got}, model {tuple(want[n])}); override only settings that keep the shapes "
+                    f"(e.g. model.norm_eps), or drop --hf-model")
+
+
+def _plan_pair(spec: RunSpec, flags: Mapping[str, Any], over: Mapping[str, Any], plan: str, hardware: str):
+  """(the named or planner-chosen parity.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is validated with the rest of the run at the end; the
+  planner ('auto') chooses for the run as the flags and overrides will make it (they are applied to a copy)."""
+  from parity import plans
+  if plan != "auto":
+    if plan not in plans.PLANS:
+      raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
+    return plans.PLANS[plan], {"name": plan, "chosen_by": "user"}
+  if hardware not in plans.HARDWARE:
+    raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
+  user = _apply(_apply(spec, flags, "flags"), over)
+  best, ranked = plans.choose_plan(user.model, user.train, plans.HARDWARE[hardware], sides=tuple(
+      s for s in user.sides if s in ("jax", "deepspeed")) or ("jax",))
+  if best is None:
+    raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
+  return plans.PLANS[best.name], {"name": best.name, "chosen_by": f"planner ({hardware})",
+                                  "why": plans.explain(best, ranked)}
+
+
+def _plan_of(spec: RunSpec) -> dict | None:
+  """The pair the run's plans happen to be (the default pair unless the config or overrides changed them)."""
+  from parity.plans import DEFAULT_PLAN, plan_of
+  matched = plan_of(spec)
+  if matched is None:
+    return None
+  return {"name": matched, "chosen_by": "default" if matched == DEFAULT_PLAN else "the run's settings"}
+
+
+def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any]):
+  """Ports the DeepSpeed config against `spec`; refuses an override the config contradicts (both values named)."""
+  from parity.migrate import read_deepspeed_config
+  from parity.migrate._reverse import port_for_compare
+  ported, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec, source=str(deepspeed_config))
+  want, got = to_dict(spec), to_dict(ported)
+  for key in over:
+    mine, theirs = _get(want, key), _get(got, key)
+    if mine != theirs:
+      raise SpecError(f"--set {key}={mine!r} conflicts with --deepspeed-config {deepspeed_config}, which sets it to "
+                      f"{theirs!r}; the DeepSpeed side runs that file as written, so change the value there (or set "
+                      f"it to \"auto\" to take it from the run), or drop the --set")
+  return ported, ds_cfg, port
+
+
+def _get(tree: Mapping[str, Any], dotted: str) -> Any:
+  node: Any = tree
+  for part in dotted.split("."):
+    if not isinstance(node, Mapping) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def _is_path(data: Any) -> bool:
+  return isinstance(data, str) and bool(data.strip()) and data != "stdlib"

@@ -1,0 +1,79 @@
+"""One resolver (parity.resolve.resolve_run): the order the sources apply in, and the defects it removed
+(issue #12: a config's own preset misreported, --hf-model dropping --set model.*, overrides applied twice around
+--plan, --deepspeed-config silently beating --set train.*)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parity import hf, weights
+from parity.resolve import ResolvedRun, overrides_mapping, resolve_run
+from parity.spec import SpecError, preset
+
+
+def _hf_folder(tmp_path, name="gpt2-tiny"):
+  """A GPT-2 HF checkpoint folder of the preset's model, written from numpy (no torch)."""
+  from parity import convert
+  spec = preset(name).model
+  canon = tmp_path / "w.safetensors"
+  hf.save_canonical(canon, weights.init_params(spec, seed=3), spec)
+  assert convert.main([str(canon), str(tmp_path / "hf"), "--to", "hf"]) == 0
+  return tmp_path / "hf"
+
+
+def test_a_config_naming_its_own_preset_is_reported_as_that_preset(tmp_path):
+  cfg = tmp_path / "run.yaml"
+  cfg.write_text("preset: gpt2-tiny\ntrain:\n  lr: 0.0005\n")
+  run = resolve_run(config=cfg)
+  assert run.preset == "gpt2-tiny" and run.spec.model == preset("gpt2-tiny").model and run.spec.train.lr == 5e-4
+  from parity.run import default_run_dir
+  assert "gpt2-tiny" in default_run_dir(run.spec, run.preset).name
+  with pytest.raises(SpecError, match="names preset 'gpt2-tiny' but the preset given is 'gpt2-mini'"):
+    resolve_run("gpt2-mini", config=cfg)
+
+
+def test_hf_checkpoint_keeps_model_overrides_and_refuses_ones_that_change_shapes(tmp_path):
+  folder = _hf_folder(tmp_path)
+  run = resolve_run("gpt2-tiny", hf_model=folder, overrides={"model.norm_eps": 1e-6, "train.steps": 3})
+  assert run.spec.model.norm_eps == 1e-6 and run.spec.train.steps == 3
+  assert run.init_source == str(folder.absolute()) and set(run.init_params) == set(weights.param_shapes(run.spec.model))
+  with pytest.raises(SpecError, match="no longer fit"):
+    resolve_run("gpt2-tiny", hf_model=folder, overrides={"model.d_model": 96})
+
+
+def test_overrides_are_applied_once_after_the_plan(monkeypatch):
+  import parity.resolve as r
+  calls = []
+  real = r.apply_overrides
+  monkeypatch.setattr(r, "apply_overrides", lambda spec, over: calls.append(dict(over)) or real(spec, over))
+  run = resolve_run("gpt2-tiny", plan="zero2-offload-scan", overrides=["jax.remat=\"full\"", "train.lr=0.001"])
+  assert calls == [{"jax.remat": "full", "train.lr": 0.001}]
+  assert run.spec.jax.remat == "full" and run.spec.jax.scan_layers and run.spec.train.lr == 0.001
+  assert run.plan["name"] == "zero2-offload-scan" and run.plan["overrides"] == ['jax.remat="full"']
+
+
+def test_deepspeed_config_contradicting_a_set_is_refused_naming_both(tmp_path):
+  ds = tmp_path / "ds.json"
+  ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": "auto", "eps": "auto",
+                                                                      "weight_decay": "auto"}},
+                            "zero_optimization": {"stage": 1}, "gradient_clipping": "auto"}))
+  with pytest.raises(SpecError, match=r"--set train.lr=0.003 conflicts with --deepspeed-config .*sets it to 0.0001"):
+    resolve_run("gpt2-tiny", deepspeed_config=ds, overrides={"train.lr": 3e-3})
+  run = resolve_run("gpt2-tiny", deepspeed_config=ds, overrides={"train.weight_decay": 0.05, "train.lr": 1e-4})
+  assert run.spec.train.weight_decay == 0.05 and run.spec.train.lr == 1e-4  # "auto" takes the --set value
+  assert run.deepspeed_config["optimizer"]["params"]["weight_decay"] == 0.05
+  assert run.port is not None and run.deepspeed_source == str(ds)
+
+
+def test_resolved_run_is_frozen_and_overrides_parse_once():
+  run = resolve_run("gpt2-tiny", steps=4, sides=["jax", "torch"])
+  assert isinstance(run, ResolvedRun) and run.spec.train.steps == 4 and run.plan["chosen_by"] == "default"
+  with pytest.raises(AttributeError):
+    run.preset = "x"  # type: ignore[misc]
+  assert overrides_mapping(["train.lr=3e-4", "jax.remat=\"full\""]) == {"train.lr": 3e-4, "jax.remat": "full"}
+  with pytest.raises(SpecError, match="must look like"):
+    overrides_mapping(["train.lr"])
+  with pytest.raises(SpecError, match="not one string"):
+    overrides_mapping("train.lr=1")
