@@ -19,13 +19,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from harness import lifetime
 from harness.env import worker_env
-from parity.protocol import LAUNCH_ENV, SIDE_WORKERS, read_steps, read_summary
+from parity.protocol.layout import LAUNCH_ENV, read_steps, read_summary
+from parity.protocol.workers import worker_module
 
-__all__ = ["SideRun", "run_side", "build_ops", "STATUSES"]
+__all__ = ["SideRun", "run_side", "run_each_side", "not_run", "build_ops", "STATUSES"]
 
 STATUSES = ("ok", "nan", "crashed", "killed", "timeout", "not_run")
 """ok: all steps ran; nan: a non-finite loss or grad norm stopped the side; crashed: the worker
@@ -92,12 +93,12 @@ def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str
 def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
              on_progress: Callable[..., None] | None = None,
              python: str = sys.executable, env: dict[str, str] | None = None,
-             module: str | None = None) -> SideRun:
+             job: str = "train", module: str | None = None) -> SideRun:
   """Runs one side to completion (or failure) and returns what happened.
 
   Args:
     run_dir: folder holding request.json (see parity.protocol).
-    side: a key of parity.protocol.SIDE_WORKERS.
+    side: a side with a 'train' worker (parity.protocol.workers).
     timeout_s: wall-clock limit, seconds, not counting time the worker reports building DeepSpeed ops (at most
       lifetime.BUILD_LIMIT_S of it); past it the process group gets SIGKILL.
     on_progress: called with (side, steps recorded so far) while the side runs, and with (side, steps, note)
@@ -105,8 +106,9 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
       ~1 min)"; an empty note when that phase ends).
     python: interpreter for the worker.
     env: extra environment variables for the worker.
-    module: the worker module to run (`python -m MODULE`); default SIDE_WORKERS[side]. `parity diagnose`
-      runs its own workers (parity.diagnose.DIAGNOSE_WORKERS) through the same protocol.
+    job: which worker of the side to run (parity.protocol.workers: 'train', or 'diagnose' for `parity diagnose`,
+      through the same protocol).
+    module: a worker module to run instead of the registry's (`python -m MODULE`), e.g. a test's fake worker.
   Returns:
     SideRun; run_dir/<side>/summary.json always exists afterwards.
   """
@@ -119,7 +121,8 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
     (out / "stderr.log").touch()
   except OSError as exc:  # disk full, read-only folder: the side cannot run; say where and why
     return not_run(side, f"cannot prepare {out} ({exc.strerror or exc}): the folder must be writable with free space")
-  cmd = [python, "-m", "harness.boot", module or SIDE_WORKERS[side], str(run_dir / "request.json"), "--side", side]
+  worker = module or worker_module(side, job)
+  cmd = [python, "-m", "harness.boot", worker, str(run_dir / "request.json"), "--side", side]
   full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
                          lifetime.PHASE_ENV: str(out / lifetime.PHASE_FILE)}, python)
   t0 = time.time()
@@ -251,6 +254,34 @@ def build_ops(names: list[str], *, timeout_s: float = lifetime.BUILD_LIMIT_S, py
   return proc.returncode if proc.returncode >= 0 else 1
 
 
+def run_each_side(sides: Sequence[str], start: Callable[[str], SideRun], *, on_interrupt: Callable[[str], SideRun],
+                  what: str = "run") -> tuple[dict[str, SideRun], KeyboardInterrupt | None]:
+  """Runs the sides one after another, and turns a Ctrl-C into a result rather than losing the others.
+
+  Args:
+    sides: side names, in order.
+    start: runs one side to its end (usually `run_side`, which kills its worker on Ctrl-C and re-raises).
+    on_interrupt: the SideRun of the side that was running when Ctrl-C came (e.g. read from its summary).
+    what: the name of the whole ('run', 'diagnose') in the reason given to the sides never started.
+  Returns:
+    ({side: SideRun} for every side, in order: sides after the interrupted one are `not_run`, the reason naming
+    the interrupt), and the KeyboardInterrupt for the caller to re-raise once its report is written (None).
+  """
+  runs: dict[str, SideRun] = {}
+  interrupted: KeyboardInterrupt | None = None
+  for side in sides:
+    if interrupted is not None:
+      runs[side] = not_run(side, f"not started: the {what} was interrupted (Ctrl-C)")
+      continue
+    try:
+      runs[side] = start(side)
+    except KeyboardInterrupt as exc:  # the side's worker was killed and has a summary: report, then re-raise
+      interrupted = exc
+      runs[side] = on_interrupt(side)
+  return runs, interrupted
+
+
 def not_run(side: str, reason: str) -> SideRun:
+  """A SideRun for a side that never started (status 'not_run'; `reason` is its error and its summary's)."""
   return SideRun(side=side, status="not_run", returncode=None, wall_s=0.0, peak_rss_bytes=None,
                  summary={"side": side, "status": "not_run", "error": reason, "steps_completed": 0}, error=reason)

@@ -1,6 +1,6 @@
 """JAX side of a comparison: `python -m jax_impl.worker run_dir/request.json --side jax`.
 
-Reads the run through `parity.protocol.SideIO`, trains with `jax_impl.step.Trainer`, and
+Reads the run through `parity.protocol.side.SideIO`, trains with `jax_impl.step.Trainer`, and
 writes steps.jsonl, summary.json, final.safetensors and final_moments.safetensors (Adam's sqrt(v_hat)). Exit codes: 0 ok, 3 non-finite
 loss or grad norm (status 'nan'), 1 crash (status 'crashed', written by `main_guard`).
 
@@ -19,8 +19,8 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
 from parity.checks import AdamSensitivity  # noqa: E402
-from parity.protocol import SideIO, main_guard  # noqa: E402
-from parity.spec import TrainSpec, to_dict  # noqa: E402
+from parity.protocol.side import SideIO, main_guard  # noqa: E402
+from parity.spec import to_dict  # noqa: E402
 
 EXIT_NAN = 3
 
@@ -38,15 +38,6 @@ def _peak_device_bytes(device) -> int | None:
   return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def _check_batches(shape: tuple[int, ...], val_shape: tuple[int, ...], train: TrainSpec) -> None:
-  want = (train.grad_accum_steps, train.micro_batch_size, train.seq_len + 1)
-  if len(shape) != 4 or shape[0] < train.steps or tuple(shape[1:]) != want:
-    raise ValueError(f"batches.npy has shape {tuple(shape)}; this run needs (>= {train.steps}, *{want}) "
-                     "(steps, grad_accum_steps, micro_batch_size, seq_len + 1); regenerate the run folder")
-  if train.eval_every > 0 and (len(val_shape) != 3 or tuple(val_shape[1:]) != want[1:]):
-    raise ValueError(f"val_batches.npy has shape {tuple(val_shape)}; expected (eval_batches, *{want[1:]})")
-
-
 def run_side(io: SideIO) -> int:
   """Trains one run; returns the process exit code."""
   import jax
@@ -55,8 +46,7 @@ def run_side(io: SideIO) -> int:
 
   control = io.control()  # refusals (bad keys, a checkpoint of another run) end here, as 'crashed'
   train = io.run.train
-  batches, val = io.batches(), io.val_batches()
-  _check_batches(batches.shape, val.shape, train)
+  batches, val = io.training_batches()  # shapes checked (parity.protocol.side.check_batch_shapes)
   trainer = Trainer.build(io.run, io.init_params())
   if control.resume_dir is not None:
     trainer.state = checkpoint.restore_train_state(control.resume_dir, trainer.state, trainer.shardings)

@@ -17,11 +17,12 @@ import numpy as np
 
 from parity import weights
 from parity.data import Corpus, load_corpus, make_batches
-from parity.protocol import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
+from parity.protocol.layout import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
 from parity.spec import RunSpec, SpecError, apply_overrides, config_hash, to_dict
 
 __all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb", "claim_run_dir",
-           "RunFolder", "RunFolderError", "RunIOError", "read_lock", "write_new", "LOCK_NAME"]
+           "RunFolder", "RunFolderError", "RunIOError", "read_lock", "write_new", "LOCK_NAME", "PreparedRun",
+           "open_run_folder"]
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -90,7 +91,8 @@ PERTURBABLE = frozenset({
     "train.lr", "train.warmup_steps", "train.warmup_min_ratio", "train.cos_min_ratio", "train.lr_schedule",
     "train.lr_schedule_params", "train.beta1", "train.beta2", "train.eps", "train.weight_decay", "train.grad_clip",
     "train.precision", "train.loss_scale", "train.initial_scale_power", "train.loss_scale_window",
-    "train.hysteresis", "train.consecutive_hysteresis", "train.min_loss_scale"})
+    "train.hysteresis", "train.consecutive_hysteresis", "train.min_loss_scale", "train.optimizer", "train.momentum",
+    "train.dampening", "train.nesterov", "train.lamb_max_coeff", "train.lamb_min_coeff", "train.eps_inside_sqrt"})
 """Settings one side may change on its own: numerics only. Weights and batches are shared files, so keys that
 shape them (seeds, sizes, steps, layer layout) cannot differ per side."""
 
@@ -234,6 +236,49 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
              "deepspeed_config": dict(deepspeed_config) if deepspeed_config is not None else None}
   write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+  """A claimed run folder with the run's inputs written (`open_run_folder`).
+
+  Attributes: path (the folder), claim (its RunFolder lock: release it when the run ends), data_info (the corpus:
+  source, sha256, token counts), prepare_s (seconds spent writing the inputs), init (the run's own initial weights,
+  canonical name -> float32 array, read back once from init.safetensors).
+  """
+  path: Path
+  claim: "RunFolder"
+  data_info: dict[str, Any]
+  prepare_s: float
+  init: dict[str, np.ndarray]
+
+
+def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapping], *, force: bool = False,
+                    command: str | None = None) -> PreparedRun:
+  """Claims the run folder of a resolved run (parity.resolve.ResolvedRun) and writes its inputs.
+
+  Sizes that cannot fit are refused before any folder or array exists (parity.inputs.check_resources); then the
+  folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
+  (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back.
+  Raises:
+    SpecError, DataError, RunFolderError, RunIOError: as those functions; nothing of this run is left behind.
+  """
+  from parity.inputs import check_resources
+  folder = Path(out) if out is not None else default_run_dir(run.spec, run.preset)
+  check_resources(run.spec, folder)
+  claim = claim_run_dir(out if out is not None else folder, force=force, command=command)  # '' refused, not '.'
+  try:
+    ds_cfg = dict(run.deepspeed_config) if run.deepspeed_config is not None and run.port is not None else None
+    prep = prepare_run_dir(run.spec, folder, perturb=perturb, init_params=run.init_params, deepspeed_config=ds_cfg,
+                           run_id=claim.run_id)
+    if run.port is not None:
+      write_new(folder / "migration.json", run.port.report.to_json())
+      write_new(folder / "migration.md", run.port.report.to_markdown())
+    init = weights.load(folder / "init.safetensors")  # the run's own, read once, before any side can touch it
+  except BaseException:  # refused or failed before any side started: leave nothing of this run behind
+    claim.abandon()
+    raise
+  return PreparedRun(path=folder, claim=claim, data_info=prep["corpus"], prepare_s=prep["prepare_s"], init=init)
 
 
 # ------------------------------------------------------------------ the run folder: fresh, locked, never reused

@@ -81,7 +81,7 @@ def test_noise_rerun_reads_only_this_runs_batches(tmp_path, monkeypatch):
 def test_side_outputs_of_another_run_or_incomplete_are_not_ok(tmp_path):
   from harness.runner import SideRun
   from parity import weights
-  from parity.api import side_outputs
+  from parity.collect import side_outputs
   spec, rid = _prepared(tmp_path / "r")
   side = tmp_path / "r" / "jax"
   side.mkdir()

@@ -1,6 +1,6 @@
 """Worker of the PyTorch sides: `python -m torch_impl.worker run_dir/request.json --side deepspeed|torch`.
 
-Reads the request through `parity.protocol.SideIO`, trains with the DeepSpeed
+Reads the request through `parity.protocol.side.SideIO`, trains with the DeepSpeed
 engine (`--side deepspeed`) or the plain-torch baseline (`--side torch`), and
 writes steps.jsonl, summary.json, final.safetensors and final_moments.safetensors
 (Adam's sqrt(v_hat)). Exit codes: 0 ok,
@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from parity.checks import AdamSensitivity
-from parity.protocol import SideIO, main_guard
+from parity.protocol.side import SideIO, main_guard
 
 EXIT_OK, EXIT_NAN = 0, 3
 
@@ -50,14 +50,6 @@ def _make_trainer(io: SideIO, params: dict[str, np.ndarray]):
   raise ValueError(f"torch_impl.worker runs the 'deepspeed' and 'torch' sides; got --side {io.side}")
 
 
-def _check_batches(batches: np.ndarray, io: SideIO) -> None:
-  t = io.run.train
-  want = (t.steps, t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1)
-  if batches.ndim != 4 or batches.shape[0] < t.steps or tuple(batches.shape[1:]) != want[1:]:
-    raise ValueError(f"{io.request['batches']}: shape {tuple(batches.shape)}; the run spec needs (>= steps, grad_accum_steps, "
-                     f"micro_batch_size, seq_len + 1) = {want}; regenerate the batches")
-
-
 def _finish_kwargs(trainer) -> dict:
   """versions/device/memory fields of summary.json, from the trainer."""
   import torch
@@ -82,9 +74,7 @@ def side_main(io: SideIO) -> int:
   trainer = _make_trainer(io, io.init_params())
   if control.resume_dir is not None:
     checkpoint.restore(trainer, control.resume_dir, control.resume_meta)
-  batches = io.batches()
-  _check_batches(batches, io)
-  val = io.val_batches() if t.eval_every > 0 else None
+  batches, val = io.training_batches()  # shapes checked (parity.protocol.side.check_batch_shapes)
   sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
   from torch_impl import ops
   io.launch_time += ops.build_s()  # time in DeepSpeed op builds is not initialisation: off init_s (op_build_s)

@@ -10,11 +10,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from parity import schedule, weights
+from parity.protocol.workers import DIAGNOSE_WORKERS  # noqa: F401  (re-exported: parity.diagnose's face)
 from parity.spec import ModelSpec, RunSpec, SpecError, TrainSpec
 
-
-DIAGNOSE_WORKERS = {"jax": "jax_impl.diagnose", "torch": "torch_impl.diagnose"}
-"""Side -> diagnose worker module. DeepSpeed runs the torch model; diagnose its arithmetic as `torch`."""
+# DIAGNOSE_WORKERS: side -> diagnose worker module (job 'diagnose' of the one registry, parity.protocol.workers).
+# DeepSpeed runs the torch model; diagnose its arithmetic as `torch`.
 PLANTS_KEY = "diagnose_plants"
 """request.json key: side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names]}."""
 REQUEST_KEY = "diagnose"

@@ -79,8 +79,25 @@ def _num(v):
 
 def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: dict, side_runs: dict,
                  side_steps: dict[str, list[dict]], checks: list[Check], params_table: list[dict],
-                 verdict: Verdict, wall_s: float, prepare_s: float) -> Report:
-  """Collects everything into the report.json structure (see parity.report)."""
+                 verdict: Verdict, wall_s: float, prepare_s: float, plan: dict | None = None,
+                 reruns: dict[str, Any] | None = None, reruns_s: float = 0.0, run_folder: dict | None = None,
+                 interrupted: bool = False) -> Report:
+  """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
+
+  Args:
+    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus (parity.run.PreparedRun.data_info).
+    side_runs: side -> harness.runner.SideRun; side_steps: side -> StepRecords.
+    checks, params_table, verdict: parity.checks.compare_sides + reruns' checks, and their verdict.
+    wall_s: seconds from the call to now; prepare_s: seconds writing the inputs.
+    plan: the plan pair chosen (parity.resolve.ResolvedRun.plan) or None.
+    reruns: {'noise_envelope', 'determinism', 'resume'} sections (parity.reruns.Reruns.sections); reruns_s: the
+      seconds their workers were busy. timing.overhead_ratio = wall_s / (sum(sides_s) + reruns_s), computed here.
+    run_folder: {run_id, moved_aside_to, stale_lock_taken_over} of the claimed folder.
+    interrupted: a Ctrl-C stopped the run: the verdict fails and its message says so.
+  Returns:
+    The Report (JSON-ready data; not written: parity.report.write_all).
+  """
+  from parity import memory
   sides, sides_s = {}, {}
   for name, sr in side_runs.items():
     summ = sr.summary or {}
@@ -90,7 +107,8 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
     busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
     # a side that did not finish never reported its own times: count the wall time the harness saw
     sides_s[name] = busy if sr.status == "ok" else sr.wall_s
-  busy_total = sum(sides_s.values())
+  busy_total = sum(sides_s.values()) + reruns_s
+  reruns = reruns if reruns is not None else {"noise_envelope": None, "determinism": {}, "resume": {}}
   data = {
       "schema": REPORT_SCHEMA,
       "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -101,13 +119,34 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "data": data_info,
       "environment": {"python": platform.python_version(), "platform": platform.platform(),
                       "machine": platform.machine(), "cpu_count": os.cpu_count(), "versions": _versions()},
-      "verdict": verdict.to_json(),
+      "verdict": _verdict_json(verdict, interrupted),
       "tolerances": {p: {m: dataclasses.asdict(t) for m, t in tab.items()} for p, tab in TOLERANCES.items()
                      if p == spec.train.precision},
       "checks": [c.to_json() for c in checks],
       "params_table": [{k: _num(v) for k, v in row.items()} for row in params_table],
       "sides": sides,
-      "timing": {"wall_s": wall_s, "prepare_s": prepare_s, "sides_s": sides_s,
+      "timing": {"wall_s": wall_s, "prepare_s": prepare_s, "sides_s": sides_s, "self_runs_s": reruns_s,
                  "overhead_ratio": (wall_s / busy_total) if busy_total > 0 else None},
+      "plan": plan,
+      "noise_envelope": reruns.get("noise_envelope"),
+      "determinism": reruns.get("determinism", {}),
+      "resume": reruns.get("resume", {}),
+      "memory": None,
+      "run_folder": run_folder,
   }
-  return Report(data=json.loads(json.dumps(data, default=str)), run_dir=run_dir)
+  data = json.loads(json.dumps(data, default=str))
+  data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(data),  # reads the sides' summaries
+                    "note": "predicted by parity.memory (parity estimate); measured from the live "
+                            "state arrays / engine tensors of each side"}
+  return Report(data=data, run_dir=run_dir)
+
+
+def _verdict_json(verdict: Verdict, interrupted: bool) -> dict:
+  """The verdict as report.json holds it; an interrupted run never passes, and its message says it stopped early."""
+  out = verdict.to_json()
+  if interrupted:
+    msg = out["message"]
+    out["message"] = ("INTERRUPTED: stopped before every run and check finished; so far: "
+                      + (msg.replace("PASS: ", "", 1) if msg.startswith("PASS") else msg))
+    out["passed"] = False
+  return out

@@ -1,0 +1,221 @@
+"""The reruns of a comparison, each holding one side against itself: the noise envelope, determinism and resume.
+
+Each rerun runs in a subfolder of the run folder (harness.self_runs) and returns a `RerunResult`: its checks, its
+section of report.json and the seconds its workers were busy. A Ctrl-C or a file that cannot be written stops the
+reruns; what finished is kept (`run_reruns`).
+
+  noise_envelope  every side that finished, rerun with reversed reduction order; each pair's difference curves are
+                  held against the noisier side's rerun difference (section 'noise_envelope'). In bf16/fp16 the
+                  pointwise checks an envelope covers stop gating (RerunResult.decides).
+  determinism     each side's first N steps rerun in a new process: bit-identical or not (reported, not gating).
+  resume          the same rerun saves a checkpoint at step R; a new process resumes from it; the rest of the run
+                  must be bit-identical to the uninterrupted one (gating).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from harness import self_runs
+from harness.runner import SideRun
+from parity.checks import (ENVELOPE_METRICS, Check, envelope_check, envelope_params_check, param_ratios,
+                           repeat_check, rerun_differences)
+from parity.collect import side_outputs
+from parity.spec import RunSpec
+from parity.tolerances import envelope_rule
+
+__all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelope", "repeat_and_resume"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RerunContext:
+  """What every rerun needs of the main run: its folder, spec, run id, per-side limit (seconds), initial weights
+  (canonical name -> float32 array) and the collected sides (parity.collect.collect_sides)."""
+  run_dir: Path
+  spec: RunSpec
+  run_id: str | None
+  timeout_s: float
+  init: dict[str, Any]
+  side_data: dict[str, dict[str, Any]]
+
+  @property
+  def ok_sides(self) -> list[str]:
+    return [s for s, d in self.side_data.items() if d["status"] == "ok"]
+
+
+@dataclasses.dataclass
+class RerunResult:
+  """One rerun's outcome. checks: its Checks. section: its report.json section (None: not run). busy_s: seconds its
+  workers spent (init + compile + train of a finished one, the harness's wall time otherwise). decides: (metric, a, b)
+  of the main checks its checks replace in the verdict. interrupted: the Ctrl-C that stopped it, if any."""
+  checks: list[Check] = dataclasses.field(default_factory=list)
+  section: Any = None
+  busy_s: float = 0.0
+  decides: set = dataclasses.field(default_factory=set)
+  interrupted: KeyboardInterrupt | None = None
+
+  def count(self, sr: SideRun) -> None:
+    """Adds a rerun worker's busy seconds, counted as build_report counts the main runs."""
+    summ = sr.summary or {}
+    own = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
+    self.busy_s += own if sr.status == "ok" else sr.wall_s
+
+
+@dataclasses.dataclass
+class Reruns:
+  """All reruns of a comparison: their checks, report sections {'noise_envelope', 'determinism', 'resume'}, busy
+  seconds in all, and the Ctrl-C that stopped them (re-raise it once the report is written)."""
+  checks: list[Check] = dataclasses.field(default_factory=list)
+  sections: dict[str, Any] = dataclasses.field(
+      default_factory=lambda: {"noise_envelope": None, "determinism": {}, "resume": {}})
+  busy_s: float = 0.0
+  interrupted: KeyboardInterrupt | None = None
+
+  def add(self, name: str, result: RerunResult) -> None:
+    self.checks += result.checks
+    self.sections[name] = result.section if result.section is not None else self.sections[name]
+    self.busy_s += result.busy_s
+    self.interrupted = self.interrupted or result.interrupted
+
+
+def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | None, determinism_steps: int,
+               resume_at: int | None) -> Reruns:
+  """Runs the reruns asked for, in order noise envelope, determinism + resume; stops at a Ctrl-C (kept in
+  Reruns.interrupted) or when a rerun's files cannot be written or read (a failing 'reruns' check says why).
+
+  Args:
+    main_checks: the pairwise checks of the main runs; in bf16/fp16 those a noise-envelope check decides instead
+      are marked non-gating here (their detail says so).
+    noise: the noise envelope; None: only for bf16/fp16 runs.
+    determinism_steps: steps of the determinism rerun (0: none); resume_at: the checkpoint step (None: no resume).
+  """
+  out, t = Reruns(), ctx.spec.train
+  try:
+    if (t.precision != "fp32" if noise is None else noise) and len(ctx.side_data) > 1 and ctx.ok_sides:
+      result = noise_envelope(ctx)
+      out.add("noise_envelope", result)
+      for c in main_checks if t.precision != "fp32" else ():  # the envelope decides; the fixed table is reported
+        if (c.metric, *c.sides) in result.decides:
+          c.gating = False
+          c.detail += f" (reported only: in {t.precision} the noise envelope decides)"
+    if out.interrupted is None:
+      for name, result in repeat_and_resume(ctx, determinism_steps, resume_at).items():
+        out.add(name, result)
+  except (OSError, ValueError) as exc:  # a rerun's files could not be written or read: its checks fail, said why
+    out.checks.append(Check(name="reruns", metric="reruns", sides=tuple(ctx.spec.sides[:2]), value=float("nan"),
+                            tolerance=0.0, passed=False, detail=f"the noise/determinism/resume reruns stopped: {exc}",
+                            reason="A rerun that could not run cannot vouch for the verdict."))
+  return out
+
+
+def noise_envelope(ctx: RerunContext) -> RerunResult:
+  """Reruns every finished side on reversed batches and holds each pair against the noisier side's envelope.
+
+  A side whose rerun did not finish gets a failing 'noise_rerun' check (its pairs keep the fixed table: the verdict
+  never silently falls back to it). Section: {method, rule, runs: {side: {status, wall_s, error}}, sides: {side:
+  {steps, abs_loss_diff, grad_norm_rel_diff, params_ratio_max}}}.
+  """
+  res, rule = RerunResult(), envelope_rule(ctx.spec.train.precision)
+  env: dict[str, dict[str, dict]] = {m: {} for m in ENVELOPE_METRICS}
+  penv: dict[str, dict[str, float]] = {}
+  runs = {}
+  for side in ctx.ok_sides:
+    try:
+      sr, _ = self_runs.run_noise(ctx.run_dir, side, timeout_s=ctx.timeout_s)
+    except KeyboardInterrupt as exc:
+      res.interrupted = exc
+      break
+    noise_steps, noise_final = side_outputs(ctx.run_dir / self_runs.NOISE_DIR / side, sr, ctx.run_id,
+                                            expected_steps=ctx.spec.train.steps)
+    res.count(sr)
+    runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
+    if sr.status != "ok":
+      res.checks.append(Check(name=f"noise_rerun {side}", metric="noise_rerun", sides=(side, f"{side}#noise"),
+                              value=float("nan"), tolerance=0.0, passed=False,
+                              detail=f"the reduction-order rerun of {side} did not finish ({sr.status}): {sr.error}; "
+                                     "its pairs have no noise envelope",
+                              reason="The bf16/fp16 verdict rests on each side's noise envelope."))
+      continue
+    for metric, diffs in rerun_differences(ctx.side_data[side]["steps"], noise_steps).items():
+      env[metric][side] = diffs
+    if ctx.side_data[side]["final"] is not None and noise_final is not None:
+      penv[side] = param_ratios(ctx.side_data[side]["final"], noise_final, ctx.init, ctx.spec.model)
+  if res.interrupted is not None:
+    return res
+  res.section = {
+      "method": "each side rerun with every step's micro batches and every micro batch's rows in reverse "
+                "order (the same loss and gradient in exact arithmetic; only the reduction order changes)",
+      "rule": dataclasses.asdict(rule), "runs": runs,
+      "sides": {s: {"steps": sorted(e), "abs_loss_diff": [e[k] for k in sorted(e)],
+                    "grad_norm_rel_diff": [env["grad_norm"][s].get(k) for k in sorted(e)],
+                    "params_ratio_max": max(penv[s].values()) if penv.get(s) else None}
+                for s, e in env["loss"].items()}}
+  _envelope_checks(ctx, env, penv, rule, res)
+  return res
+
+
+def _envelope_checks(ctx: RerunContext, env: dict, penv: dict, rule, res: RerunResult) -> None:
+  """Each pair of sides whose reruns both finished: its envelope checks (per-step metrics, then params)."""
+  names, data = list(ctx.side_data), ctx.side_data
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      if a not in env["loss"] or b not in env["loss"]:
+        continue  # a rerun failed (see noise_envelope.runs): this pair keeps the fixed table
+      for metric, noise in env.items():
+        c = envelope_check(a, data[a]["steps"], b, data[b]["steps"], noise, rule, metric=metric)
+        if c is not None:
+          res.checks.append(c)
+          res.decides.add((metric, a, b))
+      if a in penv and b in penv:
+        lr_sum = float(sum(r["lr"] for r in data[a]["steps"] if not r.get("skipped")))
+        c = envelope_params_check(a, data[a]["final"], b, data[b]["final"], ctx.init, ctx.spec.model, penv, rule,
+                                  moments={s: data[s].get("moments") for s in (a, b)}, lr_sum=lr_sum,
+                                  precision=ctx.spec.train.precision)
+        if c is not None:
+          res.checks.append(c)
+          res.decides.add(("params", a, b))
+
+
+def repeat_and_resume(ctx: RerunContext, determinism_steps: int, resume_at: int | None) -> dict[str, RerunResult]:
+  """One rerun per finished side of steps 0..max(determinism_steps - 1, resume_at), saving a checkpoint at
+  resume_at; then, with resume_at, a new process resumes from it to the end.
+
+  Returns:
+    {'determinism': sections {side: {deterministic, steps_checked, detail, status}}, non-gating checks;
+     'resume': sections {side: {resumed_at_step, bit_identical, detail}}, gating checks}. The repeat run's busy
+    seconds are counted under 'determinism', the resumed run's under 'resume'.
+  """
+  det, res = RerunResult(section={}), RerunResult(section={})
+  prefix, steps = min(determinism_steps, ctx.spec.train.steps), ctx.spec.train.steps
+  stop = max(prefix - 1, resume_at if resume_at is not None else -1)
+  for side in ctx.ok_sides if stop >= 0 else ():
+    main = ctx.side_data[side]
+    try:
+      sr, again = self_runs.run_repeat(ctx.run_dir, side, stop_after_step=stop, save_checkpoint_at_step=resume_at,
+                                       timeout_s=ctx.timeout_s)
+      det.count(sr)
+      if prefix > 0:
+        c = repeat_check("determinism", side, main["steps"], [r for r in again if r["step"] < prefix], gating=False)
+        det.checks.append(c)
+        det.section[side] = {"deterministic": c.passed, "steps_checked": prefix, "detail": c.detail,
+                             "status": sr.status}
+      if resume_at is None:
+        continue
+      if sr.status != "ok":
+        c = repeat_check("resume", side, main["steps"], [], from_step=resume_at + 1, gating=True)
+        c.detail = f"the checkpointing run did not finish ({sr.status}): {sr.error}"
+      else:
+        rr, _, out = self_runs.run_resume(ctx.run_dir, side, timeout_s=ctx.timeout_s)
+        res.count(rr)
+        rest, final_b = side_outputs(out, rr, ctx.run_id, expected_steps=steps - resume_at - 1)
+        c = repeat_check("resume", side, main["steps"], rest, from_step=resume_at + 1, final_a=main["final"],
+                         final_b=final_b, gating=True)
+        if rr.status != "ok":
+          c.passed, c.detail = False, f"the resumed run did not finish ({rr.status}): {rr.error}"
+      res.checks.append(c)
+      res.section[side] = {"resumed_at_step": resume_at + 1, "bit_identical": c.passed, "detail": c.detail}
+    except KeyboardInterrupt as exc:
+      det.interrupted = exc
+      break
+  return {"determinism": det, "resume": res}
