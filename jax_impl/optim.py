@@ -1,4 +1,8 @@
-"""The optimizer: DeepSpeed's gradient clipping, AdamW and WarmupCosineLR, as one optax chain.
+"""The optimizer: DeepSpeed's gradient clipping, its optimizers and LR schedulers, as one optax chain.
+
+The one JAX optimizer module: `make_optimizer` (parity compare) and `ported_optimizer` (parity port --verify)
+build from `optimizer_update` (AdamW, Adam with L2, Lamb, SGD with momentum; OneCycle momentum cycling) after
+the one clip transform, `clip_by_global_norm_deepspeed`. The default run (AdamW):
 
     tx = chain(clip_by_global_norm_deepspeed(train.grad_clip),
                adamw(schedule, b1, b2, eps, eps_root=0, weight_decay, mask=decay_mask(spec)))
@@ -22,7 +26,7 @@ of the optimizer state, so it is donated, placed and checkpointed with it.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +40,8 @@ from parity.weights import decays, param_shapes
 from jax_impl.model import tree_from_canonical
 
 __all__ = ["ClipState", "clip_by_global_norm_deepspeed", "warmup_cosine_schedule", "decay_mask",
-           "make_optimizer", "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "LossScaleState",
+           "make_optimizer", "optimizer_update", "DeepSpeedOptState", "adam_second_moment", "ported_optimizer",
+           "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "LossScaleState",
            "LossScaledState", "LossScaleConfig", "loss_scaled", "next_loss_scale", "loss_scale_of",
            "loss_scale_state_of", "overflow_at_minimum", "GlobalStats", "global_stats"]
 
@@ -49,8 +54,8 @@ class ClipState(NamedTuple):
   grad_norm: jax.Array  # shape=(), dtype=float32: global L2 norm of the last input, before clipping
 
 
-def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None = None
-                                   ) -> optax.GradientTransformation:
+def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None = None,
+                                   eps: float = DEEPSPEED_CLIP_EPS) -> optax.GradientTransformation:
   """Clips the gradient by its global L2 norm with DeepSpeed's formula, and records that norm.
 
   g <- g * (1 / s),  s = max(1, (||g|| + 1e-6) / max_norm); the identity when max_norm == 0.
@@ -60,6 +65,7 @@ def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None
     global_norm: float32 scalar: use this as ||g|| instead of the norm of the update's input. The
       layer-streamed update (`jax_impl.stream`) feeds the chain one layer at a time and passes the
       norm of the whole gradient here (`global_stats`).
+    eps: added to the norm (DeepSpeed's fixed 1e-6; a ported config's clipping.epsilon).
   Returns:
     A GradientTransformation whose state is a ClipState.
   Raises:
@@ -84,7 +90,7 @@ def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None
     del state, params
     norm = optax.tree.norm(updates).astype(jnp.float32) if global_norm is None else global_norm
     if max_norm > 0:
-      scale = jnp.maximum((norm + DEEPSPEED_CLIP_EPS) / max_norm, 1.0)
+      scale = jnp.maximum((norm + eps) / max_norm, 1.0)
       inv_scale = 1.0 / scale  # DeepSpeed multiplies by 1 / combined_scale
       updates = jax.tree.map(lambda g: g * inv_scale.astype(g.dtype), updates)
     return updates, ClipState(grad_norm=norm)
@@ -120,13 +126,7 @@ def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
     DeepSpeed `runtime/lr_schedules.py` WarmupCosineLR; `parity.schedule.lr_at_step`.
   """
   n = max(train.steps, train.warmup_steps, 2) + 2
-  table_k = np.asarray([schedule_ref.train_lr(train, k) for k in range(n)], dtype=np.float32)
-
-  def schedule(count: jax.Array) -> jax.Array:
-    k = jnp.clip(jnp.asarray(count, jnp.int32), 0, n - 1)
-    return jnp.asarray(table_k)[k]
-
-  return schedule
+  return _table([schedule_ref.train_lr(train, k) for k in range(n)])
 
 
 def decay_mask(spec: ModelSpec, scan_layers: bool = False) -> dict[str, Any]:
@@ -170,32 +170,173 @@ def global_stats(train: TrainSpec, grads: Any, opt_state: Any) -> GlobalStats:
   return GlobalStats(optax.tree.norm(unscaled).astype(jnp.float32), overflow)
 
 
+class DeepSpeedOptState(NamedTuple):
+  """State of `optimizer_update`'s DeepSpeed rule (every optimizer but plain Adam/AdamW with fixed betas)."""
+  count: jax.Array  # shape=(), dtype=int32: applied updates so far (drives the schedules)
+  mu: Any  # first moment (adam/lamb) or momentum buffer (sgd), same tree as params, float32
+  nu: Any  # second moment (adam/lamb), same tree as params, float32; zeros for sgd
+
+
+def _wd_tree(params: Any, wd: float, mask: Any) -> Any:
+  """Per-leaf weight decay: wd where the mask (a bool tree, a callable params -> bool tree, or None: all) says so."""
+  m = mask(params) if callable(mask) else mask
+  if m is None:
+    return jax.tree.map(lambda _: wd, params)
+  return jax.tree.map(lambda x, d: wd if d else 0.0, params, m)
+
+
+def _deepspeed_rule(kind: str, p: Mapping[str, Any], lr_fn: optax.Schedule, b1_fn: optax.Schedule | None,
+                    b2: float | None, mask: Any) -> optax.GradientTransformation:
+  """The full parameter delta (lr applied) of DeepSpeed's Adam/AdamW/Lamb and torch.optim.SGD, one rule per kind."""
+
+  def init_fn(params):
+    return DeepSpeedOptState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params),
+                             jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(grads, state, params):
+    dt = jax.tree.leaves(params)[0].dtype
+    lr = jnp.asarray(lr_fn(state.count), dt)
+    t = state.count + 1
+    wds = _wd_tree(params, p["weight_decay"], mask)
+    if kind == "sgd":  # torch.optim.SGD: the buffer starts as the first gradient
+      mom, damp = p["momentum"], p["dampening"]
+      g = jax.tree.map(lambda g, x, wd: g + wd * x if wd else g, grads, params, wds)
+      buf = state.mu
+      if mom:
+        first = state.count == 0
+        buf = jax.tree.map(lambda b, g: jnp.where(first, g, mom * b + (1 - damp) * g), state.mu, g)
+        g = jax.tree.map(lambda g, b: g + mom * b, g, buf) if p["nesterov"] else buf
+      return jax.tree.map(lambda g: -lr * g, g), DeepSpeedOptState(t, buf, state.nu)
+    beta1 = jnp.asarray(b1_fn(state.count) if b1_fn else p["betas"][0], dt)
+    beta2 = jnp.asarray(b2 if b2 is not None else p["betas"][1], dt)
+    eps = p["eps"]
+    if kind == "adam":  # L2: the decay joins the gradient before the moments (adam_w_mode false)
+      grads = jax.tree.map(lambda g, x, wd: g + wd * x if wd else g, grads, params, wds)
+    mu = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: beta2 * v + (1 - beta2) * g * g, state.nu, grads)
+    tf = t.astype(dt)
+    bc1, bc2 = 1 - beta1 ** tf, 1 - beta2 ** tf
+    new = DeepSpeedOptState(t, mu, nu)
+    if kind in ("adam", "adamw"):
+      if p["bias_correction"]:
+        upd = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + eps), mu, nu)
+      else:
+        upd = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+      if kind == "adamw":
+        return jax.tree.map(lambda u, x, wd: -lr * wd * x - lr * u if wd else -lr * u, upd, params, wds), new
+      return jax.tree.map(lambda u: -lr * u, upd), new
+    step = lr * jnp.sqrt(bc2) / bc1 if p["bias_correction"] else lr  # lamb: fused_lamb_cuda_kernel.cu
+
+    def lamb_leaf(m, v, x, wd):
+      denom = jnp.sqrt(v + eps) if p["eps_inside_sqrt"] else jnp.sqrt(v) + eps
+      u = m / denom + wd * x
+      wn, un = jnp.linalg.norm(x.reshape(-1)), jnp.linalg.norm(u.reshape(-1))
+      coeff = jnp.where((wn != 0) & (un != 0), jnp.clip(wn / jnp.where(un == 0, 1, un), p["min_coeff"],
+                                                        p["max_coeff"]), 1.0).astype(dt)
+      return -step * coeff * u
+    return jax.tree.map(lamb_leaf, mu, nu, params, wds), new
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def optimizer_update(opt: Mapping[str, Any], lr_fn: optax.Schedule, *, b1_fn: optax.Schedule | None = None,
+                     b2: float | None = None, mask: Any = None) -> optax.GradientTransformation:
+  """The one JAX optimizer factory: the update of a DeepSpeed optimizer, returning the parameter delta (lr applied).
+
+  `parity compare` (`make_optimizer`) and `parity port --verify` (`ported_optimizer`) both build from here.
+  Plain AdamW with fixed betas and bias correction is optax.adamw (the default run, unchanged); everything else
+  runs DeepSpeed's own rule with a DeepSpeedOptState:
+    adamw: p <- p - lr * wd * p - lr * m_hat / (sqrt(v_hat) + eps)        (DeepSpeedCPUAdam adamw_mode)
+    adam:  g <- g + wd * p, then Adam                                     (adam_w_mode false, L2)
+    lamb:  u = m / (sqrt(v) + eps) + wd * p; p <- p - lr * sqrt(bc2) / bc1 * clamp(||p|| / ||u||) * u  (FusedLamb)
+    sgd:   g <- g + wd * p; b <- mom * b + (1 - damp) * g (b = g at step 1); p <- p - lr * (g + mom * b | b)
+
+  Args:
+    opt: {'type': 'adamw'|'adam'|'lamb'|'sgd', 'params': DeepSpeed names} (`parity.schedule.optimizer_of`, or a
+      ported config's optimizer).
+    lr_fn: update count (int scalar) -> learning rate.
+    b1_fn: count -> beta1 (OneCycle momentum cycling) or None for params.betas[0].
+    b2: beta2 override (OneCycle forces 0.99) or None.
+    mask: where weight decay applies: a bool tree, a callable params -> bool tree, or None (everywhere).
+  Returns:
+    A GradientTransformation (state: optax's adamw state, or DeepSpeedOptState).
+  Raises:
+    ValueError: unknown optimizer type.
+  """
+  kind, p = opt["type"], opt["params"]
+  if kind not in ("adamw", "adam", "lamb", "sgd"):
+    raise ValueError(f"optimizer type {kind!r}: expected adamw, adam, lamb or sgd")
+  if kind == "adamw" and b1_fn is None and b2 is None and p.get("bias_correction", True):
+    return optax.adamw(learning_rate=lr_fn, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], eps_root=0.0,
+                       weight_decay=p["weight_decay"], mask=mask)
+  return _deepspeed_rule(kind, p, lr_fn, b1_fn, b2, mask)
+
+
+def _table(values: list[float]) -> optax.Schedule:
+  """count -> values[min(count, len - 1)] as float32 (the values are exact float64 Python numbers, rounded once)."""
+  table = np.asarray(values, dtype=np.float32)
+
+  def schedule(count: jax.Array) -> jax.Array:
+    return jnp.asarray(table)[jnp.clip(jnp.asarray(count, jnp.int32), 0, len(table) - 1)]
+  return schedule
+
+
 def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = False,
                    stats: GlobalStats | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the DeepSpeed-equivalent optimizer for this model and training spec.
 
-  Every transform but the clip and the fp16 overflow check is elementwise, so with `stats` the chain can
-  be applied to any sub-tree of the params (one layer's slice of a scan-stacked tree, or the non-layer
-  params): its state is the full state restricted to the same keys, and the decay mask restricts itself.
+  Every transform but the clip and the fp16 overflow check is elementwise (Lamb: per tensor), so with `stats`
+  the chain can be applied to any sub-tree of the params (one layer's slice of a scan-stacked tree, or the
+  non-layer params): its state is the full state restricted to the same keys, and the decay mask restricts itself.
+  OneCycle momentum cycling (`parity.schedule.cycles_momentum`) takes beta1 from a float32 table of
+  `parity.schedule.momentum_at` and beta2 = 0.99, as DeepSpeed's scheduler writes them into the param groups.
 
   Args:
-    spec, train: the model and training specs.
+    spec, train: the model and training specs (train.optimizer picks the rule, `optimizer_update`).
     scan_layers: the params use the layer-stacked layout (`model.stack_layers`).
     stats: whole-gradient norm and overflow (`global_stats`), used instead of the update input's own.
 
   Returns:
-    (tx, schedule): the optax chain (state: (ClipState, adamw state)) and its learning-rate
+    (tx, schedule): the optax chain (state: (ClipState, optimizer state)) and its learning-rate
     schedule, so the step can report the lr it applies.
+  Raises:
+    ValueError: Lamb with scan_layers (its trust ratio is per tensor, a stacked tensor holds every layer).
   """
+  if train.optimizer == "lamb" and scan_layers:
+    raise ValueError("train.optimizer 'lamb' with jax.scan_layers: Lamb's trust ratio is per tensor and a "
+                     "layer-stacked tensor holds every layer's; set jax.scan_layers=false")
   schedule = warmup_cosine_schedule(train)
   full_mask = decay_mask(spec, scan_layers)
+  b1_fn = b2 = None
+  if schedule_ref.cycles_momentum(train):
+    n = max(train.steps, train.warmup_steps, 2) + 2
+    b1_fn, b2 = _table([schedule_ref.train_betas(train, k)[0] for k in range(n)]), 0.99
   tx = optax.chain(
       clip_by_global_norm_deepspeed(train.grad_clip, None if stats is None else stats.grad_norm),
-      optax.adamw(learning_rate=schedule, b1=train.beta1, b2=train.beta2, eps=train.eps, eps_root=0.0,
-                  weight_decay=train.weight_decay, mask=lambda tree: _restrict(full_mask, tree)))
+      optimizer_update(schedule_ref.optimizer_of(train), schedule, b1_fn=b1_fn, b2=b2,
+                       mask=lambda tree: _restrict(full_mask, tree)))
   if train.precision == "fp16":
     tx = loss_scaled(tx, LossScaleConfig.from_train(train), None if stats is None else stats.overflow)
   return tx, schedule
+
+
+def ported_optimizer(ported: Mapping[str, Any], lr_fn: optax.Schedule, b1_fn: optax.Schedule | None
+                     ) -> optax.GradientTransformation:
+  """optax optimizer of a PortedConfig dict (`parity port --verify`): the one clip, then `optimizer_update`.
+
+  Weight decay applies to every param (the verify probe has one group). With precision.skip_nonfinite_updates the
+  chain is wrapped in optax.apply_if_finite, which leaves the inner state (and so the schedule's count) untouched
+  on a non-finite step, as DeepSpeed does.
+  Args:
+    ported: the PortedConfig dict; lr_fn / b1_fn: its schedules (`jax_impl.schedules`), b1_fn None when OneCycle
+      does not cycle momentum (then beta2 stays params.betas[1]; else DeepSpeed's 0.99).
+  """
+  tx = optax.chain(clip_by_global_norm_deepspeed(ported["clipping"]["max_global_norm"],
+                                                 eps=ported["clipping"]["epsilon"]),
+                   optimizer_update(ported["optimizer"], lr_fn, b1_fn=b1_fn, b2=None if b1_fn is None else 0.99))
+  if ported["precision"]["skip_nonfinite_updates"]:
+    tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
+  return tx
 
 
 def _find(opt_state: Any, cls: type) -> Any:
@@ -212,7 +353,26 @@ def grad_norm_of(opt_state: Any) -> jax.Array:
 
 def step_count_of(opt_state: Any) -> jax.Array:
   """Number of updates applied so far (int32 scalar) = the index of the next optimizer step."""
-  return _find(opt_state, optax.ScaleByScheduleState).count
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DeepSpeedOptState))
+           if isinstance(x, DeepSpeedOptState)]
+  return found[0].count if len(found) == 1 else _find(opt_state, optax.ScaleByScheduleState).count
+
+
+def adam_second_moment(opt_state: Any, train: TrainSpec) -> tuple[Any, jax.Array]:
+  """(Adam's second moment nu, its update count) from a `make_optimizer` state, for the params rule.
+
+  Raises:
+    KeyError: the run's optimizer is not an Adam (Lamb's update is trust-ratio scaled and SGD keeps no second
+      moment, so the per-element Adam rule of parity.checks.param_checks does not hold; it falls back per tensor).
+  """
+  if train.optimizer not in ("adam", "adamw"):
+    raise KeyError(f"train.optimizer {train.optimizer!r} keeps no Adam second moment the params rule can use")
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, DeepSpeedOptState))
+           if isinstance(x, DeepSpeedOptState)]
+  if len(found) == 1:
+    return found[0].nu, found[0].count
+  adam = _find(opt_state, optax.ScaleByAdamState)
+  return adam.nu, adam.count
 
 
 # ----------------------------------------------------------------------------- fp16 loss scaling

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from parity import weights
+from parity import schedule as schedule_ref, weights
 from parity.spec import RunSpec
 
 from jax_impl import model as model_lib
@@ -378,8 +378,8 @@ class Trainer:
     count is the number of Adam updates applied (fp16 overflow-skipped steps do not count); all zeros before
     the first update. Read by the params rule (parity.checks.param_checks).
     """
-    adam = optim._find(self.state.opt_state, optax.ScaleByAdamState)
-    count = int(jax.device_get(adam.count))
-    nu = model_lib.from_flax(adam.nu, self.run.model, scan_layers=self.run.jax.scan_layers)
-    corr = 1.0 - float(self.run.train.beta2) ** count if count > 0 else 1.0
+    nu, count = optim.adam_second_moment(self.state.opt_state, self.run.train)  # KeyError: not an Adam
+    count = int(jax.device_get(count))
+    nu = model_lib.from_flax(nu, self.run.model, scan_layers=self.run.jax.scan_layers)
+    corr = 1.0 - float(schedule_ref.adam_beta2(self.run.train)) ** count if count > 0 else 1.0
     return {k: np.sqrt(np.maximum(v.astype(np.float64), 0.0) / corr).astype(np.float32) for k, v in nu.items()}

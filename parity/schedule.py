@@ -21,7 +21,8 @@ import math
 from typing import Any, Mapping
 
 __all__ = ["lr_at_step", "train_lr", "lr_at", "momentum_at", "SCHEDULER_DEFAULTS",
-           "scheduler_params", "deepspeed_scheduler", "COMPARE_SCHEDULERS"]
+           "scheduler_params", "deepspeed_scheduler", "COMPARE_SCHEDULERS", "OPTIMIZERS", "optimizer_of",
+           "deepspeed_optimizer", "cycles_momentum", "train_betas", "adam_beta2"]
 
 
 def lr_at_step(step: int, *, lr: float, total_steps: int, warmup_steps: int, warmup_min_ratio: float,
@@ -53,6 +54,10 @@ SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
                     "lr_range_test_staircase": False},
     "Constant": {},
 }
+
+
+_NONE_MEANS_DEFAULT = frozenset({"cycle_second_step_size", "cycle_second_stair_count"})
+"""OneCycle params whose None is DeepSpeed's own default (the first phase's value), not a missing value."""
 
 
 def _warmup_gamma(it: int, warmup: int, warmup_type: str) -> float | None:
@@ -169,8 +174,9 @@ def momentum_at(p: Mapping[str, Any], count: int) -> float:
 
 
 
-COMPARE_SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR", "LRRangeTest", "Constant")
-"""Schedulers `parity compare` runs on every side (OneCycle also cycles Adam's betas: port only)."""
+COMPARE_SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest", "Constant")
+"""Schedulers `parity compare` runs on every side: all of DeepSpeed's that `parity port` accepts, and none.
+OneCycle with cycle_momentum also cycles Adam/Lamb's beta1 (`momentum_at`) and fixes beta2 at 0.99."""
 
 
 def scheduler_params(train) -> tuple[str, dict[str, Any]]:
@@ -196,7 +202,7 @@ def scheduler_params(train) -> tuple[str, dict[str, Any]]:
   params = {**SCHEDULER_DEFAULTS[kind], **given}
   if kind == "WarmupLR" and params["warmup_max_lr"] is None:
     params["warmup_max_lr"] = train.lr  # DeepSpeed takes it from the optimizer lr
-  missing = [k for k, v in params.items() if v is None]
+  missing = [k for k, v in params.items() if v is None and k not in _NONE_MEANS_DEFAULT]
   if missing:
     raise ValueError(f"train.lr_schedule_params: {kind} needs {missing}")
   return kind, params
@@ -212,3 +218,68 @@ def train_lr(train, step: int) -> float:
   """Learning rate DeepSpeed's engine applies at optimizer step `step` (0-based, no skipped steps) of a TrainSpec."""
   kind, params = scheduler_params(train)
   return lr_at(kind, params, train.lr, step)
+
+
+OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "lamb": "Lamb", "sgd": "SGD"}
+"""train.optimizer -> DeepSpeed optimizer type. 'adam' is Adam with L2 regularisation (DeepSpeed Adam with
+adam_w_mode false: g += wd * p before the moments); 'adamw' decoupled decay; 'lamb' DeepSpeed FusedLamb;
+'sgd' torch.optim.SGD (DeepSpeed builds it by name)."""
+
+
+def optimizer_of(train) -> dict[str, Any]:
+  """The optimizer a TrainSpec describes, as a ported optimizer: {'type': lowercase kind, 'params': {...}}.
+
+  Params under DeepSpeed's names, as `parity.migrate` ports them and `parity.migrate.reference.numpy_update`,
+  `jax_impl.optim.optimizer_update` and the torch sides read them: adam/adamw/lamb take lr, betas, eps,
+  weight_decay, bias_correction (always true: compare runs bias-corrected moments); lamb adds max_coeff,
+  min_coeff, eps_inside_sqrt; sgd takes lr, momentum, dampening, weight_decay, nesterov.
+  Raises:
+    ValueError: train.optimizer is not one of OPTIMIZERS.
+  """
+  kind = train.optimizer
+  if kind not in OPTIMIZERS:
+    raise ValueError(f"train.optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
+  if kind == "sgd":
+    return {"type": kind, "params": {"lr": train.lr, "momentum": train.momentum, "dampening": train.dampening,
+                                     "weight_decay": train.weight_decay, "nesterov": train.nesterov}}
+  p = {"lr": train.lr, "betas": [train.beta1, train.beta2], "eps": train.eps, "weight_decay": train.weight_decay,
+       "bias_correction": True}
+  if kind == "lamb":
+    p.update(max_coeff=train.lamb_max_coeff, min_coeff=train.lamb_min_coeff, eps_inside_sqrt=train.eps_inside_sqrt)
+  return {"type": kind, "params": p}
+
+
+def deepspeed_optimizer(train) -> dict[str, Any]:
+  """The `optimizer` block of a DeepSpeed config for a TrainSpec (the one DeepSpeed-JSON optimizer builder).
+
+  AdamW keeps exactly the block the default run always had (lr, betas, eps, weight_decay); Adam adds
+  adam_w_mode false (L2); Lamb and SGD carry their own params.
+  """
+  o = optimizer_of(train)
+  params = {k: v for k, v in o["params"].items() if k != "bias_correction"}
+  if o["type"] == "adam":
+    params["adam_w_mode"] = False
+  return {"type": OPTIMIZERS[o["type"]], "params": params}
+
+
+def cycles_momentum(train) -> bool:
+  """True when OneCycle cycles beta1 on this run: cycle_momentum set and the optimizer has betas
+  (DeepSpeed `_initialize_momentum` disables the cycling, with a warning, for an optimizer without them: SGD)."""
+  if train.lr_schedule != "OneCycle" or train.optimizer == "sgd":
+    return False
+  return bool(scheduler_params(train)[1]["cycle_momentum"])
+
+
+def train_betas(train, step: int) -> tuple[float, float]:
+  """(beta1, beta2) DeepSpeed applies at optimizer step `step` (0-based, no skipped steps).
+
+  With OneCycle momentum cycling: (momentum_at(params, step), 0.99); otherwise (train.beta1, train.beta2).
+  """
+  if cycles_momentum(train):
+    return momentum_at(scheduler_params(train)[1], step), 0.99
+  return train.beta1, train.beta2
+
+
+def adam_beta2(train) -> float:
+  """The beta2 Adam's second moment decays with on this run (0.99 under OneCycle momentum cycling)."""
+  return train_betas(train, 0)[1]

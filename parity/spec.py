@@ -195,6 +195,22 @@ class TrainSpec:
   """Decoupled (AdamW) weight decay; applied as p -= lr * wd * p on decayed tensors only."""
   grad_clip: float = 1.0
   """Max global L2 norm of the gradient; 0 disables clipping (DeepSpeed gradient_clipping)."""
+  optimizer: Literal["adamw", "adam", "lamb", "sgd"] = "adamw"
+  """DeepSpeed optimizer type (parity.schedule.OPTIMIZERS): adamw (decoupled decay), adam (L2: DeepSpeed Adam
+  with adam_w_mode false, g += wd * p), lamb (DeepSpeed FusedLamb; CUDA-only on the DeepSpeed side) or sgd
+  (torch.optim.SGD). beta1/beta2/eps apply to adam/adamw/lamb; momentum/dampening/nesterov to sgd."""
+  momentum: float = 0.0
+  """SGD momentum factor, in [0, 1) (torch.optim.SGD momentum; 0 = plain SGD)."""
+  dampening: float = 0.0
+  """SGD dampening of the momentum buffer's gradient term, in [0, 1] (torch.optim.SGD dampening)."""
+  nesterov: bool = False
+  """SGD Nesterov momentum (needs momentum > 0 and dampening 0, as torch.optim.SGD)."""
+  lamb_max_coeff: float = 10.0
+  """Lamb: upper clamp of the trust ratio ||w|| / ||update|| (DeepSpeed FusedLamb max_coeff)."""
+  lamb_min_coeff: float = 0.01
+  """Lamb: lower clamp of the trust ratio (DeepSpeed FusedLamb min_coeff)."""
+  eps_inside_sqrt: bool = False
+  """Lamb: denominator sqrt(v + eps) instead of sqrt(v) + eps (DeepSpeed FusedLamb eps_inside_sqrt)."""
   precision: Literal["fp32", "bf16", "fp16"] = "fp32"
   """Compute precision; master weights and optimizer state stay fp32. fp16 adds loss scaling (below)."""
   loss_scale: float = 0.0
@@ -258,7 +274,18 @@ class TrainSpec:
     from parity import schedule
     if self.lr_schedule not in schedule.COMPARE_SCHEDULERS:
       raise SpecError(f"train.lr_schedule {self.lr_schedule!r}: parity compare runs "
-                      f"{', '.join(schedule.COMPARE_SCHEDULERS)} (OneCycle also cycles Adam's betas; use `parity port`)")
+                      f"{', '.join(schedule.COMPARE_SCHEDULERS)}")
+    if self.optimizer not in schedule.OPTIMIZERS:
+      raise SpecError(f"train.optimizer {self.optimizer!r}: expected one of {', '.join(schedule.OPTIMIZERS)}")
+    if not 0 <= self.momentum < 1 or not 0 <= self.dampening <= 1 or not isinstance(self.nesterov, bool):
+      raise SpecError(f"train.momentum must be in [0, 1), train.dampening in [0, 1] and train.nesterov true or false; "
+                      f"got {self.momentum}, {self.dampening}, {self.nesterov!r}")
+    if self.nesterov and (self.momentum == 0 or self.dampening != 0):
+      raise SpecError(f"train.nesterov needs train.momentum > 0 and train.dampening 0 (torch.optim.SGD raises "
+                      f"otherwise); got momentum {self.momentum}, dampening {self.dampening}")
+    if not 0 <= self.lamb_min_coeff <= self.lamb_max_coeff or not isinstance(self.eps_inside_sqrt, bool):
+      raise SpecError(f"train.lamb_min_coeff must be in [0, train.lamb_max_coeff] and train.eps_inside_sqrt true or "
+                      f"false; got {self.lamb_min_coeff}, {self.lamb_max_coeff}, {self.eps_inside_sqrt!r}")
     try:
       schedule.scheduler_params(self)
     except ValueError as exc:

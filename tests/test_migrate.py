@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from parity.migrate import Flags, PortError, port_config, read_deepspeed_config
-from parity.migrate import cli, reference
+from parity.cli import port as cli
+from parity.migrate import reference
 from parity.migrate._report import leaf_paths
 from parity.migrate._reverse import to_deepspeed, to_run_spec
 from parity.spec import PRESETS, SpecError
@@ -388,8 +389,10 @@ def test_to_run_spec():
   assert spec.train.grad_accum_steps == 2 and spec.train.micro_batch_size == 4
   warm = to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
   assert warm.train.lr_schedule == "WarmupLR" and warm.train.lr_schedule_params["warmup_num_steps"] == 5
-  with pytest.raises(SpecError, match="the ported schedule is OneCycle"):
-    to_run_spec(_port(_sched("OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3)).ported, base)
+  # OneCycle runs in compare, with and without momentum cycling (issue #12 item 7; it was refused for the cycling)
+  for cyc in (True, False):
+    one = to_run_spec(_port(_sched("OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_momentum=cyc)).ported, base)
+    assert one.train.lr_schedule == "OneCycle" and one.train.lr_schedule_params["cycle_momentum"] is cyc
 
 
 def test_cli_exit_codes_and_reports(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The plain-PyTorch side: torch.optim.AdamW with DeepSpeed's schedule, accumulation and clipping.
+"""The plain-PyTorch side: DeepSpeed's optimizer (`build_optimizer`), schedule, accumulation and clipping.
 
 It reproduces what the DeepSpeed engine does, with no DeepSpeed import:
   * the same param groups (`parity.weights.decays`), AdamW hyper-parameters passed explicitly;
@@ -48,7 +48,7 @@ from parity.spec import RunSpec
 from torch_impl import memory
 from torch_impl.model import build_model, decay_groups, lm_loss, to_canonical
 
-__all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer"]
+__all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb"]
 
 CLIP_EPS = 1e-6
 """Added to the gradient norm before dividing by the clip threshold (DeepSpeed ZeRO-1/2)."""
@@ -95,6 +95,70 @@ def clip_like_deepspeed(params: list[torch.Tensor], max_norm: float, total_norm:
   return float(divisor)
 
 
+class Lamb(torch.optim.Optimizer):
+  """DeepSpeed's FusedLamb update in plain torch (FusedLamb itself is CUDA-only), per param group.
+
+      m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  u = m / (sqrt(v) + eps) + wd p   (eps_inside_sqrt:
+      sqrt(v + eps));  p <- p - lr * sqrt(1 - b2^t) / (1 - b1^t) * clamp(||p|| / ||u||, min_coeff, max_coeff) * u
+  The trust ratio is 1 when ||p|| or ||u|| is 0. Same formula as parity.migrate.reference.numpy_update and
+  jax_impl.optim.optimizer_update. State per param: step (int), exp_avg, exp_avg_sq (float32, param's shape).
+  References: deepspeed/ops/lamb/fused_lamb.py, csrc/lamb/fused_lamb_cuda_kernel.cu.
+  """
+
+  def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+               max_coeff: float = 10.0, min_coeff: float = 0.01, eps_inside_sqrt: bool = False):
+    super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, max_coeff=max_coeff,
+                                  min_coeff=min_coeff, eps_inside_sqrt=eps_inside_sqrt))
+
+  @torch.no_grad()
+  def step(self, closure=None):
+    for group in self.param_groups:
+      b1, b2 = group["betas"]
+      for p in group["params"]:
+        if p.grad is None:
+          continue
+        st = self.state[p]
+        if not st:
+          st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        st["step"] += 1
+        t = st["step"]
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        m.mul_(b1).add_(p.grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+        denom = (v + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v.sqrt() + group["eps"]
+        u = m / denom + group["weight_decay"] * p
+        wn, un = float(p.norm()), float(u.norm())
+        coeff = min(max(wn / un, group["min_coeff"]), group["max_coeff"]) if wn != 0 and un != 0 else 1.0
+        step_size = group["lr"] * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t)
+        p.add_(u, alpha=-step_size * coeff)
+    return None
+
+
+def build_optimizer(groups: list[dict[str, Any]], train, lr: float = 0.0) -> torch.optim.Optimizer:
+  """The one torch builder of the optimizer a TrainSpec describes (`parity.schedule.optimizer_of`).
+
+  adamw -> torch.optim.AdamW, adam -> torch.optim.Adam (L2: weight_decay joins the gradient, DeepSpeed's
+  adam_w_mode false), lamb -> `Lamb`, sgd -> torch.optim.SGD; foreach off. Each param group keeps its own
+  weight_decay (`decay_groups`); the other hyper-parameters come from `train`.
+  Args:
+    groups: torch param groups with their weight_decay; train: the TrainSpec; lr: the initial learning rate
+      (the baseline sets each step's own, `TorchTrainer.step`).
+  Raises:
+    ValueError: unknown train.optimizer.
+  """
+  o = schedule.optimizer_of(train)
+  p = o["params"]
+  if o["type"] == "sgd":
+    return torch.optim.SGD(groups, lr=lr, momentum=p["momentum"], dampening=p["dampening"], nesterov=p["nesterov"],
+                           weight_decay=p["weight_decay"], foreach=False)
+  betas = tuple(schedule.train_betas(train, 0))
+  if o["type"] == "lamb":
+    return Lamb(groups, lr=lr, betas=betas, eps=p["eps"], weight_decay=p["weight_decay"], max_coeff=p["max_coeff"],
+                min_coeff=p["min_coeff"], eps_inside_sqrt=p["eps_inside_sqrt"])
+  cls = torch.optim.AdamW if o["type"] == "adamw" else torch.optim.Adam
+  return cls(groups, lr=lr, betas=betas, eps=p["eps"], weight_decay=p["weight_decay"], foreach=False)
+
+
 class TorchTrainer:
   """Plain torch training of the same model, behind the interface the worker drives.
 
@@ -111,9 +175,7 @@ class TorchTrainer:
     self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # bf16/fp16: the fp32 masters start rounded to the compute dtype, as DeepSpeed's do
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
-    self.optimizer = torch.optim.AdamW(decay_groups(self.model, t.weight_decay), lr=0.0,
-                                       betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
-                                       foreach=False)
+    self.optimizer = build_optimizer(decay_groups(self.model, t.weight_decay), t)
     self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
     self.step_index = 0
     """Optimizer updates applied = the LR schedule position (skipped fp16 steps do not count)."""
@@ -156,9 +218,7 @@ class TorchTrainer:
                        f"this run has train.precision={t.precision!r}")
     if self.half_model is not None:
       return self._step_cast_module(micro_batches, probe=probe, force_overflow=force_overflow)
-    lr = schedule.train_lr(t, self.step_index)
-    for g in self.optimizer.param_groups:
-      g["lr"] = lr
+    lr = self._set_hparams()
     self.optimizer.zero_grad(set_to_none=True)
     losses = []
     for mb in micro_batches:
@@ -204,8 +264,7 @@ class TorchTrainer:
       p.grad = None if g is None else g.float() / divisor
     norm = global_grad_norm(self.params)
     clip_like_deepspeed(self.params, t.grad_clip, norm)
-    for g in self.optimizer.param_groups:
-      g["lr"] = lr
+    self._set_hparams()
     if probe:
       self._snapshots.append(self._measure())
     self.optimizer.step()
@@ -215,6 +274,18 @@ class TorchTrainer:
     self.refresh_half_model()
     self.step_index += 1
     return {**out, "grad_norm": float(norm) * divisor / scale}  # the true norm (scaled norm / used scale)
+
+  def _set_hparams(self) -> float:
+    """Writes this step's lr (and OneCycle's cycled betas) into every param group, as DeepSpeed's scheduler does;
+    returns the lr."""
+    t = self.run.train
+    lr = schedule.train_lr(t, self.step_index)
+    cycled = schedule.cycles_momentum(t)
+    for g in self.optimizer.param_groups:
+      g["lr"] = lr
+      if cycled:
+        g["betas"] = schedule.train_betas(t, self.step_index)
+    return lr
 
   @torch.no_grad()
   def refresh_half_model(self) -> None:
@@ -247,9 +318,12 @@ class TorchTrainer:
   def final_moments(self) -> dict[str, np.ndarray]:
     """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)), canonical, float32.
 
-    Zeros for a param no update has touched yet. Raises KeyError when the optimizer keeps no exp_avg_sq.
+    Zeros for a param no update has touched yet. Raises KeyError when the optimizer is not an Adam (Lamb, SGD: the
+    params rule's per-element Adam bound does not hold for them; parity.checks.param_checks falls back per tensor).
     """
-    beta2 = float(self.run.train.beta2)
+    if self.run.train.optimizer not in ("adam", "adamw"):
+      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule can use")
+    beta2 = float(schedule.adam_beta2(self.run.train))
     own = dict(self.model.named_parameters())
     out = {}
     for name in weights.param_shapes(self.run.model):

@@ -100,18 +100,27 @@ def setup_distributed() -> str:
   return backend
 
 
+MSG_LAMB_CPU = ("train.optimizer='lamb' on the DeepSpeed side: DeepSpeed's Lamb is FusedLamb, a CUDA-only op, and this "
+                "machine has no CUDA device; run --sides jax,torch (both run DeepSpeed's Lamb formula) or use a GPU.")
+
+
 def ds_config(run: RunSpec) -> dict[str, Any]:
   """The DeepSpeed config dict equivalent to a RunSpec.
 
   Args:
     run: the resolved run (model, train, deepspeed plan).
   Returns:
-    A JSON-ready dict for `deepspeed.initialize(config=...)`. The scheduler block is
+    A JSON-ready dict for `deepspeed.initialize(config=...)`. The optimizer block is
+    `parity.schedule.deepspeed_optimizer(run.train)`; the scheduler block is
     `parity.schedule.deepspeed_scheduler(run.train)` (by default WarmupCosineLR with
     linear warmup over train.steps). The global batch is left for DeepSpeed to derive
     (micro x accumulation x world size).
+  Raises:
+    ValueError: train.optimizer 'lamb' without CUDA (MSG_LAMB_CPU).
   """
   t, plan = run.train, run.deepspeed
+  if t.optimizer == "lamb" and not torch.cuda.is_available():
+    raise ValueError(MSG_LAMB_CPU)
   zero: dict[str, Any] = {"stage": plan.zero_stage}
   if plan.offload_optimizer == "cpu":
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
@@ -120,14 +129,17 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
   cfg: dict[str, Any] = {
       "train_micro_batch_size_per_gpu": t.micro_batch_size,
       "gradient_accumulation_steps": t.grad_accum_steps,
-      "optimizer": {"type": "AdamW", "params": {
-          "lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}},
+      "optimizer": schedule.deepspeed_optimizer(t),
   }
   scheduler = schedule.deepspeed_scheduler(t)
   if scheduler is not None:  # 'Constant': no scheduler block, the optimizer lr throughout
     cfg["scheduler"] = scheduler
   if plan.activation_checkpointing:
     cfg["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
+  if t.optimizer == "sgd" and plan.offload_optimizer == "cpu":  # DeepSpeed offloads only its own CPU optimizers
+    cfg["zero_force_ds_cpu_optimizer"] = False
+  if t.optimizer in ("sgd", "lamb") and plan.zero_stage >= 1:  # DeepSpeed asserts on optimizers it did not test
+    cfg["zero_allow_untested_optimizer"] = True
   return {
       **cfg,
       "gradient_clipping": t.grad_clip,
@@ -221,6 +233,10 @@ ZERO_WRAPPERS = {0: None, 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimize
 """Optimizer wrapper class DeepSpeed builds per ZeRO stage (fp32; stage 0 has none unless bf16 is on)."""
 
 
+_OFFLOADED = {"adamw": "DeepSpeedCPUAdam", "adam": "DeepSpeedCPUAdam", "lamb": "FusedLamb", "sgd": "SGD"}
+"""Optimizer class DeepSpeed runs under offload_optimizer: cpu, per train.optimizer."""
+
+
 def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> list[str]:
   """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the
   optimizer is the client torch.optim.AdamW (`client_optimizer`), which offload keeps (no DeepSpeedCPUAdam)."""
@@ -233,7 +249,7 @@ def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> 
   if client and info["optimizer"] != "AdamW":
     problems.append(f"the config has no optimizer section, so the client torch.optim.AdamW should run; got "
                     f"{info['optimizer']}")
-  elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != "DeepSpeedCPUAdam"
+  elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != _OFFLOADED[run.train.optimizer]
                                                            or not info["cpu_offload"]):
     problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
   if plan.offload_optimizer == "none" and (info["optimizer"] == "DeepSpeedCPUAdam" or info["cpu_offload"]):
@@ -255,8 +271,9 @@ def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
   """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage or offload the plan asks for."""
   info = optimizer_classes(engine)
   problems = _zero_problems(info, run, client)
-  if info["adamw_mode"] is False:
-    problems.append("the Adam optimizer runs in Adam (L2) mode, not AdamW")
+  if info["adamw_mode"] is not None and info["adamw_mode"] != (run.train.optimizer == "adamw"):
+    problems.append(f"the Adam optimizer runs with adam_w_mode={info['adamw_mode']}; train.optimizer is "
+                    f"{run.train.optimizer!r} ('adam' is L2, 'adamw' decoupled)")
   planned = schedule.deepspeed_scheduler(run.train)
   if info["scheduler"] != (planned["type"] if planned else None):
     problems.append(f"scheduler is {info['scheduler']}, expected {planned['type'] if planned else None}")
@@ -324,8 +341,8 @@ def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimiz
   optimizer section: torch.optim.AdamW with the run's lr, betas and eps; each param group keeps its own
   weight_decay (`decay_groups`). DeepSpeed then refuses it under offload_optimizer unless the config sets
   zero_force_ds_cpu_optimizer: false (engine._configure_optimizer), as parity.migrate does beforehand."""
-  return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
-                           weight_decay=train.weight_decay)
+  from torch_impl.baseline import build_optimizer  # the one torch builder of the optimizer
+  return build_optimizer(groups, train, lr=train.lr)
 
 
 def initialize(model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any], train):
@@ -520,7 +537,9 @@ class DeepSpeedTrainer:
 
   def final_moments(self) -> dict[str, np.ndarray]:
     """Adam's bias-corrected per-element gradient RMS, canonical, float32 (`final_moments`). A ZeRO collective."""
-    return final_moments(self.engine, float(self.run.train.beta2))
+    if self.run.train.optimizer not in ("adam", "adamw"):
+      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule can use")
+    return final_moments(self.engine, float(schedule.adam_beta2(self.run.train)))
 
   def state_bytes(self) -> memory.StateBytes:
     """Per-(category, kind) maximum over the probed moments (now, when nothing was probed)."""

@@ -122,19 +122,19 @@ def to_deepspeed(data: dict[str, Any], *, source: str = "") -> tuple[dict[str, A
 def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   """Maps a ported config onto the RunSpec `parity compare` runs.
 
+  The optimizer (AdamW, Adam with L2, Lamb, SGD; `_optimizer_fields`) and the scheduler (every one of
+  parity.schedule.COMPARE_SCHEDULERS, OneCycle with or without momentum cycling) run as ported. The JAX side
+  shards as the config does (`_jax_plan`): a ZeRO-3 config runs jax.zero_stage 3.
   Raises:
-    SpecError: naming what compare cannot run yet (anything but AdamW with one of
-      parity.schedule.COMPARE_SCHEDULERS, one rank, remat none/full; fp16 only under ZeRO stages 1-3).
+    SpecError: naming what compare cannot run yet (bias_correction false, more than one rank, remat
+      offload_to_host, fp16 under ZeRO stage 0).
   The number of steps compare runs stays `base.train.steps`; the schedule keeps its own length.
   """
   o, s, b, pr = ported.optimizer, ported.scheduler, ported.batch, ported.precision
-  if o.type != "adamw" or not o.params["bias_correction"]:
-    raise SpecError(f"parity compare runs AdamW with bias correction only; the ported optimizer is {o.type} "
-                    f"(bias_correction={o.params.get('bias_correction')}). Port runs need compare support for it.")
   from parity.schedule import COMPARE_SCHEDULERS
   if s.type not in COMPARE_SCHEDULERS:
     raise SpecError(f"parity compare runs the schedulers {', '.join(COMPARE_SCHEDULERS)}; the ported schedule is "
-                    f"{s.type} (OneCycle also cycles Adam's betas, which compare does not).")
+                    f"{s.type}.")
   if b.world != 1:
     raise SpecError(f"parity compare runs one data-parallel rank; the ported batch has world={b.world}.")
   fp16 = _fp16_fields(pr, ported.sharding.zero_stage)
@@ -143,19 +143,54 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   sh = ported.sharding
   sched = {"lr_schedule": s.type, "lr_schedule_params": dict(s.params) if s.type != "Constant" else None}
   train = dataclasses.replace(
-      base.train, micro_batch_size=b.micro, grad_accum_steps=b.grad_accum, **sched,
-      lr=o.params["lr"], beta1=o.params["betas"][0], beta2=o.params["betas"][1],
-      eps=o.params["eps"], weight_decay=o.params["weight_decay"], grad_clip=ported.clipping.max_global_norm,
-      precision=pr.compute_dtype, **fp16)
+      base.train, micro_batch_size=b.micro, grad_accum_steps=b.grad_accum, **sched, **_optimizer_fields(o),
+      grad_clip=ported.clipping.max_global_norm, precision=pr.compute_dtype, **fp16)
+  ds = dataclasses.replace(base.deepspeed, zero_stage=sh.zero_stage,
+                           offload_optimizer="cpu" if sh.opt_state_memory_kind != "device" else "none",
+                           offload_param="cpu" if sh.params_memory_kind != "device" else "none")
+  return dataclasses.replace(base, train=train, jax=_jax_plan(ported, base, ds), deepspeed=ds).validate()
+
+
+def _optimizer_fields(o: Any) -> dict[str, Any]:
+  """TrainSpec fields of a ported optimizer (parity.schedule.optimizer_of is the inverse).
+
+  Raises:
+    SpecError: bias_correction false (compare's sides run bias-corrected Adam/Lamb only).
+  """
+  p = o.params
+  if o.type != "sgd" and not p["bias_correction"]:
+    raise SpecError(f"parity compare runs {o.type} with bias correction only; the ported optimizer has "
+                    f"optimizer.params.bias_correction false. Set it to true to compare.")
+  out: dict[str, Any] = {"optimizer": o.type, "lr": p["lr"], "weight_decay": p["weight_decay"]}
+  if o.type == "sgd":
+    return {**out, "momentum": p["momentum"], "dampening": p["dampening"], "nesterov": p["nesterov"]}
+  out.update(beta1=p["betas"][0], beta2=p["betas"][1], eps=p["eps"])
+  if o.type == "lamb":
+    out.update(lamb_max_coeff=p["max_coeff"], lamb_min_coeff=p["min_coeff"], eps_inside_sqrt=p["eps_inside_sqrt"])
+  return out
+
+
+def _jax_plan(ported: PortedConfig, base: RunSpec, ds: Any) -> Any:
+  """The JaxPlan of a ported config: its memory kinds and remat, sharded at the config's ZeRO stage.
+
+  Where a parity.plans.PLANS pair has exactly this DeepSpeed plan and these memory kinds, its JaxPlan runs (so the
+  report names the pair: a ZeRO-3 config runs the `zero3` pair, jax.zero_stage 3 on one device); otherwise
+  jax.zero_stage is the config's stage.
+  """
+  from parity.plans import PLANS
+  sh = ported.sharding
   host = [k for k in (sh.opt_state_memory_kind, sh.params_memory_kind) if k != "device"]
   jax = dataclasses.replace(base.jax, offload_opt_state=sh.opt_state_memory_kind != "device",
                             offload_params=sh.params_memory_kind != "device",
                             host_memory_kind=host[0] if host else base.jax.host_memory_kind,
-                            remat=ported.remat.policy)
-  ds = dataclasses.replace(base.deepspeed, zero_stage=sh.zero_stage,
-                           offload_optimizer="cpu" if sh.opt_state_memory_kind != "device" else "none",
-                           offload_param="cpu" if sh.params_memory_kind != "device" else "none")
-  return dataclasses.replace(base, train=train, jax=jax, deepspeed=ds).validate()
+                            remat=ported.remat.policy, zero_stage=sh.zero_stage)
+  for plan in PLANS.values():
+    pj = plan.jax
+    if plan.deepspeed == ds and (pj.offload_opt_state, pj.offload_params, pj.remat) == \
+        (jax.offload_opt_state, jax.offload_params, jax.remat) and pj.data_parallel == jax.data_parallel \
+        and pj.scan_layers == jax.scan_layers and (not host or pj.host_memory_kind == jax.host_memory_kind):
+      return dataclasses.replace(jax, zero_stage=pj.zero_stage)
+  return jax
 
 
 def _fp16_fields(pr: Any, zero_stage: int) -> dict[str, Any]:
