@@ -41,12 +41,12 @@ GiB = 2**30
 
 
 def _run_spec(args: argparse.Namespace):
-  from parity.memory import resolve_estimate_run
+  from parity.resolve import resolve_run
   if args.tiny:
-    return resolve_estimate_run(preset="gpt2-tiny", plan=args.one, micro_batch=args.micro_batch,
-                                seq_len=args.seq_len, precision=args.precision)
-  return resolve_estimate_run(model=args.model, plan=args.one, micro_batch=args.micro_batch or 1,
-                              seq_len=args.seq_len or 1024, precision=args.precision)
+    return resolve_run("gpt2-tiny", plan=args.one, micro_batch=args.micro_batch, seq_len=args.seq_len,
+                       precision=args.precision).spec
+  return resolve_run(model=args.model, plan=args.one, micro_batch=args.micro_batch or 1,
+                     seq_len=args.seq_len or 1024, precision=args.precision).spec
 
 
 def _bandwidth_gbs(nbytes: int = 256 * 2**20) -> float | None:

@@ -1,4 +1,5 @@
-"""`parity convert-weights`: HF checkpoint folder <-> canonical safetensors <-> orbax checkpoint.
+"""Weight conversion behind `parity convert-weights` (parity/cli/convert_weights.py): HF checkpoint folder <->
+canonical safetensors <-> orbax checkpoint.
 
   parity convert-weights SRC DST [--from hf|canonical|orbax] [--to hf|canonical|orbax] [--force]
 
@@ -14,10 +15,8 @@ params/ and model_spec/ is `orbax`, a `*.safetensors` file is `canonical`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -25,10 +24,9 @@ from typing import Sequence
 import numpy as np
 
 from parity import hf, weights
-from parity.spec import ModelSpec, SpecError, to_dict
+from parity.spec import ModelSpec, SpecError
 
-__all__ = ["FORMATS", "ConvertError", "Converted", "detect_format", "read_any", "convert", "read_bin",
-           "add_arguments", "run"]
+__all__ = ["FORMATS", "ConvertError", "Converted", "detect_format", "read_any", "convert", "read_bin"]
 
 FORMATS = ("hf", "canonical", "orbax")
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,52 +245,3 @@ def _swap_in(stage: Path, dst: Path) -> None:
     os.rename(old, dst)
     raise
   _remove(old)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-  """Adds the `convert-weights` arguments to a (sub)parser."""
-  p.description = ("Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
-                   "LlamaForCausalLM, MistralForCausalLM), canonical safetensors (with the ModelSpec as "
-                   "metadata) and an orbax checkpoint of the Flax params.")
-  p.add_argument("src", help="HF folder (config.json + safetensors or pytorch_model.bin), .safetensors, or orbax folder")
-  p.add_argument("dst", help="output: a .safetensors file (canonical) or a folder (--to hf|orbax)")
-  p.add_argument("--from", dest="src_format", choices=FORMATS, help="source format (default: inferred)")
-  p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format (default: inferred from DST)")
-  p.add_argument("--spec", help="ModelSpec JSON file, for a canonical source without spec metadata")
-  p.add_argument("--force", action="store_true", help="replace DST if it is a checkpoint of the output format "
-                 "(never the source, never anything else); the old one goes only once the new one is complete")
-
-
-def run(args: argparse.Namespace) -> int:
-  """Runs `convert-weights`; prints a one-line summary. Returns 0, or 2 on bad input (message on stderr)."""
-  import json
-  from parity.spec import from_dict
-  try:
-    from parity.inputs import load_json
-    spec = from_dict(ModelSpec, load_json(args.spec, what="--spec file"), path="model") if args.spec else None
-    done = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, spec=spec,
-                   force=args.force)
-  except (SpecError, ValueError, FileNotFoundError, FileExistsError) as exc:
-    print(f"parity convert-weights: error: {exc}", file=sys.stderr)
-    return 2
-  except OSError as exc:  # disk full, read-only folder: the output was not written; the source and an old DST stay
-    print(f"parity convert-weights: error: cannot write {exc.filename or args.dst} ({exc.strerror or exc}); "
-          "nothing was replaced", file=sys.stderr)
-    return 1
-  print(f"{done.src_format} -> {done.dst_format}: {done.dst} ({done.n_tensors} tensors, "
-        f"{done.n_params:,} params)")
-  print("model: " + json.dumps(to_dict(done.spec), sort_keys=True))
-  for note in done.notes:
-    print(f"note: {note}")
-  return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-  """Stand-alone entry point (`python -m parity.convert`), same arguments as `parity convert-weights`."""
-  ap = argparse.ArgumentParser(prog="parity convert-weights")
-  add_arguments(ap)
-  return run(ap.parse_args(argv))
-
-
-if __name__ == "__main__":
-  sys.exit(main())

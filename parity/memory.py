@@ -19,13 +19,13 @@ import enum
 import math
 from typing import Any, Iterable
 
-from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec
+from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec, TrainSpec
 from parity.weights import param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
            "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes", "predicted_vs_measured",
-           "add_estimate_arguments", "run_estimate"]
+           "model_preset_train", "estimate_json", "step_rows"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
@@ -439,50 +439,12 @@ def _row(side: str, category: str, kind: str, predicted: int | None, measured: i
           "measured": measured, "ratio": ratio}
 
 
-# ----------------------------------------------------------------------------- `parity estimate`
+# ----------------------------------------------------------------------------- what `parity estimate` shows
 
-def add_estimate_arguments(parser) -> None:
-  """Options of `parity estimate` (the lead wires the subcommand in parity/cli.py)."""
-  src = parser.add_mutually_exclusive_group()
-  src.add_argument("--preset", help="a run preset (parity.spec.PRESETS); default gpt2-small-cpu")
-  src.add_argument("--model", help="a model size preset (parity.hf.MODEL_PRESETS, e.g. gpt2-124m, llama-7b)")
-  parser.add_argument("--plan", help="a plan pair of parity.plans.PLANS (default: the run's own plans)")
-  parser.add_argument("--micro-batch", type=int, help="sequences per micro batch per rank")
-  parser.add_argument("--seq-len", type=int, help="tokens per sequence")
-  parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="compute precision")
-  parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed side")
-  parser.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON")
-
-
-def model_preset_train(model: ModelSpec) -> "TrainSpec":
-  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS) in `parity estimate` and `parity plan`:
+def model_preset_train(model: ModelSpec) -> TrainSpec:
+  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS; parity.resolve.resolve_run(model=...)):
   micro batch 1, seq_len min(2048, max_seq_len), bf16 (how such models are trained); other fields TrainSpec's."""
-  from parity.spec import TrainSpec
   return TrainSpec(micro_batch_size=1, seq_len=min(2048, model.max_seq_len), precision="bf16")
-
-
-def resolve_estimate_run(preset: str | None = None, model: str | None = None, plan: str | None = None,
-                         micro_batch: int | None = None, seq_len: int | None = None,
-                         precision: str | None = None) -> RunSpec:
-  """The RunSpec an estimate describes: a run preset's own train spec, or for a model preset
-  `model_preset_train` (what `parity plan` assumes too); given values override. Raises SpecError on
-  unknown names or invalid values."""
-  from parity.spec import PRESETS, SpecError, TrainSpec, preset as get_preset
-  if model is not None:
-    from parity.hf import MODEL_PRESETS
-    if model not in MODEL_PRESETS:
-      raise SpecError(f"unknown model {model!r}; known models: {', '.join(MODEL_PRESETS)}")
-    spec = MODEL_PRESETS[model]
-    run = RunSpec(model=spec, train=model_preset_train(spec))
-  else:
-    run = get_preset(preset or next(iter(PRESETS)))
-  train = {k: v for k, v in (("micro_batch_size", micro_batch), ("seq_len", seq_len),
-                             ("precision", precision)) if v is not None}
-  run = dataclasses.replace(run, train=dataclasses.replace(run.train, **train))
-  if plan is not None:
-    from parity.plans import apply_plan
-    return apply_plan(run, plan)
-  return run.validate()
 
 
 def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
@@ -501,49 +463,15 @@ def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
                                   "cpu_bytes": cpu, "gpu_bytes": gpu}}
 
 
-def _gib(n: int | None) -> str:
-  return "-" if n is None else f"{n / 2**30:,.3f}"
-
-
-def run_estimate(args) -> int:
-  """`parity estimate`: prints the per-category model for both sides and DeepSpeed's own figures.
-
-  Returns 0, or 2 on bad input (the message names the option).
-  """
-  import json
-  from rich.console import Console
-  from rich.table import Table
-  from parity.spec import SpecError
-  con = Console(highlight=False, width=160)
-  try:
-    run = resolve_estimate_run(args.preset, args.model, args.plan, args.micro_batch, args.seq_len,
-                               getattr(args, "precision", None))
-  except SpecError as exc:
-    con.print(f"[red]error:[/red] {exc}")
-    return 2
-  out = estimate_json(run, args.ranks)
-  rows = estimate(run, ranks=args.ranks)
-  t = run.train
-  table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
-                      f"{t.precision} (GiB per rank)")
-  for col in ("category", "deepspeed device", "deepspeed host", "jax device", "jax host"):
-    table.add_column(col, justify="left" if col == "category" else "right")
-  tot = {s: totals(rows, s) for s in ("deepspeed", "jax")}
-  for cat in CATEGORIES:
-    table.add_row(cat, *(_gib(tot[s][cat][k]) for s in ("deepspeed", "jax") for k in KINDS))
+def step_rows(rows: Iterable[Row]) -> list[tuple[str, list[int]]]:
+  """The in-step rows of `parity estimate`'s table: (label, bytes per [deepspeed device, deepspeed host, jax device,
+  jax host]) for the forward/backward, update and whole-step phases that hold any bytes."""
+  rows = list(rows)
+  out = []
   for phase, label in (("forward", "in step: forward/backward"), ("update", "in step: update"),
                        ("both", "in step: whole step")):
     cells = [sum(r.bytes for r in rows if r.side == s and r.kind == k and _phase(r.note) == phase)
              for s in ("deepspeed", "jax") for k in KINDS]
     if any(cells):
-      table.add_row(label, *(_gib(c) for c in cells))
-  table.add_row("peak device / host", _gib(out["peak_device_bytes"]["deepspeed"]), _gib(peak_host_bytes(rows, "deepspeed")),
-                _gib(out["peak_device_bytes"]["jax"]), _gib(peak_host_bytes(rows, "jax")))
-  con.print(table)
-  ds = out["deepspeed_estimator"]
-  con.print(f"DeepSpeed's {ds['function']} (model states only, fp16 params, buffer factor 1.5): "
-            f"gpu {_gib(ds['gpu_bytes'])} GiB, cpu {_gib(ds['cpu_bytes'])} GiB")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
-  return 0
+      out.append((label, cells))
+  return out

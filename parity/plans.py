@@ -9,9 +9,7 @@ model of `parity.memory` and a roofline step-time model (docs/plans.md). No jax 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 from typing import Any
 
@@ -19,7 +17,7 @@ from parity import memory
 from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
-           "step_time", "choose_plan", "add_plan_arguments", "run_plan"]
+           "step_time", "choose_plan", "explain", "custom_hardware", "ranking_json"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -252,7 +250,15 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     sides: sides that must fit; a pair costs its slower side.
     mfu: assumed model-FLOPs utilisation of the peak.
     reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
+  Raises:
+    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax.
   """
+  if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
+    raise SpecError(f"mfu (--mfu) {mfu}: must be a fraction in (0, 1]")
+  if devices < 1:
+    raise SpecError(f"devices (--devices) {devices}: must be >= 1")
+  if not sides or set(sides) - {"deepspeed", "jax"}:
+    raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed and/or jax")
   host = hw.host_bytes if host_bytes is None else host_bytes
   jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
@@ -288,94 +294,30 @@ def explain(best: Candidate | None, ranked: list[Candidate]) -> list[str]:
   return lines
 
 
-# ----------------------------------------------------------------------------- `parity plan`
+# ----------------------------------------------------------------------------- what `parity plan` takes and writes
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-  """Options of `parity plan` (the lead wires the subcommand in parity/cli.py)."""
-  src = parser.add_mutually_exclusive_group()
-  src.add_argument("--preset", help="a run preset (parity.spec.PRESETS)")
-  src.add_argument("--model", default=None, help="a model size preset (parity.hf.MODEL_PRESETS), e.g. llama-7b")
-  parser.add_argument("--micro-batch", type=int, help="sequences per micro batch per device (default: the "
-                                                     "preset's; a --model: 1)")
-  parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's; a --model: "
-                                                  "min(2048, max))")
-  parser.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default: the preset's; 1)")
-  parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
-                      help="compute precision (default: the preset's; a --model: bf16); fp32 uses the fp32 peak")
-  parser.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
-  parser.add_argument("--device-memory", type=float, help="device memory, GiB (overrides --hardware)")
-  parser.add_argument("--host-memory", type=float, help="host memory per device, GiB")
-  parser.add_argument("--bandwidth", type=float, help="host<->device bandwidth per direction, GB/s")
-  parser.add_argument("--peak-tflops", type=float, help="peak at the run's precision, TFLOP/s (default: the preset's)")
-  parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation")
-  parser.add_argument("--devices", type=int, default=1, help="data-parallel devices")
-  parser.add_argument("--sides", default="deepspeed,jax", help="sides that must fit, comma-separated")
-  parser.add_argument("--json", metavar="FILE", help="also write the ranking as JSON")
-
-
-def _plan_inputs(args) -> tuple[ModelSpec, TrainSpec, Hardware]:
-  """ModelSpec, TrainSpec and Hardware from `parity plan` options. Raises SpecError on bad values."""
-  from parity.hf import MODEL_PRESETS
-  from parity.spec import preset
-  if args.preset:
-    model, base = preset(args.preset).model, preset(args.preset).train
-  else:
-    name = args.model or "llama-7b"
-    if name not in MODEL_PRESETS:
-      raise SpecError(f"unknown model {name!r}; known models: {', '.join(MODEL_PRESETS)}")
-    model = MODEL_PRESETS[name]
-    base = memory.model_preset_train(model)  # the same defaults as `parity estimate --model`
-  given = {k: v for k, v in (("micro_batch_size", args.micro_batch), ("seq_len", args.seq_len),
-                             ("grad_accum_steps", args.grad_accum), ("precision", args.precision)) if v is not None}
-  train = dataclasses.replace(base, **given).validate(model)
-  hw = HARDWARE[args.hardware]
+def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: float | None = None,
+                    bandwidth_gbs: float | None = None, peak_tflops: float | None = None) -> Hardware:
+  """`hw` with the given figures replaced: device and host memory in GiB, host link in GB/s per direction, peak in
+  TFLOP/s (used for every precision). Raises SpecError naming a figure that is not a finite number > 0."""
+  given = {"device_gib": device_gib, "host_gib": host_gib, "bandwidth_gbs": bandwidth_gbs, "peak_tflops": peak_tflops}
+  for key, v in given.items():
+    if v is not None and not (math.isfinite(v) and v > 0):
+      flag = {"device_gib": "--device-memory", "host_gib": "--host-memory", "bandwidth_gbs": "--bandwidth",
+              "peak_tflops": "--peak-tflops"}[key]
+      raise SpecError(f"{flag} {v:g}: must be a number > 0")
   changes = {k: v for k, v in (
-      ("device_bytes", None if args.device_memory is None else int(args.device_memory * GiB)),
-      ("host_bytes", None if args.host_memory is None else int(args.host_memory * GiB)),
-      ("host_link_bytes_per_s", None if args.bandwidth is None else args.bandwidth * GB),
-      ("peak_flops", None if args.peak_tflops is None else args.peak_tflops * 1e12),
-      ("peak_flops_fp32", None if args.peak_tflops is None else args.peak_tflops * 1e12)) if v is not None}
-  if any(v <= 0 for v in changes.values()) or not 0 < args.mfu <= 1 or args.devices < 1:
-    raise SpecError("memory, bandwidth and peak must be > 0, --mfu in (0, 1], --devices >= 1")
-  return model, train, dataclasses.replace(hw, **changes)
+      ("device_bytes", None if device_gib is None else int(device_gib * GiB)),
+      ("host_bytes", None if host_gib is None else int(host_gib * GiB)),
+      ("host_link_bytes_per_s", None if bandwidth_gbs is None else bandwidth_gbs * GB),
+      ("peak_flops", None if peak_tflops is None else peak_tflops * 1e12),
+      ("peak_flops_fp32", None if peak_tflops is None else peak_tflops * 1e12)) if v is not None}
+  return dataclasses.replace(hw, **changes)
 
 
-def run_plan(args) -> int:
-  """`parity plan`: prints every plan pair's cost, the choice, and why cheaper ones do not fit.
-
-  Returns 0 when a plan fits, 1 when none does, 2 on bad input.
-  """
-  from rich.console import Console
-  from rich.table import Table
-  con = Console(highlight=False, width=170)
-  try:
-    model, train, hw = _plan_inputs(args)
-    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
-    if not sides or set(sides) - {"deepspeed", "jax"}:
-      raise SpecError(f"--sides must list deepspeed and/or jax; got {args.sides!r}")
-  except SpecError as exc:
-    con.print(f"[red]error:[/red] {exc}")
-    return 2
-  best, ranked = choose_plan(model, train, hw, devices=args.devices, sides=sides, mfu=args.mfu)
-  table = Table(title=f"{memory.param_count(model):,} params, {train.tokens_per_step:,} tokens/step per device on "
-                      f"{args.devices} x {hw.name} ({hw.device_bytes / GiB:.0f} GiB, "
-                      f"{hw.host_link_bytes_per_s / GB:.0f} GB/s host link, MFU {args.mfu})")
-  for col in ("plan", "step s", "compute s", "transfer s", *(f"{s} peak GiB" for s in sides),
-              *(f"{s} host GiB" for s in sides), "fits"):
-    table.add_column(col, justify="left" if col in ("plan", "fits") else "right")
-  for c in ranked:
-    mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
-    table.add_row(c.name, f"{c.step_s:.3f}", f"{c.compute_s:.3f}", f"{c.transfer_s:.3f}",
-                  *(f"{c.peak_device_bytes[s] / GiB:.1f}" for s in sides),
-                  *(f"{c.host_bytes[s] / GiB:.1f}" for s in sides), mark)
-  con.print(table)
-  con.print(f"choice: {best.name} — {PLANS[best.name].description}" if best else
-            "[red]no plan fits[/red]: more devices, a smaller micro batch or sequence, or more memory")
-  for line in explain(best, ranked):
-    con.print("  " + line)
-  if args.json:
-    with open(args.json, "w") as f:
-      finite = lambda d: {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
-      json.dump({"choice": best.name if best else None,
-                 "ranked": [finite(dict(dataclasses.asdict(c), fits=c.fits)) for c in ranked]}, f, indent=1)
-  return 0 if best else 1
+def ranking_json(best: Candidate | None, ranked: list[Candidate]) -> dict[str, Any]:
+  """JSON-ready ranking of `choose_plan`: {'choice': name or None, 'ranked': [Candidate fields + 'fits']}; an
+  infinite cost (a pair this run cannot use) is None."""
+  finite = lambda d: {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+  return {"choice": best.name if best else None,
+          "ranked": [finite(dict(dataclasses.asdict(c), fits=c.fits)) for c in ranked]}

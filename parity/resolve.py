@@ -1,14 +1,15 @@
 """One resolver for a run: every source of a run's settings, applied in one documented order.
 
-`resolve_run` is what `parity compare` and `parity diagnose` (and `parity.run.resolve`) build a run with. The
-sources, in the order they apply, each later one over the earlier ones:
+`resolve_run` is what `parity compare`, `parity diagnose`, `parity estimate` and `parity plan` (and
+`parity.run.resolve`) build a run with. The sources, in the order they apply, each later one over the earlier ones:
 
-  1. base        the preset a config file names (`preset:`), else the `preset` argument, else DEFAULT_PRESET
-                 (a config's `preset:` and a different `preset` argument are refused as a conflict)
+  1. base        the preset a config file names (`preset:`), else the `preset` argument, else a model-size preset
+                 (`model`, parity.hf.MODEL_PRESETS, with parity.memory.model_preset_train's training), else
+                 DEFAULT_PRESET (any two of a config's `preset:`, `preset` and `model` are refused as a conflict)
   2. config      the config file's sections merged over the preset (a `parity port` output maps onto it)
   3. checkpoint  an HF checkpoint (`--hf-model`) replaces the model section; its weights become the initial weights
   4. plan        a plan pair (`--plan NAME|auto`) replaces the `jax` and `deepspeed` sections
-  5. flags       `steps`, `sides`, `data`
+  5. flags       `steps`, `sides`, `data`, `micro_batch`, `seq_len`, `grad_accum`, `precision`
   6. overrides   dotted `section.key: value` pairs, applied once, last, over everything above
   7. DeepSpeed   a DeepSpeed config (`--deepspeed-config`) is ported against the result: its "auto" values are
                  filled from the run so far, and what it sets explicitly decides the training, jax and
@@ -70,15 +71,18 @@ def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> di
   return parse_overrides(list(overrides))
 
 
-def resolve_run(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
+def resolve_run(preset_name: str | None = None, *, model: str | None = None, config: str | Path | Mapping | None = None,
                 hf_model: str | Path | None = None, plan: str | None = None, hardware: str = "H100",
                 deepspeed_config: str | Path | None = None, steps: int | None = None,
-                sides: Sequence[str] | None = None, data: str | None = None,
+                sides: Sequence[str] | None = None, data: str | None = None, micro_batch: int | None = None,
+                seq_len: int | None = None, grad_accum: int | None = None, precision: str | None = None,
                 overrides: Mapping[str, Any] | Sequence[str] | None = None) -> ResolvedRun:
   """Resolves one run from all its sources, in the order of this module's docstring.
 
   Args:
-    preset_name: a parity.spec.PRESETS name, or None (the config's `preset:`, else DEFAULT_PRESET).
+    preset_name: a parity.spec.PRESETS name, or None (the config's `preset:`, else `model`, else DEFAULT_PRESET).
+    model: a model-size preset of parity.hf.MODEL_PRESETS (e.g. llama-7b, gpt2-124m): its ModelSpec with
+      parity.memory.model_preset_train's training (micro batch 1, seq_len min(2048, max_seq_len), bf16).
     config: a run config file (YAML/JSON/hjson) or mapping with sections model, train, jax, deepspeed (+ preset,
       data, sides, timeout_s), or a `parity port` output.
     hf_model: a local Hugging Face checkpoint folder.
@@ -86,6 +90,7 @@ def resolve_run(preset_name: str | None = None, *, config: str | Path | Mapping 
     hardware: a parity.plans.HARDWARE preset, for plan='auto'.
     deepspeed_config: a DeepSpeed JSON config file.
     steps, sides, data: train.steps, sides and data.
+    micro_batch, seq_len, grad_accum, precision: train.micro_batch_size, seq_len, grad_accum_steps, precision.
     overrides: dotted overrides, a mapping {'train.lr': 3e-4} or strings ['train.lr=3e-4'].
   Returns:
     The frozen ResolvedRun.
@@ -99,10 +104,13 @@ def resolve_run(preset_name: str | None = None, *, config: str | Path | Mapping 
   named = cfg.pop("preset", None)
   if named is not None and preset_name is not None and named != preset_name:
     raise SpecError(f"{source} names preset {named!r} but the preset given is {preset_name!r}; drop one of them")
-  name = named or preset_name or DEFAULT_PRESET
+  if model is not None and (named or preset_name) is not None:
+    raise SpecError(f"model preset {model!r} and preset {named or preset_name!r} (from "
+                    f"{source if named else 'the preset argument'}) both name the base run; give one of them")
+  name = named or preset_name or model or DEFAULT_PRESET
   if isinstance(config, (str, Path)):
     cfg = _data_relative_to(cfg, Path(config))
-  spec = _base_with_config(name, cfg, source)                                     # 1, 2
+  spec = _base_with_config(_base(name, model), cfg, source)                       # 1, 2
   init_source, init_params = None, None
   if hf_model is not None:                                                        # 3
     spec, init_params = _from_checkpoint(hf_model, spec)
@@ -114,6 +122,10 @@ def resolve_run(preset_name: str | None = None, *, config: str | Path | Mapping 
     flags["sides"] = list(sides)
   if data is not None:
     flags["data"] = data
+  train = {k: v for k, v in (("micro_batch_size", micro_batch), ("seq_len", seq_len), ("grad_accum_steps", grad_accum),
+                             ("precision", precision)) if v is not None}
+  if train:
+    flags["train"] = {**flags.get("train", {}), **train}
   plan_choice = None
   if plan is not None:                                                            # 4, then 5 and 6 over it
     pair, plan_choice = _plan_pair(spec, flags, over, plan, hardware)
@@ -154,11 +166,22 @@ def _config_mapping(config) -> tuple[dict[str, Any], str]:
   raise SpecError(f"config: expected a file path or a mapping, got {type(config).__name__}")
 
 
-def _base_with_config(name: str, cfg: dict[str, Any], source: str) -> RunSpec:
-  """The preset `name` with the config's sections merged over it (or a `parity port` output mapped onto it)."""
+def _base(name: str, model: str | None) -> RunSpec:
+  """The run preset `name`, or for a model-size preset its ModelSpec with model_preset_train's training."""
+  if model is None:
+    return preset(name)
+  from parity.hf import MODEL_PRESETS
+  from parity.memory import model_preset_train
+  if model not in MODEL_PRESETS:
+    raise SpecError(f"unknown model preset {model!r}; known model presets: {', '.join(MODEL_PRESETS)} "
+                    "(see `parity presets`)")
+  return RunSpec(model=MODEL_PRESETS[model], train=model_preset_train(MODEL_PRESETS[model]))
+
+
+def _base_with_config(base: RunSpec, cfg: dict[str, Any], source: str) -> RunSpec:
+  """The base run with the config's sections merged over it (or a `parity port` output mapped onto it)."""
   from parity.run import _merge
   from parity.spec import check_numbers
-  base = preset(name)
   if cfg.get("schema") == "parity.ported/1":  # the output of `parity port`: the JAX config of a DeepSpeed run
     from parity.migrate._reverse import load_ported, to_run_spec
     return to_run_spec(load_ported(cfg, source=source), base)

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from parity import convert, hf, weights  # noqa: E402
+from parity.cli import main as cli_main  # noqa: E402
 
 GPT2 = dict(vocab_size=61, n_positions=24, n_embd=32, n_layer=2, n_head=4)
 LLAMA = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -94,7 +95,7 @@ def test_export_to_hf_loads_in_transformers_with_equal_logits(kind, tmp_path):
   params = {k: v + np.float32(0.05) * np.random.default_rng(1).standard_normal(v.shape).astype(np.float32)
             for k, v in params.items()}  # nonzero biases and norm offsets
   hf.save_canonical(tmp_path / "w.safetensors", params, spec)
-  assert convert.main([str(tmp_path / "w.safetensors"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+  assert cli_main(["convert-weights", str(tmp_path / "w.safetensors"), str(tmp_path / "hf"), "--to", "hf"]) == 0
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
   tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 53, size=(2, 16)))
   with torch.no_grad():
@@ -112,11 +113,11 @@ def test_hf_canonical_orbax_round_trip_is_byte_identical(kind, tmp_path, capsys)
   pytest.importorskip("orbax.checkpoint")
   _hf_model(kind, tie_word_embeddings=(kind == "gpt2")).save_pretrained(tmp_path / "hf")
   first, ckpt, second = tmp_path / "first.safetensors", tmp_path / "orbax", tmp_path / "second.safetensors"
-  assert convert.main([str(tmp_path / "hf"), str(first)]) == 0
-  assert convert.main([str(first), str(ckpt), "--to", "orbax"]) == 0
-  assert convert.main([str(ckpt), str(second)]) == 0
+  assert cli_main(["convert-weights", str(tmp_path / "hf"), str(first)]) == 0
+  assert cli_main(["convert-weights", str(first), str(ckpt), "--to", "orbax"]) == 0
+  assert cli_main(["convert-weights", str(ckpt), str(second)]) == 0
   assert first.read_bytes() == second.read_bytes()
-  assert convert.main([str(ckpt), str(tmp_path / "hf2"), "--to", "hf"]) == 0  # orbax -> HF directly
+  assert cli_main(["convert-weights", str(ckpt), str(tmp_path / "hf2"), "--to", "hf"]) == 0  # orbax -> HF directly
   _assert_same(hf.load_hf_checkpoint(tmp_path / "hf2").params, hf.load_canonical(first)[0])
   print(capsys.readouterr().out)
 
@@ -138,18 +139,18 @@ def test_jax_checkpoint_in_process_round_trip(tmp_path):
 def test_cli_refusals_exit_2_with_the_reason(tmp_path, capsys):
   (tmp_path / "qwen").mkdir()
   (tmp_path / "qwen" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
-  assert convert.main([str(tmp_path / "qwen"), str(tmp_path / "w.safetensors")]) == 2
+  assert cli_main(["convert-weights", str(tmp_path / "qwen"), str(tmp_path / "w.safetensors")]) == 2
   assert "o_proj" in capsys.readouterr().err
   _hf_model("llama").save_pretrained(tmp_path / "hf")
-  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 0
-  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 2
+  assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 0
+  assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 2
   assert "--force" in capsys.readouterr().err
-  assert convert.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+  assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
   assert "pass --to" in capsys.readouterr().err
   bad = tmp_path / "bad"
   _hf_model("llama").save_pretrained(bad)
   cfg = json.loads((bad / "config.json").read_text())
   (bad / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
-  assert convert.main([str(bad), str(tmp_path / "x.safetensors")]) == 2
+  assert cli_main(["convert-weights", str(bad), str(tmp_path / "x.safetensors")]) == 2
   err = capsys.readouterr().err
   assert "k_proj.weight: (16, 32) (expected (32, 32))" in err, err

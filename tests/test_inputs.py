@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from parity import cli, data, hf, inputs, weights
+import parity.cli.sizing  # noqa: F401  (cli.sizing: the presets command the tests patch)
 from parity.inputs import InputError
 from parity.migrate import read_deepspeed_config
 from parity.migrate._read import PortError
@@ -288,7 +289,7 @@ def test_report_binary_or_absent(tmp_path, capsys):
 def test_unexpected_exception_is_one_line_and_exit_1_with_the_traceback_saved(monkeypatch, capsys):
   def boom(args):
     raise RuntimeError("a bug")
-  monkeypatch.setattr(cli, "_run_presets", boom)
+  monkeypatch.setattr(cli.sizing, "run_presets", boom)
   code, err = _main(["presets"], capsys)
   assert code == 1 and err.count("\n") == 1 and "internal error: RuntimeError: a bug" in err
   saved = err.split("traceback saved to ")[1].split(";")[0]
@@ -299,7 +300,7 @@ def test_unexpected_exception_is_one_line_and_exit_1_with_the_traceback_saved(mo
 def test_any_value_error_from_a_module_is_exit_2(monkeypatch, capsys):
   def bad(args):
     raise ValueError("bad value for key x")
-  monkeypatch.setattr(cli, "_run_presets", bad)
+  monkeypatch.setattr(cli.sizing, "run_presets", bad)
   code, err = _main(["presets"], capsys)
   assert code == 2 and err == "parity presets: error: bad value for key x\n"
 

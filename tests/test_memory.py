@@ -1,7 +1,6 @@
 """parity.memory: DeepSpeed's own estimators reproduced exactly, and the per-category model."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import itertools
@@ -112,16 +111,15 @@ def test_default_plan_categories_on_gpt2_tiny():
 
 
 def test_estimate_cli_json(tmp_path, capsys):
-  parser = argparse.ArgumentParser()
-  memory.add_estimate_arguments(parser)
+  from parity.cli import main
   out = tmp_path / "e.json"
-  assert memory.run_estimate(parser.parse_args(["--model", "llama-7b", "--plan", "zero3-offload-all",
-                                                "--precision", "bf16", "--json", str(out)])) == 0
+  assert main(["estimate", "--model", "llama-7b", "--plan", "zero3-offload-all", "--precision", "bf16",
+               "--json", str(out)]) == 0
   data = json.loads(out.read_text())
   assert data["total_params"] == 6_738_415_616 and data["deepspeed_estimator"]["gpu_bytes"] == 4 * 131_072_000
   assert "peak device" in capsys.readouterr().out
-  assert memory.run_estimate(parser.parse_args(["--model", "nope"])) == 2
-  assert memory.run_estimate(parser.parse_args(["--preset", "gpt2-tiny", "--plan", "nope"])) == 2
+  assert main(["estimate", "--model", "nope"]) == 2
+  assert main(["estimate", "--preset", "gpt2-tiny", "--plan", "nope"]) == 2
 
 
 def test_predicted_vs_measured_rows():

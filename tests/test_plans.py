@@ -1,7 +1,6 @@
 """parity.plans: the named plan pairs, apply_plan, and the planner."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -118,17 +117,16 @@ def test_planner_prefers_no_offload_when_it_fits():
 
 
 def test_plan_cli(tmp_path, capsys):
-  parser = argparse.ArgumentParser()
-  plans.add_plan_arguments(parser)
+  from parity.cli import main
   out = tmp_path / "p.json"
-  rc = plans.run_plan(parser.parse_args(["--model", "llama-7b", "--hardware", "A100-80", "--host-memory", "512",
-                                         "--sides", "deepspeed", "--json", str(out)]))
+  rc = main(["plan", "--model", "llama-7b", "--hardware", "A100-80", "--host-memory", "512", "--sides", "deepspeed",
+             "--json", str(out)])
   text = capsys.readouterr().out
   assert rc == 0 and "choice:" in text and "does not fit" in text
   data = json.loads(out.read_text())
   assert data["choice"] == next(c["name"] for c in data["ranked"] if c["fits"])
-  assert plans.run_plan(parser.parse_args(["--model", "nope"])) == 2
-  assert plans.run_plan(parser.parse_args(["--sides", "tpu"])) == 2
+  assert main(["plan", "--model", "nope"]) == 2
+  assert main(["plan", "--sides", "tpu"]) == 2
 
 
 def test_planner_ranks_a_pair_the_run_cannot_use_last_with_the_reason(monkeypatch):

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from parity.migrate import Flags, port_config
-from parity.migrate import cli
+from parity.cli import port as cli
 from tests.conftest import requires_deepspeed
 from tests.test_migrate import REAL_FILES, flags_for
 from parity.migrate import read_deepspeed_config

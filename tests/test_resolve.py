@@ -8,17 +8,17 @@ import json
 import pytest
 
 from parity import hf, weights
+from parity.cli import main as cli_main
 from parity.resolve import ResolvedRun, overrides_mapping, resolve_run
 from parity.spec import SpecError, preset
 
 
 def _hf_folder(tmp_path, name="gpt2-tiny"):
   """A GPT-2 HF checkpoint folder of the preset's model, written from numpy (no torch)."""
-  from parity import convert
   spec = preset(name).model
   canon = tmp_path / "w.safetensors"
   hf.save_canonical(canon, weights.init_params(spec, seed=3), spec)
-  assert convert.main([str(canon), str(tmp_path / "hf"), "--to", "hf"]) == 0
+  assert cli_main(["convert-weights", str(canon), str(tmp_path / "hf"), "--to", "hf"]) == 0
   return tmp_path / "hf"
 
 

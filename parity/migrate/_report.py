@@ -66,6 +66,8 @@ class Report:
     if key in self.entries and not overwrite:
       return
     old = self.entries.get(key)
+    if old is not None and old.fate == "unsupported" and fate != "unsupported":
+      return  # the rule: a refused key stays refused; a later step that maps it never shows it as mapped
     val = old.value if old is not None else value
     self.entries[key] = Entry(key, val, fate, target, reason, resolved)
 

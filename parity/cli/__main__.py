@@ -1,0 +1,6 @@
+"""`python -m parity.cli ...`: the same as the `parity` command."""
+import sys
+
+from parity.cli import main
+
+sys.exit(main())

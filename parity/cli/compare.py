@@ -1,0 +1,147 @@
+"""`parity compare` and `parity report`: arguments, the call into parity.api.compare, the summary tables."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from parity.cli._common import add_allow_large, console
+from parity.inputs import count_arg
+from parity.spec import DEFAULT_PRESET, parse_overrides
+
+__all__ = ["register", "print_summary"]
+
+
+def register(sub) -> None:
+  """Adds `compare` and `report` to the subparsers `sub`."""
+  p = sub.add_parser("compare", help="run every side on identical data and weights and check parity",
+                     description="Runs JAX (Flax+Optax, host offload), DeepSpeed (ZeRO) and plain PyTorch on "
+                                 "the same data and initial weights, each in its own process, and checks parity. "
+                                 "Exit 0: parity holds; 1: it does not (or a side failed; the report says which); "
+                                 "2: bad input.")
+  p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
+  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset (default: none)")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help="dotted override, applied last, e.g. --set train.lr=3e-4 --set jax.offload_params=true "
+                      "(default: none)")
+  p.add_argument("--plan", help="a DeepSpeed <-> JAX plan pair (see `parity plan`; e.g. zero3-offload-all), "
+                                "or 'auto': the fastest pair that fits --hardware by the memory model "
+                                "(default: the run's own plans)")
+  p.add_argument("--hardware", default="H100", help="accelerator preset for --plan auto (A100-40, A100-80, H100, "
+                                                    "H200, GH200)")
+  p.add_argument("--steps", type=count_arg, help="optimizer steps, train.steps (default: the preset's)")
+  p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
+  p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, or a nanoGPT .bin of uint16 ids "
+                                "(default: the preset's, stdlib)")
+  p.add_argument("--out", help="run folder, new or empty (default runs/<time>-<preset>-<hash>); locked while the run "
+                               "writes it")
+  p.add_argument("--force", action="store_true",
+                 help="if --out holds an earlier run, move it aside to <out>.old-<time> (never deleted or mixed; "
+                      "default off)")
+  p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
+                 help="debug: change one side on purpose, e.g. jax:model.norm_eps=1e-3 or deepspeed:kill_at_step=5 "
+                      "(default: none)")
+  p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds (default: the run spec's "
+                                               "timeout_s)")
+  p.add_argument("--hf-model", metavar="DIR",
+                 help="start from a local Hugging Face checkpoint folder (model spec and initial weights; "
+                      "default: seeded initial weights)")
+  p.add_argument("--deepspeed-config", metavar="FILE",
+                 help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
+                      "the JAX and torch sides run its port; see `parity port` (default: none)")
+  env = p.add_mutually_exclusive_group()
+  env.add_argument("--noise-envelope", dest="noise_envelope", action="store_true", default=None,
+                   help="rerun every side with its batches' rows in reverse order and hold each pair's loss "
+                        "difference against that rounding noise (default: on for bf16/fp16 only)")
+  env.add_argument("--no-noise-envelope", dest="noise_envelope", action="store_false",
+                   help="never run the noise envelope (default: on for bf16/fp16 only)")
+  p.add_argument("--determinism-steps", type=int, default=8, metavar="N",
+                 help="rerun each side's first N steps in a new process and state whether they are bit-identical "
+                      "(reported, not gating; default 8, 0 skips)")
+  p.add_argument("--resume-at", type=int, metavar="STEP",
+                 help="also checkpoint each side at STEP in that rerun, resume in a new process and check the rest "
+                      "of the run is bit-identical to the uninterrupted one (default: no resume check)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on a terminal)")
+  add_allow_large(p)
+  p.set_defaults(handler=run_compare)
+  p = sub.add_parser("report", help="print the summary of a finished run",
+                     description="Prints the summary tables of a finished `parity compare` run from its report.json. "
+                                 "Exit 0/1: the run's verdict; 2: not a readable run folder.")
+  p.add_argument("run_dir", help="the run folder (holds report.json)")
+  p.set_defaults(handler=run_report)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+  """`parity compare`: runs parity.api.compare and prints the summary. Returns the report's exit code."""
+  from parity.api import compare
+  report = compare(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
+                   sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
+                   perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
+                   hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
+                   hardware=args.hardware, noise_envelope=args.noise_envelope,
+                   determinism_steps=args.determinism_steps, resume_at=args.resume_at, force=args.force,
+                   command=" ".join(["parity", *sys.argv[1:]]))
+  print_summary(report, console())
+  return report.exit_code
+
+
+def run_report(args: argparse.Namespace) -> int:
+  """`parity report RUN_DIR`. Raises InputError (a SpecError) naming what of the run folder is unreadable."""
+  from parity.report.read import load_report
+  report = load_report(args.run_dir)  # every section print_summary reads is checked (InputError names it)
+  print_summary(report, console())
+  return report.exit_code
+
+
+def print_summary(report, con) -> None:
+  """Prints a Report (parity.report): one row per side, one per check, the verdict and where the report is."""
+  from rich.table import Table
+  from parity.report.write import fmt_bytes, side_rows
+
+  t = Table(title=f"parity compare — {report.run_dir}")
+  for col in ("side", "status", "steps", "loss first→last", "val loss", "tokens/s", "init+compile s",
+              "peak RSS", "state by memory kind"):
+    t.add_column(col)
+  for r in side_rows(report):
+    kinds = ", ".join(f"{k}={x}" for k, x in r["kinds"].items()) or \
+        ", ".join(f"{k}: {fmt_bytes(b)}" for k, b in r["state_by_kind"].items())
+    first = f"{r['first_loss']:.4f}" if isinstance(r["first_loss"], float) else "n/a"
+    last = f"{r['last_loss']:.4f}" if isinstance(r["last_loss"], float) else str(r["last_loss"])
+    t.add_row(r["side"], r["status"], str(r["steps"]), f"{first} → {last}",
+              f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else "n/a",
+              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a",
+              f"{(r['init_s'] or 0) + (r['compile_s'] or 0):.1f}", fmt_bytes(r["peak_rss"]), kinds)
+  con.print(t)
+  _print_checks(report, con)
+  style = "bold green" if report.passed else "bold red"
+  con.print(f"[{style}]{report.message}[/{style}]")
+  moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
+  if moved:
+    con.print(f"--force: the earlier run in {report.run_dir} was moved aside to {moved}")
+  where = report.data.get("report_written_to") or report.run_dir
+  for e in report.data.get("write_errors") or []:
+    con.print(f"[bold red]could not write {e['file']}: {e['error']}[/bold red]", soft_wrap=True)
+  if report.data.get("write_errors"):
+    con.print(f"[bold red]the report is incomplete (exit 1); what could be written is in {where}[/bold red]")
+  else:
+    con.print(f"report: {Path(where) / 'report.md'} (also report.json, loss.png)")
+
+
+def _print_checks(report, con) -> None:
+  from rich.table import Table
+  c = Table(title="checks")
+  for col in ("check", "max diff", "tolerance", "ok", "first failing step"):
+    c.add_column(col)
+  for ch in report.checks:
+    val = ch["value"]
+    tol = ch["tolerance"]
+    c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val),
+              f"{tol:.3g}" if isinstance(tol, (int, float)) else "n/a",
+              ("yes" if ch["passed"] else "[red]NO[/red]") if ch.get("gating", True) else
+              ("yes (reported only)" if ch["passed"] else "no (reported only)"),
+              "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))
+  con.print(c)
+  det = report.data.get("determinism") or {}
+  if det:
+    con.print("determinism (first steps rerun in a new process): " + ", ".join(
+        f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items()))

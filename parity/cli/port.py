@@ -1,0 +1,180 @@
+"""`parity port`: DeepSpeed config -> JAX config (and back), key by key, with the migration report.
+
+The port itself is parity.migrate (port_config, to_deepspeed); the output-path rules are parity.migrate.outputs.
+Every refusal reason is printed (on stderr, after the key table), none is left "in the report".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from parity.cli._common import EXIT_FAIL, EXIT_OK, Failure
+
+__all__ = ["register", "main", "EXIT_VERIFY_TIMEOUT"]
+
+EXIT_VERIFY_TIMEOUT = 3
+"""`parity port --verify` exit code when a side ran past --verify-timeout: neither a verdict (0 verified, 1 mismatch)
+nor bad input (2)."""
+
+EXITS = """exit status:
+  0  ported (and verified, with --verify)
+  1  --verify: the two sides differ or one crashed; or an output could not be written
+  2  refused (every reason is printed) or bad input
+  3  --verify: a side ran past --verify-timeout"""
+
+
+def _betas(text: str) -> tuple[float, float]:
+  try:
+    a, b = (float(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--betas expects two numbers like 0.9,0.999; got {text!r}") from None
+  return a, b
+
+
+def register(sub) -> None:
+  """Adds `port` to the subparsers `sub`."""
+  p = sub.add_parser("port", help="port a DeepSpeed config to a JAX config, key by key",
+                     description="Ports a DeepSpeed JSON config to a JAX (parity) config: every key gets a fate "
+                                 "(mapped, not_needed, unsupported) and a reason; a config with an unsupported key is "
+                                 "refused with every reason printed. --to-deepspeed goes back (docs/migration.md).",
+                     epilog=EXITS, formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(p)
+  p.set_defaults(handler=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The options of `parity port`."""
+  parser.add_argument("config", help="DeepSpeed JSON config (comments and trailing commas allowed); with "
+                      "--to-deepspeed, a ported YAML/JSON config")
+  parser.add_argument("-o", "--output", help="write the ported config here (.yaml/.yml or .json); default: stdout")
+  parser.add_argument("--report-json", metavar="FILE", help="write the migration report as JSON (default: none)")
+  parser.add_argument("--report-md", metavar="FILE", help="write the migration report as Markdown (default: none)")
+  parser.add_argument("--quiet", action="store_true", help="do not print the key table (refusals are still printed; "
+                                                           "default off)")
+  g = parser.add_argument_group("values for \"auto\" keys (what the HF Trainer fills; default: none, an \"auto\" "
+                                "without its value is refused)")
+  g.add_argument("--micro-batch", type=int, help="train_micro_batch_size_per_gpu (default: none)")
+  g.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps (default: none)")
+  g.add_argument("--world-size", type=int, help="data-parallel ranks (default 1, reported as implied)")
+  g.add_argument("--lr", type=float, help="optimizer.params.lr, scheduler warmup_max_lr (default: none)")
+  g.add_argument("--betas", type=_betas, help="optimizer.params.betas, e.g. 0.9,0.999 (default: none)")
+  g.add_argument("--eps", type=float, help="optimizer.params.eps (default: none)")
+  g.add_argument("--weight-decay", type=float, help="optimizer.params.weight_decay (default: none)")
+  g.add_argument("--warmup-steps", type=int, help="scheduler.params.warmup_num_steps (default: none)")
+  g.add_argument("--total-steps", type=int, help="scheduler.params.total_num_steps (default: none)")
+  g.add_argument("--max-grad-norm", type=float, help="gradient_clipping (default: none)")
+  x = g.add_mutually_exclusive_group()
+  x.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="fp16.enabled=true")
+  x.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16.enabled=true")
+  x.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="fp16 and bf16 disabled")
+  g.add_argument("--hidden-size", type=int, help="model width for the bucket-size \"auto\"s (default: none)")
+  v = parser.add_argument_group("verification")
+  v.add_argument("--verify", action="store_true", help="run DeepSpeed's scheduler and optimizer and the ported "
+                 "optax ones side by side (two subprocesses) and compare (default off)")
+  v.add_argument("--verify-steps", type=int, default=200, help="steps to compare (default 200)")
+  v.add_argument("--verify-timeout", type=float, default=None, metavar="SECONDS", help="wall-clock limit per side "
+                 "(default 900); past it the side is stopped and port exits 3")
+  parser.add_argument("--to-deepspeed", action="store_true", help="reverse: ported YAML/JSON -> DeepSpeed JSON "
+                                                                  "(default off)")
+
+
+def _flags(args: argparse.Namespace):
+  from parity.migrate._ctx import Flags
+  return Flags(micro_batch=args.micro_batch, grad_accum=args.grad_accum, world_size=args.world_size, lr=args.lr,
+               betas=args.betas, eps=args.eps, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+               total_steps=args.total_steps, max_grad_norm=args.max_grad_norm, precision=args.precision,
+               hidden_size=args.hidden_size)
+
+
+def _fmt(path: str | None) -> str:
+  return "json" if path and path.endswith(".json") else "yaml"
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs `parity port`. Returns 0 when ported (and verified, with --verify), 1 on a verify mismatch (or a side that
+  crashed), EXIT_VERIFY_TIMEOUT (3) when a --verify side ran past --verify-timeout.
+
+  Raises:
+    PortError: a refused config (every reason in the message) or bad input; main exits 2.
+    Failure: an output could not be written (exit 1), a verify side timed out (exit 3) or crashed (exit 1).
+  """
+  from parity.migrate._read import PortError, read_deepspeed_config, read_structured
+  from parity.migrate._port import port_config
+  from parity.migrate._reverse import to_deepspeed
+  from parity.migrate.outputs import check_outputs
+  check_outputs(args.config, [("-o", args.output), ("--report-json", args.report_json),
+                              ("--report-md", args.report_md)])
+  if args.to_deepspeed:
+    ds, report = to_deepspeed(read_structured(args.config), source=args.config)
+    _show(args, report)
+    if report.ported:
+      _write(args.output, json.dumps(ds, indent=2) + "\n")
+    _reports(args, report)
+    return _refusal(report)
+  if args.verify_steps < 1:
+    raise PortError(f"--verify-steps must be >= 1; got {args.verify_steps}")
+  vt = args.verify_timeout
+  if vt is not None and not (0 < vt < float("inf")):
+    raise PortError(f"--verify-timeout must be a positive number of seconds; got {vt}")
+  result = port_config(read_deepspeed_config(args.config), _flags(args), source=args.config)
+  _show(args, result.report)
+  _reports(args, result.report)
+  if result.ported is None:
+    return _refusal(result.report)
+  _write(args.output, result.ported.dumps(_fmt(args.output)))
+  return _verify(args, result) if args.verify else EXIT_OK
+
+
+def _verify(args: argparse.Namespace, result) -> int:
+  from parity.migrate.verify import DEFAULT_TIMEOUT_S, VerifyTimeout, verify
+  limit = args.verify_timeout if args.verify_timeout is not None else DEFAULT_TIMEOUT_S
+  try:
+    outcome = verify(result, steps=args.verify_steps, timeout=limit)
+  except VerifyTimeout as e:
+    raise Failure(f"verify timed out: {e}. A first run may be building DeepSpeed's ops; raise the limit with "
+                  f"--verify-timeout SECONDS (now {limit:g}) or lower --verify-steps (now {args.verify_steps}).",
+                  EXIT_VERIFY_TIMEOUT) from None
+  except RuntimeError as e:
+    raise Failure(f"verify failed: {e}") from None
+  print(outcome.summary(), file=sys.stderr)
+  return EXIT_OK if outcome.ok else EXIT_FAIL
+
+
+def _show(args: argparse.Namespace, report) -> None:
+  if not args.quiet:
+    from parity.cli._common import console
+    report.print_table(console(stderr=True))
+
+
+def _write(path: str | None, text: str) -> None:
+  from parity.migrate.outputs import write_output
+  try:
+    write_output(path, text)
+  except OSError as e:  # disk full, read-only folder: nothing half-written (write_output renames a whole file)
+    raise Failure(f"cannot write {e.filename or path or 'an output'} ({e.strerror or e}); nothing else was "
+                  "changed") from None
+
+
+def _reports(args: argparse.Namespace, report) -> None:
+  if args.report_json:
+    _write(args.report_json, report.to_json())
+  if args.report_md:
+    _write(args.report_md, report.to_markdown())
+
+
+def _refusal(report) -> int:
+  """0 when ported; else raises PortError listing every refusal reason (or the unsupported keys when the port
+  recorded no message), one per line."""
+  if report.ported:
+    return EXIT_OK
+  from parity.migrate import PortError
+  reasons = list(report.errors) or [f"{e.key}: {e.reason}" for e in report.entries.values() if e.fate == "unsupported"]
+  head = "refused" if len(reasons) == 1 else f"refused, {len(reasons)} reasons"
+  raise PortError(f"{head}:\n" + "\n".join(f"  - {r}" for r in reasons))
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`parity port ARGS...` through the one `parity` entry point (same error path and exit codes)."""
+  from parity.cli import main as parity_main
+  return parity_main(["port", *(argv or [])])
