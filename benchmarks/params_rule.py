@@ -188,7 +188,8 @@ def envelope_cell(name: str, precision: str, overrides: list[str], perturb: list
     others_pass = all(c["passed"] or not c.get("gating", True) for c in checks if c["metric"] != "params_envelope")
     row.update(old_params_pass=old.passed, old_ratio=old.value, old_bound=old.tolerance, new_params_pass=new.passed,
                new_detail=new.detail, old_detail=old.detail, lr_sum=lr_sum, old_verdict=others_pass and old.passed,
-               max_loss_diff=max(abs(x["loss"] - y["loss"]) for x, y in zip(steps_a, read_steps(out / b / "steps.jsonl"))
+               max_loss_diff=max(abs(x["loss"] - y["loss"])
+                                 for x, y in zip(steps_a, read_steps(out / b / "steps.jsonl"))
                                  if not (x.get("skipped") or y.get("skipped"))))
     if moms[a] and moms[b]:
       bounds = {n: rule.factor * max(penv[s].get(n, 0.0) for s in sides) + rule.params_floor for n in finals[a]}
@@ -218,7 +219,23 @@ def envelope_grid(precisions: list[str]) -> list[tuple[str, str, list[str], list
 def envelope_main(args, precisions: list[str], argv) -> int:
   root = Path("/tmp/params-envelope/bench")
   rows = []
-  for name, prec, ov, pert, sides in envelope_grid(precisions):
+  if args.rescore:  # rows of an earlier run (its JSON, or the JSON lines it printed), scored under today's kappa
+    text = Path(args.rescore).read_text()
+    rows = (json.loads(text)["rows"] if text.lstrip().startswith("{\n") or text.lstrip().startswith('{"date"')
+            else [json.loads(x) for x in text.splitlines() if x.startswith("{")])
+    for r in rows:
+      r.setdefault("precision", r["cell"].split("-")[1])
+      r.setdefault("sides", ["jax", "deepspeed" if "-ds-" in r["cell"] else "torch"])
+      k = r.get("kappa_needed")
+      if k is None or r["precision"] not in precisions:
+        continue
+      r["new_params_pass"] = k <= tolerance(r["precision"], "params_grad_noise").rtol
+      others = [f for f in r["failing"] if not f.startswith("params_envelope")]
+      r["failing"] = others + ([] if r["new_params_pass"] else [f"params_envelope {'~'.join(r['sides'])}"])
+      r["verdict"] = not r["failing"]
+      r["rescored"] = True
+    rows = [r for r in rows if r["precision"] in precisions]
+  for name, prec, ov, pert, sides in [] if args.rescore else envelope_grid(precisions):
     if args.only and args.only not in name:
       continue
     try:
@@ -278,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--quick", action="store_true", help="fewer lr values and schedules x lr (2 busy cores)")
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "params_rule"))
   ap.add_argument("--only", default="", help="substring filter on cell names")
+  ap.add_argument("--rescore", default="", help="bf16/fp16: re-score the rows of an earlier run (its .json, or the "
+                  "log of JSON lines it printed) under the current params_grad_noise kappa, without rerunning cells")
   ap.add_argument("--precision", default="fp32", help="fp32 (the Adam params rule), or bf16 and/or fp16 comma-"
                   "separated (the noise-envelope params rule, parity.checks.envelope_params_check)")
   args = ap.parse_args(argv)

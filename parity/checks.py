@@ -468,8 +468,9 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
   base = f"{rule.factor:g}x the noisier rerun's + {rule.params_floor:g}"
   if use_adam:
     detail = (f"worst tensor {name}: element |Δ| = {value:.3g} vs allowed {allowed:.3g} ({score:.3g}x; "
-              f"{bound:.3g}·moved + min(2·Σlr, {kappa:.3g}·g·S_i), {bound:.3g} = {base}); tensor max |Δ| / moved = "
-              f"{r:.3g}; {over} of {len(rows)} tensors over; rule: envelope + Adam per element (moments of both sides)")
+              f"{bound:.3g}·moved + min(2·Σlr, {kappa:.3g}·g·S_i), {bound:.3g} = {base}); tensor max |Δ| / "
+              f"moved = {r:.3g}; {over} of {len(rows)} tensors over; rule: envelope + Adam per element (moments of "
+              "both sides)")
     reason = rule.reason + " " + tolerance(precision, "params_grad_noise").reason
   else:
     why = (f"{', '.join(missing)} wrote no {FINAL_MOMENTS_NAME}" if missing and precision is not None else
@@ -477,6 +478,9 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
     detail = (f"worst tensor {name}: max |Δ| / moved = {r:.3g} vs bound {bound:.3g} ({base}); {over} of "
               f"{len(rows)} tensors over; rule: per-tensor fallback ({why})")
     reason = rule.reason
+  nonfinite = [x[1] for x in rows if not math.isfinite(x[2])]
+  if nonfinite:
+    detail += f"; non-finite values in {nonfinite[:3]}"
   return Check(name=f"params_envelope {a_side}~{b_side}", metric="params_envelope", sides=(a_side, b_side),
                value=value, tolerance=allowed, passed=over == 0, worst=name, detail=detail, reason=reason)
 

@@ -96,7 +96,8 @@ _BF16 = {
     "params_zero_grad": _FP32["params_zero_grad"],
     "params_grad_noise": Tolerance(0.0, _scaled_kappa("bf16"), (
         "kappa of the per-element Adam term of the bf16 params envelope (parity.checks.envelope_params_check): "
-        "fp32's 1e-6 scaled by the unit roundoff, 1e-6 * 2^-8 / 2^-24 = 0.066. Measured: benchmarks/results/params_rule_envelope.md.")),
+        "fp32's 1e-6 scaled by the unit roundoff, 1e-6 * 2^-8 / 2^-24 = 0.066. Measured (gpt2-tiny, 8 steps, "
+        "benchmarks/results/params_rule_envelope.md): BF16_FIGURES")),
 }
 
 _LOSS_SCALE = {
@@ -125,9 +126,13 @@ _FP16 = {
     "params": Tolerance(0.0, 0.1, (
         "Per tensor, max |a - b| / distance moved: measured <= 0.0225 (gpt2-tiny, 200 steps); 4x.")),
     "params_zero_grad": _FP32["params_zero_grad"],
-    "params_grad_noise": Tolerance(0.0, _scaled_kappa("fp16"), (
-        "kappa of the per-element Adam term of the fp16 params envelope (parity.checks.envelope_params_check): "
-        "fp32's 1e-6 scaled by the unit roundoff, 1e-6 * 2^-11 / 2^-24 = 8.2e-3. Measured: benchmarks/results/params_rule_envelope.md.")),
+    "params_grad_noise": Tolerance(0.0, 0.08, (
+        "kappa of the per-element Adam term of the fp16 params envelope (parity.checks.envelope_params_check). "
+        "fp32's 1e-6 scaled by the unit roundoff gives 8.2e-3 (1e-6 * 2^-11 / 2^-24), but a correct jax~torch pair "
+        "(gpt2-tiny, Constant lr 1e-3, 8 steps) needs 0.026 (53 u) at h.0.mlp.fc.weight, an element with an "
+        "ordinary gradient: fp16 gradients of the two frameworks differ per element by more than rounding (its "
+        "narrow range: contributions under 2^-24 of the loss scale flush to zero where each side casts; the grid "
+        "norm check measured 1.3e-2 relative jax~torch). 0.08 leaves 3x. FP16_FIGURES")),
     **_LOSS_SCALE,
 }
 

@@ -161,10 +161,10 @@ def test_envelope_rounding_level_element_may_differ_by_a_full_adam_step(precisio
 def test_envelope_large_gradient_element_with_the_same_difference_fails(precision):
   init, a, b, moms = _pair()
   name = "h.0.attn.qkv.bias"
-  b[name][7] = a[name][7] - 2 * LR  # gradient RMS 1e-2 (S_i = 0.4): kappa * g * S_i = 2.6e-4 (bf16), far below
+  b[name][7] = a[name][7] - 2 * LR  # gradient RMS 1e-2 (S_i = 0.4): kappa * g * S_i = 2.6e-4 (bf16), 3.2e-4 (fp16)
   check = _envelope_check(a, b, init, moms, precision)
   assert not check.passed and check.worst == name and check.value == pytest.approx(2 * LR, rel=1e-3)
-  assert check.tolerance < 3e-4 and "1 of" in check.detail
+  assert check.tolerance < 4e-4 and "1 of" in check.detail
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -188,11 +188,12 @@ def test_envelope_missing_moments_fall_back_per_tensor_and_say_so(missing):
   assert not check.passed and check.worst == name and check.tolerance == pytest.approx(3e-3)
 
 
-def test_envelope_kappa_is_fp32s_scaled_by_unit_roundoff():
+def test_envelope_kappa_is_at_least_fp32s_scaled_by_unit_roundoff():
   from parity.tolerances import tolerance
   k32 = tolerance("fp32", "params_grad_noise").rtol
   assert tolerance("bf16", "params_grad_noise").rtol == pytest.approx(k32 * 2.0 ** -8 / 2.0 ** -24)
-  assert tolerance("fp16", "params_grad_noise").rtol == pytest.approx(k32 * 2.0 ** -11 / 2.0 ** -24)
+  # fp16 measured above its scaling (range effects, see the entry's reason), never below it
+  assert k32 * 2.0 ** -11 / 2.0 ** -24 < tolerance("fp16", "params_grad_noise").rtol < 0.1
 
 
 @requires_jax
