@@ -26,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from parity.protocol.layout import CHECKPOINT_DIR, CHECKPOINT_META, REQUEST_SCHEMA, read_checkpoint_meta, read_summary
+from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, REQUEST_SCHEMA,  # noqa: F401 (the doctest)
+                                    read_checkpoint_meta, read_summary)
 from parity.spec import RunSpec, to_dict
 
 __all__ = ["CONTROL_KEYS", "STATE_LAYOUT_KEYS", "ControlError", "RunControl", "derive_request", "parse_control",
