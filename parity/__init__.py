@@ -12,5 +12,13 @@ def compare(*args, **kwargs):
   return _compare(*args, **kwargs)
 
 
-__all__ = ["compare", "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError", "DataError",
+def __getattr__(name: str):
+  """`parity.run_comparison` and `parity.RunOptions` (parity.api), imported on first use: the pipeline's resolved form."""
+  if name in ("run_comparison", "RunOptions"):
+    from parity import api
+    return getattr(api, name)
+  raise AttributeError(f"module 'parity' has no attribute {name!r}")
+
+
+__all__ = ["compare", "run_comparison", "RunOptions", "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError", "DataError",
            "PRESETS", "preset"]

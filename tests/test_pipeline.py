@@ -84,6 +84,8 @@ def test_run_comparison_takes_the_resolved_run_and_frozen_options(tmp_path, fake
 
 def test_compare_keyword_form_is_resolve_plus_run_comparison(tmp_path, fake_sides):
   import parity
+  from parity import api
+  assert parity.run_comparison is api.run_comparison and parity.RunOptions is api.RunOptions
   fake_sides()
   report = parity.compare("gpt2-tiny", steps=4, sides=["jax", "torch"], out=tmp_path / "k", determinism_steps=0)
   assert report.passed and report.data["determinism"] == {} and report.data["timing"]["self_runs_s"] == 0.0
