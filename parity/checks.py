@@ -115,7 +115,8 @@ def series_check(metric: str, a_side: str, a: Sequence[dict], b_side: str, b: Se
 
 def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
                  init: dict[str, np.ndarray], spec, precision: str, lr_sum: float,
-                 moments: dict[str, dict | None] | None = None) -> tuple[list[Check], list[dict]]:
+                 moments: dict[str, dict | None] | None = None, adam_updates: bool = True
+                 ) -> tuple[list[Check], list[dict]]:
   """Final-parameter checks of one pair, and the per-tensor table.
 
   The rule, per element i of a tensor T (fp32 with both sides' moments, parity.protocol.FINAL_MOMENTS):
@@ -144,6 +145,10 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
     lr_sum: sum of the learning rates applied over the run.
     moments: side -> {'grad_rms': name -> array, 'sensitivity': name -> array} (parity.protocol.read_moments) or
       None for a side that wrote none.
+    adam_updates: the optimizer is an Adam (train.optimizer adam/adamw), whose per-step update is at most ~lr.
+      False (Lamb: trust-ratio scaled steps up to max_coeff * lr * sqrt(1 - b2^t) / (1 - b1^t); SGD: lr * g,
+      no lr bound): no Adam step bound holds, so zero-gradient slices stay in the per-tensor rule (their workers
+      write no moments, so the whole check is the per-tensor fallback).
   Returns:
     (checks, table): table rows carry tensor, sides, max_abs_diff, max_abs_moved, ratio (the per-tensor ratio
     above), rule ('adam' or 'per_tensor'), score (largest |a_i - b_i| / allowed_i under the rule) and passed.
@@ -159,7 +164,7 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
   missing = [s for s, m in ((a_side, ma), (b_side, mb)) if m is None]
   use_adam = precision == "fp32" and not missing and all(set(m["grad_rms"]) >= set(a) for m in (ma, mb))
   kappa = tolerance(precision, "params_grad_noise").rtol if use_adam else 0.0
-  zslices = zero_grad_slices(spec)
+  zslices = zero_grad_slices(spec) if adam_updates else {}
   table, worst, zworst = [], None, None
   nan_tensors = []
   for name in a:
@@ -564,7 +569,8 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
     if a.get("final") is not None and b.get("final") is not None:
       lr_sum = float(sum(r["lr"] for r in a["steps"]))
       pc, pt = param_checks(na, a["final"], nb, b["final"], init, spec.model, precision, lr_sum,
-                            moments={na: a.get("moments"), nb: b.get("moments")})
+                            moments={na: a.get("moments"), nb: b.get("moments")},
+                            adam_updates=spec.train.optimizer in ("adam", "adamw"))
       checks.extend(pc)
       table.extend(pt)
   return checks, table
