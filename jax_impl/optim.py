@@ -173,8 +173,8 @@ def global_stats(train: TrainSpec, grads: Any, opt_state: Any) -> GlobalStats:
 class DeepSpeedOptState(NamedTuple):
   """State of `optimizer_update`'s DeepSpeed rule (every optimizer but plain Adam/AdamW with fixed betas)."""
   count: jax.Array  # shape=(), dtype=int32: applied updates so far (drives the schedules)
-  mu: Any  # first moment (adam/lamb) or momentum buffer (sgd), same tree as params, float32
-  nu: Any  # second moment (adam/lamb), same tree as params, float32; zeros for sgd
+  mu: Any  # first moment (adam/lamb) or momentum buffer (sgd; () without momentum), same tree as params, float32
+  nu: Any  # second moment (adam/lamb), same tree as params, float32; () for sgd
 
 
 def _wd_tree(params: Any, wd: float, mask: Any) -> Any:
@@ -189,9 +189,11 @@ def _deepspeed_rule(kind: str, p: Mapping[str, Any], lr_fn: optax.Schedule, b1_f
                     b2: float | None, mask: Any) -> optax.GradientTransformation:
   """The full parameter delta (lr applied) of DeepSpeed's Adam/AdamW/Lamb and torch.optim.SGD, one rule per kind."""
 
-  def init_fn(params):
-    return DeepSpeedOptState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params),
-                             jax.tree.map(jnp.zeros_like, params))
+  def init_fn(params):  # SGD keeps a momentum buffer only when it has momentum, and no second moment (as torch)
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+    if kind == "sgd":
+      return DeepSpeedOptState(jnp.zeros((), jnp.int32), zeros() if p["momentum"] else (), ())
+    return DeepSpeedOptState(jnp.zeros((), jnp.int32), zeros(), zeros())
 
   def update_fn(grads, state, params):
     dt = jax.tree.leaves(params)[0].dtype

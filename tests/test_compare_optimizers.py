@@ -27,6 +27,8 @@ CASES = [  # (train overrides, what it exercises)
     ({"optimizer": "lamb"}, "Lamb"),
     ({"optimizer": "sgd", "momentum": 0.9}, "SGD with momentum"),
     ({"optimizer": "sgd", "momentum": 0.9, "nesterov": True}, "SGD, Nesterov"),
+    ({"optimizer": "sgd", "momentum": 0.5, "dampening": 0.3}, "SGD, dampening"),
+    ({"optimizer": "sgd"}, "SGD without momentum"),
     ({"optimizer": "adamw", "lr_schedule": "OneCycle", "lr_schedule_params": ONECYCLE}, "AdamW, OneCycle cycling"),
     ({"optimizer": "lamb", "lr_schedule": "OneCycle", "lr_schedule_params": ONECYCLE}, "Lamb, OneCycle cycling"),
     ({"optimizer": "adam", "lr_schedule": "OneCycle", "lr_schedule_params": {**ONECYCLE, "cycle_momentum": False}},
