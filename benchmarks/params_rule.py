@@ -258,6 +258,10 @@ def envelope_main(args, precisions: list[str], argv) -> int:
   lines = [f"# params envelope rule grid ({summary['date']})", "",
            f"CPU {summary['cpu']}, Python {summary['python']}, {summary['versions']}; gpt2-tiny, {args.steps} steps, "
            f"noise envelope on; kappa {summary['kappa']}. Command: `.venv/bin/python {summary['command']}`", ""]
+  if args.rescore:
+    lines += [f"Rows re-scored from {args.rescore} (cells run earlier on this machine) under the kappa above: 'new "
+              "params' and the new verdict are kappa_needed <= kappa with the other checks as they ran; 'old' columns "
+              "as they ran (nan where the log kept no figure).", ""]
   for p in precisions:
     ok = [r for r in rows if r["cell"].startswith(f"ok-{p}-")]
     bugs = [r for r in rows if r["cell"].startswith(f"bug-{p}-")]
