@@ -391,6 +391,9 @@ class RunSpec:
     if self.train.micro_batch_size % self.jax.data_parallel:
       raise SpecError(f"train.micro_batch_size ({self.train.micro_batch_size}) must be divisible by "
                       f"jax.data_parallel ({self.jax.data_parallel}): the micro batch is split over the data axis")
+    if self.train.optimizer == "lamb" and self.jax.scan_layers and "jax" in self.sides:
+      raise SpecError("train.optimizer 'lamb' with jax.scan_layers=true: Lamb's trust ratio is per tensor and a "
+                      "layer-stacked tensor holds every layer's; set jax.scan_layers=false (or another optimizer)")
     if not self.timeout_s > 0:
       raise SpecError(f"timeout_s must be > 0 seconds; got {self.timeout_s}")
     known = {"jax", "deepspeed", "torch"}

@@ -246,3 +246,9 @@ def test_params_rule_for_sgd_and_lamb_is_per_tensor_with_zero_grad_slices_inside
   noise = {k: v + np.float32(1e-9) * np.sign(v) for k, v in a.items()}
   ok, _ = param_checks("jax", a, "torch", noise, init, model, "fp32", lr_sum, adam_updates=False)
   assert ok[0].passed
+
+
+def test_lamb_with_scan_layers_is_refused_before_running():
+  from parity.spec import apply_overrides
+  with pytest.raises(SpecError, match="jax.scan_layers=false"):
+    apply_overrides(preset("gpt2-tiny"), {"train.optimizer": "lamb", "jax.scan_layers": True}).validate()
