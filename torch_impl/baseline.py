@@ -322,7 +322,8 @@ class TorchTrainer:
     params rule's per-element Adam bound does not hold for them; parity.checks.param_checks falls back per tensor).
     """
     if self.run.train.optimizer not in ("adam", "adamw"):
-      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule can use")
+      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule "
+                     f"can use")
     beta2 = float(schedule.adam_beta2(self.run.train))
     own = dict(self.model.named_parameters())
     out = {}
