@@ -402,7 +402,8 @@ def param_ratios(final: dict[str, np.ndarray], other: dict[str, np.ndarray], ini
 def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
                           init: dict[str, np.ndarray], spec, noise: dict[str, dict[str, float]],
                           rule: EnvelopeRule, *, moments: dict[str, dict | None] | None = None,
-                          lr_sum: float = 0.0, precision: str | None = None) -> Check | None:
+                          lr_sum: float = 0.0, precision: str | None = None,
+                          adam_updates: bool = True) -> Check | None:
   """Final params of two sides against the final params of their reduction-order reruns.
 
   Per tensor T, bound_T = factor * max(noise ratio of a, noise ratio of b) + params_floor, where a side's noise
@@ -427,6 +428,8 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
     moments: side -> parity.protocol.read_moments output, or None for a side that wrote none.
     lr_sum: sum of the learning rates of the updates applied (skipped fp16 steps left out).
     precision: 'fp32' | 'bf16' | 'fp16', selects kappa; None keeps the per-tensor rule.
+    adam_updates: the optimizer is an Adam (train.optimizer adam/adamw); otherwise the Adam term does not hold and
+      the per-tensor rule applies.
   Returns:
     A 'params_envelope' Check, or None when neither side has a rerun's final params. value / tolerance: the worst
     element's |a_i - b_i| and its allowed bound (per element rule), or the worst tensor's ratio and bound_T
@@ -440,7 +443,7 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
   moments = moments or {}
   ma, mb = moments.get(a_side), moments.get(b_side)
   missing = [s for s, m in ((a_side, ma), (b_side, mb)) if m is None]
-  use_adam = (precision is not None and not missing
+  use_adam = (precision is not None and adam_updates and not missing
               and all(set(m["grad_rms"]) >= set(a) and set(m["sensitivity"]) >= set(a) for m in (ma, mb)))
   kappa = tolerance(precision, "params_grad_noise").rtol if use_adam else 0.0
   pair = param_ratios(a, b, init, spec)
@@ -478,8 +481,8 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
               "both sides)")
     reason = rule.reason + " " + tolerance(precision, "params_grad_noise").reason
   else:
-    why = (f"{', '.join(missing)} wrote no {FINAL_MOMENTS_NAME}" if missing and precision is not None else
-           "no moments given" if precision is None else "a moments file lacks some tensors")
+    why = ("no precision given" if precision is None else "the optimizer is not Adam" if not adam_updates else
+           f"{', '.join(missing)} wrote no {FINAL_MOMENTS_NAME}" if missing else "a moments file lacks some tensors")
     detail = (f"worst tensor {name}: max |Δ| / moved = {r:.3g} vs bound {bound:.3g} ({base}); {over} of "
               f"{len(rows)} tensors over; rule: per-tensor fallback ({why})")
     reason = rule.reason

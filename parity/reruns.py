@@ -171,7 +171,8 @@ def _envelope_checks(ctx: RerunContext, env: dict, penv: dict, rule, res: RerunR
         lr_sum = float(sum(r["lr"] for r in data[a]["steps"] if not r.get("skipped")))
         c = envelope_params_check(a, data[a]["final"], b, data[b]["final"], ctx.init, ctx.spec.model, penv, rule,
                                   moments={s: data[s].get("moments") for s in (a, b)}, lr_sum=lr_sum,
-                                  precision=ctx.spec.train.precision)
+                                  precision=ctx.spec.train.precision,
+                                  adam_updates=ctx.spec.train.optimizer in ("adam", "adamw"))
         if c is not None:
           res.checks.append(c)
           res.decides.add(("params", a, b))

@@ -205,3 +205,18 @@ def test_bf16_constant_lr_correct_pair_passes_the_params_envelope(tmp_path):
                        overrides=['train.precision="bf16"', 'train.lr_schedule="Constant"'], noise_envelope=True)
   pe = next(c for c in rep.data["checks"] if c["metric"] == "params_envelope")
   assert rep.passed and pe["passed"] and "envelope + Adam per element" in pe["detail"], pe
+
+
+def test_envelope_non_adam_optimizer_keeps_the_per_tensor_rule_and_says_so():
+  from parity.checks import envelope_params_check
+  from parity.tolerances import envelope_rule
+  init, a, b, moms = _pair()
+  name = "h.0.attn.qkv.bias"
+  b[name][7] = a[name][7] - 2 * LR  # would pass the Adam term (see above); SGD/Lamb updates have no such bound
+  for m in moms.values():
+    m["grad_rms"][name][7] = 1e-11
+    m["sensitivity"][name][7] = STEPS * LR / (1e-11 + EPS)
+  noise = {s: {n: NOISE_RATIO for n in a} for s in ("a", "b")}
+  check = envelope_params_check("a", a, "b", b, init, SPEC, noise, envelope_rule("bf16"), moments=moms,
+                                lr_sum=LR * STEPS, precision="bf16", adam_updates=False)
+  assert not check.passed and "the optimizer is not Adam" in check.detail
