@@ -3,10 +3,14 @@
 The harness side (`spawn`) starts a worker in its own session (so the harness can kill its whole
 process group) and hands it three things through the environment:
 
-  PARITY_PARENT_PID   the harness's pid. The worker asks Linux for SIGKILL when the thread that
+  PARITY_PARENT_PID   the harness's pid. The worker asks Linux for SIGTERM when the thread that
                       started it dies (prctl PR_SET_PDEATHSIG; the harness starts workers from the
                       thread that then waits for them), and exits at once if its parent is already
-                      gone when it asks (the parent died between fork and prctl).
+                      gone when it asks (the parent died between fork and prctl). The signal is a
+                      catchable one on purpose: its handler (`_die`) SIGKILLs the worker's descendants
+                      before the worker itself. A SIGKILL would end the worker before it could, and
+                      ninja starts each compiler in a process group of its own, so a DeepSpeed op
+                      build's `ninja`/`c++`/`cc1plus` would run on as orphans (PPID 1) for minutes.
   PARITY_PARENT_FD    the read end of a pipe whose only write end the harness holds. When the harness
                       dies, however it dies (kill -9 included), the kernel closes that end and the
                       worker reads EOF: a daemon thread then kills the worker's process group. This is
@@ -32,7 +36,7 @@ import time
 from typing import IO
 
 __all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "PHASE_ENV", "PHASE_FILE", "DEADLINE_GRACE_S",
-           "BUILD_LIMIT_S", "spawn", "kill_tree", "release", "watch_parent", "extend_deadline", "set_phase"]
+           "BUILD_LIMIT_S", "spawn", "workers_started", "kill_tree", "release", "watch_parent", "extend_deadline", "set_phase"]
 
 PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PARENT_FD", "PARITY_DEADLINE"
 PHASE_ENV, PHASE_FILE = "PARITY_PHASE_FILE", "phase"
@@ -48,8 +52,11 @@ BUILD_LIMIT_S = 1800.0
 load 5): cpu_adam 177 s, deepspeed_shm_comm 125 s, fused_adam 146 s, 7.5 min for all three (cpu_adam ~60 s idle);
 30 minutes is 4x the three built in turn on a busy machine."""
 PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+"""What the kernel sends a worker whose parent died: catchable, so the worker kills its descendants first."""
 
 _extra_s = 0.0
+_started = 0
 _lock = threading.Lock()
 
 
@@ -76,8 +83,15 @@ def spawn(cmd: list[str], *, env: dict[str, str], timeout_s: float, stdout: IO |
     raise
   finally:
     os.close(r)
+  global _started
+  _started += 1
   proc._parity_parent_w = w  # type: ignore[attr-defined]
   return proc
+
+
+def workers_started() -> int:
+  """How many workers `spawn` has started in this process (0: nothing ran yet, so nothing was killed or reported)."""
+  return _started
 
 
 def release(proc: subprocess.Popen) -> None:
@@ -146,9 +160,24 @@ def _set_pdeathsig() -> bool:
     return False
   try:
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    return libc.prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) == 0
   except (OSError, AttributeError):
     return False
+
+
+def _on_parent_death_signal(signum, frame) -> None:
+  """The handler of PARENT_DEATH_SIGNAL (and of a plain SIGTERM, which asks for the same): the tree goes first."""
+  _die(f"signal {signal.Signals(signum).name}: its parity process is gone or asked it to stop")
+
+
+def _arm_parent_death_signal() -> bool:
+  """Installs the handler, then asks the kernel for the signal. Without a handler (not the main thread) a SIGTERM
+  would end the worker as SIGKILL did, orphaning its compilers: then only the pipe watcher ends the tree."""
+  try:
+    signal.signal(PARENT_DEATH_SIGNAL, _on_parent_death_signal)
+  except ValueError:  # not the main thread
+    return False
+  return _set_pdeathsig()
 
 
 def _watch_pipe(fd: int) -> None:
@@ -180,7 +209,7 @@ def watch_parent(environ=os.environ) -> dict[str, object]:
   armed: dict[str, object] = {"pdeathsig": False, "pipe": False, "deadline": None}
   if pid is None:
     return armed
-  armed["pdeathsig"] = _set_pdeathsig()
+  armed["pdeathsig"] = _arm_parent_death_signal()
   try:
     if os.getppid() != int(pid):
       _die(f"its parent {pid} was gone before it started")

@@ -4,8 +4,12 @@ Rules (each covers whole classes of input, not single cases):
   * text files (run configs, DeepSpeed configs, HF config.json/index files, report.json, spec sidecars) are read
     by `read_text`: must exist, be a file, be at most MAX_TEXT_BYTES, hold no NUL byte and decode as UTF-8;
   * parsed trees go through `check_tree`: nesting at most MAX_DEPTH levels (a 5,000-deep file would otherwise
-    raise RecursionError in the parser or later in our own recursive code) and every float finite (JSON's
-    1e400 parses to inf);
+    raise RecursionError in the parser or later in our own recursive code), every float finite (JSON's
+    1e400 parses to inf), and at most one value per character of the text parsed: every JSON/hjson/YAML value
+    takes at least one character, so only references (YAML aliases `*x`, a "billion laughs" file) can expand a
+    tree past that, and they are refused before the walk costs more than reading the file did;
+  * an empty file (or YAML holding only comments) and a bare NaN/Infinity value are refused by name in
+    `parse_text` (hjson would read `NaN` as the string 'NaN', or fail on `Infinity` with "Bad key name");
   * safetensors headers are checked by `safetensors_header` before any byte of tensor data is mapped: the
     8-byte length must fit the file and MAX_HEADER_BYTES, the header must be a JSON object whose entries each
     carry dtype, shape and data_offsets, and the offsets must lie inside the file;
@@ -19,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -26,7 +31,7 @@ from typing import Any, Callable
 
 from parity.spec import SpecError
 
-__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_HEADER_BYTES", "read_text", "check_tree", "parse_text",
+__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER_BYTES", "read_text", "check_tree", "parse_text",
            "load_json", "safetensors_header", "count_arg", "tensor_count", "Resources", "estimate_resources",
            "check_resources", "available_memory_bytes"]
 
@@ -36,6 +41,9 @@ HF model.safetensors.index.json of a 70B model is ~70 KiB; anything past 16 MiB 
 MAX_DEPTH = 100
 """Deepest nesting accepted in a parsed config. Real DeepSpeed configs nest 3-4 levels; 100 stays far below
 Python's recursion limit (1000), which the parsers and our recursive helpers (to_dict, _merge) share."""
+MAX_NODES = MAX_TEXT_BYTES
+"""Most values `check_tree` walks when the caller does not know the text's length: one per byte of the largest
+text file read (parse_text passes the exact bound, len(text) + 1)."""
 MAX_HEADER_BYTES = 100 * 2**20
 """safetensors' own limit on the JSON header (100 MB, `safetensors` N_MAX_HEADER); larger is corrupt."""
 
@@ -77,15 +85,21 @@ def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT
                      "save it as UTF-8") from None
 
 
-def check_tree(data: Any, source: str, *, max_depth: int = MAX_DEPTH) -> Any:
-  """Walks a parsed config without recursion; returns `data` unchanged.
+def check_tree(data: Any, source: str, *, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> Any:
+  """Walks a parsed config without recursion; returns `data` unchanged. Stops after `max_nodes` values.
 
   Raises:
-    InputError: nesting deeper than `max_depth`, or a float that is inf/nan (named by its key path).
+    InputError: nesting deeper than `max_depth`, more than `max_nodes` values (a tree whose shared references,
+      e.g. YAML aliases, expand it past its text), or a float that is inf/nan (named by its key path).
   """
-  stack = [(data, "", 0)]
+  stack, walked = [(data, "", 0)], 0
   while stack:
     node, key, depth = stack.pop()
+    walked += 1
+    if walked > max_nodes:
+      raise InputError(f"{source}: expands to more than {max_nodes:,} values (at {key or 'the top level'}), more "
+                       "than its text can hold: YAML aliases (*name) repeat anchored parts (an alias bomb?); "
+                       "write the values out or remove the aliases")
     if depth > max_depth:
       raise InputError(f"{source}: nesting deeper than {max_depth} levels at {key or 'the top level'}; "
                        "a config is a few levels deep, check the file")
@@ -105,8 +119,14 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
   Syntax errors are left to the caller's parser-specific handling (json.JSONDecodeError, hjson.HjsonDecodeError,
   yaml.YAMLError pass through); what no parser reports well is turned into InputError here.
   Raises:
-    InputError: nesting too deep (RecursionError inside the parser), an integer with too many digits, inf/nan.
+    InputError: an empty file (nothing but whitespace, or YAML with only comments), a bare NaN/Infinity value
+      (JSON/hjson; named by key and line), nesting too deep (RecursionError inside the parser), an integer with
+      too many digits, inf/nan, or more values than characters (alias expansion; see check_tree).
   """
+  if not text.strip():
+    raise InputError(f"{source}: the file is empty; write the config into it (a mapping of keys), or pass another")
+  if fmt == "hjson":  # json reads NaN/Infinity as floats, which check_tree refuses by key
+    _refuse_bare_nonfinite(text, source)
   try:
     if fmt == "json":
       data = json.loads(text, object_pairs_hook=object_pairs_hook)
@@ -128,7 +148,27 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
     if "digits" not in str(exc):  # syntax errors: the caller's own handler names line and column
       raise
     raise InputError(f"{source}: an integer has too many digits ({exc}); check the number") from None
-  return check_tree(data, source)
+  if data is None and fmt == "yaml":
+    raise InputError(f"{source}: the file holds no config (only comments or an empty document); write the config "
+                     "into it (a mapping of keys), or pass another")
+  # every value of the tree takes >= 1 character of `text`; more values means references expanded it
+  return check_tree(data, source, max_nodes=len(text) + 1)
+
+
+_BARE_NONFINITE = re.compile(r"""(?:["']?([^\s"'{},:\[\]]+)["']?\s*:\s*|^\s*|[\[,]\s*)"""
+                             r"""([+-]?(?:NaN|Infinity|inf|nan))(?=\s*(?:[,}\]]|$))""")
+
+
+def _refuse_bare_nonfinite(text: str, source: str) -> None:
+  """Refuses an hjson text with an unquoted NaN/Infinity value (hjson reads NaN as the string 'NaN' or fails on
+  Infinity with 'Bad key name'): a config number must be finite. Names the key and line."""
+  for line_no, line in enumerate(text.splitlines(), 1):
+    stripped = line.split("//", 1)[0].split("#", 1)[0]
+    m = _BARE_NONFINITE.search(stripped)
+    if m:
+      key = f"key {m.group(1)!r}" if m.group(1) else "a value"
+      raise InputError(f"{source}:{line_no}: {key} is {m.group(2)}: NaN and Infinity are not allowed (not JSON "
+                       "numbers, and a config number must be finite); write a finite number")
 
 
 def load_json(path: str | Path, *, what: str = "JSON file") -> Any:

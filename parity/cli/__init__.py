@@ -90,12 +90,23 @@ def main(argv: list[str] | None = None) -> int:
   except RunIOError as exc:  # the run's own files could not be written: attempted, no trustworthy result
     return _error(args.command, str(exc), EXIT_FAIL)
   except KeyboardInterrupt:
-    print("parity: interrupted; the running side was killed and the report marks it", file=sys.stderr)
+    print(f"parity {args.command}: {_interrupted_what(args.command)}", file=sys.stderr)
     return 130
   except Exception as exc:  # a bug, not bad input: one line, the traceback in a file, exit 1
     print(f"parity {args.command}: internal error: {type(exc).__name__}: {str(exc)[:300]} "
           f"(traceback saved to {_save_traceback(args.command)}; please report it)", file=sys.stderr)
     return EXIT_FAIL
+
+
+def _interrupted_what(command: str) -> str:
+  """What a Ctrl-C/SIGTERM actually stopped: before any worker started nothing ran and no report exists; after,
+  the worker was killed (harness.runner) and compare/diagnose wrote the report of what ran."""
+  from harness import lifetime
+  if not lifetime.workers_started():
+    return "interrupted before any side started; nothing ran and no report was written"
+  if command in ("compare", "diagnose"):
+    return "interrupted; the running side was killed and the report marks it"
+  return "interrupted; the worker it started was killed with its child processes"
 
 
 def _error(command: str, message: str, code: int) -> int:

