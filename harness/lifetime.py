@@ -36,7 +36,8 @@ import time
 from typing import IO
 
 __all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "PHASE_ENV", "PHASE_FILE", "DEADLINE_GRACE_S",
-           "BUILD_LIMIT_S", "spawn", "workers_started", "kill_tree", "release", "watch_parent", "extend_deadline", "set_phase"]
+           "BUILD_LIMIT_S", "spawn", "workers_started", "kill_tree", "release", "watch_parent", "extend_deadline",
+           "set_phase"]
 
 PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PARENT_FD", "PARITY_DEADLINE"
 PHASE_ENV, PHASE_FILE = "PARITY_PHASE_FILE", "phase"

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 from parity.spec import SpecError
 
-__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER_BYTES", "read_text", "check_tree", "parse_text",
-           "load_json", "safetensors_header", "count_arg", "tensor_count", "Resources", "estimate_resources",
+__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER_BYTES", "read_text", "check_tree",
+           "parse_text", "load_json", "safetensors_header", "count_arg", "tensor_count", "Resources", "estimate_resources",
            "check_resources", "available_memory_bytes"]
 
 MAX_TEXT_BYTES = 16 * 2**20

@@ -153,3 +153,56 @@ def test_quoted_nan_text_is_not_a_number():
   """A string that happens to read NaN or mention inf is a string, not a refused number."""
   from parity.inputs import parse_text
   assert parse_text('{"name": "NaN", "desc": "the inf value", "x": "Infinity"}', "c", "hjson")["name"] == "NaN"
+
+
+# ----------------------------------------------------------------------------- 3
+
+
+def _run_folder(tmp_path: Path) -> Path:
+  """A finished run folder as `parity compare` leaves it: artifacts, and a report.json recording their hashes."""
+  import json
+  from parity.checks import Check, verdict
+  from parity.report.build import REPORT_SCHEMA, artifact_hashes
+  rd = tmp_path / "run"
+  for rel in ("request.json", "init.safetensors", "batches.npy", "jax/steps.jsonl", "jax/final.safetensors",
+              "torch/steps.jsonl", "torch/final.safetensors"):
+    (rd / rel).parent.mkdir(parents=True, exist_ok=True)
+    (rd / rel).write_bytes(rel.encode() * 50)
+  checks = [Check("loss jax~torch", "loss", ("jax", "torch"), 1e-6, 1e-4, True),
+            Check("determinism jax", "determinism", ("jax", "jax"), 0.0, 0.0, True, gating=False)]
+  statuses = {"jax": "ok", "torch": "ok"}
+  side = {"status": "ok", "summary": {}, "series": {"loss": [], "val_loss": []}}
+  data = {"schema": REPORT_SCHEMA, "verdict": verdict(checks, statuses).to_json(),
+          "checks": [c.to_json() for c in checks], "sides": {s: dict(side) for s in statuses},
+          "artifacts": artifact_hashes(rd, list(statuses))}
+  (rd / "report.json").write_text(json.dumps(data))
+  return rd
+
+
+def test_report_recomputes_the_verdict_from_its_checks(tmp_path):
+  import json
+  from parity.report.read import load_report, verify_report
+  rd = _run_folder(tmp_path)
+  assert load_report(rd).passed and verify_report(load_report(rd)) == []
+  data = json.loads((rd / "report.json").read_text())
+  data["checks"][0]["passed"] = False  # the check edited, the stored verdict left saying PASS
+  (rd / "report.json").write_text(json.dumps(data))
+  problems = verify_report(load_report(rd))
+  assert len(problems) == 1 and "stored verdict says PASS" in problems[0] and "edited" in problems[0]
+  r = _parity("report", str(rd))
+  assert r.returncode == 1 and "edited or is inconsistent" in r.stderr and "PASS" not in r.stdout, r
+
+
+@pytest.mark.parametrize("change,said", [
+    (lambda p: p.write_bytes(p.read_bytes()[:10]), "torch/final.safetensors (1150 -> 10 bytes)"),
+    (lambda p: p.write_bytes(p.read_bytes()[::-1]), "torch/final.safetensors (same size, different content)"),
+    (lambda p: p.unlink(), "torch/final.safetensors (missing)"),
+])
+def test_report_names_an_artifact_changed_since_the_run(tmp_path, change, said):
+  from parity.report.read import load_report, verify_report
+  rd = _run_folder(tmp_path)
+  change(rd / "torch" / "final.safetensors")
+  problems = verify_report(load_report(rd))
+  assert len(problems) == 1 and said in problems[0], problems
+  r = _parity("report", str(rd))
+  assert r.returncode == 1 and said in r.stderr, r.stderr

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from parity.cli._common import add_allow_large, console
+from parity.cli._common import Failure, add_allow_large, console
 from parity.inputs import count_arg
 from parity.spec import DEFAULT_PRESET, parse_overrides
 
@@ -87,8 +87,11 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
   """`parity report RUN_DIR`. Raises InputError (a SpecError) naming what of the run folder is unreadable."""
-  from parity.report.read import load_report
+  from parity.report.read import load_report, verify_report
   report = load_report(args.run_dir)  # every section print_summary reads is checked (InputError names it)
+  problems = verify_report(report)  # the verdict recomputed from its checks; the artifacts it rests on re-hashed
+  if problems:
+    raise Failure("; ".join(problems))
   print_summary(report, console())
   return report.exit_code
 

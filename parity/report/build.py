@@ -15,9 +15,14 @@ from parity.checks import Check, Verdict
 from parity.spec import RunSpec, config_hash, to_dict
 from parity.tolerances import TOLERANCES
 
-__all__ = ["Report", "build_report", "REPORT_SCHEMA"]
+__all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "SIDE_ARTIFACTS", "artifact_hashes",
+           "file_digest"]
 
 REPORT_SCHEMA = "parity.report/1"
+RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy")
+SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors")
+"""The files a verdict rests on (the inputs both sides read, each side's outputs the checks read); report.json
+records their sha256 and size at write time so that `parity report` can say which changed since the run."""
 SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")
 
 
@@ -133,6 +138,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "resume": reruns.get("resume", {}),
       "memory": None,
       "run_folder": run_folder,
+      "artifacts": artifact_hashes(run_dir, list(sides)),
   }
   data = json.loads(json.dumps(data, default=str))
   data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(data),  # reads the sides' summaries
@@ -149,4 +155,32 @@ def _verdict_json(verdict: Verdict, interrupted: bool) -> dict:
     out["message"] = ("INTERRUPTED: stopped before every run and check finished; so far: "
                       + (msg.replace("PASS: ", "", 1) if msg.startswith("PASS") else msg))
     out["passed"] = False
+  return out
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+  """{'sha256': hex digest, 'bytes': size} of a file, read in 8 MiB blocks (~1 s per GB on one core).
+  Raises OSError when it cannot be read."""
+  import hashlib
+  h, n = hashlib.sha256(), 0
+  with open(path, "rb") as f:
+    while block := f.read(8 * 2**20):
+      h.update(block)
+      n += len(block)
+  return {"sha256": h.hexdigest(), "bytes": n}
+
+
+def artifact_hashes(run_dir: Path, sides: list[str]) -> dict[str, dict]:
+  """relative path -> file_digest for each RUN_ARTIFACTS file of `run_dir` and SIDE_ARTIFACTS file of each side
+  folder that exists (a side that failed early has no final.safetensors: it is simply not listed); a file that
+  cannot be read is listed as {'error': strerror}."""
+  out: dict[str, dict] = {}
+  rels = [*RUN_ARTIFACTS, *(f"{side}/{name}" for side in sides for name in SIDE_ARTIFACTS)]
+  for rel in rels:
+    p = Path(run_dir) / rel
+    if p.is_file():
+      try:
+        out[rel] = file_digest(p)
+      except OSError as exc:
+        out[rel] = {"error": exc.strerror or str(exc)}
   return out

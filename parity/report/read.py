@@ -8,7 +8,7 @@ from typing import Any
 from parity.inputs import InputError, load_json
 from parity.report.build import REPORT_SCHEMA, Report
 
-__all__ = ["load_report"]
+__all__ = ["load_report", "verify_report"]
 
 _CHECK_KEYS = ("name", "value", "tolerance", "passed", "first_failing_step")
 
@@ -65,3 +65,65 @@ def load_report(run_dir: str | Path) -> Report:
                                                       for x in det.values())), path,
         "section 'determinism' must map each side to {deterministic, ...}")
   return Report(data=data, run_dir=run_dir)
+
+
+def _check_from_json(d: dict):
+  """A parity.checks.Check back from its to_json form (non-finite value/tolerance were stored as None or text)."""
+  import dataclasses
+  from parity.checks import Check
+  fields = {f.name for f in dataclasses.fields(Check)}
+  kw = {k: v for k, v in d.items() if k in fields}
+  for k in ("value", "tolerance"):
+    v = kw.get(k)
+    kw[k] = float("nan") if v is None else float(v) if isinstance(v, str) else v
+  kw["sides"] = tuple(kw.get("sides") or ("?", "?"))
+  return Check(**kw)
+
+
+def verify_report(report: Report) -> list[str]:
+  """What no longer holds in a loaded report: one line per problem, [] when it is consistent and untouched.
+
+  Two rules: (1) the stored verdict is the one parity.checks.verdict gives for the stored checks and side statuses
+  (an interrupted run never passes), so a hand-edited check or verdict is caught; (2) every artifact recorded in
+  report.json['artifacts'] (relative path -> sha256, bytes) still has that size and hash, so a side's output or
+  an input changed, truncated or removed since the run is named. A report without 'artifacts' (written before
+  they were recorded) is checked by rule 1 only.
+  """
+  from parity.checks import verdict
+  from parity.report.build import file_digest
+  d, rd, out = report.data, Path(report.run_dir), []
+  path = rd / "report.json"
+  try:
+    recomputed = verdict([_check_from_json(c) for c in d["checks"]],
+                         {name: s["status"] for name, s in d["sides"].items()})
+  except (TypeError, ValueError) as exc:
+    return [f"{path}: its checks cannot be re-read ({exc}); the report was edited or is not from `parity compare`"]
+  interrupted = d["verdict"]["message"].startswith("INTERRUPTED")
+  expected = recomputed.passed and not interrupted
+  if d["verdict"]["passed"] != expected:
+    out.append(f"{path}: the stored verdict says {'PASS' if d['verdict']['passed'] else 'FAIL'} but its own checks "
+               f"and side statuses give {recomputed.message!r}; the report was edited or is inconsistent")
+  arts = d.get("artifacts")
+  if not isinstance(arts, dict):
+    return out
+  changed = []
+  for rel, rec in sorted(arts.items()):
+    if not isinstance(rec, dict) or "sha256" not in rec:
+      continue
+    p = rd / rel
+    if not p.is_file():
+      changed.append(f"{rel} (missing)")
+      continue
+    try:
+      now = file_digest(p)
+    except OSError as exc:
+      changed.append(f"{rel} (unreadable: {exc.strerror})")
+      continue
+    if now["bytes"] != rec.get("bytes"):
+      changed.append(f"{rel} ({rec.get('bytes')} -> {now['bytes']} bytes)")
+    elif now["sha256"] != rec["sha256"]:
+      changed.append(f"{rel} (same size, different content)")
+  if changed:
+    out.append(f"{rd}: files the verdict rests on changed since the run: {', '.join(changed)}; the stored verdict "
+               "no longer describes these files (rerun `parity compare` for a verdict on them)")
+  return out
