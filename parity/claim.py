@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from parity.spec import SpecError
 
-__all__ = ["claim_run_dir", "RunFolder", "RunFolderError", "RunIOError", "read_lock", "LOCK_NAME", "RUN_MARKERS",
+__all__ = ["claim_run_dir", "RunFolder", "RunFolderError", "RunIOError", "read_lock", "enclosing_run", "LOCK_NAME", "RUN_MARKERS",
            "RUN_INPUTS"]
 
 
@@ -51,16 +51,17 @@ def _proc_start(pid: int) -> str | None:
 
 def read_lock(run_dir: str | Path) -> dict[str, Any] | None:
   """The lock of a run folder: its JSON plus 'alive' (True: the locking process still runs on this host; False:
-  it is dead, a stale lock; None: another host, cannot tell). None when there is no lock."""
+  it is dead, a stale lock; None: another host, cannot tell). None when there is no lock. A lock that is not a
+  parity lock (not JSON, no pid/host: garbage, a truncated write) is {'alive': None, 'unreadable': why}."""
   path = Path(run_dir) / LOCK_NAME
   try:
     info = json.loads(path.read_text())
   except FileNotFoundError:
     return None
-  except (OSError, ValueError):
-    info = {}
-  if not isinstance(info, dict):
-    info = {}
+  except (OSError, ValueError) as exc:
+    return {"alive": None, "unreadable": f"not JSON: {type(exc).__name__}"}
+  if not isinstance(info, dict) or not isinstance(info.get("host"), str) or "pid" not in info:
+    return {"alive": None, "unreadable": "no pid and host recorded"}
   pid = info.get("pid")
   if info.get("host") != socket.gethostname():
     alive = None
@@ -121,6 +122,35 @@ def _is_run_folder(path: Path) -> bool:
   return any((path / m).exists() for m in RUN_MARKERS)
 
 
+def _is_diagnose_folder(path: Path) -> bool:
+  """A finished `parity diagnose` folder: its diagnose.json/.md (written at its end)."""
+  return (path / "diagnose.json").exists() or (path / "diagnose.md").exists()
+
+
+_PARITY_FILES = ("report.json", "request.json", "diagnose.json")
+"""Files whose schema says `parity.`: with LOCK_NAME, what makes a folder certainly a parity run (a generic
+config.json does not: a user's project folder may hold one)."""
+
+
+def enclosing_run(path: Path) -> Path | None:
+  """The nearest folder above `path` (itself excluded) that is a parity run folder, or None.
+
+  A run folder is one with LOCK_NAME or a report.json/request.json/diagnose.json whose schema starts `parity.`.
+  A run written inside another's folder would mix with it (the outer run's --force moves both, its files look
+  like the inner run's), so --out there is refused."""
+  for folder in Path(path).absolute().parents:
+    if (folder / LOCK_NAME).exists():
+      return folder
+    for name in _PARITY_FILES:
+      try:
+        with open(folder / name, "rb") as f:
+          if b'"schema": "parity.' in f.read(4096):
+            return folder
+      except OSError:
+        continue
+  return None
+
+
 def _aside_name(path: Path) -> Path:
   stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
   cand = path.with_name(f"{path.name}.old-{stamp}")
@@ -138,6 +168,10 @@ def _vacate(path: Path, force: bool) -> tuple[Path | None, dict[str, Any] | None
   if not (path.is_dir() and any(path.iterdir())):
     return moved_to, stale
   lock = read_lock(path)
+  if lock is not None and lock.get("unreadable"):
+    raise RunFolderError(f"--out {path}: its lock file {path / LOCK_NAME} cannot be read ({lock['unreadable']}), so "
+                         "whether a run is writing this folder is unknown; if none is, remove that file and rerun, "
+                         "or choose another --out")
   if lock is not None and lock["alive"] is not False:
     who = "a live run" if lock["alive"] else "a run on another host (its liveness cannot be checked from here)"
     raise RunFolderError(f"--out {path}: in use by {who}: {_describe_lock(lock)}; wait for it to finish or choose "
@@ -152,6 +186,7 @@ def _vacate(path: Path, force: bool) -> tuple[Path | None, dict[str, Any] | None
                          "or empty folder (--force only moves an earlier parity run aside)")
   elif not force:
     what = (f"an interrupted run (stale lock: {_describe_lock(lock)}, no longer running)" if lock is not None else
+            "a diagnose run (see its diagnose.md)" if _is_diagnose_folder(path) else
             "a finished run" if (path / "report.json").exists() else "an earlier run (no report: it did not finish)")
     raise RunFolderError(f"--out {path}: the folder holds {what}; a new run never reuses its files. Choose a new "
                          f"--out, or pass --force to move the old run aside to {path.name}.old-<time>")
@@ -198,7 +233,9 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
       `force` it is moved aside whole to `<name>.old-<time>` (never mixed, never deleted) and a fresh one made;
     - a folder that only holds a dead run's lock is taken over (`stale_lock` says whose);
     - a non-empty folder that is not a parity run is refused, --force or not (nothing of the user's is moved);
-    - '' and paths that exist and are not folders are refused.
+    - '' and paths that exist and are not folders are refused;
+    - a folder inside another parity run folder (`enclosing_run`) is refused;
+    - a lock that cannot be read (not a parity lock) is refused by name: remove it if no run writes the folder.
   Args:
     run_dir: the folder (`--out`).
     force: move an earlier run found there aside.
@@ -216,6 +253,10 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
     raise RunFolderError(f"--out {path}: a dangling symbolic link; remove it or choose another folder")
   if path.exists() and not path.is_dir():
     raise RunFolderError(f"--out {path}: exists and is not a folder; choose a new folder")
+  outer = enclosing_run(path)
+  if outer is not None:
+    raise RunFolderError(f"--out {path}: inside the parity run folder {outer}, whose files a new run would mix with; "
+                         "choose a folder outside it (e.g. next to it)")
   moved_to, stale = _vacate(path, force)
   created = _make_folders(path)
   run_id = uuid.uuid4().hex

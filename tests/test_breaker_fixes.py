@@ -206,3 +206,66 @@ def test_report_names_an_artifact_changed_since_the_run(tmp_path, change, said):
   assert len(problems) == 1 and said in problems[0], problems
   r = _parity("report", str(rd))
   assert r.returncode == 1 and said in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("content", ["garbage{", "", "[1, 2]", '{"pid": 5}'])
+def test_unreadable_lock_is_named_not_taken_for_another_host(tmp_path, content):
+  from parity.claim import LOCK_NAME, RunFolderError, claim_run_dir
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / LOCK_NAME).write_text(content)
+  with pytest.raises(RunFolderError, match=r"lock file .*\.parity\.lock cannot be read .* remove that file") as e:
+    claim_run_dir(tmp_path / "run")
+  assert "another host" not in str(e.value) and "pid ?" not in str(e.value)
+
+
+def _diagnose_folder(tmp_path: Path) -> Path:
+  d = tmp_path / "dg"
+  d.mkdir()
+  (d / "request.json").write_text('{"schema": "parity.request/1"}')
+  (d / "diagnose.json").write_text('{"schema": "parity.diagnose/1"}')
+  (d / "diagnose.md").write_text("# diagnose\n")
+  return d
+
+
+def test_a_diagnose_folder_is_named_as_one(tmp_path):
+  from parity.claim import RunFolderError, claim_run_dir
+  from parity.inputs import InputError
+  from parity.report.read import load_report
+  d = _diagnose_folder(tmp_path)
+  with pytest.raises(RunFolderError, match="holds a diagnose run"):
+    claim_run_dir(d)
+  with pytest.raises(InputError, match=r"holds a `parity diagnose` run.*diagnose\.md"):
+    load_report(d)
+
+
+@pytest.mark.parametrize("marker,inner", [
+    ("report.json", "jax/nested"), ("request.json", "a/b/c"), (".parity.lock", "x"), ("diagnose.json", "torch")])
+def test_out_inside_a_run_folder_is_refused(tmp_path, marker, inner):
+  from parity.claim import RunFolderError, claim_run_dir
+  run = tmp_path / "base"
+  run.mkdir()
+  (run / marker).write_text('{"schema": "parity.x/1", "pid": 1, "host": "h"}')
+  with pytest.raises(RunFolderError, match=f"inside the parity run folder {run}"):
+    claim_run_dir(run / inner)
+  assert not (run / inner).exists()
+
+
+def test_out_next_to_a_run_or_under_a_users_config_is_accepted(tmp_path):
+  """Only parity's own files mark a run: a project folder with its own config.json/report.json is not one."""
+  from parity.claim import claim_run_dir
+  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "report.json").write_text('{"schema": "mine"}')
+  claim = claim_run_dir(tmp_path / "runs" / "one")
+  claim.release()
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["plan", "--host-memory", "1e400"], "parity plan: error: --host-memory 1e400: must be a finite number"),
+    (["plan", "--peak-tflops=-1e999"], "parity plan: error: --peak-tflops -1e999: must be a finite number"),
+    (["plan", "--host-memory", "-1"], "parity plan: error: --host-memory -1: must be a number > 0"),
+    (["plan", "--devices", "0"], "parity plan: error: devices (--devices) 0: must be >= 1"),
+    (["estimate", "--model", "nope"], "parity estimate: error: unknown model preset 'nope'"),
+])
+def test_sizing_flags_are_named_as_typed(argv, said):
+  r = _parity(*argv)
+  assert r.returncode == 2 and r.stderr.startswith(said), r.stderr

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
   signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # SIGTERM stops the workers too, like Ctrl-C
   ap = build_parser()
   args = ap.parse_args(argv)
-  bad = _bad_number_flag(args)
+  bad = _bad_number_flag(args, sys.argv[1:] if argv is None else argv)
   if bad:
     ap.exit(EXIT_BAD_INPUT, f"parity {args.command}: error: {bad}\n")
   if getattr(args, "allow_large", False):
@@ -115,18 +115,30 @@ def _error(command: str, message: str, code: int) -> int:
   return code
 
 
-def _bad_number_flag(args) -> str | None:
+def _bad_number_flag(args, argv: list[str] | None = None) -> str | None:
   """The rule for every numeric flag of every command (argparse's float() takes '1e400' and 'nan'): floats finite,
-  integers within parity.spec.INT_MAX. Returns the message naming the first bad flag, or None."""
+  integers within parity.spec.INT_MAX. Returns the message naming the first bad flag and the text typed for it
+  (1e400, not the inf it parsed to), or None."""
   import math
   from parity.spec import INT_MAX
   for dest, v in vars(args).items():
     flag = "--" + dest.replace("_", "-")
     if isinstance(v, float) and not math.isfinite(v):
-      return f"{flag} {v}: must be a finite number"
+      return f"{flag} {_typed(argv or [], flag, v)}: must be a finite number"
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_MAX:
-      return f"{flag} {v}: out of range (at most {INT_MAX:,})"
+      return f"{flag} {_typed(argv or [], flag, v)}: out of range (at most {INT_MAX:,})"
   return None
+
+
+def _typed(argv: list[str], flag: str, value) -> str:
+  """What the user typed for `flag` in `argv` (its last `--flag X` or `--flag=X`), else `value` as parsed."""
+  typed = None
+  for i, tok in enumerate(argv):
+    if tok == flag and i + 1 < len(argv):
+      typed = argv[i + 1]
+    elif tok.startswith(flag + "="):
+      typed = tok[len(flag) + 1:]
+  return typed if typed is not None else str(value)
 
 
 def _save_traceback(command: str) -> str:

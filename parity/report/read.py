@@ -34,6 +34,9 @@ def load_report(run_dir: str | Path) -> Report:
   path = run_dir / "report.json"
   if not run_dir.is_dir():
     raise InputError(f"{run_dir} is not a folder: pass the folder of a finished `parity compare` run")
+  if not path.exists() and any((run_dir / n).exists() for n in ("diagnose.md", "diagnose.json")):
+    raise InputError(f"{run_dir} holds a `parity diagnose` run, not a comparison: its result is in "
+                     f"{run_dir / 'diagnose.md'} (and diagnose.json); `parity report` reads `parity compare` folders")
   if not path.exists():
     raise InputError(f"{path} does not exist: pass the folder of a finished `parity compare` run (it may have "
                      "been interrupted before the report was written)")
