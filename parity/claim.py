@@ -15,8 +15,8 @@ from typing import Any, Mapping
 
 from parity.spec import SpecError
 
-__all__ = ["claim_run_dir", "RunFolder", "RunFolderError", "RunIOError", "read_lock", "enclosing_run", "LOCK_NAME", "RUN_MARKERS",
-           "RUN_INPUTS"]
+__all__ = ["claim_run_dir", "RunFolder", "RunFolderError", "RunIOError", "read_lock", "enclosing_run", "LOCK_NAME",
+           "RUN_MARKERS", "RUN_INPUTS"]
 
 
 # ------------------------------------------------------------------ the run folder: fresh, locked, never reused
