@@ -19,7 +19,7 @@ from parity.protocol.layout import STEP_LIST_KEYS
 from parity.report import Report, build_report, write_all
 from parity.reruns import RerunContext, Reruns, run_reruns
 from parity.resolve import ResolvedRun, resolve_run
-from parity.run import open_run_folder, parse_perturb
+from parity.run import check_perturb, open_run_folder, parse_perturb
 from parity.spec import RunSpec, SpecError
 
 __all__ = ["compare", "run_comparison", "RunOptions", "check_run_options"]
@@ -112,8 +112,9 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   """
   t0 = options.started_s if options.started_s is not None else time.time()
   spec = run.spec
-  pert = dict(options.perturb) if isinstance(options.perturb, Mapping) else parse_perturb(list(options.perturb),
-                                                                                           spec.sides)
+  pert = (dict(options.perturb) if isinstance(options.perturb, Mapping)
+          else parse_perturb(list(options.perturb), spec.sides, spec))
+  check_perturb(pert, spec)
   check_run_options(spec, pert, options)
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s

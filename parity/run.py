@@ -19,7 +19,8 @@ from parity.claim import (LOCK_NAME, RUN_INPUTS, RUN_MARKERS, RunFolder, RunFold
                           claim_run_dir, read_lock)
 from parity.spec import RunSpec, SpecError, apply_overrides, config_hash, to_dict
 
-__all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb", "claim_run_dir",
+__all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb", "check_perturb",
+           "claim_run_dir",
            "RunFolder", "RunFolderError", "RunIOError", "read_lock", "write_new", "LOCK_NAME", "PreparedRun",
            "open_run_folder"]
 
@@ -96,14 +97,16 @@ PERTURBABLE = frozenset({
 shape them (seeds, sizes, steps, layer layout) cannot differ per side."""
 
 
-def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[str, Any]]:
+def parse_perturb(items: Sequence[str], sides: Sequence[str], spec: RunSpec | None = None) -> dict[str, dict[str, Any]]:
   """Parses `--perturb side:key=value` (debug: make one side differ on purpose).
 
   Keys: `model.<field>` / `train.<field>` (applied to that side's spec only) or one of
   DEBUG_KEYS (nan_at_step, kill_at_step, hang_at_step, raise_at_step: a step; overflow_at_steps: a JSON
   list of steps, e.g. `jax:overflow_at_steps=[3,7]`).
+  Each side's changes are validated on top of `spec` (the run's own; a default RunSpec when None), so a change
+  that is valid for this run (e.g. OneCycle's lr_schedule_params on a OneCycle run) is accepted.
   Raises:
-    SpecError: malformed item, unknown side, or unknown key.
+    SpecError: malformed item, unknown side, or unknown key, or a change the run's spec refuses.
   """
   out: dict[str, dict[str, Any]] = {}
   for item in items:
@@ -127,11 +130,19 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str]) -> dict[str, dict[
         raise SpecError(f"--perturb {item!r}: {exc}") from None
       value = list(value) if isinstance(value, tuple) else value
     out.setdefault(side, {})[key] = value
-  for side, kv in out.items():  # validate overrides now, not inside a worker
+  check_perturb(out, spec)
+  return out
+
+
+def check_perturb(perturb: Mapping[str, Mapping[str, Any]], spec: RunSpec | None = None) -> None:
+  """Validates each side's spec changes on top of `spec` now, not inside a worker. Raises SpecError naming the side."""
+  for side, kv in perturb.items():
     fields = {k: v for k, v in kv.items() if k not in DEBUG_KEYS}
     if fields:
-      apply_overrides(RunSpec(), fields).validate()
-  return out
+      try:
+        apply_overrides(spec if spec is not None else RunSpec(), fields).validate()
+      except SpecError as exc:
+        raise SpecError(f"--perturb {side}: {exc}") from None
 
 
 def write_new(path: str | Path, data: str | bytes | Callable[[Any], None]) -> None:

@@ -77,3 +77,16 @@ def test_resolved_run_is_frozen_and_overrides_parse_once():
     overrides_mapping(["train.lr"])
   with pytest.raises(SpecError, match="not one string"):
     overrides_mapping("train.lr=1")
+
+
+def test_perturb_is_validated_against_the_runs_own_spec():
+  """A per-side change that is valid for this run (OneCycle params on a OneCycle run) is accepted; one that the run
+  refuses is refused naming the side (parse_perturb validated against a default RunSpec before)."""
+  from parity.run import parse_perturb
+  one_cycle = {"train.lr_schedule": "OneCycle",
+               "train.lr_schedule_params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2}}
+  spec = resolve_run("gpt2-tiny", overrides=one_cycle).spec
+  item = 'torch:train.lr_schedule_params={"cycle_min_lr": 2e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2}'
+  assert parse_perturb([item], spec.sides, spec)["torch"]["train.lr_schedule_params"]["cycle_min_lr"] == 2e-4
+  with pytest.raises(SpecError, match="--perturb torch"):
+    parse_perturb(['torch:train.lr_schedule_params={"cycle_min_lr": 2e-4}'], spec.sides, spec)

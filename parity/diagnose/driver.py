@@ -215,7 +215,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
   if spec.train.steps <= step or step < 0:
     raise SpecError(f"--step {step}: the run has train.steps={spec.train.steps} (steps 0..{spec.train.steps - 1})")
   lr_step, lr = lr_position(spec.train, step)
-  pert = _perturbations(perturb, sides, spec.train.precision)
+  pert = _perturbations(perturb, sides, spec.train.precision, spec)
   plant_map = parse_plants(list(plants), sides, spec.model)
   if run_dir is None:
     from parity.inputs import check_resources
@@ -262,10 +262,11 @@ def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[
   return folder, from_dict(RunSpec, request["run"], path="run"), None
 
 
-def _perturbations(perturb: Sequence[str], sides: tuple[str, str], precision: str) -> dict[str, dict[str, Any]]:
+def _perturbations(perturb: Sequence[str], sides: tuple[str, str], precision: str,
+                   spec: RunSpec | None = None) -> dict[str, dict[str, Any]]:
   """parity.run.parse_perturb, minus what diagnose cannot honour (fault injections, a per-side precision)."""
   from parity.run import parse_perturb
-  pert = parse_perturb(list(perturb), sides)
+  pert = parse_perturb(list(perturb), sides, spec)
   for side, kv in pert.items():
     for key, value in kv.items():
       if key in DEBUG_KEYS:

@@ -21,6 +21,7 @@ import numpy as np
 from parity.migrate import reference
 from parity.migrate._port import PortResult
 from parity.migrate._reverse import to_deepspeed
+from parity.protocol.workers import worker_module
 
 __all__ = ["verify", "VerifyOutcome", "VerifyTimeout", "LR_RTOL", "SHAPES", "verify_request", "DEFAULT_TIMEOUT_S"]
 
@@ -60,7 +61,7 @@ class VerifyOutcome:
     head = "verify: OK" if self.ok else f"verify: MISMATCH ({self.first_failure})"
     lines = [f"{head} over {self.steps} steps; DeepSpeed side: {self.mode}",
              f"  lr max rel diff {self.lr_max_rel:.3g} (tol {LR_RTOL:g}); beta1 {self.beta1_max_rel:.3g}",
-             f"  params vs DeepSpeed: " + ("n/a" if self.params_max_ulp_ratio is None else
+             "  params vs DeepSpeed: " + ("n/a" if self.params_max_ulp_ratio is None else
                                            f"{self.params_max_ulp_ratio:.3g} of the fp32 bound (<= 1 passes)"),
              f"  params vs numpy reference: {self.params_vs_reference_ratio:.3g} of the fp32 bound"]
     return "\n".join(lines + [f"  note: {n}" for n in self.notes])
@@ -177,8 +178,8 @@ def verify(result: PortResult, *, steps: int = 200, seed: int = 0, timeout: floa
   """
   ds_req, jax_req, notes = verify_request(result, steps, seed)
   with tempfile.TemporaryDirectory(prefix="parity-port-verify-") as tmp:
-    ds = _run("torch_impl.port_verify", ds_req, Path(tmp), "deepspeed", timeout)
-    jx = _run("jax_impl.port_verify", jax_req, Path(tmp), "jax", timeout)
+    ds = _run(worker_module("deepspeed", "port_verify"), ds_req, Path(tmp), "deepspeed", timeout)
+    jx = _run(worker_module("jax", "port_verify"), jax_req, Path(tmp), "jax", timeout)
   mode = str(ds["mode"])
   notes.append(str(ds["note"]))
   lr_rel = _rel(ds["lr"], jx["lr"])
