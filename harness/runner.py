@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from harness import lifetime
 from harness.env import worker_env
-from parity.protocol.layout import LAUNCH_ENV, read_steps, read_summary
+from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, read_steps, read_summary
 from parity.protocol.workers import worker_module
 
 __all__ = ["SideRun", "run_side", "run_each_side", "not_run", "build_ops", "STATUSES"]
@@ -81,6 +81,8 @@ def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str
   if rc is not None and rc < 0:
     sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
     hint = " (SIGKILL: killed from outside, or by the kernel's OOM killer)" if -rc == signal.SIGKILL else ""
+    if PLANTED_KILL in stderr:  # the fault injected on purpose, not a real kill
+      hint = " (the planted --perturb kill_at_step)"
     return "killed", f"worker killed by signal {sig}{hint}"
   if summary and summary.get("status") in ("ok", "nan", "crashed"):
     status = summary["status"]

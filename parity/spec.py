@@ -57,7 +57,7 @@ def _check_numbers(obj: Any, section: str) -> None:
     if isinstance(v, int) and not -INT_MAX <= v <= INT_MAX:
       raise SpecError(f"{key} = {v} is out of range: integer fields must be at most {INT_MAX:,} (2^31 - 1)")
     if isinstance(v, float) and not math.isfinite(v):
-      raise SpecError(f"{key} = {v}: must be a finite number (a value such as 1e400 overflows to inf)")
+      raise SpecError(f"{key} = {v}: must be a finite number{_why_not_finite(v)}")
     if isinstance(v, dict):
       check_tree(v, key)
 
@@ -504,7 +504,7 @@ def _coerce(key: str, default: Any, value: Any) -> Any:
     except (TypeError, ValueError, OverflowError):
       raise SpecError(f"{key}: expected a finite number, got {str(value)[:40]!r}") from None
     if not math.isfinite(out):
-      raise SpecError(f"{key} = {str(value)[:40]}: must be a finite number (1e400 overflows to inf)")
+      raise SpecError(f"{key} = {str(value)[:40]}: must be a finite number{_why_not_finite(out)}")
     return out
   return value
 
@@ -541,6 +541,11 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     key, raw = item.split("=", 1)
     out[key.strip()] = parse_value(raw, f"override {key.strip()!r}")
   return out
+
+
+def _why_not_finite(x: float) -> str:
+  """The hint for a non-finite value: NaN given as such, or an infinity (which a too-large literal becomes)."""
+  return "; NaN is not a value a run can use" if math.isnan(x) else " (a value such as 1e400 overflows to inf)"
 
 
 def apply_overrides(spec: RunSpec, overrides: Mapping[str, Any]) -> RunSpec:

@@ -1,6 +1,7 @@
 """End to end: `parity compare` through the CLI and the Python API, real workers, tiny preset."""
 from __future__ import annotations
 
+import os
 import json
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def test_killed_and_nan_sides_are_reported_and_others_kept(tmp_path):
                        perturb=["deepspeed:kill_at_step=2", "torch:nan_at_step=3"])
   assert rep.exit_code == 1 and not rep.passed
   assert rep.side("deepspeed")["status"] == "killed" and "SIGKILL" in rep.side("deepspeed")["error"]
+  assert "planted --perturb kill_at_step" in rep.side("deepspeed")["error"]  # not blamed on the OOM killer
   assert len(rep.side("deepspeed")["series"]["loss"]) == 2
   assert rep.side("torch")["status"] == "nan" and len(rep.side("torch")["series"]["loss"]) == 4
   assert rep.side("jax")["status"] == "ok" and (tmp_path / "run" / "jax" / "final.safetensors").exists()
@@ -144,12 +146,13 @@ def test_compare_from_a_hugging_face_checkpoint(tmp_path):
   assert p.returncode == 2 and "nothing" in p.stderr
 
 
-REALWORLD = Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"
+REALWORLD = Path(os.environ.get("PARITY_REALWORLD",
+                               Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"))
 HF_ZERO2 = REALWORLD / "huggingface__transformers__tests__deepspeed__ds_config_zero2.json"
 
 
 @requires_all
-@pytest.mark.skipif(not HF_ZERO2.exists(), reason="shared/realworld not present")
+@pytest.mark.skipif(not HF_ZERO2.exists(), reason="shared/realworld/ds_configs not present (set PARITY_REALWORLD)")
 def test_real_zero2_offload_config_runs_head_to_head(tmp_path):
   """The HF Trainer's ZeRO-2 + CPU offload config: DeepSpeed runs the file, JAX its port."""
   out = tmp_path / "run"

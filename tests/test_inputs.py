@@ -344,10 +344,10 @@ def test_relative_hf_folder_with_pytorch_model_bin_is_read(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["compare", "--timeout", "1e400"], "--timeout inf: must be a finite number"),
+    (["compare", "--timeout", "1e400"], "--timeout 1e400: must be a finite number"),
     (["compare", "--timeout", "nan"], "--timeout nan: must be a finite number"),
     (["compare", "--steps", "99999999999"], "--steps 99999999999: out of range"),
-    (["plan", "--host-memory", "1e999"], "--host-memory inf: must be a finite number"),
+    (["plan", "--host-memory", "1e999"], "--host-memory 1e999: must be a finite number"),
 ])
 def test_every_numeric_flag_of_every_command_is_finite_and_in_range(capsys, argv, match):
   with pytest.raises(SystemExit) as exc:

@@ -38,12 +38,15 @@ from parity import weights
 
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "FINAL_MOMENTS",
            "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA", "parse_debug_value",
-           "read_steps", "read_summary", "read_moments", "read_checkpoint_meta"]
+           "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL"]
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"
 LAUNCH_ENV = "PARITY_LAUNCH_TIME"
 """Environment variable holding time.time() when the harness spawned the worker."""
+PLANTED_KILL = "[parity] planted kill"
+"""What a worker writes to stderr just before the fault injection kill_at_step kills it, so the harness reports the
+kill as planted, not as one from outside or the OOM killer."""
 DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps")
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps

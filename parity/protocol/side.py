@@ -25,7 +25,7 @@ import numpy as np
 from parity import schedule, weights
 from parity.protocol.control import RunControl, parse_control
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, CHECKPOINT_SCHEMA, DEBUG_KEYS, FINAL_MOMENTS,
-                                    LAUNCH_ENV, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value)
+                                    LAUNCH_ENV, PLANTED_KILL, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value)
 from parity.protocol.workers import SIDE_WORKERS
 from parity.spec import RunSpec, TrainSpec, apply_overrides, config_hash, from_dict, to_dict
 
@@ -202,6 +202,8 @@ class SideIO:
     """Applies injected faults scheduled for this step (testing only)."""
     if self.debug.get("kill_at_step") == step:
       self._steps.flush()
+      sys.stderr.write(f"{PLANTED_KILL} at step {step} (perturb kill_at_step): SIGKILL to this worker\n")
+      sys.stderr.flush()
       os.kill(os.getpid(), signal.SIGKILL)
     if self.debug.get("hang_at_step") == step:
       while True:
