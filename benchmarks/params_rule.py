@@ -50,28 +50,9 @@ BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:train.grad
 
 
 def kappa_needed(a, b, init, ma, mb, spec, lr_sum, rtol) -> tuple[float, str]:
-  """Smallest kappa under which every element passes (the rule's noise term uncapped by 2·Σlr); inf when an element
-  exceeds rtol·moved + 2·Σlr (no kappa helps)."""
-  zs = zero_grad_slices(spec)
-  worst, where = 0.0, ""
-  for n in a:
-    pa, pb, p0 = (np.asarray(x, np.float64) for x in (a[n], b[n], init[n]))
-    mask = np.ones(pa.shape, bool)
-    if n in zs:
-      mask[slice(*zs[n])] = False
-    d = np.abs(pa - pb)[mask]
-    moved = max(np.abs(pa - p0)[mask].max(initial=0), np.abs(pb - p0)[mask].max(initial=0))
-    exc = d - rtol * moved
-    if not np.any(exc > 0):
-      continue
-    if np.any(exc > 2 * lr_sum):
-      return float("inf"), n
-    g = max(np.sqrt(np.mean(np.square(m["grad_rms"][n].astype(np.float64)))) for m in (ma, mb))
-    s = np.maximum(ma["sensitivity"][n], mb["sensitivity"][n]).astype(np.float64)[mask]
-    k = float(np.max(exc / np.maximum(g * s, 1e-300)))
-    if k > worst:
-      worst, where = k, n
-  return worst, where
+  """Smallest kappa under which every element passes the fp32 rule (the noise term uncapped by 2·Σlr); inf when an
+  element exceeds rtol·moved + 2·Σlr (no kappa helps). The envelope's rule with the bound rtol for every tensor."""
+  return envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, {n: rtol for n in a})
 
 
 def cell(name: str, overrides: list[str], perturb: list[str], sides: list[str], steps: int, root: Path) -> dict:
@@ -134,8 +115,8 @@ ENV_BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:model.
 
 
 def envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, bounds) -> tuple[float, str]:
-  """Smallest kappa under which every element passes the envelope's per-element rule (bounds: tensor -> bound_T);
-  inf when an element exceeds bound_T·moved + 2·Σlr."""
+  """Smallest kappa under which every element passes the per-element rule |a-b| <= bound_T·moved + kappa·g_T·S_i
+  (bounds: tensor -> bound_T; the envelope's, or the fp32 rtol); inf when an element exceeds bound_T·moved + 2·Σlr."""
   zs = zero_grad_slices(spec)
   worst, where = 0.0, ""
   for n in a:
