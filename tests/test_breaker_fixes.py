@@ -92,31 +92,47 @@ def _with_handler(ap, handler):
 # ----------------------------------------------------------------------------- 2
 
 
-@pytest.mark.slow
-def test_kill_9_of_parity_leaves_no_grandchild_in_its_own_group(tmp_path):
-  """A fake op build: the worker (through harness.boot) starts a grandchild in a session of its own, as ninja starts
-  its compilers, then waits on it in subprocess.run (as torch's cpp_extension waits on ninja). kill -9 of the
-  process that spawned the worker: within 5 s neither the worker nor the grandchild runs."""
+def _fake_build_tree(tmp_path: Path, hold_pipe: bool) -> tuple[subprocess.Popen, int, int, int | None]:
+  """A fake `parity build-ops`: a process that spawns a worker through harness.boot; the worker starts a grandchild
+  in a session of its own, as ninja starts its compilers, then waits in subprocess.run (as torch's cpp_extension
+  waits on ninja). With `hold_pipe`, a forked helper keeps the binding pipe's write end open after the parent dies,
+  so only the kernel's parent-death signal can end the worker. Returns (parent, worker, grandchild, helper)."""
   (tmp_path / "fakebuild.py").write_text(textwrap.dedent("""
-    import subprocess, sys
+    import subprocess
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
     print(child.pid, flush=True)
     subprocess.run(["sleep", "300"])
   """))
   (tmp_path / "fakeparity.py").write_text(textwrap.dedent(f"""
-    import subprocess, sys, time
+    import os, subprocess, sys, time
     sys.path.insert(0, {str(ROOT)!r})
     from harness import lifetime
     from harness.env import worker_env
     env = worker_env({{"PYTHONPATH": {str(tmp_path)!r} + ":" + {str(ROOT)!r}}})
     proc = lifetime.spawn([sys.executable, "-m", "harness.boot", "fakebuild"], env=env, timeout_s=600,
                           stdout=subprocess.PIPE)
-    print(proc.pid, proc.stdout.readline().decode().strip(), flush=True)
+    helper = 0
+    if {hold_pipe!r}:
+      helper = os.fork()
+      if helper == 0:  # holds every fd of the parent, the pipe's write end included
+        time.sleep(60)
+        os._exit(0)
+    print(proc.pid, proc.stdout.readline().decode().strip(), helper, flush=True)
     proc.wait()
   """))
   parent = subprocess.Popen([sys.executable, str(tmp_path / "fakeparity.py")], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True)
-  worker, grandchild = (int(x) for x in parent.stdout.readline().split())
+  worker, grandchild, helper = (int(x) for x in parent.stdout.readline().split())
+  return parent, worker, grandchild, helper or None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hold_pipe", [True, False], ids=["parent-death-signal-only", "signal-and-pipe"])
+def test_kill_9_of_parity_leaves_no_grandchild_in_its_own_group(tmp_path, hold_pipe):
+  """kill -9 of the process that spawned the worker: within 5 s neither the worker nor its grandchild in a group of
+  its own runs. With the pipe held open elsewhere the old SIGKILL parent-death signal always orphaned the
+  grandchild (the worker died before it could kill it); without, the pipe watcher only sometimes won that race."""
+  parent, worker, grandchild, helper = _fake_build_tree(tmp_path, hold_pipe)
   try:
     time.sleep(0.5)  # the worker is in subprocess.run now
     assert _alive(worker) and _alive(grandchild)
@@ -128,8 +144,8 @@ def test_kill_9_of_parity_leaves_no_grandchild_in_its_own_group(tmp_path):
     left = [p for p in (worker, grandchild) if _alive(p)]
     assert not left, f"still running after kill -9 of their parity process: {left}"
   finally:
-    for p in (worker, grandchild):
-      if _alive(p):
+    for p in (worker, grandchild, helper):
+      if p and _alive(p):
         os.kill(p, signal.SIGKILL)
 
 
