@@ -26,6 +26,15 @@ requires_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not
 requires_all = pytest.mark.skipif(not (HAS_JAX and HAS_DEEPSPEED), reason="needs jax, torch and deepspeed")
 
 
+def process_alive(pid: int) -> bool:
+  """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
 @pytest.fixture
 def tiny_run_dir(tmp_path):
   """A prepared run folder for the gpt2-tiny preset (few steps), with a factory for variants."""

@@ -19,20 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import process_alive as _alive
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _parity(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "parity.cli", *args], cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-  except (OSError, IndexError):
-    return False
-  return state not in ("Z", "X")
 
 
 # ----------------------------------------------------------------------------- 1

@@ -17,18 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import requires_jax, requires_torch
+from conftest import process_alive as _alive, requires_jax, requires_torch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _alive(pid: int) -> bool:
-  """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
-  try:
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-  except (OSError, IndexError):
-    return False
-  return state not in ("Z", "X")
 
 
 def _wait_gone(pids: list[int], within_s: float) -> list[int]:
