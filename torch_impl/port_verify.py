@@ -99,12 +99,14 @@ def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
   Per config: `deepspeed.initialize` on a tiny model (two Linear layers, decay/no-decay groups) through
   torch_impl.engine.initialize (the client torch.optim.AdamW when the config has no optimizer section), fp16 allowed
   on a CPU as compare allows it. Args: configs {name: resolved DeepSpeed config}; train {lr, beta1, beta2, eps,
-  weight_decay}. Returns {name: {"accepted": bool, "error": "Type: first line" or None}}.
+  weight_decay}: TrainSpec fields over its defaults (the client optimizer is the run's, parity.spec.TrainSpec).
+  Returns {name: {"accepted": bool, "error": "Type: first line" or None}}.
   """
-  import types
+  import dataclasses
+  from parity.spec import TrainSpec
   from torch_impl.engine import _allow_fp16_on_cpu, initialize
   setup_distributed()
-  t = types.SimpleNamespace(**train)
+  t = dataclasses.replace(TrainSpec(), **train)
   out = {}
   for name, cfg in configs.items():
     torch.manual_seed(0)
