@@ -101,13 +101,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   from parity.run import _data_relative_to
   over = overrides_mapping(overrides)
   cfg, source = _config_mapping(config)
-  named = cfg.pop("preset", None)
-  if named is not None and preset_name is not None and named != preset_name:
-    raise SpecError(f"{source} names preset {named!r} but the preset given is {preset_name!r}; drop one of them")
-  if model is not None and (named or preset_name) is not None:
-    raise SpecError(f"model preset {model!r} and preset {named or preset_name!r} (from "
-                    f"{source if named else 'the preset argument'}) both name the base run; give one of them")
-  name = named or preset_name or model or DEFAULT_PRESET
+  name = _base_name(preset_name, model, cfg.pop("preset", None), source)
   if isinstance(config, (str, Path)):
     cfg = _data_relative_to(cfg, Path(config))
   spec = _base_with_config(_base(name, model), cfg, source)                       # 1, 2
@@ -115,31 +109,19 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   if hf_model is not None:                                                        # 3
     spec, init_params = _from_checkpoint(hf_model, spec)
     init_source = str(Path(hf_model).expanduser().absolute())
-  flags: dict[str, Any] = {}                                                      # 5 (before 4: auto plans see them)
-  if steps is not None:
-    flags["train"] = {"steps": steps}
-  if sides is not None:
-    flags["sides"] = list(sides)
-  if data is not None:
-    flags["data"] = data
-  train = {k: v for k, v in (("micro_batch_size", micro_batch), ("seq_len", seq_len), ("grad_accum_steps", grad_accum),
-                             ("precision", precision)) if v is not None}
-  if train:
-    flags["train"] = {**flags.get("train", {}), **train}
+  # 5 and 6 as one mapping of dotted keys, the overrides after the flags (a later key wins)
+  user = {**_flag_values(steps=steps, sides=sides, data=data, micro_batch=micro_batch, seq_len=seq_len,
+                         grad_accum=grad_accum, precision=precision), **over}
   plan_choice = None
   if plan is not None:                                                            # 4, then 5 and 6 over it
-    pair, plan_choice = _plan_pair(spec, flags, over, plan, hardware)
+    pair, plan_choice = _plan_pair(spec, user, plan, hardware)
     spec = dataclasses.replace(spec, jax=pair.jax, deepspeed=pair.deepspeed)
-  spec = _apply(_apply(spec, flags, "flags"), over)                               # 5, 6
+  spec = apply_overrides(spec, user) if user else spec                           # 5, 6
   ds_cfg, port = None, None
   if deepspeed_config is not None:                                                # 7
     spec, ds_cfg, port = _port(deepspeed_config, spec, over)
-  if spec.train.eval_every > spec.train.steps:
-    spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, eval_every=spec.train.steps))
-  if _is_path(spec.data) and not Path(spec.data).expanduser().is_absolute():     # --data / --set: the cwd's
-    spec = dataclasses.replace(spec, data=str(Path(spec.data).expanduser().absolute()))
   try:
-    spec = spec.validate()
+    spec = _settle(spec).validate()
   except SpecError as exc:
     raise SpecError(f"plan {plan_choice['name']!r}: {exc}" if plan is not None else str(exc)) from None
   if init_params is not None:
@@ -193,14 +175,34 @@ def _base_with_config(base: RunSpec, cfg: dict[str, Any], source: str) -> RunSpe
   return spec
 
 
-def _apply(spec: RunSpec, values: Mapping[str, Any], what: str | None = None) -> RunSpec:
-  """`values` over `spec`: nested sections ({'train': {'steps': 5}}) when `what` names them, else dotted keys."""
-  if not values:
-    return spec
-  if what is not None:
-    from parity.run import _merge
-    return from_dict(RunSpec, _merge(to_dict(spec), values))
-  return apply_overrides(spec, values)
+def _base_name(preset_name: str | None, model: str | None, named: str | None, source: str) -> str:
+  """The preset the run is built on: the config's own `preset:`, the preset argument or the model preset (two that
+  disagree are refused, naming both), else DEFAULT_PRESET."""
+  if named is not None and preset_name is not None and named != preset_name:
+    raise SpecError(f"{source} names preset {named!r} but the preset given is {preset_name!r}; drop one of them")
+  if model is not None and (named or preset_name) is not None:
+    raise SpecError(f"model preset {model!r} and preset {named or preset_name!r} (from "
+                    f"{source if named else 'the preset argument'}) both name the base run; give one of them")
+  return named or preset_name or model or DEFAULT_PRESET
+
+
+def _flag_values(**flags: Any) -> dict[str, Any]:
+  """The given (not None) flags as dotted keys of the RunSpec (steps -> train.steps, micro_batch ->
+  train.micro_batch_size, ...)."""
+  keys = {"steps": "train.steps", "sides": "sides", "data": "data", "micro_batch": "train.micro_batch_size",
+          "seq_len": "train.seq_len", "grad_accum": "train.grad_accum_steps", "precision": "train.precision"}
+  return {keys[k]: (list(v) if k == "sides" else v) for k, v in flags.items() if v is not None}
+
+
+def _settle(spec: RunSpec) -> RunSpec:
+  """What follows from the resolved values: eval_every at most the run's steps; a relative data path (from --data
+  or --set) made absolute against the current directory, since workers run from the repository root."""
+  from parity.run import _is_path
+  if spec.train.eval_every > spec.train.steps:
+    spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, eval_every=spec.train.steps))
+  if _is_path(spec.data) and not Path(spec.data).expanduser().is_absolute():
+    spec = dataclasses.replace(spec, data=str(Path(spec.data).expanduser().absolute()))
+  return spec
 
 
 def _from_checkpoint(hf_model, spec: RunSpec):
@@ -224,9 +226,10 @@ def _check_init_shapes(spec: RunSpec, init: Mapping[str, Any], source: str | Non
                     f"(e.g. model.norm_eps), or drop --hf-model")
 
 
-def _plan_pair(spec: RunSpec, flags: Mapping[str, Any], over: Mapping[str, Any], plan: str, hardware: str):
-  """(the named or planner-chosen parity.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is validated with the rest of the run at the end; the
-  planner ('auto') chooses for the run as the flags and overrides will make it (they are applied to a copy)."""
+def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str):
+  """(the named or planner-chosen parity.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is
+  validated with the rest of the run at the end; the planner ('auto') chooses for the run as the flags and
+  overrides (`user`, dotted keys) will make it."""
   from parity import plans
   if plan != "auto":
     if plan not in plans.PLANS:
@@ -234,9 +237,9 @@ def _plan_pair(spec: RunSpec, flags: Mapping[str, Any], over: Mapping[str, Any],
     return plans.PLANS[plan], {"name": plan, "chosen_by": "user"}
   if hardware not in plans.HARDWARE:
     raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
-  user = _apply(_apply(spec, flags, "flags"), over)
-  best, ranked = plans.choose_plan(user.model, user.train, plans.HARDWARE[hardware], sides=tuple(
-      s for s in user.sides if s in ("jax", "deepspeed")) or ("jax",))
+  run = apply_overrides(spec, user) if user else spec
+  best, ranked = plans.choose_plan(run.model, run.train, plans.HARDWARE[hardware], sides=tuple(
+      s for s in run.sides if s in ("jax", "deepspeed")) or ("jax",))
   if best is None:
     raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
   return plans.PLANS[best.name], {"name": best.name, "chosen_by": f"planner ({hardware})",
@@ -275,6 +278,3 @@ def _get(tree: Mapping[str, Any], dotted: str) -> Any:
     node = node[part]
   return node
 
-
-def _is_path(data: Any) -> bool:
-  return isinstance(data, str) and bool(data.strip()) and data != "stdlib"

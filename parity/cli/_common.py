@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_BAD_INPUT", "Failure", "console", "add_allow_large", "split_list",
-           "show_defaults"]
+           "show_defaults", "add_run_source"]
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -25,6 +25,17 @@ def console(stderr: bool = False):
   if not con.is_terminal:
     con = Console(highlight=False, width=160, stderr=stderr)
   return con
+
+
+def add_run_source(p: argparse.ArgumentParser, *, set_example: str, preset: bool = True) -> None:
+  """--preset (when `preset`), --config and --set: the run sources every run-building command hands to
+  parity.resolve.resolve_run (overrides as key=value strings, parsed by parity.spec.parse_overrides)."""
+  from parity.spec import DEFAULT_PRESET
+  if preset:
+    p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
+  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset (default: none)")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help=f"dotted override, applied last, e.g. {set_example} (default: none)")
 
 
 def add_allow_large(p: argparse.ArgumentParser) -> None:

@@ -5,9 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from parity.cli._common import Failure, add_allow_large, console
+from parity.cli._common import Failure, add_allow_large, add_run_source, console
 from parity.inputs import count_arg
-from parity.spec import DEFAULT_PRESET, parse_overrides
+from parity.spec import parse_overrides
 
 __all__ = ["register", "print_summary"]
 
@@ -19,11 +19,7 @@ def register(sub) -> None:
                                  "the same data and initial weights, each in its own process, and checks parity. "
                                  "Exit 0: parity holds; 1: it does not (or a side failed; the report says which); "
                                  "2: bad input.")
-  p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
-  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset (default: none)")
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="dotted override, applied last, e.g. --set train.lr=3e-4 --set jax.offload_params=true "
-                      "(default: none)")
+  add_run_source(p, set_example="--set train.lr=3e-4 --set jax.offload_params=true")
   p.add_argument("--plan", help="a DeepSpeed <-> JAX plan pair (see `parity plan`; e.g. zero3-offload-all), "
                                 "or 'auto': the fastest pair that fits --hardware by the memory model "
                                 "(default: the run's own plans)")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parity.cli._common import add_allow_large, console, split_list
-from parity.spec import DEFAULT_PRESET, parse_overrides
+from parity.cli._common import add_allow_large, add_run_source, console, split_list
+from parity.spec import parse_overrides
 
 __all__ = ["register"]
 
@@ -17,12 +17,9 @@ def register(sub) -> None:
                                  "records every forward intermediate, gradient and the first update, and names "
                                  "the first tensor that breaks tolerance (docs/diagnose.md). Exit 0: no tensor "
                                  "differs; 1: one does (or a side failed); 2: bad input.")
-  p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
-  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset (default: none)")
+  add_run_source(p, set_example="--set model.n_layers=2")
   p.add_argument("--hf-model", metavar="DIR", help="a local Hugging Face checkpoint folder (model spec and weights; "
                                                    "default: seeded initial weights)")
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="dotted override, applied last, e.g. --set model.n_layers=2 (default: none)")
   p.add_argument("--step", type=int, default=0, help="batch (batches.npy[STEP]) and lr position to diagnose (default 0)")
   p.add_argument("--sides", default="jax,torch", help="reference,candidate (default jax,torch)")
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, console, split_list
+from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
 from parity.spec import DEFAULT_PRESET, SpecError, parse_overrides
 
 __all__ = ["register"]
@@ -27,9 +27,7 @@ def _add_run_source(p: argparse.ArgumentParser, model_default: str) -> None:
   src.add_argument("--model", help="a model-size preset, e.g. gpt2-124m, llama-7b, with micro batch 1, sequence "
                                    "min(2048, max) and bf16 unless given (default: "
                                    f"{model_default}); see `parity presets`")
-  p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset (default: none)")
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="dotted override, applied last, e.g. --set model.n_layers=4 (default: none)")
+  add_run_source(p, set_example="--set model.n_layers=4", preset=False)  # --preset is exclusive with --model here
   p.add_argument("--micro-batch", type=int, help="sequences per micro batch per device (default: the preset's; a "
                                                  "--model: 1)")
   p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's; a --model: min(2048, max))")
