@@ -112,9 +112,11 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   """
   t0 = options.started_s if options.started_s is not None else time.time()
   spec = run.spec
-  pert = (dict(options.perturb) if isinstance(options.perturb, Mapping)
-          else parse_perturb(list(options.perturb), spec.sides, spec))
-  check_perturb(pert, spec)
+  if isinstance(options.perturb, Mapping):  # the mapping form skips parse_perturb, which validates the strings
+    pert = dict(options.perturb)
+    check_perturb(pert, spec)
+  else:
+    pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
