@@ -113,6 +113,26 @@ def series_check(metric: str, a_side: str, a: Sequence[dict], b_side: str, b: Se
                worst=common[worst_i], detail=detail, reason=tol.reason)
 
 
+def _moments_cover(ma, mb, names) -> bool:
+  """Both sides' moments (parity.protocol.read_moments) hold grad_rms and sensitivity for every tensor in `names`."""
+  return all(m is not None and set(m["grad_rms"]) >= set(names) and set(m["sensitivity"]) >= set(names)
+             for m in (ma, mb))
+
+
+def _adam_element_scores(d: np.ndarray, moved: float, bound: float, name: str, ma, mb, mask: np.ndarray,
+                         lr_sum: float, kappa: float) -> tuple[np.ndarray, np.ndarray]:
+  """(|a_i - b_i| / allowed_i, allowed_i) over the masked elements of one tensor, for the per-element Adam rule
+  allowed_i = bound·moved + min(2·Σlr, kappa·g_T·S_i): g_T the larger side's RMS of sqrt(v_hat) over the tensor,
+  S_i the larger side's Σ_t lr_t/(sqrt(v_hat_t)+eps) (derivation in `param_checks`). An element with allowed 0 scores
+  0 when equal, inf otherwise."""
+  g = max(float(np.sqrt(np.mean(np.square(m["grad_rms"][name].astype(np.float64))))) for m in (ma, mb))
+  sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
+  allowed = bound * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    scores = np.where(allowed > 0, d / np.maximum(allowed, 1e-300), np.where(d == 0, 0.0, np.inf))
+  return scores, allowed
+
+
 def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
                  init: dict[str, np.ndarray], spec, precision: str, lr_sum: float,
                  moments: dict[str, dict | None] | None = None, adam_updates: bool = True
@@ -162,7 +182,7 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
   moments = moments or {}
   ma, mb = moments.get(a_side), moments.get(b_side)
   missing = [s for s, m in ((a_side, ma), (b_side, mb)) if m is None]
-  use_adam = precision == "fp32" and not missing and all(set(m["grad_rms"]) >= set(a) for m in (ma, mb))
+  use_adam = precision == "fp32" and not missing and _moments_cover(ma, mb, a)
   kappa = tolerance(precision, "params_grad_noise").rtol if use_adam else 0.0
   zslices = zero_grad_slices(spec) if adam_updates else {}
   table, worst, zworst = [], None, None
@@ -187,11 +207,7 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
       maxd = float("nan")
     ratio = maxd / moved if moved > 0 else (0.0 if maxd == 0 else float("inf"))
     if use_adam:
-      g = max(float(np.sqrt(np.mean(np.square(m["grad_rms"][name].astype(np.float64))))) for m in (ma, mb))
-      sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
-      allowed = tol.rtol * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)
-      with np.errstate(invalid="ignore", divide="ignore"):
-        scores = np.where(allowed > 0, d / np.maximum(allowed, 1e-300), np.where(d == 0, 0.0, np.inf))
+      scores, allowed = _adam_element_scores(d, moved, tol.rtol, name, ma, mb, mask, lr_sum, kappa)
       k = int(np.argmax(scores)) if scores.size else 0
       score = float(scores[k]) if finite and scores.size else (0.0 if finite else float("nan"))
       at = (float(d[k]) if d.size else 0.0, float(allowed[k]) if d.size else 0.0)
@@ -214,7 +230,8 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
       value, bound = worst[5], worst[6]
     else:
       why = (f"{', '.join(missing)} wrote no {FINAL_MOMENTS_NAME}" if missing else
-             f"{precision}: the per-element rule is measured in fp32 only")
+             f"{precision}: the per-element rule is measured in fp32 only" if precision != "fp32" else
+             "a moments file lacks some tensors")
       detail = (f"worst tensor {worst[0]}: max |Δ| = {worst[2]:.3g}, moved {worst[3]:.3g} from init "
                 f"(ratio {worst[4]:.3g}); {over}; rule: per-tensor fallback ({why})")
       value, bound = float(worst[4]), tol.rtol
@@ -443,8 +460,7 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
   moments = moments or {}
   ma, mb = moments.get(a_side), moments.get(b_side)
   missing = [s for s, m in ((a_side, ma), (b_side, mb)) if m is None]
-  use_adam = (precision is not None and adam_updates and not missing
-              and all(set(m["grad_rms"]) >= set(a) and set(m["sensitivity"]) >= set(a) for m in (ma, mb)))
+  use_adam = precision is not None and adam_updates and not missing and _moments_cover(ma, mb, a)
   kappa = tolerance(precision, "params_grad_noise").rtol if use_adam else 0.0
   pair = param_ratios(a, b, init, spec)
   zslices = zero_grad_slices(spec)
@@ -460,11 +476,7 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
       mask[slice(*zslices[name])] = False
     d = np.abs(pa - pb)[mask]
     moved = max(float(np.max(np.abs(pa - p0)[mask], initial=0.0)), float(np.max(np.abs(pb - p0)[mask], initial=0.0)))
-    g = max(float(np.sqrt(np.mean(np.square(m["grad_rms"][name].astype(np.float64))))) for m in (ma, mb))
-    sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
-    allowed = bound * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)
-    with np.errstate(invalid="ignore", divide="ignore"):
-      scores = np.where(allowed > 0, d / np.maximum(allowed, 1e-300), np.where(d == 0, 0.0, np.inf))
+    scores, allowed = _adam_element_scores(d, moved, bound, name, ma, mb, mask, lr_sum, kappa)
     if not scores.size:
       rows.append((0.0, name, r, bound, 0.0, 0.0))
       continue
