@@ -3,7 +3,7 @@
 For each plan (one fresh process per plan, so the allocator's peak belongs to that plan alone) the JAX side of
 `parity compare --plan NAME` is built on the chosen model, compiled and run for a few steps. Recorded:
 
-  * predicted: `parity.memory.estimate` rows and `peak_device_bytes` for the JAX side;
+  * predicted: `parity.sizing.memory.estimate` rows and `peak_device_bytes` for the JAX side;
   * compiled: every numeric field of `compiled.memory_analysis()` (argument, output, alias, temp bytes and, on
     backends that split them, their host counterparts);
   * allocator: `device.memory_stats()` after the steps (`peak_bytes_in_use`, `bytes_in_use`, `bytes_limit`);
@@ -41,7 +41,7 @@ GiB = 2**30
 
 
 def _run_spec(args: argparse.Namespace):
-  from parity.resolve import resolve_run
+  from parity.pipeline.resolve import resolve_run
   if args.tiny:
     return resolve_run("gpt2-tiny", plan=args.one, micro_batch=args.micro_batch, seq_len=args.seq_len,
                        precision=args.precision).spec
@@ -72,7 +72,7 @@ def run_one(args: argparse.Namespace) -> dict:
   import jax
   import numpy as np
 
-  from parity import memory
+  from parity.sizing import memory
   from parity.weights import init_params
 
   from jax_impl import offload
@@ -147,7 +147,7 @@ def markdown(results: list[dict], header: dict) -> str:
                f"{_gib(ma.get('temp_size_in_bytes'))} | {_gib(ma.get('argument_size_in_bytes'))} | "
                f"{_gib(ma.get('host_argument_size_in_bytes'))} | {_gib(kinds.get('device', 0))} | {_gib(host)} | "
                f"{r['median_step_s']:.3f} | {r['compile_s']:.1f} |")
-  out += ["", "The predicted peak is `parity.memory.peak_device_bytes` (resident device state + max(forward/backward "
+  out += ["", "The predicted peak is `parity.sizing.memory.peak_device_bytes` (resident device state + max(forward/backward "
           "phase: activations and fetched or cast params, update phase: fetched state and the streamed update's "
           "new stacks)); the allocator peak is the process's "
           "`memory_stats()['peak_bytes_in_use']` after compile and the timed steps (one process per plan)."]
@@ -158,7 +158,7 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default="gpt2-1.5b", help="a parity.hf.MODEL_PRESETS name")
   ap.add_argument("--tiny", action="store_true", help="the gpt2-tiny run preset (a CPU check of this script)")
-  ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated parity.plans.PLANS names")
+  ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated parity.sizing.plans.PLANS names")
   ap.add_argument("--micro-batch", type=int, help="sequences per micro batch (default 1; --tiny: the preset's)")
   ap.add_argument("--seq-len", type=int, help="tokens per sequence (default 1024; --tiny: the preset's)")
   ap.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
@@ -177,7 +177,7 @@ def main() -> int:
     return 0
 
   from parity.hf import MODEL_PRESETS
-  from parity.plans import PLANS
+  from parity.sizing.plans import PLANS
   plans = [p.strip() for p in args.plans.split(",") if p.strip()]
   unknown = [p for p in plans if p not in PLANS]
   if unknown or not plans:

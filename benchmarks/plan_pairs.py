@@ -1,4 +1,4 @@
-"""Every DeepSpeed <-> JAX plan pair of parity.plans.PLANS under `parity compare`, on CPU.
+"""Every DeepSpeed <-> JAX plan pair of parity.sizing.plans.PLANS under `parity compare`, on CPU.
 
 For each pair: the verdict, max |Δloss| between the sides, each side's median step time and tokens/s,
 and the memory model's prediction against the bytes measured on the live state (report.json
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
-  from parity.plans import PLANS
+  from parity.sizing.plans import PLANS
   ap = argparse.ArgumentParser()
   ap.add_argument("--preset", default="gpt2-tiny")
   ap.add_argument("--steps", type=int, default=8)

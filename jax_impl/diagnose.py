@@ -7,7 +7,7 @@ One step on the run's initial weights and `batches.npy[step]` (see `parity.diagn
     functions the training step uses (pre-clip, DeepSpeed's sum of grad(loss_i / A));
   * `update/<param>`: the params after one update of the real optax chain (`optim.make_optimizer`) from a
     fresh optimizer state whose schedule count is set to the request's `lr_step`, so the update applies
-    `parity.schedule.train_lr(train, lr_step)` with the bias correction of a first Adam step (the torch
+    `parity.numerics.schedule.train_lr(train, lr_step)` with the bias correction of a first Adam step (the torch
     worker does the same with a fresh torch AdamW).
 bf16/fp16: the step starts from the master weights rounded to the compute dtype and computes as
 `jax_impl.step` does (the whole param tree cast at the top of the loss; fp16 with the loss scale, the

@@ -17,7 +17,7 @@ __all__ = ["LossScaleState", "LossScaledState", "LossScaleConfig", "loss_scaled"
 
 
 class LossScaleConfig(NamedTuple):
-  """Static settings of DeepSpeed's loss scaler (`parity.loss_scale.LossScaler` field for field)."""
+  """Static settings of DeepSpeed's loss scaler (`parity.numerics.loss_scale.LossScaler` field for field)."""
   initial_scale: float  # 2**initial_scale_power (dynamic) or the static scale
   dynamic: bool  # train.loss_scale == 0
   window: int  # train.loss_scale_window, >= 1
@@ -48,7 +48,7 @@ class LossScaledState(NamedTuple):
 
 
 def next_loss_scale(state: LossScaleState, overflow: jax.Array, cfg: LossScaleConfig) -> LossScaleState:
-  """One step of DeepSpeed's loss-scale rule, traced (`parity.loss_scale.LossScaler.update`).
+  """One step of DeepSpeed's loss-scale rule, traced (`parity.numerics.loss_scale.LossScaler.update`).
 
   At the minimum the scale stays at cfg.min_scale here (a jitted step cannot raise); the caller
   detects that case with `overflow_at_minimum` and raises on the host as DeepSpeed does.

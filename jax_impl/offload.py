@@ -9,7 +9,7 @@ to the host. XLA plans the transfers; there is no hand-written copy loop.
 
 The mesh has `plan.data_parallel` devices on its `data` axis; batches are split over
 `data` along the micro-batch axis (`batch_sharding`). `plan.zero_stage` decides which
-groups are sharded over `data` (`leaf_spec`, rule `parity.memory_jax.shard_axis`): 1 the
+groups are sharded over `data` (`leaf_spec`, rule `parity.sizing.memory_jax.shard_axis`): 1 the
 optimizer state, 2 also the gradients (a sharding constraint in the step, so XLA
 reduce-scatters them), 3 also the params (FSDP; XLA all-gathers them where used). Host
 offload combines with sharding: the memory kind sits on the same NamedSharding.
@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from parity.memory_jax import shard_axis
+from parity.sizing.memory_jax import shard_axis
 from parity.spec import JaxPlan
 
 __all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "state_memory_kinds",
@@ -203,7 +203,7 @@ def bytes_by_memory_kind(tree: Any, device: jax.Device | None = None) -> dict[st
   Args:
     tree: pytree of jax Arrays.
     device: count only the shards on this device (per-device bytes, what
-      `parity.memory_jax.jax_state_bytes` predicts); None: all addressable shards of this process.
+      `parity.sizing.memory_jax.jax_state_bytes` predicts); None: all addressable shards of this process.
   """
   out: dict[str, int] = {}
   for x in jax.tree.leaves(tree):

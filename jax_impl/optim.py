@@ -13,14 +13,14 @@ Mapping to DeepSpeed (ZeRO-1/2, DeepSpeedCPUAdam in adamw_mode, WarmupCosineLR):
   * AdamW: p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps); optax and DeepSpeed agree
     to rounding (shared/NUMERICS.md); weight decay only where `parity.weights.decays(name)`;
   * learning rate: optimizer step k (0-based, = optax's update count) uses
-    `parity.schedule.train_lr(train, k)`: 0 at steps 0 and 1, then linear warmup and cosine.
+    `parity.numerics.schedule.train_lr(train, k)`: 0 at steps 0 and 1, then linear warmup and cosine.
 
 The pre-clip global gradient norm is kept in the clip transform's state, so the step can
 report exactly the norm the clip used (DeepSpeed's `engine.get_global_grad_norm()`).
 
 fp16 (train.precision == 'fp16') wraps the chain in `loss_scaled` (jax_impl.loss_scaling, re-exported here):
 its state holds DeepSpeed's
-dynamic loss scale (`parity.loss_scale`), the step multiplies the loss by it, and the wrapper
+dynamic loss scale (`parity.numerics.loss_scale`), the step multiplies the loss by it, and the wrapper
 unscales the gradient, skips the whole update on a non-finite gradient (params, moments, Adam
 count and so the LR schedule unchanged, as DeepSpeed does) and moves the scale. The scale is part
 of the optimizer state, so it is donated, placed and checkpointed with it.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from parity import schedule as schedule_ref
+from parity.numerics import schedule as schedule_ref
 from parity.spec import ModelSpec, TrainSpec
 from parity.weights import decays, param_shapes
 
@@ -105,7 +105,7 @@ def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None
 def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
   """DeepSpeed WarmupCosineLR (linear warmup) as a jnp function of optax's update count.
 
-  Update k (0-based) uses `parity.schedule.train_lr(train, k)`: DeepSpeed's scheduler starts
+  Update k (0-based) uses `parity.numerics.schedule.train_lr(train, k)`: DeepSpeed's scheduler starts
   at iteration -1 (ratio 0) and steps after each optimizer step, so k uses ratio(k - 1), with
   warmup clamped to >= 2:
     i < 0:       0
@@ -113,7 +113,7 @@ def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
     otherwise:   max(0, cos_min + (1 - cos_min) * (1 + cos(pi * p)) / 2),
                  p = min(1, (i - warmup + 1) / max(1, total - warmup)).
 
-  The values come from `parity.schedule` itself, evaluated in float64 once per update index
+  The values come from `parity.numerics.schedule` itself, evaluated in float64 once per update index
   and rounded once to float32; the jnp function indexes that table. This is bit-exact with
   the float32 lr DeepSpeedCPUAdam receives, where a float32 re-derivation of the formula is
   up to ~100 ulp off near the end of the cosine (1 + cos(pi p) cancels). From index
@@ -127,7 +127,7 @@ def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
     count (integer scalar, 0-based update index) -> learning rate (float32 scalar).
 
   References:
-    DeepSpeed `runtime/lr_schedules.py` WarmupCosineLR; `parity.schedule.lr_at_step`.
+    DeepSpeed `runtime/lr_schedules.py` WarmupCosineLR; `parity.numerics.schedule.lr_at_step`.
   """
   n = max(train.steps, train.warmup_steps, 2) + 2
   return _table([schedule_ref.train_lr(train, k) for k in range(n)])
@@ -258,7 +258,7 @@ def optimizer_update(opt: Mapping[str, Any], lr_fn: optax.Schedule, *, b1_fn: op
     sgd:   g <- g + wd * p; b <- mom * b + (1 - damp) * g (b = g at step 1); p <- p - lr * (g + mom * b | b)
 
   Args:
-    opt: {'type': 'adamw'|'adam'|'lamb'|'sgd', 'params': DeepSpeed names} (`parity.schedule.optimizer_of`, or a
+    opt: {'type': 'adamw'|'adam'|'lamb'|'sgd', 'params': DeepSpeed names} (`parity.numerics.schedule.optimizer_of`, or a
       ported config's optimizer).
     lr_fn: update count (int scalar) -> learning rate.
     b1_fn: count -> beta1 (OneCycle momentum cycling) or None for params.betas[0].
@@ -294,8 +294,8 @@ def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = Fal
   Every transform but the clip and the fp16 overflow check is elementwise (Lamb: per tensor), so with `stats`
   the chain can be applied to any sub-tree of the params (one layer's slice of a scan-stacked tree, or the
   non-layer params): its state is the full state restricted to the same keys, and the decay mask restricts itself.
-  OneCycle momentum cycling (`parity.schedule.cycles_momentum`) takes beta1 from a float32 table of
-  `parity.schedule.momentum_at` and beta2 = 0.99, as DeepSpeed's scheduler writes them into the param groups.
+  OneCycle momentum cycling (`parity.numerics.schedule.cycles_momentum`) takes beta1 from a float32 table of
+  `parity.numerics.schedule.momentum_at` and beta2 = 0.99, as DeepSpeed's scheduler writes them into the param groups.
 
   Args:
     spec, train: the model and training specs (train.optimizer picks the rule, `optimizer_update`).
@@ -369,7 +369,7 @@ def adam_second_moment(opt_state: Any, train: TrainSpec) -> tuple[Any, jax.Array
 
   Raises:
     KeyError: the run's optimizer is not an Adam (Lamb's update is trust-ratio scaled and SGD keeps no second
-      moment, so the per-element Adam rule of parity.checks.param_checks does not hold; it falls back per tensor).
+      moment, so the per-element Adam rule of parity.verdict.checks.param_checks does not hold; it falls back per tensor).
   """
   if train.optimizer not in ("adam", "adamw"):
     raise KeyError(f"train.optimizer {train.optimizer!r} keeps no Adam second moment the params rule can use")

@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from parity import schedule as schedule_ref, weights
+from parity import weights
+
+from parity.numerics import schedule as schedule_ref
 from parity.spec import RunSpec
 
 from jax_impl import model as model_lib
@@ -338,7 +340,7 @@ class Trainer:
       loss, grad_norm, lr (floats); fp16 adds loss_scale (float) and skipped (bool).
     Raises:
       ValueError: force_overflow on a run that is not fp16.
-      parity.loss_scale.LossScaleAtMinimum: an overflow with the scale at train.min_loss_scale
+      parity.numerics.loss_scale.LossScaleAtMinimum: an overflow with the scale at train.min_loss_scale
         (DeepSpeed's DynamicLossScaler raises there); the state is already updated.
     """
     if force_overflow and not self.fp16:
@@ -352,7 +354,7 @@ class Trainer:
     if self.fp16:
       out["skipped"] = bool(out["skipped"])
       if out.pop("at_min_scale"):
-        from parity.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
+        from parity.numerics.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
         ls = optim.loss_scale_state_of(self.state.opt_state)
         raise LossScaleAtMinimum(MSG_AT_MINIMUM.format(step=int(jax.device_get(ls.cur_iter)) - 1,
                                                        min_scale=self.run.train.min_loss_scale))
@@ -376,7 +378,7 @@ class Trainer:
     """Adam's bias-corrected per-element gradient RMS sqrt(nu / (1 - beta2^count)), canonical layout, float32.
 
     count is the number of Adam updates applied (fp16 overflow-skipped steps do not count); all zeros before
-    the first update. Read by the params rule (parity.checks.param_checks).
+    the first update. Read by the params rule (parity.verdict.checks.param_checks).
     """
     nu, count = optim.adam_second_moment(self.state.opt_state, self.run.train)  # KeyError: not an Adam
     count = int(jax.device_get(count))

@@ -13,7 +13,7 @@ the device at once: for a 7B model the 50 GiB of fp32 moments alone. This update
      memory (`jax.device_put(..., jax.memory.Space.Device)`), updates them, and moves the results back
      to the group's memory space; the scan stacks them into the new state. Until the scan ends the new
      stacks sit beside the old ones, in the group's memory kind (host for offloaded groups; the
-     memory model counts them, `parity.memory`).
+     memory model counts them, `parity.sizing.memory`).
 
 Every transform of the chain except the clip's norm and the fp16 overflow check is elementwise, so
 each slice gets the arithmetic the whole-tree update gives it (XLA may fuse it differently: measured
@@ -115,7 +115,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     return None, (to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l])
 
   # The new stacks are the scan's outputs, so they are new buffers beside the donated old ones until the
-  # scan ends (parity.memory counts them). Carrying the stacks and writing each layer back in place
+  # scan ends (parity.sizing.memory counts them). Carrying the stacks and writing each layer back in place
   # (dynamic_update_slice) was tried: XLA then fuses one stack's update with reads of another's slice and
   # copies every stack twice per iteration to keep those reads valid (CPU, jax 0.10.2), which is worse.
   _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments))

@@ -7,15 +7,15 @@ from parity.data import DataError
 
 
 def compare(*args, **kwargs):
-  """Runs a comparison and returns its Report; see `parity.api.compare`."""
-  from parity.api import compare as _compare
+  """Runs a comparison and returns its Report; see `parity.pipeline.compare.compare`."""
+  from parity.pipeline.compare import compare as _compare
   return _compare(*args, **kwargs)
 
 
 def __getattr__(name: str):
-  """`parity.run_comparison` and `parity.RunOptions` (parity.api), imported on first use: the pipeline's resolved form."""
+  """`parity.run_comparison` and `parity.RunOptions` (parity.pipeline.compare), imported on first use: the pipeline's resolved form."""
   if name in ("run_comparison", "RunOptions"):
-    from parity import api
+    from parity.pipeline import compare as api
     return getattr(api, name)
   raise AttributeError(f"module 'parity' has no attribute {name!r}")
 

@@ -13,6 +13,10 @@ import json
 import math
 from typing import Any, Literal, Mapping, Sequence, TypeVar
 
+from parity.errors import SpecError
+from parity.inputs import check_tree, parse_text
+from parity.numerics import schedule
+
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
     "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
@@ -20,8 +24,6 @@ __all__ = [
 ]
 
 
-class SpecError(ValueError):
-  """A spec field has a value that is out of range or inconsistent."""
 
 
 MAX_SEQ_LEN = 1 << 17
@@ -48,7 +50,6 @@ def _check_numbers(obj: Any, section: str) -> None:
   Raises:
     SpecError: naming `section.field` and the value.
   """
-  from parity.inputs import check_tree
   for f in dataclasses.fields(obj):
     v = getattr(obj, f.name)
     key = f"{section}.{f.name}" if section else f.name
@@ -154,10 +155,6 @@ class ModelSpec:
       raise SpecError(f"rotary embeddings need an even head_dim; got {self.head_dim}")
     return self
 
-  def n_params(self) -> int:
-    """Number of trainable parameters (tied head counted once)."""
-    from parity.weights import param_shapes
-    return sum(math.prod(s) for s in param_shapes(self).values())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,7 +178,7 @@ class TrainSpec:
   cos_min_ratio: float = 0.1
   """Final LR as a fraction of lr (WarmupCosineLR cos_min_ratio)."""
   lr_schedule: str = "WarmupCosineLR"
-  """DeepSpeed scheduler type: WarmupCosineLR, WarmupLR, WarmupDecayLR, LRRangeTest or Constant (parity.schedule)."""
+  """DeepSpeed scheduler type: WarmupCosineLR, WarmupLR, WarmupDecayLR, LRRangeTest or Constant (parity.numerics.schedule)."""
   lr_schedule_params: dict | None = None
   """Scheduler params under DeepSpeed's names (e.g. from a ported config); None: WarmupCosineLR from
   warmup_steps / warmup_min_ratio / cos_min_ratio with linear warmup over `steps`."""
@@ -196,7 +193,7 @@ class TrainSpec:
   grad_clip: float = 1.0
   """Max global L2 norm of the gradient; 0 disables clipping (DeepSpeed gradient_clipping)."""
   optimizer: Literal["adamw", "adam", "lamb", "sgd"] = "adamw"
-  """DeepSpeed optimizer type (parity.schedule.OPTIMIZERS): adamw (decoupled decay), adam (L2: DeepSpeed Adam
+  """DeepSpeed optimizer type (parity.numerics.schedule.OPTIMIZERS): adamw (decoupled decay), adam (L2: DeepSpeed Adam
   with adam_w_mode false, g += wd * p), lamb (DeepSpeed FusedLamb; CUDA-only on the DeepSpeed side) or sgd
   (torch.optim.SGD). beta1/beta2/eps apply to adam/adamw/lamb; momentum/dampening/nesterov to sgd."""
   momentum: float = 0.0
@@ -271,7 +268,6 @@ class TrainSpec:
     if self.loss_scale_window < 1 or self.hysteresis < 1 or not 0 <= self.initial_scale_power <= 127:
       raise SpecError(f"train.loss_scale_window and train.hysteresis must be >= 1 and train.initial_scale_power "
                       f"in [0, 127]; got {self.loss_scale_window}, {self.hysteresis}, {self.initial_scale_power}")
-    from parity import schedule
     if self.lr_schedule not in schedule.COMPARE_SCHEDULERS:
       raise SpecError(f"train.lr_schedule {self.lr_schedule!r}: parity compare runs "
                       f"{', '.join(schedule.COMPARE_SCHEDULERS)}")
@@ -516,7 +512,6 @@ def parse_value(raw: str, source: str) -> Any:
   Raises:
     SpecError (InputError): nesting too deep, a number that overflows; naming `source`.
   """
-  from parity.inputs import parse_text
   try:
     return parse_text(raw, source, "json")
   except json.JSONDecodeError:

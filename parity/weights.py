@@ -22,12 +22,14 @@ Each side maps these names to its own layout in exactly one place
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from parity.spec import ModelSpec
+from parity.inputs import safetensors_header
+from parity.spec import ModelSpec, to_dict
 
 __all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices", "round_to_bfloat16", "master_weights",
            "RESIDUAL_PROJECTIONS",
@@ -72,6 +74,11 @@ def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
   if not spec.tie_embeddings:
     shapes["lm_head.weight"] = (spec.vocab_size, d)
   return shapes
+
+
+def n_params(spec: ModelSpec) -> int:
+  """Number of trainable parameters of `spec` (tied head counted once), from the canonical table param_shapes."""
+  return sum(math.prod(s) for s in param_shapes(spec).values())
 
 
 def init_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
@@ -176,8 +183,6 @@ def master_weights(params: dict[str, np.ndarray], precision: str) -> dict[str, n
 
 def spec_metadata(spec: ModelSpec) -> dict[str, str]:
   """{SPEC_METADATA_KEY: the spec as JSON}, so a canonical file says which model it holds."""
-  import json
-  from parity.spec import to_dict
   return {SPEC_METADATA_KEY: json.dumps(to_dict(spec), sort_keys=True, separators=(",", ":"))}
 
 
@@ -197,7 +202,6 @@ def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarra
       (a ValueError) when the file is not a valid safetensors file (truncated, bad header, entry without dtype).
   """
   from safetensors.numpy import load_file
-  from parity.inputs import safetensors_header
   path = Path(path)
   if not path.exists():
     raise FileNotFoundError(f"weights file not found: {path}")

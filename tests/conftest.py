@@ -1,7 +1,6 @@
 """Shared fixtures: tiny run folders built with the real contract code."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -38,7 +37,8 @@ def process_alive(pid: int) -> bool:
 @pytest.fixture
 def tiny_run_dir(tmp_path):
   """A prepared run folder for the gpt2-tiny preset (few steps), with a factory for variants."""
-  from parity.run import prepare_run_dir, resolve
+  from parity.pipeline.folder import prepare_run_dir
+  from parity.pipeline.resolve import resolve
 
   def make(steps: int = 4, overrides=(), perturb=None, sides=None):
     spec = resolve("gpt2-tiny", steps=steps, overrides=overrides, sides=sides)

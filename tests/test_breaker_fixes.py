@@ -171,7 +171,7 @@ def test_quoted_nan_text_is_not_a_number():
 def _run_folder(tmp_path: Path) -> Path:
   """A finished run folder as `parity compare` leaves it: artifacts, and a report.json recording their hashes."""
   import json
-  from parity.checks import Check, verdict
+  from parity.verdict.checks import Check, verdict
   from parity.report.build import REPORT_SCHEMA, artifact_hashes
   rd = tmp_path / "run"
   for rel in ("request.json", "init.safetensors", "batches.npy", "jax/steps.jsonl", "jax/final.safetensors",
@@ -220,7 +220,7 @@ def test_report_names_an_artifact_changed_since_the_run(tmp_path, change, said):
 
 @pytest.mark.parametrize("content", ["garbage{", "", "[1, 2]", '{"pid": 5}'])
 def test_unreadable_lock_is_named_not_taken_for_another_host(tmp_path, content):
-  from parity.claim import LOCK_NAME, RunFolderError, claim_run_dir
+  from parity.pipeline.claim import LOCK_NAME, RunFolderError, claim_run_dir
   (tmp_path / "run").mkdir()
   (tmp_path / "run" / LOCK_NAME).write_text(content)
   with pytest.raises(RunFolderError, match=r"lock file .*\.parity\.lock cannot be read .* remove that file") as e:
@@ -238,7 +238,7 @@ def _diagnose_folder(tmp_path: Path) -> Path:
 
 
 def test_a_diagnose_folder_is_named_as_one(tmp_path):
-  from parity.claim import RunFolderError, claim_run_dir
+  from parity.pipeline.claim import RunFolderError, claim_run_dir
   from parity.inputs import InputError
   from parity.report.read import load_report
   d = _diagnose_folder(tmp_path)
@@ -251,7 +251,7 @@ def test_a_diagnose_folder_is_named_as_one(tmp_path):
 @pytest.mark.parametrize("marker,inner", [
     ("report.json", "jax/nested"), ("request.json", "a/b/c"), (".parity.lock", "x"), ("diagnose.json", "torch")])
 def test_out_inside_a_run_folder_is_refused(tmp_path, marker, inner):
-  from parity.claim import RunFolderError, claim_run_dir
+  from parity.pipeline.claim import RunFolderError, claim_run_dir
   run = tmp_path / "base"
   run.mkdir()
   (run / marker).write_text('{"schema": "parity.x/1", "pid": 1, "host": "h"}')
@@ -262,7 +262,7 @@ def test_out_inside_a_run_folder_is_refused(tmp_path, marker, inner):
 
 def test_out_next_to_a_run_or_under_a_users_config_is_accepted(tmp_path):
   """Only parity's own files mark a run: a project folder with its own config.json/report.json is not one."""
-  from parity.claim import claim_run_dir
+  from parity.pipeline.claim import claim_run_dir
   (tmp_path / "config.json").write_text("{}")
   (tmp_path / "report.json").write_text('{"schema": "mine"}')
   claim = claim_run_dir(tmp_path / "runs" / "one")

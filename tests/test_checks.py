@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from parity import weights
-from parity.checks import compare_sides, param_checks, series_check, verdict
+from parity.verdict.checks import compare_sides, param_checks, series_check, verdict
 from parity.spec import PRESETS
 
 
@@ -81,8 +81,8 @@ def test_verdict_names_first_failing_step_and_metric():
 
 
 # --------------------------------------------------------------------------- noise envelope, repeats
-from parity.checks import envelope_check, repeat_check, windowed_rms  # noqa: E402
-from parity.tolerances import EnvelopeRule  # noqa: E402
+from parity.verdict.checks import envelope_check, repeat_check, windowed_rms  # noqa: E402
+from parity.verdict.tolerances import EnvelopeRule  # noqa: E402
 
 _RULE = EnvelopeRule(factor=3.0, floor=1e-6, window=10, reason="test")
 

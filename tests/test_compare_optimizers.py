@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_jax, requires_torch
-from parity import schedule
+from parity.numerics import schedule
 from parity.migrate.reference import numpy_update
 from parity.spec import SpecError, TrainSpec, preset
 
@@ -180,7 +180,7 @@ def test_port_refuses_what_compare_cannot_run_by_name():
 
 
 def test_ported_zero3_config_runs_jax_zero3_and_names_the_pair(tmp_path):
-  from parity import plans
+  from parity.sizing import plans
   from parity.migrate._reverse import port_for_compare
   spec, _, _ = port_for_compare(_ds({"type": "AdamW", "params": {"lr": 1e-3}}, stage=3), preset("gpt2-tiny"))
   assert spec.jax.zero_stage == 3 and spec.deepspeed.zero_stage == 3
@@ -190,7 +190,7 @@ def test_ported_zero3_config_runs_jax_zero3_and_names_the_pair(tmp_path):
   assert plans.plan_of(spec2) == "zero2-offload"  # the default pair: its JaxPlan, named
   cfg = tmp_path / "ds.json"
   cfg.write_text(json.dumps(_ds({"type": "AdamW", "params": {"lr": 1e-3}}, stage=3)))
-  from parity.resolve import resolve_run
+  from parity.pipeline.resolve import resolve_run
   run = resolve_run("gpt2-tiny", deepspeed_config=cfg, steps=4, sides=["jax", "torch"])
   assert run.spec.jax.zero_stage == 3 and run.plan["name"] == "zero3"
 
@@ -229,7 +229,7 @@ def test_short_compare_passes_and_planted_change_fails(tmp_path, over, planted):
 def test_params_rule_for_sgd_and_lamb_is_per_tensor_with_zero_grad_slices_inside():
   """No Adam step bound holds for SGD or Lamb: their zero-gradient slices join the per-tensor rule, where a
   difference the Adam bound 2·Σlr would let through FAILs (a check that can fail), and rounding noise passes."""
-  from parity.checks import param_checks
+  from parity.verdict.checks import param_checks
   from parity.weights import init_params, zero_grad_slices
   model = preset("gpt2-tiny").model
   init = init_params(model, 0)

@@ -28,8 +28,8 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 @pytest.mark.parametrize("name", list(hf.MODEL_PRESETS))
 def test_presets_match_published_parameter_counts(name):
   spec = hf.MODEL_PRESETS[name].validate()
-  print(f"\n{name}: {spec.n_params():,} params (published {hf.PUBLISHED_PARAM_COUNTS[name]:,})")
-  assert spec.n_params() == hf.PUBLISHED_PARAM_COUNTS[name]
+  print(f"\n{name}: {weights.n_params(spec):,} params (published {hf.PUBLISHED_PARAM_COUNTS[name]:,})")
+  assert weights.n_params(spec) == hf.PUBLISHED_PARAM_COUNTS[name]
 
 
 def test_presets_round_trip_through_hf_configs():

@@ -13,7 +13,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from parity import convert, hf, weights  # noqa: E402
+from parity import hf, weights  # noqa: E402
+
+from parity.hf import convert  # noqa: E402
 from parity.cli import main as cli_main  # noqa: E402
 
 GPT2 = dict(vocab_size=61, n_positions=24, n_embd=32, n_layer=2, n_head=4)

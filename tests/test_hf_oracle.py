@@ -34,7 +34,7 @@ TOL = {
     #   (|hf32 - hf64|, measured up to ~1e-5 on the 3-layer GQA case): two fp32 stacks that each
     #   round differently can be ~2x one stack's error apart without either being wrong.
     "loss": (1e-5, 0.0),
-    # ^ abs, nats; the same bound as parity.tolerances 'loss' (fp32).
+    # ^ abs, nats; the same bound as parity.verdict.tolerances 'loss' (fp32).
     "grad": (1e-5, 1e-4),
     # ^ abs + rel (to the tensor's max |grad|): per-tensor max |a - b| <= atol + rtol * max|ref|.
     #   Gradients sum T*B terms in a different order on each side; measured <= ~1e-6 relative.

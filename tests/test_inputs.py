@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from parity import cli, data, hf, inputs, weights
+from parity.sizing import resources
 import parity.cli.sizing  # noqa: F401  (cli.sizing: the presets command the tests patch)
 from parity.inputs import InputError
 from parity.migrate import read_deepspeed_config
 from parity.migrate._read import PortError
-from parity.run import resolve
+from parity.pipeline.resolve import resolve
 from parity.spec import PRESETS, SpecError
 
 from conftest import requires_torch
@@ -127,7 +128,7 @@ def test_exponent_notation_integers_are_accepted_when_integral():
      "vocab_size=4000000"),
 ])
 def test_sizes_that_cannot_fit_are_refused_before_allocating(tmp_path, capsys, monkeypatch, argv, match):
-  monkeypatch.setattr(inputs, "available_memory_bytes", lambda: 64 * 2**30)  # the same answer on every machine
+  monkeypatch.setattr(resources, "available_memory_bytes", lambda: 64 * 2**30)  # the same answer on every machine
   out = tmp_path / "run"
   code, err = _main(["compare", "--preset", "gpt2-tiny", "--sides", "jax,torch", "--out", str(out), *argv], capsys)
   assert code == 2, err
@@ -138,25 +139,25 @@ def test_sizes_that_cannot_fit_are_refused_before_allocating(tmp_path, capsys, m
 
 def test_resource_estimate_is_exact_for_batches_and_params():
   spec = PRESETS["gpt2-tiny"]
-  r = inputs.estimate_resources(spec)
+  r = resources.estimate_resources(spec)
   t = spec.train
-  assert r.params == spec.model.n_params()
+  assert r.params == weights.n_params(spec.model)
   train, val = data.make_batches(data.load_corpus("stdlib"), steps=t.steps, grad_accum_steps=t.grad_accum_steps,
                                  micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, seed=t.data_seed,
                                  eval_batches=t.eval_batches)
   assert abs(r.batches_bytes - (train.nbytes + val.nbytes)) <= 128  # + the two .npy headers
-  assert r.memory_bytes < inputs.available_memory_bytes()  # the tiny preset itself is never refused
+  assert r.memory_bytes < resources.available_memory_bytes()  # the tiny preset itself is never refused
 
 
 def test_allow_large_lets_a_run_past_the_check(monkeypatch):
   import dataclasses
   base = PRESETS["gpt2-tiny"]
   big = dataclasses.replace(base, train=dataclasses.replace(base.train, steps=2 * 10**9))
-  monkeypatch.setattr(inputs, "available_memory_bytes", lambda: 2**30)
+  monkeypatch.setattr(resources, "available_memory_bytes", lambda: 2**30)
   with pytest.raises(InputError, match="the run needs"):
-    inputs.check_resources(big, "/tmp")
-  monkeypatch.setenv(inputs.ALLOW_LARGE_ENV, "1")
-  assert inputs.check_resources(big, "/tmp").batches_bytes == 528_000_000_000 + 656
+    resources.check_resources(big, "/tmp")
+  monkeypatch.setenv(resources.ALLOW_LARGE_ENV, "1")
+  assert resources.check_resources(big, "/tmp").batches_bytes == 528_000_000_000 + 656
 
 
 def test_make_batches_is_unchanged_by_chunking(monkeypatch):
@@ -331,7 +332,7 @@ def test_data_flag_resolves_relative_to_the_current_directory(tmp_path, monkeypa
 @requires_torch
 def test_relative_hf_folder_with_pytorch_model_bin_is_read(tmp_path, monkeypatch):
   import torch
-  from parity import convert
+  from parity.hf import convert
   folder = _hf_folder(tmp_path)
   tensors, _ = hf.read_safetensors(folder / "model.safetensors")
   torch.save({k: torch.from_numpy(v.copy()) for k, v in tensors.items()}, folder / "pytorch_model.bin")
@@ -382,11 +383,11 @@ def test_hf_config_claiming_far_more_layers_than_the_weights_is_refused_before_l
   with pytest.raises(ValueError, match="describes a model of 120,000,004 tensors .n_layers=10000000., but the weight "
                                        "files hold 16"):
     hf.load_hf_checkpoint(folder)
-  assert inputs.tensor_count(PRESETS["gpt2-tiny"].model) == len(weights.param_shapes(PRESETS["gpt2-tiny"].model))
+  assert resources.tensor_count(PRESETS["gpt2-tiny"].model) == len(weights.param_shapes(PRESETS["gpt2-tiny"].model))
 
 
 def test_set_and_perturb_values_go_through_the_same_parser_rules():
-  from parity.run import parse_perturb
+  from parity.pipeline.folder import parse_perturb
   deep = "[" * DEEP + "]" * DEEP
   with pytest.raises(SpecError, match="override 'train.lr_schedule_params': nested too deeply"):
     resolve("gpt2-tiny", overrides=[f"train.lr_schedule_params={deep}"])

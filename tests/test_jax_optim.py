@@ -8,7 +8,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from parity import schedule  # noqa: E402
+from parity.numerics import schedule  # noqa: E402
 from parity.spec import ModelSpec, TrainSpec, preset  # noqa: E402
 from parity.weights import decays, init_params, param_shapes  # noqa: E402
 

@@ -8,8 +8,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from parity import memory  # noqa: E402
-from parity.memory_jax import jax_state_bytes  # noqa: E402
+from parity.sizing import memory  # noqa: E402
+from parity.sizing.memory_jax import jax_state_bytes  # noqa: E402
 from parity.spec import REMAT_POLICIES, JaxPlan, ModelSpec, RunSpec, TrainSpec  # noqa: E402
 from parity.weights import init_params  # noqa: E402
 

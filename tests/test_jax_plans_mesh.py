@@ -36,7 +36,7 @@ def _leaf_report(trainer) -> list[dict]:
   """Every state leaf: group, shape, partition spec, memory kind, expected spec and kind."""
   import jax
   from jax.sharding import PartitionSpec as P
-  from parity.memory_jax import shard_axis
+  from parity.sizing.memory_jax import shard_axis
   pl = trainer.placement
   rows = []
   for group, tree in trainer.state._asdict().items():
@@ -53,7 +53,7 @@ def _leaf_report(trainer) -> list[dict]:
 def probe() -> dict:
   """Trains every plan for STEPS steps on the same weights and batches; returns the JSON report."""
   import jax
-  from parity.memory_jax import jax_state_bytes
+  from parity.sizing.memory_jax import jax_state_bytes
   from parity.spec import JaxPlan, ModelSpec, RunSpec, TrainSpec
   from parity.weights import init_params
   from jax_impl import offload
@@ -137,7 +137,7 @@ def test_cli_runs_a_sharded_plan_and_the_worker_forces_the_devices(tmp_path):
                          "--out", str(tmp_path / "run")], cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  from parity.memory_jax import jax_state_bytes
+  from parity.sizing.memory_jax import jax_state_bytes
   from parity.spec import RunSpec, from_dict
   summary = json.loads((tmp_path / "run" / "jax" / "summary.json").read_text())
   run = from_dict(RunSpec, json.loads((tmp_path / "run" / "request.json").read_text())["run"])

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-import jax.numpy as jnp  # noqa: E402
 
-from parity import data, protocol, schedule, weights  # noqa: E402
+from parity import data, protocol, weights  # noqa: E402
+
+from parity.numerics import schedule  # noqa: E402
 from parity.spec import JaxPlan, ModelSpec, RunSpec, TrainSpec, preset, to_dict  # noqa: E402
 
 from jax_impl import model as M  # noqa: E402

@@ -1,9 +1,9 @@
-"""fp16 dynamic loss scaling: parity.loss_scale against DeepSpeed's own classes, then every side end to end.
+"""fp16 dynamic loss scaling: parity.numerics.loss_scale against DeepSpeed's own classes, then every side end to end.
 
 The state machine is checked against the installed DeepSpeed (`DynamicLossScaler` for ZeRO-1/2/3,
 `FP16_Optimizer._update_scale` for stage 0) on random overflow sequences and settings. The slow
 tests run gpt2-tiny in fp16 on every side with forced and with natural overflows and check that
-the sides skip the same steps with the scales parity.loss_scale predicts.
+the sides skip the same steps with the scales parity.numerics.loss_scale predicts.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_DEEPSPEED, requires_deepspeed, requires_jax, requires_torch
-from parity.loss_scale import LossScaleAtMinimum, LossScaler, predict_scales
+from parity.numerics.loss_scale import LossScaleAtMinimum, LossScaler, predict_scales
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -156,7 +156,7 @@ def test_jax_traced_rule_matches_the_reference(cfg):
 
 
 def _tiny_fp16(**over):
-  from parity.run import resolve
+  from parity.pipeline.resolve import resolve
   from parity.weights import init_params
   spec = resolve("gpt2-tiny", steps=4, overrides=['train.precision="fp16"', "train.hysteresis=1",
                                                   *[f"train.{k}={v}" for k, v in over.items()]])
@@ -224,7 +224,7 @@ FP16_CONFIGS = [  # (real config, the run's precision that an "auto" fp16.enable
 def test_fp16_deepspeed_config_ports_to_an_fp16_run_and_back(name, base_precision):
   import json
   from parity.migrate._reverse import port_for_compare, to_deepspeed
-  from parity.run import resolve
+  from parity.pipeline.resolve import resolve
   from torch_impl.engine import ds_config, fp16_config
   path = REAL / name
   if not path.exists():
@@ -247,7 +247,7 @@ def test_fp16_deepspeed_config_ports_to_an_fp16_run_and_back(name, base_precisio
 
 def test_fp16_under_zero_stage0_is_refused_for_compare():
   from parity.migrate._reverse import port_for_compare
-  from parity.run import resolve
+  from parity.pipeline.resolve import resolve
   from parity.spec import SpecError
   raw = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "fp16": {"enabled": True}}
@@ -286,7 +286,8 @@ def _run_fp16(tmp_path, *, steps: int, overrides: list[str], forced: list[int]) 
   """gpt2-tiny in fp16 on every side with overflows forced at `forced`; returns (spec, records per side)."""
   from harness.runner import run_side
   from parity.protocol import read_steps
-  from parity.run import prepare_run_dir, resolve
+  from parity.pipeline.folder import prepare_run_dir
+  from parity.pipeline.resolve import resolve
   sides = _sides()
   spec = resolve("gpt2-tiny", steps=steps, sides=sides,
                  overrides=['train.precision="fp16"', "train.eval_every=0", *overrides])
@@ -302,8 +303,8 @@ def _run_fp16(tmp_path, *, steps: int, overrides: list[str], forced: list[int]) 
 
 
 def _check_scaling(spec, records: dict[str, list], overflows: list[bool]) -> None:
-  """Every side: skipped == overflows, scales == parity.loss_scale's prediction, lr frozen on skips, losses close."""
-  from parity import schedule
+  """Every side: skipped == overflows, scales == parity.numerics.loss_scale's prediction, lr frozen on skips, losses close."""
+  from parity.numerics import schedule
   want_scales = predict_scales(spec.train, overflows)
   applied = [sum(not o for o in overflows[:k]) for k in range(len(overflows))]
   want_lr = [schedule.train_lr(spec.train, a) for a in applied]
@@ -346,7 +347,7 @@ def test_natural_overflows_at_a_too_large_initial_scale(tmp_path):
 
 @requires_deepspeed
 def test_engine_refuses_fp16_at_stage0_and_a_precision_mismatch():
-  from parity.run import resolve
+  from parity.pipeline.resolve import resolve
   from parity.weights import init_params
   from torch_impl.engine import MSG_FP16_STAGE0, build_engine, ds_config
   spec = resolve("gpt2-tiny", overrides=['train.precision="fp16"', "deepspeed.zero_stage=0",

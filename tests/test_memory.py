@@ -1,4 +1,4 @@
-"""parity.memory: DeepSpeed's own estimators reproduced exactly, and the per-category model."""
+"""parity.sizing.memory: DeepSpeed's own estimators reproduced exactly, and the per-category model."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from parity import memory
+from parity.sizing import memory
 from parity.hf import MODEL_PRESETS
 from parity.spec import ModelSpec, preset
 

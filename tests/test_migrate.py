@@ -13,7 +13,7 @@ from parity.cli import port as cli
 from parity.migrate import reference
 from parity.migrate._report import leaf_paths
 from parity.migrate._reverse import to_deepspeed, to_run_spec
-from parity.spec import PRESETS, SpecError
+from parity.spec import PRESETS
 
 REAL = Path(os.environ.get("PARITY_REALWORLD", Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"))
 REAL_FILES = sorted(REAL.glob("*.json")) if REAL.is_dir() else []
@@ -317,7 +317,7 @@ def test_total_equals_warmup_decays_to_min_right_after_warmup():
 
 
 def test_warmup_cosine_step_zero_is_zero_and_matches_parity_schedule():
-  from parity import schedule
+  from parity.numerics import schedule
   r = _port(_sched("WarmupCosineLR", total_num_steps=50, warmup_num_steps=5, warmup_type="linear",
                    warmup_min_ratio=0.1, cos_min_ratio=0.2))
   p = r.ported.scheduler.params
@@ -416,7 +416,7 @@ def test_cli_exit_codes_and_reports(tmp_path, capsys):
 
 def test_ported_yaml_runs_as_a_compare_config(tmp_path):
   """`parity port -o run.yaml` writes what `parity compare --config run.yaml` runs."""
-  from parity.run import resolve
+  from parity.pipeline.resolve import resolve
   src = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.05}},
                                      "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}))
   out = tmp_path / "run.yaml"

@@ -61,8 +61,8 @@ def fake_sides(monkeypatch):
 
 
 def test_run_comparison_takes_the_resolved_run_and_frozen_options(tmp_path, fake_sides):
-  from parity.api import RunOptions, run_comparison
-  from parity.resolve import resolve_run
+  from parity.pipeline.compare import RunOptions, run_comparison
+  from parity.pipeline.resolve import resolve_run
   calls = fake_sides()
   run = resolve_run("gpt2-tiny", steps=4, sides=("jax", "torch"))
   options = RunOptions(out=tmp_path / "r", determinism_steps=2, noise_envelope=False)
@@ -84,7 +84,7 @@ def test_run_comparison_takes_the_resolved_run_and_frozen_options(tmp_path, fake
 
 def test_compare_keyword_form_is_resolve_plus_run_comparison(tmp_path, fake_sides):
   import parity
-  from parity import api
+  from parity.pipeline import compare as api
   assert parity.run_comparison is api.run_comparison and parity.RunOptions is api.RunOptions
   fake_sides()
   report = parity.compare("gpt2-tiny", steps=4, sides=["jax", "torch"], out=tmp_path / "k", determinism_steps=0)
@@ -94,8 +94,8 @@ def test_compare_keyword_form_is_resolve_plus_run_comparison(tmp_path, fake_side
 def test_ctrl_c_in_a_side_reports_then_reraises(tmp_path, fake_sides):
   """The one run-each-side helper: the side running at Ctrl-C is 'killed', the rest 'not_run', no reruns start,
   the report says INTERRUPTED, then the KeyboardInterrupt reaches the caller."""
-  from parity.api import RunOptions, run_comparison
-  from parity.resolve import resolve_run
+  from parity.pipeline.compare import RunOptions, run_comparison
+  from parity.pipeline.resolve import resolve_run
   calls = fake_sides(interrupt_on="jax")
   with pytest.raises(KeyboardInterrupt):
     run_comparison(resolve_run("gpt2-tiny", steps=4, sides=("jax", "torch")), RunOptions(out=tmp_path / "c"))
@@ -121,14 +121,14 @@ def test_run_each_side_is_the_one_interrupt_loop():
   assert seen == ["a", "b"] and isinstance(exc, KeyboardInterrupt)
   assert [r.status for r in runs.values()] == ["ok", "killed", "not_run"]
   assert runs["c"].error == "not started: the diagnose was interrupted (Ctrl-C)"
-  for path in ("parity/api.py", "parity/diagnose/driver.py"):  # both drivers use it; neither has its own loop
+  for path in ("parity/pipeline/compare.py", "parity/diagnose/driver.py"):  # both drivers use it; neither has its own loop
     src = (ROOT / path).read_text()
     assert "run_each_side(" in src and "except KeyboardInterrupt" not in src, path
 
 
 def test_build_report_assembles_everything_once():
   from harness.runner import SideRun
-  from parity.checks import Verdict
+  from parity.verdict.checks import Verdict
   from parity.report import build_report
   from parity.spec import preset
   spec = preset("gpt2-tiny")
@@ -144,7 +144,7 @@ def test_build_report_assembles_everything_once():
   assert d["verdict"]["passed"] is False and d["verdict"]["message"] == "INTERRUPTED: stopped before every run and " \
       "check finished; so far: ok"
   assert isinstance(d["memory"]["predicted_vs_measured"], list)
-  src = (ROOT / "parity" / "api.py").read_text()
+  src = (ROOT / "parity" / "pipeline" / "compare.py").read_text()
   import re
   assert not re.search(r"report\.data\[[^\]]*\]\s*=|\.data\.update\(", src)  # nothing patched after build_report
 
@@ -160,7 +160,7 @@ def _functions(path: Path):
       yield node.name, node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
 
 
-PIPELINE_FILES = ["parity/api.py", "parity/reruns.py", "parity/collect.py", "parity/report/build.py", "parity/run.py",
+PIPELINE_FILES = ["parity/pipeline/compare.py", "parity/pipeline/reruns.py", "parity/pipeline/collect.py", "parity/report/build.py", "parity/pipeline/folder.py",
                   "parity/diagnose/__init__.py", "parity/diagnose/driver.py", "parity/protocol/__init__.py",
                   "parity/protocol/layout.py", "parity/protocol/control.py", "parity/protocol/side.py",
                   "parity/protocol/workers.py", "harness/runner.py", "harness/self_runs.py", "jax_impl/worker.py",
@@ -247,7 +247,7 @@ def test_one_batch_shape_check_for_both_workers(tmp_path):
 def test_side_io_checks_val_batches_for_every_side(tmp_path):
   """SideIO.training_batches refuses a val_batches.npy of the wrong shape (the torch worker did not check it)."""
   from parity.protocol import REQUEST_SCHEMA, SideIO
-  from parity.run import prepare_run_dir
+  from parity.pipeline.folder import prepare_run_dir
   from parity.spec import preset, to_dict
   spec = preset("gpt2-tiny")
   prepare_run_dir(spec, tmp_path)

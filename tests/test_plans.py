@@ -1,4 +1,4 @@
-"""parity.plans: the named plan pairs, apply_plan, and the planner."""
+"""parity.sizing.plans: the named plan pairs, apply_plan, and the planner."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from parity import memory, plans
+from parity.sizing import memory
+
+from parity.sizing import plans
 from parity.hf import MODEL_PRESETS
 from parity.spec import DeepSpeedPlan, JaxPlan, RunSpec, SpecError, TrainSpec, preset
 
@@ -143,7 +145,7 @@ def test_planner_ranks_a_pair_the_run_cannot_use_last_with_the_reason(monkeypatc
 
 def test_compare_applies_jax_and_deepspeed_overrides_on_top_of_a_plan():
   """`--plan NAME --set jax.* --set deepspeed.*`: the pair first, then every override once, last (recorded)."""
-  from parity.resolve import resolve_run
+  from parity.pipeline.resolve import resolve_run
   over = ["jax.remat=\"full\"", "deepspeed.activation_checkpointing=true", "train.lr=0.001"]
   run = resolve_run("gpt2-tiny", plan="zero2-offload-scan", overrides=over)
   spec, choice = run.spec, run.plan

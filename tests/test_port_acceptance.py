@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import os
 
 import pytest
@@ -115,11 +116,12 @@ def test_item4_compare_refuses_it_and_does_not_add_an_optimizer(capsys):
   base = PRESETS["gpt2-tiny"]
   with pytest.raises(SpecError, match="zero_force_ds_cpu_optimizer"):
     port_for_compare({**B, "zero_optimization": {"stage": 2, "offload_optimizer": OFF}}, base)
-  _, ds, _ = port_for_compare({**B, "zero_force_ds_cpu_optimizer": False,
-                               "zero_optimization": {"stage": 2, "offload_optimizer": OFF}}, base)
+  _, ds, port = port_for_compare({**B, "zero_force_ds_cpu_optimizer": False,
+                                  "zero_optimization": {"stage": 2, "offload_optimizer": OFF}}, base)
   assert "optimizer" not in ds  # DeepSpeed gets the client optimizer, not a DeepSpeedCPUAdam section
-  err = capsys.readouterr().err
-  assert "filled in optimizer" in err and "torch.optim.AdamW" in err
+  from parity.report.progress import run_notes
+  notes = " ".join(run_notes(types.SimpleNamespace(port=port)))  # shown before the run starts
+  assert "filled in optimizer" in notes and "torch.optim.AdamW" in notes
 
 
 def test_item4_cli_says_where_it_fills_in(tmp_path, capsys):

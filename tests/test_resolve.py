@@ -1,4 +1,4 @@
-"""One resolver (parity.resolve.resolve_run): the order the sources apply in, and the defects it removed
+"""One resolver (parity.pipeline.resolve.resolve_run): the order the sources apply in, and the defects it removed
 (issue #12: a config's own preset misreported, --hf-model dropping --set model.*, overrides applied twice around
 --plan, --deepspeed-config silently beating --set train.*)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from parity import hf, weights
 from parity.cli import main as cli_main
-from parity.resolve import ResolvedRun, overrides_mapping, resolve_run
+from parity.pipeline.resolve import ResolvedRun, overrides_mapping, resolve_run
 from parity.spec import SpecError, preset
 
 
@@ -27,7 +27,7 @@ def test_a_config_naming_its_own_preset_is_reported_as_that_preset(tmp_path):
   cfg.write_text("preset: gpt2-tiny\ntrain:\n  lr: 0.0005\n")
   run = resolve_run(config=cfg)
   assert run.preset == "gpt2-tiny" and run.spec.model == preset("gpt2-tiny").model and run.spec.train.lr == 5e-4
-  from parity.run import default_run_dir
+  from parity.pipeline.folder import default_run_dir
   assert "gpt2-tiny" in default_run_dir(run.spec, run.preset).name
   with pytest.raises(SpecError, match="names preset 'gpt2-tiny' but the preset given is 'gpt2-mini'"):
     resolve_run("gpt2-mini", config=cfg)
@@ -43,7 +43,7 @@ def test_hf_checkpoint_keeps_model_overrides_and_refuses_ones_that_change_shapes
 
 
 def test_overrides_are_applied_once_after_the_plan(monkeypatch):
-  import parity.resolve as r
+  import parity.pipeline.resolve as r
   calls = []
   real = r.apply_overrides
   monkeypatch.setattr(r, "apply_overrides", lambda spec, over: calls.append(dict(over)) or real(spec, over))
@@ -82,7 +82,7 @@ def test_resolved_run_is_frozen_and_overrides_parse_once():
 def test_perturb_is_validated_against_the_runs_own_spec():
   """A per-side change that is valid for this run (OneCycle params on a OneCycle run) is accepted; one that the run
   refuses is refused naming the side (parse_perturb validated against a default RunSpec before)."""
-  from parity.run import parse_perturb
+  from parity.pipeline.folder import parse_perturb
   one_cycle = {"train.lr_schedule": "OneCycle",
                "train.lr_schedule_params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 2}}
   spec = resolve_run("gpt2-tiny", overrides=one_cycle).spec

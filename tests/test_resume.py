@@ -35,7 +35,8 @@ class Runs:
   """One prepared gpt2-tiny run folder with derived requests; each (sub folder, side) runs at most once."""
 
   def __init__(self, root: Path):
-    from parity.run import prepare_run_dir, resolve
+    from parity.pipeline.folder import prepare_run_dir
+    from parity.pipeline.resolve import resolve
     self.root = root
     self.spec = resolve("gpt2-tiny", steps=STEPS)
     prepare_run_dir(self.spec, root)

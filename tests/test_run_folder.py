@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from parity.cli import main
-from parity.run import (LOCK_NAME, RunFolderError, RunIOError, claim_run_dir, prepare_run_dir, read_lock, resolve)
+from parity.pipeline.folder import LOCK_NAME, RunFolderError, RunIOError, claim_run_dir, prepare_run_dir, read_lock
+from parity.pipeline.resolve import resolve
 
 TINY = ["compare", "--preset", "gpt2-tiny", "--sides", "jax,torch", "--steps", "4", "--no-progress"]
 
@@ -81,7 +82,7 @@ def test_noise_rerun_reads_only_this_runs_batches(tmp_path, monkeypatch):
 def test_side_outputs_of_another_run_or_incomplete_are_not_ok(tmp_path):
   from harness.runner import SideRun
   from parity import weights
-  from parity.collect import side_outputs
+  from parity.pipeline.collect import side_outputs
   spec, rid = _prepared(tmp_path / "r")
   side = tmp_path / "r" / "jax"
   side.mkdir()
@@ -120,7 +121,7 @@ def test_second_claim_is_refused_naming_the_first(tmp_path):
 
 
 def test_concurrent_claims_exactly_one_wins(tmp_path):
-  code = ("import sys, time; sys.path.insert(0, %r); from parity.run import claim_run_dir, RunFolderError\n"
+  code = ("import sys, time; sys.path.insert(0, %r); from parity.pipeline.folder import claim_run_dir, RunFolderError\n"
           "time.sleep(max(0, %f - time.time()))\n"
           "try:\n  claim_run_dir(%r); print('won'); time.sleep(1.5)\n"
           "except RunFolderError as e:\n  print('refused', e)\n") % (
@@ -299,7 +300,7 @@ def test_read_only_or_full_folder_at_claim_exits_1_and_leaves_nothing(tmp_path, 
 
 
 def test_force_replaces_only_a_checkpoint_of_the_output_format(tmp_path):
-  from parity.convert import looks_like
+  from parity.hf.convert import looks_like
   ob = tmp_path / "ob"
   for d in ("params", "model_spec"):
     (ob / d).mkdir(parents=True)

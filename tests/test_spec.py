@@ -3,10 +3,13 @@ import json
 import numpy as np
 import pytest
 
-from parity import schedule, weights
+from parity import weights
+
+from parity.numerics import schedule
 from parity.spec import (PRESETS, DeepSpeedPlan, ModelSpec, RunSpec, SpecError, TrainSpec, apply_overrides, parse_overrides,
                          config_hash, from_dict, to_dict)
-from parity.run import parse_perturb, resolve
+from parity.pipeline.folder import parse_perturb
+from parity.pipeline.resolve import resolve
 
 
 def test_presets_validate_and_round_trip():

@@ -19,10 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity import data, schedule, weights  # noqa: E402
+from parity import data, weights  # noqa: E402
+
+from parity.numerics import schedule  # noqa: E402
 from parity.protocol import REQUEST_SCHEMA, read_steps, read_summary  # noqa: E402
 from parity.spec import DeepSpeedPlan, ModelSpec, RunSpec, apply_overrides, parse_overrides, preset, to_dict  # noqa: E402
-from parity.tolerances import tolerance  # noqa: E402
+from parity.verdict.tolerances import tolerance  # noqa: E402
 from torch_impl.baseline import CLIP_EPS, TorchTrainer, clip_like_deepspeed, global_grad_norm  # noqa: E402
 from torch_impl.engine import ds_config  # noqa: E402
 from torch_impl.model import build_model, lm_loss  # noqa: E402
@@ -31,7 +33,7 @@ pytestmark = pytest.mark.requires_torch
 REPO = Path(__file__).resolve().parents[1]
 WORKER_TIMEOUT_S = 600  # the first DeepSpeed run on a machine JIT-builds CPU Adam (~60 s)
 
-# Tolerances, fp32. The loss bound is the project table's (parity.tolerances). The others are
+# Tolerances, fp32. The loss bound is the project table's (parity.verdict.tolerances). The others are
 # tighter than that table's cross-framework, 200-step entries, because here both sides are
 # torch, runs are <= 10 steps, and the bound must catch a single wrong setting:
 LOSS_ATOL_FP32 = tolerance("fp32", "loss").atol
@@ -219,7 +221,7 @@ def test_baseline_state_bytes():
   t = run.train
   trainer = TorchTrainer(run, weights.init_params(run.model, 0))
   trainer.step(np.zeros((t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1), np.uint16), probe=True)
-  n = run.model.n_params()
+  n = weights.n_params(run.model)
   assert trainer.state_bytes() == {"params": {"device": 4 * n, "host": 0}, "gradients": {"device": 4 * n, "host": 0},
                                    "master_params": {"device": 0, "host": 0},
                                    "optimizer_moments": {"device": 8 * n, "host": 0},
@@ -273,7 +275,7 @@ def test_worker_writes_records_summary_and_final_weights(gpt2_runs, side):
   assert summary["device"] == "cpu" and summary["peak_device_bytes"] is None
   assert set(final) == set(weights.param_shapes(run.model))
   weights.check_names_and_shapes(final, run.model, source=side)
-  n = run.model.n_params()
+  n = weights.n_params(run.model)
   cat = summary["state_bytes_by_category"]
   assert sum(cat["optimizer_moments"].values()) == 2 * 4 * n  # fp32 exp_avg + exp_avg_sq
   assert sum(summary["state_bytes_by_memory_kind"].values()) == sum(sum(k.values()) for k in cat.values())
@@ -300,7 +302,7 @@ def test_engine_is_zero2_offload_with_cpu_adam(gpt2_runs):
   assert opt["scheduler"] == "WarmupCosineLR" and summary["zero_stage"] == 2 == opt["zero_stage"]
   assert opt["group_weight_decay"] == [run.train.weight_decay, 0.0]
   assert summary["ds_config"]["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-  cat, n = summary["state_bytes_by_category"], run.model.n_params()
+  cat, n = summary["state_bytes_by_category"], weights.n_params(run.model)
   assert cat["master_params"] == {"device": 0, "host": 4 * n}
   assert cat["optimizer_moments"] == {"device": 0, "host": 8 * n}
   assert cat["params"] == {"device": 4 * n, "host": 0}

@@ -1,12 +1,11 @@
-"""Every DeepSpeed plan of parity.plans through the worker, with loss parity vs the plain-torch baseline.
+"""Every DeepSpeed plan of parity.sizing.plans through the worker, with loss parity vs the plain-torch baseline.
 
 gpt2-tiny, 3 steps, one rank. Each plan is also checked for what it built (`optimizer` in summary.json,
 written by `torch_impl.engine.optimizer_classes`; `_check_engine` already refused a mismatch) and for its
-measured state bytes against parity.memory's prediction.
+measured state bytes against parity.sizing.memory's prediction.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from parity import memory, plans  # noqa: E402
+from parity.sizing import memory  # noqa: E402
+
+from parity.sizing import plans  # noqa: E402
 from parity.protocol import read_steps, read_summary  # noqa: E402
 from parity.spec import RunSpec  # noqa: E402
-from parity.tolerances import tolerance  # noqa: E402
+from parity.verdict.tolerances import tolerance  # noqa: E402
 from test_torch_engine import make_run_dir, run_worker, tiny_run  # noqa: E402
 
 pytestmark = [pytest.mark.requires_deepspeed, pytest.mark.slow]
@@ -25,7 +26,7 @@ LOSS_ATOL_FP32 = tolerance("fp32", "loss").atol
 DS_PLANS = {}
 for _name, _plan in plans.PLANS.items():  # one run per distinct DeepSpeed plan
   DS_PLANS.setdefault(_plan.deepspeed, _name)
-# Measured state bytes vs parity.memory, ratio bounds. params, master copy and moments are predicted exactly;
+# Measured state bytes vs parity.sizing.memory, ratio bounds. params, master copy and moments are predicted exactly;
 # gradients within 15% (DeepSpeed's reduction buckets and in-flight module gradients).
 EXACT = ("params", "master_params", "optimizer_moments")
 GRAD_RATIO = (0.85, 1.15)

@@ -2,7 +2,7 @@
 
 It reproduces what the DeepSpeed engine does, with no DeepSpeed import:
   * the same param groups (`parity.weights.decays`), AdamW hyper-parameters passed explicitly;
-  * the learning rate of step k is `parity.schedule.train_lr(train, k)` (WarmupCosineLR as
+  * the learning rate of step k is `parity.numerics.schedule.train_lr(train, k)` (WarmupCosineLR as
     the engine applies it: step 0 runs with lr 0);
   * gradient accumulation by backpropagating loss / grad_accum_steps per micro batch;
   * clipping by DeepSpeed ZeRO-1/2's formula, not torch's `clip_grad_norm_` (see `clip_like_deepspeed`).
@@ -26,7 +26,7 @@ With precision 'fp16' it does what DeepSpeed's fp16 engine does, not torch's Gra
     because autocast keeps the residual stream, embeddings and LayerNorm weights in float32 and
     computes float32 parameter gradients, so it would overflow at other scales than DeepSpeed
     (and JAX, whose fp16 residual stream is float16 too);
-  * the loss is multiplied by the scale of `self.loss_scaler` (`parity.loss_scale.LossScaler`,
+  * the loss is multiplied by the scale of `self.loss_scaler` (`parity.numerics.loss_scale.LossScaler`,
     DeepSpeed's DynamicLossScaler) before backward; the float16 gradients are accumulated over the
     micro batches, then copied to float32;
   * any non-finite gradient skips the step: no AdamW step, `step_index` (the LR schedule position)
@@ -42,8 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from parity import schedule, weights
-from parity.loss_scale import LossScaler
+from parity import weights
+
+from parity.numerics import schedule
+from parity.numerics.loss_scale import LossScaler
 from parity.spec import RunSpec
 from torch_impl import memory
 from torch_impl.model import build_model, decay_groups, lm_loss, to_canonical
@@ -135,7 +137,7 @@ class Lamb(torch.optim.Optimizer):
 
 
 def build_optimizer(groups: list[dict[str, Any]], train, lr: float = 0.0) -> torch.optim.Optimizer:
-  """The one torch builder of the optimizer a TrainSpec describes (`parity.schedule.optimizer_of`).
+  """The one torch builder of the optimizer a TrainSpec describes (`parity.numerics.schedule.optimizer_of`).
 
   adamw -> torch.optim.AdamW, adam -> torch.optim.Adam (L2: weight_decay joins the gradient, DeepSpeed's
   adam_w_mode false), lamb -> `Lamb`, sgd -> torch.optim.SGD; foreach off. Each param group keeps its own
@@ -208,7 +210,7 @@ class TorchTrainer:
     Raises:
       ValueError: the number of micro batches differs from train.grad_accum_steps, or
         force_overflow on a run that is not fp16.
-      parity.loss_scale.LossScaleAtMinimum: an overflow at train.min_loss_scale (DeepSpeed raises).
+      parity.numerics.loss_scale.LossScaleAtMinimum: an overflow at train.min_loss_scale (DeepSpeed raises).
     """
     t = self.run.train
     if len(micro_batches) != t.grad_accum_steps:
@@ -319,7 +321,7 @@ class TorchTrainer:
     """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)), canonical, float32.
 
     Zeros for a param no update has touched yet. Raises KeyError when the optimizer is not an Adam (Lamb, SGD: the
-    params rule's per-element Adam bound does not hold for them; parity.checks.param_checks falls back per tensor).
+    params rule's per-element Adam bound does not hold for them; parity.verdict.checks.param_checks falls back per tensor).
     """
     if self.run.train.optimizer not in ("adam", "adamw"):
       raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule "

@@ -1,7 +1,7 @@
 """The DeepSpeed side: environment, config from the spec, engine, and one training step.
 
 The engine is built from a `parity.spec.RunSpec` (or a user's resolved DeepSpeed config, checked against the spec): `ds_config` maps the
-spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.schedule`,
+spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.numerics.schedule`,
 gradient clipping, ZeRO stage and offload, bf16), the weight-decay mask comes
 from `parity.weights.decays` as two param groups, and `build_engine` checks
 that DeepSpeed really built the optimizer the plan asks for (DeepSpeedCPUAdam
@@ -13,15 +13,15 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
     over micro batches; the caller passes the unscaled per-micro-batch loss.
   * `engine.step()` is called after every micro batch; it updates only at the
     accumulation boundary, then steps the LR scheduler. The scheduler starts at
-    iteration -1, so optimizer step k applies `parity.schedule.train_lr(train, k)`.
+    iteration -1, so optimizer step k applies `parity.numerics.schedule.train_lr(train, k)`.
   * ZeRO-1/2 clip with g / max(1, (||g|| + 1e-6) / clip) and expose the
     pre-clip norm through `engine.get_global_grad_norm()`.
   * fp16 (`fp16.enabled`, train.precision='fp16'): the module is cast to half, the ZeRO
-    optimizer keeps fp32 masters and a `DynamicLossScaler` (parity.loss_scale is its reference).
+    optimizer keeps fp32 masters and a `DynamicLossScaler` (parity.numerics.loss_scale is its reference).
     On overflow the ZeRO optimizer skips the update, sets its `_global_grad_norm` to inf, and the
     engine counts `skipped_steps` and does not step the LR scheduler (`_take_model_step`).
     ZeRO stage 0 is refused for fp16: DeepSpeed then uses `FP16_Optimizer`, whose scale rule
-    ignores hysteresis (parity.loss_scale module docstring).
+    ignores hysteresis (parity.numerics.loss_scale module docstring).
   * fp16 on a CPU without AVX512-FP16: DeepSpeed's CPU accelerator reports fp16 unsupported
     (`is_fp16_supported` asks `torch.ops.mkldnn._is_mkldnn_fp16_supported()`, False on this
     machine) and `DeepSpeedEngine._do_sanity_check` raises "Type fp16 is not supported on your
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from harness.env import build_environ
-from parity import schedule
+from parity.numerics import schedule
 from parity.spec import RunSpec
 from parity.weights import param_shapes
 from torch_impl import memory
@@ -111,8 +111,8 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
     run: the resolved run (model, train, deepspeed plan).
   Returns:
     A JSON-ready dict for `deepspeed.initialize(config=...)`. The optimizer block is
-    `parity.schedule.deepspeed_optimizer(run.train)`; the scheduler block is
-    `parity.schedule.deepspeed_scheduler(run.train)` (by default WarmupCosineLR with
+    `parity.numerics.schedule.deepspeed_optimizer(run.train)`; the scheduler block is
+    `parity.numerics.schedule.deepspeed_scheduler(run.train)` (by default WarmupCosineLR with
     linear warmup over train.steps). The global batch is left for DeepSpeed to derive
     (micro x accumulation x world size).
   Raises:

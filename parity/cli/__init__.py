@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
   """Runs one `parity` command; returns its exit code (module docstring). Never raises but SystemExit from argparse
   (usage errors exit 2, --help and --version 0)."""
   import signal
-  from parity.run import RunIOError
+  from parity.pipeline.folder import RunIOError
   signal.signal(signal.SIGTERM, _sigterm_as_interrupt)  # SIGTERM stops the workers too, like Ctrl-C
   ap = build_parser()
   args = ap.parse_args(argv)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.exit(EXIT_BAD_INPUT, f"parity {args.command}: error: {bad}\n")
   if getattr(args, "allow_large", False):
     import os
-    from parity.inputs import ALLOW_LARGE_ENV
+    from parity.sizing.resources import ALLOW_LARGE_ENV
     os.environ[ALLOW_LARGE_ENV] = "1"
   try:
     return args.handler(args)

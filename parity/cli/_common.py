@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_BAD_INPUT", "Failure", "console", "add_allow_large", "split_list",
            "show_defaults", "add_run_source"]
@@ -29,7 +30,7 @@ def console(stderr: bool = False):
 
 def add_run_source(p: argparse.ArgumentParser, *, set_example: str, preset: bool = True) -> None:
   """--preset (when `preset`), --config and --set: the run sources every run-building command hands to
-  parity.resolve.resolve_run (overrides as key=value strings, parsed by parity.spec.parse_overrides)."""
+  parity.pipeline.resolve.resolve_run (overrides as key=value strings, parsed by parity.spec.parse_overrides)."""
   from parity.spec import DEFAULT_PRESET
   if preset:
     p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
@@ -41,7 +42,7 @@ def add_run_source(p: argparse.ArgumentParser, *, set_example: str, preset: bool
 def add_allow_large(p: argparse.ArgumentParser) -> None:
   p.add_argument("--allow-large", action="store_true",
                  help="run even when the estimated memory or disk of the run exceeds what this machine has "
-                      "(sets PARITY_ALLOW_LARGE=1; see parity.inputs.check_resources; default off)")
+                      "(sets PARITY_ALLOW_LARGE=1; see parity.sizing.resources.check_resources; default off)")
 
 
 def split_list(text: str | None) -> list[str] | None:
@@ -64,3 +65,18 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
     if d is None or d is argparse.SUPPRESS or isinstance(d, bool) or d == []:
       continue
     action.help += f" (default: {d})"
+
+
+def count_arg(text: str) -> int:
+  """argparse type for counts: an integer, also written as an integral float ('2e9'); refuses inf/nan/fractions."""
+  try:
+    return int(text)
+  except ValueError:
+    pass
+  try:
+    x = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if not math.isfinite(x) or not x.is_integer():
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+  return int(x)

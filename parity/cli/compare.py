@@ -1,12 +1,11 @@
-"""`parity compare` and `parity report`: arguments, the call into parity.api.compare, the summary tables."""
+"""`parity compare` and `parity report`: arguments, the call into parity.pipeline.compare.compare, the summary tables."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from parity.cli._common import Failure, add_allow_large, add_run_source, console
-from parity.inputs import count_arg
+from parity.cli._common import Failure, add_allow_large, add_run_source, console, count_arg
 from parity.spec import parse_overrides
 
 __all__ = ["register", "print_summary"]
@@ -68,8 +67,8 @@ def register(sub) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-  """`parity compare`: runs parity.api.compare and prints the summary. Returns the report's exit code."""
-  from parity.api import compare
+  """`parity compare`: runs parity.pipeline.compare.compare and prints the summary. Returns the report's exit code."""
+  from parity.pipeline.compare import compare
   report = compare(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
                    sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
                    perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,

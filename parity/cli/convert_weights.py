@@ -1,4 +1,4 @@
-"""`parity convert-weights SRC DST`: arguments and the one-line summary of parity.convert.convert."""
+"""`parity convert-weights SRC DST`: arguments and the one-line summary of parity.hf.convert.convert."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,7 @@ __all__ = ["register"]
 
 def register(sub) -> None:
   """Adds `convert-weights` to the subparsers `sub`."""
-  from parity.convert import FORMATS
+  from parity.hf.convert import FORMATS
   p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax",
                      description="Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
                                  "LlamaForCausalLM, MistralForCausalLM), canonical safetensors (with the ModelSpec as "
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     SpecError / ValueError / FileNotFoundError / FileExistsError: bad input (main exits 2).
     Failure: the output could not be written (exit 1); the source and an old DST stay.
   """
-  from parity.convert import convert
+  from parity.hf.convert import convert
   from parity.inputs import load_json
   from parity.spec import ModelSpec, from_dict, to_dict
   spec = from_dict(ModelSpec, load_json(args.spec, what="--spec file"), path="model") if args.spec else None

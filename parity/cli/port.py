@@ -144,7 +144,25 @@ def _verify(args: argparse.Namespace, result) -> int:
 def _show(args: argparse.Namespace, report) -> None:
   if not args.quiet:
     from parity.cli._common import console
-    report.print_table(console(stderr=True))
+    print_port_table(report, console(stderr=True))
+
+
+def print_port_table(report, con) -> None:
+  """The key-by-key port table (parity.migrate.Report): key, value (-> resolved "auto"), fate, target, reason; then
+  the values DeepSpeed's defaults imply and the warnings."""
+  from rich.table import Table
+  colour = {"mapped": "green", "not_needed": "cyan", "unsupported": "red"}
+  t = Table(title=f"parity port: {report.source}", show_lines=False)
+  for col in ("key", "value", "fate", "target", "reason"):
+    t.add_column(col, overflow="fold")
+  for e in report.entries.values():
+    val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
+    t.add_row(e.key, val, f"[{colour[e.fate]}]{e.fate}[/]", e.target or "", e.reason)
+  con.print(t)
+  for i in report.implied:
+    con.print(f"[yellow]implied[/] {i['key']} = {json.dumps(i['value'])}: {i['reason']}")
+  for w in report.warnings:
+    con.print(f"[yellow]warning[/] {w}")
 
 
 def _write(path: str | None, text: str) -> None:

@@ -1,6 +1,6 @@
-"""`parity estimate`, `parity plan` and `parity presets`: the run through parity.resolve.resolve_run, the tables.
+"""`parity estimate`, `parity plan` and `parity presets`: the run through parity.pipeline.resolve.resolve_run, the tables.
 
-The numbers come from parity.memory (estimate_json, totals, step_rows) and parity.plans (choose_plan, explain,
+The numbers come from parity.sizing.memory (estimate_json, totals, step_rows) and parity.sizing.plans (choose_plan, explain,
 ranking_json); this module only parses options and prints.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
 from parity.spec import DEFAULT_PRESET, SpecError, parse_overrides
+from parity.weights import n_params
 
 __all__ = ["register"]
 
@@ -36,7 +37,7 @@ def _add_run_source(p: argparse.ArgumentParser, model_default: str) -> None:
 
 
 def _resolve(args: argparse.Namespace, *, default_model: str | None, plan: str | None = None, **train):
-  from parity.resolve import resolve_run
+  from parity.pipeline.resolve import resolve_run
   model = args.model if args.model or args.preset or args.config else default_model
   return resolve_run(args.preset, model=model, config=args.config, plan=plan, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, precision=args.precision, overrides=parse_overrides(args.overrides),
@@ -52,12 +53,12 @@ def register(sub) -> None:
                                  "side of a run, next to DeepSpeed's own estimate_zero*_model_states_mem_needs "
                                  "(docs/plans.md). Exit 0, or 2 on bad input.")
   _add_run_source(p, DEFAULT_PRESET)
-  p.add_argument("--plan", help="a plan pair of `parity plan` (parity.plans.PLANS) (default: the run's own plans)")
+  p.add_argument("--plan", help="a plan pair of `parity plan` (parity.sizing.plans.PLANS) (default: the run's own plans)")
   p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed side")
   p.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON (default: none)")
   p.set_defaults(handler=run_estimate)
 
-  from parity.plans import HARDWARE
+  from parity.sizing.plans import HARDWARE
   p = sub.add_parser("plan", help="choose the sharding/offload/remat plan that fits a device and is fastest",
                      description="Ranks every DeepSpeed <-> JAX plan pair by the memory model and a roofline step "
                                  "time on the given hardware and chooses the fastest that fits (docs/plans.md).",
@@ -95,7 +96,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     SpecError: an unknown preset, model or plan, a value out of range (main exits 2).
   """
   from rich.table import Table
-  from parity import memory
+  from parity.sizing import memory
   if args.ranks < 1:
     raise SpecError(f"--ranks {args.ranks}: must be >= 1")
   run = _resolve(args, default_model=None, plan=args.plan)
@@ -129,7 +130,8 @@ def run_plan(args: argparse.Namespace) -> int:
   Returns 0 when a plan fits, 1 when none does. Raises SpecError on bad input (main exits 2).
   """
   from rich.table import Table
-  from parity import memory, plans
+  from parity.sizing import memory
+  from parity.sizing import plans
   sides = tuple(split_list(args.sides))
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
   hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory, host_gib=args.host_memory,
@@ -176,14 +178,14 @@ def run_presets(args: argparse.Namespace) -> int:
   con.print("[bold]run presets[/bold] (--preset of compare, diagnose, estimate, plan):")
   for name, spec in PRESETS.items():
     m, t = spec.model, spec.train
-    con.print(f"  [bold]{name}[/bold]{' (default)' if name == DEFAULT_PRESET else ''}: {m.n_params() / 1e6:.2f} M "
+    con.print(f"  [bold]{name}[/bold]{' (default)' if name == DEFAULT_PRESET else ''}: {n_params(m) / 1e6:.2f} M "
               f"params, {m.n_layers} layers × d_model {m.d_model}, seq {t.seq_len}, batch {t.micro_batch_size}×"
               f"{t.grad_accum_steps}, {t.steps} steps")
     if args.verbose:
       con.print_json(json.dumps(to_dict(spec)))
   con.print("[bold]model-size presets[/bold] (--model of estimate and plan; memory and time models only):")
   for name, m in MODEL_PRESETS.items():
-    n = PUBLISHED_PARAM_COUNTS.get(name, m.n_params())
+    n = PUBLISHED_PARAM_COUNTS.get(name, n_params(m))
     con.print(f"  [bold]{name}[/bold]: {n / 1e9:.3g} B params, {m.n_layers} layers × d_model {m.d_model}, "
               f"{m.n_heads} heads{f' ({m.n_kv_heads} kv)' if m.n_kv_heads and m.n_kv_heads != m.n_heads else ''}, "
               f"{m.mlp} MLP, max seq {m.max_seq_len}")

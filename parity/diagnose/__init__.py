@@ -17,7 +17,7 @@ that breaks its rule (`RULES`). It imports neither jax nor torch.
 
 The update. A step's optimizer state is fresh on both sides (Adam moments zero, bias correction of a
 first step), so any step is diagnosed on identical state; `step` picks the batch and the learning-rate
-position. The lr is DeepSpeed's schedule at that position (`parity.schedule.train_lr`); when it is 0
+position. The lr is DeepSpeed's schedule at that position (`parity.numerics.schedule.train_lr`); when it is 0
 there (WarmupCosineLR gives 0 at steps 0 and 1) the position moves to the first later step with lr > 0,
 recorded as `lr_step` (gpt2-tiny: step 2, lr 3.3e-4). An lr of 0 would make every update the identity
 and hide optimizer bugs such as a wrong decay mask.

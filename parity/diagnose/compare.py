@@ -10,7 +10,7 @@ import numpy as np
 from parity import weights
 from parity.diagnose.inputs import tap_order
 from parity.spec import ModelSpec, TrainSpec
-from parity.tolerances import tolerance
+from parity.verdict.tolerances import tolerance
 
 # ----------------------------------------------------------------------------- tolerance rule
 
@@ -36,7 +36,7 @@ RULES: dict[str, Rule] = {
         "h.0.mlp.act, is 8.3e-5 (gpt2-tiny) and 1.65e-4 (gpt2-small-cpu); LayerNorm eps 1e-5 vs 1e-6 is "
         "6.9e-3 at h.0.ln_1, attention scale 0.2 vs 1/sqrt(32) 0.12 at h.0.attn.scores.")),
     "loss": Rule(1e-5, 0.0, (
-        "The step's loss, nats: the bound of parity.tolerances fp32 'loss' (matched stacks agree to <= 4.3e-6 "
+        "The step's loss, nats: the bound of parity.verdict.tolerances fp32 'loss' (matched stacks agree to <= 4.3e-6 "
         "over 100 steps); one step measured 0 (gpt2-tiny) and 9e-8 (gpt2-small-cpu).")),
     "grad": Rule(1e-30, 2e-5, (
         "Accumulated pre-clip gradient relative to the tensor's largest |grad|. Matched worst: 4.8e-7 "
@@ -51,7 +51,7 @@ RULES: dict[str, Rule] = {
         "is what the tolerated gradient error delta (the 'grad' rule: rtol * max|g|) can change a first Adam "
         "step lr * g / (|g| + eps) by (c: the clip factor): elements whose gradient is rounding noise, "
         "such as the attention key bias (true gradient 0) or sums that cancel to ~eps, get Adam's bound 2 lr "
-        "(parity.tolerances 'params_zero_grad'). Matched worst |Δ| / allowed: 0.02 (gpt2-tiny), 0.083 "
+        "(parity.verdict.tolerances 'params_zero_grad'). Matched worst |Δ| / allowed: 0.02 (gpt2-tiny), 0.083 "
         "(gpt2-small-cpu); a decay-mask error moves a norm scale by lr * wd * 1 = 0.1 of the step (91x rtol)."),
         ulps=4.0),
 }

@@ -188,7 +188,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
     preset, config, overrides, hf_model: the run, as for `parity.compare`.
     step: which batch (batches.npy[step]) and schedule position to diagnose (0-based).
     sides: (reference, candidate), each 'jax' or 'torch'.
-    perturb: `side:key=value` numeric changes of one side (parity.run.parse_perturb).
+    perturb: `side:key=value` numeric changes of one side (parity.pipeline.folder.parse_perturb).
     plants: `side:kind` planted bugs (`parse_plants`).
     out: the output folder (default runs/<time>-diagnose-<hash>).
     timeout_s: per-side wall-clock limit, seconds.
@@ -218,8 +218,8 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
   pert = _perturbations(perturb, sides, spec.train.precision, spec)
   plant_map = parse_plants(list(plants), sides, spec.model)
   if run_dir is None:
-    from parity.inputs import check_resources
-    from parity.run import prepare_run_dir
+    from parity.sizing.resources import check_resources
+    from parity.pipeline.folder import prepare_run_dir
     check_resources(spec, folder)  # sizes that cannot fit are refused before anything is allocated
     prepare_run_dir(spec, folder, perturb=pert, init_params=given)
   request = json.loads((folder / "request.json").read_text())
@@ -243,10 +243,10 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
 
 def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[Path, RunSpec, Any]:
   """(folder, spec, initial weights or None): an earlier diagnose's folder (run_dir), or a new run resolved by
-  parity.resolve.resolve_run in `out` (default runs/<time>-diagnose-<hash>)."""
+  parity.pipeline.resolve.resolve_run in `out` (default runs/<time>-diagnose-<hash>)."""
   if run_dir is None:
-    from parity.resolve import resolve_run
-    from parity.run import default_run_dir
+    from parity.pipeline.resolve import resolve_run
+    from parity.pipeline.folder import default_run_dir
     resolved = resolve_run(preset, config=config, hf_model=hf_model, overrides=overrides, sides=sides)
     return (Path(out) if out is not None else default_run_dir(resolved.spec, "diagnose"), resolved.spec,
             resolved.init_params)
@@ -264,8 +264,8 @@ def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[
 
 def _perturbations(perturb: Sequence[str], sides: tuple[str, str], precision: str,
                    spec: RunSpec | None = None) -> dict[str, dict[str, Any]]:
-  """parity.run.parse_perturb, minus what diagnose cannot honour (fault injections, a per-side precision)."""
-  from parity.run import parse_perturb
+  """parity.pipeline.folder.parse_perturb, minus what diagnose cannot honour (fault injections, a per-side precision)."""
+  from parity.pipeline.folder import parse_perturb
   pert = parse_perturb(list(perturb), sides, spec)
   for side, kv in pert.items():
     for key, value in kv.items():

@@ -9,7 +9,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from parity import schedule, weights
+from parity import weights
+
+from parity.numerics import schedule
 from parity.protocol.workers import DIAGNOSE_WORKERS  # noqa: F401  (re-exported: parity.diagnose's face)
 from parity.spec import ModelSpec, RunSpec, SpecError, TrainSpec
 

@@ -12,7 +12,8 @@ import numpy as np
 from parity import weights
 from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
 from parity.hf.tensors import canonical_to_hf, hf_to_canonical
-from parity.inputs import InputError, load_json, parse_text, safetensors_header, tensor_count
+from parity.inputs import InputError, load_json, parse_text, safetensors_header
+from parity.sizing.resources import tensor_count
 from parity.spec import ModelSpec, RunSpec, SpecError, from_dict, to_dict
 
 SPEC_METADATA_KEY = weights.SPEC_METADATA_KEY
@@ -150,7 +151,7 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
   Args:
     folder: the folder `save_pretrained` wrote.
     bin_reader: callable(list of .bin paths) -> dict name -> numpy array, used only for
-      pytorch_model.bin (it needs torch; `parity.convert` passes one that runs a torch_impl
+      pytorch_model.bin (it needs torch; `parity.hf.convert` passes one that runs a torch_impl
       subprocess with torch.load(weights_only=True)).
   Raises:
     FileNotFoundError: no config.json or no weights.

@@ -29,7 +29,6 @@ about every real-world config and a set of edge configs and checks this module a
 """
 from __future__ import annotations
 
-from typing import Any
 
 from parity.migrate._ctx import MISSING, Ctx
 

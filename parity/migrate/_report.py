@@ -109,20 +109,3 @@ class Report:
     if self.warnings:
       out += ["", "## Warnings", ""] + [f"- {w}" for w in self.warnings]
     return "\n".join(out) + "\n"
-
-  def print_table(self, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    console = console or Console(stderr=True)
-    colour = {"mapped": "green", "not_needed": "cyan", "unsupported": "red"}
-    t = Table(title=f"parity port: {self.source}", show_lines=False)
-    for col in ("key", "value", "fate", "target", "reason"):
-      t.add_column(col, overflow="fold")
-    for e in self.entries.values():
-      val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
-      t.add_row(e.key, val, f"[{colour[e.fate]}]{e.fate}[/]", e.target or "", e.reason)
-    console.print(t)
-    for i in self.implied:
-      console.print(f"[yellow]implied[/] {i['key']} = {json.dumps(i['value'])}: {i['reason']}")
-    for w in self.warnings:
-      console.print(f"[yellow]warning[/] {w}")

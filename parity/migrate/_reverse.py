@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from typing import Any
 
 from pydantic import ValidationError
@@ -123,7 +121,7 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   """Maps a ported config onto the RunSpec `parity compare` runs.
 
   The optimizer (AdamW, Adam with L2, Lamb, SGD; `_optimizer_fields`) and the scheduler (every one of
-  parity.schedule.COMPARE_SCHEDULERS, OneCycle with or without momentum cycling) run as ported. The JAX side
+  parity.numerics.schedule.COMPARE_SCHEDULERS, OneCycle with or without momentum cycling) run as ported. The JAX side
   shards as the config does (`_jax_plan`): a ZeRO-3 config runs jax.zero_stage 3.
   Raises:
     SpecError: naming what compare cannot run yet (bias_correction false, more than one rank, remat
@@ -131,7 +129,7 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   The number of steps compare runs stays `base.train.steps`; the schedule keeps its own length.
   """
   o, s, b, pr = ported.optimizer, ported.scheduler, ported.batch, ported.precision
-  from parity.schedule import COMPARE_SCHEDULERS
+  from parity.numerics.schedule import COMPARE_SCHEDULERS
   if s.type not in COMPARE_SCHEDULERS:
     raise SpecError(f"parity compare runs the schedulers {', '.join(COMPARE_SCHEDULERS)}; the ported schedule is "
                     f"{s.type}.")
@@ -152,7 +150,7 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
 
 
 def _optimizer_fields(o: Any) -> dict[str, Any]:
-  """TrainSpec fields of a ported optimizer (parity.schedule.optimizer_of is the inverse).
+  """TrainSpec fields of a ported optimizer (parity.numerics.schedule.optimizer_of is the inverse).
 
   Raises:
     SpecError: bias_correction false (compare's sides run bias-corrected Adam/Lamb only).
@@ -173,11 +171,11 @@ def _optimizer_fields(o: Any) -> dict[str, Any]:
 def _jax_plan(ported: PortedConfig, base: RunSpec, ds: Any) -> Any:
   """The JaxPlan of a ported config: its memory kinds and remat, sharded at the config's ZeRO stage.
 
-  Where a parity.plans.PLANS pair has exactly this DeepSpeed plan and these memory kinds, its JaxPlan runs (so the
+  Where a parity.sizing.plans.PLANS pair has exactly this DeepSpeed plan and these memory kinds, its JaxPlan runs (so the
   report names the pair: a ZeRO-3 config runs the `zero3` pair, jax.zero_stage 3 on one device); otherwise
   jax.zero_stage is the config's stage.
   """
-  from parity.plans import PLANS
+  from parity.sizing.plans import PLANS
   sh = ported.sharding
   host = [k for k in (sh.opt_state_memory_kind, sh.params_memory_kind) if k != "device"]
   jax = dataclasses.replace(base.jax, offload_opt_state=sh.opt_state_memory_kind != "device",
@@ -258,11 +256,5 @@ def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = ""):
   # A config without an optimizer section runs as the HF Trainer runs it: the DeepSpeed side passes a client
   # torch.optim.AdamW (torch_impl.engine.client_optimizer) to deepspeed.initialize; the config is not amended, so
   # DeepSpeed accepts or refuses exactly what it would (the port has already refused what it would refuse).
-  for i in result.report.implied:
-    print(f"parity compare: filled in {i['key']} = {json.dumps(i['value'], default=str)} ({i['reason']})",
-          file=sys.stderr)
-  for e in result.report.entries.values():
-    if e.value == "auto":
-      print(f"parity compare: filled in \"auto\" {e.key} = {json.dumps(e.resolved, default=str)} (from the run spec)",
-            file=sys.stderr)
+  # The values the port filled in are shown before the run starts (parity.report.progress.run_notes).
   return spec, ds, result

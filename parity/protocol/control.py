@@ -104,11 +104,11 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   (e.g. "../init.safetensors"); control keys of the parent's request are not inherited.
 
   Args:
-    run_dir: a prepared run folder (holds request.json, see `parity.run.prepare_run_dir`).
+    run_dir: a prepared run folder (holds request.json, see `parity.pipeline.folder.prepare_run_dir`).
     sub_dir: relative folder inside run_dir for the derived run, e.g. "resume" or "checks/repeat".
     batches: a batches file of the derived run's own (relative to run_dir/<sub_dir>, or absolute) instead of
       the parent's, e.g. the reduction-order rerun's reversed batches (harness.self_runs.run_noise).
-    perturb: per-side perturbations replacing the parent's (parity.run.parse_perturb's form).
+    perturb: per-side perturbations replacing the parent's (parity.pipeline.folder.parse_perturb's form).
     **keys: CONTROL_KEYS to set: stop_after_step=S and save_checkpoint_at_step=K (ints >= 0),
       resume_from="<folder>" (relative to run_dir/<sub_dir>, the folder of the derived request, or absolute;
       '{side}' is replaced by each side's name, e.g. resume_from="../stop/{side}/checkpoint"). None omits a key.
@@ -128,7 +128,7 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   run_dir = Path(run_dir)
   parent = run_dir / "request.json"
   if not parent.is_file():
-    raise FileNotFoundError(f"{parent} not found; prepare the run folder first (parity.run.prepare_run_dir)")
+    raise FileNotFoundError(f"{parent} not found; prepare the run folder first (parity.pipeline.folder.prepare_run_dir)")
   sub = Path(sub_dir)
   if sub.is_absolute() or ".." in sub.parts or str(sub) in ("", "."):
     raise ControlError(f"derive_request: sub_dir must be a relative folder inside {run_dir}; got {str(sub_dir)!r}")

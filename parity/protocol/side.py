@@ -22,7 +22,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from parity import schedule, weights
+from parity import weights
+
+from parity.numerics import schedule
 from parity.protocol.control import RunControl, parse_control
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, CHECKPOINT_SCHEMA, DEBUG_KEYS, FINAL_MOMENTS,
                                     LAUNCH_ENV, PLANTED_KILL, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value)

@@ -17,7 +17,7 @@ report.json, schema 'parity.report/1' (units in key names):
                   the noise/determinism/resume reruns), overhead_ratio = wall_s / (sum(sides_s) + self_runs_s)}
   plan           {name, chosen_by, why} when --plan was given, else null
   memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}
-  noise_envelope {method, rule: parity.tolerances.EnvelopeRule fields, runs: {side: {status, wall_s, error}},
+  noise_envelope {method, rule: parity.verdict.tolerances.EnvelopeRule fields, runs: {side: {status, wall_s, error}},
                   sides: {side: {steps, abs_loss_diff, grad_norm_rel_diff, params_ratio_max}}} | null: each side's
                  reduction-order rerun behind the *_envelope checks (bf16/fp16 by default)
   determinism    {side: {deterministic, steps_checked, detail, status}}: a rerun of each side's first steps

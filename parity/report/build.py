@@ -11,9 +11,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from parity.checks import Check, Verdict
+from parity.verdict.checks import Check, Verdict
 from parity.spec import RunSpec, config_hash, to_dict
-from parity.tolerances import TOLERANCES
+from parity.verdict.tolerances import TOLERANCES
 
 __all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "SIDE_ARTIFACTS", "artifact_hashes",
            "file_digest"]
@@ -90,19 +90,19 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
   """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
 
   Args:
-    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus (parity.run.PreparedRun.data_info).
+    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus (parity.pipeline.folder.PreparedRun.data_info).
     side_runs: side -> harness.runner.SideRun; side_steps: side -> StepRecords.
-    checks, params_table, verdict: parity.checks.compare_sides + reruns' checks, and their verdict.
+    checks, params_table, verdict: parity.verdict.checks.compare_sides + reruns' checks, and their verdict.
     wall_s: seconds from the call to now; prepare_s: seconds writing the inputs.
-    plan: the plan pair chosen (parity.resolve.ResolvedRun.plan) or None.
-    reruns: {'noise_envelope', 'determinism', 'resume'} sections (parity.reruns.Reruns.sections); reruns_s: the
+    plan: the plan pair chosen (parity.pipeline.resolve.ResolvedRun.plan) or None.
+    reruns: {'noise_envelope', 'determinism', 'resume'} sections (parity.pipeline.reruns.Reruns.sections); reruns_s: the
       seconds their workers were busy. timing.overhead_ratio = wall_s / (sum(sides_s) + reruns_s), computed here.
     run_folder: {run_id, moved_aside_to, stale_lock_taken_over} of the claimed folder.
     interrupted: a Ctrl-C stopped the run: the verdict fails and its message says so.
   Returns:
     The Report (JSON-ready data; not written: parity.report.write_all).
   """
-  from parity import memory
+  from parity.sizing import memory
   sides, sides_s = {}, {}
   for name, sr in side_runs.items():
     summ = sr.summary or {}
@@ -142,7 +142,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
   }
   data = json.loads(json.dumps(data, default=str))
   data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(data),  # reads the sides' summaries
-                    "note": "predicted by parity.memory (parity estimate); measured from the live "
+                    "note": "predicted by parity.sizing.memory (parity estimate); measured from the live "
                             "state arrays / engine tensors of each side"}
   return Report(data=data, run_dir=run_dir)
 

@@ -2,7 +2,7 @@
 
 Numpy only. Inputs are what the workers wrote (parity.protocol): per-step
 records and final canonical params. Every check compares two sides, names its
-metric, the largest difference, the tolerance (parity.tolerances), and the
+metric, the largest difference, the tolerance (parity.verdict.tolerances), and the
 first step at which it broke.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from parity.tolerances import EnvelopeRule, tolerance
+from parity.verdict.tolerances import EnvelopeRule, tolerance
 from parity.weights import zero_grad_slices
 
 __all__ = ["Check", "Verdict", "series_check", "param_checks", "compare_sides", "verdict", "envelope_check",
@@ -318,7 +318,7 @@ def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict
     noise: side -> (step -> |metric_side - metric_rerun|, relative (`relative_diff`) for grad_norm) of each
       side's reduction-order rerun (harness.self_runs.run_noise); the pair is held against the noisier of its
       two sides, window by window, or against the one side measured when only one is.
-    rule: factor, floor and window (parity.tolerances.ENVELOPE_RULES).
+    rule: factor, floor and window (parity.verdict.tolerances.ENVELOPE_RULES).
     metric: 'loss' (nats), 'grad_norm' or 'val_loss' (nats; few steps, so one window by default).
     window: steps per window (default rule.window; for val_loss all eval steps in one window).
   Returns:

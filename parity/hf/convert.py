@@ -29,7 +29,7 @@ from parity.spec import ModelSpec, SpecError
 __all__ = ["FORMATS", "ConvertError", "Converted", "detect_format", "read_any", "convert", "read_bin"]
 
 FORMATS = ("hf", "canonical", "orbax")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER_TIMEOUT_S = 3600.0
 """Wall-clock limit of one framework subprocess, seconds (a 7B model converts in minutes)."""
 
@@ -160,7 +160,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
   except BaseException:
     _remove(stage)  # only the staging output this call created
     raise
-  n = model.n_params()
+  n = weights.n_params(model)
   return Converted(src_format, dst_format, dst, model, len(weights.param_shapes(model)), n, tuple(notes))
 
 

@@ -5,7 +5,7 @@ ZeRO stage s <-> JAX `zero_stage` s (sharding over the data axis), DeepSpeed `of
 <-> `offload_opt_state` (Adam moments and, in DeepSpeed, the fp32 master copy on the host),
 `offload_param: cpu` <-> `offload_params`, activation checkpointing <-> `remat='full'`.
 `apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
-model of `parity.memory` and a roofline step-time model (docs/plans.md). No jax or torch import.
+model of `parity.sizing.memory` and a roofline step-time model (docs/plans.md). No jax or torch import.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from parity import memory
+from parity.sizing import memory
 from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",

@@ -19,8 +19,9 @@ import enum
 import math
 from typing import Any, Iterable
 
-from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec, TrainSpec
-from parity.weights import param_shapes
+from parity.sizing.memory_jax import jax_state_bytes
+from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec, TrainSpec, from_dict
+from parity.weights import n_params, param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
@@ -50,7 +51,7 @@ class Row:
 
 def param_count(model: ModelSpec) -> int:
   """Number of trainable parameters (tied head once), as DeepSpeed's `model_to_params` counts them."""
-  return model.n_params()
+  return n_params(model)
 
 
 def largest_layer_params(model: ModelSpec) -> int:
@@ -382,20 +383,12 @@ def peak_host_bytes(rows: Iterable[Row], side: str) -> int:
 # ----------------------------------------------------------------------------- predicted vs measured
 
 def _run_of(report: dict[str, Any]) -> RunSpec:
-  from parity.spec import from_dict
   return from_dict(RunSpec, report["run"])
 
 
 def _jax_predicted_by_kind(run: RunSpec) -> dict[str, int]:
-  """JAX state bytes per memory kind: parity.memory_jax's figure where that module exists, else ours."""
-  try:
-    from parity.memory_jax import jax_state_bytes
-  except ImportError:
-    jax_state_bytes = None
-  if jax_state_bytes is not None:
-    return {("host" if k.endswith("host") else k): int(v) for k, v in jax_state_bytes(run).items()}
-  tot = totals(estimate(run, sides=("jax",)), "jax")
-  return {k: sum(tot[c][k] for c in CATEGORIES if c != "activations") for k in KINDS}
+  """JAX state bytes per memory kind (parity.sizing.memory_jax, which sizes each array by its memory kind)."""
+  return {("host" if k.endswith("host") else k): int(v) for k, v in jax_state_bytes(run).items()}
 
 
 def predicted_vs_measured(report_json: dict[str, Any] | str) -> list[dict[str, Any]]:
@@ -442,7 +435,7 @@ def _row(side: str, category: str, kind: str, predicted: int | None, measured: i
 # ----------------------------------------------------------------------------- what `parity estimate` shows
 
 def model_preset_train(model: ModelSpec) -> TrainSpec:
-  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS; parity.resolve.resolve_run(model=...)):
+  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS; parity.pipeline.resolve.resolve_run(model=...)):
   micro batch 1, seq_len min(2048, max_seq_len), bf16 (how such models are trained); other fields TrainSpec's."""
   return TrainSpec(micro_batch_size=1, seq_len=min(2048, model.max_seq_len), precision="bf16")
 

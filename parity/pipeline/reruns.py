@@ -19,11 +19,11 @@ from typing import Any
 
 from harness import self_runs
 from harness.runner import SideRun
-from parity.checks import (ENVELOPE_METRICS, Check, envelope_check, envelope_params_check, param_ratios,
+from parity.verdict.checks import (ENVELOPE_METRICS, Check, envelope_check, envelope_params_check, param_ratios,
                            repeat_check, rerun_differences)
-from parity.collect import side_outputs
+from parity.pipeline.collect import side_outputs
 from parity.spec import RunSpec
-from parity.tolerances import envelope_rule
+from parity.verdict.tolerances import envelope_rule
 
 __all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelope", "repeat_and_resume"]
 
@@ -31,7 +31,7 @@ __all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelop
 @dataclasses.dataclass(frozen=True)
 class RerunContext:
   """What every rerun needs of the main run: its folder, spec, run id, per-side limit (seconds), initial weights
-  (canonical name -> float32 array) and the collected sides (parity.collect.collect_sides)."""
+  (canonical name -> float32 array) and the collected sides (parity.pipeline.collect.collect_sides)."""
   run_dir: Path
   spec: RunSpec
   run_id: str | None

@@ -1,10 +1,10 @@
 """One resolver for a run: every source of a run's settings, applied in one documented order.
 
 `resolve_run` is what `parity compare`, `parity diagnose`, `parity estimate` and `parity plan` (and
-`parity.run.resolve`) build a run with. The sources, in the order they apply, each later one over the earlier ones:
+`resolve`, its shorthand) build a run with. The sources, in the order they apply, each later one over the earlier ones:
 
   1. base        the preset a config file names (`preset:`), else the `preset` argument, else a model-size preset
-                 (`model`, parity.hf.MODEL_PRESETS, with parity.memory.model_preset_train's training), else
+                 (`model`, parity.hf.MODEL_PRESETS, with parity.sizing.memory.model_preset_train's training), else
                  DEFAULT_PRESET (any two of a config's `preset:`, `preset` and `model` are refused as a conflict)
   2. config      the config file's sections merged over the preset (a `parity port` output maps onto it)
   3. checkpoint  an HF checkpoint (`--hf-model`) replaces the model section; its weights become the initial weights
@@ -29,7 +29,67 @@ from typing import Any, Mapping, Sequence
 
 from parity.spec import DEFAULT_PRESET, RunSpec, SpecError, apply_overrides, from_dict, parse_overrides, preset, to_dict
 
-__all__ = ["ResolvedRun", "resolve_run", "overrides_mapping"]
+__all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file"]
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+  """Reads a run config: YAML, or JSON as DeepSpeed reads it (comments, trailing commas).
+
+  The readers are parity.migrate's, so run configs and DeepSpeed configs parse alike.
+  Raises:
+    SpecError: missing file, a syntax error (with file, line and column), or a top level that is not a mapping.
+  """
+  from parity.migrate._read import PortError, read_deepspeed_config, read_structured
+  p = Path(path)
+  if not p.exists():
+    raise SpecError(f"config file not found: {p}")
+  try:
+    if p.suffix.lower() in (".json", ".hjson", ".json5"):
+      return read_deepspeed_config(p)
+    return read_structured(p)
+  except PortError as exc:
+    raise SpecError(str(exc)) from None
+
+
+def _merge(base: dict, top: Mapping) -> dict:
+  out = dict(base)
+  for k, v in top.items():
+    out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
+            overrides: Mapping[str, Any] | Sequence[str] = (), steps: int | None = None,
+            sides: Sequence[str] | None = None, data: str | None = None) -> RunSpec:
+  """The RunSpec of `parity.pipeline.resolve.resolve_run` for a preset, config, flags and overrides (no checkpoint, plan or
+  DeepSpeed config): a shorthand for tests and benchmarks.
+
+  Raises:
+    SpecError: unknown preset or key, a value of the wrong type or out of range.
+  """
+  return resolve_run(preset_name, config=config, overrides=overrides, steps=steps, sides=sides, data=data).spec
+
+
+def _is_path(data: Any) -> bool:
+  return isinstance(data, str) and bool(data.strip()) and data != "stdlib"
+
+
+def _data_relative_to(cfg: dict[str, Any], config: Path) -> dict[str, Any]:
+  """A relative `data:` path in a config file names a path next to that file, as users expect (not the cwd).
+
+  Raises:
+    DataError: nothing at the resolved path; the message names the folder it was resolved against.
+  """
+  data = cfg.get("data")
+  if not _is_path(data) or Path(data).expanduser().is_absolute():
+    return cfg
+  where = config.absolute().parent
+  resolved = where / data
+  if not resolved.exists():
+    from parity.data import DataError
+    raise DataError(f"{config}: data {data!r} is resolved relative to the config file's folder {where}, and "
+                    f"{resolved} does not exist; fix the path (or make it absolute)")
+  return {**cfg, "data": str(resolved)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +142,12 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   Args:
     preset_name: a parity.spec.PRESETS name, or None (the config's `preset:`, else `model`, else DEFAULT_PRESET).
     model: a model-size preset of parity.hf.MODEL_PRESETS (e.g. llama-7b, gpt2-124m): its ModelSpec with
-      parity.memory.model_preset_train's training (micro batch 1, seq_len min(2048, max_seq_len), bf16).
+      parity.sizing.memory.model_preset_train's training (micro batch 1, seq_len min(2048, max_seq_len), bf16).
     config: a run config file (YAML/JSON/hjson) or mapping with sections model, train, jax, deepspeed (+ preset,
       data, sides, timeout_s), or a `parity port` output.
     hf_model: a local Hugging Face checkpoint folder.
-    plan: a parity.plans.PLANS name, or 'auto' (the fastest pair that fits `hardware` by the memory model).
-    hardware: a parity.plans.HARDWARE preset, for plan='auto'.
+    plan: a parity.sizing.plans.PLANS name, or 'auto' (the fastest pair that fits `hardware` by the memory model).
+    hardware: a parity.sizing.plans.HARDWARE preset, for plan='auto'.
     deepspeed_config: a DeepSpeed JSON config file.
     steps, sides, data: train.steps, sides and data.
     micro_batch, seq_len, grad_accum, precision: train.micro_batch_size, seq_len, grad_accum_steps, precision.
@@ -98,7 +158,6 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     SpecError (and its subclasses), DataError: unknown names or keys, wrong types, out-of-range values, a refused
       DeepSpeed config, a conflict between two sources (both named).
   """
-  from parity.run import _data_relative_to
   over = overrides_mapping(overrides)
   cfg, source = _config_mapping(config)
   name = _base_name(preset_name, model, cfg.pop("preset", None), source)
@@ -138,7 +197,6 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
 
 
 def _config_mapping(config) -> tuple[dict[str, Any], str]:
-  from parity.run import load_config_file
   if config is None:
     return {}, "config"
   if isinstance(config, (str, Path)):
@@ -153,7 +211,7 @@ def _base(name: str, model: str | None) -> RunSpec:
   if model is None:
     return preset(name)
   from parity.hf import MODEL_PRESETS
-  from parity.memory import model_preset_train
+  from parity.sizing.memory import model_preset_train
   if model not in MODEL_PRESETS:
     raise SpecError(f"unknown model preset {model!r}; known model presets: {', '.join(MODEL_PRESETS)} "
                     "(see `parity presets`)")
@@ -162,7 +220,6 @@ def _base(name: str, model: str | None) -> RunSpec:
 
 def _base_with_config(base: RunSpec, cfg: dict[str, Any], source: str) -> RunSpec:
   """The base run with the config's sections merged over it (or a `parity port` output mapped onto it)."""
-  from parity.run import _merge
   from parity.spec import check_numbers
   if cfg.get("schema") == "parity.ported/1":  # the output of `parity port`: the JAX config of a DeepSpeed run
     from parity.migrate._reverse import load_ported, to_run_spec
@@ -197,7 +254,6 @@ def _flag_values(**flags: Any) -> dict[str, Any]:
 def _settle(spec: RunSpec) -> RunSpec:
   """What follows from the resolved values: eval_every at most the run's steps; a relative data path (from --data
   or --set) made absolute against the current directory, since workers run from the repository root."""
-  from parity.run import _is_path
   if spec.train.eval_every > spec.train.steps:
     spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, eval_every=spec.train.steps))
   if _is_path(spec.data) and not Path(spec.data).expanduser().is_absolute():
@@ -206,7 +262,8 @@ def _settle(spec: RunSpec) -> RunSpec:
 
 
 def _from_checkpoint(hf_model, spec: RunSpec):
-  from parity import convert, hf
+  from parity import hf
+  from parity.hf import convert
   try:
     return hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
   except (ValueError, FileNotFoundError) as exc:  # HFFormatError is a SpecError (a ValueError)
@@ -227,10 +284,10 @@ def _check_init_shapes(spec: RunSpec, init: Mapping[str, Any], source: str | Non
 
 
 def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str):
-  """(the named or planner-chosen parity.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is
+  """(the named or planner-chosen parity.sizing.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is
   validated with the rest of the run at the end; the planner ('auto') chooses for the run as the flags and
   overrides (`user`, dotted keys) will make it."""
-  from parity import plans
+  from parity.sizing import plans
   if plan != "auto":
     if plan not in plans.PLANS:
       raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
@@ -248,7 +305,7 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
 
 def _plan_of(spec: RunSpec) -> dict | None:
   """The pair the run's plans happen to be (the default pair unless the config or overrides changed them)."""
-  from parity.plans import DEFAULT_PLAN, plan_of
+  from parity.sizing.plans import DEFAULT_PLAN, plan_of
   matched = plan_of(spec)
   if matched is None:
     return None

@@ -1,25 +1,25 @@
 """`parity.compare(...)`: one comparison from Python, returning the Report.
 
-The pipeline, top to bottom (`run_comparison`): resolve (parity.resolve) -> prepare the run folder (parity.run) ->
-run the sides (harness.runner) -> collect (parity.collect) -> compare (parity.checks) -> reruns (parity.reruns) ->
+The pipeline, top to bottom (`run_comparison`): resolve (parity.pipeline.resolve) -> prepare the run folder (parity.pipeline.folder) ->
+run the sides (harness.runner) -> collect (parity.pipeline.collect) -> compare (parity.verdict.checks) -> reruns (parity.pipeline.reruns) ->
 build the report -> write it (parity.report). `compare` is its keyword form for notebooks and the CLI.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from harness import runner
-from parity.checks import compare_sides, verdict
-from parity.collect import collect_sides, interrupted_run
+from parity.verdict.checks import compare_sides, verdict
+from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
 from parity.report import Report, build_report, write_all
-from parity.reruns import RerunContext, Reruns, run_reruns
-from parity.resolve import ResolvedRun, resolve_run
-from parity.run import check_perturb, open_run_folder, parse_perturb
+from parity.report.progress import progress_display, run_notes
+from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
+from parity.pipeline.resolve import ResolvedRun, resolve_run
+from parity.pipeline.folder import check_perturb, open_run_folder, parse_perturb
 from parity.spec import RunSpec, SpecError
 
 __all__ = ["compare", "run_comparison", "RunOptions", "check_run_options"]
@@ -31,16 +31,16 @@ class RunOptions:
 
   Attributes:
     out: run folder (default runs/<time>-<preset>-<hash>): new, or empty. It is locked while the run writes it
-      (parity.run.claim_run_dir): a folder in use by a live run, or holding an earlier run, is refused.
+      (parity.pipeline.folder.claim_run_dir): a folder in use by a live run, or holding an earlier run, is refused.
     force: move an earlier run found in `out` aside to `<out>.old-<time>` (never deleted, never mixed).
     command: the command line recorded in the folder's lock (default sys.argv).
     perturb: per-side debug changes, `side:key=value` strings or {side: {key: value}}
-      (see parity.run.parse_perturb); they make the sides differ on purpose.
+      (see parity.pipeline.folder.parse_perturb); they make the sides differ on purpose.
     timeout_s: per-side wall-clock limit, seconds (default: the spec's timeout_s).
     progress: show a progress bar (rich) on the terminal.
     noise_envelope: rerun every side that finished with the batches' rows in reverse order, and hold
       each pair's loss-difference curve against the noisier side's rerun difference
-      (parity.checks.envelope_check). None: only for bf16/fp16 runs.
+      (parity.verdict.checks.envelope_check). None: only for bf16/fp16 runs.
     determinism_steps: rerun each side that finished for its first N steps in a new process and
       state whether the records are bit-identical (reported; does not gate the verdict). 0: skip.
     resume_at: also save a checkpoint at this step in that rerun, resume from it in a new process
@@ -81,9 +81,9 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     deepspeed_config: a DeepSpeed JSON config. The DeepSpeed side runs that very file (its "auto"
       values filled from the run spec, as the HF Trainer would); the JAX and torch sides run its
       port (`parity port`); the key-by-key migration report is written to migration.json/.md.
-    plan: a plan pair of parity.plans.PLANS applied to both sides, or 'auto' for the fastest pair that
-      fits `hardware` by the memory model (parity.plans.choose_plan); the choice is recorded in the report.
-    hardware: a parity.plans.HARDWARE preset, for plan='auto'.
+    plan: a plan pair of parity.sizing.plans.PLANS applied to both sides, or 'auto' for the fastest pair that
+      fits `hardware` by the memory model (parity.sizing.plans.choose_plan); the choice is recorded in the report.
+    hardware: a parity.sizing.plans.HARDWARE preset, for plan='auto'.
     out, perturb, timeout_s, progress, noise_envelope, determinism_steps, resume_at, force, command: how it runs,
       the RunOptions fields of the same names.
   Returns:
@@ -107,7 +107,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   """Runs a resolved comparison: every side in its own process, the reruns, the report (written to the run folder).
 
   Args:
-    run: parity.resolve.resolve_run's result. options: RunOptions.
+    run: parity.pipeline.resolve.resolve_run's result. options: RunOptions.
   Returns, Raises: as `compare`; a Ctrl-C is re-raised once the report of what ran is written.
   """
   t0 = options.started_s if options.started_s is not None else time.time()
@@ -121,7 +121,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
-    with _progress(options.progress, spec) as on_progress:
+    with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
       side_runs, interrupted = runner.run_each_side(
           spec.sides, lambda side: runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress),
           on_interrupt=lambda side: interrupted_run(folder.path, side))
@@ -176,39 +176,3 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
     if "overflow_at_steps" in kv and precision != "fp16":
       raise SpecError(f"--perturb {side}:overflow_at_steps needs loss scaling: that side runs "
                       f"train.precision={precision!r}; use 'fp16'")
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, spec):
-  if not enabled:
-    yield None
-    return
-  from rich.console import Console
-  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-  if not Console().is_terminal:  # a log file: plain lines at start and every quarter of the steps
-    shown: dict[str, int] = {}
-    total = spec.train.steps
-
-    def on_line(side: str, n: int, note: str | None = None) -> None:
-      if note:  # the worker is outside its steps (a DeepSpeed op build): say so instead of 0/N steps
-        print(f"[{time.strftime('%H:%M:%S')}] {side}: {note}", flush=True)
-        return
-      quarter = (4 * n) // total if total else 4
-      if shown.get(side) != quarter:
-        shown[side] = quarter
-        print(f"[{time.strftime('%H:%M:%S')}] {side}: {n}/{total} steps", flush=True)
-    yield on_line
-    return
-  cols = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
-          TimeElapsedColumn())
-  with Progress(*cols, transient=False) as prog:
-    tasks = {s: prog.add_task(s, total=spec.train.steps, start=False) for s in spec.sides}
-
-    def on_progress(side: str, n: int, note: str | None = None) -> None:
-      if note is not None:  # "deepspeed: building DeepSpeed op cpu_adam (first use, ~1 min)"; "" when it ends
-        prog.update(tasks[side], description=f"{side}: {note}" if note else side)
-        if note:
-          return
-      prog.start_task(tasks[side])
-      prog.update(tasks[side], completed=n)
-    yield on_progress

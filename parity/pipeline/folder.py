@@ -1,4 +1,5 @@
-"""Resolving a run (preset + config file + overrides) and laying out its run folder."""
+"""A run's folder: per-side perturbations, claiming the folder, and writing the run's inputs (request, weights,
+batches) into it once."""
 from __future__ import annotations
 
 import contextlib
@@ -15,75 +16,14 @@ import numpy as np
 from parity import weights
 from parity.data import Corpus, load_corpus, make_batches
 from parity.protocol.layout import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
-from parity.claim import (LOCK_NAME, RUN_INPUTS, RUN_MARKERS, RunFolder, RunFolderError, RunIOError,  # noqa: F401
+from parity.pipeline.claim import (LOCK_NAME, RUN_INPUTS, RUN_MARKERS, RunFolder, RunFolderError, RunIOError,  # noqa: F401
                           claim_run_dir, read_lock)
 from parity.spec import RunSpec, SpecError, apply_overrides, config_hash, to_dict
 
-__all__ = ["resolve", "load_config_file", "prepare_run_dir", "default_run_dir", "parse_perturb", "check_perturb",
+__all__ = ["prepare_run_dir", "default_run_dir", "parse_perturb", "check_perturb",
            "claim_run_dir",
            "RunFolder", "RunFolderError", "RunIOError", "read_lock", "write_new", "LOCK_NAME", "PreparedRun",
            "open_run_folder"]
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-  """Reads a run config: YAML, or JSON as DeepSpeed reads it (comments, trailing commas).
-
-  The readers are parity.migrate's, so run configs and DeepSpeed configs parse alike.
-  Raises:
-    SpecError: missing file, a syntax error (with file, line and column), or a top level that is not a mapping.
-  """
-  from parity.migrate._read import PortError, read_deepspeed_config, read_structured
-  p = Path(path)
-  if not p.exists():
-    raise SpecError(f"config file not found: {p}")
-  try:
-    if p.suffix.lower() in (".json", ".hjson", ".json5"):
-      return read_deepspeed_config(p)
-    return read_structured(p)
-  except PortError as exc:
-    raise SpecError(str(exc)) from None
-
-
-def _merge(base: dict, top: Mapping) -> dict:
-  out = dict(base)
-  for k, v in top.items():
-    out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
-  return out
-
-
-def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
-            overrides: Mapping[str, Any] | Sequence[str] = (), steps: int | None = None,
-            sides: Sequence[str] | None = None, data: str | None = None) -> RunSpec:
-  """The RunSpec of `parity.resolve.resolve_run` for a preset, config, flags and overrides (no checkpoint, plan or
-  DeepSpeed config): a shorthand for tests and benchmarks.
-
-  Raises:
-    SpecError: unknown preset or key, a value of the wrong type or out of range.
-  """
-  from parity.resolve import resolve_run
-  return resolve_run(preset_name, config=config, overrides=overrides, steps=steps, sides=sides, data=data).spec
-
-
-def _is_path(data: Any) -> bool:
-  return isinstance(data, str) and bool(data.strip()) and data != "stdlib"
-
-
-def _data_relative_to(cfg: dict[str, Any], config: Path) -> dict[str, Any]:
-  """A relative `data:` path in a config file names a path next to that file, as users expect (not the cwd).
-
-  Raises:
-    DataError: nothing at the resolved path; the message names the folder it was resolved against.
-  """
-  data = cfg.get("data")
-  if not _is_path(data) or Path(data).expanduser().is_absolute():
-    return cfg
-  where = config.absolute().parent
-  resolved = where / data
-  if not resolved.exists():
-    from parity.data import DataError
-    raise DataError(f"{config}: data {data!r} is resolved relative to the config file's folder {where}, and "
-                    f"{resolved} does not exist; fix the path (or make it absolute)")
-  return {**cfg, "data": str(resolved)}
 
 
 PERTURBABLE = frozenset({
@@ -265,15 +205,15 @@ class PreparedRun:
 
 def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapping], *, force: bool = False,
                     command: str | None = None) -> PreparedRun:
-  """Claims the run folder of a resolved run (parity.resolve.ResolvedRun) and writes its inputs.
+  """Claims the run folder of a resolved run (parity.pipeline.resolve.ResolvedRun) and writes its inputs.
 
-  Sizes that cannot fit are refused before any folder or array exists (parity.inputs.check_resources); then the
+  Sizes that cannot fit are refused before any folder or array exists (parity.sizing.resources.check_resources); then the
   folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
   (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back.
   Raises:
     SpecError, DataError, RunFolderError, RunIOError: as those functions; nothing of this run is left behind.
   """
-  from parity.inputs import check_resources
+  from parity.sizing.resources import check_resources
   folder = Path(out) if out is not None else default_run_dir(run.spec, run.preset)
   check_resources(run.spec, folder)
   claim = claim_run_dir(out if out is not None else folder, force=force, command=command)  # '' refused, not '.'

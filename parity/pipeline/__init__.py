@@ -1,0 +1,9 @@
+"""The run pipeline: resolve a run, claim its folder, run the sides, collect, compare, rerun, report.
+
+  resolve.py   every source of a run's settings -> one frozen ResolvedRun (the one resolver)
+  folder.py    per-side perturbations; the run folder's inputs (request, weights, batches), written once
+  claim.py     the run folder's lock: one run per folder, nothing a user had is overwritten
+  compare.py   `compare()` / `run_comparison()`: the pipeline top to bottom
+  collect.py   reading back what each side wrote, only when it is whole and this run's own
+  reruns.py    the noise-envelope, determinism and resume reruns, each returning its checks and report section
+"""
