@@ -1,0 +1,167 @@
+"""Helpers shared by the GPU benchmark's parts and its driver. Imports neither jax nor torch (numpy and parity only).
+
+A part is `python -m benchmarks.gpu_parts.<name> --json OUT [...]`: it writes one JSON object to OUT and exits 0,
+or exits non-zero with its error on stderr (the driver records the tail; `classify_failure` names an OOM).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+GB = 10**9
+
+# Dense (no sparsity) peak FLOP/s per device, from NVIDIA's data sheets: H100 (SXM5 / PCIe / NVL) and H200 (SXM /
+# NVL) Tensor Core BF16 989.4 / 756 / 835 / 989.4 / 835 TFLOP/s, TF32 494.7 / 378 / 417.5 / 494.7 / 417.5, plain
+# FP32 (CUDA cores) 66.9 / 51.2 / 60 / 66.9 / 60. The data sheets print twice these tensor figures "with sparsity".
+# A100 (SXM/PCIe): BF16 312, TF32 156, FP32 19.5. Matched on the device name, most specific first.
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200 NVL", {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("H200", {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H100 PCIe", {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
+    ("H100 NVL", {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+]
+
+OOM_PATTERNS = ("RESOURCE_EXHAUSTED", "out of memory", "OutOfMemoryError", "Out of memory", "CUDA error: out of",
+                "cudaErrorMemoryAllocation", "MemoryError", "Cannot allocate memory", "std::bad_alloc")
+"""stderr text of an allocation failure: XLA (RESOURCE_EXHAUSTED), torch/CUDA, numpy/Python, the C++ runtime."""
+
+
+def peak_flops(device_name: str | None, dtype: str) -> float | None:
+  """Peak FLOP/s of `device_name` (e.g. 'NVIDIA H200') for dtype 'bf16', 'tf32' or 'fp32'; None when unknown (CPU)."""
+  for key, table in PEAK_FLOPS:
+    if device_name and key.lower() in device_name.lower():
+      return table[dtype]
+  return None
+
+
+def flops_per_token(model, seq_len: int) -> float:
+  """Training FLOPs per token: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B: 6N for the forward and
+  backward matmuls of N params, 12·L·h·s for attention scores and values; Megatron's Narayanan et al. 2021 eq. 3
+  without recomputation counts the same terms). It is the planner's cost model (parity.sizing.plans)."""
+  try:
+    from parity.sizing.plans import _flops_per_token
+  except ImportError:  # before the move of parity/plans.py (an hour's grace; see docs/benchmarks.md)
+    from parity.plans import _flops_per_token  # type: ignore[no-redef]
+  return float(_flops_per_token(model, seq_len))
+
+
+def sizing_modules():
+  """(memory, plans) modules of the project's memory model: parity.sizing.* (older checkouts: parity.memory/plans)."""
+  try:
+    from parity.sizing import memory, plans
+  except ImportError:
+    from parity import memory, plans  # type: ignore[no-redef]
+  return memory, plans
+
+
+def reset_peak_rss() -> bool:
+  """Resets this process's peak RSS (VmHWM) to its current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+  try:
+    Path("/proc/self/clear_refs").write_text("5")
+    return True
+  except OSError:
+    return False
+
+
+def peak_rss_bytes() -> int | None:
+  """This process's peak resident set (VmHWM), bytes; None where /proc is missing."""
+  try:
+    for line in Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def host_memory_bytes() -> dict[str, int]:
+  """MemTotal and MemAvailable of this machine, bytes (empty where /proc/meminfo is missing)."""
+  out = {}
+  try:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+      key, _, rest = line.partition(":")
+      if key in ("MemTotal", "MemAvailable"):
+        out[key] = int(rest.split()[0]) * 1024
+  except OSError:
+    pass
+  return out
+
+
+def fast_params(model) -> dict[str, np.ndarray]:
+  """Canonical float32 weights of `model` filled with constants (norm scales 1, biases 0, matrices init_std):
+  the same names, shapes and bytes as parity.weights.init_params without drawing billions of normals. For the
+  largest-model probes only, where values change neither the memory nor the time of a step."""
+  from parity.weights import param_shapes
+  out = {}
+  for name, shape in param_shapes(model).items():
+    norm = ".ln_" in name or name.startswith("ln_f")
+    value = (1.0 if name.endswith(".weight") else 0.0) if norm else (0.0 if name.endswith(".bias") else
+                                                                      model.init_std)
+    out[name] = np.full(shape, value, np.float32)
+  return out
+
+
+def timing(times: list[float]) -> dict[str, float]:
+  """median, min, max of timed seconds."""
+  return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "n": len(times)}
+
+
+def read_spec(path: str):
+  """The RunSpec a driver wrote with `write_spec`."""
+  from parity.spec import RunSpec, from_dict
+  return from_dict(RunSpec, json.loads(Path(path).read_text()))
+
+
+def write_spec(run, path: Path) -> Path:
+  """Writes a RunSpec as JSON (parity.spec.to_dict) for a part to read."""
+  from parity.spec import to_dict
+  path.write_text(json.dumps(to_dict(run), indent=1))
+  return path
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+  """Writes a part's result (non-finite floats as null)."""
+  def clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+      return None
+    if isinstance(x, dict):
+      return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [clean(v) for v in x]
+    if isinstance(x, np.generic):
+      return clean(x.item())
+    return x
+  Path(path).write_text(json.dumps(clean(data), indent=1, default=str))
+
+
+def classify_failure(returncode: int | None, stderr: str, timed_out: bool) -> str:
+  """'timeout', 'oom' (stderr names an allocation failure, or the kernel's OOM killer: SIGKILL) or 'error'."""
+  if timed_out:
+    return "timeout"
+  if any(p in stderr for p in OOM_PATTERNS) or returncode in (-9, 137):
+    return "oom"
+  return "error"
+
+
+def tail(text: str, lines: int = 15, chars: int = 2000) -> str:
+  """The last lines of a process's output, without ANSI escapes, at most `chars` characters."""
+  text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text or "")
+  return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+
+
+def env_flag(name: str) -> bool:
+  return os.environ.get(name, "") not in ("", "0", "false")

@@ -1,0 +1,184 @@
+"""Sizes of the GPU benchmark, chosen by the project's memory model and planner (parity only: no jax, no torch).
+
+  * `fixed_size`: one GPT (gpt2-1.5b: 48 layers x d_model 1600, seq 1024, bf16) and the smallest micro batch at
+    which no plan without offload (zero0/1/2/3 on one device) fits the device on both sides while the offload
+    pair `zero2-offload-scan` does (`parity.sizing.plans.choose_plan`, its 10 % device reserve, this node's
+    device and host memory): the size "needs offload". The offload cost is measured at the largest micro batch
+    where `zero2` (no offload) still fits on both sides, the same model.
+  * `probe_run` / `predicted_largest`: the largest-model search's runs (same width, n_layers varies, micro
+    batch 1) and the memory model's prediction of the largest n_layers, the doubling's start.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from benchmarks.gpu_parts.common import sizing_modules
+
+FIXED_MODEL = "gpt2-1.5b"
+"""parity.hf.MODEL_PRESETS name of the fixed GPT (a published size: GPT-2 XL)."""
+OFFLOAD_PLAN, NO_OFFLOAD_PLAN = "zero2-offload-scan", "zero2"
+"""Full optimizer-state offload (DeepSpeed ZeRO-2 + offload_optimizer cpu; JAX Adam moments in pinned_host,
+streamed through the update one layer at a time) and the same pair without offload. The JAX side scans over
+layers in both (compile time independent of depth, which the ~8 minute budget needs)."""
+PROBE_PLANS = {"jax": "scan-offload", "deepspeed": "zero3-offload-all"}
+"""Largest-model plans: JAX params + optimizer state in pinned_host (scan over layers); DeepSpeed ZeRO-3 with
+offload_optimizer and offload_param cpu."""
+NO_OFFLOAD = ("zero0", "zero1", "zero2", "zero3")
+RESERVE = 0.1
+"""Fraction of device memory the planner keeps for the framework and fragmentation (choose_plan's default)."""
+
+
+def tiny_run():
+  """gpt2-tiny in bf16 (the CPU check's model)."""
+  from parity.spec import PRESETS
+  run = PRESETS["gpt2-tiny"]
+  return dataclasses.replace(run, train=dataclasses.replace(run.train, precision="bf16"))
+
+
+def with_plan(run, plan: str, *, micro_batch: int | None = None, n_layers: int | None = None):
+  """`run` under a plans.PLANS pair, the JAX side scanning over layers, with micro batch / depth changed."""
+  _, plans = sizing_modules()
+  if micro_batch is not None:
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, micro_batch_size=micro_batch))
+  if n_layers is not None:
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, n_layers=n_layers))
+  run = plans.apply_plan(run, plan)
+  return dataclasses.replace(run, jax=dataclasses.replace(run.jax, scan_layers=True)).validate()
+
+
+def fixed_run():
+  """The fixed GPT at micro batch 1: FIXED_MODEL, seq_len its max_seq_len, bf16, both sides."""
+  from parity.hf import MODEL_PRESETS
+  from parity.spec import RunSpec, TrainSpec
+  model = MODEL_PRESETS[FIXED_MODEL]
+  train = TrainSpec(micro_batch_size=1, seq_len=model.max_seq_len, precision="bf16", warmup_steps=1)
+  return RunSpec(model=model, train=train, sides=("jax", "deepspeed"))
+
+
+def _hardware(device_bytes: int, host_bytes: int):
+  _, plans = sizing_modules()
+  return plans.custom_hardware(plans.HARDWARE["H200"], device_gib=device_bytes / 2**30, host_gib=host_bytes / 2**30)
+
+
+def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128) -> dict[str, Any]:
+  """The fixed GPT, its needs-offload micro batch and its offload-cost micro batch, with the reasons.
+
+  Args:
+    device_bytes: accelerator memory (nvidia-smi memory.total).
+    host_bytes: host memory the runs may use (MemAvailable).
+  Returns:
+    {'run': RunSpec at micro batch 1, 'micro_fixed', 'micro_cost' (None when none found), 'why': [lines],
+     'ranking_at_fixed': plans.ranking_json}.
+  """
+  _, plans = sizing_modules()
+  run = fixed_run()
+  model, train = run.model, run.train
+  hw = _hardware(device_bytes, host_bytes)
+  cost, fixed, why, ranking = None, None, [], None
+  sides = ("jax", "deepspeed")
+  for micro in range(1, max_micro + 1):
+    t = dataclasses.replace(train, micro_batch_size=micro)
+    by = {s: {c.name: c for c in plans.choose_plan(model, t, hw, host_bytes=host_bytes, reserve=RESERVE,
+                                                   sides=(s,))[1]} for s in sides}
+    if all(by[s][NO_OFFLOAD_PLAN].fits for s in sides):
+      cost = micro
+    if not all(by[s][OFFLOAD_PLAN].fits for s in sides):
+      why = [f"micro batch {micro}: {OFFLOAD_PLAN} does not fit: " + "; ".join(
+          p for s in sides for p in by[s][OFFLOAD_PLAN].problems)]
+      break
+    if all(not by[s][n].fits for s in sides for n in NO_OFFLOAD):
+      fixed = micro
+      ranking = plans.ranking_json(*plans.choose_plan(model, t, hw, host_bytes=host_bytes, reserve=RESERVE))
+      why = [f"{FIXED_MODEL} ({plans.memory.param_count(model) / 1e9:.2f} B params), seq {t.seq_len}, bf16, micro "
+             f"batch {micro}: by the memory model no plan without offload fits either side on "
+             f"{hw.device_bytes / 2**30:.1f} GiB x {1 - RESERVE:.0%} usable:"]
+      why += [f"  {n}: " + "; ".join(p for s in sides for p in by[s][n].problems) for n in NO_OFFLOAD]
+      why.append(f"  {OFFLOAD_PLAN} fits: peak device " + ", ".join(
+          f"{s} {by[s][OFFLOAD_PLAN].peak_device_bytes[s] / 2**30:.1f} GiB" for s in sides) + "; host " + ", ".join(
+          f"{s} {by[s][OFFLOAD_PLAN].host_bytes[s] / 2**30:.1f} GiB" for s in sides))
+      break
+  if cost is not None:
+    why.append(f"offload cost at micro batch {cost}: the largest at which {NO_OFFLOAD_PLAN} (no offload) still "
+               "fits on both sides, same model")
+  return {"run": run, "micro_fixed": fixed, "micro_cost": cost, "why": why, "ranking_at_fixed": ranking}
+
+
+def probe_run(base, side: str, n_layers: int):
+  """The largest-model probe of `side` at `n_layers`: `base`'s width, micro batch 1, the side's PROBE_PLANS pair."""
+  return with_plan(base, PROBE_PLANS[side], micro_batch=1, n_layers=n_layers)
+
+
+def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int) -> tuple[bool, str]:
+  """(fits, why) of one side's run by the memory model: peak device <= usable (unchecked when device_bytes is None)
+  and peak host <= host_bytes."""
+  memory, _ = sizing_modules()
+  rows = memory.estimate(run, sides=(side,))
+  dev, host = memory.peak_device_bytes(rows, side), memory.peak_host_bytes(rows, side)
+  usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
+  ok = dev <= usable and host <= host_bytes
+  return ok, (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB "
+              f"(available {host_bytes / 2**30:.1f})")
+
+
+def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096) -> int:
+  """Largest n_layers in [1, cap] whose probe run fits by the memory model (0: none), by bisection."""
+  lo, hi = 0, cap + 1
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if predicted_fits(probe_run(base, side, mid), side, device_bytes, host_bytes)[0]:
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s: float,
+                   resolution: float = 0.125) -> dict[str, Any]:
+  """Doubling then bisection over n_layers: the largest depth whose probe trains.
+
+  Args:
+    probe: n_layers -> {'status': 'ok' | 'oom' | 'host-limit' | 'timeout' | 'error', ...}; 'oom' and 'host-limit'
+      (refused before it starts: the memory model's host bytes exceed what the node has) bound the search from
+      above, 'timeout' and 'error' end it (the answer is then a lower bound).
+    start: the first depth (the memory model's prediction), doubled while probes succeed.
+    max_probes: probes at most; time_left: () -> seconds left; min_probe_s: no probe starts with less left.
+    resolution: bisection stops when hi - lo <= max(1, resolution * lo).
+  Returns:
+    {'largest_ok': lo (0: none trained), 'smallest_failed': hi or None, 'complete': bool, 'stopped': why,
+     'probes': [{'n_layers', **probe result}]}.
+  """
+  lo, hi, n, probes, stopped = 0, None, max(1, start), [], ""
+
+  def run(k: int) -> str:
+    res = probe(k)
+    probes.append({"n_layers": k, **res})
+    return res["status"]
+
+  def can() -> bool:
+    return len(probes) < max_probes and time_left() >= min_probe_s
+
+  while hi is None and can():
+    status = run(n)
+    if status == "ok":
+      lo, n = n, 2 * n
+    elif status in ("oom", "host-limit"):
+      hi = n
+    else:
+      stopped = f"probe at {n} layers: {status}"
+      break
+  while not stopped and hi is not None and hi - lo > max(1, int(resolution * lo)) and can():
+    mid = (lo + hi) // 2
+    status = run(mid)
+    if status == "ok":
+      lo = mid
+    elif status in ("oom", "host-limit"):
+      hi = mid
+    else:
+      stopped = f"probe at {mid} layers: {status}"
+  complete = not stopped and hi is not None and hi - lo <= max(1, int(resolution * lo))
+  if not complete and not stopped:
+    stopped = (f"probe cap ({max_probes}) reached" if len(probes) >= max_probes else
+               f"time budget spent ({time_left():.0f} s left < {min_probe_s:.0f} s per probe)")
+  return {"largest_ok": lo, "smallest_failed": hi, "complete": complete, "stopped": stopped or "bracket closed",
+          "probes": probes}
