@@ -208,8 +208,10 @@ def part_train(suite: Suite, side: str, configs: dict) -> None:
       suite.records[name] = {"same_as": f"{side}_fixed"}
       continue
     spec = write_spec(run, suite.out / "parts" / f"{name}.spec.json")
+    # DeepSpeed without offload: torch.optim.AdamW (torch_adam), as FusedAdam's CUDA op needs nvcc and minutes
+    adam = ["--torch-adam"] if side == "deepspeed" and cname == "cost_none" else []
     rec = run_part(suite, name, SIDES[side], ["--spec", str(spec), "--steps", str(a.steps), "--warmup",
-                                             str(a.warmup), *init], a.train_timeout_s)
+                                             str(a.warmup), *init, *adam], a.train_timeout_s)
     rec["config"] = {"plan": sizing.NO_OFFLOAD_PLAN if cname == "cost_none" else sizing.OFFLOAD_PLAN,
                      "micro_batch": run.train.micro_batch_size, "seq_len": run.train.seq_len,
                      "n_layers": run.model.n_layers, "d_model": run.model.d_model, "precision": run.train.precision}

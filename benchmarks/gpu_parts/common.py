@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -52,19 +51,13 @@ def flops_per_token(model, seq_len: int) -> float:
   """Training FLOPs per token: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B: 6N for the forward and
   backward matmuls of N params, 12·L·h·s for attention scores and values; Megatron's Narayanan et al. 2021 eq. 3
   without recomputation counts the same terms). It is the planner's cost model (parity.sizing.plans)."""
-  try:
-    from parity.sizing.plans import _flops_per_token
-  except ImportError:  # before the move of parity/plans.py (an hour's grace; see docs/benchmarks.md)
-    from parity.plans import _flops_per_token  # type: ignore[no-redef]
+  from parity.sizing.plans import _flops_per_token
   return float(_flops_per_token(model, seq_len))
 
 
 def sizing_modules():
-  """(memory, plans) modules of the project's memory model: parity.sizing.* (older checkouts: parity.memory/plans)."""
-  try:
-    from parity.sizing import memory, plans
-  except ImportError:
-    from parity import memory, plans  # type: ignore[no-redef]
+  """(memory, plans): the project's memory model and planner (parity.sizing), imported when first needed."""
+  from parity.sizing import memory, plans
   return memory, plans
 
 
@@ -162,6 +155,3 @@ def tail(text: str, lines: int = 15, chars: int = 2000) -> str:
   text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text or "")
   return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
 
-
-def env_flag(name: str) -> bool:
-  return os.environ.get(name, "") not in ("", "0", "false")

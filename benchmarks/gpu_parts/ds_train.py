@@ -23,19 +23,25 @@ from benchmarks.gpu_parts.common import (peak_rss_bytes, fast_params, read_spec,
                                          write_json)
 
 
-def measure(run, steps: int, warmup: int, fast_init: bool) -> dict:
-  """Builds the engine and times its steps; returns the figures of the module docstring."""
+def measure(run, steps: int, warmup: int, fast_init: bool, torch_adam: bool = False) -> dict:
+  """Builds the engine and times its steps; returns the figures of the module docstring. torch_adam: the config's
+  optimizer gets `torch_adam: true` (torch.optim.AdamW instead of DeepSpeed's FusedAdam, whose CUDA op needs nvcc
+  and a JIT build of minutes); ignored under offload_optimizer, where DeepSpeedCPUAdam runs."""
   import torch
   from parity.weights import init_params, n_params
   from torch_impl import memory, ops
-  from torch_impl.engine import DeepSpeedTrainer
+  from torch_impl.engine import DeepSpeedTrainer, ds_config, optimizer_classes
 
   t0 = time.perf_counter()
   params = fast_params(run.model) if fast_init else init_params(run.model, run.train.seed)
   init_s = time.perf_counter() - t0
+  config = ds_config(run)
+  torch_adam = torch_adam and run.deepspeed.offload_optimizer == "none"
+  if torch_adam:
+    config["optimizer"]["params"]["torch_adam"] = True
   reset_peak_rss()
   t0 = time.perf_counter()
-  trainer = DeepSpeedTrainer(run, params)
+  trainer = DeepSpeedTrainer(run, params, config)
   del params
   build_s = time.perf_counter() - t0
   cuda = trainer.device.type == "cuda"
@@ -69,6 +75,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool) -> dict:
       "peak_host_rss_bytes": peak_rss_bytes(),
       "state_bytes_by_memory_kind": memory.by_memory_kind(trainer.state_bytes()),
       "zero_stage": trainer.engine.zero_optimization_stage(),
+      "optimizer": optimizer_classes(trainer.engine)["optimizer"] + (" (torch_adam)" if torch_adam else ""),
   }
 
 
@@ -88,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--warmup", type=int, default=1)
   ap.add_argument("--fast-init", action="store_true")
   ap.add_argument("--build-op", action="store_true", help="only load/build cpu_adam")
+  ap.add_argument("--torch-adam", action="store_true", help="no offload: torch.optim.AdamW, not FusedAdam")
   args = ap.parse_args(argv)
   if args.build_op:
     write_json(args.json, build_op())
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
   if not args.spec:
     ap.error("--spec is required (or --build-op)")
   run = read_spec(args.spec)
-  res = measure(run, args.steps, args.warmup, args.fast_init)
+  res = measure(run, args.steps, args.warmup, args.fast_init, args.torch_adam)
   import deepspeed
   import torch
   res["versions"] = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}

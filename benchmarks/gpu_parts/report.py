@@ -112,7 +112,8 @@ def _train(data: dict) -> list[str]:
                  f"{r.get('failure')} ({r.get('detail')}) | | | | | |")
       continue
     res, d = r["result"], r["derived"]
-    out.append(f"| {name} | {c['plan']} | {c['micro_batch']} x {c['seq_len']} | {res['tokens_per_s']:.4g} | "
+    opt = f" ({res['optimizer']})" if res.get("optimizer") else ""
+    out.append(f"| {name} | {c['plan']}{opt} | {c['micro_batch']} x {c['seq_len']} | {res['tokens_per_s']:.4g} | "
                f"{res['median_s']:.4g} | {_num(d['mfu'], '.1%')} | {_bytes(res['peak_device_bytes'])} | "
                f"{_bytes(res['peak_host_rss_bytes'])} | {_link(d['link'])} |")
   out += ["", "MFU = tokens/s x (6N + 12·L·h·s) FLOPs per token (PaLM, Chowdhery et al. 2022, app. B) / the device's "

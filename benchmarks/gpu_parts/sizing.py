@@ -31,7 +31,7 @@ RESERVE = 0.1
 
 def tiny_run():
   """gpt2-tiny in bf16 (the CPU check's model)."""
-  from parity.spec import PRESETS
+  from parity.presets import PRESETS
   run = PRESETS["gpt2-tiny"]
   return dataclasses.replace(run, train=dataclasses.replace(run.train, precision="bf16"))
 
@@ -109,16 +109,22 @@ def probe_run(base, side: str, n_layers: int):
   return with_plan(base, PROBE_PLANS[side], micro_batch=1, n_layers=n_layers)
 
 
+BUILD_COPIES = 2
+"""fp32 copies of the weights a probe process holds on the host while it builds, beyond the memory model's state:
+the canonical numpy weights and the framework's own layout (torch module / flax tree) before placement."""
+
+
 def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int) -> tuple[bool, str]:
-  """(fits, why) of one side's run by the memory model: peak device <= usable (unchecked when device_bytes is None)
-  and peak host <= host_bytes."""
+  """(fits, why) of one side's probe run by the memory model: peak device <= usable (unchecked when device_bytes is
+  None) and peak host + BUILD_COPIES fp32 weight copies <= host_bytes."""
   memory, _ = sizing_modules()
   rows = memory.estimate(run, sides=(side,))
-  dev, host = memory.peak_device_bytes(rows, side), memory.peak_host_bytes(rows, side)
+  dev = memory.peak_device_bytes(rows, side)
+  host = memory.peak_host_bytes(rows, side) + BUILD_COPIES * 4 * memory.param_count(run.model)
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
   ok = dev <= usable and host <= host_bytes
   return ok, (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB "
-              f"(available {host_bytes / 2**30:.1f})")
+              f"with {BUILD_COPIES} fp32 build copies (available {host_bytes / 2**30:.1f})")
 
 
 def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096) -> int:
