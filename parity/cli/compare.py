@@ -92,27 +92,25 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def print_summary(report, con) -> None:
-  """Prints a Report (parity.report): one row per side, one per check, the verdict and where the report is."""
+  """Prints a Report (parity.report): one row per side, one per check, the verdict sentence and where the report is.
+  Columns fold (wrap) instead of truncating: at 120 columns the memory-kind cell wraps onto a second line."""
   from rich.table import Table
-  from parity.report.write import fmt_bytes, side_rows
+  from parity.report.content import side_rows, verdict_sentence
 
   t = Table(title=f"parity compare — {report.run_dir}")
-  for col in ("side", "status", "steps", "loss first→last", "val loss", "tokens/s", "init+compile s",
-              "peak RSS", "state by memory kind"):
-    t.add_column(col)
-  for r in side_rows(report):
-    kinds = ", ".join(f"{k}={x}" for k, x in r["kinds"].items()) or \
-        ", ".join(f"{k}: {fmt_bytes(b)}" for k, b in r["state_by_kind"].items())
-    first = f"{r['first_loss']:.4f}" if isinstance(r["first_loss"], float) else "n/a"
-    last = f"{r['last_loss']:.4f}" if isinstance(r["last_loss"], float) else str(r["last_loss"])
-    t.add_row(r["side"], r["status"], str(r["steps"]), f"{first} → {last}",
-              f"{r['val_loss']:.4f}" if isinstance(r["val_loss"], float) else "n/a",
-              f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a",
-              f"{(r['init_s'] or 0) + (r['compile_s'] or 0):.1f}", fmt_bytes(r["peak_rss"]), kinds)
+  cols = ("side", "status", "steps", "loss first→last", "val loss", "tokens/s", "init/compile s", "peak RSS",
+          "state by memory kind")
+  for col in cols:
+    t.add_column(col, overflow="fold", no_wrap=col in ("side", "steps"),
+                 min_width=20 if col == "state by memory kind" else None)
+  for r in side_rows(report.data):
+    t.add_row(r["side"], f"{r['status']} ({r['backend']})", str(r["steps"]), r["loss"], r["val_loss"],
+              r["tokens_per_s"], f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
+              r["memory_kinds"].replace(", ", ",\n"))
   con.print(t)
   _print_checks(report, con)
   style = "bold green" if report.passed else "bold red"
-  con.print(f"[{style}]{report.message}[/{style}]")
+  con.print(f"[{style}]{verdict_sentence(report.data)}[/{style}]")
   moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
   if moved:
     con.print(f"--force: the earlier run in {report.run_dir} was moved aside to {moved}")
@@ -122,19 +120,23 @@ def print_summary(report, con) -> None:
   if report.data.get("write_errors"):
     con.print(f"[bold red]the report is incomplete (exit 1); what could be written is in {where}[/bold red]")
   else:
-    con.print(f"report: {Path(where) / 'report.md'} (also report.json, loss.png)")
+    con.print(f"report: {Path(where) / 'report.html'} (also report.md with its plots, card.json, report.json)",
+              soft_wrap=True)
 
 
 def _print_checks(report, con) -> None:
   from rich.table import Table
+  from parity.report.content import tolerance_text
   c = Table(title="checks")
+  tols = (report.data.get("tolerances") or {}).get(((report.data.get("run") or {}).get("train") or {}).get(
+      "precision"), {})
   for col in ("check", "max diff", "tolerance", "ok", "first failing step"):
     c.add_column(col)
   for ch in report.checks:
     val = ch["value"]
     tol = ch["tolerance"]
     c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val),
-              f"{tol:.3g}" if isinstance(tol, (int, float)) else "n/a",
+              tolerance_text(ch, tols) if isinstance(tol, (int, float)) else "n/a",
               ("yes" if ch["passed"] else "[red]NO[/red]") if ch.get("gating", True) else
               ("yes (reported only)" if ch["passed"] else "no (reported only)"),
               "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))

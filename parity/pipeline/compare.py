@@ -7,6 +7,8 @@ build the report -> write it (parity.report). `compare` is its keyword form for 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -122,9 +124,16 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
     with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
-      side_runs, interrupted = runner.run_each_side(
-          spec.sides, lambda side: runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress),
-          on_interrupt=lambda side: interrupted_run(folder.path, side))
+      loads: dict[str, dict] = {}
+
+      def one_side(side: str):  # the machine's load around each side: its timings are only as good as that
+        loads[side] = {"start": _load()}
+        try:
+          return runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress)
+        finally:
+          loads[side]["end"] = _load()
+      side_runs, interrupted = runner.run_each_side(spec.sides, one_side,
+                                                    on_interrupt=lambda side: interrupted_run(folder.path, side))
     side_data = collect_sides(folder.path, side_runs, folder.claim.run_id, spec.train.steps)
     checks, table = compare_sides(side_data, spec=spec, init=folder.init)
     reruns = Reruns() if interrupted is not None else run_reruns(
@@ -139,13 +148,23 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
         verdict=verdict(checks, {s: sr.status for s, sr in side_runs.items()}), wall_s=time.time() - t0,
         prepare_s=folder.prepare_s, plan=run.plan, reruns=reruns.sections, reruns_s=reruns.busy_s,
         run_folder={"run_id": claim.run_id, "moved_aside_to": str(claim.moved_to) if claim.moved_to else None,
-                    "stale_lock_taken_over": claim.stale_lock}, interrupted=interrupted is not None)
+                    "stale_lock_taken_over": claim.stale_lock,
+                    "command": options.command if options.command is not None else " ".join(sys.argv)},
+        interrupted=interrupted is not None, side_loads=loads)
     write_all(report)
   finally:
     folder.claim.release()
   if interrupted is not None:
     raise interrupted
   return report
+
+
+def _load() -> list[float] | None:
+  """os.getloadavg() (1/5/15-minute load averages), None where the OS has none."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return None
 
 
 def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:

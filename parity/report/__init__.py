@@ -4,7 +4,9 @@ report.json, schema 'parity.report/1' (units in key names):
   schema, created_utc, run_dir, preset, config_hash
   run            the resolved RunSpec (parity.spec.to_dict)
   data           {source, sha256, train_tokens, val_tokens, files}
-  environment    {python, platform, machine, cpu_count, versions: {package: version}} of the harness
+  environment    {python, platform, machine, cpu_count, cpu_model, load_avg_1_5_15, hostname, versions: {package:
+                 version}, git: {rev, dirty} | null} of the harness (environment.json beside it, when written, has more)
+  migration      {source: the DeepSpeed config file, status, file: 'migration.md', entries} | null
   verdict        {passed, message, first_failure: {check, metric, sides, step, value, tolerance} | null}
   tolerances     {precision: {metric: {atol, rtol, reason}}} (the table in force)
   checks         [{name, metric, sides, value, tolerance, passed, first_failing_step, worst, detail, reason,
@@ -12,7 +14,7 @@ report.json, schema 'parity.report/1' (units in key names):
   params_table   [{tensor, sides, max_abs_diff, max_abs_moved, ratio, passed}]
   sides          {side: {status, error, returncode, wall_s, harness_peak_rss_bytes, summary: <the side's
                   summary.json>, series: {step, loss, grad_norm, lr, loss_scale, skipped, step_time_s, tokens,
-                  val_step, val_loss}}}
+                  val_step, val_loss}, load: {start, end} (os.getloadavg() triples) | null}}
   timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, self_runs_s (the same for
                   the noise/determinism/resume reruns), overhead_ratio = wall_s / (sum(sides_s) + self_runs_s)}
   plan           {name, chosen_by, why} when --plan was given, else null

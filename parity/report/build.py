@@ -67,6 +67,56 @@ def _versions() -> dict[str, str]:
   return out
 
 
+def _cpu_model() -> str | None:
+  """The CPU's model name (/proc/cpuinfo on Linux, platform.processor() elsewhere), None when unknown."""
+  try:
+    for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+      if line.lower().startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or None
+
+
+def _git_state() -> dict[str, Any] | None:
+  """{rev, dirty} of the git checkout holding this package (dirty: uncommitted changes to tracked files), or None
+  when it is not a checkout or git is missing (an installed wheel)."""
+  import subprocess
+  root = Path(__file__).resolve().parents[2]
+  if not (root / ".git").exists():
+    return None
+  try:
+    rev = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                        capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  if rev.returncode != 0:
+    return None
+  return {"rev": rev.stdout.strip(), "dirty": bool(st.stdout.strip()) if st.returncode == 0 else None}
+
+
+def _environment() -> dict[str, Any]:
+  """The harness's environment (report.json 'environment'): Python, OS, CPU, load, versions, git state."""
+  try:
+    load = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    load = None
+  return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+          "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "load_avg_1_5_15": load,
+          "hostname": platform.node(), "versions": _versions(), "git": _git_state()}
+
+
+def _migration(run_dir: Path) -> dict[str, Any] | None:
+  """{source, status, file} of the DeepSpeed config port (migration.json) the run was given, or None."""
+  try:
+    m = json.loads((Path(run_dir) / "migration.json").read_text())
+  except (OSError, ValueError):
+    return None
+  return {"source": m.get("source"), "status": m.get("status"), "file": "migration.md",
+          "entries": len(m.get("entries") or [])}
+
+
 def _series(steps: list[dict]) -> dict[str, list]:
   s = {"step": [r["step"] for r in steps]}
   for k in SERIES_KEYS:
@@ -86,7 +136,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
                  side_steps: dict[str, list[dict]], checks: list[Check], params_table: list[dict],
                  verdict: Verdict, wall_s: float, prepare_s: float, plan: dict | None = None,
                  reruns: dict[str, Any] | None = None, reruns_s: float = 0.0, run_folder: dict | None = None,
-                 interrupted: bool = False) -> Report:
+                 interrupted: bool = False, side_loads: dict[str, dict] | None = None) -> Report:
   """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
 
   Args:
@@ -99,6 +149,8 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       seconds their workers were busy. timing.overhead_ratio = wall_s / (sum(sides_s) + reruns_s), computed here.
     run_folder: {run_id, moved_aside_to, stale_lock_taken_over} of the claimed folder.
     interrupted: a Ctrl-C stopped the run: the verdict fails and its message says so.
+    side_loads: side -> {start, end}: os.getloadavg() (1/5/15-minute load) when the side started and ended
+      (the sides run one after another on a shared machine: their timings are only as good as the load).
   Returns:
     The Report (JSON-ready data; not written: parity.report.write_all).
   """
@@ -108,7 +160,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
     summ = sr.summary or {}
     sides[name] = {"status": sr.status, "error": sr.error, "returncode": sr.returncode, "wall_s": sr.wall_s,
                    "harness_peak_rss_bytes": sr.peak_rss_bytes, "summary": summ,
-                   "series": _series(side_steps.get(name, []))}
+                   "series": _series(side_steps.get(name, [])), "load": (side_loads or {}).get(name)}
     busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
     # a side that did not finish never reported its own times: count the wall time the harness saw
     sides_s[name] = busy if sr.status == "ok" else sr.wall_s
@@ -122,8 +174,8 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "config_hash": config_hash(spec),
       "run": to_dict(spec),
       "data": data_info,
-      "environment": {"python": platform.python_version(), "platform": platform.platform(),
-                      "machine": platform.machine(), "cpu_count": os.cpu_count(), "versions": _versions()},
+      "environment": _environment(),
+      "migration": _migration(run_dir),
       "verdict": _verdict_json(verdict, interrupted),
       "tolerances": {p: {m: dataclasses.asdict(t) for m, t in tab.items()} for p, tab in TOLERANCES.items()
                      if p == spec.train.precision},

@@ -112,9 +112,8 @@ def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
     lines.append(f"curves coincide (largest difference {same:.3g})")
   if note:
     lines.append(note)
-  if lines:
-    ax.text(0.01, 0.98, "\n".join(lines), transform=ax.transAxes, va="top", fontsize=8,
-            bbox={"boxstyle": "round", "fc": "white", "ec": "0.7", "alpha": 0.9})
+  if lines:  # above the axes, never over the data
+    ax.set_title("; ".join(lines), loc="left", fontsize=8, color="0.25")
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3)
@@ -156,8 +155,8 @@ def delta_figure(pairs: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
       ax.plot(zx, [floor] * len(zx), ls="none", marker=st["marker"], ms=6, mfc="none", color=ax.lines[-1].get_color(),
               label=f"{label}: exactly 0 ({len(zx)} steps)")
   for j, (label, (xs, ys)) in enumerate((envelopes or {}).items()):
-    ax.plot(list(xs), [y if finite(y) > 0 else float("nan") for y in map(finite, ys)], ls=":", lw=1.0, color="0.45",
-            label=label)
+    ax.plot(list(xs), [y if finite(y) > 0 else float("nan") for y in map(finite, ys)], ls=":", lw=1.1,
+            color=str(0.25 + 0.2 * (j % 3)), marker=".", label=label)
   if tolerance:
     ax.axhline(tolerance, color="crimson", ls="--", lw=1.2, label=f"{tolerance_label} {tolerance:.3g}")
   ax.set_yscale("log")
@@ -198,6 +197,7 @@ def memory_figure(rows: Sequence[Mapping], *, title: str) -> Figure:
       if "measured" in w and not any(r["side"] == sides[k // 2] and r["measured"] is not None for r in rows):
         ax.text(k, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="0.4")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.margins(y=0.08)
     ax.set_ylabel("MiB")
     ax.set_title(f"by {key.replace('_', ' ')}", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
@@ -254,8 +254,7 @@ def across_runs_figure(runs: Sequence[str], values: Mapping[str, Sequence], *, t
   _legend_below(fig, ax)
   same = coincide({k: (list(range(len(runs))), v) for k, v in values.items()})
   if same is not None:
-    ax.text(0.01, 0.98, f"curves coincide (largest difference {same:.3g})", transform=ax.transAxes, va="top",
-            fontsize=8)
+    ax.set_title(f"curves coincide (largest difference {same:.3g})", loc="left", fontsize=8, color="0.25")
   return fig
 
 

@@ -1,0 +1,176 @@
+"""report.html of one run: the verdict sentence, the checks, the plots (inline SVG), memory, throughput, plan,
+migration and environment, in one self-contained file (no network, no server, no script)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from parity.report import content as C
+from parity.report import html as H
+
+__all__ = ["report_figures", "report_html", "read_environment"]
+
+
+def _series_of(d: dict, key: str) -> dict[str, tuple[list, list]]:
+  return {(n if s["status"] == "ok" else f"{n} ({s['status']})"): (s["series"]["step"], s["series"][key])
+          for n, s in d["sides"].items()}
+
+
+def _pairs(d: dict, key: str) -> dict[str, tuple[list, list]]:
+  """'a vs b' -> (common steps, |a - b|) for every pair of sides (non-numeric values skipped)."""
+  names, out = list(d["sides"]), {}
+  num = (int, float)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      la = dict(zip(d["sides"][a]["series"]["step"], d["sides"][a]["series"][key]))
+      lb = dict(zip(d["sides"][b]["series"]["step"], d["sides"][b]["series"][key]))
+      st = [k for k in la if k in lb and isinstance(la[k], num) and isinstance(lb[k], num)]
+      out[f"{a} vs {b}"] = (st, [abs(la[k] - lb[k]) for k in st])
+  return out
+
+
+def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
+  """(key, caption, matplotlib Figure) of every plot the run's data supports, in page order."""
+  from parity.report import plots as P
+  t = C.run_title(d)
+  prec = d["run"]["train"]["precision"]
+  sides = {(n if s["status"] == "ok" else n): {**s["series"], "status": s["status"]} for n, s in d["sides"].items()}
+  yield "loss", "Training loss of every side (stars: held-out loss).", P.loss_figure(sides, title=f"training loss · {t}")
+  if len(d["sides"]) > 1:
+    loss_checks = [c for c in d["checks"] if c["metric"] == "loss"]
+    tol = max((c["tolerance"] for c in loss_checks if c["tolerance"]), default=None)
+    env = {f"noise envelope of {s} (batch rows reversed)": (e["steps"], e["abs_loss_diff"])
+           for s, e in ((d.get("noise_envelope") or {}).get("sides") or {}).items()}
+    yield "delta", ("Per-step loss difference of each pair, log scale; exact zeros sit on the '= 0' line"
+                    + ("; dotted: each side's own rounding noise (noise envelope)." if env else ".")), \
+        P.delta_figure(_pairs(d, "loss"), title=f"per-step abs Δloss per pair · {t}", tolerance=tol,
+                       tolerance_label="loss tolerance (atol)", envelopes=env)
+  yield "grad_norm", "Global L2 norm of the gradient before clipping.", \
+      P.line_figure(_series_of(d, "grad_norm"), title=f"gradient norm · {t}", ylabel="grad norm")
+  yield "lr", "Learning rate of each step.", P.line_figure(_series_of(d, "lr"), title=f"learning rate · {t}",
+                                                          ylabel="learning rate")
+  scales = [v for s in d["sides"].values() for v in s["series"]["loss_scale"] if isinstance(v, (int, float))]
+  if prec == "fp16" or any(v != 1 for v in scales):
+    skipped = {f"{n}: skipped step": ([st for st, k in zip(s["series"]["step"], s["series"]["skipped"]) if k],
+                                      [sc for sc, k in zip(s["series"]["loss_scale"], s["series"]["skipped"]) if k])
+               for n, s in d["sides"].items() if any(s["series"]["skipped"])}
+    per_side = ", ".join(f"{n} {sum(bool(k) for k in s['series']['skipped'])}" for n, s in d["sides"].items())
+    yield "loss_scale", f"Dynamic loss scale (fp16); markers: skipped steps (overflow), per side: {per_side}.", \
+        P.line_figure(_series_of(d, "loss_scale"), title=f"loss scale · {t}", ylabel="loss scale", log=True,
+                      points=skipped, note=f"skipped steps per side: {per_side}")
+  rows = ((d.get("memory") or {}).get("predicted_vs_measured")) or []
+  if any(r["category"] != "peak_rss" and (r["predicted"] or r["measured"]) for r in rows):
+    yield "memory", ("Training-state memory per side, predicted (parity.sizing.memory) beside measured (live "
+                     "arrays / engine tensors); hatched: host memory."), P.memory_figure(rows, title=f"memory · {t}")
+  times = {n: C.step_times(s) for n, s in d["sides"].items()}
+  tps = {n: (s.get("summary") or {}).get("tokens_per_s") for n, s in d["sides"].items()}
+  yield "throughput", C.throughput_note(d), P.throughput_figure(times, tps, title=f"throughput · {t}")
+
+
+def read_environment(run_dir: Path) -> dict | None:
+  """environment.json of the run folder (the doctor block: versions, devices, CPU, git, load), None when absent or
+  unreadable."""
+  try:
+    data = json.loads((Path(run_dir) / "environment.json").read_text())
+  except (OSError, ValueError):
+    return None
+  return data if isinstance(data, dict) else None
+
+
+def _checks_html(d: dict) -> str:
+  rows, classes = [], []
+  for r in C.check_rows(d):
+    kind = "pass" if r["passed"] else ("fail" if r["gating"] else "info")
+    src = H.details(r["source"][:90] + ("…" if len(r["source"]) > 90 else ""), H.esc(r["source"])) \
+        if len(r["source"]) > 90 else r["source"]
+    rows.append([r["metric"], r["pair"], r["measure"], r["value"], r["tolerance"], src, H.badge(kind, r["result"]),
+                 r["first_failing_step"], r["detail"]])
+    classes.append("fail" if kind == "fail" else ("info" if not r["gating"] else None))
+  return H.table(["metric", "pair", "value is", "value", "tolerance", "where the tolerance comes from", "result",
+                  "first failing step", "detail"], rows, row_classes=classes, numeric=(3,))
+
+
+def _sides_html(d: dict) -> str:
+  keys = [("side", "side"), ("status", "status"), ("steps", "steps"), ("loss", "loss first → last"),
+          ("val_loss", "val loss"), ("tokens_per_s", "tokens/s"), ("init_s", "init s"), ("compile_s", "compile s"),
+          ("op_build_s", "op build s"), ("peak_rss", "peak RSS"), ("peak_device", "peak device"),
+          ("memory_kinds", "state by memory kind"), ("backend", "backend")]
+  rows = C.side_rows(d)
+  out = H.table([h for _, h in keys], [[r[k] for k, _ in keys] for r in rows],
+                row_classes=[None if r["status"] == "ok" else "fail" for r in rows], numeric=(2, 5, 6, 7, 8))
+  for name, s in d["sides"].items():
+    if s.get("error"):
+      out += H.details(f"{name} {s['status']}: error output", H.code("\n".join(s["error"].strip().splitlines()[-20:]),
+                                                                     block=True))
+    ranks = (s.get("summary") or {}).get("ranks")
+    if isinstance(ranks, list) and ranks:
+      cols = sorted({k for r in ranks if isinstance(r, dict) for k in r})
+      out += H.section(f"{name}: per rank", H.table(cols, [[_cell(r.get(k)) for k in cols] for r in ranks
+                                                         if isinstance(r, dict)]), level=3)
+  return out
+
+
+def _cell(v) -> str:
+  if isinstance(v, int) and not isinstance(v, bool) and ("bytes" in str(v) or v > 4096):
+    return C.fmt_bytes(v)
+  return C.fmt(v) if not isinstance(v, (dict, list)) else json.dumps(v, default=str)
+
+
+def _memory_table(d: dict) -> str:
+  rows = [r for r in ((d.get("memory") or {}).get("predicted_vs_measured") or []) if r["predicted"] or r["measured"]]
+  return H.table(["side", "category", "memory kind", "predicted", "measured", "measured / predicted"],
+                 [[r["side"], r["category"], r["memory_kind"], C.fmt_bytes(r["predicted"]), C.fmt_bytes(r["measured"]),
+                   C.fmt(r["ratio"], ".3f")] for r in rows], numeric=(3, 4, 5)) if rows else ""
+
+
+def _migration_html(run_dir: Path, d: dict) -> str:
+  mig = d.get("migration")
+  if not mig:
+    return ""
+  try:
+    m = json.loads((Path(run_dir) / "migration.json").read_text())
+  except (OSError, ValueError):
+    return H.section("DeepSpeed config migration", f"<p>{H.esc(mig['source'])}: migration.json is missing.</p>",
+                     anchor="migration")
+  rows = [[H.code(e["key"]), json.dumps(e.get("value"), default=str)
+           + (f" → {json.dumps(e['resolved'], default=str)}" if e.get("resolved") is not None else ""),
+           e.get("fate"), e.get("target") or "", e.get("reason") or ""] for e in m.get("entries") or []]
+  body = (f"<p>The DeepSpeed side ran {H.code(str(m.get('source')))} as given; the JAX and torch sides ran its port "
+          f"(status <b>{H.esc(m.get('status'))}</b>; also in migration.md).</p>"
+          + H.table(["key", "value", "fate", "target", "reason"], rows))
+  if m.get("implied"):
+    body += H.section("implied by DeepSpeed defaults", H.table(["key", "value", "reason"], [
+        [H.code(i["key"]), json.dumps(i["value"], default=str), i["reason"]] for i in m["implied"]]), level=3)
+  return H.section(f"DeepSpeed config migration: {mig['source']}", body, anchor="migration")
+
+
+def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> str:
+  """The page. d: report.json data; figures: key -> (svg text, caption) from report_figures; run_dir: for
+  migration.json and environment.json beside report.json."""
+  kind, sentence, sub = C.verdict_parts(d)
+  fig = lambda k: H.figure(figures[k][0], figures[k][1], key=k) if k in figures else ""  # noqa: E731
+  body = [f"<h1>parity report · {H.esc(C.run_title(d))}</h1>", H.banner(kind, sentence, sub)]
+  if d.get("write_errors"):
+    body.append(H.banner("warn", "Some report files could not be written: " + "; ".join(
+        f"{e['file']}: {e['error']}" for e in d["write_errors"])))
+  body.append(H.section("Checks", _checks_html(d), anchor="checks"))
+  body.append(H.section("Curves", "".join(fig(k) for k in ("loss", "delta", "grad_norm", "lr", "loss_scale")),
+                        anchor="curves"))
+  body.append(H.section("Sides", _sides_html(d), anchor="sides"))
+  mem_note = H.esc((d.get("memory") or {}).get("note") or "")
+  body.append(H.section("Memory", fig("memory") + (f"<p class=\"note\">{mem_note}.</p>" if mem_note else "")
+                        + _memory_table(d), anchor="memory"))
+  tp = C.throughput_rows(d)
+  tkeys = ["side", "backend", "repeats", "min_s", "median_s", "max_s", "tokens_per_s", "load", "op_build_s"]
+  body.append(H.section("Throughput", f"<p class=\"note\"><b>{H.esc(C.throughput_note(d))}</b></p>" + fig("throughput")
+                        + H.table(["side", "backend", "steps timed", "min s/step", "median s/step", "max s/step",
+                                   "tokens/s", "load (1 min) start → end", "op build s (not in init)"],
+                                  [[r[k] for k in tkeys] for r in tp], numeric=(2, 3, 4, 5, 6)), anchor="throughput"))
+  body.append(H.section("Plan and placements", H.kv_table(C.plan_rows(d)), anchor="plan"))
+  body.append(_migration_html(run_dir, d))
+  body.append(H.section("Environment", H.kv_table(C.environment_rows(d, read_environment(run_dir))),
+                        anchor="environment"))
+  body.append("<p class=\"note\">Written by parity from report.json in this folder; report.md has the same tables "
+              "with the plots as PNG files.</p>")
+  return H.page(f"parity: {sentence[:120]}", "\n".join(body))
