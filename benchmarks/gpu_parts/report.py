@@ -42,6 +42,8 @@ def _link(link: dict | None) -> str:
 def failed_parts(data: dict) -> list[str]:
   """Records that failed (a part's process, or a largest-model search stopped by a probe error)."""
   out = [name for name, r in data["records"].items() if isinstance(r, dict) and r.get("ok") is False]
+  if "sizing" in data["records"] and data["records"]["sizing"].get("micro_fixed") is None:
+    out.append("sizing")  # no fixed size: the train part ran nothing
   out += [name for name, r in data["records"].items() if name.startswith("largest_")
           and any(p.get("status") == "error" for p in r.get("probes", []))]
   return out
@@ -65,7 +67,8 @@ def _header(data: dict) -> list[str]:
 
 def _raw(data: dict) -> list[str]:
   rec = data["records"]
-  out = ["## Host <-> device bandwidth", "", "| stack | path | GB/s median | GB/s best | bytes |", "|---|---|---|---|---|"]
+  out = ["## Host <-> device bandwidth", "", "| stack | path | GB/s median | GB/s best | bytes |",
+         "|---|---|---|---|---|"]
   for name in ("torch_raw", "jax_raw"):
     r = rec.get(name)
     if not r:
@@ -98,11 +101,11 @@ def _train(data: dict) -> list[str]:
   if not sz:
     return []
   out = ["## Both sides on one fixed GPT size", "", *[f"    {line}" for line in sz.get("why", [])], "",
-         "| run | plan | micro x seq | tokens/s | step s (median) | MFU | peak device | peak host RSS | link h2d / d2h |",
+         "| run | plan | micro x seq | tokens/s | step s (median) | MFU | peak device | peak host RSS | "
+         "link h2d / d2h |",
          "|---|---|---|---|---|---|---|---|---|"]
-  for name, r in rec.items():
-    if not (name.startswith(("jax_", "deepspeed_")) and name != "jax_raw"):
-      continue
+  names = [f"{s}_{c}" for s in ("jax", "deepspeed") for c in ("fixed", "cost_offload", "cost_none")]
+  for name, r in ((n, rec[n]) for n in names if n in rec):
     if "same_as" in r:
       out.append(f"| {name} | same run as {r['same_as']} | | | | | | | |")
       continue
@@ -116,7 +119,8 @@ def _train(data: dict) -> list[str]:
     out.append(f"| {name} | {c['plan']}{opt} | {c['micro_batch']} x {c['seq_len']} | {res['tokens_per_s']:.4g} | "
                f"{res['median_s']:.4g} | {_num(d['mfu'], '.1%')} | {_bytes(res['peak_device_bytes'])} | "
                f"{_bytes(res['peak_host_rss_bytes'])} | {_link(d['link'])} |")
-  out += ["", "MFU = tokens/s x (6N + 12·L·h·s) FLOPs per token (PaLM, Chowdhery et al. 2022, app. B) / the device's "
+  out += ["", "MFU = tokens/s x (6N + 12·L·h·s) FLOPs per token (PaLM, Chowdhery et al. 2022, app. B) / the "
+          "device's "
           "dense bf16 peak (NVIDIA data sheet; n/a on CPU). Peak device: the allocator's peak in the steps "
           "(JAX `peak_bytes_in_use`, torch `max_memory_allocated`); peak host: the process's VmHWM from the "
           "trainer's build on.", ""]
@@ -170,6 +174,9 @@ def _failures(data: dict) -> list[str]:
   out = ["## Failed parts", ""]
   for name in failed:
     r = data["records"][name]
+    if name == "sizing":
+      out += ["**sizing**: no micro batch needs offload and fits with it: " + " ".join(r.get("why", [])), ""]
+      continue
     tail = r.get("stderr_tail") or "; ".join(p.get("stderr_tail", "") for p in r.get("probes", []))
     out += [f"**{name}**: {r.get('failure', 'probe error')} {r.get('detail', '')}", "```", tail[-1500:], "```", ""]
   return out

@@ -109,9 +109,11 @@ def probe_run(base, side: str, n_layers: int):
   return with_plan(base, PROBE_PLANS[side], micro_batch=1, n_layers=n_layers)
 
 
-BUILD_COPIES = 2
-"""fp32 copies of the weights a probe process holds on the host while it builds, beyond the memory model's state:
-the canonical numpy weights and the framework's own layout (torch module / flax tree) before placement."""
+BUILD_COPIES = 3
+"""fp32 copies of the weights a probe process may hold on the host while it builds, beyond the memory model's state:
+the canonical numpy weights, the master copy (parity.weights.master_weights rounds them for bf16) and the
+framework's own layout (the stacked flax tree / the torch module) before placement. Conservative on purpose: a
+probe past the host's memory meets the OOM killer, on a node without swap."""
 
 
 def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int) -> tuple[bool, str]:
