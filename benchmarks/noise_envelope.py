@@ -5,7 +5,7 @@ For each precision asked for:
      its batches' rows in reverse order; harness.self_runs), as a user would run it;
   2. the plain-torch side rerun with one setting wrong at a time (weight decay off, LayerNorm eps,
      GELU form, lr +5%), each held against the correct torch run with torch's own
-     envelope (parity.verdict.checks.envelope_check), the same rule the verdict uses.
+     envelope (parity.verdict.envelope.envelope_check), the same rule the verdict uses.
 It prints and writes, per precision: each side's envelope (rms per window), each pair's worst
 window ratio rms|Δloss| / rms(envelope), and each bug's ratio, i.e. the margin between what the
 rule lets through and what it must catch. The numbers behind parity/verdict/tolerances.py ENVELOPE_RULES.
@@ -36,7 +36,9 @@ from harness.runner import run_side  # noqa: E402
 from harness_overhead import cpu_name  # noqa: E402
 from parity.pipeline import compare as api  # noqa: E402
 from parity import weights  # noqa: E402
-from parity.verdict.checks import param_ratios, relative_diff, rerun_differences, windowed_rms  # noqa: E402
+from parity.verdict.envelope import rerun_differences, windowed_rms  # noqa: E402
+from parity.verdict.params import param_ratios  # noqa: E402
+from parity.verdict.steps import relative_diff  # noqa: E402
 from parity.protocol import derive_request, read_steps  # noqa: E402
 from parity.spec import RunSpec, from_dict  # noqa: E402
 from parity.verdict.tolerances import envelope_rule  # noqa: E402

@@ -1,4 +1,4 @@
-"""The per-element Adam params rule (parity.verdict.checks.param_checks) on a grid of correct pairs and planted bugs.
+"""The per-element Adam params rule (parity.verdict.params.param_checks) on a grid of correct pairs and planted bugs.
 
 Correct pairs (jax~torch, some jax~deepspeed) over lr schedules x lr x Adam eps on gpt2-tiny must show zero false
 alarms; every planted optimizer/model bug must still fail. For each cell both rules are evaluated on the same
@@ -12,7 +12,7 @@ passes (worst element's (|a_i - b_i| - rtol * moved) / (g_T * S_i)).
 Writes <out>.json and <out>.md. Each cell runs the sides in their own processes via parity.compare
 (noise_envelope=False, determinism_steps=0), run folders under /tmp/params-rule-bench/.
 
-With --precision bf16/fp16 the grid is the noise-envelope one (parity.verdict.checks.envelope_params_check): schedules
+With --precision bf16/fp16 the grid is the noise-envelope one (parity.verdict.envelope.envelope_params_check): schedules
 x lr x precision on correct jax~torch pairs, two jax~deepspeed cells, and the noise-envelope benchmark's planted bugs
 (benchmarks/noise_envelope.py BUGS) on the torch side; each cell runs with the noise envelope on, and 'old' is the
 per-tensor envelope rule, 'new' the envelope + Adam per-element rule, both on the same final params and reruns;
@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import parity  # noqa: E402
 import parity.spec  # noqa: E402
 from parity import weights  # noqa: E402
-from parity.verdict.checks import envelope_params_check, param_checks, param_ratios  # noqa: E402
+from parity.verdict.envelope import envelope_params_check  # noqa: E402
+from parity.verdict.params import param_checks, param_ratios  # noqa: E402
 from parity.protocol import FINAL_MOMENTS, read_moments, read_steps  # noqa: E402
 from parity.spec import RunSpec, from_dict  # noqa: E402
 from parity.verdict.tolerances import envelope_rule, tolerance  # noqa: E402
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--rescore", default="", help="bf16/fp16: re-score the rows of an earlier run (its .json, or the "
                   "log of JSON lines it printed) under the current params_grad_noise kappa, without rerunning cells")
   ap.add_argument("--precision", default="fp32", help="fp32 (the Adam params rule), or bf16 and/or fp16 comma-"
-                  "separated (the noise-envelope params rule, parity.verdict.checks.envelope_params_check)")
+                  "separated (the noise-envelope params rule, parity.verdict.envelope.envelope_params_check)")
   args = ap.parse_args(argv)
   precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
   if precisions != ["fp32"]:

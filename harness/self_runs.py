@@ -7,7 +7,7 @@ the parent's weights and batches (`parity.protocol.derive_request`):
                      batch, in reverse order (batches.npy of its own). The mean loss and the
                      accumulated gradient are the same numbers in exact arithmetic; only the order
                      of floating-point reductions changes. |loss - loss_noise| per step is the noise
-                     envelope of that side at this precision (parity.verdict.checks.envelope_check).
+                     envelope of that side at this precision (parity.verdict.envelope.envelope_check).
   run_dir/repeat/    each side rerun for a prefix (steps 0..K, `stop_after_step`), optionally saving
                      a checkpoint at step R (`save_checkpoint_at_step`); bitwise equal to the main run
                      when the side is deterministic.

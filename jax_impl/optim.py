@@ -369,7 +369,7 @@ def adam_second_moment(opt_state: Any, train: TrainSpec) -> tuple[Any, jax.Array
 
   Raises:
     KeyError: the run's optimizer is not an Adam (Lamb's update is trust-ratio scaled and SGD keeps no second
-      moment, so the per-element Adam rule of parity.verdict.checks.param_checks does not hold; it falls back per tensor).
+      moment, so the per-element Adam rule of parity.verdict.params.param_checks does not hold; it falls back per tensor).
   """
   if train.optimizer not in ("adam", "adamw"):
     raise KeyError(f"train.optimizer {train.optimizer!r} keeps no Adam second moment the params rule can use")

@@ -378,7 +378,7 @@ class Trainer:
     """Adam's bias-corrected per-element gradient RMS sqrt(nu / (1 - beta2^count)), canonical layout, float32.
 
     count is the number of Adam updates applied (fp16 overflow-skipped steps do not count); all zeros before
-    the first update. Read by the params rule (parity.verdict.checks.param_checks).
+    the first update. Read by the params rule (parity.verdict.params.param_checks).
     """
     nu, count = optim.adam_second_moment(self.state.opt_state, self.run.train)  # KeyError: not an Adam
     count = int(jax.device_get(count))

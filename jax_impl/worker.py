@@ -18,7 +18,7 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
-from parity.verdict.checks import AdamSensitivity  # noqa: E402
+from parity.verdict.params import AdamSensitivity  # noqa: E402
 from parity.protocol.side import SideIO, main_guard  # noqa: E402
 from parity.spec import to_dict  # noqa: E402
 
@@ -54,7 +54,7 @@ def run_side(io: SideIO) -> int:
   trainer.compile(batches.shape[1:], val.shape if train.eval_every > 0 else None, batches.dtype)
   io.compile_s = trainer.compile_s
   status, moments_error = "ok", None
-  sens = AdamSensitivity(train.eps)  # per-element Adam sensitivity for the params rule (parity.verdict.checks)
+  sens = AdamSensitivity(train.eps)  # per-element Adam sensitivity for the params rule (parity.verdict.params)
   with jax.transfer_guard("disallow"):  # every host<->device move below is explicit
     for step in control.steps():
       io.before_step(step, poison=trainer.poison)

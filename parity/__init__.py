@@ -2,7 +2,8 @@
 
 This package is the shared contract and imports neither jax nor torch.
 """
-from parity.spec import (DeepSpeedPlan, JaxPlan, ModelSpec, PRESETS, RunSpec, SpecError, TrainSpec, preset)
+from parity.presets import preset, PRESETS
+from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 from parity.data import DataError
 
 

@@ -7,60 +7,26 @@ They are plain data (no jax, no torch) and round-trip through JSON with
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
 import math
-from typing import Any, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Literal, Mapping, Sequence
 
 from parity.errors import SpecError
-from parity.inputs import check_tree, parse_text
+from parity.fields import INT_MAX, check_numbers, check_section_numbers, from_dict, to_dict
+from parity.inputs import parse_text
 from parity.numerics import schedule
 
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
-    "PRESETS", "preset", "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
+    "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
     "parse_value", "parse_overrides",
 ]
-
-
-
 
 MAX_SEQ_LEN = 1 << 17
 """Largest model.max_seq_len accepted (128 Ki tokens); a typo like 1e9 would otherwise allocate the table."""
 MAX_VOCAB = 1 << 22
-INT_MAX = 2**31 - 1
-"""Largest value of any integer field (steps, sizes, seeds, counters). JAX without x64 keeps step counters and
-shapes as int32, and torch.manual_seed refuses seeds past 64 bits; 2^31 - 1 covers every real run, and a
-10^23 typo is refused here, by name, instead of overflowing inside a worker."""
-
-
-def check_numbers(run: "RunSpec") -> "RunSpec":
-  """The numeric rule of `_check_numbers` over every section of a RunSpec (no cross-field checks)."""
-  _check_numbers(run, "")
-  for name in ("model", "train", "jax", "deepspeed"):
-    _check_numbers(getattr(run, name), name)
-  return run
-
-
-def _check_numbers(obj: Any, section: str) -> None:
-  """The rule for every numeric field of a spec section: integers in [-INT_MAX, INT_MAX], floats finite.
-
-  Also walks mapping fields (train.lr_schedule_params). Field-specific ranges stay in each `validate`.
-  Raises:
-    SpecError: naming `section.field` and the value.
-  """
-  for f in dataclasses.fields(obj):
-    v = getattr(obj, f.name)
-    key = f"{section}.{f.name}" if section else f.name
-    if isinstance(v, bool) or v is None:
-      continue
-    if isinstance(v, int) and not -INT_MAX <= v <= INT_MAX:
-      raise SpecError(f"{key} = {v} is out of range: integer fields must be at most {INT_MAX:,} (2^31 - 1)")
-    if isinstance(v, float) and not math.isfinite(v):
-      raise SpecError(f"{key} = {v}: must be a finite number{_why_not_finite(v)}")
-    if isinstance(v, dict):
-      check_tree(v, key)
+"""Largest model.vocab_size accepted (4 Mi ids)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,7 +86,7 @@ class ModelSpec:
 
   def validate(self) -> "ModelSpec":
     """Raises SpecError naming the field when the spec cannot describe a model."""
-    _check_numbers(self, "model")
+    check_section_numbers(self, "model")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
       if getattr(self, name) < 1:
         raise SpecError(f"model.{name} must be >= 1; got {getattr(self, name)}")
@@ -238,7 +204,7 @@ class TrainSpec:
 
   def validate(self, model: ModelSpec | None = None) -> "TrainSpec":
     """Raises SpecError naming the field when a value is out of range or inconsistent with `model`."""
-    _check_numbers(self, "train")
+    check_section_numbers(self, "train")
     for name in ("steps", "micro_batch_size", "grad_accum_steps", "seq_len"):
       if getattr(self, name) < 1:
         raise SpecError(f"train.{name} must be >= 1; got {getattr(self, name)}")
@@ -317,7 +283,7 @@ class JaxPlan:
   """Devices on the mesh's data axis (the micro batch is split over them); 1 = one device."""
 
   def validate(self) -> "JaxPlan":
-    _check_numbers(self, "jax")
+    check_section_numbers(self, "jax")
     if self.remat not in REMAT_POLICIES:
       raise SpecError(f"jax.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
     if self.zero_stage not in (0, 1, 2, 3):
@@ -346,7 +312,7 @@ class DeepSpeedPlan:
   """Recompute each block in the backward pass (deepspeed.checkpointing / torch.utils.checkpoint)."""
 
   def validate(self) -> "DeepSpeedPlan":
-    _check_numbers(self, "deepspeed")
+    check_section_numbers(self, "deepspeed")
     if self.zero_stage not in (0, 1, 2, 3):
       raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
     for name in ("offload_optimizer", "offload_param"):
@@ -379,7 +345,7 @@ class RunSpec:
   """Wall-clock limit of one side, seconds; a side past it is killed and reported as 'timeout'."""
 
   def validate(self) -> "RunSpec":
-    _check_numbers(self, "")
+    check_section_numbers(self, "")
     self.model.validate()
     self.train.validate(self.model)
     self.deepspeed.validate()
@@ -401,109 +367,7 @@ class RunSpec:
     return self
 
 
-# ----------------------------------------------------------------------------- presets
-
-PRESETS: dict[str, RunSpec] = {
-    # ~3.4 M params; all three sides finish in a few minutes on 2 CPU cores.
-    "gpt2-small-cpu": RunSpec(),
-    # ~0.1 M params, for tests: seconds per side. lr 1e-3: at 3e-3 a loss spike near step 35 makes two
-    # correct fp32 stacks drift apart past 1e-5 by step ~40 (rounding amplified by unstable training).
-    "gpt2-tiny": RunSpec(
-        model=ModelSpec(d_model=64, n_layers=2, n_heads=2, max_seq_len=64),
-        train=TrainSpec(steps=16, micro_batch_size=4, seq_len=32, lr=1e-3, warmup_steps=3,
-                        eval_every=8, eval_batches=2)),
-    # ~0.5 M params, 100 steps: the configuration shared/NUMERICS.md measured.
-    "gpt2-mini": RunSpec(
-        model=ModelSpec(d_model=128, n_layers=2, n_heads=4, max_seq_len=64),
-        train=TrainSpec(steps=100, micro_batch_size=8, seq_len=64, warmup_steps=10, eval_every=25)),
-}
-DEFAULT_PRESET = "gpt2-small-cpu"
-
-
-def preset(name: str) -> RunSpec:
-  """Returns the named preset. Raises SpecError listing the known names."""
-  try:
-    return PRESETS[name]
-  except (KeyError, TypeError):  # TypeError: a config's `preset:` that is a list or mapping
-    raise SpecError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
-
-
-# ----------------------------------------------------------------------------- (de)serialisation
-
-T = TypeVar("T")
-
-
-def to_dict(spec: Any) -> dict[str, Any]:
-  """Dataclass -> JSON-ready dict (tuples become lists)."""
-  out = {}
-  for f in dataclasses.fields(spec):
-    v = getattr(spec, f.name)
-    if dataclasses.is_dataclass(v):
-      v = to_dict(v)
-    elif isinstance(v, tuple):
-      v = list(v)
-    elif isinstance(v, enum.Enum):
-      v = v.value
-    out[f.name] = v
-  return out
-
-
-def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
-  """JSON dict -> dataclass. Raises SpecError naming the unknown or mistyped key."""
-  if not isinstance(data, Mapping):
-    raise SpecError(f"{path or cls.__name__}: expected an object, got {type(data).__name__}")
-  fields = {f.name: f for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - set(fields))
-  if unknown:
-    raise SpecError(f"unknown key(s) {', '.join((path + '.' if path else '') + k for k in unknown)}; "
-                    f"expected one of: {', '.join(fields)}")
-  kwargs = {}
-  defaults = cls()
-  for name, value in data.items():
-    cur = getattr(defaults, name)
-    key = f"{path}.{name}" if path else name
-    if dataclasses.is_dataclass(cur):
-      kwargs[name] = from_dict(type(cur), value, path=key)
-    elif isinstance(cur, tuple):
-      kwargs[name] = tuple(value)
-    else:
-      kwargs[name] = _coerce(key, cur, value)
-  return cls(**kwargs)
-
-
-def _coerce(key: str, default: Any, value: Any) -> Any:
-  if value is None or default is None:
-    return value
-  if isinstance(default, bool):
-    if isinstance(value, bool):
-      return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-      return value.lower() == "true"
-    raise SpecError(f"{key}: expected true/false, got {value!r}")
-  if isinstance(default, int):
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-      try:
-        return int(str(value))
-      except ValueError:
-        pass
-      try:  # '1e6' (YAML reads exponent notation without a dot as a string)
-        x = float(str(value))
-      except ValueError:
-        x = math.nan
-      if not (math.isfinite(x) and x.is_integer()):
-        raise SpecError(f"{key}: expected an integer, got {str(value)[:40]!r}") from None
-      value = x
-    return int(value)
-  if isinstance(default, float):
-    try:
-      out = float(value)
-    except (TypeError, ValueError, OverflowError):
-      raise SpecError(f"{key}: expected a finite number, got {str(value)[:40]!r}") from None
-    if not math.isfinite(out):
-      raise SpecError(f"{key} = {str(value)[:40]}: must be a finite number{_why_not_finite(out)}")
-    return out
-  return value
-
+# ----------------------------------------------------------------------------- overrides
 
 def parse_value(raw: str, source: str) -> Any:
   """A `key=value` value: JSON where it parses (numbers, true/false, null, lists, objects), else the string.
@@ -536,11 +400,6 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     key, raw = item.split("=", 1)
     out[key.strip()] = parse_value(raw, f"override {key.strip()!r}")
   return out
-
-
-def _why_not_finite(x: float) -> str:
-  """The hint for a non-finite value: NaN given as such, or an infinity (which a too-large literal becomes)."""
-  return "; NaN is not a value a run can use" if math.isnan(x) else " (a value such as 1e400 overflows to inf)"
 
 
 def apply_overrides(spec: RunSpec, overrides: Mapping[str, Any]) -> RunSpec:

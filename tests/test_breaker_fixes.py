@@ -171,7 +171,8 @@ def test_quoted_nan_text_is_not_a_number():
 def _run_folder(tmp_path: Path) -> Path:
   """A finished run folder as `parity compare` leaves it: artifacts, and a report.json recording their hashes."""
   import json
-  from parity.verdict.checks import Check, verdict
+  from parity.verdict.check import Check
+  from parity.verdict.sides import verdict
   from parity.report.build import REPORT_SCHEMA, artifact_hashes
   rd = tmp_path / "run"
   for rel in ("request.json", "init.safetensors", "batches.npy", "jax/steps.jsonl", "jax/final.safetensors",

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from parity import weights
-from parity.verdict.checks import compare_sides, param_checks, series_check, verdict
-from parity.spec import PRESETS
+from parity.verdict.params import param_checks
+from parity.verdict.sides import compare_sides, verdict
+from parity.verdict.steps import series_check
+from parity.presets import PRESETS
 
 
 def _recs(losses, **extra):
@@ -81,7 +83,8 @@ def test_verdict_names_first_failing_step_and_metric():
 
 
 # --------------------------------------------------------------------------- noise envelope, repeats
-from parity.verdict.checks import envelope_check, repeat_check, windowed_rms  # noqa: E402
+from parity.verdict.envelope import envelope_check, windowed_rms  # noqa: E402
+from parity.verdict.steps import repeat_check  # noqa: E402
 from parity.verdict.tolerances import EnvelopeRule  # noqa: E402
 
 _RULE = EnvelopeRule(factor=3.0, floor=1e-6, window=10, reason="test")

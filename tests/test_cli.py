@@ -52,7 +52,7 @@ def test_version_comes_from_the_package_metadata(capsys):
 
 def test_presets_lists_the_model_size_presets(capsys):
   from parity.hf import MODEL_PRESETS
-  from parity.spec import PRESETS
+  from parity.presets import PRESETS
   assert main(["presets"]) == 0
   out = capsys.readouterr().out
   for name in (*PRESETS, *MODEL_PRESETS):

@@ -17,7 +17,8 @@ import pytest
 from conftest import requires_jax, requires_torch
 from parity.numerics import schedule
 from parity.migrate.reference import numpy_update
-from parity.spec import SpecError, TrainSpec, preset
+from parity.presets import preset
+from parity.spec import SpecError, TrainSpec
 
 ONECYCLE = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 3, "cycle_min_mom": 0.8,
             "cycle_max_mom": 0.9}
@@ -229,7 +230,7 @@ def test_short_compare_passes_and_planted_change_fails(tmp_path, over, planted):
 def test_params_rule_for_sgd_and_lamb_is_per_tensor_with_zero_grad_slices_inside():
   """No Adam step bound holds for SGD or Lamb: their zero-gradient slices join the per-tensor rule, where a
   difference the Adam bound 2·Σlr would let through FAILs (a check that can fail), and rounding noise passes."""
-  from parity.verdict.checks import param_checks
+  from parity.verdict.params import param_checks
   from parity.weights import init_params, zero_grad_slices
   model = preset("gpt2-tiny").model
   init = init_params(model, 0)

@@ -17,7 +17,8 @@ import pytest
 from conftest import HAS_JAX, HAS_TORCH, requires_jax, requires_torch
 
 from parity import diagnose as dg
-from parity.spec import ModelSpec, SpecError, preset
+from parity.presets import preset
+from parity.spec import ModelSpec, SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 requires_both = pytest.mark.skipif(not (HAS_JAX and HAS_TORCH), reason="needs jax and torch")

@@ -15,7 +15,8 @@ from parity.inputs import InputError
 from parity.migrate import read_deepspeed_config
 from parity.migrate._read import PortError
 from parity.pipeline.resolve import resolve
-from parity.spec import PRESETS, SpecError
+from parity.presets import PRESETS
+from parity.spec import SpecError
 
 from conftest import requires_torch
 

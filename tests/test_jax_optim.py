@@ -9,7 +9,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from parity.numerics import schedule  # noqa: E402
-from parity.spec import ModelSpec, TrainSpec, preset  # noqa: E402
+from parity.presets import preset  # noqa: E402
+from parity.spec import ModelSpec, TrainSpec  # noqa: E402
 from parity.weights import decays, init_params, param_shapes  # noqa: E402
 
 from jax_impl import layout  # noqa: E402

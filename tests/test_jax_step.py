@@ -14,7 +14,8 @@ jax = pytest.importorskip("jax")
 from parity import data, protocol, weights  # noqa: E402
 
 from parity.numerics import schedule  # noqa: E402
-from parity.spec import JaxPlan, ModelSpec, RunSpec, TrainSpec, preset, to_dict  # noqa: E402
+from parity.presets import preset  # noqa: E402
+from parity.spec import JaxPlan, ModelSpec, RunSpec, to_dict, TrainSpec  # noqa: E402
 
 from jax_impl import model as M  # noqa: E402
 from jax_impl.step import Trainer, accumulate_grads  # noqa: E402

@@ -10,7 +10,8 @@ import pytest
 
 from parity.sizing import memory
 from parity.hf import MODEL_PRESETS
-from parity.spec import ModelSpec, preset
+from parity.presets import preset
+from parity.spec import ModelSpec
 
 LLAMA_TINY = ModelSpec(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
                        norm="rmsnorm", norm_eps=1e-6, mlp="swiglu", position="rope", bias=False,

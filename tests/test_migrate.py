@@ -13,7 +13,7 @@ from parity.cli import port as cli
 from parity.migrate import reference
 from parity.migrate._report import leaf_paths
 from parity.migrate._reverse import to_deepspeed, to_run_spec
-from parity.spec import PRESETS
+from parity.presets import PRESETS
 
 REAL = Path(os.environ.get("PARITY_REALWORLD", Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"))
 REAL_FILES = sorted(REAL.glob("*.json")) if REAL.is_dir() else []

@@ -1,12 +1,12 @@
-"""The per-element Adam params rule (parity.verdict.checks.param_checks, issue #11 item 2)."""
+"""The per-element Adam params rule (parity.verdict.params.param_checks, issue #11 item 2)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from conftest import requires_jax, requires_torch
-from parity.verdict.checks import AdamSensitivity, param_checks
-from parity.spec import PRESETS
+from parity.verdict.params import AdamSensitivity, param_checks
+from parity.presets import PRESETS
 from parity.weights import init_params
 
 SPEC = PRESETS["gpt2-tiny"].model
@@ -130,13 +130,13 @@ def test_read_moments_round_trip_and_unreadable_files_fall_back(tmp_path):
   assert all(read_moments(tmp_path / n) is None for n in ("neg", "half", "foreign", "missing"))
 
 
-# The bf16/fp16 noise-envelope params rule (parity.verdict.checks.envelope_params_check) with the same Adam term.
+# The bf16/fp16 noise-envelope params rule (parity.verdict.envelope.envelope_params_check) with the same Adam term.
 
 NOISE_RATIO = 1e-4  # each side's max|side - rerun| / moved, every tensor: bound_T = 10 * 1e-4 + 2e-3 = 3e-3 (bf16)
 
 
 def _envelope_check(a, b, init, moments, precision="bf16"):
-  from parity.verdict.checks import envelope_params_check
+  from parity.verdict.envelope import envelope_params_check
   from parity.verdict.tolerances import envelope_rule
   noise = {s: {n: NOISE_RATIO for n in a} for s in ("a", "b")}
   return envelope_params_check("a", a, "b", b, init, SPEC, noise, envelope_rule(precision), moments=moments,
@@ -208,7 +208,7 @@ def test_bf16_constant_lr_correct_pair_passes_the_params_envelope(tmp_path):
 
 
 def test_envelope_non_adam_optimizer_keeps_the_per_tensor_rule_and_says_so():
-  from parity.verdict.checks import envelope_params_check
+  from parity.verdict.envelope import envelope_params_check
   from parity.verdict.tolerances import envelope_rule
   init, a, b, moms = _pair()
   name = "h.0.attn.qkv.bias"

@@ -128,9 +128,9 @@ def test_run_each_side_is_the_one_interrupt_loop():
 
 def test_build_report_assembles_everything_once():
   from harness.runner import SideRun
-  from parity.verdict.checks import Verdict
+  from parity.verdict.sides import Verdict
   from parity.report import build_report
-  from parity.spec import preset
+  from parity.presets import preset
   spec = preset("gpt2-tiny")
   sr = SideRun("jax", "ok", 0, 9.0, None, {"init_s": 1.0, "compile_s": 1.0, "train_s": 2.0})
   rep = build_report(spec=spec, preset_name="gpt2-tiny", run_dir=Path("/x"), data_info={}, side_runs={"jax": sr},
@@ -231,7 +231,7 @@ def test_protocol_split_by_its_two_ends():
 
 def test_one_batch_shape_check_for_both_workers(tmp_path):
   from parity.protocol.side import check_batch_shapes
-  from parity.spec import preset
+  from parity.presets import preset
   t = preset("gpt2-tiny").train
   want = (t.steps, t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1)
   check_batch_shapes(want, (2, *want[2:]), t)
@@ -248,7 +248,8 @@ def test_side_io_checks_val_batches_for_every_side(tmp_path):
   """SideIO.training_batches refuses a val_batches.npy of the wrong shape (the torch worker did not check it)."""
   from parity.protocol import REQUEST_SCHEMA, SideIO
   from parity.pipeline.folder import prepare_run_dir
-  from parity.spec import preset, to_dict
+  from parity.presets import preset
+  from parity.spec import to_dict
   spec = preset("gpt2-tiny")
   prepare_run_dir(spec, tmp_path)
   io = SideIO(tmp_path / "request.json", "torch")

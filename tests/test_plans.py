@@ -11,7 +11,8 @@ from parity.sizing import memory
 
 from parity.sizing import plans
 from parity.hf import MODEL_PRESETS
-from parity.spec import DeepSpeedPlan, JaxPlan, RunSpec, SpecError, TrainSpec, preset
+from parity.presets import preset
+from parity.spec import DeepSpeedPlan, JaxPlan, RunSpec, SpecError, TrainSpec
 
 GiB = 2**30
 

@@ -112,7 +112,8 @@ def test_item4_offload_with_client_optimizer_is_refused_naming_key_and_fix(capsy
 
 def test_item4_compare_refuses_it_and_does_not_add_an_optimizer(capsys):
   from parity.migrate._reverse import port_for_compare
-  from parity.spec import PRESETS, SpecError
+  from parity.presets import PRESETS
+  from parity.spec import SpecError
   base = PRESETS["gpt2-tiny"]
   with pytest.raises(SpecError, match="zero_force_ds_cpu_optimizer"):
     port_for_compare({**B, "zero_optimization": {"stage": 2, "offload_optimizer": OFF}}, base)

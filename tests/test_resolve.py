@@ -10,7 +10,8 @@ import pytest
 from parity import hf, weights
 from parity.cli import main as cli_main
 from parity.pipeline.resolve import ResolvedRun, overrides_mapping, resolve_run
-from parity.spec import SpecError, preset
+from parity.presets import preset
+from parity.spec import SpecError
 
 
 def _hf_folder(tmp_path, name="gpt2-tiny"):

@@ -210,7 +210,7 @@ def test_port_never_writes_over_its_input_or_a_foreign_file(tmp_path, capsys, mo
 
 def test_convert_force_never_deletes_the_source_or_a_foreign_folder(tmp_path, capsys):
   from parity import hf
-  from parity.spec import preset
+  from parity.presets import preset
   spec = preset("gpt2-tiny").model
   from parity import weights
   src = tmp_path / "w.safetensors"

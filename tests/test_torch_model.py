@@ -9,7 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from parity.spec import ModelSpec, preset  # noqa: E402
+from parity.presets import preset  # noqa: E402
+from parity.spec import ModelSpec  # noqa: E402
 from parity.weights import decays, init_params, param_shapes  # noqa: E402
 from torch_impl.model import (GPT, build_model, decay_groups, lm_loss, load_canonical, rope_tables,  # noqa: E402
                               to_canonical)

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from parity.verdict.checks import AdamSensitivity
+from parity.verdict.params import AdamSensitivity
 from parity.protocol.side import SideIO, main_guard
 
 EXIT_OK, EXIT_NAN = 0, 3

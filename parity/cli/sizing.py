@@ -9,7 +9,8 @@ import argparse
 import json
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
-from parity.spec import DEFAULT_PRESET, SpecError, parse_overrides
+from parity.presets import DEFAULT_PRESET
+from parity.spec import parse_overrides, SpecError
 from parity.weights import n_params
 
 __all__ = ["register"]
@@ -173,7 +174,8 @@ def _write_json(path: str, data) -> None:
 def run_presets(args: argparse.Namespace) -> int:
   """`parity presets`: run presets (name, size, training) and model-size presets (parity.hf.MODEL_PRESETS)."""
   from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
-  from parity.spec import PRESETS, to_dict
+  from parity.presets import PRESETS
+  from parity.spec import to_dict
   con = console()
   con.print("[bold]run presets[/bold] (--preset of compare, diagnose, estimate, plan):")
   for name, spec in PRESETS.items():

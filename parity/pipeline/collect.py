@@ -18,7 +18,7 @@ def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | No
 
   Returns:
     {side: {'status': str, 'steps': [StepRecord], 'final': {name: float32 array} | None,
-    'moments': parity.protocol.read_moments output | None}}: what parity.verdict.checks.compare_sides takes.
+    'moments': parity.protocol.read_moments output | None}}: what parity.verdict.sides.compare_sides takes.
   """
   data = {}
   for side, sr in side_runs.items():

@@ -1,7 +1,7 @@
 """`parity.compare(...)`: one comparison from Python, returning the Report.
 
 The pipeline, top to bottom (`run_comparison`): resolve (parity.pipeline.resolve) -> prepare the run folder (parity.pipeline.folder) ->
-run the sides (harness.runner) -> collect (parity.pipeline.collect) -> compare (parity.verdict.checks) -> reruns (parity.pipeline.reruns) ->
+run the sides (harness.runner) -> collect (parity.pipeline.collect) -> compare (parity.verdict.sides) -> reruns (parity.pipeline.reruns) ->
 build the report -> write it (parity.report). `compare` is its keyword form for notebooks and the CLI.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from harness import runner
-from parity.verdict.checks import compare_sides, verdict
+from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
 from parity.report import Report, build_report, write_all
@@ -42,7 +42,7 @@ class RunOptions:
     progress: show a progress bar (rich) on the terminal.
     noise_envelope: rerun every side that finished with the batches' rows in reverse order, and hold
       each pair's loss-difference curve against the noisier side's rerun difference
-      (parity.verdict.checks.envelope_check). None: only for bf16/fp16 runs.
+      (parity.verdict.envelope.envelope_check). None: only for bf16/fp16 runs.
     determinism_steps: rerun each side that finished for its first N steps in a new process and
       state whether the records are bit-identical (reported; does not gate the verdict). 0: skip.
     resume_at: also save a checkpoint at this step in that rerun, resume from it in a new process

@@ -19,8 +19,10 @@ from typing import Any
 
 from harness import self_runs
 from harness.runner import SideRun
-from parity.verdict.checks import (ENVELOPE_METRICS, Check, envelope_check, envelope_params_check, param_ratios,
-                           repeat_check, rerun_differences)
+from parity.verdict.check import Check
+from parity.verdict.envelope import ENVELOPE_METRICS, envelope_check, envelope_params_check, rerun_differences
+from parity.verdict.params import param_ratios
+from parity.verdict.steps import repeat_check
 from parity.pipeline.collect import side_outputs
 from parity.spec import RunSpec
 from parity.verdict.tolerances import envelope_rule

@@ -27,7 +27,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from parity.spec import DEFAULT_PRESET, RunSpec, SpecError, apply_overrides, from_dict, parse_overrides, preset, to_dict
+from parity.presets import DEFAULT_PRESET, preset
+from parity.spec import apply_overrides, from_dict, parse_overrides, RunSpec, SpecError, to_dict
 
 __all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file"]
 

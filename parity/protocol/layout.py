@@ -10,8 +10,8 @@ Files of one run (DESIGN.md):
   run_dir/<side>/final.safetensors  canonical final fp32 (master) params
   run_dir/<side>/final_moments.safetensors  float32, per canonical param: 'grad_rms/<name>' = Adam's
                                 bias-corrected sqrt(v_hat) at the end, 'sensitivity/<name>' = sum over updates of
-                                lr_t / (sqrt(v_hat_t) + eps) (parity.verdict.checks.AdamSensitivity); read by the params
-                                rule (parity.verdict.checks.param_checks); optional
+                                lr_t / (sqrt(v_hat_t) + eps) (parity.verdict.params.AdamSensitivity); read by the params
+                                rule (parity.verdict.params.param_checks); optional
 
 A worker (`parity.protocol.workers`) writes them through `parity.protocol.side.SideIO`, so both frameworks write
 identical records.

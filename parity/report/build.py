@@ -11,7 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from parity.verdict.checks import Check, Verdict
+from parity.verdict.check import Check
+from parity.verdict.sides import Verdict
 from parity.spec import RunSpec, config_hash, to_dict
 from parity.verdict.tolerances import TOLERANCES
 
@@ -142,7 +143,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
   Args:
     spec, preset_name, run_dir, data_info: the run, its name, folder and corpus (parity.pipeline.folder.PreparedRun.data_info).
     side_runs: side -> harness.runner.SideRun; side_steps: side -> StepRecords.
-    checks, params_table, verdict: parity.verdict.checks.compare_sides + reruns' checks, and their verdict.
+    checks, params_table, verdict: parity.verdict.sides.compare_sides + reruns' checks, and their verdict.
     wall_s: seconds from the call to now; prepare_s: seconds writing the inputs.
     plan: the plan pair chosen (parity.pipeline.resolve.ResolvedRun.plan) or None.
     reruns: {'noise_envelope', 'determinism', 'resume'} sections (parity.pipeline.reruns.Reruns.sections); reruns_s: the

@@ -71,9 +71,9 @@ def load_report(run_dir: str | Path) -> Report:
 
 
 def _check_from_json(d: dict):
-  """A parity.verdict.checks.Check back from its to_json form (non-finite value/tolerance were stored as None or text)."""
+  """A parity.verdict.check.Check back from its to_json form (non-finite value/tolerance were stored as None or text)."""
   import dataclasses
-  from parity.verdict.checks import Check
+  from parity.verdict.check import Check
   fields = {f.name for f in dataclasses.fields(Check)}
   kw = {k: v for k, v in d.items() if k in fields}
   for k in ("value", "tolerance"):
@@ -86,13 +86,13 @@ def _check_from_json(d: dict):
 def verify_report(report: Report) -> list[str]:
   """What no longer holds in a loaded report: one line per problem, [] when it is consistent and untouched.
 
-  Two rules: (1) the stored verdict is the one parity.verdict.checks.verdict gives for the stored checks and side statuses
+  Two rules: (1) the stored verdict is the one parity.verdict.sides.verdict gives for the stored checks and side statuses
   (an interrupted run never passes), so a hand-edited check or verdict is caught; (2) every artifact recorded in
   report.json['artifacts'] (relative path -> sha256, bytes) still has that size and hash, so a side's output or
   an input changed, truncated or removed since the run is named. A report without 'artifacts' (written before
   they were recorded) is checked by rule 1 only.
   """
-  from parity.verdict.checks import verdict
+  from parity.verdict.sides import verdict
   from parity.report.build import file_digest
   d, rd, out = report.data, Path(report.run_dir), []
   path = rd / "report.json"

@@ -46,7 +46,7 @@ _FP32 = {
         "200 steps); 2e-3 leaves ~20x headroom. Wrong settings measured on gpt2-tiny after 4 "
         "steps: weight decay off on one side 8.9e-3, grad_clip 0.5 vs 1.0 1.8e-2 (both caught).")),
     "params_grad_noise": Tolerance(0.0, 1e-6, (
-        "kappa of the per-element Adam params rule (parity.verdict.checks.param_checks): gradient rounding noise relative "
+        "kappa of the per-element Adam params rule (parity.verdict.params.param_checks): gradient rounding noise relative "
         "to the tensor's gradient scale (RMS of sqrt(v_hat)). Measured: gpt2-tiny, Constant lr 6e-4, 4 steps, "
         "jax~torch (losses within 1e-6) needs kappa >= 5.9e-8 at h.1.mlp.fc.weight, an element whose gradient hit "
         "rounding level (harmonic-mean sqrt(v_hat) 5.9e-8 vs the tensor's 8.2e-4); the per-tensor rule failed it "
@@ -95,7 +95,7 @@ _BF16 = {
         "1.2x apart, so under the envelope this is reported only.")),
     "params_zero_grad": _FP32["params_zero_grad"],
     "params_grad_noise": Tolerance(0.0, _scaled_kappa("bf16"), (
-        "kappa of the per-element Adam term of the bf16 params envelope (parity.verdict.checks.envelope_params_check): "
+        "kappa of the per-element Adam term of the bf16 params envelope (parity.verdict.envelope.envelope_params_check): "
         "fp32's 1e-6 scaled by the unit roundoff, 1e-6 * 2^-8 / 2^-24 = 0.066. Measured (gpt2-tiny, 8 steps, "
         "benchmarks/results/params_rule_envelope.md): correct jax~torch and jax~deepspeed pairs need at most 0.0097 "
         "(Constant lr 1e-4; an earlier run 0.021), so 0.066 leaves 3x over the worst; the per-tensor envelope "
@@ -133,7 +133,7 @@ _FP16 = {
         "Per tensor, max |a - b| / distance moved: measured <= 0.0225 (gpt2-tiny, 200 steps); 4x.")),
     "params_zero_grad": _FP32["params_zero_grad"],
     "params_grad_noise": Tolerance(0.0, 0.08, (
-        "kappa of the per-element Adam term of the fp16 params envelope (parity.verdict.checks.envelope_params_check). "
+        "kappa of the per-element Adam term of the fp16 params envelope (parity.verdict.envelope.envelope_params_check). "
         "fp32's 1e-6 scaled by the unit roundoff gives 8.2e-3 (1e-6 * 2^-11 / 2^-24), but a correct jax~torch pair "
         "(gpt2-tiny, Constant lr 1e-3, 8 steps) needs 0.026 (53 u) at h.0.mlp.fc.weight, an element with an "
         "ordinary gradient: fp16 gradients of the two frameworks differ per element by more than rounding (its "
@@ -195,7 +195,7 @@ _FP32_ENVELOPE = EnvelopeRule(factor=10.0, floor=1e-5, window=10, params_floor=2
     "fp32 runs gate on the fixed fp32 table; with --noise-envelope the envelope checks are added with bf16's "
     "factor and the fp32 table's floors (loss 1e-5 nats, grad norm 2e-4 relative, params 2e-3)."))
 ENVELOPE_RULES: dict[str, EnvelopeRule] = {"fp32": _FP32_ENVELOPE, "bf16": _BF16_ENVELOPE, "fp16": _FP16_ENVELOPE}
-"""Noise-envelope rule per precision (parity.verdict.checks.envelope_check)."""
+"""Noise-envelope rule per precision (parity.verdict.envelope.envelope_check)."""
 
 
 def envelope_rule(precision: str) -> EnvelopeRule:
