@@ -76,7 +76,6 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
     RuntimeError: fp16 only, the gradient overflowed at the initial loss scale (the update would be skipped).
   """
   import jax
-  import numpy as np
   import optax
   from jax_impl import model as model_lib
   from jax_impl import optim
@@ -88,11 +87,7 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
   _, taps = jax.jit(lambda p, x: model_lib.loss_and_taps(cast(p), x, spec, dtype=dtype, causal=causal))(
       params, batch[0])
   loss = lambda p, x: model_lib.loss_fn(cast(p), x, spec, dtype=dtype, causal=causal)
-  if req.plants["decay_all"]:
-    with mock.patch.object(optim, "decay_mask", _decay_all_mask):
-      tx, schedule = optim.make_optimizer(spec, train)
-  else:
-    tx, schedule = optim.make_optimizer(spec, train)
+  tx, schedule = _optimizer(spec, train, req.plants["decay_all"])
   opt_state = _with_schedule_count(tx.init(params), req.lr_step)
   lr = float(schedule(optim.step_count_of(opt_state)))
   fp16 = train.precision == "fp16"
@@ -112,6 +107,25 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
       raise RuntimeError(f"fp16: the gradient overflowed at the initial loss scale {float(old_ls.scale):g}, so the "
                          "update would be skipped; diagnose another --step or lower train.initial_scale_power")
     grads = jax.tree.map(lambda x: x / new_ls.scale, grads)  # DeepSpeed unscales by the scale after its update
+  out, where = _outputs(spec, taps, loss_val, grads, new_params)
+  return out, where, lr
+
+
+def _optimizer(spec, train, decay_all: bool):
+  """optim.make_optimizer's (tx, schedule); under the `decay_all` plant with every tensor decayed."""
+  from jax_impl import optim
+  if decay_all:
+    with mock.patch.object(optim, "decay_mask", _decay_all_mask):
+      return optim.make_optimizer(spec, train)
+  return optim.make_optimizer(spec, train)
+
+
+def _outputs(spec, taps, loss_val, grads, new_params) -> tuple[dict, dict[str, str]]:
+  """(tensors, where) of one diagnosed step: canonical tap name -> float32 numpy array (forward taps, 'loss',
+  'grad/<param>', 'update/<param>') and tap name -> its Flax location."""
+  import jax
+  import numpy as np
+  from jax_impl import model as model_lib
   taps = jax.device_get(taps)
   out = {model_lib.tap_name(loc): np.asarray(v, np.float32) for loc, v in taps.items()}
   where = {model_lib.tap_name(loc): loc for loc in taps}
@@ -124,7 +138,7 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
   out.update({f"update/{n}": p1[n] for n in names})
   where.update(_where_params(names, "grad/", "gradient of"))
   where.update(_where_params(names, "update/", "optim.make_optimizer chain update of"))
-  return out, where, lr
+  return out, where
 
 
 def run_side(io: SideIO) -> int:

@@ -65,7 +65,6 @@ def _one_step(run, params, plants, batch, lr_step: int):
   Raises:
     RuntimeError: a gradient was not recorded, or (fp16) the step overflowed and was skipped.
   """
-  import numpy as np
   import torch
   from torch_impl.baseline import TorchTrainer
   from torch_impl.model import Attention, TapRecorder, to_canonical
@@ -74,13 +73,7 @@ def _one_step(run, params, plants, batch, lr_step: int):
   trainer = TorchTrainer(run, params)
   model = trainer.model
   compute = trainer.half_model if trainer.half_model is not None else model  # where forward and backward run
-  if plants["no_causal_mask"]:
-    for m in [*model.modules(), *compute.modules()]:
-      if isinstance(m, Attention):
-        m.causal = False
-  if plants["decay_all"]:
-    for group in trainer.optimizer.param_groups:
-      group["weight_decay"] = float(run.train.weight_decay)
+  _apply_plants(trainer, compute, plants, run.train.weight_decay)
 
   recorder = TapRecorder()
   compute.record_taps(recorder)
@@ -104,11 +97,35 @@ def _one_step(run, params, plants, batch, lr_step: int):
                        "update was skipped; diagnose another --step or lower train.initial_scale_power")
   divisor = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0  # fp16: DeepSpeed's unscale
 
-  names = dg.param_order(run.model)
+  out, where = _outputs(run.model, recorder, grads, divisor, to_canonical(model), metrics)
+  if reduced:
+    where.update({f"h.{i}.attn.{t}": f"h.{i}.attn (Attention) {t}: SDPA's float32 internals, recomputed"
+                  for i in range(run.model.n_layers) for t in ("scores", "probs")})
+  return out, where, metrics
+
+
+def _apply_plants(trainer, compute, plants, weight_decay: float) -> None:
+  """The torch side's plants: `no_causal_mask` (every Attention of both module copies unmasked) and `decay_all`
+  (every param group decayed by train.weight_decay)."""
+  from torch_impl.model import Attention
+  if plants["no_causal_mask"]:
+    for m in [*trainer.model.modules(), *compute.modules()]:
+      if isinstance(m, Attention):
+        m.causal = False
+  if plants["decay_all"]:
+    for group in trainer.optimizer.param_groups:
+      group["weight_decay"] = float(weight_decay)
+
+
+def _outputs(spec, recorder, grads, divisor: float, after, metrics) -> tuple[dict, dict[str, str]]:
+  """(tensors, where) of one diagnosed step: forward taps, 'loss', 'grad/<param>' (divided by the fp16 loss scale
+  `divisor`) and 'update/<param>' (`after`, the canonical params after the step), float32 numpy arrays.
+  Raises RuntimeError when a parameter's gradient was not recorded."""
+  import numpy as np
+  names = dg.param_order(spec)
   missing = [n for n in names if n not in grads]
   if missing:
     raise RuntimeError(f"no gradient was recorded for {missing[:5]}: the backward pass did not reach them")
-  after = to_canonical(model)
   out = {k: v.cpu().numpy() for k, v in recorder.values.items()}
   where = dict(recorder.where)
   out["loss"] = np.asarray(metrics["loss"], np.float32)
@@ -118,10 +135,7 @@ def _one_step(run, params, plants, batch, lr_step: int):
     where[f"grad/{n}"] = f"{n}.grad (accumulated, before clip_like_deepspeed)"
     out[f"update/{n}"] = after[n]
     where[f"update/{n}"] = f"{n} after TorchTrainer.step (torch.optim.AdamW)"
-  if reduced:
-    where.update({f"h.{i}.attn.{t}": f"h.{i}.attn (Attention) {t}: SDPA's float32 internals, recomputed"
-                  for i in range(run.model.n_layers) for t in ("scores", "probs")})
-  return out, where, metrics
+  return out, where
 
 
 def side_main(io: SideIO) -> int:

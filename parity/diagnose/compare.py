@@ -355,7 +355,6 @@ def compare_precision(spec: ModelSpec, train: TrainSpec, precision: str, sides: 
   floor = rule.floor_u * UNIT_ROUNDOFF[precision]
   clip = {s: _clip_factor({n[5:]: v for n, v in low[s].items() if n.startswith("grad/")}, train.grad_clip)
           for s in sides}
-  upd = RULES["update"]
   out = []
   for name in tap_order(spec):
     kind = _rule_kind(name)
@@ -383,22 +382,26 @@ def compare_precision(spec: ModelSpec, train: TrainSpec, precision: str, sides: 
       out.append(PrecisionDiff(name, kind, next(iter(shapes)), rms, mx, ratio, off))
       continue
     param = name.split("/", 1)[1]
-    residual = {}
-    for s in sides:
-      g = low[s].get(f"grad/{param}")
-      if g is None:
-        residual[s] = math.inf
-        continue
-      want = adamw_first_step(p0, g, lr, train, weights.decays(param), clip[s])
-      got = np.asarray(low[s][name], np.float64)
-      moved = float(np.max(np.abs(want - np.asarray(p0, np.float64)), initial=0.0))
-      allowed = upd.rtol * moved + upd.ulps * float(np.finfo(np.float32).eps) * float(np.max(np.abs(p0), initial=0.0))
-      with np.errstate(invalid="ignore"):
-        err = float(np.max(np.abs(got - want), initial=0.0))
-      residual[s] = err / allowed if allowed > 0 else (0.0 if err == 0 else math.inf)
-      if not math.isfinite(err):
-        residual[s] = math.inf
+    residual = {s: _adam_residual(low[s].get(f"grad/{param}"), low[s][name], p0, param, lr, train, clip[s])
+                for s in sides}
     worst = max(sides, key=lambda s: residual[s])
     off = worst if residual[worst] > 1.0 else None
     out.append(PrecisionDiff(name, kind, next(iter(shapes)), rms, mx, ratio, off, adam_residual=residual))
   return out
+
+def _adam_residual(g: np.ndarray | None, got: np.ndarray, p0: np.ndarray, param: str, lr: float, train: TrainSpec,
+                   clip: float) -> float:
+  """One side's update error against a first AdamW step from its own gradient `g`, as a fraction of the allowed
+  error (RULES['update']: rtol of the distance moved + ulps of the fp32 weight); inf without a gradient or when the
+  error is not finite."""
+  if g is None:
+    return math.inf
+  upd = RULES["update"]
+  want = adamw_first_step(p0, g, lr, train, weights.decays(param), clip)
+  moved = float(np.max(np.abs(want - np.asarray(p0, np.float64)), initial=0.0))
+  allowed = upd.rtol * moved + upd.ulps * float(np.finfo(np.float32).eps) * float(np.max(np.abs(p0), initial=0.0))
+  with np.errstate(invalid="ignore"):
+    err = float(np.max(np.abs(np.asarray(got, np.float64) - want), initial=0.0))
+  if not math.isfinite(err):
+    return math.inf
+  return err / allowed if allowed > 0 else (0.0 if err == 0 else math.inf)

@@ -217,14 +217,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
   lr_step, lr = lr_position(spec.train, step)
   pert = _perturbations(perturb, sides, spec.train.precision, spec)
   plant_map = parse_plants(list(plants), sides, spec.model)
-  if run_dir is None:
-    from parity.sizing.resources import check_resources
-    from parity.pipeline.folder import prepare_run_dir
-    check_resources(spec, folder)  # sizes that cannot fit are refused before anything is allocated
-    prepare_run_dir(spec, folder, perturb=pert, init_params=given)
-  request = json.loads((folder / "request.json").read_text())
-  request.update({"perturb": pert, REQUEST_KEY: {"step": step, "lr_step": lr_step}, PLANTS_KEY: plant_map})
-  (folder / "request.json").write_text(json.dumps(request, indent=2))
+  request = _write_request(folder, spec, given, run_dir is None, pert, step, lr_step, plant_map)
   files = (OUTPUT_FILE, REFERENCE_FILE) if spec.train.precision != "fp32" else (OUTPUT_FILE,)
   runs, interrupted = _run_workers(folder, sides, request, files, timeout_s, reuse)
   status, errors = {s: r.status for s, r in runs.items()}, {s: r.error for s, r in runs.items()}
@@ -239,6 +232,21 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
   if interrupted is not None:
     raise interrupted
   return result
+
+
+def _write_request(folder: Path, spec: RunSpec, given: Any, fresh: bool, pert: dict, step: int, lr_step: int,
+                   plant_map: dict) -> dict:
+  """The request of this diagnose call: a fresh folder is prepared first (resources checked, weights, batches,
+  request.json); then request.json's perturb, step and plant keys are rewritten for this call. Returns it."""
+  if fresh:
+    from parity.sizing.resources import check_resources
+    from parity.pipeline.folder import prepare_run_dir
+    check_resources(spec, folder)  # sizes that cannot fit are refused before anything is allocated
+    prepare_run_dir(spec, folder, perturb=pert, init_params=given)
+  request = json.loads((folder / "request.json").read_text())
+  request.update({"perturb": pert, REQUEST_KEY: {"step": step, "lr_step": lr_step}, PLANTS_KEY: plant_map})
+  (folder / "request.json").write_text(json.dumps(request, indent=2))
+  return request
 
 
 def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[Path, RunSpec, Any]:

@@ -309,6 +309,19 @@ def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any]
       ctx.refuse(f"scheduler.params.{k}", f"scheduler.params.{k}: {name} has no such argument (TypeError in "
                  f"DeepSpeed). Known: {', '.join(defaults)}.", deepspeed=True)
   out = {k: _sched_value(ctx, name, k) for k in defaults}
+  _implied_and_required(ctx, name, out, defaults, optimizer)
+  for k in params:
+    if k in defaults:
+      ctx.mark(f"scheduler.params.{k}", "mapped", f"scheduler.params.{k}", f"{name} argument", overwrite=False)
+  if None in [v for k, v in out.items() if defaults[k] is not None or k in params] or ctx.report.errors:
+    return None
+  return {"type": name, "params": out}
+
+
+def _implied_and_required(ctx: Ctx, name: str, out: dict[str, Any], defaults: dict[str, Any],
+                          optimizer: dict[str, Any] | None) -> None:
+  """The scheduler values DeepSpeed fills in or clamps (recorded as implied, `out` updated), its required arguments
+  (refused when absent), and the OneCycle rules (`_one_cycle`)."""
   base_lr = optimizer["params"]["lr"] if optimizer else None
   if name == "WarmupLR" and not ctx.has("scheduler.params.warmup_max_lr"):
     out["warmup_max_lr"] = base_lr
@@ -327,19 +340,18 @@ def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any]
   if isinstance(tot, int) and isinstance(wu, int) and tot < max(2, wu):
     ctx.warn(f"scheduler: total_num_steps {tot} is less than warmup_num_steps {wu} (DeepSpeed warns the same).")
   if name == "OneCycle":
-    if out["cycle_first_step_size"] is not None and out["cycle_first_step_size"] <= 0:
-      ctx.refuse("scheduler.params.cycle_first_step_size", "scheduler.params.cycle_first_step_size must be "
-                 f"positive (DeepSpeed raises); got {out['cycle_first_step_size']}.")
-    if out["cycle_momentum"] and optimizer and optimizer["type"] == "sgd":
-      out["cycle_momentum"] = False
-      ctx.warn("OneCycle: cycle_momentum is disabled because torch.optim.SGD has no betas (DeepSpeed warns and "
-               "disables it the same way).")
-    elif out["cycle_momentum"]:
-      ctx.implied("optimizer.params.betas[1]", 0.99, "OneCycle with cycle_momentum sets every group's betas to "
-                  "(momentum, 0.99): beta2 becomes 0.99 whatever optimizer.params.betas says")
-  for k in params:
-    if k in defaults:
-      ctx.mark(f"scheduler.params.{k}", "mapped", f"scheduler.params.{k}", f"{name} argument", overwrite=False)
-  if None in [v for k, v in out.items() if defaults[k] is not None or k in params] or ctx.report.errors:
-    return None
-  return {"type": name, "params": out}
+    _one_cycle(ctx, out, optimizer)
+
+
+def _one_cycle(ctx: Ctx, out: dict[str, Any], optimizer: dict[str, Any] | None) -> None:
+  """OneCycle: a positive first step size; momentum cycling off for SGD (as DeepSpeed does), else beta2 -> 0.99."""
+  if out["cycle_first_step_size"] is not None and out["cycle_first_step_size"] <= 0:
+    ctx.refuse("scheduler.params.cycle_first_step_size", "scheduler.params.cycle_first_step_size must be "
+               f"positive (DeepSpeed raises); got {out['cycle_first_step_size']}.")
+  if out["cycle_momentum"] and optimizer and optimizer["type"] == "sgd":
+    out["cycle_momentum"] = False
+    ctx.warn("OneCycle: cycle_momentum is disabled because torch.optim.SGD has no betas (DeepSpeed warns and "
+             "disables it the same way).")
+  elif out["cycle_momentum"]:
+    ctx.implied("optimizer.params.betas[1]", 0.99, "OneCycle with cycle_momentum sets every group's betas to "
+                "(momentum, 0.99): beta2 becomes 0.99 whatever optimizer.params.betas says")

@@ -96,18 +96,15 @@ def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
 
 
 def port_zero(ctx: Ctx) -> dict[str, Any] | None:
+  """zero_optimization -> the PortedConfig.sharding mapping (zero stage, shard flags, memory kinds), marking every
+  key in ctx.report; refusals (removed, quantized or unmappable features) are recorded on ctx. Returns None when the
+  section is neither an object nor a boolean."""
   z = ctx.get("zero_optimization")
   if z is MISSING:
     ctx.implied("zero_optimization.stage", 0, "no zero_optimization section: stage 0 (plain data parallel)")
     z = {}
   if isinstance(z, bool):
-    ctx.warn("zero_optimization: a boolean is the deprecated format; DeepSpeed warns 'this format of ZeRO "
-             f"optimization setup is deprecated' and reads it as stage {int(z)}.")
-    ctx.mark("zero_optimization", "mapped", "sharding.zero_stage", f"deprecated boolean form -> stage {int(z)}")
-    ctx.report.entries["zero_optimization"].resolved = {"stage": int(z)}
-    if ctx.has("allgather_size"):
-      ctx.mark("allgather_size", "not_needed", None, f"legacy allgather_bucket_size of the boolean form; {XLA_COMM}")
-    return _plan(int(z), "device", "device")
+    return _boolean_form(ctx, z)
   if not isinstance(z, dict):
     ctx.refuse("zero_optimization", f"zero_optimization: got {z!r}; expected an object or a boolean.")
     return None
@@ -124,6 +121,30 @@ def port_zero(ctx: Ctx) -> dict[str, Any] | None:
             "stage 3: optimizer state, gradients and params sharded over the data axis (FSDP)"][stage])
   for k, lo in _INT_FIELDS.items():
     ctx.num(f"zero_optimization.{k}", 0, integer=True, ge=lo)
+  _deprecated_offload_flags(ctx)
+  opt_dev, opt_kind = _offload(ctx, "offload_optimizer", stage)
+  _, par_kind = _offload(ctx, "offload_param", stage)
+  if opt_dev == "cpu" and stage == 0:
+    ctx.refuse("zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer needs stage >= 1 "
+               "(ZeRO-Offload partitions the optimizer state it moves to the host); got stage 0. Set stage to 1 or 2.")
+  _communication_features(ctx)
+  return _plan(stage, opt_kind, par_kind)
+
+
+def _boolean_form(ctx: Ctx, z: bool) -> dict[str, Any]:
+  """`zero_optimization: true|false`, DeepSpeed's deprecated form of stage 1|0: mapped with a warning."""
+  ctx.warn("zero_optimization: a boolean is the deprecated format; DeepSpeed warns 'this format of ZeRO "
+           f"optimization setup is deprecated' and reads it as stage {int(z)}.")
+  ctx.mark("zero_optimization", "mapped", "sharding.zero_stage", f"deprecated boolean form -> stage {int(z)}")
+  ctx.report.entries["zero_optimization"].resolved = {"stage": int(z)}
+  if ctx.has("allgather_size"):
+    ctx.mark("allgather_size", "not_needed", None, f"legacy allgather_bucket_size of the boolean form; {XLA_COMM}")
+  return _plan(int(z), "device", "device")
+
+
+def _deprecated_offload_flags(ctx: Ctx) -> None:
+  """zero_optimization.cpu_offload / cpu_offload_param (deprecated booleans): rewritten in ctx.cfg to the
+  offload_optimizer / offload_param sections DeepSpeed reads them as, or marked not needed when false."""
   if ctx.get("zero_optimization.cpu_offload") is True:
     if ctx.has("zero_optimization.offload_optimizer"):
       ctx.refuse("zero_optimization.cpu_offload", "zero_optimization.cpu_offload with offload_optimizer: DeepSpeed "
@@ -147,11 +168,11 @@ def port_zero(ctx: Ctx) -> dict[str, Any] | None:
   if ctx.has("zero_optimization.stage3_gather_fp16_weights_on_model_save"):
     ctx.warn("zero_optimization.stage3_gather_fp16_weights_on_model_save is deprecated; DeepSpeed warns 'use "
              "gather_16bit_weights_on_model_save instead'.")
-  opt_dev, opt_kind = _offload(ctx, "offload_optimizer", stage)
-  _, par_kind = _offload(ctx, "offload_param", stage)
-  if opt_dev == "cpu" and stage == 0:
-    ctx.refuse("zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer needs stage >= 1 "
-               "(ZeRO-Offload partitions the optimizer state it moves to the host); got stage 0. Set stage to 1 or 2.")
+
+
+def _communication_features(ctx: Ctx) -> None:
+  """Refuses the ZeRO++ quantized communication, hpZ partitioning and ZenFlow (the JAX plan has one data axis and
+  full-precision collectives); marks the remaining tuning keys not needed."""
   for k in _UNSUPPORTED_IF_TRUE:
     if ctx.get(f"zero_optimization.{k}") is True:
       ctx.refuse(f"zero_optimization.{k}", f"zero_optimization.{k}: quantized ZeRO++ communication changes the "
@@ -167,7 +188,6 @@ def port_zero(ctx: Ctx) -> dict[str, Any] | None:
                "supported by the port. Remove the section.")
   for k, why in _NOT_NEEDED.items():
     ctx.mark(f"zero_optimization.{k}", "not_needed", None, why, overwrite=False)
-  return _plan(stage, opt_kind, par_kind)
 
 
 def _plan(stage: int, opt_kind: str, par_kind: str) -> dict[str, Any]:
@@ -177,6 +197,7 @@ def _plan(stage: int, opt_kind: str, par_kind: str) -> dict[str, Any]:
 
 
 def port_remat(ctx: Ctx) -> dict[str, Any]:
+  """activation_checkpointing -> the PortedConfig.remat mapping {'policy': 'none' | 'full' | 'offload_to_host'}."""
   if not ctx.has("activation_checkpointing"):
     return {"policy": "none"}
   sec = "activation_checkpointing"

@@ -246,23 +246,11 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
     RunFolderError: any refusal above (exit 2).
     RunIOError: the folder or its lock cannot be written (read-only, disk full; exit 1); nothing is left behind.
   """
-  if str(run_dir).strip() == "":
-    raise RunFolderError("--out '': an empty path names no folder; give a new folder, e.g. --out runs/try")
-  path = Path(run_dir)
-  if path.is_symlink() and not path.exists():
-    raise RunFolderError(f"--out {path}: a dangling symbolic link; remove it or choose another folder")
-  if path.exists() and not path.is_dir():
-    raise RunFolderError(f"--out {path}: exists and is not a folder; choose a new folder")
-  outer = enclosing_run(path)
-  if outer is not None:
-    raise RunFolderError(f"--out {path}: inside the parity run folder {outer}, whose files a new run would mix with; "
-                         "choose a folder outside it (e.g. next to it)")
+  path = _check_out_path(run_dir)
   moved_to, stale = _vacate(path, force)
   created = _make_folders(path)
   run_id = uuid.uuid4().hex
-  info = {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
-          "started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-          "command": command if command is not None else " ".join(sys.argv), "run_id": run_id}
+  info = _lock_info(command, run_id)
   claim = RunFolder(path=path, run_id=run_id, moved_to=moved_to, stale_lock=stale, created=created)
   tmp = path / f"{LOCK_NAME}.{os.getpid()}.{run_id[:8]}"
   try:
@@ -293,3 +281,26 @@ def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | No
     raise RunFolderError(f"--out {path}: another run wrote {', '.join(sorted(leftover)[:3])} while this one was "
                          "claiming the folder; choose another --out")
   return claim
+
+def _lock_info(command: str | None, run_id: str) -> dict[str, Any]:
+  """What .parity.lock records about this run: pid, host, process start (to tell a reused pid), start time (UTC),
+  command line (default sys.argv) and run_id."""
+  return {"pid": os.getpid(), "host": socket.gethostname(), "proc_start": _proc_start(os.getpid()),
+          "started_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+          "command": command if command is not None else " ".join(sys.argv), "run_id": run_id}
+
+
+def _check_out_path(run_dir: str | Path) -> Path:
+  """`--out` as a Path, refused (RunFolderError) when empty, a dangling link, not a folder, or inside another run."""
+  if str(run_dir).strip() == "":
+    raise RunFolderError("--out '': an empty path names no folder; give a new folder, e.g. --out runs/try")
+  path = Path(run_dir)
+  if path.is_symlink() and not path.exists():
+    raise RunFolderError(f"--out {path}: a dangling symbolic link; remove it or choose another folder")
+  if path.exists() and not path.is_dir():
+    raise RunFolderError(f"--out {path}: exists and is not a folder; choose a new folder")
+  outer = enclosing_run(path)
+  if outer is not None:
+    raise RunFolderError(f"--out {path}: inside the parity run folder {outer}, whose files a new run would mix with; "
+                         "choose a folder outside it (e.g. next to it)")
+  return path

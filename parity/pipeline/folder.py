@@ -146,17 +146,7 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
     RunIOError: a file could not be written (disk full, read-only folder); the message names it.
   """
   t0 = time.time()
-  run_dir = Path(run_dir)
-  if run_dir.exists() and not run_dir.is_dir():
-    raise RunFolderError(f"--out {run_dir}: exists and is not a folder")
-  try:
-    run_dir.mkdir(parents=True, exist_ok=True)
-  except OSError as exc:
-    raise RunFolderError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
-  earlier = [n for n in RUN_INPUTS if (run_dir / n).exists() or (run_dir / n).is_symlink()]
-  if earlier:
-    raise RunFolderError(f"--out {run_dir}: holds {', '.join(earlier)} of an earlier run; a run never reads another "
-                         "run's inputs: choose a new or empty folder")
+  run_dir = _input_folder(Path(run_dir))
   corpus = corpus or load_corpus(spec.data)
   if corpus.vocab_size > spec.model.vocab_size:
     raise SpecError(f"data {spec.data!r} has token ids up to {corpus.vocab_size - 1}, beyond "
@@ -167,15 +157,7 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
                             eval_batches=t.eval_batches)
   write_new(run_dir / "batches.npy", lambda f: np.save(f, train))
   write_new(run_dir / "val_batches.npy", lambda f: np.save(f, val))
-  if init_params is None:
-    params, meta = weights.init_params(spec.model, t.seed), {"seed": str(t.seed)}
-  else:
-    params, meta = dict(init_params), {"source": "given"}
-    weights.check_names_and_shapes(params, spec.model, source="initial weights")
-  from safetensors.numpy import save as safetensors_bytes
-  write_new(run_dir / "init.safetensors", safetensors_bytes(
-      {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in params.items()},  # as weights.save writes them
-      metadata={**meta, **weights.spec_metadata(spec.model)}))
+  _write_init(run_dir / "init.safetensors", spec, init_params)
   data_info = {"source": corpus.source, "sha256": corpus.sha256, "train_tokens": int(corpus.train.size),
                "val_tokens": int(corpus.val.size), "files": corpus.n_files}
   write_new(run_dir / "config.json", json.dumps(to_dict(spec), indent=2))
@@ -186,6 +168,37 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
              "deepspeed_config": dict(deepspeed_config) if deepspeed_config is not None else None}
   write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
+
+
+def _input_folder(run_dir: Path) -> Path:
+  """The run folder, created if missing; refused (RunFolderError) when not a folder or holding an input file
+  (RUN_INPUTS) of an earlier run."""
+  if run_dir.exists() and not run_dir.is_dir():
+    raise RunFolderError(f"--out {run_dir}: exists and is not a folder")
+  try:
+    run_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as exc:
+    raise RunFolderError(f"--out {run_dir}: cannot create the run folder ({exc.strerror})") from None
+  earlier = [n for n in RUN_INPUTS if (run_dir / n).exists() or (run_dir / n).is_symlink()]
+  if earlier:
+    raise RunFolderError(f"--out {run_dir}: holds {', '.join(earlier)} of an earlier run; a run never reads another "
+                         "run's inputs: choose a new or empty folder")
+  return run_dir
+
+
+def _write_init(path: Path, spec: RunSpec, init_params: Mapping[str, np.ndarray] | None) -> None:
+  """init.safetensors (new file): the given canonical weights (names and shapes checked) or the seeded GPT-2 init,
+  float32, with the model spec in its metadata."""
+  t = spec.train
+  if init_params is None:
+    params, meta = weights.init_params(spec.model, t.seed), {"seed": str(t.seed)}
+  else:
+    params, meta = dict(init_params), {"source": "given"}
+    weights.check_names_and_shapes(params, spec.model, source="initial weights")
+  from safetensors.numpy import save as safetensors_bytes
+  write_new(path, safetensors_bytes(
+      {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in params.items()},  # as weights.save writes them
+      metadata={**meta, **weights.spec_metadata(spec.model)}))
 
 
 @dataclasses.dataclass(frozen=True)

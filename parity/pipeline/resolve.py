@@ -186,15 +186,21 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     raise SpecError(f"plan {plan_choice['name']!r}: {exc}" if plan is not None else str(exc)) from None
   if init_params is not None:
     _check_init_shapes(spec, init_params, init_source)
+  return ResolvedRun(spec=spec, preset=name, plan=_plan_record(spec, plan_choice, over), init_source=init_source,
+                     init_params=init_params, deepspeed_config=ds_cfg,
+                     deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
+
+
+def _plan_record(spec: RunSpec, plan_choice: dict | None, over: Mapping[str, Any]) -> dict:
+  """The run's plan record: the named plan chosen (with the jax./deepspeed. overrides put on top of it, as
+  key=value strings), or the plan the settled spec describes (`_plan_of`) when none was named."""
   if plan_choice is None:
-    plan_choice = _plan_of(spec)
-  elif plan_choice.get("name") is not None:
+    return _plan_of(spec)
+  if plan_choice.get("name") is not None:
     on_top = {k: v for k, v in over.items() if k.startswith(("jax.", "deepspeed."))}
     if on_top:
       plan_choice["overrides"] = [f"{k}={json.dumps(v)}" for k, v in on_top.items()]
-  return ResolvedRun(spec=spec, preset=name, plan=plan_choice, init_source=init_source, init_params=init_params,
-                     deepspeed_config=ds_cfg, deepspeed_source=str(deepspeed_config) if deepspeed_config else None,
-                     port=port, overrides=over)
+  return plan_choice
 
 
 def _config_mapping(config) -> tuple[dict[str, Any], str]:

@@ -1,7 +1,8 @@
 """The comparison: per-step and per-tensor checks between sides, and where each tolerance comes from.
 
   check.py       Check, what every check returns
-  steps.py       scalar per-step checks (loss, grad norm, lr, val loss, fp16 scale/skips), completion, determinism/resume
+  steps.py       scalar per-step checks (loss, grad norm, lr, val loss, fp16 scale/skips), completion,
+                 determinism/resume
   params.py      the final-params rule (per-element Adam or per-tensor) and AdamSensitivity, which workers feed
   envelope.py    the bf16/fp16 noise envelope: per-step windows and final params against each side's rerun
   sides.py       compare_sides (every check of every pair) and the verdict
