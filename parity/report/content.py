@@ -7,13 +7,17 @@ import math
 import statistics
 from typing import Any
 
-__all__ = ["fmt_bytes", "fmt", "run_title", "verdict_parts", "verdict_sentence", "check_rows", "side_rows", "throughput_rows",
+__all__ = ["fmt_bytes", "fmt", "run_title", "verdict_parts", "verdict_sentence", "check_rows", "metric_rows", "side_rows", "throughput_rows",
            "throughput_note", "plan_rows", "environment_rows", "METRIC_LABEL", "tolerance_text", "backend",
-           "pair_label", "WARMUP_STEPS", "plain_detail", "step_times"]
+           "pair_label", "WARMUP_STEPS", "plain_detail", "step_times", "doctor_rows"]
 
 METRIC_LABEL = {"loss": "max abs Δloss", "val_loss": "max abs Δval_loss", "grad_norm": "max abs Δgrad_norm",
                 "lr": "max abs Δlr", "params": "worst tensor: element abs Δ", "params_zero_grad": "max abs Δ (zero-grad slices)",
-                "completed": "steps both ran", "determinism": "differing fields", "resume": "differing fields"}
+                "completed": "steps both ran", "determinism": "differing fields", "resume": "differing fields",
+                "loss_envelope": "worst window: rms Δloss", "val_loss_envelope": "worst window: rms Δval_loss",
+                "grad_norm_envelope": "worst window: rms rel. Δgrad_norm",
+                "params_envelope": "worst tensor: element abs Δ", "loss_scale": "max abs Δloss_scale",
+                "skipped": "max abs Δ (1: skipped on one side only)"}
 """How each metric's value reads (no '|': these labels go into Markdown table cells)."""
 WARMUP_STEPS = 1
 """Steps left out of the step-time figures: step 0 carries one-time work (allocations, lazy init, first kernels)."""
@@ -70,13 +74,14 @@ def _side_stop(d: dict) -> list[str]:
 
 
 def _loss_headline(d: dict) -> str | None:
-  loss = [c for c in d["checks"] if c["metric"] == "loss" and c.get("gating", True)]
+  loss = [c for c in d["checks"] if c["metric"] == "loss" and isinstance(c.get("value"), (int, float))]
   if not loss:
     return None
   worst = max(loss, key=lambda c: (c["value"] or 0) / (c["tolerance"] or 1e-300))
   step = f" at step {worst['worst']}" if isinstance(worst.get("worst"), int) else ""
+  gate = "" if worst.get("gating", True) else "; in this precision the noise envelope decides"
   return (f"largest per-step loss difference {fmt(worst['value'])}{step} ({pair_label(worst['sides'])}), "
-          f"tolerance {fmt(worst['tolerance'])}")
+          f"tolerance {fmt(worst['tolerance'])}{gate}")
 
 
 def verdict_parts(d: dict) -> tuple[str, str, str]:
@@ -129,6 +134,8 @@ def tolerance_text(c: dict, tolerances: dict) -> str:
     return "bit-identical"
   if c["metric"] == "completed":
     return f"all {fmt(c['tolerance'], 'g')} steps"
+  if c["tolerance"] == 0 and not atol and not rtol:
+    return "0 (must be equal)"
   if atol == 0 and rtol:
     if not c["tolerance"]:
       return f"relative: {rtol:g} × value (the values compared are 0 here)"
@@ -161,6 +168,36 @@ def check_rows(d: dict) -> list[dict[str, Any]]:
                  "first_failing_step": fmt(c["first_failing_step"], "d"), "detail": plain_detail(c.get("detail")),
                  "passed": bool(c["passed"]), "gating": gating})
   return rows
+
+
+def metric_rows(d: dict) -> list[dict[str, Any]]:
+  """One row per metric (the checks of every pair folded): metric, measure, checks (count), failed (count),
+  worst (its pair), value, tolerance, source, result, first_failing_step, gating. The worst check is the one
+  furthest over (or closest to) its tolerance."""
+  rows: dict[str, list[dict]] = {}
+  for r, c in zip(check_rows(d), d["checks"]):
+    rows.setdefault(r["metric"], []).append({**r, "_ratio": _ratio(c)})
+  out = []
+  for metric, rs in rows.items():
+    failed = [r for r in rs if not r["passed"]]
+    worst = max(failed or rs, key=lambda r: r["_ratio"])
+    gating = any(r["gating"] for r in rs)
+    result = (f"FAIL ({len(failed)} of {len(rs)})" if failed else f"pass ({len(rs)} of {len(rs)})") + \
+        ("" if gating else ", reported only")
+    out.append({"metric": metric, "measure": worst["measure"], "checks": len(rs), "failed": len(failed),
+                "worst": worst["pair"], "value": worst["value"], "tolerance": worst["tolerance"],
+                "source": worst["source"], "result": result, "first_failing_step": worst["first_failing_step"],
+                "gating": gating, "passed": not failed})
+  return out
+
+
+def _ratio(c: dict) -> float:
+  v, t = c.get("value"), c.get("tolerance")
+  if not isinstance(v, (int, float)):
+    return math.inf if not c.get("passed") else 0.0
+  if not isinstance(t, (int, float)) or t == 0:
+    return 0.0 if v == 0 else math.inf
+  return abs(v) / abs(t)
 
 
 def backend(s: dict) -> str:
@@ -286,9 +323,34 @@ def environment_rows(d: dict, extra: dict | None = None) -> list[tuple[str, str]
     summ = s.get("summary") or {}
     rows.append((f"{name} device", f"{summ.get('device', 'n/a')} ({backend(s)})"))
   rows.append(("versions", ", ".join(f"{k} {v}" for k, v in (e.get("versions") or {}).items())))
-  for k, v in (extra or {}).items():
-    if k not in ("schema",):
-      rows.append((f"doctor: {k}", v if isinstance(v, str) else _compact(v)))
+  return rows + doctor_rows(extra or {})
+
+
+def doctor_rows(env: dict) -> list[tuple[str, str]]:
+  """(label, text) rows of environment.json (harness doctor block, schema parity.environment/1): host fields one
+  per row, installed packages on one row, git commit/branch/dirty, CUDA driver, GPUs, each framework's backend;
+  any other key compactly."""
+  rows: list[tuple[str, str]] = []
+  for key, val in env.items():
+    if key in ("schema", "run_id", "quick"):
+      continue
+    if key == "host" and isinstance(val, dict):
+      for k, v in val.items():
+        rows.append((f"host {k.replace('_', ' ')}", fmt_bytes(v) if k.endswith("_bytes") else
+                     (", ".join(map(str, v)) if isinstance(v, list) and all(not isinstance(x, dict) for x in v)
+                      else v if isinstance(v, str) else _compact(v))))
+    elif key == "packages" and isinstance(val, dict):
+      rows.append(("packages", ", ".join(f"{k} {v}" for k, v in val.items() if v) or "n/a"))
+    elif key == "git" and isinstance(val, dict):
+      rev = str(val.get("commit") or val.get("rev") or "n/a")[:12]
+      state = "uncommitted changes" if val.get("dirty") else "clean"
+      extra = f", {val['changed_files']} files changed" if val.get("changed_files") else ""
+      rows.append(("git (environment.json)", f"{rev} on {val.get('branch', '?')} ({state}{extra})"))
+    elif key == "frameworks" and isinstance(val, dict):
+      for fw, info in val.items():
+        rows.append((f"{fw} backend", info if isinstance(info, str) else _compact(info)))
+    else:
+      rows.append((key.replace("_", " "), "none" if val is None else val if isinstance(val, str) else _compact(val)))
   return rows
 
 

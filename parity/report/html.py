@@ -42,7 +42,7 @@ tr.fail td{background:#fff1f1} tr.info td{color:#555}
 .badge.pass{background:#d3f0dc;color:#17612f} .badge.fail{background:#f8d4d4;color:#8a1616}
 .badge.info{background:#e6e6ea;color:#444}
 figure{margin:10px 0 18px;background:#fff;border:1px solid #e2e2e2;border-radius:6px;padding:8px}
-figure svg{max-width:100%;height:auto;display:block} figcaption{font-size:12px;color:#555;margin-top:4px}
+figure svg{width:100%;max-width:1100px;height:auto;display:block} figcaption{font-size:12px;color:#555;margin-top:4px}
 code,pre{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
 pre{background:#f4f4f6;padding:8px;overflow-x:auto;white-space:pre-wrap;word-break:break-word}
 .note{color:#555;font-size:13px} details{margin:4px 0} summary{cursor:pointer;color:#333}

@@ -36,7 +36,7 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
   t = C.run_title(d)
   prec = d["run"]["train"]["precision"]
   sides = {(n if s["status"] == "ok" else n): {**s["series"], "status": s["status"]} for n, s in d["sides"].items()}
-  yield "loss", "Training loss of every side (stars: held-out loss).", P.loss_figure(sides, title=f"training loss · {t}")
+  yield "loss", "Training loss of every side (markers without a line: held-out loss at its steps).", P.loss_figure(sides, title=f"training loss · {t}")
   if len(d["sides"]) > 1:
     loss_checks = [c for c in d["checks"] if c["metric"] == "loss"]
     tol = max((c["tolerance"] for c in loss_checks if c["tolerance"]), default=None)
@@ -78,17 +78,37 @@ def read_environment(run_dir: Path) -> dict | None:
   return data if isinstance(data, dict) else None
 
 
+def _source(text: str, n: int = 70) -> str:
+  """Where a tolerance comes from: short texts as they are, long ones folded (<details>) under their opening."""
+  if len(text) <= n:
+    return text
+  head = text[:n].rsplit(" ", 1)[0] + " …"
+  return H.details(head, H.esc(text))
+
+
+def _result(r: dict) -> str:
+  kind = "pass" if r["passed"] else ("fail" if r["gating"] else "info")
+  return H.badge(kind, r["result"])
+
+
+def _metrics_html(d: dict) -> str:
+  """One row per metric, its worst pair: what a reviewer reads first."""
+  rows = C.metric_rows(d)
+  return H.table(["metric", "value is", "worst pair", "value", "tolerance", "where the tolerance comes from", "result",
+                  "first failing step"],
+                 [[r["metric"], r["measure"], r["worst"], r["value"], r["tolerance"], _source(r["source"]),
+                   _result(r), r["first_failing_step"]] for r in rows],
+                 row_classes=["fail" if not r["passed"] and r["gating"] else None for r in rows], numeric=(3,))
+
+
 def _checks_html(d: dict) -> str:
-  rows, classes = [], []
-  for r in C.check_rows(d):
-    kind = "pass" if r["passed"] else ("fail" if r["gating"] else "info")
-    src = H.details(r["source"][:90] + ("…" if len(r["source"]) > 90 else ""), H.esc(r["source"])) \
-        if len(r["source"]) > 90 else r["source"]
-    rows.append([r["metric"], r["pair"], r["measure"], r["value"], r["tolerance"], src, H.badge(kind, r["result"]),
-                 r["first_failing_step"], r["detail"]])
-    classes.append("fail" if kind == "fail" else ("info" if not r["gating"] else None))
-  return H.table(["metric", "pair", "value is", "value", "tolerance", "where the tolerance comes from", "result",
-                  "first failing step", "detail"], rows, row_classes=classes, numeric=(3,))
+  """Every check of every pair, with its detail."""
+  rows = C.check_rows(d)
+  return H.table(["check", "value is", "value", "tolerance", "result", "first failing step", "detail"],
+                 [[r["name"], r["measure"], r["value"], r["tolerance"], _result(r), r["first_failing_step"],
+                   r["detail"]] for r in rows],
+                 row_classes=["fail" if not r["passed"] and r["gating"] else ("info" if not r["gating"] else None)
+                              for r in rows], numeric=(2,))
 
 
 def _sides_html(d: dict) -> str:
@@ -98,7 +118,7 @@ def _sides_html(d: dict) -> str:
           ("memory_kinds", "state by memory kind"), ("backend", "backend")]
   rows = C.side_rows(d)
   out = H.table([h for _, h in keys], [[r[k] for k, _ in keys] for r in rows],
-                row_classes=[None if r["status"] == "ok" else "fail" for r in rows], numeric=(2, 5, 6, 7, 8))
+                row_classes=[None if r["status"] == "ok" else "fail" for r in rows], numeric=(2, 5, 6, 7, 8, 9, 10))
   for name, s in d["sides"].items():
     if s.get("error"):
       out += H.details(f"{name} {s['status']}: error output", H.code("\n".join(s["error"].strip().splitlines()[-20:]),
@@ -154,7 +174,9 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
   if d.get("write_errors"):
     body.append(H.banner("warn", "Some report files could not be written: " + "; ".join(
         f"{e['file']}: {e['error']}" for e in d["write_errors"])))
-  body.append(H.section("Checks", _checks_html(d), anchor="checks"))
+  body.append(H.section("Checks: one row per metric, its worst pair", _metrics_html(d)
+                        + "<p class=\"note\">Every check of every pair: <a href=\"#all-checks\">all checks</a>.</p>",
+                        anchor="checks"))
   body.append(H.section("Curves", "".join(fig(k) for k in ("loss", "delta", "grad_norm", "lr", "loss_scale")),
                         anchor="curves"))
   body.append(H.section("Sides", _sides_html(d), anchor="sides"))
@@ -169,6 +191,7 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
                                   [[r[k] for k in tkeys] for r in tp], numeric=(2, 3, 4, 5, 6)), anchor="throughput"))
   body.append(H.section("Plan and placements", H.kv_table(C.plan_rows(d)), anchor="plan"))
   body.append(_migration_html(run_dir, d))
+  body.append(H.section(f"All checks ({len(d['checks'])})", _checks_html(d), anchor="all-checks"))
   body.append(H.section("Environment", H.kv_table(C.environment_rows(d, read_environment(run_dir))),
                         anchor="environment"))
   body.append("<p class=\"note\">Written by parity from report.json in this folder; report.md has the same tables "

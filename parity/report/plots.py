@@ -43,8 +43,11 @@ def wrap_title(text: str, width_in: float = WIDTH_IN, fontsize: float = 10.0) ->
 
 
 def _style(i: int) -> dict:
+  """Curve i: its line style and hollow marker, drawn wider and larger the earlier it comes, so a later curve drawn
+  on top of an identical one leaves the earlier visible around it."""
   ls, marker = STYLES[i % len(STYLES)]
-  return {"ls": ls, "marker": marker, "lw": 1.4, "ms": 5, "mfc": "none", "mew": 1.2}
+  return {"ls": ls, "marker": marker, "lw": max(0.9, 3.0 - 0.7 * i), "ms": max(3.5, 11.0 - 2.5 * i), "mfc": "none",
+          "mew": 1.3}
 
 
 def _markevery(i: int, n_curves: int, n_points: int) -> tuple[int, int] | None:
@@ -100,7 +103,7 @@ def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
     ys = [finite(y) for y in ys]
     ax.plot(list(xs), ys, label=label, markevery=_markevery(i, n, len(ys)), **_style(i))
   for j, (label, (xs, ys)) in enumerate((points or {}).items()):
-    ax.plot(list(xs), [finite(y) for y in ys], ls="none", marker="*x+P"[j % 4], ms=9, label=label)
+    ax.plot(list(xs), [finite(y) for y in ys], ls="none", marker="*x+P"[j % 4], ms=max(5, 13 - 3 * j), label=label)
   if log:
     ax.set_yscale("log")
   if xlabel == "step":
@@ -109,7 +112,9 @@ def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
   lines = []
   same = coincide(curves)
   if same is not None:
-    lines.append(f"curves coincide (largest difference {same:.3g})")
+    xsets = [set(xs) for xs, _ in curves.values()]
+    where = "" if all(x == xsets[0] for x in xsets) else f" on the {len(set.intersection(*xsets))} steps all ran"
+    lines.append(f"curves coincide{where} (largest difference {same:.3g})")
   if note:
     lines.append(note)
   if lines:  # above the axes, never over the data
@@ -197,7 +202,7 @@ def memory_figure(rows: Sequence[Mapping], *, title: str) -> Figure:
       if "measured" in w and not any(r["side"] == sides[k // 2] and r["measured"] is not None for r in rows):
         ax.text(k, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="0.4")
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.margins(y=0.08)
+    ax.set_ylim(0, max(bottom + [1e-3]) * 1.12)
     ax.set_ylabel("MiB")
     ax.set_title(f"by {key.replace('_', ' ')}", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
