@@ -71,62 +71,64 @@ def say(msg: str) -> None:
 
 
 def run_part(suite: Suite, name: str, module: str, argv: list[str], timeout: float) -> dict:
-  """Runs `python -m benchmarks.gpu_parts.<module> --json <out> argv` with a timeout; returns its record:
-  {'ok': True, 'result': ..., 'wall_s'} or {'ok': False, 'failure': 'timeout'|'oom'|'error'|'skipped', 'detail'}."""
+  """Runs `python -m benchmarks.gpu_parts.<module> --json <out> argv` through the harness (harness.launch: bound to
+  this process, its whole tree killed at the timeout); returns its record: {'ok': True, 'result', 'wall_s'} or
+  {'ok': False, 'failure': 'timeout'|'oom'|'error'|'skipped', 'detail', 'stderr_tail'}. Output: logs/<name>.log."""
+  from harness.launch import LaunchTimeout, run_module
   timeout = min(timeout, suite.left())
   if timeout < suite.args.min_part_s:
     rec = {"ok": False, "failure": "skipped", "detail": f"suite budget spent ({suite.left():.0f} s left)"}
     say(f"{name}: skipped ({rec['detail']})")
     return rec
   res_path = suite.out / "parts" / f"{name}.json"
-  log = suite.out / "logs" / f"{name}.log"
-  cmd = [sys.executable, "-m", f"benchmarks.gpu_parts.{module}", "--json", str(res_path), *argv]
+  args = ["--json", str(res_path), *argv]
   say(f"{name}: start (timeout {timeout:.0f} s)")
   t0 = time.monotonic()
-  timed_out, rc = False, None
-  with open(log, "w") as fh:
-    fh.write(" ".join(cmd) + "\n")
-    fh.flush()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-      rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      timed_out = True
-      os.killpg(proc.pid, 9)
-      proc.wait()
+  try:
+    fin = run_module(f"benchmarks.gpu_parts.{module}", args, timeout_s=timeout)
+    rc, text, timed_out = fin.returncode, fin.stdout + fin.stderr, False
+  except LaunchTimeout as exc:
+    rc, text, timed_out = None, exc.stderr_tail, True
   wall = time.monotonic() - t0
-  text = log.read_text(errors="replace")
+  (suite.out / "logs" / f"{name}.log").write_text(f"{module} {' '.join(args)}\n{text}")
   if rc == 0 and res_path.exists():
     rec = {"ok": True, "wall_s": wall, "result": json.loads(res_path.read_text())}
   else:
-    kind = classify_failure(rc, text, timed_out)
     detail = f"timed out after {timeout:.0f} s" if timed_out else f"exit {rc}"
-    rec = {"ok": False, "wall_s": wall, "failure": kind, "detail": detail, "stderr_tail": tail(text)}
+    rec = {"ok": False, "wall_s": wall, "failure": classify_failure(rc, text, timed_out), "detail": detail,
+           "stderr_tail": tail(text)}
   say(f"{name}: {'ok' if rec['ok'] else 'FAILED (' + rec['failure'] + ', ' + rec['detail'] + ')'} ({wall:.0f} s)")
   return rec
 
 
 def start_op_build(suite: Suite) -> None:
-  """Loads or JIT-builds DeepSpeed's cpu_adam in the background (CPU work while the GPU parts run)."""
+  """Loads or JIT-builds DeepSpeed's cpu_adam in the background (CPU work while the GPU parts run), bound to this
+  process as every part is (harness.lifetime)."""
+  from harness import lifetime
+  from harness.launch import worker_env
   log = open(suite.out / "logs" / "ds_build_op.log", "w")
-  cmd = [sys.executable, "-m", "benchmarks.gpu_parts.ds_train", "--build-op", "--json",
+  cmd = [sys.executable, "-m", "harness.boot", "benchmarks.gpu_parts.ds_train", "--build-op", "--json",
          str(suite.out / "parts" / "ds_build_op.json")]
-  suite.op_build = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+  suite.op_build = lifetime.spawn(cmd, env=worker_env(), timeout_s=suite.args.op_build_timeout_s, stdout=log,
+                                  stderr=subprocess.STDOUT, cwd=str(ROOT))
   suite.records["ds_build_op"] = {"started": time.monotonic()}
   say("ds_build_op: loading/building DeepSpeed's cpu_adam in the background")
 
 
 def wait_op_build(suite: Suite) -> None:
-  """Waits for the background op build (at most the part timeout) and records it."""
+  """Waits for the background op build (at most its timeout) and records it; idempotent."""
+  from harness import lifetime
   if suite.op_build is None or "ok" in suite.records.get("ds_build_op", {}):
     return
   rec = suite.records["ds_build_op"]
+  left = suite.args.op_build_timeout_s - (time.monotonic() - rec["started"])
   try:
-    rc = suite.op_build.wait(timeout=max(1.0, min(suite.args.op_build_timeout_s, suite.left())))
+    rc = suite.op_build.wait(timeout=max(1.0, min(left, suite.left())))
   except subprocess.TimeoutExpired:
-    os.killpg(suite.op_build.pid, 9)  # its own session: the compiler processes go with it
+    lifetime.kill_tree(suite.op_build.pid)  # the compilers too (ninja starts them in groups of their own)
     suite.op_build.wait()
     rc = None
+  lifetime.release(suite.op_build)
   text = (suite.out / "logs" / "ds_build_op.log").read_text(errors="replace")
   path = suite.out / "parts" / "ds_build_op.json"
   ok = rc == 0 and path.exists()
@@ -324,7 +326,8 @@ def run_sides(suite: Suite, configs: dict) -> None:
   """GPU: the JAX chain, then the DeepSpeed chain, each with half of the budget left (they must not share the
   device). --tiny: both at once on the CPU (the figures are checks, not measurements)."""
   if suite.tiny:
-    threads = [threading.Thread(target=run_side, args=(suite, side, configs, suite.deadline)) for side in SIDES]
+    threads = [threading.Thread(target=run_side, args=(suite, side, configs, suite.deadline), daemon=True)
+               for side in SIDES]
     for t in threads:
       t.start()
     for t in threads:
@@ -435,9 +438,15 @@ def main(argv: list[str] | None = None) -> int:
       say(line)
   if not args.tiny and ("train" in args.parts or "largest" in args.parts):
     start_op_build(suite)  # tiny: the DeepSpeed parts load the built op themselves (2 cores: no spare CPU)
-  run_sides(suite, configs)
-  if suite.op_build is not None:
-    wait_op_build(suite)
+  try:
+    run_sides(suite, configs)
+    if suite.op_build is not None:
+      wait_op_build(suite)
+  except KeyboardInterrupt:  # the running part's tree is already killed (harness.launch); write what there is
+    suite.records["interrupted"] = {"ok": False, "failure": "interrupted", "detail": "Ctrl-C / SIGINT"}
+    if suite.op_build is not None and suite.op_build.poll() is None:
+      from harness import lifetime
+      lifetime.kill_tree(suite.op_build.pid)
   data = {"header": header(args), "device": suite.records.pop("device"), "records": suite.records,
           "offload": offload_summary(suite) if "train" in args.parts else {}, "sides_concurrent": args.tiny,
           "suite_wall_s": time.monotonic() - t0}

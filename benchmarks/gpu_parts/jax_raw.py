@@ -74,7 +74,7 @@ def matmul(n: int, reps: int) -> dict:
   dev = jax.devices()[0]
   out = {"n": n, "device": dev.device_kind}
   key_a, key_b = jax.random.split(jax.random.key(0))
-  ambient = jax.config.jax_default_matmul_precision  # bf16 under the run's own setting: what the bf16 step gets
+  ambient = getattr(jax.config, "jax_default_matmul_precision", None)  # bf16 as the run's own step gets it
   for name, dtype, precision in (("bf16", jnp.bfloat16, ambient), ("fp32", jnp.float32, "float32"),
                                  ("tf32", jnp.float32, "tensorfloat32")):
     if name == "tf32" and jax.default_backend() == "cpu":
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
   import jaxlib
   t0 = time.perf_counter()
   res = {"part": "jax_raw", "jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
-         "default_matmul_precision": str(jax.config.jax_default_matmul_precision),
+         "default_matmul_precision": str(getattr(jax.config, "jax_default_matmul_precision", None)),
          "bandwidth": bandwidth(args.mib, args.reps), "matmul": matmul(args.n, args.reps)}
   res["wall_s"] = time.perf_counter() - t0
   write_json(args.json, res)

@@ -178,7 +178,8 @@ def _failures(data: dict) -> list[str]:
       out += ["**sizing**: no micro batch needs offload and fits with it: " + " ".join(r.get("why", [])), ""]
       continue
     tail = r.get("stderr_tail") or "; ".join(p.get("stderr_tail", "") for p in r.get("probes", []))
-    out += [f"**{name}**: {r.get('failure', 'probe error')} {r.get('detail', '')}", "```", tail[-1500:], "```", ""]
+    out += [f"**{name}**: {r.get('failure', 'probe error')} {r.get('detail', '')}", ""]
+    out += ["```", tail[-1500:], "```", ""] if tail.strip() else []
   return out
 
 
