@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import requires_all
+from conftest import requires_all
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ROOT / "benchmarks" / "gpu_parts"
