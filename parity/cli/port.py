@@ -152,6 +152,9 @@ def print_port_table(report, con) -> None:
   the values DeepSpeed's defaults imply and the warnings."""
   from rich.table import Table
   colour = {"mapped": "green", "not_needed": "cyan", "unsupported": "red"}
+  if not con.is_terminal and (con.width or 0) < 200:  # a pipe or a log: wide rows, never squeezed to 80 columns
+    from rich.console import Console
+    con = Console(highlight=False, width=200, file=con.file)
   t = Table(title=f"parity port: {report.source}", show_lines=False)
   for col in ("key", "value", "fate", "target", "reason"):
     t.add_column(col, overflow="fold")

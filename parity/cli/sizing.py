@@ -142,14 +142,14 @@ def run_plan(args: argparse.Namespace) -> int:
   table = Table(title=f"{memory.param_count(run.model):,} params, {run.train.tokens_per_step:,} tokens/step per "
                       f"device on {args.devices} x {hw.name} ({hw.device_bytes / GiB:.0f} GiB, "
                       f"{hw.host_link_bytes_per_s / GB:.0f} GB/s host link, MFU {args.mfu})")
-  for col in ("plan", "step s", "compute s", "transfer s", *(f"{s} peak GiB" for s in sides),
-              *(f"{s} host GiB" for s in sides), "fits"):
-    table.add_column(col, justify="left" if col in ("plan", "fits") else "right")
+  # fits the terminal's width: short stacked headers, one column per side (device / host GiB), plan names whole
+  for col in ("plan", "step\ns", "compute\ns", "transfer\ns", *(f"{s} GiB\ndevice/host" for s in sides), "fits"):
+    table.add_column(col, justify="left" if col in ("plan", "fits") else "right", overflow="fold",
+                     no_wrap=col == "plan")
   for c in ranked:
     mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
     table.add_row(c.name, f"{c.step_s:.3f}", f"{c.compute_s:.3f}", f"{c.transfer_s:.3f}",
-                  *(f"{c.peak_device_bytes[s] / GiB:.1f}" for s in sides),
-                  *(f"{c.host_bytes[s] / GiB:.1f}" for s in sides), mark)
+                  *(f"{c.peak_device_bytes[s] / GiB:.1f} / {c.host_bytes[s] / GiB:.1f}" for s in sides), mark)
   con = console()
   con.print(table)
   con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}" if best else

@@ -18,7 +18,7 @@ from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
 from parity.report import Report, build_report, write_all
-from parity.report.progress import progress_display, run_notes
+from parity.report.progress import progress_display, run_notes, show_reruns
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, resolve_run
 from parity.pipeline.folder import check_perturb, open_run_folder, parse_perturb
@@ -66,7 +66,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             overrides: Mapping[str, object] | Sequence[str] = (),
             steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
             out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
-            timeout_s: float | None = None, progress: bool = False, hf_model: str | Path | None = None,
+            timeout_s: float | None = None, progress: bool = True, hf_model: str | Path | None = None,
             deepspeed_config: str | Path | None = None, plan: str | None = None,
             hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
             resume_at: int | None = None, force: bool = False, command: str | None = None) -> Report:
@@ -87,7 +87,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
       fits `hardware` by the memory model (parity.sizing.plans.choose_plan); the choice is recorded in the report.
     hardware: a parity.sizing.plans.HARDWARE preset, for plan='auto'.
     out, perturb, timeout_s, progress, noise_envelope, determinism_steps, resume_at, force, command: how it runs,
-      the RunOptions fields of the same names.
+      the RunOptions fields of the same names. progress is on by default (a bar on a terminal, a timestamped line
+      per side and phase elsewhere, e.g. a notebook); pass progress=False for a quiet call.
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
@@ -136,6 +137,8 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
                                                     on_interrupt=lambda side: interrupted_run(folder.path, side))
     side_data = collect_sides(folder.path, side_runs, folder.claim.run_id, spec.train.steps)
     checks, table = compare_sides(side_data, spec=spec, init=folder.init)
+    if interrupted is None:
+      show_reruns(options.progress, spec, options.noise_envelope, options.determinism_steps, options.resume_at)
     reruns = Reruns() if interrupted is not None else run_reruns(
         RerunContext(folder.path, spec, folder.claim.run_id, limit, folder.init, side_data), checks,
         noise=options.noise_envelope, determinism_steps=options.determinism_steps, resume_at=options.resume_at)

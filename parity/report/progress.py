@@ -7,7 +7,23 @@ import sys
 import time
 from typing import Any, Sequence
 
-__all__ = ["progress_display", "run_notes"]
+__all__ = ["progress_display", "run_notes", "rerun_line", "show_reruns", "STARTING"]
+
+STARTING = "starting (imports, model init, compile) before step 0"
+"""What a side does between its start and its first step record: the label shown instead of a silent 0/N."""
+
+
+def rerun_line(spec, noise: bool | None, determinism_steps: int, resume_at: int | None) -> str | None:
+  """The line shown before the reruns start (they run without a bar, for minutes on a large run): which reruns,
+  of how many steps each; None when there are none."""
+  t = spec.train
+  noise_on = noise if noise is not None else t.precision in ("bf16", "fp16")
+  parts = [f"noise envelope ({t.steps} steps per side, batch rows reversed)"] if noise_on else []
+  if determinism_steps:
+    parts.append(f"determinism (first {min(determinism_steps, t.steps)} steps per side in a new process)")
+  if resume_at is not None:
+    parts.append(f"resume from step {resume_at}")
+  return f"rerunning each side that finished: {'; '.join(parts)}" if parts else None
 
 
 def run_notes(run: Any) -> list[str]:
@@ -20,6 +36,13 @@ def run_notes(run: Any) -> list[str]:
   out += [f"filled in \"auto\" {e.key} = {json.dumps(e.resolved, default=str)} (from the run spec)"
           for e in port.report.entries.values() if e.value == "auto"]
   return out
+
+
+def show_reruns(enabled: bool, spec, noise: bool | None, determinism_steps: int, resume_at: int | None) -> None:
+  """Prints rerun_line (to stderr, timestamped) when `enabled` and there are reruns."""
+  line = rerun_line(spec, noise, determinism_steps, resume_at) if enabled else None
+  if line:
+    print(f"[{time.strftime('%H:%M:%S')}] parity compare: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -48,7 +71,8 @@ def progress_display(enabled: bool, spec, notes: Sequence[str] = ()):
       quarter = (4 * n) // total if total else 4
       if shown.get(side) != quarter:
         shown[side] = quarter
-        print(f"[{time.strftime('%H:%M:%S')}] {side}: {n}/{total} steps", flush=True)
+        what = f"{n}/{total} steps" if n else STARTING
+        print(f"[{time.strftime('%H:%M:%S')}] {side}: {what}", flush=True)
     yield on_line
     return
   cols = (TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
@@ -62,5 +86,6 @@ def progress_display(enabled: bool, spec, notes: Sequence[str] = ()):
         if note:
           return
       prog.start_task(tasks[side])
-      prog.update(tasks[side], completed=n)
+      # before its first step a side loads, builds its model and compiles (JAX: XLA; no phase file says so)
+      prog.update(tasks[side], completed=n, description=side if n else f"{side}: {STARTING}")
     yield on_progress
