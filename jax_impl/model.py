@@ -17,7 +17,8 @@ normalised value before the weight multiply (HF `LlamaRMSNorm`), and attention f
 kernel: float32 scores and softmax statistics, unnormalised probabilities rounded for the product with
 v (float32 accumulation), divided by the float32 row sum, rounded once. Reductions that produce a
 gradient (bias, norm weight, position embedding) thereby sum in float32, as torch's do. In float32
-every op is the plain one, unchanged (bitwise).
+every op is the plain one, unchanged (bitwise). The layers that round so (Dense, Norm, the adds) live in
+`jax_impl.layers`; this module assembles attention, MLP, blocks and the decoder.
 
 `to_flax` / `from_flax` (in `jax_impl.layout`, re-exported here) are the only place where the canonical
 (torch) layout meets the Flax layout. Axis letters in names: B batch, T/S query/key positions,
@@ -39,56 +40,16 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.spec import ModelSpec
 
 from jax_impl import remat as remat_lib
+# The layers (torch rounding points, diagnose taps) live in jax_impl.layers; the public names stay importable here.
+from jax_impl.layers import (_SUB_OUT, TAPS, Dense, Dtype, Norm, _add, _dense, _opmath, _reduced, _tap,  # noqa: F401
+                             apply_rope, rope_tables, tap_name)
 # The canonical <-> Flax layout lives in jax_impl.layout; its names stay importable from here.
-from jax_impl.layout import (LAYERS, NORM_MODULES, TRANSPOSED, Params, flax_path, from_flax, stack_layers, to_flax,  # noqa: F401
-                             tree_from_canonical, unstack_layers)
+from jax_impl.layout import (LAYERS, NORM_MODULES, TRANSPOSED, Params, flax_path, from_flax,  # noqa: F401
+                             stack_layers, to_flax, tree_from_canonical, unstack_layers)
 
 __all__ = ["GPT", "Dense", "TRANSPOSED", "LAYERS", "TAPS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
            "stack_layers", "unstack_layers", "loss_fn", "loss_and_taps", "tap_name", "rope_tables", "compute_dtype",
            "cast_params"]
-
-Dtype = Any
-
-TAPS = "intermediates"
-"""Flax collection the diagnose taps are sown into (`parity diagnose`, docs/diagnose.md). Taps are recorded only
-when a caller applies the model with this collection mutable (`loss_and_taps`); in training it is not, and
-`_tap` adds nothing to the traced computation."""
-_NORM_TAP = "out"
-"""Sow name of a Norm's output; a Norm's tap is named after the module itself (`tap_name`)."""
-_SUB_OUT = "_out"
-"""Suffix of a tap sown under a submodule's name (`fc_out` is tap `fc`): Flax forbids a variable and a
-submodule of the same name in one scope."""
-
-
-def _tap(module: nn.Module, name: str, make: Any) -> None:
-  """Sows `make()` as diagnose tap `name` of `module`, only while the TAPS collection is mutable.
-
-  Args:
-    module: the module whose scope holds the tap (its path is the tap's Flax location).
-    name: the tap's last name part (canonical: see `tap_name`).
-    make: a zero-argument function returning the value in the canonical layout; called only when
-      tapping, so layout changes (transposes) cost nothing in training.
-  """
-  if module.is_mutable_collection(TAPS) and not module.is_initializing():
-    module.sow(TAPS, name, make(), reduce_fn=lambda _, x: x, init_fn=lambda: None)
-
-
-def tap_name(location: str) -> str:
-  """Flax location of a sown tap -> canonical tap name (`parity.diagnose`).
-
-  The location is the path in the variables, collection first. `h_{i}` becomes `h.{i}`; a
-  norm's own output (`.../ln_1/out`) is named after the norm; a submodule's output sown in its
-  parent as `<sub>_out` is named `<sub>`.
-
-  >>> [tap_name(f"intermediates/{p}") for p in ("h_0/attn/q", "h_1/ln_2/out", "h_0/mlp/fc_out", "logits")]
-  ['h.0.attn.q', 'h.1.ln_2', 'h.0.mlp.fc', 'logits']
-  """
-  parts = location.split("/")[1:]
-  if len(parts) >= 2 and parts[-2] in NORM_MODULES and parts[-1] == _NORM_TAP:
-    parts = parts[:-1]
-  elif parts and parts[-1].endswith(_SUB_OUT):
-    parts[-1] = parts[-1][:-len(_SUB_OUT)]
-  return ".".join(f"h.{p[2:]}" if p.startswith("h_") and p[2:].isdigit() else p for p in parts)
 
 
 def compute_dtype(precision: str) -> Dtype:
@@ -104,154 +65,7 @@ def cast_params(params: Params, dtype: Dtype) -> Params:
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
-# ----------------------------------------------------------------------------- layers
-
-
-def _reduced(dtype: Dtype) -> bool:
-  """True for bf16/fp16 compute, where ops follow torch's rounding points (module docstring)."""
-  return jnp.dtype(dtype) != jnp.dtype(jnp.float32)
-
-
-def _add(a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Array:
-  """a + b, broadcasting; bf16/fp16: in float32, rounded to `dtype` once (torch's add), spelled out.
-
-  The value is the dtype's own add, but written as a plain `a + b` in bf16 XLA may keep the sum in float32
-  for a float32 consumer (the next LayerNorm) and skip its rounding ("excess precision"): measured with
-  `parity diagnose`, the residual stream then reached ln_2 unrounded (1.22x torch's error there; 1.00x
-  spelled out). The broadcast operand's gradient (wpe over the batch) is then summed in float32, as torch's.
-  """
-  if not _reduced(dtype):
-    return a + b
-  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
-
-
-def _opmath(fn: Any, x: jax.Array, dtype: Dtype) -> jax.Array:
-  """fn(x) as torch's reduced-precision elementwise kernels compute it: in float32, rounded to `dtype` once.
-
-  In float32 it is plain fn(x). x: any shape; the result has x's shape, in `dtype` when reduced.
-  """
-  if not _reduced(dtype):
-    return fn(x)
-  return fn(x.astype(jnp.float32)).astype(dtype)
-
-
-class Norm(nn.Module):
-  """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA), in float32.
-
-  The output is rounded to `dtype` once (torch's layer_norm kernel); bf16/fp16 RMSNorm rounds the
-  normalised value first and multiplies by the weight in `dtype`, as HF `LlamaRMSNorm` and
-  `torch_impl.model.RMSNorm` do.
-
-  Params: `scale` (D,) and, for LayerNorm with spec.bias, `bias` (D,); float32.
-  """
-  spec: ModelSpec
-  dtype: Dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x_btd: jax.Array) -> jax.Array:
-    s = self.spec
-    d = x_btd.shape[-1]
-    x = x_btd.astype(jnp.float32)
-    if s.norm == "layernorm":
-      mean_bt1 = jnp.mean(x, axis=-1, keepdims=True)
-      xc = x - mean_bt1
-      var_bt1 = jnp.mean(xc * xc, axis=-1, keepdims=True)
-      y = xc * jax.lax.rsqrt(var_bt1 + s.norm_eps)
-    else:
-      ms_bt1 = jnp.mean(x * x, axis=-1, keepdims=True)
-      y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
-    scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
-    if s.norm == "rmsnorm" and _reduced(self.dtype):
-      # HF LlamaRMSNorm: round y, then weight * y rounded once (the product of two bf16/fp16 values is exact in
-      # float32, so this is the dtype's multiply); in float32 so that the weight's gradient sums over (B, T) in
-      # float32, as torch's reduction of it does, not in the dtype
-      y = (y.astype(self.dtype).astype(jnp.float32) * scale.astype(self.dtype).astype(jnp.float32)).astype(self.dtype)
-      _tap(self, _NORM_TAP, lambda: y)
-      return y
-    y = y * scale
-    if s.norm == "layernorm" and s.bias:
-      y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
-    y = y.astype(self.dtype)
-    _tap(self, _NORM_TAP, lambda: y)
-    return y
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-  """Rotary cos/sin tables in the HF LLaMA rotate-half layout, exact values rounded once to float32.
-
-  angle[t, j] = t * theta ** (-2j / H) for j < H / 2, repeated once along the last axis.
-  The angles are computed in float64 and rounded once, as `torch_impl.model.rope_tables` does,
-  so both sides use bitwise-identical tables (HF's float32 angle recipe is off by up to ~1e-5
-  at position 128).
-
-  Args:
-    seq_len: number of positions T (0 .. T-1).
-    head_dim: H, even.
-    theta: rotary base (spec.rope_theta).
-  Returns:
-    cos, sin: float32, shape (T, H).
-  References:
-    Su et al. 2021 (RoFormer); HF transformers `LlamaRotaryEmbedding`, `rotate_half`.
-  """
-  inv_freq_h2 = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-  ang_th2 = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq_h2)
-  ang_th = np.concatenate([ang_th2, ang_th2], axis=-1)
-  return np.cos(ang_th).astype(np.float32), np.sin(ang_th).astype(np.float32)
-
-
-def apply_rope(x_btnh: jax.Array, cos_th: np.ndarray, sin_th: np.ndarray) -> jax.Array:
-  """x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x2, x1) (HF LLaMA), in x's dtype."""
-  h2 = x_btnh.shape[-1] // 2
-  x1, x2 = x_btnh[..., :h2], x_btnh[..., h2:]
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  cos = jnp.asarray(cos_th, x_btnh.dtype)[None, :, None, :]  # (1, T, 1, H)
-  sin = jnp.asarray(sin_th, x_btnh.dtype)[None, :, None, :]
-  return x_btnh * cos + rotated * sin
-
-
-class Dense(nn.Module):
-  """`nn.Dense` (params `kernel` [in, out], `bias` [out]), rounding as torch's `nn.Linear` does.
-
-  float32: exactly nn.Dense (dot_general, then the bias added). bf16/fp16: the product accumulates in
-  float32 and the bias is added in float32 before the output is rounded once, as torch's addmm (CPU
-  gemm with beta = 1, CUDA cuBLASLt bias epilogue); so the bias gradient is also summed over (B, T)
-  in float32 and rounded once, as torch's `grad_output.sum(0)`, instead of a bf16 reduction.
-
-  Attributes:
-    features: output width.
-    use_bias: add `bias`.
-    dtype: compute dtype; params are float32 (`param_dtype`) unless the caller cast the tree.
-    kernel_init: initializer of `kernel`.
-  """
-  features: int
-  use_bias: bool = True
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-  kernel_init: Any = nn.initializers.lecun_normal()
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x: (..., in) -> (..., features) in `dtype`."""
-    kernel = self.param("kernel", self.kernel_init, (jnp.shape(x)[-1], self.features), self.param_dtype)
-    bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
-    if not _reduced(self.dtype):
-      y = jax.lax.dot_general(x, kernel, dims, precision=None)
-      if bias is not None:
-        y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-      return y
-    y = jax.lax.dot_general(x, kernel, dims, preferred_element_type=jnp.float32)
-    if bias is not None:
-      y = y + bias.astype(jnp.float32)
-    return y.astype(self.dtype)
-
-
-def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: float | None = None,
-           bias: bool | None = None) -> Dense:
-  return Dense(features, use_bias=spec.bias if bias is None else bias, dtype=dtype,
-               param_dtype=jnp.float32, name=name,
-               kernel_init=nn.initializers.normal(spec.init_std if std is None else std))
+# ----------------------------------------------------------------------------- decoder
 
 
 class Attention(nn.Module):

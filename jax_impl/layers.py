@@ -1,0 +1,222 @@
+"""The GPT's building blocks, rounding where torch's kernels round: Dense, Norm, rotary tables, the diagnose taps.
+
+`jax_impl.model` assembles them into the decoder (and re-exports `Dense`, `TAPS`, `tap_name`, `rope_tables`).
+float32: every op is the plain one. bf16/fp16 (`_reduced`): linear layers accumulate in float32 and add the
+bias before one rounding (torch's addmm), GELU and SiLU compute in float32 and round once (`_opmath`),
+residual and position adds round once (`_add`), norms compute in float32 and round their output once.
+
+Speed (XLA CPU, measured by benchmarks/jax_step_vs_bare.py): `Dense` multiplies its input as one 2-D
+(B * T, in) matrix, so the kernel gradient differentiates to one x^T @ dy dot over the natural layouts of
+both operands; from the 3-D input XLA instead materialised a transposed copy of every output gradient
+(the residual stream's gradient fused into it), ~20% of the step. The values are bitwise the same.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parity.spec import ModelSpec
+
+from jax_impl.layout import NORM_MODULES
+
+__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "apply_rope"]
+
+Dtype = Any
+
+TAPS = "intermediates"
+"""Flax collection the diagnose taps are sown into (`parity diagnose`, docs/diagnose.md). Taps are recorded only
+when a caller applies the model with this collection mutable (`loss_and_taps`); in training it is not, and
+`_tap` adds nothing to the traced computation."""
+_NORM_TAP = "out"
+"""Sow name of a Norm's output; a Norm's tap is named after the module itself (`tap_name`)."""
+_SUB_OUT = "_out"
+"""Suffix of a tap sown under a submodule's name (`fc_out` is tap `fc`): Flax forbids a variable and a
+submodule of the same name in one scope."""
+
+
+def _tap(module: nn.Module, name: str, make: Any) -> None:
+  """Sows `make()` as diagnose tap `name` of `module`, only while the TAPS collection is mutable.
+
+  Args:
+    module: the module whose scope holds the tap (its path is the tap's Flax location).
+    name: the tap's last name part (canonical: see `tap_name`).
+    make: a zero-argument function returning the value in the canonical layout; called only when
+      tapping, so layout changes (transposes) cost nothing in training.
+  """
+  if module.is_mutable_collection(TAPS) and not module.is_initializing():
+    module.sow(TAPS, name, make(), reduce_fn=lambda _, x: x, init_fn=lambda: None)
+
+
+def tap_name(location: str) -> str:
+  """Flax location of a sown tap -> canonical tap name (`parity.diagnose`).
+
+  The location is the path in the variables, collection first. `h_{i}` becomes `h.{i}`; a
+  norm's own output (`.../ln_1/out`) is named after the norm; a submodule's output sown in its
+  parent as `<sub>_out` is named `<sub>`.
+
+  >>> [tap_name(f"intermediates/{p}") for p in ("h_0/attn/q", "h_1/ln_2/out", "h_0/mlp/fc_out", "logits")]
+  ['h.0.attn.q', 'h.1.ln_2', 'h.0.mlp.fc', 'logits']
+  """
+  parts = location.split("/")[1:]
+  if len(parts) >= 2 and parts[-2] in NORM_MODULES and parts[-1] == _NORM_TAP:
+    parts = parts[:-1]
+  elif parts and parts[-1].endswith(_SUB_OUT):
+    parts[-1] = parts[-1][:-len(_SUB_OUT)]
+  return ".".join(f"h.{p[2:]}" if p.startswith("h_") and p[2:].isdigit() else p for p in parts)
+
+
+
+def _reduced(dtype: Dtype) -> bool:
+  """True for bf16/fp16 compute, where ops follow torch's rounding points (module docstring)."""
+  return jnp.dtype(dtype) != jnp.dtype(jnp.float32)
+
+
+def _add(a: jax.Array, b: jax.Array, dtype: Dtype) -> jax.Array:
+  """a + b, broadcasting; bf16/fp16: in float32, rounded to `dtype` once (torch's add), spelled out.
+
+  The value is the dtype's own add, but written as a plain `a + b` in bf16 XLA may keep the sum in float32
+  for a float32 consumer (the next LayerNorm) and skip its rounding ("excess precision"): measured with
+  `parity diagnose`, the residual stream then reached ln_2 unrounded (1.22x torch's error there; 1.00x
+  spelled out). The broadcast operand's gradient (wpe over the batch) is then summed in float32, as torch's.
+  """
+  if not _reduced(dtype):
+    return a + b
+  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
+
+
+def _opmath(fn: Any, x: jax.Array, dtype: Dtype) -> jax.Array:
+  """fn(x) as torch's reduced-precision elementwise kernels compute it: in float32, rounded to `dtype` once.
+
+  In float32 it is plain fn(x). x: any shape; the result has x's shape, in `dtype` when reduced.
+  """
+  if not _reduced(dtype):
+    return fn(x)
+  return fn(x.astype(jnp.float32)).astype(dtype)
+
+
+class Norm(nn.Module):
+  """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA), in float32.
+
+  The output is rounded to `dtype` once (torch's layer_norm kernel); bf16/fp16 RMSNorm rounds the
+  normalised value first and multiplies by the weight in `dtype`, as HF `LlamaRMSNorm` and
+  `torch_impl.model.RMSNorm` do.
+
+  Params: `scale` (D,) and, for LayerNorm with spec.bias, `bias` (D,); float32.
+  """
+  spec: ModelSpec
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    s = self.spec
+    d = x_btd.shape[-1]
+    x = x_btd.astype(jnp.float32)
+    if s.norm == "layernorm":
+      mean_bt1 = jnp.mean(x, axis=-1, keepdims=True)
+      xc = x - mean_bt1
+      var_bt1 = jnp.mean(xc * xc, axis=-1, keepdims=True)
+      y = xc * jax.lax.rsqrt(var_bt1 + s.norm_eps)
+    else:
+      ms_bt1 = jnp.mean(x * x, axis=-1, keepdims=True)
+      y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
+    scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
+    if s.norm == "rmsnorm" and _reduced(self.dtype):
+      # HF LlamaRMSNorm: round y, then weight * y rounded once (the product of two bf16/fp16 values is exact in
+      # float32, so this is the dtype's multiply); in float32 so that the weight's gradient sums over (B, T) in
+      # float32, as torch's reduction of it does, not in the dtype
+      y = (y.astype(self.dtype).astype(jnp.float32) * scale.astype(self.dtype).astype(jnp.float32)).astype(self.dtype)
+      _tap(self, _NORM_TAP, lambda: y)
+      return y
+    y = y * scale
+    if s.norm == "layernorm" and s.bias:
+      y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
+    y = y.astype(self.dtype)
+    _tap(self, _NORM_TAP, lambda: y)
+    return y
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+  """Rotary cos/sin tables in the HF LLaMA rotate-half layout, exact values rounded once to float32.
+
+  angle[t, j] = t * theta ** (-2j / H) for j < H / 2, repeated once along the last axis.
+  The angles are computed in float64 and rounded once, as `torch_impl.model.rope_tables` does,
+  so both sides use bitwise-identical tables (HF's float32 angle recipe is off by up to ~1e-5
+  at position 128).
+
+  Args:
+    seq_len: number of positions T (0 .. T-1).
+    head_dim: H, even.
+    theta: rotary base (spec.rope_theta).
+  Returns:
+    cos, sin: float32, shape (T, H).
+  References:
+    Su et al. 2021 (RoFormer); HF transformers `LlamaRotaryEmbedding`, `rotate_half`.
+  """
+  inv_freq_h2 = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+  ang_th2 = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq_h2)
+  ang_th = np.concatenate([ang_th2, ang_th2], axis=-1)
+  return np.cos(ang_th).astype(np.float32), np.sin(ang_th).astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, cos_th: np.ndarray, sin_th: np.ndarray) -> jax.Array:
+  """x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x2, x1) (HF LLaMA), in x's dtype."""
+  h2 = x_btnh.shape[-1] // 2
+  x1, x2 = x_btnh[..., :h2], x_btnh[..., h2:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  cos = jnp.asarray(cos_th, x_btnh.dtype)[None, :, None, :]  # (1, T, 1, H)
+  sin = jnp.asarray(sin_th, x_btnh.dtype)[None, :, None, :]
+  return x_btnh * cos + rotated * sin
+
+
+class Dense(nn.Module):
+  """`nn.Dense` (params `kernel` [in, out], `bias` [out]), rounding as torch's `nn.Linear` does.
+
+  float32: nn.Dense's values (dot_general, then the bias added), with the input flattened to one (B * T, in)
+  matrix for the product (a faster kernel gradient on XLA CPU, module docstring). bf16/fp16: the product
+  accumulates in float32 and the bias is added in float32 before the output is rounded once, as torch's addmm (CPU
+  gemm with beta = 1, CUDA cuBLASLt bias epilogue); so the bias gradient is also summed over (B, T)
+  in float32 and rounded once, as torch's `grad_output.sum(0)`, instead of a bf16 reduction.
+
+  Attributes:
+    features: output width.
+    use_bias: add `bias`.
+    dtype: compute dtype; params are float32 (`param_dtype`) unless the caller cast the tree.
+    kernel_init: initializer of `kernel`.
+  """
+  features: int
+  use_bias: bool = True
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: (..., in) -> (..., features) in `dtype`."""
+    kernel = self.param("kernel", self.kernel_init, (jnp.shape(x)[-1], self.features), self.param_dtype)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    # one (B * T, in) @ (in, out) product: its kernel gradient is then x^T @ dy on both operands' own layouts
+    # (XLA CPU copied every dy transposed for the 3-D form; module docstring); the same values bitwise
+    x_2d = jnp.reshape(x, (-1, x.shape[-1]))
+    dims = (((1,), (0,)), ((), ()))
+    out_shape = (*x.shape[:-1], self.features)
+    if not _reduced(self.dtype):
+      y = jnp.reshape(jax.lax.dot_general(x_2d, kernel, dims, precision=None), out_shape)
+      if bias is not None:
+        y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+      return y
+    y = jnp.reshape(jax.lax.dot_general(x_2d, kernel, dims, preferred_element_type=jnp.float32), out_shape)
+    if bias is not None:
+      y = y + bias.astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: float | None = None,
+           bias: bool | None = None) -> Dense:
+  return Dense(features, use_bias=spec.bias if bias is None else bias, dtype=dtype,
+               param_dtype=jnp.float32, name=name,
+               kernel_init=nn.initializers.normal(spec.init_std if std is None else std))
