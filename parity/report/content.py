@@ -269,8 +269,13 @@ def throughput_note(d: dict) -> str:
   parts = []
   if cpus:
     parts.append(f"CPU backend ({', '.join(sorted(cpus))}): throughput is not representative of GPU training")
-  parts.append("sides ran one after another on a shared machine; each step is one sample (the first "
-               f"{WARMUP_STEPS} left out as warmup); DeepSpeed op builds are timed apart (op build s), not in init")
+  parts.append("sides ran one after another on a shared machine; each step is one sample (the first step left "
+               "out as warmup); DeepSpeed op builds are timed apart (op build s), not in init")
+  loads = [x for s in d["sides"].values() for x in ((s.get("load") or {}).get("start") or [None])[:1]
+           + ((s.get("load") or {}).get("end") or [None])[:1] if isinstance(x, (int, float))]
+  cpus = (d.get("environment") or {}).get("cpu_count")
+  if loads and cpus and max(loads) > 0.8 * cpus:
+    parts.append(f"the machine was busy while they ran (1-minute load up to {max(loads):.1f} on {cpus} CPUs)")
   return "; ".join(parts) + "."
 
 
@@ -279,7 +284,7 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
   plan, mig = d.get("plan") or {}, d.get("migration") or {}
   rows = []
   if mig.get("source"):
-    rows.append(("memory plan", f"from the DeepSpeed config {mig['source']} (port {mig.get('status')}; "
+    rows.append(("memory plan", f"from the DeepSpeed config {mig['source']} (port status: {mig.get('status')}; "
                                 f"key-by-key table in {mig.get('file', 'migration.md')})"))
   elif plan.get("name"):
     how = {"default": "the preset's own plans match this pair", "auto": "chosen by --plan auto",

@@ -8,11 +8,16 @@ from typing import Sequence
 
 from parity.report import content as C
 
-__all__ = ["cell", "md_table", "report_markdown", "PLOT_FILES"]
+__all__ = ["cell", "md_table", "report_markdown", "PLOT_FILES", "PLOT_ALT"]
 
 PLOT_FILES = {"loss": "loss.png", "delta": "loss_delta.png", "grad_norm": "grad_norm.png", "lr": "lr.png",
               "loss_scale": "loss_scale.png", "memory": "memory.png", "throughput": "throughput.png"}
 """Figure key (parity.report.page.report_figures) -> PNG file name in the run folder."""
+PLOT_ALT = {"loss": "training loss of every side", "delta": "per-step loss difference of each pair, log scale",
+            "grad_norm": "gradient norm of every side", "lr": "learning rate of every side",
+            "loss_scale": "fp16 loss scale and skipped steps", "memory": "memory per side, predicted and measured",
+            "throughput": "tokens/s and step-time distribution per side"}
+"""Alt text of each plot in report.md."""
 
 
 def cell(x) -> str:
@@ -104,10 +109,10 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
   out += md_table(["side", "backend", "steps timed", "min s/step", "median s/step", "max s/step", "tokens/s",
                    "load (1 min) start → end", "op build s (not in init)"], [[r[k] for k in tk] for r in
                                                                              C.throughput_rows(d)])
-  out += ["", "## Plan and placements", ""] + md_table(["", ""], C.plan_rows(d))
+  out += ["", "## Plan and placements", ""] + md_table(["item", "value"], C.plan_rows(d))
   if d.get("migration"):
     out += ["", f"DeepSpeed config **{d['migration']['source']}**: key-by-key migration table in "
             f"[migration.md](migration.md)."]
   out += _self_sections(d)
-  out += ["", "## Environment", ""] + md_table(["", ""], C.environment_rows(d, environment))
+  out += ["", "## Environment", ""] + md_table(["item", "value"], C.environment_rows(d, environment))
   return "\n".join(out) + "\n"

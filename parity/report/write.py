@@ -17,10 +17,10 @@ __all__ = ["write_all", "write_markdown", "write_plot", "write_html", "write_car
 def write_markdown(report: Report, path: Path, plots: dict[str, tuple[str, str]] | None = None) -> None:
   """report.md at `path`. plots: figure key -> (PNG file name beside it, caption); None: every PLOT_FILES file that
   exists beside `path`."""
-  from parity.report.markdown import PLOT_FILES, report_markdown
+  from parity.report.markdown import PLOT_ALT, PLOT_FILES, report_markdown
   from parity.report.page import read_environment
   if plots is None:
-    plots = {k: (f, k.replace("_", " ")) for k, f in PLOT_FILES.items() if (Path(path).parent / f).exists()}
+    plots = {k: (f, PLOT_ALT[k]) for k, f in PLOT_FILES.items() if (Path(path).parent / f).exists()}
   Path(path).write_text(report_markdown(report.data, plots, read_environment(report.run_dir)))
 
 
