@@ -9,7 +9,7 @@ from typing import Any
 
 __all__ = ["fmt_bytes", "fmt", "run_title", "verdict_parts", "verdict_sentence", "check_rows", "metric_rows", "side_rows", "throughput_rows",
            "throughput_note", "plan_rows", "environment_rows", "METRIC_LABEL", "tolerance_text", "backend",
-           "pair_label", "WARMUP_STEPS", "plain_detail", "step_times", "doctor_rows"]
+           "pair_label", "WARMUP_STEPS", "plain_detail", "step_times", "doctor_rows", "rank_table"]
 
 METRIC_LABEL = {"loss": "max abs Δloss", "val_loss": "max abs Δval_loss", "grad_norm": "max abs Δgrad_norm",
                 "lr": "max abs Δlr", "params": "worst tensor: element abs Δ", "params_zero_grad": "max abs Δ (zero-grad slices)",
@@ -43,6 +43,8 @@ def fmt(v, spec: str = ".3g") -> str:
     return v
   if isinstance(v, float) and not math.isfinite(v):
     return str(v)
+  if isinstance(v, int) and not isinstance(v, bool) and spec == ".3g":
+    return str(v)  # an integer (a pid, a step, a count) whole, not 1.23e+04
   return format(v, spec)
 
 
@@ -244,6 +246,18 @@ def side_rows(d: dict) -> list[dict[str, Any]]:
                  "peak_device": fmt_bytes(summ.get("peak_device_bytes")), "memory_kinds": kinds or "n/a",
                  "backend": backend(s)})
   return rows
+
+
+def rank_table(s: dict) -> tuple[list[str], list[list[str]]] | None:
+  """(columns, rows) of a multi-rank side's summary 'ranks' list (harness.ranks: rank, status, pid, exit code, peak
+  RSS, ...; *_bytes fields in binary units), None for a one-process side."""
+  ranks = [r for r in ((s.get("summary") or {}).get("ranks") or []) if isinstance(r, dict)]
+  if not ranks:
+    return None
+  cols = list(dict.fromkeys(k for r in ranks for k in r))
+  cell = lambda k, v: fmt_bytes(v) if "bytes" in k and isinstance(v, (int, float)) else (  # noqa: E731
+      _compact(v) if isinstance(v, (dict, list)) else fmt(v))
+  return [c.replace("_", " ") for c in cols], [[cell(k, r.get(k)) for k in cols] for r in ranks]
 
 
 def throughput_rows(d: dict) -> list[dict[str, Any]]:

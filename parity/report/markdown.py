@@ -94,6 +94,9 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
                                       "compile s", "op build s", "peak RSS", "peak device", "state by memory kind",
                                       "backend"], [[r[k] for k in keys] for r in C.side_rows(d)])
   for name, s in d["sides"].items():
+    ranks = C.rank_table(s)
+    if ranks:
+      out += ["", f"{name}, per rank:", ""] + md_table(*ranks)
     if s.get("error"):
       out += ["", f"**{name} {s['status']}**:", "```", *s["error"].strip().splitlines()[-15:], "```"]
   mem = [r for r in ((d.get("memory") or {}).get("predicted_vs_measured") or []) if r["predicted"] or r["measured"]]

@@ -123,18 +123,10 @@ def _sides_html(d: dict) -> str:
     if s.get("error"):
       out += H.details(f"{name} {s['status']}: error output", H.code("\n".join(s["error"].strip().splitlines()[-20:]),
                                                                      block=True))
-    ranks = (s.get("summary") or {}).get("ranks")
-    if isinstance(ranks, list) and ranks:
-      cols = sorted({k for r in ranks if isinstance(r, dict) for k in r})
-      out += H.section(f"{name}: per rank", H.table(cols, [[_cell(r.get(k)) for k in cols] for r in ranks
-                                                         if isinstance(r, dict)]), level=3)
+    ranks = C.rank_table(s)
+    if ranks:
+      out += H.section(f"{name}: per rank", H.table(*ranks), level=3)
   return out
-
-
-def _cell(v) -> str:
-  if isinstance(v, int) and not isinstance(v, bool) and ("bytes" in str(v) or v > 4096):
-    return C.fmt_bytes(v)
-  return C.fmt(v) if not isinstance(v, (dict, list)) else json.dumps(v, default=str)
 
 
 def _memory_table(d: dict) -> str:
