@@ -244,8 +244,8 @@ def test_adam_family(opt, kind, impl, wd):
 def test_offload_selects_cpu_adam_and_pinned_host():
   r = _port({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
   assert r.ported.optimizer.impl == "DeepSpeedCPUAdam"
-  assert r.ported.sharding.opt_state_memory_kind == "pinned_host"
-  assert r.ported.sharding.shard_grads and not r.ported.sharding.shard_params
+  assert r.ported.jax.offload_opt_state and r.ported.jax.host_memory_kind == "pinned_host"
+  assert r.ported.jax.zero_stage == 2 and not r.ported.jax.offload_params
 
 
 def test_nvme_is_refused_with_the_nearest_plan():
@@ -256,10 +256,10 @@ def test_nvme_is_refused_with_the_nearest_plan():
 
 def test_legacy_forms_are_read_as_deepspeed_reads_them():
   r = _port({**BASE, "zero_optimization": True, "bfloat16": {"enabled": True}})
-  assert r.ported.sharding.zero_stage == 1 and r.ported.precision.compute_dtype == "bf16"
+  assert r.ported.jax.zero_stage == 1 and r.ported.precision.compute_dtype == "bf16"
   assert any("deprecated" in w for w in r.report.warnings) and any("bfloat16" in w for w in r.report.warnings)
   r = _port({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}})
-  assert r.ported.sharding.opt_state_memory_kind == "pinned_host"
+  assert r.ported.jax.offload_opt_state and r.ported.jax.host_memory_kind == "pinned_host"
 
 
 def test_default_gradient_clipping_is_one_and_reported():

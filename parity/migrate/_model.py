@@ -13,13 +13,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from parity.migrate.reference import SCHEDULER_DEFAULTS
+from parity.spec import REMAT_POLICIES, JaxPlan
 
 __all__ = ["PortedConfig", "OptimizerCfg", "SchedulerCfg", "BatchCfg", "PrecisionCfg", "LossScaleCfg",
-           "ClippingCfg", "ShardingCfg", "RematCfg", "SCHEMA", "OPTIMIZER_PARAM_KEYS"]
+           "ClippingCfg", "JaxCfg", "NotRunnable", "NOT_RUNNABLE_KEYS", "SCHEMA", "OPTIMIZER_PARAM_KEYS"]
 
-SCHEMA = "parity.ported/1"
+SCHEMA = "parity.ported/2"
+"""/2: the ZeRO and remat sections became `jax:` (JaxPlan's fields) and `not_runnable_by_compare:`."""
 _STRICT = ConfigDict(extra="forbid", frozen=True)
-MemoryKind = Literal["device", "pinned_host", "unpinned_host"]
 
 OPTIMIZER_PARAM_KEYS: dict[str, tuple[str, ...]] = {
     "adamw": ("lr", "betas", "eps", "weight_decay", "bias_correction"),
@@ -123,46 +124,66 @@ class ClippingCfg(BaseModel):
   epsilon: float = 1e-6
 
 
-class ShardingCfg(BaseModel):
-  """ZeRO as a JAX plan over a 1-D mesh with axis `mesh_axis` of size batch.world."""
+class JaxCfg(BaseModel):
+  """The JAX side's plan, in parity.spec.JaxPlan's fields exactly (a port's `jax:` section is a JaxPlan): ZeRO is
+  `zero_stage` over the mesh's data axis (1 optimizer state, 2 + gradients, 3 + params sharded), DeepSpeed's
+  offload_optimizer / offload_param are `offload_opt_state` / `offload_params` in `host_memory_kind`, activation
+  checkpointing is `remat` (full, or offload_names for cpu_checkpointing)."""
   model_config = _STRICT
+  offload_opt_state: bool
+  offload_params: bool
+  host_memory_kind: Literal["pinned_host", "unpinned_host"]
+  remat: Literal[REMAT_POLICIES]  # type: ignore[valid-type]
+  scan_layers: bool = False
   zero_stage: int = Field(ge=0, le=3)
-  mesh_axis: str = "data"
-  shard_opt_state: bool
-  shard_grads: bool
-  shard_params: bool
-  opt_state_memory_kind: MemoryKind
-  params_memory_kind: MemoryKind
+  data_parallel: int = Field(1, ge=1)
 
   @model_validator(mode="after")
-  def _stages(self):
-    want = (self.zero_stage >= 1, self.zero_stage >= 2, self.zero_stage >= 3)
-    if (self.shard_opt_state, self.shard_grads, self.shard_params) != want:
-      raise ValueError(f"sharding flags do not match zero_stage {self.zero_stage}: expected shard_opt_state, "
-                       f"shard_grads, shard_params = {want}")
-    if self.params_memory_kind != "device" and self.zero_stage != 3:
-      raise ValueError("sharding.params_memory_kind may be a host kind only with zero_stage 3 "
-                       f"(DeepSpeed offload_param is stage-3 only); got zero_stage={self.zero_stage}")
+  def _stage3_params(self):
+    if self.offload_params and self.zero_stage != 3:
+      raise ValueError("jax.offload_params needs zero_stage 3 (DeepSpeed's offload_param is stage-3 only); got "
+                       f"zero_stage={self.zero_stage}")
     return self
 
+  def plan(self) -> JaxPlan:
+    """This section as the parity.spec.JaxPlan compare runs (validated)."""
+    return JaxPlan(**self.model_dump()).validate()
 
-class RematCfg(BaseModel):
+
+class NotRunnable(BaseModel):
+  """A part of the source config that the ported config holds but `parity compare` cannot run yet."""
   model_config = _STRICT
-  policy: Literal["none", "full", "offload_to_host"]
-  """jax.checkpoint per block: none, full (recompute everything), offload_to_host (residuals in pinned_host)."""
+  value: Any
+  """The setting, in the source config's terms (kept so the reverse port writes it back)."""
+  why: str
+
+
+NOT_RUNNABLE_KEYS = ("params_host_memory_kind", "cpu_checkpointing")
+"""What `not_runnable_by_compare` may hold: params_host_memory_kind (offload_param pinned differently from
+offload_optimizer: a JaxPlan has one host memory kind) and cpu_checkpointing (DeepSpeed's CPU activation
+checkpointing: the JAX side runs it as remat offload_names, compare's DeepSpeed side has no such plan)."""
 
 
 class PortedConfig(BaseModel):
   model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-  schema_: Literal["parity.ported/1"] = Field(SCHEMA, alias="schema")
+  schema_: Literal["parity.ported/2"] = Field(SCHEMA, alias="schema")
   source: str = ""
   optimizer: OptimizerCfg
   scheduler: SchedulerCfg
   batch: BatchCfg
   precision: PrecisionCfg
   clipping: ClippingCfg
-  sharding: ShardingCfg
-  remat: RematCfg
+  jax: JaxCfg
+  not_runnable_by_compare: dict[str, NotRunnable] = {}
+  """What compare cannot run yet (NOT_RUNNABLE_KEYS), each with its value and why; empty when compare runs it all."""
+
+  @field_validator("not_runnable_by_compare")
+  @classmethod
+  def _known_parts(cls, v):
+    unknown = sorted(set(v) - set(NOT_RUNNABLE_KEYS))
+    if unknown:
+      raise ValueError(f"unknown key(s) {unknown}; expected some of {list(NOT_RUNNABLE_KEYS)}")
+    return v
 
   @field_validator("source")
   @classmethod

@@ -293,11 +293,11 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
   batch = _batch(ctx)
   precision = _precision(ctx)
   clipping = _clipping(ctx)
-  sharding = port_zero(ctx)
-  offload = "cpu" if sharding and sharding["opt_state_memory_kind"] != "device" else None
+  zero = port_zero(ctx)
+  offload = "cpu" if zero and zero[0]["offload_opt_state"] else None
   optimizer = port_optimizer(ctx, offload)
   scheduler = port_scheduler(ctx, optimizer)
-  remat = port_remat(ctx)
+  remat, remat_not_runnable = port_remat(ctx)
   check_deepspeed_accepts(ctx)
   for leaf, value in ctx.leaves.items():
     if leaf not in report.entries:
@@ -312,8 +312,11 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
   ported = None
   if report.ported:
     try:
+      jax = {**(zero[0] if zero else {}), "remat": remat, "scan_layers": False,
+             "data_parallel": batch["world"] if batch else 1}
       ported = PortedConfig(source=source, optimizer=optimizer, scheduler=scheduler, batch=batch,
-                            precision=precision, clipping=clipping, sharding=sharding, remat=remat)
+                            precision=precision, clipping=clipping, jax=jax,
+                            not_runnable_by_compare={**(zero[1] if zero else {}), **remat_not_runnable})
     except ValidationError as e:
       report.refuse(f"internal: the ported config is inconsistent: {e}")
   return PortResult(ported, report, _ds_effective(ctx, batch))

@@ -1,4 +1,5 @@
-"""zero_optimization and activation_checkpointing -> PortedConfig.sharding / .remat."""
+"""zero_optimization and activation_checkpointing -> PortedConfig.jax (parity.spec.JaxPlan's fields) and the
+parts of them compare cannot run yet (PortedConfig.not_runnable_by_compare)."""
 from __future__ import annotations
 
 from typing import Any
@@ -62,7 +63,7 @@ def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
   pin = ctx.boolean(f"{path}.pin_memory", True)
   kind = "pinned_host" if pin else "unpinned_host"
   what = "optimizer state" if section == "offload_optimizer" else "fp32 params"
-  tgt = "sharding.opt_state_memory_kind" if section == "offload_optimizer" else "sharding.params_memory_kind"
+  tgt = "jax.offload_opt_state" if section == "offload_optimizer" else "jax.offload_params"
   if device == "nvme":
     ctx.refuse(f"{path}.device", f"{path}.device \"nvme\": JAX has no NVMe memory kind (only device, pinned_host, "
                f"unpinned_host). Nearest plan: set {path}.device to \"cpu\" -> {what} in pinned_host.",
@@ -86,7 +87,8 @@ def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
     return "none", "device"
   if device == "cpu":
     ctx.mark(f"{path}.device", "mapped", tgt, f"{what} live in host memory between steps; XLA moves them in and out")
-    ctx.mark(f"{path}.pin_memory", "mapped", tgt, f"{'true -> pinned_host' if pin else 'false -> unpinned_host'}")
+    ctx.mark(f"{path}.pin_memory", "mapped", "jax.host_memory_kind",
+             f"{'true -> pinned_host' if pin else 'false -> unpinned_host'}")
     return "cpu", kind
   if device == "nvme":
     ctx.mark(path, "not_needed", None, "part of the refused NVMe offload", overwrite=False)
@@ -95,10 +97,11 @@ def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
   return device or "none", "device"
 
 
-def port_zero(ctx: Ctx) -> dict[str, Any] | None:
-  """zero_optimization -> the PortedConfig.sharding mapping (zero stage, shard flags, memory kinds), marking every
-  key in ctx.report; refusals (removed, quantized or unmappable features) are recorded on ctx. Returns None when the
-  section is neither an object nor a boolean."""
+def port_zero(ctx: Ctx) -> tuple[dict[str, Any], dict[str, Any]] | None:
+  """zero_optimization -> (the ZeRO fields of PortedConfig.jax: zero_stage, offload_opt_state, offload_params,
+  host_memory_kind; the not_runnable_by_compare entries they need), marking every key in ctx.report; refusals
+  (removed, quantized or unmappable features) are recorded on ctx. Returns None when the section is neither an
+  object nor a boolean."""
   z = ctx.get("zero_optimization")
   if z is MISSING:
     ctx.implied("zero_optimization.stage", 0, "no zero_optimization section: stage 0 (plain data parallel)")
@@ -114,7 +117,7 @@ def port_zero(ctx: Ctx) -> dict[str, Any] | None:
   ctx.unknown_keys("zero_optimization", sorted(_KNOWN | set(_REMOVED)), why="DeepSpeedZeroConfig has extra='forbid'")
   stage = ctx.num("zero_optimization.stage", 0, integer=True, ge=0, le=3)
   stage = 0 if stage is None else stage
-  ctx.mark("zero_optimization.stage", "mapped", "sharding.zero_stage",
+  ctx.mark("zero_optimization.stage", "mapped", "jax.zero_stage",
            ["stage 0: params, grads, opt state replicated over the data axis",
             "stage 1: optimizer state sharded over the data axis",
             "stage 2: optimizer state + gradients sharded over the data axis (reduce-scatter)",
@@ -131,11 +134,11 @@ def port_zero(ctx: Ctx) -> dict[str, Any] | None:
   return _plan(stage, opt_kind, par_kind)
 
 
-def _boolean_form(ctx: Ctx, z: bool) -> dict[str, Any]:
+def _boolean_form(ctx: Ctx, z: bool) -> tuple[dict[str, Any], dict[str, Any]]:
   """`zero_optimization: true|false`, DeepSpeed's deprecated form of stage 1|0: mapped with a warning."""
   ctx.warn("zero_optimization: a boolean is the deprecated format; DeepSpeed warns 'this format of ZeRO "
            f"optimization setup is deprecated' and reads it as stage {int(z)}.")
-  ctx.mark("zero_optimization", "mapped", "sharding.zero_stage", f"deprecated boolean form -> stage {int(z)}")
+  ctx.mark("zero_optimization", "mapped", "jax.zero_stage", f"deprecated boolean form -> stage {int(z)}")
   ctx.report.entries["zero_optimization"].resolved = {"stage": int(z)}
   if ctx.has("allgather_size"):
     ctx.mark("allgather_size", "not_needed", None, f"legacy allgather_bucket_size of the boolean form; {XLA_COMM}")
@@ -152,7 +155,7 @@ def _deprecated_offload_flags(ctx: Ctx) -> None:
     ctx.warn("zero_optimization.cpu_offload is deprecated; DeepSpeed warns 'use offload_optimizer instead' and reads "
              "it as offload_optimizer.device=cpu (pinned).")
     ctx.cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    ctx.mark("zero_optimization.cpu_offload", "mapped", "sharding.opt_state_memory_kind",
+    ctx.mark("zero_optimization.cpu_offload", "mapped", "jax.offload_opt_state",
              "deprecated form of offload_optimizer {device: cpu} -> pinned_host")
     ctx.report.entries["zero_optimization.cpu_offload"].resolved = {"offload_optimizer": {"device": "cpu"}}
   elif ctx.has("zero_optimization.cpu_offload"):
@@ -161,7 +164,7 @@ def _deprecated_offload_flags(ctx: Ctx) -> None:
   if ctx.get("zero_optimization.cpu_offload_param") is True:
     ctx.warn("zero_optimization.cpu_offload_param is deprecated; DeepSpeed reads it as offload_param.device=cpu.")
     ctx.cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    ctx.mark("zero_optimization.cpu_offload_param", "mapped", "sharding.params_memory_kind",
+    ctx.mark("zero_optimization.cpu_offload_param", "mapped", "jax.offload_params",
              "deprecated form of offload_param {device: cpu} -> pinned_host")
   elif ctx.has("zero_optimization.cpu_offload_param"):
     ctx.mark("zero_optimization.cpu_offload_param", "not_needed", None, "deprecated; false means no param offload")
@@ -190,26 +193,37 @@ def _communication_features(ctx: Ctx) -> None:
     ctx.mark(f"zero_optimization.{k}", "not_needed", None, why, overwrite=False)
 
 
-def _plan(stage: int, opt_kind: str, par_kind: str) -> dict[str, Any]:
-  return {"zero_stage": stage, "mesh_axis": "data", "shard_opt_state": stage >= 1, "shard_grads": stage >= 2,
-          "shard_params": stage >= 3, "opt_state_memory_kind": opt_kind,
-          "params_memory_kind": par_kind if stage == 3 else "device"}
+def _plan(stage: int, opt_kind: str, par_kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(JaxPlan's ZeRO fields, not_runnable_by_compare entries) of a stage and the two offloads' memory kinds
+  ('device', 'pinned_host' or 'unpinned_host'; params offload is stage-3 only). One JaxPlan host memory kind holds
+  both offloads: the optimizer's when both are offloaded, the params' kind then kept as not runnable when it differs."""
+  par_kind = par_kind if stage == 3 else "device"
+  host = [k for k in (opt_kind, par_kind) if k != "device"]
+  jax = {"zero_stage": stage, "offload_opt_state": opt_kind != "device", "offload_params": par_kind != "device",
+         "host_memory_kind": host[0] if host else "pinned_host"}
+  not_runnable = {}
+  if len(set(host)) == 2:
+    not_runnable["params_host_memory_kind"] = {
+        "value": par_kind, "why": f"offload_param is {par_kind} but offload_optimizer {opt_kind}: a JaxPlan keeps "
+                                  "all offloaded state in one host memory kind (jax.host_memory_kind)"}
+  return jax, not_runnable
 
 
-def port_remat(ctx: Ctx) -> dict[str, Any]:
-  """activation_checkpointing -> the PortedConfig.remat mapping {'policy': 'none' | 'full' | 'offload_to_host'}."""
+def port_remat(ctx: Ctx) -> tuple[str, dict[str, Any]]:
+  """activation_checkpointing -> (PortedConfig.jax.remat: 'none', 'full' or 'offload_names' for cpu_checkpointing,
+  the not_runnable_by_compare entry of cpu_checkpointing: compare's DeepSpeed side has no CPU checkpointing plan)."""
   if not ctx.has("activation_checkpointing"):
-    return {"policy": "none"}
+    return "none", {}
   sec = "activation_checkpointing"
   node = ctx.get(sec)
   if not isinstance(node, dict):
     ctx.refuse(sec, f"{sec}: expected an object; got {node!r}.")
-    return {"policy": "none"}
+    return "none", {}
   cpu = ctx.boolean(f"{sec}.cpu_checkpointing", False)
-  policy = "offload_to_host" if cpu else "full"
+  policy = "offload_names" if cpu else "full"
   reason = ("the section configures deepspeed.checkpointing, which the model calls once per block -> "
             f"jax.checkpoint per block, policy {policy!r}")
-  ctx.mark(f"{sec}.cpu_checkpointing", "mapped", "remat.policy", "true: checkpointed residuals in pinned_host "
+  ctx.mark(f"{sec}.cpu_checkpointing", "mapped", "jax.remat", "true: checkpointed residuals in pinned_host "
            "(save_and_offload_only_these_names)" if cpu else "false: residuals stay on device")
   ctx.mark(f"{sec}.partition_activations", "not_needed", None, "splits checkpoints across model-parallel ranks; the "
            "JAX plan has no model-parallel axis")
@@ -222,5 +236,8 @@ def port_remat(ctx: Ctx) -> dict[str, Any]:
                  "synchronize_checkpoint_boundary", "profile"):
       ctx.mark(f"{sec}.{k}", "not_needed", None, "not read by DeepSpeed's activation-checkpointing config")
       ctx.warn(f"{sec}.{k}: unknown key; DeepSpeed does not read it.")
-  ctx.implied("remat.policy", policy, reason)
-  return {"policy": policy}
+  ctx.implied("jax.remat", policy, reason)
+  not_runnable = {"cpu_checkpointing": {
+      "value": True, "why": "DeepSpeed's CPU activation checkpointing: the JAX side runs it as remat offload_names, "
+                            "but compare's DeepSpeed plan checkpoints on the device only"}} if cpu else {}
+  return policy, not_runnable

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from parity.migrate._ctx import Flags
-from parity.migrate._model import PortedConfig
+from parity.migrate._model import SCHEMA, PortedConfig
 from parity.migrate._read import PortError
 from parity.migrate._report import Report, leaf_paths
 from parity.spec import RunSpec, SpecError
@@ -16,13 +16,17 @@ __all__ = ["to_deepspeed", "load_ported", "to_run_spec"]
 
 
 def load_ported(data: dict[str, Any], *, source: str = "") -> PortedConfig:
-  """Validates a ported config dict. Raises PortError naming the first bad key."""
+  """Validates a ported config dict. Raises PortError naming the first bad key (or the older schema and the fix)."""
+  if isinstance(data, dict) and data.get("schema") == "parity.ported/1":
+    raise PortError(f"{source}: written by an older `parity port` (schema parity.ported/1, with sharding: and remat: "
+                    f"sections); port the DeepSpeed config again for schema {SCHEMA} (a jax: section in "
+                    "parity.spec.JaxPlan's fields).", key="schema")
   try:
     return PortedConfig.model_validate(data)
   except ValidationError as e:
     err = e.errors()[0]
     loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-    raise PortError(f"{source}: not a ported config (schema parity.ported/1): {loc}: {err['msg']}; "
+    raise PortError(f"{source}: not a ported config (schema {SCHEMA}): {loc}: {err['msg']}; "
                     f"got {err.get('input')!r}.", key=loc) from None
 
 
@@ -56,10 +60,11 @@ def _precision(p: PortedConfig, out: dict[str, Any], report: Report) -> None:
     if not pr.skip_nonfinite_updates:
       report.refuse("precision.skip_nonfinite_updates: false with fp16 has no DeepSpeed equivalent: DeepSpeed "
                     "skips every overflowing fp16 step, with a static or a dynamic loss scale.")
-    out["fp16"] = {"enabled": True, "loss_scale": 0 if ls.dynamic else ls.static_scale,
-                   "initial_scale_power": ls.initial_scale_power, "loss_scale_window": ls.window,
-                   "hysteresis": ls.hysteresis, "consecutive_hysteresis": ls.consecutive_hysteresis,
-                   "min_loss_scale": int(ls.min_scale)}
+    from parity.numerics.ds_json import fp16_section
+    out["fp16"] = fp16_section(loss_scale=0 if ls.dynamic else ls.static_scale,
+                               initial_scale_power=ls.initial_scale_power, loss_scale_window=ls.window,
+                               hysteresis=ls.hysteresis, consecutive_hysteresis=ls.consecutive_hysteresis,
+                               min_loss_scale=int(ls.min_scale))
   elif pr.compute_dtype == "bf16":
     out["bf16"] = {"enabled": True, "check_grad_overflow": pr.skip_nonfinite_updates}
   elif pr.skip_nonfinite_updates:
@@ -87,34 +92,52 @@ def to_deepspeed(data: dict[str, Any], *, source: str = "") -> tuple[dict[str, A
     report.refuse(f"clipping.epsilon {p.clipping.epsilon}: DeepSpeed's clipping epsilon is fixed at 1e-6.")
   out["gradient_clipping"] = p.clipping.max_global_norm
   _precision(p, out, report)
-  s = p.sharding
-  z: dict[str, Any] = {"stage": s.zero_stage}
-  if s.opt_state_memory_kind != "device":
-    z["offload_optimizer"] = {"device": "cpu", "pin_memory": s.opt_state_memory_kind == "pinned_host"}
-  if s.params_memory_kind != "device":
-    z["offload_param"] = {"device": "cpu", "pin_memory": s.params_memory_kind == "pinned_host"}
-  out["zero_optimization"] = z
-  if p.remat.policy != "none":
-    out["activation_checkpointing"] = {"partition_activations": False,
-                                       "cpu_checkpointing": p.remat.policy == "offload_to_host"}
-  targets = {"batch.micro": "train_micro_batch_size_per_gpu", "batch.grad_accum": "gradient_accumulation_steps",
-             "batch.global_batch": "train_batch_size", "clipping.max_global_norm": "gradient_clipping",
-             "sharding.zero_stage": "zero_optimization.stage", "remat.policy": "activation_checkpointing"}
+  out.update(_zero_and_remat(p))
+  _report_keys(p, report)
+  return out, report
+
+
+def _zero_and_remat(p: PortedConfig) -> dict[str, Any]:
+  """The zero_optimization (and activation_checkpointing) sections of a ported config's jax: plan, with the
+  not_runnable_by_compare settings written back (the params' own pinning, CPU checkpointing)."""
+  from parity.numerics.ds_json import activation_checkpointing_section, zero_section
+  j, nr = p.jax, p.not_runnable_by_compare
+  params_kind = nr["params_host_memory_kind"].value if "params_host_memory_kind" in nr else j.host_memory_kind
+  out: dict[str, Any] = {"zero_optimization": zero_section(
+      j.zero_stage, j.host_memory_kind if j.offload_opt_state else None, params_kind if j.offload_params else None)}
+  if j.remat != "none":
+    from parity.numerics.ds_json import OFFLOAD_REMAT
+    out["activation_checkpointing"] = activation_checkpointing_section(
+        cpu=j.remat in OFFLOAD_REMAT or "cpu_checkpointing" in nr)
+  return out
+
+
+_TARGETS = {"batch.micro": "train_micro_batch_size_per_gpu", "batch.grad_accum": "gradient_accumulation_steps",
+            "batch.global_batch": "train_batch_size", "clipping.max_global_norm": "gradient_clipping",
+            "jax.zero_stage": "zero_optimization.stage", "jax.remat": "activation_checkpointing",
+            "jax.offload_opt_state": "zero_optimization.offload_optimizer",
+            "jax.offload_params": "zero_optimization.offload_param",
+            "jax.host_memory_kind": "zero_optimization.offload_*.pin_memory",
+            "not_runnable_by_compare.params_host_memory_kind.value": "zero_optimization.offload_param.pin_memory",
+            "not_runnable_by_compare.cpu_checkpointing.value": "activation_checkpointing.cpu_checkpointing"}
+
+
+def _report_keys(p: PortedConfig, report: Report) -> None:
+  """Every key of the ported config in the reverse report: where it went in the DeepSpeed config, or why not."""
   for key, value in leaf_paths(p.to_dict()):
     top = key.split(".")[0]
-    if key == "batch.world":
+    if key in ("batch.world", "jax.data_parallel"):
       report.set(key, "not_needed", None, f"launch DeepSpeed with {value} data-parallel ranks (the launcher sets "
                  "the world size, not the config)", value=value)
-    elif key in ("schema", "source", "optimizer.impl", "sharding.mesh_axis") or key.startswith("sharding.shard_"):
+    elif key in ("schema", "source", "optimizer.impl", "jax.scan_layers") or key.endswith(".why"):
       report.set(key, "not_needed", None, "implied by the DeepSpeed sections written (informational here)",
                  value=value)
     elif key == "clipping.epsilon":
       report.set(key, "mapped", "gradient_clipping", "DeepSpeed's fixed 1e-6", value=value)
     else:
-      tgt = targets.get(key, {"optimizer": "optimizer", "scheduler": "scheduler", "precision": "fp16/bf16",
-                              "sharding": "zero_optimization"}.get(top, top))
+      tgt = _TARGETS.get(key, {"optimizer": "optimizer", "scheduler": "scheduler", "precision": "fp16/bf16",
+                               "jax": "zero_optimization"}.get(top, top))
       report.set(key, "mapped", tgt, "written to the DeepSpeed config", value=value)
-  return out, report
 
 
 def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
@@ -124,8 +147,8 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   parity.numerics.schedule.COMPARE_SCHEDULERS, OneCycle with or without momentum cycling) run as ported. The JAX side
   shards as the config does (`_jax_plan`): a ZeRO-3 config runs jax.zero_stage 3.
   Raises:
-    SpecError: naming what compare cannot run yet (bias_correction false, more than one rank, remat
-      offload_to_host, fp16 under ZeRO stage 0).
+    SpecError: naming what compare cannot run yet (bias_correction false, more than one rank, fp16 under ZeRO
+      stage 0, and each entry of the port's not_runnable_by_compare).
   The number of steps compare runs stays `base.train.steps`; the schedule keeps its own length.
   """
   o, s, b, pr = ported.optimizer, ported.scheduler, ported.batch, ported.precision
@@ -135,17 +158,18 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
                     f"{s.type}.")
   if b.world != 1:
     raise SpecError(f"parity compare runs one data-parallel rank; the ported batch has world={b.world}.")
-  fp16 = _fp16_fields(pr, ported.sharding.zero_stage)
-  if ported.remat.policy == "offload_to_host":
-    raise SpecError("parity compare's JaxPlan has remat none/full; the ported remat is offload_to_host.")
-  sh = ported.sharding
+  fp16 = _fp16_fields(pr, ported.jax.zero_stage)
+  if ported.not_runnable_by_compare:
+    raise SpecError("parity compare cannot run yet: " + "; ".join(
+        f"{k} {v.value!r}: {v.why}" for k, v in ported.not_runnable_by_compare.items()))
+  j = ported.jax
   sched = {"lr_schedule": s.type, "lr_schedule_params": dict(s.params) if s.type != "Constant" else None}
   train = dataclasses.replace(
       base.train, micro_batch_size=b.micro, grad_accum_steps=b.grad_accum, **sched, **_optimizer_fields(o),
       grad_clip=ported.clipping.max_global_norm, precision=pr.compute_dtype, **fp16)
-  ds = dataclasses.replace(base.deepspeed, zero_stage=sh.zero_stage,
-                           offload_optimizer="cpu" if sh.opt_state_memory_kind != "device" else "none",
-                           offload_param="cpu" if sh.params_memory_kind != "device" else "none")
+  ds = dataclasses.replace(base.deepspeed, zero_stage=j.zero_stage,
+                           offload_optimizer="cpu" if j.offload_opt_state else "none",
+                           offload_param="cpu" if j.offload_params else "none")
   return dataclasses.replace(base, train=train, jax=_jax_plan(ported, base, ds), deepspeed=ds).validate()
 
 
@@ -176,12 +200,11 @@ def _jax_plan(ported: PortedConfig, base: RunSpec, ds: Any) -> Any:
   jax.zero_stage is the config's stage.
   """
   from parity.sizing.plans import PLANS
-  sh = ported.sharding
-  host = [k for k in (sh.opt_state_memory_kind, sh.params_memory_kind) if k != "device"]
-  jax = dataclasses.replace(base.jax, offload_opt_state=sh.opt_state_memory_kind != "device",
-                            offload_params=sh.params_memory_kind != "device",
-                            host_memory_kind=host[0] if host else base.jax.host_memory_kind,
-                            remat=ported.remat.policy, zero_stage=sh.zero_stage)
+  j = ported.jax
+  host = j.offload_opt_state or j.offload_params
+  jax = dataclasses.replace(base.jax, offload_opt_state=j.offload_opt_state, offload_params=j.offload_params,
+                            host_memory_kind=j.host_memory_kind if host else base.jax.host_memory_kind,
+                            remat=j.remat, zero_stage=j.zero_stage)
   for plan in PLANS.values():
     pj = plan.jax
     if plan.deepspeed == ds and (pj.offload_opt_state, pj.offload_params, pj.remat) == \

@@ -12,7 +12,8 @@ from parity.migrate._read import PortError
 __all__ = ["OURS", "check_outputs", "write_output"]
 
 
-OURS = ("schema: parity.ported/1", '"schema": "parity.ported/1"', '"schema": "parity.migration/1"',
+OURS = ("schema: parity.ported/1", '"schema": "parity.ported/1"', "schema: parity.ported/2", '"schema": "parity.ported/2"',
+        '"schema": "parity.migration/1"',
         "# Migration report:")
 """Text any file `parity port` writes starts with (or holds in its first 4 KiB): only such a file is replaced."""
 

@@ -228,7 +228,7 @@ def _base(name: str, model: str | None) -> RunSpec:
 def _base_with_config(base: RunSpec, cfg: dict[str, Any], source: str) -> RunSpec:
   """The base run with the config's sections merged over it (or a `parity port` output mapped onto it)."""
   from parity.spec import check_numbers
-  if cfg.get("schema") == "parity.ported/1":  # the output of `parity port`: the JAX config of a DeepSpeed run
+  if str(cfg.get("schema", "")).startswith("parity.ported/"):  # `parity port`'s output: a DeepSpeed run's JAX config
     from parity.migrate._reverse import load_ported, to_run_spec
     return to_run_spec(load_ported(cfg, source=source), base)
   try:

@@ -1,0 +1,116 @@
+"""The one DeepSpeed-JSON builder: the config a RunSpec stands for (`deepspeed_json`, what the DeepSpeed side runs)
+and the sections the reverse port (parity.migrate, `parity port --to-deepspeed`) writes from a ported config
+(`zero_section`, `activation_checkpointing_section`, `fp16_section`). Pure: no torch, no deepspeed."""
+from __future__ import annotations
+
+from typing import Any
+
+from parity.numerics import schedule
+
+__all__ = ["STEPS_PER_PRINT", "ACTIVATION_CHECKPOINTING", "OFFLOAD_REMAT", "deepspeed_json", "zero_section",
+           "activation_checkpointing_section", "fp16_section", "fp16_config"]
+
+STEPS_PER_PRINT = 10**9
+"""DeepSpeed prints a progress line every this many steps; effectively never."""
+
+ACTIVATION_CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False,
+                            "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
+                            "profile": False}
+"""The activation_checkpointing section with its CPU copy off: recompute each block, keep its input on the device
+(no model-parallel partitioning: a single data-parallel rank)."""
+
+OFFLOAD_REMAT = ("offload_dots_no_batch", "offload_names")
+"""JaxPlan.remat policies that keep residuals in host memory: DeepSpeed's cpu_checkpointing (jax_impl.remat)."""
+
+
+def zero_section(stage: int, offload_optimizer: str | None, offload_param: str | None) -> dict[str, Any]:
+  """DeepSpeed's zero_optimization section.
+
+  Args:
+    stage: ZeRO stage 0-3.
+    offload_optimizer, offload_param: the host memory kind the optimizer state / fp32 params are offloaded to
+      ('pinned_host' -> pin_memory true, 'unpinned_host' -> false), or None for none. DeepSpeed reads
+      offload_param at stage 3 only, so it is written only there.
+  Returns:
+    {"stage": ..., and "offload_optimizer" / "offload_param": {"device": "cpu", "pin_memory": bool} when set}.
+  """
+  zero: dict[str, Any] = {"stage": stage}
+  if offload_optimizer is not None:
+    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": offload_optimizer == "pinned_host"}
+  if offload_param is not None and stage == 3:
+    zero["offload_param"] = {"device": "cpu", "pin_memory": offload_param == "pinned_host"}
+  return zero
+
+
+def activation_checkpointing_section(cpu: bool = False) -> dict[str, Any]:
+  """DeepSpeed's activation_checkpointing section: every block recomputed; `cpu` keeps its checkpointed input in
+  host memory (cpu_checkpointing)."""
+  return {**ACTIVATION_CHECKPOINTING, "cpu_checkpointing": bool(cpu)}
+
+
+def fp16_section(*, loss_scale: float, initial_scale_power: int, loss_scale_window: int, hysteresis: int,
+                 consecutive_hysteresis: bool, min_loss_scale: int) -> dict[str, Any]:
+  """DeepSpeed's enabled `fp16` block (runtime/precision_config.py DeepSpeedFP16Config): loss_scale 0 is dynamic,
+  scale 2**initial_scale_power, halved after `hysteresis` overflows, doubled after `loss_scale_window` clean steps,
+  never below min_loss_scale (an integer in DeepSpeed's schema)."""
+  return {"enabled": True, "loss_scale": float(loss_scale), "initial_scale_power": initial_scale_power,
+          "loss_scale_window": loss_scale_window, "hysteresis": hysteresis,
+          "consecutive_hysteresis": consecutive_hysteresis, "min_loss_scale": int(min_loss_scale)}
+
+
+def fp16_config(train) -> dict[str, Any]:
+  """DeepSpeed's `fp16` block for a TrainSpec ({"enabled": False} unless precision is 'fp16').
+
+  Args:
+    train: a parity.spec.TrainSpec.
+  Returns:
+    `fp16_section` of the train.* loss-scale fields, or {"enabled": False}.
+  Raises:
+    ValueError: train.min_loss_scale is not a whole number (DeepSpeed's fp16.min_loss_scale is an int).
+  """
+  if train.precision != "fp16":
+    return {"enabled": False}
+  if float(train.min_loss_scale) != int(train.min_loss_scale):
+    raise ValueError(f"train.min_loss_scale={train.min_loss_scale}: DeepSpeed's fp16.min_loss_scale is an integer; "
+                     "use a whole number (default 1)")
+  return fp16_section(loss_scale=train.loss_scale, initial_scale_power=train.initial_scale_power,
+                      loss_scale_window=train.loss_scale_window, hysteresis=train.hysteresis,
+                      consecutive_hysteresis=train.consecutive_hysteresis, min_loss_scale=train.min_loss_scale)
+
+
+def deepspeed_json(run) -> dict[str, Any]:
+  """The DeepSpeed config dict equivalent to a RunSpec (what `deepspeed.initialize(config=...)` gets).
+
+  The optimizer block is `parity.numerics.schedule.deepspeed_optimizer(run.train)`; the scheduler block
+  `schedule.deepspeed_scheduler(run.train)` (none for 'Constant'). The global batch is left for DeepSpeed to derive
+  (micro x accumulation x world size). Offloads are unpinned (pin_memory false).
+  Args:
+    run: a parity.spec.RunSpec (train and deepspeed plan read).
+  Raises:
+    ValueError: train.min_loss_scale not a whole number in fp16 (`fp16_config`).
+  """
+  t, plan = run.train, run.deepspeed
+  cfg: dict[str, Any] = {
+      "train_micro_batch_size_per_gpu": t.micro_batch_size,
+      "gradient_accumulation_steps": t.grad_accum_steps,
+      "optimizer": schedule.deepspeed_optimizer(t),
+  }
+  scheduler = schedule.deepspeed_scheduler(t)
+  if scheduler is not None:  # 'Constant': no scheduler block, the optimizer lr throughout
+    cfg["scheduler"] = scheduler
+  if plan.activation_checkpointing:
+    cfg["activation_checkpointing"] = activation_checkpointing_section()
+  if t.optimizer == "sgd" and plan.offload_optimizer == "cpu":  # DeepSpeed offloads only its own CPU optimizers
+    cfg["zero_force_ds_cpu_optimizer"] = False
+  if t.optimizer in ("sgd", "lamb") and plan.zero_stage >= 1:  # DeepSpeed asserts on optimizers it did not test
+    cfg["zero_allow_untested_optimizer"] = True
+  return {
+      **cfg,
+      "gradient_clipping": t.grad_clip,
+      "zero_optimization": zero_section(plan.zero_stage, "unpinned_host" if plan.offload_optimizer == "cpu" else None,
+                                        "unpinned_host" if plan.offload_param == "cpu" else None),
+      "bf16": {"enabled": t.precision == "bf16"},
+      "fp16": fp16_config(t),
+      "steps_per_print": STEPS_PER_PRINT,
+      "wall_clock_breakdown": False,
+  }
