@@ -15,7 +15,8 @@ def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
   return dict(action.choices)
 
 
-COMMANDS = ("compare", "report", "diagnose", "estimate", "plan", "presets", "port", "convert-weights", "build-ops")
+COMMANDS = ("compare", "report", "diagnose", "estimate", "plan", "presets", "port", "convert-weights", "build-ops",
+            "doctor")
 
 
 def test_every_subcommand_is_there_with_a_description():

@@ -11,6 +11,7 @@
   parity port CONFIG ...           (DeepSpeed config -> JAX config)                          (port.py)
   parity convert-weights SRC DST   (Hugging Face folder <-> canonical safetensors <-> orbax) (convert_weights.py)
   parity build-ops [OP ...]        (build DeepSpeed's C++ ops once, up front)                (build_ops.py)
+  parity doctor [--quick] [--json FILE]  (versions, devices, memory kinds, ops, bandwidth)   (doctor.py)
 
 Exit codes: 0 parity holds / success, 1 parity does not hold (or a command could not finish), 2 bad input,
 130 interrupted. Every error is one line `parity COMMAND: error: ...` on stderr (main); a bug prints one line and
@@ -36,7 +37,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   """The `parity` parser with every subcommand; each subparser's `handler` default runs it."""
-  from parity.cli import build_ops, compare, convert_weights, diagnose, port, sizing
+  from parity.cli import build_ops, compare, convert_weights, diagnose, doctor, port, sizing
   ap = argparse.ArgumentParser(prog="parity", description="Runs the same GPT training in JAX, DeepSpeed and plain "
                                "PyTorch and gives a verdict on numerical parity (README.md).",
                                epilog="exit status: 0 parity holds / success, 1 parity does not hold, 2 bad input, "
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
   port.register(sub)
   convert_weights.register(sub)
   build_ops.register(sub)
+  doctor.register(sub)
   show_defaults(ap)
   return ap
 

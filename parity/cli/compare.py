@@ -58,6 +58,10 @@ def register(sub) -> None:
                       "of the run is bit-identical to the uninterrupted one (default: no resume check)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on a terminal)")
   add_allow_large(p)
+  p.add_argument("--allow-cpu", action="store_true",
+                 help="run even when CUDA is present but the JAX or torch side would run on the CPU (no CUDA "
+                      "plugin / a CPU-only torch build; refused by default, exit 2, naming the package to "
+                      "install; PARITY_ALLOW_CPU=1 does the same; default off)")
   p.set_defaults(handler=run_compare)
   p = sub.add_parser("report", help="print the summary of a finished run",
                      description="Prints the summary tables of a finished `parity compare` run from its report.json. "
@@ -75,7 +79,8 @@ def run_compare(args: argparse.Namespace) -> int:
                    hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
                    hardware=args.hardware, noise_envelope=args.noise_envelope,
                    determinism_steps=args.determinism_steps, resume_at=args.resume_at, force=args.force,
-                   command=" ".join(["parity", *sys.argv[1:]]))
+                   command=" ".join(["parity", *sys.argv[1:]]),
+                   allow_cpu=args.allow_cpu)
   print_summary(report, console())
   return report.exit_code
 

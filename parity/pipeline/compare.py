@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from harness import runner
+from harness import backend, doctor, runner
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
@@ -49,6 +49,8 @@ class RunOptions:
       and check the rest of the run is bit-identical to the uninterrupted one (gates the verdict).
     started_s: time.time() when the caller began (resolving included; timing.wall_s counts from it); None: when
       run_comparison starts.
+    allow_cpu: run even where CUDA is present but a side would run on the CPU (harness.backend.check_backends;
+      PARITY_ALLOW_CPU=1 does the same).
   """
   out: str | Path | None = None
   perturb: Sequence[str] | Mapping[str, Mapping] = ()
@@ -60,6 +62,7 @@ class RunOptions:
   force: bool = False
   command: str | None = None
   started_s: float | None = None
+  allow_cpu: bool = False
 
 
 def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None,
@@ -69,7 +72,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             timeout_s: float | None = None, progress: bool = True, hf_model: str | Path | None = None,
             deepspeed_config: str | Path | None = None, plan: str | None = None,
             hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
-            resume_at: int | None = None, force: bool = False, command: str | None = None) -> Report:
+            resume_at: int | None = None, force: bool = False, command: str | None = None,
+            allow_cpu: bool = False) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report: `resolve_run` then
   `run_comparison`, the keyword form for notebooks and the CLI.
 
@@ -100,7 +104,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   """
   options = RunOptions(out=out, perturb=perturb, timeout_s=timeout_s, progress=progress, noise_envelope=noise_envelope,
                        determinism_steps=determinism_steps, resume_at=resume_at, force=force, command=command,
-                       started_s=time.time())
+                       started_s=time.time(),
+                       allow_cpu=allow_cpu)
   run = resolve_run(preset, config=config, hf_model=hf_model, plan=plan, hardware=hardware,
                     deepspeed_config=deepspeed_config, steps=steps, sides=sides, data=data, overrides=overrides)
   return run_comparison(run, options)
@@ -121,9 +126,12 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   else:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
+  devices = backend.check_backends(spec.sides, options.allow_cpu)  # CUDA here but a side on the CPU: refused
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
+    doctor.write_environment(folder.path, doctor.environment_block(quick=True, frameworks=devices and {  # before
+        **devices["frameworks"], "cpu_fallback": devices["cpu_fallback"]}), folder.claim.run_id)  # any side
     with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
       loads: dict[str, dict] = {}
 

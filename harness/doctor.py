@@ -1,0 +1,160 @@
+"""The environment block: what `parity doctor` prints and what every run records as <run>/environment.json.
+
+`environment_block` merges three sources: `parity.environment` (host, OS, Python, CPU/NUMA, package versions,
+git revision: read in this process, nothing imported or started), two short processes run here (`git status` for
+the dirty flag, `nvidia-smi` for the GPUs and their topology, each only where the program exists), and the
+framework probes (`python -m jax_impl.doctor`, `python -m torch_impl.doctor`, through `harness.launch.run_module`,
+one after another so a bandwidth figure is not measured against the other probe, each with its own timeout),
+whose JSON is merged under `frameworks`. A probe that fails, times out or prints no JSON is recorded as
+{'error': ...}: the block is always written. Imports neither jax nor torch.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Mapping
+
+from harness import launch
+from parity import environment as env
+
+__all__ = ["SCHEMA", "ENVIRONMENT_FILE", "PROBE_TIMEOUT_S", "BUILD_TIMEOUT_S", "PROBES", "run_probe",
+           "probe_frameworks", "git_state", "gpu_info", "environment_block", "write_environment"]
+
+SCHEMA = "parity.environment/1"
+ENVIRONMENT_FILE = "environment.json"
+PROBE_TIMEOUT_S = 180.0
+"""Per probe process. Measured here: the jax probe 7-8 s, the torch probe 8-9 s, with a load of 8 on 2 cores
+(importing the framework is most of it); a CUDA plugin's first initialization can add tens of seconds."""
+BUILD_TIMEOUT_S = 1800.0
+"""The torch probe with --build: the CPU Adam op took up to 177 s on a busy 2-core machine (torch_impl/ops.py)."""
+PROBES = {"jax": "jax_impl.doctor", "torch": "torch_impl.doctor"}
+"""framework -> the probe module (`python -m MODULE` prints one JSON object)."""
+_TOOL_TIMEOUT_S = 20.0  # git status / nvidia-smi: well under a second when healthy; a hung driver must not hang us
+
+
+def run_probe(module: str, args: list[str], timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, object]:
+  """Runs one probe module and returns its JSON object, or {'error': why, 'stderr_tail': ...} when it failed,
+  timed out or printed no JSON (the last stdout line that parses as a JSON object is taken)."""
+  try:
+    done = launch.run_module(module, args, timeout_s=timeout_s)
+  except launch.LaunchTimeout as exc:
+    return {"error": f"{module} did not finish within {timeout_s:g} s", "stderr_tail": exc.stderr_tail[-1500:]}
+  except OSError as exc:
+    return {"error": f"{module} could not start: {exc}"}
+  for line in reversed(done.stdout.strip().splitlines()):
+    try:
+      obj = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(obj, dict):
+      obj.setdefault("wall_s", round(done.wall_s, 2))
+      return obj
+  return {"error": f"{module} exited {done.returncode} without a JSON line", "stderr_tail": done.stderr[-1500:]}
+
+
+def probe_frameworks(frameworks: tuple[str, ...] = ("jax", "torch"), *, bandwidth: bool = False,
+                     build: bool = False, devices_only: bool = False,
+                     timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, dict[str, object]]:
+  """{framework: its probe's JSON} for each of `frameworks` (keys of PROBES), run one after another.
+
+  Args:
+    bandwidth: time the copies (jax: device <-> pinned_host; torch: pinned/pageable <-> CUDA device).
+    build: let the torch probe build DeepSpeed's CPU Adam op when it is missing (timeout BUILD_TIMEOUT_S).
+    devices_only: versions and devices only (the CPU-fallback check): no op check, no bandwidth.
+  """
+  out = {}
+  for fw in frameworks:
+    args = ["--devices-only"] if devices_only and fw == "torch" else []
+    if bandwidth and not devices_only:
+      args.append("--bandwidth")
+    if build and fw == "torch" and not devices_only:
+      args.append("--build")
+    out[fw] = run_probe(PROBES[fw], args, max(timeout_s, BUILD_TIMEOUT_S) if "--build" in args else timeout_s)
+  return out
+
+
+def _tool(cmd: list[str], cwd: str | None = None) -> tuple[int, str] | None:
+  """(exit code, stdout) of a short command, or None when it is not installed or did not finish."""
+  if shutil.which(cmd[0]) is None:
+    return None
+  try:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TOOL_TIMEOUT_S, cwd=cwd)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return done.returncode, done.stdout
+
+
+def git_state(root: str | Path = launch.ROOT) -> dict[str, object] | None:
+  """The repository's revision ({'commit', 'branch'}, parity.environment.git_revision) plus 'dirty': True when a
+  tracked file differs from the commit (`git status --porcelain --untracked-files=no`), None when git could not
+  tell; None for the whole when `root` is not a checkout (an installed copy)."""
+  rev = env.git_revision(root)
+  if rev is None:
+    return None
+  res = _tool(["git", "status", "--porcelain", "--untracked-files=no"], cwd=str(root))
+  changed = [ln for ln in res[1].splitlines() if ln.strip()] if res and res[0] == 0 else None
+  return {**rev, "dirty": None if changed is None else bool(changed),
+          "changed_files": None if changed is None else len(changed)}
+
+
+def gpu_info(topology: bool = False) -> dict[str, object] | None:
+  """NVIDIA GPUs as `nvidia-smi` lists them (index, name, driver, memory, PCIe link) and, with `topology`, the
+  text of `nvidia-smi topo -m` (GPU/NIC links and CPU/NUMA affinity); None where nvidia-smi is not installed."""
+  q = _tool(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total,pcie.link.gen.current,"
+             "pcie.link.width.current", "--format=csv,noheader"])
+  if q is None:
+    return None
+  out: dict[str, object] = {"nvidia_smi_exit": q[0], "gpus": [ln.strip() for ln in q[1].splitlines() if ln.strip()],
+                            "fields": "index, name, driver_version, memory.total, pcie gen, pcie width"}
+  if topology:
+    t = _tool(["nvidia-smi", "topo", "-m"])
+    out["topology"] = t[1] if t and t[0] == 0 else "nvidia-smi topo -m failed"
+  return out
+
+
+def _inferred_frameworks() -> dict[str, dict[str, object]]:
+  """Quick mode on a machine with no NVIDIA driver: no CUDA backend can run, so both frameworks run on the CPU;
+  said as inferred (no process was started); `parity doctor` probes for real."""
+  why = "inferred, not probed: no NVIDIA driver on this machine (parity doctor probes the frameworks)"
+  return {"jax": {"backend": "cpu", "how": why}, "torch": {"cuda_available": False, "how": why}}
+
+
+def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | None = None, *,
+                      bandwidth: bool = False, build: bool = False,
+                      timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, object]:
+  """The environment block (module docstring) as a JSON-able dict.
+
+  Args:
+    quick: no bandwidth, no topology, and on a machine without an NVIDIA driver no framework probe (the backend is
+      recorded as inferred): a few stat calls and `git status` (~0.1 s), what every run pays. With a driver the
+      frameworks are probed (devices only) unless `frameworks` is given.
+    frameworks: probe results already in hand ({framework: JSON}, e.g. from the CPU-fallback check), used as is.
+    bandwidth, build: passed to the probes when not quick (see probe_frameworks).
+    timeout_s: per probe, seconds.
+  Returns:
+    {'schema', 'quick', 'host', 'packages', 'git', 'cuda_driver', 'gpus', 'frameworks'}.
+  """
+  evidence = env.cuda_evidence()
+  if frameworks is None:
+    if quick and evidence is None:
+      frameworks = _inferred_frameworks()
+    else:
+      frameworks = probe_frameworks(bandwidth=bandwidth and not quick, build=build and not quick,
+                                    devices_only=quick, timeout_s=timeout_s)
+  return {"schema": SCHEMA, "quick": quick, "host": env.host_info(), "packages": env.package_versions(),
+          "git": git_state(), "cuda_driver": evidence, "gpus": gpu_info(topology=not quick),
+          "frameworks": dict(frameworks)}
+
+
+def write_environment(run_dir: str | Path, block: Mapping[str, object], run_id: str | None = None) -> Path:
+  """Writes `block` (plus the run's `run_id`) as <run_dir>/environment.json, a new file (O_EXCL).
+
+  Raises:
+    RunFolderError: the file exists (an earlier run's); RunIOError: it could not be written.
+  """
+  from parity.pipeline.folder import write_new
+  path = Path(run_dir) / ENVIRONMENT_FILE
+  write_new(path, json.dumps({**block, "run_id": run_id}, indent=1, default=str) + "\n")
+  return path

@@ -1,0 +1,130 @@
+"""`parity doctor [--quick] [--json FILE] [--build]`: what this machine offers each side (DeepSpeed's ds_report role).
+
+Prints the environment block (harness.doctor.environment_block): versions, the devices each framework sees, the
+memory kinds JAX accepts here, whether DeepSpeed's CPU Adam op is built and loads, pinned-host <-> device copy
+bandwidth, CPU/NUMA and GPU topology; `--json FILE` also writes it (the same block every run records as
+environment.json). Exit 0 when both frameworks were probed; 1 when a probe failed (the table says which).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from parity.cli._common import EXIT_FAIL, EXIT_OK, console
+
+__all__ = ["register", "run", "rows"]
+
+
+def register(sub) -> None:
+  """Adds `doctor` to the subparsers `sub`."""
+  p = sub.add_parser("doctor", help="versions, devices, memory kinds, DeepSpeed ops, copy bandwidth, topology",
+                     description="Reports what this machine offers each side: package versions, the devices JAX "
+                                 "and torch see, the memory kinds JAX accepts, whether DeepSpeed's CPU Adam op is "
+                                 "built and loads, host <-> device copy bandwidth, CPU/NUMA and GPU topology. Each "
+                                 "framework is probed in its own process. Exit 0: every probe answered; 1: one "
+                                 "failed (shown); 2: bad input.")
+  p.add_argument("--json", metavar="FILE", help="also write the block as JSON to FILE ('-': stdout instead of the "
+                                                "table; default: table only)")
+  p.add_argument("--quick", action="store_true", help="skip the bandwidth copies and the GPU topology (the probes "
+                                                      "still run; default off)")
+  p.add_argument("--build", action="store_true", help="build DeepSpeed's CPU Adam op when it is missing (minutes; "
+                                                      "default off: report 'not built')")
+  p.add_argument("--timeout", type=float, default=None, help="seconds per probe process (default 180; with --build "
+                                                             "1800 for the torch probe)")
+  p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+  """Probes, prints, writes --json. Raises ValueError on a bad --timeout or an unwritable --json path (exit 2)."""
+  from harness import doctor
+  if args.timeout is not None and not args.timeout > 0:
+    raise ValueError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+  out = None if args.json in (None, "-") else Path(args.json)
+  if out is not None and not out.parent.is_dir():
+    raise ValueError(f"--json {args.json}: folder {out.parent} does not exist; create it or pick another path")
+  frameworks = doctor.probe_frameworks(bandwidth=not args.quick, build=args.build,
+                                       timeout_s=args.timeout or doctor.PROBE_TIMEOUT_S)
+  block = doctor.environment_block(quick=args.quick, frameworks=frameworks)
+  block["quick"] = args.quick
+  text = json.dumps(block, indent=1, default=str) + "\n"
+  if args.json == "-":
+    sys.stdout.write(text)
+  else:
+    _print(block, console())
+  if out is not None:
+    try:
+      out.write_text(text)
+    except OSError as exc:
+      raise ValueError(f"--json {args.json}: cannot write it ({exc.strerror}); pick a writable path") from None
+    if args.json != "-":
+      console().print(f"written to {out}")
+  failed = [fw for fw, p in frameworks.items() if "error" in p]
+  return EXIT_FAIL if failed else EXIT_OK
+
+
+def _fmt_bw(bw: dict | None, keys: tuple[str, ...]) -> str:
+  if not bw:
+    return "not measured (--quick)"
+  if "error" in bw:
+    return str(bw["error"])
+  return ", ".join(f"{k.replace('_', ' ')} {bw[k]}" + (" GB/s" if isinstance(bw[k], (int, float)) else "")
+                   for k in keys if k in bw)
+
+
+def rows(block: dict) -> list[tuple[str, str]]:
+  """The block as (item, value) rows, in the order the table shows them (pure; also what a report can print)."""
+  h, pk, fw = block["host"], block["packages"], block["frameworks"]
+  jx, tc = fw.get("jax", {}), fw.get("torch", {})
+  git = block.get("git") or {}
+  out = [("python", f"{h['python']} ({h['python_executable']})"), ("os", h["os"]),
+         ("cpu", f"{h['cpu_model']}: {h['cpu_cores_usable']}/{h['cpu_cores_logical']} cores usable, load "
+                 f"{h['load_average']}, {(h['mem_total_bytes'] or 0) / 2**30:.1f} GiB"),
+         ("numa nodes", "; ".join(f"node {n['node']}: cpus {n['cpus']}" for n in h["numa_nodes"] or []) or "not shown"),
+         ("git", f"{git.get('commit', '?')[:12]} on {git.get('branch')}" + (" (dirty)" if git.get("dirty") else "")
+          if git else "not a checkout"),
+         ("packages", ", ".join(f"{k} {v}" for k, v in pk.items() if v)),
+         ("cuda driver", block.get("cuda_driver") or "none visible")]
+  if "error" in jx:
+    out.append(("jax", f"PROBE FAILED: {jx['error']}"))
+  else:
+    mk = jx.get("memory_kinds", {})
+    out += [("jax backend", f"{jx.get('backend')}: " + ", ".join(f"{d['platform']}:{d['id']} {d['kind']}"
+                                                                  for d in jx.get("devices", []))),
+            ("jax platforms", ", ".join(f"{k}: {v}" for k, v in (jx.get("platforms") or {}).items())),
+            ("jax memory kinds", ", ".join(f"{k} {'accepted' if v is True else v}"
+                                           for k, v in (mk.get("accepted") or {}).items())
+             + f" (default {mk.get('default')})"),
+            ("jax copy bandwidth", _fmt_bw(jx.get("bandwidth"), ("numpy_to_device", "device_to_pinned_host",
+                                                                 "pinned_host_to_device")))]
+  if "error" in tc:
+    out.append(("torch", f"PROBE FAILED: {tc['error']}"))
+  else:
+    devs = ", ".join(f"cuda:{d['index']} {d['name']} ({d['memory_bytes'] / 2**30:.0f} GiB, sm {d['capability']})"
+                     for d in tc.get("devices", [])) or "none"
+    ca = tc.get("cpu_adam") or {}
+    out += [("torch", f"{tc.get('torch')} (CUDA build: {tc.get('built_for_cuda') or 'none, CPU-only'}); CUDA "
+                      f"available: {tc.get('cuda_available')}; devices: {devs}; CPU {tc.get('cpu_capability')}, "
+                      f"{tc.get('threads')} threads"),
+            ("deepspeed", f"{tc.get('deepspeed')}, accelerator {tc.get('deepspeed_accelerator')}"),
+            ("DeepSpeed CPU Adam op", f"{ca.get('state', 'not checked')}: {ca.get('detail', '')}"),
+            ("torch copy bandwidth", _fmt_bw(tc.get("bandwidth"), ("host_to_device_pinned", "device_to_host_pinned",
+                                                                   "host_to_device_pageable",
+                                                                   "device_to_host_pageable")))]
+  gpus = block.get("gpus")
+  out.append(("gpus (nvidia-smi)", "; ".join(gpus["gpus"]) if gpus else "nvidia-smi not installed"))
+  if gpus and gpus.get("topology"):
+    out.append(("gpu topology", gpus["topology"]))
+  return out
+
+
+def _print(block: dict, con) -> None:
+  from rich.markup import escape
+  from rich.table import Table
+  t = Table(title="parity doctor", show_lines=False)
+  t.add_column("item", style="bold")
+  t.add_column("value", overflow="fold")
+  for k, v in rows(block):
+    t.add_row(escape(k), escape(v), style="red" if v.startswith("PROBE FAILED") else None)
+  con.print(t)

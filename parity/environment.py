@@ -1,0 +1,162 @@
+"""What this machine and environment are, read without starting a process or importing jax/torch.
+
+The cheap half of the environment block (`harness.doctor.environment_block`): the host (CPU model, cores, NUMA
+nodes, memory, load), the OS and Python, the installed versions of the packages a run depends on (from their
+metadata: nothing is imported), the repository's git revision (read from .git), and whether a CUDA driver is
+visible (`cuda_evidence`: device files only). What needs a process (the frameworks' own view of their devices,
+`git status`, `nvidia-smi`) is in `harness.doctor`, the one place that starts processes. Linux paths (/proc, /sys)
+are read where present; elsewhere those fields are None.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+__all__ = ["PACKAGES", "CUDA_FILES", "cuda_evidence", "package_versions", "host_info", "numa_nodes", "git_revision"]
+
+PACKAGES = ("parity", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-cuda13-pjrt",
+            "jax-cuda12-pjrt", "flax", "optax", "orbax-checkpoint", "torch", "deepspeed", "numpy", "ml_dtypes",
+            "safetensors", "pydantic", "transformers", "ninja", "py-cpuinfo")
+"""Distributions whose versions every environment block records (absent ones as None): the two frameworks and
+their CUDA plugins, the libraries the sides are built on, and the op-build tools."""
+
+CUDA_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia/version")
+"""Files an NVIDIA driver creates: any of them means CUDA is present on this machine (`cuda_evidence`)."""
+
+
+def cuda_evidence(files: tuple[str, ...] = CUDA_FILES) -> str | None:
+  """The first driver file in `files` that exists ('/dev/nvidia0 exists'), or None: no NVIDIA driver is visible.
+
+  Costs a few stat calls (no process, no import), so a CPU machine pays nothing for the CPU-fallback check
+  (`harness.backend`); that module also runs `nvidia-smi` when it is on PATH and no file was found.
+  """
+  for f in files:
+    if os.path.exists(f):
+      return f"{f} exists"
+  return None
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+  """Installed version of each distribution in `names` (None: not installed), from package metadata only."""
+  out: dict[str, str | None] = {}
+  for name in names:
+    try:
+      out[name] = metadata.version(name)
+    except metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def _read(path: str) -> str | None:
+  try:
+    return Path(path).read_text(errors="replace")
+  except OSError:
+    return None
+
+
+def _cpu_model() -> str | None:
+  """The CPU model name from /proc/cpuinfo ('model name', or 'Model'/'Hardware' on ARM), else platform's."""
+  text = _read("/proc/cpuinfo") or ""
+  for key in ("model name", "Model", "Hardware", "cpu model"):
+    for line in text.splitlines():
+      k, sep, v = line.partition(":")
+      if sep and k.strip() == key and v.strip():
+        return v.strip()
+  return platform.processor() or None
+
+
+def numa_nodes(root: str = "/sys/devices/system/node") -> list[dict[str, object]] | None:
+  """NUMA nodes: [{'node': 0, 'cpus': '0-15', 'mem_total_bytes': int | None}, ...], or None where /sys does
+  not show them (not Linux, or a container hiding them)."""
+  base = Path(root)
+  if not base.is_dir():
+    return None
+  nodes = []
+  for d in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+    mem = None
+    for line in (_read(str(d / "meminfo")) or "").splitlines():
+      if "MemTotal:" in line:
+        mem = int(line.split()[-2]) * 1024  # "Node 0 MemTotal:  131072 kB"
+    nodes.append({"node": int(d.name[4:]), "cpus": (_read(str(d / "cpulist")) or "").strip() or None,
+                  "mem_total_bytes": mem})
+  return nodes or None
+
+
+def _mem_total() -> int | None:
+  for line in (_read("/proc/meminfo") or "").splitlines():
+    if line.startswith("MemTotal:"):
+      return int(line.split()[1]) * 1024
+  return None
+
+
+def host_info() -> dict[str, object]:
+  """The host and interpreter: hostname, OS, kernel, Python (version, implementation, executable, prefix), CPU
+  model, logical cores (all, and usable by this process), load average (1/5/15 min), memory total in bytes, NUMA
+  nodes and the time the block was read (UTC, ISO 8601). Values that cannot be read are None."""
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    usable = os.cpu_count()
+  try:
+    load = [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    load = None
+  return {
+      "hostname": platform.node() or None,
+      "os": platform.platform(),
+      "kernel": platform.release(),
+      "python": platform.python_version(),
+      "python_implementation": platform.python_implementation(),
+      "python_executable": sys.executable,
+      "prefix": sys.prefix,
+      "cpu_model": _cpu_model(),
+      "cpu_cores_logical": os.cpu_count(),
+      "cpu_cores_usable": usable,
+      "load_average": load,
+      "mem_total_bytes": _mem_total(),
+      "numa_nodes": numa_nodes(),
+      "read_at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+
+
+def _git_dir(root: Path) -> Path | None:
+  g = root / ".git"
+  if g.is_file():  # a worktree or submodule: "gitdir: <path>"
+    text = _read(str(g)) or ""
+    if text.startswith("gitdir:"):
+      p = Path(text.split(":", 1)[1].strip())
+      return p if p.is_absolute() else (root / p).resolve()
+    return None
+  return g if g.is_dir() else None
+
+
+def git_revision(root: str | Path) -> dict[str, str | None] | None:
+  """The commit checked out in the repository at `root`: {'commit': 40 hex, 'branch': name or None (detached)},
+  read from .git (HEAD, the ref's file, packed-refs) without running git; None when `root` is not a checkout.
+  Whether the tree is dirty needs `git status` (harness.doctor adds it)."""
+  gd = _git_dir(Path(root))
+  if gd is None:
+    return None
+  head = (_read(str(gd / "HEAD")) or "").strip()
+  if not head.startswith("ref:"):
+    return {"commit": head or None, "branch": None}
+  ref = head.split(":", 1)[1].strip()
+  common = gd
+  if (gd / "commondir").is_file():
+    common = (gd / (_read(str(gd / "commondir")) or "").strip()).resolve()
+  commit = None
+  for base in (gd, common):
+    text = _read(str(base / ref))
+    if text:
+      commit = text.strip()
+      break
+  if commit is None:
+    for line in (_read(str(common / "packed-refs")) or "").splitlines():
+      parts = line.split()
+      if len(parts) == 2 and parts[1] == ref:
+        commit = parts[0]
+  return {"commit": commit, "branch": ref.removeprefix("refs/heads/")}
