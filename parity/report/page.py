@@ -56,9 +56,10 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
                                       [sc for sc, k in zip(s["series"]["loss_scale"], s["series"]["skipped"]) if k])
                for n, s in d["sides"].items() if any(s["series"]["skipped"])}
     per_side = ", ".join(f"{n} {sum(bool(k) for k in s['series']['skipped'])}" for n, s in d["sides"].items())
-    yield "loss_scale", f"Dynamic loss scale (fp16); markers: skipped steps (overflow), per side: {per_side}.", \
+    yield "loss_scale", f"Dynamic loss scale (fp16); shaded bands and markers: steps skipped for overflow, per side: {per_side}.", \
         P.line_figure(_series_of(d, "loss_scale"), title=f"loss scale · {t}", ylabel="loss scale", log=True,
-                      points=skipped, note=f"skipped steps per side: {per_side}")
+                      points=skipped, note=f"skipped steps per side: {per_side}",
+                      vlines={"step skipped for overflow": sorted({x for pts in skipped.values() for x in pts[0]})})
   rows = ((d.get("memory") or {}).get("predicted_vs_measured")) or []
   if any(r["category"] != "peak_rss" and (r["predicted"] or r["measured"]) for r in rows):
     yield "memory", ("Training-state memory per side, predicted (parity.sizing.memory) beside measured (live "

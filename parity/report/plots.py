@@ -93,10 +93,11 @@ def coincide(curves: Mapping[str, tuple[Sequence, Sequence]], rel: float = 1e-3)
 
 def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, ylabel: str, xlabel: str = "step",
                 log: bool = False, points: Mapping[str, tuple[Sequence, Sequence]] | None = None,
-                note: str | None = None) -> Figure:
+                note: str | None = None, vlines: Mapping[str, Sequence] | None = None) -> Figure:
   """One axes of curves (label -> (xs, ys); None/non-finite values leave gaps), each in its own STYLES entry;
   `points` (label -> (xs, ys)) drawn as markers only (e.g. skipped steps, held-out loss). When the curves
-  coincide the axes say so (with the largest difference); `note` adds a line under it."""
+  coincide the axes say so (with the largest difference); `note` adds a line under it. vlines: label -> x values
+  marked by a vertical band across the axes (e.g. the steps a side skipped)."""
   fig, (ax,) = _new(title)
   n = len(curves)
   for i, (label, (xs, ys)) in enumerate(curves.items()):
@@ -104,6 +105,9 @@ def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
     ax.plot(list(xs), ys, label=label, markevery=_markevery(i, n, len(ys)), **_style(i))
   for j, (label, (xs, ys)) in enumerate((points or {}).items()):
     ax.plot(list(xs), [finite(y) for y in ys], ls="none", marker="*x+P"[j % 4], ms=max(5, 13 - 3 * j), label=label)
+  for k, (label, xs) in enumerate((vlines or {}).items()):
+    for n_x, x in enumerate(xs):
+      ax.axvspan(x - 0.3, x + 0.3, color=f"C{3 + k}", alpha=0.15, lw=0, label=label if n_x == 0 else None)
   if log:
     ax.set_yscale("log")
   if xlabel == "step":
