@@ -110,8 +110,8 @@ def verdict_parts(d: dict) -> tuple[str, str, str]:
     c = next((c for c in checks if c["name"] == ff["check"]), {})
     step = f" at step {ff['step']}" if ff.get("step") is not None else ""
     label = METRIC_LABEL.get(ff["metric"], ff["metric"])
-    parts.append(f"{ff['metric']}: {pair_label(ff['sides'])} first differs beyond tolerance{step} "
-                 f"({label} {fmt(ff['value'])} > tolerance {fmt(ff['tolerance'])})"
+    parts.append(f"{ff['metric']} of {pair_label(ff['sides'])} first exceeds its tolerance{step} "
+                 f"(tolerance {fmt(ff['tolerance'])}; {label} over the run {fmt(ff['value'])})"
                  + (" on the steps both sides ran" if _side_stop(d) else ""))
     if c.get("detail") and ff["metric"] in ("params", "params_zero_grad"):
       parts[-1] += f"; {c['detail'].split(';')[0]}"
