@@ -15,7 +15,7 @@ def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
   return dict(action.choices)
 
 
-COMMANDS = ("compare", "report", "diagnose", "estimate", "plan", "presets", "port", "convert-weights", "build-ops",
+COMMANDS = ("compare", "report", "check", "diagnose", "estimate", "plan", "presets", "port", "convert-weights", "build-ops",
             "doctor")
 
 

@@ -2,7 +2,8 @@
 
   parity compare [--preset NAME] [--config FILE] [--set key=value ...] [--steps N] [--sides a,b,c]
                  [--data SRC] [--out DIR] [--perturb side:key=value ...] [--timeout S]      (compare.py)
-  parity report RUN_DIR            (print the summary of a finished run)                     (compare.py)
+  parity report RUN_DIR...         (re-render a finished run; several: a comparison page)    (report.py)
+  parity check NEW BASELINE        (regression gate of a run against a run or card)           (report.py)
   parity diagnose [--preset NAME | --config FILE | --hf-model DIR] [--step N] [--sides jax,torch]
                   [--perturb side:key=value ...] [--plant side:kind ...] [--out DIR]         (diagnose.py)
   parity estimate [--preset NAME | --model llama-7b] [--plan NAME]   (memory model, both sides)  (sizing.py)
@@ -37,7 +38,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   """The `parity` parser with every subcommand; each subparser's `handler` default runs it."""
-  from parity.cli import build_ops, compare, convert_weights, diagnose, doctor, port, sizing
+  from parity.cli import build_ops, compare, convert_weights, diagnose, doctor, port, report, sizing
   ap = argparse.ArgumentParser(prog="parity", description="Runs the same GPT training in JAX, DeepSpeed and plain "
                                "PyTorch and gives a verdict on numerical parity (README.md).",
                                epilog="exit status: 0 parity holds / success, 1 parity does not hold, 2 bad input, "
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--version", action="version", version=f"parity {_version()}")
   sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
   compare.register(sub)
+  report.register(sub)
   diagnose.register(sub)
   sizing.register(sub)
   port.register(sub)

@@ -1,11 +1,12 @@
-"""`parity compare` and `parity report`: arguments, the call into parity.pipeline.compare.compare, the summary tables."""
+"""`parity compare`: arguments, the call into parity.pipeline.compare.compare, the summary tables (`parity report` and
+`parity check`: parity/cli/report.py)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-from parity.cli._common import Failure, add_allow_large, add_run_source, console, count_arg
+from parity.cli._common import add_allow_large, add_run_source, console, count_arg
 from parity.spec import parse_overrides
 
 __all__ = ["register", "print_summary"]
@@ -62,12 +63,14 @@ def register(sub) -> None:
                  help="run even when CUDA is present but the JAX or torch side would run on the CPU (no CUDA "
                       "plugin / a CPU-only torch build; refused by default, exit 2, naming the package to "
                       "install; PARITY_ALLOW_CPU=1 does the same; default off)")
+  p.add_argument("--baseline", metavar="RUN_DIR_OR_CARD",
+                 help="regression gate: check this run against a finished run folder or its card.json, metric by "
+                      "metric (docs/report-compare.md); exit 1 when one moved outside its gate, the table says "
+                      "which (default: no gate)")
+  p.add_argument("--tracker", action="append", default=[], metavar="KIND:TARGET",
+                 help="mirror each side's per-step records after the run to tensorboard:DIR, wandb:PROJECT or "
+                      "mlflow:EXPERIMENT (the package must be installed; default: none)")
   p.set_defaults(handler=run_compare)
-  p = sub.add_parser("report", help="print the summary of a finished run",
-                     description="Prints the summary tables of a finished `parity compare` run from its report.json. "
-                                 "Exit 0/1: the run's verdict; 2: not a readable run folder.")
-  p.add_argument("run_dir", help="the run folder (holds report.json)")
-  p.set_defaults(handler=run_report)
 
 
 def run_compare(args: argparse.Namespace) -> int:
@@ -80,20 +83,24 @@ def run_compare(args: argparse.Namespace) -> int:
                    hardware=args.hardware, noise_envelope=args.noise_envelope,
                    determinism_steps=args.determinism_steps, resume_at=args.resume_at, force=args.force,
                    command=" ".join(["parity", *sys.argv[1:]]),
-                   allow_cpu=args.allow_cpu)
+                   allow_cpu=args.allow_cpu, baseline=args.baseline, trackers=args.tracker)
   print_summary(report, console())
+  _print_post(report, console())
   return report.exit_code
 
 
-def run_report(args: argparse.Namespace) -> int:
-  """`parity report RUN_DIR`. Raises InputError (a SpecError) naming what of the run folder is unreadable."""
-  from parity.report.read import load_report, verify_report
-  report = load_report(args.run_dir)  # every section print_summary reads is checked (InputError names it)
-  problems = verify_report(report)  # the verdict recomputed from its checks; the artifacts it rests on re-hashed
-  if problems:
-    raise Failure("; ".join(problems))
-  print_summary(report, console())
-  return report.exit_code
+def _print_post(report, con) -> None:
+  """The --baseline gate's table and the --tracker lines (parity.report.after.PostRunResult), when asked for."""
+  post = getattr(report, "post", None)
+  if post is None:
+    return
+  if post.gate is not None:
+    from parity.cli.report import print_gate
+    print_gate(post.gate, con)
+    if post.gate_files:
+      con.print(f"gate: {post.gate_files['md']} (also gate.json)")
+  for m in post.messages:
+    con.print(m, soft_wrap=True)
 
 
 def print_summary(report, con) -> None:

@@ -18,6 +18,7 @@ from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
 from parity.report import Report, build_report, write_all
+from parity.report.after import PostRun
 from parity.report.progress import progress_display, run_notes, show_reruns
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, resolve_run
@@ -51,6 +52,10 @@ class RunOptions:
       run_comparison starts.
     allow_cpu: run even where CUDA is present but a side would run on the CPU (harness.backend.check_backends;
       PARITY_ALLOW_CPU=1 does the same).
+    baseline: a finished run folder or card.json to gate this run against once its report is written
+      (parity.report.gate; gate.json/gate.md in the run folder, Report.post.gate; exit 1 when a metric moved).
+    trackers: 'KIND:TARGET' specs (tensorboard:DIR, wandb:PROJECT, mlflow:EXPERIMENT) to mirror each side's
+      steps.jsonl to after the run (parity.report.trackers). Both are checked before any side starts.
   """
   out: str | Path | None = None
   perturb: Sequence[str] | Mapping[str, Mapping] = ()
@@ -63,6 +68,8 @@ class RunOptions:
   command: str | None = None
   started_s: float | None = None
   allow_cpu: bool = False
+  baseline: str | Path | None = None
+  trackers: Sequence[str] = ()
 
 
 def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None,
@@ -73,7 +80,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             deepspeed_config: str | Path | None = None, plan: str | None = None,
             hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
             resume_at: int | None = None, force: bool = False, command: str | None = None,
-            allow_cpu: bool = False) -> Report:
+            allow_cpu: bool = False, baseline: str | Path | None = None, trackers: Sequence[str] = ()) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report: `resolve_run` then
   `run_comparison`, the keyword form for notebooks and the CLI.
 
@@ -90,6 +97,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
     plan: a plan pair of parity.sizing.plans.PLANS applied to both sides, or 'auto' for the fastest pair that
       fits `hardware` by the memory model (parity.sizing.plans.choose_plan); the choice is recorded in the report.
     hardware: a parity.sizing.plans.HARDWARE preset, for plan='auto'.
+    baseline, trackers: the regression gate and the tracker mirror run after the report (RunOptions fields).
     out, perturb, timeout_s, progress, noise_envelope, determinism_steps, resume_at, force, command: how it runs,
       the RunOptions fields of the same names. progress is on by default (a bar on a terminal, a timestamped line
       per side and phase elsewhere, e.g. a notebook); pass progress=False for a quiet call.
@@ -105,7 +113,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   options = RunOptions(out=out, perturb=perturb, timeout_s=timeout_s, progress=progress, noise_envelope=noise_envelope,
                        determinism_steps=determinism_steps, resume_at=resume_at, force=force, command=command,
                        started_s=time.time(),
-                       allow_cpu=allow_cpu)
+                       allow_cpu=allow_cpu, baseline=baseline, trackers=tuple(trackers))
   run = resolve_run(preset, config=config, hf_model=hf_model, plan=plan, hardware=hardware,
                     deepspeed_config=deepspeed_config, steps=steps, sides=sides, data=data, overrides=overrides)
   return run_comparison(run, options)
@@ -127,6 +135,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
   devices = backend.check_backends(spec.sides, options.allow_cpu)  # CUDA here but a side on the CPU: refused
+  post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
@@ -163,6 +172,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
                     "command": options.command if options.command is not None else " ".join(sys.argv)},
         interrupted=interrupted is not None, side_loads=loads)
     write_all(report)
+    report.post = None if interrupted is not None or post.empty else post.apply(report)  # gate.json, trackers
   finally:
     folder.claim.release()
   if interrupted is not None:

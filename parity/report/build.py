@@ -29,9 +29,11 @@ SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s"
 
 @dataclasses.dataclass
 class Report:
-  """A finished comparison. `data` is exactly what report.json holds."""
+  """A finished comparison. `data` is exactly what report.json holds; `post` what ran after it was written
+  (parity.report.after.PostRunResult: the --baseline gate, --tracker mirroring), None when nothing was asked."""
   data: dict[str, Any]
   run_dir: Path
+  post: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def passed(self) -> bool:
@@ -44,8 +46,10 @@ class Report:
   @property
   def exit_code(self) -> int:
     """0 when parity holds and every report file was written; 1 when parity does not hold, or a report file could
-    not be written (`write_errors`: a result nobody can cite); bad input exits 2 before a report exists."""
-    return 0 if self.passed and not self.data.get("write_errors") else 1
+    not be written (`write_errors`: a result nobody can cite), or the --baseline gate found a metric that moved;
+    bad input exits 2 before a report exists."""
+    gate_ok = self.post is None or self.post.passed
+    return 0 if self.passed and not self.data.get("write_errors") and gate_ok else 1
 
   @property
   def checks(self) -> list[dict]:

@@ -1,0 +1,124 @@
+"""`parity report RUN_DIR...` (re-render one finished run, or a comparison page over several) and `parity check NEW
+BASELINE` (the regression gate between two finished runs)."""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+from pathlib import Path
+
+from parity.cli._common import Failure, console
+
+__all__ = ["register", "print_gate"]
+
+
+def register(sub) -> None:
+  """Adds `report` and `check` to the subparsers `sub`."""
+  p = sub.add_parser("report", help="re-render a finished run, or compare several runs on one page",
+                     description="One RUN_DIR: re-renders report.html, report.md with its PNGs and card.json from the "
+                                 "run's files (nothing is re-run; report.json is left as it is) and prints the "
+                                 "summary; exit 0/1: the run's verdict. Several RUN_DIRs (or -o): writes "
+                                 "comparison.html and comparison.md (key figures per run, one plot per metric across "
+                                 "runs); exit 0, or 1 when a run's files changed since its verdict. Exit 2: a folder "
+                                 "is not a finished run (the message says what is missing).")
+  p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders written by `parity compare`")
+  p.add_argument("-o", "--out", metavar="DIR",
+                 help="folder for comparison.html/.md (default runs/comparison-<time> for several runs; with one "
+                      "run, -o builds a one-run comparison page there)")
+  p.add_argument("--tracker", action="append", default=[], metavar="KIND:TARGET",
+                 help="also mirror each run's per-step records to tensorboard:DIR, wandb:PROJECT or "
+                      "mlflow:EXPERIMENT (when installed; default: none)")
+  p.set_defaults(handler=run_report)
+  p = sub.add_parser("check", help="regression gate: a finished run against a baseline run or card",
+                     description="Gates NEW against BASELINE metric by metric (loss, grad norm, lr per step within "
+                                 "the run's own tolerance; step time, peak memory within a band; docs/"
+                                 "report-compare.md) and prints what moved. Exit 0 within every gate, 1 outside one, "
+                                 "2 when a folder is not a finished run or the card is unreadable.")
+  p.add_argument("new", metavar="NEW", help="the finished run folder to check")
+  p.add_argument("baseline", metavar="BASELINE", help="the baseline: a finished run folder or its card.json")
+  p.set_defaults(handler=run_check)
+
+
+def run_report(args: argparse.Namespace) -> int:
+  """`parity report`. Raises InputError (exit 2) naming a folder that is not a finished run and what it lacks."""
+  from parity.report.after import PostRun
+  post = PostRun.prepare(None, args.tracker)
+  if len(args.run_dirs) == 1 and args.out is None:
+    return _one_run(Path(args.run_dirs[0]), post)
+  from parity.report.multi import load_runs, write_comparison
+  runs = load_runs(args.run_dirs)
+  out = Path(args.out) if args.out else Path("runs") / f"comparison-{_dt.datetime.now():%Y%m%d-%H%M%S}"
+  written = write_comparison(runs, out)
+  con = console()
+  for r in runs:
+    con.print(f"{r.label}: {r.verdict}" + ("" if not r.problems else f" [bold red](files changed: "
+                                           f"{'; '.join(r.problems)})[/bold red]"), soft_wrap=True)
+  _mirror(runs, post, con)
+  con.print(f"comparison: {written['html']} (also {written['md'].name}, {written['json'].name} and "
+            f"{sum(k.startswith('plot:') for k in written)} PNG plots)")
+  return 1 if any(r.problems for r in runs) else 0
+
+
+def _one_run(run_dir: Path, post) -> int:
+  from parity.cli.compare import print_summary
+  from parity.report.multi import load_finished, rerender_run
+  from parity.report.read import verify_report
+  report = load_finished(run_dir)
+  problems = verify_report(report)  # the verdict recomputed from its checks; the artifacts it rests on re-hashed
+  if problems:
+    raise Failure("; ".join(problems))
+  written, errors, unrendered = rerender_run(report)
+  con = console()
+  print_summary(report, con)
+  if written:
+    con.print(f"re-rendered from the run's files: {', '.join(sorted(p.name for p in written.values()))}",
+              soft_wrap=True)
+  for u in unrendered:
+    con.print(f"[yellow]not re-rendered: {u}[/yellow]", soft_wrap=True)
+  for e in errors:
+    con.print(f"[bold red]could not write {e}[/bold red]", soft_wrap=True)
+  for kind, target in post.trackers:
+    _mirror_one(run_dir, list(report.data["sides"]), kind, target, con)
+  return 1 if errors else report.exit_code
+
+
+def _mirror(runs, post, con) -> None:
+  for kind, target in post.trackers:
+    for r in runs:
+      _mirror_one(r.run_dir, r.sides, kind, target, con)
+
+
+def _mirror_one(run_dir: Path, sides: list[str], kind: str, target: str, con) -> None:
+  from parity.report.trackers import mirror_run, open_tracker
+  n = mirror_run(run_dir, [open_tracker(kind, target, run_dir.name)], sides=sides)
+  con.print(f"tracker {kind}:{target}: {n} step records of {run_dir.name} mirrored")
+
+
+def run_check(args: argparse.Namespace) -> int:
+  """`parity check NEW BASELINE`: exit 0 within every gate, 1 outside one (InputError, exit 2, for bad folders)."""
+  from parity.inputs import InputError
+  from parity.report.gate import check_against, load_baseline, snapshot_from_report
+  from parity.report.multi import load_finished
+  from parity.report.read import verify_report
+  report = load_finished(Path(args.new))  # a folder that is not a finished run: says what is missing
+  problems = verify_report(report)
+  if problems:
+    raise InputError(f"NEW {args.new} cannot be checked: {'; '.join(problems)}")
+  result = check_against(snapshot_from_report(report), load_baseline(args.baseline))
+  print_gate(result, console())
+  return result.exit_code
+
+
+def print_gate(result, con) -> None:
+  """The gate's table (metric, side, baseline, new, change, gate, result), its notes and the one-line outcome."""
+  from rich.table import Table
+  t = Table(title=f"regression gate — {result.new} against {result.baseline}")
+  for col in ("metric", "side", "baseline", "new", "change", "gate", "result"):
+    t.add_column(col)
+  for r in result.rows:
+    res = "[red]MOVED[/red]" if r.status == "MOVED" else r.status
+    t.add_row(r.metric, r.side, r.baseline, r.new, r.change, r.gate, res + (f" ({r.note})" if r.note else ""))
+  con.print(t)
+  for n in result.notes:
+    con.print(f"- {n}", soft_wrap=True)
+  style = "bold green" if result.passed else "bold red"
+  con.print(f"[{style}]{result.message()}[/{style}]", soft_wrap=True)

@@ -1,0 +1,65 @@
+"""What a comparison does after its report is written, when asked: the regression gate (`--baseline`) and the
+tracker mirror (`--tracker`). Both are checked before any side starts (`PostRun.prepare`: a baseline that cannot be
+read or a tracker that is not installed is bad input, exit 2), and applied to the finished run (`PostRun.apply`),
+never changing report.json: the gate writes gate.json/gate.md beside it."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["PostRun", "PostRunResult"]
+
+
+@dataclasses.dataclass
+class PostRunResult:
+  """gate: parity.report.gate.GateResult (None without --baseline); gate_files: name -> path written (gate.json,
+  gate.md); messages: one line per tracker mirrored or failed, or a gate file that could not be written."""
+  gate: object | None = None
+  gate_files: dict[str, Path] = dataclasses.field(default_factory=dict)
+  messages: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def passed(self) -> bool:
+    """False when the gate found a metric outside its gate (a tracker that failed does not change it)."""
+    return self.gate is None or bool(self.gate.passed)
+
+
+@dataclasses.dataclass
+class PostRun:
+  """The checked --baseline (a parity.report.gate.Snapshot) and --tracker specs [(kind, target)]."""
+  baseline: object | None = None
+  trackers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+  @classmethod
+  def prepare(cls, baseline: str | Path | None, trackers: Sequence[str] = ()) -> "PostRun":
+    """Reads the baseline (parity.report.gate.load_baseline) and checks every tracker is installed
+    (parity.report.trackers.check_trackers). Raises InputError naming the flag, the value and the fix."""
+    from parity.report.gate import load_baseline
+    from parity.report.trackers import check_trackers
+    return cls(baseline=None if baseline is None else load_baseline(baseline), trackers=check_trackers(trackers))
+
+  @property
+  def empty(self) -> bool:
+    return self.baseline is None and not self.trackers
+
+  def apply(self, report) -> PostRunResult:
+    """Gates `report` (parity.report.build.Report) against the baseline, writing gate.json/gate.md into its folder,
+    and mirrors its sides' steps.jsonl to each tracker. Never raises for a file or tracker error: it is a message."""
+    from parity.report.gate import check_against, snapshot_from_report, write_gate
+    from parity.report.trackers import mirror_run, open_tracker
+    out = PostRunResult()
+    if self.baseline is not None:
+      out.gate = check_against(snapshot_from_report(report), self.baseline)
+      try:
+        out.gate_files = write_gate(out.gate, report.run_dir)
+      except OSError as exc:
+        out.messages.append(f"gate.json/gate.md could not be written in {report.run_dir}: {exc.strerror or exc}")
+    for kind, target in self.trackers:
+      try:
+        t = open_tracker(kind, target, Path(report.run_dir).name)
+        n = mirror_run(report.run_dir, [t], sides=list(report.data["sides"]))
+        out.messages.append(f"tracker {kind}:{target}: {n} step records mirrored")
+      except Exception as exc:  # noqa: BLE001  a tracker's own failure must not lose the run's result
+        out.messages.append(f"tracker {kind}:{target} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    return out

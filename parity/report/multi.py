@@ -1,0 +1,439 @@
+"""`parity report A B C`: one comparison page over several finished runs.
+
+A sweep over plans or model sizes, or the same comparison before and after an upgrade: each run folder is read back
+(parity.report.read.load_report, checked by verify_report) and reduced to its key figures (`RunFigures`): verdict,
+max |Δloss| per pair, tokens/s, median step time and peak memory per side, plan, precision, preset, versions and
+what of its configuration differs from the first run. `write_comparison` writes comparison.md (GFM tables, PNG
+plots beside it) and comparison.html (one self-contained file) with one plot per metric across the runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from parity.inputs import InputError
+
+__all__ = ["RunFigures", "load_runs", "run_figures", "config_diff", "flatten", "METRICS", "metric_values",
+           "comparison_figures", "comparison_markdown", "comparison_html", "write_comparison", "load_finished",
+           "rerender_run"]
+
+
+@dataclasses.dataclass
+class RunFigures:
+  """The key figures of one finished run (units in the names; None: not measured, e.g. a side that crashed).
+
+  Attributes:
+    label: a short unique name for the run (its folder name; the parent folder is added when two names clash).
+    run_dir: the run folder. preset, precision, plan: as the run was resolved (plan: the pair's name, else a short
+      description of each side's settings). sides: side names, reference first. steps: train.steps.
+    passed, verdict: the stored verdict (passed flag and its one-line message).
+    max_dloss: 'a~b' -> max |loss_a - loss_b| over the steps both ran (the `loss` check's value; nats).
+    loss_tolerance: the loss check's tolerance (nats) of the run's precision.
+    per_side: side -> {status, tokens_per_s, step_time_s_median, peak_rss_bytes, peak_device_bytes, final_loss}.
+    versions: package -> version of the harness environment. config: the resolved run spec, dotted keys.
+    differs: dotted key -> value where this run's config differs from the first run's ({} for the first).
+    loss_series: side -> (steps, loss) for the overlaid loss plot. problems: what verify_report found (the files
+      the verdict rests on changed since the run, or an edited report); [] when intact.
+    backend: the sides' devices' platforms ('cpu', 'cuda'). max_load: the highest 1-minute load average recorded
+      around any side (None: not recorded). cores: the machine's CPU count.
+  """
+  label: str
+  run_dir: Path
+  preset: str
+  precision: str
+  plan: str
+  sides: list[str]
+  steps: int
+  passed: bool
+  verdict: str
+  max_dloss: dict[str, float | None]
+  loss_tolerance: float | None
+  per_side: dict[str, dict[str, Any]]
+  versions: dict[str, str]
+  config: dict[str, Any]
+  differs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  loss_series: dict[str, tuple[list[int], list[float | None]]] = dataclasses.field(default_factory=dict)
+  problems: list[str] = dataclasses.field(default_factory=list)
+  backend: str = ""
+  max_load: float | None = None
+  cores: int | None = None
+
+
+METRICS: tuple[tuple[str, str, str, bool], ...] = (
+    ("max_dloss", "max |Δloss| per pair", "nats", True),
+    ("final_loss", "final training loss per side", "nats", False),
+    ("tokens_per_s", "throughput per side", "tokens/s", False),
+    ("step_time_s_median", "median step time per side", "s", False),
+    ("peak_rss_bytes", "peak host RSS per side", "MiB", False),
+)
+"""(key, title, unit, log scale) of each plot across runs; max_dloss is per pair, the others per side."""
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+  """{'train': {'lr': 1e-3}} -> {'train.lr': 1e-3}; lists and scalars are leaves."""
+  if not isinstance(d, dict):
+    return {prefix: d}
+  out: dict[str, Any] = {}
+  for k, v in d.items():
+    key = f"{prefix}.{k}" if prefix else str(k)
+    out.update(flatten(v, key) if isinstance(v, dict) else {key: v})
+  return out
+
+
+def config_diff(base: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+  """Dotted key -> (base value, new value) for every key whose value differs (a key missing on one side shows
+  None there). Both arguments are flat (see `flatten`)."""
+  return {k: (base.get(k), new.get(k)) for k in sorted(set(base) | set(new)) if base.get(k) != new.get(k)}
+
+
+def _plan_text(d: dict) -> str:
+  """The plan pair's name when one was chosen, else the run's own settings in a few words."""
+  plan = d.get("plan") or {}
+  if plan.get("name"):
+    return str(plan["name"])
+  ds, jx = d["run"].get("deepspeed", {}), d["run"].get("jax", {})
+  off = "+offload" if ds.get("offload_optimizer") not in (None, "none") else ""
+  jax_off = "+pinned_host" if jx.get("offload_opt_state") else ""
+  return f"ZeRO-{ds.get('zero_stage')}{off} / JAX{jax_off}"
+
+
+def _num(v) -> float | None:
+  """A stored figure as a float; None for missing, text ('inf') or non-finite values."""
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    return None
+  return float(v) if math.isfinite(v) else None
+
+
+def _side_figures(s: dict) -> dict[str, Any]:
+  summ, ser = s["summary"], s["series"]
+  losses = [x for x in ser["loss"] if _num(x) is not None]
+  return {"status": s["status"], "tokens_per_s": _num(summ.get("tokens_per_s")),
+          "step_time_s_median": _num(summ.get("step_time_s_median")),
+          "peak_rss_bytes": _num(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
+          "peak_device_bytes": _num(summ.get("peak_device_bytes")),
+          "final_loss": float(losses[-1]) if losses else None}
+
+
+def run_figures(report, label: str | None = None) -> RunFigures:
+  """The key figures of one loaded Report (parity.report.build.Report; read with load_report).
+
+  Returns RunFigures with `problems` empty and `differs` empty (load_runs fills both)."""
+  d = report.data
+  max_dloss: dict[str, float | None] = {}
+  tol = None
+  for c in d["checks"]:
+    if c.get("metric") == "loss" and len(c.get("sides") or ()) == 2:
+      max_dloss["~".join(c["sides"])] = _num(c["value"])
+      tol = _num(c["tolerance"]) if tol is None else tol
+  if tol is None:
+    tol = _num(((d.get("tolerances") or {}).get(d["run"]["train"]["precision"]) or {}).get("loss", {}).get("atol"))
+  sides = list(d["sides"])
+  return RunFigures(
+      label=label or Path(report.run_dir).name, run_dir=Path(report.run_dir), preset=str(d.get("preset")),
+      precision=d["run"]["train"]["precision"], plan=_plan_text(d), sides=sides,
+      steps=int(d["run"]["train"]["steps"]), passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"],
+      max_dloss=max_dloss, loss_tolerance=tol, per_side={s: _side_figures(d["sides"][s]) for s in sides},
+      versions=dict((d.get("environment") or {}).get("versions") or {}), config=flatten(d["run"]),
+      loss_series={s: (list(d["sides"][s]["series"]["step"]), [_num(x) for x in d["sides"][s]["series"]["loss"]])
+                   for s in sides},
+      backend=",".join(sorted({str(d["sides"][s]["summary"].get("device") or "?").split(":")[0] for s in sides})),
+      max_load=_max_load(d),
+      cores=(d.get("environment") or {}).get("cpu_count"))
+
+
+def _max_load(d: dict) -> float | None:
+  """The highest 1-minute load average recorded around any side (sides.<side>.load {start, end}), None if none."""
+  loads = [x[0] for s in d["sides"].values() for x in (s.get("load") or {}).values()
+           if isinstance(x, list) and x and _num(x[0]) is not None]
+  return max(loads) if loads else None
+
+
+def _labels(dirs: Sequence[Path]) -> list[str]:
+  """Folder names, with the parent folder prefixed where two runs share a name (and an index if still equal)."""
+  names = [p.name for p in dirs]
+  out = [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in dirs]
+  return [f"{x} #{i + 1}" if out.count(x) > 1 else x for i, x in enumerate(out)]
+
+
+def load_runs(run_dirs: Sequence[str | Path]) -> list[RunFigures]:
+  """Reads every run folder and returns their key figures, in the order given.
+
+  Args:
+    run_dirs: folders of finished `parity compare` runs (at least one; each once).
+  Returns:
+    One RunFigures per folder; `differs` relative to the first run; `problems` from verify_report (a run whose
+    files changed since its verdict is still shown, flagged).
+  Raises:
+    InputError: an empty list, a folder given twice, or a folder that is not a finished run (load_report's message
+      names the folder and what is missing).
+  """
+  from parity.report.read import verify_report
+  if not run_dirs:
+    raise InputError("no run folder given: pass one or more folders written by `parity compare`")
+  dirs = [Path(p) for p in run_dirs]
+  seen: dict[Path, Path] = {}
+  for p in dirs:
+    key = p.resolve()
+    if key in seen:
+      raise InputError(f"{p} is given twice (also as {seen[key]}); pass each run folder once")
+    seen[key] = p
+  runs = []
+  for p, label in zip(dirs, _labels([p.resolve() for p in dirs])):
+    report = load_finished(p)
+    fig = run_figures(report, label)
+    fig.problems = verify_report(report)
+    runs.append(fig)
+  for r in runs[1:]:
+    r.differs = {k: new for k, (_, new) in config_diff(runs[0].config, r.config).items()}
+  return runs
+
+
+def metric_values(runs: Sequence[RunFigures], key: str) -> dict[str, list[float | None]]:
+  """Series name -> one value per run for the metric `key` of METRICS: per pair ('a~b') for max_dloss, per side
+  otherwise (peak_rss_bytes in MiB). A run without that pair or side gives None there."""
+  names: list[str] = []
+  for r in runs:
+    for n in (r.max_dloss if key == "max_dloss" else r.sides):
+      if n not in names:
+        names.append(n)
+  scale = 1 / 2**20 if key == "peak_rss_bytes" else 1.0
+  out: dict[str, list[float | None]] = {}
+  for n in names:
+    vals = []
+    for r in runs:
+      v = r.max_dloss.get(n) if key == "max_dloss" else (r.per_side.get(n) or {}).get(key)
+      vals.append(None if v is None else v * scale)
+    out[n] = vals
+  return out
+
+
+def _g(v, spec: str = ".3g") -> str:
+  return "n/a" if v is None else format(v, spec)
+
+
+def _mib(v) -> str:
+  return "n/a" if v is None else f"{v / 2**20:,.0f} MiB"
+
+
+def run_row(r: RunFigures, first: RunFigures) -> dict[str, str]:
+  """The comparison table's cells of one run (text; several sides or pairs joined by '; '); `first`: the run the
+  configuration and versions are compared with."""
+  ver = [f"{k} {v}" for k, v in r.versions.items() if first.versions.get(k) != v]
+  differs = [f"{k}={v!r}" for k, v in r.differs.items()] + ver
+  return {
+      "run": r.label, "verdict": ("PASS" if r.passed else "FAIL") + (" (files changed)" if r.problems else ""),
+      "preset": r.preset, "precision": r.precision, "plan": r.plan, "steps": str(r.steps),
+      "max |Δloss|": "; ".join(f"{p} {_g(v)}" for p, v in r.max_dloss.items()) or "n/a",
+      "tokens/s": "; ".join(f"{s} {_g(f['tokens_per_s'], ',.0f')}" for s, f in r.per_side.items()),
+      "median step s": "; ".join(f"{s} {_g(f['step_time_s_median'], '.3g')}" for s, f in r.per_side.items()),
+      "peak RSS": "; ".join(f"{s} {_mib(f['peak_rss_bytes'])}" for s, f in r.per_side.items()),
+      "differs from the first run": "(the first run)" if r is first else
+      ", ".join(differs) or "nothing: same configuration and versions",
+  }
+
+
+COLUMNS = ("run", "verdict", "preset", "precision", "plan", "steps", "max |Δloss|", "tokens/s", "median step s",
+           "peak RSS", "differs from the first run")
+
+
+def comparison_figures(runs: Sequence[RunFigures]):
+  """(key, caption, Figure) per plot: one per METRICS entry across the runs, then every run's loss curves."""
+  from parity.report.plots import across_runs_figure, line_figure
+  labels = [r.label for r in runs]
+  out = []
+  for key, title, unit, log in METRICS:
+    vals = metric_values(runs, key)
+    zeros = [n for n, vs in vals.items() if log and any(v == 0 for v in vs)]
+    cap = f"{title} across {len(runs)} runs ({unit})" + (
+        f"; an exact 0 ({', '.join(zeros)}) has no place on the log scale and is not drawn" if zeros else "")
+    fig = across_runs_figure(labels, vals, title=f"{title}, across runs", ylabel=unit, log=log)
+    if key == "max_dloss":
+      tols = {r.loss_tolerance for r in runs if r.loss_tolerance}
+      for t in sorted(tols):
+        ax = fig.axes[0]
+        ax.axhline(t, color="k", ls="--", lw=1)
+        ax.annotate(f"loss tolerance {t:g}", (1.0, t), xycoords=("axes fraction", "data"), ha="right", va="bottom",
+                    fontsize=8)
+    out.append((key, cap, fig))
+  curves = {f"{r.label} · {s}": r.loss_series[s] for r in runs for s in r.sides}
+  out.append(("loss_curves", "training loss per step of every run and side",
+              line_figure(curves, title="training loss, every run and side", ylabel="loss (nats/token)")))
+  return out
+
+
+def _md_cell(text) -> str:
+  """A GFM table cell: '|' escaped (a raw bar ends the cell in every renderer), no line breaks."""
+  return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def timing_note(runs: Sequence[RunFigures]) -> str:
+  """One sentence on how far the time figures can be compared: the backend, and the runs whose machine was busier
+  than its core count (1-minute load) while a side ran; '' when nothing needs saying."""
+  out = []
+  cpu = [r.label for r in runs if "cpu" in r.backend.split(",")]
+  if cpu:
+    out.append(f"Throughput and step times of {', '.join(cpu)} come from a CPU backend.")
+  busy = [f"{r.label} (load {r.max_load:.1f} on {r.cores} cores)" for r in runs
+          if r.max_load is not None and r.cores and r.max_load > r.cores]
+  if busy:
+    out.append(f"The machine was shared with other work while these ran, so their times are not comparable: "
+               f"{', '.join(busy)}.")
+  return " ".join(out)
+
+
+def comparison_markdown(runs: Sequence[RunFigures], plots: dict[str, tuple[str, str]]) -> str:
+  """comparison.md: the key-figure table (GFM, '|' escaped), each run's problems, and the PNG plots
+  (plots: key -> (file name beside it, caption))."""
+  n_pass = sum(r.passed for r in runs)
+  out = [f"# parity: {len(runs)} runs compared", "",
+         f"**{n_pass} of {len(runs)} runs hold parity.** Runs in the order given; the first is the reference for "
+         "\"differs\". " + timing_note(runs), "",
+         "| " + " | ".join(_md_cell(c) for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  for r in runs:
+    row = run_row(r, runs[0])
+    out.append("| " + " | ".join(_md_cell(row[c]) for c in COLUMNS) + " |")
+  out += ["", "## Runs", ""]
+  for r in runs:
+    out.append(f"- `{r.label}`: {r.run_dir} — {r.verdict}")
+    out += [f"  - **files changed since its verdict**: {p}" for p in r.problems]
+  for key, (name, caption) in plots.items():
+    out += ["", f"![{caption}]({name})", "", f"*{caption}*"]
+  return "\n".join(out) + "\n"
+
+
+def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, str]]) -> str:
+  """comparison.html: one self-contained page (parity.report.html building blocks, inline SVG figures:
+  figures: key -> (svg, caption))."""
+  from parity.report import html as H
+  n_pass = sum(r.passed for r in runs)
+  changed = [r.label for r in runs if r.problems]
+  kind = "pass" if n_pass == len(runs) and not changed else "fail" if n_pass == 0 else "warn"
+  sub = (f"Files changed since the verdict in: {', '.join(changed)}. " if changed else "") + \
+      "Runs in the order given; the first is the reference for \"differs\". " + timing_note(runs)
+  rows, classes = [], []
+  for r in runs:
+    row = run_row(r, runs[0])
+    link = H.Raw(f"<a href=\"{H.esc((r.run_dir / 'report.html').resolve().as_uri())}\">{H.esc(r.label)}</a>")
+    cells = [link, H.badge("pass" if r.passed else "fail", row["verdict"])]
+    cells += [H.Raw("<br>".join(H.esc(x) for x in row[c].split("; "))) for c in COLUMNS[2:]]
+    rows.append(cells)
+    classes.append("fail" if not r.passed or r.problems else None)
+  body = [f"<h1>parity: {len(runs)} runs compared</h1>",
+          H.banner(kind, f"{n_pass} of {len(runs)} runs hold parity", sub),
+          H.section("Key figures", H.table(list(COLUMNS), rows, row_classes=classes)),
+          H.section("Plots", "".join(H.figure(svg, cap, key=k) for k, (svg, cap) in figures.items()))]
+  details = [H.kv_table([("folder", str(r.run_dir)), ("verdict", r.verdict),
+                         ("versions", ", ".join(f"{k} {v}" for k, v in r.versions.items()) or "n/a"),
+                         *[("files changed", p) for p in r.problems]]) for r in runs]
+  body.append(H.section("Runs", "".join(H.section(r.label, d, level=3) for r, d in zip(runs, details))))
+  css = H.CSS + "td:not(:last-child){white-space:nowrap}\n"  # one line per side or pair; only "differs" wraps
+  return H.page(f"parity: {len(runs)} runs compared", "\n".join(body), css=css)
+
+
+def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path) -> dict[str, Path]:
+  """Writes comparison.html, comparison.md with its PNG plots (comparison-<metric>.png) and comparison.json
+  (the key figures) into `out_dir` (created if missing; files of an earlier comparison there are replaced).
+
+  Returns: name -> path. Raises InputError when `out_dir` is a run folder (its files are not mixed with a
+  comparison's); OSError when a file cannot be written."""
+  import json
+  from parity.report.plots import to_png, to_svg
+  out = Path(out_dir)
+  if (out / "report.json").exists() or (out / ".parity.lock").exists():
+    raise InputError(f"-o {out} is a parity run folder; write the comparison to a folder of its own")
+  out.mkdir(parents=True, exist_ok=True)
+  written: dict[str, Path] = {}
+  figures, plots = {}, {}
+  for key, caption, fig in comparison_figures(runs):
+    figures[key] = (to_svg(fig, salt=key, close=False), caption)
+    name = f"comparison-{key}.png"
+    _atomic(out / name, lambda p, b=to_png(fig): p.write_bytes(b))
+    plots[key] = (name, caption)
+    written[f"plot:{key}"] = out / name
+  _atomic(out / "comparison.md", lambda p: p.write_text(comparison_markdown(runs, plots), encoding="utf-8"))
+  _atomic(out / "comparison.html", lambda p: p.write_text(comparison_html(runs, figures), encoding="utf-8"))
+  data = [{**dataclasses.asdict(r), "run_dir": str(r.run_dir), "config": None, "loss_series": None} for r in runs]
+  _atomic(out / "comparison.json", lambda p: p.write_text(json.dumps({"schema": "parity.comparison/1",
+                                                                      "runs": data}, indent=2, default=str)))
+  written.update(md=out / "comparison.md", html=out / "comparison.html", json=out / "comparison.json")
+  return written
+
+
+def _atomic(path: Path, write) -> None:
+  """Writes `path` through a temporary file and a rename (never a half-written file under the real name)."""
+  import os
+  tmp = path.with_name(f".{path.name}.tmp")
+  try:
+    write(tmp)
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def _what_is_missing(run_dir: Path) -> str | None:
+  """Why `run_dir` is not a finished run, naming what it lacks; None when report.json is there (load_report then
+  checks its contents) or the folder does not exist (load_report says so)."""
+  if not run_dir.is_dir() or (run_dir / "report.json").exists():
+    return None
+  if any((run_dir / n).exists() for n in ("diagnose.md", "diagnose.json")):
+    return None  # load_report names a diagnose folder
+  if not (run_dir / "request.json").exists():
+    return (f"{run_dir} is not a parity run folder: it has neither report.json nor request.json (pass a folder "
+            "written by `parity compare`)")
+  from parity.protocol.layout import read_steps, read_summary
+  sides = []
+  for d in sorted(p for p in run_dir.iterdir() if p.is_dir() and (p / "steps.jsonl").exists()):
+    summ = read_summary(d / "summary.json")
+    sides.append(f"{d.name}: {len(read_steps(d / 'steps.jsonl'))} steps recorded, "
+                 + (f"status {summ.get('status')}" if summ else "no summary.json"))
+  lock = " (.parity.lock is there: a run is writing it, or was killed)" if (run_dir / ".parity.lock").exists() else ""
+  return (f"{run_dir} is an unfinished run{lock}: report.json is missing (the comparison never got to write it); "
+          f"{'; '.join(sides) or 'no side wrote steps.jsonl'}. Rerun the comparison for a report")
+
+
+def load_finished(run_dir: str | Path):
+  """parity.report.read.load_report, with a folder that is not a finished run explained: what it lacks (no
+  report.json: an unfinished run's sides and their steps, or not a run folder at all).
+  Raises InputError (exit 2)."""
+  from parity.report.read import load_report
+  why = _what_is_missing(Path(run_dir))
+  if why:
+    raise InputError(why)
+  return load_report(run_dir)
+
+
+def rerender_run(report) -> tuple[dict[str, Path], list[str], list[str]]:
+  """Writes report.html, report.md with its PNG plots and card.json of a loaded run again, from report.json (and
+  environment.json/migration.json beside it); report.json itself is left as it is (its verdict and artifact hashes
+  are the record).
+
+  Returns (name -> path written, ['file: error' for each file that could not be written (OSError)], ['file: why'
+  for each file that could not be rendered: a report.json that lacks what the page shows, e.g. one written by an
+  older parity])."""
+  from parity.report.write import write_card, write_html, write_markdown, write_plot
+  rd = Path(report.run_dir)
+  written: dict[str, Path] = {}
+  errors: list[str] = []
+  unrendered: list[str] = []
+  figures: dict = {}
+  try:
+    figures = write_plot(report, rd) or {}
+    from parity.report.markdown import PLOT_FILES
+    written.update({f"plot:{k}": rd / PLOT_FILES[k] for k in figures})
+  except OSError as exc:
+    errors.append(f"{rd}/*.png: {exc.strerror or exc}")
+  except (KeyError, TypeError, ValueError, IndexError) as exc:
+    unrendered.append(f"plots: report.json lacks {exc}")
+  for key, name, write in (("html", "report.html", lambda p: write_html(report, p, figures)),
+                           ("card", "card.json", lambda p: write_card(report, p)),
+                           ("md", "report.md", lambda p: write_markdown(report, p))):
+    try:
+      _atomic(rd / name, write)
+      written[key] = rd / name
+    except OSError as exc:
+      errors.append(f"{rd / name}: {exc.strerror or exc}")
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+      unrendered.append(f"{name}: report.json lacks {type(exc).__name__} {exc}")
+  return written, errors, unrendered

@@ -1,0 +1,148 @@
+"""`parity report RUN_DIR...` (parity/cli/report.py, parity/report/multi.py): the comparison page over several real
+runs, re-rendering one finished run, and folders that are not finished runs. The runs are test_gate.real_runs():
+three gpt2-tiny runs (a baseline, a rerun, train.lr 1.1e-3), built once per session."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from test_gate import needs_runs, real_runs
+
+
+def _dirs() -> list[str]:
+  runs = real_runs()
+  return [str(runs[k].run_dir) for k in ("base", "rerun", "lr")]
+
+
+def _md_rows(text: str) -> list[list[str]]:
+  """The cells of every GFM table row of `text`, split on unescaped bars (what a GFM renderer does)."""
+  rows = []
+  for line in text.splitlines():
+    if line.startswith("|"):
+      rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+  return rows
+
+
+@needs_runs
+def test_comparison_page_of_three_runs(tmp_path, capsys):
+  from parity.cli import main
+  from parity.report.multi import COLUMNS
+  out = tmp_path / "cmp"
+  assert main(["report", *_dirs(), "-o", str(out)]) == 0
+  assert "comparison:" in capsys.readouterr().out
+  md = (out / "comparison.md").read_text()
+  rows = _md_rows(md)
+  assert len(rows) == 2 + 3 and all(len(r) == len(COLUMNS) for r in rows), rows  # no cell cut by a raw '|'
+  by_run = {r[0]: dict(zip(COLUMNS, r)) for r in rows[2:]}
+  assert by_run["base"]["differs from the first run"] == "(the first run)"
+  assert by_run["rerun"]["differs from the first run"].startswith("nothing")
+  assert by_run["lr"]["differs from the first run"] == "train.lr=0.0011"
+  assert all(r["verdict"] == "PASS" and "jax~torch" in r["max |Δloss|"] for r in by_run.values())
+  pngs = sorted(p.name for p in out.glob("comparison-*.png"))
+  assert len(pngs) == 6 and all(f"]({name})" in md for name in pngs)
+  html = (out / "comparison.html").read_text()
+  assert html.count("<svg") == 6 and "3 of 3 runs hold parity" in html
+  assert "<script" not in html and not re.search(r"(src|href)=\"https?:", html)  # no network, no script
+  data = json.loads((out / "comparison.json").read_text())
+  assert [r["label"] for r in data["runs"]] == ["base", "rerun", "lr"]
+
+
+@needs_runs
+def test_figures_of_a_run(tmp_path):
+  from parity.report.multi import load_runs, metric_values
+  runs = load_runs(_dirs())
+  base = runs[0]
+  assert base.sides == ["jax", "torch"] and base.precision == "fp32" and base.steps == 4
+  assert base.loss_tolerance == 1e-5 and 0 <= base.max_dloss["jax~torch"] <= 1e-5
+  assert all(f["tokens_per_s"] > 0 and f["peak_rss_bytes"] > 0 for f in base.per_side.values())
+  assert runs[2].differs == {"train.lr": 0.0011} and runs[1].differs == {}
+  vals = metric_values(runs, "final_loss")
+  assert set(vals) == {"jax", "torch"} and vals["jax"][0] == vals["jax"][1] != vals["jax"][2]
+
+
+@needs_runs
+def test_report_one_run_re_renders_from_its_files(tmp_path, capsys):
+  from parity.cli import main
+  run = Path(shutil.copytree(_dirs()[0], tmp_path / "run"))
+  before = (run / "report.json").read_bytes()
+  for name in ("report.html", "report.md", "card.json", "loss.png"):
+    (run / name).unlink()
+  assert main(["report", str(run)]) == 0
+  assert "re-rendered from the run's files" in capsys.readouterr().out
+  for name in ("report.html", "report.md", "card.json", "loss.png"):
+    assert (run / name).stat().st_size > 0, name
+  assert (run / "report.json").read_bytes() == before  # the record is not rewritten
+
+
+@needs_runs
+def test_a_run_whose_files_changed_is_flagged(tmp_path, capsys):
+  from parity.cli import main
+  d = _dirs()
+  edited = Path(shutil.copytree(d[2], tmp_path / "edited"))
+  with open(edited / "jax" / "steps.jsonl", "a") as f:
+    f.write("\n")
+  assert main(["report", d[0], str(edited), "-o", str(tmp_path / "cmp")]) == 1
+  assert "files changed" in capsys.readouterr().out
+  assert "files changed since its verdict" in (tmp_path / "cmp" / "comparison.md").read_text()
+
+
+def test_folders_that_are_not_finished_runs_exit_2(tmp_path, capsys):
+  from parity.cli import main
+  (tmp_path / "empty").mkdir()
+  assert main(["report", str(tmp_path / "empty")]) == 2
+  assert "neither report.json nor request.json" in capsys.readouterr().err
+  unfinished = tmp_path / "unfinished"
+  (unfinished / "jax").mkdir(parents=True)
+  (unfinished / "request.json").write_text("{}")
+  (unfinished / "jax" / "steps.jsonl").write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": 4.9}\n')
+  assert main(["report", str(unfinished), str(tmp_path / "empty")]) == 2
+  err = capsys.readouterr().err
+  assert "unfinished run" in err and "report.json is missing" in err and "jax: 2 steps recorded" in err
+  assert main(["report", str(tmp_path / "nowhere")]) == 2
+  assert "not a folder" in capsys.readouterr().err
+  assert main(["check", str(unfinished), str(tmp_path / "empty")]) == 2
+
+
+@needs_runs
+def test_same_folder_twice_and_a_run_folder_as_output_are_refused(tmp_path, capsys):
+  from parity.cli import main
+  d = _dirs()
+  assert main(["report", d[0], d[0] + "/", "-o", str(tmp_path / "x")]) == 2
+  assert "given twice" in capsys.readouterr().err
+  assert main(["report", d[0], d[1], "-o", d[2]]) == 2
+  assert "is a parity run folder" in capsys.readouterr().err
+
+
+@needs_runs
+def test_comparison_page_in_a_browser(tmp_path):
+  """The comparison page as a person sees it, with the single-run page's headless Chromium helper: no console error,
+  every plot parsed into a drawn SVG, the sentence on top, a screenshot that is not blank."""
+  import test_report_browser as browser
+  if browser.CHROMIUM is None:
+    pytest.skip("headless Chromium not installed: `apt-get install -y chromium` (Debian) for the browser test")
+  import numpy as np
+  from matplotlib import image
+  from parity.report.multi import load_runs, write_comparison
+  page = write_comparison(load_runs(_dirs()), tmp_path / "cmp")["html"]
+  r = browser.chromium(page, tmp_path, "--dump-dom")
+  assert r.returncode == 0 and browser.console_errors(r.stderr) == [], r.stderr[-2000:]
+  banner = re.search(r'id="verdict"><strong>(.*?)</strong>', r.stdout)
+  assert banner and banner.group(1) == "3 of 3 runs hold parity"
+  figures = re.findall(r'<figure data-plot="(\w+)">(.*?)</figure>', r.stdout, flags=re.S)
+  assert [k for k, _ in figures] == ["max_dloss", "final_loss", "tokens_per_s", "step_time_s_median",
+                                     "peak_rss_bytes", "loss_curves"]
+  for key, body in figures:
+    size = re.search(r'<svg[^>]*\bwidth="([\d.]+)pt"[^>]*\bheight="([\d.]+)pt"', body)
+    assert size and float(size.group(1)) > 100 and float(size.group(2)) > 100 and body.count("<path") >= 5, key
+  shot = tmp_path / "comparison.png"
+  r = browser.chromium(page, tmp_path, f"--screenshot={shot}", "--window-size=1400,3000", "--hide-scrollbars")
+  assert r.returncode == 0 and shot.exists() and browser.console_errors(r.stderr) == [], r.stderr[-2000:]
+  px = image.imread(str(shot))[..., :3]
+  ink = (px.min(axis=2) < 0.5).mean(axis=1)
+  assert (ink > 0.001).mean() > 0.5, "most of the page's height should carry text, tables or plots"
+  green = px[60:200, 100:1300].reshape(-1, 3)
+  assert np.mean((green[:, 1] > green[:, 0] + 0.03) & (green[:, 1] > green[:, 2] + 0.01)) > 0.3, "a green banner"
