@@ -16,6 +16,9 @@ from parity import hf
 
 
 def main(argv: list[str] | None = None) -> int:
+  """`python -m jax_impl.convert_worker to-orbax|from-orbax SRC DST [--force]`: converts canonical safetensors
+  to an Orbax checkpoint or back, in a JAX process started by harness.launch. Returns 0, or 2 with the reason on
+  stderr (bad or missing input, an existing destination without --force)."""
   ap = argparse.ArgumentParser(prog="python -m jax_impl.convert_worker")
   sub = ap.add_subparsers(dest="op", required=True)
   p = sub.add_parser("to-orbax")

@@ -48,6 +48,9 @@ def _draws(shapes, steps, seed):
 
 
 def main(argv: list[str]) -> int:
+  """`python -m jax_impl.port_verify REQUEST OUT`: runs the ported optax optimizer and schedules of REQUEST's
+  ported config for its steps on its seeded parameters and gradients, and writes lr, beta1 and the params per step
+  to OUT (.npz) for parity.migrate.verify. Returns 0."""
   req_path, out_path = argv
   with open(req_path) as f:
     req = json.load(f)

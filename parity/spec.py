@@ -283,6 +283,8 @@ class JaxPlan:
   """Devices on the mesh's data axis (the micro batch is split over them); 1 = one device."""
 
   def validate(self) -> "JaxPlan":
+    """Checks every field (numbers, remat policy, zero stage, host memory kind, booleans, data_parallel >= 1).
+    Returns self. Raises SpecError naming the `jax.<field>` and the value."""
     check_section_numbers(self, "jax")
     if self.remat not in REMAT_POLICIES:
       raise SpecError(f"jax.remat must be one of {', '.join(REMAT_POLICIES)}; got {self.remat!r}")
@@ -312,6 +314,8 @@ class DeepSpeedPlan:
   """Recompute each block in the backward pass (deepspeed.checkpointing / torch.utils.checkpoint)."""
 
   def validate(self) -> "DeepSpeedPlan":
+    """Checks every field (numbers, zero stage 0-3, offload targets 'none'/'cpu', offload_param only at stage 3).
+    Returns self. Raises SpecError naming the `deepspeed.<field>` and the value."""
     check_section_numbers(self, "deepspeed")
     if self.zero_stage not in (0, 1, 2, 3):
       raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3; got {self.zero_stage}")
@@ -345,6 +349,8 @@ class RunSpec:
   """Wall-clock limit of one side, seconds; a side past it is killed and reported as 'timeout'."""
 
   def validate(self) -> "RunSpec":
+    """Checks every section (model, train against the model, deepspeed, jax) and the run-level rules (micro batch
+    divisible by jax.data_parallel, Lamb without scan_layers, timeout, sides). Returns self. Raises SpecError naming the key and the value."""
     check_section_numbers(self, "")
     self.model.validate()
     self.train.validate(self.model)

@@ -213,6 +213,8 @@ def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarra
 
 
 def check_names_and_shapes(params: dict[str, np.ndarray], spec: ModelSpec, *, source: str) -> None:
+  """Checks canonical params against the model spec: every expected tensor present, none extra, each shape as
+  param_shapes(spec) gives it. Raises ValueError naming `source`, the missing/extra names and the wrong shapes."""
   expected = param_shapes(spec)
   missing = [k for k in expected if k not in params]
   extra = [k for k in params if k not in expected]

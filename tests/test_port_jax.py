@@ -16,7 +16,8 @@ from parity.spec import JaxPlan, SpecError, apply_overrides
 from test_migrate import REAL_FILES, flags_for, read_deepspeed_config
 
 JAX_FIELDS = {f.name for f in dataclasses.fields(JaxPlan)}
-BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 CRAFTED = [
     {**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                    "offload_param": {"device": "cpu", "pin_memory": False}}},
@@ -51,7 +52,8 @@ def test_zero3_offload_maps_to_jaxplan_and_mixed_pinning_is_named_not_runnable()
   r = port_config(CRAFTED[0], source="t")
   j, nr = r.ported.jax, r.ported.not_runnable_by_compare
   assert (j.zero_stage, j.offload_opt_state, j.offload_params, j.host_memory_kind) == (3, True, True, "pinned_host")
-  assert nr["params_host_memory_kind"].value == "unpinned_host" and "one host memory kind" in nr["params_host_memory_kind"].why
+  assert nr["params_host_memory_kind"].value == "unpinned_host"
+  assert "one host memory kind" in nr["params_host_memory_kind"].why
   ds, _ = to_deepspeed(r.ported.to_dict())  # the reverse port writes each offload's own pinning back
   assert ds["zero_optimization"] == zero_section(3, "pinned_host", "unpinned_host")
   with pytest.raises(SpecError, match="params_host_memory_kind"):

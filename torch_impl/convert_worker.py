@@ -39,6 +39,8 @@ def bin_to_safetensors(out: str | Path, files: list[str | Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """`python -m torch_impl.convert_worker bin-to-safetensors SRC DST`: converts a pytorch_model.bin to
+  safetensors in a torch process. Returns the exit code (2 with usage on bad arguments)."""
   argv = sys.argv[1:] if argv is None else argv
   if len(argv) < 3 or argv[0] != "bin-to-safetensors":
     print(__doc__, file=sys.stderr)

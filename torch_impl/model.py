@@ -232,6 +232,8 @@ class Block(_Tapped, nn.Module):
     self.mlp = MLP(spec)
 
   def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """One pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)); with a TapRecorder set, every
+    intermediate is recorded under its canonical tap name. x: (B, T, d_model) in the compute dtype."""
     if self._taps is None:
       x = x + self.attn(self.ln_1(x), rope)
       return x + self.mlp(self.ln_2(x))

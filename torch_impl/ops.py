@@ -250,6 +250,8 @@ def build_ops(names: list[str], say: Callable[[str], None] = print) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
+  """`python -m torch_impl.ops [OPS...]`: builds DeepSpeed's ops once, up front (default all of OPS), printing
+  progress. Returns 0 when built, 2 for bad input (an unknown op), 1 when a build failed (reason on stderr)."""
   ap = argparse.ArgumentParser(prog="python -m torch_impl.ops", description="build DeepSpeed's ops once, up front")
   ap.add_argument("ops", nargs="*", help=f"ops to build (default all: {', '.join(OPS)})")
   args = ap.parse_args(argv)

@@ -49,6 +49,8 @@ class _Probe(torch.nn.Module):
 
 
 def run_engine(req: dict) -> dict:
+  """DeepSpeed itself on REQUEST's config: deepspeed.initialize over a model of the request's seeded params, one
+  step per seeded gradient. Returns {'lr', 'beta1', 'params' (steps x n), 'mode': 'engine', 'note'}."""
   setup_distributed()
   import deepspeed
   from deepspeed.utils import safe_get_full_fp32_param
@@ -75,6 +77,8 @@ def run_engine(req: dict) -> dict:
 
 
 def run_schedule(req: dict, why: str) -> dict:
+  """DeepSpeed's lr schedule alone (deepspeed.runtime.lr_schedules over a dummy AdamW), when the engine cannot be
+  built here (`why`). Returns the same keys as run_engine, params empty, mode 'schedule'."""
   from deepspeed.runtime import lr_schedules
   cfg = req["ds_config"]
   steps = req["steps"]
@@ -125,6 +129,8 @@ def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
 
 
 def main(argv: list[str]) -> int:
+  """`python -m torch_impl.port_verify REQUEST OUT` (or `--accepts CONFIGS OUT`): the DeepSpeed reference for
+  parity.migrate.verify, written to OUT (.npz; JSON for --accepts). Returns 0."""
   if argv and argv[0] == "--accepts":
     req = json.loads(open(argv[1]).read())
     with open(argv[2], "w") as f:

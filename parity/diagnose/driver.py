@@ -68,6 +68,8 @@ class DiagnoseResult:
     return 0 if self.passed else 1
 
   def to_json(self) -> dict:
+    """The result as diagnose.json's data (schema parity.diagnose/1): verdict, first differing tensor, per-tensor
+    rows, side status, plants and perturbations."""
     return {"schema": "parity.diagnose/1", "passed": self.passed, "message": self.message,
             "sides": list(self.sides), "step": self.step, "lr_step": self.lr_step, "lr": self.lr,
             "first": None if self.first is None else self.first.to_json(),
@@ -84,6 +86,7 @@ class DiagnoseResult:
                if self.precision != "fp32" else {})}
 
   def to_markdown(self) -> str:
+    """The result as diagnose.md: verdict line, update position, the first difference and the per-tensor table."""
     a, b = self.sides
     lines = [f"# parity diagnose: {a} vs {b}, step {self.step}", "",
              f"**{'PASS' if self.passed else 'FAIL'}**: {self.message}", "",

@@ -101,6 +101,8 @@ class Ctx:
   # -- typed reads; a bad value is refused with key, value and expectation, and None returned
   def num(self, path: str, default: Any = MISSING, *, integer: bool = False, ge: float | None = None,
           gt: float | None = None, lt: float | None = None, le: float | None = None) -> Any:
+    """The number at `path` (default when missing), refused on ctx when it is not a number, not an integer with
+    `integer`, or outside the ge/gt/lt/le bounds (DeepSpeed's own). Returns None when unresolved or refused."""
     v = self.get(path)
     if v is UNRESOLVED:
       return None
@@ -135,6 +137,8 @@ class Ctx:
     return v
 
   def choice(self, path: str, options: Iterable[str], default: Any = MISSING) -> Any:
+    """The value at `path` when it is one of `options` (default when missing); otherwise refused on ctx, naming the
+    options, and None is returned (also when unresolved)."""
     v = self.get(path)
     options = list(options)
     if v is UNRESOLVED:

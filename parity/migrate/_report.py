@@ -76,6 +76,8 @@ class Report:
       self.errors.append(message)
 
   def to_dict(self) -> dict[str, Any]:
+    """The report as JSON data (schema parity.migration/1): source, direction, status, errors, warnings and every
+    key's entry (value, fate, target, reason)."""
     return {
         "schema": "parity.migration/1",
         "source": self.source,
@@ -94,6 +96,7 @@ class Report:
     return json.dumps(self.to_dict(), indent=2, default=str) + "\n"
 
   def to_markdown(self) -> str:
+    """The report as Markdown: status, refusals, warnings and the key table (key, value, fate, target, reason)."""
     d = self.to_dict()
     out = [f"# Migration report: `{self.source}`", "", f"Status: **{d['status']}**", ""]
     if self.errors:

@@ -85,7 +85,7 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   `run_comparison`, the keyword form for notebooks and the CLI.
 
   Args:
-    preset: a name from parity.spec.PRESETS (default 'gpt2-small-cpu').
+    preset: a name from parity.presets.PRESETS (default 'gpt2-small-cpu').
     config: a run config file (YAML/JSON) or mapping, merged over the preset.
     overrides: dotted `section.key=value` strings or a {key: value} mapping, applied last.
     steps, sides, data: shortcuts for train.steps, sides and data.

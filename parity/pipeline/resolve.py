@@ -141,7 +141,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   """Resolves one run from all its sources, in the order of this module's docstring.
 
   Args:
-    preset_name: a parity.spec.PRESETS name, or None (the config's `preset:`, else `model`, else DEFAULT_PRESET).
+    preset_name: a parity.presets.PRESETS name, or None (the config's `preset:`, else `model`, else DEFAULT_PRESET).
     model: a model-size preset of parity.hf.MODEL_PRESETS (e.g. llama-7b, gpt2-124m): its ModelSpec with
       parity.sizing.memory.model_preset_train's training (micro batch 1, seq_len min(2048, max_seq_len), bf16).
     config: a run config file (YAML/JSON/hjson) or mapping with sections model, train, jax, deepspeed (+ preset,

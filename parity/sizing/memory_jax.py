@@ -17,7 +17,7 @@ other leaf, and every scalar, is replicated. A sharded leaf holds nbytes / data_
 device. Gradients are not state (they live inside the step), so stage 2 changes nothing here.
 
 `jax_state_bytes(run)` must equal, exactly, `jax_impl.offload.bytes_by_memory_kind(state, device)`
-of the live arrays on one device (tests/test_jax_plans_memory.py).
+of the live arrays on one device (tests/test_jax_plans.py::test_predicted_state_bytes_equal_the_live_arrays).
 """
 from __future__ import annotations
 
