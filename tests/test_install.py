@@ -1,0 +1,86 @@
+"""Installs that fit a GPU node (issue #13 item 2): ranges in pyproject.toml, the measured versions in
+constraints.txt, CI and the README installing with them. Reads files and package metadata only (no pip run: the
+install itself is shown in docs/install.md)."""
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib import metadata
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from conftest import ROOT
+
+FRAMEWORKS = ("torch", "jax", "jaxlib", "deepspeed", "flax", "optax", "orbax-checkpoint")
+
+
+def _project() -> dict:
+  return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def _requirements(extra: str | None = None) -> list[Requirement]:
+  p = _project()
+  return [Requirement(r) for r in (p["dependencies"] if extra is None else p["optional-dependencies"][extra])]
+
+
+def _pins() -> dict[str, Version]:
+  pins = {}
+  for line in (ROOT / "constraints.txt").read_text().splitlines():
+    line = line.split("#", 1)[0].strip()
+    if line:
+      name, sep, ver = line.partition("==")
+      assert sep, f"constraints.txt: {line!r} is not NAME==VERSION"
+      pins[canonicalize_name(name)] = Version(ver)
+  return pins
+
+
+def test_frameworks_are_open_ranges_so_a_node_keeps_its_builds():
+  """No == and no upper bound on the frameworks: pip keeps any installed release above the lower bound."""
+  reqs = {canonicalize_name(r.name): r for r in _requirements()}
+  for name in FRAMEWORKS:
+    r = reqs[canonicalize_name(name)]
+    ops = {s.operator for s in r.specifier}
+    assert ops == {">="}, f"{name}: {r} must be a lower bound only"
+  # the GPU node of ../shared/GPU.md: torch 2.11 (CUDA 13), jax/jaxlib 0.11.2
+  assert Version("2.11.0") in reqs["torch"].specifier and Version("0.11.2") in reqs["jax"].specifier
+
+
+def test_every_requirement_is_pinned_and_the_pin_is_in_range():
+  pins = _pins()
+  for r in _requirements() + _requirements("dev"):
+    name = canonicalize_name(r.name)
+    assert name in pins, f"constraints.txt lacks {r.name}, a requirement of pyproject.toml"
+    assert r.specifier.contains(pins[name], prereleases=True), f"{r.name}=={pins[name]} is outside {r}"
+
+
+def test_this_environment_is_the_measured_one():
+  """The suite runs on the versions constraints.txt records (CI installs with it); a drift names the package."""
+  pins = _pins()
+  drift = []
+  for r in _requirements() + _requirements("dev"):
+    name = canonicalize_name(r.name)
+    try:
+      have = Version(metadata.version(r.name))
+    except metadata.PackageNotFoundError:
+      continue  # an optional side not installed: its tests skip, saying so
+    if Version(have.base_version) != Version(pins[name].base_version):  # torch 2.13.0+cpu is pinned as 2.13.0
+      drift.append(f"{r.name} {have} (constraints.txt: {pins[name]})")
+  assert not drift, ("installed versions differ from constraints.txt: " + ", ".join(drift) +
+                     "; install with `pip install -c constraints.txt -e '.[dev]'`, or record the new versions there")
+
+
+def test_cuda_extras_bring_the_jax_plugin():
+  for extra, want in (("cuda", "cuda13"), ("cuda12", "cuda12"), ("cuda-local", "cuda13-local")):
+    (r,) = _requirements(extra)
+    assert r.name == "jax" and r.extras == {want}, (extra, str(r))
+
+
+@pytest.mark.parametrize("path", ["README.md", ".ci/run"])
+def test_ci_and_readme_install_with_the_constraints(path):
+  text = (ROOT / path).read_text()
+  installs = re.findall(r"pip install[^\n&]*-e '\.\[dev\]'", text)
+  assert installs, f"{path} has no `pip install ... -e '.[dev]'`"
+  assert all("-c constraints.txt" in cmd for cmd in installs), installs
