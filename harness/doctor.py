@@ -20,7 +20,7 @@ from harness import launch
 from parity import environment as env
 
 __all__ = ["SCHEMA", "ENVIRONMENT_FILE", "PROBE_TIMEOUT_S", "BUILD_TIMEOUT_S", "PROBES", "run_probe",
-           "probe_frameworks", "git_state", "gpu_info", "environment_block", "write_environment"]
+           "probe_frameworks", "git_state", "gpu_info", "environment_block", "run_environment", "write_environment"]
 
 SCHEMA = "parity.environment/1"
 ENVIRONMENT_FILE = "environment.json"
@@ -146,6 +146,17 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
   return {"schema": SCHEMA, "quick": quick, "host": env.host_info(), "packages": env.package_versions(),
           "git": git_state(), "cuda_driver": evidence, "gpus": gpu_info(topology=not quick),
           "frameworks": dict(frameworks)}
+
+
+def run_environment(devices: Mapping[str, object] | None) -> dict[str, object]:
+  """The quick block a run records, from the CPU-fallback check's result (harness.backend.check_backends: None
+  where no driver is visible): its probes as `frameworks`, and `cpu_fallback` (the sentences; [] when every side
+  sees a GPU) and `allowed_cpu` (--allow-cpu) at the top level."""
+  if devices is None:
+    return environment_block(quick=True)
+  block = environment_block(quick=True, frameworks=devices["frameworks"])
+  block.update(cpu_fallback=devices["cpu_fallback"], allowed_cpu=devices["allowed_cpu"])
+  return block
 
 
 def write_environment(run_dir: str | Path, block: Mapping[str, object], run_id: str | None = None) -> Path:

@@ -176,3 +176,13 @@ def test_run_folder_gets_environment_json_before_any_side(monkeypatch, tmp_path)
   lock_free = not (tmp_path / "run" / ".parity.lock").exists()
   assert seen["schema"] == doctor.SCHEMA and seen["run_id"] and seen["quick"] is True and lock_free
   assert seen["packages"]["numpy"] == metadata.version("numpy")
+
+
+def test_run_environment_records_what_the_check_saw(monkeypatch):
+  """With a driver, a run's block carries the check's probes (no second probe) and the fallback it allowed."""
+  monkeypatch.setattr(doctor, "probe_frameworks", lambda *a, **k: pytest.fail("probed twice"))
+  devices = {"cuda_driver": "/dev/nvidia0 exists", "frameworks": {"jax": JAX_CPU, "torch": TORCH_GPU},
+             "cpu_fallback": ["the jax side would run on the CPU"], "allowed_cpu": True}
+  b = doctor.run_environment(devices)
+  assert b["frameworks"] == {"jax": JAX_CPU, "torch": TORCH_GPU} and b["allowed_cpu"] is True
+  assert b["cpu_fallback"] == ["the jax side would run on the CPU"] and b["quick"] is True

@@ -139,8 +139,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
-    doctor.write_environment(folder.path, doctor.environment_block(quick=True, frameworks=devices and {  # before
-        **devices["frameworks"], "cpu_fallback": devices["cpu_fallback"]}), folder.claim.run_id)  # any side
+    doctor.write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)  # before any side
     with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
       loads: dict[str, dict] = {}
 
