@@ -95,7 +95,7 @@ def _print_post(report, con) -> None:
   if post is None:
     return
   if post.gate is not None:
-    from parity.cli.report import print_gate
+    from parity.report.after import print_gate
     print_gate(post.gate, con)
     if post.gate_files:
       con.print(f"gate: {post.gate_files['md']} (also gate.json)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from parity.cli._common import Failure, console
 
-__all__ = ["register", "print_gate"]
+__all__ = ["register"]
 
 
 def register(sub) -> None:
@@ -104,21 +104,6 @@ def run_check(args: argparse.Namespace) -> int:
   if problems:
     raise InputError(f"NEW {args.new} cannot be checked: {'; '.join(problems)}")
   result = check_against(snapshot_from_report(report), load_baseline(args.baseline))
+  from parity.report.after import print_gate
   print_gate(result, console())
   return result.exit_code
-
-
-def print_gate(result, con) -> None:
-  """The gate's table (metric, side, baseline, new, change, gate, result), its notes and the one-line outcome."""
-  from rich.table import Table
-  t = Table(title=f"regression gate — {result.new} against {result.baseline}")
-  for col in ("metric", "side", "baseline", "new", "change", "gate", "result"):
-    t.add_column(col)
-  for r in result.rows:
-    res = "[red]MOVED[/red]" if r.status == "MOVED" else r.status
-    t.add_row(r.metric, r.side, r.baseline, r.new, r.change, r.gate, res + (f" ({r.note})" if r.note else ""))
-  con.print(t)
-  for n in result.notes:
-    con.print(f"- {n}", soft_wrap=True)
-  style = "bold green" if result.passed else "bold red"
-  con.print(f"[{style}]{result.message()}[/{style}]", soft_wrap=True)

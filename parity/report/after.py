@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["PostRun", "PostRunResult"]
+__all__ = ["PostRun", "PostRunResult", "print_gate"]
 
 
 @dataclasses.dataclass
@@ -63,3 +63,19 @@ class PostRun:
       except Exception as exc:  # noqa: BLE001  a tracker's own failure must not lose the run's result
         out.messages.append(f"tracker {kind}:{target} failed: {type(exc).__name__}: {str(exc)[:200]}")
     return out
+
+
+def print_gate(result, con) -> None:
+  """The gate's table (metric, side, baseline, new, change, gate, result), its notes and the one-line outcome."""
+  from rich.table import Table
+  t = Table(title=f"regression gate — {result.new} against {result.baseline}")
+  for col in ("metric", "side", "baseline", "new", "change", "gate", "result"):
+    t.add_column(col)
+  for r in result.rows:
+    res = "[red]MOVED[/red]" if r.status == "MOVED" else r.status
+    t.add_row(r.metric, r.side, r.baseline, r.new, r.change, r.gate, res + (f" ({r.note})" if r.note else ""))
+  con.print(t)
+  for n in result.notes:
+    con.print(f"- {n}", soft_wrap=True)
+  style = "bold green" if result.passed else "bold red"
+  con.print(f"[{style}]{result.message()}[/{style}]", soft_wrap=True)
