@@ -47,6 +47,7 @@ def test_comparison_page_of_three_runs(tmp_path, capsys):
   html = (out / "comparison.html").read_text()
   assert html.count("<svg") == 6 and "3 of 3 runs hold parity" in html
   assert "<script" not in html and not re.search(r"(src|href)=\"https?:", html)  # no network, no script
+  assert "regression gate: GATE FAIL" in md and "lr (jax)" in md  # the lr run was gated against the base run
   data = json.loads((out / "comparison.json").read_text())
   assert [r["label"] for r in data["runs"]] == ["base", "rerun", "lr"]
 

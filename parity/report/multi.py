@@ -36,6 +36,7 @@ class RunFigures:
     differs: dotted key -> value where this run's config differs from the first run's ({} for the first).
     loss_series: side -> (steps, loss) for the overlaid loss plot. problems: what verify_report found (the files
       the verdict rests on changed since the run, or an edited report); [] when intact.
+    gate: the one-line outcome of the run's regression gate (gate.json, `--baseline`), '' when it had none.
     backend: the sides' devices' platforms ('cpu', 'cuda'). max_load: the highest 1-minute load average recorded
       around any side (None: not recorded). cores: the machine's CPU count.
   """
@@ -59,6 +60,7 @@ class RunFigures:
   backend: str = ""
   max_load: float | None = None
   cores: int | None = None
+  gate: str = ""
 
 
 METRICS: tuple[tuple[str, str, str, bool], ...] = (
@@ -143,6 +145,16 @@ def run_figures(report, label: str | None = None) -> RunFigures:
       cores=(d.get("environment") or {}).get("cpu_count"))
 
 
+def _gate_message(run_dir: Path) -> str:
+  """The message of <run_dir>/gate.json (written by `parity compare --baseline`), '' when absent or unreadable."""
+  import json
+  try:
+    g = json.loads((run_dir / "gate.json").read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return ""
+  return str(g.get("message") or "") if isinstance(g, dict) else ""
+
+
 def _max_load(d: dict) -> float | None:
   """The highest 1-minute load average recorded around any side (sides.<side>.load {start, end}), None if none."""
   loads = [x[0] for s in d["sides"].values() for x in (s.get("load") or {}).values()
@@ -184,6 +196,7 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[RunFigures]:
     report = load_finished(p)
     fig = run_figures(report, label)
     fig.problems = verify_report(report)
+    fig.gate = _gate_message(p)
     runs.append(fig)
   for r in runs[1:]:
     r.differs = {k: new for k, (_, new) in config_diff(runs[0].config, r.config).items()}
@@ -297,6 +310,7 @@ def comparison_markdown(runs: Sequence[RunFigures], plots: dict[str, tuple[str, 
   out += ["", "## Runs", ""]
   for r in runs:
     out.append(f"- `{r.label}`: {r.run_dir} — {r.verdict}")
+    out += [f"  - regression gate: {r.gate} (gate.md)"] if r.gate else []
     out += [f"  - **files changed since its verdict**: {p}" for p in r.problems]
   for key, (name, caption) in plots.items():
     out += ["", f"![{caption}]({name})", "", f"*{caption}*"]
@@ -326,6 +340,7 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
           H.section("Plots", "".join(H.figure(svg, cap, key=k) for k, (svg, cap) in figures.items()))]
   details = [H.kv_table([("folder", str(r.run_dir)), ("verdict", r.verdict),
                          ("versions", ", ".join(f"{k} {v}" for k, v in r.versions.items()) or "n/a"),
+                         *([("regression gate", r.gate)] if r.gate else []),
                          *[("files changed", p) for p in r.problems]]) for r in runs]
   body.append(H.section("Runs", "".join(H.section(r.label, d, level=3) for r, d in zip(runs, details))))
   css = H.CSS + "td:not(:last-child){white-space:nowrap}\n"  # one line per side or pair; only "differs" wraps
