@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from harness import lifetime
+from harness import lifetime, ranks
 from harness.env import worker_env
 from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, read_steps, read_summary
+from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
 
 __all__ = ["SideRun", "run_side", "run_each_side", "not_run", "build_ops", "STATUSES"]
@@ -117,17 +118,18 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   run_dir = Path(run_dir)
   out = run_dir / side
   try:
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("summary.json", "steps.jsonl", "final.safetensors", lifetime.PHASE_FILE):
-      (out / stale).unlink(missing_ok=True)
-    (out / "stderr.log").touch()
-  except OSError as exc:  # disk full, read-only folder: the side cannot run; say where and why
-    return not_run(side, f"cannot prepare {out} ({exc.strerror or exc}): the folder must be writable with free space")
+    launch = _prepare(run_dir, out)
+  except (OSError, ValueError) as exc:  # disk full, read-only folder: the side cannot run; say where and why
+    return not_run(side, f"cannot prepare {out} ({getattr(exc, 'strerror', None) or exc}): the folder must be "
+                   "writable with free space")
   worker = module or worker_module(side, job)
   cmd = [python, "-m", "harness.boot", worker, str(run_dir / "request.json"), "--side", side]
   full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
                          lifetime.PHASE_ENV: str(out / lifetime.PHASE_FILE)}, python)
   t0 = time.time()
+  world = ranks.world_size(launch)
+  if world > 1:
+    return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)
   with open(out / "stdout.log", "wb") as so, open(out / "stderr.log", "wb") as se:
     proc = lifetime.spawn(cmd, stdout=so, stderr=se, env=full_env, timeout_s=timeout_s)
   try:
@@ -154,6 +156,47 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   peak = rusage.ru_maxrss * 1024 if rusage is not None else None
   return SideRun(side=side, status=status, returncode=rc, wall_s=wall, peak_rss_bytes=peak,
                  summary=summary, error=error)
+
+
+def _run_ranks(side: str, cmd: list[str], launch: dict, out: Path, env: dict[str, str], timeout_s: float,
+               on_progress, t0: float) -> SideRun:
+  """run_side for a side of several ranks (harness.ranks): launched, watched and summarised as one side."""
+  for log in ("stdout.log", "stderr.log"):
+    (out / log).write_bytes(b"")
+  try:
+    launched = ranks.launch_side(side, cmd, launch, out=out, env=env, timeout_s=timeout_s, watch=_watch,
+                                 on_progress=on_progress)
+  except BaseException:  # Ctrl-C / SIGTERM: every rank is already killed
+    summary = _harness_summary(side, "killed", "interrupted: the harness was stopped (Ctrl-C or SIGTERM) and "
+                               "killed this side", out, read_summary(out / "summary.json"))
+    _write_summary(out, summary)
+    raise
+  (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
+  wall = time.time() - t0
+  if on_progress is not None:
+    on_progress(side, _count_lines(out / "steps.jsonl"))
+  summary = read_summary(out / "summary.json")
+  rc = launched.returncode
+  status, error = _classify(rc, launched.timed_out, summary, _tail(out / "stderr.log"))
+  status, error, folded = ranks.fold_ranks(summary or {}, status, error, launched, out, ranks.world_size(launch))
+  if summary is None or summary.get("status") != status:
+    folded = _harness_summary(side, status, error, out, folded)
+  _write_summary(out, folded)
+  peak = launched.rusage.ru_maxrss * 1024 if launched.rusage is not None else None
+  return SideRun(side=side, status=status, returncode=rc, wall_s=wall, peak_rss_bytes=peak, summary=folded,
+                 error=error)
+
+
+def _prepare(run_dir: Path, out: Path) -> dict:
+  """Clears what an earlier attempt left in run_dir/<side> and returns the run's launch (parity.protocol.ranks).
+  Raises OSError (an unwritable folder) or ValueError (a malformed launch.json)."""
+  out.mkdir(parents=True, exist_ok=True)
+  for stale in ("summary.json", "steps.jsonl", "final.safetensors", lifetime.PHASE_FILE):
+    (out / stale).unlink(missing_ok=True)
+  for stale in [*out.glob("rank*.json"), *out.glob("rank*.stderr")]:
+    stale.unlink()
+  (out / "stderr.log").touch()
+  return read_launch(run_dir)
 
 
 def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress) -> tuple[int, object, bool]:

@@ -346,7 +346,8 @@ class Trainer:
     if force_overflow and not self.fp16:
       raise ValueError(f"force_overflow (debug overflow_at_steps) needs train.precision='fp16' (loss scaling); "
                        f"this run has train.precision={self.run.train.precision!r}")
-    batch = jax.device_put(np.ascontiguousarray(batch_amtp1), self.placement.batch_sharding())
+    batch = batch_amtp1 if isinstance(batch_amtp1, jax.Array) else jax.device_put(  # a multi-process batch is global
+        np.ascontiguousarray(batch_amtp1), self.placement.batch_sharding())
     extra = (self._overflow_factor(force_overflow),) if self.fp16 else ()
     self.state, metrics = self.step_fn(self.state, batch, *extra)
     jax.block_until_ready((self.state, metrics))
@@ -362,7 +363,8 @@ class Trainer:
 
   def evaluate(self, val_emtp1: np.ndarray) -> float:
     """Validation loss (nats) of the current params on host micro batches (E, M, T + 1)."""
-    val = jax.device_put(np.ascontiguousarray(val_emtp1), self.placement.batch_sharding())
+    val = val_emtp1 if isinstance(val_emtp1, jax.Array) else jax.device_put(
+        np.ascontiguousarray(val_emtp1), self.placement.batch_sharding())
     return float(jax.device_get(self.eval_fn(self.state.params, val)))
 
   def poison(self) -> None:

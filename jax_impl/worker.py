@@ -38,16 +38,47 @@ def _peak_device_bytes(device) -> int | None:
   return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
+class _Ranks:
+  """How this process takes its batches and reads the state: directly with one rank; with several
+  (jax_impl.distributed) its rows of each batch into the global array, and the state gathered to read it."""
+
+  def __init__(self, io: SideIO, trainer):
+    from jax_impl import distributed
+    self.io, self.trainer, self.dist = io, trainer, distributed
+    self.gathered = distributed.Gathered(trainer) if io.world > 1 else None
+
+  def batch(self, host):
+    if self.gathered is None:
+      return host
+    sharding = self.trainer.placement.batch_sharding()
+    return self.dist.global_batch(host, sharding, tuple(host.shape), self.io.rank, self.io.world)
+
+  def read(self, fn):
+    """fn() (canonical params or moments), on the replicated state with several ranks (a collective)."""
+    return fn() if self.gathered is None else self.gathered.call(self.trainer, fn)
+
+
+def _build(io: SideIO, control):
+  """jax.distributed first (several ranks), then the Trainer on a mesh over every process's devices."""
+  from jax_impl import distributed
+  from jax_impl.step import Trainer
+  distributed.initialize()  # (0, 1) and nothing done with one rank
+  if io.world > 1 and (control.save_at is not None or control.resume_dir is not None):
+    raise ValueError(f"save_checkpoint_at_step/resume_from with {io.world} ranks: checkpoints of multi-rank sides "
+                     "are not supported yet; run --resume-at with --nproc 1")
+  trainer = Trainer.build(io.run, io.init_params(), mesh=distributed.global_mesh() if io.world > 1 else None)
+  return trainer, _Ranks(io, trainer)
+
+
 def run_side(io: SideIO) -> int:
   """Trains one run; returns the process exit code."""
   import jax
   from jax_impl import checkpoint, offload
-  from jax_impl.step import Trainer
 
   control = io.control()  # refusals (bad keys, a checkpoint of another run) end here, as 'crashed'
   train = io.run.train
   batches, val = io.training_batches()  # shapes checked (parity.protocol.side.check_batch_shapes)
-  trainer = Trainer.build(io.run, io.init_params())
+  trainer, ranks = _build(io, control)
   if control.resume_dir is not None:
     trainer.state = checkpoint.restore_train_state(control.resume_dir, trainer.state, trainer.shardings)
   io.ready()
@@ -60,21 +91,22 @@ def run_side(io: SideIO) -> int:
       io.before_step(step, poison=trainer.poison)
       t0 = time.perf_counter()
       forced = {"force_overflow": True} if io.forced_overflow(step) else {}
-      metrics = trainer.step(batches[step], **forced)  # loss, grad_norm, lr (+ loss_scale, skipped in fp16)
+      # loss, grad_norm, lr (+ loss_scale, skipped in fp16)
+      metrics = trainer.step(ranks.batch(batches[step]), **forced)
       step_time_s = time.perf_counter() - t0
-      val_loss = trainer.evaluate(val) if io.is_eval_step(step) else None
+      val_loss = trainer.evaluate(ranks.batch(val)) if io.is_eval_step(step) else None
       if not io.record(step, step_time_s=step_time_s, val_loss=val_loss, **metrics):
         status = "nan"
         break
       if not metrics.get("skipped") and moments_error is None:
         try:  # the params rule falls back to its per-tensor form without them, and says so
-          sens.add(trainer.canonical_moments(), float(metrics["lr"]))
+          sens.add(ranks.read(trainer.canonical_moments), float(metrics["lr"]))
         except (ValueError, KeyError) as exc:
           moments_error = f"{type(exc).__name__}: {exc}"
       if step == control.save_at:
         with jax.transfer_guard("allow"):  # orbax reads the state to host memory
           io.save_checkpoint(step, lambda folder: checkpoint.save_train_state(folder, trainer.state), _versions())
-  device = trainer.placement.mesh.devices.flat[0]
+  device = trainer.placement.mesh.devices.flat[0] if io.world == 1 else jax.local_devices()[0]
   extra = {"state_memory_kinds": offload.state_memory_kinds(trainer.state),
            "memory_analysis": trainer.memory_analysis,
            "offload_evidence": trainer.offload_evidence(),
@@ -85,11 +117,12 @@ def run_side(io: SideIO) -> int:
            "plan": to_dict(io.run.jax)}
   moments = None
   if status == "ok" and moments_error is None:
-    rms = trainer.canonical_moments()
+    rms = ranks.read(trainer.canonical_moments)
     moments = {"grad_rms": rms, "sensitivity": sens.result(rms)}
   elif moments_error is not None:
     extra["moments_error"] = moments_error
-  io.finish(status, final_params=trainer.canonical_params() if status == "ok" else None, final_moments=moments,
+  final = ranks.read(trainer.canonical_params) if status == "ok" else None
+  io.finish(status, final_params=final, final_moments=moments,
             error="non-finite loss or grad_norm" if status == "nan" else None,
             versions=_versions(), device=str(device), peak_device_bytes=_peak_device_bytes(device),
             state_bytes_by_memory_kind=offload.bytes_by_memory_kind(trainer.state, device), extra=extra)

@@ -36,6 +36,7 @@ With precision 'fp16' it does what DeepSpeed's fp16 engine does, not torch's Gra
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -172,9 +173,11 @@ class TorchTrainer:
   side = "torch"
 
   def __init__(self, run: RunSpec, params: dict[str, np.ndarray]):
+    from torch_impl.distributed import init_process_group
     t = run.train
     self.run = run
-    self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    self.world = init_process_group()  # 1 unless torchrun started this process as one of several ranks
+    self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     # bf16/fp16: the fp32 masters start rounded to the compute dtype, as DeepSpeed's do
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
     self.optimizer = build_optimizer(decay_groups(self.model, t.weight_decay), t)
@@ -193,6 +196,20 @@ class TorchTrainer:
       halves = dict(self.half_model.named_parameters())
       names = {id(p): n for n, p in self.model.named_parameters()}
       self._half_params = [halves[names[id(p)]] for p in self.params]  # aligned with self.params
+    self.ddp = self._data_parallel()
+    """With several ranks (torchrun): DistributedDataParallel around the module forward and backward run on, which
+    averages the gradients over ranks in backward (docs/multirank.md); None with one rank."""
+
+  def _data_parallel(self):
+    """DDP of the compute module when this process is one of several ranks (torch.distributed set up first)."""
+    if self.world == 1:
+      return None
+    from torch.nn.parallel import DistributedDataParallel
+    return DistributedDataParallel(self.half_model if self.half_model is not None else self.model)
+
+  def _sync(self, last: bool):
+    """Context of one micro batch's backward: DDP reduces the gradients only after the last one (`no_sync` before)."""
+    return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
 
 
   def step(self, micro_batches: np.ndarray, *, probe: bool = False,
@@ -223,10 +240,12 @@ class TorchTrainer:
     lr = self._set_hparams()
     self.optimizer.zero_grad(set_to_none=True)
     losses = []
-    for mb in micro_batches:
+    forward = self.ddp or self.model
+    for i, mb in enumerate(micro_batches):
       tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
-      loss = lm_loss(self.model(tokens[:, :-1]), tokens[:, 1:])
-      (loss / t.grad_accum_steps).backward()
+      with self._sync(i == len(micro_batches) - 1):
+        loss = lm_loss(forward(tokens[:, :-1]), tokens[:, 1:])
+        (loss / t.grad_accum_steps).backward()
       losses.append(float(loss.detach()))
     norm = global_grad_norm(self.params)
     clip_like_deepspeed(self.params, t.grad_clip, norm)
@@ -247,10 +266,12 @@ class TorchTrainer:
     multiplier = scale * (float("inf") if force_overflow else 1.0)
     self.half_model.zero_grad(set_to_none=True)
     losses = []
-    for mb in micro_batches:
+    forward = self.ddp or self.half_model
+    for i, mb in enumerate(micro_batches):
       tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
-      loss = lm_loss(self.half_model(tokens[:, :-1]), tokens[:, 1:])  # float32 (logits cast up)
-      ((loss / t.grad_accum_steps) * multiplier).backward()  # DeepSpeed: loss / GAS, then .float() * scale
+      with self._sync(i == len(micro_batches) - 1):
+        loss = lm_loss(forward(tokens[:, :-1]), tokens[:, 1:])  # float32 (logits cast up)
+        ((loss / t.grad_accum_steps) * multiplier).backward()  # DeepSpeed: loss / GAS, then .float() * scale
       losses.append(float(loss.detach()))
     grads16 = [h.grad for h in self._half_params]
     self.half_model.zero_grad(set_to_none=True)

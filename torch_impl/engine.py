@@ -1,4 +1,5 @@
-"""The DeepSpeed side: environment, config from the spec, engine, and one training step.
+"""The DeepSpeed side: engine and one training step (environment: torch_impl.distributed; config from the spec:
+torch_impl.ds_config; both re-exported here).
 
 The engine is built from a `parity.spec.RunSpec` (or a user's resolved DeepSpeed config, checked against the spec): `ds_config` maps the
 spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.numerics.schedule`,
@@ -31,152 +32,23 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
 """
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from harness.env import build_environ
 from parity.numerics import schedule
 from parity.spec import RunSpec
 from parity.weights import param_shapes
 from torch_impl import memory
+from torch_impl.distributed import setup_distributed
+from torch_impl.ds_config import (  # noqa: F401 (re-exported)
+    ACTIVATION_CHECKPOINTING, MSG_FP16_STAGE0, MSG_LAMB_CPU, STEPS_PER_PRINT, ds_config, fp16_config,
+    has_optimizer_section, per_rank_config)
 from torch_impl.model import build_model, decay_groups, lm_loss
 
-__all__ = ["setup_distributed", "ds_config", "fp16_config", "build_engine", "torch_step", "eval_loss", "final_fp32_params",
-           "optimizer_classes", "engine_state_bytes", "DeepSpeedTrainer"]
-
-STEPS_PER_PRINT = 10**9
-"""DeepSpeed prints a progress line every this many steps; effectively never."""
-
-
-ACTIVATION_CHECKPOINTING = {"partition_activations": False, "cpu_checkpointing": False,
-                            "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
-                            "profile": False}
-"""The config's activation_checkpointing section under DeepSpeedPlan.activation_checkpointing: recompute each
-block, keep its input on the device (no model-parallel partitioning, no CPU copy: a single data-parallel rank)."""
-
-
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def setup_distributed() -> str:
-  """Prepares this process for DeepSpeed and initialises torch.distributed.
-
-  Without CUDA, sets DS_ACCELERATOR=cpu (it must be set before deepspeed is
-  imported) and uses the gloo backend; with CUDA, nccl. The single-process
-  rendezvous variables (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK=0,
-  WORLD_SIZE=1, LOCAL_RANK=0) are set only where absent, so processes started
-  by `deepspeed` or `torchrun` keep theirs. The op-build environment is
-  `harness.env.build_environ`'s, and op builds go through `torch_impl.ops`'s
-  hooks (stale locks removed, progress reported). Idempotent.
-
-  Returns:
-    The torch.distributed backend name ('gloo' or 'nccl').
-  """
-  cuda = torch.cuda.is_available()
-  if not cuda:
-    os.environ["DS_ACCELERATOR"] = "cpu"
-  # DeepSpeed JIT-builds its ops into TORCH_EXTENSIONS_DIR with the first ninja on PATH: the one environment
-  # every process of this virtualenv builds in (harness.env), so no call path rebuilds another's ops.
-  build_environ(os.environ)
-  os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-  if "MASTER_PORT" not in os.environ:
-    os.environ["MASTER_PORT"] = str(_free_port())
-  for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-    os.environ.setdefault(key, value)
-  import deepspeed
-  from torch_impl import ops
-  ops.install_build_hooks()  # stale build locks cleared, builds shown in the progress line and kept off the clock
-  backend = "nccl" if cuda else "gloo"
-  if cuda:
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-  deepspeed.init_distributed(dist_backend=backend)
-  return backend
-
-
-MSG_LAMB_CPU = ("train.optimizer='lamb' on the DeepSpeed side: DeepSpeed's Lamb is FusedLamb, a CUDA-only op, and this "
-                "machine has no CUDA device; run --sides jax,torch (both run DeepSpeed's Lamb formula) or use a GPU.")
-
-
-def ds_config(run: RunSpec) -> dict[str, Any]:
-  """The DeepSpeed config dict equivalent to a RunSpec.
-
-  Args:
-    run: the resolved run (model, train, deepspeed plan).
-  Returns:
-    A JSON-ready dict for `deepspeed.initialize(config=...)`. The optimizer block is
-    `parity.numerics.schedule.deepspeed_optimizer(run.train)`; the scheduler block is
-    `parity.numerics.schedule.deepspeed_scheduler(run.train)` (by default WarmupCosineLR with
-    linear warmup over train.steps). The global batch is left for DeepSpeed to derive
-    (micro x accumulation x world size).
-  Raises:
-    ValueError: train.optimizer 'lamb' without CUDA (MSG_LAMB_CPU).
-  """
-  t, plan = run.train, run.deepspeed
-  if t.optimizer == "lamb" and not torch.cuda.is_available():
-    raise ValueError(MSG_LAMB_CPU)
-  zero: dict[str, Any] = {"stage": plan.zero_stage}
-  if plan.offload_optimizer == "cpu":
-    zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-  if plan.zero_stage == 3 and plan.offload_param == "cpu":
-    zero["offload_param"] = {"device": "cpu", "pin_memory": False}
-  cfg: dict[str, Any] = {
-      "train_micro_batch_size_per_gpu": t.micro_batch_size,
-      "gradient_accumulation_steps": t.grad_accum_steps,
-      "optimizer": schedule.deepspeed_optimizer(t),
-  }
-  scheduler = schedule.deepspeed_scheduler(t)
-  if scheduler is not None:  # 'Constant': no scheduler block, the optimizer lr throughout
-    cfg["scheduler"] = scheduler
-  if plan.activation_checkpointing:
-    cfg["activation_checkpointing"] = dict(ACTIVATION_CHECKPOINTING)
-  if t.optimizer == "sgd" and plan.offload_optimizer == "cpu":  # DeepSpeed offloads only its own CPU optimizers
-    cfg["zero_force_ds_cpu_optimizer"] = False
-  if t.optimizer in ("sgd", "lamb") and plan.zero_stage >= 1:  # DeepSpeed asserts on optimizers it did not test
-    cfg["zero_allow_untested_optimizer"] = True
-  return {
-      **cfg,
-      "gradient_clipping": t.grad_clip,
-      "zero_optimization": zero,
-      "bf16": {"enabled": t.precision == "bf16"},
-      "fp16": fp16_config(t),
-      "steps_per_print": STEPS_PER_PRINT,
-      "wall_clock_breakdown": False,
-  }
-
-
-def fp16_config(train) -> dict[str, Any]:
-  """DeepSpeed's `fp16` block for a TrainSpec ({"enabled": False} unless precision is 'fp16').
-
-  Args:
-    train: a parity.spec.TrainSpec.
-  Returns:
-    {"enabled": True, "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-    "consecutive_hysteresis", "min_loss_scale"} (DeepSpeed `runtime/precision_config.py`
-    `DeepSpeedFP16Config`), or {"enabled": False}.
-  Raises:
-    ValueError: train.min_loss_scale is not a whole number (DeepSpeed's fp16.min_loss_scale is an int).
-  """
-  if train.precision != "fp16":
-    return {"enabled": False}
-  if float(train.min_loss_scale) != int(train.min_loss_scale):
-    raise ValueError(f"train.min_loss_scale={train.min_loss_scale}: DeepSpeed's fp16.min_loss_scale is an integer; "
-                     "use a whole number (default 1)")
-  return {"enabled": True, "loss_scale": float(train.loss_scale), "initial_scale_power": train.initial_scale_power,
-          "loss_scale_window": train.loss_scale_window, "hysteresis": train.hysteresis,
-          "consecutive_hysteresis": train.consecutive_hysteresis, "min_loss_scale": int(train.min_loss_scale)}
-
-
-MSG_FP16_STAGE0 = ("train.precision='fp16' with deepspeed.zero_stage=0: DeepSpeed then wraps the optimizer in "
-                   "FP16_Optimizer, whose loss scale halves on every overflow (fp16.hysteresis ignored) and never "
-                   "raises at the minimum, unlike the DynamicLossScaler of ZeRO stages 1-3 that the other sides "
-                   "reproduce. Use deepspeed.zero_stage >= 1 (e.g. 2) for an fp16 comparison.")
+__all__ = ["setup_distributed", "ds_config", "fp16_config", "build_engine", "torch_step", "eval_loss",
+           "final_fp32_params", "optimizer_classes", "engine_state_bytes", "DeepSpeedTrainer", "per_rank_config"]
 
 
 def _allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
@@ -319,7 +191,6 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
     if int((config.get("zero_optimization") or {}).get("stage", 0)) == 0:
       raise ValueError(MSG_FP16_STAGE0)
   setup_distributed()
-  import deepspeed
   if run.train.precision == "fp16":
     _allow_fp16_on_cpu(config)
   model = build_model(run.model, params)
@@ -329,11 +200,6 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   engine = initialize(model, groups, config, run.train)
   _check_engine(engine, run, client=not has_optimizer_section(config))
   return engine
-
-
-def has_optimizer_section(config: dict[str, Any]) -> bool:
-  """True when DeepSpeed builds the optimizer from the config (an `optimizer` object with a `type`)."""
-  return isinstance(config.get("optimizer"), dict) and "type" in config["optimizer"]
 
 
 def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
@@ -506,9 +372,10 @@ class DeepSpeedTrainer:
   side = "deepspeed"
 
   def __init__(self, run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None):
+    from parity.protocol.ranks import rank_env
     self.run = run
-    self.engine = build_engine(run, params, config)
-    self.config = ds_config(run) if config is None else config
+    self.config = per_rank_config(ds_config(run) if config is None else config, rank_env()[1])
+    self.engine = build_engine(run, params, self.config)
     self._snapshots: list[memory.StateBytes] = []
 
   @property

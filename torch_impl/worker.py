@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from parity.verdict.params import AdamSensitivity
+from parity.protocol.ranks import rank_rows
 from parity.protocol.side import SideIO, main_guard
 
 EXIT_OK, EXIT_NAN = 0, 3
@@ -64,11 +65,28 @@ def _finish_kwargs(trainer) -> dict:
           "extra": {"state_bytes_by_category": state, "op_build_s": ops.build_s(), **info}}
 
 
+def _rank_batch(io: SideIO, batches: np.ndarray, step: int) -> np.ndarray:
+  """This rank's rows of step `step`'s micro batches, (A, micro_batch_size / world, T + 1) uint16: all of them with
+  one rank; rank k of N reads rows [k*m, (k+1)*m) of each micro batch, m = micro_batch_size / N (docs/multirank.md)."""
+  if io.world == 1:
+    return np.asarray(batches[step])
+  return np.asarray(batches[step, :, rank_rows(io.run.train.micro_batch_size, io.rank, io.world)])
+
+
+def _check_ranks(io: SideIO, control) -> None:
+  """Refuses what a multi-rank torch side does not do yet: checkpoints (each rank would write its own)."""
+  if io.world > 1 and (control.save_at is not None or control.resume_dir is not None):
+    raise ValueError(f"save_checkpoint_at_step/resume_from with {io.world} ranks: checkpoints of multi-rank sides "
+                     "are not supported yet; run --resume-at with --nproc 1")
+
+
 def side_main(io: SideIO) -> int:
   """Trains one torch side as the request describes; returns the exit code."""
   import torch
   from torch_impl import checkpoint
+  from torch_impl.distributed import world_mean
   control = io.control()  # refusals (bad keys, a checkpoint of another run) end here, as 'crashed'
+  _check_ranks(io, control)
   t = io.run.train
   _determinism(t.seed)
   trainer = _make_trainer(io, io.init_params())
@@ -82,12 +100,13 @@ def side_main(io: SideIO) -> int:
   sens, moments_error = AdamSensitivity(t.eps), None  # per-element Adam sensitivity for the params rule
   for step in control.steps():
     io.before_step(step, poison=trainer.poison)
-    micro = np.asarray(batches[step])
+    micro = _rank_batch(io, batches, step)
     sync()
     t0 = time.perf_counter()
     forced = {"force_overflow": True} if io.forced_overflow(step) else {}
     probe = step == control.first_step  # the first step is outside the median step time
     metrics = trainer.step(micro, probe=probe, **forced)
+    metrics["loss"] = world_mean(metrics["loss"])  # several ranks: the whole micro batch's loss (rank means averaged)
     sync()
     dt = time.perf_counter() - t0
     val_loss = trainer.eval_loss(val) if val is not None and io.is_eval_step(step) else None

@@ -58,6 +58,7 @@ def register(sub) -> None:
                  help="also checkpoint each side at STEP in that rerun, resume in a new process and check the rest "
                       "of the run is bit-identical to the uninterrupted one (default: no resume check)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on a terminal)")
+  _add_rank_flags(p)
   add_allow_large(p)
   p.add_argument("--allow-cpu", action="store_true",
                  help="run even when CUDA is present but the JAX or torch side would run on the CPU (no CUDA "
@@ -73,6 +74,20 @@ def register(sub) -> None:
   p.set_defaults(handler=run_compare)
 
 
+def _add_rank_flags(p) -> None:
+  """--nproc, --nnodes, --node-rank, --coordinator, --hostfile (docs/multirank.md: the commands they become)."""
+  p.add_argument("--nproc", type=count_arg, default=1, metavar="N",
+                 help="ranks per side on this host: torchrun for deepspeed/torch (DDP), N JAX processes under "
+                      "jax.distributed; the global batch stays the 1-rank run's (default 1)")
+  p.add_argument("--nnodes", type=count_arg, default=1, help="hosts in the job (torchrun --nnodes; default 1)")
+  p.add_argument("--node-rank", type=int, default=0, help="this host's index (torchrun --node-rank; default 0)")
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="rendezvous every host reaches: torchrun --master-addr/--master-port and "
+                      "jax.distributed.initialize's coordinator (default: a free port on 127.0.0.1)")
+  p.add_argument("--hostfile", metavar="FILE", help="DeepSpeed hostfile: the DeepSpeed side runs through the "
+                                                   "`deepspeed` launcher with it (default: torchrun)")
+
+
 def run_compare(args: argparse.Namespace) -> int:
   """`parity compare`: runs parity.pipeline.compare.compare and prints the summary. Returns the report's exit code."""
   from parity.pipeline.compare import compare
@@ -82,7 +97,8 @@ def run_compare(args: argparse.Namespace) -> int:
                    hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
                    hardware=args.hardware, noise_envelope=args.noise_envelope,
                    determinism_steps=args.determinism_steps, resume_at=args.resume_at, force=args.force,
-                   command=" ".join(["parity", *sys.argv[1:]]),
+                   command=" ".join(["parity", *sys.argv[1:]]), nproc=args.nproc, nnodes=args.nnodes,
+                   node_rank=args.node_rank, coordinator=args.coordinator, hostfile=args.hostfile,
                    allow_cpu=args.allow_cpu, baseline=args.baseline, trackers=args.tracker)
   print_summary(report, console())
   _print_post(report, console())

@@ -17,6 +17,7 @@ from harness import backend, doctor, runner
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
+from parity.protocol.ranks import check_nproc, write_launch
 from parity.report import Report, build_report, write_all
 from parity.report.after import PostRun
 from parity.report.progress import progress_display, run_notes, show_reruns
@@ -52,6 +53,8 @@ class RunOptions:
       run_comparison starts.
     allow_cpu: run even where CUDA is present but a side would run on the CPU (harness.backend.check_backends;
       PARITY_ALLOW_CPU=1 does the same).
+    nproc, nnodes, node_rank, coordinator, hostfile: ranks per side (docs/multirank.md): nproc ranks on this host,
+      the global batch kept; several hosts through the engines' launchers (parity.protocol.ranks.write_launch).
     baseline: a finished run folder or card.json to gate this run against once its report is written
       (parity.report.gate; gate.json/gate.md in the run folder, Report.post.gate; exit 1 when a metric moved).
     trackers: 'KIND:TARGET' specs (tensorboard:DIR, wandb:PROJECT, mlflow:EXPERIMENT) to mirror each side's
@@ -67,6 +70,11 @@ class RunOptions:
   force: bool = False
   command: str | None = None
   started_s: float | None = None
+  nproc: int = 1
+  nnodes: int = 1
+  node_rank: int = 0
+  coordinator: str | None = None
+  hostfile: str | None = None
   allow_cpu: bool = False
   baseline: str | Path | None = None
   trackers: Sequence[str] = ()
@@ -79,7 +87,9 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
             timeout_s: float | None = None, progress: bool = True, hf_model: str | Path | None = None,
             deepspeed_config: str | Path | None = None, plan: str | None = None,
             hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
-            resume_at: int | None = None, force: bool = False, command: str | None = None,
+            resume_at: int | None = None, force: bool = False, command: str | None = None, nproc: int = 1,
+            nnodes: int = 1, node_rank: int = 0, coordinator: str | None = None,
+            hostfile: str | None = None,
             allow_cpu: bool = False, baseline: str | Path | None = None, trackers: Sequence[str] = ()) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report: `resolve_run` then
   `run_comparison`, the keyword form for notebooks and the CLI.
@@ -98,9 +108,10 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
       fits `hardware` by the memory model (parity.sizing.plans.choose_plan); the choice is recorded in the report.
     hardware: a parity.sizing.plans.HARDWARE preset, for plan='auto'.
     baseline, trackers: the regression gate and the tracker mirror run after the report (RunOptions fields).
-    out, perturb, timeout_s, progress, noise_envelope, determinism_steps, resume_at, force, command: how it runs,
-      the RunOptions fields of the same names. progress is on by default (a bar on a terminal, a timestamped line
-      per side and phase elsewhere, e.g. a notebook); pass progress=False for a quiet call.
+    out, perturb, timeout_s, progress, noise_envelope, determinism_steps, resume_at, force, command, nproc, nnodes,
+      node_rank, coordinator, hostfile: how it runs, the RunOptions fields of the same names. progress is on by
+      default (a bar on a terminal, a timestamped line per side and phase elsewhere, e.g. a notebook); pass
+      progress=False for a quiet call.
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
@@ -112,7 +123,8 @@ def compare(preset: str | None = None, *, config: str | Path | Mapping | None = 
   """
   options = RunOptions(out=out, perturb=perturb, timeout_s=timeout_s, progress=progress, noise_envelope=noise_envelope,
                        determinism_steps=determinism_steps, resume_at=resume_at, force=force, command=command,
-                       started_s=time.time(),
+                       started_s=time.time(), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                       coordinator=coordinator, hostfile=hostfile,
                        allow_cpu=allow_cpu, baseline=baseline, trackers=tuple(trackers))
   run = resolve_run(preset, config=config, hf_model=hf_model, plan=plan, hardware=hardware,
                     deepspeed_config=deepspeed_config, steps=steps, sides=sides, data=data, overrides=overrides)
@@ -136,7 +148,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   check_run_options(spec, pert, options)
   devices = backend.check_backends(spec.sides, options.allow_cpu)  # CUDA here but a side on the CPU: refused
   post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
-  folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
+  folder = _open_folder(run, options, pert)  # the run's inputs, and launch.json with its ranks (docs/multirank.md)
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
     doctor.write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)  # before any side
@@ -202,6 +214,7 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
   if resume_at is not None and not 0 <= resume_at <= t.steps - 2:
     raise SpecError(f"--resume-at must be a step in [0, train.steps - 2 = {t.steps - 2}] (the resumed run needs "
                     f"at least one step left); got {resume_at}")
+  _check_ranks(spec, pert, options)
   for side, kv in pert.items():
     for key, value in kv.items():
       steps = value if key in STEP_LIST_KEYS else [value] if key.endswith("_at_step") else None
@@ -215,3 +228,29 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
     if "overflow_at_steps" in kv and precision != "fp16":
       raise SpecError(f"--perturb {side}:overflow_at_steps needs loss scaling: that side runs "
                       f"train.precision={precision!r}; use 'fp16'")
+
+
+def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
+  """parity.pipeline.folder.open_run_folder, then run_dir/launch.json from the rank options
+  (parity.protocol.ranks.write_launch; none for one rank). Returns the PreparedRun."""
+  folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
+  write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
+               node_rank=options.node_rank, hostfile=str(Path(options.hostfile).resolve()) if options.hostfile else None)
+  return folder
+
+
+def _check_ranks(spec: RunSpec, pert: dict, options: RunOptions) -> None:
+  """--nproc and its companions (parity.protocol.ranks.check_nproc), --resume-at and fault_rank against them."""
+  check_nproc(spec.train, options.nproc, nnodes=options.nnodes, jax_data_parallel=spec.jax.data_parallel)
+  world = options.nproc * options.nnodes
+  if not 0 <= options.node_rank < options.nnodes:
+    raise SpecError(f"--node-rank must be in [0, --nnodes - 1 = {options.nnodes - 1}]; got {options.node_rank}")
+  if options.hostfile is not None and not Path(options.hostfile).is_file():
+    raise SpecError(f"--hostfile {options.hostfile}: no such file (a DeepSpeed hostfile: 'host slots=N' per line)")
+  if world > 1 and options.resume_at is not None:
+    raise SpecError(f"--resume-at with --nproc {options.nproc}: checkpoints of multi-rank sides are not supported "
+                    "yet; run the resume check with --nproc 1")
+  for side, kv in pert.items():
+    if "fault_rank" in kv and not kv["fault_rank"] < world:
+      raise SpecError(f"--perturb {side}:fault_rank={kv['fault_rank']}: the side has ranks 0..{world - 1} "
+                      f"(--nproc {options.nproc})")

@@ -28,6 +28,7 @@ from typing import Any
 
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, REQUEST_SCHEMA,  # noqa: F401 (the doctest)
                                     read_checkpoint_meta, read_summary)
+from parity.protocol.ranks import LAUNCH_FILE
 from parity.spec import RunSpec, to_dict
 
 __all__ = ["CONTROL_KEYS", "STATE_LAYOUT_KEYS", "ControlError", "RunControl", "derive_request", "parse_control",
@@ -161,6 +162,9 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
     request["perturb"] = {side: dict(kv) for side, kv in perturb.items()}
   path = out / "request.json"
   path.write_text(json.dumps(request, indent=2))
+  launch = run_dir / LAUNCH_FILE  # a rerun runs with the ranks of the run it derives from
+  if launch.exists():
+    (out / LAUNCH_FILE).write_text(launch.read_text())
   return path
 
 

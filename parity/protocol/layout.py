@@ -38,7 +38,8 @@ from parity import weights
 
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "FINAL_MOMENTS",
            "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA", "parse_debug_value",
-           "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL"]
+           "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
+           "PLANTED_HANG"]
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"
@@ -47,10 +48,13 @@ LAUNCH_ENV = "PARITY_LAUNCH_TIME"
 PLANTED_KILL = "[parity] planted kill"
 """What a worker writes to stderr just before the fault injection kill_at_step kills it, so the harness reports the
 kill as planted, not as one from outside or the OOM killer."""
-DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps")
+PLANTED_HANG = "[parity] planted hang"
+"""What a worker writes to stderr when the fault injection hang_at_step stops it, so a hang is named as planted."""
+DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps", "fault_rank")
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
-the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would."""
+the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would.
+`fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md)."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
 
@@ -80,7 +84,8 @@ def parse_debug_value(key: str, value: Any) -> int | tuple[int, ...]:
       raise ValueError(f"{key} takes a list of step numbers (integers >= 0); got {value!r}")
     return tuple(sorted(set(items)))
   if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-    raise ValueError(f"{key} takes a step number (an integer >= 0); got {value!r}")
+    raise ValueError(f"{key} takes a {'rank' if key == 'fault_rank' else 'step'} number (an integer >= 0); "
+                     f"got {value!r}")
   return value
 
 

@@ -26,8 +26,9 @@ from parity import weights
 
 from parity.numerics import schedule
 from parity.protocol.control import RunControl, parse_control
+from parity.protocol.ranks import rank_env, rank_stderr, write_rank_record
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, CHECKPOINT_SCHEMA, DEBUG_KEYS, FINAL_MOMENTS,
-                                    LAUNCH_ENV, PLANTED_KILL, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value)
+                                    LAUNCH_ENV, PLANTED_HANG, PLANTED_KILL, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value)
 from parity.protocol.workers import SIDE_WORKERS
 from parity.spec import RunSpec, TrainSpec, apply_overrides, config_hash, from_dict, to_dict
 
@@ -87,14 +88,27 @@ class SideIO:
     base = from_dict(RunSpec, self.request["run"])
     self.run = apply_overrides(base, perturb) if perturb else base
     self.perturbed = perturb
-    self._steps = open(self.out / "steps.jsonl", "w")
+    self.rank, self.world = rank_env()
+    """This process's rank and the side's world size (parity.protocol.ranks); only rank 0 writes the run's files."""
+    if self.world > 1:
+      self._own_stderr()
+      write_rank_record(self.out, self.rank, pid=os.getpid(), status="running", host=platform.node())
+    self._steps = open(self.out / "steps.jsonl" if self.rank == 0 else os.devnull, "w")
     self._step_times: list[float] = []
     self._t_ready: float | None = None
     self.compile_s = 0.0
     self.steps_done = 0
     self._control: RunControl | None = None
     self._checkpoint_info: dict[str, Any] | None = None
-    (self.out / "pid").write_text(str(os.getpid()))
+    if self.rank == 0:
+      (self.out / "pid").write_text(str(os.getpid()))
+
+  def _own_stderr(self) -> None:
+    """Multi-rank: moves this process's fd 2 to run_dir/<side>/rank<k>.stderr, so every rank's errors are its own."""
+    sys.stderr.flush()
+    fd = os.open(rank_stderr(self.out, self.rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
 
   # ------------------------------------------------------------------ run control
   def control(self) -> RunControl:
@@ -201,13 +215,18 @@ class SideIO:
     self._t_ready = time.time()
 
   def before_step(self, step: int, poison: Callable[[], None] | None = None) -> None:
-    """Applies injected faults scheduled for this step (testing only)."""
+    """Applies injected faults scheduled for this step (testing only); with `fault_rank`, on that rank only."""
+    if self.debug.get("fault_rank", self.rank) != self.rank:
+      return
+    who = f" of rank {self.rank}" if self.world > 1 else ""
     if self.debug.get("kill_at_step") == step:
       self._steps.flush()
-      sys.stderr.write(f"{PLANTED_KILL} at step {step} (perturb kill_at_step): SIGKILL to this worker\n")
+      sys.stderr.write(f"{PLANTED_KILL} at step {step} (perturb kill_at_step): SIGKILL to this worker{who}\n")
       sys.stderr.flush()
       os.kill(os.getpid(), signal.SIGKILL)
     if self.debug.get("hang_at_step") == step:
+      sys.stderr.write(f"{PLANTED_HANG} at step {step} (perturb hang_at_step){who}\n")
+      sys.stderr.flush()
       while True:
         time.sleep(3600)
     if self.debug.get("raise_at_step") == step:
@@ -242,8 +261,10 @@ class SideIO:
     """Writes final.safetensors and FINAL_MOMENTS (each when given; moments only with params) and summary.json.
 
     final_moments: {'grad_rms': ..., 'sensitivity': ...}, each canonical name -> float32 array (FINAL_MOMENTS).
-    Returns the summary.
+    Returns the summary. A rank other than 0 of a multi-rank side writes only its rank<k>.json (`_finish_rank`).
     """
+    if self.rank != 0:
+      return self._finish_rank(status, error)
     if final_params is not None:
       weights.save(final_params, self.out / "final.safetensors",
                    metadata={"side": self.side, **weights.spec_metadata(self.run.model)})
@@ -279,9 +300,20 @@ class SideIO:
         **self._control_summary(status),
         **(extra or {}),
     }
+    if self.world > 1:
+      summary["nproc"] = self.world
     self._steps.close()
     (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if self.world > 1:
+      self._finish_rank(status, error)
     return summary
+
+  def _finish_rank(self, status: str, error: str | None) -> dict:
+    """This rank's end in run_dir/<side>/rank<k>.json: status, error, steps, peak RSS (bytes); returns it."""
+    record = {"status": status, "error": error, "steps_completed": self.steps_done, "peak_rss_bytes": peak_rss_bytes()}
+    self._steps.close()
+    write_rank_record(self.out, self.rank, **record)
+    return {"side": self.side, "rank": self.rank, **record}
 
   def fail(self, exc: BaseException, **kw) -> dict:
     """Writes a 'crashed' summary: `error` is the exception's own one-line message (what a user reads in the

@@ -1,0 +1,264 @@
+"""A side with several ranks (`parity compare --nproc N`): the engines' own launchers, watched as one side.
+
+  deepspeed, torch   `torchrun` (torch.distributed.run) starts the N ranks: one host `--standalone` (a free port on
+                     localhost), several hosts `--nnodes K --node-rank R --master-addr H --master-port P`. The
+                     DeepSpeed side with a hostfile goes through DeepSpeed's own launcher instead
+                     (`deepspeed --hostfile F --master_addr H --master_port P --module ...`). Each rank reads RANK /
+                     WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the launcher; on CPU gloo, on CUDA nccl.
+  jax                JAX's multi-controller runtime has no launcher: the harness starts the N processes itself, each
+                     with RANK, WORLD_SIZE and PARITY_COORDINATOR (host:port), and each calls
+                     `jax.distributed.initialize(coordinator, num_processes, process_id)` (jax_impl/distributed.py).
+
+The launcher (torchrun) or every JAX rank is started by `harness.lifetime.spawn` (own session, bound to this
+process, own deadline); torchrun's ranks are its children, so killing the tree (`lifetime.kill_tree`) ends them.
+When a rank exits non-zero, torchrun stops the others and exits (its "Root Cause" block names the rank); for JAX the
+harness kills the other ranks itself. `fold_ranks` then names the failed rank in the side's summary: rank id, exit
+code or signal, the tail of its run_dir/<side>/rank<k>.stderr. Every rank's peak RSS (its rank<k>.json) goes into
+summary.json as `ranks`. Imports neither jax nor torch (docs/multirank.md has the exact commands).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+from harness import lifetime
+from parity.protocol.layout import PLANTED_HANG, PLANTED_KILL
+from parity.protocol.ranks import COORDINATOR_ENV, read_rank_records, rank_stderr
+
+__all__ = ["world_size", "torch_command", "jax_rank_envs", "launch_side", "fold_ranks", "Launched"]
+
+POLL_S = 0.1
+TAIL_CHARS = 3000
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+"""torchrun's report of the first rank that failed (torch.distributed.elastic ChildFailedError.format_msg)."""
+
+
+def world_size(launch: dict) -> int:
+  """Ranks of a side in all: nproc per host x hosts."""
+  return int(launch["nproc"]) * int(launch["nnodes"])
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _host_port(coordinator: str) -> tuple[str, str]:
+  host, _, port = coordinator.rpartition(":")
+  return host, port
+
+
+def torch_command(python: str, side: str, worker: str, request: str, launch: dict) -> list[str]:
+  """argv that starts the ranks of a torch side (deepspeed or torch) through the engine's launcher.
+
+  Args:
+    python: interpreter; worker: the side's worker module; request: run_dir/request.json.
+    launch: parity.protocol.ranks.read_launch's fields (nproc, nnodes, node_rank, coordinator, hostfile).
+  Returns:
+    [python, -m, harness.boot, torch.distributed.run, ...] (or deepspeed.launcher.runner with a hostfile for the
+    DeepSpeed side), ending in `-m WORKER REQUEST --side SIDE`.
+  """
+  tail = [worker, request, "--side", side]
+  boot = [python, "-m", "harness.boot"]
+  if side == "deepspeed" and launch.get("hostfile"):
+    cmd = boot + ["deepspeed.launcher.runner", "--hostfile", str(launch["hostfile"]),
+                  "--num_gpus", str(launch["nproc"])]
+    if launch.get("coordinator"):
+      host, port = _host_port(launch["coordinator"])
+      cmd += ["--master_addr", host, "--master_port", port]
+    return cmd + ["--module"] + tail
+  cmd = boot + ["torch.distributed.run", "--nproc-per-node", str(launch["nproc"]), "--max-restarts", "0"]
+  if int(launch["nnodes"]) > 1 or launch.get("coordinator"):
+    host, port = _host_port(launch.get("coordinator") or "127.0.0.1:29500")
+    cmd += ["--nnodes", str(launch["nnodes"]), "--node-rank", str(launch["node_rank"]), "--master-addr", host,
+            "--master-port", port]
+  else:
+    cmd += ["--standalone"]
+  return cmd + ["-m"] + tail
+
+
+def jax_rank_envs(launch: dict) -> list[dict[str, str]]:
+  """The environment of each JAX rank on this host: RANK (= node_rank * nproc + local rank), WORLD_SIZE,
+  LOCAL_RANK and PARITY_COORDINATOR (the launch's coordinator, or 127.0.0.1 and a free port)."""
+  nproc, world = int(launch["nproc"]), world_size(launch)
+  coordinator = launch.get("coordinator") or f"127.0.0.1:{_free_port()}"
+  first = int(launch["node_rank"]) * nproc
+  return [{"RANK": str(first + k), "WORLD_SIZE": str(world), "LOCAL_RANK": str(k), COORDINATOR_ENV: coordinator}
+          for k in range(nproc)]
+
+
+@dataclasses.dataclass
+class Launched:
+  """What the harness saw of a multi-rank side.
+
+  Attributes:
+    returncode: the launcher's exit code (torch sides) or the failed rank's (JAX; 0 when all exited 0).
+    rusage: the launcher's rusage (torch) or the largest JAX rank's, or None.
+    timed_out: the side ran past its timeout and was killed.
+    rank_codes: rank -> exit code seen directly (JAX ranks; torchrun's report for the torch sides).
+    rank_rss: rank -> peak RSS bytes from wait4 (JAX ranks only: the kernel's figure).
+    failed_rank: the first rank that exited non-zero, or None.
+  """
+  returncode: int | None
+  rusage: object
+  timed_out: bool
+  rank_codes: dict[int, int] = dataclasses.field(default_factory=dict)
+  rank_rss: dict[int, int] = dataclasses.field(default_factory=dict)
+  failed_rank: int | None = None
+
+
+def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict[str, str], timeout_s: float,
+                watch: Callable, on_progress=None) -> Launched:
+  """Starts a multi-rank side and waits for its end (the whole side is killed when one rank fails or hangs).
+
+  Args:
+    side: side name; cmd: the single-rank worker argv (`python -m harness.boot WORKER REQUEST --side S`).
+    launch: the launch fields; out: run_dir/<side>; env: the workers' environment.
+    timeout_s: the side's limit, seconds. watch: `harness.runner._watch` (polls one process, op builds off the clock).
+  Returns:
+    Launched. Raises whatever interrupts it (Ctrl-C) after killing every rank.
+  """
+  t0 = time.time()
+  with open(out / "stdout.log", "ab") as so, open(out / "stderr.log", "ab") as se:
+    if side != "jax":
+      python, worker, request = cmd[0], cmd[3], cmd[4]
+      argv = torch_command(python, side, worker, request, launch)
+      # the ranks build DeepSpeed ops without moving the launcher's own deadline (lifetime.extend_deadline is
+      # per process): it gets the build allowance up front; the harness's watch still enforces timeout_s
+      proc = lifetime.spawn(argv, stdout=so, stderr=se, env=env, timeout_s=timeout_s + lifetime.BUILD_LIMIT_S)
+      return _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress)
+    procs = [lifetime.spawn(cmd, stdout=so, stderr=se, env={**env, **renv}, timeout_s=timeout_s)
+             for renv in jax_rank_envs(launch)]
+  first = int(launch["node_rank"]) * int(launch["nproc"])
+  return _wait_ranks({first + k: p for k, p in enumerate(procs)}, side, out, t0, timeout_s, on_progress)
+
+
+def _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress) -> Launched:
+  try:
+    rc, rusage, timed_out = watch(proc, side, out, t0, timeout_s, on_progress)
+  except BaseException:
+    lifetime.kill_tree(proc.pid)
+    os.wait4(proc.pid, 0)
+    raise
+  finally:
+    lifetime.release(proc)
+  found = _ROOT_CAUSE.search(_tail(out / "stderr.log", 20000))
+  codes = {int(found.group(1)): int(found.group(2))} if found else {}
+  failed = next(iter(codes), None)
+  return Launched(rc, rusage, timed_out, rank_codes=codes, failed_rank=failed)
+
+
+def _wait_ranks(procs: dict, side: str, out: Path, t0: float, timeout_s: float, on_progress) -> Launched:
+  """Polls every JAX rank; the first one to exit non-zero (or the timeout) kills all of them."""
+  codes, rss, failed, timed_out, last, usages = {}, {}, None, False, -1, {}
+  try:
+    while len(codes) < len(procs):
+      for rank, p in procs.items():
+        if rank in codes:
+          continue
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+          codes[rank], usages[rank] = os.waitstatus_to_exitcode(status), usage
+          rss[rank] = usage.ru_maxrss * 1024
+          if codes[rank] != 0 and failed is None:
+            failed = rank
+            _kill_all(procs, codes)
+      if not timed_out and time.time() - t0 > timeout_s:
+        timed_out = True
+        _kill_all(procs, codes)
+      n = _count_lines(out / "steps.jsonl")
+      if on_progress is not None and n != last:
+        on_progress(side, n)
+        last = n
+      time.sleep(POLL_S)
+  except BaseException:
+    _kill_all(procs, codes)
+    for rank, p in procs.items():
+      if rank not in codes:
+        os.wait4(p.pid, 0)
+    raise
+  finally:
+    for p in procs.values():
+      lifetime.release(p)
+  rc = codes[failed] if failed is not None else max(codes.values(), key=abs)
+  biggest = max(usages.values(), key=lambda u: u.ru_maxrss) if usages else None
+  return Launched(rc, biggest, timed_out, rank_codes=codes, rank_rss=rss, failed_rank=failed)
+
+
+def _kill_all(procs: dict, done: dict) -> None:
+  for rank, p in procs.items():
+    if rank not in done:
+      lifetime.kill_tree(p.pid)
+
+
+def _tail(path: Path, n: int = TAIL_CHARS) -> str:
+  try:
+    return path.read_bytes()[-n:].decode("utf-8", "replace")
+  except OSError:
+    return ""
+
+
+def _count_lines(path: Path) -> int:
+  try:
+    with open(path, "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+def _code_text(code: int | None) -> str:
+  if code is None:
+    return "ended without a report"
+  if code < 0:
+    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+    return f"was killed by signal {name}"
+  return f"exited with code {code}"
+
+
+def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched, out: Path,
+               world: int) -> tuple[str, str | None, dict]:
+  """Adds `nproc` and `ranks` (one entry per rank: status, pid, peak RSS, exit code) to a side's summary, and names
+  the rank that failed or hung in its status and error.
+
+  Returns:
+    (status, error, summary): status 'killed' (a rank died by a signal), 'crashed' (a rank exited non-zero),
+    'timeout' (a rank hung: the side ran past its limit) or the side's own; error names the rank.
+  """
+  records = read_rank_records(out, world)
+  for rec in records:
+    k = rec["rank"]
+    if k in launched.rank_codes:
+      rec["exit_code"] = launched.rank_codes[k]
+    if k in launched.rank_rss:
+      rec["peak_rss_bytes_wait4"] = launched.rank_rss[k]
+    if rec.get("status") in (None, "running"):  # it wrote no end: what the harness or the launcher saw of it
+      code = rec.get("exit_code")
+      rec["status"] = ("not_started" if "pid" not in rec else "killed" if code is not None and code < 0
+                       else "crashed" if code else "stopped")
+  failed, hung = launched.failed_rank, None
+  if failed is None and status != "ok":
+    failed = next((r["rank"] for r in records if PLANTED_KILL in _tail(rank_stderr(out, r["rank"]))), None)
+  if launched.timed_out:
+    hung = next((r["rank"] for r in records if PLANTED_HANG in _tail(rank_stderr(out, r["rank"]))), None)
+  summary = {**summary, "nproc": world, "ranks": records}
+  who = failed if failed is not None else hung
+  if who is None or status == "ok":
+    return status, error, summary
+  stderr = _tail(rank_stderr(out, who))
+  code = launched.rank_codes.get(who)
+  if failed is not None:
+    what = _code_text(code) + (" (the planted --perturb kill_at_step)" if PLANTED_KILL in stderr else "")
+    status = "killed" if code is not None and code < 0 else "crashed"
+  else:
+    what = "hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else "hung"
+  error = (f"rank {who} of {world} {what}; the whole side was stopped. Its stderr "
+           f"({rank_stderr(out, who)}) ends:\n{stderr[-1500:]}")
+  summary.update(status=status, error=error, failed_rank={"rank": who, "exit_code": code, "stderr_tail": stderr})
+  return status, error, summary

@@ -1,0 +1,151 @@
+"""Multi-rank sides (`parity compare --nproc N`, docs/multirank.md): launch commands, the global-batch rule, and
+end to end on CPU: 2-rank runs of every side reach parity with the 1-rank run of the same command (fp32, the
+offload plan pair ZeRO-2 + offload_optimizer <-> JAX opt state in pinned_host sharded over the 2 processes), and a
+killed rank ends its side with a report naming it (exit 1)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_all
+from harness.ranks import jax_rank_envs, torch_command, world_size
+from parity.errors import SpecError
+from parity.protocol.control import derive_request
+from parity.protocol.ranks import LAUNCH_FILE, check_nproc, read_launch, rank_rows, write_launch
+from parity.spec import TrainSpec
+
+LAUNCH1 = {"nproc": 2, "nnodes": 1, "node_rank": 0, "coordinator": None, "hostfile": None}
+
+
+def test_torchrun_command_single_host_is_standalone():
+  cmd = torch_command("py", "torch", "torch_impl.worker", "/r/request.json", LAUNCH1)
+  assert cmd[:4] == ["py", "-m", "harness.boot", "torch.distributed.run"]
+  assert cmd[4:8] == ["--nproc-per-node", "2", "--max-restarts", "0"] and "--standalone" in cmd
+  assert cmd[-5:] == ["-m", "torch_impl.worker", "/r/request.json", "--side", "torch"]
+
+
+def test_multi_host_commands_pass_the_coordinator_and_hostfile_through():
+  two = {**LAUNCH1, "nnodes": 2, "node_rank": 1, "coordinator": "node0:29400"}
+  cmd = torch_command("py", "deepspeed", "torch_impl.worker", "req", two)
+  assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--node-rank") + 1] == "1"
+  assert cmd[cmd.index("--master-addr") + 1] == "node0" and cmd[cmd.index("--master-port") + 1] == "29400"
+  ds = torch_command("py", "deepspeed", "torch_impl.worker", "req", {**two, "hostfile": "/h/hostfile"})
+  assert ds[3] == "deepspeed.launcher.runner" and ds[ds.index("--hostfile") + 1] == "/h/hostfile"
+  assert ds[ds.index("--module") + 1] == "torch_impl.worker"
+  envs = jax_rank_envs({**two, "nproc": 2})  # this host's ranks are 2 and 3 of 4
+  assert [e["RANK"] for e in envs] == ["2", "3"] and {e["WORLD_SIZE"] for e in envs} == {"4"}
+  assert {e["PARITY_COORDINATOR"] for e in envs} == {"node0:29400"} and world_size(two) == 4
+
+
+def test_global_batch_rule_and_its_refusal():
+  rows = [rank_rows(4, k, 2) for k in range(2)]
+  assert [(r.start, r.stop) for r in rows] == [(0, 2), (2, 4)]  # the 1-rank micro batch, split in rank order
+  check_nproc(TrainSpec(micro_batch_size=4), 2)
+  with pytest.raises(SpecError, match=r"micro_batch_size=6.*multiple of 4"):
+    check_nproc(TrainSpec(micro_batch_size=6), 4)
+  with pytest.raises(SpecError, match="jax.data_parallel=2"):
+    check_nproc(TrainSpec(micro_batch_size=4), 2, jax_data_parallel=2)
+
+
+def test_deepspeed_config_per_rank_keeps_the_global_batch():
+  from conftest import HAS_TORCH
+  if not HAS_TORCH:
+    pytest.skip("torch not installed")
+  from torch_impl.ds_config import per_rank_config
+  cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "train_batch_size": 12}
+  two = per_rank_config(cfg, 2)
+  assert two["train_micro_batch_size_per_gpu"] * 2 * two["gradient_accumulation_steps"] == two["train_batch_size"]
+  assert per_rank_config(cfg, 1) is cfg
+  with pytest.raises(ValueError, match="does not split over 3 ranks"):
+    per_rank_config(cfg, 3)
+
+
+def test_launch_file_round_trip_and_reruns_inherit_it(tiny_run_dir):
+  rd, _ = tiny_run_dir(steps=2)
+  assert write_launch(rd) is None and read_launch(rd)["nproc"] == 1  # one rank: no file, today's path
+  write_launch(rd, nproc=2)
+  sub = derive_request(rd, "repeat", stop_after_step=0).parent
+  assert read_launch(sub)["nproc"] == 2 and (sub / LAUNCH_FILE).exists()
+
+
+# ----------------------------------------------------------------------------- end to end (CPU, gpt2-tiny)
+
+SIDES = ("jax", "deepspeed", "torch")
+STEPS = 3
+SETTINGS = {"jax.zero_stage": 2}
+"""The offload plan pair: the DeepSpeed side's default plan is ZeRO-2 + offload_optimizer cpu, the JAX side's keeps
+the optimizer state in pinned_host; jax.zero_stage=2 shards it (and the gradients) over the mesh's `data` axis,
+i.e. over the 2 processes at --nproc 2 (a 1-process mesh shards nothing, so the 1-rank run is the same plan)."""
+
+
+def _side(run_dir: Path, side: str) -> dict:
+  from parity import weights
+  from parity.protocol import read_moments, read_steps
+  out = run_dir / side
+  return {"status": json.loads((out / "summary.json").read_text())["status"], "steps": read_steps(out / "steps.jsonl"),
+          "final": weights.load(out / "final.safetensors"), "moments": read_moments(out)}
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory):
+  import parity
+  base = tmp_path_factory.mktemp("multirank")
+  reports = {n: parity.compare("gpt2-tiny", steps=STEPS, sides=list(SIDES), overrides=SETTINGS, out=base / f"n{n}",
+                               determinism_steps=0, nproc=n) for n in (1, 2)}
+  return base, reports
+
+
+@pytest.mark.slow
+@requires_all
+def test_two_ranks_reach_parity_with_one_rank(one_and_two_ranks):
+  from parity.pipeline.resolve import resolve
+  from parity.verdict.sides import compare_sides
+  base, reports = one_and_two_ranks
+  assert reports[1].passed and reports[2].passed, (reports[1].checks, reports[2].checks)
+  spec = resolve("gpt2-tiny", steps=STEPS, overrides=SETTINGS, sides=list(SIDES))
+  from parity import weights
+  init = weights.load(base / "n1" / "init.safetensors")
+  for side in SIDES:
+    pair = {f"{side}@1": _side(base / "n1", side), f"{side}@2": _side(base / "n2", side)}
+    checks, _ = compare_sides(pair, spec=spec, init=init)  # the project's own tolerances, 1 rank vs 2
+    bad = [c for c in checks if not c.passed]
+    assert not bad and len(pair[f"{side}@2"]["steps"]) == STEPS, (side, bad)
+    d = max(abs(a["loss"] - b["loss"]) for a, b in zip(*(p["steps"] for p in pair.values())))
+    print(f"{side}: max |dloss| 1 vs 2 ranks = {d:.3g}")
+
+
+@pytest.mark.slow
+@requires_all
+def test_two_rank_offload_pair_is_sharded_and_reports_every_rank(one_and_two_ranks):
+  base, _ = one_and_two_ranks
+  summaries = {s: json.loads((base / "n2" / s / "summary.json").read_text()) for s in SIDES}
+  for side, s in summaries.items():
+    assert s["nproc"] == 2 and [r["rank"] for r in s["ranks"]] == [0, 1], side
+    assert all(r["status"] == "ok" and r["peak_rss_bytes"] > 0 for r in s["ranks"]), s["ranks"]
+    assert not (base / "n2" / side / "rank1.stderr").read_text().count("Traceback")
+  jax = summaries["jax"]
+  assert jax["state_memory_kinds"]["opt_state"] == "pinned_host" and jax["mesh_devices"] == 2
+  assert jax["state_shardings"]["opt_state"]["sharded"] > 0  # the moments live split over the 2 processes
+  opt = summaries["deepspeed"]["optimizer"]
+  assert opt["zero_stage"] == 2 and opt["cpu_offload"] and opt["optimizer"] == "DeepSpeedCPUAdam"
+  assert summaries["deepspeed"]["ds_config"]["train_micro_batch_size_per_gpu"] == 2  # 4 rows / 2 ranks
+  assert not (base / "n1" / "jax" / "rank0.json").exists()  # one rank: today's files only
+
+
+@pytest.mark.slow
+@requires_all
+def test_killed_rank_is_named_and_fails_the_run(tmp_path):
+  import parity
+  pert = [f"{s}:{k}" for s in ("jax", "torch") for k in ("kill_at_step=1", "fault_rank=1")]
+  report = parity.compare("gpt2-tiny", steps=2, sides=["jax", "torch"], out=tmp_path / "run", perturb=pert,
+                          determinism_steps=0, nproc=2)
+  assert report.exit_code == 1 and not report.passed
+  md = (tmp_path / "run" / "report.md").read_text()
+  for side in ("jax", "torch"):
+    s = json.loads((tmp_path / "run" / side / "summary.json").read_text())
+    assert s["status"] == "killed" and s["failed_rank"]["rank"] == 1 and s["failed_rank"]["exit_code"] == -9
+    assert s["error"].startswith("rank 1 of 2 was killed by signal SIGKILL (the planted")
+    assert {r["rank"]: r["status"] for r in s["ranks"]}[1] == "killed"
+    assert f"{side}/rank1.stderr" in md  # the report names the rank and where its stderr is
