@@ -146,12 +146,10 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   else:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
-  devices = backend.check_backends(spec.sides, options.allow_cpu)  # CUDA here but a side on the CPU: refused
   post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
-  folder = _open_folder(run, options, pert)  # the run's inputs, and launch.json with its ranks (docs/multirank.md)
+  folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
   try:
-    doctor.write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)  # before any side
     with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
       loads: dict[str, dict] = {}
 
@@ -231,11 +229,20 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
 
 
 def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
-  """parity.pipeline.folder.open_run_folder, then run_dir/launch.json from the rank options
-  (parity.protocol.ranks.write_launch; none for one rank). Returns the PreparedRun."""
+  """The CPU-fallback check (harness.backend.check_backends: CUDA here but a side would run on the CPU is refused,
+  exit 2, before the folder exists), parity.pipeline.folder.open_run_folder, then run_dir/launch.json from the rank
+  options (parity.protocol.ranks.write_launch; none for one rank) and run_dir/environment.json (harness.doctor's
+  quick block). Returns the PreparedRun; its claim is released if a file after it cannot be written."""
+  devices = backend.check_backends(run.spec.sides, options.allow_cpu)
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
-  write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
-               node_rank=options.node_rank, hostfile=str(Path(options.hostfile).resolve()) if options.hostfile else None)
+  try:
+    write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
+                 node_rank=options.node_rank,
+                 hostfile=str(Path(options.hostfile).resolve()) if options.hostfile else None)
+    doctor.write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)
+  except BaseException:
+    folder.claim.release()
+    raise
   return folder
 
 
