@@ -46,8 +46,12 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
                     + ("; dotted: each side's own rounding noise (noise envelope)." if env else ".")), \
         P.delta_figure(_pairs(d, "loss"), title=f"per-step abs Δloss per pair · {t}", tolerance=tol,
                        tolerance_label="loss tolerance (atol)", envelopes=env)
+  gaps = sorted({st for s in d["sides"].values() for st, g in zip(s["series"]["step"], s["series"]["grad_norm"])
+                 if not isinstance(g, (int, float))})
+  gap_note = f"gaps: non-finite norm (inf/NaN, e.g. an fp16 overflow) at step(s) {', '.join(map(str, gaps))}" \
+      if gaps else None
   yield "grad_norm", "Global L2 norm of the gradient before clipping.", \
-      P.line_figure(_series_of(d, "grad_norm"), title=f"gradient norm · {t}", ylabel="grad norm")
+      P.line_figure(_series_of(d, "grad_norm"), title=f"gradient norm · {t}", ylabel="grad norm", note=gap_note)
   yield "lr", "Learning rate of each step.", P.line_figure(_series_of(d, "lr"), title=f"learning rate · {t}",
                                                           ylabel="learning rate")
   scales = [v for s in d["sides"].values() for v in s["series"]["loss_scale"] if isinstance(v, (int, float))]
