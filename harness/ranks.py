@@ -249,6 +249,11 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
     hung = next((r["rank"] for r in records if PLANTED_HANG in _tail(rank_stderr(out, r["rank"]))), None)
   summary = {**summary, "nproc": world, "ranks": records}
   who = failed if failed is not None else hung
+  if who is None and launched.timed_out:  # a real hang: every rank waits at a collective; say which were still there
+    running = [r["rank"] for r in records if r["status"] in ("stopped", "killed")]
+    error = f"{error}; ranks still running at the timeout: {running} (a rank that hangs stalls the others at the " \
+            "next collective)"
+    summary["error"] = error
   if who is None or status == "ok":
     return status, error, summary
   stderr = _tail(rank_stderr(out, who))

@@ -28,7 +28,8 @@ __all__ = ["initialize", "global_mesh", "global_batch", "Gathered"]
 
 
 def initialize(environ=os.environ) -> tuple[int, int]:
-  """Joins this process to the side's JAX job when WORLD_SIZE > 1; call before any JAX computation.
+  """Joins this process to the side's JAX job when WORLD_SIZE > 1; call before any JAX computation. Each process
+  owns one device, local device LOCAL_RANK (on a GPU node: one GPU per rank, as torchrun's ranks).
 
   Returns:
     (rank, world size); (0, 1) and nothing done with one rank.
@@ -43,7 +44,9 @@ def initialize(environ=os.environ) -> tuple[int, int]:
     raise ValueError(f"WORLD_SIZE={world} but {COORDINATOR_ENV} is unset: every JAX rank needs the coordinator's "
                      "host:port (the harness sets it; see docs/multirank.md)")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backend only; GPUs use NCCL
-  jax.distributed.initialize(coordinator_address=coordinator, num_processes=world, process_id=rank)
+  local = int(environ.get("LOCAL_RANK", 0))  # one device per process: GPU LOCAL_RANK on a GPU node (the CPU: its own)
+  jax.distributed.initialize(coordinator_address=coordinator, num_processes=world, process_id=rank,
+                             local_device_ids=[local])
   return rank, world
 
 

@@ -149,3 +149,35 @@ def test_killed_rank_is_named_and_fails_the_run(tmp_path):
     assert s["error"].startswith("rank 1 of 2 was killed by signal SIGKILL (the planted")
     assert {r["rank"]: r["status"] for r in s["ranks"]}[1] == "killed"
     assert f"{side}/rank1.stderr" in md  # the report names the rank and where its stderr is
+
+
+def _rank_files(out: Path, stderr1: str) -> None:
+  out.mkdir(parents=True)
+  (out / "rank0.json").write_text(json.dumps({"rank": 0, "pid": 10, "status": "running"}))
+  (out / "rank1.json").write_text(json.dumps({"rank": 1, "pid": 11, "status": "running"}))
+  (out / "rank1.stderr").write_text(stderr1)
+
+
+def test_fold_ranks_names_a_planted_hang_and_lists_ranks_of_a_real_one(tmp_path):
+  from harness.ranks import Launched, fold_ranks
+  from parity.protocol.layout import PLANTED_HANG
+  _rank_files(tmp_path / "a", f"{PLANTED_HANG} at step 2 (perturb hang_at_step) of rank 1\n")
+  hung = Launched(None, None, True, rank_codes={0: -9, 1: -9})
+  status, error, summary = fold_ranks({}, "timeout", "side exceeded its timeout", hung, tmp_path / "a", 2)
+  assert status == "timeout" and error.startswith("rank 1 of 2 hung (the planted --perturb hang_at_step)")
+  assert summary["failed_rank"]["rank"] == 1 and [r["status"] for r in summary["ranks"]] == ["killed", "killed"]
+  _rank_files(tmp_path / "b", "")
+  status, error, summary = fold_ranks({}, "timeout", "side exceeded its timeout", Launched(None, None, True),
+                                      tmp_path / "b", 2)
+  assert status == "timeout" and "ranks still running at the timeout: [0, 1]" in error and "failed_rank" not in summary
+
+
+def test_fold_ranks_names_a_crashed_rank_from_torchruns_report(tmp_path):
+  from harness.ranks import Launched, fold_ranks
+  _rank_files(tmp_path / "run", "Traceback ...\nRuntimeError: boom\n")
+  crashed = Launched(1, None, False, rank_codes={1: 1}, failed_rank=1)
+  status, error, summary = fold_ranks({"status": "crashed"}, "crashed", "worker exited with code 1", crashed,
+                                      tmp_path / "run", 2)
+  assert status == "crashed" and error.startswith("rank 1 of 2 exited with code 1; the whole side was stopped")
+  assert "RuntimeError: boom" in error and summary["nproc"] == 2
+  assert {r["rank"]: r["status"] for r in summary["ranks"]} == {0: "stopped", 1: "crashed"}
