@@ -3,6 +3,7 @@ interface (parity/report/trackers.py), on three real gpt2-tiny runs built once p
 baseline, a rerun of the same command gated against it, and a run with train.lr 1e-3 -> 1.1e-3 gated against it."""
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import json
@@ -25,6 +26,7 @@ def real_runs() -> dict[str, object]:
   two gated against the first through parity.compare(baseline=...). Built once per test session (~3 x 15-60 s)."""
   from parity.pipeline.compare import compare
   root = Path(tempfile.mkdtemp(prefix="parity-gate-runs-"))
+  atexit.register(shutil.rmtree, root, True)  # removed when the test session's process ends
   kw = dict(steps=STEPS, sides=["jax", "torch"], determinism_steps=0)
   base = compare("gpt2-tiny", overrides=BASE_SET, out=root / "base", **kw)
   rerun = compare("gpt2-tiny", overrides=BASE_SET, out=root / "rerun", baseline=root / "base", **kw)
