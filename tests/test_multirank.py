@@ -181,3 +181,17 @@ def test_fold_ranks_names_a_crashed_rank_from_torchruns_report(tmp_path):
   assert status == "crashed" and error.startswith("rank 1 of 2 exited with code 1; the whole side was stopped")
   assert "RuntimeError: boom" in error and summary["nproc"] == 2
   assert {r["rank"]: r["status"] for r in summary["ranks"]} == {0: "stopped", 1: "crashed"}
+
+
+def test_compare_refuses_rank_options_before_anything_runs():
+  from parity.pipeline.compare import RunOptions, check_run_options
+  from parity.pipeline.resolve import resolve
+  spec = resolve("gpt2-tiny", steps=4)
+  check_run_options(spec, {}, RunOptions(nproc=2))
+  for options, pert, match in [(RunOptions(nproc=3), {}, "must split evenly"),
+                               (RunOptions(nproc=2), {"torch": {"fault_rank": 2}}, r"ranks 0\.\.1"),
+                               (RunOptions(nproc=2, resume_at=1), {}, "--resume-at with --nproc 2"),
+                               (RunOptions(nnodes=2, node_rank=2), {}, "--node-rank"),
+                               (RunOptions(hostfile="/nonexistent/hostfile"), {}, "no such file")]:
+    with pytest.raises(SpecError, match=match):
+      check_run_options(spec, pert, options)
