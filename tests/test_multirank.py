@@ -195,3 +195,36 @@ def test_compare_refuses_rank_options_before_anything_runs():
                                (RunOptions(hostfile="/nonexistent/hostfile"), {}, "no such file")]:
     with pytest.raises(SpecError, match=match):
       check_run_options(spec, pert, options)
+
+
+@pytest.mark.slow
+@requires_all
+def test_kill_9_of_parity_ends_every_rank(tmp_path):
+  """torchrun's ranks are not bound to parity themselves: kill -9 of parity reaches them through the launcher
+  (its parent-death signal kills its descendants first, harness.lifetime)."""
+  import signal
+  import subprocess
+  import sys
+  import time
+  from conftest import ROOT, process_alive
+  out = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--steps", "2",
+                           "--sides", "torch", "--nproc", "2", "--out", str(out), "--timeout", "600", "--no-progress",
+                           "--perturb", "torch:hang_at_step=0"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  try:
+    files, t_end = [out / "torch" / f"rank{k}.json" for k in range(2)], time.time() + 120
+    while not all(f.exists() for f in files) and time.time() < t_end and proc.poll() is None:
+      time.sleep(0.2)
+    pids = [json.loads(f.read_text())["pid"] for f in files]
+    assert all(process_alive(p) for p in pids)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    t_end = time.time() + 5
+    while any(process_alive(p) for p in pids) and time.time() < t_end:
+      time.sleep(0.1)
+    assert not [p for p in pids if process_alive(p)], "a rank outlived its parity process"
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
