@@ -392,7 +392,7 @@ class Trainer:
       np.divide(v64, corr, out=v64)
       return np.sqrt(v64, out=v64).astype(np.float32)
 
-    # elementwise, so computed in the Flax layout and mapped after (the worker calls this every step: half the time
-    # than mapping first and allocating per op, measured on gpt2-small-cpu; the values are bitwise the same)
+    # elementwise, so computed in the Flax layout and mapped after (the worker calls this every step; half the time
+    # of mapping first and allocating per op, measured on gpt2-small-cpu; the values are bitwise the same)
     nu = jax.tree.map(rms, jax.device_get(nu))
     return model_lib.from_flax(nu, self.run.model, scan_layers=self.run.jax.scan_layers)
