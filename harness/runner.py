@@ -130,8 +130,14 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   world = ranks.world_size(launch)
   if world > 1:
     return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)
+  return _run_one(side, cmd, out, full_env, timeout_s, on_progress, t0)
+
+
+def _run_one(side: str, cmd: list[str], out: Path, env: dict[str, str], timeout_s: float,
+             on_progress: Callable[..., None] | None, t0: float) -> SideRun:
+  """run_side for one process: spawn, watch, classify; a Ctrl-C kills the worker and leaves a 'killed' summary."""
   with open(out / "stdout.log", "wb") as so, open(out / "stderr.log", "wb") as se:
-    proc = lifetime.spawn(cmd, stdout=so, stderr=se, env=full_env, timeout_s=timeout_s)
+    proc = lifetime.spawn(cmd, stdout=so, stderr=se, env=env, timeout_s=timeout_s)
   try:
     rc, rusage, timed_out = _watch(proc, side, out, t0, timeout_s, on_progress)
   except BaseException:  # Ctrl-C / SIGTERM of the harness: never leave a worker behind

@@ -131,17 +131,7 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   if not parent.is_file():
     raise FileNotFoundError(f"{parent} not found; prepare the run folder first (parity.pipeline.folder.prepare_run_dir)")
   sub = Path(sub_dir)
-  if sub.is_absolute() or ".." in sub.parts or str(sub) in ("", "."):
-    raise ControlError(f"derive_request: sub_dir must be a relative folder inside {run_dir}; got {str(sub_dir)!r}")
-  unknown = sorted(set(keys) - set(CONTROL_KEYS))
-  if unknown:
-    raise ControlError(f"derive_request: unknown key(s) {unknown}; the run-control keys are {list(CONTROL_KEYS)}")
-  where = f"derive_request({str(sub_dir)!r})"
-  for key in ("stop_after_step", "save_checkpoint_at_step"):
-    if keys.get(key) is not None:
-      _step_value(key, keys[key], where)
-  if keys.get("resume_from") is not None and not (isinstance(keys["resume_from"], str) and keys["resume_from"]):
-    raise ControlError(f"resume_from in {where} takes a checkpoint folder path (a string); got {keys['resume_from']!r}")
+  _check_control_keys(run_dir, sub, keys)
   request = {k: v for k, v in json.loads(parent.read_text()).items() if k not in CONTROL_KEYS}
   out = run_dir / sub
   out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +158,19 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   return path
 
 
+def _check_control_keys(run_dir: Path, sub: Path, keys: dict[str, Any]) -> None:
+  """derive_request's argument checks. Raises ControlError naming the key (or sub_dir) and what it takes."""
+  if sub.is_absolute() or ".." in sub.parts or str(sub) in ("", "."):
+    raise ControlError(f"derive_request: sub_dir must be a relative folder inside {run_dir}; got {str(sub)!r}")
+  unknown = sorted(set(keys) - set(CONTROL_KEYS))
+  if unknown:
+    raise ControlError(f"derive_request: unknown key(s) {unknown}; the run-control keys are {list(CONTROL_KEYS)}")
+  where = f"derive_request({str(sub)!r})"
+  for key in ("stop_after_step", "save_checkpoint_at_step"):
+    if keys.get(key) is not None:
+      _step_value(key, keys[key], where)
+  if keys.get("resume_from") is not None and not (isinstance(keys["resume_from"], str) and keys["resume_from"]):
+    raise ControlError(f"resume_from in {where} takes a checkpoint folder path (a string); got {keys['resume_from']!r}")
 
 
 def parse_control(request: dict[str, Any], request_path: Path, side: str, run: RunSpec) -> RunControl:
