@@ -67,7 +67,8 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
   rows = ((d.get("memory") or {}).get("predicted_vs_measured")) or []
   if any(r["category"] != "peak_rss" and (r["predicted"] or r["measured"]) for r in rows):
     yield "memory", ("Training-state memory per side, predicted (parity.sizing.memory) beside measured (live "
-                     "arrays / engine tensors); hatched: host memory."), P.memory_figure(rows, title=f"memory · {t}")
+                     "arrays / engine tensors); hatched: host memory. Activations are predicted only: no side measures them, "
+                     "so a measured bar lacks them."), P.memory_figure(rows, title=f"memory · {t}")
   times = {n: C.step_times(s) for n, s in d["sides"].items()}
   tps = {n: (s.get("summary") or {}).get("tokens_per_s") for n, s in d["sides"].items()}
   yield "throughput", C.throughput_note(d), P.throughput_figure(times, tps, title=f"throughput · {t}")

@@ -189,28 +189,29 @@ def memory_figure(rows: Sequence[Mapping], *, title: str) -> Figure:
   rows = [r for r in rows if r["category"] != "peak_rss"]
   fig, axes = _new(title, ncols=2, height_in=4.0)
   sides = list(dict.fromkeys(r["side"] for r in rows))
+  xs = [3 * i + j for i in range(len(sides)) for j in (0, 1)]  # a gap between sides: pairs read as pairs
+  cmap = plt.get_cmap("tab10")
   for ax, key in zip(axes, ("category", "memory_kind")):
     stacks = list(dict.fromkeys(r[key] for r in rows if (r["predicted"] or r["measured"])))
-    labels = [f"{s}\n{w}" for s in sides for w in ("predicted", "measured")]
-    bottom = [0.0] * len(labels)
-    cmap = plt.get_cmap("tab10")
+    bottom = [0.0] * len(xs)
     for ci, cat in enumerate(stacks):
-      vals = []
-      for s in sides:
-        for w in ("predicted", "measured"):
-          vals.append(sum((r[w] or 0) for r in rows if r["side"] == s and r[key] == cat) / 2**20)
-      ax.bar(range(len(labels)), vals, bottom=bottom, color=cmap(ci % 10), label=cat.replace("_", " "),
+      vals = [sum((r[w] or 0) for r in rows if r["side"] == s and r[key] == cat) / 2**20
+              for s in sides for w in ("predicted", "measured")]
+      ax.bar(xs, vals, bottom=bottom, color=cmap(ci % 10), label=cat.replace("_", " "),
              hatch="//" if key == "memory_kind" and "host" in cat else None, edgecolor="white")
       bottom = [b + v for b, v in zip(bottom, vals)]
-    for k, w in enumerate(labels):
-      if "measured" in w and not any(r["side"] == sides[k // 2] and r["measured"] is not None for r in rows):
-        ax.text(k, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="0.4")
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    for i, s in enumerate(sides):
+      if not any(r["side"] == s and r["measured"] is not None for r in rows):
+        ax.text(3 * i + 1, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="0.4")
+      ax.text(3 * i + 0.5, -0.13, s, transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+              fontweight="bold")
+    ax.set_xticks(xs, ["pred.", "meas."] * len(sides), fontsize=7)
     ax.set_ylim(0, max(bottom + [1e-3]) * 1.12)
     ax.set_ylabel("MiB")
-    ax.set_title(f"by {key.replace('_', ' ')}", fontsize=9)
+    ax.set_title(f"by {key.replace('_', ' ')} (pred.: predicted, meas.: measured)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    _legend_below(fig, ax, ncol=3)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=8, frameon=False)
   return fig
 
 

@@ -97,6 +97,7 @@ def write_all(report: Report) -> dict[str, Path]:
   """
   rd = Path(report.run_dir)
   errors: list[dict[str, str]] = []
+  report.data["write_errors"] = []  # a re-render (parity report) writes every file anew: only its own errors count
   written: dict[str, Path] = {}
 
   def attempt(key: str, path: Path, write) -> bool:
@@ -126,7 +127,11 @@ def write_all(report: Report) -> dict[str, Path]:
   for _ in range(2):  # report.json records the errors of every file written before it, itself included on retry
     report.data["write_errors"] = list(errors)
     json_ok = attempt("json", rd / "report.json", lambda p: p.write_text(json.dumps(report.data, indent=2)))
-    md_ok = attempt("md", rd / "report.md", lambda p: write_markdown(report, p))
+    try:
+      md_ok = attempt("md", rd / "report.md", lambda p: write_markdown(report, p))
+    except Exception as exc:  # noqa: BLE001  a rendering bug: report.json is written; say so, no fallback folder
+      errors.append({"file": str(rd / "report.md"), "error": f"could not render: {type(exc).__name__}: {exc}"})
+      md_ok = True
     if json_ok and md_ok:
       break
     rd = _fallback_dir(report)
