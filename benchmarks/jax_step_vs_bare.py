@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -329,7 +330,7 @@ def main() -> int:
       "host": platform.node(), "cpu": cpu_name(), "cpus_total": os.cpu_count(), "threads": len(pinned),
       "thread_setting": f"os.sched_setaffinity to CPUs {pinned} (taskset equivalent); "
                         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
-      "versions": versions(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+      "versions": versions(), "command": shlex.join([Path(sys.executable).name, *sys.argv]),
       "tokens_per_step": tokens, "notes": args.notes, "load_avg_before": os.getloadavg()}
   pairs = interleave(worker, [bare, stock], args.rounds, args.steps_per_round, args.warmup, tokens)
   out["worker_vs_bare"], out["worker_vs_stock_flax"] = pairs["worker/bare"], pairs["worker/stock_flax"]
