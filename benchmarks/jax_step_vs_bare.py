@@ -291,7 +291,7 @@ def write_results(out: dict, results: Path, stem: str) -> tuple[Path, Path]:
 _HLO_COLS = ("dot", "dot_outside_ynn", "ynn_fusion", "transpose", "copy", "convert", "fusion", "while", "custom-call")
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="gpt2-small-cpu")
   ap.add_argument("--rounds", type=int, default=15)
@@ -305,11 +305,36 @@ def main() -> int:
   ap.add_argument("--tag", default="", help="suffix of the result files")
   ap.add_argument("--notes", default="", help="a line added to the Markdown")
   ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
-  args = ap.parse_args()
+  return ap.parse_args()
+
+
+def _later_pairs(args: argparse.Namespace, run: Any, canonical: dict, batch_np: Any, worker: Stepper,
+                 tokens: int) -> dict[str, Any]:
+  """The offload on/off pair and, with --baseline-model, the worker step against another revision's model."""
+  import dataclasses
+  out: dict[str, Any] = {}
+  if not args.no_offload_pair:
+    no_off = dataclasses.replace(run, jax=dataclasses.replace(run.jax, offload_opt_state=False))
+    on = worker if run.jax.offload_opt_state else worker_stepper(run, canonical, batch_np)
+    on.name = "offload_on"
+    off = worker_stepper(no_off, canonical, batch_np, name="offload_off")
+    out["offload_on_vs_off"] = interleave(on, [off], args.rounds, args.steps_per_round, args.warmup,
+                                          tokens)["offload_on/offload_off"]
+    print("offload on/off", _fmt(out["offload_on_vs_off"]), flush=True)
+  if args.baseline_model:
+    base = worker_with_model_file(run, canonical, batch_np, args.baseline_model)
+    worker.name = "worker"
+    out["worker_vs_baseline_model"] = interleave(worker, [base], args.rounds, args.steps_per_round, args.warmup,
+                                                 tokens)["worker/worker_baseline_model"]
+    out["baseline_model"] = args.baseline_model
+    print("worker/worker_baseline_model", _fmt(out["worker_vs_baseline_model"]), flush=True)
+  return out
+
+
+def main() -> int:
+  args = _args()
   pinned = _pin_threads(args.threads) if args.threads else sorted(os.sched_getaffinity(0))
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  import dataclasses
-
   import numpy as np
   from parity import weights
   from parity.presets import preset
@@ -342,21 +367,7 @@ def main() -> int:
     for s in (worker, bare, stock):
       (Path(args.hlo) / f"{s.name}.hlo.txt").write_text(s.compiled_text)
   del bare, stock
-  if not args.no_offload_pair:
-    no_off = dataclasses.replace(run, jax=dataclasses.replace(run.jax, offload_opt_state=False))
-    on = worker if run.jax.offload_opt_state else worker_stepper(run, canonical, batch_np)
-    on.name = "offload_on"
-    off = worker_stepper(no_off, canonical, batch_np, name="offload_off")
-    out["offload_on_vs_off"] = interleave(on, [off], args.rounds, args.steps_per_round, args.warmup,
-                                          tokens)["offload_on/offload_off"]
-    print("offload on/off", _fmt(out["offload_on_vs_off"]), flush=True)
-  if args.baseline_model:
-    base = worker_with_model_file(run, canonical, batch_np, args.baseline_model)
-    worker.name = "worker"
-    out["worker_vs_baseline_model"] = interleave(worker, [base], args.rounds, args.steps_per_round, args.warmup,
-                                                 tokens)["worker/worker_baseline_model"]
-    out["baseline_model"] = args.baseline_model
-    print("worker/worker_baseline_model", _fmt(out["worker_vs_baseline_model"]), flush=True)
+  out.update(_later_pairs(args, run, canonical, batch_np, worker, tokens))
   out["load_avg_after"] = os.getloadavg()
   stem = "jax_step_vs_bare" + (f"-{args.tag}" if args.tag else "")
   for p in write_results(out, Path(args.results), stem):
