@@ -187,3 +187,17 @@ def test_series_check_treats_equal_infinities_as_a_match_without_warnings():
   b[1]["grad_norm"] = 3.0
   c = series_check("grad_norm", "jax", a, "torch", b, "fp16")
   assert not c.passed and c.first_failing_step == 1
+
+
+def test_a_run_with_lr_zero_on_every_step_fails_the_updates_check():
+  """Breaker finding: a 2-step run (DeepSpeed's warmup gives lr 0 at steps 0 and 1) moved no weight, so a
+  weight-decay difference between the sides passed every check. The 'updates' check fails it, naming the fix."""
+  from parity.verdict.steps import updates_check
+  zero = [{"step": 0, "lr": 0.0}, {"step": 1, "lr": 0.0}]
+  c = updates_check("jax", zero, "torch", zero)
+  assert not c.passed and c.gating and c.value == 0 and "more steps than the warmup" in c.detail
+  moving = zero + [{"step": 2, "lr": 1e-4}]
+  c = updates_check("jax", moving, "torch", moving)
+  assert c.passed and c.value == 1 and c.first_failing_step is None
+  one_side = zero + [{"step": 2, "lr": 0.0}]
+  assert not updates_check("jax", moving, "torch", one_side).passed  # both sides must update on the same step

@@ -10,11 +10,11 @@ import numpy as np
 
 from parity.verdict.check import Check
 from parity.verdict.params import param_checks
-from parity.verdict.steps import FP16_SERIES, SERIES_METRICS, completion_check, series_check
+from parity.verdict.steps import FP16_SERIES, SERIES_METRICS, completion_check, series_check, updates_check
 
 __all__ = ["compare_sides", "Verdict", "verdict", "METRIC_ORDER"]
 
-METRIC_ORDER = {m: i for i, m in enumerate(("completed", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
+METRIC_ORDER = {m: i for i, m in enumerate(("completed", "updates", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
                                             "grad_norm_envelope", "val_loss_envelope", "params", "params_envelope",
                                             "params_zero_grad", "noise_rerun", "resume", "determinism"))}
 """Which of two checks failing at the same step is named first in the verdict (earlier here: named first)."""
@@ -37,6 +37,8 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
   for (na, a), (nb, b) in itertools.combinations(sides.items(), 2):
     checks.append(completion_check(na, a["status"], len(a["steps"]), nb, b["status"], len(b["steps"]),
                                    spec.train.steps))
+    if a["steps"] and b["steps"]:
+      checks.append(updates_check(na, a["steps"], nb, b["steps"]))
     for metric in SERIES_METRICS + (FP16_SERIES if precision == "fp16" else ()):
       c = series_check(metric, na, a["steps"], nb, b["steps"], precision)
       if c is not None:

@@ -11,7 +11,7 @@ import numpy as np
 from parity.verdict.check import Check
 from parity.verdict.tolerances import tolerance
 
-__all__ = ["SERIES_METRICS", "FP16_SERIES", "BITWISE_KEYS", "series_check", "completion_check", "repeat_check",
+__all__ = ["SERIES_METRICS", "FP16_SERIES", "BITWISE_KEYS", "series_check", "completion_check", "updates_check", "repeat_check",
            "relative_diff"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
@@ -76,6 +76,28 @@ def completion_check(a_side: str, a_status: str, a_steps: int, b_side: str, b_st
                value=float(min(a_steps, b_steps)), tolerance=float(total), passed=passed,
                first_failing_step=first, detail=detail,
                reason="Both sides must run every step to be compared; a crash, kill, timeout or NaN fails parity.")
+
+
+def updates_check(a_side: str, a_steps: Sequence[dict], b_side: str, b_steps: Sequence[dict]) -> Check:
+  """Whether the pair compared at least one optimizer update: a step with lr > 0 on both sides.
+
+  With lr = 0 on every step (DeepSpeed's WarmupLR and WarmupCosineLR give lr 0 at steps 0 and 1), no weight moves,
+  so the params checks compare the initial weights with themselves and the optimizer (Adam moments, weight decay,
+  clipping, the update itself) is never compared: a PASS would vouch for nothing. This check fails such a run.
+  Returns:
+    An 'updates' Check: value = the number of steps both sides ran with lr > 0, tolerance = 1 (the fewest that
+    compares an update); passed when value >= tolerance. Skipped by the caller when either side recorded no step.
+  """
+  n = min(len(a_steps), len(b_steps))
+  moving = sum(1 for ra, rb in zip(a_steps[:n], b_steps[:n]) if ra.get("lr") and rb.get("lr"))
+  passed = moving >= 1
+  detail = (f"{moving} of {n} steps updated the weights (lr > 0 on both sides)" if passed else
+            f"lr was 0 on all {n} steps: no optimizer update was compared; run more steps than the warmup "
+            "(train.steps > 2 with DeepSpeed's warmup schedules) or give train.lr a nonzero start")
+  return Check(name=f"updates {a_side}~{b_side}", metric="updates", sides=(a_side, b_side), value=float(moving),
+               tolerance=1.0, passed=passed, first_failing_step=None if passed else n - 1, detail=detail,
+               reason="A run whose learning rate is 0 on every step moves no weight, so it cannot show the "
+                      "optimizers agree; at least one step with lr > 0 must be compared.")
 
 
 def repeat_check(kind: str, side: str, first: Sequence[dict], again: Sequence[dict], *, from_step: int = 0,
