@@ -13,7 +13,7 @@ __all__ = ["fmt_bytes", "fmt", "run_title", "verdict_parts", "verdict_sentence",
 
 METRIC_LABEL = {"loss": "max abs Δloss", "val_loss": "max abs Δval_loss", "grad_norm": "max abs Δgrad_norm",
                 "lr": "max abs Δlr", "params": "worst tensor: element abs Δ", "params_zero_grad": "max abs Δ (zero-grad slices)",
-                "completed": "steps both ran", "determinism": "differing fields", "resume": "differing fields",
+                "completed": "steps both ran", "updates": "steps with lr > 0 on both sides", "determinism": "differing fields", "resume": "differing fields",
                 "loss_envelope": "worst window: rms Δloss", "val_loss_envelope": "worst window: rms Δval_loss",
                 "grad_norm_envelope": "worst window: rms rel. Δgrad_norm",
                 "params_envelope": "worst tensor: element abs Δ", "loss_scale": "max abs Δloss_scale",
@@ -106,7 +106,10 @@ def verdict_parts(d: dict) -> tuple[str, str, str]:
                     f"{t['steps']} steps" + (f"; {head}." if head else ".")), sub
   parts = _side_stop(d)
   ff = v.get("first_failure")
-  if ff and ff.get("metric") != "completed":
+  if ff and ff.get("metric") == "updates":  # nothing exceeded a tolerance: there was nothing to compare
+    c = next((c for c in checks if c["name"] == ff["check"]), {})
+    parts.append(f"{pair_label(ff['sides'])}: {c.get('detail') or 'no step with lr > 0 was compared'}")
+  elif ff and ff.get("metric") != "completed":
     c = next((c for c in checks if c["name"] == ff["check"]), {})
     step = f" at step {ff['step']}" if ff.get("step") is not None else ""
     label = METRIC_LABEL.get(ff["metric"], ff["metric"])
@@ -136,6 +139,8 @@ def tolerance_text(c: dict, tolerances: dict) -> str:
     return "bit-identical"
   if c["metric"] == "completed":
     return f"all {fmt(c['tolerance'], 'g')} steps"
+  if c["metric"] == "updates":
+    return f"at least {fmt(c['tolerance'], 'g')} step"
   if c["tolerance"] == 0 and not atol and not rtol:
     return "0 (must be equal)"
   if atol == 0 and rtol:
