@@ -241,7 +241,7 @@ def set_phase(text: str | None, path: str | None = None) -> None:
   """Writes (or with None clears) the phase file, the line the harness shows for this side.
 
   Args:
-    text: one line, e.g. "building DeepSpeed op cpu_adam (first use, ~1 min)"; None or "" clears it.
+    text: one line, e.g. "building DeepSpeed op cpu_adam (first use, 1-4 min)"; None or "" clears it.
     path: the file; default os.environ[PHASE_ENV]; nothing happens without either.
   """
   path = path or os.environ.get(PHASE_ENV)

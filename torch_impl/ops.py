@@ -10,7 +10,7 @@ their file); otherwise it is stale, whatever its age, and is removed with a mess
 
 `install_build_hooks` wraps DeepSpeed's `OpBuilder.jit_load`, the one place every op is built or loaded
 from (whichever optimizer or comm backend asks), so that each build, in any worker: removes a stale lock
-first (and again while waiting on a live one that dies); says "building DeepSpeed op X (first use, ~1 min)"
+first (and again while waiting on a live one that dies); says "building DeepSpeed op X (first use, 1-4 min)"
 in the harness's phase file (shown instead of `0/N steps`); and is kept off the side's clock (the
 worker's own deadline moves by the build time; the harness stops its clock while the phase is shown).
 
@@ -42,9 +42,10 @@ STALE_AGE_S = 1800.0
 build measured here (cpu_adam, 177 s on a busy 2-core machine; FIRST_USE)."""
 RECHECK_S = 5.0
 """While waiting on another process's build, how often the lock is checked again for a builder that died."""
-FIRST_USE = {"cpu_adam": "~1 min", "deepspeed_shm_comm": "~1 min", "fused_adam": "~1 min"}
+FIRST_USE = {"cpu_adam": "1-4 min", "deepspeed_shm_comm": "1-3 min", "fused_adam": "1-3 min"}
 """Build times shown in the progress line, measured on this 2-core machine (README, 'DeepSpeed ops'): idle, cpu_adam
-~60 s and deepspeed_shm_comm under 60 s; with other jobs running (load 5), 177 s, 125 s and fused_adam 146 s."""
+~60 s and deepspeed_shm_comm under 60 s; with other jobs running (load 5), 177 s, 125 s and fused_adam 146 s;
+a newcomer's first run at load 3-5 (2026-12-01): deepspeed_shm_comm 130 s, cpu_adam about 100 s."""
 
 _build_s = 0.0
 

@@ -81,7 +81,7 @@ def progress_display(enabled: bool, spec, notes: Sequence[str] = ()):
     tasks = {s: prog.add_task(s, total=spec.train.steps, start=False) for s in spec.sides}
 
     def on_progress(side: str, n: int, note: str | None = None) -> None:
-      if note is not None:  # "deepspeed: building DeepSpeed op cpu_adam (first use, ~1 min)"; "" when it ends
+      if note is not None:  # "deepspeed: building DeepSpeed op cpu_adam (first use, 1-4 min)"; "" when it ends
         prog.update(tasks[side], description=f"{side}: {note}" if note else side)
         if note:
           return
