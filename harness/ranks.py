@@ -167,7 +167,7 @@ def _wait_ranks(procs: dict, side: str, out: Path, t0: float, timeout_s: float, 
         if pid:
           codes[rank], usages[rank] = os.waitstatus_to_exitcode(status), usage
           rss[rank] = usage.ru_maxrss * 1024
-          if codes[rank] != 0 and failed is None:
+          if codes[rank] != 0 and failed is None and not timed_out:  # past the timeout, the harness killed it
             failed = rank
             _kill_all(procs, codes)
       if not timed_out and time.time() - t0 > timeout_s:
@@ -242,18 +242,19 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
       code = rec.get("exit_code")
       rec["status"] = ("not_started" if "pid" not in rec else "killed" if code is not None and code < 0
                        else "crashed" if code else "stopped")
-  failed, hung = launched.failed_rank, None
-  if failed is None and status != "ok":
+  failed, hung, running = launched.failed_rank, None, ""
+  if failed is None and status != "ok" and not launched.timed_out:
     failed = next((r["rank"] for r in records if PLANTED_KILL in _tail(rank_stderr(out, r["rank"]))), None)
-  if launched.timed_out:
-    hung = next((r["rank"] for r in records if PLANTED_HANG in _tail(rank_stderr(out, r["rank"]))), None)
   summary = {**summary, "nproc": world, "ranks": records}
+  if launched.timed_out and failed is None:  # the side ran past its limit: 'timeout', naming who was still there
+    status = "timeout"
+    hung = next((r["rank"] for r in records if PLANTED_HANG in _tail(rank_stderr(out, r["rank"]))), None)
+    still = [r["rank"] for r in records if r["status"] in ("stopped", "killed")]
+    running = (f"ranks still running at the timeout: {still} (a rank that hangs stalls the others at the next "
+               "collective)")
+    error = summary["error"] = f"{error or 'side exceeded its timeout and was killed'}; {running}"
+    summary["status"] = status
   who = failed if failed is not None else hung
-  if who is None and launched.timed_out:  # a real hang: every rank waits at a collective; say which were still there
-    running = [r["rank"] for r in records if r["status"] in ("stopped", "killed")]
-    error = f"{error}; ranks still running at the timeout: {running} (a rank that hangs stalls the others at the " \
-            "next collective)"
-    summary["error"] = error
   if who is None or status == "ok":
     return status, error, summary
   stderr = _tail(rank_stderr(out, who))
@@ -262,7 +263,7 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
     what = _code_text(code) + (" (the planted --perturb kill_at_step)" if PLANTED_KILL in stderr else "")
     status = "killed" if code is not None and code < 0 else "crashed"
   else:
-    what = "hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else "hung"
+    what = ("hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else "hung") + f"; {running}"
   error = (f"rank {who} of {world} {what}; the whole side was stopped. Its stderr "
            f"({rank_stderr(out, who)}) ends:\n{stderr[-1500:]}")
   summary.update(status=status, error=error, failed_rank={"rank": who, "exit_code": code, "stderr_tail": stderr})

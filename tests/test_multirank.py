@@ -228,3 +228,62 @@ def test_kill_9_of_parity_ends_every_rank(tmp_path):
     if proc.poll() is None:
       proc.kill()
       proc.wait()
+
+
+def test_coordinator_and_multi_host_flags_are_checked():
+  from parity.protocol.ranks import check_coordinator
+  for ok in (None, "127.0.0.1:29500", "node0.cluster:1", "[::1]:65535"):
+    check_coordinator(ok)
+  check_coordinator("10.0.0.1:29500", nnodes=2)
+  for bad in ("garbage", "127.0.0.1:99999", ":", "127.0.0.1:0", ":29500", "host:", "host:12x"):
+    with pytest.raises(SpecError, match="--coordinator .*HOST:PORT.*e.g. --coordinator"):
+      check_coordinator(bad)
+  with pytest.raises(SpecError, match="--nnodes 2 needs --coordinator HOST:PORT.*e.g. --coordinator 10.0.0.1:29500"):
+    check_coordinator(None, nnodes=2)
+
+
+def test_rank_count_is_bounded_by_cores_or_gpus_and_counted_in_memory(monkeypatch, tmp_path):
+  from parity.pipeline.resolve import resolve
+  from parity.sizing.resources import (ALLOW_LARGE_ENV, FRAMEWORK_FLOOR_BYTES, check_rank_count, check_resources,
+                                       estimate_resources, visible_gpus)
+  monkeypatch.delenv(ALLOW_LARGE_ENV, raising=False)
+  check_rank_count(2, gpus=0, cpus=2)
+  with pytest.raises(SpecError, match=r"--nproc 4096: more ranks than this host's 2 CPU cores.*--nproc 2 or fewer"):
+    check_rank_count(4096, gpus=0, cpus=2)
+  with pytest.raises(SpecError, match=r"--nproc 9: more ranks than this host's 8 visible GPUs.*--allow-large"):
+    check_rank_count(9, gpus=8, cpus=64)
+  check_rank_count(4096, gpus=0, cpus=2, allow_large=True)
+  monkeypatch.setenv(ALLOW_LARGE_ENV, "1")
+  check_rank_count(4096, gpus=0, cpus=2)
+  assert visible_gpus({"CUDA_VISIBLE_DEVICES": "0,1,2"}) == 3 and visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+  spec = resolve("gpt2-tiny", steps=4)
+  one, four = estimate_resources(spec), estimate_resources(spec, nproc=4)
+  extra = four.memory_bytes - one.memory_bytes  # 4 x (state + floor) - state: 3 more copies of the state, 4 floors
+  assert extra > 4 * FRAMEWORK_FLOOR_BYTES and (extra - 4 * FRAMEWORK_FLOOR_BYTES) % 3 == 0
+  monkeypatch.delenv(ALLOW_LARGE_ENV)
+  with pytest.raises(SpecError, match=r"memory.*--nproc 1000000 ranks x \(model state"):
+    check_resources(spec, tmp_path, nproc=10**6)
+
+
+def test_compare_refuses_bad_coordinator_and_too_many_ranks(monkeypatch):
+  from parity.pipeline.compare import RunOptions, check_run_options
+  from parity.pipeline.resolve import resolve
+  from parity.sizing.resources import ALLOW_LARGE_ENV
+  monkeypatch.delenv(ALLOW_LARGE_ENV, raising=False)
+  spec = resolve("gpt2-tiny", steps=4, overrides={"train.micro_batch_size": 4096})
+  with pytest.raises(SpecError, match="--nproc 4096: more ranks than this host's"):
+    check_run_options(spec, {}, RunOptions(nproc=4096))
+  for options, match in [(RunOptions(nnodes=2), "needs --coordinator"),
+                         (RunOptions(coordinator="127.0.0.1:99999"), "--coordinator '127.0.0.1:99999'")]:
+    with pytest.raises(SpecError, match=match):
+      check_run_options(spec, {}, options)
+
+
+def test_a_jax_side_past_its_timeout_blames_no_rank_it_killed(tmp_path):
+  import sys
+  from harness import lifetime
+  from harness.ranks import _wait_ranks
+  procs = {k: lifetime.spawn([sys.executable, "-c", "import time; time.sleep(30)"], env={}, timeout_s=30)
+           for k in range(2)}
+  launched = _wait_ranks(procs, "jax", tmp_path, __import__("time").time(), 0.3, None)
+  assert launched.timed_out and launched.failed_rank is None and launched.rank_codes == {0: -9, 1: -9}

@@ -17,7 +17,7 @@ from harness import backend, doctor, runner
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
-from parity.protocol.ranks import check_nproc, write_launch
+from parity.protocol.ranks import check_coordinator, check_nproc, write_launch
 from parity.report import Report, build_report, write_all
 from parity.report.after import PostRun
 from parity.report.progress import progress_display, run_notes, show_reruns
@@ -250,8 +250,13 @@ def _check_ranks(spec: RunSpec, pert: dict, options: RunOptions) -> None:
   """--nproc and its companions (parity.protocol.ranks.check_nproc), --resume-at and fault_rank against them."""
   check_nproc(spec.train, options.nproc, nnodes=options.nnodes, jax_data_parallel=spec.jax.data_parallel)
   world = options.nproc * options.nnodes
+  if options.nproc > 1:  # before anything runs: N processes per side must fit this host's cores/GPUs and memory
+    from parity.sizing.resources import check_rank_count, check_resources
+    check_rank_count(options.nproc)
+    check_resources(spec, Path(options.out) if options.out else Path("runs"), nproc=options.nproc)
   if not 0 <= options.node_rank < options.nnodes:
     raise SpecError(f"--node-rank must be in [0, --nnodes - 1 = {options.nnodes - 1}]; got {options.node_rank}")
+  check_coordinator(options.coordinator, nnodes=options.nnodes)
   if options.hostfile is not None and not Path(options.hostfile).is_file():
     raise SpecError(f"--hostfile {options.hostfile}: no such file (a DeepSpeed hostfile: 'host slots=N' per line)")
   if world > 1 and options.resume_at is not None:

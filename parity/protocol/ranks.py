@@ -22,6 +22,7 @@ from typing import Any, Mapping
 from parity.errors import SpecError
 
 __all__ = ["LAUNCH_FILE", "LAUNCH_SCHEMA", "COORDINATOR_ENV", "write_launch", "read_launch", "check_nproc",
+           "check_coordinator",
            "rank_env", "rank_rows", "rank_file", "rank_stderr", "write_rank_record", "read_rank_records"]
 
 LAUNCH_FILE = "launch.json"
@@ -88,6 +89,27 @@ def check_nproc(train: Any, nproc: int, *, nnodes: int = 1, jax_data_parallel: i
   if world > 1 and jax_data_parallel > 1:
     raise SpecError(f"--nproc {nproc} with jax.data_parallel={jax_data_parallel}: the JAX mesh already spans the "
                     "ranks' processes; set jax.data_parallel=1 (or run --nproc 1)")
+
+
+def check_coordinator(coordinator: str | None, *, nnodes: int = 1) -> None:
+  """Refuses a --coordinator that is not HOST:PORT, and a multi-host job without one.
+
+  Args:
+    coordinator: 'host:port' (host non-empty, port an integer in 1..65535; '[::1]:29500' for IPv6), or None.
+    nnodes: hosts in the job; with more than one, every host must be told the same rendezvous (no default exists:
+      each host would pick its own free port and wait for the others until the side's timeout).
+  Raises:
+    SpecError: naming --coordinator, the value and an example.
+  """
+  example = "e.g. --coordinator 10.0.0.1:29500 (the address of host 0, a free port every host reaches)"
+  if coordinator is None:
+    if nnodes > 1:
+      raise SpecError(f"--nnodes {nnodes} needs --coordinator HOST:PORT, the same on every host; {example}")
+    return
+  host, sep, port = coordinator.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    raise SpecError(f"--coordinator {coordinator!r}: expected HOST:PORT with a non-empty host and a port in "
+                    f"1..65535; {example}")
 
 
 def rank_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:

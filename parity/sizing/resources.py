@@ -18,7 +18,7 @@ from parity.sizing import memory
 from parity.weights import param_shapes
 
 __all__ = ["Resources", "estimate_resources", "check_resources", "available_memory_bytes", "tensor_count",
-           "ALLOW_LARGE_ENV"]
+           "ALLOW_LARGE_ENV", "check_rank_count", "visible_gpus", "FRAMEWORK_FLOOR_BYTES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +63,17 @@ LARGE_MODEL_PARAMS = 2 * 10**9
 """Above this count the per-category memory model is skipped (it lists every tensor) and the floor is used."""
 
 
-def estimate_resources(spec) -> Resources:
-  """Bytes a run of `spec` (a RunSpec) needs; cheap for absurd sizes (nothing is allocated). See Resources."""
+FRAMEWORK_FLOOR_BYTES = 435 * 10**6
+"""A framework's own footprint per process: measured peak RSS of a 1-layer run (jax 435 MB, torch 328 MB, against
+4 MB of model state and batches); the larger, since one side's ranks run at a time and either may be the one."""
+
+
+def estimate_resources(spec, nproc: int = 1) -> Resources:
+  """Bytes a run of `spec` (a RunSpec) needs; cheap for absurd sizes (nothing is allocated). See Resources.
+
+  nproc: ranks per side on this host (`--nproc`); with more than one, memory_bytes counts every rank's model state
+  (each rank holds the whole model) and its framework footprint (FRAMEWORK_FLOOR_BYTES), plus the batches once.
+  """
   t, m = spec.train, spec.model
   n = _param_count(m)
   batches = (t.steps * t.grad_accum_steps * t.micro_batch_size * (t.seq_len + 1) * 2
@@ -77,7 +86,40 @@ def estimate_resources(spec) -> Resources:
   # make_batches' peak besides the batches: int64 window starts, and one chunk's int64 indices + uint16 gather
   # (measured with tracemalloc, 200,000 steps of gpt2-tiny: peak 102.1 MB; this formula: 101.1 MB + the model state)
   sampling = t.steps * t.grad_accum_steps * t.micro_batch_size * 8 + _CHUNK_TOKENS * 10
-  return Resources(params=n, batches_bytes=batches, memory_bytes=state + batches + sampling, disk_bytes=disk)
+  per_rank = state if nproc <= 1 else nproc * (state + FRAMEWORK_FLOOR_BYTES)
+  return Resources(params=n, batches_bytes=batches, memory_bytes=per_rank + batches + sampling, disk_bytes=disk)
+
+
+def visible_gpus(environ=os.environ) -> int:
+  """GPUs a rank could get here: the CUDA_VISIBLE_DEVICES entries when it is set, else /dev/nvidia<k> files."""
+  vis = environ.get("CUDA_VISIBLE_DEVICES")
+  if vis is not None:
+    return len([d for d in vis.split(",") if d.strip() and d.strip() != "-1"])
+  try:
+    return sum(1 for f in Path("/dev").iterdir() if f.name.startswith("nvidia") and f.name[6:].isdigit())
+  except OSError:
+    return 0
+
+
+def check_rank_count(nproc: int, *, allow_large: bool = False, gpus: int | None = None,
+                     cpus: int | None = None) -> None:
+  """Refuses more ranks on this host than it has GPUs (on a GPU node) or CPU cores (elsewhere).
+
+  Args:
+    nproc: ranks per side on this host (`--nproc`). gpus, cpus: override the machine's counts (tests).
+    allow_large: skip the refusal (also PARITY_ALLOW_LARGE=1, what `--allow-large` sets).
+  Raises:
+    InputError: naming --nproc, the count it exceeds and the fix.
+  """
+  if nproc <= 1 or allow_large or os.environ.get(ALLOW_LARGE_ENV) == "1":
+    return
+  gpus = visible_gpus() if gpus is None else gpus
+  cpus = (os.cpu_count() or 1) if cpus is None else cpus
+  limit, what = (gpus, "visible GPUs") if gpus > 0 else (cpus, "CPU cores (os.cpu_count())")
+  if nproc > limit:
+    raise InputError(f"--nproc {nproc}: more ranks than this host's {limit} {what}; each rank is a process of its "
+                     f"own. Use --nproc {limit} or fewer, or pass --allow-large (PARITY_ALLOW_LARGE=1) to start "
+                     f"{nproc} anyway")
 
 
 def available_memory_bytes() -> int | None:
@@ -110,24 +152,27 @@ def _gb(n: int) -> str:
       return f"{n / size:,.3g} {unit}"
 
 
-def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False) -> Resources:
+def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False, nproc: int = 1) -> Resources:
   """Refuses a run whose estimated memory or disk exceeds what this machine has, before anything is allocated.
 
   Rule: refuse when Resources.memory_bytes > available memory (MemAvailable) or Resources.disk_bytes > free disk
   under `run_dir`. The memory figure is a floor: it leaves out each framework's own footprint (measured peak RSS of
-  a 1-layer run: jax 435 MB, torch 328 MB, against 4 MB of model state and batches), so the rule never refuses a
-  run that would fit and catches sizes that are off by orders of magnitude (--steps 2e9: 0.53 TB of batches); `allow_large`, or PARITY_ALLOW_LARGE=1 (what `--allow-large` sets), skips the refusal (e.g.
-  memory that will be freed, swap).
+  a 1-layer run: jax 435 MB, torch 328 MB, against 4 MB of model state and batches; with nproc > 1 every rank's
+  footprint and model state are counted), so the rule never refuses a run that would fit and catches sizes that are
+  off by orders of magnitude (--steps 2e9: 0.53 TB of batches); `allow_large`, or PARITY_ALLOW_LARGE=1 (what
+  `--allow-large` sets), skips the refusal (e.g. memory that will be freed, swap).
   Returns:
     The estimate.
   Raises:
     InputError: naming the sizes behind the estimate, the estimate, what is available and the fix.
   """
-  r = estimate_resources(spec)
+  r = estimate_resources(spec, nproc)
   if allow_large or os.environ.get(ALLOW_LARGE_ENV) == "1":
     return r
   t, m = spec.train, spec.model
-  why = (f"{r.params:,} params (model.n_layers={m.n_layers}, d_model={m.d_model}, vocab_size={m.vocab_size}); "
+  ranks = f"--nproc {nproc} ranks x (model state + {_gb(FRAMEWORK_FLOOR_BYTES)} framework floor); " \
+      if nproc > 1 else ""
+  why = (f"{ranks}{r.params:,} params (model.n_layers={m.n_layers}, d_model={m.d_model}, vocab_size={m.vocab_size}); "
          f"batches.npy {_gb(r.batches_bytes)} (train.steps={t.steps} x grad_accum_steps={t.grad_accum_steps} x "
          f"micro_batch_size={t.micro_batch_size} x (seq_len+1)={t.seq_len + 1} x 2 bytes)")
   mem = available_memory_bytes()
