@@ -160,15 +160,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
     The Report (JSON-ready data; not written: parity.report.write_all).
   """
   from parity.sizing import memory
-  sides, sides_s = {}, {}
-  for name, sr in side_runs.items():
-    summ = sr.summary or {}
-    sides[name] = {"status": sr.status, "error": sr.error, "returncode": sr.returncode, "wall_s": sr.wall_s,
-                   "harness_peak_rss_bytes": sr.peak_rss_bytes, "summary": summ,
-                   "series": _series(side_steps.get(name, [])), "load": (side_loads or {}).get(name)}
-    busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
-    # a side that did not finish never reported its own times: count the wall time the harness saw
-    sides_s[name] = busy if sr.status == "ok" else sr.wall_s
+  sides, sides_s = _sides(side_runs, side_steps, side_loads)
   busy_total = sum(sides_s.values()) + reruns_s
   reruns = reruns if reruns is not None else {"noise_envelope": None, "determinism": {}, "resume": {}}
   data = {
@@ -202,6 +194,21 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
                     "note": "predicted by parity.sizing.memory (parity estimate); measured from the live "
                             "state arrays / engine tensors of each side"}
   return Report(data=data, run_dir=run_dir)
+
+
+def _sides(side_runs: dict, side_steps: dict[str, list[dict]], side_loads: dict[str, dict] | None
+           ) -> tuple[dict[str, dict], dict[str, float]]:
+  """report.json's 'sides' (status, error, summary, per-step series, load) and each side's busy seconds: its own
+  init + compile + train times, or the wall time the harness saw for a side that did not finish."""
+  sides, sides_s = {}, {}
+  for name, sr in side_runs.items():
+    summ = sr.summary or {}
+    sides[name] = {"status": sr.status, "error": sr.error, "returncode": sr.returncode, "wall_s": sr.wall_s,
+                   "harness_peak_rss_bytes": sr.peak_rss_bytes, "summary": summ,
+                   "series": _series(side_steps.get(name, [])), "load": (side_loads or {}).get(name)}
+    busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
+    sides_s[name] = busy if sr.status == "ok" else sr.wall_s
+  return sides, sides_s
 
 
 def _verdict_json(verdict: Verdict, interrupted: bool) -> dict:
