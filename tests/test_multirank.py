@@ -287,3 +287,23 @@ def test_a_jax_side_past_its_timeout_blames_no_rank_it_killed(tmp_path):
            for k in range(2)}
   launched = _wait_ranks(procs, "jax", tmp_path, __import__("time").time(), 0.3, None)
   assert launched.timed_out and launched.failed_rank is None and launched.rank_codes == {0: -9, 1: -9}
+
+
+def test_terminal_summary_says_how_many_ranks_each_side_ran():
+  import io
+  import types
+  from rich.console import Console
+  from parity.cli.compare import print_summary
+  side = lambda n: {"status": "ok", "series": {"loss": [5.46, 5.15]},  # noqa: E731
+                    "summary": {"steps_completed": 2, **({"nproc": n} if n > 1 else {})}}
+  report = types.SimpleNamespace(run_dir=Path("runs/x"), checks=[], passed=True, post=None,
+                                 data={"sides": {"jax": side(2), "torch": side(2)}, "checks": [],
+                                       "verdict": {"message": "PASS"}})
+  out = io.StringIO()
+  print_summary(report, Console(file=out, width=160))
+  text = out.getvalue()
+  assert "2 ranks per side" in text and "jax × 2 ranks" in text and "torch × 2 ranks" in text
+  report.data["sides"] = {"jax": side(1)}
+  out = io.StringIO()
+  print_summary(report, Console(file=out, width=160))
+  assert "ranks" not in out.getvalue()

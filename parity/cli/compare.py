@@ -125,14 +125,18 @@ def print_summary(report, con) -> None:
   from rich.table import Table
   from parity.report.content import side_rows, verdict_sentence
 
-  t = Table(title=f"parity compare — {report.run_dir}")
+  sides = report.data.get("sides") or {}
+  ranks = {n: int(((s.get("summary") or {}).get("nproc")) or 1) for n, s in sides.items()}  # harness.ranks.fold_ranks
+  world = max(ranks.values(), default=1)
+  t = Table(title=f"parity compare — {report.run_dir}" + (f" — {world} ranks per side" if world > 1 else ""))
   cols = ("side", "status", "steps", "loss first→last", "val loss", "tokens/s", "init/compile s", "peak RSS",
           "state by memory kind")
   for col in cols:
     t.add_column(col, overflow="fold", no_wrap=col in ("side", "steps"),
                  min_width=20 if col == "state by memory kind" else None)
   for r in side_rows(report.data):
-    t.add_row(r["side"], f"{r['status']} ({r['backend']})", str(r["steps"]), r["loss"], r["val_loss"],
+    n = ranks.get(r["side"], 1)
+    t.add_row(r["side"] + (f" × {n} ranks" if n > 1 else ""), f"{r['status']} ({r['backend']})", str(r["steps"]), r["loss"], r["val_loss"],
               r["tokens_per_s"], f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
               r["memory_kinds"].replace(", ", ",\n"))
   con.print(t)
