@@ -136,8 +136,8 @@ def print_summary(report, con) -> None:
                  min_width=20 if col == "state by memory kind" else None)
   for r in side_rows(report.data):
     n = ranks.get(r["side"], 1)
-    t.add_row(r["side"] + (f" × {n} ranks" if n > 1 else ""), f"{r['status']} ({r['backend']})", str(r["steps"]), r["loss"], r["val_loss"],
-              r["tokens_per_s"], f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
+    t.add_row(r["side"] + (f" × {n} ranks" if n > 1 else ""), f"{r['status']} ({r['backend']})", str(r["steps"]),
+              r["loss"], r["val_loss"], r["tokens_per_s"], f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
               r["memory_kinds"].replace(", ", ",\n"))
   con.print(t)
   _print_checks(report, con)
