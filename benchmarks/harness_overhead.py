@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from parity.environment import cpu_model  # noqa: E402
 
 
 def run_compare(out: Path, extra: list[str]) -> tuple[float, dict]:
@@ -38,13 +40,8 @@ def run_compare(out: Path, extra: list[str]) -> tuple[float, dict]:
 
 
 def cpu_name() -> str:
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+  """The CPU model (parity.environment.cpu_model), else the machine type."""
+  return cpu_model() or platform.machine()
 
 
 def main() -> int:

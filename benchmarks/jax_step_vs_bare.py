@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from parity.environment import cpu_model  # noqa: E402
 
 
 def _pin_threads(n: int) -> list[int]:
@@ -59,13 +60,8 @@ def _pin_threads(n: int) -> list[int]:
 
 
 def cpu_name() -> str:
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+  """The CPU model (parity.environment.cpu_model), else the machine type."""
+  return cpu_model() or platform.machine()
 
 
 # ----------------------------------------------------------------------------- the two kinds of step

@@ -16,7 +16,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["PACKAGES", "CUDA_FILES", "cuda_evidence", "package_versions", "host_info", "numa_nodes", "git_revision"]
+__all__ = ["PACKAGES", "CUDA_FILES", "cuda_evidence", "package_versions", "cpu_model", "host_info", "numa_nodes",
+           "git_revision"]
 
 PACKAGES = ("parity", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-cuda13-pjrt",
             "jax-cuda12-pjrt", "flax", "optax", "orbax-checkpoint", "torch", "deepspeed", "numpy", "ml_dtypes",
@@ -58,7 +59,7 @@ def _read(path: str) -> str | None:
     return None
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
   """The CPU model name from /proc/cpuinfo ('model name', or 'Model'/'Hardware' on ARM), else platform's."""
   text = _read("/proc/cpuinfo") or ""
   for key in ("model name", "Model", "Hardware", "cpu model"):
@@ -113,7 +114,7 @@ def host_info() -> dict[str, object]:
       "python_implementation": platform.python_implementation(),
       "python_executable": sys.executable,
       "prefix": sys.prefix,
-      "cpu_model": _cpu_model(),
+      "cpu_model": cpu_model(),
       "cpu_cores_logical": os.cpu_count(),
       "cpu_cores_usable": usable,
       "load_average": load,

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from parity.environment import cpu_model
 from parity.verdict.check import Check
 from parity.verdict.sides import Verdict
 from parity.spec import RunSpec, config_hash, to_dict
@@ -72,17 +73,6 @@ def _versions() -> dict[str, str]:
   return out
 
 
-def _cpu_model() -> str | None:
-  """The CPU's model name (/proc/cpuinfo on Linux, platform.processor() elsewhere), None when unknown."""
-  try:
-    for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-      if line.lower().startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or None
-
-
 def _git_state() -> dict[str, Any] | None:
   """{rev, dirty} of the git checkout holding this package (dirty: uncommitted changes to tracked files), or None
   when it is not a checkout or git is missing (an installed wheel)."""
@@ -108,7 +98,7 @@ def _environment() -> dict[str, Any]:
   except OSError:
     load = None
   return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-          "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "load_avg_1_5_15": load,
+          "cpu_count": os.cpu_count(), "cpu_model": cpu_model(), "load_avg_1_5_15": load,
           "hostname": platform.node(), "versions": _versions(), "git": _git_state()}
 
 
