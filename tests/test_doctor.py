@@ -186,3 +186,15 @@ def test_run_environment_records_what_the_check_saw(monkeypatch):
   b = doctor.run_environment(devices)
   assert b["frameworks"] == {"jax": JAX_CPU, "torch": TORCH_GPU} and b["allowed_cpu"] is True
   assert b["cpu_fallback"] == ["the jax side would run on the CPU"] and b["quick"] is True
+
+
+def test_doctor_json_refuses_an_existing_file_without_force(tmp_path, capsys):
+  """--json FILE never overwrites a file it did not just create: exit 2 naming the file and --force, before any
+  probe starts (the file is left as it was)."""
+  from parity.cli import main
+  existing = tmp_path / "report.json"
+  existing.write_text("the user's file")
+  assert main(["doctor", "--quick", "--json", str(existing)]) == 2
+  err = capsys.readouterr().err
+  assert str(existing) in err and "--force" in err
+  assert existing.read_text() == "the user's file"

@@ -220,3 +220,26 @@ def test_tensorboard_event_files_when_installed(tmp_path):
   t.log_step("jax", 0, {"loss": 5.0})
   t.close()
   assert list((tmp_path / "run1" / "jax").glob("events.out.tfevents.*"))
+
+
+def _snap(passed: bool, source: str, **kw):
+  """A minimal Snapshot (no series, one pair) for the gate's own rules, without starting a run."""
+  from parity.report.gate import Snapshot
+  fig = {"steps_completed": 4, "step_time_s_median": None, "peak_rss_bytes": None, "state_bytes": {},
+         "final_loss": None}
+  base = dict(source=Path(source), kind="card", precision="fp32", passed=passed,
+              verdict="PASS" if passed else "FAIL: loss", sides=["jax", "torch"], series=None,
+              figures={"jax": dict(fig), "torch": dict(fig)}, versions={}, machine={}, config={},
+              max_dloss={"jax~torch": 1e-6})
+  return Snapshot(**{**base, **kw})
+
+
+def test_a_new_run_that_fails_its_verdict_never_passes_the_gate():
+  from parity.report.gate import check_against
+  for base_passed in (False, True):
+    gate = check_against(_snap(False, "new"), _snap(base_passed, "base"))
+    row = next(r for r in gate.rows if r.metric == "verdict")
+    assert not gate.passed and gate.exit_code == 1, (base_passed, gate.to_markdown())
+    assert row.status == ("MOVED" if base_passed else "FAIL") and "gating" in row.note
+    assert "verdict" in gate.message() and ("**MOVED**" if base_passed else "**FAIL**") in gate.to_markdown()
+  assert check_against(_snap(True, "new"), _snap(False, "base")).passed  # a fixed run passes a failing baseline

@@ -88,7 +88,9 @@ def test_a_run_whose_files_changed_is_flagged(tmp_path, capsys):
     f.write("\n")
   assert main(["report", d[0], str(edited), "-o", str(tmp_path / "cmp")]) == 1
   assert "files changed" in capsys.readouterr().out
-  assert "files changed since its verdict" in (tmp_path / "cmp" / "comparison.md").read_text()
+  md = (tmp_path / "cmp" / "comparison.md").read_text()
+  assert "files changed since its verdict" in md and "UNVERIFIED (files changed:" in md and "steps.jsonl" in md
+  assert "**1 of 2 runs hold parity.**" in md and "PASS (files changed)" not in md
 
 
 def test_folders_that_are_not_finished_runs_exit_2(tmp_path, capsys):
@@ -147,3 +149,25 @@ def test_comparison_page_in_a_browser(tmp_path):
   assert (ink > 0.001).mean() > 0.5, "most of the page's height should carry text, tables or plots"
   green = px[60:200, 100:1300].reshape(-1, 3)
   assert np.mean((green[:, 1] > green[:, 0] + 0.03) & (green[:, 1] > green[:, 2] + 0.01)) > 0.3, "a green banner"
+
+
+@needs_runs
+def test_an_edited_report_is_unverified_and_refused(tmp_path, capsys):
+  """A report.json whose check is marked passed beyond its tolerance (a FAIL flipped to PASS by hand) is refused
+  by `parity report RUN` and `parity check`, and shown UNVERIFIED (not counted) on a comparison page."""
+  from parity.cli import main
+  d = _dirs()
+  edited = Path(shutil.copytree(d[1], tmp_path / "edited"))
+  data = json.loads((edited / "report.json").read_text())
+  loss = next(c for c in data["checks"] if c["metric"] == "loss")
+  loss["value"] = loss["tolerance"] * 4.32  # a failing figure left marked passed, like a flipped FAIL run
+  (edited / "report.json").write_text(json.dumps(data))
+  assert main(["report", str(edited)]) == 1
+  err = capsys.readouterr().err
+  assert "report.json does not match its checks" in err and "is marked passed" in err, err
+  assert main(["check", str(edited), d[0]]) == 2
+  assert main(["report", d[0], str(edited), "-o", str(tmp_path / "cmp")]) == 1
+  assert "UNVERIFIED" in capsys.readouterr().out
+  md = (tmp_path / "cmp" / "comparison.md").read_text()
+  assert "**1 of 2 runs hold parity.**" in md and "UNVERIFIED (files changed:" in md
+  assert "1 of 2 runs hold parity" in (tmp_path / "cmp" / "comparison.html").read_text()

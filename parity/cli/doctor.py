@@ -27,6 +27,8 @@ def register(sub) -> None:
                                  "failed (shown); 2: bad input.")
   p.add_argument("--json", metavar="FILE", help="also write the block as JSON to FILE ('-': stdout instead of the "
                                                 "table; default: table only)")
+  p.add_argument("--force", action="store_true", help="let --json FILE replace an existing file (default off: an "
+                                                      "existing file is refused, exit 2)")
   p.add_argument("--quick", action="store_true", help="skip the bandwidth copies and the GPU topology (the probes "
                                                       "still run; default off)")
   p.add_argument("--build", action="store_true", help="build DeepSpeed's CPU Adam op when it is missing (minutes; "
@@ -44,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
   out = None if args.json in (None, "-") else Path(args.json)
   if out is not None and not out.parent.is_dir():
     raise ValueError(f"--json {args.json}: folder {out.parent} does not exist; create it or pick another path")
+  if out is not None and out.exists() and not getattr(args, "force", False):
+    raise ValueError(f"--json {args.json}: {out} already exists and would be overwritten; pass --force to replace "
+                     "it, or pick another path ('-' writes to stdout)")
   frameworks = doctor.probe_frameworks(bandwidth=not args.quick, build=args.build,
                                        timeout_s=args.timeout or doctor.PROBE_TIMEOUT_S)
   block = doctor.environment_block(quick=args.quick, frameworks=frameworks)

@@ -16,7 +16,8 @@ def register(sub) -> None:
   p = sub.add_parser("report", help="re-render a finished run, or compare several runs on one page",
                      description="One RUN_DIR: re-renders report.html, report.md with its PNGs and card.json from the "
                                  "run's files (nothing is re-run; report.json is left as it is) and prints the "
-                                 "summary; exit 0/1: the run's verdict. Several RUN_DIRs (or -o): writes "
+                                 "summary; exit 0/1: the run's verdict (1 also when a file could not be written: the lines "
+                                 "say which). Several RUN_DIRs (or -o): writes "
                                  "comparison.html and comparison.md (key figures per run, one plot per metric across "
                                  "runs); exit 0, or 1 when a run's files changed since its verdict. Exit 2: a folder "
                                  "is not a finished run (the message says what is missing).")
@@ -24,6 +25,9 @@ def register(sub) -> None:
   p.add_argument("-o", "--out", metavar="DIR",
                  help="folder for comparison.html/.md (default runs/comparison-<time> for several runs; with one "
                       "run, -o builds a one-run comparison page there)")
+  p.add_argument("--force", action="store_true",
+                 help="let -o replace comparison files this command did not write (default off: such a folder is "
+                      "refused, exit 2)")
   p.add_argument("--tracker", action="append", default=[], metavar="KIND:TARGET",
                  help="also mirror each run's per-step records to tensorboard:DIR, wandb:PROJECT or "
                       "mlflow:EXPERIMENT (when installed; default: none)")
@@ -47,11 +51,11 @@ def run_report(args: argparse.Namespace) -> int:
   from parity.report.multi import load_runs, write_comparison
   runs = load_runs(args.run_dirs)
   out = Path(args.out) if args.out else Path("runs") / f"comparison-{_dt.datetime.now():%Y%m%d-%H%M%S}"
-  written = write_comparison(runs, out)
+  written = write_comparison(runs, out, force=args.force)
   con = console()
   for r in runs:
-    con.print(f"{r.label}: {r.verdict}" + ("" if not r.problems else f" [bold red](files changed: "
-                                           f"{'; '.join(r.problems)})[/bold red]"), soft_wrap=True)
+    con.print(f"{r.label}: {r.verdict}" if not r.problems else
+              f"{r.label}: [bold red]UNVERIFIED (files changed: {'; '.join(r.problems)})[/bold red]", soft_wrap=True)
   _mirror(runs, post, con)
   con.print(f"comparison: {written['html']} (also {written['md'].name}, {written['json'].name} and "
             f"{sum(k.startswith('plot:') for k in written)} PNG plots)")
@@ -68,14 +72,15 @@ def _one_run(run_dir: Path, post) -> int:
     raise Failure("; ".join(problems))
   written, errors, unrendered = rerender_run(report)
   con = console()
+  # print_summary names the report page only when nothing failed; the errors of this re-render (in memory only:
+  # report.json is not rewritten) make it say what could not be written instead
+  report.data["write_errors"] = [dict(zip(("file", "error"), e.rpartition(": ")[::2])) for e in errors]
   print_summary(report, con)
   if written:
     con.print(f"re-rendered from the run's files: {', '.join(sorted(p.name for p in written.values()))}",
               soft_wrap=True)
   for u in unrendered:
     con.print(f"[yellow]not re-rendered: {u}[/yellow]", soft_wrap=True)
-  for e in errors:
-    con.print(f"[bold red]could not write {e}[/bold red]", soft_wrap=True)
   for kind, target in post.trackers:
     _mirror_one(run_dir, list(report.data["sides"]), kind, target, con)
   return 1 if errors else report.exit_code

@@ -72,7 +72,7 @@ def print_gate(result, con) -> None:
   for col in ("metric", "side", "baseline", "new", "change", "gate", "result"):
     t.add_column(col)
   for r in result.rows:
-    res = "[red]MOVED[/red]" if r.status == "MOVED" else r.status
+    res = f"[red]{r.status}[/red]" if r.status in ("MOVED", "FAIL") else r.status
     t.add_row(r.metric, r.side, r.baseline, r.new, r.change, r.gate, res + (f" ({r.note})" if r.note else ""))
   con.print(t)
   for n in result.notes:

@@ -86,6 +86,17 @@ def _loss_headline(d: dict) -> str | None:
           f"tolerance {fmt(worst['tolerance'])}{gate}")
 
 
+def first_clause(text: str) -> str:
+  """`text` up to its first ';' outside brackets (a ';' inside '(...)' does not end the clause, so the clause keeps
+  its brackets balanced); the whole text when there is none."""
+  depth = 0
+  for i, ch in enumerate(text):
+    depth += {"(": 1, "[": 1, ")": -1, "]": -1}.get(ch, 0)
+    if ch == ";" and depth <= 0:
+      return text[:i].rstrip()
+  return text
+
+
 def verdict_parts(d: dict) -> tuple[str, str, str]:
   """(kind, sentence, sub) of the verdict: kind 'pass' | 'fail' | 'warn' (one side, interrupted); the sentence
   names the pair, the metric and the step; sub counts the checks."""
@@ -117,7 +128,7 @@ def verdict_parts(d: dict) -> tuple[str, str, str]:
                  f"(tolerance {fmt(ff['tolerance'])}; {label} over the run {fmt(ff['value'])})"
                  + (" on the steps both sides ran" if _side_stop(d) else ""))
     if c.get("detail") and ff["metric"] in ("params", "params_zero_grad"):
-      parts[-1] += f"; {c['detail'].split(';')[0]}"
+      parts[-1] += f"; {first_clause(c['detail'])}"
   return "fail", "FAIL: " + "; ".join(parts or [msg.removeprefix("FAIL: ")]) + ".", sub
 
 

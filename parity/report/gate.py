@@ -196,9 +196,17 @@ def snapshot_from_report(report) -> Snapshot:
                   created=str(d.get("created_utc") or ""))
 
 
+def pair_key(pair) -> str:
+  """The one key a pair has in a Snapshot: 'a~b', from a sides list ['a', 'b'], a check's 'a~b' or a card's
+  'a vs b' (parity.report.content.pair_label), so a run and a card baseline name a pair alike."""
+  if isinstance(pair, (list, tuple)):
+    return "~".join(str(x) for x in pair)
+  return str(pair).replace(" vs ", "~")
+
+
 def _max_dloss(checks: list[dict]) -> dict[str, float | None]:
   """'a~b' -> the `loss` check's value (max |loss_a - loss_b|, nats) of each pair."""
-  return {"~".join(c["sides"]): _num(c["value"]) for c in checks if c.get("metric") == "loss"}
+  return {pair_key(c["sides"]): _num(c["value"]) for c in checks if c.get("metric") == "loss"}
 
 
 def load_baseline(path: str | Path) -> Snapshot:
@@ -244,10 +252,15 @@ def snapshot_from_card(path: Path) -> Snapshot:
     return v if isinstance(v, dict) else {}
   figures = {side: {"steps_completed": None, "step_time_s_median": _num(per_side("step_time_s_median").get(side)),
                     "peak_rss_bytes": _num(per_side("peak_host_rss_bytes").get(side)),
-                    "state_bytes": dict(per_side("state_bytes_by_memory_kind").get(side) or {}), "final_loss": None}
+                    "state_bytes": dict(per_side("state_bytes_by_memory_kind").get(side) or {}),
+                    "final_loss": _num(per_side("final_loss").get(side)), "load": _num(per_side("load").get(side)),
+                    "loss_at_steps": {int(k): _num(v) for k, v in (per_side("loss_at_steps").get(side) or {}).items()
+                                      if str(k).isdigit() and _num(v) is not None}}
              for side in sides}
   backends = sorted({str(b) for b in (d.get("backend") or {}).values() if b})
   machine = {"backend": ",".join(backends)} if backends else {}
+  rec = d.get("machine") if isinstance(d.get("machine"), dict) else {}  # cards written since the machine was kept
+  machine.update({k: str(v) for k, v in rec.items() if v not in (None, "")})
   env = _environment_json(path.parent)
   if env:
     machine.update(machine_identity_from_env(env))
@@ -256,7 +269,7 @@ def snapshot_from_card(path: Path) -> Snapshot:
                   sides=sides, series=None, figures=figures,
                   versions={k: str(v) for k, v in (d.get("versions") or {}).items() if v is not None},
                   machine=machine, config={}, config_hash=str(comp.get("config_hash") or ""),
-                  max_dloss={k: _num(v) for k, v in per_side("max_abs_dloss").items()},
+                  max_dloss={pair_key(k): _num(v) for k, v in per_side("max_abs_dloss").items()},
                   created=str(d.get("created_utc") or ""))
 
 
@@ -285,7 +298,8 @@ class GateResult:
 
   @property
   def passed(self) -> bool:
-    return not any(r.status == "MOVED" for r in self.rows)
+    """No row MOVED (outside its gate) and no row FAIL (the new run's own verdict fails)."""
+    return not any(r.status in ("MOVED", "FAIL") for r in self.rows)
 
   @property
   def exit_code(self) -> int:
@@ -294,13 +308,13 @@ class GateResult:
 
   @property
   def moved(self) -> list[GateRow]:
-    return [r for r in self.rows if r.status == "MOVED"]
+    return [r for r in self.rows if r.status in ("MOVED", "FAIL")]
 
   def message(self) -> str:
     if self.passed:
       return f"GATE PASS: every metric within its gate against baseline {self.baseline}"
     names = sorted({f"{r.metric} ({r.side})" if r.side else r.metric for r in self.moved})
-    return f"GATE FAIL: moved outside its gate against baseline {self.baseline}: {', '.join(names)}"
+    return f"GATE FAIL: outside its gate against baseline {self.baseline}: {', '.join(names)}"
 
   def to_json(self) -> dict:
     return {"passed": self.passed, "message": self.message(), "baseline": self.baseline, "new": self.new,
@@ -314,7 +328,7 @@ class GateResult:
            f"- new run: `{self.new}`", *[f"- {n}" for n in self.notes], "",
            "| metric | side | baseline | new | change | gate | result |", "|---|---|---|---|---|---|---|"]
     for r in self.rows:
-      res = f"**{r.status}**" if r.status == "MOVED" else r.status
+      res = f"**{r.status}**" if r.status in ("MOVED", "FAIL") else r.status
       cells = [r.metric, r.side, r.baseline, r.new, r.change, r.gate, res + (f" ({r.note})" if r.note else "")]
       out.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
     out += ["", "## Gates and why they are that wide", "", "| gate | kind | reason |", "|---|---|---|"]
@@ -353,8 +367,9 @@ def _machine_notes(new: dict[str, str], base: dict[str, str]) -> tuple[list[str]
 
 
 def _version_notes(new: dict[str, str], base: dict[str, str]) -> list[str]:
-  changed = [f"{k} {base.get(k, 'absent')} -> {new.get(k, 'absent')}" for k in sorted(set(new) | set(base))
-             if new.get(k) != base.get(k)]
+  """Versions of the packages both runs recorded (a card keeps fewer than a run folder's environment.json: a
+  package one side did not record is not a difference)."""
+  changed = [f"{k} {base[k]} -> {new[k]}" for k in sorted(set(new) & set(base)) if new[k] != base[k]]
   return [f"versions differ (not a gate; they explain what moved): {', '.join(changed)}"] if changed else \
       ["same package versions"]
 
@@ -391,12 +406,8 @@ def check_against(new: Snapshot, base: Snapshot) -> GateResult:
     notes.append(f"precision {base.precision} -> {new.precision}: the per-step gates use {precision}'s (looser) band")
   if base.series is None or new.series is None:
     notes.append(f"{'the baseline' if base.series is None else 'the new run'} is a card: per-step series are not "
-                 "compared; each pair's max |Δloss| is")
-  v = GATES["verdict"]
-  rows = [GateRow("verdict", "", "PASS" if base.passed else "FAIL", "PASS" if new.passed else "FAIL",
-                  "" if base.passed == new.passed else ("now fails" if base.passed else "now passes"),
-                  v.reason, "MOVED" if base.passed and not new.passed else "ok" if base.passed else "reported",
-                  "" if base.passed else "the baseline did not hold parity; nothing to keep")]
+                 "compared; each pair's max |Δloss| and each side's loss at the card's steps are gated instead")
+  rows = [_verdict_row(new, base)]
   for side in base.sides:
     if side not in new.sides:
       rows.append(GateRow("side", side, "ran", "absent", "", "every baseline side runs", "MOVED",
@@ -411,6 +422,17 @@ def check_against(new: Snapshot, base: Snapshot) -> GateResult:
   return GateResult(baseline=str(base.source), new=str(new.source), rows=rows, notes=notes, cross_machine=cross)
 
 
+def _verdict_row(new: Snapshot, base: Snapshot) -> GateRow:
+  """The verdict gate: a new run that does not hold parity never passes the gate (status FAIL, whatever the
+  baseline's verdict: a gate that lets a non-parity run through is wrong); PASS -> FAIL is MOVED."""
+  reason = GATES["verdict"].reason + "; a run that does not hold parity never passes the gate"
+  change = "" if base.passed == new.passed else ("now fails" if base.passed else "now passes")
+  cells = ("verdict", "", "PASS" if base.passed else "FAIL", "PASS" if new.passed else "FAIL", change, reason)
+  if not new.passed:
+    return GateRow(*cells, "MOVED" if base.passed else "FAIL", "gating: the new run does not hold parity")
+  return GateRow(*cells, "ok", "" if base.passed else "the baseline did not hold parity; the new run does")
+
+
 def _side_rows(side: str, new: Snapshot, base: Snapshot, precision: str, cross: bool) -> list[GateRow]:
   nf, bf = new.figures[side], base.figures[side]
   rows = []
@@ -420,6 +442,8 @@ def _side_rows(side: str, new: Snapshot, base: Snapshot, precision: str, cross: 
                         GATES["steps"].reason, "MOVED" if ns < bs else "ok"))
   if base.series is not None and new.series is not None:
     rows += [r for m in SERIES_METRICS if (r := _series_row(m, side, new, base, precision)) is not None]
+  elif base.series is None:
+    rows += _card_loss_rows(side, new, bf, precision)
   skip = "the baseline is from another machine" if cross else _busy(side, nf, bf, new.machine, base.machine)
   rows.append(_band_row("step_time", side, bf.get("step_time_s_median"), nf.get("step_time_s_median"), "s",
                         skip=skip))
@@ -448,6 +472,26 @@ def _series_row(metric: str, side: str, new: Snapshot, base: Snapshot, precision
       (f"; first outside at step {c.first_failing_step}" if c.first_failing_step is not None else "")
   gate = f"|Δ| ≤ {tol.atol:g} + {tol.rtol:g}·|baseline| per step ({precision} tolerance)"
   return GateRow(metric, side, _fmt(bv), _fmt(nv), change, gate, "ok" if c.passed else "MOVED")
+
+
+def _card_loss_rows(side: str, new: Snapshot, bf: dict, precision: str) -> list[GateRow]:
+  """A card baseline's loss gate of one side: the loss at each step the card kept, and the final loss, within the
+  run's own loss tolerance (atol + rtol·|baseline|, the per-step band of the series gate)."""
+  from parity.verdict.tolerances import tolerance
+  tol = tolerance(precision, "loss")
+  gate = f"|Δ| ≤ {tol.atol:g} + {tol.rtol:g}·|baseline| ({precision} loss tolerance)"
+  new_by_step = {r["step"]: _num(r.get("loss")) for r in (new.series or {}).get(side) or []}
+  pts = [(f"loss (step {st})", b, new_by_step.get(st)) for st, b in sorted((bf.get("loss_at_steps") or {}).items())]
+  pts.append(("final_loss", bf.get("final_loss"), (new.figures.get(side) or {}).get("final_loss")))
+  rows = []
+  for metric, b, n in pts:
+    if b is None or n is None:
+      if metric == "final_loss":
+        rows.append(GateRow(metric, side, _fmt(b), _fmt(n), "", gate, "skipped", "not recorded by both"))
+      continue
+    moved = abs(n - b) > tol.atol + tol.rtol * abs(b)
+    rows.append(GateRow(metric, side, _fmt(b), _fmt(n), f"|Δ| {abs(n - b):.3g}", gate, "MOVED" if moved else "ok"))
+  return rows
 
 
 def _pair_row(pair: str, n: float | None, b: float | None, precision: str) -> GateRow:

@@ -230,13 +230,27 @@ def _mib(v) -> str:
   return "n/a" if v is None else f"{v / 2**20:,.0f} MiB"
 
 
+def holds(r: RunFigures) -> bool:
+  """True when the run's stored verdict passed AND its files still verify (verify_report found nothing): a run
+  whose report or artifacts changed since its verdict never counts as holding parity."""
+  return r.passed and not r.problems
+
+
+def verdict_cell(r: RunFigures) -> str:
+  """'PASS' / 'FAIL', or 'UNVERIFIED (files changed: ...)' when verify_report found a problem: the stored verdict
+  no longer describes the files, so it is not shown as a verdict."""
+  if r.problems:
+    return f"UNVERIFIED (files changed: {'; '.join(r.problems)})"
+  return "PASS" if r.passed else "FAIL"
+
+
 def run_row(r: RunFigures, first: RunFigures) -> dict[str, str]:
   """The comparison table's cells of one run (text; several sides or pairs joined by '; '); `first`: the run the
   configuration and versions are compared with."""
   ver = [f"{k} {v}" for k, v in r.versions.items() if first.versions.get(k) != v]
   differs = [f"{k}={v!r}" for k, v in r.differs.items()] + ver
   return {
-      "run": r.label, "verdict": ("PASS" if r.passed else "FAIL") + (" (files changed)" if r.problems else ""),
+      "run": r.label, "verdict": verdict_cell(r),
       "preset": r.preset, "precision": r.precision, "plan": r.plan, "steps": str(r.steps),
       "max |Δloss|": "; ".join(f"{p} {_g(v)}" for p, v in r.max_dloss.items()) or "n/a",
       "tokens/s": "; ".join(f"{s} {_g(f['tokens_per_s'], ',.0f')}" for s, f in r.per_side.items()),
@@ -299,7 +313,7 @@ def timing_note(runs: Sequence[RunFigures]) -> str:
 def comparison_markdown(runs: Sequence[RunFigures], plots: dict[str, tuple[str, str]]) -> str:
   """comparison.md: the key-figure table (GFM, '|' escaped), each run's problems, and the PNG plots
   (plots: key -> (file name beside it, caption))."""
-  n_pass = sum(r.passed for r in runs)
+  n_pass = sum(holds(r) for r in runs)
   out = [f"# parity: {len(runs)} runs compared", "",
          f"**{n_pass} of {len(runs)} runs hold parity.** Runs in the order given; the first is the reference for "
          "\"differs\". " + timing_note(runs), "",
@@ -309,7 +323,8 @@ def comparison_markdown(runs: Sequence[RunFigures], plots: dict[str, tuple[str, 
     out.append("| " + " | ".join(_md_cell(row[c]) for c in COLUMNS) + " |")
   out += ["", "## Runs", ""]
   for r in runs:
-    out.append(f"- `{r.label}`: {r.run_dir} — {r.verdict}")
+    out.append(f"- `{r.label}`: {r.run_dir} — " + (f"UNVERIFIED (stored verdict: {r.verdict})" if r.problems
+                                                     else r.verdict))
     out += [f"  - regression gate: {r.gate} (gate.md)"] if r.gate else []
     out += [f"  - **files changed since its verdict**: {p}" for p in r.problems]
   for key, (name, caption) in plots.items():
@@ -321,7 +336,7 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
   """comparison.html: one self-contained page (parity.report.html building blocks, inline SVG figures:
   figures: key -> (svg, caption))."""
   from parity.report import html as H
-  n_pass = sum(r.passed for r in runs)
+  n_pass = sum(holds(r) for r in runs)
   changed = [r.label for r in runs if r.problems]
   kind = "pass" if n_pass == len(runs) and not changed else "fail" if n_pass == 0 else "warn"
   sub = (f"Files changed since the verdict in: {', '.join(changed)}. " if changed else "") + \
@@ -330,7 +345,7 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
   for r in runs:
     row = run_row(r, runs[0])
     link = H.Raw(f"<a href=\"{H.esc((r.run_dir / 'report.html').resolve().as_uri())}\">{H.esc(r.label)}</a>")
-    cells = [link, H.badge("pass" if r.passed else "fail", row["verdict"])]
+    cells = [link, H.badge("pass" if holds(r) else "fail", row["verdict"])]
     cells += [H.Raw("<br>".join(H.esc(x) for x in row[c].split("; "))) for c in COLUMNS[2:]]
     rows.append(cells)
     classes.append("fail" if not r.passed or r.problems else None)
@@ -338,7 +353,8 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
           H.banner(kind, f"{n_pass} of {len(runs)} runs hold parity", sub),
           H.section("Key figures", H.table(list(COLUMNS), rows, row_classes=classes)),
           H.section("Plots", "".join(H.figure(svg, cap, key=k) for k, (svg, cap) in figures.items()))]
-  details = [H.kv_table([("folder", str(r.run_dir)), ("verdict", r.verdict),
+  details = [H.kv_table([("folder", str(r.run_dir)),
+                         ("verdict", f"UNVERIFIED (stored verdict: {r.verdict})" if r.problems else r.verdict),
                          ("versions", ", ".join(f"{k} {v}" for k, v in r.versions.items()) or "n/a"),
                          *([("regression gate", r.gate)] if r.gate else []),
                          *[("files changed", p) for p in r.problems]]) for r in runs]
@@ -347,18 +363,61 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
   return H.page(f"parity: {len(runs)} runs compared", "\n".join(body), css=css)
 
 
-def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path) -> dict[str, Path]:
+COMPARISON_SCHEMA = "parity.comparison/1"
+
+
+def _foreign_files(out: Path) -> list[str]:
+  """The files in `out` this command would replace but did not write: comparison.md/.html/.json and
+  comparison-*.png, unless comparison.json there carries COMPARISON_SCHEMA (a folder an earlier `parity report`
+  wrote); [] for a missing or empty folder."""
+  import json
+  if not out.is_dir():
+    return []
+  ours = sorted(p.name for p in out.iterdir() if p.name in ("comparison.md", "comparison.html", "comparison.json")
+                or (p.name.startswith("comparison-") and p.name.endswith(".png")))
+  try:
+    mark = json.loads((out / "comparison.json").read_text(encoding="utf-8")).get("schema")
+  except (OSError, ValueError, AttributeError):
+    mark = None
+  return [] if mark == COMPARISON_SCHEMA else ours
+
+
+def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path, force: bool = False) -> dict[str, Path]:
   """Writes comparison.html, comparison.md with its PNG plots (comparison-<metric>.png) and comparison.json
   (the key figures) into `out_dir` (created if missing; files of an earlier comparison there are replaced).
 
-  Returns: name -> path. Raises InputError when `out_dir` is a run folder (its files are not mixed with a
-  comparison's); OSError when a file cannot be written."""
-  import json
-  from parity.report.plots import to_png, to_svg
+  Returns: name -> path. Raises InputError (exit 2) when `out_dir` is a run folder (its files are not mixed with a
+  comparison's), when it holds comparison files this command did not write (no comparison.json with
+  COMPARISON_SCHEMA; `force` replaces them), or when a file cannot be written there (the files this call wrote
+  are removed again, the message names the file)."""
   out = Path(out_dir)
   if (out / "report.json").exists() or (out / ".parity.lock").exists():
     raise InputError(f"-o {out} is a parity run folder; write the comparison to a folder of its own")
+  foreign = [] if force else _foreign_files(out)
+  if foreign:
+    raise InputError(f"-o {out} holds files `parity report` did not write ({', '.join(foreign)}); they would be "
+                     "replaced: pick another folder, or pass --force to replace them")
+  created: list[Path] = []
+  try:
+    return _write_comparison_files(runs, out, created)
+  except OSError as exc:
+    for p in created:
+      p.unlink(missing_ok=True)
+    where = exc.filename or out
+    raise InputError(f"-o {out}: cannot write {where} ({exc.strerror or exc}); pick a writable folder with free "
+                     "space") from None
+
+
+def _write_comparison_files(runs: Sequence[RunFigures], out: Path, created: list[Path]) -> dict[str, Path]:
+  """write_comparison's writing: every file it creates anew is appended to `created` (removed on a failure)."""
+  import json
+  from parity.report.plots import to_png, to_svg
   out.mkdir(parents=True, exist_ok=True)
+
+  def _atomic(path: Path, write) -> None:
+    if not path.exists():
+      created.append(path)
+    _atomic_write(path, write)
   written: dict[str, Path] = {}
   figures, plots = {}, {}
   for key, caption, fig in comparison_figures(runs):
@@ -370,13 +429,13 @@ def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path) -> dict[st
   _atomic(out / "comparison.md", lambda p: p.write_text(comparison_markdown(runs, plots), encoding="utf-8"))
   _atomic(out / "comparison.html", lambda p: p.write_text(comparison_html(runs, figures), encoding="utf-8"))
   data = [{**dataclasses.asdict(r), "run_dir": str(r.run_dir), "config": None, "loss_series": None} for r in runs]
-  _atomic(out / "comparison.json", lambda p: p.write_text(json.dumps({"schema": "parity.comparison/1",
+  _atomic(out / "comparison.json", lambda p: p.write_text(json.dumps({"schema": COMPARISON_SCHEMA,
                                                                       "runs": data}, indent=2, default=str)))
   written.update(md=out / "comparison.md", html=out / "comparison.html", json=out / "comparison.json")
   return written
 
 
-def _atomic(path: Path, write) -> None:
+def _atomic_write(path: Path, write) -> None:
   """Writes `path` through a temporary file and a rename (never a half-written file under the real name)."""
   import os
   tmp = path.with_name(f".{path.name}.tmp")
@@ -445,7 +504,7 @@ def rerender_run(report) -> tuple[dict[str, Path], list[str], list[str]]:
                            ("card", "card.json", lambda p: write_card(report, p)),
                            ("md", "report.md", lambda p: write_markdown(report, p))):
     try:
-      _atomic(rd / name, write)
+      _atomic_write(rd / name, write)
       written[key] = rd / name
     except OSError as exc:
       errors.append(f"{rd / name}: {exc.strerror or exc}")

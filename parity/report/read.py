@@ -83,6 +83,32 @@ def _check_from_json(d: dict):
   return Check(**kw)
 
 
+_AT_LEAST = ("completed", "updates")  # checks that pass when value >= tolerance (steps run, updates compared)
+_NON_GATING = ("determinism",)  # the only checks parity.pipeline.reruns stores as reported-only (gating False)
+
+
+def _check_contradictions(checks: list[dict]) -> list[str]:
+  """The stored checks whose pass flag their own figures contradict: a check marked passed whose value is NaN or
+  beyond its tolerance (value <= tolerance for difference checks; value >= tolerance for 'completed' and
+  'updates'), or a gating check stored as reported-only. A failing flag with figures inside the tolerance is not
+  flagged (params checks pass per tensor, so the worst figures alone cannot prove a pass)."""
+  out = []
+  for i, c in enumerate(checks):
+    if c.get("gating") is False and c.get("metric") not in _NON_GATING:
+      out.append(f"checks[{i}] ({c.get('name')}) is stored as not gating, which only {_NON_GATING} checks are")
+    if c.get("passed") is not True:
+      continue
+    v, t = c.get("value"), c.get("tolerance")
+    v = float("nan") if v is None else float(v) if isinstance(v, (str, int, float)) else float("nan")
+    t = float("nan") if t is None else float(t) if isinstance(t, (str, int, float)) else float("nan")
+    ok = v >= t if c.get("metric") in _AT_LEAST else v <= t  # NaN compares False: a NaN never passes
+    if not ok:
+      rule = ">=" if c.get("metric") in _AT_LEAST else "<="
+      out.append(f"checks[{i}] ({c.get('name')}) is marked passed but its value {c.get('value')} is not "
+                 f"{rule} its tolerance {c.get('tolerance')}")
+  return out
+
+
 def verify_report(report: Report) -> list[str]:
   """What no longer holds in a loaded report: one line per problem, [] when it is consistent and untouched.
 
@@ -101,9 +127,16 @@ def verify_report(report: Report) -> list[str]:
                          {name: s["status"] for name, s in d["sides"].items()})
   except (TypeError, ValueError) as exc:
     return [f"{path}: its checks cannot be re-read ({exc}); the report was edited or is not from `parity compare`"]
+  try:
+    contradictions = _check_contradictions(d["checks"])
+  except (TypeError, ValueError) as exc:
+    contradictions = [f"its checks' values cannot be read ({exc})"]
+  if contradictions:
+    out.append(f"{path}: report.json does not match its checks: {'; '.join(contradictions)}; the report was "
+               "edited (rerun `parity compare` for a verdict)")
   interrupted = d["verdict"]["message"].startswith("INTERRUPTED")
   expected = recomputed.passed and not interrupted
-  if d["verdict"]["passed"] != expected:
+  if d["verdict"]["passed"] != expected and not contradictions:
     out.append(f"{path}: the stored verdict says {'PASS' if d['verdict']['passed'] else 'FAIL'} but its own checks "
                f"and side statuses give {recomputed.message!r}; the report was edited or is inconsistent")
   arts = d.get("artifacts")
