@@ -146,6 +146,16 @@ def test_a_card_is_a_baseline(tmp_path):
   assert gate.passed, gate.to_markdown()
   assert {r.metric for r in gate.rows} >= {"verdict", "max_dloss", "peak_rss", "state_bytes"}
   assert any("is a card" in n for n in gate.notes)
+  rows = {(r.metric, r.side): r for r in gate.rows}
+  assert rows[("max_dloss", "jax~torch")].status == "ok", rows  # the card's 'jax vs torch' is the same pair
+  for side in ("jax", "torch"):
+    assert rows[("final_loss", side)].status == "ok" and rows[("loss (step 3)", side)].status == "ok"
+    assert "did not record" not in rows[("step_time", side)].note, rows[("step_time", side)]  # card keeps load
+  assert not any("absent" in n for n in gate.notes), gate.notes  # only versions both recorded are compared
+  assert not any(n.rstrip().endswith("is") for n in gate.notes), gate.notes
+  moved = check_against(snapshot_from_report(runs["lr"]), snap)  # a card baseline catches the planted lr change
+  assert not moved.passed and {("loss (step 3)", "jax"), ("final_loss", "torch")} <= {(r.metric, r.side)
+                                                                                      for r in moved.moved}
   bad = tmp_path / "card.json"
   bad.write_text('{"schema": "something else"}')
   with pytest.raises(InputError, match="not a parity card"):

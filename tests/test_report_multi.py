@@ -171,3 +171,32 @@ def test_an_edited_report_is_unverified_and_refused(tmp_path, capsys):
   md = (tmp_path / "cmp" / "comparison.md").read_text()
   assert "**1 of 2 runs hold parity.**" in md and "UNVERIFIED (files changed:" in md
   assert "1 of 2 runs hold parity" in (tmp_path / "cmp" / "comparison.html").read_text()
+
+
+@needs_runs
+def test_comparison_output_folder_is_not_overwritten_or_left_half_written(tmp_path, capsys):
+  """-o holding the user's comparison.md is refused (exit 2, the file named, --force replaces it); a folder we
+  wrote is rewritten; an unwritable -o is exit 2 naming the file, with no traceback and no partial files."""
+  from parity.cli import main
+  d = _dirs()
+  usr = tmp_path / "usr"
+  usr.mkdir()
+  (usr / "comparison.md").write_text("the user's notes")
+  assert main(["report", d[0], d[1], "-o", str(usr)]) == 2
+  err = capsys.readouterr().err
+  assert "comparison.md" in err and "--force" in err and (usr / "comparison.md").read_text() == "the user's notes"
+  assert main(["report", d[0], d[1], "-o", str(usr), "--force"]) == 0
+  assert main(["report", d[0], d[1], "-o", str(usr)]) == 0  # comparison.json marks the folder as ours now
+  bad = tmp_path / "bad"
+  (bad / "comparison.md").mkdir(parents=True)  # a file that cannot be written (works as root, unlike chmod)
+  assert main(["report", d[0], d[1], "-o", str(bad), "--force"]) == 2
+  err = capsys.readouterr().err
+  assert "cannot write" in err and "comparison.md" in err and "internal error" not in err and "Traceback" not in err
+  assert sorted(p.name for p in bad.iterdir()) == ["comparison.md"]  # the PNGs written before it were removed
+
+
+def test_fail_sentence_keeps_its_brackets_balanced():
+  from parity.report.content import first_clause
+  text = "tensor wte: max ratio 4.32 (4.32x; bound 2e-3·moved + Adam noise); 3 tensors over"
+  assert first_clause(text) == "tensor wte: max ratio 4.32 (4.32x; bound 2e-3·moved + Adam noise)"
+  assert first_clause("no clause") == "no clause"
