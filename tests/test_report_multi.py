@@ -200,3 +200,53 @@ def test_fail_sentence_keeps_its_brackets_balanced():
   text = "tensor wte: max ratio 4.32 (4.32x; bound 2e-3·moved + Adam noise); 3 tensors over"
   assert first_clause(text) == "tensor wte: max ratio 4.32 (4.32x; bound 2e-3·moved + Adam noise)"
   assert first_clause("no clause") == "no clause"
+
+
+def test_perturb_and_nproc_are_part_of_what_differs(tmp_path):
+  """launch.json's nproc and request.json's perturb are compared like spec keys (the comparison page's "differs"
+  column and the gate's configuration note read the same keys)."""
+  from parity.report.multi import config_diff, launch_config
+  a, b = tmp_path / "a", tmp_path / "b"
+  a.mkdir()
+  b.mkdir()
+  (a / "request.json").write_text(json.dumps({"perturb": {}}))
+  (b / "request.json").write_text(json.dumps({"perturb": {"torch": {"lr_scale": 1.1}}}))
+  (b / "launch.json").write_text(json.dumps({"schema": "parity.launch/1", "nproc": 2}))
+  assert launch_config(a) == {"nproc": 1}
+  assert config_diff(launch_config(a), launch_config(b)) == {"nproc": (1, 2), "perturb.torch.lr_scale": (None, 1.1)}
+
+
+def test_gate_names_a_baseline_moved_aside_by_force(tmp_path):
+  """`--out X --baseline X --force`: the old X was moved aside; the gate names where it is now, not X."""
+  from types import SimpleNamespace
+  from parity.report.after import _moved_baseline
+  from test_gate import _snap
+  x, old = tmp_path / "X", tmp_path / "X.old-1"
+  x.mkdir()
+  report = SimpleNamespace(run_dir=x, data={"run_folder": {"moved_aside_to": str(old)}})
+  assert _moved_baseline(_snap(True, str(x)), report).source == old
+  assert _moved_baseline(_snap(True, str(x / "card.json")), report).source == old / "card.json"
+  other = _snap(True, str(tmp_path / "elsewhere"))
+  assert _moved_baseline(other, report) is other
+
+
+@needs_runs
+def test_report_one_run_prints_only_what_it_wrote(tmp_path, capsys):
+  """A re-render that cannot write report.html (here a folder in its place: works as root too) exits 1 and names
+  it as not written, never as "report: .../report.html"; `check A nonexist` names the positional BASELINE."""
+  from parity.cli import main
+  run = Path(shutil.copytree(_dirs()[0], tmp_path / "run"))
+  (run / "report.html").unlink()
+  (run / "report.html").mkdir()
+  assert main(["report", str(run)]) == 1
+  out = capsys.readouterr().out
+  assert "could not write" in out and "report.html" in out and "report: " not in out, out
+  assert main(["check", _dirs()[1], str(tmp_path / "nonexist")]) == 2
+  err = capsys.readouterr().err
+  assert "BASELINE" in err and "--baseline" not in err
+
+
+def test_rank_table_headers_do_not_promise_bytes():
+  from parity.report.content import rank_table
+  cols, rows = rank_table({"summary": {"ranks": [{"rank": 0, "peak_rss_bytes": 3 * 2**20}]}})
+  assert cols == ["rank", "peak rss"] and "MiB" in rows[0][1]

@@ -108,7 +108,7 @@ def run_check(args: argparse.Namespace) -> int:
   problems = verify_report(report)
   if problems:
     raise InputError(f"NEW {args.new} cannot be checked: {'; '.join(problems)}")
-  result = check_against(snapshot_from_report(report), load_baseline(args.baseline))
+  result = check_against(snapshot_from_report(report), load_baseline(args.baseline, flag="BASELINE"))
   from parity.report.after import print_gate
   print_gate(result, console())
   return result.exit_code

@@ -50,7 +50,7 @@ class PostRun:
     from parity.report.trackers import mirror_run, open_tracker
     out = PostRunResult()
     if self.baseline is not None:
-      out.gate = check_against(snapshot_from_report(report), self.baseline)
+      out.gate = check_against(snapshot_from_report(report), _moved_baseline(self.baseline, report))
       try:
         out.gate_files = write_gate(out.gate, report.run_dir)
       except OSError as exc:
@@ -63,6 +63,22 @@ class PostRun:
       except Exception as exc:  # noqa: BLE001  a tracker's own failure must not lose the run's result
         out.messages.append(f"tracker {kind}:{target} failed: {type(exc).__name__}: {str(exc)[:200]}")
     return out
+
+
+def _moved_baseline(baseline, report):
+  """The baseline Snapshot named where it now lies: with `--out X --baseline X --force` the old run X (read before
+  the run started) was moved aside to report.json's run_folder.moved_aside_to, and X is the new run, so the gate
+  must not call the baseline "X"."""
+  import dataclasses as dc
+  moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
+  src, rd = Path(baseline.source), Path(report.run_dir).resolve()
+  if not moved:
+    return baseline
+  if src.resolve() == rd:
+    return dc.replace(baseline, source=Path(moved))
+  if src.resolve().parent == rd:  # X/card.json
+    return dc.replace(baseline, source=Path(moved) / src.name)
+  return baseline
 
 
 def print_gate(result, con) -> None:

@@ -11,8 +11,10 @@ __all__ = ["fmt_bytes", "fmt", "run_title", "verdict_parts", "verdict_sentence",
            "throughput_note", "plan_rows", "environment_rows", "METRIC_LABEL", "tolerance_text", "backend",
            "pair_label", "WARMUP_STEPS", "plain_detail", "step_times", "doctor_rows", "rank_table"]
 
-METRIC_LABEL = {"loss": "max abs Δloss", "val_loss": "max abs Δval_loss", "grad_norm": "max abs Δgrad_norm",
-                "lr": "max abs Δlr", "params": "worst tensor: element abs Δ", "params_zero_grad": "max abs Δ (zero-grad slices)",
+METRIC_LABEL = {"loss": "max abs Δloss", "val_loss": "abs Δval_loss at the worst step (relative to tolerance)",
+                "grad_norm": "abs Δgrad_norm at the worst step (relative to tolerance)",
+                "lr": "abs Δlr at the worst step (relative to tolerance)",
+                "params": "worst tensor: element abs Δ", "params_zero_grad": "max abs Δ (zero-grad slices)",
                 "completed": "steps both ran", "updates": "steps with lr > 0 on both sides", "determinism": "differing fields", "resume": "differing fields",
                 "loss_envelope": "worst window: rms Δloss", "val_loss_envelope": "worst window: rms Δval_loss",
                 "grad_norm_envelope": "worst window: rms rel. Δgrad_norm",
@@ -154,6 +156,8 @@ def tolerance_text(c: dict, tolerances: dict) -> str:
     return f"at least {fmt(c['tolerance'], 'g')} step"
   if c["tolerance"] == 0 and not atol and not rtol:
     return "0 (must be equal)"
+  if c["metric"] == "params" and rtol:
+    return f"{fmt(c['tolerance'])} ({rtol:g} × how far the tensor moved from init, + an Adam noise term per element)"
   if atol == 0 and rtol:
     if not c["tolerance"]:
       return f"relative: {rtol:g} × value (the values compared are 0 here)"
@@ -273,7 +277,9 @@ def rank_table(s: dict) -> tuple[list[str], list[list[str]]] | None:
   cols = list(dict.fromkeys(k for r in ranks for k in r))
   cell = lambda k, v: fmt_bytes(v) if "bytes" in k and isinstance(v, (int, float)) else (  # noqa: E731
       _compact(v) if isinstance(v, (dict, list)) else fmt(v))
-  return [c.replace("_", " ") for c in cols], [[cell(k, r.get(k)) for k in cols] for r in ranks]
+  # a *_bytes column's cells say their unit (fmt_bytes: KiB/MiB/GiB), so its header drops "bytes"
+  head = lambda c: c.removesuffix("_bytes").replace("_", " ")  # noqa: E731
+  return [head(c) for c in cols], [[cell(k, r.get(k)) for k in cols] for r in ranks]
 
 
 def throughput_rows(d: dict) -> list[dict[str, Any]]:

@@ -169,7 +169,7 @@ def _versions(run_dir: Path, data: dict) -> dict[str, str]:
 
 def snapshot_from_report(report) -> Snapshot:
   """A Snapshot of a loaded Report (parity.report.build.Report)."""
-  from parity.report.multi import flatten
+  from parity.report.multi import flatten, launch_config
   d = report.data
   series, figures = {}, {}
   for side, s in d["sides"].items():
@@ -191,7 +191,8 @@ def snapshot_from_report(report) -> Snapshot:
   return Snapshot(source=Path(report.run_dir), kind="run", precision=d["run"]["train"]["precision"],
                   passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"], sides=list(d["sides"]),
                   series=series, figures=figures, versions=_versions(Path(report.run_dir), d),
-                  machine=machine_identity(Path(report.run_dir), d), config=flatten(d["run"]),
+                  machine=machine_identity(Path(report.run_dir), d),
+                  config={**flatten(d["run"]), **launch_config(report.run_dir)},
                   config_hash=str(d.get("config_hash") or ""), max_dloss=_max_dloss(d["checks"]),
                   created=str(d.get("created_utc") or ""))
 
@@ -209,10 +210,11 @@ def _max_dloss(checks: list[dict]) -> dict[str, float | None]:
   return {pair_key(c["sides"]): _num(c["value"]) for c in checks if c.get("metric") == "loss"}
 
 
-def load_baseline(path: str | Path) -> Snapshot:
+def load_baseline(path: str | Path, flag: str = "--baseline") -> Snapshot:
   """The baseline a new run is gated against: a finished run folder (its report.json) or a card (card.json, or a
   folder holding only a card).
 
+  flag: how the user gave the path, for messages ('--baseline' for compare, 'BASELINE' for `parity check`).
   Raises:
     InputError (exit 2): no such path; a folder that is neither a finished run nor holds a card (named: what is
       missing); a run whose files changed since its verdict (verify_report's lines); a card that is not one.
@@ -221,7 +223,7 @@ def load_baseline(path: str | Path) -> Snapshot:
   from parity.report.read import verify_report
   p = Path(path)
   if not p.exists():
-    raise InputError(f"--baseline {p}: no such file or folder; pass a finished run folder or its card.json")
+    raise InputError(f"{flag} {p}: no such file or folder; pass a finished run folder or its card.json")
   if p.is_dir() and not (p / "report.json").exists() and (p / "card.json").is_file():
     p = p / "card.json"
   if p.is_file():

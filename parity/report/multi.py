@@ -118,6 +118,28 @@ def _side_figures(s: dict) -> dict[str, Any]:
           "final_loss": float(losses[-1]) if losses else None}
 
 
+def launch_config(run_dir: str | Path) -> dict[str, Any]:
+  """How a run was launched beyond its spec, as dotted keys to compare like the spec's: 'nproc' (ranks per side,
+  launch.json; 1 when absent) and 'perturb.<side>.<key>' (request.json's per-side --perturb changes, which make
+  the sides differ on purpose). A file that cannot be read adds nothing."""
+  import json
+  out: dict[str, Any] = {}
+  try:
+    launch = json.loads((Path(run_dir) / "launch.json").read_text(encoding="utf-8"))
+    out["nproc"] = launch.get("nproc", 1) if isinstance(launch, dict) else 1
+  except FileNotFoundError:
+    out["nproc"] = 1
+  except (OSError, ValueError):
+    pass
+  try:
+    pert = json.loads((Path(run_dir) / "request.json").read_text(encoding="utf-8")).get("perturb")
+  except (OSError, ValueError, AttributeError):
+    pert = None
+  if isinstance(pert, dict) and pert:
+    out.update(flatten(pert, "perturb"))
+  return out
+
+
 def run_figures(report, label: str | None = None) -> RunFigures:
   """The key figures of one loaded Report (parity.report.build.Report; read with load_report).
 
@@ -137,7 +159,8 @@ def run_figures(report, label: str | None = None) -> RunFigures:
       precision=d["run"]["train"]["precision"], plan=_plan_text(d), sides=sides,
       steps=int(d["run"]["train"]["steps"]), passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"],
       max_dloss=max_dloss, loss_tolerance=tol, per_side={s: _side_figures(d["sides"][s]) for s in sides},
-      versions=dict((d.get("environment") or {}).get("versions") or {}), config=flatten(d["run"]),
+      versions=dict((d.get("environment") or {}).get("versions") or {}),
+      config={**flatten(d["run"]), **launch_config(report.run_dir)},
       loss_series={s: (list(d["sides"][s]["series"]["step"]), [_num(x) for x in d["sides"][s]["series"]["loss"]])
                    for s in sides},
       backend=",".join(sorted({str(d["sides"][s]["summary"].get("device") or "?").split(":")[0] for s in sides})),
