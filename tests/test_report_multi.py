@@ -250,3 +250,22 @@ def test_rank_table_headers_do_not_promise_bytes():
   from parity.report.content import rank_table
   cols, rows = rank_table({"summary": {"ranks": [{"rank": 0, "peak_rss_bytes": 3 * 2**20}]}})
   assert cols == ["rank", "peak rss"] and "MiB" in rows[0][1]
+
+
+def test_check_flags_are_recomputed_from_their_figures():
+  """verify_report's rule per check kind: a check marked passed must have value <= tolerance (>= for completed and
+  updates), a finite value, and only determinism may be stored as not gating."""
+  from parity.report.read import _check_contradictions
+  ok = [{"name": "loss a~b", "metric": "loss", "value": 1e-6, "tolerance": 1e-5, "passed": True},
+        {"name": "completed a~b", "metric": "completed", "value": 4.0, "tolerance": 4.0, "passed": True},
+        {"name": "updates a~b", "metric": "updates", "value": 2.0, "tolerance": 1.0, "passed": True},
+        {"name": "determinism a", "metric": "determinism", "value": 0.1, "tolerance": 0.0, "passed": False,
+         "gating": False},
+        {"name": "params a~b", "metric": "params", "value": 3.0, "tolerance": 2.0, "passed": False}]
+  assert _check_contradictions(ok) == []
+  bad = [{"name": "grad_norm a~b", "metric": "grad_norm", "value": 4.32e-4, "tolerance": 1e-4, "passed": True},
+         {"name": "completed a~b", "metric": "completed", "value": 2.0, "tolerance": 4.0, "passed": True},
+         {"name": "loss a~b", "metric": "loss", "value": None, "tolerance": 1e-5, "passed": True},
+         {"name": "params a~b", "metric": "params", "value": 3.0, "tolerance": 2.0, "passed": False, "gating": False}]
+  found = _check_contradictions(bad)
+  assert [f.split(" ")[0] for f in found] == ["checks[0]", "checks[1]", "checks[2]", "checks[3]"], found

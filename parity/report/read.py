@@ -101,7 +101,9 @@ def _check_contradictions(checks: list[dict]) -> list[str]:
     v, t = c.get("value"), c.get("tolerance")
     v = float("nan") if v is None else float(v) if isinstance(v, (str, int, float)) else float("nan")
     t = float("nan") if t is None else float(t) if isinstance(t, (str, int, float)) else float("nan")
-    ok = v >= t if c.get("metric") in _AT_LEAST else v <= t  # NaN compares False: a NaN never passes
+    # NaN compares False: a NaN never passes. The checks decide on a ratio (|Δ|/allowed <= 1), so a pass may sit one
+    # rounding step past value <= tolerance: 1e-9 relative slack, far below any edit that changes a verdict
+    ok = v >= t * (1 - 1e-9) if c.get("metric") in _AT_LEAST else v <= t + 1e-9 * abs(t)
     if not ok:
       rule = ">=" if c.get("metric") in _AT_LEAST else "<="
       out.append(f"checks[{i}] ({c.get('name')}) is marked passed but its value {c.get('value')} is not "
