@@ -64,7 +64,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 def _one_run(run_dir: Path, post) -> int:
   from parity.cli.compare import print_summary
-  from parity.report.multi import load_finished, rerender_run
+  from parity.report.finished import load_finished, rerender_run
   from parity.report.read import verify_report
   report = load_finished(run_dir)
   problems = verify_report(report)  # the verdict recomputed from its checks; the artifacts it rests on re-hashed
@@ -102,7 +102,7 @@ def run_check(args: argparse.Namespace) -> int:
   """`parity check NEW BASELINE`: exit 0 within every gate, 1 outside one (InputError, exit 2, for bad folders)."""
   from parity.inputs import InputError
   from parity.report.gate import check_against, load_baseline, snapshot_from_report
-  from parity.report.multi import load_finished
+  from parity.report.finished import load_finished
   from parity.report.read import verify_report
   report = load_finished(Path(args.new))  # a folder that is not a finished run: says what is missing
   problems = verify_report(report)

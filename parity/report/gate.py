@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
-from typing import Any
 
-from parity.inputs import InputError
+from parity.inputs import InputError  # noqa: F401
+from parity.report.snapshot import (Snapshot, _max_dloss, _num, _peak_load, _versions, load_baseline, machine_identity,  # noqa: F401
+                                    machine_identity_from_env, pair_key, snapshot_from_card, snapshot_from_report)
 
 __all__ = ["GATES", "Gate", "Snapshot", "GateRow", "GateResult", "load_baseline", "snapshot_from_report",
            "check_against", "write_gate", "STEP_TIME_BAND", "PEAK_RSS_BAND", "SERIES_METRICS"]
@@ -78,201 +78,6 @@ GATES: dict[str, Gate] = {
     "state_bytes": Gate("state_bytes", "equal", 0.0, False,
                         "sizes of the live state arrays: fixed by model, precision and plan"),
 }
-
-
-@dataclasses.dataclass
-class Snapshot:
-  """What a gate compares: one run's figures, read from a run folder (with per-step series) or a card (without).
-
-  Attributes:
-    source: the folder or card file. kind: 'run' or 'card'. precision: train.precision.
-    passed, verdict: the run's verdict. sides: side names.
-    series: side -> step records [{step, loss, grad_norm, lr, val_loss?}] (None for a card).
-    figures: side -> {steps_completed, step_time_s_median (s), peak_rss_bytes, state_bytes ({kind: bytes}),
-      final_loss (nats)}; a figure not recorded is None.
-    versions: package -> version. machine: identity fields (see machine_identity). config: the run spec, dotted
-      keys ({} for a card). config_hash: parity.spec.config_hash. max_dloss: 'a~b' -> max |Δloss| (nats) of the
-      pair's loss check. created: when the run was written (text).
-  """
-  source: Path
-  kind: str
-  precision: str
-  passed: bool
-  verdict: str
-  sides: list[str]
-  series: dict[str, list[dict]] | None
-  figures: dict[str, dict[str, Any]]
-  versions: dict[str, str]
-  machine: dict[str, str]
-  config: dict[str, Any]
-  config_hash: str = ""
-  max_dloss: dict[str, float | None] = dataclasses.field(default_factory=dict)
-  created: str = ""
-
-
-def _num(v) -> float | None:
-  if isinstance(v, bool) or not isinstance(v, (int, float)):
-    return None
-  return float(v) if math.isfinite(v) else None
-
-
-def machine_identity(run_dir: Path, data: dict) -> dict[str, str]:
-  """The fields that say which machine wrote a run: host, cpu_model, cpu_count, machine, platform, backend, gpu.
-
-  report.json's `environment` (hostname and CPU model since issue #14) and each side's summary (`device`: the
-  backend) first; <run_dir>/environment.json (harness.doctor's block), when present, overrides them. Fields no
-  source recorded are left out."""
-  out: dict[str, str] = {}
-  env = data.get("environment") or {}
-  for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"), ("cpu_count", "cpu_count"),
-                 ("machine", "machine"), ("platform", "platform")):
-    if env.get(src) not in (None, ""):
-      out[k] = str(env[src])
-  backends = sorted({str(s["summary"].get("device") or "").split(":")[0] for s in data["sides"].values()} - {""})
-  if backends:
-    out["backend"] = ",".join(backends)
-  out.update(machine_identity_from_env(_environment_json(run_dir)))
-  return out
-
-
-def machine_identity_from_env(env: dict) -> dict[str, str]:
-  """host, cpu_model, cpu_count and gpu from an environment.json block ({host: {hostname, cpu_model,
-  cpu_cores_logical}, gpus: {gpus: ['0, NVIDIA H200, ...']}}); {} for an empty block."""
-  host = env.get("host") if isinstance(env.get("host"), dict) else {}
-  out = {k: str(host[src]) for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"),
-                                          ("cpu_count", "cpu_cores_logical")) if host.get(src) not in (None, "")}
-  gpus = (env.get("gpus") or {}).get("gpus") if isinstance(env.get("gpus"), dict) else None
-  if isinstance(gpus, list) and gpus:
-    names = [str(g).split(",")[1].strip() if "," in str(g) else str(g) for g in gpus]
-    out["gpu"] = ", ".join(f"{names.count(n)}x {n}" for n in sorted(set(names)))
-  return out
-
-
-def _environment_json(run_dir: Path) -> dict:
-  """<run_dir>/environment.json (harness.doctor.write_environment), {} when absent or unreadable: it adds detail,
-  the gate does not depend on it."""
-  try:
-    d = json.loads((Path(run_dir) / "environment.json").read_text(encoding="utf-8"))
-  except (OSError, ValueError):
-    return {}
-  return d if isinstance(d, dict) else {}
-
-
-def _versions(run_dir: Path, data: dict) -> dict[str, str]:
-  """package -> version: report.json's environment.versions, completed by environment.json's packages."""
-  out = {k: str(v) for k, v in ((data.get("environment") or {}).get("versions") or {}).items() if v is not None}
-  pk = _environment_json(run_dir).get("packages")
-  if isinstance(pk, dict):
-    out.update({k: str(v) for k, v in pk.items() if v is not None})
-  return out
-
-
-def snapshot_from_report(report) -> Snapshot:
-  """A Snapshot of a loaded Report (parity.report.build.Report)."""
-  from parity.report.multi import flatten, launch_config
-  d = report.data
-  series, figures = {}, {}
-  for side, s in d["sides"].items():
-    ser = s["series"]
-    recs = [{"step": st, **{m: ser[m][i] for m in ("loss", "grad_norm", "lr") if m in ser}}
-            for i, st in enumerate(ser["step"])]
-    by_step = {r["step"]: r for r in recs}
-    for st, v in zip(ser.get("val_step") or [], ser.get("val_loss") or []):
-      if st in by_step:
-        by_step[st]["val_loss"] = v
-    series[side] = recs
-    summ = s["summary"]
-    losses = [x for x in ser["loss"] if _num(x) is not None]
-    figures[side] = {"steps_completed": summ.get("steps_completed", len(ser["loss"])),
-                     "step_time_s_median": _num(summ.get("step_time_s_median")), "load": _peak_load(s.get("load")),
-                     "peak_rss_bytes": _num(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
-                     "state_bytes": dict(summ.get("state_bytes_by_memory_kind") or {}),
-                     "final_loss": losses[-1] if losses else None}
-  return Snapshot(source=Path(report.run_dir), kind="run", precision=d["run"]["train"]["precision"],
-                  passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"], sides=list(d["sides"]),
-                  series=series, figures=figures, versions=_versions(Path(report.run_dir), d),
-                  machine=machine_identity(Path(report.run_dir), d),
-                  config={**flatten(d["run"]), **launch_config(report.run_dir)},
-                  config_hash=str(d.get("config_hash") or ""), max_dloss=_max_dloss(d["checks"]),
-                  created=str(d.get("created_utc") or ""))
-
-
-def pair_key(pair) -> str:
-  """The one key a pair has in a Snapshot: 'a~b', from a sides list ['a', 'b'], a check's 'a~b' or a card's
-  'a vs b' (parity.report.content.pair_label), so a run and a card baseline name a pair alike."""
-  if isinstance(pair, (list, tuple)):
-    return "~".join(str(x) for x in pair)
-  return str(pair).replace(" vs ", "~")
-
-
-def _max_dloss(checks: list[dict]) -> dict[str, float | None]:
-  """'a~b' -> the `loss` check's value (max |loss_a - loss_b|, nats) of each pair."""
-  return {pair_key(c["sides"]): _num(c["value"]) for c in checks if c.get("metric") == "loss"}
-
-
-def load_baseline(path: str | Path, flag: str = "--baseline") -> Snapshot:
-  """The baseline a new run is gated against: a finished run folder (its report.json) or a card (card.json, or a
-  folder holding only a card).
-
-  flag: how the user gave the path, for messages ('--baseline' for compare, 'BASELINE' for `parity check`).
-  Raises:
-    InputError (exit 2): no such path; a folder that is neither a finished run nor holds a card (named: what is
-      missing); a run whose files changed since its verdict (verify_report's lines); a card that is not one.
-  """
-  from parity.report.multi import load_finished
-  from parity.report.read import verify_report
-  p = Path(path)
-  if not p.exists():
-    raise InputError(f"{flag} {p}: no such file or folder; pass a finished run folder or its card.json")
-  if p.is_dir() and not (p / "report.json").exists() and (p / "card.json").is_file():
-    p = p / "card.json"
-  if p.is_file():
-    return snapshot_from_card(p)
-  report = load_finished(p)
-  problems = verify_report(report)
-  if problems:
-    raise InputError(f"baseline {p} cannot be trusted: {'; '.join(problems)}")
-  return snapshot_from_report(report)
-
-
-def snapshot_from_card(path: Path) -> Snapshot:
-  """A Snapshot of a verification card (card.json, schema parity.report.card.CARD_SCHEMA): key figures per side, the
-  max |Δloss| per pair, versions and backend; no per-step series. The machine is read from environment.json beside
-  the card when there is one. Raises InputError naming what the file lacks."""
-  from parity.inputs import load_json
-  from parity.report.card import CARD_SCHEMA
-  d = load_json(path, what="card")
-  if not isinstance(d, dict) or d.get("schema") != CARD_SCHEMA or not isinstance(d.get("verdict"), dict) \
-      or not isinstance(d.get("compared"), dict) or not isinstance(d.get("key_figures"), dict):
-    raise InputError(f"{path}: not a parity card (expected schema {CARD_SCHEMA!r} with verdict, compared and "
-                     "key_figures); pass the card.json `parity compare` wrote, or its run folder")
-  comp, kf = d["compared"], d["key_figures"]
-  sides = [str(s) for s in comp.get("sides") or []]
-
-  def per_side(key: str) -> dict:
-    v = kf.get(key)
-    return v if isinstance(v, dict) else {}
-  figures = {side: {"steps_completed": None, "step_time_s_median": _num(per_side("step_time_s_median").get(side)),
-                    "peak_rss_bytes": _num(per_side("peak_host_rss_bytes").get(side)),
-                    "state_bytes": dict(per_side("state_bytes_by_memory_kind").get(side) or {}),
-                    "final_loss": _num(per_side("final_loss").get(side)), "load": _num(per_side("load").get(side)),
-                    "loss_at_steps": {int(k): _num(v) for k, v in (per_side("loss_at_steps").get(side) or {}).items()
-                                      if str(k).isdigit() and _num(v) is not None}}
-             for side in sides}
-  backends = sorted({str(b) for b in (d.get("backend") or {}).values() if b})
-  machine = {"backend": ",".join(backends)} if backends else {}
-  rec = d.get("machine") if isinstance(d.get("machine"), dict) else {}  # cards written since the machine was kept
-  machine.update({k: str(v) for k, v in rec.items() if v not in (None, "")})
-  env = _environment_json(path.parent)
-  if env:
-    machine.update(machine_identity_from_env(env))
-  return Snapshot(source=path, kind="card", precision=str(comp.get("precision") or "fp32"),
-                  passed=bool(d["verdict"].get("passed")), verdict=str(d["verdict"].get("message", "")),
-                  sides=sides, series=None, figures=figures,
-                  versions={k: str(v) for k, v in (d.get("versions") or {}).items() if v is not None},
-                  machine=machine, config={}, config_hash=str(comp.get("config_hash") or ""),
-                  max_dloss={pair_key(k): _num(v) for k, v in per_side("max_abs_dloss").items()},
-                  created=str(d.get("created_utc") or ""))
 
 
 @dataclasses.dataclass
@@ -506,12 +311,6 @@ def _pair_row(pair: str, n: float | None, b: float | None, precision: str) -> Ga
     return GateRow("max_dloss", pair, _fmt(b, ".3g"), _fmt(n, ".3g"), "", gate, "skipped", "not recorded by both")
   return GateRow("max_dloss", pair, _fmt(b, ".3g"), _fmt(n, ".3g"), f"{n - b:+.3g}", gate,
                  "MOVED" if n > b + atol else "ok")
-
-
-def _peak_load(load) -> float | None:
-  """The highest 1-minute load average recorded around a side ({start: [1, 5, 15], end: [...]}), None if none."""
-  vals = [x[0] for x in (load or {}).values() if isinstance(x, list) and x and _num(x[0]) is not None]
-  return max(vals) if vals else None
 
 
 def _busy(side: str, nf: dict, bf: dict, nm: dict[str, str], bm: dict[str, str]) -> str:
