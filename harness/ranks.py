@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import lifetime
-from parity.protocol.layout import PLANTED_HANG, PLANTED_KILL
+from parity.protocol.layout import PLANTED_HANG, PLANTED_KILL, count_lines, tail_text
 from parity.protocol.ranks import COORDINATOR_ENV, read_rank_records, rank_stderr
 
 __all__ = ["world_size", "torch_command", "jax_rank_envs", "launch_side", "fold_ranks", "Launched"]
@@ -173,7 +173,7 @@ def _wait_ranks(procs: dict, side: str, out: Path, t0: float, timeout_s: float, 
       if not timed_out and time.time() - t0 > timeout_s:
         timed_out = True
         _kill_all(procs, codes)
-      n = _count_lines(out / "steps.jsonl")
+      n = count_lines(out / "steps.jsonl")
       if on_progress is not None and n != last:
         on_progress(side, n)
         last = n
@@ -199,18 +199,7 @@ def _kill_all(procs: dict, done: dict) -> None:
 
 
 def _tail(path: Path, n: int = TAIL_CHARS) -> str:
-  try:
-    return path.read_bytes()[-n:].decode("utf-8", "replace")
-  except OSError:
-    return ""
-
-
-def _count_lines(path: Path) -> int:
-  try:
-    with open(path, "rb") as f:
-      return sum(1 for _ in f)
-  except OSError:
-    return 0
+  return tail_text(path, n)
 
 
 def _code_text(code: int | None) -> str:

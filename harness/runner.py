@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from harness import lifetime, ranks
 from harness.env import worker_env
-from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, read_steps, read_summary
+from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
 from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
 
@@ -61,19 +61,7 @@ class SideRun:
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_CHARS) -> str:
-  try:
-    data = path.read_bytes()
-  except OSError:
-    return ""
-  return data[-n:].decode("utf-8", "replace")
-
-
-def _count_lines(path: Path) -> int:
-  try:
-    with open(path, "rb") as f:
-      return sum(1 for _ in f)
-  except OSError:
-    return 0
+  return tail_text(path, n)
 
 
 def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str) -> tuple[str, str | None]:
@@ -152,7 +140,7 @@ def _run_one(side: str, cmd: list[str], out: Path, env: dict[str, str], timeout_
   (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
   wall = time.time() - t0
   if on_progress is not None:
-    on_progress(side, _count_lines(out / "steps.jsonl"))
+    on_progress(side, count_lines(out / "steps.jsonl"))
   stderr = _tail(out / "stderr.log")
   summary = read_summary(out / "summary.json")
   status, error = _classify(rc, timed_out, summary, stderr)
@@ -180,7 +168,7 @@ def _run_ranks(side: str, cmd: list[str], launch: dict, out: Path, env: dict[str
   (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
   wall = time.time() - t0
   if on_progress is not None:
-    on_progress(side, _count_lines(out / "steps.jsonl"))
+    on_progress(side, count_lines(out / "steps.jsonl"))
   summary = read_summary(out / "summary.json")
   rc = launched.returncode
   status, error = _classify(rc, launched.timed_out, summary, _tail(out / "stderr.log"))
@@ -215,7 +203,7 @@ def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress)
     pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
     if pid:
       if note and on_progress is not None:  # the phase ended with the process: the line shows steps again
-        on_progress(side, _count_lines(out / "steps.jsonl"), "")
+        on_progress(side, count_lines(out / "steps.jsonl"), "")
       return os.waitstatus_to_exitcode(status), rusage, timed_out
     now = time.time()
     phase = _read_phase(out)
@@ -223,7 +211,7 @@ def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress)
       paused = min(lifetime.BUILD_LIMIT_S, paused + (now - t_prev))
     t_prev = now
     if on_progress is not None:
-      n = _count_lines(out / "steps.jsonl")
+      n = count_lines(out / "steps.jsonl")
       if phase != note:
         on_progress(side, n, phase)
         note, last = phase, n

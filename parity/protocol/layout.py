@@ -39,7 +39,7 @@ from parity import weights
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "FINAL_MOMENTS",
            "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA", "parse_debug_value",
            "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
-           "PLANTED_HANG"]
+           "PLANTED_HANG", "tail_text", "count_lines"]
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"
@@ -160,4 +160,21 @@ def read_checkpoint_meta(folder: str | Path) -> dict[str, Any]:
     got = meta.get("schema") if isinstance(meta, dict) else type(meta).__name__
     raise ValueError(f"{path}: schema {got!r}, expected {CHECKPOINT_SCHEMA!r}")
   return meta
+
+
+def tail_text(path: Path, n: int) -> str:
+  """The last `n` bytes of a worker's log as text (undecodable bytes replaced); "" when the file cannot be read."""
+  try:
+    return Path(path).read_bytes()[-n:].decode("utf-8", "replace")
+  except OSError:
+    return ""
+
+
+def count_lines(path: Path) -> int:
+  """Lines in a file (records a worker has appended to steps.jsonl so far); 0 when it cannot be read."""
+  try:
+    with open(path, "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
 

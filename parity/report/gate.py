@@ -32,6 +32,7 @@ import json
 from pathlib import Path
 
 from parity.inputs import InputError  # noqa: F401
+from parity.report.finished import _atomic_write
 from parity.report.snapshot import (Snapshot, _max_dloss, _num, _peak_load, _versions, load_baseline, machine_identity,  # noqa: F401
                                     machine_identity_from_env, pair_key, snapshot_from_card, snapshot_from_report)
 
@@ -344,18 +345,8 @@ def _band_row(metric: str, side: str, b, n, unit: str, skip: str = "") -> GateRo
 def write_gate(result: GateResult, folder: str | Path) -> dict[str, Path]:
   """Writes gate.json and gate.md into `folder` (each through a temporary file). Returns name -> path.
   Raises OSError when a file cannot be written."""
-  import os
   folder = Path(folder)
-
-  def _write_file(path: Path, write) -> None:  # a temporary file and a rename: never a half-written file
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-      write(tmp)
-      os.replace(tmp, path)
-    finally:
-      tmp.unlink(missing_ok=True)
-
   paths = {"json": folder / "gate.json", "md": folder / "gate.md"}
-  _write_file(paths["json"], lambda p: p.write_text(json.dumps(result.to_json(), indent=2)))
-  _write_file(paths["md"], lambda p: p.write_text(result.to_markdown()))
+  _atomic_write(paths["json"], lambda p: p.write_text(json.dumps(result.to_json(), indent=2)))
+  _atomic_write(paths["md"], lambda p: p.write_text(result.to_markdown()))
   return paths
