@@ -91,3 +91,16 @@ def test_perturb_is_validated_against_the_runs_own_spec():
   assert parse_perturb([item], spec.sides, spec)["torch"]["train.lr_schedule_params"]["cycle_min_lr"] == 2e-4
   with pytest.raises(SpecError, match="--perturb torch"):
     parse_perturb(['torch:train.lr_schedule_params={"cycle_min_lr": 2e-4}'], spec.sides, spec)
+
+
+def test_a_deepspeed_config_run_says_its_plans_come_from_that_config(tmp_path):
+  """A report of a --deepspeed-config run said 'memory plan: zero2-offload (default)' (issue #14): the plan
+  record names the config the port took the plans from."""
+  import json as _json
+  from parity.pipeline.resolve import resolve_run
+  cfg = tmp_path / "ds.json"
+  cfg.write_text(_json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
+                              "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+  run = resolve_run("gpt2-tiny", deepspeed_config=cfg)
+  assert run.plan is None or run.plan["chosen_by"] == f"the DeepSpeed config {cfg}"
+  assert run.plan is not None  # ZeRO-2 without offload matches a pair

@@ -186,7 +186,10 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     raise SpecError(f"plan {plan_choice['name']!r}: {exc}" if plan is not None else str(exc)) from None
   if init_params is not None:
     _check_init_shapes(spec, init_params, init_source)
-  return ResolvedRun(spec=spec, preset=name, plan=_plan_record(spec, plan_choice, over), init_source=init_source,
+  plan_record = _plan_record(spec, plan_choice, over)
+  if deepspeed_config is not None and plan_record is not None:  # the config's port decided the plans, not a default
+    plan_record = {**plan_record, "chosen_by": f"the DeepSpeed config {deepspeed_config}"}
+  return ResolvedRun(spec=spec, preset=name, plan=plan_record, init_source=init_source,
                      init_params=init_params, deepspeed_config=ds_cfg,
                      deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
 

@@ -93,7 +93,9 @@ def config_diff(base: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[An
 
 def _plan_text(d: dict) -> str:
   """The plan pair's name when one was chosen, else the run's own settings in a few words."""
-  plan = d.get("plan") or {}
+  plan, mig = d.get("plan") or {}, d.get("migration") or {}
+  if mig.get("source"):  # the DeepSpeed config's port decided the plans
+    return f"DeepSpeed config {Path(str(mig['source'])).name}" + (f" ({plan['name']})" if plan.get("name") else "")
   if plan.get("name"):
     return str(plan["name"])
   ds, jx = d["run"].get("deepspeed", {}), d["run"].get("jax", {})
