@@ -5,6 +5,7 @@ or exits non-zero with its error on stderr (the driver records the tail; `classi
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -154,4 +155,15 @@ def tail(text: str, lines: int = 15, chars: int = 2000) -> str:
   """The last lines of a process's output, without ANSI escapes, at most `chars` characters."""
   text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text or "")
   return "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+
+
+def raw_args(description: str, argv: list[str] | None) -> argparse.Namespace:
+  """The command line of the raw probes (jax_raw, torch_raw): --json OUT, --mib copy size (MiB), --n matmul size,
+  --reps repetitions."""
+  ap = argparse.ArgumentParser(description=description)
+  ap.add_argument("--json", required=True)
+  ap.add_argument("--mib", type=int, default=1024, help="copy size, MiB")
+  ap.add_argument("--n", type=int, default=8192, help="matmul size")
+  ap.add_argument("--reps", type=int, default=5)
+  return ap.parse_args(argv)
 

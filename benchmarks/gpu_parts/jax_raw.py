@@ -17,14 +17,13 @@ runs), and fp32 under `jax.default_matmul_precision` 'float32' (full fp32, what 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.gpu_parts.common import timing, write_json
+from benchmarks.gpu_parts.common import raw_args, timing, write_json
 
 
 def _timed(fn, reps: int, nbytes: int) -> dict[str, float]:
@@ -94,12 +93,7 @@ def matmul(n: int, reps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--json", required=True)
-  ap.add_argument("--mib", type=int, default=1024, help="copy size, MiB")
-  ap.add_argument("--n", type=int, default=8192, help="matmul size")
-  ap.add_argument("--reps", type=int, default=5)
-  args = ap.parse_args(argv)
+  args = raw_args(__doc__.split("\n\n")[0], argv)
   import jax
   import jaxlib
   t0 = time.perf_counter()

@@ -11,12 +11,11 @@ FLOP/s = 2 n^3 / seconds, median of --reps after 2 warm-ups.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
-from benchmarks.gpu_parts.common import timing, write_json
+from benchmarks.gpu_parts.common import raw_args, timing, write_json
 
 
 def _copy_gbs(dst, src, reps: int, sync) -> dict[str, float]:
@@ -80,12 +79,7 @@ def matmul(n: int, reps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--json", required=True)
-  ap.add_argument("--mib", type=int, default=1024, help="copy size, MiB")
-  ap.add_argument("--n", type=int, default=8192, help="matmul size")
-  ap.add_argument("--reps", type=int, default=5)
-  args = ap.parse_args(argv)
+  args = raw_args(__doc__.split("\n\n")[0], argv)
   import torch
   t0 = time.perf_counter()
   res = {"part": "torch_raw", "torch": torch.__version__, "cuda": torch.version.cuda,
