@@ -140,11 +140,7 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
     raise ControlError(f"derive_request: {out / 'request.json'} belongs to another run (run_id "
                        f"{theirs.get('run_id')!r}, this run {request.get('run_id')!r}); a run never reuses another "
                        "run's files: use a fresh run folder")
-  up = Path(os.path.relpath(run_dir, out))
-  for key in _INPUT_KEYS:
-    if isinstance(request.get(key), str) and not Path(request[key]).is_absolute():
-      request[key] = (up / request[key]).as_posix()
-  request["derived_from"] = (up / "request.json").as_posix()
+  _rebase_inputs(request, run_dir, out)
   request.update({k: v for k, v in keys.items() if v is not None})
   if batches is not None:
     request["batches"] = batches
@@ -156,6 +152,16 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   if launch.exists():
     (out / LAUNCH_FILE).write_text(launch.read_text())
   return path
+
+
+def _rebase_inputs(request: dict[str, Any], run_dir: Path, out: Path) -> None:
+  """Points the request's relative input paths (and `derived_from`) from run_dir at the derived folder `out`, in
+  place: "init.safetensors" becomes "../init.safetensors" for out = run_dir/"stop"."""
+  up = Path(os.path.relpath(run_dir, out))
+  for key in _INPUT_KEYS:
+    if isinstance(request.get(key), str) and not Path(request[key]).is_absolute():
+      request[key] = (up / request[key]).as_posix()
+  request["derived_from"] = (up / "request.json").as_posix()
 
 
 def _check_control_keys(run_dir: Path, sub: Path, keys: dict[str, Any]) -> None:
