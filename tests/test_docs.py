@@ -13,10 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("parity", "harness", "jax_impl", "torch_impl")
 
-UNDOCUMENTED_OK = {
-    "torch_impl/baseline.py:Lamb.step",  # multi-rank helper's file, in progress
-    "torch_impl/doctor.py:main",  # new file of another helper, in progress
-}
+UNDOCUMENTED_OK: set[str] = set()
 """Known public functions over 10 lines without a docstring, in files others are editing. The list must shrink:
 a name here that gained a docstring (or left) fails the test too, so it is removed."""
 

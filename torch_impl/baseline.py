@@ -115,6 +115,8 @@ class Lamb(torch.optim.Optimizer):
 
   @torch.no_grad()
   def step(self, closure=None):
+    """One Lamb update of every param with a gradient (the class docstring's formula); `closure` is not supported
+    and ignored (the trainers never pass one). Returns None."""
     for group in self.param_groups:
       b1, b2 = group["betas"]
       for p in group["params"]:

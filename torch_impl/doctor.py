@@ -124,6 +124,8 @@ def probe(bandwidth: bool = False, build: bool = False, ops: bool = True, size_m
 
 
 def main(argv: list[str] | None = None) -> int:
+  """`python -m torch_impl.doctor`: prints what torch and DeepSpeed see on this machine as one JSON object (run by
+  harness/doctor.py in its own process). Returns the exit code: 0."""
   ap = argparse.ArgumentParser(prog="python -m torch_impl.doctor", description="what torch/DeepSpeed see, as JSON")
   ap.add_argument("--bandwidth", action="store_true", help="time pinned/pageable host <-> CUDA device copies")
   ap.add_argument("--build", action="store_true", help="build DeepSpeed's CPU Adam op if it is not built")
