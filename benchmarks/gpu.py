@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_parts import report, sizing  # noqa: E402
 from benchmarks.gpu_parts.common import (classify_failure, flops_per_token, host_memory_bytes, peak_flops,  # noqa: E402
                                          sizing_modules, tail, write_json, write_spec)
+from harness.launch import LaunchTimeout, run_module, worker_env
+from harness import lifetime
 
 PARTS = ("raw", "train", "largest")
 SIDES = {"jax": "jax_train", "deepspeed": "ds_train"}
@@ -74,7 +76,6 @@ def run_part(suite: Suite, name: str, module: str, argv: list[str], timeout: flo
   """Runs `python -m benchmarks.gpu_parts.<module> --json <out> argv` through the harness (harness.launch: bound to
   this process, its whole tree killed at the timeout); returns its record: {'ok': True, 'result', 'wall_s'} or
   {'ok': False, 'failure': 'timeout'|'oom'|'error'|'skipped', 'detail', 'stderr_tail'}. Output: logs/<name>.log."""
-  from harness.launch import LaunchTimeout, run_module
   timeout = min(timeout, suite.left())
   if timeout < suite.args.min_part_s:
     rec = {"ok": False, "failure": "skipped", "detail": f"suite budget spent ({suite.left():.0f} s left)"}
@@ -104,8 +105,6 @@ def run_part(suite: Suite, name: str, module: str, argv: list[str], timeout: flo
 def start_op_build(suite: Suite) -> None:
   """Loads or JIT-builds DeepSpeed's cpu_adam in the background (CPU work while the GPU parts run), bound to this
   process as every part is (harness.lifetime)."""
-  from harness import lifetime
-  from harness.launch import worker_env
   log = open(suite.out / "logs" / "ds_build_op.log", "w")
   cmd = [sys.executable, "-m", "harness.boot", "benchmarks.gpu_parts.ds_train", "--build-op", "--json",
          str(suite.out / "parts" / "ds_build_op.json")]
@@ -117,7 +116,6 @@ def start_op_build(suite: Suite) -> None:
 
 def wait_op_build(suite: Suite) -> None:
   """Waits for the background op build (at most its timeout) and records it; idempotent."""
-  from harness import lifetime
   if suite.op_build is None or "ok" in suite.records.get("ds_build_op", {}):
     return
   rec = suite.records["ds_build_op"]
@@ -445,7 +443,6 @@ def main(argv: list[str] | None = None) -> int:
   except KeyboardInterrupt:  # the running part's tree is already killed (harness.launch); write what there is
     suite.records["interrupted"] = {"ok": False, "failure": "interrupted", "detail": "Ctrl-C / SIGINT"}
     if suite.op_build is not None and suite.op_build.poll() is None:
-      from harness import lifetime
       lifetime.kill_tree(suite.op_build.pid)
   data = {"header": header(args), "device": suite.records.pop("device"), "records": suite.records,
           "offload": offload_summary(suite) if "train" in args.parts else {}, "sides_concurrent": args.tiny,

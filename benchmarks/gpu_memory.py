@@ -35,13 +35,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from parity.pipeline.resolve import resolve_run  # noqa: E402
+from parity.sizing import memory  # noqa: E402
+from parity.weights import init_params  # noqa: E402
+from parity.hf import MODEL_PRESETS  # noqa: E402
+from parity.sizing.plans import PLANS  # noqa: E402
 
 DEFAULT_PLANS = "zero0,zero2-offload,zero2-offload-scan,scan-offload,act-offload"
 GiB = 2**30
 
 
 def _run_spec(args: argparse.Namespace):
-  from parity.pipeline.resolve import resolve_run
   if args.tiny:
     return resolve_run("gpt2-tiny", plan=args.one, micro_batch=args.micro_batch, seq_len=args.seq_len,
                        precision=args.precision).spec
@@ -72,11 +76,8 @@ def run_one(args: argparse.Namespace) -> dict:
   import jax
   import numpy as np
 
-  from parity.sizing import memory
-  from parity.weights import init_params
-
-  from jax_impl import offload
-  from jax_impl.step import Trainer
+  from jax_impl import offload  # the framework: jax is imported after the benchmark has set its flags
+  from jax_impl.step import Trainer  # the framework: jax is imported after the benchmark has set its flags
 
   run = _run_spec(args)
   t = run.train
@@ -176,8 +177,6 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(run_one(args), indent=1, default=str))
     return 0
 
-  from parity.hf import MODEL_PRESETS
-  from parity.sizing.plans import PLANS
   plans = [p.strip() for p in args.plans.split(",") if p.strip()]
   unknown = [p for p in plans if p not in PLANS]
   if unknown or not plans:

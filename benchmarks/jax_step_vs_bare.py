@@ -48,6 +48,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from parity.environment import cpu_model  # noqa: E402
+from parity import weights
+from parity.presets import preset
 
 
 def _pin_threads(n: int) -> list[int]:
@@ -82,7 +84,7 @@ class Stepper:
 def worker_stepper(run: Any, canonical: dict, batch_np: Any, name: str = "worker") -> Stepper:
   """The JAX worker's own step (`Trainer.build` + `Trainer.compile`, as jax_impl.worker calls them)."""
   import jax
-  from jax_impl.step import Trainer
+  from jax_impl.step import Trainer  # the framework: jax is imported after the benchmark set its flags
   trainer = Trainer.build(run, canonical)
   trainer.compile(batch_np.shape, None, batch_np.dtype)
   batch = jax.device_put(batch_np, trainer.placement.batch_sharding())
@@ -112,7 +114,7 @@ def worker_with_model_file(run: Any, canonical: dict, batch_np: Any, path: str) 
   """The worker step built with another revision's jax_impl/model.py (e.g. `git show REV:jax_impl/model.py > f`),
   loaded as its own module; the rest of jax_impl is this checkout's."""
   import importlib.util
-  from jax_impl import step as step_lib
+  from jax_impl import step as step_lib  # the framework: jax is imported after the benchmark set its flags
   spec = importlib.util.spec_from_file_location("baseline_model", path)
   if spec is None or spec.loader is None:
     raise SystemExit(f"--baseline-model {path}: not a loadable Python file (name it *.py)")
@@ -130,8 +132,9 @@ def bare_stepper(run: Any, canonical: dict, batch_np: Any) -> Stepper:
   """The worker's Flax model (`jax_impl.model.loss_fn`, same weights) in a bare step: no clip, no decay mask,
   constant lr, no offload, no micro-batch scan, loss as the only metric."""
   import jax
-  from jax_impl import model as model_lib
-  params = jax.device_put(model_lib.to_flax(canonical, run.model))
+  from jax_impl import model as model_lib  # the framework: jax is imported after the benchmark set its flags
+  from jax_impl import layout
+  params = jax.device_put(layout.to_flax(canonical, run.model))
   return _bare_compile("bare", lambda p, tokens: model_lib.loss_fn(p, tokens, run.model), params, run, batch_np)
 
 
@@ -332,8 +335,6 @@ def main() -> int:
   pinned = _pin_threads(args.threads) if args.threads else sorted(os.sched_getaffinity(0))
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import numpy as np
-  from parity import weights
-  from parity.presets import preset
   run = preset(args.preset)
   if run.train.precision != "fp32" or run.train.grad_accum_steps != 1:
     raise SystemExit(f"{args.preset}: the bare step is fp32 with one micro batch; this preset is "

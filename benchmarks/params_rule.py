@@ -8,6 +8,19 @@ passes (worst element's (|a_i - b_i| - rtol * moved) / (g_T * S_i)).
 
   .venv/bin/python benchmarks/params_rule.py [--steps 8] [--quick] [--out benchmarks/results/params_rule]
   .venv/bin/python benchmarks/params_rule.py --precision bf16,fp16 [--out benchmarks/results/params_rule_envelope]
+  .venv/bin/python benchmarks/params_rule.py --grid vocab --steps 3 [--out benchmarks/results/params_rule_vocab]
+
+--grid vocab (issue #20): correct jax~torch pairs with vocabularies of 32,000, 128,256 and 151,936, tied and untied,
+each on the byte corpus as it is (ids < 256: most rows never fed) and with its ids spread over the vocabulary (a
+seeded injective map of the 256 byte ids into [0, V), the first 1,000,000 ids of the corpus written as a uint32 .npy
+token file and passed as `data`: the user's path, `--data ids.npy`; the cell records batches.npy's dtype and largest
+id); jax~deepspeed on the largest vocabulary; a 2-rank cell (`--nproc 2`) of a config ported from a DeepSpeed JSON for
+2 ranks (AdamW, weight decay 0.1, Constant lr); and the planted bugs above, grad_clip also under the default
+WarmupCosineLR and on V = 151,936. Besides kappa_needed (today's noise scale) it records kappa_needed_gT: the same
+with the tensor-wide g_T on every tensor (the rule before the vocabulary-row scale), the largest gap between the two
+sides' gradient scales (parity.numerics.adam.moments_gap; beyond params_moments the noise term is withheld), and
+every other check's value / tolerance (loss, grad norm, lr, val loss, params_zero_grad) and the memory model's
+predicted / measured ratios, so a false alarm anywhere shows.
 
 Writes <out>.json and <out>.md. Each cell runs the sides in their own processes via parity.compare
 (noise_envelope=False, determinism_steps=0), run folders under /tmp/params-rule-bench/.
@@ -23,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import shutil
 import sys
@@ -37,11 +51,13 @@ import parity  # noqa: E402
 import parity.spec  # noqa: E402
 from parity import weights  # noqa: E402
 from parity.verdict.envelope import envelope_params_check  # noqa: E402
+from parity.numerics.adam import noise_scale  # noqa: E402
 from parity.verdict.params import param_checks, param_ratios  # noqa: E402
 from parity.protocol import FINAL_MOMENTS, read_moments, read_steps  # noqa: E402
 from parity.spec import RunSpec, from_dict  # noqa: E402
 from parity.verdict.tolerances import envelope_rule, tolerance  # noqa: E402
 from parity.weights import zero_grad_slices  # noqa: E402
+from parity.data import load_corpus  # noqa: E402
 
 SCHEDULES = ("WarmupCosineLR", "Constant", "WarmupLR", "WarmupDecayLR", "LRRangeTest")
 BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:train.grad_clip=0.5", "grad_clip 0.5 vs 1.0"),
@@ -50,39 +66,137 @@ BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:train.grad
         ("jax:model.norm_eps=1e-6", "LayerNorm eps 1e-6"), ("torch:model.gelu_approximate=false", "GELU erf"))
 
 
-def kappa_needed(a, b, init, ma, mb, spec, lr_sum, rtol) -> tuple[float, str]:
+def kappa_needed(a, b, init, ma, mb, spec, lr_sum, rtol, vocab_size=None) -> tuple[float, str]:
   """Smallest kappa under which every element passes the fp32 rule (the noise term uncapped by 2·Σlr); inf when an
-  element exceeds rtol·moved + 2·Σlr (no kappa helps). The envelope's rule with the bound rtol for every tensor."""
-  return envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, {n: rtol for n in a})
+  element exceeds rtol·moved + 2·Σlr (no kappa helps). The envelope's rule with the bound rtol for every tensor.
+  vocab_size: the noise scale of the verdict (vocabulary-row tensors at max(g_T, g_row)); None: g_T everywhere."""
+  return envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, {n: rtol for n in a}, vocab_size)
 
 
-def cell(name: str, overrides: list[str], perturb: list[str], sides: list[str], steps: int, root: Path) -> dict:
+def cell(name: str, overrides: list[str], perturb: list[str], sides: list[str], steps: int, root: Path,
+         spread: bool = False, config: str | None = None, nproc: int = 1, vocab: int = 256) -> dict:
+  """One compare (gpt2-tiny; `config` merged over it, `nproc` ranks per side; `spread`: ids spread over the
+  `vocab` ids, `spread_file`) and both params rules on its final params."""
   out = root / name
   shutil.rmtree(out, ignore_errors=True)
   t0 = time.time()
-  rep = parity.compare("gpt2-tiny", steps=steps, sides=sides, out=out, overrides=overrides, perturb=perturb,
-                       noise_envelope=False, determinism_steps=0)
+  data = {"data": spread_file(root, vocab)} if spread else {}
+  rep = parity.compare("gpt2-tiny", config=config, steps=steps, sides=sides, out=out, overrides=overrides,
+                       perturb=perturb, noise_envelope=False, determinism_steps=0, nproc=nproc, progress=False, **data)
   spec = from_dict(RunSpec, json.loads((out / "config.json").read_text()))
+  batches = np.load(out / "batches.npy", mmap_mode="r")
   init = weights.load(out / "init.safetensors")
   finals = {s: weights.load(out / s / "final.safetensors") for s in sides if (out / s / "final.safetensors").exists()}
   moms = {s: read_moments(out / s / FINAL_MOMENTS) for s in sides}
   a, b = sides
-  row = {"cell": name, "overrides": overrides, "perturb": perturb, "sides": sides, "steps": steps,
+  row = {"cell": name, "overrides": overrides, "perturb": perturb, "sides": sides, "steps": steps, "nproc": nproc,
+         "spread_ids": spread, "vocab_size": spec.model.vocab_size, "tied": spec.model.tie_embeddings,
          "verdict": rep.passed, "wall_s": round(time.time() - t0, 1),
-         "failing": [c["name"] for c in rep.data["checks"] if not c["passed"] and c.get("gating", True)]}
+         "failing": [c["name"] for c in rep.data["checks"] if not c["passed"] and c.get("gating", True)],
+         "batches_dtype": str(batches.dtype), "batches_max_id": int(np.max(batches)),
+         "checks": {c["name"]: [c["passed"], c["value"], c["tolerance"]] for c in rep.data["checks"]},
+         "other_checks_worst": other_checks_worst(rep.data["checks"]),
+         "memory_ratios": memory_ratios(rep.data)}
   if a in finals and b in finals:
     lr_sum = float(sum(r["lr"] for r in read_steps(out / a / "steps.jsonl")))
     old, _ = param_checks(a, finals[a], b, finals[b], init, spec.model, "fp32", lr_sum)
-    new, _ = param_checks(a, finals[a], b, finals[b], init, spec.model, "fp32", lr_sum, moments=moms)
+    new, table = param_checks(a, finals[a], b, finals[b], init, spec.model, "fp32", lr_sum, moments=moms)
+    row.update(moments_gap=max((t.get("moments_gap", 0.0) for t in table), default=0.0),
+               noise_withheld=sum(bool(t.get("noise_withheld")) for t in table))
     row.update(old_params_pass=old[0].passed, old_ratio=old[0].value, new_params_pass=new[0].passed,
                new_detail=new[0].detail, lr_sum=lr_sum,
                max_loss_diff=max(abs(x["loss"] - y["loss"]) for x, y in
                                  zip(read_steps(out / a / "steps.jsonl"), read_steps(out / b / "steps.jsonl"))))
     if moms[a] and moms[b]:
+      rtol = tolerance("fp32", "params").rtol
       row["kappa_needed"], row["kappa_worst_tensor"] = kappa_needed(
-          finals[a], finals[b], init, moms[a], moms[b], spec.model, lr_sum, tolerance("fp32", "params").rtol)
+          finals[a], finals[b], init, moms[a], moms[b], spec.model, lr_sum, rtol, spec.model.vocab_size)
+      row["kappa_needed_gT"], row["kappa_gT_worst_tensor"] = kappa_needed(
+          finals[a], finals[b], init, moms[a], moms[b], spec.model, lr_sum, rtol)
   shutil.rmtree(out, ignore_errors=True)
   return row
+
+
+def other_checks_worst(checks: list[dict]) -> list:
+  """[name, value / tolerance] of the gating check other than params with the largest ratio (every check of a
+  compare's report but the params pair: loss, grad_norm, lr, val_loss, completed, updates, params_zero_grad)."""
+  best = ["-", 0.0]
+  for c in checks:
+    if c["metric"] == "params" or not c.get("gating", True) or c["metric"] in ("completed", "updates"):
+      continue
+    v, t = c.get("value"), c.get("tolerance")
+    r = (0.0 if not v else float("inf")) if not t else abs(v) / t
+    if r > best[1] or not c["passed"]:
+      best = [c["name"], r]
+  return best
+
+
+def memory_ratios(data: dict) -> list:
+  """[min, max] of the memory model's predicted / measured ratios in the report (None: none measured)."""
+  rs = [r["ratio"] for r in (data.get("memory") or {}).get("predicted_vs_measured", []) if r.get("ratio")]
+  return [min(rs), max(rs)] if rs else None
+
+
+SPREAD_IDS = 1_000_000
+"""How many ids of the byte corpus the spread token files hold (3 steps of gpt2-tiny read a few thousand)."""
+
+
+def spread_file(root: Path, vocab: int) -> str:
+  """root/spread-V.npy: the first SPREAD_IDS ids of the stdlib byte corpus (train then held-out part) mapped through
+  a seeded injective map (numpy seed 0) of the 256 byte ids into [0, vocab), as uint32: a token file a user
+  passes with --data, read by parity.data like any other."""
+  path = root / f"spread-{vocab}.npy"
+  if not path.exists():
+    corpus = load_corpus("stdlib")
+    ids = np.concatenate([corpus.train, corpus.val])[:SPREAD_IDS]
+    lut = np.random.default_rng(0).choice(vocab, size=256, replace=False).astype(np.uint32)
+    root.mkdir(parents=True, exist_ok=True)
+    np.save(path, lut[ids])
+  return str(path)
+
+
+W2_DS = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+"""The 2-rank DeepSpeed JSON of the issue's nproc-2 case (ported with `parity port --world-size 2`)."""
+
+
+def ported_w2(root: Path) -> str:
+  """`parity port` of W2_DS for 2 ranks, written to root/w2.yaml (the CLI, as a user runs it)."""
+  import subprocess
+  root.mkdir(parents=True, exist_ok=True)
+  (root / "w2.json").write_text(json.dumps(W2_DS))
+  subprocess.run([sys.executable, "-m", "parity.cli", "port", str(root / "w2.json"), "--world-size", "2", "-o",
+                  str(root / "w2.yaml"), "--quiet"], check=True, capture_output=True)
+  return str(root / "w2.yaml")
+
+
+def vocab_grid(root: Path) -> list[tuple]:
+  """(name, overrides, perturb, sides, vocab, spread, config, nproc) of the --grid vocab cells."""
+  cells = []
+  for v in (151936, 32000, 128256):
+    for tied in (True, False):
+      for spread in (False, True):
+        cells.append((f"ok-V{v}-{'tied' if tied else 'untied'}-{'spread' if spread else 'bytes'}",
+                      [f"model.vocab_size={v}", f"model.tie_embeddings={str(tied).lower()}"], [], ["jax", "torch"],
+                      v, spread, None, 1))
+  for tied in (True, False):
+    cells.append((f"ok-ds-V151936-{'tied' if tied else 'untied'}-spread",
+                  ["model.vocab_size=151936", f"model.tie_embeddings={str(tied).lower()}"], [], ["jax", "deepspeed"],
+                  151936, True, None, 1))
+  w2 = ported_w2(root)
+  cells.append(("ok-nproc2-ported-AdamW-wd0.1", [], [], ["jax", "torch"], 256, False, w2, 2))
+  cells.append(("ok-nproc2-ported-AdamW-wd0.1-ds", [], [], ["jax", "deepspeed"], 256, False, w2, 2))
+  cells.append(("bug-V151936-weight decay off", ["model.vocab_size=151936"], ["torch:train.weight_decay=0.0"],
+                ["jax", "torch"], 151936, True, None, 1))
+  cells.append(("bug-grad_clip 0.5 vs 1.0 WarmupCosineLR", [], ["torch:train.grad_clip=0.5"], ["jax", "torch"], 256,
+                False, None, 1))
+  cells.append(("bug-V151936-grad_clip 0.5 vs 1.0 WarmupCosineLR", ["model.vocab_size=151936"],
+                ["torch:train.grad_clip=0.5"], ["jax", "torch"], 151936, True, None, 1))
+  for pert, label in BUGS:
+    cells.append((f"bug-{label}", ['train.lr_schedule="Constant"'], [pert], ["jax", "torch"], 256, False, None, 1))
+  first = ("ok-V151936", "ok-ds-V151936", "ok-nproc2-ported-AdamW-wd0.1", "bug-grad", "bug-V", "bug-weight",
+           "bug-GELU")
+  return sorted(cells, key=lambda c: next((i for i, f in enumerate(first) if c[0].startswith(f)), len(first)))
 
 
 def grid(quick: bool) -> list[tuple[str, list[str], list[str], list[str]]]:
@@ -115,7 +229,7 @@ ENV_BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:model.
 """benchmarks/noise_envelope.py BUGS, planted on the torch side of a jax~torch pair."""
 
 
-def envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, bounds) -> tuple[float, str]:
+def envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, bounds, vocab_size=None) -> tuple[float, str]:
   """Smallest kappa under which every element passes the per-element rule |a-b| <= bound_T·moved + kappa·g_T·S_i
   (bounds: tensor -> bound_T; the envelope's, or the fp32 rtol); inf when an element exceeds bound_T·moved + 2·Σlr."""
   zs = zero_grad_slices(spec)
@@ -132,7 +246,7 @@ def envelope_kappa_needed(a, b, init, ma, mb, spec, lr_sum, bounds) -> tuple[flo
       continue
     if np.any(exc > 2 * lr_sum):
       return float("inf"), n
-    g = max(np.sqrt(np.mean(np.square(m["grad_rms"][n].astype(np.float64)))) for m in (ma, mb))
+    g = noise_scale(n, ma, mb, mask, vocab_size)
     sens = np.maximum(ma["sensitivity"][n], mb["sensitivity"][n]).astype(np.float64)[mask]
     k = float(np.max(exc / np.maximum(g * sens, 1e-300)))
     if k > worst:
@@ -281,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--quick", action="store_true", help="fewer lr values and schedules x lr (2 busy cores)")
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "params_rule"))
   ap.add_argument("--only", default="", help="substring filter on cell names")
+  ap.add_argument("--grid", default="rule", choices=("rule", "vocab"), help="rule: schedules x lr x eps and the "
+                  "planted bugs (issue #11); vocab: vocabularies 32,000-151,936 tied/untied, the 2-rank port and the "
+                  "planted bugs (issue #20)")
   ap.add_argument("--rescore", default="", help="bf16/fp16: re-score the rows of an earlier run (its .json, or the "
                   "log of JSON lines it printed) under the current params_grad_noise kappa, without rerunning cells")
   ap.add_argument("--precision", default="fp32", help="fp32 (the Adam params rule), or bf16 and/or fp16 comma-"
@@ -293,19 +410,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.out == ap.get_default("out"):
       args.out = str(Path(__file__).parent / "results" / "params_rule_envelope")
     return envelope_main(args, precisions, argv)
+  if args.grid == "vocab" and args.out == ap.get_default("out"):
+    args.out = str(Path(__file__).parent / "results" / "params_rule_vocab")
   root = Path("/tmp/params-rule-bench")
-  rows = []
-  for name, ov, pert, sides in grid(args.quick):
+  rows, load0 = [], os.getloadavg()
+  todo = (vocab_grid(root) if args.grid == "vocab" else
+          [(*c, 256, False, None, 1) for c in grid(args.quick)])
+  for name, ov, pert, sides, vocab, spread, config, nproc in todo:
     if args.only and args.only not in name:
       continue
     try:
-      row = cell(name, ov, pert, sides, args.steps, root)
+      row = cell(name, ov, pert, sides, args.steps, root, spread=spread, config=config, nproc=nproc, vocab=vocab)
     except parity.spec.SpecError as exc:  # a schedule that needs parameters this grid does not give
       print(f"{name}: skipped ({exc})", flush=True)
       continue
     rows.append(row)
     print(json.dumps({k: row.get(k) for k in ("cell", "verdict", "old_params_pass", "new_params_pass",
-                                               "kappa_needed", "failing", "wall_s")}), flush=True)
+                                               "kappa_needed", "kappa_needed_gT", "failing", "wall_s")}), flush=True)
+    write_grid(args, rows, argv, load0)  # after every cell: a grid cut short keeps what ran
+  return write_grid(args, rows, argv, load0)
+
+
+def write_grid(args, rows: list[dict], argv, load0: tuple) -> int:
+  """<out>.json and <out>.md of an fp32 grid (the rows of `cell`); load0: os.getloadavg() at the start."""
   import deepspeed  # noqa: F401  (versions only)
   import jax
   import torch
@@ -315,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
              "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
              "versions": {"jax": jax.__version__, "torch": torch.__version__, "deepspeed": sys.modules["deepspeed"].__version__},
              "command": " ".join(["benchmarks/params_rule.py", *(argv if argv is not None else sys.argv[1:])]),
-             "kappa": tolerance("fp32", "params_grad_noise").rtol,
+             "kappa": tolerance("fp32", "params_grad_noise").rtol, "cpus": os.cpu_count(),
+             "load_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
              "false_alarms_new": sum(not r.get("new_params_pass", False) for r in ok),
              "false_alarms_old": sum(not r.get("old_params_pass", True) for r in ok),
              "max_kappa_needed_correct": max((r.get("kappa_needed", 0.0) for r in ok), default=0.0),
@@ -324,16 +452,24 @@ def main(argv: list[str] | None = None) -> int:
   Path(args.out + ".json").write_text(json.dumps(summary, indent=2, default=str))
   lines = [f"# params rule grid ({summary['date']})", "",
            f"CPU {summary['cpu']}, Python {summary['python']}, {summary['versions']}; gpt2-tiny, {args.steps} steps; "
-           f"kappa = {summary['kappa']:g}. Command: `.venv/bin/python {summary['command']}`", "",
+           f"kappa = {summary['kappa']:g}; {summary['cpus']} CPUs, 1-minute load {summary['load_start_end'][0]} at "
+           f"the start, {summary['load_start_end'][1]} at the end. Command: `.venv/bin/python {summary['command']}`",
+           "",
            f"Correct pairs: {len(ok)} cells, false alarms old rule {summary['false_alarms_old']}, new rule "
            f"{summary['false_alarms_new']}; largest kappa needed by a correct pair {summary['max_kappa_needed_correct']:.3g}. "
            f"Planted bugs failing the verdict: {summary['bugs_caught_new']} of {len(bugs)}.", "",
-           "| cell | sides | verdict | old params | new params | kappa needed | max Δloss | failing checks |", "|---|---|---|---|---|---|---|---|"]
+           "| cell | sides | verdict | old params | new params | kappa needed | kappa needed (g_T) | moments gap | "
+           "max Δloss | worst other check (value/tol) | memory pred/meas | batches | failing checks |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
+    other, mem = r.get("other_checks_worst") or ["-", float("nan")], r.get("memory_ratios")
     lines.append(f"| {r['cell']} | {'~'.join(r['sides'])} | {'PASS' if r['verdict'] else 'FAIL'} | "
                  f"{r.get('old_params_pass')} ({r.get('old_ratio', float('nan')):.3g}) | {r.get('new_params_pass')} | "
-                 f"{r.get('kappa_needed', float('nan')):.3g} | {r.get('max_loss_diff', float('nan')):.2g} | "
-                 f"{', '.join(r['failing']) or '-'} |")
+                 f"{r.get('kappa_needed', float('nan')):.3g} | {r.get('kappa_needed_gT', float('nan')):.3g} | "
+                 f"{r.get('moments_gap', float('nan')):.2g} ({r.get('noise_withheld', 0)} withheld) | "
+                 f"{r.get('max_loss_diff', float('nan')):.2g} | {other[0].split(' ')[0]} {other[1]:.2g} | "
+                 f"{'-' if not mem else f'{mem[0]:.3g}-{mem[1]:.3g}'} | "
+                 f"{r.get('batches_dtype', '?')} max {r.get('batches_max_id', '?')} | {', '.join(r['failing']) or '-'} |")
   Path(args.out + ".md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines[:5]))
   return 0

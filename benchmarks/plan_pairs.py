@@ -2,7 +2,7 @@
 
 For each pair: the verdict, max |Δloss| between the sides, each side's median step time and tokens/s,
 and the memory model's prediction against the bytes measured on the live state (report.json
-`memory.predicted_vs_measured`). Writes benchmarks/results/<date>-<host>-plan-pairs.{json,md}.
+`measured.predicted_vs_measured`). Writes benchmarks/results/<date>-<host>-plan-pairs.{json,md}.
 
 Usage: python benchmarks/plan_pairs.py [--preset gpt2-tiny] [--steps 8] [--sides jax,deepspeed]
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from parity.sizing.plans import PLANS  # noqa: E402
 
 
 def main() -> int:
-  from parity.sizing.plans import PLANS
   ap = argparse.ArgumentParser()
   ap.add_argument("--preset", default="gpt2-tiny")
   ap.add_argument("--steps", type=int, default=8)

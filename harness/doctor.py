@@ -5,25 +5,27 @@ git revision: read in this process, nothing imported or started), two short proc
 the dirty flag, `nvidia-smi` for the GPUs and their topology, each only where the program exists), and the
 framework probes (`python -m jax_impl.doctor`, `python -m torch_impl.doctor`, through `harness.launch.run_module`,
 one after another so a bandwidth figure is not measured against the other probe, each with its own timeout),
-whose JSON is merged under `frameworks`. A probe that fails, times out or prints no JSON is recorded as
+whose JSON is merged under `frameworks`, and the thread settings every worker gets (`worker_threads`,
+harness.env.thread_environ). A probe that fails, times out or prints no JSON is recorded as
 {'error': ...}: the block is always written. Imports neither jax nor torch.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Mapping
 
 from harness import launch
+from harness.env import thread_environ
 from parity import environment as env
 
-__all__ = ["SCHEMA", "ENVIRONMENT_FILE", "PROBE_TIMEOUT_S", "BUILD_TIMEOUT_S", "PROBES", "run_probe",
-           "probe_frameworks", "git_state", "gpu_info", "environment_block", "run_environment", "write_environment"]
+__all__ = ["SCHEMA", "PROBE_TIMEOUT_S", "BUILD_TIMEOUT_S", "PROBES", "run_probe",
+           "probe_frameworks", "git_state", "gpu_info", "environment_block", "run_environment"]
 
 SCHEMA = "parity.environment/1"
-ENVIRONMENT_FILE = "environment.json"
 PROBE_TIMEOUT_S = 180.0
 """Per probe process. Measured here: the jax probe 7-8 s, the torch probe 8-9 s, with a load of 8 on 2 cores
 (importing the framework is most of it); a CUDA plugin's first initialization can add tens of seconds."""
@@ -134,7 +136,10 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
     bandwidth, build: passed to the probes when not quick (see probe_frameworks).
     timeout_s: per probe, seconds.
   Returns:
-    {'schema', 'quick', 'host', 'packages', 'git', 'cuda_driver', 'gpus', 'frameworks'}.
+    {'schema', 'quick', 'host', 'packages', 'git', 'cuda_driver', 'gpus', 'worker_threads', 'frameworks'};
+    worker_threads: the thread settings a one-rank worker started now gets (harness.env.thread_environ: the
+    variables, who set each, the inputs, the reason); torch's own view is frameworks.torch.thread_settings where
+    torch was probed, and every torch side's summary.json `threads`.
   """
   evidence = env.cuda_evidence()
   if frameworks is None:
@@ -145,7 +150,7 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
                                     devices_only=quick, timeout_s=timeout_s)
   return {"schema": SCHEMA, "quick": quick, "host": env.host_info(), "packages": env.package_versions(),
           "git": git_state(), "cuda_driver": evidence, "gpus": gpu_info(topology=not quick),
-          "frameworks": dict(frameworks)}
+          "worker_threads": thread_environ(dict(os.environ)), "frameworks": dict(frameworks)}
 
 
 def run_environment(devices: Mapping[str, object] | None) -> dict[str, object]:
@@ -157,15 +162,3 @@ def run_environment(devices: Mapping[str, object] | None) -> dict[str, object]:
   block = environment_block(quick=True, frameworks=devices["frameworks"])
   block.update(cpu_fallback=devices["cpu_fallback"], allowed_cpu=devices["allowed_cpu"])
   return block
-
-
-def write_environment(run_dir: str | Path, block: Mapping[str, object], run_id: str | None = None) -> Path:
-  """Writes `block` (plus the run's `run_id`) as <run_dir>/environment.json, a new file (O_EXCL).
-
-  Raises:
-    RunFolderError: the file exists (an earlier run's); RunIOError: it could not be written.
-  """
-  from parity.pipeline.folder import write_new
-  path = Path(run_dir) / ENVIRONMENT_FILE
-  write_new(path, json.dumps({**block, "run_id": run_id}, indent=1, default=str) + "\n")
-  return path

@@ -5,60 +5,135 @@ TORCH_EXTENSIONS_DIR/<op>/ with the first `ninja` on PATH, and rebuilds from scr
 inputs differ from the last build: another ninja (the system one writes an older .ninja_log format,
 so every alternation between it and the environment's ninja rebuilt every op), another compiler or
 its flags (CC, CXX, CFLAGS, CXXFLAGS, LDFLAGS), another accelerator (DS_ACCELERATOR). The rule:
-every process that can load an op gets its environment from `build_environ`, whichever path started
+every process that can load an op gets its environment from `parity.buildenv.build_environ`, whichever path started
 it (the harness, a test running a worker directly, `parity port --verify`, `parity build-ops`), so
-one environment builds each op at most once. Imports neither jax nor torch.
+one environment builds each op at most once.
+
+The same environment carries the worker's thread settings (`thread_environ`, `choose_threads`): OpenMP's default
+wait policy spins idle threads, which collapses when other processes share the cores (the torch side at a load of
+~2x the cores and more ran 3-6x slower than with OMP_WAIT_POLICY=PASSIVE, benchmarks/results/torch_contention.md),
+and OpenMP starts a thread per CPU of the affinity mask even where a cgroup quota allows fewer.
+Imports neither jax nor torch.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-__all__ = ["ROOT", "extensions_dir", "env_bin", "build_environ", "worker_env"]
+from parity.buildenv import build_environ
+from parity.environment import cpu_quota, load_1min, runnable_now, usable_cpus
+
+__all__ = ["ROOT", "worker_env", "THREADS_SWITCH", "THREADS_CHOICE", "PARITY_SET", "choose_threads", "thread_environ"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: workers run `python -m <module>` with it first on PYTHONPATH."""
 
 
-def extensions_dir(prefix: str = sys.prefix) -> str:
-  """TORCH_EXTENSIONS_DIR of this environment: <prefix>/torch_extensions, one per virtualenv, so two
-  environments on one machine never rebuild (or lock) each other's ops."""
-  return os.path.join(prefix, "torch_extensions")
-
-
-def env_bin(python: str = sys.executable) -> str:
-  """The bin folder of the interpreter `python` (a virtualenv's bin holds the `ninja` pip installed with it)."""
-  return os.path.dirname(os.path.abspath(python))
-
-
-def build_environ(environ: MutableMapping[str, str], python: str = sys.executable) -> MutableMapping[str, str]:
-  """Makes `environ` the op-build environment, in place, and returns it.
-
-  Sets TORCH_EXTENSIONS_DIR (where absent: a user's explicit folder is kept) to this environment's
-  folder, and puts the interpreter's bin first on PATH when it holds a `ninja` (so the build never
-  uses a system ninja). Idempotent: applying it twice, or to an environment it already produced,
-  changes nothing, so a worker started by the harness and one started by hand build identically.
-
-  Args:
-    environ: os.environ or a copy of it (str -> str).
-    python: the interpreter that will run the build; default this one.
-  Returns:
-    `environ`.
-  """
-  environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
-  bin_dir = env_bin(python)
-  if os.path.exists(os.path.join(bin_dir, "ninja")):
-    rest = [p for p in environ.get("PATH", "").split(os.pathsep) if p and os.path.normpath(p) != bin_dir]
-    environ["PATH"] = os.pathsep.join([bin_dir, *rest])
-  return environ
-
-
-def worker_env(extra: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, str]:
-  """The full environment of a worker process: os.environ, then `extra`, then the op-build environment,
-  the repository first on PYTHONPATH, and unbuffered output (the harness tails stderr.log)."""
+def worker_env(extra: dict[str, str] | None = None, python: str = sys.executable, ranks: int = 1) -> dict[str, str]:
+  """The full environment of a worker process: os.environ, then `extra`, then the op-build environment, the thread
+  settings for `ranks` processes sharing this machine's CPUs (`thread_environ`), the repository first on
+  PYTHONPATH, and unbuffered output (the harness tails stderr.log)."""
   env = build_environ({**os.environ, **(extra or {})}, python)
+  thread_environ(env, ranks)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
   env["PYTHONUNBUFFERED"] = "1"
   return env
+
+
+# ----------------------------------------------------------------------------- thread settings
+
+THREADS_SWITCH = "PARITY_THREADS"
+"""'off' leaves every thread variable as it is (OpenMP's and torch's own defaults, what parity did before it chose
+them); unset or 'auto': `choose_threads` decides."""
+THREADS_CHOICE = "PARITY_THREADS_CHOICE"
+"""The choice as JSON, set beside the variables it names: what a worker records in its summary (`threads`), and
+how a second `thread_environ` over the same environment tells parity's values from a user's."""
+PARITY_SET = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+"""The variables parity chooses (OMP_WAIT_POLICY only on a busy machine); each one a user set is kept. torch sizes
+its intra-op pool (and MKL's, oneDNN's) from OMP_NUM_THREADS; libgomp reads OMP_WAIT_POLICY when torch loads it
+(DeepSpeed's CPU Adam runs on that pool)."""
+_USER_PREFIXES = ("OMP_", "MKL_", "GOMP_", "KMP_")
+PASSIVE_REASON = ("waiting threads sleep instead of spinning: spinning threads hold the cores the working ones "
+                  "need once other jobs share them (the torch side of gpt2-small-cpu ran 3-6x slower; "
+                  "benchmarks/results/torch_contention.md)")
+SPIN_REASON = ("OpenMP's default (spin a while, then sleep): with nothing else to run, a spinning thread starts the "
+               "next parallel region sooner (PASSIVE lost 14-19% where nothing preempted the side)")
+COUNT_REASON = ("the count follows the CPUs, never the load: it sets torch's float summation order, so runs on one "
+                "machine (a side and its rerun) stay bitwise comparable; the wait policy changes no bit")
+"""The reasons a choice records (docs/install.md, 'Threads'): why each wait policy, why the count ignores the load."""
+
+
+def choose_threads(environ: Mapping[str, str], *, cpus: int, quota: float | None, load: float | None,
+                   runnable: float | None = None, ranks: int = 1, parity_set: tuple[str, ...] = ()) -> dict:
+  """The thread settings of a worker, from the CPUs it may use and what else runs (pure: no system call).
+
+  OMP_NUM_THREADS = max(1, min(cpus, floor(quota)) // ranks): every CPU the process may use, shared by the side's
+  ranks; it never depends on the load (COUNT_REASON). OMP_WAIT_POLICY=PASSIVE when other jobs fill at least one
+  CPU beyond what the side's threads leave free (others >= usable - threads + 1; PASSIVE_REASON), or the side's
+  ranks alone have more threads than CPUs, else left unset (SPIN_REASON). others = the larger of `runnable` and
+  `load` less the side's own threads (a side that just ended is still in the load average: at most that many);
+  in doubt PASSIVE, the cheaper mistake (14-19% on a quiet machine, against 3-6x on a busy one). A variable of
+  PARITY_SET already in `environ` is the user's and kept, unless it is named in `parity_set` (an earlier choice of
+  parity's, chosen again).
+
+  Args:
+    environ: the environment the worker will get (str -> str); not modified.
+    cpus: CPUs in the affinity mask (>= 1); quota: the cgroup limit in CPUs, None: none; load: the 1-minute load
+      average; runnable: tasks runnable now (parity.environment.runnable_now); either may be None (unknown).
+    ranks: processes of one side sharing these CPUs (>= 1).
+    parity_set: variables present in `environ` that parity set before (THREADS_CHOICE's 'env').
+  Returns:
+    {'env': {var: value} parity sets, 'values': {var: value} the worker runs with (parity's and the user's),
+    'set_by': {var: 'parity' | 'user'}, 'user': {other OMP_/MKL_/GOMP_/KMP_ variables the user set}, 'inputs':
+    {'cpus_affinity', 'cpu_quota', 'load_1min', 'runnable_now', 'ranks'}, 'reason': str}.
+  """
+  usable = max(1, min(cpus, math.floor(quota))) if quota is not None else cpus
+  ranks = max(1, ranks)
+  per_rank = max(1, usable // ranks)
+  total = per_rank * ranks  # more than `usable` when there are more ranks than CPUs: the side alone oversubscribes
+  known = [x for x in (runnable, None if load is None else max(0.0, load - total)) if x is not None]
+  others = round(max(known), 2) if known else None
+  busy = total > usable or (others is not None and others >= usable - total + 1)
+  wanted = {"OMP_NUM_THREADS": str(per_rank), **({"OMP_WAIT_POLICY": "PASSIVE"} if busy else {})}
+  user = {k: environ[k] for k in PARITY_SET if k in environ and k not in parity_set}
+  env = {k: v for k, v in wanted.items() if k not in user}
+  limit = f"cgroup quota {quota:g} CPUs" if quota is not None else "no cgroup CPU quota"
+  why = [f"{per_rank} thread(s): {cpus} CPU(s) in the affinity mask, {limit}, {ranks} rank(s) sharing them",
+         f"other jobs {others if others is not None else '?'} (the larger of {runnable} runnable now and the 1-min "
+         f"load {load} less the side's own {total} thread(s))",
+         ("OMP_WAIT_POLICY=PASSIVE: " + PASSIVE_REASON) if busy else ("OMP_WAIT_POLICY unset: " + SPIN_REASON),
+         COUNT_REASON]
+  if user:
+    why.insert(0, "kept as the user set them: " + ", ".join(f"{k}={v}" for k, v in user.items()))
+  return {"env": env, "values": {**env, **user}, "set_by": {**{k: "parity" for k in env}, **{k: "user" for k in user}},
+          "user": {k: v for k, v in environ.items() if k.startswith(_USER_PREFIXES) and k not in PARITY_SET},
+          "inputs": {"cpus_affinity": cpus, "cpu_quota": quota, "load_1min": load, "runnable_now": runnable,
+                     "ranks": ranks}, "reason": "; ".join(why)}
+
+
+def thread_environ(environ: MutableMapping[str, str], ranks: int = 1) -> dict[str, object]:
+  """Puts the thread settings into `environ` in place (`choose_threads` over this machine's CPUs and load) and
+  records the choice as JSON in THREADS_CHOICE; returns the choice. Idempotent: values parity set earlier
+  (named in an existing THREADS_CHOICE with the same value) are chosen again, a user's are kept.
+  With PARITY_THREADS=off nothing is set (the choice says so, reason included)."""
+  try:
+    before = json.loads(environ.get(THREADS_CHOICE) or "{}").get("env", {})
+  except (ValueError, AttributeError):
+    before = {}
+  ours = tuple(k for k, v in before.items() if environ.get(k) == v)
+  choice = choose_threads(environ, cpus=usable_cpus(), quota=cpu_quota(), load=load_1min(), runnable=runnable_now(),
+                          ranks=ranks, parity_set=ours)
+  for k in ours:  # an earlier choice's values are chosen again (or, with 'off', go: OpenMP's own defaults)
+    environ.pop(k)
+  if environ.get(THREADS_SWITCH, "auto").strip().lower() == "off":
+    kept = {k: environ[k] for k in PARITY_SET if k in environ}
+    choice.update(env={}, values=kept, set_by={k: "user" for k in kept},
+                  reason=f"{THREADS_SWITCH}=off: thread variables left as they are (OpenMP's and torch's defaults "
+                         "where the user set none)")
+  environ.update(choice["env"])
+  environ[THREADS_CHOICE] = json.dumps(choice, sort_keys=True)
+  return choice

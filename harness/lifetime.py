@@ -18,47 +18,51 @@ process group) and hands it three things through the environment:
                       parent thread outlives the harness's interest in it.
   PARITY_DEADLINE     epoch seconds past which the worker kills its own process group: the side's
                       timeout plus DEADLINE_GRACE_S, moved later by the time spent building DeepSpeed
-                      ops (`extend_deadline`), which the harness does not count against the timeout
+                      ops (`parity.phase.extend_deadline`), which the harness does not count against the timeout
                       either. So a worker whose parent is alive but no longer watching still ends.
 
 The worker side is one call, `watch_parent()`, first thing in each worker's main. Without these
-variables (a worker started by hand or by a test) it does nothing. Imports neither jax nor torch.
+variables (a worker started by hand or by a test) it does nothing.
+
+The harness side also decides what a Ctrl-C (SIGINT) or SIGTERM of the `parity` process stops (`stop_signals`):
+  - the first one raises KeyboardInterrupt where the process is, unless what it is doing is *held* (`activity(...,
+    hold=True)`: comparing records, writing the report); a held one is kept and takes effect when the held
+    activity ends (KeyboardInterrupt), before anything new starts (`check_stop`), or where the code takes it
+    (`take_stop`: a loop over the sides stops there and reports);
+  - every later one is ignored, with a line on stderr: the first one's shutdown (kill the worker, write the report
+    of what ran) is never cut short. Ctrl-\\ (SIGQUIT) or kill -9 still end the process at once.
+What the process was doing at the first one, whether it was held, the later ones, and what the command says is on
+disk (`on_disk`) are kept in `stop_state()` for the message the command ends with. Imports neither jax nor torch.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from typing import IO, Iterator
 
-__all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "PHASE_ENV", "PHASE_FILE", "DEADLINE_GRACE_S",
-           "BUILD_LIMIT_S", "spawn", "workers_started", "kill_tree", "release", "watch_parent", "extend_deadline",
-           "set_phase"]
+from parity import phase
+
+__all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "DEADLINE_GRACE_S", "spawn", "workers_started",
+           "kill_tree", "release", "watch_parent", "StopState", "stop_signals", "activity", "stop_state", "check_stop",
+           "take_stop", "on_disk"]
 
 PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PARENT_FD", "PARITY_DEADLINE"
-PHASE_ENV, PHASE_FILE = "PARITY_PHASE_FILE", "phase"
-"""run_dir/<side>/phase: one line saying what a worker is doing outside its steps (a DeepSpeed op build);
-absent or empty otherwise. The harness shows it instead of `0/N steps` and stops the side's clock meanwhile.
-The harness passes its path in PHASE_ENV (a worker started by hand has none and reports nothing)."""
 DEADLINE_GRACE_S = 30.0
 """The worker's own deadline is this much later than the harness's timeout, so that while the harness is
 alive its timeout (which writes the 'timeout' summary) always fires first; 30 s covers a harness poll
 (0.1 s) plus a SIGKILL and reap of a large process (seconds) with margin."""
-BUILD_LIMIT_S = 1800.0
-"""The most time a side may spend building DeepSpeed ops before its clock runs again. Measured here (2 cores,
-load 5): cpu_adam 177 s, deepspeed_shm_comm 125 s, fused_adam 146 s, 7.5 min for all three (cpu_adam ~60 s idle);
-30 minutes is 4x the three built in turn on a busy machine."""
 PR_SET_PDEATHSIG = 1
 PARENT_DEATH_SIGNAL = signal.SIGTERM
 """What the kernel sends a worker whose parent died: catchable, so the worker kills its descendants first."""
 
-_extra_s = 0.0
 _started = 0
-_lock = threading.Lock()
 
 
 def spawn(cmd: list[str], *, env: dict[str, str], timeout_s: float, stdout: IO | int | None = None,
@@ -192,8 +196,7 @@ def _watch_pipe(fd: int) -> None:
 
 def _watch_deadline(deadline: float) -> None:
   while True:
-    with _lock:
-      left = deadline + _extra_s - time.time()
+    left = deadline + phase.deadline_extension() - time.time()
     if left <= 0:
       _die("past its deadline (the side's timeout plus grace); the harness is no longer watching it")
     time.sleep(min(left, 1.0))
@@ -229,30 +232,156 @@ def watch_parent(environ=os.environ) -> dict[str, object]:
   return armed
 
 
-def extend_deadline(seconds: float) -> None:
-  """Moves this worker's own deadline by `seconds` (later when positive): time spent building ops, not training.
-  A build extends by BUILD_LIMIT_S when it starts and by (its duration - BUILD_LIMIT_S) when it ends."""
-  global _extra_s
-  with _lock:
-    _extra_s += float(seconds)
+# ----------------------------------------------------------------------------- stopping the parity process itself
+@dataclasses.dataclass
+class _Activity:
+  what: str | None
+  hold: bool
+  on_stop: str
+  within: str
 
 
-def set_phase(text: str | None, path: str | None = None) -> None:
-  """Writes (or with None clears) the phase file, the line the harness shows for this side.
+@dataclasses.dataclass
+class StopState:
+  """What happened to this process's stop signals (SIGINT, SIGTERM) while `stop_signals` was armed.
+
+  Attributes:
+    signal: the first one's name ('SIGINT', 'SIGTERM'); None while none came.
+    doing: the `activity` texts open when it came, innermost first (those without text left out).
+    within: the `within` phrases of the activities around the innermost one with a text, innermost first.
+    on_stop: what stopping did to the innermost of them (e.g. "it was killed with its child processes"); "" if unsaid.
+    held: it came while a held activity ran, which was finished before the stop took effect.
+    later: the names of the signals after the first, in order; each was ignored.
+    on_disk: the command's last word on what it has left on disk (`on_disk`); None if it said nothing.
+  """
+  signal: str | None = None
+  doing: tuple[str, ...] = ()
+  within: tuple[str, ...] = ()
+  on_stop: str = ""
+  held: bool = False
+  later: list[str] = dataclasses.field(default_factory=list)
+  on_disk: str | None = None
+  pending: bool = False
+  """A held signal not yet turned into KeyboardInterrupt."""
+
+
+_stop = StopState()
+_activities: list[_Activity] = []
+_armed = False
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _say(text: str) -> None:
+  """One line on stderr from a signal handler (os.write: print may be in the middle of a write itself)."""
+  try:
+    os.write(2, text.encode("utf-8", "replace"))
+  except OSError:
+    pass
+
+
+def _on_stop_signal(signum, frame) -> None:
+  name = signal.Signals(signum).name
+  st = _stop
+  if st.signal is not None:
+    st.later.append(name)
+    _say(f"parity: {name} again: ignored, it is already stopping (after the first {st.signal}) and finishes what "
+         f"it must write first; Ctrl-\\ or `kill -9 {os.getpid()}` ends it now, leaving what is written so far\n")
+    return
+  st.signal = name
+  st.doing = tuple(a.what for a in reversed(_activities) if a.what)
+  inner = max((i for i, a in enumerate(_activities) if a.what), default=None)
+  if inner is not None:  # the words of the innermost activity that has some, and of those around it
+    st.within = tuple(a.within for a in reversed(_activities[:inner]) if a.within)
+    st.on_stop = _activities[inner].on_stop
+  if _activities and _activities[-1].hold:
+    st.held = st.pending = True
+    what = st.doing[0] if st.doing else "what it is doing"
+    _say(f"parity: {name} received while {what}; it stops once that is finished\n")
+    return
+  raise KeyboardInterrupt
+
+
+def _deliver() -> None:
+  _stop.pending = False
+  raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[StopState]:
+  """Arms the stop rule of the module docstring for SIGINT and SIGTERM while the block runs (a fresh StopState),
+  then restores the handlers there were; a signal this process ignores (SIG_IGN: a shell's background job is
+  started with SIGINT ignored) stays ignored. Nested, or outside the main thread (where Python cannot set handlers),
+  it arms nothing and yields the state in use.
+
+  Yields:
+    The StopState, which the block reads when KeyboardInterrupt reaches it.
+  """
+  global _stop, _armed
+  if _armed:
+    yield _stop
+    return
+  if threading.current_thread() is not threading.main_thread():
+    _stop = StopState()  # no handler: only its on_disk is ever filled in
+    yield _stop
+    return
+  old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+  _stop, _armed = StopState(), True
+  _activities.clear()
+  try:
+    for s, handler in old.items():
+      if handler is not signal.SIG_IGN:  # a signal ignored on purpose (a background job's SIGINT) stays ignored
+        signal.signal(s, _on_stop_signal)
+    yield _stop
+  finally:
+    for s, handler in old.items():
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python; default it
+    _armed = False
+
+
+@contextlib.contextmanager
+def activity(what: str | None, *, hold: bool = False, on_stop: str = "", within: str = "") -> Iterator[None]:
+  """Marks what the process does during the block, for the stop rule and the message.
 
   Args:
-    text: one line, e.g. "building DeepSpeed op cpu_adam (first use, 1-4 min)"; None or "" clears it.
-    path: the file; default os.environ[PHASE_ENV]; nothing happens without either.
+    what: a clause that completes "interrupted while ...", e.g. "side jax was running (runs/x/jax)"; None: none.
+    hold: a first stop signal in the block (with no activity nested inside it that is not held) is kept: when the
+      block ends it raises KeyboardInterrupt, unless an enclosing activity is held too or the block took it
+      (`take_stop`). A block that starts something new calls `check_stop` first.
+    on_stop: what a stop does to this activity, for the message ("it was killed with its child processes").
+    within: a phrase placing an activity inside this one ("in the reruns"), for the message.
+  Raises:
+    KeyboardInterrupt: as `hold` says.
   """
-  path = path or os.environ.get(PHASE_ENV)
-  if not path:
-    return
+  _activities.append(_Activity(what, hold, on_stop, within))
   try:
-    if text:
-      with open(path + ".tmp", "w") as f:
-        f.write(text.strip() + "\n")
-      os.replace(path + ".tmp", path)
-    elif os.path.exists(path):
-      os.unlink(path)
-  except OSError:
-    pass  # the progress line is a courtesy; never fail a side over it
+    yield
+  finally:
+    _activities.pop()
+  if hold and _stop.pending and not any(a.hold for a in _activities):
+    _deliver()
+
+
+def check_stop() -> None:
+  """Raises KeyboardInterrupt if a stop signal was held and has not taken effect: call it before starting anything
+  new (a worker), so that nothing starts once the user asked to stop."""
+  if _stop.pending:
+    _deliver()
+
+
+def take_stop() -> KeyboardInterrupt | None:
+  """Takes a held stop signal: the caller finishes what it does (its report says it was interrupted) and re-raises
+  the KeyboardInterrupt returned; None when none is held."""
+  if not _stop.pending:
+    return None
+  _stop.pending = False
+  return KeyboardInterrupt()
+
+
+def stop_state() -> StopState:
+  """The current StopState (a fresh one for each `stop_signals` block)."""
+  return _stop
+
+
+def on_disk(text: str) -> None:
+  """Records what the command has left on disk so far, in one sentence, for the message a stop ends it with."""
+  _stop.on_disk = text

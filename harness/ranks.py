@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import lifetime
+from parity import phase
 from parity.protocol.layout import PLANTED_HANG, PLANTED_KILL, count_lines, tail_text
 from parity.protocol.ranks import COORDINATOR_ENV, read_rank_records, rank_stderr
 
@@ -130,9 +131,9 @@ def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict
     if side != "jax":
       python, worker, request = cmd[0], cmd[3], cmd[4]
       argv = torch_command(python, side, worker, request, launch)
-      # the ranks build DeepSpeed ops without moving the launcher's own deadline (lifetime.extend_deadline is
+      # the ranks build DeepSpeed ops without moving the launcher's own deadline (phase.extend_deadline is
       # per process): it gets the build allowance up front; the harness's watch still enforces timeout_s
-      proc = lifetime.spawn(argv, stdout=so, stderr=se, env=env, timeout_s=timeout_s + lifetime.BUILD_LIMIT_S)
+      proc = lifetime.spawn(argv, stdout=so, stderr=se, env=env, timeout_s=timeout_s + phase.BUILD_LIMIT_S)
       return _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress)
     procs = [lifetime.spawn(cmd, stdout=so, stderr=se, env={**env, **renv}, timeout_s=timeout_s)
              for renv in jax_rank_envs(launch)]

@@ -5,7 +5,7 @@ The harness never imports jax or torch: a side is `python -m <worker> request.js
 (`harness.lifetime`: it dies with the harness, kill -9 included, and by its own
 deadline), in the one op-build environment (`harness.env`). Time a worker spends
 building DeepSpeed ops (its `phase` file says so) is shown instead of its step
-count and is not counted against the timeout (up to lifetime.BUILD_LIMIT_S). Whatever happens to
+count and is not counted against the timeout (up to phase.BUILD_LIMIT_S). Whatever happens to
 the process (exit, crash, SIGKILL, hang, NaN), `run_side` returns a SideRun and
 leaves `run_dir/<side>/summary.json` describing it, so the report always has
 every side.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from harness import lifetime, ranks
+from parity import phase
 from harness.env import worker_env
 from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
 from parity.protocol.ranks import read_launch
@@ -91,7 +92,7 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
     run_dir: folder holding request.json (see parity.protocol).
     side: a side with a 'train' worker (parity.protocol.workers).
     timeout_s: wall-clock limit, seconds, not counting time the worker reports building DeepSpeed ops (at most
-      lifetime.BUILD_LIMIT_S of it); past it the process group gets SIGKILL.
+      phase.BUILD_LIMIT_S of it); past it the process group gets SIGKILL.
     on_progress: called with (side, steps recorded so far) while the side runs, and with (side, steps, note)
       while the worker reports a phase outside its steps (note: e.g. "building DeepSpeed op cpu_adam (first use,
       ~1 min)"; an empty note when that phase ends).
@@ -103,6 +104,7 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   Returns:
     SideRun; run_dir/<side>/summary.json always exists afterwards.
   """
+  lifetime.check_stop()  # a stop held while the caller was busy: no new worker starts
   run_dir = Path(run_dir)
   out = run_dir / side
   try:
@@ -113,7 +115,8 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   worker = module or worker_module(side, job)
   cmd = [python, "-m", "harness.boot", worker, str(run_dir / "request.json"), "--side", side]
   full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
-                         lifetime.PHASE_ENV: str(out / lifetime.PHASE_FILE)}, python)
+                         phase.PHASE_ENV: str(out / phase.PHASE_FILE)}, python,
+                        ranks=int(launch["nproc"]))  # the ranks on this host share its CPUs
   t0 = time.time()
   world = ranks.world_size(launch)
   if world > 1:
@@ -127,17 +130,18 @@ def _run_one(side: str, cmd: list[str], out: Path, env: dict[str, str], timeout_
   with open(out / "stdout.log", "wb") as so, open(out / "stderr.log", "wb") as se:
     proc = lifetime.spawn(cmd, stdout=so, stderr=se, env=env, timeout_s=timeout_s)
   try:
-    rc, rusage, timed_out = _watch(proc, side, out, t0, timeout_s, on_progress)
+    with lifetime.activity(_running(side, out), on_stop=KILLED):
+      rc, rusage, timed_out = _watch(proc, side, out, t0, timeout_s, on_progress)
   except BaseException:  # Ctrl-C / SIGTERM of the harness: never leave a worker behind
     _kill_group(proc.pid)
     _, status, _ = os.wait4(proc.pid, 0)
     lifetime.release(proc)
-    summary = _harness_summary(side, "killed", "interrupted: the harness was stopped (Ctrl-C or SIGTERM) and "
-                               "killed this side", out, read_summary(out / "summary.json"))
+    summary = _harness_summary(side, "killed", f"interrupted: the harness was stopped ({_signal_words()}) "
+                               "and killed this side", out, read_summary(out / "summary.json"))
     _write_summary(out, summary)
     raise
   lifetime.release(proc)
-  (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
+  (out / phase.PHASE_FILE).unlink(missing_ok=True)
   wall = time.time() - t0
   if on_progress is not None:
     on_progress(side, count_lines(out / "steps.jsonl"))
@@ -158,14 +162,15 @@ def _run_ranks(side: str, cmd: list[str], launch: dict, out: Path, env: dict[str
   for log in ("stdout.log", "stderr.log"):
     (out / log).write_bytes(b"")
   try:
-    launched = ranks.launch_side(side, cmd, launch, out=out, env=env, timeout_s=timeout_s, watch=_watch,
-                                 on_progress=on_progress)
+    with lifetime.activity(_running(side, out), on_stop=KILLED):
+      launched = ranks.launch_side(side, cmd, launch, out=out, env=env, timeout_s=timeout_s, watch=_watch,
+                                   on_progress=on_progress)
   except BaseException:  # Ctrl-C / SIGTERM: every rank is already killed
-    summary = _harness_summary(side, "killed", "interrupted: the harness was stopped (Ctrl-C or SIGTERM) and "
-                               "killed this side", out, read_summary(out / "summary.json"))
+    summary = _harness_summary(side, "killed", f"interrupted: the harness was stopped ({_signal_words()}) "
+                               "and killed this side", out, read_summary(out / "summary.json"))
     _write_summary(out, summary)
     raise
-  (out / lifetime.PHASE_FILE).unlink(missing_ok=True)
+  (out / phase.PHASE_FILE).unlink(missing_ok=True)
   wall = time.time() - t0
   if on_progress is not None:
     on_progress(side, count_lines(out / "steps.jsonl"))
@@ -181,11 +186,19 @@ def _run_ranks(side: str, cmd: list[str], launch: dict, out: Path, env: dict[str
                  error=error)
 
 
+KILLED = "it was killed with its child processes"
+"""What a stop does to a running side (the message's words; harness.lifetime.activity)."""
+
+
+def _running(side: str, out: Path) -> str:
+  return f"side {side} was running ({out})"
+
+
 def _prepare(run_dir: Path, out: Path) -> dict:
   """Clears what an earlier attempt left in run_dir/<side> and returns the run's launch (parity.protocol.ranks).
   Raises OSError (an unwritable folder) or ValueError (a malformed launch.json)."""
   out.mkdir(parents=True, exist_ok=True)
-  for stale in ("summary.json", "steps.jsonl", "final.safetensors", lifetime.PHASE_FILE):
+  for stale in ("summary.json", "steps.jsonl", "final.safetensors", phase.PHASE_FILE):
     (out / stale).unlink(missing_ok=True)
   for stale in [*out.glob("rank*.json"), *out.glob("rank*.stderr")]:
     stale.unlink()
@@ -197,7 +210,7 @@ def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress)
   """Polls the worker until it exits; kills its process group past the timeout. Returns (rc, rusage, timed_out).
 
   While the worker's phase file is non-empty (a DeepSpeed op build) its clock stops, for at most
-  lifetime.BUILD_LIMIT_S in all, and on_progress gets the phase as a note."""
+  phase.BUILD_LIMIT_S in all, and on_progress gets the phase as a note."""
   last, note, timed_out, paused, t_prev = -1, "", False, 0.0, time.time()
   while True:
     pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
@@ -206,15 +219,15 @@ def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress)
         on_progress(side, count_lines(out / "steps.jsonl"), "")
       return os.waitstatus_to_exitcode(status), rusage, timed_out
     now = time.time()
-    phase = _read_phase(out)
-    if phase:
-      paused = min(lifetime.BUILD_LIMIT_S, paused + (now - t_prev))
+    shown = _read_phase(out)
+    if shown:
+      paused = min(phase.BUILD_LIMIT_S, paused + (now - t_prev))
     t_prev = now
     if on_progress is not None:
       n = count_lines(out / "steps.jsonl")
-      if phase != note:
-        on_progress(side, n, phase)
-        note, last = phase, n
+      if shown != note:
+        on_progress(side, n, shown)
+        note, last = shown, n
       elif n != last:
         on_progress(side, n)
         last = n
@@ -226,7 +239,7 @@ def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress)
 
 def _read_phase(out: Path) -> str:
   try:
-    return (out / lifetime.PHASE_FILE).read_text(errors="replace").strip()[:200]
+    return (out / phase.PHASE_FILE).read_text(errors="replace").strip()[:200]
   except OSError:
     return ""
 
@@ -254,7 +267,7 @@ def _write_summary(out: Path, summary: dict) -> None:
     summary["summary_not_written"] = f"{out / 'summary.json'}: {exc.strerror or exc}"
 
 
-def build_ops(names: list[str], *, timeout_s: float = lifetime.BUILD_LIMIT_S, python: str = sys.executable) -> int:
+def build_ops(names: list[str], *, timeout_s: float = phase.BUILD_LIMIT_S, python: str = sys.executable) -> int:
   """`parity build-ops`: builds DeepSpeed's ops up front in a worker (`python -m torch_impl.ops NAMES`), so that no
   side builds inside a timed run. Its lines go straight to this process's stdout/stderr.
 
@@ -305,19 +318,31 @@ def run_each_side(sides: Sequence[str], start: Callable[[str], SideRun], *, on_i
   Returns:
     ({side: SideRun} for every side, in order: sides after the interrupted one are `not_run`, the reason naming
     the interrupt), and the KeyboardInterrupt for the caller to re-raise once its report is written (None).
+    A stop signal while no worker runs (a side being prepared or read) is held (harness.lifetime.activity): that
+    side's result is kept whole and the sides after it are `not_run`.
   """
   runs: dict[str, SideRun] = {}
   interrupted: KeyboardInterrupt | None = None
-  for side in sides:
-    if interrupted is not None:
-      runs[side] = not_run(side, f"not started: the {what} was interrupted (Ctrl-C)")
-      continue
-    try:
-      runs[side] = start(side)
-    except KeyboardInterrupt as exc:  # the side's worker was killed and has a summary: report, then re-raise
-      interrupted = exc
-      runs[side] = on_interrupt(side)
+  with lifetime.activity(f"no side was running (the {what} was starting a side or reading what one left)",
+                         hold=True, on_stop="no side was started after that"):  # only a worker is stopped at once
+    for side in sides:
+      interrupted = interrupted or lifetime.take_stop()
+      if interrupted is not None:
+        runs[side] = not_run(side, f"not started: the {what} was interrupted ({_signal_words()})")
+        continue
+      try:
+        runs[side] = start(side)
+      except KeyboardInterrupt as exc:  # the side's worker was killed and has a summary: report, then re-raise
+        interrupted = exc
+        runs[side] = on_interrupt(side)
+    interrupted = interrupted or lifetime.take_stop()
   return runs, interrupted
+
+
+def _signal_words() -> str:
+  """'Ctrl-C' for SIGINT (or a KeyboardInterrupt raised in the code), else the signal's name (SIGTERM)."""
+  sig = lifetime.stop_state().signal
+  return "Ctrl-C" if sig in (None, "SIGINT") else sig
 
 
 def not_run(side: str, reason: str) -> SideRun:

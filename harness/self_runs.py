@@ -16,6 +16,7 @@ the parent's weights and batches (`parity.protocol.derive_request`):
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -54,8 +55,26 @@ def run_noise(run_dir: Path, side: str, *, timeout_s: float,
   tmp = sub / "batches.npy.tmp.npy"  # always from this run's batches, never a file found there
   np.save(tmp, reversed_batches(np.load(Path(run_dir) / "batches.npy", mmap_mode="r")))
   tmp.replace(sub / "batches.npy")
+  _reverse_example_arrays(Path(run_dir), sub)
   sr = run_side(sub, side, timeout_s=timeout_s, on_progress=on_progress)
   return sr, read_steps(sub / side / "steps.jsonl")
+
+
+def _reverse_example_arrays(run_dir: Path, sub: Path) -> None:
+  """Padded/packed: the training arrays beside the batches reversed the same way (`reversed_batches`' axes), written
+  into `sub` and named by its request; nothing on the stream layout."""
+  path = sub / "request.json"
+  request = json.loads(path.read_text())
+  arrays = (request.get("examples") or {}).get("arrays")
+  if not arrays:
+    return
+  for name, file in list(arrays.items()):
+    src = np.load(run_dir / Path(file).name, mmap_mode="r")
+    tmp = sub / f"{name}.npy.tmp.npy"
+    np.save(tmp, np.ascontiguousarray(src[:, ::-1, ::-1, :]))
+    tmp.replace(sub / f"{name}.npy")
+    arrays[name] = f"{name}.npy"
+  path.write_text(json.dumps(request, indent=2))
 
 
 def run_repeat(run_dir: Path, side: str, *, stop_after_step: int, save_checkpoint_at_step: int | None,

@@ -13,6 +13,8 @@ import argparse
 import sys
 
 from parity import hf
+from jax_impl import checkpoint
+from jax_impl.layout import from_flax, to_flax
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("src")
   p.add_argument("dst")
   args = ap.parse_args(argv)
-  from jax_impl import checkpoint
-  from jax_impl.model import from_flax, to_flax
   try:
     if args.op == "to-orbax":
       params, spec = hf.load_canonical(args.src)

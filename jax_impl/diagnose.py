@@ -17,23 +17,29 @@ Plants of this side (request `diagnose_plants`) are applied here: `no_causal_mas
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
-from parity import diagnose as dg  # noqa: E402
-from parity.protocol import SideIO, main_guard  # noqa: E402
-from parity.weights import master_weights  # noqa: E402
+import flax  # noqa: E402  (after the environment above)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from jax_impl import model as model_lib  # noqa: E402
+from jax_impl import layers, layout, loss_scaling  # noqa: E402
+from jax_impl import optim  # noqa: E402
+from jax_impl.step import accumulate_grads, example_batch, example_loss_kwargs  # noqa: E402  (sets fp32 matmuls)
+from parity.protocol import diagnose as dg  # noqa: E402
+from parity.protocol.side import SideIO, main_guard  # noqa: E402
+from parity.weights import master_weights, param_shapes  # noqa: E402
 
 
 def _with_schedule_count(opt_state, count: int):
   """The optimizer state with optax's schedule count (the lr position) set to `count`; Adam's own count stays."""
-  import jax
-  import jax.numpy as jnp
-  import optax
   is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
   return jax.tree.map(lambda s: s._replace(count=jnp.asarray(count, s.count.dtype)) if is_sched(s) else s,
                       opt_state, is_leaf=is_sched)
@@ -41,21 +47,19 @@ def _with_schedule_count(opt_state, count: int):
 
 def _decay_all_mask(spec, scan_layers: bool = False):
   """Plant `decay_all`: a decay mask with every tensor decayed (norm scales, biases, embeddings)."""
-  from parity.weights import param_shapes
-  from jax_impl.model import tree_from_canonical
-  return tree_from_canonical({n: True for n in param_shapes(spec)}, n_layers=spec.n_layers if scan_layers else None)
+  every = {n: True for n in param_shapes(spec)}
+  return layout.tree_from_canonical(every, n_layers=spec.n_layers if scan_layers else None)
 
 
 def _where_params(names, prefix: str, what: str) -> dict[str, str]:
-  from jax_impl.model import flax_path
   out = {}
   for name in names:
-    path, transposed = flax_path(name)
+    path, transposed = layout.flax_path(name)
     out[f"{prefix}{name}"] = f"{what} params/{'/'.join(path)}" + (" ([in, out], transposed)" if transposed else "")
   return out
 
 
-def _one_step(spec, train, canonical, batch, req, causal: bool):
+def _one_step(spec, train, canonical, batch, req, causal: bool, arrays=None):
   """Taps, loss, gradients and first update of one step in `train.precision`, as the training step computes them.
 
   bf16/fp16 follow `jax_impl.step._model_loss`: the whole fp32 param tree is cast to the compute dtype at the
@@ -70,29 +74,35 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
     batch: token ids (A, M, T + 1).
     req: the diagnose WorkerRequest (lr position, plants).
     causal: False only under the `no_causal_mask` plant.
+    arrays: padded/packed only, the step's ExampleArrays (A, M, T): segment ids, positions and weights given to
+      the model and loss as jax_impl.step gives them (`example_loss_kwargs`, with `req.data_plants`); the taps are
+      those of the first micro batch.
   Returns:
     (tensors, where, lr): canonical tap name -> float32 numpy array, tap name -> Flax location, the update's lr.
   Raises:
     RuntimeError: fp16 only, the gradient overflowed at the initial loss scale (the update would be skipped).
   """
-  import jax
-  import optax
-  from jax_impl import model as model_lib
-  from jax_impl import optim
-  from jax_impl.step import accumulate_grads  # also sets jax_default_matmul_precision=highest
-
   dtype = model_lib.compute_dtype(train.precision)
   cast = lambda p: model_lib.cast_params(p, dtype)  # as jax_impl.step's loss does
-  params = jax.device_put(model_lib.to_flax(canonical, spec))
-  _, taps = jax.jit(lambda p, x: model_lib.loss_and_taps(cast(p), x, spec, dtype=dtype, causal=causal))(
-      params, batch[0])
-  loss = lambda p, x: model_lib.loss_fn(cast(p), x, spec, dtype=dtype, causal=causal)
+  params = jax.device_put(layout.to_flax(canonical, spec))
+  if arrays is not None:  # padded/packed: the training step's example arguments, its data plants applied
+    batch = example_batch(batch, arrays)
+    first = example_loss_kwargs(jax.tree.map(lambda a: a[0], batch), req.data_plants)
+    taps_kw = {k: first[k] for k in ("segment_ids_bt", "positions_bt")}
+    loss = lambda p, x: model_lib.loss_fn(cast(p), x["tokens"], spec, dtype=dtype, causal=causal,
+                                          **example_loss_kwargs(x, req.data_plants))
+  else:
+    taps_kw = {}
+    loss = lambda p, x: model_lib.loss_fn(cast(p), x, spec, dtype=dtype, causal=causal)
+  tokens0 = batch["tokens"][0] if arrays is not None else batch[0]
+  _, taps = jax.jit(lambda p, x, kw: model_lib.loss_and_taps(cast(p), x, spec, dtype=dtype, causal=causal, **kw))(
+      params, tokens0, taps_kw)
   tx, schedule = _optimizer(spec, train, req.plants["decay_all"])
   opt_state = _with_schedule_count(tx.init(params), req.lr_step)
   lr = float(schedule(optim.step_count_of(opt_state)))
   fp16 = train.precision == "fp16"
 
-  scale = optim.loss_scale_of(opt_state) if fp16 else None
+  scale = loss_scaling.loss_scale_of(opt_state) if fp16 else None
   loss_val, grads = jax.jit(lambda p, b, m: accumulate_grads(p, b, loss, loss_multiplier=m))(params, batch, scale)
 
   @jax.jit
@@ -113,7 +123,6 @@ def _one_step(spec, train, canonical, batch, req, causal: bool):
 
 def _optimizer(spec, train, decay_all: bool):
   """optim.make_optimizer's (tx, schedule); under the `decay_all` plant with every tensor decayed."""
-  from jax_impl import optim
   if decay_all:
     with mock.patch.object(optim, "decay_mask", _decay_all_mask):
       return optim.make_optimizer(spec, train)
@@ -123,17 +132,14 @@ def _optimizer(spec, train, decay_all: bool):
 def _outputs(spec, taps, loss_val, grads, new_params) -> tuple[dict, dict[str, str]]:
   """(tensors, where) of one diagnosed step: canonical tap name -> float32 numpy array (forward taps, 'loss',
   'grad/<param>', 'update/<param>') and tap name -> its Flax location."""
-  import jax
-  import numpy as np
-  from jax_impl import model as model_lib
   taps = jax.device_get(taps)
-  out = {model_lib.tap_name(loc): np.asarray(v, np.float32) for loc, v in taps.items()}
-  where = {model_lib.tap_name(loc): loc for loc in taps}
+  out = {layers.tap_name(loc): np.asarray(v, np.float32) for loc, v in taps.items()}
+  where = {layers.tap_name(loc): loc for loc in taps}
   out["loss"] = np.asarray(jax.device_get(loss_val), np.float32)
   where["loss"] = "step.accumulate_grads(model.loss_fn): mean over micro batches"
   names = dg.param_order(spec)
-  g = model_lib.from_flax(grads, spec)
-  p1 = model_lib.from_flax(new_params, spec)
+  g = layout.from_flax(grads, spec)
+  p1 = layout.from_flax(new_params, spec)
   out.update({f"grad/{n}": g[n] for n in names})
   out.update({f"update/{n}": p1[n] for n in names})
   where.update(_where_params(names, "grad/", "gradient of"))
@@ -141,37 +147,28 @@ def _outputs(spec, taps, loss_val, grads, new_params) -> tuple[dict, dict[str, s
   return out, where
 
 
-def run_side(io: SideIO) -> int:
-  """Writes this side's diagnose tensors (and, in bf16/fp16, its fp32 reference); returns the exit code (0)."""
-  import jax
-  import numpy as np
-  import optax
+class JaxDiagnose:
+  """`parity.protocol.diagnose.DiagnoseSide` of the JAX side."""
 
-  req = dg.read_request(io.request, io.side)
-  run = io.run
-  dg.check_plan(run)
-  spec, plants, train = run.model, req.plants, run.train
-  # bf16/fp16: the step starts from the master weights rounded to the compute dtype, as `Trainer.build` does
-  canonical = master_weights(dg.apply_weight_plants(io.init_params(), plants), train.precision)
-  batch = np.ascontiguousarray(io.batches()[req.step])  # (A, M, T + 1)
-  causal = not plants["no_causal_mask"]
-  io.ready()
+  def check(self, io: SideIO) -> None:
+    dg.check_plan(io.run)  # unrolled layers, no remat
 
-  out, where, lr = _one_step(spec, train, canonical, batch, req, causal)
-  dg.write_outputs(io.out, out, where, dg.side_inputs(io.request, io.side))
-  if train.precision != "fp32":  # the same step in fp32 on the same (rounded) weights: the error reference
-    ref, ref_where, _ = _one_step(spec, dataclasses.replace(train, precision="fp32"), canonical, batch, req, causal)
-    dg.write_outputs(io.out, ref, ref_where, dg.side_inputs(io.request, io.side), file=dg.REFERENCE_FILE)
-  import flax
-  io.finish("ok", versions={"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__},
-            device=str(jax.devices()[0]),
-            extra={"diagnose": {"step": req.step, "lr_step": req.lr_step, "lr": lr, "loss": float(out["loss"]),
-                                "precision": train.precision, "plants": plants, "tensors": len(out)}})
-  return 0
+  def one_step(self, run, params, req, batch, arrays=None) -> dg.DiagnoseStep:
+    """`_one_step` from the master weights rounded to the compute dtype, as `Trainer.build` does."""
+    canonical = master_weights(params, run.train.precision)
+    out, where, lr = _one_step(run.model, run.train, canonical, batch, req, not req.plants["no_causal_mask"],
+                               arrays)
+    return dg.DiagnoseStep(tensors=out, where=where, lr=lr, loss=float(out["loss"]))
+
+  def versions(self) -> dict[str, str]:
+    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
+
+  def device(self) -> str:
+    return str(jax.devices()[0])
 
 
 def main(argv: list[str] | None = None) -> int:
-  return main_guard(run_side, argv)
+  return main_guard(lambda io: dg.run_diagnose(io, JaxDiagnose()), argv)
 
 
 if __name__ == "__main__":

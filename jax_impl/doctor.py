@@ -46,7 +46,7 @@ def _platforms(jax) -> dict[str, str]:
 def _memory_kinds(jax, device) -> dict[str, object]:
   """The memory kinds `device` addresses, its default one, and for each whether a device_put there is accepted."""
   import numpy as np
-  from jax.sharding import SingleDeviceSharding
+  from jax.sharding import SingleDeviceSharding  # jax inside the probe: a failed import is reported in the JSON
   kinds = sorted({m.kind for m in device.addressable_memories()})
   accepted = {}
   for kind in kinds:
@@ -73,7 +73,7 @@ def _bandwidth(jax, device, size_mb: int, repeats: int = 3) -> dict[str, object]
   pinned_host, pinned_host -> device (each blocked until ready). On the CPU backend every kind is the same RAM,
   so the figures are memory-copy speeds, not a bus."""
   import numpy as np
-  from jax.sharding import SingleDeviceSharding
+  from jax.sharding import SingleDeviceSharding  # jax inside the probe: a failed import is reported in the JSON
   nbytes = size_mb * 2**20
   host = np.ones(nbytes // 4, dtype=np.float32)
   dev_s = SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
@@ -102,10 +102,10 @@ def probe(bandwidth: bool = False, size_mb: int = 64) -> dict[str, object]:
   """
   t0 = min(time.time(), _STARTED)
   try:
-    import jax
+    import jax  # jax inside the probe: a failed import is reported in the JSON
   except Exception as exc:  # not installed, or a broken install: said, not raised
     return {"error": f"import jax failed: {type(exc).__name__}: {exc}"}
-  import jaxlib
+  import jaxlib  # jax inside the probe: a failed import is reported in the JSON
   dev = jax.devices()[0]
   out: dict[str, object] = {
       "jax": jax.__version__, "jaxlib": getattr(jaxlib, "__version__", None),

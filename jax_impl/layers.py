@@ -23,7 +23,7 @@ from parity.spec import ModelSpec
 
 from jax_impl.layout import NORM_MODULES
 
-__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "apply_rope"]
+__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope"]
 
 Dtype = Any
 
@@ -162,14 +162,39 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, 
   return np.cos(ang_th).astype(np.float32), np.sin(ang_th).astype(np.float32)
 
 
-def apply_rope(x_btnh: jax.Array, cos_th: np.ndarray, sin_th: np.ndarray) -> jax.Array:
-  """x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x2, x1) (HF LLaMA), in x's dtype."""
+def apply_rope(x_btnh: jax.Array, cos: Any, sin: Any) -> jax.Array:
+  """x * cos + rotate_half(x) * sin, rotate_half(x) = concat(-x2, x1) (HF LLaMA), in x's dtype.
+
+  Args:
+    x_btnh: (B, T, heads, H).
+    cos, sin: float32 (T, H) tables (`rope_tables`; every row's position is its index), or (B, T, H) per-token
+      tables (`rope_at`: positions restarting per example, packed rows).
+  """
   h2 = x_btnh.shape[-1] // 2
   x1, x2 = x_btnh[..., :h2], x_btnh[..., h2:]
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  cos = jnp.asarray(cos_th, x_btnh.dtype)[None, :, None, :]  # (1, T, 1, H)
-  sin = jnp.asarray(sin_th, x_btnh.dtype)[None, :, None, :]
+  if jnp.ndim(cos) == 3:  # per-token angles (B, T, H)
+    cos, sin = (jnp.asarray(c).astype(x_btnh.dtype)[:, :, None, :] for c in (cos, sin))  # (B, T, 1, H)
+    return x_btnh * cos + rotated * sin
+  cos = jnp.asarray(cos, x_btnh.dtype)[None, :, None, :]  # (1, T, 1, H)
+  sin = jnp.asarray(sin, x_btnh.dtype)[None, :, None, :]
   return x_btnh * cos + rotated * sin
+
+
+def rope_at(positions_bt: jax.Array, max_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """Rotary cos/sin of each token's own position: rows `positions_bt` of `rope_tables(max_len, ...)`.
+
+  The rows are the tables' bitwise values, so positions 0..T-1 give exactly the stream path's angles.
+
+  Args:
+    positions_bt: int (B, T), each in [0, max_len) (jnp gathers clamp an index out of range; the layouts of
+      parity.dataset never produce one: a position is < seq_len <= max_seq_len).
+    max_len: rows of the table (spec.max_seq_len). head_dim, theta: as `rope_tables`.
+  Returns:
+    cos, sin: float32 (B, T, H).
+  """
+  cos_th, sin_th = rope_tables(max_len, head_dim, theta)
+  return jnp.asarray(cos_th)[positions_bt], jnp.asarray(sin_th)[positions_bt]
 
 
 class Dense(nn.Module):

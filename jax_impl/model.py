@@ -40,16 +40,13 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.spec import ModelSpec
 
 from jax_impl import remat as remat_lib
-# The layers (torch rounding points, diagnose taps) live in jax_impl.layers; the public names stay importable here.
-from jax_impl.layers import (_SUB_OUT, TAPS, Dense, Dtype, Norm, _add, _dense, _opmath, _reduced, _tap,  # noqa: F401
-                             apply_rope, rope_tables, tap_name)
-# The canonical <-> Flax layout lives in jax_impl.layout; its names stay importable from here.
-from jax_impl.layout import (LAYERS, NORM_MODULES, TRANSPOSED, Params, flax_path, from_flax,  # noqa: F401
-                             stack_layers, to_flax, tree_from_canonical, unstack_layers)
+# The layers (torch rounding points, diagnose taps: jax_impl.layers) and the canonical <-> Flax layout
+# (jax_impl.layout) are imported from their own modules.
+from jax_impl.layers import (_SUB_OUT, TAPS, Dtype, Norm, _add, _dense, _opmath, _reduced, _tap, apply_rope,
+                             rope_at, rope_tables)
+from jax_impl.layout import LAYERS, Params
 
-__all__ = ["GPT", "Dense", "TRANSPOSED", "LAYERS", "TAPS", "flax_path", "to_flax", "from_flax", "tree_from_canonical",
-           "stack_layers", "unstack_layers", "loss_fn", "loss_and_taps", "tap_name", "rope_tables", "compute_dtype",
-           "cast_params"]
+__all__ = ["GPT", "loss_fn", "loss_and_taps", "compute_dtype", "cast_params", "attention_mask"]
 
 
 def compute_dtype(precision: str) -> Dtype:
@@ -65,6 +62,19 @@ def cast_params(params: Params, dtype: Dtype) -> Params:
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
+def attention_mask(segment_ids_bt: jax.Array, causal: bool = True) -> jax.Array:
+  """bool (B, T, S), [query, key]: True where query t may attend key s, i.e. segment_ids[t] == segment_ids[s]
+  and s <= t (parity.dataset.reference.attention_mask). Padding (segment 0) attends earlier padding only, so no
+  row is empty. `causal=False` (the diagnose plant) keeps the segment test only.
+
+  Args:
+    segment_ids_bt: int (B, T): 0 = padding, 1, 2, ... = the example's order in its row.
+  """
+  t = segment_ids_bt.shape[-1]
+  same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+  return same_bts & np.tril(np.ones((t, t), dtype=bool)) if causal else same_bts
+
+
 # ----------------------------------------------------------------------------- decoder
 
 
@@ -74,13 +84,19 @@ class Attention(nn.Module):
   Attributes:
     causal: apply the causal mask. Always True in training; False only as a planted bug of
       `parity diagnose` (`--plant SIDE:no_causal_mask`).
+
+  Call: x (B, T, D) -> (B, T, D). With `mask_bts` (bool (B, T, S), `attention_mask`: segment and causality
+  already in it) the scores outside it are set to finfo(float32).min before the softmax, instead of the causal
+  mask; with `rope` ((B, T, H) cos and sin, `rope_at`) rotary angles are each token's own position. None of them:
+  today's stream computation, unchanged.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
   causal: bool = True
 
   @nn.compact
-  def __call__(self, x_btd: jax.Array) -> jax.Array:
+  def __call__(self, x_btd: jax.Array, mask_bts: jax.Array | None = None,
+               rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     s = self.spec
     b, t, _ = x_btd.shape
     n, k, h = s.n_heads, s.kv_heads, s.head_dim
@@ -92,7 +108,7 @@ class Attention(nn.Module):
     k_btkh = qkv_btf[..., n * h:(n + k) * h].reshape(b, t, k, h)
     v_btkh = qkv_btf[..., (n + k) * h:].reshape(b, t, k, h)
     if s.position == "rope":
-      cos_th, sin_th = rope_tables(t, h, s.rope_theta)
+      cos_th, sin_th = rope_tables(t, h, s.rope_theta) if rope is None else rope  # (T, H), or per token (B, T, H)
       q_btnh = apply_rope(q_btnh, cos_th, sin_th)
       k_btkh = apply_rope(k_btkh, cos_th, sin_th)
     _tap(self, "q", lambda: q_btnh.transpose(0, 2, 1, 3))  # (B, N, T, H)
@@ -102,7 +118,9 @@ class Attention(nn.Module):
     scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
                               preferred_element_type=jnp.float32) * s.scale
     _tap(self, "scores", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    if self.causal:
+    if mask_bts is not None:  # segment & causal (attention_mask), per row
+      scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, jnp.finfo(jnp.float32).min)
+    elif self.causal:
       causal_ts = np.tril(np.ones((t, t), dtype=bool))
       scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
     if _reduced(self.dtype):
@@ -173,7 +191,8 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-  With `scanned`, the call signature is the `nn.scan` body's: (x, None) -> (x, None).
+  With `scanned`, the call signature is the `nn.scan` body's: (x, None) -> (x, None); `mask_bts` and `rope` (see
+  `Attention`) follow, broadcast over the layers.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
@@ -182,9 +201,11 @@ class Block(nn.Module):
   """See `Attention.causal` (diagnose plant only)."""
 
   @nn.compact
-  def __call__(self, x_btd: jax.Array, _: Any = None) -> Any:
+  def __call__(self, x_btd: jax.Array, _: Any = None, mask_bts: jax.Array | None = None,
+               rope: tuple[jax.Array, jax.Array] | None = None) -> Any:
     attn = Attention(self.spec, self.dtype, self.causal, name="attn")
-    x_btd = _add(x_btd, attn(Norm(self.spec, self.dtype, name="ln_1")(x_btd)), self.dtype)
+    h_btd = Norm(self.spec, self.dtype, name="ln_1")(x_btd)
+    x_btd = _add(x_btd, attn(h_btd) if mask_bts is None and rope is None else attn(h_btd, mask_bts, rope), self.dtype)
     _tap(self, "resid_mid", lambda: x_btd)
     x_btd = _add(x_btd, Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd)),
                  self.dtype)
@@ -239,43 +260,62 @@ class GPT(nn.Module):
       return "full" if self.remat else "none"
     return self.remat
 
-  def _blocks(self, x_btd: jax.Array) -> jax.Array:
+  def _blocks(self, x_btd: jax.Array, mask_bts: jax.Array | None = None,
+              rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     s = self.spec
     block = _block_class(self._remat_name(), self.host_memory_kind, self.scan_layers,
                          self.layer_to_device and self.scan_layers and not self.is_initializing(), self.dtype)
+    extra = () if mask_bts is None and rope is None else (mask_bts, rope)  # stream: the call of before, unchanged
     if not self.scan_layers:
       for i in range(s.n_layers):
-        x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd)
+        x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd, *((None,) + extra if extra else ()))
       return x_btd
-    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers)
-    x_btd, _ = scanned(s, self.dtype, True, self.causal, name=LAYERS)(x_btd, None)
+    kw = {"in_axes": (nn.broadcast,) * 3} if extra else {}  # (None, mask, rope): the same for every layer
+    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers, **kw)
+    x_btd, _ = scanned(s, self.dtype, True, self.causal, name=LAYERS)(x_btd, None, *extra)
     return x_btd
 
   @nn.compact
-  def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+  def __call__(self, tokens_bt: jax.Array, segment_ids_bt: jax.Array | None = None,
+               positions_bt: jax.Array | None = None) -> jax.Array:
     """Next-token logits.
 
     Args:
       tokens_bt: int32 token ids, shape (B, T), T <= spec.max_seq_len.
+      segment_ids_bt: optional int (B, T) (the `padded` / `packed` layouts, docs/data-examples.md): query t
+        attends key s iff segment_ids[t] == segment_ids[s] and s <= t (`attention_mask`). None: causal only.
+      positions_bt: optional int (B, T), each token's position within its example, in [0, max_seq_len): learned
+        positions gather wpe[positions], rotary angles use them. None: 0 .. T-1 in every row.
+      With neither (the `stream` layout) the computation is exactly the one without these arguments.
     Returns:
       Logits, shape (B, T, vocab_size), in `dtype`.
     Raises:
-      ValueError: T exceeds spec.max_seq_len (checked at trace time).
+      ValueError: T exceeds spec.max_seq_len, or segment_ids_bt / positions_bt is not (B, T) (trace time).
     """
     s = self.spec
     t = tokens_bt.shape[1]
     if t > s.max_seq_len:
       raise ValueError(f"sequence of {t} tokens exceeds model.max_seq_len={s.max_seq_len}; "
                        "use shorter sequences or a larger max_seq_len")
+    for name, arr in (("segment_ids_bt", segment_ids_bt), ("positions_bt", positions_bt)):
+      if arr is not None and tuple(arr.shape) != tuple(tokens_bt.shape):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}; it must be the inputs' shape {tuple(tokens_bt.shape)}")
     wte = nn.Embed(s.vocab_size, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wte",
                    embedding_init=nn.initializers.normal(s.init_std))
     x_btd = wte(tokens_bt)
     if s.position == "learned":
       wpe = nn.Embed(s.max_seq_len, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wpe",
                      embedding_init=nn.initializers.normal(s.init_std))
-      x_btd = _add(x_btd, wpe(jnp.arange(t, dtype=jnp.int32))[None], self.dtype)  # + (1, T, D)
+      if positions_bt is None:
+        x_btd = _add(x_btd, wpe(jnp.arange(t, dtype=jnp.int32))[None], self.dtype)  # + (1, T, D)
+      else:
+        x_btd = _add(x_btd, wpe(positions_bt.astype(jnp.int32)), self.dtype)  # + (B, T, D)
     _tap(self, "embed", lambda: x_btd)
-    x_btd = self._blocks(x_btd)
+    rope = None
+    if s.position == "rope" and positions_bt is not None:
+      rope = rope_at(positions_bt.astype(jnp.int32), s.max_seq_len, s.head_dim, s.rope_theta)
+    mask_bts = None if segment_ids_bt is None else attention_mask(segment_ids_bt, self.causal)
+    x_btd = self._blocks(x_btd, mask_bts, rope)
     x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)
     if s.tie_embeddings:
       logits_btv = wte.attend(x_btd)  # x @ wte.T
@@ -287,34 +327,70 @@ class GPT(nn.Module):
 
 def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: Dtype = jnp.float32,
             remat: str | bool = False, scan_layers: bool = False, layer_to_device: bool = False,
-            host_memory_kind: str = "pinned_host", causal: bool = True) -> jax.Array:
-  """Mean next-token cross-entropy, nats, float32.
+            host_memory_kind: str = "pinned_host", causal: bool = True, segment_ids_bt: jax.Array | None = None,
+            positions_bt: jax.Array | None = None, weights_bt: jax.Array | None = None,
+            label_shift: int = 1) -> jax.Array:
+  """Next-token cross-entropy, nats, float32: the mean over all targets, or the weighted sum.
 
   Args:
     params: the Flax params pytree (`to_flax` layout, stacked when scan_layers), float32.
-    tokens_btp1: token ids, shape (B, T + 1), any integer dtype (uint16 from the run files).
+    tokens_btp1: token ids, shape (B, T + 1), any integer dtype (uint16 or uint32 from the run files).
       Inputs are tokens[:, :-1], targets tokens[:, 1:].
     spec: the model spec.
     dtype: compute dtype of the forward pass; log_softmax is always float32.
     remat, scan_layers, layer_to_device, host_memory_kind, causal: see `GPT`.
+    segment_ids_bt, positions_bt: optional int (B, T) over the inputs (see `GPT.__call__`; the run folder's
+      segment_ids.npy / positions.npy micro batch).
+    weights_bt: optional float32 (B, T), the weight of target t (0 where it carries no loss; the micro batch's
+      rows of parity.dataset.reference.token_weights, times what the trainer's gradient convention needs).
+    With none of the three (the `stream` layout) the traced computation is exactly the one without them.
+    label_shift: 1 (always, in training). 2 only as the planted bug "labels shifted twice" (issue #20 item 6):
+      input t is scored against token t + 2; the last input has no target then (its weight is dropped).
   Returns:
-    Scalar float32: mean over all B * T target tokens of -log p(target).
+    Scalar float32: without weights, the mean over all B * T targets of -log p(target); with weights,
+    sum over (B, T) of weights * -log p(target).
+  Raises:
+    ValueError: weights_bt is not (B, T), or label_shift is not in [1, T] (trace time); see `GPT.__call__`.
   """
+  if not 1 <= label_shift < tokens_btp1.shape[1]:
+    raise ValueError(f"label_shift={label_shift} must be in [1, {tokens_btp1.shape[1] - 1}] (1 in training)")
   tokens = tokens_btp1.astype(jnp.int32)
   inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
   model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind, causal)
-  logits_btv = model.apply({"params": params}, inputs_bt).astype(jnp.float32)
-  return _mean_nll(logits_btv, targets_bt)
+  logits_btv = model.apply({"params": params}, inputs_bt, *_example_args(segment_ids_bt, positions_bt)
+                           ).astype(jnp.float32)
+  if label_shift != 1:  # the plant: targets one further ahead, the inputs that still have one
+    keep = tokens.shape[1] - label_shift
+    logits_btv, targets_bt = logits_btv[:, :keep], tokens[:, label_shift:]
+    weights_bt = None if weights_bt is None else weights_bt[:, :keep]
+  return _mean_nll(logits_btv, targets_bt) if weights_bt is None else _weighted_nll(logits_btv, targets_bt, weights_bt)
+
+
+def _example_args(segment_ids_bt: jax.Array | None, positions_bt: jax.Array | None) -> tuple:
+  """GPT.__call__'s extra arguments: none at all for the stream layout (its call stays the old one)."""
+  return () if segment_ids_bt is None and positions_bt is None else (segment_ids_bt, positions_bt)
+
+
+def _nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
 
 
 def _mean_nll(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-  logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-  nll_bt = -jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
-  return jnp.mean(nll_bt)
+  return jnp.mean(_nll(logits_btv, targets_bt))
+
+
+def _weighted_nll(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array) -> jax.Array:
+  """sum(weights * nll), float32; weights (B, T) (any float dtype, used as float32)."""
+  if tuple(weights_bt.shape) != tuple(targets_bt.shape):
+    raise ValueError(f"weights_bt has shape {tuple(weights_bt.shape)}; it must be the targets' shape "
+                     f"{tuple(targets_bt.shape)}")
+  return jnp.sum(weights_bt.astype(jnp.float32) * _nll(logits_btv, targets_bt))
 
 
 def loss_and_taps(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: Dtype = jnp.float32,
-                  causal: bool = True) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  causal: bool = True, segment_ids_bt: jax.Array | None = None, positions_bt: jax.Array | None = None,
+                  weights_bt: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """`loss_fn` of one micro batch, plus every diagnose tap of the forward pass (`parity diagnose`).
 
   Unrolled layers and no remat only (the taps are sown per block module). Jittable.
@@ -325,6 +401,7 @@ def loss_and_taps(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dt
     spec: the model spec.
     dtype: compute dtype.
     causal: see `GPT.causal`.
+    segment_ids_bt, positions_bt, weights_bt: see `loss_fn`.
   Returns:
     loss: float32 scalar, nats (what `loss_fn` returns).
     taps: Flax location (e.g. 'intermediates/h_0/attn/q'; `tap_name` gives the canonical name) ->
@@ -334,8 +411,10 @@ def loss_and_taps(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dt
   tokens = tokens_btp1.astype(jnp.int32)
   inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
   model = GPT(spec, dtype, causal=causal)
-  logits_btv, state = model.apply({"params": params}, inputs_bt, mutable=[TAPS])
+  logits_btv, state = model.apply({"params": params}, inputs_bt, *_example_args(segment_ids_bt, positions_bt),
+                                  mutable=[TAPS])
   taps = {}
   for path, value in jax.tree_util.tree_flatten_with_path(state[TAPS])[0]:
     taps["/".join((TAPS, *(str(getattr(k, "key", k)) for k in path)))] = value
-  return _mean_nll(logits_btv, targets_bt), taps
+  loss = _mean_nll(logits_btv, targets_bt) if weights_bt is None else _weighted_nll(logits_btv, targets_bt, weights_bt)
+  return loss, taps

@@ -48,7 +48,7 @@ __all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "state_memo
 DATA_AXIS = "data"
 DEVICE_KIND = "device"
 LAYERS = "h"
-"""Params subtree stacked on a leading layer axis when scan_layers (= jax_impl.model.LAYERS)."""
+"""Params subtree stacked on a leading layer axis when scan_layers (= jax_impl.layout.LAYERS)."""
 
 _SHARDED_FROM_STAGE = {"opt_state": 1, "grads": 2, "params": 3}
 

@@ -18,7 +18,7 @@ Mapping to DeepSpeed (ZeRO-1/2, DeepSpeedCPUAdam in adamw_mode, WarmupCosineLR):
 The pre-clip global gradient norm is kept in the clip transform's state, so the step can
 report exactly the norm the clip used (DeepSpeed's `engine.get_global_grad_norm()`).
 
-fp16 (train.precision == 'fp16') wraps the chain in `loss_scaled` (jax_impl.loss_scaling, re-exported here):
+fp16 (train.precision == 'fp16') wraps the chain in `loss_scaled` (jax_impl.loss_scaling):
 its state holds DeepSpeed's
 dynamic loss scale (`parity.numerics.loss_scale`), the step multiplies the loss by it, and the wrapper
 unscales the gradient, skips the whole update on a non-finite gradient (params, moments, Adam
@@ -39,15 +39,12 @@ from parity.spec import ModelSpec, TrainSpec
 from parity.weights import decays, param_shapes
 
 from jax_impl.loss_scaling import all_finite as _all_finite
-from jax_impl.loss_scaling import (LossScaleConfig, LossScaledState, LossScaleState, loss_scale_of,  # noqa: F401
-                                   loss_scale_state_of, loss_scaled, next_loss_scale, overflow_at_minimum)
-from jax_impl.model import tree_from_canonical
+from jax_impl.loss_scaling import LossScaleConfig, loss_scale_state_of, loss_scaled, next_loss_scale
+from jax_impl.layout import tree_from_canonical
 
 __all__ = ["ClipState", "clip_by_global_norm_deepspeed", "warmup_cosine_schedule", "decay_mask",
            "make_optimizer", "optimizer_update", "DeepSpeedOptState", "adam_second_moment", "ported_optimizer",
-           "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "LossScaleState",
-           "LossScaledState", "LossScaleConfig", "loss_scaled", "next_loss_scale", "loss_scale_of",
-           "loss_scale_state_of", "overflow_at_minimum", "GlobalStats", "global_stats"]
+           "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "GlobalStats", "global_stats"]
 
 DEEPSPEED_CLIP_EPS = 1e-6
 """Added to the global norm before dividing by the clip value (DeepSpeed ZeRO-1/2)."""

@@ -35,13 +35,17 @@ from parity.numerics import schedule as schedule_ref
 from parity.spec import RunSpec
 
 from jax_impl import model as model_lib
+from jax_impl import layout
 from jax_impl import optim
+from jax_impl import loss_scaling
 from jax_impl import offload as offload_lib
 from jax_impl import remat as remat_lib
 from jax_impl import stream as stream_lib
 from jax_impl.offload import Placement, TrainState, make_placement
+from parity.numerics.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
 
-__all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer"]
+__all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer", "example_batch",
+           "example_loss_kwargs"]
 
 # fp32 parity on GPU: f32 matmuls must not silently use TF32 (shared/NUMERICS.md).
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -56,8 +60,10 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
 
   Args:
     params: float32 params pytree (in device memory).
-    batch_amtp1: token ids, shape (A, M, T + 1): A micro batches of M sequences.
-    loss: (params, tokens (M, T + 1)) -> scalar float32 mean cross-entropy.
+    batch_amtp1: token ids, shape (A, M, T + 1): A micro batches of M sequences; padded/packed: the dict
+      `example_batch` makes (tokens (A, M, T + 1), segment_ids / positions int32 and weights float32 (A, M, T)).
+    loss: (params, one micro batch of batch_amtp1) -> scalar float32 loss (the mean cross-entropy; padded/packed
+      sum(weights * ce), weights = A * w so that the mean over micro batches is the step objective).
     grad_shardings: optional pytree of shardings for the accumulated gradient (ZeRO-2: sharded over
       `data`, so XLA reduce-scatters each micro batch's gradient instead of all-reducing it).
     grads_to_device: move each micro batch's gradient to device memory (params partly in host
@@ -70,16 +76,16 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
     loss: float32 scalar, mean over the A micro-batch losses (nats, never scaled).
     grads: pytree like params, sum over micro batches of grad(m * loss_i / A), float32.
   """
-  accum = batch_amtp1.shape[0]
+  accum = jax.tree.leaves(batch_amtp1)[0].shape[0]
 
-  def scaled(p: Any, tokens_mtp1: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def scaled(p: Any, tokens_mtp1: Any) -> tuple[jax.Array, jax.Array]:
     loss_i = loss(p, tokens_mtp1)
     out = loss_i / accum  # DeepSpeed: loss / gradient_accumulation_steps before backward
     return (out if loss_multiplier is None else out * loss_multiplier), loss_i
 
   grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
-  def body(carry: tuple[jax.Array, Any], tokens_mtp1: jax.Array) -> tuple[tuple[jax.Array, Any], None]:
+  def body(carry: tuple[jax.Array, Any], tokens_mtp1: Any) -> tuple[tuple[jax.Array, Any], None]:
     loss_sum, grads_acc = carry
     (_, loss_i), grads_i = grad_fn(params, tokens_mtp1)
     if grads_to_device:
@@ -98,8 +104,8 @@ StepFn = Callable[..., tuple[TrainState, Metrics]]
 
 
 def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    placement: Placement, shardings: TrainState) -> StepFn:
-  """The pure step for this run (not yet jitted).
+                    placement: Placement, shardings: TrainState, plants: frozenset = frozenset()) -> StepFn:
+  """The pure step for this run (not yet jitted); `plants`: this side's planted data bugs (`_micro_loss`).
 
   Returns:
     fp32/bf16: train_step(state, batch (A, M, T + 1) ints) -> (new state, metrics), where metrics
@@ -114,7 +120,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     raises; `Trainer.step` raises). On a skipped step `grad_norm` is inf and `lr` the rate the update
     would have applied (the next step repeats it), as DeepSpeed reports them.
   """
-  loss = _model_loss(run, placement)
+  loss = _model_loss(run, placement, plants=plants)
   layers_on_host = run.jax.scan_layers and placement.kind("params") != "device"
   fp16 = run.train.precision == "fp16"
   ls_cfg = optim.LossScaleConfig.from_train(run.train) if fp16 else None
@@ -128,7 +134,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
       opt_state = stream_lib.scalars_to_device(placement, state.opt_state, state.params)
     else:
       opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
-    scale = optim.loss_scale_of(opt_state) if fp16 else None
+    scale = loss_scaling.loss_scale_of(opt_state) if fp16 else None
     loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd, grads_to_device=layers_on_host,
                                        loss_multiplier=None if scale is None else scale * overflow_factor)
     lr = schedule(optim.step_count_of(opt_state))
@@ -145,7 +151,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
       skipped = new_ls.last_overflow_iter == old_ls.cur_iter
       true_norm = metrics["grad_norm"] * (new_ls.scale / scale)  # the clip saw g / new scale (optim.loss_scaled)
       metrics.update(grad_norm=jnp.where(skipped, jnp.float32(jnp.inf), true_norm), loss_scale=scale,
-                     skipped=skipped, at_min_scale=optim.overflow_at_minimum(old_ls, skipped, ls_cfg))
+                     skipped=skipped, at_min_scale=loss_scaling.overflow_at_minimum(old_ls, skipped, ls_cfg))
     return TrainState(params=params, opt_state=opt_state), metrics
 
   if fp16:
@@ -153,8 +159,10 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   return lambda state, batch_amtp1: train_step(state, batch_amtp1)
 
 
-def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
-  """(params, tokens (M, T + 1)) -> mean cross-entropy, with the plan's layout, remat and per-layer moves.
+def _model_loss(run: RunSpec, placement: Placement, remat: bool = True,
+                plants: frozenset = frozenset()) -> Callable[[Any, jax.Array], jax.Array]:
+  """(params, tokens (M, T + 1)) -> mean cross-entropy, with the plan's layout, remat and per-layer moves (and this
+  side's planted data bugs, `_micro_loss`).
 
   bf16/fp16 use DeepSpeed's layout: the whole fp32 param tree is cast to the compute dtype at the top of the
   loss (LayerNorm weights and embeddings included), so a weight used twice (the tied embedding) sums its
@@ -170,14 +178,55 @@ def _model_loss(run: RunSpec, placement: Placement, remat: bool = True) -> Calla
             scan_layers=plan.scan_layers, layer_to_device=layer_to_device, host_memory_kind=plan.host_memory_kind)
   cast = lambda p: model_lib.cast_params(p, kw["dtype"])  # DeepSpeed's layout: the whole module in bf16/fp16
   if layer_to_device:  # the host-resident layer stack is cast per layer on the device, in the scan body (model)
-    cast_rest = lambda p: {k: (v if k == model_lib.LAYERS else cast(v)) for k, v in p.items()}
-    return lambda p, tokens_mtp1: model_lib.loss_fn(cast_rest(p), tokens_mtp1, run.model, **kw)
-  return lambda p, tokens_mtp1: model_lib.loss_fn(cast(p), tokens_mtp1, run.model, **kw)
+    cast_rest = lambda p: {k: (v if k == layout.LAYERS else cast(v)) for k, v in p.items()}
+    return lambda p, micro: _micro_loss(cast_rest(p), micro, run, kw, plants)
+  return lambda p, micro: _micro_loss(cast(p), micro, run, kw, plants)
 
 
-def make_eval_loss(run: RunSpec, placement: Placement, param_shardings: Any) -> Callable[[Any, jax.Array], jax.Array]:
-  """eval_loss(params, val (E, M, T + 1) ints) -> float32 mean of the E micro-batch losses (nats)."""
-  loss = _model_loss(run, placement, remat=False)
+EXAMPLE_KEYS = ("segment_ids", "positions", "weights")
+"""The arrays a padded/packed micro batch carries beside its tokens (parity.protocol.side.ExampleArrays)."""
+
+
+def _micro_loss(params: Any, micro: Any, run: RunSpec, kw: dict, plants: frozenset = frozenset()) -> jax.Array:
+  """loss_fn of one micro batch: tokens (M, T + 1) as always (stream), or `example_batch`'s dict sliced to one
+  micro batch: segment ids, positions and weights given to loss_fn (docs/data-examples.md "The model level"),
+  with this side's planted data bugs (`example_loss_kwargs`)."""
+  if not isinstance(micro, dict):
+    return model_lib.loss_fn(params, micro, run.model, **kw)
+  return model_lib.loss_fn(params, micro["tokens"], run.model, **example_loss_kwargs(micro, plants), **kw)
+
+
+def example_loss_kwargs(micro: dict[str, Any], plants: frozenset = frozenset()) -> dict[str, Any]:
+  """loss_fn's example arguments of one `example_batch` micro batch (segment_ids_bt, positions_bt, weights_bt,
+  label_shift), with the planted data bugs `plants` (parity.protocol.layout.PLANT_KEYS) applied as the torch side
+  applies them (torch_impl.model.micro_loss): attention_mask_dropped gives the model no segment ids (causal over
+  the row), positions_not_restarted no positions (0..T-1), labels_shifted_twice label_shift=2."""
+  return {"segment_ids_bt": None if "attention_mask_dropped" in plants else micro["segment_ids"],
+          "positions_bt": None if "positions_not_restarted" in plants else micro["positions"],
+          "weights_bt": micro["weights"], "label_shift": 2 if "labels_shifted_twice" in plants else 1}
+
+
+def example_batch(tokens: Any, arrays: Any) -> dict[str, Any]:
+  """The padded/packed batch pytree: {'tokens', 'segment_ids', 'positions', 'weights'} from the token batch and
+  an ExampleArrays (numpy or global jax.Arrays; int32, int32, float32)."""
+  return {"tokens": tokens, **{k: getattr(arrays, k) for k in EXAMPLE_KEYS}}
+
+
+def _abstract_batch(shape: tuple[int, ...], dtype: Any, sharding: Any, examples: bool) -> Any:
+  """The abstract step/eval input: token ids `shape`, with examples the `example_batch` dict."""
+  tokens = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  if not examples:
+    return tokens
+  inner = tuple(shape[:-1]) + (shape[-1] - 1,)
+  types = {"segment_ids": jnp.int32, "positions": jnp.int32, "weights": jnp.float32}
+  return {"tokens": tokens, **{k: jax.ShapeDtypeStruct(inner, types[k], sharding=sharding) for k in EXAMPLE_KEYS}}
+
+
+def make_eval_loss(run: RunSpec, placement: Placement, param_shardings: Any,
+                   plants: frozenset = frozenset()) -> Callable[[Any, jax.Array], jax.Array]:
+  """eval_loss(params, val (E, M, T + 1) ints) -> float32 mean of the E micro-batch losses (nats), with this side's
+  model-level plants (`_micro_loss`)."""
+  loss = _model_loss(run, placement, remat=False, plants=plants)
 
   def eval_loss(params: Any, val_emtp1: jax.Array) -> jax.Array:
     params = placement.to_device("params", params, param_shardings, keep_layers=True)
@@ -250,8 +299,10 @@ class Trainer:
   _factors: dict[bool, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
 
   @classmethod
-  def build(cls, run: RunSpec, canonical: dict[str, np.ndarray], mesh: jax.sharding.Mesh | None = None) -> "Trainer":
-    """Maps the canonical weights, places the state and jits the functions (no compilation yet).
+  def build(cls, run: RunSpec, canonical: dict[str, np.ndarray], mesh: jax.sharding.Mesh | None = None,
+            plants: frozenset = frozenset()) -> "Trainer":
+    """Maps the canonical weights, places the state and jits the functions (no compilation yet); `plants`: the
+    side's planted data bugs (parity.protocol.layout.PLANT_KEYS; `_micro_loss`).
 
     bf16/fp16: the master weights start as the canonical weights rounded to the compute dtype, as
     DeepSpeed's do (`parity.weights.master_weights`).
@@ -260,13 +311,13 @@ class Trainer:
     scan = run.jax.scan_layers
     canonical = weights.master_weights(canonical, run.train.precision)  # bf16/fp16: rounded, as DeepSpeed's
     tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan)
-    state, shardings = init_state(placement, model_lib.to_flax(canonical, run.model, scan_layers=scan), tx)
-    step = make_train_step(run, tx, schedule, placement, shardings)
+    state, shardings = init_state(placement, layout.to_flax(canonical, run.model, scan_layers=scan), tx)
+    step = make_train_step(run, tx, schedule, placement, shardings, plants)
     metrics_shd = placement.replicated()
     extra = (metrics_shd,) if run.train.precision == "fp16" else ()  # the overflow factor
     jit_step = jax.jit(step, in_shardings=(shardings, placement.batch_sharding(), *extra),
                        out_shardings=(shardings, metrics_shd), donate_argnums=(0,))
-    jit_eval = jax.jit(make_eval_loss(run, placement, shardings.params),
+    jit_eval = jax.jit(make_eval_loss(run, placement, shardings.params, plants),
                        in_shardings=(shardings.params, placement.batch_sharding()), out_shardings=metrics_shd)
     return cls(run=run, placement=placement, state=state, shardings=shardings, jit_step=jit_step, jit_eval=jit_eval)
 
@@ -274,13 +325,15 @@ class Trainer:
   def compile_s(self) -> float:
     return float(sum(self.compile_times_s.values()))
 
-  def compile(self, batch_shape: tuple[int, ...], val_shape: tuple[int, ...] | None, dtype: Any = np.uint16) -> None:
-    """Lowers and compiles the step (and eval, when `val_shape`) for these batch shapes, timed."""
+  def compile(self, batch_shape: tuple[int, ...], val_shape: tuple[int, ...] | None, dtype: Any = np.uint16,
+              examples: bool = False) -> None:
+    """Lowers and compiles the step (and eval, when `val_shape`) for these batch shapes, timed; examples: the
+    inputs are `example_batch` dicts (padded/packed)."""
     batch_shd = self.placement.batch_sharding()
     t0 = time.perf_counter()
     extra = (jax.ShapeDtypeStruct((), jnp.float32, sharding=self.placement.replicated()),) if self.fp16 else ()
     traced = self.jit_step.trace(_abstract(self.state, self.shardings),
-                                 jax.ShapeDtypeStruct(batch_shape, dtype, sharding=batch_shd), *extra)
+                                 _abstract_batch(batch_shape, dtype, batch_shd, examples), *extra)
     self.jaxpr_text = str(traced.jaxpr)
     lowered = traced.lower()
     t1 = time.perf_counter()
@@ -292,7 +345,7 @@ class Trainer:
     if val_shape is not None:
       t0 = time.perf_counter()
       self.eval_fn = self.jit_eval.lower(_abstract(self.state.params, self.shardings.params),
-                                         jax.ShapeDtypeStruct(val_shape, dtype, sharding=batch_shd)).compile()
+                                         _abstract_batch(val_shape, dtype, batch_shd, examples)).compile()
       self.compile_times_s["eval_compile"] = time.perf_counter() - t0
 
   def kept_args(self) -> list[int] | None:
@@ -329,11 +382,12 @@ class Trainer:
       self._factors[force] = jax.device_put(np.float32(np.inf if force else 1.0), self.placement.replicated())
     return self._factors[force]
 
-  def step(self, batch_amtp1: np.ndarray, *, force_overflow: bool = False) -> dict[str, float | bool]:
+  def step(self, batch_amtp1: Any, *, force_overflow: bool = False) -> dict[str, float | bool]:
     """Runs one optimizer step on a host batch (A, M, T + 1); returns host-synchronised metrics.
 
     Args:
-      batch_amtp1: uint16 token ids (A, M, T + 1).
+      batch_amtp1: uint16 or uint32 token ids (the dtype compile() was given) (A, M, T + 1); padded/packed: the
+        `example_batch` dict (compiled with examples=True).
       force_overflow: fp16 only: make this step's scaled gradient non-finite inside the compiled
         step (debug `overflow_at_steps`); the update is skipped and the loss scale backs off.
     Returns:
@@ -346,8 +400,7 @@ class Trainer:
     if force_overflow and not self.fp16:
       raise ValueError(f"force_overflow (debug overflow_at_steps) needs train.precision='fp16' (loss scaling); "
                        f"this run has train.precision={self.run.train.precision!r}")
-    batch = batch_amtp1 if isinstance(batch_amtp1, jax.Array) else jax.device_put(  # a multi-process batch is global
-        np.ascontiguousarray(batch_amtp1), self.placement.batch_sharding())
+    batch = self._place(batch_amtp1)
     extra = (self._overflow_factor(force_overflow),) if self.fp16 else ()
     self.state, metrics = self.step_fn(self.state, batch, *extra)
     jax.block_until_ready((self.state, metrics))
@@ -355,17 +408,27 @@ class Trainer:
     if self.fp16:
       out["skipped"] = bool(out["skipped"])
       if out.pop("at_min_scale"):
-        from parity.numerics.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
         ls = optim.loss_scale_state_of(self.state.opt_state)
         raise LossScaleAtMinimum(MSG_AT_MINIMUM.format(step=int(jax.device_get(ls.cur_iter)) - 1,
                                                        min_scale=self.run.train.min_loss_scale))
     return out
 
-  def evaluate(self, val_emtp1: np.ndarray) -> float:
-    """Validation loss (nats) of the current params on host micro batches (E, M, T + 1)."""
-    val = val_emtp1 if isinstance(val_emtp1, jax.Array) else jax.device_put(
-        np.ascontiguousarray(val_emtp1), self.placement.batch_sharding())
-    return float(jax.device_get(self.eval_fn(self.state.params, val)))
+  def eval_loss(self, val_emtp1: Any) -> float:
+    """Validation loss (nats) of the current params on host micro batches (E, M, T + 1) (padded/packed: an
+    `example_batch` dict, weights summing to 1 per batch: the mean over batches of sum(w * ce))."""
+    return float(jax.device_get(self.eval_fn(self.state.params, self._place(val_emtp1))))
+
+  def _place(self, batch: Any) -> Any:
+    """A host batch (array or `example_batch` dict) on the batch sharding; global jax.Arrays as they are.
+
+    A batch of host arrays only goes in one device_put call (one batched transfer): for a padded/packed dict of
+    four arrays that costs about half the host CPU time of four calls (0.55 against 1.0 ms per step on gpt2-tiny,
+    benchmarks/results/train_step_layouts.md), which at small shapes is several % of the step."""
+    shd = self.placement.batch_sharding()
+    if not any(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+      return jax.device_put(jax.tree.map(np.ascontiguousarray, batch), shd)
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jax.device_put(np.ascontiguousarray(x), shd),
+                        batch)
 
   def poison(self) -> None:
     """Replaces every param with NaN, keeping each array's sharding and memory kind (fault injection)."""
@@ -374,7 +437,7 @@ class Trainer:
 
   def canonical_params(self) -> dict[str, np.ndarray]:
     """Current fp32 master params in the canonical (torch) layout."""
-    return model_lib.from_flax(self.state.params, self.run.model, scan_layers=self.run.jax.scan_layers)
+    return layout.from_flax(self.state.params, self.run.model, scan_layers=self.run.jax.scan_layers)
 
   def canonical_moments(self) -> dict[str, np.ndarray]:
     """Adam's bias-corrected per-element gradient RMS sqrt(nu / (1 - beta2^count)), canonical layout, float32.
@@ -395,4 +458,4 @@ class Trainer:
     # elementwise, so computed in the Flax layout and mapped after (the worker calls this every step; half the time
     # of mapping first and allocating per op, measured on gpt2-small-cpu; the values are bitwise the same)
     nu = jax.tree.map(rms, jax.device_get(nu))
-    return model_lib.from_flax(nu, self.run.model, scan_layers=self.run.jax.scan_layers)
+    return layout.from_flax(nu, self.run.model, scan_layers=self.run.jax.scan_layers)

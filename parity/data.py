@@ -1,11 +1,23 @@
-"""Byte-level corpora and a seeded batch sampler shared by every side.
+"""Corpora (byte-level text or token-id files) and a seeded batch sampler shared by every side.
 
 The harness materialises every batch a run will see (`make_batches`) into one
 `.npy` file before any side starts, so the sides read identical token ids by
-construction and need no data code of their own.
+construction and need no data code of their own. Batches are stored in the
+smallest unsigned dtype that holds the model's vocabulary (`batch_dtype`).
+
+Sources (`load_corpus`):
+  stdlib          this interpreter's standard-library .py files, read as bytes (ids 0-255).
+  text file       read as bytes (ids 0-255): no NUL byte, and valid UTF-8 unless its suffix is in TEXT_SUFFIXES.
+  folder          its files with a suffix in TEXT_SUFFIXES (no NUL byte), sorted, read as bytes.
+  NAME.bin        token ids: an llm.c file (a 256-int32 header: magic 20240520 version 1 = uint16, magic
+                  20240801 version 7 = uint32; the header's dtype and token count are used), or a headerless
+                  nanoGPT stream of little-endian uint16; NAME.uint32.bin (or NAME.uint16.bin) says the dtype.
+  NAME.npy        a 1-D NumPy array of any integer dtype, ids >= 0.
+A file that is neither is refused, never read as bytes.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import sysconfig
@@ -13,15 +25,32 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Corpus", "load_corpus", "make_batches", "DataError", "STDLIB_MAX_BYTES"]
+from parity.errors import ParityInputError
+from parity.spec import MAX_VOCAB
+
+__all__ = ["Corpus", "load_corpus", "make_batches", "batch_dtype", "DataError", "STDLIB_MAX_BYTES",
+           "LLMC_HEADERS", "BIN_DTYPE_TAGS"]
 
 STDLIB_MAX_BYTES = 24 * 2**20
 """The built-in corpus takes the first 24 MiB of the sorted stdlib sources."""
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".html", ".tex", ".csv")
+LLMC_HEADER_INTS = 256
+"""An llm.c token file starts with 256 little-endian int32: magic, version, token count, then zeros."""
+LLMC_HEADERS = {(20240520, 1): "uint16", (20240801, 7): "uint32"}
+"""(magic, version) of llm.c's dev/data/data_common.py HEADERS_INFO ('gpt-2', 'llama-3') -> token dtype."""
+BIN_DTYPE_TAGS = ("uint16", "uint32")
+"""A headerless .bin names its dtype in the file name, NAME.<tag>.bin; without a tag it is uint16 (nanoGPT)."""
+ID_CAP = MAX_VOCAB
+"""Largest token id + 1 a file may hold: model.vocab_size is capped there (parity.spec.MAX_VOCAB)."""
 
 
-class DataError(ValueError):
-  """The corpus cannot be read or is too small for the requested batches."""
+class DataError(ParityInputError):
+  """The corpus cannot be read or is too small for the requested batches (bad input: exit 2)."""
+
+
+def batch_dtype(vocab_size: int) -> np.dtype:
+  """The dtype batches.npy stores ids of a `vocab_size` vocabulary in: uint16 up to 65,536 ids, else uint32."""
+  return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +58,15 @@ class Corpus:
   """Token ids split into train and held-out parts.
 
   Attributes:
-    train: uint16 token ids, shape (n_train,).
-    val: uint16 token ids, shape (n_val,); the last `val_fraction` of the corpus.
+    train: token ids, shape (n_train,): uint16 when every id is below 65,536, else uint32.
+    val: token ids, shape (n_val,), same dtype; the last `val_fraction` of the corpus.
     source: human description (path or 'stdlib').
-    sha256: hash of all token ids (train then val), to tie a report to its data.
-    n_files: number of files read (0 for a .bin file).
-    vocab_size: vocabulary the ids need: 256 for byte-level text, max id + 1 for a .bin file.
+    sha256: hash of all token ids (train then val) as stored here (little-endian, that dtype).
+    n_files: number of files read (0 for a token-id file).
+    vocab_size: vocabulary the ids need: 256 for byte-level text, max id + 1 for a token-id file.
+    format: 'bytes' (text), 'nanogpt-bin' (headerless .bin), 'llmc-bin' (llm.c header), 'npy'.
+    file_dtype: the ids' dtype in the file ('uint8' for text bytes, e.g. 'uint32', 'int64').
+    max_id: the largest id in the corpus.
   """
   train: np.ndarray
   val: np.ndarray
@@ -42,6 +74,9 @@ class Corpus:
   sha256: str
   n_files: int
   vocab_size: int
+  format: str = "bytes"
+  file_dtype: str = "uint8"
+  max_id: int = 255
 
 
 def _stdlib_files() -> list[Path]:
@@ -49,13 +84,38 @@ def _stdlib_files() -> list[Path]:
   return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
-def _read_files(files: list[Path], max_bytes: int | None) -> tuple[bytes, int]:
+_TOKEN_FIX = ("token ids belong in NAME.bin (llm.c header, or headerless uint16; NAME.uint32.bin for uint32) or a "
+              "1-D integer NAME.npy")
+
+
+def _check_text(path: Path, blob: bytes) -> None:
+  """Refuses (DataError) a file that is not text, naming the byte offset: a NUL byte (no text holds one); and, unless
+  its suffix is one of TEXT_SUFFIXES (text in any encoding, read as its bytes), invalid UTF-8."""
+  nul = blob.find(b"\0")
+  if nul >= 0:
+    raise DataError(f"{path}: not text (a NUL byte at offset {nul}), and it is not a .bin or .npy token file; "
+                    f"parity reads text as UTF-8 bytes and never reads a binary file as text: {_TOKEN_FIX}")
+  if path.suffix.lower() in TEXT_SUFFIXES:
+    return
+  dec, step = codecs.getincrementaldecoder("utf-8")(), 1 << 20
+  for i in range(0, max(len(blob), 1), step):
+    try:
+      dec.decode(blob[i:i + step], final=i + step >= len(blob))
+    except UnicodeDecodeError as exc:
+      raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {i + exc.start}); if it is text, convert it "
+                      f"to UTF-8 (e.g. iconv -t utf-8) or name it with a text suffix ({', '.join(TEXT_SUFFIXES)}), "
+                      f"or, if it holds token ids: {_TOKEN_FIX}") from None
+
+
+def _read_files(files: list[Path], max_bytes: int | None, *, check: bool = True) -> tuple[bytes, int]:
   chunks, total, used = [], 0, 0
   for f in files:
     try:
       b = f.read_bytes()
     except OSError:
       continue
+    if check:
+      _check_text(f, b)
     chunks.append(b)
     total += len(b)
     used += 1
@@ -65,36 +125,105 @@ def _read_files(files: list[Path], max_bytes: int | None) -> tuple[bytes, int]:
   return (blob[:max_bytes] if max_bytes else blob), used
 
 
+def _bin_tag(path: Path) -> str | None:
+  """The dtype a NAME.<tag>.bin file name says (BIN_DTYPE_TAGS), or None."""
+  tag = Path(path.stem).suffix.lstrip(".").lower()
+  return tag if tag in BIN_DTYPE_TAGS else None
+
+
+def _read_bin(path: Path) -> tuple[np.ndarray, str, str]:
+  """(ids, format, dtype name) of a .bin token file: llm.c header first, else the name's tag, else uint16.
+
+  Raises DataError: a size that is not whole ids, an llm.c header of an unknown version or a wrong token count, a
+  tag that contradicts the header, or a headerless uint16 file that holds uint32 ids (every second uint16 small).
+  """
+  size, tag = path.stat().st_size, _bin_tag(path)
+  head = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INTS) if size >= 4 * LLMC_HEADER_INTS else None
+  if head is not None and int(head[0]) in {m for m, _ in LLMC_HEADERS}:
+    dt = LLMC_HEADERS.get((int(head[0]), int(head[1])))
+    if dt is None:
+      raise DataError(f"{path}: llm.c header magic {int(head[0])} with version {int(head[1])}, which parity does "
+                      f"not know (known: {', '.join(f'{m} v{v} = {d}' for (m, v), d in LLMC_HEADERS.items())})")
+    if tag is not None and tag != dt:
+      raise DataError(f"{path}: the name says {tag} but its llm.c header says {dt}; rename the file")
+    n, body = int(head[2]), size - 4 * LLMC_HEADER_INTS
+    if body != n * np.dtype(dt).itemsize:
+      raise DataError(f"{path}: its llm.c header says {n} {dt} tokens ({n * np.dtype(dt).itemsize} bytes) but "
+                      f"{body} bytes follow the header; the file is truncated or not an llm.c file")
+    return np.fromfile(path, dtype="<" + np.dtype(dt).str[1:], offset=4 * LLMC_HEADER_INTS), "llmc-bin", dt
+  dt = np.dtype(tag or "uint16")
+  if size % dt.itemsize:
+    raise DataError(f"{path}: {size} bytes is not a whole number of {dt.name} token ids (a headerless .bin holds "
+                    f"little-endian {dt.name}{'' if tag else ', as nanoGPT writes; NAME.uint32.bin for uint32'})")
+  ids = np.fromfile(path, dtype=dt.newbyteorder("<"))
+  if tag is None and ids.size >= 64 and ids.size % 2 == 0 and int(ids[1::2].max()) < 64 <= int(ids[0::2].max()):
+    raise DataError(f"{path}: read as headerless uint16 (nanoGPT), every second id is below 64, as little-endian "
+                    f"uint32 ids look; if the file holds uint32 ids rename it {path.stem}.uint32.bin, if it really "
+                    f"is uint16 rename it {path.stem}.uint16.bin")
+  return ids, "nanogpt-bin", dt.name
+
+
+def _read_npy(path: Path) -> tuple[np.ndarray, str, str]:
+  """(ids, 'npy', dtype name) of a 1-D integer .npy. Raises DataError: not an array file, a pickled object array, a
+  non-integer dtype, more than one dimension, or a negative id."""
+  try:
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+  except (ValueError, OSError, EOFError) as exc:
+    raise DataError(f"{path}: not a NumPy array file parity can read ({exc}); save the ids with "
+                    "numpy.save(path, ids) as a 1-D integer array") from None
+  if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+    kind = getattr(arr, "dtype", type(arr).__name__)
+    raise DataError(f"{path}: holds {kind} values, not integer token ids; save the ids as an integer array "
+                    "(e.g. ids.astype(numpy.uint32))")
+  if arr.ndim != 1:
+    raise DataError(f"{path}: a {arr.ndim}-D array of shape {arr.shape}; token ids must be one 1-D stream "
+                    "(documents concatenated, e.g. ids.reshape(-1))")
+  if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+    at = int(np.argmax(arr < 0))
+    raise DataError(f"{path}: token id {int(arr[at])} at index {at} is negative (padding or an ignore label like "
+                    "-100?); a token stream holds ids >= 0 only: remove those entries")
+  return arr, "npy", arr.dtype.name
+
+
+def _token_corpus(path: Path) -> tuple[np.ndarray, str, str, int]:
+  """(ids in the smallest of uint16/uint32 holding them, format, file dtype, max id) of a .bin or .npy file."""
+  ids, fmt, dt = _read_bin(path) if path.suffix.lower() == ".bin" else _read_npy(path)
+  max_id = int(ids.max()) if ids.size else 0
+  if max_id >= ID_CAP:
+    raise DataError(f"{path}: token id {max_id} is beyond the largest vocabulary parity accepts "
+                    f"(model.vocab_size <= {ID_CAP}); is the file's dtype right?")
+  return np.ascontiguousarray(ids, dtype=batch_dtype(max_id + 1)), fmt, dt, max_id
+
+
 def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes: int | None = None) -> Corpus:
-  """Loads a corpus as token ids.
+  """Loads a corpus as token ids (the sources: this module's docstring).
 
   Args:
-    source: 'stdlib' (this interpreter's standard-library .py files, sorted paths,
-      first STDLIB_MAX_BYTES), a path to a text file, a folder (its text files,
-      sorted, recursively), or a nanoGPT-style `.bin` file of uint16 token ids.
+    source: 'stdlib' (this interpreter's standard-library .py files, sorted paths, first STDLIB_MAX_BYTES), a
+      path to a text file, a folder (its text files, sorted, recursively), a `.bin` token file (llm.c
+      header, or headerless uint16 / NAME.uint32.bin) or a 1-D integer `.npy`.
     val_fraction: fraction (0, 1) of the tokens, taken from the end, held out.
     max_bytes: cap on bytes read from text sources (None: all; stdlib: STDLIB_MAX_BYTES).
   Raises:
-    DataError: the source does not exist, is empty, or holds too few tokens.
+    DataError: the source does not exist, is empty, holds too few tokens, is a binary file that is not a token
+      file, or is a token file parity refuses (the message names the file and the fix).
   """
-  n_files = 0
+  n_files, fmt, file_dtype = 0, "bytes", "uint8"
   if not source or not str(source).strip():
-    raise DataError("data source is empty; pass 'stdlib', a text file, a folder, or a .bin file")
+    raise DataError("data source is empty; pass 'stdlib', a text file, a folder, or a .bin / .npy token file")
   if source == "stdlib":
-    blob, n_files = _read_files(_stdlib_files(), max_bytes or STDLIB_MAX_BYTES)
+    blob, n_files = _read_files(_stdlib_files(), max_bytes or STDLIB_MAX_BYTES, check=False)
     ids = np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)
   else:
     path = Path(source).expanduser()
     if not path.exists():
-      raise DataError(f"data source {source!r} does not exist; pass 'stdlib', a text file, a folder, or a .bin file")
+      raise DataError(f"data source {source!r} does not exist; pass 'stdlib', a text file, a folder, or a .bin / "
+                      ".npy token file")
     if not (path.is_file() or path.is_dir()):  # a FIFO or device (/dev/zero) would block or never end
       raise DataError(f"data source {source!r} is not a regular file or folder (a pipe or device); save the corpus "
                       "to a file")
-    if path.is_file() and path.suffix == ".bin":
-      if path.stat().st_size % 2:
-        raise DataError(f"{source}: {path.stat().st_size} bytes is not a whole number of uint16 token ids "
-                        "(a nanoGPT .bin holds little-endian uint16)")
-      ids = np.fromfile(path, dtype="<u2")
+    if path.is_file() and path.suffix.lower() in (".bin", ".npy"):
+      ids, fmt, file_dtype, _ = _token_corpus(path)
     elif path.is_file():
       blob, n_files = _read_files([path], max_bytes)
       ids = np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)
@@ -109,15 +238,16 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
   if ids.size < 64:
     raise DataError(f"data source {source!r} holds only {ids.size} tokens; need at least 64")
   n_val = max(1, int(ids.size * val_fraction))
-  is_bytes = source == "stdlib" or not str(source).endswith(".bin")
+  max_id = int(ids.max())
   return Corpus(train=ids[:-n_val], val=ids[-n_val:], source=source,
                 sha256=hashlib.sha256(ids.tobytes()).hexdigest(), n_files=n_files,
-                vocab_size=256 if is_bytes else int(ids.max()) + 1)
+                vocab_size=256 if fmt == "bytes" else max_id + 1, format=fmt, file_dtype=file_dtype,
+                max_id=max_id)
 
 
 _CHUNK_TOKENS = 1 << 22
 """Tokens gathered per chunk by make_batches (32 MiB of int64 indices): peak memory is the uint16 batches plus
-this, where one fancy-index over the whole run took 8 + 2 + 2 bytes per token."""
+this, where one fancy-index over the whole run took 8 + 2 + 2 bytes per token (uint16 ids; 4 + 4 for uint32)."""
 
 
 def _windows(ids: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
@@ -126,20 +256,28 @@ def _windows(ids: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
 
 
 def make_batches(corpus: Corpus, *, steps: int, grad_accum_steps: int, micro_batch_size: int,
-                 seq_len: int, seed: int, eval_batches: int) -> tuple[np.ndarray, np.ndarray]:
+                 seq_len: int, seed: int, eval_batches: int,
+                 dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray]:
   """Samples every training and validation window of a run.
 
   Training windows start at uniform random offsets (numpy PCG64 seeded by `seed`),
   drawn in step-major order; validation windows are fixed, evenly spaced over the
   held-out split.
 
+  Args:
+    dtype: the batches' dtype: `batch_dtype(model.vocab_size)` (what the sides check); None: that of the
+      corpus's own vocabulary (uint16 for text).
   Returns:
-    train: uint16, shape (steps, grad_accum_steps, micro_batch_size, seq_len + 1).
-    val: uint16, shape (eval_batches, micro_batch_size, seq_len + 1).
+    train: `dtype`, shape (steps, grad_accum_steps, micro_batch_size, seq_len + 1).
+    val: `dtype`, shape (eval_batches, micro_batch_size, seq_len + 1).
     Inputs are [..., :-1], targets [..., 1:].
   Raises:
-    DataError: a split is shorter than one window.
+    DataError: a split is shorter than one window, or `dtype` cannot hold the corpus's largest id.
   """
+  dtype = batch_dtype(corpus.vocab_size) if dtype is None else np.dtype(dtype)
+  if corpus.max_id > np.iinfo(dtype).max:
+    raise DataError(f"{corpus.source}: token id {corpus.max_id} does not fit batches of {dtype.name}; set "
+                    f"model.vocab_size > {corpus.max_id}")
   w = seq_len + 1
   for name, part in (("train", corpus.train), ("validation", corpus.val)):
     if part.size < w + 1:
@@ -147,7 +285,7 @@ def make_batches(corpus: Corpus, *, steps: int, grad_accum_steps: int, micro_bat
                       "use a larger corpus or a shorter train.seq_len")
   rng = np.random.default_rng(seed)
   starts = rng.integers(0, corpus.train.size - w, size=(steps, grad_accum_steps, micro_batch_size))
-  train = np.empty(starts.shape + (w,), dtype=np.uint16)  # the only full-size array: 2 bytes per token
+  train = np.empty(starts.shape + (w,), dtype=dtype)  # the only full-size array: 2 or 4 bytes per token
   flat_starts, flat = starts.reshape(-1), train.reshape(-1, w)
   rows = max(1, _CHUNK_TOKENS // w)  # windows gathered per chunk: int64 indices stay small, not 8 bytes per token
   for i in range(0, flat_starts.size, rows):
@@ -155,4 +293,4 @@ def make_batches(corpus: Corpus, *, steps: int, grad_accum_steps: int, micro_bat
   n_val = max(eval_batches, 1) * micro_batch_size
   vstarts = np.linspace(0, corpus.val.size - w, num=n_val).astype(np.int64)
   val = _windows(corpus.val, vstarts, w).reshape(max(eval_batches, 1), micro_batch_size, w)
-  return train, val.astype(np.uint16)
+  return train, val.astype(dtype)

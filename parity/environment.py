@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 __all__ = ["PACKAGES", "CUDA_FILES", "cuda_evidence", "package_versions", "cpu_model", "host_info", "numa_nodes",
-           "git_revision"]
+           "git_revision", "usable_cpus", "cpu_quota", "load_1min", "runnable_now"]
 
 PACKAGES = ("parity", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "jax-cuda13-pjrt",
             "jax-cuda12-pjrt", "flax", "optax", "orbax-checkpoint", "torch", "deepspeed", "numpy", "ml_dtypes",
@@ -59,6 +59,73 @@ def _read(path: str) -> str | None:
     return None
 
 
+def _read_strip(path: Path) -> str | None:
+  text = _read(str(path))
+  return None if text is None else text.strip()
+
+
+def usable_cpus() -> int:
+  """CPUs this process may run on (os.sched_getaffinity; os.cpu_count() where that is missing), >= 1."""
+  try:
+    return max(1, len(os.sched_getaffinity(0)))
+  except (AttributeError, OSError):
+    return max(1, os.cpu_count() or 1)
+
+
+def _quota_v2(root: Path, cgroup: str) -> float | None:
+  """The tightest cpu.max ('QUOTA PERIOD' or 'max PERIOD') from this process's cgroup up to `root`, in CPUs."""
+  best, d = None, root / cgroup.lstrip("/")
+  while True:
+    parts = (_read_strip(d / "cpu.max") or "").split()
+    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]) > 0:  # 'max': no limit
+      q = int(parts[0]) / int(parts[1])
+      best = q if best is None else min(best, q)
+    if d == root or root not in d.parents:
+      return best
+    d = d.parent
+
+
+def cpu_quota(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgroup") -> float | None:
+  """The cgroup CPU limit of this process in CPUs (1.5: one and a half cores' time per period), None: no limit.
+
+  cgroup v2: cpu.max of the process's cgroup (from `self_cgroup`'s '0::PATH' line) and of each parent up to `root`;
+  cgroup v1: root/cpu/cpu.cfs_quota_us / cpu.cfs_period_us (-1: no limit). What a container's --cpus sets;
+  sched_getaffinity does not see it, and OpenMP would start a thread per host CPU."""
+  base = Path(root)
+  lines = (_read_strip(Path(self_cgroup)) or "").splitlines()
+  v2 = next((ln.split("::", 1)[1] for ln in lines if ln.startswith("0::")), None)
+  quota = _quota_v2(base, v2) if v2 is not None else None
+  if quota is not None:
+    return quota
+  for sub in ("cpu", "cpu,cpuacct"):
+    quota, period = _read_strip(base / sub / "cpu.cfs_quota_us"), _read_strip(base / sub / "cpu.cfs_period_us")
+    if quota and period and quota.lstrip("-").isdigit() and period.isdigit() and int(quota) > 0 < int(period):
+      return int(quota) / int(period)
+  return None
+
+
+def load_1min() -> float | None:
+  """The 1-minute load average (runnable + uninterruptible tasks, whole machine), None where it cannot be read."""
+  try:
+    return round(os.getloadavg()[0], 2)
+  except (AttributeError, OSError):
+    return None
+
+
+def runnable_now(samples: int = 5, period_s: float = 0.01, stat: str = "/proc/stat") -> float | None:
+  """Tasks running or ready to run on the whole machine now, less the one reading (procs_running of /proc/stat),
+  the mean of `samples` reads `period_s` seconds apart (~0.05 s in all); None where /proc/stat is not there.
+  Unlike the load average it has no memory: a side that just ended no longer counts."""
+  seen = []
+  for i in range(samples):
+    for line in (_read(stat) or "").splitlines():
+      if line.startswith("procs_running"):
+        seen.append(max(0, int(line.split()[1]) - 1))
+    if i + 1 < samples:
+      time.sleep(period_s)
+  return round(sum(seen) / len(seen), 2) if seen else None
+
+
 def cpu_model() -> str | None:
   """The CPU model name from /proc/cpuinfo ('model name', or 'Model'/'Hardware' on ARM), else platform's."""
   text = _read("/proc/cpuinfo") or ""
@@ -96,12 +163,9 @@ def _mem_total() -> int | None:
 
 def host_info() -> dict[str, object]:
   """The host and interpreter: hostname, OS, kernel, Python (version, implementation, executable, prefix), CPU
-  model, logical cores (all, and usable by this process), load average (1/5/15 min), memory total in bytes, NUMA
+  model, logical cores (all, and usable by this process: the affinity mask), the cgroup CPU quota (in CPUs, None:
+  no limit), load average (1/5/15 min), memory total in bytes, NUMA
   nodes and the time the block was read (UTC, ISO 8601). Values that cannot be read are None."""
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except (AttributeError, OSError):
-    usable = os.cpu_count()
   try:
     load = [round(x, 2) for x in os.getloadavg()]
   except OSError:
@@ -116,7 +180,8 @@ def host_info() -> dict[str, object]:
       "prefix": sys.prefix,
       "cpu_model": cpu_model(),
       "cpu_cores_logical": os.cpu_count(),
-      "cpu_cores_usable": usable,
+      "cpu_cores_usable": usable_cpus(),
+      "cpu_quota": cpu_quota(),
       "load_average": load,
       "mem_total_bytes": _mem_total(),
       "numa_nodes": numa_nodes(),

@@ -89,9 +89,29 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
       kwargs[name] = from_dict(type(cur), value, path=key)
     elif isinstance(cur, tuple):
       kwargs[name] = tuple(value)
+    elif value is None and cur is not None and not _allows_none(fields[name]):
+      raise SpecError(f"{key}: expected {_kind(cur)}, got null; give a value, or leave the key out")
     else:
       kwargs[name] = _coerce(key, cur, value)
   return cls(**kwargs)
+
+
+def _allows_none(f: dataclasses.Field) -> bool:
+  """Whether the field's annotation admits None ('int | None', 'Optional[...]'; a string under `from __future__
+  import annotations`)."""
+  t = f.type if isinstance(f.type, str) else repr(f.type)
+  return "None" in t or "Optional" in t or t in ("Any", "typing.Any")
+
+
+def _kind(default: Any) -> str:
+  """What a field of this default's type takes, in words (for the null refusal)."""
+  if isinstance(default, bool):
+    return "true/false"
+  if isinstance(default, int):
+    return "an integer"
+  if isinstance(default, float):
+    return "a finite number"
+  return f"a {type(default).__name__}"
 
 
 def _coerce(key: str, default: Any, value: Any) -> Any:

@@ -138,8 +138,9 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
     raise InputError(f"{source}: nested too deeply to parse (over Python's recursion limit); a config is a few "
                      "levels deep, check the file") from None
   except OverflowError:  # hjson reads integral floats as int: 1e400 -> int(inf)
-    raise InputError(f"{source}: a number is too large for a float (e.g. 1e400); every number must be finite, "
-                     "check the file") from None
+    where = _overflow_key(text, object_pairs_hook)
+    raise InputError(f"{source}: {where or 'a number'} is too large for a float (e.g. 1e400); every number must be "
+                     "finite, check it") from None
   except ValueError as exc:
     if "digits" not in str(exc):  # syntax errors: the caller's own handler names line and column
       raise
@@ -149,6 +150,33 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
                      "into it (a mapping of keys), or pass another")
   # every value of the tree takes >= 1 character of `text`; more values means references expanded it
   return check_tree(data, source, max_nodes=len(text) + 1)
+
+
+_BIG_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+(?![\w.])")
+
+
+def _overflow_key(text: str, hook: Callable | None) -> str | None:
+  """'key optimizer.params.lr = 1e400': the key path of the first number literal of an hjson text that overflows a
+  float, found by parsing the text again with that literal replaced by a marker string; None when not found."""
+  import hjson
+  marker = "\x00parity-overflow\x00"
+  for m in _BIG_NUMBER.finditer(text):
+    if math.isfinite(float(m.group())):
+      continue
+    try:
+      data = hjson.loads(text[:m.start()] + json.dumps(marker) + text[m.end():], object_pairs_hook=hook)
+    except (ValueError, OverflowError, RecursionError):
+      continue
+    stack = [(data, "")]
+    while stack:
+      node, key = stack.pop()
+      if node == marker:
+        return f"key {key or '(top level)'} = {m.group()}"
+      if isinstance(node, dict):
+        stack.extend((v, f"{key}.{k}" if key else str(k)) for k, v in node.items())
+      elif isinstance(node, list):
+        stack.extend((v, f"{key}[{i}]") for i, v in enumerate(node))
+  return None
 
 
 _BARE_NONFINITE = re.compile(r"""(?:["']?([^\s"'{},:\[\]]+)["']?\s*:\s*|^\s*|[\[,]\s*)"""

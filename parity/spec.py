@@ -20,13 +20,15 @@ from parity.numerics import schedule
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
     "apply_overrides", "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX",
-    "parse_value", "parse_overrides",
+    "parse_value", "parse_overrides", "get_dotted", "has_dotted", "without_layout_defaults", "LAYOUT_DEFAULTS",
+    "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES",
 ]
 
 MAX_SEQ_LEN = 1 << 17
 """Largest model.max_seq_len accepted (128 Ki tokens); a typo like 1e9 would otherwise allocate the table."""
 MAX_VOCAB = 1 << 22
-"""Largest model.vocab_size accepted (4 Mi ids)."""
+"""Largest model.vocab_size accepted (4 Mi ids): above Llama-3 (128,256), Qwen (151,936) and Gemma (262,144), and
+under uint32 batches' 2**32 ids, while a typo like 1e9 is still refused before a 1e9-row embedding is allocated."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,6 +199,17 @@ class TrainSpec:
   """Steps between validation-loss evaluations (also at the last step); 0 disables."""
   eval_batches: int = 4
   """Micro batches of held-out data per validation-loss evaluation."""
+  layout: Literal["stream", "padded", "packed"] = "stream"
+  """Batch layout (docs/data-examples.md): 'stream' (windows of one token stream, the default), 'padded' (one
+  example per row, right-padded) or 'packed' (several examples per row, segment ids); the last two need example data
+  (a .jsonl / .json / .parquet file of examples, or 'sft-demo')."""
+  loss_normalization: Literal["tokens", "micro_mean"] = "tokens"
+  """'tokens': the step's summed token losses over its loss tokens (every micro batch and rank); 'micro_mean': the
+  mean of micro-batch means. On 'stream' both are the same (every micro batch has T * M loss tokens)."""
+  truncation: Literal["truncate", "split"] = "truncate"
+  """An example longer than seq_len + 1 tokens is truncated, or split into pieces ('split'); counted in the data card."""
+  examples_per_step: int | None = None
+  """Examples (pieces) per optimizer step, padded/packed; None: the layout's default (parity.dataset.layouts)."""
 
   @property
   def tokens_per_step(self) -> int:
@@ -220,6 +233,9 @@ class TrainSpec:
     for name in ("warmup_min_ratio", "cos_min_ratio"):
       if not 0 <= getattr(self, name) <= 1:
         raise SpecError(f"train.{name} must be in [0, 1]; got {getattr(self, name)}")
+    if self.eval_every < 0 or self.eval_batches < 1:  # data.make_batches draws at least one validation batch
+      raise SpecError(f"train.eval_every must be >= 0 (0 disables the validation loss) and train.eval_batches >= 1; "
+                      f"got {self.eval_every}, {self.eval_batches}")
     for name in ("seed", "data_seed"):
       if getattr(self, name) < 0:
         raise SpecError(f"train.{name} must be >= 0; got {getattr(self, name)}")
@@ -248,13 +264,67 @@ class TrainSpec:
     if not 0 <= self.lamb_min_coeff <= self.lamb_max_coeff or not isinstance(self.eps_inside_sqrt, bool):
       raise SpecError(f"train.lamb_min_coeff must be in [0, train.lamb_max_coeff] and train.eps_inside_sqrt true or "
                       f"false; got {self.lamb_min_coeff}, {self.lamb_max_coeff}, {self.eps_inside_sqrt!r}")
-    try:
-      schedule.scheduler_params(self)
-    except ValueError as exc:
-      raise SpecError(str(exc)) from None
+    schedule.scheduler_params(self)  # SpecError naming train.lr_schedule / lr_schedule_params (a bug would show)
+    _validate_layout(self)
     if model is not None and self.seq_len > model.max_seq_len:
       raise SpecError(f"train.seq_len ({self.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
     return self
+
+
+LAYOUT_DEFAULTS = {"layout": "stream", "loss_normalization": "tokens", "truncation": "truncate",
+                   "examples_per_step": None}
+"""The example-data fields of TrainSpec and their defaults; config_hash leaves a field out at its default, so runs
+that do not use them keep the hash they had before the fields existed (gate baselines, checkpoints)."""
+
+
+EXAMPLE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".pq")
+"""Data files read as examples (parity.dataset.records), for the padded and packed layouts."""
+SFT_DEMO = "sft-demo"
+"""`data` value of the built-in SFT examples (parity.dataset.demo.sft_demo)."""
+
+
+def is_example_data(data: str) -> bool:
+  """Whether `data` names example data (SFT_DEMO or a file with an EXAMPLE_SUFFIXES suffix), not a token stream."""
+  return data == SFT_DEMO or str(data).lower().endswith(EXAMPLE_SUFFIXES)
+
+
+def _check_example_data(data: str, layout: str) -> None:
+  """SpecError when the layout and the data do not go together: padded/packed need examples, stream a stream."""
+  if layout != "stream" and not is_example_data(data):
+    raise SpecError(f"train.layout={layout!r} needs example data (--data FILE{'/'.join(EXAMPLE_SUFFIXES)} or "
+                    f"--data {SFT_DEMO}); data is {data!r}, a token stream: use train.layout=stream for it")
+  if layout == "stream" and is_example_data(data):
+    raise SpecError(f"data {data!r} is example data (records of examples); set --set train.layout=padded (one "
+                    "example per row) or --set train.layout=packed")
+
+
+def without_layout_defaults(train: Mapping[str, Any], *, stream_only: bool = False) -> dict[str, Any]:
+  """A to_dict() train section without the LAYOUT_DEFAULTS fields that hold their defaults (config_hash; with
+  stream_only, only when the layout is 'stream', so a stream run's summary.json spec is the one it was before the
+  fields existed, and a padded/packed run's names every field)."""
+  out = dict(train)
+  if stream_only and out.get("layout", "stream") != "stream":
+    return out
+  for key, default in LAYOUT_DEFAULTS.items():
+    if key in out and out[key] == default:
+      del out[key]
+  return out
+
+
+def _validate_layout(self: TrainSpec) -> None:
+  """SpecError naming train.layout / loss_normalization / truncation / examples_per_step on a bad value."""
+  if self.layout not in ("stream", "padded", "packed"):
+    raise SpecError(f"train.layout must be 'stream', 'padded' or 'packed'; got {self.layout!r}")
+  if self.loss_normalization not in ("tokens", "micro_mean"):
+    raise SpecError(f"train.loss_normalization must be 'tokens' or 'micro_mean'; got {self.loss_normalization!r}")
+  if self.truncation not in ("truncate", "split"):
+    raise SpecError(f"train.truncation must be 'truncate' or 'split'; got {self.truncation!r}")
+  e = self.examples_per_step
+  if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
+    raise SpecError(f"train.examples_per_step must be null (the layout's default) or an integer >= 1; got {e!r}")
+  if e is not None and self.layout == "stream":
+    raise SpecError("train.examples_per_step applies to the padded and packed layouts only; train.layout is 'stream' "
+                    "(set train.layout=padded or packed with example data, or leave examples_per_step null)")
 
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "offload_dots_no_batch", "offload_names")
@@ -342,7 +412,8 @@ class RunSpec:
   jax: JaxPlan = JaxPlan()
   deepspeed: DeepSpeedPlan = DeepSpeedPlan()
   data: str = "stdlib"
-  """Corpus: 'stdlib' (this Python's standard library sources), a text file or folder, or a nanoGPT .bin file of uint16 ids."""
+  """Corpus: 'stdlib' (this Python's standard library sources), a text file or folder, a .bin of token ids
+  (llm.c header; headerless uint16, nanoGPT; NAME.uint32.bin) or a 1-D integer .npy (parity.data.load_corpus)."""
   sides: tuple[str, ...] = ("jax", "deepspeed", "torch")
   """Sides to run; the first is the reference of each pairwise check."""
   timeout_s: float = 1800.0
@@ -356,6 +427,7 @@ class RunSpec:
     self.train.validate(self.model)
     self.deepspeed.validate()
     self.jax.validate()
+    _check_example_data(self.data, self.train.layout)
     if self.train.micro_batch_size % self.jax.data_parallel:
       raise SpecError(f"train.micro_batch_size ({self.train.micro_batch_size}) must be divisible by "
                       f"jax.data_parallel ({self.jax.data_parallel}): the micro batch is split over the data axis")
@@ -408,6 +480,27 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
   return out
 
 
+def _walk_dotted(tree: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+  """(whether every part of `dotted` is present, the value there or None)."""
+  node: Any = tree
+  for part in dotted.split("."):
+    if not isinstance(node, Mapping) or part not in node:
+      return False, None
+    node = node[part]
+  return True, node
+
+
+def get_dotted(tree: Mapping[str, Any], dotted: str) -> Any:
+  """The value at a dotted key ('train.lr') of nested mappings (a to_dict() tree, a DeepSpeed JSON); None where any
+  part of the path is absent or not a mapping."""
+  return _walk_dotted(tree, dotted)[1]
+
+
+def has_dotted(tree: Mapping[str, Any], dotted: str) -> bool:
+  """Whether nested mappings hold the dotted key `dotted` (a key present with the value None counts)."""
+  return _walk_dotted(tree, dotted)[0]
+
+
 def apply_overrides(spec: RunSpec, overrides: Mapping[str, Any]) -> RunSpec:
   """Applies dotted overrides, e.g. {'train.lr': 3e-4, 'model.norm_eps': 1e-6}, over `spec`.
 
@@ -435,5 +528,7 @@ def apply_overrides(spec: RunSpec, overrides: Mapping[str, Any]) -> RunSpec:
 
 def config_hash(spec: RunSpec) -> str:
   """sha256 (first 16 hex) of the canonical JSON of the resolved spec."""
-  blob = json.dumps(to_dict(spec), sort_keys=True, separators=(",", ":")).encode()
+  data = to_dict(spec)
+  data["train"] = without_layout_defaults(data.get("train", {}))  # the hash of the runs from before these fields
+  blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
   return hashlib.sha256(blob).hexdigest()[:16]

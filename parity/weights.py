@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.inputs import safetensors_header
+from parity.inputs import InputError, safetensors_header
 from parity.spec import ModelSpec, to_dict
 
 __all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices", "round_to_bfloat16", "master_weights",
@@ -198,8 +198,8 @@ def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarra
 
   Raises:
     FileNotFoundError: the file does not exist.
-    ValueError: a tensor is missing, unexpected, or has the wrong shape (named); parity.inputs.InputError
-      (a ValueError) when the file is not a valid safetensors file (truncated, bad header, entry without dtype).
+    parity.inputs.InputError (a ValueError): a tensor is missing, unexpected, or has the wrong shape (named), or
+      when the file is not a valid safetensors file (truncated, bad header, entry without dtype).
   """
   from safetensors.numpy import load_file
   path = Path(path)
@@ -214,7 +214,7 @@ def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarra
 
 def check_names_and_shapes(params: dict[str, np.ndarray], spec: ModelSpec, *, source: str) -> None:
   """Checks canonical params against the model spec: every expected tensor present, none extra, each shape as
-  param_shapes(spec) gives it. Raises ValueError naming `source`, the missing/extra names and the wrong shapes."""
+  param_shapes(spec) gives it. Raises InputError (bad input, a ValueError) naming `source`, the missing/extra names and the wrong shapes."""
   expected = param_shapes(spec)
   missing = [k for k in expected if k not in params]
   extra = [k for k in params if k not in expected]
@@ -228,4 +228,4 @@ def check_names_and_shapes(params: dict[str, np.ndarray], spec: ModelSpec, *, so
   if wrong:
     problems.append(f"wrong shape {wrong[:5]}")
   if problems:
-    raise ValueError(f"{source}: weights do not match the model spec: " + "; ".join(problems))
+    raise InputError(f"{source}: weights do not match the model spec: " + "; ".join(problems))

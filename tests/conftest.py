@@ -1,6 +1,7 @@
 """Shared fixtures: tiny run folders built with the real contract code."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
+
+import process_guard  # noqa: E402  (before anything can start a process: its wrappers go in at import)
+from harness.env import thread_environ  # noqa: E402  (after the path: the worktree's harness)
+
+THREADS = thread_environ(os.environ)
+"""The test processes' thread settings, the workers' own (harness.env.thread_environ), set before any test imports
+torch: this process and every process a test starts run with them (OpenMP's spinning default ran a torch side 3-6x
+slower on a busy machine: benchmarks/results/torch_contention.md); a user's OMP_* variables are kept."""
 
 
 def _has(mod: str) -> bool:
@@ -19,10 +28,30 @@ def _has(mod: str) -> bool:
 HAS_JAX = _has("jax") and _has("flax") and _has("optax")
 HAS_TORCH = _has("torch")
 HAS_DEEPSPEED = HAS_TORCH and _has("deepspeed")
-requires_jax = pytest.mark.skipif(not HAS_JAX, reason="jax/flax/optax not installed")
-requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
-requires_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed not installed")
-requires_all = pytest.mark.skipif(not (HAS_JAX and HAS_DEEPSPEED), reason="needs jax, torch and deepspeed")
+_REQUIRES = {"requires_jax": (HAS_JAX, "jax/flax/optax not installed"),
+             "requires_torch": (HAS_TORCH, "torch not installed"),
+             "requires_deepspeed": (HAS_DEEPSPEED, "deepspeed not installed")}
+"""The package markers (pyproject.toml) and what each needs: pytest_runtest_setup skips a marked test, saying why,
+where its package is missing. `requires_deepspeed` is also what deepspeed_ops_built looks for: every test that can
+start DeepSpeed carries it (a worker of the deepspeed side, `port --verify`, a `--deepspeed-config` run)."""
+requires_jax = pytest.mark.requires_jax
+requires_torch = pytest.mark.requires_torch
+requires_deepspeed = pytest.mark.requires_deepspeed
+
+
+def requires_all(obj):
+  """Marks a test function or class requires_jax and requires_deepspeed (a run of all three sides)."""
+  return requires_jax(requires_deepspeed(obj))
+
+
+def pytest_configure(config):
+  config.pluginmanager.register(process_guard, "process_guard")
+
+
+def pytest_runtest_setup(item):
+  for name, (present, reason) in _REQUIRES.items():
+    if not present and item.get_closest_marker(name) is not None:
+      pytest.skip(reason)
 
 
 def process_alive(pid: int) -> bool:
@@ -48,51 +77,107 @@ def tiny_run_dir(tmp_path):
   return make
 
 
-_STARTS_DEEPSPEED = ("torch_impl.engine", "import deepspeed", "port_verify", "--verify", "--deepspeed-config")
-"""Module text that means its tests can load a DeepSpeed op without saying so in a marker (setup_distributed loads
-deepspeed_shm_comm; port --verify builds fused_adam)."""
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto` (pyproject.toml's addopts): one pytest worker per CPU this process may use (affinity mask), at most 4,
+  none (everything in this process) on one CPU. Most of the suite's time is processes that import a framework and
+  compile one small step, one CPU each for much of it, so two workers on 2 cores overlap one test's start-up with
+  another's compute; past 4, several three-side compares at once cost more memory than they save time (each ~1-3
+  GB). Each worker runs whole modules (`--dist loadfile`)."""
+  usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+  return 0 if usable < 2 else min(usable, 4)
 
 
-def _needs_deepspeed_ops(item) -> bool:
-  """A test that can start a DeepSpeed process: marked requires_deepspeed, skipped unless deepspeed is installed
-  (requires_deepspeed / requires_all above), or in a module that reaches DeepSpeed (_STARTS_DEEPSPEED)."""
-  for mark in item.iter_markers():
-    if mark.name == "requires_deepspeed":
-      return True
-    if mark.name == "skipif" and "deepspeed" in str(mark.kwargs.get("reason", "")):
-      return True
-  try:
-    text = Path(str(item.fspath)).read_text(errors="replace")
-  except OSError:
-    return False
-  return any(needle in text for needle in _STARTS_DEEPSPEED)
+def pytest_collection_modifyitems(session, config, items):
+  """Runs the modules with no `requires_deepspeed` test first (each module's tests stay together and in order), so
+  the op build `deepspeed_ops_built` starts in the background overlaps them instead of holding the first test: on a
+  fresh environment the build took 892 s at load 7 (fused_adam 499 s), most of it one compiler on one core."""
+  needs = {item.module.__name__ for item in items if item.get_closest_marker("requires_deepspeed") is not None
+           and getattr(item, "module", None) is not None}
+  items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in needs)  # stable
+
+
+class _OpBuild:
+  """The once-per-session build of DeepSpeed's JIT ops (`python -m torch_impl.ops`), started at the session's first
+  test and waited for by the first test marked requires_deepspeed (`wait`)."""
+
+  def __init__(self, request):
+    import subprocess
+    import tempfile
+    import time
+    from harness.env import worker_env
+    self.request, self.t0, self.result = request, time.time(), None
+    self.log = tempfile.TemporaryFile(mode="w+")
+    with process_guard.allowed():  # conftest's own build, whichever test happens to be first
+      self.proc = subprocess.Popen([sys.executable, "-m", "torch_impl.ops"], cwd=ROOT, env=worker_env(),
+                                   stdout=self.log, stderr=subprocess.STDOUT, text=True)
+    self.say("conftest: building DeepSpeed ops in the background for this session (first use ~3-8 min on 2 cores; "
+             "~7 s when built); the first test that needs DeepSpeed waits for it")
+
+  def say(self, msg: str) -> None:  # shown even under output capture: the wait is the user's to see
+    import contextlib
+    reporter = self.request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = self.request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+      reporter.write_line(msg) if reporter is not None else print(msg)
+
+  def wait(self) -> bool:
+    """True when every op built (or loaded); a failed build is reported once and left to the tests that need it."""
+    import time
+    if self.result is None:
+      try:
+        code = self.proc.wait(timeout=max(1.0, 1800 - (time.time() - self.t0)))
+      except BaseException:  # timeout or Ctrl-C: no build left running behind the session
+        self.proc.kill()
+        self.proc.wait()
+        raise
+      self.log.seek(0)
+      lines = self.log.read().strip().splitlines()
+      self.say(f"conftest: {lines[-1] if lines else 'no output'} ({'ok' if code == 0 else 'FAILED, exit '}"
+               f"{'' if code == 0 else code}; {time.time() - self.t0:.0f} s since the session started)")
+      self.result = code == 0
+    return self.result
+
+  def close(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+    self.log.close()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_ops_built(request):
-  """Builds DeepSpeed's JIT ops (cpu_adam, deepspeed_shm_comm, fused_adam) once, before the first test, when the
-  session collected a test that can start DeepSpeed: no test then builds one inside its own timeout, and no op is
-  built twice (every process uses harness.env's one build environment). ~7 s when all are built (check and load);
-  on a fresh environment ~3-8 min on 2 cores (README, 'DeepSpeed ops'). A failed build is reported and left to the
-  tests that need the op."""
-  if not HAS_DEEPSPEED or not any(_needs_deepspeed_ops(i) for i in request.session.items):
+  """Builds DeepSpeed's JIT ops (cpu_adam, deepspeed_shm_comm, fused_adam) once per session, in the background from
+  the first test on, when the session collected a test marked requires_deepspeed (every test that can start
+  DeepSpeed): no test then builds one inside its own timeout, and no op is built twice (every process uses
+  harness.env's one build environment). ~7 s when all are built (check and load); on a fresh environment ~3-8 min on
+  2 cores (README, 'DeepSpeed ops'). Yields the `_OpBuild` (None without such a test)."""
+  if not HAS_DEEPSPEED or not any(i.get_closest_marker("requires_deepspeed") for i in request.session.items):
     yield None
     return
-  import subprocess
-  import time
-  from harness.env import worker_env
-  import contextlib
-  reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-  capture = request.config.pluginmanager.get_plugin("capturemanager")
+  build = _OpBuild(request)
+  try:
+    yield build
+  finally:
+    build.close()
 
-  def say(msg: str) -> None:  # shown even under output capture: the wait is the user's to see
-    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-      reporter.write_line(msg) if reporter is not None else print(msg)
-  say("conftest: building DeepSpeed ops once for this session (first use ~3-8 min on 2 cores; ~7 s when built)")
-  t0 = time.time()
-  proc = subprocess.run([sys.executable, "-m", "torch_impl.ops"], cwd=ROOT, env=worker_env(), capture_output=True,
-                        text=True, timeout=1800)
-  lines = (proc.stdout + proc.stderr).strip().splitlines()
-  say(f"conftest: {lines[-1] if lines else 'no output'} ({'ok' if proc.returncode == 0 else 'FAILED, exit '}"
-      f"{'' if proc.returncode == 0 else proc.returncode}; {time.time() - t0:.0f} s)")
-  yield proc.returncode == 0
+
+@pytest.fixture(autouse=True)
+def _deepspeed_ops_ready(request, deepspeed_ops_built):
+  """Before a test marked requires_deepspeed: the session's op build has finished (the first such test waits)."""
+  if deepspeed_ops_built is not None and request.node.get_closest_marker("requires_deepspeed") is not None:
+    deepspeed_ops_built.wait()
+  yield
+
+
+@pytest.fixture
+def fake_sides(monkeypatch):
+  """harness.runner.run_side replaced by test_pipeline's fake worker (files as a worker writes them, in-process)."""
+  import harness.runner
+  import harness.self_runs
+  from test_pipeline import _fake_run_side
+
+  def install(interrupt_on: str | None = None):
+    fake = _fake_run_side([], interrupt_on)
+    monkeypatch.setattr(harness.runner, "run_side", fake)
+    monkeypatch.setattr(harness.self_runs, "run_side", fake)
+  return install

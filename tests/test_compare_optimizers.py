@@ -210,6 +210,7 @@ COMPARES = [
 ]
 
 
+@pytest.mark.process
 @requires_jax
 @requires_torch
 @pytest.mark.parametrize("over, planted", COMPARES, ids=["sgd-momentum-WarmupLR", "adam-l2-OneCycle-cycling",

@@ -111,13 +111,15 @@ def test_jax_taps_cover_the_forward_and_leave_training_alone():
   spec = GPT2  # LLaMA taps: test_matched_llama_family_breaks_nothing (a missing tap fails there)
   from parity.weights import init_params
   from jax_impl import model as M
-  params = M.to_flax(init_params(spec, 0), spec)
+  from jax_impl import layers
+  from jax_impl import layout
+  params = layout.to_flax(init_params(spec, 0), spec)
   tok = _tokens(spec)
   loss, taps = jax.jit(lambda p, x: M.loss_and_taps(p, x, spec))(params, tok)
-  names = {M.tap_name(k) for k in taps}
+  names = {layers.tap_name(k) for k in taps}
   assert names == set(dg.forward_taps(spec))
   assert float(loss) == pytest.approx(float(M.loss_fn(params, tok, spec)), abs=1e-6)
-  by = {M.tap_name(k): v for k, v in taps.items()}
+  by = {layers.tap_name(k): v for k, v in taps.items()}
   assert by["h.0.attn.q"].shape == (2, spec.n_heads, 8, spec.head_dim)
   assert by["h.0.attn.k"].shape == (2, spec.kv_heads, 8, spec.head_dim)
   assert np.allclose(np.asarray(by["h.0.attn.probs"]).sum(-1), 1, atol=1e-5)
@@ -159,6 +161,7 @@ def tiny_matched(tmp_path_factory):
   return dg.diagnose("gpt2-tiny", out=out)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_both
 def test_matched_gpt2_tiny_breaks_nothing(tiny_matched):
@@ -183,6 +186,7 @@ PLANTS = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_both
 @pytest.mark.parametrize("change,expected", PLANTS, ids=[e for _, e in PLANTS])
@@ -197,6 +201,8 @@ def test_planted_mismatch_is_localised(tiny_matched, change, expected):
     assert all(t.passed for t in r.tensors if not t.name.startswith("update/"))
 
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed
 @pytest.mark.slow
 @requires_both
 def test_cli_localises_layernorm_eps_and_exits_1(tmp_path):
@@ -210,16 +216,23 @@ def test_cli_localises_layernorm_eps_and_exits_1(tmp_path):
   assert data["perturb"] == {"jax": {"model.norm_eps": 1e-06}}
 
 
-def test_cli_bad_input_exits_2():
-  for args, msg in ((["--sides", "jax,deepspeed"], "--sides"), (["--step", "99"], "--step 99"),
-                    (["--plant", "jax:transpose=h.0.mlp.fc.weight"], "square"),
-                    (["--set", "jax.scan_layers=true"], "scan_layers"),
-                    (["--perturb", "jax:model.n_layers=3"], "model.n_layers")):
-    p = subprocess.run([sys.executable, "-m", "parity.cli", "diagnose", "--preset", "gpt2-tiny", *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and msg in p.stderr, (args, p.stderr)
+@pytest.mark.parametrize("args,msg", [
+    (["--sides", "jax,deepspeed"], "--sides"), (["--step", "99"], "--step 99"),
+    (["--plant", "jax:transpose=h.0.mlp.fc.weight"], "square"), (["--set", "jax.scan_layers=true"], "scan_layers"),
+    (["--perturb", "jax:model.n_layers=3"], "model.n_layers")])
+def test_cli_bad_input_exits_2(tmp_path, capsys, args, msg):
+  """In-process (cli.main; the refusal comes before any side starts: no process per case)."""
+  from parity.cli import main
+  try:
+    code = main(["diagnose", "--preset", "gpt2-tiny", "--out", str(tmp_path / "dg"), *args])
+  except SystemExit as exc:  # argparse's own refusals
+    code = exc.code
+  err = capsys.readouterr().err
+  assert code == 2 and msg in err and "Traceback" not in err, (args, err)
+  assert not (tmp_path / "dg" / "jax").exists()
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_both
 def test_matched_llama_family_breaks_nothing(tmp_path):
@@ -295,6 +308,7 @@ def tiny_bf16(tmp_path_factory):
   return dg.diagnose("gpt2-tiny", overrides=['train.precision="bf16"'], out=out)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_both
 def test_bf16_matched_reports_per_tap_errors_and_jax_rounds_like_torch(tiny_bf16):
@@ -324,6 +338,7 @@ def test_bf16_matched_reports_per_tap_errors_and_jax_rounds_like_torch(tiny_bf16
   assert "## bf16: each side's error against its own fp32 run" in md and "`h.1.mlp.act`" in md
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_both
 def test_bf16_planted_bug_is_localised_in_the_fp32_runs(tiny_bf16):
@@ -338,6 +353,7 @@ def test_bf16_planted_bug_is_localised_in_the_fp32_runs(tiny_bf16):
   assert probs.rms_err["torch"] < dg.UNIT_ROUNDOFF["bf16"]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_both
 def test_bf16_llama_family_matched_passes(tmp_path):

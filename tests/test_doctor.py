@@ -12,8 +12,10 @@ import pytest
 from conftest import ROOT, requires_all, requires_torch
 from harness import backend, doctor
 from parity import environment
+from parity.pipeline.folder import ENVIRONMENT_FILE
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_all
 def test_doctor_json_runs_both_probes(tmp_path):
@@ -166,7 +168,7 @@ def test_run_folder_gets_environment_json_before_any_side(monkeypatch, tmp_path)
   seen = {}
 
   def no_sides(sides, start, on_interrupt):
-    seen.update(json.loads((tmp_path / "run" / doctor.ENVIRONMENT_FILE).read_text()))
+    seen.update(json.loads((tmp_path / "run" / ENVIRONMENT_FILE).read_text()))
     raise Stop
 
   monkeypatch.setattr(pipeline.runner, "run_each_side", no_sides)

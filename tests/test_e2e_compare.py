@@ -21,6 +21,7 @@ def _cli(*args, timeout=900):
                         timeout=timeout)
 
 
+@pytest.mark.process
 @requires_all
 def test_three_sides_reach_parity_on_real_text(tmp_path):
   out = tmp_path / "run"
@@ -58,6 +59,7 @@ def test_three_sides_reach_parity_on_real_text(tmp_path):
   assert rep["noise_envelope"] is None  # fp32: the fixed table decides
 
 
+@pytest.mark.process
 @requires_all
 def test_planted_mismatch_fails_at_step_zero(tmp_path):
   out = tmp_path / "run"
@@ -71,6 +73,7 @@ def test_planted_mismatch_fails_at_step_zero(tmp_path):
   assert "step 0" in rep["verdict"]["message"]
 
 
+@pytest.mark.process
 @requires_all
 def test_killed_and_nan_sides_are_reported_and_others_kept(tmp_path):
   import parity
@@ -90,6 +93,7 @@ def test_killed_and_nan_sides_are_reported_and_others_kept(tmp_path):
     assert json.loads((tmp_path / "run" / side / "summary.json").read_text())["status"] == rep.side(side)["status"]
 
 
+@pytest.mark.process
 @requires_jax
 @requires_torch
 def test_hang_and_crash_are_reported(tmp_path):
@@ -116,11 +120,20 @@ def test_hang_and_crash_are_reported(tmp_path):
     (["--preset", "gpt2-tiny", "--perturb", "jax:overflow_at_steps=[]", "--set", 'train.precision="fp16"'],
      "empty list"),
 ])
-def test_bad_input_exits_2_with_a_clear_message(tmp_path, args, needle):
-  p = _cli("compare", "--out", str(tmp_path / "r"), "--no-progress", *args, timeout=120)
-  assert p.returncode == 2 and needle in p.stderr, p.stderr
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, args, needle):
+  """In-process (cli.main: the same code as the `parity` process, without a process per case; the process's own
+  exit 2 is test_negative_determinism_steps_exit_2_before_any_side_runs below)."""
+  from parity.cli import main
+  try:
+    code = main(["compare", "--out", str(tmp_path / "r"), "--no-progress", *args])
+  except SystemExit as exc:  # argparse's own refusals
+    code = exc.code
+  err = capsys.readouterr().err
+  assert code == 2 and needle in err and "Traceback" not in err, err
+  assert not (tmp_path / "r" / "jax").exists()
 
 
+@pytest.mark.process
 @requires_jax
 @requires_torch
 def test_compare_from_a_hugging_face_checkpoint(tmp_path):
@@ -137,12 +150,18 @@ def test_compare_from_a_hugging_face_checkpoint(tmp_path):
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
   assert rep["run"]["model"]["n_layers"] == 2 and rep["run"]["model"]["norm_eps"] == 1e-5
+  # every page names the checkpoint, not the preset that gave the training settings (issue #18 item 7)
+  assert rep["checkpoint"] == {"path": str((tmp_path / "hf").absolute()), "architecture": "GPT2LMHeadModel"}
+  title = "checkpoint hf (GPT2LMHeadModel, gpt2 family, "
+  assert (out / "report.md").read_text().startswith(f"# parity report: {title}")
+  assert json.loads((out / "card.json").read_text())["compared"]["title"].startswith(title)
   # the initial weights are the checkpoint's, not a fresh init
   from safetensors.numpy import load_file
   init = load_file(str(out / "init.safetensors"))
   hf_wte = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").transformer.wte.weight.detach().numpy()
   assert np.array_equal(init["wte.weight"], hf_wte)
-  p = _cli("compare", "--hf-model", str(tmp_path / "nothing"), "--out", str(tmp_path / "r2"), "--no-progress")
+  p = _cli("compare", "--hf-model", str(tmp_path / "nothing"), "--sides", "jax,torch", "--out", str(tmp_path / "r2"),
+           "--no-progress")
   assert p.returncode == 2 and "nothing" in p.stderr
 
 
@@ -151,6 +170,7 @@ REALWORLD = Path(os.environ.get("PARITY_REALWORLD",
 HF_ZERO2 = REALWORLD / "huggingface__transformers__tests__deepspeed__ds_config_zero2.json"
 
 
+@pytest.mark.process
 @requires_all
 @pytest.mark.skipif(not HF_ZERO2.exists(), reason="shared/realworld/ds_configs not present (set PARITY_REALWORLD)")
 def test_real_zero2_offload_config_runs_head_to_head(tmp_path):
@@ -170,6 +190,7 @@ def test_real_zero2_offload_config_runs_head_to_head(tmp_path):
   assert mig["status"] == "ported" and all(e["fate"] in ("mapped", "not_needed", "unsupported") for e in mig["entries"])
 
 
+@pytest.mark.process
 @requires_jax
 @requires_torch
 def test_ctrl_c_kills_the_running_side_and_still_writes_a_report(tmp_path):
@@ -198,6 +219,7 @@ def test_ctrl_c_kills_the_running_side_and_still_writes_a_report(tmp_path):
   assert rep["sides"]["jax"]["status"] == "not_run"
 
 
+@pytest.mark.process
 @requires_jax
 @requires_torch
 @pytest.mark.parametrize("perturb, metric", [
@@ -216,6 +238,7 @@ def test_wrong_optimizer_settings_are_caught(tmp_path, perturb, metric):
   assert failed and (metric is None or metric in failed), failed
 
 
+@pytest.mark.process
 @requires_all
 def test_compare_reruns_each_side_for_determinism_resume_and_noise(tmp_path):
   """--determinism-steps / --resume-at / --noise-envelope: the reruns live in subfolders and their checks
@@ -242,6 +265,7 @@ def test_compare_reruns_each_side_for_determinism_resume_and_noise(tmp_path):
   assert "## Checkpoint / resume" in md and "## Noise envelope" in md
 
 
+@pytest.mark.process
 @requires_all
 def test_bf16_verdict_uses_the_noise_envelope_and_catches_a_planted_bug(tmp_path):
   """bf16 on every side: each side is rerun with reversed batch order; jax~torch holds its envelope, while a
@@ -263,6 +287,8 @@ def test_bf16_verdict_uses_the_noise_envelope_and_catches_a_planted_bug(tmp_path
   assert "## Noise envelope" in (out / "report.md").read_text()
 
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed
 @pytest.mark.parametrize("steps", ["-3"])
 def test_negative_determinism_steps_exit_2_before_any_side_runs(tmp_path, steps):
   p = _cli("compare", "--preset", "gpt2-tiny", "--determinism-steps", steps, "--out", str(tmp_path / "r"),

@@ -102,11 +102,13 @@ def test_failures_are_classified_and_peaks_known():
   assert peak_flops("cpu", "bf16") is None
 
 
+@pytest.mark.process
 def test_wrapper_is_valid_bash():
   proc = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu.sh")], capture_output=True, text=True)
   assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_all
 def test_tiny_mode_runs_every_part_on_cpu(tmp_path):

@@ -245,7 +245,7 @@ def test_canonical_file_carries_its_spec(tmp_path):
   weights.save(params, plain)
   with pytest.raises(hf.HFFormatError, match="no parity_model_spec metadata"):
     hf.load_canonical(plain)
-  (tmp_path / "spec.json").write_text(json.dumps(hf.json.loads(hf.canonical_metadata(spec)[hf.SPEC_METADATA_KEY])))
+  (tmp_path / "spec.json").write_text(json.dumps(json.loads(hf.canonical_metadata(spec)[hf.SPEC_METADATA_KEY])))
   assert hf.load_canonical(plain)[1] == spec
 
 

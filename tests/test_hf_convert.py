@@ -70,6 +70,7 @@ def test_sharded_checkpoint_equals_single_file(kind, tmp_path):
   _assert_same(hf.load_hf_checkpoint(tmp_path / "sharded").params, hf.load_hf_checkpoint(tmp_path / "one").params)
 
 
+@pytest.mark.process
 def test_pytorch_model_bin_is_read_in_a_torch_subprocess(tmp_path):
   model = _hf_model("gpt2")
   src = tmp_path / "hf"
@@ -109,6 +110,7 @@ def test_export_to_hf_loads_in_transformers_with_equal_logits(kind, tmp_path):
   _assert_same(hf.load_hf_checkpoint(tmp_path / "hf").params, {k: params[k] for k in weights.param_shapes(spec)})
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hf_canonical_orbax_round_trip_is_byte_identical(kind, tmp_path, capsys):
@@ -127,7 +129,7 @@ def test_hf_canonical_orbax_round_trip_is_byte_identical(kind, tmp_path, capsys)
 def test_jax_checkpoint_in_process_round_trip(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   from jax_impl import checkpoint
-  from jax_impl.model import from_flax, to_flax
+  from jax_impl.layout import from_flax, to_flax
   spec = hf.spec_from_hf_config({**LLAMA, "architectures": ["LlamaForCausalLM"]})
   params = weights.init_params(spec, seed=7)
   checkpoint.save(tmp_path / "ck", to_flax(params, spec), spec)

@@ -222,7 +222,8 @@ def test_torch_loss_and_grads_match_transformers(name, tmp_path_factory):
 def test_jax_logits_match_transformers(name, tmp_path_factory):
   pytest.importorskip("jax")
   import jax.numpy as jnp
-  from jax_impl.model import GPT, to_flax
+  from jax_impl.model import GPT
+  from jax_impl.layout import to_flax
   case = _case(name, tmp_path_factory)
   tree = to_flax(case.params, case.spec)
   runs = {}
@@ -238,7 +239,8 @@ def test_jax_logits_match_transformers(name, tmp_path_factory):
 def test_jax_loss_and_grads_match_transformers(name, tmp_path_factory):
   jax = pytest.importorskip("jax")
   import jax.numpy as jnp
-  from jax_impl.model import from_flax, loss_fn, to_flax
+  from jax_impl.layout import from_flax, to_flax
+  from jax_impl.model import loss_fn
   case = _case(name, tmp_path_factory)
   tokens = _tokens(case.spec.vocab_size, 3, LOSS_SEQ + 1, seed=99)
   ref_loss, ref_grads = _hf_loss_and_grads(case, tokens)

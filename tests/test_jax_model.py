@@ -10,8 +10,10 @@ import jax.numpy as jnp  # noqa: E402
 from parity.spec import ModelSpec  # noqa: E402
 from parity.weights import init_params, param_shapes  # noqa: E402
 
+from jax_impl import layers as jax_layers  # noqa: E402
 from jax_impl import layout  # noqa: E402
 from jax_impl import model as M  # noqa: E402
+from jax_impl import layers  # noqa: E402
 
 GPT2 = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
 LLAMA = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, norm="rmsnorm",
@@ -127,7 +129,7 @@ def tokens(spec, b=2, t=12, seed=1):
 def test_round_trip_is_exact(name):
   spec = SPECS[name]
   canonical = random_canonical(spec)
-  back = M.from_flax(M.to_flax(canonical, spec), spec)
+  back = layout.from_flax(layout.to_flax(canonical, spec), spec)
   assert list(back) == list(param_shapes(spec))
   for k, v in canonical.items():
     assert back[k].dtype == np.float32 and np.array_equal(back[k], v), k
@@ -137,13 +139,13 @@ def test_round_trip_is_exact(name):
 def test_only_linear_weights_are_transposed(name):
   spec = SPECS[name]
   canonical = random_canonical(spec)
-  tree = M.to_flax(canonical, spec)
+  tree = layout.to_flax(canonical, spec)
   paths = set()
   for cname, arr in canonical.items():
-    path, transposed = M.flax_path(cname)
+    path, transposed = layout.flax_path(cname)
     paths.add(path)
     leaf = layout._get(tree, path)
-    assert transposed == (path[-1] == "kernel") == cname.endswith(M.TRANSPOSED), cname
+    assert transposed == (path[-1] == "kernel") == cname.endswith(layout.TRANSPOSED), cname
     np.testing.assert_array_equal(leaf, arr.T if transposed else arr)
   assert len(paths) == len(canonical)  # one Flax leaf per canonical tensor
   assert len(jax.tree.leaves(tree)) == len(canonical)
@@ -153,16 +155,16 @@ def test_to_flax_rejects_wrong_shapes_and_names():
   canonical = random_canonical(GPT2)
   bad = dict(canonical, **{"h.0.attn.qkv.weight": canonical["h.0.attn.qkv.weight"].T})
   with pytest.raises(ValueError, match="wrong shape"):
-    M.to_flax(bad, GPT2)
+    layout.to_flax(bad, GPT2)
   with pytest.raises(ValueError, match="missing"):
-    M.to_flax({k: v for k, v in canonical.items() if k != "ln_f.bias"}, GPT2)
+    layout.to_flax({k: v for k, v in canonical.items() if k != "ln_f.bias"}, GPT2)
   with pytest.raises(ValueError, match="not a canonical"):
-    M.flax_path("h.0.attn.qkv.scale")
+    layout.flax_path("h.0.attn.qkv.scale")
 
 
 def test_init_params_map_cleanly():
   spec = ModelSpec(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
-  tree = M.to_flax(init_params(spec, seed=0), spec)
+  tree = layout.to_flax(init_params(spec, seed=0), spec)
   assert tree["h_0"]["ln_1"]["scale"].shape == (32,)
   assert tree["h_0"]["attn"]["qkv"]["kernel"].shape == (32, 96)
 
@@ -175,7 +177,7 @@ def test_logits_match_numpy_reference(name):
   spec = SPECS[name]
   canonical = random_canonical(spec)
   tok = tokens(spec)[:, :-1].astype(np.int32)
-  got = jax.jit(M.GPT(spec).apply)({"params": M.to_flax(canonical, spec)}, tok)
+  got = jax.jit(M.GPT(spec).apply)({"params": layout.to_flax(canonical, spec)}, tok)
   want = ref_logits(canonical, spec, tok)
   assert got.dtype == jnp.float32 and got.shape == want.shape
   np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=FP32_ATOL)
@@ -187,14 +189,14 @@ def test_loss_matches_numpy_reference(name):
   spec = SPECS[name]
   canonical = random_canonical(spec)
   tok = tokens(spec)
-  got = M.loss_fn(M.to_flax(canonical, spec), tok, spec)
+  got = M.loss_fn(layout.to_flax(canonical, spec), tok, spec)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(float(got), ref_loss(canonical, spec, tok), rtol=0, atol=FP32_ATOL)
 
 
 def test_causal_positions_do_not_see_the_future():
   spec = LLAMA
-  params = M.to_flax(random_canonical(spec), spec)
+  params = layout.to_flax(random_canonical(spec), spec)
   tok = tokens(spec)[:, :-1].astype(np.int32)
   changed = tok.copy()
   changed[:, -1] = (changed[:, -1] + 1) % spec.vocab_size
@@ -204,7 +206,7 @@ def test_causal_positions_do_not_see_the_future():
 
 
 def test_rope_tables_are_exact_values_rounded_once():
-  cos, sin = M.rope_tables(128, 8, 10000.0)
+  cos, sin = layers.rope_tables(128, 8, 10000.0)
   assert cos.dtype == np.float32 and cos.shape == (128, 8)
   ang = np.outer(np.arange(128), 10000.0 ** -(np.arange(0, 8, 2) / 8))  # float64
   np.testing.assert_array_equal(cos[:, :4], np.cos(ang).astype(np.float32))
@@ -218,7 +220,7 @@ def test_rope_tables_are_exact_values_rounded_once():
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_bf16_compute_keeps_fp32_params_and_loss(name):
   spec = SPECS[name]
-  params = M.to_flax(random_canonical(spec), spec)
+  params = layout.to_flax(random_canonical(spec), spec)
   tok = tokens(spec)
   f32 = jax.jit(lambda p: M.loss_fn(p, tok, spec))(params)
   bf16 = jax.jit(lambda p: M.loss_fn(p, tok, spec, dtype=jnp.bfloat16))(params)
@@ -231,7 +233,7 @@ def test_bf16_compute_keeps_fp32_params_and_loss(name):
 
 def test_remat_gives_the_same_gradients():
   spec = LLAMA
-  params = M.to_flax(random_canonical(spec), spec)
+  params = layout.to_flax(random_canonical(spec), spec)
   tok = tokens(spec)
   g0 = jax.jit(jax.grad(lambda p: M.loss_fn(p, tok, spec)))(params)
   g1 = jax.jit(jax.grad(lambda p: M.loss_fn(p, tok, spec, remat=True)))(params)
@@ -253,7 +255,7 @@ def test_dense_is_flax_dense_in_fp32_and_rounds_once_in_bf16():
   x = rng.standard_normal((8, 64, 48)).astype(np.float32)  # 512 rows: a bf16 running sum over them is visibly off
   params = {"kernel": (0.2 * rng.standard_normal((48, 40))).astype(np.float32),
             "bias": (0.1 * rng.standard_normal(40)).astype(np.float32)}
-  ours, flax_dense = M.Dense(40), nn.Dense(40)
+  ours, flax_dense = layers.Dense(40), nn.Dense(40)
   assert np.array_equal(ours.apply({"params": params}, x), flax_dense.apply({"params": params}, x))  # fp32: bitwise
   xb = jnp.asarray(x, jnp.bfloat16)
   pb = {k: jnp.asarray(v, jnp.bfloat16) for k, v in params.items()}
@@ -279,7 +281,7 @@ def test_bf16_forward_rounds_like_torch(name):
   spec = SPECS[name]
   canonical = master_weights(random_canonical(spec), "bf16")
   tok = tokens(spec)[:, :-1]
-  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), M.to_flax(canonical, spec))
+  params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), layout.to_flax(canonical, spec))
   jax_bf16 = np.asarray(M.GPT(spec, jnp.bfloat16).apply({"params": params}, tok.astype(np.int32)), np.float64)
   model = build_model(spec, canonical)
   with torch.no_grad():
@@ -290,3 +292,45 @@ def test_bf16_forward_rounds_like_torch(name):
   assert own > 1e-3 * rms(ref)
   # independent rounding would put the sides ~1.4x `own` apart; rounding at the same points keeps them close
   assert rms(jax_bf16 - torch_bf16) < 0.5 * own, (rms(jax_bf16 - torch_bf16), own)
+
+
+# ----------------------------------------------------------------------------- jax_impl.layers.Dense: fast, bitwise
+# The product over a flattened (B * T, in) input (benchmarks/jax_step_vs_bare.py measures the speed); these pin the
+# values the speed-up must not change.
+
+
+def _dense_case(seed: int = 0):
+  """A Dense of the default preset's qkv shape: x (8, 128, 256) -> (8, 128, 768), and an output gradient."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((8, 128, 256)), jnp.float32)
+  params = {"kernel": jnp.asarray(0.02 * rng.standard_normal((256, 768)), jnp.float32),
+            "bias": jnp.asarray(0.1 * rng.standard_normal(768), jnp.float32)}
+  dy = jnp.asarray(rng.standard_normal((8, 128, 768)), jnp.float32)
+  return x, params, dy
+
+
+def test_dense_fp32_values_and_gradients_are_flax_dense_bitwise():
+  import flax.linen as nn
+  x, params, dy = _dense_case()
+
+  def vjp(module):
+    y, pull = jax.jit(lambda p, x: jax.vjp(lambda p, x: module.apply({"params": p}, x), p, x))(params, x)
+    return y, jax.jit(pull)(dy)
+
+  (y_ours, (dp_ours, dx_ours)), (y_flax, (dp_flax, dx_flax)) = vjp(jax_layers.Dense(768)), vjp(nn.Dense(768))
+  assert np.array_equal(y_ours, y_flax)
+  assert np.array_equal(dx_ours, dx_flax)
+  for name in ("kernel", "bias"):
+    assert np.array_equal(dp_ours[name], dp_flax[name]), name
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="pins XLA CPU's compiled form of the kernel gradient")
+def test_dense_kernel_gradient_is_one_dot_over_untransposed_operands():
+  """dW = x^T @ dy contracts dim 0 of both (B * T, .) operands: no transposed copy of dy (module docstring)."""
+  x, params, dy = _dense_case()
+  dense = jax_layers.Dense(768)
+  grad_k = jax.jit(lambda k, x, dy: jax.vjp(lambda k: dense.apply({"params": {**params, "kernel": k}}, x), k)[1](dy)[0])
+  hlo = grad_k.lower(params["kernel"], x, dy).compile().as_text()
+  dots = [line for line in hlo.splitlines() if " dot(" in line and "= f32[256,768]" in line]
+  assert dots, "no kernel-gradient dot found in the compiled HLO"
+  assert all("lhs_contracting_dims={0}, rhs_contracting_dims={0}" in d for d in dots), dots

@@ -84,10 +84,10 @@ def test_clip_epsilon_matters_right_at_the_threshold():
 @pytest.mark.parametrize("spec", [SPEC, LLAMA], ids=["gpt2", "llama"])
 def test_decay_mask_follows_parity_weights(spec):
   mask = optim.decay_mask(spec)
-  params = M.to_flax(init_params(spec, 0), spec)
+  params = layout.to_flax(init_params(spec, 0), spec)
   assert jax.tree.structure(mask) == jax.tree.structure(params)
   for name in param_shapes(spec):
-    path, _ = M.flax_path(name)
+    path, _ = layout.flax_path(name)
     assert layout._get(mask, path) is decays(name), name
   assert mask["wte"]["embedding"] is False
   assert mask["ln_f"]["scale"] is False
@@ -142,7 +142,7 @@ def test_adamw_matches_numpy_deepspeed_reference(clip):
   want, want_stats = numpy_deepspeed_adamw(canonical, grads, train, list(canonical))
 
   tx, sched = optim.make_optimizer(spec, train)
-  params = M.to_flax(canonical, spec)
+  params = layout.to_flax(canonical, spec)
   state = tx.init(params)
 
   @jax.jit
@@ -152,10 +152,10 @@ def test_adamw_matches_numpy_deepspeed_reference(clip):
     return optax.apply_updates(params, upd), state, optim.grad_norm_of(state), lr
 
   for step, g in enumerate(grads):
-    params, state, norm, lr = update(params, state, M.to_flax(g, spec))
+    params, state, norm, lr = update(params, state, layout.to_flax(g, spec))
     np.testing.assert_allclose(float(norm), want_stats[step][0], rtol=1e-6)
     assert float(lr) == np.float32(want_stats[step][1])
-    got = M.from_flax(params, spec)
+    got = layout.from_flax(params, spec)
     for k in canonical:
       # fp32 vs float64: params ~0.02 hold ~2e-9 resolution; Adam steps are <= lr = 1e-2.
       np.testing.assert_allclose(got[k], want[step][k], rtol=0, atol=5e-7, err_msg=f"step {step} {k}")
@@ -165,7 +165,7 @@ def test_adamw_matches_numpy_deepspeed_reference(clip):
 def test_zero_lr_steps_leave_params_untouched():
   train = TrainSpec(steps=4, warmup_steps=2, weight_decay=0.5)
   tx, _ = optim.make_optimizer(SPEC, train)
-  params = M.to_flax(init_params(SPEC, 0), SPEC)
+  params = layout.to_flax(init_params(SPEC, 0), SPEC)
   state = tx.init(params)
   g = jax.tree.map(np.ones_like, params)
   update = jax.jit(tx.update)
@@ -179,7 +179,7 @@ def test_zero_lr_steps_leave_params_untouched():
 def test_optimizer_state_is_float32():
   train = dataclasses.replace(preset("gpt2-tiny").train)
   tx, _ = optim.make_optimizer(LLAMA, train)
-  state = tx.init(M.to_flax(init_params(LLAMA, 0), LLAMA))
+  state = tx.init(layout.to_flax(init_params(LLAMA, 0), LLAMA))
   dtypes = {str(x.dtype) for x in jax.tree.leaves(state)}
   assert dtypes <= {"float32", "int32"}, dtypes
   assert optim.grad_norm_of(state).dtype == jnp.float32
@@ -201,7 +201,7 @@ def test_port_verify_and_compare_share_one_factory_and_one_clip(kind):
             "precision": {"skip_nonfinite_updates": False}}
   verify_tx = port_verify.build_optimizer(ported)
   compare_tx, _ = optim.make_optimizer(SPEC, t)
-  params = M.to_flax(init_params(SPEC, 0), SPEC)
+  params = layout.to_flax(init_params(SPEC, 0), SPEC)
   grads = jax.tree.map(lambda x: jnp.full_like(x, 0.3), params)
   s1, s2 = verify_tx.init(params), compare_tx.init(params)
   u1, s1 = verify_tx.update(grads, s1, params)

@@ -1,6 +1,7 @@
 """JaxPlan techniques on one device: scan over layers, remat/activation-offload policies, gradient
 accumulation, host offload evidence per option, and the exact state-bytes prediction."""
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -14,6 +15,7 @@ from parity.spec import REMAT_POLICIES, JaxPlan, ModelSpec, RunSpec, TrainSpec  
 from parity.weights import init_params  # noqa: E402
 
 from jax_impl import model as M  # noqa: E402
+from jax_impl import layout  # noqa: E402
 from jax_impl import offload, remat, stream, worker  # noqa: E402
 from jax_impl.step import Trainer  # noqa: E402
 
@@ -48,35 +50,42 @@ def trainer(plan: JaxPlan, train: TrainSpec = TRAIN, model: ModelSpec = GPT2) ->
 @pytest.mark.parametrize("spec", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_scan_layout_maps_both_ways_and_equals_the_unrolled_model(spec):
   canonical = init_params(spec, 0)
-  stacked = M.to_flax(canonical, spec, scan_layers=True)
-  assert set(stacked) >= {M.LAYERS} and not any(k.startswith("h_") for k in stacked)
-  assert stacked[M.LAYERS]["attn"]["qkv"]["kernel"].shape[0] == spec.n_layers  # layer axis 0
-  back = M.from_flax(stacked, spec, scan_layers=True)
+  stacked = layout.to_flax(canonical, spec, scan_layers=True)
+  assert set(stacked) >= {layout.LAYERS} and not any(k.startswith("h_") for k in stacked)
+  assert stacked[layout.LAYERS]["attn"]["qkv"]["kernel"].shape[0] == spec.n_layers  # layer axis 0
+  back = layout.from_flax(stacked, spec, scan_layers=True)
   assert all(np.array_equal(back[k], canonical[k]) for k in canonical)
   tok = tokens((2, 9))
-  l0, g0 = value_and_grad(spec, M.to_flax(canonical, spec), tok)
+  l0, g0 = value_and_grad(spec, layout.to_flax(canonical, spec), tok)
   l1, g1 = value_and_grad(spec, stacked, tok, scan_layers=True, layer_to_device=True)
   np.testing.assert_allclose(float(l1), float(l0), rtol=0, atol=1e-6)
-  assert_trees_close(M.from_flax(g1, spec, scan_layers=True), M.from_flax(g0, spec), 1e-6, "grad")
+  assert_trees_close(layout.from_flax(g1, spec, scan_layers=True), layout.from_flax(g0, spec), 1e-6, "grad")
 
 
 def test_scan_layout_rejects_mismatched_trees():
   with pytest.raises(ValueError, match="differ across layers"):
-    M.tree_from_canonical({"h.0.ln_1.weight": True, "h.1.ln_1.weight": False}, n_layers=2)
+    layout.tree_from_canonical({"h.0.ln_1.weight": True, "h.1.ln_1.weight": False}, n_layers=2)
 
 
 # ----------------------------------------------------------------------------- remat / activation offload
 
 
+@functools.cache
+def _without_remat():
+  """GPT2's loss and gradients without remat on tokens((2, 9)): the reference of every policy, compiled once
+  (each parametrization compiled it again: 5 of 15 compiles of the test were this one)."""
+  return value_and_grad(GPT2, layout.to_flax(init_params(GPT2, 0), GPT2), tokens((2, 9)))
+
+
 @pytest.mark.parametrize("policy", REMAT_POLICIES[1:])
 def test_remat_policies_give_the_same_loss_and_gradients(policy):
   canonical, tok = init_params(GPT2, 0), tokens((2, 9))
-  l0, g0 = value_and_grad(GPT2, M.to_flax(canonical, GPT2), tok)
-  l1, g1 = value_and_grad(GPT2, M.to_flax(canonical, GPT2), tok, remat=policy)
-  l2, g2 = value_and_grad(GPT2, M.to_flax(canonical, GPT2, scan_layers=True), tok, remat=policy, scan_layers=True)
+  l0, g0 = _without_remat()
+  l1, g1 = value_and_grad(GPT2, layout.to_flax(canonical, GPT2), tok, remat=policy)
+  l2, g2 = value_and_grad(GPT2, layout.to_flax(canonical, GPT2, scan_layers=True), tok, remat=policy, scan_layers=True)
   assert float(l1) == pytest.approx(float(l0), abs=1e-6) and float(l2) == pytest.approx(float(l0), abs=1e-6)
-  assert_trees_close(M.from_flax(g1, GPT2), M.from_flax(g0, GPT2), 1e-6, policy)
-  assert_trees_close(M.from_flax(g2, GPT2, scan_layers=True), M.from_flax(g0, GPT2), 1e-6, f"{policy}+scan")
+  assert_trees_close(layout.from_flax(g1, GPT2), layout.from_flax(g0, GPT2), 1e-6, policy)
+  assert_trees_close(layout.from_flax(g2, GPT2, scan_layers=True), layout.from_flax(g0, GPT2), 1e-6, f"{policy}+scan")
 
 
 @pytest.mark.parametrize("policy,to_host", [
@@ -91,7 +100,7 @@ def test_activation_offload_is_planned_in_the_jaxpr(policy, to_host):
   memory (and back in the backward pass). That the names sit on real residuals is what makes the
   count exact: a name on a value the backward does not read would not be offloaded.
   """
-  params, tok = M.to_flax(init_params(GPT2, 0), GPT2), tokens((2, 9))
+  params, tok = layout.to_flax(init_params(GPT2, 0), GPT2), tokens((2, 9))
   traced = jax.jit(jax.grad(lambda p: M.loss_fn(p, tok, GPT2, remat=policy))).trace(params)
   moves = remat.device_puts_in_jaxpr(str(traced.jaxpr))
   if to_host is None:
@@ -181,7 +190,7 @@ def test_scan_param_offload_moves_each_layer_in_the_scan_body(offloaded):
   update (jax_impl.stream): the non-layer params to device once, then per layer one move in and one
   move back per stacked leaf."""
   t, _ = offloaded["scan_params"]
-  n_stacked = len(jax.tree.leaves(t.state.params[M.LAYERS]))
+  n_stacked = len(jax.tree.leaves(t.state.params[layout.LAYERS]))
   n_all = len(jax.tree.leaves(t.state.params))
   fwd_bwd = {"to_host": n_stacked, "to_device": n_stacked + n_all}
   update = {"to_host": n_stacked, "to_device": (n_all - n_stacked) + n_stacked}
@@ -195,7 +204,7 @@ def test_scan_opt_state_offload_streams_the_moments_one_layer_at_a_time(offloade
   non-layer moments to the device once, and each layer's mu and nu slices in and out of the scan body;
   the whole-state move of the unstreamed update (every moment leaf at once) is gone."""
   t, _ = offloaded["scan_opt_state"]
-  n_stacked = len(jax.tree.leaves(t.state.params[M.LAYERS]))
+  n_stacked = len(jax.tree.leaves(t.state.params[layout.LAYERS]))
   n_all = len(jax.tree.leaves(t.state.params))
   n_scalars = len(jax.tree.leaves(t.state.opt_state)) - 2 * n_all
   assert n_scalars == 3  # the clip's norm, Adam's count, the schedule's count
@@ -284,6 +293,7 @@ def test_worker_forces_the_host_device_count_from_the_request(tmp_path):
 # ----------------------------------------------------------------------------- the GPU memory script, on CPU
 
 
+@pytest.mark.process
 def test_gpu_memory_script_runs_its_cpu_check(tmp_path):
   """benchmarks/gpu_memory.py (what a session with a GPU runs) works end to end on CPU in --tiny mode."""
   import subprocess

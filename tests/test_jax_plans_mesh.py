@@ -85,11 +85,13 @@ def report() -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_mesh_has_the_plan_devices(report):
   assert report["devices"] == N_DEV
   assert {n: p["mesh"] for n, p in report["plans"].items()} == {n: f.get("data_parallel", 1) for n, f in PLANS.items()}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", [n for n in PLANS if n != "ref"])
 def test_loss_equals_one_device(report, name):
   ref, got = report["plans"]["ref"], report["plans"][name]
@@ -98,6 +100,7 @@ def test_loss_equals_one_device(report, name):
     np.testing.assert_allclose(got["params"][k], v, rtol=0, atol=2e-5, err_msg=f"{name}: {k}")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", list(PLANS))
 def test_every_leaf_has_the_planned_sharding_and_memory_kind(report, name):
   leaves = report["plans"][name]["leaves"]
@@ -108,12 +111,14 @@ def test_every_leaf_has_the_planned_sharding_and_memory_kind(report, name):
   assert sharded == ({"opt_state"} if stage in (1, 2) else {"params", "opt_state"} if stage == 3 else set())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", list(PLANS))
 def test_predicted_state_bytes_per_device_are_exact(report, name):
   p = report["plans"][name]
   assert p["predicted"] == p["measured"], name
 
 
+@pytest.mark.process
 def test_sharded_offload_moves_one_shard_per_device(report):
   """Compiled entry buffers in S(5) are per-device shards: ZeRO-3 moves 1/4 of the sharded params."""
   ev = report["plans"]["z3_off_all_scan"]["evidence"]
@@ -126,6 +131,7 @@ def test_sharded_offload_moves_one_shard_per_device(report):
   assert ev["jaxpr_device_puts"]["to_host"] > 0  # activation offload, visible only in the jaxpr on CPU
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_cli_runs_a_sharded_plan_and_the_worker_forces_the_devices(tmp_path):
   """`parity compare --set jax.data_parallel=4 --set jax.zero_stage=3`: the worker reads the request

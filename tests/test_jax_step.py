@@ -18,6 +18,8 @@ from parity.presets import preset  # noqa: E402
 from parity.spec import JaxPlan, ModelSpec, RunSpec, to_dict, TrainSpec  # noqa: E402
 
 from jax_impl import model as M  # noqa: E402
+from jax_impl import layout  # noqa: E402
+from jax_impl import optim as jax_optim  # noqa: E402
 from jax_impl.step import Trainer, accumulate_grads  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +34,7 @@ def tokens(shape, seed=0):
 
 
 def test_accumulation_equals_one_big_batch():
-  params = M.to_flax(weights.init_params(MODEL, 0), MODEL)
+  params = layout.to_flax(weights.init_params(MODEL, 0), MODEL)
   batch = tokens((2, 3, 9))  # 2 micro batches of 3 sequences
   loss = lambda p, t: M.loss_fn(p, t, MODEL)
   acc_loss, acc_grads = jax.jit(lambda p, b: accumulate_grads(p, b, loss))(params, batch)
@@ -56,7 +58,7 @@ def trained():
 
 def test_step_metrics_report_loss_norm_and_lr(trained):
   t, b, _, params0, metrics = trained
-  params = M.to_flax(params0, MODEL)
+  params = layout.to_flax(params0, MODEL)
   loss = lambda p, x: M.loss_fn(p, x, MODEL)
   want_loss, grads = jax.jit(lambda p, x: accumulate_grads(p, x, loss))(params, b[0])
   norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
@@ -69,9 +71,9 @@ def test_step_metrics_report_loss_norm_and_lr(trained):
 
 def test_eval_loss_is_the_mean_over_val_micro_batches(trained):
   t, _, val, _, _ = trained
-  params = M.to_flax(t.canonical_params(), MODEL)
+  params = layout.to_flax(t.canonical_params(), MODEL)
   want = np.mean([float(M.loss_fn(params, v, MODEL)) for v in val])
-  assert t.evaluate(val) == pytest.approx(want, rel=1e-6)
+  assert t.eval_loss(val) == pytest.approx(want, rel=1e-6)
 
 
 def test_first_step_runs_with_lr_zero_and_keeps_params():
@@ -135,6 +137,7 @@ def run_worker(request: Path) -> subprocess.CompletedProcess:
                         env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_worker_end_to_end(tmp_path):
   request, run = make_run_dir(tmp_path)
@@ -158,21 +161,53 @@ def test_worker_end_to_end(tmp_path):
   assert not np.array_equal(final["h.0.attn.qkv.weight"], init["h.0.attn.qkv.weight"])
 
 
-@pytest.mark.slow
-def test_worker_reports_nan(tmp_path):
-  request, _ = make_run_dir(tmp_path, perturb={"jax": {"nan_at_step": 2}})
-  proc = run_worker(request)
-  assert proc.returncode == 3, proc.stderr[-3000:]
-  steps = protocol.read_steps(tmp_path / "jax" / "steps.jsonl")
-  assert len(steps) == 3 and not np.isfinite(steps[-1]["loss"])
-  summary = protocol.read_summary(tmp_path / "jax" / "summary.json")
-  assert summary["status"] == "nan" and summary["perturbed"] == {"nan_at_step": 2}
-  assert not (tmp_path / "jax" / "final.safetensors").exists()
+# The NaN stop is the loop's (parity.protocol.loop.run_train): tests/test_loop.py (FakeSide); the poison itself:
+# test_poison_keeps_placement_and_yields_nan.
 
 
+@pytest.mark.process
 def test_jax_side_never_imports_torch():
   code = ("import sys; import jax_impl.worker, jax_impl.step, jax_impl.model, jax_impl.optim, jax_impl.offload; "
           "bad = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules); assert not bad, bad")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- Trainer.canonical_moments, the benchmark
+# Computed in place in the Flax layout (a speed-up; benchmarks/jax_step_vs_bare.py measures it), bitwise the formula.
+
+
+def test_canonical_moments_are_the_float64_formula_bitwise():
+  run = preset("gpt2-tiny")
+  trainer = Trainer.build(run, weights.init_params(run.model, 0))
+  t = run.train
+  batch = np.random.default_rng(0).integers(0, run.model.vocab_size, (t.grad_accum_steps, t.micro_batch_size,
+                                                                      t.seq_len + 1), dtype=np.uint16)
+  trainer.compile(batch.shape, None, batch.dtype)
+  for _ in range(3):
+    trainer.step(batch)
+  nu, count = jax_optim.adam_second_moment(trainer.state.opt_state, t)
+  corr = 1.0 - float(schedule.adam_beta2(t)) ** int(count)
+  want = {k: np.sqrt(np.maximum(v.astype(np.float64), 0.0) / corr).astype(np.float32)
+          for k, v in layout.from_flax(nu, run.model).items()}  # the formula as first written: map, then compute
+  got = trainer.canonical_moments()
+  assert got.keys() == want.keys()
+  assert all(got[k].dtype == np.float32 and np.array_equal(got[k], want[k]) for k in want)
+  assert all(np.any(v > 0) for k, v in got.items() if k.endswith(".weight")), "3 steps: every weight has moments"
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_benchmark_runs_and_writes_results(tmp_path):
+  """benchmarks/jax_step_vs_bare.py end to end on gpt2-tiny: every pair measured, JSON and Markdown written."""
+  import json
+  proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "jax_step_vs_bare.py"), "--preset", "gpt2-tiny",
+                         "--rounds", "2", "--warmup", "1", "--steps-per-round", "1", "--tag", "t",
+                         "--results", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads((tmp_path / "jax_step_vs_bare-t.json").read_text())
+  for key in ("worker_vs_bare", "worker_vs_stock_flax", "offload_on_vs_off"):
+    assert len(out[key]["ratios"]) == 2 and out[key]["ratio_min"] > 0, key
+  assert out["hlo"]["worker"]["counts"]["dot"] > 0
+  assert "| worker/bare |" in (tmp_path / "jax_step_vs_bare-t.md").read_text()

@@ -1,9 +1,14 @@
 """The package layout as docs/architecture.md draws it: no import cycles inside parity/, counting function-local
-imports (a local import that closes a circle only hides it), and each package imports only what its layer may."""
+imports (a local import that closes a circle only hides it), and every module of parity/, harness/, jax_impl/ and
+torch_impl/ imports only what its row of the import table allows (RULES; the doc's table is checked against it)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import re
+import sys
 from pathlib import Path
+from typing import Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +88,240 @@ def test_lower_layers_do_not_import_higher_ones():
   shared basics never reach up into the pipeline, the report or the CLI."""
   graph = _graph()
   base = {"parity.errors", "parity.inputs", "parity.spec", "parity.weights", "parity.data"}
-  upper = ("parity.pipeline", "parity.report", "parity.cli", "parity.diagnose")
+  upper = ("parity.pipeline", "parity.report", "parity.history", "parity.cli", "parity.diagnose")
   for m in base | {m for m in graph if m.startswith(("parity.numerics", "parity.verdict", "parity.sizing"))}:
     bad = sorted(t for t in graph[m] if t.startswith(upper))
     assert not bad, f"{m} imports {bad}"
+
+
+# ----------------------------------------------------------------------------- the import table
+OWN = ("parity", "harness", "jax_impl", "torch_impl")
+"""The project's own top-level packages (benchmarks/ and tests/ are scripts over them, not layers)."""
+FRAMEWORKS = frozenset({"jax", "jaxlib", "flax", "optax", "orbax", "torch", "deepspeed"})
+JAX = frozenset({"jax", "jaxlib", "flax", "optax", "orbax"})
+TORCH = frozenset({"torch", "deepspeed"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One row of docs/architecture.md's import table: the project's own units a package may import (`own`: a unit is
+  'parity' for parity's top-level modules, 'parity.<sub>' for a subpackage, 'harness', 'jax_impl', 'torch_impl', or a
+  single module such as 'parity.numerics.adam'), the other packages it may import (`third`; the standard library is
+  always allowed), and what it must never import (`never`, own units or third-party names)."""
+  own: frozenset[str]
+  third: frozenset[str]
+  never: frozenset[str] = frozenset()
+
+
+def _rule(own: str, third: str = "", never: frozenset[str] | str = frozenset()) -> Rule:
+  never = frozenset(never.split()) if isinstance(never, str) else never
+  return Rule(frozenset(own.split()), frozenset(third.split()), never)
+
+
+_PARITY = "parity parity.numerics"
+RULES: dict[str, Rule] = {
+  "parity (package)": _rule("parity parity.pipeline", "", FRAMEWORKS | {"harness"}),
+  "parity": _rule(_PARITY, "numpy safetensors pydantic yaml hjson", FRAMEWORKS | {"harness"}),
+  "parity.numerics": _rule("parity", "numpy", FRAMEWORKS | {"harness"}),
+  "parity.verdict": _rule(_PARITY, "numpy", FRAMEWORKS | {"harness"}),
+  "parity.sizing": _rule(_PARITY, "numpy", FRAMEWORKS | {"harness"}),
+  "parity.protocol": _rule(_PARITY, "numpy safetensors", FRAMEWORKS | {"harness"}),
+  "parity.hf": _rule(f"{_PARITY} parity.sizing harness", "numpy safetensors", FRAMEWORKS),
+  "parity.migrate": _rule(f"{_PARITY} parity.protocol parity.sizing harness", "numpy pydantic yaml hjson", FRAMEWORKS),
+  "parity.pipeline": _rule(f"{_PARITY} parity.hf parity.migrate parity.protocol parity.report parity.sizing "
+                           "parity.verdict harness", "numpy safetensors", FRAMEWORKS),
+  "parity.diagnose": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.sizing parity.verdict harness",
+                           "numpy safetensors", FRAMEWORKS),
+  "parity.report": _rule(f"{_PARITY} parity.hf parity.pipeline parity.protocol parity.sizing parity.verdict harness",
+                         "numpy matplotlib rich wandb mlflow tensorboard tensorboardX", FRAMEWORKS | {"parity.history"}),
+  "parity.history": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.report parity.verdict harness", "numpy",
+                          FRAMEWORKS | {"rich"}),
+  "parity.dataset": _rule(_PARITY, "numpy tokenizers jinja2 pyarrow", FRAMEWORKS | {"harness"}),
+  "parity.cli": _rule(f"{_PARITY} parity.diagnose parity.hf parity.history parity.migrate parity.pipeline parity.report "
+                      "parity.sizing harness", "rich", FRAMEWORKS),
+  "harness": _rule(f"{_PARITY} parity.protocol", "numpy", FRAMEWORKS | {"parity.pipeline", "jax_impl", "torch_impl"}),
+  "jax_impl": _rule(f"{_PARITY} parity.protocol parity.sizing.memory_jax",
+                    "numpy safetensors ml_dtypes " + " ".join(sorted(JAX)), TORCH | {"torch_impl", "harness"}),
+  "torch_impl": _rule(f"{_PARITY} parity.protocol", "numpy safetensors " + " ".join(sorted(TORCH)),
+                      JAX | {"jax_impl", "harness"}),
+}
+"""docs/architecture.md, "Packages and what each may import", as data (the doc's table is checked against it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+  """One import statement's target: `name` the dotted module (for `from X import a`, X.a when that is a module of
+  ours, else X), `line` its line, `local` True inside a function."""
+  name: str
+  line: int
+  local: bool
+
+
+def own_modules() -> dict[str, Path]:
+  """Dotted name -> file, for every module of the project's own packages (a package is its __init__)."""
+  out = {}
+  for top in OWN:
+    for p in (ROOT / top).rglob("*.py"):
+      rel = p.relative_to(ROOT).with_suffix("")
+      out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+  return out
+
+
+def imports_of(source: str, module: str, modules: Iterable[str] = ()) -> list[Import]:
+  """Every import in `source` (the text of `module`), module level or function-local; relative imports resolved
+  against `module`; `from X import a` names X.a where X.a is in `modules`. Raises SyntaxError on bad source."""
+  modules = set(modules)
+  out: list[Import] = []
+
+  def visit(node: ast.AST, local: bool) -> None:
+    for child in ast.iter_child_nodes(node):
+      inner = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+      if isinstance(child, ast.Import):
+        out.extend(Import(a.name, child.lineno, local) for a in child.names)
+      elif isinstance(child, ast.ImportFrom):
+        base = child.module or ""
+        if child.level:
+          pkg = module.split(".")[:len(module.split(".")) - child.level + (module in _PACKAGES)]
+          base = ".".join(pkg + ([base] if base else []))
+        for a in child.names:
+          sub = f"{base}.{a.name}" if base else a.name
+          out.append(Import(sub if sub in modules or not base else base, child.lineno, local))
+      visit(child, inner)
+
+  visit(ast.parse(source), False)
+  return out
+
+
+_PACKAGES: set[str] = set()
+"""Modules that are packages (an __init__.py): a relative import inside one is relative to itself."""
+
+
+def unit_of(name: str) -> str:
+  """The import-table unit a dotted module name belongs to ('parity.spec' -> 'parity', 'parity.verdict.params' ->
+  'parity.verdict', 'torch_impl.ops' -> 'torch_impl'); a third-party name -> its top-level package."""
+  parts = name.split(".")
+  if parts[0] == "parity" and len(parts) > 2:
+    return ".".join(parts[:2])
+  if parts[0] == "parity" and len(parts) == 2:
+    return name if (ROOT / "parity" / parts[1]).is_dir() else "parity"
+  return parts[0]
+
+
+def rule_key(module: str) -> str:
+  """The RULES row that governs `module` (the package face `parity` has its own row)."""
+  return "parity (package)" if module == "parity" else unit_of(module)
+
+
+def violations(module: str, imports: Iterable[Import], rules: dict[str, Rule] = RULES) -> list[str]:
+  """Each import of `module` its row of `rules` does not allow, as 'module:line (local) imports X: why'."""
+  rule = rules[rule_key(module)]
+  home = unit_of(module)
+  out = []
+  for imp in imports:
+    top = imp.name.split(".")[0]
+    if not top or top in sys.stdlib_module_names or top == "__future__":
+      continue
+    unit = unit_of(imp.name)
+    where = f"{module}:{imp.line}{' (function-local)' if imp.local else ''} imports {imp.name}"
+    banned = sorted(n for n in rule.never if imp.name == n or imp.name.startswith(n + ".") or top == n)
+    if banned:
+      out.append(f"{where}: never {banned[0]}")
+    elif top in OWN:
+      if unit != home and not any(imp.name == u or imp.name.startswith(u + ".") or unit == u for u in rule.own):
+        out.append(f"{where}: {rule_key(module)} may import {sorted(rule.own)} of the project")
+    elif top not in rule.third:
+      out.append(f"{where}: {rule_key(module)} may import {sorted(rule.third)} besides the standard library")
+  return out
+
+
+def table_violations() -> list[str]:
+  """Every import in the project's own packages that breaks RULES."""
+  mods = own_modules()
+  _PACKAGES.update(m for m, p in mods.items() if p.name == "__init__.py")
+  out = []
+  for m, p in sorted(mods.items()):
+    out += violations(m, imports_of(p.read_text(), m, mods))
+  return out
+
+
+def local_own_imports(root: Path = ROOT) -> list[str]:
+  """Every function-local import of the project's own modules (parity, harness, jax_impl, torch_impl) in those
+  packages and benchmarks/, one per statement, as 'path:line name': the figure issue #19 item 4 counts before and
+  after."""
+  out: dict[str, str] = {}
+  for top in (*OWN, "benchmarks"):
+    for p in sorted((root / top).rglob("*.py")):
+      rel = p.relative_to(root).with_suffix("")
+      module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+      for imp in imports_of(p.read_text(), module):
+        if imp.local and imp.name.split(".")[0] in OWN:
+          out.setdefault(f"{p.relative_to(root)}:{imp.line}", imp.name)
+  return [f"{k} {v}" for k, v in out.items()]
+
+
+def test_every_import_keeps_to_the_table():
+  bad = table_violations()
+  assert not bad, "imports the table does not allow:\n  " + "\n  ".join(bad)
+
+
+def test_every_package_has_a_row():
+  keys = {rule_key(m) for m in own_modules()}
+  assert keys <= set(RULES), f"packages without a row in RULES: {sorted(keys - set(RULES))}"
+  assert set(RULES) <= keys, f"rows for packages that do not exist: {sorted(set(RULES) - keys)}"
+
+
+def test_the_checker_catches_planted_wrong_imports():
+  """Module texts parsed by the same checker: a side importing the launcher, a framework imported inside a function
+  of the contract, the launcher reaching into the pipeline, a package the row does not list, a relative import of
+  the other side; and the allowed imports beside them pass."""
+  mods = {"torch_impl.ops", "harness.lifetime", "parity.pipeline.folder", "parity.verdict.params", "jax_impl.model",
+          "torch_impl", "parity.protocol.side"}
+  planted = {
+    "torch_impl.ops": "from parity.protocol import side\nfrom harness import lifetime\n",
+    "parity.verdict.params": "import numpy as np\ndef f():\n  import torch\n  return torch\n",
+    "harness.doctor": "from parity import environment\ndef g():\n  from parity.pipeline.folder import write_new\n",
+    "parity.protocol.side": "import json\nimport pandas\n",
+    "jax_impl.step": "from . import model\nfrom .. import torch_impl\n",
+  }
+  found = {m: violations(m, imports_of(text, m, mods)) for m, text in planted.items()}
+  assert {m: len(v) for m, v in found.items()} == dict.fromkeys(planted, 1), found
+  assert "torch_impl.ops:2 imports harness.lifetime: never harness" in found["torch_impl.ops"][0]
+  assert "parity.verdict.params:3 (function-local) imports torch: never torch" in found["parity.verdict.params"][0]
+  assert "harness.doctor:3 (function-local) imports parity.pipeline.folder" in found["harness.doctor"][0]
+  assert "imports pandas" in found["parity.protocol.side"][0]
+  assert "jax_impl.step:2 imports torch_impl: never torch_impl" in found["jax_impl.step"][0]
+
+
+def _doc_table() -> dict[str, tuple[set[str], set[str]]]:
+  """docs/architecture.md's import table: row key -> (the backticked names of 'may import' before 'never', after)."""
+  text = (ROOT / "docs" / "architecture.md").read_text()
+  section = text.split("## Packages and what each may import", 1)[1].split("\n## ", 1)[0]
+  rows = {}
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 3 or not cells[0].startswith("`"):
+      continue
+    key = cells[0].strip("`").rstrip("/").replace("/", ".")
+    key = {"parity.__init__.py": "parity (package)", "parity.*.py": "parity"}.get(key, key)
+    may, _, never = cells[2].partition("never")
+    rows[key] = (set(re.findall(r"`([^`]+)`", may)), set(re.findall(r"`([^`]+)`", never)))
+  return rows
+
+
+def test_the_documented_table_is_the_enforced_one():
+  """Each row of the doc names exactly its RULES row: the project's units and other packages it may import (before
+  'never') and what it never imports (after)."""
+  doc = _doc_table()
+  assert set(doc) == set(RULES), f"doc rows {sorted(doc)} vs RULES {sorted(RULES)}"
+  for key, rule in RULES.items():
+    may, never = doc[key]
+    enforced = set(rule.own) | set(rule.third)
+    assert may == enforced, f"{key}: doc says may import {sorted(may)}, RULES {sorted(enforced)}"
+    assert never == set(rule.never), f"{key}: doc says never {sorted(never)}, RULES {sorted(rule.never)}"
+
+
+def test_local_imports_of_our_modules_are_counted():
+  """The counter finds a planted function-local import of ours and skips module-level and third-party ones."""
+  text = "import os\nfrom parity import spec\ndef f():\n  from harness import env\n  import torch\n"
+  assert [i.name for i in imports_of(text, "x", {"harness.env"}) if i.local] == ["harness.env", "torch"]
+  assert all(" " in line for line in local_own_imports())

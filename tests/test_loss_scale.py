@@ -138,12 +138,13 @@ def test_jax_traced_rule_matches_the_reference(cfg):
   import jax
   import jax.numpy as jnp
   from jax_impl import optim
+  from jax_impl import loss_scaling
   train = _train(**cfg)
   lcfg = optim.LossScaleConfig.from_train(train)
   init = optim.loss_scaled(optim.optax.identity(), lcfg).init({}).loss_scale
 
   def body(state, overflow):
-    at_min = optim.overflow_at_minimum(state, overflow, lcfg)
+    at_min = loss_scaling.overflow_at_minimum(state, overflow, lcfg)
     return optim.next_loss_scale(state, overflow, lcfg), (state.scale, at_min)
 
   _, (scales, at_min) = jax.jit(lambda s, o: jax.lax.scan(body, s, o))(init, jnp.asarray(OVERFLOWS))
@@ -225,7 +226,8 @@ def test_fp16_deepspeed_config_ports_to_an_fp16_run_and_back(name, base_precisio
   import json
   from parity.migrate._reverse import port_for_compare, to_deepspeed
   from parity.pipeline.resolve import resolve
-  from torch_impl.engine import ds_config, fp16_config
+  from torch_impl.engine import ds_config
+  from parity.numerics.ds_json import fp16_config
   path = REAL / name
   if not path.exists():
     pytest.skip(f"{path} not present (set PARITY_REALWORLD)")
@@ -251,7 +253,7 @@ def test_fp16_under_zero_stage0_is_refused_for_compare():
   from parity.spec import SpecError
   raw = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "fp16": {"enabled": True}}
-  with pytest.raises(SpecError, match="stage >= 1"):
+  with pytest.raises(SpecError, match=r"at ZeRO stage 0.*Fix: set zero_optimization.stage to 1"):
     port_for_compare(raw, resolve("gpt2-tiny"))
 
 # --------------------------------------------------------------------------- every side, end to end
@@ -275,7 +277,8 @@ def test_a_skipped_step_with_an_infinite_grad_norm_is_not_a_failure(tmp_path):
   from parity.protocol import SideIO
   with open(tmp_path / "probe.jsonl", "w") as f:
     fake = types.SimpleNamespace(run=types.SimpleNamespace(train=types.SimpleNamespace(tokens_per_step=1)),
-                                 _steps=f, _step_times=[], steps_done=0)
+                                 _steps=f, _step_times=[], _step_loss_tokens=[], steps_done=0,
+                                 loss_tokens=lambda step: 1)
     kw = dict(loss=1.0, grad_norm=float("inf"), lr=0.0, step_time_s=0.0, loss_scale=2.0)
     assert SideIO.record(fake, 0, skipped=True, **kw)
     assert not SideIO.record(fake, 1, skipped=False, **kw)
@@ -319,6 +322,8 @@ def _check_scaling(spec, records: dict[str, list], overflows: list[bool]) -> Non
     assert worst <= FP16_NOISE, f"jax vs {side}: max |dloss| {worst:.2e} > {FP16_NOISE}"
 
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed
 @pytest.mark.slow
 @requires_jax
 @requires_torch
@@ -333,6 +338,8 @@ def test_forced_overflows_skip_the_same_steps_on_every_side(tmp_path):
   assert len(set(predict_scales(spec.train, overflows))) >= 3  # halvings and a doubling were exercised
 
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed
 @pytest.mark.slow
 @requires_jax
 @requires_torch

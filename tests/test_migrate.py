@@ -6,6 +6,7 @@ import os
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from parity.migrate import Flags, PortError, port_config, read_deepspeed_config
@@ -53,7 +54,7 @@ EXPECTED = {
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json":
         "zero_optimization.stage3_param_persitence_threshold",
     "microsoft__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_cpu_offload_config.json": "ported",
-    "microsoft__DeepSpeedExamples__cifar__ds_config.json": "ported",
+    "microsoft__DeepSpeedExamples__cifar__ds_config.json": "zero_optimization.stage",  # fp16 at stage 0 (issue 18)
     "microsoft__DeepSpeedExamples__training__MoQ__test.json": "quantize_training",
     "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json": "optimizer.type",  # removed in 0.19.8
     "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_lamb__nccl__deepspeed_bsz64k_onebitlamb_config_seq128_nccl.json": "optimizer.type",  # removed in 0.19.8
@@ -424,3 +425,202 @@ def test_ported_yaml_runs_as_a_compare_config(tmp_path):
   spec = resolve("gpt2-tiny", config=out)
   assert spec.train.lr == 3e-4 and spec.train.weight_decay == 0.05 and spec.train.lr_schedule == "WarmupLR"
   assert spec.model == PRESETS["gpt2-tiny"].model
+
+
+# --------------------------------------------------------------------------- issue 18: the port says what DeepSpeed does
+
+FP16 = {"enabled": True, "hysteresis": 2, "loss_scale_window": 4}
+
+
+@pytest.mark.parametrize("zero, key", [({"zero_optimization": {"stage": 0}}, "zero_optimization.stage"),
+                                       ({}, "fp16.enabled")])
+def test_fp16_at_stage0_is_refused_naming_what_deepspeed_runs(zero, key):
+  """Item 5: stage-0 fp16 was ported with hysteresis 2 for the JAX scaler; DeepSpeed's FP16_Optimizer never scales
+  the loss there (tests/test_migrate_verify.py measures it)."""
+  r = _port({**BASE, "fp16": FP16, **zero})
+  assert r.ported is None
+  err = r.report.errors[0]
+  assert "FP16_Optimizer" in err and "fp16.hysteresis is never read" in err and "divides the gradient" in err
+  assert "Fix: set zero_optimization.stage to 1" in err
+  assert r.report.entries[key].fate == "unsupported"
+  assert r.report.to_dict()["deepspeed_accepts"]  # DeepSpeed runs it; the port refuses to misstate it
+
+
+def test_fp16_at_stage1_keeps_the_hysteresis_deepspeed_runs():
+  p = _port({**BASE, "fp16": FP16, "zero_optimization": {"stage": 1}}).ported
+  assert (p.precision.loss_scale.hysteresis, p.precision.loss_scale.window) == (2, 4)
+  assert p.not_runnable_by_compare == {}
+
+
+def test_reverse_refuses_fp16_at_stage0():
+  p = _port({**BASE, "fp16": FP16, "zero_optimization": {"stage": 1}}).ported.to_dict()
+  p["jax"]["zero_stage"] = 0
+  _, report = to_deepspeed(p)
+  assert not report.ported and "jax.zero_stage 0" in report.errors[0] and "never multiplies the loss" in report.errors[0]
+
+
+def test_not_runnable_lists_every_reason_compare_refuses_with_how_to_run_it():
+  """Item 5: not_runnable_by_compare was {} on ports compare then refused; it is compare's own checks now."""
+  from parity.migrate._reverse import compare_blockers
+  from parity.spec import SpecError
+  cfg = {**BASE, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": False}},
+         "activation_checkpointing": {"cpu_checkpointing": True}}
+  p = _port(cfg).ported
+  assert set(p.not_runnable_by_compare) == {"bias_correction", "cpu_checkpointing"}
+  assert all(v.why and v.run for v in p.not_runnable_by_compare.values())
+  assert p.not_runnable_by_compare == compare_blockers(p)
+  with pytest.raises(SpecError) as e:
+    to_run_spec(p, PRESETS["gpt2-tiny"])
+  assert "bias_correction" in str(e.value) and "cpu_checkpointing" in str(e.value)
+
+
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+def test_not_runnable_is_empty_exactly_when_compare_runs_the_port():
+  from parity.spec import SpecError
+  seen = 0
+  for path in REAL_FILES:
+    raw = read_deepspeed_config(path)
+    p = port_config(raw, flags_for(raw), source=path.name).ported
+    if p is None:
+      continue
+    try:
+      to_run_spec(p, PRESETS["gpt2-tiny"])
+      runs = True
+    except SpecError:
+      runs = False
+    assert runs == (not p.not_runnable_by_compare), (path.name, p.not_runnable_by_compare)
+    seen += 1
+  assert seen >= 10
+
+
+def test_multi_rank_batch_runs_its_global_batch_with_nproc(tmp_path, capsys):
+  """Item 5: world=4 was written as runnable and compare refused it ('runs one data-parallel rank')."""
+  from parity.protocol.ranks import check_nproc
+  p = _port({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, world_size=4).ported
+  assert p.batch.world == 4 and p.not_runnable_by_compare == {}
+  spec = to_run_spec(p, PRESETS["gpt2-tiny"])
+  assert (spec.train.micro_batch_size, spec.train.grad_accum_steps) == (16, 2)  # the global micro batch
+  check_nproc(spec.train, 4)  # --nproc 4 splits it back into the config's 4 ranks of 4
+  src = _write(tmp_path, json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                     "gradient_accumulation_steps": 2}))
+  out = tmp_path / "p.yaml"
+  assert cli.main([str(src), "--quiet", "--world-size", "4", "--lr", "1e-3", "--betas", "0.9,0.95", "--eps", "1e-8",
+                   "--weight-decay", "0", "-o", str(out)]) == 0
+  err = capsys.readouterr().err
+  assert f"wrote the ported JAX config to {out}" in err
+  assert f"next: parity compare --config {out} --nproc 4" in err
+  assert "--world-size 4" in err and "--betas 0.9,0.95 --verify" in err
+
+
+def test_cli_names_every_reason_compare_cannot_run(tmp_path, capsys):
+  src = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "Adam", "params": {"bias_correction": False}}}))
+  assert cli.main([str(src), "--quiet", "-o", str(tmp_path / "p.yaml")]) == 0
+  err = capsys.readouterr().err
+  assert "parity compare cannot run this port (1 reason):" in err and "bias_correction" in err
+  assert "next: parity compare" not in err and f"next: parity port {src} --verify" in err
+
+
+def test_to_deepspeed_keeps_what_the_jax_plan_does_not_model():
+  """Item 5: --to-deepspeed turned partition_activations and contiguous_memory_optimization from true to false."""
+  cfg = {**BASE, "activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": True,
+                                              "number_checkpoints": 4},
+         "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8},
+         "steps_per_print": 7, "wall_clock_breakdown": False}
+  first = _port(cfg).ported
+  ds, report = to_deepspeed(first.to_dict())
+  assert report.ported, report.errors
+  for key, value in leaf_paths(cfg):
+    if key.split(".")[0] in ("optimizer", "train_batch_size", "train_micro_batch_size_per_gpu"):
+      continue  # ported in their own right (Adam -> AdamW, the batch made explicit)
+    node = ds
+    for part in key.split("."):
+      node = node[part]
+    assert node == value, key
+  assert report.entries["deepspeed_only.activation_checkpointing.partition_activations"].target == \
+      "activation_checkpointing.partition_activations"
+  back = _port(json.loads(json.dumps(ds))).ported
+  assert back.deepspeed_only == first.deepspeed_only
+
+
+def test_weight_decay_mask_and_the_hf_trainers_are_in_the_report():
+  """Item 5: the mask a port assumes (transformers 5.24: one group with an optimizer section, create_optimizer
+  exempts biases and norms only)."""
+  r = _port({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}})
+  why = r.report.entries["optimizer.params.weight_decay"].reason
+  assert "no decay on biases, norm scales and the token/position embeddings" in why
+  assert "one group" in why and "decays every tensor" in why
+  client = _port({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}, lr=1e-3, betas=(0.9, 0.999),
+                 eps=1e-8, weight_decay=0.1)
+  implied = [i for i in client.report.implied if i["key"] == "optimizer"][0]["reason"]
+  assert "no decay on biases" in implied and "also decays the embeddings" in implied
+
+
+def test_bf16_section_with_loss_scale_keys_names_the_fix():
+  """Item 9: refused (DeepSpeed 0.19.8 rejects it too) but with no fix."""
+  r = _port({**BASE, "bf16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}})
+  err = r.report.errors[0]
+  assert "bf16.loss_scale, bf16.initial_scale_power" in err
+  assert "remove these keys: bf16 has no loss scaling" in err
+  assert r.report.deepspeed_refusals and len(r.report.errors) == 1
+  assert r.report.entries["bf16.loss_scale"].fate == "unsupported"
+
+
+def test_terminal_keeps_bracketed_text():
+  """Item 9: rich read '[adam_beta1, adam_beta2]' as markup and dropped it."""
+  import io
+  from rich.console import Console
+  r = _port({**BASE, "optimizer": {"type": "AdamW", "params": {"betas": "auto"}}}, betas=(0.9, 0.95))
+  buf = io.StringIO()
+  cli.print_port_table(r.report, Console(file=buf, width=600, highlight=False))
+  assert "HF fills [adam_beta1, adam_beta2], from --betas" in buf.getvalue()
+
+
+def test_markdown_report_keeps_pipes():
+  """Item 9: migration.md wrote ||g|| as //g//."""
+  md = _port({**BASE, "gradient_clipping": 1.0}).report.to_markdown()
+  assert "(\\|\\|g\\|\\| + 1e-6)" in md and "//g//" not in md
+
+
+def test_overflowing_number_names_its_key_path(tmp_path):
+  """Item 9: 1e400 named the file but not the key."""
+  p = _write(tmp_path, '{"train_batch_size": 8, // hjson\n "optimizer": {"params": {"lr": 1e400,}}}')
+  with pytest.raises(PortError) as e:
+    read_deepspeed_config(p)
+  assert "optimizer.params.lr" in str(e.value) and str(p) in str(e.value)
+
+
+def test_verify_request_runs_fp16_and_says_bf16_is_not_exercised():
+  """Item 5: --verify dropped the fp16 section and said OK; it runs it now, and names what it cannot run (bf16)."""
+  from parity.migrate.verify import BF16_NOT_EXERCISED, VerifyOutcome, verify_request
+  fp16 = _port({**BASE, "fp16": FP16, "zero_optimization": {"stage": 1}})
+  ds, jx, notes = verify_request(fp16, 5)
+  assert ds["ds_config"]["fp16"]["enabled"] and ds["ds_config"]["fp16"]["hysteresis"] == 2
+  assert jx["ported"]["precision"]["loss_scale"]["hysteresis"] == 2 and "fp16 runs as configured" in notes[0]
+  ds, _, notes = verify_request(_port({**BASE, "bf16": {"enabled": True}}), 5)
+  assert "bf16" not in ds["ds_config"] and BF16_NOT_EXERCISED in notes[0]
+  out = VerifyOutcome(True, 5, 0.0, 0.0, 0.1, 0.1, "engine", notes, not_exercised=[BF16_NOT_EXERCISED])
+  assert out.summary().startswith(f"verify: OK for what ran; NOT exercised: {BF16_NOT_EXERCISED}")
+
+
+def test_verify_fails_on_a_loss_scale_the_port_got_wrong():
+  """The fp16 comparison catches a hysteresis that differs from DeepSpeed's (the stage-0 bug of item 5)."""
+  from parity.migrate.verify import _reference_params, _scale_failures
+  good = _port({**BASE, "fp16": FP16, "zero_optimization": {"stage": 1}}).ported.to_dict()
+  wrong = json.loads(json.dumps(good))
+  wrong["precision"]["loss_scale"]["hysteresis"] = 1
+  steps = 20
+  _, _, ds_scale = _reference_params(good, steps, 0)  # stands for DeepSpeed's DynamicLossScaler, hysteresis 2
+  _, _, jx_scale = _reference_params(wrong, steps, 0)
+  assert (ds_scale != jx_scale).any()
+  fails = _scale_failures({"scale": ds_scale, "skipped": np.zeros(steps, bool)},
+                          {"scale": jx_scale, "skipped": np.zeros(steps, bool)}, ds_scale, engine=True)
+  k = int(np.flatnonzero(ds_scale != jx_scale)[0])
+  assert fails and fails[0].startswith(f"fp16 loss scale at step {k}: DeepSpeed")
+
+
+def test_to_deepspeed_says_which_activation_keys_it_wrote_as_defaults():
+  p = _port({**BASE, "activation_checkpointing": {"partition_activations": True}}).ported.to_dict()
+  _, report = to_deepspeed(p)
+  assert not any("partition_activations" in w for w in report.warnings)
+  assert any("contiguous_memory_optimization" in w and "default (false)" in w for w in report.warnings)

@@ -97,6 +97,7 @@ def one_and_two_ranks(tmp_path_factory):
   return base, reports
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_all
 def test_two_ranks_reach_parity_with_one_rank(one_and_two_ranks):
@@ -116,6 +117,7 @@ def test_two_ranks_reach_parity_with_one_rank(one_and_two_ranks):
     print(f"{side}: max |dloss| 1 vs 2 ranks = {d:.3g}")
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_all
 def test_two_rank_offload_pair_is_sharded_and_reports_every_rank(one_and_two_ranks):
@@ -134,6 +136,7 @@ def test_two_rank_offload_pair_is_sharded_and_reports_every_rank(one_and_two_ran
   assert not (base / "n1" / "jax" / "rank0.json").exists()  # one rank: today's files only
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_all
 def test_killed_rank_is_named_and_fails_the_run(tmp_path):
@@ -197,6 +200,7 @@ def test_compare_refuses_rank_options_before_anything_runs():
       check_run_options(spec, pert, options)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_all
 def test_kill_9_of_parity_ends_every_rank(tmp_path):
@@ -279,6 +283,7 @@ def test_compare_refuses_bad_coordinator_and_too_many_ranks(monkeypatch):
       check_run_options(spec, {}, options)
 
 
+@pytest.mark.process
 def test_a_jax_side_past_its_timeout_blames_no_rank_it_killed(tmp_path):
   import sys
   from harness import lifetime

@@ -91,6 +91,39 @@ def test_compare_keyword_form_is_resolve_plus_run_comparison(tmp_path, fake_side
   assert report.passed and report.data["determinism"] == {} and report.data["timing"]["self_runs_s"] == 0.0
 
 
+def test_compare_states_no_option_of_its_own(tmp_path, fake_sides):
+  """Issue #19 item 5: compare(preset, **keywords) maps its keywords onto resolve_run's parameters (what is run) and
+  RunOptions' fields (how), by their names; it restates none, and an unknown keyword is a TypeError naming it, the
+  closest valid name and both lists, before anything runs."""
+  import inspect
+  import parity
+  from parity.pipeline import compare as api
+  from parity.pipeline.resolve import resolve_run
+  assert list(inspect.signature(api.compare).parameters) == ["preset", "keywords"]
+  assert list(inspect.signature(parity.compare).parameters) == ["preset", "keywords"]
+  assert set(api.SOURCE_KEYWORDS) == set(inspect.signature(resolve_run).parameters) - {"preset_name"}
+  assert api.OPTION_FIELDS == tuple(f.name for f in dataclasses.fields(api.RunOptions))
+  assert not set(api.SOURCE_KEYWORDS) & set(api.OPTION_FIELDS)  # no keyword could mean two things
+  source, how = api.split_keywords({"steps": 4, "out": "o", "hf_model": None, "timeout_s": 3.0})
+  assert source == {"steps": 4, "hf_model": None} and how == {"out": "o", "timeout_s": 3.0}
+  calls = fake_sides()
+  with pytest.raises(TypeError, match=r"unknown keyword\(s\) 'step' \(did you mean 'steps'\?\), 'bogus'; what is "
+                                      r"run: .*config, .*hf_model.*; how it runs: out, .*trackers"):
+    parity.compare("gpt2-tiny", step=4, bogus=1, out=tmp_path / "u")
+  assert calls == [] and not (tmp_path / "u").exists()
+  with pytest.raises(TypeError, match="new_option"):
+    api.RunOptions(new_option=1)  # type: ignore[call-arg]
+
+
+def test_run_options_takes_one_string_as_one_item():
+  """perturb and trackers: a lone string is one change / one tracker (it was iterated character by character)."""
+  from parity.pipeline.compare import RunOptions
+  o = RunOptions(perturb="jax:model.norm_eps=1e-3", trackers=["tensorboard:x"])
+  assert o.perturb == ("jax:model.norm_eps=1e-3",) and o.trackers == ("tensorboard:x",)
+  assert RunOptions(perturb={"jax": {"model.norm_eps": 1e-3}}).perturb == {"jax": {"model.norm_eps": 1e-3}}
+  assert RunOptions().progress is True  # one default for compare, run_comparison and the CLI (--no-progress)
+
+
 def test_ctrl_c_in_a_side_reports_then_reraises(tmp_path, fake_sides):
   """The one run-each-side helper: the side running at Ctrl-C is 'killed', the rest 'not_run', no reruns start,
   the report says INTERRUPTED, then the KeyboardInterrupt reaches the caller."""
@@ -163,8 +196,8 @@ def _functions(path: Path):
 PIPELINE_FILES = ["parity/pipeline/compare.py", "parity/pipeline/reruns.py", "parity/pipeline/collect.py", "parity/report/build.py", "parity/pipeline/folder.py",
                   "parity/diagnose/__init__.py", "parity/diagnose/driver.py", "parity/protocol/__init__.py",
                   "parity/protocol/layout.py", "parity/protocol/control.py", "parity/protocol/side.py",
-                  "parity/protocol/workers.py", "harness/runner.py", "harness/self_runs.py", "jax_impl/worker.py",
-                  "torch_impl/worker.py"]
+                  "parity/protocol/workers.py", "parity/protocol/loop.py", "parity/protocol/diagnose.py",
+                  "harness/runner.py", "harness/self_runs.py", "jax_impl/worker.py", "torch_impl/worker.py"]
 
 
 @pytest.mark.parametrize("path", PIPELINE_FILES)
@@ -196,7 +229,7 @@ def test_one_worker_registry_by_side_and_job():
     workers.worker_module("deepspeed", "diagnose")
   with pytest.raises(ValueError, match="unknown worker job 'train2'"):
     workers.worker_module("jax", "train2")
-  from parity.diagnose.inputs import DIAGNOSE_WORKERS
+  from parity.diagnose import DIAGNOSE_WORKERS
   assert DIAGNOSE_WORKERS is workers.DIAGNOSE_WORKERS  # no second table
 
 
@@ -239,9 +272,10 @@ def test_one_batch_shape_check_for_both_workers(tmp_path):
     check_batch_shapes((t.steps - 1, *want[1:]), None, t)
   with pytest.raises(ValueError, match=r"val_batches.npy has shape \(2, 3\)"):
     check_batch_shapes(want, (2, 3), t)
-  for worker in ("jax_impl/worker.py", "torch_impl/worker.py"):  # neither keeps a copy of its own
+  for worker in ("jax_impl/worker.py", "torch_impl/worker.py"):  # neither keeps a copy of its own: the loop checks
     src = (ROOT / worker).read_text()
-    assert "_check_batches" not in src and "io.training_batches()" in src, worker
+    assert "_check_batches" not in src and "training_batches" not in src and "run_train(io" in src, worker
+  assert "io.training_batches()" in (ROOT / "parity" / "protocol" / "loop.py").read_text()
 
 
 def test_side_io_checks_val_batches_for_every_side(tmp_path):
@@ -259,3 +293,15 @@ def test_side_io_checks_val_batches_for_every_side(tmp_path):
   with pytest.raises(ValueError, match="val_batches.npy has shape"):
     io.training_batches()
   assert json.loads((tmp_path / "request.json").read_text())["schema"] == REQUEST_SCHEMA and to_dict(spec)
+
+
+def test_compare_reads_one_sides_string_as_a_comma_list_and_refuses_a_timeout_that_is_no_number():
+  """parity.compare(sides='jax') was refused as ['j', 'a', 'x'] and timeout_s='x' raised a bare TypeError from a
+  comparison (breaker). One string is a comma list, as --sides; a timeout that is no number is a SpecError naming
+  --timeout. Both refused before any folder or process exists."""
+  import parity
+  from parity.spec import SpecError
+  with pytest.raises(SpecError, match=r"got \['jax', 'bogus'\]"):
+    parity.compare("gpt2-tiny", steps=2, sides="jax,bogus")
+  with pytest.raises(SpecError, match="--timeout must be > 0 seconds; got x"):
+    parity.compare("gpt2-tiny", steps=2, sides="jax", timeout_s="x", out="/nonexistent-parity-test/run")

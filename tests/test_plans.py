@@ -158,3 +158,35 @@ def test_compare_applies_jax_and_deepspeed_overrides_on_top_of_a_plan():
   assert plain.spec.jax.remat == "none" and "overrides" not in plain.plan
   with pytest.raises(SpecError, match="jax.zero_stage"):
     resolve_run("gpt2-tiny", plan="zero2", overrides={"jax.zero_stage": 7})
+
+
+def test_plan_header_and_json_carry_the_inputs_assumed(tmp_path, capsys):
+  """The header said the device and the link but not the host memory, and --json carried neither: both now give
+  device memory (and what the reserve leaves), host memory per device, host link, peak and MFU as assumed."""
+  from parity.cli import main
+  out = tmp_path / "p.json"
+  assert main(["plan", "--model", "llama-7b", "--hardware", "H100", "--host-memory", "384", "--bandwidth", "25",
+               "--mfu", "0.3", "--json", str(out)]) == 0
+  head = " ".join(capsys.readouterr().out.split("┏")[0].split())
+  for text in ("80.0 GiB device memory (72.0 usable after a 10% reserve)", "384 GiB host memory per device",
+               "25 GB/s host link per direction", "peak 989.0 TFLOP/s (bf16)", "MFU 0.3", "on 1 x H100"):
+    assert text in head, (text, head)
+  inputs = json.loads(out.read_text())["inputs"]
+  assert inputs == {"hardware": "H100", "device_bytes": 80 * GiB, "reserve": 0.1,
+                    "usable_device_bytes": int(80 * GiB * 0.9), "host_bytes_per_device": 384 * GiB,
+                    "host_link_bytes_per_s": 25e9, "peak_flops": 989e12, "mfu": 0.3, "devices": 1,
+                    "sides": ["deepspeed", "jax"], "precision": "bf16", "micro_batch_size": 1, "seq_len": 2048,
+                    "grad_accum_steps": 1, "padding_fraction": 0.0}
+
+
+def test_plan_and_estimate_headers_name_the_plan_and_a_unit_that_shows_tiny_figures(capsys):
+  from parity.cli import main
+  assert main(["estimate", "--preset", "gpt2-tiny", "--plan", "zero3"]) == 0
+  head = " ".join(capsys.readouterr().out.split("┏")[0].split())
+  assert "plan zero3 (DeepSpeed ZeRO-3; JAX zero_stage 3)" in head, head
+  assert main(["plan", "--preset", "gpt2-tiny"]) == 0
+  text = capsys.readouterr().out
+  assert "deepspeed MiB" in text and "µs" in text
+  row = next(line for line in text.splitlines() if line.strip("│ ").startswith("zero0 "))
+  cells = [c.strip() for c in row.strip().strip("│").split("│")]
+  assert float(cells[1]) > 0 and cells[4] != "0.0 / 0.0", cells  # step time and device bytes read as non-zero

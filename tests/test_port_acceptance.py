@@ -54,6 +54,9 @@ CRAFTED = {
     "unknown_zero_key": {**B, "optimizer": ADAMW, "zero_optimization": {"stage": 2, "overlap_com": True}},
     "removed_top_key": {**B, "optimizer": ADAMW, "sparse_attention": {"mode": "fixed"}},
     "unknown_scheduler": {**B, "optimizer": ADAMW, "scheduler": {"type": "WarmupCosine", "params": {}}},
+    "bf16_with_fp16_loss_scale_keys": {**B, "optimizer": ADAMW, "bf16": {"enabled": True, "loss_scale": 0,
+                                                                         "hysteresis": 2}},
+    "fp16_stage0": {**B, "optimizer": ADAMW, "fp16": {"enabled": True}},  # DeepSpeed runs it; only the port refuses
     "bf16_stage2_offload_adamw": {**B, "optimizer": ADAMW, "bf16": {"enabled": True},
                                   "zero_optimization": {"stage": 2, "offload_optimizer": OFF}},
 }
@@ -86,6 +89,7 @@ def oracle(tmp_path_factory):
   return json.loads((tmp / "out.json").read_text())
 
 
+@pytest.mark.process
 @requires_deepspeed
 def test_port_refuses_exactly_what_deepspeed_refuses(oracle):
   wrong = []
@@ -141,13 +145,14 @@ def test_item9_verify_timeout_exits_3_with_message(tmp_path, capsys, monkeypatch
 
   def slow(result, *, steps, timeout, seed=0):
     raise verify.VerifyTimeout("deepspeed", timeout)
-  monkeypatch.setattr(verify, "verify", slow)
+  monkeypatch.setattr(cli, "verify", slow)  # parity.cli.port binds verify at import: patch it where it is called
   code = cli.main([str(p), "--verify", "--verify-timeout", "0.5", "-o", str(tmp_path / "o.yaml"), "--quiet"])
   err = capsys.readouterr().err
   assert code == cli.EXIT_VERIFY_TIMEOUT == 3
   assert "0.5 s" in err and "--verify-timeout" in err and "Traceback" not in err
 
 
+@pytest.mark.process
 def test_item9_launcher_kills_the_group_at_the_timeout(tmp_path):
   from harness.launch import LaunchTimeout, run_module
   with pytest.raises(LaunchTimeout) as e:
@@ -165,7 +170,7 @@ def test_item8_verify_sides_get_the_workers_environment(tmp_path):
   assert "import subprocess" not in src and "subprocess.run" not in src and "harness.launch" in src
   pv = (launch.ROOT / "torch_impl" / "port_verify.py").read_text()
   assert "setup_distributed()" in pv and "TORCH_EXTENSIONS_DIR" not in pv
-  from harness.env import env_bin, extensions_dir
+  from parity.buildenv import env_bin, extensions_dir
   env = launch.worker_env({"X": "1"})
   assert env["PYTHONPATH"].split(":")[0] == str(launch.ROOT) and env["X"] == "1"
   assert env["TORCH_EXTENSIONS_DIR"] == os.environ.get("TORCH_EXTENSIONS_DIR", extensions_dir())

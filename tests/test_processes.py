@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import process_alive as _alive, requires_jax, requires_torch
+from parity import phase
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +40,7 @@ def _sleeper(tmp_path: Path, body: str) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------- item 7
 
+@pytest.mark.process
 @requires_jax
 @requires_torch
 def test_kill_9_of_parity_ends_its_worker(tmp_path):
@@ -64,6 +67,7 @@ def test_kill_9_of_parity_ends_its_worker(tmp_path):
       proc.wait()
 
 
+@pytest.mark.process
 def test_closed_pipe_ends_worker_and_its_children(tmp_path):
   """The portable fallback: when the harness's end of the pipe closes, the worker kills itself and its children
   (one in a session of its own included), though its parent process is still alive (so PDEATHSIG never fires)."""
@@ -83,6 +87,7 @@ def test_closed_pipe_ends_worker_and_its_children(tmp_path):
   assert _wait_gone([child], 5.0) == [], "the worker's own child survived"
 
 
+@pytest.mark.process
 def test_worker_ends_by_its_own_deadline(tmp_path, monkeypatch):
   """A worker whose parent is alive but no longer watching ends by itself past timeout + grace."""
   from harness import lifetime
@@ -107,6 +112,7 @@ def test_worker_started_by_hand_is_not_bound(monkeypatch):
   assert lifetime.watch_parent({}) == {"pdeathsig": False, "pipe": False, "deadline": None}
 
 
+@pytest.mark.process
 def test_timeout_kills_grandchildren_in_their_own_groups(tmp_path):
   """A side timed out while building: the harness kills the worker's group and its descendants in other groups
   (ninja runs each compiler in a process group of its own; before, they ran on after the timeout)."""
@@ -147,6 +153,7 @@ def test_stale_lock_is_removed_with_a_message(ext_dir):
   assert ops.lock_state(lock.parent) == ("free", "no lock")
 
 
+@pytest.mark.process
 @requires_torch
 def test_live_lock_is_kept_and_removed_once_its_builder_dies(ext_dir):
   """A lock held open by a live process (the builder, as torch's FileBaton holds it) is live; kill the
@@ -198,10 +205,9 @@ class _FakeBuilder:
 def test_build_hook_recovers_a_stale_lock_and_reports_the_build(ext_dir, tmp_path, monkeypatch):
   """Before: a stale lock made every later process wait forever. Now the hook removes it, the phase file says
   'building DeepSpeed op cpu_adam (first use, 1-4 min)' during the build, and the build time is counted."""
-  from harness import lifetime
   from torch_impl import ops
   cls = type("Builder", (_FakeBuilder,), {})
-  monkeypatch.setenv(lifetime.PHASE_ENV, str(tmp_path / "phase"))
+  monkeypatch.setenv(phase.PHASE_ENV, str(tmp_path / "phase"))
   (ext_dir / "cpu_adam" / "lock").touch()  # left by an interrupted build
   said, before = [], ops.build_s()
   _FakeBuilder.seen_phase = []
@@ -213,14 +219,14 @@ def test_build_hook_recovers_a_stale_lock_and_reports_the_build(ext_dir, tmp_pat
   assert ops.build_s() - before >= 0.3
 
 
+@pytest.mark.process
 @requires_torch
 def test_build_hook_builds_when_the_builder_it_waited_on_dies(ext_dir, tmp_path, monkeypatch):
   """Another process holds the lock (live), then dies mid-build: the waiting process removes the lock it left
   and builds the op itself, instead of waiting forever."""
-  from harness import lifetime
   from torch_impl import ops
   monkeypatch.setattr(ops, "RECHECK_S", 0.2)
-  monkeypatch.setenv(lifetime.PHASE_ENV, str(tmp_path / "phase"))
+  monkeypatch.setenv(phase.PHASE_ENV, str(tmp_path / "phase"))
   cls = type("Builder", (_FakeBuilder,), {})
   lock = ext_dir / "cpu_adam" / "lock"
   holder = subprocess.Popen([sys.executable, "-c", "import os, time\n"
@@ -230,8 +236,8 @@ def test_build_hook_builds_when_the_builder_it_waited_on_dies(ext_dir, tmp_path,
   said = []
   ops.install_build_hooks(said.append, cls=cls)
   _FakeBuilder.seen_phase = []
-  phase = tmp_path / "phase"  # the builder dies once the waiter says it waits
-  killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {phase} ]; do sleep 0.05; done; sleep 0.3; "
+  phase_file = tmp_path / "phase"  # the builder dies once the waiter says it waits
+  killer = subprocess.Popen(["sh", "-c", f"while [ ! -s {phase_file} ]; do sleep 0.05; done; sleep 0.3; "
                                          f"kill -9 {holder.pid}"])
   t0 = time.time()
   try:
@@ -248,6 +254,8 @@ def test_build_hook_builds_when_the_builder_it_waited_on_dies(ext_dir, tmp_path,
 
 # ----------------------------------------------------------------------------- item 8: harness, environment
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed  # run_side(..., "deepspeed"): the guard counts it as a DeepSpeed start (a fake build)
 def test_build_phase_is_shown_and_off_the_clock(tmp_path):
   """A worker 'building' for 2.5 s under a 1.5 s timeout is not timed out, and the progress callback gets the
   phase as a note (the line says it instead of 0/N steps)."""
@@ -255,10 +263,10 @@ def test_build_phase_is_shown_and_off_the_clock(tmp_path):
   (tmp_path / "request.json").write_text("{}")
   (tmp_path / "fakebuild.py").write_text(textwrap.dedent("""
     import os, time
-    from harness import lifetime
-    lifetime.set_phase("building DeepSpeed op cpu_adam (first use, ~1 min)")
+    from parity import phase
+    phase.set_phase("building DeepSpeed op cpu_adam (first use, ~1 min)")
     time.sleep(2.5)
-    lifetime.set_phase(None)
+    phase.set_phase(None)
   """))
   notes = []
   sr = run_side(tmp_path, "deepspeed", timeout_s=1.5, module="fakebuild", env={"PYTHONPATH": str(tmp_path)},
@@ -268,11 +276,13 @@ def test_build_phase_is_shown_and_off_the_clock(tmp_path):
   assert not (tmp_path / "deepspeed" / "phase").exists()
 
 
+@pytest.mark.process
 def test_one_build_environment_whatever_the_callers_path(tmp_path):
   """Cause of the double rebuilds: the system ninja (1.11) reads the venv ninja's (1.13) .ninja_log as foreign and
   rebuilds everything. Every launch path gets this environment's ninja first and one TORCH_EXTENSIONS_DIR, and
   build_environ is idempotent, so an op built once is up to date for every later process."""
-  from harness.env import build_environ, env_bin, extensions_dir, worker_env
+  from parity.buildenv import build_environ, env_bin, extensions_dir
+  from harness.env import worker_env
   venv_ninja = os.path.join(env_bin(), "ninja")
   if not os.path.exists(venv_ninja):
     pytest.skip("this environment has no ninja of its own")
@@ -298,6 +308,8 @@ def test_one_build_environment_whatever_the_callers_path(tmp_path):
   assert "no work to do" in dry.stdout, dry.stdout[-500:]
 
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed
 def test_build_ops_refuses_an_unknown_op():
   proc = subprocess.run([sys.executable, "-m", "parity.cli", "build-ops", "cpu_adamm"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)
@@ -307,6 +319,8 @@ def test_build_ops_refuses_an_unknown_op():
   assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.process
+@pytest.mark.requires_deepspeed
 def test_build_ops_refuses_an_extensions_dir_that_is_a_file(tmp_path):
   """TORCH_EXTENSIONS_DIR naming a file was a NotADirectoryError (exit 1); it is bad input: exit 2, named, with
   the fix."""
@@ -317,3 +331,202 @@ def test_build_ops_refuses_an_extensions_dir_that_is_a_file(tmp_path):
   assert proc.returncode == 2, proc.stderr
   assert f"TORCH_EXTENSIONS_DIR={tmp_path / 'file'} is not a folder; point TORCH_EXTENSIONS_DIR at" in proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- issue 18 item 9: stopping parity itself
+def _compare(out: Path, *extra: str) -> subprocess.Popen:
+  """`parity compare` of gpt2-tiny, 4 steps, the jax side only, no reruns: the shortest real run."""
+  return subprocess.Popen([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--steps", "4",
+                           "--sides", "jax", "--determinism-steps", "0", "--out", str(out), "--no-progress", *extra],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc: subprocess.Popen, ready, what: str, within_s: float = 300.0) -> None:
+  """Polls (5 ms) until ready() holds; fails naming `what` if the process ends or the time runs out first."""
+  t_end = time.time() + within_s
+  while not ready():
+    if proc.poll() is not None or time.time() > t_end:
+      proc.kill()
+      out, err = proc.communicate()
+      pytest.fail(f"never saw {what} (exit {proc.returncode}): {err[-2000:]}")
+    time.sleep(0.005)
+
+
+@pytest.mark.process
+@requires_jax
+def test_a_second_ctrl_c_during_the_shutdown_does_not_lose_the_report(tmp_path):
+  """Two Ctrl-C: the first while the side runs (hung at step 1), the second once the report is being written (its
+  first file, metrics.jsonl, is there and report.json is not). The report of what ran is written, INTERRUPTED, the
+  worker is gone, and the message says what was running, what was killed, what is on disk and that the second
+  signal was ignored. (It used to leave no report while saying 'the report marks it'.)"""
+  out = tmp_path / "run"
+  proc = _compare(out, "--perturb", "jax:hang_at_step=1")
+  steps = out / "jax" / "steps.jsonl"
+  _wait_for(proc, lambda: steps.exists() and steps.read_text().count("\n") >= 1, "the jax side's first step")
+  worker = int((out / "jax" / "pid").read_text())
+  proc.send_signal(signal.SIGINT)
+  _wait_for(proc, (out / "metrics.jsonl").exists, "the report's first file", within_s=120)
+  assert not (out / "report.json").exists(), "the report was already written: the second signal came too late"
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  assert _wait_gone([worker], 5.0) == []
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["verdict"]["message"].startswith("INTERRUPTED") and rep["sides"]["jax"]["status"] == "killed"
+  assert (out / "report.md").exists() and (out / "card.json").exists() and (out / "report.html").exists()
+  last = err.strip().splitlines()[-1]
+  assert last.startswith(f"parity compare: interrupted by Ctrl-C (SIGINT) while side jax was running ({out / 'jax'})"
+                         ": it was killed with its child processes; the report of what ran is written, verdict "
+                         f"INTERRUPTED: {out / 'report.html'}"), last
+  assert last.endswith("1 more signal(s) (SIGINT) came while it was stopping and were ignored, so that it could "
+                       "finish"), last
+  assert "parity: SIGINT again: ignored, it is already stopping" in err and "Traceback" not in err
+
+
+@pytest.mark.process
+@requires_jax
+def test_sigterm_while_the_report_is_written_lets_it_finish_and_says_so(tmp_path):
+  """SIGTERM once the report is being written (every side done): the report is finished, complete and not marked
+  INTERRUPTED, and the message says the signal came while the report was written, with no side running (it used
+  to say 'the running side was killed')."""
+  out = tmp_path / "run"
+  proc = _compare(out)
+  _wait_for(proc, (out / "metrics.jsonl").exists, "the report's first file")
+  assert not (out / "report.json").exists(), "the report was already written: the signal came too late"
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["verdict"]["message"].startswith("ONE SIDE: jax ran ok") and rep["sides"]["jax"]["status"] == "ok"
+  assert (out / "report.md").exists() and (out / "card.json").exists() and (out / "report.html").exists()
+  last = err.strip().splitlines()[-1]
+  assert last == ("parity compare: SIGTERM came while the report was being written (no side was running); that was "
+                  f"finished first; the report is written, verdict ONE SIDE: {out / 'report.html'}, with report.json, "
+                  "report.md and card.json"), last
+  assert "killed" not in err
+
+
+def test_a_signal_while_the_records_are_compared_skips_the_reruns(tmp_path, monkeypatch, capsys):
+  """In process, fake sides (no framework): SIGTERM arrives while the sides' records are compared. That finishes,
+  no rerun starts, the report is written marked INTERRUPTED, and the message says so (exit 130)."""
+  from test_pipeline import _fake_run_side
+  import harness.runner
+  import harness.self_runs
+  from parity import cli
+  from parity.pipeline import compare as pipeline
+  calls: list = []
+  monkeypatch.setattr(harness.runner, "run_side", _fake_run_side(calls))
+  monkeypatch.setattr(harness.self_runs, "run_side", _fake_run_side(calls))
+  real = pipeline.compare_sides
+
+  def compare_sides(*a, **kw):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a, **kw)
+  monkeypatch.setattr(pipeline, "compare_sides", compare_sides)
+  out = tmp_path / "r"
+  assert cli.main(["compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--out", str(out),
+                   "--no-progress"]) == 130
+  assert calls == [("r", "jax"), ("r", "torch")]  # the determinism reruns (8 steps by default) never started
+  rep = json.loads((out / "report.json").read_text())
+  assert rep["verdict"]["message"].startswith("INTERRUPTED") and rep["determinism"] == {}
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err == ("parity compare: SIGTERM came while the sides' records were being compared (no side was running); "
+                 "that was finished first and no rerun was started; the report of what ran is written, verdict "
+                 f"INTERRUPTED: {out / 'report.html'}, with report.json, report.md and card.json"), err
+
+
+def test_stop_rule_first_signal_raises_unless_held_later_ones_are_ignored(capfd):
+  """harness.lifetime.stop_signals with real signals to this process: a held one waits for its block; one in a
+  worker's (not held) block raises at once; later ones are ignored with a line each; handlers are restored."""
+  from harness import lifetime
+  before = signal.getsignal(signal.SIGINT)
+  with lifetime.stop_signals() as stop:
+    with pytest.raises(KeyboardInterrupt):
+      with lifetime.activity("the report was being written", hold=True, on_stop="that was finished first"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        finished = True  # still running: the signal is held
+    assert finished and stop.held and stop.signal == "SIGTERM" and stop.doing == ("the report was being written",)
+    os.kill(os.getpid(), signal.SIGINT)  # a later one: ignored
+    assert stop.later == ["SIGINT"]
+  assert signal.getsignal(signal.SIGINT) is before
+  with lifetime.stop_signals() as stop:  # a fresh state; a worker's block inside a held one is stopped at once
+    with lifetime.activity("between workers", hold=True, within="in the reruns"):
+      with pytest.raises(KeyboardInterrupt):
+        with lifetime.activity("side jax was running", on_stop="it was killed"):
+          os.kill(os.getpid(), signal.SIGINT)
+          time.sleep(5)
+      assert stop.signal == "SIGINT" and not stop.held and stop.on_stop == "it was killed"
+      assert stop.doing[0] == "side jax was running" and stop.within == ("in the reruns",)
+      assert lifetime.take_stop() is None
+  with lifetime.stop_signals() as stop:  # held, then taken: the block does not raise; nothing new starts
+    with lifetime.activity("comparing", hold=True):
+      os.kill(os.getpid(), signal.SIGTERM)
+      with pytest.raises(KeyboardInterrupt):
+        lifetime.check_stop()
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert lifetime.take_stop() is None and stop.later == ["SIGTERM"]
+  assert "parity: SIGINT again: ignored" in capfd.readouterr().err  # written with os.write (a signal handler)
+  old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's SIGINT is ignored: it stays so
+  try:
+    with lifetime.stop_signals() as stop:
+      os.kill(os.getpid(), signal.SIGINT)
+      assert stop.signal is None
+  finally:
+    signal.signal(signal.SIGINT, old)
+
+
+# ----------------------------------------------------------------------------- kill -9 and a grandchild's own group
+
+
+def _fake_build_tree(tmp_path: Path, hold_pipe: bool) -> tuple[subprocess.Popen, int, int, int | None]:
+  """A fake `parity build-ops`: a process that spawns a worker through harness.boot; the worker starts a grandchild
+  in a session of its own, as ninja starts its compilers, then waits in subprocess.run (as torch's cpp_extension
+  waits on ninja). With `hold_pipe`, a forked helper keeps the binding pipe's write end open after the parent dies,
+  so only the kernel's parent-death signal can end the worker. Returns (parent, worker, grandchild, helper)."""
+  (tmp_path / "fakebuild.py").write_text(textwrap.dedent("""
+    import subprocess
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    print(child.pid, flush=True)
+    subprocess.run(["sleep", "300"])
+  """))
+  (tmp_path / "fakeparity.py").write_text(textwrap.dedent(f"""
+    import os, subprocess, sys, time
+    sys.path.insert(0, {str(ROOT)!r})
+    from harness import lifetime
+    from harness.env import worker_env
+    env = worker_env({{"PYTHONPATH": {str(tmp_path)!r} + ":" + {str(ROOT)!r}}})
+    proc = lifetime.spawn([sys.executable, "-m", "harness.boot", "fakebuild"], env=env, timeout_s=600,
+                          stdout=subprocess.PIPE)
+    helper = 0
+    if {hold_pipe!r}:
+      helper = os.fork()
+      if helper == 0:  # holds every fd of the parent, the pipe's write end included
+        time.sleep(60)
+        os._exit(0)
+    print(proc.pid, proc.stdout.readline().decode().strip(), helper, flush=True)
+    proc.wait()
+  """))
+  parent = subprocess.Popen([sys.executable, str(tmp_path / "fakeparity.py")], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True)
+  worker, grandchild, helper = (int(x) for x in parent.stdout.readline().split())
+  return parent, worker, grandchild, helper or None
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("hold_pipe", [True, False], ids=["parent-death-signal-only", "signal-and-pipe"])
+def test_kill_9_of_parity_leaves_no_grandchild_in_its_own_group(tmp_path, hold_pipe):
+  """kill -9 of the process that spawned the worker: within 5 s neither the worker nor its grandchild in a group of
+  its own runs. With the pipe held open elsewhere the old SIGKILL parent-death signal always orphaned the
+  grandchild (the worker died before it could kill it); without, the pipe watcher only sometimes won that race."""
+  parent, worker, grandchild, helper = _fake_build_tree(tmp_path, hold_pipe)
+  try:
+    time.sleep(0.5)  # the worker is in subprocess.run now
+    assert _alive(worker) and _alive(grandchild)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    left = _wait_gone([worker, grandchild], 5.0)
+    assert not left, f"still running after kill -9 of their parity process: {left}"
+  finally:
+    for p in (worker, grandchild, helper):
+      if p and _alive(p):
+        os.kill(p, signal.SIGKILL)

@@ -41,6 +41,7 @@ def page(tmp_path_factory) -> Path:
   return shared_run(tmp_path_factory) / "report.html"
 
 
+@pytest.mark.process
 def test_the_page_renders_with_every_plot_and_no_console_error(page, tmp_path):
   r = chromium(page, tmp_path, "--dump-dom")
   assert r.returncode == 0, r.stderr[-2000:]
@@ -56,6 +57,7 @@ def test_the_page_renders_with_every_plot_and_no_console_error(page, tmp_path):
     assert body.count("<path") >= 5, key
 
 
+@pytest.mark.process
 def test_screenshot_shows_a_drawn_page(page, tmp_path):
   import numpy as np
   from matplotlib import image

@@ -1,4 +1,4 @@
-"""`parity report RUN_DIR...` (parity/cli/report.py, parity/report/multi.py): the comparison page over several real
+"""`parity report RUN_DIR...` (parity/cli/report.py, parity/history/comparison.py): the comparison page over several real
 runs, re-rendering one finished run, and folders that are not finished runs. The runs are test_gate.real_runs():
 three gpt2-tiny runs (a baseline, a rerun, train.lr 1.1e-3), built once per session."""
 from __future__ import annotations
@@ -19,18 +19,20 @@ def _dirs() -> list[str]:
 
 
 def _md_rows(text: str) -> list[list[str]]:
-  """The cells of every GFM table row of `text`, split on unescaped bars (what a GFM renderer does)."""
+  """The cells of every GFM table row of `text`, split on unescaped bars, backslash escapes of punctuation removed
+  (what a GFM renderer does)."""
   rows = []
   for line in text.splitlines():
     if line.startswith("|"):
-      rows.append([c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+      rows.append([re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", c.strip())
+                   for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
   return rows
 
 
 @needs_runs
 def test_comparison_page_of_three_runs(tmp_path, capsys):
   from parity.cli import main
-  from parity.report.multi import COLUMNS
+  from parity.history.comparison import COLUMNS
   out = tmp_path / "cmp"
   assert main(["report", *_dirs(), "-o", str(out)]) == 0
   assert "comparison:" in capsys.readouterr().out
@@ -54,7 +56,7 @@ def test_comparison_page_of_three_runs(tmp_path, capsys):
 
 @needs_runs
 def test_figures_of_a_run(tmp_path):
-  from parity.report.multi import load_runs, metric_values
+  from parity.history.comparison import load_runs, metric_values
   runs = load_runs(_dirs())
   base = runs[0]
   assert base.sides == ["jax", "torch"] and base.precision == "fp32" and base.steps == 4
@@ -90,7 +92,7 @@ def test_a_run_whose_files_changed_is_flagged(tmp_path, capsys):
   assert "files changed" in capsys.readouterr().out
   md = (tmp_path / "cmp" / "comparison.md").read_text()
   assert "files changed since its verdict" in md and "UNVERIFIED (files changed:" in md and "steps.jsonl" in md
-  assert "**1 of 2 runs hold parity.**" in md and "PASS (files changed)" not in md
+  assert "**1 of 2 runs hold parity. Failed the regression gate" in md and "PASS (files changed)" not in md
 
 
 def test_folders_that_are_not_finished_runs_exit_2(tmp_path, capsys):
@@ -129,12 +131,13 @@ def test_comparison_page_in_a_browser(tmp_path):
     pytest.skip("headless Chromium not installed: `apt-get install -y chromium` (Debian) for the browser test")
   import numpy as np
   from matplotlib import image
-  from parity.report.multi import load_runs, write_comparison
+  from parity.history.comparison import load_runs, write_comparison
   page = write_comparison(load_runs(_dirs()), tmp_path / "cmp")["html"]
   r = browser.chromium(page, tmp_path, "--dump-dom")
   assert r.returncode == 0 and browser.console_errors(r.stderr) == [], r.stderr[-2000:]
   banner = re.search(r'id="verdict"><strong>(.*?)</strong>', r.stdout)
-  assert banner and banner.group(1) == "3 of 3 runs hold parity"
+  assert banner and banner.group(1) == "3 of 3 runs hold parity. Failed the regression gate against its baseline " \
+                                       "(gate.md): lr."  # the lr run failed its gate against base (issue #18 item 7)
   figures = re.findall(r'<figure data-plot="(\w+)">(.*?)</figure>', r.stdout, flags=re.S)
   assert [k for k, _ in figures] == ["max_dloss", "final_loss", "tokens_per_s", "step_time_s_median",
                                      "peak_rss_bytes", "loss_curves"]
@@ -147,8 +150,8 @@ def test_comparison_page_in_a_browser(tmp_path):
   px = image.imread(str(shot))[..., :3]
   ink = (px.min(axis=2) < 0.5).mean(axis=1)
   assert (ink > 0.001).mean() > 0.5, "most of the page's height should carry text, tables or plots"
-  green = px[60:200, 100:1300].reshape(-1, 3)
-  assert np.mean((green[:, 1] > green[:, 0] + 0.03) & (green[:, 1] > green[:, 2] + 0.01)) > 0.3, "a green banner"
+  amber = px[60:200, 100:1300].reshape(-1, 3)  # the warn banner (#fff6e0): the lr run failed its gate
+  assert np.mean((amber[:, 0] > amber[:, 2] + 0.05) & (amber[:, 1] > amber[:, 2] + 0.03)) > 0.3, "an amber banner"
 
 
 @needs_runs
@@ -196,7 +199,7 @@ def test_comparison_output_folder_is_not_overwritten_or_left_half_written(tmp_pa
 
 
 def test_fail_sentence_keeps_its_brackets_balanced():
-  from parity.report.content import first_clause
+  from parity.report.cells import first_clause
   text = "tensor wte: max ratio 4.32 (4.32x; bound 2e-3·moved + Adam noise); 3 tensors over"
   assert first_clause(text) == "tensor wte: max ratio 4.32 (4.32x; bound 2e-3·moved + Adam noise)"
   assert first_clause("no clause") == "no clause"
@@ -205,7 +208,7 @@ def test_fail_sentence_keeps_its_brackets_balanced():
 def test_perturb_and_nproc_are_part_of_what_differs(tmp_path):
   """launch.json's nproc and request.json's perturb are compared like spec keys (the comparison page's "differs"
   column and the gate's configuration note read the same keys)."""
-  from parity.report.multi import config_diff, launch_config
+  from parity.report.runconfig import config_diff, launch_config
   a, b = tmp_path / "a", tmp_path / "b"
   a.mkdir()
   b.mkdir()
@@ -219,15 +222,15 @@ def test_perturb_and_nproc_are_part_of_what_differs(tmp_path):
 def test_gate_names_a_baseline_moved_aside_by_force(tmp_path):
   """`--out X --baseline X --force`: the old X was moved aside; the gate names where it is now, not X."""
   from types import SimpleNamespace
-  from parity.report.after import _moved_baseline
+  from parity.history.after import baseline_as_moved
   from test_gate import _snap
   x, old = tmp_path / "X", tmp_path / "X.old-1"
   x.mkdir()
   report = SimpleNamespace(run_dir=x, data={"run_folder": {"moved_aside_to": str(old)}})
-  assert _moved_baseline(_snap(True, str(x)), report).source == old
-  assert _moved_baseline(_snap(True, str(x / "card.json")), report).source == old / "card.json"
+  assert baseline_as_moved(_snap(True, str(x)), report).source == old
+  assert baseline_as_moved(_snap(True, str(x / "card.json")), report).source == old / "card.json"
   other = _snap(True, str(tmp_path / "elsewhere"))
-  assert _moved_baseline(other, report) is other
+  assert baseline_as_moved(other, report) is other
 
 
 @needs_runs
@@ -247,7 +250,7 @@ def test_report_one_run_prints_only_what_it_wrote(tmp_path, capsys):
 
 
 def test_rank_table_headers_do_not_promise_bytes():
-  from parity.report.content import rank_table
+  from parity.report.side_table import rank_table
   cols, rows = rank_table({"summary": {"ranks": [{"rank": 0, "peak_rss_bytes": 3 * 2**20}]}})
   assert cols == ["rank", "peak rss"] and "MiB" in rows[0][1]
 
@@ -255,17 +258,139 @@ def test_rank_table_headers_do_not_promise_bytes():
 def test_check_flags_are_recomputed_from_their_figures():
   """verify_report's rule per check kind: a check marked passed must have value <= tolerance (>= for completed and
   updates), a finite value, and only determinism may be stored as not gating."""
-  from parity.report.read import _check_contradictions
+  from parity.report.read import check_contradictions
   ok = [{"name": "loss a~b", "metric": "loss", "value": 1e-6, "tolerance": 1e-5, "passed": True},
         {"name": "completed a~b", "metric": "completed", "value": 4.0, "tolerance": 4.0, "passed": True},
         {"name": "updates a~b", "metric": "updates", "value": 2.0, "tolerance": 1.0, "passed": True},
         {"name": "determinism a", "metric": "determinism", "value": 0.1, "tolerance": 0.0, "passed": False,
          "gating": False},
         {"name": "params a~b", "metric": "params", "value": 3.0, "tolerance": 2.0, "passed": False}]
-  assert _check_contradictions(ok) == []
+  assert check_contradictions(ok) == []
   bad = [{"name": "grad_norm a~b", "metric": "grad_norm", "value": 4.32e-4, "tolerance": 1e-4, "passed": True},
          {"name": "completed a~b", "metric": "completed", "value": 2.0, "tolerance": 4.0, "passed": True},
          {"name": "loss a~b", "metric": "loss", "value": None, "tolerance": 1e-5, "passed": True},
          {"name": "params a~b", "metric": "params", "value": 3.0, "tolerance": 2.0, "passed": False, "gating": False}]
-  found = _check_contradictions(bad)
+  found = check_contradictions(bad)
   assert [f.split(" ")[0] for f in found] == ["checks[0]", "checks[1]", "checks[2]", "checks[3]"], found
+
+
+# ----------------------------------------------------------------------------- names that look like HTML or Markdown
+
+HOSTILE = "<img src=x onerror=alert(1)> **bold** [link](javascript:x) _em_ ~~del~~ `code` &lt; | a"
+"""A file or folder name a user may have (every character but '/' is allowed in one): raw HTML, emphasis, a link,
+strikethrough, code, an entity and a table bar."""
+
+
+def _render(md: str) -> str:
+  """`md` rendered as GitHub renders it (CommonMark + tables + strikethrough; markdown-it-py comes with rich)."""
+  markdown_it = pytest.importorskip("markdown_it")
+  return markdown_it.MarkdownIt("commonmark").enable(["table", "strikethrough"]).render(md)
+
+
+def _as_typed(html: str, text: str) -> None:
+  """`text` appears in the rendered `html` as plain text: escaped, inside no tag the name made."""
+  import html as _html
+  assert _html.escape(text, quote=False) in html, (text, html)
+  made = ("<img src=x", 'href="javascript:x"', "<em>em</em>", "<strong>bold</strong>", "<s>del</s>", "<del>del</del>",
+          "<code>code</code>", "<script>", "<h1>heading", "<li>item", "<h1>[x]")
+  assert not [m for m in made if m in html], html  # no element made from the name's characters
+
+
+def test_md_text_renders_every_hostile_name_as_typed():
+  from parity.report.markdown import cell, code_block, md_table, md_text
+  for text in (HOSTILE, "# heading", "1. item", "- item", "+ item", "===", "a\n<script>x</script>", "\\*x\\*"):
+    flat = " ".join(text.splitlines())
+    _as_typed(_render(f"- {md_text(text)}"), flat)
+    _as_typed(_render(f"{md_text(text)}\n"), flat)
+    rows = md_table(["name", "x"], [[text, "1"]])
+    assert len(re.split(r"(?<!\\)\|", rows[2])) == 4, rows  # no bar cut the row
+    _as_typed(_render("\n".join(rows)), flat)
+  assert cell("-0.5") == "-0.5" and md_text("-0.5") == "\\-0.5"  # a cell never starts a block: no escape there
+  block = code_block(["```", "x ```` y"])
+  assert block[0] == block[-1] == "`````" and "<code>```\nx ```` y\n</code>" in _render("\n".join(block))
+
+
+@needs_runs
+def test_report_md_keeps_no_html_or_markdown_from_file_and_folder_names(tmp_path):
+  """report.md of a run whose command, output folder and DeepSpeed config are named like HTML and Markdown (the
+  title, the plan rows, the command row and the migration line quote them): every one renders as typed."""
+  from parity.report.markdown import report_markdown
+  d = json.loads((Path(_dirs()[0]) / "report.json").read_text())
+  d["run_folder"] = {**(d.get("run_folder") or {}), "command": f"parity compare --out '{HOSTILE}'"}
+  d["migration"] = {"source": f"{HOSTILE}.json", "status": "ok", "file": "migration.md"}
+  d["write_errors"] = [{"file": f"{HOSTILE}.png", "error": "disk full"}]
+  html = _render(report_markdown(d, {}))
+  _as_typed(html, f"parity compare --out '{HOSTILE}'")
+  _as_typed(html, f"{HOSTILE}.json")
+  assert html.count(f"{_esc(HOSTILE)}.json") >= 3  # title, plan row, migration line
+
+
+def _esc(text: str) -> str:
+  import html as _html
+  return _html.escape(text, quote=False)
+
+
+@needs_runs
+def test_comparison_md_keeps_no_html_or_markdown_from_folder_names(tmp_path):
+  from parity.cli import main
+  from parity.history.comparison import COLUMNS
+  d = _dirs()
+  a = Path(shutil.copytree(d[0], tmp_path / HOSTILE))
+  b = Path(shutil.copytree(d[1], tmp_path / "# [x](y)"))
+  assert main(["report", str(a), str(b), "-o", str(tmp_path / "cmp")]) == 0
+  md = (tmp_path / "cmp" / "comparison.md").read_text()
+  rows = _md_rows(md)
+  assert len(rows) == 2 + 2 and all(len(r) == len(COLUMNS) for r in rows), rows
+  assert [r[0] for r in rows[2:]] == [HOSTILE, "# [x](y)"]
+  html = _render(md)
+  _as_typed(html, HOSTILE)
+  _as_typed(html, str(a))  # the folder, in the list of runs
+  assert html.count("<h1>") == 1  # the page's own title; '# [x](y)' starts no heading
+
+
+# ----------------------------------------------------------------------------- the page in a browser
+
+def _figures(label: str, differs: dict, problems: tuple = ()):
+  from parity.history.comparison import RunFigures
+  sides = ["jax", "deepspeed", "torch"]
+  return RunFigures(
+      label=label, run_dir=Path("/runs") / label, preset="gpt2-tiny", precision="bf16",
+      plan="DeepSpeed config ds_zero3_offload_config_final.json (zero3-offload-all)", sides=sides, steps=200,
+      passed=not problems, verdict="PASS", max_dloss={"jax~deepspeed": 1.234e-6, "jax~torch": 2.5e-7,
+                                                     "deepspeed~torch": 3.1e-6},
+      loss_tolerance=1e-5, per_side={s: {"status": "ok", "tokens_per_s": 123456.0, "step_time_s_median": 0.0123,
+                                         "peak_rss_bytes": 2.5e9, "peak_device_bytes": None, "final_loss": 3.2}
+                                     for s in sides},
+      versions={"jax": "0.4.35", "torch": "2.5.1"}, config={}, differs=differs, problems=list(problems))
+
+
+LAYOUT_PROBE = """<script>addEventListener('load', () => {
+  const ths = [...document.querySelector('table').querySelectorAll('th')];  // the first table: key figures
+  const right = ths.map(th => th.textContent + '=' + Math.ceil(th.getBoundingClientRect().right));
+  document.body.insertAdjacentHTML('beforeend', '<pre id="probe">' + document.documentElement.clientWidth + ' ' +
+    document.documentElement.scrollWidth + ' ' + right.join(';') + '</pre>'); });</script>"""
+"""Added to a copy of the page: writes the viewport width, the page's scroll width and each header's right edge."""
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_key_figures_table_shows_every_column_in_a_1400px_window(tmp_path):
+  """Three sides, a long folder name, an UNVERIFIED verdict and five differing keys (the failing case: the table ran
+  to 2,511 px and hid "differs from the first run"): in a 1400 px window every column's right edge is on screen."""
+  from test_report_browser import CHROMIUM, chromium
+  if CHROMIUM is None:
+    pytest.skip("headless Chromium not installed: `apt-get install -y chromium` (Debian)")
+  from parity.history.comparison import COLUMNS, comparison_html
+  runs = [_figures("baseline-run-2026-11-30", {}),
+          _figures("lr-sweep-0.0011-with-a-long-folder-name", {"train.lr": 0.0011, "train.weight_decay": 0.11,
+                                                               "model.n_layers": 4, "jax.remat": "full"}),
+          _figures("gelu", {"model.mlp": "gelu_tanh"}, ("steps.jsonl changed since the verdict (sha256 differs)",))]
+  page = tmp_path / "comparison.html"
+  page.write_text(comparison_html(runs, {}).replace("</body>", LAYOUT_PROBE + "</body>"))
+  r = chromium(page, tmp_path, "--dump-dom", "--window-size=1400,900")
+  probe = re.search(r'<pre id="probe">(\d+) (\d+) (.*?)</pre>', r.stdout)
+  assert r.returncode == 0 and probe, r.stderr[-2000:]
+  width, scroll = int(probe.group(1)), int(probe.group(2))
+  edges = dict(x.rsplit("=", 1) for x in probe.group(3).split(";"))
+  assert list(edges) == list(COLUMNS) and scroll == width, probe.group(0)
+  assert all(int(v) <= width for v in edges.values()), (width, edges)

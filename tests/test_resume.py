@@ -121,6 +121,7 @@ def test_malformed_control_keys_name_the_key(tiny_run_dir, keys, message):
 # ----------------------------------------------------------------------------- per side, with workers
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("side", SIDES)
 def test_repeat_run_is_bit_identical(runs, side):
@@ -131,6 +132,7 @@ def test_repeat_run_is_bit_identical(runs, side):
   assert_weights_equal(final_r, final_a)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("side", SIDES)
 def test_stop_after_step_is_a_prefix_and_saves_a_checkpoint(runs, side):
@@ -143,6 +145,7 @@ def test_stop_after_step_is_a_prefix_and_saves_a_checkpoint(runs, side):
   assert (meta["side"], meta["step"], meta["run"]["train"]["steps"]) == (side, K, STEPS)
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("side", SIDES)
 def test_resume_continues_bit_for_bit(runs, side):
@@ -157,6 +160,7 @@ def test_resume_continues_bit_for_bit(runs, side):
     assert summary["state_memory_kinds"] == {"params": "device", "opt_state": "pinned_host"}
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @requires_deepspeed
 def test_deepspeed_resume_restores_cpu_adams_beta_powers(runs):
@@ -172,47 +176,8 @@ def test_deepspeed_resume_restores_cpu_adams_beta_powers(runs):
   assert_weights_equal(final_c, final_a)
 
 
-def _refused(runs: Runs, sub: str, side: str, **keys) -> str:
-  """Runs a derived request that must be refused; returns the error text."""
-  derive_request(runs.root, sub, **keys)
-  res = runs.run(sub, side)
-  out = runs.dir(sub) / side
-  assert res.status == "crashed", f"{sub}/{side}: expected a refusal, got {res.status}"
-  assert read_steps(out / "steps.jsonl") == [] and not (out / "final.safetensors").exists()
-  return res.error
-
-
-@pytest.mark.slow
-@requires_torch
-def test_resume_from_a_missing_folder_is_refused(runs):
-  error = _refused(runs, "missing", "torch", resume_from="../nowhere/{side}/checkpoint")
-  assert "resume_from='../nowhere/{side}/checkpoint'" in error and "nowhere/torch/checkpoint" in error
-  assert "missing/request.json" in error
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("side, other", [
-    pytest.param("jax", "torch", marks=[requires_jax, requires_torch]),
-    pytest.param("torch", "deepspeed", marks=requires_deepspeed),
-    pytest.param("deepspeed", "jax", marks=[requires_jax, requires_deepspeed])])
-def test_resume_from_another_sides_checkpoint_is_refused(runs, side, other):
-  runs.ok("stop", other)
-  error = _refused(runs, f"from_{other}", side, resume_from=f"../stop/{other}/checkpoint")
-  assert f"resume_from='../stop/{other}/checkpoint'" in error
-  assert f"checkpoint of side '{other}'" in error and f"this is side '{side}'" in error
-
-
-@pytest.mark.slow
-@requires_torch
-def test_resume_with_another_train_spec_is_refused(runs):
-  runs.ok("stop", "torch")
-  path = derive_request(runs.root, "other_lr", resume_from="../stop/{side}/checkpoint")
-  request = json.loads(path.read_text())
-  request["perturb"] = {"torch": {"train.lr": 2e-3}}
-  path.write_text(json.dumps(request))
-  res = runs.run("other_lr", "torch")
-  assert res.status == "crashed"
-  assert "resume_from=" in res.error and "train.lr: checkpoint 0.001 != this run 0.002" in res.error
+# The refusals of a resume (a missing folder, another side's checkpoint, another train spec) are the protocol's, not
+# a side's: tests/test_loop.py runs them in-process (FakeSide), in milliseconds.
 
 
 def test_derive_request_can_give_the_rerun_its_own_batches_and_perturbations(tmp_path):

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from parity.cli import main
-from parity.pipeline.folder import LOCK_NAME, RunFolderError, RunIOError, claim_run_dir, prepare_run_dir, read_lock
+from parity.pipeline.claim import LOCK_NAME, read_lock
+from parity.pipeline.claim import RunFolderError, RunIOError, claim_run_dir
+from parity.pipeline.folder import prepare_run_dir
 from parity.pipeline.resolve import resolve
 
 TINY = ["compare", "--preset", "gpt2-tiny", "--sides", "jax,torch", "--steps", "4", "--no-progress"]
@@ -120,6 +122,7 @@ def test_second_claim_is_refused_naming_the_first(tmp_path):
   assert not (tmp_path / "X" / LOCK_NAME).exists()
 
 
+@pytest.mark.process
 def test_concurrent_claims_exactly_one_wins(tmp_path):
   code = ("import sys, time; sys.path.insert(0, %r); from parity.pipeline.folder import claim_run_dir, RunFolderError\n"
           "time.sleep(max(0, %f - time.time()))\n"
@@ -132,6 +135,7 @@ def test_concurrent_claims_exactly_one_wins(tmp_path):
   assert all("pid" in o for o in outs if o.startswith("refused")), outs
 
 
+@pytest.mark.process
 def test_stale_lock_is_reported_and_taken_over_safely(tmp_path):
   x = tmp_path / "X"
   x.mkdir()
@@ -261,13 +265,13 @@ def test_report_written_wherever_it_can_be(tmp_path, monkeypatch):
   monkeypatch.setattr(rw, "write_markdown", lambda r, p: Path(p).write_text("# md"))
   monkeypatch.setattr(rw, "write_plot", lambda r, p: False)
   monkeypatch.setattr(rw.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-  real = rw._write_file
+  real = rw.atomic_write
 
   def enospc_in_run(path, write):
     if path.parent == tmp_path / "run":
       raise OSError(errno.ENOSPC, "No space left on device")
     return real(path, write)
-  monkeypatch.setattr(rw, "_write_file", enospc_in_run)
+  monkeypatch.setattr(rw, "atomic_write", enospc_in_run)
   written = rw.write_all(report)
   assert report.exit_code == 1 and {e["file"] for e in report.data["write_errors"]} >= {
       str(tmp_path / "run" / "report.json"), str(tmp_path / "run" / "metrics.jsonl")}
@@ -277,6 +281,7 @@ def test_report_written_wherever_it_can_be(tmp_path, monkeypatch):
   assert (tmp_path / "run" / "metrics.jsonl").read_text() == "kept\n"  # what was written stays
 
 
+@pytest.mark.process
 def test_runner_survives_an_unwritable_side_folder(tmp_path):
   from harness.runner import run_side
   (tmp_path / "request.json").write_text("{}")
@@ -317,3 +322,48 @@ def test_force_replaces_only_a_checkpoint_of_the_output_format(tmp_path):
   assert looks_like(hf_dir, "hf")
   (hf_dir / "src").mkdir()
   assert not looks_like(hf_dir, "hf")  # a project folder with a config.json is not replaced
+
+
+# ----------------------------------------------------------------------------- what a lock or a folder says it is
+
+
+@pytest.mark.parametrize("content", ["garbage{", "", "[1, 2]", '{"pid": 5}'])
+def test_unreadable_lock_is_named_not_taken_for_another_host(tmp_path, content):
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / LOCK_NAME).write_text(content)
+  with pytest.raises(RunFolderError, match=r"lock file .*\.parity\.lock cannot be read .* remove that file") as e:
+    claim_run_dir(tmp_path / "run")
+  assert "another host" not in str(e.value) and "pid ?" not in str(e.value)
+
+
+def test_a_diagnose_folder_is_named_as_one(tmp_path):
+  from parity.inputs import InputError
+  from parity.report.read import load_report
+  d = tmp_path / "dg"
+  d.mkdir()
+  (d / "request.json").write_text('{"schema": "parity.request/1"}')
+  (d / "diagnose.json").write_text('{"schema": "parity.diagnose/1"}')
+  (d / "diagnose.md").write_text("# diagnose\n")
+  with pytest.raises(RunFolderError, match="holds a diagnose run"):
+    claim_run_dir(d)
+  with pytest.raises(InputError, match=r"holds a `parity diagnose` run.*diagnose\.md"):
+    load_report(d)
+
+
+@pytest.mark.parametrize("marker,inner", [
+    ("report.json", "jax/nested"), ("request.json", "a/b/c"), (".parity.lock", "x"), ("diagnose.json", "torch")])
+def test_out_inside_a_run_folder_is_refused(tmp_path, marker, inner):
+  run = tmp_path / "base"
+  run.mkdir()
+  (run / marker).write_text('{"schema": "parity.x/1", "pid": 1, "host": "h"}')
+  with pytest.raises(RunFolderError, match=f"inside the parity run folder {run}"):
+    claim_run_dir(run / inner)
+  assert not (run / inner).exists()
+
+
+def test_out_next_to_a_run_or_under_a_users_config_is_accepted(tmp_path):
+  """Only parity's own files mark a run: a project folder with its own config.json/report.json is not one."""
+  (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "report.json").write_text('{"schema": "mine"}')
+  claim = claim_run_dir(tmp_path / "runs" / "one")
+  claim.release()

@@ -129,3 +129,28 @@ def test_schedule_matches_deepspeed_semantics():
   assert schedule.lr_at_step(2, lr=1.0, total_steps=10, warmup_steps=1, warmup_min_ratio=0, cos_min_ratio=0) == 0.5
   with pytest.raises(ValueError, match="positive"):
     schedule.lr_at_step(1, lr=1.0, total_steps=10, warmup_steps=0, warmup_min_ratio=0, cos_min_ratio=0)
+
+
+@pytest.mark.parametrize("key", ["train.lr", "train.seed", "train.grad_accum_steps", "model.norm_eps", "model.n_heads"])
+def test_null_for_a_field_that_takes_no_null_is_refused_naming_it(key):
+  """`--set train.lr=null` (or `lr: ~` in a config) reached a comparison inside validate as None: TypeError, the CLI's
+  'internal error' (breaker). A field whose annotation admits no None refuses null by key; one that does (e.g.
+  model.n_kv_heads, train.examples_per_step) still takes it."""
+  from parity.spec import RunSpec, from_dict, to_dict
+  d = to_dict(RunSpec())
+  section, name = key.split(".")
+  d[section][name] = None
+  with pytest.raises(SpecError, match=rf"{key}: expected .*, got null"):
+    from_dict(RunSpec, d)
+  d = to_dict(RunSpec())
+  d["model"]["n_kv_heads"] = None
+  d["train"]["examples_per_step"] = None
+  assert from_dict(RunSpec, d) == RunSpec()
+
+
+@pytest.mark.parametrize("key, value", [("eval_every", -1), ("eval_batches", 0), ("eval_batches", -1)])
+def test_eval_cadence_and_batches_out_of_range_are_refused(key, value):
+  """eval_every=-1 ran with no validation loss and eval_batches=0 evaluated one batch while config.json said 0
+  (breaker): both are refused by key."""
+  with pytest.raises(SpecError, match=rf"train.eval_every must be >= 0 .* got"):
+    TrainSpec(**{key: value}).validate()

@@ -57,6 +57,7 @@ def _run_plan(tmp_path: Path, name: str, gas: int) -> tuple[RunSpec, Path, dict]
   return run, req, read_summary(req.parent / "deepspeed" / "summary.json")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name, gas", [(n, 1) for n in DS_PLANS.values()] + [("zero2-offload", 2), ("zero3", 2)])
 def test_plan_loss_parity_and_build(tmp_path, baselines, name, gas):
   run, req, summary = _run_plan(tmp_path, name, gas)

@@ -49,7 +49,8 @@ from parity.numerics import schedule
 from parity.numerics.loss_scale import LossScaler
 from parity.spec import RunSpec
 from torch_impl import memory
-from torch_impl.model import build_model, decay_groups, lm_loss, to_canonical
+from torch_impl.model import build_model, decay_groups, micro_loss, to_canonical
+from torch_impl.distributed import init_process_group
 
 __all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb"]
 
@@ -165,19 +166,20 @@ def build_optimizer(groups: list[dict[str, Any]], train, lr: float = 0.0) -> tor
 
 
 class TorchTrainer:
-  """Plain torch training of the same model, behind the interface the worker drives.
+  """Plain torch training of the same model, behind the interface the worker drives (torch_impl.side.TorchSide).
 
   Args:
     run: the resolved run spec.
     params: canonical float32 initial weights.
+    plants: planted data bugs (parity.protocol.layout.PLANT_KEYS) its steps and evals apply (`micro_loss`).
   """
 
   side = "torch"
 
-  def __init__(self, run: RunSpec, params: dict[str, np.ndarray]):
-    from torch_impl.distributed import init_process_group
+  def __init__(self, run: RunSpec, params: dict[str, np.ndarray], plants: frozenset = frozenset()):
     t = run.train
     self.run = run
+    self.plants = plants
     self.world = init_process_group()  # 1 unless torchrun started this process as one of several ranks
     self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     # bf16/fp16: the fp32 masters start rounded to the compute dtype, as DeepSpeed's do
@@ -206,7 +208,7 @@ class TorchTrainer:
     """DDP of the compute module when this process is one of several ranks (torch.distributed set up first)."""
     if self.world == 1:
       return None
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import DistributedDataParallel  # DDP: only with several ranks
     return DistributedDataParallel(self.half_model if self.half_model is not None else self.model)
 
   def _sync(self, last: bool):
@@ -215,11 +217,12 @@ class TorchTrainer:
 
 
   def step(self, micro_batches: np.ndarray, *, probe: bool = False,
-           force_overflow: bool = False) -> dict[str, float | bool]:
-    """One optimizer step over (grad_accum_steps, micro_batch_size, seq_len + 1) uint16 tokens.
+           force_overflow: bool = False, arrays=None) -> dict[str, float | bool]:
+    """One optimizer step over (grad_accum_steps, micro_batch_size, seq_len + 1) uint16 or uint32 tokens.
 
     Args:
-      micro_batches: uint16 token ids (A, M, T + 1).
+      micro_batches: uint16 or uint32 token ids (A, M, T + 1).
+      arrays: padded/packed: this rank's parity.protocol.side.ExampleArrays (weights A*W*w), `micro_loss`.
       probe: measure state bytes before and after the update.
       force_overflow: fp16 only: multiply the scaled loss by inf, so every gradient is non-finite
         and the step is skipped (debug `overflow_at_steps`).
@@ -238,15 +241,14 @@ class TorchTrainer:
       raise ValueError(f"force_overflow (debug overflow_at_steps) needs train.precision='fp16' (loss scaling); "
                        f"this run has train.precision={t.precision!r}")
     if self.half_model is not None:
-      return self._step_cast_module(micro_batches, probe=probe, force_overflow=force_overflow)
+      return self._step_cast_module(micro_batches, probe=probe, force_overflow=force_overflow, arrays=arrays)
     lr = self._set_hparams()
     self.optimizer.zero_grad(set_to_none=True)
     losses = []
     forward = self.ddp or self.model
     for i, mb in enumerate(micro_batches):
-      tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
       with self._sync(i == len(micro_batches) - 1):
-        loss = lm_loss(forward(tokens[:, :-1]), tokens[:, 1:])
+        loss = micro_loss(forward, mb, self.device, arrays, i, self.plants)
         (loss / t.grad_accum_steps).backward()
       losses.append(float(loss.detach()))
     norm = global_grad_norm(self.params)
@@ -259,7 +261,7 @@ class TorchTrainer:
     self.step_index += 1
     return {"loss": sum(losses) / len(losses), "grad_norm": float(norm), "lr": lr}
 
-  def _step_cast_module(self, micro_batches: np.ndarray, *, probe: bool, force_overflow: bool
+  def _step_cast_module(self, micro_batches: np.ndarray, *, probe: bool, force_overflow: bool, arrays=None
                         ) -> dict[str, float | bool]:
     """`step` for bf16/fp16: DeepSpeed's step on the bfloat16/float16 module copy (fp16: loss-scaled)."""
     t, scaler = self.run.train, self.loss_scaler
@@ -270,9 +272,8 @@ class TorchTrainer:
     losses = []
     forward = self.ddp or self.half_model
     for i, mb in enumerate(micro_batches):
-      tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
       with self._sync(i == len(micro_batches) - 1):
-        loss = lm_loss(forward(tokens[:, :-1]), tokens[:, 1:])  # float32 (logits cast up)
+        loss = micro_loss(forward, mb, self.device, arrays, i, self.plants)  # float32 (logits cast up)
         ((loss / t.grad_accum_steps) * multiplier).backward()  # DeepSpeed: loss / GAS, then .float() * scale
       losses.append(float(loss.detach()))
     grads16 = [h.grad for h in self._half_params]
@@ -320,14 +321,13 @@ class TorchTrainer:
         h.copy_(p)
 
   @torch.no_grad()
-  def eval_loss(self, val_batches: np.ndarray) -> float:
-    """Mean token cross-entropy over held-out micro batches, nats (bf16/fp16: on the compute copy)."""
+  def eval_loss(self, val_batches: np.ndarray, arrays=None) -> float:
+    """Mean token cross-entropy over held-out micro batches, nats (bf16/fp16: on the compute copy); padded/packed
+    (arrays: ExampleArrays (E, M, T), weights summing to 1 per batch): the mean over batches of sum(w * ce)."""
     losses = []
     model = self.half_model if self.half_model is not None else self.model
-    for mb in val_batches:
-      tokens = torch.from_numpy(np.asarray(mb, dtype=np.int64)).to(self.device)
-      logits = model(tokens[:, :-1])
-      losses.append(float(lm_loss(logits, tokens[:, 1:])))
+    for i, mb in enumerate(val_batches):
+      losses.append(float(micro_loss(model, mb, self.device, arrays, i, self.plants)))
     return sum(losses) / len(losses)
 
   def poison(self) -> None:
@@ -337,10 +337,10 @@ class TorchTrainer:
       if self.half_model is not None:
         self.half_model.wte.weight.fill_(float("nan"))
 
-  def final_params(self) -> dict[str, np.ndarray]:
+  def canonical_params(self) -> dict[str, np.ndarray]:
     return to_canonical(self.model)
 
-  def final_moments(self) -> dict[str, np.ndarray]:
+  def canonical_moments(self) -> dict[str, np.ndarray]:
     """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)), canonical, float32.
 
     Zeros for a param no update has touched yet. Raises KeyError when the optimizer is not an Adam (Lamb, SGD: the

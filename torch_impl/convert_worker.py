@@ -20,7 +20,7 @@ def bin_to_safetensors(out: str | Path, files: list[str | Path]) -> int:
   Raises:
     ValueError: a file is not a state dict of tensors, or two files hold the same name.
   """
-  import torch
+  import torch  # torch: in the worker process only, after its environment is set
   from safetensors.torch import save_file
   tensors: dict[str, torch.Tensor] = {}
   for f in files:

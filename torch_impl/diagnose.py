@@ -19,34 +19,38 @@ Plants of this side (request `diagnose_plants`): `no_causal_mask` (Attention.cau
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 from unittest import mock
 
 import numpy as np
+import torch
 
-from parity import diagnose as dg
-from parity.protocol import SideIO, main_guard
+from parity.protocol import diagnose as dg
+from parity.protocol.side import SideIO, main_guard
+from torch_impl.baseline import TorchTrainer
+from torch_impl.model import Attention, TapRecorder, to_canonical
 
 
-def _sdpa_internal_taps(self, q, k, t: int) -> None:
+def _sdpa_internal_taps(self, q, k, t: int, mask=None) -> None:
   """bf16/fp16 replacement of `Attention._attention_taps`: the scores and probs SDPA's kernel computes inside.
 
   The fused kernel (flash on CPU, likewise on CUDA) multiplies the bf16/fp16 q and k with float32
   accumulation and takes the softmax in float32; spelling it out in the compute dtype, as the fp32 taps
   do, would round the scores and probs where the forward never rounds them. Taps only: SDPA still makes
-  the context. q, k: (B, nh, T, hd) in the compute dtype.
+  the context. q, k: (B, nh, T, hd) in the compute dtype; mask: None (causal) or bool (B, 1, T, T), True = attend
+  (torch_impl.model.attention_mask, for padded/packed rows).
   """
-  import torch
   scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S) float32
   self._tap("scores", lambda: scores)
-  if self.causal:
+  if mask is not None:
+    scores = scores.masked_fill(~mask, float("-inf"))
+  elif self.causal:
     keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~keep, float("-inf"))
   self._tap("probs", lambda: torch.softmax(scores, dim=-1))
 
 
-def _one_step(run, params, plants, batch, lr_step: int):
+def _one_step(run, params, plants, batch, lr_step: int, arrays=None, data_plants: frozenset = frozenset()):
   """Taps, loss, gradients and first update of one `TorchTrainer.step` in `run.train.precision`.
 
   bf16/fp16: the trainer runs the forward and backward on its compute-dtype copy of the module
@@ -56,21 +60,19 @@ def _one_step(run, params, plants, batch, lr_step: int):
   Args:
     run: the run spec (its train.precision is the one run).
     params: canonical float32 weights with this side's plants applied (the trainer rounds bf16/fp16 masters).
-    plants: this side's plants (`parity.diagnose.read_request`).
-    batch: uint16 token ids (A, M, T + 1).
+    plants: this side's plants (`parity.protocol.diagnose.read_request`).
+    batch: token ids, uint16 or uint32 (parity.data.batch_dtype) (A, M, T + 1).
     lr_step: the schedule position of the update.
+    arrays: padded/packed only, the step's ExampleArrays (A, M, T), given to `TorchTrainer.step` as training does;
+      data_plants: this side's planted data bugs (the trainer's `plants`, `micro_loss`).
   Returns:
     (tensors, where, metrics): canonical tap name -> float32 numpy array, tap name -> torch module, the step's
     metrics.
   Raises:
     RuntimeError: a gradient was not recorded, or (fp16) the step overflowed and was skipped.
   """
-  import torch
-  from torch_impl.baseline import TorchTrainer
-  from torch_impl.model import Attention, TapRecorder, to_canonical
-
   torch.manual_seed(run.train.seed)
-  trainer = TorchTrainer(run, params)
+  trainer = TorchTrainer(run, params, plants=data_plants)
   model = trainer.model
   compute = trainer.half_model if trainer.half_model is not None else model  # where forward and backward run
   _apply_plants(trainer, compute, plants, run.train.weight_decay)
@@ -87,7 +89,7 @@ def _one_step(run, params, plants, batch, lr_step: int):
   reduced = run.train.precision != "fp32"
   try:
     with mock.patch.object(Attention, "_attention_taps", _sdpa_internal_taps) if reduced else contextlib.nullcontext():
-      metrics = trainer.step(batch)
+      metrics = trainer.step(batch) if arrays is None else trainer.step(batch, arrays=arrays)
   finally:
     for h in hooks:
       h.remove()
@@ -107,7 +109,6 @@ def _one_step(run, params, plants, batch, lr_step: int):
 def _apply_plants(trainer, compute, plants, weight_decay: float) -> None:
   """The torch side's plants: `no_causal_mask` (every Attention of both module copies unmasked) and `decay_all`
   (every param group decayed by train.weight_decay)."""
-  from torch_impl.model import Attention
   if plants["no_causal_mask"]:
     for m in [*trainer.model.modules(), *compute.modules()]:
       if isinstance(m, Attention):
@@ -121,7 +122,6 @@ def _outputs(spec, recorder, grads, divisor: float, after, metrics) -> tuple[dic
   """(tensors, where) of one diagnosed step: forward taps, 'loss', 'grad/<param>' (divided by the fp16 loss scale
   `divisor`) and 'update/<param>' (`after`, the canonical params after the step), float32 numpy arrays.
   Raises RuntimeError when a parameter's gradient was not recorded."""
-  import numpy as np
   names = dg.param_order(spec)
   missing = [n for n in names if n not in grads]
   if missing:
@@ -138,36 +138,28 @@ def _outputs(spec, recorder, grads, divisor: float, after, metrics) -> tuple[dic
   return out, where
 
 
-def side_main(io: SideIO) -> int:
-  """Writes this side's diagnose tensors (and, in bf16/fp16, its fp32 reference); returns the exit code (0)."""
-  import torch
-  from parity.weights import master_weights
+class TorchDiagnose:
+  """`parity.protocol.diagnose.DiagnoseSide` of the plain-torch side (DeepSpeed runs the same torch model)."""
 
-  if io.side != "torch":
-    raise ValueError(f"torch_impl.diagnose runs the 'torch' side; got --side {io.side} "
-                     "(DeepSpeed runs the same torch model: diagnose it as 'torch')")
-  req = dg.read_request(io.request, io.side)
-  run = io.run
-  params = dg.apply_weight_plants(io.init_params(), req.plants)
-  batch = np.asarray(io.batches()[req.step])  # (A, M, T + 1)
-  io.ready()
+  def check(self, io: SideIO) -> None:
+    if io.side != "torch":
+      raise ValueError(f"torch_impl.diagnose runs the 'torch' side; got --side {io.side} "
+                       "(DeepSpeed runs the same torch model: diagnose it as 'torch')")
 
-  out, where, metrics = _one_step(run, params, req.plants, batch, req.lr_step)
-  dg.write_outputs(io.out, out, where, dg.side_inputs(io.request, io.side))
-  if run.train.precision != "fp32":  # the same step in fp32 from the same rounded masters: the error reference
-    fp32 = dataclasses.replace(run, train=dataclasses.replace(run.train, precision="fp32"))
-    ref, ref_where, _ = _one_step(fp32, master_weights(params, run.train.precision), req.plants, batch, req.lr_step)
-    dg.write_outputs(io.out, ref, ref_where, dg.side_inputs(io.request, io.side), file=dg.REFERENCE_FILE)
-  device = "cuda" if torch.cuda.is_available() else "cpu"
-  io.finish("ok", versions={"torch": torch.__version__}, device=device,
-            extra={"diagnose": {"step": req.step, "lr_step": req.lr_step, "lr": float(metrics["lr"]),
-                                "loss": float(metrics["loss"]), "precision": run.train.precision,
-                                "plants": req.plants, "tensors": len(out)}})
-  return 0
+  def one_step(self, run, params, req, batch, arrays=None) -> dg.DiagnoseStep:
+    """`_one_step`; the trainer rounds the bf16/fp16 masters itself (`TorchTrainer`)."""
+    out, where, metrics = _one_step(run, params, req.plants, batch, req.lr_step, arrays, req.data_plants)
+    return dg.DiagnoseStep(tensors=out, where=where, lr=float(metrics["lr"]), loss=float(metrics["loss"]))
+
+  def versions(self) -> dict[str, str]:
+    return {"torch": torch.__version__}
+
+  def device(self) -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
-  return main_guard(side_main, argv)
+  return main_guard(lambda io: dg.run_diagnose(io, TorchDiagnose()), argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import socket
 
 import torch
 
-from harness.env import build_environ
+from parity.buildenv import build_environ
+from torch_impl import ops
 
 __all__ = ["setup_distributed", "init_process_group", "world_mean", "rank_and_world"]
 
@@ -29,7 +30,7 @@ def setup_distributed() -> str:
   rendezvous variables (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, RANK=0,
   WORLD_SIZE=1, LOCAL_RANK=0) are set only where absent, so processes started
   by `deepspeed` or `torchrun` keep theirs. The op-build environment is
-  `harness.env.build_environ`'s, and op builds go through `torch_impl.ops`'s
+  `parity.buildenv.build_environ`'s, and op builds go through `torch_impl.ops`'s
   hooks (stale locks removed, progress reported). Idempotent.
 
   Returns:
@@ -46,8 +47,7 @@ def setup_distributed() -> str:
     os.environ["MASTER_PORT"] = str(_free_port())
   for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
     os.environ.setdefault(key, value)
-  import deepspeed
-  from torch_impl import ops
+  import deepspeed  # deepspeed: after DS_ACCELERATOR and the op-build environment are set above
   ops.install_build_hooks()  # stale build locks cleared, builds shown in the progress line and kept off the clock
   backend = "nccl" if cuda else "gloo"
   if cuda:
@@ -58,7 +58,7 @@ def setup_distributed() -> str:
 
 def rank_and_world() -> tuple[int, int]:
   """(rank, world size) of this process's group, (0, 1) when torch.distributed is not initialised."""
-  import torch.distributed as dist
+  import torch.distributed as dist  # torch.distributed: on first use
   if not dist.is_available() or not dist.is_initialized():
     return 0, 1
   return dist.get_rank(), dist.get_world_size()
@@ -72,7 +72,7 @@ def world_mean(value: float) -> float:
   _, world = rank_and_world()
   if world == 1:
     return value
-  import torch.distributed as dist
+  import torch.distributed as dist  # torch.distributed: on first use
   t = torch.tensor([value], dtype=torch.float64)
   dist.all_reduce(t)
   return float(t.item()) / world
@@ -81,7 +81,7 @@ def world_mean(value: float) -> float:
 def init_process_group() -> int:
   """The plain-torch side's process group: with WORLD_SIZE > 1 (torchrun's environment) gloo on CPU, nccl on CUDA,
   initialised once; nothing with one rank. Returns the world size."""
-  import torch.distributed as dist
+  import torch.distributed as dist  # torch.distributed: on first use
   world = int(os.environ.get("WORLD_SIZE", "1"))
   if world > 1 and not dist.is_initialized():
     cuda = torch.cuda.is_available()

@@ -2,11 +2,12 @@
 
 The PyTorch half of `parity doctor` (harness.doctor runs it in its own process, with a timeout, and merges the
 JSON): torch's version and the CUDA it was built for (None: a CPU-only build), whether CUDA is available and its
-devices, the CPU capability and threads, DeepSpeed's version, and whether DeepSpeed's CPU Adam op is built in
-this environment's TORCH_EXTENSIONS_DIR and its library loads into this torch (it is loaded directly, so nothing
-is ever built unless `--build` asks: then `torch_impl.ops.build_ops`, what `parity build-ops` runs). With
-`--bandwidth` and a CUDA device: host -> device and device -> host copy bandwidth from pinned and from pageable
-memory. Never imports jax. A failure to import torch is reported in the JSON ({"error": ...}), exit 0.
+devices, the CPU capability and the thread settings (`thread_settings`), DeepSpeed's version, and whether
+DeepSpeed's CPU Adam op is built in this environment's TORCH_EXTENSIONS_DIR and its library loads into this torch
+(it is loaded directly, so nothing is ever built unless `--build` asks: then `torch_impl.ops.build_ops`, what
+`parity build-ops` runs). With `--bandwidth` and a CUDA device: host -> device and device -> host copy bandwidth
+from pinned and from pageable memory. Never imports jax. A failure to import torch is reported in the JSON
+({"error": ...}), exit 0.
 """
 from __future__ import annotations
 
@@ -17,11 +18,37 @@ import os
 import sys
 import time
 
+from parity.buildenv import build_environ
+from torch_impl import ops
+
 _STARTED = time.time()  # probe_s counts the framework import too (the package __init__ may import it)
 
-__all__ = ["probe", "cpu_adam_state", "main"]
+__all__ = ["probe", "cpu_adam_state", "thread_settings", "main"]
 
 OP = "cpu_adam"
+CHOICE_ENV = "PARITY_THREADS_CHOICE"
+"""Where harness.env.thread_environ leaves its choice (JSON) for the process it starts (harness.env.THREADS_CHOICE;
+named again here so that a side imports nothing of the harness for it)."""
+THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
+
+
+def thread_settings(torch) -> dict[str, object]:
+  """What this torch process runs its CPU work with, and why: the thread variables of its environment (None:
+  unset), torch's intra-op threads (`torch.get_num_threads()`, the pool of every CPU kernel, MKL and DeepSpeed's CPU
+  Adam) and inter-op threads, and from the harness's choice (harness.env.choose_threads) who set each variable
+  ('parity' or 'user'), the inputs it was chosen from and the reason; a process not started through
+  harness.env.worker_env says so. `torch` is the imported module (so this module never imports it at load)."""
+  try:
+    choice = json.loads(os.environ.get(CHOICE_ENV) or "null")
+  except ValueError:
+    choice = None
+  choice = choice if isinstance(choice, dict) else {}
+  return {**{k: os.environ.get(k) for k in THREAD_VARS},
+          "torch_num_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+          "set_by": choice.get("set_by", {k: "user" for k in THREAD_VARS if k in os.environ}),
+          "user": choice.get("user", {}), "inputs": choice.get("inputs"),
+          "reason": choice.get("reason") or f"no {CHOICE_ENV}: not started through harness.env.worker_env; the "
+                                            "variables are this process's own environment's"}
 
 
 def _devices(torch) -> list[dict[str, object]]:
@@ -37,7 +64,6 @@ def cpu_adam_state(build: bool = False) -> dict[str, object]:
   """Whether DeepSpeed's CPU Adam op is usable here: {'state': 'loads' | 'not built' | 'fails to load' |
   'build failed', 'library': path or None, 'detail': str}. Loads the built library itself (importlib), so a
   missing or stale build is reported, never started; `build=True` builds it first (minutes on a small CPU)."""
-  from torch_impl import ops
   d = ops.extensions_dir() / OP
   detail = ""
   if build:
@@ -99,7 +125,7 @@ def probe(bandwidth: bool = False, build: bool = False, ops: bool = True, size_m
   """
   t0 = min(time.time(), _STARTED)
   try:
-    import torch
+    import torch  # torch inside the probe: a failed import is reported in the JSON
   except Exception as exc:  # not installed or broken: said, not raised
     return {"error": f"import torch failed: {type(exc).__name__}: {exc}"}
   from importlib import metadata
@@ -109,7 +135,7 @@ def probe(bandwidth: bool = False, build: bool = False, ops: bool = True, size_m
       "devices": _devices(torch) if cuda else [],
       "cudnn": torch.backends.cudnn.version() if cuda else None,
       "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-      "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+      "thread_settings": thread_settings(torch), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
   try:
     out["deepspeed"] = metadata.version("deepspeed")
   except metadata.PackageNotFoundError:
@@ -133,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--size-mb", type=int, default=64, help="MiB per bandwidth copy (default 64)")
   args = ap.parse_args(argv)
   if not args.devices_only:
-    from harness.env import build_environ
     build_environ(os.environ)  # the op folder every worker builds into
   print(json.dumps(probe(args.bandwidth, args.build, not args.devices_only, args.size_mb)), flush=True)
   return 0

@@ -8,12 +8,10 @@ from typing import Any
 
 import torch
 
-from parity.numerics.ds_json import (ACTIVATION_CHECKPOINTING, STEPS_PER_PRINT,  # noqa: F401 (re-exported)
-                                    deepspeed_json, fp16_config)
+from parity.numerics.ds_json import deepspeed_json
 from parity.spec import RunSpec
 
-__all__ = ["STEPS_PER_PRINT", "ACTIVATION_CHECKPOINTING", "MSG_LAMB_CPU", "MSG_FP16_STAGE0", "ds_config", "fp16_config",
-           "has_optimizer_section", "per_rank_config"]
+__all__ = ["MSG_LAMB_CPU", "MSG_FP16_STAGE0", "ds_config", "has_optimizer_section", "per_rank_config"]
 
 MSG_LAMB_CPU = ("train.optimizer='lamb' on the DeepSpeed side: DeepSpeed's Lamb is FusedLamb, a CUDA-only op, and this "
                 "machine has no CUDA device; run --sides jax,torch (both run DeepSpeed's Lamb formula) or use a GPU.")
@@ -38,10 +36,12 @@ def ds_config(run: RunSpec) -> dict[str, Any]:
   return deepspeed_json(run)  # the one builder, shared with the reverse port (parity.numerics.ds_json)
 
 
-MSG_FP16_STAGE0 = ("train.precision='fp16' with deepspeed.zero_stage=0: DeepSpeed then wraps the optimizer in "
-                   "FP16_Optimizer, whose loss scale halves on every overflow (fp16.hysteresis ignored) and never "
-                   "raises at the minimum, unlike the DynamicLossScaler of ZeRO stages 1-3 that the other sides "
-                   "reproduce. Use deepspeed.zero_stage >= 1 (e.g. 2) for an fp16 comparison.")
+MSG_FP16_STAGE0 = ("train.precision='fp16' with deepspeed.zero_stage=0: DeepSpeed 0.19.8 then wraps the optimizer in "
+                   "FP16_Optimizer and does not run a loss-scaled fp16 step: engine.backward scales the loss only for "
+                   "the ZeRO optimizers, yet FP16_Optimizer.step divides the gradient by the loss scale (and never "
+                   "reads fp16.hysteresis), unlike the DynamicLossScaler of ZeRO stages 1-3 that the other sides "
+                   "reproduce (parity.migrate._port.MSG_FP16_STAGE0 has the details). Use deepspeed.zero_stage >= 1 "
+                   "(e.g. 1: on one rank it partitions nothing) for an fp16 comparison.")
 
 
 def has_optimizer_section(config: dict[str, Any]) -> bool:

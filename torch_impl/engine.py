@@ -42,13 +42,13 @@ from parity.spec import RunSpec
 from parity.weights import param_shapes
 from torch_impl import memory
 from torch_impl.distributed import setup_distributed
-from torch_impl.ds_config import (  # noqa: F401 (re-exported)
-    ACTIVATION_CHECKPOINTING, MSG_FP16_STAGE0, MSG_LAMB_CPU, STEPS_PER_PRINT, ds_config, fp16_config,
-    has_optimizer_section, per_rank_config)
-from torch_impl.model import build_model, decay_groups, lm_loss
+from torch_impl.ds_config import MSG_FP16_STAGE0, ds_config, has_optimizer_section, per_rank_config
+from torch_impl.model import build_model, decay_groups, micro_loss
+from torch_impl.baseline import build_optimizer  # the one torch builder of the optimizer
+from parity.protocol.ranks import rank_env
 
-__all__ = ["setup_distributed", "ds_config", "fp16_config", "build_engine", "torch_step", "eval_loss",
-           "final_fp32_params", "optimizer_classes", "engine_state_bytes", "DeepSpeedTrainer", "per_rank_config"]
+__all__ = ["build_engine", "torch_step", "eval_loss", "final_fp32_params", "optimizer_classes", "optimizer_hyperparams",
+           "engine_state_bytes", "DeepSpeedTrainer"]
 
 
 def _allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
@@ -64,7 +64,7 @@ def _allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
   """
   if not (config.get("fp16") or {}).get("enabled"):
     return False
-  from deepspeed.accelerator import get_accelerator
+  from deepspeed.accelerator import get_accelerator  # deepspeed: after setup_distributed set DS_ACCELERATOR
   acc = get_accelerator()
   if acc.device_name() != "cpu" or acc.is_fp16_supported():
     return False
@@ -99,6 +99,24 @@ def optimizer_classes(engine) -> dict[str, Any]:
       "activation_checkpointing": getattr(engine.module, "checkpoint", None) is not None,
       "group_weight_decay": [g["weight_decay"] for g in basic.param_groups],
   }
+
+
+HYPERPARAMS = ("betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "max_coeff", "min_coeff",
+               "eps_inside_sqrt", "adam_w_mode")
+"""Optimizer settings `optimizer_hyperparams` reads back from the param groups (the lr is per step: steps.jsonl)."""
+
+
+def optimizer_hyperparams(engine) -> list[dict[str, Any]]:
+  """The settings DeepSpeed's optimizer runs with, read from its param groups (one dict per group, the HYPERPARAMS it
+  has; betas as a list): what a `--perturb deepspeed:train.beta2=...` must show up in (the report reads it back)."""
+  basic = _basic_optimizer(engine)
+  out = []
+  for g in basic.param_groups:
+    row = {k: (list(g[k]) if isinstance(g[k], tuple) else g[k]) for k in HYPERPARAMS if k in g}
+    if "adam_w_mode" not in row and hasattr(basic, "adam_w_mode"):
+      row["adam_w_mode"] = bool(basic.adam_w_mode)
+    out.append({k: (float(v) if hasattr(v, "item") else v) for k, v in row.items()})
+  return out
 
 
 ZERO_WRAPPERS = {0: None, 1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
@@ -161,9 +179,13 @@ def _enable_checkpointing(model, config: dict[str, Any]) -> None:
   deepspeed.checkpointing is configured from the config's activation_checkpointing section. Its reentrant
   `checkpoint` is used: `non_reentrant_checkpoint` fails under ZeRO-3 (the recompute sees the released,
   size-0 params: "The size of tensor a (0) must match ...", deepspeed 0.19.8).
+  partition_activations is turned off: it splits activations over model-parallel ranks, and with none (mpu None,
+  mp_size 1) DeepSpeed keeps each whole (gather_partitioned_activations: a view), so it changes nothing here, but its
+  saved-tensor pairing breaks the recompute of a block called as block(x, rope) ("Block.forward() takes 3
+  positional arguments but 4 were given", deepspeed 0.19.8; e.g. Megatron-LM's ds_zero2_cpu_offload_config.json).
   """
-  import deepspeed
-  deepspeed.checkpointing.configure(None, deepspeed_config=config)
+  import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
+  deepspeed.checkpointing.configure(None, deepspeed_config=config, partition_activations=False)
   model.checkpoint = deepspeed.checkpointing.checkpoint
 
 
@@ -207,22 +229,16 @@ def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimiz
   optimizer section: torch.optim.AdamW with the run's lr, betas and eps; each param group keeps its own
   weight_decay (`decay_groups`). DeepSpeed then refuses it under offload_optimizer unless the config sets
   zero_force_ds_cpu_optimizer: false (engine._configure_optimizer), as parity.migrate does beforehand."""
-  from torch_impl.baseline import build_optimizer  # the one torch builder of the optimizer
   return build_optimizer(groups, train, lr=train.lr)
 
 
 def initialize(model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any], train):
   """`deepspeed.initialize` as `parity compare` runs a config: the config's optimizer when it has a section, else the
   client optimizer (`client_optimizer`). Returns the engine; raises whatever DeepSpeed raises for the config."""
-  import deepspeed
+  import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
   client = None if has_optimizer_section(config) else client_optimizer(groups, train)
   engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client, config=config)
   return engine
-
-
-def _tokens(micro_batch: np.ndarray, device: torch.device) -> torch.Tensor:
-  """uint16 (B, T + 1) numpy -> int64 tensor on `device`."""
-  return torch.from_numpy(np.asarray(micro_batch, dtype=np.int64)).to(device)
 
 
 def _module_grad_norm(module: torch.nn.Module) -> float:
@@ -232,7 +248,7 @@ def _module_grad_norm(module: torch.nn.Module) -> float:
 
 
 def torch_step(engine, micro_batches: np.ndarray, *, before_update: Callable[[], None] | None = None,
-               force_overflow: bool = False) -> dict[str, float | bool]:
+               force_overflow: bool = False, arrays=None, plants: frozenset = frozenset()) -> dict[str, float | bool]:
   """One optimizer step of a DeepSpeed engine over the micro batches of that step.
 
   For each micro batch: forward, `engine.backward(loss)` (DeepSpeed divides the
@@ -241,12 +257,16 @@ def torch_step(engine, micro_batches: np.ndarray, *, before_update: Callable[[],
 
   Args:
     engine: a DeepSpeedEngine built with gradient_accumulation_steps == len(micro_batches).
-    micro_batches: uint16 token ids, (grad_accum_steps, micro_batch_size, seq_len + 1);
+    micro_batches: uint16 or uint32 token ids, (grad_accum_steps, micro_batch_size, seq_len + 1);
       inputs are [..., :-1], targets [..., 1:].
     before_update: called after the last backward, right before the update (state probes).
     force_overflow: fp16 only: backpropagate the last micro batch's loss times inf, so the engine's
       own overflow check (the ZeRO optimizer's, on the scaled fp16 gradients) fires and DeepSpeed
       skips the step and backs off the scale (debug `overflow_at_steps`).
+    arrays: padded/packed: this rank's parity.protocol.side.ExampleArrays, weights A*W*w (`micro_loss`):
+      engine.backward divides each sum(weights * ce) by A and ZeRO averages over W, so the gradient is that of the
+      step objective sum(w * ce) (docs/data-examples.md "The model level"); the loss is then the mean of them.
+    plants: the side's planted data bugs (PLANT_KEYS), applied by `micro_loss`.
   Returns:
     loss: mean over micro batches of the unscaled mean token cross-entropy, nats.
     grad_norm: global L2 norm of the accumulated gradient before clipping (inf on a skipped step).
@@ -269,8 +289,7 @@ def torch_step(engine, micro_batches: np.ndarray, *, before_update: Callable[[],
   skipped_before = engine.skipped_steps
   losses, grad_norm = [], None
   for i, mb in enumerate(micro_batches):
-    tokens = _tokens(mb, engine.device)
-    loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
+    loss = micro_loss(engine, mb, engine.device, arrays, i, plants)
     last = i == gas - 1
     engine.backward(loss * float("inf") if force_overflow and last else loss)
     losses.append(float(loss.detach()))
@@ -290,18 +309,18 @@ def torch_step(engine, micro_batches: np.ndarray, *, before_update: Callable[[],
 
 
 @torch.no_grad()
-def eval_loss(module: torch.nn.Module, val_batches: np.ndarray, device: torch.device) -> float:
+def eval_loss(module: torch.nn.Module, val_batches: np.ndarray, device: torch.device, arrays=None,
+              plants: frozenset = frozenset()) -> float:
   """Mean token cross-entropy over held-out micro batches, nats (no gradients, params unchanged).
 
   Args:
     module: the model (DeepSpeed: `engine.module`, whose ZeRO-3 hooks still gather params).
-    val_batches: uint16 (n, micro_batch_size, seq_len + 1).
+    val_batches: uint16 or uint32 (n, micro_batch_size, seq_len + 1).
     device: where the module computes.
+    arrays: padded/packed: ExampleArrays (n, micro_batch_size, seq_len), weights summing to 1 per batch.
+    plants: the side's planted data bugs (`micro_loss`).
   """
-  losses = []
-  for mb in val_batches:
-    tokens = _tokens(mb, device)
-    losses.append(float(lm_loss(module(tokens[:, :-1]), tokens[:, 1:])))
+  losses = [float(micro_loss(module, mb, device, arrays, i, plants)) for i, mb in enumerate(val_batches)]
   return sum(losses) / len(losses)
 
 
@@ -310,7 +329,7 @@ def final_fp32_params(engine) -> dict[str, np.ndarray]:
 
   A collective under ZeRO: every rank must call it.
   """
-  from deepspeed.utils import safe_get_full_fp32_param
+  from deepspeed.utils import safe_get_full_fp32_param  # deepspeed: after setup_distributed set DS_ACCELERATOR
   out = {}
   for name, p in engine.module.named_parameters():
     full = safe_get_full_fp32_param(p)
@@ -324,7 +343,7 @@ def final_moments(engine, beta2: float) -> dict[str, np.ndarray]:
   `step` is the optimizer's own update count (per-param state, else the param group's). A collective under
   ZeRO: every rank must call it. Raises KeyError when the optimizer keeps no exp_avg_sq (not an Adam) or no step.
   """
-  from deepspeed.utils import safe_get_full_optimizer_state
+  from deepspeed.utils import safe_get_full_optimizer_state  # deepspeed: after setup_distributed set DS_ACCELERATOR
   basic = _basic_optimizer(engine)
   steps = [int(st["step"]) for st in basic.state.values() if isinstance(st, dict) and "step" in st]
   steps += [int(g["step"]) for g in basic.param_groups if "step" in g]
@@ -362,7 +381,7 @@ def engine_state_bytes(engine, run: RunSpec) -> memory.StateBytes:
 
 
 class DeepSpeedTrainer:
-  """The DeepSpeed side behind the interface the worker drives (see torch_impl.worker).
+  """The DeepSpeed side behind the interface the worker drives (torch_impl.side.TorchSide).
 
   Args:
     run: the resolved run spec.
@@ -371,9 +390,11 @@ class DeepSpeedTrainer:
 
   side = "deepspeed"
 
-  def __init__(self, run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None):
-    from parity.protocol.ranks import rank_env
+  def __init__(self, run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None,
+               plants: frozenset = frozenset()):
     self.run = run
+    self.plants = plants
+    """Planted data bugs (parity.protocol.layout.PLANT_KEYS) its steps and evals apply (`micro_loss`)."""
     self.config = per_rank_config(ds_config(run) if config is None else config, rank_env()[1])
     self.engine = build_engine(run, params, self.config)
     self._snapshots: list[memory.StateBytes] = []
@@ -383,26 +404,27 @@ class DeepSpeedTrainer:
     return self.engine.device
 
   def step(self, micro_batches: np.ndarray, *, probe: bool = False,
-           force_overflow: bool = False) -> dict[str, float | bool]:
+           force_overflow: bool = False, arrays=None) -> dict[str, float | bool]:
     """One optimizer step (`torch_step`); with probe, state bytes are measured before and after the update."""
     hook = (lambda: self._snapshots.append(engine_state_bytes(self.engine, self.run))) if probe else None
-    metrics = torch_step(self.engine, micro_batches, before_update=hook, force_overflow=force_overflow)
+    metrics = torch_step(self.engine, micro_batches, before_update=hook, force_overflow=force_overflow,
+                         arrays=arrays, plants=self.plants)
     if probe:
       self._snapshots.append(engine_state_bytes(self.engine, self.run))
     return metrics
 
-  def eval_loss(self, val_batches: np.ndarray) -> float:
-    return eval_loss(self.engine.module, val_batches, self.device)
+  def eval_loss(self, val_batches: np.ndarray, arrays=None) -> float:
+    return eval_loss(self.engine.module, val_batches, self.device, arrays, self.plants)
 
   def poison(self) -> None:
     """Fills the token embedding (compute copy) with NaN; the next loss is NaN."""
     with torch.no_grad():
       self.engine.module.wte.weight.fill_(float("nan"))
 
-  def final_params(self) -> dict[str, np.ndarray]:
+  def canonical_params(self) -> dict[str, np.ndarray]:
     return final_fp32_params(self.engine)
 
-  def final_moments(self) -> dict[str, np.ndarray]:
+  def canonical_moments(self) -> dict[str, np.ndarray]:
     """Adam's bias-corrected per-element gradient RMS, canonical, float32 (`final_moments`). A ZeRO collective."""
     if self.run.train.optimizer not in ("adam", "adamw"):
       raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule can use")
@@ -413,8 +435,10 @@ class DeepSpeedTrainer:
     return memory.merge_max(*(self._snapshots or [engine_state_bytes(self.engine, self.run)]))
 
   def describe(self) -> dict[str, Any]:
-    """Summary extras: optimizer class names, the DeepSpeed config, the ZeRO stage."""
-    import deepspeed
+    """Summary extras: optimizer class names, the DeepSpeed config it was given, the optimizer's settings as its
+    param groups hold them (`optimizer_hyperparams`), the ZeRO stage."""
+    import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
     return {"optimizer": optimizer_classes(self.engine), "ds_config": self.config,
+            "optimizer_hyperparams": optimizer_hyperparams(self.engine),
             "zero_stage": self.engine.zero_optimization_stage(),
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__}}

@@ -15,6 +15,7 @@ overwrites every parameter from the canonical file.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -25,8 +26,8 @@ from torch import nn
 from parity.spec import ModelSpec
 from parity.weights import decays, param_shapes
 
-__all__ = ["GPT", "RMSNorm", "TapRecorder", "build_model", "load_canonical", "to_canonical", "lm_loss",
-           "rope_tables", "decay_groups", "count_params"]
+__all__ = ["GPT", "RMSNorm", "TapRecorder", "build_model", "load_canonical", "to_canonical", "lm_loss", "micro_loss",
+           "rope_tables", "attention_mask", "decay_groups", "count_params"]
 
 
 class TapRecorder:
@@ -119,13 +120,35 @@ def rope_tables(seq_len: int, head_dim: int, theta: float,
   return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
+def attention_mask(segment_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
+  """bool (B, 1, T, S), [query, key], SDPA's `attn_mask` (True = attend): query t may attend key s iff
+  segment_ids[t] == segment_ids[s] and s <= t (parity.dataset.reference.attention_mask). Padding (segment 0)
+  attends earlier padding only, so no row is empty. `causal=False` (the diagnose plant) keeps the segment test.
+
+  Args:
+    segment_ids: int (B, T): 0 = padding, 1, 2, ... = the example's order in its row.
+  """
+  t = segment_ids.shape[-1]
+  same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, S)
+  if not causal:
+    return same
+  return same & _causal(t, segment_ids.device)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal(t: int, device: torch.device) -> torch.Tensor:
+  """bool (T, S) lower triangle (s <= t), built once per length and device: `tril` on a bool tensor cost ~0.9 ms
+  of a ~20 ms gpt2-tiny step when built every forward (torch.profiler, benchmarks/results/train_step_layouts.md)."""
+  return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
   half = x.shape[-1] // 2
   return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-  """x: (B, nh, T, hd); cos, sin: (T, hd) float32 -> (B, nh, T, hd), dtype of x."""
+  """x: (B, nh, T, hd); cos, sin: (T, hd), or per token (B, 1, T, hd), float32 -> (B, nh, T, hd), dtype of x."""
   return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
 
 
@@ -149,8 +172,10 @@ class Attention(_Tapped, nn.Module):
     self.qkv = nn.Linear(spec.d_model, (spec.n_heads + 2 * spec.kv_heads) * hd, bias=spec.bias)
     self.proj = nn.Linear(spec.n_heads * hd, spec.d_model, bias=spec.bias)
 
-  def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """x: (B, T, d_model) -> (B, T, d_model)."""
+  def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (B, T, d_model) -> (B, T, d_model). mask: None (causal, SDPA's is_causal), or bool (B, 1, T, S)
+    (`attention_mask`: segment and causality in it) given to SDPA as attn_mask, without is_causal."""
     s = self.spec
     b, t, _ = x.shape
     q_dim, kv_dim = s.n_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -168,15 +193,18 @@ class Attention(_Tapped, nn.Module):
       k = k.repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
       v = v.repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
     if self._taps is not None:  # SDPA hides scores and probs: recompute them from the same q, k for the taps
-      self._attention_taps(q, k, t)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=s.scale)  # (B, nh, T, hd)
+      self._attention_taps(q, k, t) if mask is None else self._attention_taps(q, k, t, mask)
+    if mask is None:
+      y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=s.scale)  # (B, nh, T, hd)
+    else:
+      y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scale)  # (B, nh, T, hd)
     y = y.transpose(1, 2).reshape(b, t, q_dim)  # (B, T, nh * hd)
     self._tap("context", lambda: y)
     out = self.proj(y)
     self._tap("out", lambda: out)
     return out
 
-  def _attention_taps(self, q: torch.Tensor, k: torch.Tensor, t: int) -> None:
+  def _attention_taps(self, q: torch.Tensor, k: torch.Tensor, t: int, mask: torch.Tensor | None = None) -> None:
     """Taps `scores` (scaled q.k, before the mask) and `probs` (after mask and softmax), (B, nh, T, S).
 
     The forward output still comes from SDPA; these are the same math spelled out (SDPA's
@@ -184,7 +212,9 @@ class Attention(_Tapped, nn.Module):
     """
     scores = torch.matmul(q, k.transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S)
     self._tap("scores", lambda: scores)
-    if self.causal:
+    if mask is not None:
+      scores = scores.masked_fill(~mask, float("-inf"))
+    elif self.causal:
       keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
       scores = scores.masked_fill(~keep, float("-inf"))
     self._tap("probs", lambda: torch.softmax(scores.float(), dim=-1))
@@ -231,15 +261,17 @@ class Block(_Tapped, nn.Module):
     self.ln_2 = _norm(spec)
     self.mlp = MLP(spec)
 
-  def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+  def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """One pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)); with a TapRecorder set, every
-    intermediate is recorded under its canonical tap name. x: (B, T, d_model) in the compute dtype."""
+    intermediate is recorded under its canonical tap name. x: (B, T, d_model) in the compute dtype; rope and
+    mask: see `Attention.forward`."""
     if self._taps is None:
-      x = x + self.attn(self.ln_1(x), rope)
+      x = x + self.attn(self.ln_1(x), rope, mask)
       return x + self.mlp(self.ln_2(x))
     h = self.ln_1(x)
     self._tap("ln_1", lambda: h)
-    x = x + self.attn(h, rope)
+    x = x + self.attn(h, rope, mask)
     self._tap("resid_mid", lambda: x)
     h = self.ln_2(x)
     self._tap("ln_2", lambda: h)
@@ -273,29 +305,46 @@ class GPT(_Tapped, nn.Module):
     if not spec.tie_embeddings:
       self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
 
-  def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+  def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token logits.
 
     Args:
       tokens: int64 token ids, shape (B, T), T <= spec.max_seq_len.
+      segment_ids: optional int (B, T) (the `padded` / `packed` layouts, docs/data-examples.md): query t
+        attends key s iff segment_ids[t] == segment_ids[s] and s <= t, as a boolean SDPA attn_mask
+        (`attention_mask`). None: causal only (SDPA is_causal), exactly as before.
+      positions: optional int64 (B, T), each token's position within its example, in [0, max_seq_len): learned
+        positions gather wpe[positions], rotary angles use them. None: 0 .. T-1 in every row.
     Returns:
       Logits, shape (B, T, vocab_size), in the module's dtype.
     Raises:
-      ValueError: T exceeds spec.max_seq_len.
+      ValueError: T exceeds spec.max_seq_len, or segment_ids / positions is not (B, T).
     """
     s = self.spec
     t = tokens.shape[1]
     if t > s.max_seq_len:
       raise ValueError(f"sequence of {t} tokens exceeds model.max_seq_len={s.max_seq_len}")
+    for name, arr in (("segment_ids", segment_ids), ("positions", positions)):
+      if arr is not None and tuple(arr.shape) != tuple(tokens.shape):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}; it must be the inputs' shape {tuple(tokens.shape)}")
     x = self.wte(tokens)  # (B, T, d)
     rope = None
     if s.position == "learned":
-      x = x + self.wpe(torch.arange(t, device=tokens.device))  # (B, T, d)
-    else:
+      x = x + self.wpe(torch.arange(t, device=tokens.device) if positions is None else positions.long())  # (B, T, d)
+    elif positions is None:
       rope = rope_tables(t, s.head_dim, s.rope_theta, device=tokens.device)
+    else:  # each token's own angle: rows of the table, (B, 1, T, hd) against q/k (B, nh, T, hd)
+      cos, sin = rope_tables(s.max_seq_len, s.head_dim, s.rope_theta, device=tokens.device)
+      rope = (cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1))
     self._tap("embed", lambda: x)
+    causal = all(b.attn.causal for b in self.h)  # False only under the diagnose plant no_causal_mask
+    mask = None if segment_ids is None else attention_mask(segment_ids, causal)  # once for all blocks
     for block in self.h:
-      x = block(x, rope) if self.checkpoint is None else self.checkpoint(block, x, rope)
+      if mask is None:  # the stream layout: the call of before, unchanged
+        x = block(x, rope) if self.checkpoint is None else self.checkpoint(block, x, rope)
+      else:
+        x = block(x, rope, mask) if self.checkpoint is None else self.checkpoint(block, x, rope, mask)
     x = self.ln_f(x)
     self._tap("ln_f", lambda: x)
     logits = F.linear(x, self.wte.weight) if s.tie_embeddings else self.lm_head(x)  # (B, T, V)
@@ -317,16 +366,57 @@ class GPT(_Tapped, nn.Module):
         module._tap_prefix = name
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-  """Mean token cross-entropy in float32.
+def micro_loss(forward, tokens_mtp1, device: torch.device, arrays=None, index: int = 0,
+               plants: frozenset = frozenset()) -> torch.Tensor:
+  """The loss of one micro batch as every torch trainer computes it (TorchTrainer, DeepSpeedTrainer, their evals).
+
+  Args:
+    forward: the module, its DDP wrapper or the DeepSpeed engine (called as GPT.forward).
+    tokens_mtp1: uint16/uint32 token ids (M, T + 1) (inputs [:, :-1], targets [:, 1:]).
+    device: where it computes.
+    arrays: None (stream: the mean cross-entropy, exactly as before), or a parity.protocol.side.ExampleArrays of
+      the step (A, M, T): micro batch `index`'s segment ids and positions go to the model (int64), its weights
+      to lm_loss (float32): sum(weights * ce), docs/data-examples.md "The model level".
+    plants: this side's planted data bugs (parity.protocol.layout.PLANT_KEYS; with arrays only), as jax_impl.step
+      applies them: attention_mask_dropped gives the model no segment ids (causal over the row),
+      positions_not_restarted no positions (0..T-1), labels_shifted_twice scores input t against token t + 2 with
+      target t's weight (the row's last input, which has no such token, dropped).
+  Returns:
+    Scalar float32 loss, nats.
+  """
+  tokens = torch.from_numpy(np.asarray(tokens_mtp1, dtype=np.int64)).to(device)
+  if arrays is None:
+    return lm_loss(forward(tokens[:, :-1]), tokens[:, 1:])
+  part = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a[index], dtype=dtype)).to(device)
+  seg = None if "attention_mask_dropped" in plants else part(arrays.segment_ids, np.int64)
+  pos = None if "positions_not_restarted" in plants else part(arrays.positions, np.int64)
+  logits, weights = forward(tokens[:, :-1], segment_ids=seg, positions=pos), part(arrays.weights, np.float32)
+  if "labels_shifted_twice" in plants:  # the plant: targets one further ahead, for the inputs that still have one
+    keep = tokens.shape[1] - 2
+    return lm_loss(logits[:, :keep], tokens[:, 2:], weights[:, :keep])
+  return lm_loss(logits, tokens[:, 1:], weights)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+  """Token cross-entropy in float32: the mean over all targets, or the weighted sum.
 
   Args:
     logits: (B, T, V), any float dtype (cast to float32 before the softmax).
     targets: int64 next-token ids, (B, T).
+    weights: optional float32 (B, T), the weight of each target (0 where it carries no loss: this micro batch's
+      rows of parity.dataset.reference.token_weights, times what the trainer's gradient convention needs).
   Returns:
-    Scalar float32 loss, nats per token, averaged over all B*T tokens.
+    Scalar float32 loss, nats: without weights, averaged over all B*T tokens (exactly as before); with weights,
+    sum(weights * ce).
+  Raises:
+    ValueError: weights is not (B, T).
   """
-  return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+  if weights is None:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+  if tuple(weights.shape) != tuple(targets.shape):
+    raise ValueError(f"weights has shape {tuple(weights.shape)}; it must be the targets' shape {tuple(targets.shape)}")
+  ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+  return (weights.float().reshape(-1) * ce).sum()
 
 
 def load_canonical(model: GPT, params: dict[str, np.ndarray]) -> None:

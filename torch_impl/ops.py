@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from harness import lifetime
-from harness.env import build_environ
+from parity import phase
+from parity.buildenv import build_environ
 
 __all__ = ["OPS", "STALE_AGE_S", "extensions_dir", "lock_path", "lock_holders", "lock_state", "clear_stale_lock",
            "needs_build", "install_build_hooks", "build_s", "build_ops", "main"]
@@ -51,7 +51,7 @@ _build_s = 0.0
 
 
 def extensions_dir() -> Path:
-  """TORCH_EXTENSIONS_DIR, as `harness.env.build_environ` sets it for every process of this environment."""
+  """TORCH_EXTENSIONS_DIR, as `parity.buildenv.build_environ` sets it for every process of this environment."""
   return Path(build_environ(dict(os.environ))["TORCH_EXTENSIONS_DIR"])
 
 
@@ -160,6 +160,7 @@ def install_build_hooks(say: Callable[[str], None] | None = None, cls: type | No
       deepspeed.ops.op_builder.builder.OpBuilder, the base of every accelerator's op builders.
   """
   if cls is None:
+    # deepspeed: when the hooks are installed, after the worker set DS_ACCELERATOR
     from deepspeed.ops.op_builder import builder as ds_builder
     cls = ds_builder.OpBuilder
   if getattr(cls.jit_load, "_parity_hooked", False):
@@ -179,8 +180,8 @@ def install_build_hooks(say: Callable[[str], None] | None = None, cls: type | No
       msg = f"building DeepSpeed op {self.name} (first use, {FIRST_USE.get(self.name, '~1 min')})" if building else ""
     if msg:
       say(msg)
-      lifetime.set_phase(msg)
-    lifetime.extend_deadline(lifetime.BUILD_LIMIT_S)
+      phase.set_phase(msg)
+    phase.extend_deadline(phase.BUILD_LIMIT_S)
     done, removed = threading.Event(), threading.Event()
     threading.Thread(target=_wait_guard, args=(op_dir, done, removed, say), daemon=True).start()
     t0 = time.time()
@@ -194,14 +195,14 @@ def install_build_hooks(say: Callable[[str], None] | None = None, cls: type | No
         # skips the build of a name it has seen in this process; forget it)
         from torch.utils import cpp_extension
         cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(self.name, None)
-        lifetime.set_phase(f"building DeepSpeed op {self.name} (first use, {FIRST_USE.get(self.name, '~1 min')})")
+        phase.set_phase(f"building DeepSpeed op {self.name} (first use, {FIRST_USE.get(self.name, '~1 min')})")
         return original(self, verbose)
     finally:
       done.set()
       dt = time.time() - t0
       _build_s += dt
-      lifetime.extend_deadline(dt - lifetime.BUILD_LIMIT_S)
-      lifetime.set_phase(None)
+      phase.extend_deadline(dt - phase.BUILD_LIMIT_S)
+      phase.set_phase(None)
       if building:
         say(f"DeepSpeed op {self.name} ready after {dt:.0f} s")
   jit_load._parity_hooked = True  # type: ignore[attr-defined]
@@ -235,7 +236,7 @@ def build_ops(names: list[str], say: Callable[[str], None] = print) -> dict[str,
       raise PermissionError(f"no write permission on {where}")
   except OSError as exc:
     raise ValueError(f"TORCH_EXTENSIONS_DIR={where} cannot hold the builds ({exc.strerror or exc}); {fix}") from None
-  import torch
+  import torch  # torch: only to build ops up front
   if not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"  # as torch_impl.engine.setup_distributed; before deepspeed is imported
   from deepspeed.accelerator import get_accelerator

@@ -10,8 +10,13 @@ DeepSpeed sees at each step is exactly G[step] (numpy, seeded; the JAX side draw
 wrapper and scheduler stepping itself. If DeepSpeed cannot build the optimizer on this machine (FusedLamb is
 CUDA-only), it records the reason and falls back to DeepSpeed's scheduler class alone.
 
+With fp16 enabled in the config the engine runs it as configured (fp16 module, DeepSpeed's loss scaler and
+overflow skips; CPU fp16 allowed as `parity compare` allows it, torch_impl.engine._allow_fp16_on_cpu): the
+gradient of the fp16 params is then fp16(G[step] * scale), so large scales overflow and exercise the scaler.
+
 Writes OUT.npz: lr (N,), beta1 (N,), params (N, P) fp32 master params after each step (engine mode only),
-mode ('engine'|'schedule'), note (str).
+scale (N,) the loss scale each step ran with and skipped (N,) bool, the step overflowed and was skipped (fp16; 1 and
+False otherwise), mode ('engine'|'schedule'), note (str).
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import numpy as np
 import torch
 
 from torch_impl.engine import setup_distributed  # the workers' environment: DS_ACCELERATOR, ninja, ops dir
+from torch_impl.engine import _allow_fp16_on_cpu, initialize
+from parity.spec import TrainSpec
 
 
 def draws(shapes: list[list[int]], steps: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -48,38 +55,57 @@ class _Probe(torch.nn.Module):
     return out
 
 
+def _master_params(engine, model: _Probe) -> np.ndarray:
+  """The fp32 master params, flat in the probe's order: ZeRO's partitions gathered, FP16_Optimizer's flat fp32 group
+  (stage 0 fp16; one param group), or the params themselves (stage 0 fp32)."""
+  from deepspeed.utils import safe_get_full_fp32_param  # deepspeed: after setup_distributed set DS_ACCELERATOR
+  opt = engine.optimizer
+  if engine.zero_optimization():
+    ps = [safe_get_full_fp32_param(p) for p in model.ps]
+  elif hasattr(opt, "fp32_groups_flat"):
+    ps = list(opt.fp32_groups_flat)
+  elif hasattr(opt, "fp32_groups"):
+    ps = [p for group in opt.fp32_groups for p in group]
+  else:
+    ps = list(model.ps)
+  return np.concatenate([p.detach().float().reshape(-1).numpy() for p in ps])
+
+
 def run_engine(req: dict) -> dict:
   """DeepSpeed itself on REQUEST's config: deepspeed.initialize over a model of the request's seeded params, one
-  step per seeded gradient. Returns {'lr', 'beta1', 'params' (steps x n), 'mode': 'engine', 'note'}."""
+  step per seeded gradient. Returns {'lr', 'beta1', 'params' (steps x n), 'scale', 'skipped', 'mode': 'engine',
+  'note'}."""
   setup_distributed()
-  import deepspeed
-  from deepspeed.utils import safe_get_full_fp32_param
-  steps = req["steps"]
+  import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
+  steps, cfg = req["steps"], req["ds_config"]
+  fp16 = _allow_fp16_on_cpu(cfg) or bool((cfg.get("fp16") or {}).get("enabled"))
   params, grads = draws(req["shapes"], steps, req["seed"])
   model = _Probe(params)
-  engine, _, _, sched = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                             config=req["ds_config"])
-  stage3 = engine.zero_optimization_stage() == 3
+  engine, _, _, sched = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
   lrs, b1s, out = np.zeros(steps), np.full(steps, np.nan), []
+  scales, skipped = np.ones(steps), np.zeros(steps, bool)
   for t in range(steps):
     group = engine.optimizer.param_groups[0] if hasattr(engine.optimizer, "param_groups") else None
     lrs[t] = float(engine.get_lr()[0])
     if group is not None and "betas" in group:
       b1s[t] = float(group["betas"][0])
+    scales[t] = float(engine.optimizer.loss_scale) if fp16 else 1.0
+    before = engine.skipped_steps
     loss = engine(torch.from_numpy(grads[t]))
     engine.backward(loss)
     engine.step()
-    ps = [safe_get_full_fp32_param(p) if (stage3 or engine.zero_optimization()) else p for p in model.ps]
-    out.append(np.concatenate([p.detach().float().reshape(-1).numpy() for p in ps]))
-  return {"lr": lrs, "beta1": b1s, "params": np.stack(out), "mode": "engine",
+    skipped[t] = engine.skipped_steps > before
+    out.append(_master_params(engine, model))
+  return {"lr": lrs, "beta1": b1s, "params": np.stack(out), "scale": scales, "skipped": skipped, "mode": "engine",
           "note": f"deepspeed.initialize: {type(engine.optimizer).__name__} over "
-                  f"{type(engine.basic_optimizer).__name__}, zero stage {engine.zero_optimization_stage()}"}
+                  f"{type(engine.basic_optimizer).__name__}, zero stage {engine.zero_optimization_stage()}"
+                  + (f", fp16 with {int(skipped.sum())} of {steps} steps skipped on overflow" if fp16 else "")}
 
 
 def run_schedule(req: dict, why: str) -> dict:
   """DeepSpeed's lr schedule alone (deepspeed.runtime.lr_schedules over a dummy AdamW), when the engine cannot be
   built here (`why`). Returns the same keys as run_engine, params empty, mode 'schedule'."""
-  from deepspeed.runtime import lr_schedules
+  from deepspeed.runtime import lr_schedules  # deepspeed: after setup_distributed set DS_ACCELERATOR
   cfg = req["ds_config"]
   steps = req["steps"]
   dummy = torch.nn.Parameter(torch.zeros(1))
@@ -93,7 +119,8 @@ def run_schedule(req: dict, why: str) -> dict:
     b1s[t] = float(opt.param_groups[0]["betas"][0])
     if sched is not None:
       sched.step()
-  return {"lr": lrs, "beta1": b1s, "params": np.zeros((0,)), "mode": "schedule",
+  return {"lr": lrs, "beta1": b1s, "params": np.zeros((0,)), "scale": np.ones(steps), "skipped": np.zeros(steps, bool),
+          "mode": "schedule",
           "note": f"DeepSpeed's {cfg.get('scheduler', {}).get('type', 'no')} scheduler class alone; {why}"}
 
 
@@ -107,8 +134,6 @@ def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
   Returns {name: {"accepted": bool, "error": "Type: first line" or None}}.
   """
   import dataclasses
-  from parity.spec import TrainSpec
-  from torch_impl.engine import _allow_fp16_on_cpu, initialize
   setup_distributed()
   t = dataclasses.replace(TrainSpec(), **train)
   out = {}
@@ -145,7 +170,8 @@ def main(argv: list[str]) -> int:
     why = f"deepspeed.initialize failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     traceback.print_exc(file=sys.stderr)
     res = run_schedule(req, why)
-  np.savez(out_path, lr=res["lr"], beta1=res["beta1"], params=res["params"], mode=res["mode"], note=res["note"])
+  np.savez(out_path, lr=res["lr"], beta1=res["beta1"], params=res["params"], scale=res["scale"],
+           skipped=res["skipped"], mode=res["mode"], note=res["note"])
   return 0
 
 

@@ -19,6 +19,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
+from parity.sizing.plans import _flops_per_token  # noqa: E402
+from parity.sizing import memory, plans  # noqa: E402
+from parity.weights import param_shapes  # noqa: E402
+from parity.spec import RunSpec, from_dict, to_dict  # noqa: E402
 
 GB = 10**9
 
@@ -52,13 +56,11 @@ def flops_per_token(model, seq_len: int) -> float:
   """Training FLOPs per token: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, appendix B: 6N for the forward and
   backward matmuls of N params, 12·L·h·s for attention scores and values; Megatron's Narayanan et al. 2021 eq. 3
   without recomputation counts the same terms). It is the planner's cost model (parity.sizing.plans)."""
-  from parity.sizing.plans import _flops_per_token
   return float(_flops_per_token(model, seq_len))
 
 
 def sizing_modules():
   """(memory, plans): the project's memory model and planner (parity.sizing), imported when first needed."""
-  from parity.sizing import memory, plans
   return memory, plans
 
 
@@ -99,7 +101,6 @@ def fast_params(model) -> dict[str, np.ndarray]:
   """Canonical float32 weights of `model` filled with constants (norm scales 1, biases 0, matrices init_std):
   the same names, shapes and bytes as parity.weights.init_params without drawing billions of normals. For the
   largest-model probes only, where values change neither the memory nor the time of a step."""
-  from parity.weights import param_shapes
   out = {}
   for name, shape in param_shapes(model).items():
     norm = ".ln_" in name or name.startswith("ln_f")
@@ -116,13 +117,11 @@ def timing(times: list[float]) -> dict[str, float]:
 
 def read_spec(path: str):
   """The RunSpec a driver wrote with `write_spec`."""
-  from parity.spec import RunSpec, from_dict
   return from_dict(RunSpec, json.loads(Path(path).read_text()))
 
 
 def write_spec(run, path: Path) -> Path:
   """Writes a RunSpec as JSON (parity.spec.to_dict) for a part to read."""
-  from parity.spec import to_dict
   path.write_text(json.dumps(to_dict(run), indent=1))
   return path
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from benchmarks.gpu_parts.common import (peak_rss_bytes, fast_params, read_spec, reset_peak_rss, timing,
                                          write_json)
+from parity.weights import init_params, n_params
 
 
 def measure(run, steps: int, warmup: int, fast_init: bool, torch_adam: bool = False) -> dict:
@@ -28,8 +29,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool, torch_adam: bool = Fa
   optimizer gets `torch_adam: true` (torch.optim.AdamW instead of DeepSpeed's FusedAdam, whose CUDA op needs nvcc
   and a JIT build of minutes); ignored under offload_optimizer, where DeepSpeedCPUAdam runs."""
   import torch
-  from parity.weights import init_params, n_params
-  from torch_impl import memory, ops
+  from torch_impl import memory, ops  # the framework: torch/DeepSpeed after the benchmark set its env
   from torch_impl.engine import DeepSpeedTrainer, ds_config, optimizer_classes
 
   t0 = time.perf_counter()
@@ -81,7 +81,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool, torch_adam: bool = Fa
 
 def build_op() -> dict:
   """Loads DeepSpeed's cpu_adam op, JIT-building it on first use (torch_impl.ops.build_ops)."""
-  from torch_impl import ops
+  from torch_impl import ops  # the framework: torch/DeepSpeed after the benchmark set its env
   t0 = time.perf_counter()
   took = ops.build_ops(["cpu_adam"], say=lambda m: print(m, flush=True))
   return {"part": "ds_build_op", "ops_s": took, "wall_s": time.perf_counter() - t0}

@@ -20,14 +20,14 @@ import numpy as np
 
 from benchmarks.gpu_parts.common import (peak_rss_bytes, fast_params, read_spec, reset_peak_rss, timing,
                                          write_json)
+from parity.weights import init_params, n_params
 
 
 def measure(run, steps: int, warmup: int, fast_init: bool) -> dict:
   """Builds, compiles and times the step; returns the figures of the module docstring."""
   import jax
-  from jax_impl import offload
-  from jax_impl.step import Trainer
-  from parity.weights import init_params, n_params
+  from jax_impl import offload  # the framework: jax is imported after the benchmark set its flags
+  from jax_impl.step import Trainer  # the framework: jax is imported after the benchmark set its flags
 
   t0 = time.perf_counter()
   params = fast_params(run.model) if fast_init else init_params(run.model, run.train.seed)

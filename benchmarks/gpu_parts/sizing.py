@@ -14,6 +14,9 @@ import dataclasses
 from typing import Any
 
 from benchmarks.gpu_parts.common import sizing_modules
+from parity.presets import PRESETS
+from parity.hf import MODEL_PRESETS
+from parity.spec import RunSpec, TrainSpec
 
 FIXED_MODEL = "gpt2-1.5b"
 """parity.hf.MODEL_PRESETS name of the fixed GPT (a published size: GPT-2 XL)."""
@@ -31,7 +34,6 @@ RESERVE = 0.1
 
 def tiny_run():
   """gpt2-tiny in bf16 (the CPU check's model)."""
-  from parity.presets import PRESETS
   run = PRESETS["gpt2-tiny"]
   return dataclasses.replace(run, train=dataclasses.replace(run.train, precision="bf16"))
 
@@ -49,8 +51,6 @@ def with_plan(run, plan: str, *, micro_batch: int | None = None, n_layers: int |
 
 def fixed_run():
   """The fixed GPT at micro batch 1: FIXED_MODEL, seq_len its max_seq_len, bf16, both sides."""
-  from parity.hf import MODEL_PRESETS
-  from parity.spec import RunSpec, TrainSpec
   model = MODEL_PRESETS[FIXED_MODEL]
   train = TrainSpec(micro_batch_size=1, seq_len=model.max_seq_len, precision="bf16", warmup_steps=1)
   return RunSpec(model=model, train=train, sides=("jax", "deepspeed"))

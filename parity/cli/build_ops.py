@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+from harness.runner import build_ops  # harness depends on parity, not the reverse
+
+from parity.errors import SpecError
 
 __all__ = ["register"]
 
@@ -19,8 +22,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  """Builds the ops. Raises ValueError on a --timeout that is not a positive number (main exits 2)."""
-  from harness.runner import build_ops  # harness depends on parity, not the reverse
+  """Builds the ops. Raises SpecError on a --timeout that is not a positive number (main exits 2)."""
   if args.timeout is not None and not args.timeout > 0:
-    raise ValueError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+    raise SpecError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
   return build_ops(args.ops, **({"timeout_s": args.timeout} if args.timeout else {}))

@@ -1,24 +1,42 @@
-"""`parity compare`: arguments, the call into parity.pipeline.compare.compare, the summary tables (`parity report` and
-`parity check`: parity/cli/report.py)."""
+"""`parity compare`: arguments, the ResolvedRun and RunOptions they make, run_comparison, the summary tables
+(`parity report` and `parity check`: parity/cli/report.py)."""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from parity.cli._common import add_allow_large, add_run_source, console, count_arg
+from parity.pipeline.compare import OPTION_FIELDS, RunOptions, run_comparison
+from parity.pipeline.resolve import ResolvedRun, resolve_run
 from parity.spec import parse_overrides
+from parity.cli.gate_table import print_gate
+from parity.report.check_table import per_tensor_rule, tolerance_text
+from parity.report.equivalence_view import equivalence_lines
+from parity.report.headline import verdict_sentence, run_title
+from parity.report.setup_table import perturbation_lines
+from parity.report.side_table import side_rows, throughput_columns, throughput_note
 
-__all__ = ["register", "print_summary"]
+__all__ = ["register", "run_options", "resolved_run", "print_summary"]
 
 
 def register(sub) -> None:
-  """Adds `compare` and `report` to the subparsers `sub`."""
+  """Adds `compare` to the subparsers `sub`: what is run (_add_source_flags), how (_add_run_flags, _add_rank_flags)."""
   p = sub.add_parser("compare", help="run every side on identical data and weights and check parity",
                      description="Runs JAX (Flax+Optax, host offload), DeepSpeed (ZeRO) and plain PyTorch on "
                                  "the same data and initial weights, each in its own process, and checks parity. "
                                  "Exit 0: parity holds; 1: it does not (or a side failed; the report says which); "
                                  "2: bad input.")
+  _add_source_flags(p)
+  _add_run_flags(p)
+  _add_rank_flags(p)
+  add_allow_large(p)
+  p.set_defaults(handler=run_compare)
+
+
+def _add_source_flags(p) -> None:
+  """What is run, the flags parity.pipeline.resolve.resolve_run takes (`resolved_run`)."""
   add_run_source(p, set_example="--set train.lr=3e-4 --set jax.offload_params=true")
   p.add_argument("--plan", help="a DeepSpeed <-> JAX plan pair (see `parity plan`; e.g. zero3-offload-all), "
                                 "or 'auto': the fastest pair that fits --hardware by the memory model "
@@ -27,8 +45,23 @@ def register(sub) -> None:
                                                     "H200, GH200)")
   p.add_argument("--steps", type=count_arg, help="optimizer steps, train.steps (default: the preset's)")
   p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
-  p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, or a nanoGPT .bin of uint16 ids "
-                                "(default: the preset's, stdlib)")
+  p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, a .bin of token ids (llm.c header, "
+                                "or headerless uint16 as nanoGPT; NAME.uint32.bin for uint32) or a 1-D integer .npy; "
+                                "or examples for train.layout padded/packed: a .jsonl/.json/.parquet file or "
+                                "'sft-demo' (default: the preset's, stdlib)")
+  p.add_argument("--tokenizer", metavar="DIR",
+                 help="a folder with tokenizer.json (and tokenizer_config.json) for text example records of --data "
+                      "(padded/packed layouts; default: the --hf-model folder)")
+  p.add_argument("--hf-model", metavar="DIR",
+                 help="start from a local Hugging Face checkpoint folder (model spec and initial weights; "
+                      "default: seeded initial weights)")
+  p.add_argument("--deepspeed-config", metavar="FILE",
+                 help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
+                      "the JAX and torch sides run its port; see `parity port` (default: none)")
+
+
+def _add_run_flags(p) -> None:
+  """How it runs: the RunOptions fields (`run_options`), but the rank flags."""
   p.add_argument("--out", help="run folder, new or empty (default runs/<time>-<preset>-<hash>); locked while the run "
                                "writes it")
   p.add_argument("--force", action="store_true",
@@ -39,12 +72,6 @@ def register(sub) -> None:
                       "(default: none)")
   p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds (default: the run spec's "
                                                "timeout_s)")
-  p.add_argument("--hf-model", metavar="DIR",
-                 help="start from a local Hugging Face checkpoint folder (model spec and initial weights; "
-                      "default: seeded initial weights)")
-  p.add_argument("--deepspeed-config", metavar="FILE",
-                 help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
-                      "the JAX and torch sides run its port; see `parity port` (default: none)")
   env = p.add_mutually_exclusive_group()
   env.add_argument("--noise-envelope", dest="noise_envelope", action="store_true", default=None,
                    help="rerun every side with its batches' rows in reverse order and hold each pair's loss "
@@ -57,9 +84,12 @@ def register(sub) -> None:
   p.add_argument("--resume-at", type=int, metavar="STEP",
                  help="also checkpoint each side at STEP in that rerun, resume in a new process and check the rest "
                       "of the run is bit-identical to the uninterrupted one (default: no resume check)")
+  p.add_argument("--equivalence", metavar="KINDS", default=None,
+                 help="after the run, train each side again in an equivalent shape and hold it against its main run: "
+                      "ga (GA 1 x micro batch k*m), ranks (1 rank, or 2 for a 1-rank run), packing (the examples "
+                      "in the other layout), comma-separated; gating with loss_normalization tokens in fp32, "
+                      "reported only otherwise (default: none)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on a terminal)")
-  _add_rank_flags(p)
-  add_allow_large(p)
   p.add_argument("--allow-cpu", action="store_true",
                  help="run even when CUDA is present but the JAX or torch side would run on the CPU (no CUDA "
                       "plugin / a CPU-only torch build; refused by default, exit 2, naming the package to "
@@ -71,7 +101,6 @@ def register(sub) -> None:
   p.add_argument("--tracker", action="append", default=[], metavar="KIND:TARGET",
                  help="mirror each side's per-step records after the run to tensorboard:DIR, wandb:PROJECT or "
                       "mlflow:EXPERIMENT (the package must be installed; default: none)")
-  p.set_defaults(handler=run_compare)
 
 
 def _add_rank_flags(p) -> None:
@@ -89,29 +118,44 @@ def _add_rank_flags(p) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-  """`parity compare`: runs parity.pipeline.compare.compare and prints the summary. Returns the report's exit code."""
-  from parity.pipeline.compare import compare
-  report = compare(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
-                   sides=args.sides.split(",") if args.sides else None, data=args.data, out=args.out,
-                   perturb=args.perturb, timeout_s=args.timeout, progress=not args.no_progress,
-                   hf_model=args.hf_model, deepspeed_config=args.deepspeed_config, plan=args.plan,
-                   hardware=args.hardware, noise_envelope=args.noise_envelope,
-                   determinism_steps=args.determinism_steps, resume_at=args.resume_at, force=args.force,
-                   command=" ".join(["parity", *sys.argv[1:]]), nproc=args.nproc, nnodes=args.nnodes,
-                   node_rank=args.node_rank, coordinator=args.coordinator, hostfile=args.hostfile,
-                   allow_cpu=args.allow_cpu, baseline=args.baseline, trackers=args.tracker)
+  """`parity compare`: resolve_run and run_comparison (as parity.pipeline.compare.compare) and the summary. Returns
+  the report's exit code."""
+  started = time.time()
+  report = run_comparison(resolved_run(args), run_options(args, started_s=started))
   print_summary(report, console())
   _print_post(report, console())
   return report.exit_code
 
 
+def resolved_run(args: argparse.Namespace) -> ResolvedRun:
+  """What a parsed `parity compare` runs: resolve_run with its source flags (--set strings parsed here)."""
+  return resolve_run(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
+                     sides=args.sides.split(",") if args.sides else None, data=args.data, hf_model=args.hf_model,
+                     deepspeed_config=args.deepspeed_config, plan=args.plan, hardware=args.hardware,
+                     tokenizer=getattr(args, "tokenizer", None))
+
+
+_FLAG_OF = {"timeout_s": "timeout", "trackers": "tracker"}
+"""The RunOptions fields whose flag has another name (--timeout, each --tracker)."""
+_NOT_FLAGS = ("progress", "command", "started_s")
+"""The RunOptions fields `run_options` sets itself: progress from --no-progress, the command line, the start time."""
+
+
+def run_options(args: argparse.Namespace, *, started_s: float | None = None) -> RunOptions:
+  """The RunOptions of a parsed `parity compare`: every field from its flag (the field's name, or _FLAG_OF's), but
+  _NOT_FLAGS: progress unless --no-progress, the command line as typed, `started_s` (when the command began).
+  A field added to RunOptions without a flag raises AttributeError here (tests/test_cli.py builds one)."""
+  given = {f: getattr(args, _FLAG_OF.get(f, f)) for f in OPTION_FIELDS if f not in _NOT_FLAGS}
+  return RunOptions(**given, progress=not args.no_progress, command=" ".join(["parity", *sys.argv[1:]]),
+                    started_s=started_s)
+
+
 def _print_post(report, con) -> None:
-  """The --baseline gate's table and the --tracker lines (parity.report.after.PostRunResult), when asked for."""
+  """The --baseline gate's table and the --tracker lines (parity.history.after.PostRunResult), when asked for."""
   post = getattr(report, "post", None)
   if post is None:
     return
   if post.gate is not None:
-    from parity.report.after import print_gate
     print_gate(post.gate, con)
     if post.gate_files:
       con.print(f"gate: {post.gate_files['md']} (also gate.json)")
@@ -120,27 +164,35 @@ def _print_post(report, con) -> None:
 
 
 def print_summary(report, con) -> None:
-  """Prints a Report (parity.report): one row per side, one per check, the verdict sentence and where the report is.
+  """Prints a Report (parity.report): one row per side (state bytes per memory kind for every side, JAX included),
+  the throughput caveat of the page (parity.report.side_table.throughput_note), one row per check, one line per
+  --perturb (applied or not: parity.report.setup_table.perturbation_lines), the verdict sentence
+  and where the report is.
   Columns fold (wrap) instead of truncating: at 120 columns the memory-kind cell wraps onto a second line."""
   from rich.table import Table
-  from parity.report.content import side_rows, verdict_sentence
 
   sides = report.data.get("sides") or {}
   ranks = {n: int(((s.get("summary") or {}).get("nproc")) or 1) for n, s in sides.items()}  # harness.ranks.fold_ranks
   world = max(ranks.values(), default=1)
-  t = Table(title=f"parity compare — {report.run_dir}" + (f" — {world} ranks per side" if world > 1 else ""))
-  cols = ("side", "status", "steps", "loss first→last", "val loss", "tokens/s", "init/compile s", "peak RSS",
-          "state by memory kind")
+  t = Table(title=f"parity compare — {report.run_dir}" + (f" — {world} ranks per side" if world > 1 else ""),
+            caption=_title(report.data))  # what was compared: the model (an --hf-model checkpoint by name), plan, ...
+  tput = throughput_columns(report.data)  # tokens/s, and loss tokens/s on padded/packed data
+  cols = ("side", "status", "steps", "loss first→last", "val loss", *(h for _, h in tput), "init/compile s",
+          "peak RSS", "state by memory kind")
   for col in cols:
     t.add_column(col, overflow="fold", no_wrap=col in ("side", "steps"),
                  min_width=20 if col == "state by memory kind" else None)
   for r in side_rows(report.data):
     n = ranks.get(r["side"], 1)
     t.add_row(r["side"] + (f" × {n} ranks" if n > 1 else ""), f"{r['status']} ({r['backend']})", str(r["steps"]),
-              r["loss"], r["val_loss"], r["tokens_per_s"], f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
+              r["loss"], r["val_loss"], *(r[k] for k, _ in tput), f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
               r["memory_kinds"].replace(", ", ",\n"))
   con.print(t)
+  # the same caveat as the page: tokens/s of sides run one after another under changing load (a CPU backend)
+  con.print(f"tokens/s: {throughput_note(report.data)}", soft_wrap=True)
   _print_checks(report, con)
+  for line in perturbation_lines(report.data):  # each --perturb and whether the side ran it (the report's table)
+    con.print(line, style="bold red" if "NOT APPLIED" in line else None, soft_wrap=True, markup=False)
   style = "bold green" if report.passed else "bold red"
   con.print(f"[{style}]{verdict_sentence(report.data)}[/{style}]")
   moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
@@ -156,18 +208,25 @@ def print_summary(report, con) -> None:
               soft_wrap=True)
 
 
+def _title(d: dict) -> str | None:
+  try:
+    return run_title(d)
+  except (KeyError, TypeError):  # a report without its run section: the table says the rest
+    return None
+
+
 def _print_checks(report, con) -> None:
   from rich.table import Table
-  from parity.report.content import tolerance_text
   c = Table(title="checks")
   tols = (report.data.get("tolerances") or {}).get(((report.data.get("run") or {}).get("train") or {}).get(
       "precision"), {})
-  for col in ("check", "max diff", "tolerance", "ok", "first failing step"):
+  for col in ("check", "value", "tolerance", "ok", "first failing step"):
     c.add_column(col)
   for ch in report.checks:
     val = ch["value"]
     tol = ch["tolerance"]
-    c.add_row(ch["name"], f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val),
+    text = f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val)
+    c.add_row(ch["name"], text + (" (ratio to moved)" if per_tensor_rule(ch) else ""),
               tolerance_text(ch, tols) if isinstance(tol, (int, float)) else "n/a",
               ("yes" if ch["passed"] else "[red]NO[/red]") if ch.get("gating", True) else
               ("yes (reported only)" if ch["passed"] else "no (reported only)"),
@@ -177,3 +236,5 @@ def _print_checks(report, con) -> None:
   if det:
     con.print("determinism (first steps rerun in a new process): " + ", ".join(
         f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items()))
+  for line in equivalence_lines(report.data):  # --equivalence: one line per kind and side
+    con.print(line, soft_wrap=True, markup=False)

@@ -5,13 +5,15 @@ import argparse
 import json
 
 from parity.cli._common import EXIT_OK, Failure
+from parity.hf.convert import FORMATS, convert
+from parity.inputs import load_json
+from parity.spec import ModelSpec, from_dict, to_dict
 
 __all__ = ["register"]
 
 
 def register(sub) -> None:
   """Adds `convert-weights` to the subparsers `sub`."""
-  from parity.hf.convert import FORMATS
   p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax",
                      description="Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
                                  "LlamaForCausalLM, MistralForCausalLM), canonical safetensors (with the ModelSpec as "
@@ -36,9 +38,6 @@ def run(args: argparse.Namespace) -> int:
     SpecError / ValueError / FileNotFoundError / FileExistsError: bad input (main exits 2).
     Failure: the output could not be written (exit 1); the source and an old DST stay.
   """
-  from parity.hf.convert import convert
-  from parity.inputs import load_json
-  from parity.spec import ModelSpec, from_dict, to_dict
   spec = from_dict(ModelSpec, load_json(args.spec, what="--spec file"), path="model") if args.spec else None
   try:
     done = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, spec=spec,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from parity.cli._common import add_allow_large, add_run_source, console, split_list
 from parity.spec import parse_overrides
+from parity.diagnose import diagnose
 
 __all__ = ["register"]
 
@@ -34,8 +35,7 @@ def register(sub) -> None:
 
 def run_diagnose(args: argparse.Namespace) -> int:
   """`parity diagnose`: runs parity.diagnose.diagnose and prints its verdict. Returns its exit code."""
-  from rich.markup import escape
-  from parity.diagnose import diagnose
+  from rich.markup import escape  # rich: loaded when something is printed
   con = console()
   res = diagnose(args.preset, config=args.config, overrides=parse_overrides(args.overrides), hf_model=args.hf_model,
                  step=args.step, sides=split_list(args.sides), perturb=args.perturb, plants=args.plant, out=args.out,

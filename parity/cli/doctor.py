@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, console
+from parity.errors import SpecError
+from harness import doctor
 
 __all__ = ["register", "run", "rows"]
 
@@ -39,15 +41,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  """Probes, prints, writes --json. Raises ValueError on a bad --timeout or an unwritable --json path (exit 2)."""
-  from harness import doctor
+  """Probes, prints, writes --json. Raises SpecError on a bad --timeout or an unwritable --json path (exit 2)."""
   if args.timeout is not None and not args.timeout > 0:
-    raise ValueError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+    raise SpecError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
   out = None if args.json in (None, "-") else Path(args.json)
   if out is not None and not out.parent.is_dir():
-    raise ValueError(f"--json {args.json}: folder {out.parent} does not exist; create it or pick another path")
+    raise SpecError(f"--json {args.json}: folder {out.parent} does not exist; create it or pick another path")
   if out is not None and out.exists() and not getattr(args, "force", False):
-    raise ValueError(f"--json {args.json}: {out} already exists and would be overwritten; pass --force to replace "
+    raise SpecError(f"--json {args.json}: {out} already exists and would be overwritten; pass --force to replace "
                      "it, or pick another path ('-' writes to stdout)")
   frameworks = doctor.probe_frameworks(bandwidth=not args.quick, build=args.build,
                                        timeout_s=args.timeout or doctor.PROBE_TIMEOUT_S)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     try:
       out.write_text(text)
     except OSError as exc:
-      raise ValueError(f"--json {args.json}: cannot write it ({exc.strerror}); pick a writable path") from None
+      raise SpecError(f"--json {args.json}: cannot write it ({exc.strerror}); pick a writable path") from None
     if args.json != "-":
       console().print(f"written to {out}")
   failed = [fw for fw, p in frameworks.items() if "error" in p]
@@ -78,6 +79,15 @@ def _fmt_bw(bw: dict | None, keys: tuple[str, ...]) -> str:
                    for k in keys if k in bw)
 
 
+def _fmt_threads(choice: dict | None) -> str:
+  """harness.env's choice for the workers: 'OMP_NUM_THREADS=2 (parity), ...: reason' ('not recorded': older)."""
+  if not choice:
+    return "not recorded"
+  by = choice.get("set_by", {})
+  vals = ", ".join(f"{k}={v} ({by.get(k, '?')})" for k, v in choice.get("values", {}).items()) or "none set"
+  return f"{vals}: {choice.get('reason', '')}"
+
+
 def rows(block: dict) -> list[tuple[str, str]]:
   """The block as (item, value) rows, in the order the table shows them (pure; also what a report can print)."""
   h, pk, fw = block["host"], block["packages"], block["frameworks"]
@@ -86,6 +96,7 @@ def rows(block: dict) -> list[tuple[str, str]]:
   out = [("python", f"{h['python']} ({h['python_executable']})"), ("os", h["os"]),
          ("cpu", f"{h['cpu_model']}: {h['cpu_cores_usable']}/{h['cpu_cores_logical']} cores usable, load "
                  f"{h['load_average']}, {(h['mem_total_bytes'] or 0) / 2**30:.1f} GiB"),
+         ("worker threads", _fmt_threads(block.get("worker_threads"))),
          ("numa nodes", "; ".join(f"node {n['node']}: cpus {n['cpus']}" for n in h["numa_nodes"] or []) or "not shown"),
          ("git", f"{git.get('commit', '?')[:12]} on {git.get('branch')}" + (" (dirty)" if git.get("dirty") else "")
           if git else "not a checkout"),
@@ -125,8 +136,8 @@ def rows(block: dict) -> list[tuple[str, str]]:
 
 
 def _print(block: dict, con) -> None:
-  from rich.markup import escape
-  from rich.table import Table
+  from rich.markup import escape  # rich: loaded when something is printed
+  from rich.table import Table  # rich: loaded when a table is printed
   t = Table(title="parity doctor", show_lines=False)
   t.add_column("item", style="bold")
   t.add_column("value", overflow="fold")

@@ -9,7 +9,13 @@ import argparse
 import json
 import sys
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, Failure
+from parity.cli._common import EXIT_FAIL, EXIT_OK, Failure, console
+from parity.migrate._ctx import Flags
+from parity.migrate._read import PortError, read_deepspeed_config, read_structured
+from parity.migrate._port import port_config
+from parity.migrate._reverse import to_deepspeed, load_ported
+from parity.migrate.outputs import check_outputs, write_output
+from parity.migrate.verify import DEFAULT_TIMEOUT_S, VerifyTimeout, verify
 
 __all__ = ["register", "main", "EXIT_VERIFY_TIMEOUT"]
 
@@ -50,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("-o", "--output", help="write the ported config here (.yaml/.yml or .json); default: stdout")
   parser.add_argument("--report-json", metavar="FILE", help="write the migration report as JSON (default: none)")
   parser.add_argument("--report-md", metavar="FILE", help="write the migration report as Markdown (default: none)")
+  parser.add_argument("--force", action="store_true", help="replace an existing output that is not the file "
+                      "parity port wrote there (edited since, or another program's; default off: refused)")
   parser.add_argument("--quiet", action="store_true", help="do not print the key table (refusals are still printed; "
                                                            "default off)")
   g = parser.add_argument_group("values for \"auto\" keys (what the HF Trainer fills; default: none, an \"auto\" "
@@ -80,7 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _flags(args: argparse.Namespace):
-  from parity.migrate._ctx import Flags
   return Flags(micro_batch=args.micro_batch, grad_accum=args.grad_accum, world_size=args.world_size, lr=args.lr,
                betas=args.betas, eps=args.eps, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
                total_steps=args.total_steps, max_grad_norm=args.max_grad_norm, precision=args.precision,
@@ -99,19 +106,17 @@ def run(args: argparse.Namespace) -> int:
     PortError: a refused config (every reason in the message) or bad input; main exits 2.
     Failure: an output could not be written (exit 1), a verify side timed out (exit 3) or crashed (exit 1).
   """
-  from parity.migrate._read import PortError, read_deepspeed_config, read_structured
-  from parity.migrate._port import port_config
-  from parity.migrate._reverse import to_deepspeed
-  from parity.migrate.outputs import check_outputs
   check_outputs(args.config, [("-o", args.output), ("--report-json", args.report_json),
-                              ("--report-md", args.report_md)])
+                              ("--report-md", args.report_md)], force=args.force)
   if args.to_deepspeed:
     ds, report = to_deepspeed(read_structured(args.config), source=args.config)
     _show(args, report)
     if report.ported:
       _write(args.output, json.dumps(ds, indent=2) + "\n")
     _reports(args, report)
-    return _refusal(report)
+    code = _refusal(report)
+    _done(args, load_ported(read_structured(args.config), source=args.config))
+    return code
   if args.verify_steps < 1:
     raise PortError(f"--verify-steps must be >= 1; got {args.verify_steps}")
   vt = args.verify_timeout
@@ -123,11 +128,44 @@ def run(args: argparse.Namespace) -> int:
   if result.ported is None:
     return _refusal(result.report)
   _write(args.output, result.ported.dumps(_fmt(args.output)))
+  _done(args, result.ported)
+  ln = result.report.loss_normalization
+  print(f"loss normalisation: train.loss_normalization {ln['value']} recorded; {ln['why']}", file=sys.stderr)
   return _verify(args, result) if args.verify else EXIT_OK
 
 
+def _done(args: argparse.Namespace, ported) -> None:
+  """Prints (stderr) what was written and the next command: for a port, `parity compare --config OUT` (with --nproc
+  for a multi-rank batch), or every reason compare cannot run it with how to run it; for --to-deepspeed (`ported`:
+  the ported config read), how to run the DeepSpeed config."""
+  what = "the DeepSpeed config" if args.to_deepspeed else "the ported JAX config"
+  wrote = [f"{what} to {args.output}" if args.output else f"{what} to stdout"]
+  wrote += [f"the migration report ({kind}) to {f}" for f, kind in ((args.report_json, "JSON"),
+                                                                     (args.report_md, "Markdown")) if f]
+  lines = ["parity port: wrote " + "; ".join(wrote)]
+  target = args.output or "FILE (save it first with -o FILE)"
+  world = ported.batch.world
+  blockers = ported.not_runnable_by_compare
+  if blockers:
+    lines.append(f"parity compare cannot run this port ({len(blockers)} reason{'s' if len(blockers) > 1 else ''}):")
+    lines += [f"  - {k}: {v.why}. {v.run}" for k, v in blockers.items()]
+  if args.to_deepspeed:
+    lines.append(f"next: launch it with {world} data-parallel rank{'s' if world > 1 else ''} (deepspeed.initialize "
+                 f"reads {target})" + (f"; or parity compare --deepspeed-config {target}" if world == 1 and not
+                                       blockers else ""))
+  elif not blockers:
+    nproc = f" --nproc {world}" if world > 1 else ""
+    lines.append(f"next: parity compare --config {target}{nproc}" + (
+        f"   (--nproc {world}: the config's {world} ranks; --nproc 1 runs the same global batch on one rank)"
+        if nproc else ""))
+  if not args.to_deepspeed and not args.verify:
+    fp16 = ", the fp16 loss scaler" if ported.precision.compute_dtype == "fp16" else ""
+    lines.append(f"{'next' if blockers else 'also'}: parity port {_port_args(args)} --verify   (the schedule, the "
+                 f"optimizer{fp16} against DeepSpeed's own)")
+  print("\n".join(lines), file=sys.stderr)
+
+
 def _verify(args: argparse.Namespace, result) -> int:
-  from parity.migrate.verify import DEFAULT_TIMEOUT_S, VerifyTimeout, verify
   limit = args.verify_timeout if args.verify_timeout is not None else DEFAULT_TIMEOUT_S
   try:
     outcome = verify(result, steps=args.verify_steps, timeout=limit)
@@ -141,35 +179,48 @@ def _verify(args: argparse.Namespace, result) -> int:
   return EXIT_OK if outcome.ok else EXIT_FAIL
 
 
+_VALUE_FLAGS = ("micro_batch", "grad_accum", "world_size", "lr", "eps", "weight_decay", "warmup_steps", "total_steps",
+                "max_grad_norm", "hidden_size")
+
+
+def _port_args(args: argparse.Namespace) -> str:
+  """The config and the value flags of this `parity port` call, as a shell would take them."""
+  import shlex
+  out = [shlex.quote(args.config)] + [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _VALUE_FLAGS
+                         if getattr(args, k) is not None]
+  out += [f"--betas {args.betas[0]},{args.betas[1]}"] if args.betas else []
+  out += [f"--{args.precision}"] if args.precision else []
+  return " ".join(out)
+
+
 def _show(args: argparse.Namespace, report) -> None:
   if not args.quiet:
-    from parity.cli._common import console
     print_port_table(report, console(stderr=True))
 
 
 def print_port_table(report, con) -> None:
   """The key-by-key port table (parity.migrate.Report): key, value (-> resolved "auto"), fate, target, reason; then
   the values DeepSpeed's defaults imply and the warnings."""
+  from rich.markup import escape  # text is printed as written: "[adam_beta1, adam_beta2]" is not markup
   from rich.table import Table
   colour = {"mapped": "green", "not_needed": "cyan", "unsupported": "red"}
   if not con.is_terminal and (con.width or 0) < 200:  # a pipe or a log: wide rows, never squeezed to 80 columns
     from rich.console import Console
     con = Console(highlight=False, width=200, file=con.file)
-  t = Table(title=f"parity port: {report.source}", show_lines=False)
+  t = Table(title=f"parity port: {escape(report.source)}", show_lines=False)
   for col in ("key", "value", "fate", "target", "reason"):
     t.add_column(col, overflow="fold")
   for e in report.entries.values():
     val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
-    t.add_row(e.key, val, f"[{colour[e.fate]}]{e.fate}[/]", e.target or "", e.reason)
+    t.add_row(escape(e.key), escape(val), f"[{colour[e.fate]}]{e.fate}[/]", escape(e.target or ""), escape(e.reason))
   con.print(t)
   for i in report.implied:
-    con.print(f"[yellow]implied[/] {i['key']} = {json.dumps(i['value'])}: {i['reason']}")
+    con.print(f"[yellow]implied[/] {escape(i['key'])} = {escape(json.dumps(i['value']))}: {escape(i['reason'])}")
   for w in report.warnings:
-    con.print(f"[yellow]warning[/] {w}")
+    con.print(f"[yellow]warning[/] {escape(w)}")
 
 
 def _write(path: str | None, text: str) -> None:
-  from parity.migrate.outputs import write_output
   try:
     write_output(path, text)
   except OSError as e:  # disk full, read-only folder: nothing half-written (write_output renames a whole file)
@@ -189,7 +240,6 @@ def _refusal(report) -> int:
   recorded no message), one per line."""
   if report.ported:
     return EXIT_OK
-  from parity.migrate import PortError
   reasons = list(report.errors) or [f"{e.key}: {e.reason}" for e in report.entries.values() if e.fate == "unsupported"]
   head = "refused" if len(reasons) == 1 else f"refused, {len(reasons)} reasons"
   raise PortError(f"{head}:\n" + "\n".join(f"  - {r}" for r in reasons))
@@ -197,5 +247,5 @@ def _refusal(report) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   """`parity port ARGS...` through the one `parity` entry point (same error path and exit codes)."""
-  from parity.cli import main as parity_main
+  from parity.cli import main as parity_main  # a cycle: parity.cli imports this module to build its parser
   return parity_main(["port", *(argv or [])])

@@ -7,6 +7,16 @@ import datetime as _dt
 from pathlib import Path
 
 from parity.cli._common import Failure, console
+from parity.cli.gate_table import print_gate
+from parity.history.after import PostRun
+from parity.history.comparison import load_runs, write_comparison
+from parity.cli.compare import print_summary
+from parity.report.finished import load_finished, rerender_run
+from parity.report.read import verify_report
+from parity.report.trackers import mirror_run, open_tracker
+from parity.inputs import InputError
+from parity.history.gate import check_against
+from parity.history.snapshot import load_baseline, snapshot_from_report
 
 __all__ = ["register"]
 
@@ -17,9 +27,11 @@ def register(sub) -> None:
                      description="One RUN_DIR: re-renders report.html, report.md with its PNGs and card.json from the "
                                  "run's files (nothing is re-run; report.json is left as it is) and prints the "
                                  "summary; exit 0/1: the run's verdict (1 also when a file could not be written: the lines "
-                                 "say which). Several RUN_DIRs (or -o): writes "
+                                 "say which, or when the run is UNVERIFIED: every check is recomputed from the run's "
+                                 "records first and must match report.json). Several RUN_DIRs (or -o): writes "
                                  "comparison.html and comparison.md (key figures per run, one plot per metric across "
-                                 "runs); exit 0, or 1 when a run's files changed since its verdict. Exit 2: a folder "
+                                 "runs); exit 0, or 1 when a run is UNVERIFIED (its files changed since its verdict, or its "
+                                 "checks do not recompute). Exit 2: a folder "
                                  "is not a finished run (the message says what is missing).")
   p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders written by `parity compare`")
   p.add_argument("-o", "--out", metavar="DIR",
@@ -27,7 +39,8 @@ def register(sub) -> None:
                       "run, -o builds a one-run comparison page there)")
   p.add_argument("--force", action="store_true",
                  help="let -o replace comparison files this command did not write (default off: such a folder is "
-                      "refused, exit 2)")
+                      "refused, exit 2); with one RUN_DIR, replace report files changed since parity wrote them "
+                      "(default off: they are kept and named)")
   p.add_argument("--tracker", action="append", default=[], metavar="KIND:TARGET",
                  help="also mirror each run's per-step records to tensorboard:DIR, wandb:PROJECT or "
                       "mlflow:EXPERIMENT (when installed; default: none)")
@@ -44,33 +57,28 @@ def register(sub) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
   """`parity report`. Raises InputError (exit 2) naming a folder that is not a finished run and what it lacks."""
-  from parity.report.after import PostRun
   post = PostRun.prepare(None, args.tracker)
   if len(args.run_dirs) == 1 and args.out is None:
-    return _one_run(Path(args.run_dirs[0]), post)
-  from parity.report.multi import load_runs, write_comparison
+    return _one_run(Path(args.run_dirs[0]), post, args.force)
   runs = load_runs(args.run_dirs)
   out = Path(args.out) if args.out else Path("runs") / f"comparison-{_dt.datetime.now():%Y%m%d-%H%M%S}"
   written = write_comparison(runs, out, force=args.force)
   con = console()
   for r in runs:
     con.print(f"{r.label}: {r.verdict}" if not r.problems else
-              f"{r.label}: [bold red]UNVERIFIED (files changed: {'; '.join(r.problems)})[/bold red]", soft_wrap=True)
+              f"{r.label}: [bold red]UNVERIFIED ({'; '.join(r.problems)})[/bold red]", soft_wrap=True)
   _mirror(runs, post, con)
   con.print(f"comparison: {written['html']} (also {written['md'].name}, {written['json'].name} and "
             f"{sum(k.startswith('plot:') for k in written)} PNG plots)")
   return 1 if any(r.problems for r in runs) else 0
 
 
-def _one_run(run_dir: Path, post) -> int:
-  from parity.cli.compare import print_summary
-  from parity.report.finished import load_finished, rerender_run
-  from parity.report.read import verify_report
+def _one_run(run_dir: Path, post, force: bool = False) -> int:
   report = load_finished(run_dir)
-  problems = verify_report(report)  # the verdict recomputed from its checks; the artifacts it rests on re-hashed
-  if problems:
-    raise Failure("; ".join(problems))
-  written, errors, unrendered = rerender_run(report)
+  problems = verify_report(report)  # every check recomputed from the run's records; the files re-hashed
+  if problems:  # exit 1: the stored verdict cannot be confirmed from the run's files; nothing is re-rendered
+    raise Failure(f"UNVERIFIED: {run_dir}'s stored verdict is not confirmed by its files: {'; '.join(problems)}")
+  written, errors, unrendered = rerender_run(report, force=force)
   con = console()
   # print_summary names the report page only when nothing failed; the errors of this re-render (in memory only:
   # report.json is not rewritten) make it say what could not be written instead
@@ -93,22 +101,16 @@ def _mirror(runs, post, con) -> None:
 
 
 def _mirror_one(run_dir: Path, sides: list[str], kind: str, target: str, con) -> None:
-  from parity.report.trackers import mirror_run, open_tracker
   n = mirror_run(run_dir, [open_tracker(kind, target, run_dir.name)], sides=sides)
   con.print(f"tracker {kind}:{target}: {n} step records of {run_dir.name} mirrored")
 
 
 def run_check(args: argparse.Namespace) -> int:
   """`parity check NEW BASELINE`: exit 0 within every gate, 1 outside one (InputError, exit 2, for bad folders)."""
-  from parity.inputs import InputError
-  from parity.report.gate import check_against, load_baseline, snapshot_from_report
-  from parity.report.finished import load_finished
-  from parity.report.read import verify_report
   report = load_finished(Path(args.new))  # a folder that is not a finished run: says what is missing
   problems = verify_report(report)
   if problems:
     raise InputError(f"NEW {args.new} cannot be checked: {'; '.join(problems)}")
   result = check_against(snapshot_from_report(report), load_baseline(args.baseline, flag="BASELINE"))
-  from parity.report.after import print_gate
   print_gate(result, console())
   return result.exit_code

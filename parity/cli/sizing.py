@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
 from parity.presets import DEFAULT_PRESET
 from parity.spec import parse_overrides, SpecError
 from parity.weights import n_params
+from parity.pipeline.resolve import resolve_run
+from parity.sizing.plans import HARDWARE, plan_of
+from parity.sizing import memory, plans
+from parity.cli._common import Failure
+from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
+from parity.presets import PRESETS
+from parity.spec import to_dict
 
 __all__ = ["register"]
 
@@ -38,7 +46,6 @@ def _add_run_source(p: argparse.ArgumentParser, model_default: str) -> None:
 
 
 def _resolve(args: argparse.Namespace, *, default_model: str | None, plan: str | None = None, **train):
-  from parity.pipeline.resolve import resolve_run
   model = args.model if args.model or args.preset or args.config else default_model
   return resolve_run(args.preset, model=model, config=args.config, plan=plan, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, precision=args.precision, overrides=parse_overrides(args.overrides),
@@ -59,7 +66,6 @@ def register(sub) -> None:
   p.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON (default: none)")
   p.set_defaults(handler=run_estimate)
 
-  from parity.sizing.plans import HARDWARE
   p = sub.add_parser("plan", help="choose the sharding/offload/remat plan that fits a device and is fastest",
                      description="Ranks every DeepSpeed <-> JAX plan pair by the memory model and a roofline step "
                                  "time on the given hardware and chooses the fastest that fits (docs/plans.md).",
@@ -76,6 +82,9 @@ def register(sub) -> None:
   p.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation, in (0, 1]")
   p.add_argument("--devices", type=int, default=1, help="data-parallel devices")
   p.add_argument("--sides", default="deepspeed,jax", help="sides that must fit, comma-separated")
+  p.add_argument("--padding-fraction", type=float, default=0.0,
+                 help="share of padding positions of a padded/packed run (its data card's padding_fraction), in "
+                      "[0, 1): the ranking also gives tokens/s of the real positions (default 0)")
   p.add_argument("--json", metavar="FILE", help="also write the ranking as JSON (default: none)")
   p.set_defaults(handler=run_plan)
 
@@ -86,8 +95,46 @@ def register(sub) -> None:
   p.set_defaults(handler=run_presets)
 
 
-def _gib(n: int | None) -> str:
-  return "-" if n is None else f"{n / 2**30:,.3f}"
+UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+"""Binary units, largest first; a table uses the largest one its biggest figure reaches (`table_unit`)."""
+
+
+def table_unit(values) -> tuple[str, int]:
+  """(name, bytes) of the largest unit of UNITS that the largest of `values` (bytes; None ignored) reaches, so a small
+  run's figures read as 471.000 KiB rather than 0.000 GiB."""
+  top = max((v for v in values if v), default=0)
+  return next(((name, b) for name, b in UNITS if top >= b), UNITS[-1])
+
+
+def _in(n: int | None, unit: tuple[str, int], spec: str = ",.3f") -> str:
+  """`n` bytes in `unit`; '-' for None; a non-zero figure too small to show is '<0.001' (never a bare 0)."""
+  if n is None:
+    return "-"
+  if unit[1] == 1:
+    return f"{n:,}"
+  text = format(n / unit[1], spec)
+  return f"<{format(0, spec)[:-1]}1" if n and float(text.replace(",", "")) == 0 else text
+
+
+def human_bytes(n: int) -> str:
+  """`n` bytes in its own unit of UNITS: '12.551 GiB', '471.000 KiB'."""
+  unit = table_unit([n])
+  return f"{_in(n, unit)} {unit[0]}"
+
+
+def plan_label(run) -> str:
+  """The plan pair's name and what it sets on each side, e.g. 'zero2-offload (DeepSpeed ZeRO-2, offload_optimizer
+  cpu; JAX offload_opt_state)'; a run whose plans are no named pair says so."""
+  ds, jx = run.deepspeed, run.jax
+  ds_txt = ", ".join([f"ZeRO-{ds.zero_stage}"] + [f"{k} cpu" for k in ("offload_optimizer", "offload_param")
+                                                  if getattr(ds, k) == "cpu"] +
+                     (["activation checkpointing"] if ds.activation_checkpointing else []))
+  jx_txt = ", ".join([k for k in ("offload_opt_state", "offload_params", "scan_layers") if getattr(jx, k)] +
+                     ([f"zero_stage {jx.zero_stage}"] if jx.zero_stage else []) +
+                     ([f"remat {jx.remat}"] if jx.remat != "none" else []) +
+                     ([f"data_parallel {jx.data_parallel}"] if jx.data_parallel > 1 else [])) or "no offload"
+  name = plan_of(run)
+  return f"{f'plan {name}' if name else 'own plans (no named pair)'} (DeepSpeed {ds_txt}; JAX {jx_txt})"
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -96,33 +143,61 @@ def run_estimate(args: argparse.Namespace) -> int:
   Raises:
     SpecError: an unknown preset, model or plan, a value out of range (main exits 2).
   """
-  from rich.table import Table
-  from parity.sizing import memory
+  from rich.table import Table  # rich: loaded when a table is printed
   if args.ranks < 1:
     raise SpecError(f"--ranks {args.ranks}: must be >= 1")
   run = _resolve(args, default_model=None, plan=args.plan)
   out = memory.estimate_json(run, args.ranks)
   rows = memory.estimate(run, ranks=args.ranks)
   t = run.train
+  tot = {s: memory.totals(rows, s) for s in ("deepspeed", "jax")}
+  steps = memory.step_rows(rows)
+  peaks = [out[f"peak_{w}_bytes"][s] for s in ("deepspeed", "jax") for w in ("device", "host")]
+  unit = table_unit([*peaks, *(c for _, cells in steps for c in cells)])
   table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
-                      f"{t.precision} (GiB per rank)")
+                      f"{t.precision}, {plan_label(run)}, DeepSpeed on {args.ranks} rank{'s' * (args.ranks > 1)} "
+                      f"({unit[0]} per rank)")
   for col in ("category", "deepspeed device", "deepspeed host", "jax device", "jax host"):
     table.add_column(col, justify="left" if col == "category" else "right")
-  tot = {s: memory.totals(rows, s) for s in ("deepspeed", "jax")}
   for cat in memory.CATEGORIES:
-    table.add_row(cat, *(_gib(tot[s][cat][k]) for s in ("deepspeed", "jax") for k in memory.KINDS))
-  for label, cells in memory.step_rows(rows):
-    table.add_row(label, *(_gib(c) for c in cells))
-  table.add_row("peak device / host", *(_gib(out[f"peak_{w}_bytes"][s]) for s in ("deepspeed", "jax")
-                                        for w in ("device", "host")))
+    table.add_row(cat, *(_in(tot[s][cat][k], unit) for s in ("deepspeed", "jax") for k in memory.KINDS))
+  for label, cells in steps:
+    table.add_row(label, *(_in(c, unit) for c in cells))
+  table.add_row("peak device / host", *(_in(c, unit) for c in peaks))
   con = console()
   con.print(table)
-  ds = out["deepspeed_estimator"]
-  con.print(f"DeepSpeed's {ds['function']} (model states only, fp16 params, buffer factor 1.5): "
-            f"gpu {_gib(ds['gpu_bytes'])} GiB, cpu {_gib(ds['cpu_bytes'])} GiB")
+  for line in estimator_lines(out, t.precision):
+    con.print(line, highlight=False)
   if args.json:
     _write_json(args.json, out)
   return EXIT_OK
+
+
+def estimator_lines(out: dict, precision: str) -> list[str]:
+  """The lines under `parity estimate`'s table: DeepSpeed's own estimator with its formula, and this model's
+  DeepSpeed figures of the same scope as the sum of their terms, so the two can be set side by side."""
+  ds, rel = out["deepspeed_estimator"], out["deepspeed_estimator"]["relation"]
+  g = out["ranks"]
+  def terms(kind: str) -> str:
+    parts = [f"{r['category']}" + (f" ({r['note']})" if r["note"] else "") + f" {human_bytes(r['bytes'])}"
+             for r in rel["rows"] if r["kind"] == kind]
+    return " + ".join(parts) or "0"
+  lines = [f"DeepSpeed's own estimator, {ds['call']} (model states only; gpu per GPU, cpu per node of "
+           f"{g} GPU{'s' * (g > 1)}):",
+           f"  gpu {human_bytes(ds['gpu_bytes'])} = {ds['gpu_formula']}",
+           f"  cpu {human_bytes(ds['cpu_bytes'])} = {ds['cpu_formula']}; 1.5 is its additional_buffer_factor, a "
+           f"safety margin: without it {human_bytes(rel['estimator_host_unfactored_bytes'])}",
+           f"This model's DeepSpeed side, the same scope (the tensors DeepSpeed 0.19.8 allocates, no safety factor, "
+           f"no activations; host per node of {g} rank{'s' * (g > 1)}):",
+           f"  device {human_bytes(rel['device_bytes'])} = {terms('device')}",
+           f"  host {human_bytes(rel['host_bytes'])} = {terms('host')}"]
+  diff = rel["host_minus_unfactored_bytes"]
+  lines.append(f"  host vs the estimator's cpu without its factor: {'+' if diff >= 0 else '-'}"
+               f"{human_bytes(abs(diff))}; vs its cpu figure: {human_bytes(rel['host_bytes'])} against "
+               f"{human_bytes(ds['cpu_bytes'])} (docs/plans.md, 'Where this differs from DeepSpeed's estimator')")
+  if precision == "fp32":
+    lines.append("  the estimator assumes 2-byte (fp16) params and gradients; this run is fp32, 4 bytes each")
+  return lines
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -130,40 +205,59 @@ def run_plan(args: argparse.Namespace) -> int:
 
   Returns 0 when a plan fits, 1 when none does. Raises SpecError on bad input (main exits 2).
   """
-  from rich.table import Table
-  from parity.sizing import memory
-  from parity.sizing import plans
+  from rich.table import Table  # rich: loaded when a table is printed
   sides = tuple(split_list(args.sides))
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
   hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory, host_gib=args.host_memory,
                              bandwidth_gbs=args.bandwidth, peak_tflops=args.peak_tflops)
   best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu)
-  GiB, GB = plans.GiB, plans.GB
+  inputs = plans.plan_inputs(hw, run.train, devices=args.devices, sides=sides, mfu=args.mfu,
+                             padding_fraction=args.padding_fraction)
+  unit = table_unit([b for c in ranked for d in (c.peak_device_bytes, c.host_bytes) for b in d.values()])
   table = Table(title=f"{memory.param_count(run.model):,} params, {run.train.tokens_per_step:,} tokens/step per "
-                      f"device on {args.devices} x {hw.name} ({hw.device_bytes / GiB:.0f} GiB, "
-                      f"{hw.host_link_bytes_per_s / GB:.0f} GB/s host link, MFU {args.mfu})")
-  # fits the terminal's width: short stacked headers, one column per side (device / host GiB), plan names whole
-  for col in ("plan", "step\ns", "compute\ns", "transfer\ns", *(f"{s} GiB\ndevice/host" for s in sides), "fits"):
+                      f"device, {run.train.precision}, on {args.devices} x {hw.name}: {plan_header(inputs)}")
+  # fits the terminal's width: short stacked headers, one column per side (device / host), plan names whole
+  tu = next(((n, f) for n, f in (("s", 1), ("ms", 1e3), ("µs", 1e6)) if max(
+      (c.step_s for c in ranked if math.isfinite(c.step_s)), default=1) * f >= 1), ("µs", 1e6))  # a unit that shows them
+  t = lambda x: "-" if not math.isfinite(x) else f"{x * tu[1]:.3f}"
+  for col in ("plan", f"step\n{tu[0]}", f"compute\n{tu[0]}", f"transfer\n{tu[0]}",
+              *(f"{s} {unit[0]}\ndevice/host" for s in sides), "fits"):
     table.add_column(col, justify="left" if col in ("plan", "fits") else "right", overflow="fold",
                      no_wrap=col == "plan")
   for c in ranked:
     mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
-    table.add_row(c.name, f"{c.step_s:.3f}", f"{c.compute_s:.3f}", f"{c.transfer_s:.3f}",
-                  *(f"{c.peak_device_bytes[s] / GiB:.1f} / {c.host_bytes[s] / GiB:.1f}" for s in sides), mark)
+    table.add_row(c.name, t(c.step_s), t(c.compute_s), t(c.transfer_s),
+                  *(f"{_in(c.peak_device_bytes[s], unit, ',.1f')} / {_in(c.host_bytes[s], unit, ',.1f')}"
+                    for s in sides), mark)
   con = console()
   con.print(table)
   con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}" if best else
             "[red]no plan fits[/red] (exit 1): more devices, a smaller micro batch or sequence, or more memory")
+  if best is not None:
+    tput = next(r for r in plans.ranking_json(best, ranked, inputs)["ranked"] if r["name"] == best.name)
+    con.print(f"estimated throughput of {best.name}: {tput['tokens_per_s']:,.0f} tokens/s"
+              + (f", {tput['non_padding_tokens_per_s']:,.0f} of them real positions (padding fraction "
+                 f"{args.padding_fraction:g}: padding costs the FLOPs of a real position)"
+                 if args.padding_fraction else ""), highlight=False)
   for line in plans.explain(best, ranked):
     con.print("  " + line)
   if args.json:
-    _write_json(args.json, plans.ranking_json(best, ranked))
+    _write_json(args.json, plans.ranking_json(best, ranked, inputs))
   return EXIT_OK if best else EXIT_FAIL
+
+
+def plan_header(inputs: dict) -> str:
+  """The assumptions of `parity plan` in one line (`parity.sizing.plans.plan_inputs`): device memory and the part
+  usable after the reserve, host memory per device, host link, peak at the run's precision, MFU."""
+  GiB, GB = 2**30, 10**9
+  return (f"{inputs['device_bytes'] / GiB:,.1f} GiB device memory ({inputs['usable_device_bytes'] / GiB:,.1f} usable "
+          f"after a {inputs['reserve']:.0%} reserve), {inputs['host_bytes_per_device'] / GiB:,.0f} GiB host memory per "
+          f"device, {inputs['host_link_bytes_per_s'] / GB:,.0f} GB/s host link per direction, peak "
+          f"{inputs['peak_flops'] / 1e12:,.1f} TFLOP/s ({inputs['precision']}), MFU {inputs['mfu']:g}")
 
 
 def _write_json(path: str, data) -> None:
   """Writes `data` as JSON; an OSError reaches main as a Failure naming the file (exit 1)."""
-  from parity.cli._common import Failure
   try:
     with open(path, "w", encoding="utf-8") as f:
       json.dump(data, f, indent=1)
@@ -173,9 +267,6 @@ def _write_json(path: str, data) -> None:
 
 def run_presets(args: argparse.Namespace) -> int:
   """`parity presets`: run presets (name, size, training) and model-size presets (parity.hf.MODEL_PRESETS)."""
-  from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
-  from parity.presets import PRESETS
-  from parity.spec import to_dict
   con = console()
   con.print("[bold]run presets[/bold] (--preset of compare, diagnose, estimate, plan):")
   for name, spec in PRESETS.items():

@@ -32,21 +32,22 @@ Planted bugs for testing the tool (`--plant SIDE:KIND`, request key `diagnose_pl
 `transpose=<canonical square weight>` (transposed when that side loads it), `decay_all` (weight decay
 on every tensor, norms and biases included). Numeric settings go through `--perturb` as in compare.
 
-Layout: `parity.diagnose.inputs` (tap names and order, plants, lr position, the worker request and the
-workers' output files), `parity.diagnose.compare` (the per-kind rules and the tensor comparison),
-`parity.diagnose.driver` (the driver `diagnose` and its DiagnoseResult); this package only re-exports them.
+Layout: `parity.diagnose.inputs` (the `--plant` items, the lr position), `parity.diagnose.compare` (the per-kind rules and the tensor comparison),
+`parity.diagnose.driver` (the driver `diagnose` and its DiagnoseResult); the request and files a worker reads and
+writes, and the workers' loop, are `parity.protocol.diagnose`. This package only re-exports them.
 """
-from parity.diagnose.compare import (  # noqa: F401
-    PRECISION_RULE, RULES, UNIT_ROUNDOFF, PrecisionDiff, PrecisionRule, Rule, TensorDiff, compare_outputs,
-    compare_precision, compare_tensor, precision_errors)
+from parity.diagnose.compare import (PRECISION_RULE, RULES, UNIT_ROUNDOFF, PrecisionDiff, PrecisionRule, Rule,
+                                     TensorDiff, compare_outputs, compare_precision, compare_tensor, precision_errors)
 from parity.diagnose.driver import DiagnoseResult, diagnose
-from parity.diagnose.inputs import (  # noqa: F401
-    DIAGNOSE_WORKERS, INPUTS_METADATA_KEY, OUTPUT_FILE, PLANT_KINDS, PLANTS_KEY, REFERENCE_FILE, REQUEST_KEY,
-    WHERE_METADATA_KEY, WorkerRequest, _metadata, _read_outputs, apply_weight_plants, check_plan, forward_taps,
-    lr_position, param_order, parse_plants, read_request, side_inputs, tap_order, write_outputs)
+from parity.diagnose.inputs import PLANT_KINDS, lr_position, parse_plants
+from parity.protocol.diagnose import (INPUTS_METADATA_KEY, OUTPUT_FILE, PLANTS_KEY, REFERENCE_FILE, REQUEST_KEY,
+                                      WHERE_METADATA_KEY, WorkerRequest, apply_weight_plants, check_plan, forward_taps,
+                                      param_order, read_request, side_inputs, tap_order, write_outputs)
+from parity.protocol.workers import DIAGNOSE_WORKERS
 
-__all__ = ["Rule", "RULES", "TensorDiff", "PrecisionRule", "PRECISION_RULE", "PrecisionDiff", "compare_precision",
-           "precision_errors", "REFERENCE_FILE", "DiagnoseResult", "diagnose", "tap_order", "forward_taps",
-           "param_order", "parse_plants", "apply_weight_plants", "lr_position", "compare_tensor",
-           "compare_outputs", "check_plan", "side_inputs", "DIAGNOSE_WORKERS", "PLANTS_KEY", "REQUEST_KEY", "OUTPUT_FILE",
-           "PLANT_KINDS", "read_request", "write_outputs"]
+__all__ = ["Rule", "RULES", "UNIT_ROUNDOFF", "TensorDiff", "PrecisionRule", "PRECISION_RULE", "PrecisionDiff",
+           "compare_precision", "precision_errors", "REFERENCE_FILE", "DiagnoseResult", "diagnose", "tap_order",
+           "forward_taps", "param_order", "parse_plants", "apply_weight_plants", "lr_position", "compare_tensor",
+           "compare_outputs", "check_plan", "side_inputs", "DIAGNOSE_WORKERS", "PLANTS_KEY", "REQUEST_KEY",
+           "OUTPUT_FILE", "INPUTS_METADATA_KEY", "WHERE_METADATA_KEY", "WorkerRequest", "PLANT_KINDS", "read_request",
+           "write_outputs"]

@@ -8,7 +8,7 @@ from typing import Mapping
 import numpy as np
 
 from parity import weights
-from parity.diagnose.inputs import tap_order
+from parity.protocol.diagnose import tap_order
 from parity.spec import ModelSpec, TrainSpec
 from parity.verdict.tolerances import tolerance
 

@@ -9,15 +9,21 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from harness import runner
+from harness import lifetime, runner
 from parity import weights
 from parity.diagnose.compare import (PRECISION_RULE, RULES, UNIT_ROUNDOFF, PrecisionDiff, TensorDiff, compare_outputs,
                                      compare_precision)
-from parity.diagnose.inputs import (DIAGNOSE_WORKERS, INPUTS_METADATA_KEY, OUTPUT_FILE, PLANTS_KEY, REFERENCE_FILE,
-                                    REQUEST_KEY, _metadata, _read_outputs, check_plan, lr_position, parse_plants,
-                                    side_inputs)
-from parity.protocol.layout import DEBUG_KEYS
-from parity.spec import RunSpec, SpecError
+from parity.diagnose.inputs import lr_position, parse_plants
+from parity.protocol.diagnose import (INPUTS_METADATA_KEY, OUTPUT_FILE, PLANTS_KEY, REFERENCE_FILE, REQUEST_KEY,
+                                      check_plan, output_metadata, read_outputs, side_inputs)
+from parity.protocol.layout import DEBUG_KEYS, PLANT_KEYS
+from parity.protocol.workers import DIAGNOSE_WORKERS
+from parity.inputs import load_json
+from parity.pipeline.folder import default_run_dir, parse_perturb, prepare_run_dir
+from parity.pipeline.perturb import plan_perturbations  # the fields each side applies (tied ones included)
+from parity.pipeline.resolve import resolve_run
+from parity.sizing.resources import check_resources
+from parity.spec import RunSpec, SpecError, from_dict
 
 __all__ = ["DiagnoseResult", "diagnose"]
 
@@ -232,6 +238,7 @@ def diagnose(preset: str | None = None, *, config: str | Path | Mapping | None =
                           precision_tensors=found["ptensors"], first_precision=found["pfirst"])
   (folder / "diagnose.json").write_text(json.dumps(result.to_json(), indent=2))
   (folder / "diagnose.md").write_text(result.to_markdown())
+  lifetime.on_disk(f"diagnose.json and diagnose.md in {folder} say what ran")  # the message a stop ends with
   if interrupted is not None:
     raise interrupted
   return result
@@ -242,12 +249,11 @@ def _write_request(folder: Path, spec: RunSpec, given: Any, fresh: bool, pert: d
   """The request of this diagnose call: a fresh folder is prepared first (resources checked, weights, batches,
   request.json); then request.json's perturb, step and plant keys are rewritten for this call. Returns it."""
   if fresh:
-    from parity.sizing.resources import check_resources
-    from parity.pipeline.folder import prepare_run_dir
     check_resources(spec, folder)  # sizes that cannot fit are refused before anything is allocated
     prepare_run_dir(spec, folder, perturb=pert, init_params=given)
   request = json.loads((folder / "request.json").read_text())
-  request.update({"perturb": pert, REQUEST_KEY: {"step": step, "lr_step": lr_step}, PLANTS_KEY: plant_map})
+  request.update({"perturb": plan_perturbations(spec, pert).perturb, REQUEST_KEY: {"step": step, "lr_step": lr_step},
+                  PLANTS_KEY: plant_map})
   (folder / "request.json").write_text(json.dumps(request, indent=2))
   return request
 
@@ -256,8 +262,6 @@ def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[
   """(folder, spec, initial weights or None): an earlier diagnose's folder (run_dir), or a new run resolved by
   parity.pipeline.resolve.resolve_run in `out` (default runs/<time>-diagnose-<hash>)."""
   if run_dir is None:
-    from parity.pipeline.resolve import resolve_run
-    from parity.pipeline.folder import default_run_dir
     resolved = resolve_run(preset, config=config, hf_model=hf_model, overrides=overrides, sides=sides)
     return (Path(out) if out is not None else default_run_dir(resolved.spec, "diagnose"), resolved.spec,
             resolved.init_params)
@@ -265,8 +269,6 @@ def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[
   req_path = folder / "request.json"
   if not req_path.exists():
     raise SpecError(f"{req_path} does not exist: pass a folder prepared by `parity diagnose`")
-  from parity.inputs import load_json
-  from parity.spec import from_dict
   request = load_json(req_path, what="request")  # UTF-8 JSON, no deep nesting, finite numbers
   if not isinstance(request, dict) or not isinstance(request.get("run"), dict):
     raise SpecError(f"{req_path}: has no 'run' section; pass a folder prepared by `parity diagnose`")
@@ -275,12 +277,12 @@ def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[
 
 def _perturbations(perturb: Sequence[str], sides: tuple[str, str], precision: str,
                    spec: RunSpec | None = None) -> dict[str, dict[str, Any]]:
-  """parity.pipeline.folder.parse_perturb, minus what diagnose cannot honour (fault injections, a per-side precision)."""
-  from parity.pipeline.folder import parse_perturb
+  """parity.pipeline.folder.parse_perturb, minus what diagnose cannot honour (fault injections, a per-side precision);
+  the planted data bugs (PLANT_KEYS) reach the worker as in a compare."""
   pert = parse_perturb(list(perturb), sides, spec)
   for side, kv in pert.items():
     for key, value in kv.items():
-      if key in DEBUG_KEYS:
+      if key in DEBUG_KEYS and key not in PLANT_KEYS:
         raise SpecError(f"--perturb {side}:{key}: fault injections are for `parity compare`; diagnose runs one "
                         "step (plant a model bug with --plant instead)")
       if key == "train.precision" and value != precision:
@@ -296,7 +298,8 @@ def _run_workers(folder: Path, sides: tuple[str, str], request: dict, files: tup
 
   def start(side: str) -> runner.SideRun:
     paths = [folder / side / f for f in files]
-    if reuse and all(p.exists() and _metadata(p).get(INPUTS_METADATA_KEY) == side_inputs(request, side) for p in paths):
+    inputs = side_inputs(request, side)
+    if reuse and all(p.exists() and output_metadata(p).get(INPUTS_METADATA_KEY) == inputs for p in paths):
       return runner.SideRun(side, "ok", None, 0.0, None, {"side": side, "status": "ok", "reused": True})
     for p in paths:
       p.unlink(missing_ok=True)
@@ -322,9 +325,9 @@ def _compare_sides(spec: RunSpec, folder: Path, sides: tuple[str, str], files: t
   precision, reduced = spec.train.precision, len(files) == 2
   outputs, refs, where = {}, {}, {}
   for side in sides:
-    outputs[side], where[side] = _read_outputs(folder / side / files[0])
+    outputs[side], where[side] = read_outputs(folder / side / files[0])
     if reduced:
-      refs[side], _ = _read_outputs(folder / side / files[1])
+      refs[side], _ = read_outputs(folder / side / files[1])
   # bf16/fp16: both sides start from the master weights rounded to the compute dtype (DeepSpeed's layout)
   init = weights.master_weights(weights.load(folder / "init.safetensors"), precision)
   train32 = dataclasses.replace(spec.train, precision="fp32")

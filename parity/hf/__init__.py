@@ -40,8 +40,6 @@ The package is split by responsibility; every name below is importable from `par
 """
 from __future__ import annotations
 
-import json  # noqa: F401  (kept reachable as `parity.hf.json`, as before the split)
-
 from parity.hf.config import (ARCHITECTURES, REFUSED, HFFormatError, family_of_spec, hf_config_from_spec,
                               parse_hf_config, spec_from_hf_config)
 from parity.hf.files import (SPEC_METADATA_KEY, HFCheckpoint, canonical_metadata, hf_weight_files, load_canonical,
@@ -49,7 +47,6 @@ from parity.hf.files import (SPEC_METADATA_KEY, HFCheckpoint, canonical_metadata
                              save_hf_checkpoint, spec_from_metadata)
 from parity.hf.presets import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
 from parity.hf.tensors import Rule, canonical_to_hf, hf_rules, hf_to_canonical
-from parity.spec import ModelSpec, RunSpec, SpecError  # noqa: F401  (kept reachable, as before the split)
 
 __all__ = [
     "HFFormatError", "Rule", "ARCHITECTURES", "REFUSED", "MODEL_PRESETS", "PUBLISHED_PARAM_COUNTS", "HFCheckpoint",

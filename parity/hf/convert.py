@@ -25,6 +25,7 @@ import numpy as np
 
 from parity import hf, weights
 from parity.spec import ModelSpec, SpecError
+from harness.launch import LaunchTimeout, run_module  # harness launches every process; it imports parity lazily
 
 __all__ = ["FORMATS", "ConvertError", "Converted", "detect_format", "read_any", "convert", "read_bin"]
 
@@ -77,7 +78,6 @@ def _worker(module: str, *args: str) -> None:
   Raises:
     ConvertError: it timed out or exited non-zero (its last lines of output are included).
   """
-  from harness.launch import LaunchTimeout, run_module  # harness launches every process; it imports parity lazily
   try:
     proc = run_module(module, list(args), timeout_s=WORKER_TIMEOUT_S)
   except LaunchTimeout:
@@ -132,7 +132,7 @@ def convert(src: str | Path, dst: str | Path, *, src_format: str | None = None, 
   Raises:
     ConvertError: unknown format, existing output, or a failed worker.
     HFFormatError: an HF architecture, config key or tensor that cannot be mapped (named).
-    ValueError: tensors that do not match the spec (named).
+    InputError (a ValueError): tensors that do not match the spec (named; weights.check_names_and_shapes).
   """
   src, dst = Path(src), Path(dst)
   src_format = src_format or detect_format(src)

@@ -189,7 +189,7 @@ def save_hf_checkpoint(folder: str | Path, spec: ModelSpec, params: Mapping[str,
   """Writes config.json + model.safetensors (float32) that `AutoModelForCausalLM.from_pretrained` loads.
 
   Raises:
-    HFFormatError: the spec has no HF family; ValueError: params do not match the spec.
+    HFFormatError: the spec has no HF family; InputError (a ValueError): params do not match the spec.
   """
   from safetensors.numpy import save_file
   folder = Path(folder)
@@ -231,7 +231,7 @@ def load_canonical(path: str | Path, spec: ModelSpec | None = None) -> tuple[dic
   Raises:
     FileNotFoundError: no such file.
     HFFormatError: no spec found anywhere, or metadata and `spec` disagree.
-    ValueError: tensors do not match the spec (named).
+    InputError (a ValueError): tensors do not match the spec (named; weights.check_names_and_shapes).
   """
   path = Path(path)
   if not path.exists():

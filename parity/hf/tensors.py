@@ -168,7 +168,7 @@ def canonical_to_hf(params: Mapping[str, np.ndarray], spec: ModelSpec, family: s
 
   A tied head is omitted (HF re-ties `lm_head.weight` to the embedding on load).
   Raises:
-    ValueError: the canonical weights do not match the spec (named).
+    parity.inputs.InputError (bad input, a ValueError): the canonical weights do not match the spec (named).
     HFFormatError: the spec has no HF family.
   """
   family = family or family_of_spec(spec)

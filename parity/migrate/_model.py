@@ -91,7 +91,8 @@ class BatchCfg(BaseModel):
 
 
 class LossScaleCfg(BaseModel):
-  """fp16 loss scaling (DeepSpeed DynamicLossScaler when dynamic)."""
+  """fp16 loss scaling: DeepSpeed's DynamicLossScaler of ZeRO stages 1-3 when dynamic (an overflow at min_scale ends
+  the run). A port is never fp16 at ZeRO stage 0 (refused: parity.migrate._port.MSG_FP16_STAGE0)."""
   model_config = _STRICT
   dynamic: bool
   static_scale: float = Field(ge=0)
@@ -156,12 +157,17 @@ class NotRunnable(BaseModel):
   value: Any
   """The setting, in the source config's terms (kept so the reverse port writes it back)."""
   why: str
+  run: str = ""
+  """How to run it all the same (another command, or the nearest config compare runs), or what checks it instead."""
 
 
-NOT_RUNNABLE_KEYS = ("params_host_memory_kind", "cpu_checkpointing")
+NOT_RUNNABLE_KEYS = ("params_host_memory_kind", "cpu_checkpointing", "fp16_zero_stage0", "bias_correction",
+                     "scheduler")
 """What `not_runnable_by_compare` may hold: params_host_memory_kind (offload_param pinned differently from
-offload_optimizer: a JaxPlan has one host memory kind) and cpu_checkpointing (DeepSpeed's CPU activation
-checkpointing: the JAX side runs it as remat offload_names, compare's DeepSpeed side has no such plan)."""
+offload_optimizer: a JaxPlan has one host memory kind), cpu_checkpointing (DeepSpeed's CPU activation
+checkpointing: the JAX side runs it as remat offload_names, compare's DeepSpeed side has no such plan), and the
+checks `to_run_spec` makes (parity.migrate._blockers.compare_blockers): fp16 under ZeRO stage 0, Adam/Lamb without
+bias correction, a scheduler compare does not run."""
 
 
 class PortedConfig(BaseModel):
@@ -175,7 +181,12 @@ class PortedConfig(BaseModel):
   clipping: ClippingCfg
   jax: JaxCfg
   not_runnable_by_compare: dict[str, NotRunnable] = {}
-  """What compare cannot run yet (NOT_RUNNABLE_KEYS), each with its value and why; empty when compare runs it all."""
+  """What compare cannot run yet (NOT_RUNNABLE_KEYS), each with its value, why and how to run it; empty exactly when
+  `to_run_spec` maps it (the port fills it from the same checks, parity.migrate._blockers.compare_blockers)."""
+  deepspeed_only: dict[str, Any] = {}
+  """DeepSpeed settings of the source the JAX plan does not model (activation-checkpointing layout, ZeRO
+  communication tuning, logging and I/O sections), by dotted key path with their values: `--to-deepspeed` writes
+  them back as they were."""
 
   @field_validator("not_runnable_by_compare")
   @classmethod

@@ -8,11 +8,14 @@ from pydantic import ValidationError
 
 from parity.migrate._accept import check_deepspeed_accepts
 from parity.migrate._ctx import MISSING, UNRESOLVED, Ctx, Flags
+from parity.migrate._loss_norm import loss_normalization
 from parity.migrate._model import PortedConfig
 from parity.migrate._port_optim import port_optimizer, port_scheduler
 from parity.migrate._port_zero import port_remat, port_zero
 from parity.migrate._report import Report
 from parity.migrate._resolve import resolve_autos
+from parity.migrate._blockers import compare_blockers
+from parity.numerics.ds_json import ACTIVATION_CHECKPOINTING
 
 __all__ = ["PortResult", "port_config"]
 
@@ -182,7 +185,18 @@ def _bf16(ctx: Ctx) -> tuple[bool, bool]:
     return False, True
   if key == "bfloat16":
     ctx.warn("'bfloat16' is the legacy name of 'bf16' (DeepSpeed still reads it when 'bf16' is absent).")
-  ctx.unknown_keys(key, _BF16_KEYS, why="DeepSpeedBF16Config has extra='forbid'")
+  node = ctx.get(key)
+  scale_keys = [k for k in node if k in _FP16_KEYS and k not in _BF16_KEYS] if isinstance(node, dict) else []
+  if scale_keys:
+    names = ", ".join(f"{key}.{k}" for k in scale_keys)
+    msg = (f"{names}: fp16 loss-scale key{'s' if len(scale_keys) > 1 else ''} in the {key} section; DeepSpeed 0.19.8 "
+           f"rejects {'them' if len(scale_keys) > 1 else 'it'} (DeepSpeedBF16Config has extra='forbid'). Fix: remove "
+           f"{'these keys' if len(scale_keys) > 1 else 'this key'}: bf16 has no loss scaling (its exponent range is "
+           "fp32's, so DeepSpeed never scales a bf16 loss).")
+    ctx.refuse(None, msg, deepspeed=True)
+    for k in scale_keys:
+      ctx.mark(f"{key}.{k}", "unsupported", None, msg)
+  ctx.unknown_keys(key, _BF16_KEYS + tuple(scale_keys), why="DeepSpeedBF16Config has extra='forbid'")
   on = bool(ctx.boolean(f"{key}.enabled", False))
   check = ctx.boolean(f"{key}.check_grad_overflow", True)
   ctx.mark(f"{key}.enabled", "mapped", "precision.compute_dtype", "true -> bf16 compute, fp32 master" if on else "false")
@@ -230,6 +244,50 @@ def _precision(ctx: Ctx) -> dict[str, Any] | None:
     return None
   return {"compute_dtype": compute, "grad_accum_dtype": acc, "loss_scale": ls if fp16_on else None,
           "skip_nonfinite_updates": bool(skip)}
+
+
+MSG_FP16_STAGE0 = (
+    "fp16.enabled true at ZeRO stage 0 (zero_optimization.stage, default 0): DeepSpeed 0.19.8 then wraps the "
+    "optimizer in FP16_Optimizer, and what it runs is not a loss-scaled fp16 step: engine.backward multiplies the "
+    "loss by the loss scale only for the ZeRO optimizers, yet FP16_Optimizer.step divides the gradient by the scale, "
+    "so the optimizer gets gradient / loss scale (2**initial_scale_power, doubling every loss_scale_window steps "
+    "without an overflow, or the static fp16.loss_scale; fp16.hysteresis is never read), gradient_clipping applies "
+    "to ||g|| / scale (it clips only a gradient larger than scale x gradient_clipping), and its constructor runs one "
+    "optimizer step on zero gradients (AdamW decays the weights once and its step count starts at 1). Measured with "
+    "`parity port --verify`'s DeepSpeed probe (tests/test_migrate_verify.py). The port cannot express that. Fix: set "
+    "zero_optimization.stage to 1 (ZeRO-1 scales the loss with DynamicLossScaler, hysteresis included; on one rank "
+    "it partitions nothing), or use bf16.")
+"""DeepSpeed 0.19.8 runtime/engine.py `backward` (scale_if_loss for ZeROOptimizer only), runtime/fp16/fused_optimizer.py
+`step` / `unscale_and_clip_grads` / `initialize_optimizer_states`; FP16_UnfusedOptimizer the same."""
+
+
+def _fp16_at_stage0(ctx: Ctx, precision: dict[str, Any] | None, stage: int) -> None:
+  """Refuses fp16 under ZeRO stage 0 (MSG_FP16_STAGE0): what DeepSpeed runs there is not what the key says."""
+  if precision and precision["compute_dtype"] == "fp16" and stage == 0:
+    key = "zero_optimization.stage" if "zero_optimization.stage" in ctx.leaves else "fp16.enabled"
+    ctx.refuse(key, MSG_FP16_STAGE0)
+
+
+_DS_ONLY_SECTIONS = ("activation_checkpointing", "zero_optimization")
+
+
+def _deepspeed_only(ctx: Ctx) -> dict[str, Any]:
+  """The source's settings DeepSpeed reads but the JAX plan does not model (PortedConfig.deepspeed_only): the
+  not_needed keys of activation_checkpointing and zero_optimization's tuning keys, and the not_needed top-level
+  sections (logging, checkpoint I/O, ...), an "auto" as its resolved value. The deprecated offload booleans are
+  not kept (the reverse writes their offload sections)."""
+  out = {}
+  for key, e in ctx.report.entries.items():
+    top = key.split(".")[0]
+    if e.fate != "not_needed" or key in ("zero_optimization.cpu_offload", "zero_optimization.cpu_offload_param"):
+      continue
+    value = e.value if e.resolved is None else e.resolved
+    if top == "activation_checkpointing" and ACTIVATION_CHECKPOINTING.get(key.split(".")[-1], object()) == value:
+      continue  # the reverse writes DeepSpeed's default itself (parity.numerics.ds_json)
+    if (top in _DS_ONLY_SECTIONS and key.count(".") == 1 and isinstance(ctx.raw.get(top), dict)) or \
+        top in _NOT_NEEDED_TOP:
+      out[key] = value
+  return out
 
 
 def _clipping(ctx: Ctx) -> dict[str, Any] | None:
@@ -299,6 +357,7 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
   scheduler = port_scheduler(ctx, optimizer)
   remat, remat_not_runnable = port_remat(ctx)
   check_deepspeed_accepts(ctx)
+  _fp16_at_stage0(ctx, precision, zero[0]["zero_stage"] if zero else 0)  # after DeepSpeed's own refusals
   for leaf, value in ctx.leaves.items():
     if leaf not in report.entries:
       ctx.refuse(leaf, f"{leaf}: not recognised by the port ({value!r}). Remove it or extend parity.migrate.")
@@ -309,6 +368,7 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
       e.resolved = v if e.resolved is None and v not in (MISSING, UNRESOLVED, "auto") else e.resolved
       e.reason = f"{note}; {e.reason}"
   report.entries = {k: report.entries[k] for k in ctx.leaves}
+  report.loss_normalization = loss_normalization(raw, batch, world_given=ctx.flags.world_size is not None)
   ported = None
   if report.ported:
     try:
@@ -316,7 +376,11 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
              "data_parallel": batch["world"] if batch else 1}
       ported = PortedConfig(source=source, optimizer=optimizer, scheduler=scheduler, batch=batch,
                             precision=precision, clipping=clipping, jax=jax,
-                            not_runnable_by_compare={**(zero[1] if zero else {}), **remat_not_runnable})
+                            not_runnable_by_compare={**(zero[1] if zero else {}), **remat_not_runnable},
+                            deepspeed_only=_deepspeed_only(ctx))
+      # every reason compare cannot run it, from the checks compare makes (to_run_spec), not a copy of them
+      blockers = {k: v.model_dump() for k, v in compare_blockers(ported).items()}
+      ported = PortedConfig.model_validate({**ported.to_dict(), "not_runnable_by_compare": blockers})
     except ValidationError as e:
       report.refuse(f"internal: the ported config is inconsistent: {e}")
   return PortResult(ported, report, _ds_effective(ctx, batch))

@@ -226,7 +226,8 @@ def port_remat(ctx: Ctx) -> tuple[str, dict[str, Any]]:
   ctx.mark(f"{sec}.cpu_checkpointing", "mapped", "jax.remat", "true: checkpointed residuals in pinned_host "
            "(save_and_offload_only_these_names)" if cpu else "false: residuals stay on device")
   ctx.mark(f"{sec}.partition_activations", "not_needed", None, "splits checkpoints across model-parallel ranks; the "
-           "JAX plan has no model-parallel axis")
+           "JAX plan has no model-parallel axis, and with one model-parallel rank DeepSpeed keeps each whole "
+           "(parity compare's DeepSpeed side configures it off: torch_impl.engine._enable_checkpointing)")
   ctx.mark(f"{sec}.contiguous_memory_optimization", "not_needed", None, "checkpoint buffer layout; XLA allocates")
   ctx.mark(f"{sec}.number_checkpoints", "not_needed", None, "buffer count for contiguous_memory_optimization")
   ctx.mark(f"{sec}.synchronize_checkpoint_boundary", "not_needed", None, "CUDA synchronisation for profiling")

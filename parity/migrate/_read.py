@@ -8,13 +8,15 @@ from typing import Any
 import hjson
 import yaml
 
+from parity.errors import ParityInputError
 from parity.inputs import InputError, parse_text, read_text
 
 __all__ = ["PortError", "read_deepspeed_config", "read_structured"]
 
 
-class PortError(ValueError):
-  """A config cannot be read, resolved or ported. The message names the key, the value and the fix."""
+class PortError(ParityInputError):
+  """A config cannot be read, resolved or ported (bad input: exit 2). The message names the key, the value and
+  the fix."""
 
   def __init__(self, message: str, *, key: str | None = None):
     super().__init__(message)

@@ -20,6 +20,11 @@ def leaf_paths(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     yield prefix, node
 
 
+def _cell(text: str) -> str:
+  """Text for a Markdown table cell: `|` escaped as `\\|` (GFM; also inside code spans), so ||g|| stays ||g||."""
+  return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 @dataclasses.dataclass(slots=True)
 class Entry:
   key: str
@@ -56,6 +61,9 @@ class Report:
   the rest are what the JAX port cannot express. Empty exactly when the installed DeepSpeed accepts the config
   (tests/test_port_acceptance.py asks it)."""
   direction: str = "deepspeed->jax"
+  loss_normalization: dict[str, Any] | None = None
+  """deepspeed->jax: the loss normalisation the job implies as far as the config tells
+  (parity.migrate._loss_norm.loss_normalization: value, decided_by, same_loss, signals, why); None the other way."""
 
   @property
   def ported(self) -> bool:
@@ -76,8 +84,8 @@ class Report:
       self.errors.append(message)
 
   def to_dict(self) -> dict[str, Any]:
-    """The report as JSON data (schema parity.migration/1): source, direction, status, errors, warnings and every
-    key's entry (value, fate, target, reason)."""
+    """The report as JSON data (schema parity.migration/1): source, direction, status, errors, warnings, every
+    key's entry (value, fate, target, reason) and, for a DeepSpeed config, `loss_normalization`."""
     return {
         "schema": "parity.migration/1",
         "source": self.source,
@@ -90,13 +98,15 @@ class Report:
         "warnings": list(self.warnings),
         "implied": list(self.implied),
         "entries": [e.to_dict() for e in self.entries.values()],
+        **({"loss_normalization": self.loss_normalization} if self.loss_normalization is not None else {}),
     }
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2, default=str) + "\n"
 
   def to_markdown(self) -> str:
-    """The report as Markdown: status, refusals, warnings and the key table (key, value, fate, target, reason)."""
+    """The report as Markdown: status, refusals, the key table (key, value, fate, target, reason), implied
+    defaults, warnings and the loss normalisation."""
     d = self.to_dict()
     out = [f"# Migration report: `{self.source}`", "", f"Status: **{d['status']}**", ""]
     if self.errors:
@@ -104,11 +114,16 @@ class Report:
     out += ["## Keys", "", "| key | value | fate | target | reason |", "|---|---|---|---|---|"]
     for e in self.entries.values():
       val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
-      out.append(f"| `{e.key}` | `{val}` | {e.fate} | {('`' + e.target + '`') if e.target else ''} | "
-                 f"{e.reason.replace('|', '/')} |")
+      out.append(f"| `{_cell(e.key)}` | `{_cell(val)}` | {e.fate} | {('`' + _cell(e.target) + '`') if e.target else ''}"
+                 f" | {_cell(e.reason)} |")
     if self.implied:
       out += ["", "## Implied by DeepSpeed defaults", "", "| key | value | reason |", "|---|---|---|"]
-      out += [f"| `{i['key']}` | `{json.dumps(i['value'])}` | {i['reason']} |" for i in self.implied]
+      out += [f"| `{_cell(i['key'])}` | `{_cell(json.dumps(i['value']))}` | {_cell(i['reason'])} |"
+              for i in self.implied]
     if self.warnings:
       out += ["", "## Warnings", ""] + [f"- {w}" for w in self.warnings]
+    ln = self.loss_normalization
+    if ln is not None:
+      out += ["", "## Loss normalisation", "", f"Recorded: `train.loss_normalization: {ln['value']}` (decided by "
+              f"{ln['decided_by']}). {ln['why']}.", ""] + [f"- {s}" for s in ln["signals"]]
     return "\n".join(out) + "\n"

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from parity.numerics.schedule import SCHEDULER_DEFAULTS, lr_at, momentum_at  # the one implementation
+from parity.numerics.loss_scale import LossScaler
 
 __all__ = ["lr_at", "momentum_at", "clip_factor", "numpy_update", "LossScaleState", "loss_scale_update",
            "SCHEDULER_DEFAULTS"]
@@ -113,7 +114,6 @@ def loss_scale_update(s: LossScaleState, overflow: bool, *, window: int, min_sca
   One implementation: this steps `parity.numerics.loss_scale.LossScaler` (checked against DeepSpeed's class in
   tests/test_loss_scale.py) from `s`.
   """
-  from parity.numerics.loss_scale import LossScaler
   scaler = LossScaler(scale=s.scale, window=window, hysteresis=delayed_shift, min_scale=min_scale,
                       consecutive_hysteresis=consecutive_hysteresis, raise_at_min=False, cur_hysteresis=s.hysteresis,
                       cur_iter=s.cur_iter, last_overflow_iter=s.last_overflow_iter)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from parity.errors import SpecError
 from parity.numerics import schedule
 
 __all__ = ["STEPS_PER_PRINT", "ACTIVATION_CHECKPOINTING", "OFFLOAD_REMAT", "deepspeed_json", "zero_section",
-           "activation_checkpointing_section", "fp16_section", "fp16_config"]
+           "activation_checkpointing_section", "fp16_section", "fp16_config", "TRAIN_KEY_PATHS", "config_value"]
 
 STEPS_PER_PRINT = 10**9
 """DeepSpeed prints a progress line every this many steps; effectively never."""
@@ -66,12 +67,12 @@ def fp16_config(train) -> dict[str, Any]:
   Returns:
     `fp16_section` of the train.* loss-scale fields, or {"enabled": False}.
   Raises:
-    ValueError: train.min_loss_scale is not a whole number (DeepSpeed's fp16.min_loss_scale is an int).
+    SpecError: train.min_loss_scale is not a whole number (DeepSpeed's fp16.min_loss_scale is an int).
   """
   if train.precision != "fp16":
     return {"enabled": False}
   if float(train.min_loss_scale) != int(train.min_loss_scale):
-    raise ValueError(f"train.min_loss_scale={train.min_loss_scale}: DeepSpeed's fp16.min_loss_scale is an integer; "
+    raise SpecError(f"train.min_loss_scale={train.min_loss_scale}: DeepSpeed's fp16.min_loss_scale is an integer; "
                      "use a whole number (default 1)")
   return fp16_section(loss_scale=train.loss_scale, initial_scale_power=train.initial_scale_power,
                       loss_scale_window=train.loss_scale_window, hysteresis=train.hysteresis,
@@ -87,7 +88,7 @@ def deepspeed_json(run) -> dict[str, Any]:
   Args:
     run: a parity.spec.RunSpec (train and deepspeed plan read).
   Raises:
-    ValueError: train.min_loss_scale not a whole number in fp16 (`fp16_config`).
+    SpecError: train.min_loss_scale not a whole number in fp16 (`fp16_config`).
   """
   t, plan = run.train, run.deepspeed
   cfg: dict[str, Any] = {
@@ -114,3 +115,54 @@ def deepspeed_json(run) -> dict[str, Any]:
       "steps_per_print": STEPS_PER_PRINT,
       "wall_clock_breakdown": False,
   }
+
+
+TRAIN_KEY_PATHS = {
+    "train.lr": "optimizer.params.lr", "train.beta1": "optimizer.params.betas.0",
+    "train.beta2": "optimizer.params.betas.1", "train.eps": "optimizer.params.eps",
+    "train.weight_decay": "optimizer.params.weight_decay", "train.momentum": "optimizer.params.momentum",
+    "train.dampening": "optimizer.params.dampening", "train.nesterov": "optimizer.params.nesterov",
+    "train.lamb_max_coeff": "optimizer.params.max_coeff", "train.lamb_min_coeff": "optimizer.params.min_coeff",
+    "train.eps_inside_sqrt": "optimizer.params.eps_inside_sqrt", "train.optimizer": "optimizer.type",
+    "train.grad_clip": "gradient_clipping", "train.lr_schedule": "scheduler.type",
+    "train.lr_schedule_params": "scheduler.params", "train.warmup_steps": "scheduler.params.warmup_num_steps",
+    "train.warmup_min_ratio": "scheduler.params.warmup_min_ratio",
+    "train.cos_min_ratio": "scheduler.params.cos_min_ratio", "train.loss_scale": "fp16.loss_scale",
+    "train.initial_scale_power": "fp16.initial_scale_power", "train.loss_scale_window": "fp16.loss_scale_window",
+    "train.hysteresis": "fp16.hysteresis", "train.consecutive_hysteresis": "fp16.consecutive_hysteresis",
+    "train.min_loss_scale": "fp16.min_loss_scale"}
+"""Where a DeepSpeed config holds each train field (as `deepspeed_json` writes it; a number is a list index).
+train.precision is read from the bf16/fp16 `enabled` flags (`config_value`); model fields are in no config."""
+
+
+def config_value(config: Any, key: str) -> tuple[bool, Any]:
+  """(found, value) of a spec key in a DeepSpeed config (TRAIN_KEY_PATHS; train.precision from bf16/fp16.enabled).
+
+  Args:
+    config: a DeepSpeed config dict (e.g. the one a side's summary.json records), or None.
+    key: a dotted spec key, e.g. 'train.beta2'.
+  Returns:
+    (True, the value) when the config holds it; (False, None) when the key has no place in a config, or the
+    config lacks the section (e.g. no optimizer section: DeepSpeed ran the client optimizer).
+
+  >>> config_value({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}}, "train.beta2")
+  (True, 0.999)
+  >>> config_value({"bf16": {"enabled": True}}, "train.precision")
+  (True, 'bf16')
+  """
+  if not isinstance(config, dict):
+    return False, None
+  if key == "train.precision":
+    on = lambda sec: isinstance(config.get(sec), dict) and config[sec].get("enabled") is True  # noqa: E731
+    return True, "fp16" if on("fp16") else "bf16" if on("bf16") else "fp32"
+  if key not in TRAIN_KEY_PATHS:
+    return False, None
+  node: Any = config
+  for part in TRAIN_KEY_PATHS[key].split("."):
+    if isinstance(node, dict) and part in node:
+      node = node[part]
+    elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+      node = node[int(part)]
+    else:
+      return False, None
+  return True, node

@@ -33,10 +33,14 @@ and raises "Current loss scale already at minimum" when an overflow would halve 
 already equals min_scale. This module does the same (`LossScaleAtMinimum`), so a run that would
 abort in DeepSpeed aborts here too instead of silently skipping every remaining step.
 
-ZeRO stage 0 differs: DeepSpeed wraps the optimizer in `FP16_Optimizer`
-(deepspeed/runtime/fp16/fused_optimizer.py `_update_scale`), which halves on *every* overflow
-(no hysteresis), floors at min_scale without raising, and doubles by the same window rule. That
-is this machine with hysteresis = 1 and `raise_at_min=False`.
+ZeRO stage 0 is not modelled: DeepSpeed wraps the optimizer in `FP16_Optimizer`, whose
+`_update_scale` (deepspeed/runtime/fp16/fused_optimizer.py) halves on *every* overflow (no
+hysteresis) and floors at min_scale without raising (this machine with hysteresis = 1 and
+`raise_at_min=False`, tested in tests/test_loss_scale.py). But in DeepSpeed 0.19.8 the engine never
+multiplies the loss by that scale (engine.backward scales only for the ZeRO optimizers) while
+`FP16_Optimizer.step` still divides the gradient by it, so the step run there is not a loss-scaled
+fp16 step at all: `parity compare` and `parity port` refuse fp16 at stage 0
+(parity.migrate._port.MSG_FP16_STAGE0).
 
 A static scale (train.loss_scale > 0) never changes; DeepSpeed's `LossScaler` still skips a
 step whose gradient overflows (the ZeRO optimizers check overflow regardless of the scaler).

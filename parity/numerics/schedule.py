@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from parity.errors import SpecError
+
 __all__ = ["lr_at_step", "train_lr", "lr_at", "momentum_at", "SCHEDULER_DEFAULTS",
            "scheduler_params", "deepspeed_scheduler", "COMPARE_SCHEDULERS", "OPTIMIZERS", "optimizer_of",
            "deepspeed_optimizer", "cycles_momentum", "train_betas", "adam_beta2"]
@@ -30,10 +32,10 @@ def lr_at_step(step: int, *, lr: float, total_steps: int, warmup_steps: int, war
   """Learning rate DeepSpeed's WarmupCosineLR (linear warmup) applies at optimizer step `step` (0-based).
 
   Raises:
-    ValueError: warmup_steps < 1 (DeepSpeed raises the same).
+    SpecError: warmup_steps < 1 (DeepSpeed raises the same).
   """
   if warmup_steps < 1:
-    raise ValueError(f"WarmupCosineLR warmup_num_steps must be a positive integer, got {warmup_steps}")
+    raise SpecError(f"WarmupCosineLR warmup_num_steps must be a positive integer, got {warmup_steps}")
   return lr_at("WarmupCosineLR", {"total_num_steps": total_steps, "warmup_min_ratio": warmup_min_ratio,
                                   "warmup_num_steps": warmup_steps, "cos_min_ratio": cos_min_ratio,
                                   "warmup_type": "linear"}, lr, step)
@@ -152,7 +154,7 @@ def lr_at(kind: str, p: Mapping[str, Any], base_lr: float, count: int) -> float:
     if p["lr_range_test_staircase"]:
       interval = math.floor(interval)
     return p["lr_range_test_min_lr"] * (1 + p["lr_range_test_step_rate"] * interval)
-  raise ValueError(f"unknown scheduler type {kind!r}; expected one of {', '.join(SCHEDULER_DEFAULTS)}")
+  raise SpecError(f"unknown scheduler type {kind!r}; expected one of {', '.join(SCHEDULER_DEFAULTS)}")
 
 
 def momentum_at(p: Mapping[str, Any], count: int) -> float:
@@ -185,11 +187,11 @@ def scheduler_params(train) -> tuple[str, dict[str, Any]]:
   With `train.lr_schedule_params` unset, WarmupCosineLR is built from the TrainSpec fields
   (linear warmup); otherwise the given params (DeepSpeed names) over DeepSpeed's defaults.
   Raises:
-    ValueError: unknown scheduler type, or a required param (e.g. WarmupLR warmup_max_lr) missing.
+    SpecError: unknown scheduler type, or a required param (e.g. WarmupLR warmup_max_lr) missing.
   """
   kind = train.lr_schedule
   if kind not in SCHEDULER_DEFAULTS:
-    raise ValueError(f"train.lr_schedule {kind!r} is not a DeepSpeed scheduler; expected one of "
+    raise SpecError(f"train.lr_schedule {kind!r} is not a DeepSpeed scheduler; expected one of "
                      f"{', '.join(SCHEDULER_DEFAULTS)}")
   if train.lr_schedule_params is None and kind == "WarmupCosineLR":
     given = {"total_num_steps": train.steps, "warmup_min_ratio": train.warmup_min_ratio,
@@ -198,13 +200,13 @@ def scheduler_params(train) -> tuple[str, dict[str, Any]]:
     given = dict(train.lr_schedule_params or {})
   unknown = sorted(set(given) - set(SCHEDULER_DEFAULTS[kind]))
   if unknown:
-    raise ValueError(f"train.lr_schedule_params: {unknown} are not {kind} params; expected {sorted(SCHEDULER_DEFAULTS[kind])}")
+    raise SpecError(f"train.lr_schedule_params: {unknown} are not {kind} params; expected {sorted(SCHEDULER_DEFAULTS[kind])}")
   params = {**SCHEDULER_DEFAULTS[kind], **given}
   if kind == "WarmupLR" and params["warmup_max_lr"] is None:
     params["warmup_max_lr"] = train.lr  # DeepSpeed takes it from the optimizer lr
   missing = [k for k, v in params.items() if v is None and k not in _NONE_MEANS_DEFAULT]
   if missing:
-    raise ValueError(f"train.lr_schedule_params: {kind} needs {missing}")
+    raise SpecError(f"train.lr_schedule_params: {kind} needs {missing}")
   return kind, params
 
 
@@ -234,11 +236,11 @@ def optimizer_of(train) -> dict[str, Any]:
   weight_decay, bias_correction (always true: compare runs bias-corrected moments); lamb adds max_coeff,
   min_coeff, eps_inside_sqrt; sgd takes lr, momentum, dampening, weight_decay, nesterov.
   Raises:
-    ValueError: train.optimizer is not one of OPTIMIZERS.
+    SpecError: train.optimizer is not one of OPTIMIZERS.
   """
   kind = train.optimizer
   if kind not in OPTIMIZERS:
-    raise ValueError(f"train.optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
+    raise SpecError(f"train.optimizer {kind!r}: expected one of {', '.join(OPTIMIZERS)}")
   if kind == "sgd":
     return {"type": kind, "params": {"lr": train.lr, "momentum": train.momentum, "dampening": train.dampening,
                                      "weight_decay": train.weight_decay, "nesterov": train.nesterov}}

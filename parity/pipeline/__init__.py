@@ -2,6 +2,7 @@
 
   resolve.py   every source of a run's settings -> one frozen ResolvedRun (the one resolver)
   folder.py    per-side perturbations; the run folder's inputs (request, weights, batches), written once
+  perturb.py   what each --perturb makes each side run (or why it is refused), the DeepSpeed side's config included
   claim.py     the run folder's lock: one run per folder, nothing a user had is overwritten
   compare.py   `compare()` / `run_comparison()`: the pipeline top to bottom
   collect.py   reading back what each side wrote, only when it is whole and this run's own

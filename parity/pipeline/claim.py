@@ -24,7 +24,10 @@ LOCK_NAME = ".parity.lock"
 """The lock file of a run folder being written (JSON: pid, host, proc_start, started_utc, command, run_id)."""
 RUN_MARKERS = ("request.json", "report.json", "config.json", LOCK_NAME)
 """Files whose presence makes a folder a parity run folder (an earlier or a running run)."""
-RUN_INPUTS = ("request.json", "config.json", "init.safetensors", "batches.npy", "val_batches.npy")
+RUN_INPUTS = ("request.json", "config.json", "init.safetensors", "batches.npy", "val_batches.npy",
+              "deepspeed_config.given.json", "deepspeed_config.resolved.json",
+              "loss_mask.npy", "segment_ids.npy", "positions.npy", "val_loss_mask.npy", "val_segment_ids.npy",
+              "val_positions.npy")  # the last six: padded/packed runs (parity.pipeline.examples_input)
 """The files `prepare_run_dir` writes; it never overwrites one (a run never reads an earlier run's inputs)."""
 
 

@@ -2,46 +2,57 @@
 
 The pipeline, top to bottom (`run_comparison`): resolve (parity.pipeline.resolve) -> prepare the run folder (parity.pipeline.folder) ->
 run the sides (harness.runner) -> collect (parity.pipeline.collect) -> compare (parity.verdict.sides) -> reruns (parity.pipeline.reruns) ->
-build the report -> write it (parity.report). `compare` is its keyword form for notebooks and the CLI.
+build the report -> write it (parity.report). `compare` is its keyword form for notebooks: its keywords are
+resolve_run's parameters (what is run) and RunOptions' fields (how it runs, listed and documented once, there); the
+CLI builds the same two (parity.cli.compare).
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from harness import backend, doctor, runner
+from harness import backend, doctor, lifetime, runner
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
-from parity.protocol.ranks import check_coordinator, check_nproc, write_launch
+from parity.protocol.ranks import check_coordinator, check_nproc, multirank_checkpoint_refusal, write_launch
 from parity.report import Report, build_report, write_all
-from parity.report.after import PostRun
+from parity.history.after import PostRun
 from parity.report.progress import progress_display, run_notes, show_reruns
+from parity.pipeline.equivalence import check_equivalence, parse_equivalence
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, resolve_run
-from parity.pipeline.folder import check_perturb, open_run_folder, parse_perturb
+from parity.pipeline.folder import check_perturb, open_run_folder, parse_perturb, write_environment
 from parity.spec import RunSpec, SpecError
+from parity.sizing.resources import check_rank_count, check_resources
 
-__all__ = ["compare", "run_comparison", "RunOptions", "check_run_options"]
+__all__ = ["compare", "run_comparison", "RunOptions", "OPTION_FIELDS", "SOURCE_KEYWORDS", "split_keywords",
+           "check_run_options"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-  """How to run a resolved comparison (what is run is the ResolvedRun); `compare` takes the same names.
+  """How to run a resolved comparison: the one list of the run options (what is run is the ResolvedRun, built by
+  parity.pipeline.resolve.resolve_run from the run's sources). `parity compare` builds it from its flags
+  (parity.cli.compare.run_options; `--timeout` is timeout_s, `--no-progress` progress=False, each `--tracker` one
+  of trackers, the other flags have the fields' names), and `compare(preset, **keywords)` from its keywords.
 
   Attributes:
     out: run folder (default runs/<time>-<preset>-<hash>): new, or empty. It is locked while the run writes it
-      (parity.pipeline.folder.claim_run_dir): a folder in use by a live run, or holding an earlier run, is refused.
+      (parity.pipeline.claim.claim_run_dir): a folder in use by a live run, or holding an earlier run, is refused.
     force: move an earlier run found in `out` aside to `<out>.old-<time>` (never deleted, never mixed).
-    command: the command line recorded in the folder's lock (default sys.argv).
-    perturb: per-side debug changes, `side:key=value` strings or {side: {key: value}}
+    command: the command line recorded in the folder's lock and report (default sys.argv).
+    perturb: per-side debug changes, `side:key=value` strings (one string: one change) or {side: {key: value}}
       (see parity.pipeline.folder.parse_perturb); they make the sides differ on purpose.
-    timeout_s: per-side wall-clock limit, seconds (default: the spec's timeout_s).
-    progress: show a progress bar (rich) on the terminal.
+    timeout_s: per-side wall-clock limit, seconds, > 0 (default: the spec's timeout_s).
+    progress: on by default: a bar per side on a terminal, a timestamped line per side and phase elsewhere (a log,
+      a notebook); False for a quiet call.
     noise_envelope: rerun every side that finished with the batches' rows in reverse order, and hold
       each pair's loss-difference curve against the noisier side's rerun difference
       (parity.verdict.envelope.envelope_check). None: only for bf16/fp16 runs.
@@ -56,14 +67,21 @@ class RunOptions:
     nproc, nnodes, node_rank, coordinator, hostfile: ranks per side (docs/multirank.md): nproc ranks on this host,
       the global batch kept; several hosts through the engines' launchers (parity.protocol.ranks.write_launch).
     baseline: a finished run folder or card.json to gate this run against once its report is written
-      (parity.report.gate; gate.json/gate.md in the run folder, Report.post.gate; exit 1 when a metric moved).
-    trackers: 'KIND:TARGET' specs (tensorboard:DIR, wandb:PROJECT, mlflow:EXPERIMENT) to mirror each side's
-      steps.jsonl to after the run (parity.report.trackers). Both are checked before any side starts.
+      (parity.history.gate; gate.json/gate.md in the run folder, Report.post.gate; exit 1 when a metric moved).
+    equivalence: equivalence checks to run after the main run, 'ga', 'ranks', 'packing' (a comma string or a
+      sequence; parity.pipeline.equivalence): each side trained again as GA 1 x micro batch k*m, on 1 rank (2 when
+      the run has 1), or in the other example layout, and held against its main run, one check per kind and side
+      (gating with loss_normalization 'tokens' in fp32, reported only otherwise). One that cannot apply is refused.
+    trackers: 'KIND:TARGET' specs (tensorboard:DIR, wandb:PROJECT, mlflow:EXPERIMENT; one string: one tracker) to
+      mirror each side's steps.jsonl to after the run (parity.report.trackers). Both are checked before any side
+      starts.
+  Raises:
+    TypeError: a keyword that is not a field (Python's own message names it).
   """
   out: str | Path | None = None
   perturb: Sequence[str] | Mapping[str, Mapping] = ()
   timeout_s: float | None = None
-  progress: bool = False
+  progress: bool = True
   noise_envelope: bool | None = None
   determinism_steps: int = 8
   resume_at: int | None = None
@@ -78,61 +96,78 @@ class RunOptions:
   allow_cpu: bool = False
   baseline: str | Path | None = None
   trackers: Sequence[str] = ()
+  equivalence: str | Sequence[str] = ()
+
+  def __post_init__(self):  # a lone string is one item, not a sequence of characters; lists become tuples (frozen)
+    for name in ("perturb", "trackers"):
+      value = getattr(self, name)
+      if isinstance(value, str):
+        object.__setattr__(self, name, (value,))
+      elif not isinstance(value, Mapping):
+        object.__setattr__(self, name, tuple(value))
+    if self.equivalence is None:
+      object.__setattr__(self, "equivalence", ())
+    elif isinstance(self.equivalence, str):  # 'ga,packing': the command line's form; '' or ',' kept, so that
+      # parse_equivalence refuses a value that names no check instead of running none
+      object.__setattr__(self, "equivalence", tuple(k.strip() for k in self.equivalence.split(",")))
 
 
-def compare(preset: str | None = None, *, config: str | Path | Mapping | None = None,
-            overrides: Mapping[str, object] | Sequence[str] = (),
-            steps: int | None = None, sides: Sequence[str] | None = None, data: str | None = None,
-            out: str | Path | None = None, perturb: Sequence[str] | Mapping[str, Mapping] = (),
-            timeout_s: float | None = None, progress: bool = True, hf_model: str | Path | None = None,
-            deepspeed_config: str | Path | None = None, plan: str | None = None,
-            hardware: str = "H100", noise_envelope: bool | None = None, determinism_steps: int = 8,
-            resume_at: int | None = None, force: bool = False, command: str | None = None, nproc: int = 1,
-            nnodes: int = 1, node_rank: int = 0, coordinator: str | None = None,
-            hostfile: str | None = None,
-            allow_cpu: bool = False, baseline: str | Path | None = None, trackers: Sequence[str] = ()) -> Report:
+OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(RunOptions))
+"""The keywords of `compare` that say how it runs: RunOptions' fields."""
+SOURCE_KEYWORDS = tuple(n for n in inspect.signature(resolve_run).parameters if n != "preset_name")
+"""The keywords of `compare` that say what is run: resolve_run's parameters (its docstring documents them)."""
+
+
+def split_keywords(keywords: Mapping[str, object]) -> tuple[dict[str, object], dict[str, object]]:
+  """`compare`'s keywords as (resolve_run's keywords, RunOptions' fields), each by its names.
+
+  Raises:
+    TypeError: a keyword that is neither, named with the closest valid name and both lists.
+  """
+  unknown = [k for k in keywords if k not in SOURCE_KEYWORDS and k not in OPTION_FIELDS]
+  if unknown:
+    valid = SOURCE_KEYWORDS + OPTION_FIELDS
+    hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, valid, 1)) else "")
+             for k in unknown]
+    raise TypeError(f"parity.compare() got unknown keyword(s) {', '.join(hints)}; what is run: "
+                    f"{', '.join(SOURCE_KEYWORDS)} (parity.pipeline.resolve.resolve_run); how it runs: "
+                    f"{', '.join(OPTION_FIELDS)} (parity.pipeline.compare.RunOptions)")
+  return ({k: v for k, v in keywords.items() if k in SOURCE_KEYWORDS},
+          {k: v for k, v in keywords.items() if k in OPTION_FIELDS})
+
+
+def compare(preset: str | None = None, **keywords) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report: `resolve_run` then
-  `run_comparison`, the keyword form for notebooks and the CLI.
+  `run_comparison`, the keyword form for notebooks.
 
   Args:
-    preset: a name from parity.presets.PRESETS (default 'gpt2-small-cpu').
-    config: a run config file (YAML/JSON) or mapping, merged over the preset.
-    overrides: dotted `section.key=value` strings or a {key: value} mapping, applied last.
-    steps, sides, data: shortcuts for train.steps, sides and data.
-    hf_model: a local Hugging Face checkpoint folder (GPT2LMHeadModel, LlamaForCausalLM, ...); its
-      config.json replaces the model section and its weights are the initial weights of every side.
-    deepspeed_config: a DeepSpeed JSON config. The DeepSpeed side runs that very file (its "auto"
-      values filled from the run spec, as the HF Trainer would); the JAX and torch sides run its
-      port (`parity port`); the key-by-key migration report is written to migration.json/.md.
-    plan: a plan pair of parity.sizing.plans.PLANS applied to both sides, or 'auto' for the fastest pair that
-      fits `hardware` by the memory model (parity.sizing.plans.choose_plan); the choice is recorded in the report.
-    hardware: a parity.sizing.plans.HARDWARE preset, for plan='auto'.
-    baseline, trackers: the regression gate and the tracker mirror run after the report (RunOptions fields).
-    out, perturb, timeout_s, progress, noise_envelope, determinism_steps, resume_at, force, command, nproc, nnodes,
-      node_rank, coordinator, hostfile: how it runs, the RunOptions fields of the same names. progress is on by
-      default (a bar on a terminal, a timestamped line per side and phase elsewhere, e.g. a notebook); pass
-      progress=False for a quiet call.
+    preset: a name from parity.presets.PRESETS (default: the config's `preset:`, else 'gpt2-small-cpu').
+    **keywords: what is run, resolve_run's parameters (SOURCE_KEYWORDS, e.g. config, overrides, steps, sides,
+      data, hf_model, deepspeed_config, plan), and how it runs, RunOptions' fields (OPTION_FIELDS, e.g. out,
+      perturb, timeout_s, progress), each documented there, once.
   Returns:
     The Report (also written as report.json, report.md, metrics.jsonl, loss.png in the run folder).
   Raises:
+    TypeError: a keyword that is neither (`split_keywords` names it and the valid ones).
     SpecError, DataError: bad input, before any side starts (RunFolderError: `out` cannot be used; nothing of
       this run is left behind).
     RunIOError: the run's input files could not be written (disk full, read-only folder); later write failures
       do not raise: the report goes wherever it can and `report.data['write_errors']` names what failed (exit 1).
     KeyboardInterrupt: re-raised once the report of what ran is written (its verdict says INTERRUPTED).
   """
-  options = RunOptions(out=out, perturb=perturb, timeout_s=timeout_s, progress=progress, noise_envelope=noise_envelope,
-                       determinism_steps=determinism_steps, resume_at=resume_at, force=force, command=command,
-                       started_s=time.time(), nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                       coordinator=coordinator, hostfile=hostfile,
-                       allow_cpu=allow_cpu, baseline=baseline, trackers=tuple(trackers))
-  run = resolve_run(preset, config=config, hf_model=hf_model, plan=plan, hardware=hardware,
-                    deepspeed_config=deepspeed_config, steps=steps, sides=sides, data=data, overrides=overrides)
-  return run_comparison(run, options)
+  source, how = split_keywords(keywords)
+  if isinstance(source.get("sides"), str):  # one string is a comma list, as on the command line ('jax,torch')
+    source["sides"] = [s.strip() for s in source["sides"].split(",")]
+  options = RunOptions(**{"started_s": time.time(), **how})
+  return run_comparison(resolve_run(preset, **source), options)
 
 
 def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   """Runs a resolved comparison: every side in its own process, the reruns, the report (written to the run folder).
+
+  A Ctrl-C or SIGTERM stops the side or rerun worker that is running (killed, the report marks the run
+  INTERRUPTED); one that comes while no worker runs (records being compared, the report being written) is held
+  until that is done (harness.lifetime.stop_signals); later ones are ignored, so the report is always written.
 
   Args:
     run: parity.pipeline.resolve.resolve_run's result. options: RunOptions.
@@ -147,46 +182,92 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
   post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
-  folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
-  limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
-  try:
-    with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
-      loads: dict[str, dict] = {}
-
-      def one_side(side: str):  # the machine's load around each side: its timings are only as good as that
-        loads[side] = {"start": _load()}
-        try:
-          return runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress)
-        finally:
-          loads[side]["end"] = _load()
-      side_runs, interrupted = runner.run_each_side(spec.sides, one_side,
-                                                    on_interrupt=lambda side: interrupted_run(folder.path, side))
-    side_data = collect_sides(folder.path, side_runs, folder.claim.run_id, spec.train.steps)
-    checks, table = compare_sides(side_data, spec=spec, init=folder.init)
-    if interrupted is None:
-      show_reruns(options.progress, spec, options.noise_envelope, options.determinism_steps, options.resume_at)
-    reruns = Reruns() if interrupted is not None else run_reruns(
-        RerunContext(folder.path, spec, folder.claim.run_id, limit, folder.init, side_data), checks,
-        noise=options.noise_envelope, determinism_steps=options.determinism_steps, resume_at=options.resume_at)
-    interrupted = interrupted or reruns.interrupted
-    checks += reruns.checks
-    claim = folder.claim
-    report = build_report(
-        spec=spec, preset_name=run.preset, run_dir=folder.path, data_info=folder.data_info, side_runs=side_runs,
-        side_steps={s: d["steps"] for s, d in side_data.items()}, checks=checks, params_table=table,
-        verdict=verdict(checks, {s: sr.status for s, sr in side_runs.items()}), wall_s=time.time() - t0,
-        prepare_s=folder.prepare_s, plan=run.plan, reruns=reruns.sections, reruns_s=reruns.busy_s,
-        run_folder={"run_id": claim.run_id, "moved_aside_to": str(claim.moved_to) if claim.moved_to else None,
-                    "stale_lock_taken_over": claim.stale_lock,
-                    "command": options.command if options.command is not None else " ".join(sys.argv)},
-        interrupted=interrupted is not None, side_loads=loads)
-    write_all(report)
-    report.post = None if interrupted is not None or post.empty else post.apply(report)  # gate.json, trackers
-  finally:
-    folder.claim.release()
+  with lifetime.stop_signals():
+    folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
+    lifetime.on_disk(f"no report was written; {folder.path} holds the run's inputs only")
+    try:
+      report, interrupted = _run_and_report(run, options, folder, t0, post_asked=not post.empty)
+      if interrupted is None and not post.empty:
+        with lifetime.activity("the --baseline gate or the --tracker mirrors were running (after the report)",
+                               on_stop="they were stopped: gate.json, gate.md and the trackers may be incomplete"):
+          report.post = post.apply(report)  # gate.json, trackers
+    finally:
+      folder.claim.release()
   if interrupted is not None:
     raise interrupted
   return report
+
+
+def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
+                    post_asked: bool) -> tuple[Report, KeyboardInterrupt | None]:
+  """The sides, the reruns and the written report; returns it and the Ctrl-C that stopped a side or rerun (None).
+  Only a worker is stopped at once: the rest is held (harness.lifetime.activity), and a stop held while the
+  records are compared skips the reruns (the run is INTERRUPTED); one held while the report is written is raised
+  once it is complete (so the gate and trackers, `post_asked`, do not run)."""
+  spec = run.spec
+  limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
+  with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
+    loads: dict[str, dict] = {}
+
+    def one_side(side: str):  # the machine's load around each side: its timings are only as good as that
+      loads[side] = {"start": _load()}
+      try:
+        return runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress)
+      finally:
+        loads[side]["end"] = _load()
+    side_runs, interrupted = runner.run_each_side(spec.sides, one_side,
+                                                  on_interrupt=lambda side: interrupted_run(folder.path, side))
+  with lifetime.activity(None, hold=True):
+    with lifetime.activity("the sides' records were being compared (no side was running)", hold=True,
+                           on_stop="that was finished first and no rerun was started"):
+      side_data = collect_sides(folder.path, side_runs, folder.claim.run_id, spec.train.steps)
+      checks, table = compare_sides(side_data, spec=spec, init=folder.init)
+    interrupted = interrupted or lifetime.take_stop()
+    if interrupted is None:
+      show_reruns(options.progress, spec, options.noise_envelope, options.determinism_steps, options.resume_at)
+    with lifetime.activity("the reruns were between two workers (none was running)", hold=True,
+                           on_stop="no rerun was started after that",
+                           within="in the reruns (noise envelope, determinism, resume; the main run had finished)"):
+      reruns = Reruns() if interrupted is not None else run_reruns(
+          RerunContext(folder.path, spec, folder.claim.run_id, limit, folder.init, side_data), checks,
+          noise=options.noise_envelope, determinism_steps=options.determinism_steps, resume_at=options.resume_at,
+          equivalence=parse_equivalence(options.equivalence), tokenizer=getattr(run, "tokenizer", None) or run.init_source)
+    interrupted = interrupted or reruns.interrupted
+    with lifetime.activity("the report was being written (no side was running)", hold=True,
+                           on_stop="that was finished first" + (
+                               "; the --baseline gate and --tracker mirrors were not run" if post_asked else "")):
+      report = _build(run, options, folder, side_runs, side_data, checks + reruns.checks, table, reruns, loads,
+                      interrupted is not None, t0)
+      write_all(report)
+    lifetime.on_disk(_report_on_disk(report))
+  return report, interrupted
+
+
+def _build(run: ResolvedRun, options: RunOptions, folder, side_runs, side_data, checks, table, reruns, loads,
+           interrupted: bool, t0: float) -> Report:
+  """build_report with everything the run gathered."""
+  spec, claim = run.spec, folder.claim
+  return build_report(
+      spec=spec, preset_name=run.preset, run_dir=folder.path, data_info=folder.data_info, side_runs=side_runs,
+      side_steps={s: d["steps"] for s, d in side_data.items()}, checks=checks, params_table=table,
+      verdict=verdict(checks, {s: sr.status for s, sr in side_runs.items()}), wall_s=time.time() - t0,
+      prepare_s=folder.prepare_s, plan=run.plan, reruns=reruns.sections, reruns_s=reruns.busy_s,
+      run_folder={"run_id": claim.run_id, "moved_aside_to": str(claim.moved_to) if claim.moved_to else None,
+                  "stale_lock_taken_over": claim.stale_lock,
+                  "command": options.command if options.command is not None else " ".join(sys.argv)},
+      interrupted=interrupted, side_loads=loads, checkpoint=run.init_source)
+
+
+def _report_on_disk(report: Report) -> str:
+  """One sentence on what a written report left: where, complete or not, and its verdict's first word."""
+  where = Path(report.data.get("report_written_to") or report.run_dir)
+  errors = report.data.get("write_errors") or []
+  if errors:
+    return (f"the report is incomplete: {len(errors)} file(s) could not be written (first {errors[0]['file']}: "
+            f"{errors[0]['error']}); what could be written is in {where}")
+  word = str((report.data.get("verdict") or {}).get("message") or "").split(":", 1)[0]  # PASS, FAIL, INTERRUPTED
+  what = "the report of what ran" if word == "INTERRUPTED" else "the report"
+  return f"{what} is written, verdict {word}: {where / 'report.html'}, with report.json, report.md and card.json"
 
 
 def _load() -> list[float] | None:
@@ -201,11 +282,13 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
   """Refuses, before any side starts, options that would only fail later.
 
   Raises:
-    SpecError: naming the option (--timeout, --determinism-steps, --resume-at, --perturb) and the range it takes.
+    SpecError: naming the option (--timeout, --determinism-steps, --resume-at, --perturb, --equivalence) and the
+      range it takes.
   """
   t, timeout_s, resume_at = spec.train, options.timeout_s, options.resume_at
   determinism_steps = options.determinism_steps
-  if timeout_s is not None and not timeout_s > 0:
+  if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                or not timeout_s > 0):
     raise SpecError(f"--timeout must be > 0 seconds; got {timeout_s}")
   if determinism_steps < 0:
     raise SpecError(f"--determinism-steps must be >= 0 (0 skips the rerun); got {determinism_steps}")
@@ -213,6 +296,7 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
     raise SpecError(f"--resume-at must be a step in [0, train.steps - 2 = {t.steps - 2}] (the resumed run needs "
                     f"at least one step left); got {resume_at}")
   _check_ranks(spec, pert, options)
+  check_equivalence(spec, parse_equivalence(options.equivalence), nproc=options.nproc, nnodes=options.nnodes)
   for side, kv in pert.items():
     for key, value in kv.items():
       steps = value if key in STEP_LIST_KEYS else [value] if key.endswith("_at_step") else None
@@ -239,7 +323,7 @@ def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
     write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
                  node_rank=options.node_rank,
                  hostfile=str(Path(options.hostfile).resolve()) if options.hostfile else None)
-    doctor.write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)
+    write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)
   except BaseException:
     folder.claim.release()
     raise
@@ -251,7 +335,6 @@ def _check_ranks(spec: RunSpec, pert: dict, options: RunOptions) -> None:
   check_nproc(spec.train, options.nproc, nnodes=options.nnodes, jax_data_parallel=spec.jax.data_parallel)
   world = options.nproc * options.nnodes
   if options.nproc > 1:  # before anything runs: N processes per side must fit this host's cores/GPUs and memory
-    from parity.sizing.resources import check_rank_count, check_resources
     check_rank_count(options.nproc)
     check_resources(spec, Path(options.out) if options.out else Path("runs"), nproc=options.nproc)
   if not 0 <= options.node_rank < options.nnodes:
@@ -260,8 +343,7 @@ def _check_ranks(spec: RunSpec, pert: dict, options: RunOptions) -> None:
   if options.hostfile is not None and not Path(options.hostfile).is_file():
     raise SpecError(f"--hostfile {options.hostfile}: no such file (a DeepSpeed hostfile: 'host slots=N' per line)")
   if world > 1 and options.resume_at is not None:
-    raise SpecError(f"--resume-at with --nproc {options.nproc}: checkpoints of multi-rank sides are not supported "
-                    "yet; run the resume check with --nproc 1")
+    raise SpecError(multirank_checkpoint_refusal(f"--resume-at with --nproc {options.nproc}", world))
   for side, kv in pert.items():
     if "fault_rank" in kv and not kv["fault_rank"] < world:
       raise SpecError(f"--perturb {side}:fault_rank={kv['fault_rank']}: the side has ranks 0..{world - 1} "

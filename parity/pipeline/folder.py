@@ -14,16 +14,27 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from parity import weights
-from parity.data import Corpus, load_corpus, make_batches
+from parity.data import Corpus, batch_dtype, load_corpus, make_batches
 from parity.protocol.layout import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
-from parity.pipeline.claim import (LOCK_NAME, RUN_INPUTS, RUN_MARKERS, RunFolder, RunFolderError, RunIOError,  # noqa: F401
-                          claim_run_dir, read_lock)
+from parity.pipeline.claim import RUN_INPUTS, RunFolderError, RunIOError, claim_run_dir
+from parity.pipeline.perturb import PerturbPlan, plan_perturbations
+from parity.pipeline.examples_input import EXAMPLE_ARRAYS, write_example_inputs
+from parity.pipeline.plants import check_plants_on_data
 from parity.spec import RunSpec, SpecError, apply_overrides, config_hash, to_dict
+from parity.spec import parse_value
+from parity.sizing.resources import check_resources
 
-__all__ = ["prepare_run_dir", "default_run_dir", "parse_perturb", "check_perturb",
-           "claim_run_dir",
-           "RunFolder", "RunFolderError", "RunIOError", "read_lock", "write_new", "LOCK_NAME", "PreparedRun",
-           "open_run_folder"]
+__all__ = ["prepare_run_dir", "default_run_dir", "parse_perturb", "check_perturb", "write_new", "PreparedRun",
+           "open_run_folder", "DS_GIVEN", "DS_RESOLVED", "inputs_record", "check_vocab", "ENVIRONMENT_FILE",
+           "write_environment"]
+
+ENVIRONMENT_FILE = "environment.json"
+"""<run_dir>/environment.json: the run's environment block (harness.doctor.run_environment) and its run_id."""
+DS_GIVEN = "deepspeed_config.given.json"
+"""The DeepSpeed config file exactly as the user gave it (`--deepspeed-config`), copied byte for byte."""
+DS_RESOLVED = "deepspeed_config.resolved.json"
+"""The DeepSpeed config the DeepSpeed side runs: DS_GIVEN with "auto" filled and its --perturb deepspeed:... written
+in (request.json 'deepspeed_config' holds the same)."""
 
 
 PERTURBABLE = frozenset({
@@ -32,7 +43,8 @@ PERTURBABLE = frozenset({
     "train.lr_schedule_params", "train.beta1", "train.beta2", "train.eps", "train.weight_decay", "train.grad_clip",
     "train.precision", "train.loss_scale", "train.initial_scale_power", "train.loss_scale_window",
     "train.hysteresis", "train.consecutive_hysteresis", "train.min_loss_scale", "train.optimizer", "train.momentum",
-    "train.dampening", "train.nesterov", "train.lamb_max_coeff", "train.lamb_min_coeff", "train.eps_inside_sqrt"})
+    "train.dampening", "train.nesterov", "train.lamb_max_coeff", "train.lamb_min_coeff", "train.eps_inside_sqrt",
+    "train.loss_normalization"})
 """Settings one side may change on its own: numerics only. Weights and batches are shared files, so keys that
 shape them (seeds, sizes, steps, layer layout) cannot differ per side."""
 
@@ -42,11 +54,13 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str], spec: RunSpec | No
 
   Keys: `model.<field>` / `train.<field>` (applied to that side's spec only) or one of
   DEBUG_KEYS (nan_at_step, kill_at_step, hang_at_step, raise_at_step: a step; overflow_at_steps: a JSON
-  list of steps, e.g. `jax:overflow_at_steps=[3,7]`).
+  list of steps, e.g. `jax:overflow_at_steps=[3,7]`; the planted data bugs PLANT_KEYS: true, e.g.
+  `torch:loss_on_prompt=true`, parity.pipeline.plants).
   Each side's changes are validated on top of `spec` (the run's own; a default RunSpec when None), so a change
   that is valid for this run (e.g. OneCycle's lr_schedule_params on a OneCycle run) is accepted.
   Raises:
-    SpecError: malformed item, unknown side, or unknown key, or a change the run's spec refuses.
+    SpecError: malformed item, unknown side, or unknown key, the same side and key twice, or a change the run's spec
+      refuses.
   """
   out: dict[str, dict[str, Any]] = {}
   for item in items:
@@ -61,7 +75,6 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str], spec: RunSpec | No
               if key.startswith(("model.", "train.")) else "")
       raise SpecError(f"--perturb {item!r}: {key!r} cannot be perturbed{hint}; use one of "
                       f"{', '.join(sorted(PERTURBABLE))} or {', '.join(DEBUG_KEYS)}")
-    from parity.spec import parse_value
     value = parse_value(raw, f"--perturb {item[:60]!r}")  # deep nesting and inf/nan refused as in config files
     if key in DEBUG_KEYS:
       try:
@@ -69,6 +82,9 @@ def parse_perturb(items: Sequence[str], sides: Sequence[str], spec: RunSpec | No
       except ValueError as exc:
         raise SpecError(f"--perturb {item!r}: {exc}") from None
       value = list(value) if isinstance(value, tuple) else value
+    if key in out.get(side, {}):  # the later one would silently replace the earlier: neither is what was asked
+      raise SpecError(f"--perturb {item!r}: {side}:{key} is already given ({side}:{key}={out[side][key]!r}); a side "
+                      "runs one value per key, so pass it once")
     out.setdefault(side, {})[key] = value
   check_perturb(out, spec)
   return out
@@ -124,8 +140,11 @@ def default_run_dir(spec: RunSpec, name: str) -> Path:
 
 def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str, Mapping] | None = None,
                     corpus: Corpus | None = None, init_params: Mapping[str, np.ndarray] | None = None,
-                    deepspeed_config: Mapping[str, Any] | None = None, run_id: str | None = None) -> dict[str, Any]:
-  """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json, each as a new file.
+                    deepspeed_config: Mapping[str, Any] | None = None, run_id: str | None = None,
+                    deepspeed_source: str | Path | None = None, init_source: str | None = None,
+                    plan: PerturbPlan | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+  """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json, each as a new file
+  (with a DeepSpeed config also DS_GIVEN and DS_RESOLVED).
 
   None of them may exist already (RUN_INPUTS): a run never reads inputs an earlier run left in its folder.
   `parity compare` first claims a fresh, locked folder (`claim_run_dir`); other callers pass a new or empty one.
@@ -137,37 +156,140 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
       (`--deepspeed-config`); default: the one built from the spec.
     run_id: this run's id, recorded in request.json (derived requests and side summaries carry it on); default:
       a new one.
+    deepspeed_source: the DeepSpeed config file as the user gave it: copied byte for byte to DS_GIVEN, its sha256
+      recorded (request.json 'deepspeed_files').
+    init_source: the Hugging Face checkpoint folder the initial weights came from (`--hf-model`), or None; recorded
+      with the data and tokenizer that run (request.json 'inputs', `inputs_record`).
+    plan: the perturbations as `parity.pipeline.perturb.plan_perturbations` decided them; default: decided here
+      from `perturb` and `deepspeed_config`. request.json 'perturb' holds the fields each side applies, the
+      'perturbations' records what each requested change does, and 'deepspeed_config' the config the DeepSpeed
+      side runs (the resolved one with its perturbations written in; DS_RESOLVED is the same, as a file).
+    tokenizer: padded/packed text records: the folder of their tokenizer.json; default: init_source's.
+  With train.layout padded or packed, the examples of `spec.data` are laid out instead of a corpus's windows and
+  their arrays written beside batches.npy (parity.pipeline.examples_input); request.json 'examples' names them.
   Returns:
     {'request': ..., 'corpus': {source, sha256, tokens}, 'prepare_s': seconds}.
   Raises:
     DataError: the corpus is missing or too small.
-    SpecError: the corpus needs a larger vocabulary than the model has; RunFolderError: an input file of an
+    SpecError: the corpus needs a larger vocabulary than the model has (`check_vocab`); a perturbation changes nothing its side
+      trains or cannot reach the DeepSpeed side's config (plan_perturbations); RunFolderError: an input file of an
       earlier run is in the folder.
     RunIOError: a file could not be written (disk full, read-only folder); the message names it.
   """
   t0 = time.time()
+  plan = plan or plan_perturbations(spec, perturb, deepspeed_config, source=str(deepspeed_source or ""))
   run_dir = _input_folder(Path(run_dir))
-  corpus = corpus or load_corpus(spec.data)
-  if corpus.vocab_size > spec.model.vocab_size:
-    raise SpecError(f"data {spec.data!r} has token ids up to {corpus.vocab_size - 1}, beyond "
-                    f"model.vocab_size={spec.model.vocab_size}; set model.vocab_size >= {corpus.vocab_size}")
-  t = spec.train
-  train, val = make_batches(corpus, steps=t.steps, grad_accum_steps=t.grad_accum_steps,
-                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, seed=t.data_seed,
-                            eval_batches=t.eval_batches)
-  write_new(run_dir / "batches.npy", lambda f: np.save(f, train))
-  write_new(run_dir / "val_batches.npy", lambda f: np.save(f, val))
+  if spec.train.layout == "stream":
+    data_info, inputs = _write_stream(run_dir, spec, corpus, init_source)
+    examples = None
+  else:  # padded / packed: examples through parity.dataset (parity.pipeline.examples_input)
+    data_info, examples = write_example_inputs(run_dir, spec, write_new, tokenizer=tokenizer or init_source)
+    check_plants_on_data(plan.perturb, np.load(run_dir / EXAMPLE_ARRAYS["loss_mask"]),
+                         np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]))  # a plant these batches hide: exit 2
+    inputs = {"data": data_info["source"], "tokens": "examples", "checkpoint": init_source,
+              "tokenizer": data_info["card"]["tokenizer"] or "byte-level / pre-tokenized ids (no tokenizer)"}
   _write_init(run_dir / "init.safetensors", spec, init_params)
-  data_info = {"source": corpus.source, "sha256": corpus.sha256, "train_tokens": int(corpus.train.size),
-               "val_tokens": int(corpus.val.size), "files": corpus.n_files}
   write_new(run_dir / "config.json", json.dumps(to_dict(spec), indent=2))
+  ds_files = (_write_deepspeed_files(run_dir, deepspeed_source, plan.deepspeed_config)
+              if deepspeed_config is not None else None)
   request = {"schema": REQUEST_SCHEMA, "run_id": run_id or uuid.uuid4().hex, "run": to_dict(spec),
              "config_hash": config_hash(spec),
              "init_weights": "init.safetensors", "batches": "batches.npy", "val_batches": "val_batches.npy",
-             "perturb": {k: dict(v) for k, v in (perturb or {}).items()}, "data": data_info,
-             "deepspeed_config": dict(deepspeed_config) if deepspeed_config is not None else None}
+             "perturb": plan.perturb, "perturbations": plan.records, "data": data_info, "inputs": inputs,
+             "deepspeed_config": plan.deepspeed_config, "deepspeed_files": ds_files}
+  if examples is not None:
+    request["examples"] = examples
   write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
+
+
+def _write_stream(run_dir: Path, spec: RunSpec, corpus: Corpus | None, init_source: str | None
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The stream layout's batches.npy and val_batches.npy (windows of the corpus); returns (data_info, inputs)."""
+  corpus = corpus or load_corpus(spec.data)
+  check_vocab(corpus, spec.model.vocab_size)
+  t = spec.train
+  train, val = make_batches(corpus, steps=t.steps, grad_accum_steps=t.grad_accum_steps,
+                            micro_batch_size=t.micro_batch_size, seq_len=t.seq_len, seed=t.data_seed,
+                            eval_batches=t.eval_batches, dtype=batch_dtype(spec.model.vocab_size))
+  write_new(run_dir / "batches.npy", lambda f: np.save(f, train))
+  write_new(run_dir / "val_batches.npy", lambda f: np.save(f, val))
+  data_info = {"source": corpus.source, "sha256": corpus.sha256, "train_tokens": int(corpus.train.size),
+               "val_tokens": int(corpus.val.size), "files": corpus.n_files}
+  return data_info, inputs_record(corpus, init_source, spec.model.vocab_size)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json")
+"""Files of a Hugging Face checkpoint folder that hold its tokenizer (none of them is read by parity)."""
+
+
+def check_vocab(corpus: Corpus, vocab_size: int) -> None:
+  """Refuses a corpus whose largest id is not below `vocab_size` (model.vocab_size).
+
+  Raises:
+    SpecError: naming the data, the largest id and the fix (`--set model.vocab_size=N`).
+  """
+  if corpus.vocab_size > vocab_size:
+    what = "byte-level text needs ids 0-255" if corpus.format == "bytes" else f"its largest id is {corpus.max_id}"
+    raise SpecError(f"data {corpus.source!r}: {what}, not below model.vocab_size={vocab_size}; pass "
+                    f"--set model.vocab_size={corpus.vocab_size} (or the tokenizer's vocabulary size, if larger)")
+
+
+_FORMATS = {"nanogpt-bin": "a headerless .bin (nanoGPT)", "llmc-bin": "an llm.c .bin (its header names the dtype)",
+            "npy": "a .npy array"}
+
+
+def inputs_record(corpus: Corpus, init_source: str | None, vocab_size: int | None = None) -> dict[str, Any]:
+  """What the run's tokens are and where its weights came from (request.json 'inputs'; report and card show it).
+
+  Args:
+    corpus: the corpus the batches were cut from. init_source: the --hf-model folder, or None.
+    vocab_size: model.vocab_size (the batches' dtype follows it, `parity.data.batch_dtype`); None: not recorded.
+  Returns:
+    {data (the corpus source), tokens ('bytes': text read as UTF-8 bytes, ids 0-255, no tokenizer; 'ids': a .bin
+     or .npy file's token ids as stored), format (parity.data.Corpus.format), file_dtype (the ids' dtype in the
+     file), max_id (largest id of the corpus), vocab_size, batches_dtype (batches.npy's dtype; both None without
+     vocab_size), checkpoint (the --hf-model folder, or None), checkpoint_tokenizer_used (False with a checkpoint:
+     parity never tokenizes with it; None without), checkpoint_tokenizer_files (those of TOKENIZER_FILES the folder
+     holds), tokenizer (one sentence saying which tokens ran)}.
+  """
+  ids = corpus.format != "bytes"
+  found = [n for n in TOKENIZER_FILES if init_source and (Path(init_source) / n).is_file()]
+  if ids:
+    said = (f"the token ids stored in {_FORMATS.get(corpus.format, corpus.format)} ({corpus.file_dtype}, largest id "
+            f"in the file {corpus.max_id}), as the tokenizer that wrote it made them")
+    if vocab_size is not None:
+      said += f"; model.vocab_size {vocab_size}, batches stored as {batch_dtype(vocab_size).name}"
+  else:
+    said = "UTF-8 bytes of the text (token ids 0-255); no tokenizer"
+  if init_source:
+    said += (f"; the checkpoint's tokenizer ({', '.join(found) or 'none in its folder'}) was not used, so the losses "
+             "are not the checkpoint's losses on tokenized text")
+  return {"data": corpus.source, "tokens": "ids" if ids else "bytes", "format": corpus.format,
+          "file_dtype": corpus.file_dtype, "max_id": corpus.max_id, "vocab_size": vocab_size,
+          "batches_dtype": None if vocab_size is None else batch_dtype(vocab_size).name,
+          "checkpoint": init_source, "checkpoint_tokenizer_used": False if init_source else None,
+          "checkpoint_tokenizer_files": found, "tokenizer": said}
+
+
+def _write_deepspeed_files(run_dir: Path, source: str | Path | None, resolved: Mapping[str, Any]) -> dict[str, Any]:
+  """Writes DS_GIVEN (the user's file, byte for byte, when `source` is one) and DS_RESOLVED (`resolved`, the config
+  the DeepSpeed side runs) as new files. Returns {given: {file, source, sha256, bytes} | None, resolved: {file,
+  sha256, bytes}}: the sha256 of DS_GIVEN is that of the user's file as it was read. Raises RunIOError (unreadable
+  source) or what write_new raises."""
+  import hashlib
+  given = None
+  if source is not None and Path(source).is_file():
+    try:
+      raw = Path(source).read_bytes()
+    except OSError as exc:
+      raise RunIOError(exc.errno, f"cannot read --deepspeed-config {source} ({exc.strerror})") from None
+    write_new(run_dir / DS_GIVEN, raw)
+    given = {"file": DS_GIVEN, "source": str(source), "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+  text = json.dumps(dict(resolved), indent=2).encode()
+  write_new(run_dir / DS_RESOLVED, text)
+  return {"given": given, "resolved": {"file": DS_RESOLVED, "sha256": hashlib.sha256(text).hexdigest(),
+                                       "bytes": len(text)}}
 
 
 def _input_folder(run_dir: Path) -> Path:
@@ -222,18 +344,21 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
 
   Sizes that cannot fit are refused before any folder or array exists (parity.sizing.resources.check_resources); then the
   folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
-  (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back.
+  (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back. The
+  perturbations are decided first (`parity.pipeline.perturb.plan_perturbations`): one that cannot reach its side is
+  refused before any folder exists.
   Raises:
     SpecError, DataError, RunFolderError, RunIOError: as those functions; nothing of this run is left behind.
   """
-  from parity.sizing.resources import check_resources
   folder = Path(out) if out is not None else default_run_dir(run.spec, run.preset)
+  ds_cfg = dict(run.deepspeed_config) if run.deepspeed_config is not None and run.port is not None else None
+  plan = plan_perturbations(run.spec, perturb, ds_cfg, source=str(run.deepspeed_source or ""))  # before any file
   check_resources(run.spec, folder)
   claim = claim_run_dir(out if out is not None else folder, force=force, command=command)  # '' refused, not '.'
   try:
-    ds_cfg = dict(run.deepspeed_config) if run.deepspeed_config is not None and run.port is not None else None
     prep = prepare_run_dir(run.spec, folder, perturb=perturb, init_params=run.init_params, deepspeed_config=ds_cfg,
-                           run_id=claim.run_id)
+                           run_id=claim.run_id, deepspeed_source=run.deepspeed_source if ds_cfg else None,
+                           init_source=run.init_source, plan=plan, tokenizer=getattr(run, "tokenizer", None))
     if run.port is not None:
       write_new(folder / "migration.json", run.port.report.to_json())
       write_new(folder / "migration.md", run.port.report.to_markdown())
@@ -242,3 +367,15 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
     claim.abandon()
     raise
   return PreparedRun(path=folder, claim=claim, data_info=prep["corpus"], prepare_s=prep["prepare_s"], init=init)
+
+
+def write_environment(run_dir: str | Path, block: Mapping[str, object], run_id: str | None = None) -> Path:
+  """Writes `block` (the environment block, harness.doctor.run_environment; plus the run's `run_id`) as
+  <run_dir>/ENVIRONMENT_FILE, a new file (O_EXCL): a run-folder file, so written here, not by the launcher.
+
+  Raises:
+    RunFolderError: the file exists (an earlier run's); RunIOError: it could not be written.
+  """
+  path = Path(run_dir) / ENVIRONMENT_FILE
+  write_new(path, json.dumps({**block, "run_id": run_id}, indent=1, default=str) + "\n")
+  return path

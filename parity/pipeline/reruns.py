@@ -8,6 +8,8 @@ reruns; what finished is kept (`run_reruns`).
                   held against the noisier side's rerun difference (section 'noise_envelope'). In bf16/fp16 the
                   pointwise checks an envelope covers stop gating (RerunResult.decides).
   determinism     each side's first N steps rerun in a new process: bit-identical or not (reported, not gating).
+  equivalence     each side trained again in an equivalent shape (--equivalence ga,ranks,packing) and held against
+                  its main run (parity.pipeline.equivalence; section 'equivalence').
   resume          the same rerun saves a checkpoint at step R; a new process resumes from it; the rest of the run
                   must be bit-identical to the uninterrupted one (gating).
 """
@@ -15,19 +17,23 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from harness import self_runs
 from harness.runner import SideRun
 from parity.verdict.check import Check
 from parity.verdict.envelope import ENVELOPE_METRICS, envelope_check, envelope_params_check, rerun_differences
+from parity.verdict.gating import ALWAYS_REPORTED_ONLY, mark_envelope_decided
+from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_ratios
 from parity.verdict.steps import repeat_check
 from parity.pipeline.collect import side_outputs
+from parity.pipeline.equivalence import run_equivalence
 from parity.spec import RunSpec
 from parity.verdict.tolerances import envelope_rule
 
-__all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelope", "repeat_and_resume"]
+__all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelope", "repeat_and_resume", "envelope_result",
+           "determinism_outcome", "determinism_section", "resume_outcome", "resume_section"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +76,7 @@ class Reruns:
   seconds in all, and the Ctrl-C that stopped them (re-raise it once the report is written)."""
   checks: list[Check] = dataclasses.field(default_factory=list)
   sections: dict[str, Any] = dataclasses.field(
-      default_factory=lambda: {"noise_envelope": None, "determinism": {}, "resume": {}})
+      default_factory=lambda: {"noise_envelope": None, "determinism": {}, "resume": {}, "equivalence": {}})
   busy_s: float = 0.0
   interrupted: KeyboardInterrupt | None = None
 
@@ -82,28 +88,29 @@ class Reruns:
 
 
 def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | None, determinism_steps: int,
-               resume_at: int | None) -> Reruns:
-  """Runs the reruns asked for, in order noise envelope, determinism + resume; stops at a Ctrl-C (kept in
-  Reruns.interrupted) or when a rerun's files cannot be written or read (a failing 'reruns' check says why).
+               resume_at: int | None, equivalence: Sequence[str] = (), tokenizer: str | None = None) -> Reruns:
+  """Runs the reruns asked for, in order noise envelope, determinism + resume, equivalence; stops at a Ctrl-C (kept
+  in Reruns.interrupted) or when a rerun's files cannot be written or read (a failing 'reruns' check says why).
 
   Args:
     main_checks: the pairwise checks of the main runs; in bf16/fp16 those a noise-envelope check decides instead
       are marked non-gating here (their detail says so).
     noise: the noise envelope; None: only for bf16/fp16 runs.
     determinism_steps: steps of the determinism rerun (0: none); resume_at: the checkpoint step (None: no resume).
+    equivalence: the --equivalence kinds (parity.pipeline.equivalence); tokenizer: the run's tokenizer folder
+      (the packing rerun reads text examples again).
   """
   out, t = Reruns(), ctx.spec.train
   try:
     if (t.precision != "fp32" if noise is None else noise) and len(ctx.side_data) > 1 and ctx.ok_sides:
       result = noise_envelope(ctx)
       out.add("noise_envelope", result)
-      for c in main_checks if t.precision != "fp32" else ():  # the envelope decides; the fixed table is reported
-        if (c.metric, *c.sides) in result.decides:
-          c.gating = False
-          c.detail += f" (reported only: in {t.precision} the noise envelope decides)"
+      mark_envelope_decided(main_checks, result.decides, t.precision)  # the envelope decides; the table is reported
     if out.interrupted is None:
       for name, result in repeat_and_resume(ctx, determinism_steps, resume_at).items():
         out.add(name, result)
+    if out.interrupted is None and equivalence and ctx.ok_sides:
+      out.add("equivalence", run_equivalence(ctx, equivalence, tokenizer=tokenizer, result=RerunResult()))
   except (OSError, ValueError) as exc:  # a rerun's files could not be written or read: its checks fail, said why
     out.checks.append(Check(name="reruns", metric="reruns", sides=tuple(ctx.spec.sides[:2]), value=float("nan"),
                             tolerance=0.0, passed=False, detail=f"the noise/determinism/resume reruns stopped: {exc}",
@@ -112,25 +119,42 @@ def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | Non
 
 
 def noise_envelope(ctx: RerunContext) -> RerunResult:
-  """Reruns every finished side on reversed batches and holds each pair against the noisier side's envelope.
+  """Reruns every finished side on reversed batches and holds each pair against the noisier side's envelope
+  (`envelope_result` on what the reruns left in run_dir/noise/)."""
+  outputs: dict[str, tuple[SideRun, list[dict], dict | None]] = {}
+  busy = RerunResult()
+  for side in ctx.ok_sides:
+    try:
+      sr, _ = self_runs.run_noise(ctx.run_dir, side, timeout_s=ctx.timeout_s)
+    except KeyboardInterrupt as exc:
+      busy.interrupted = exc
+      return busy
+    noise_steps, noise_final = side_outputs(ctx.run_dir / self_runs.NOISE_DIR / side, sr, ctx.run_id,
+                                            expected_steps=ctx.spec.train.steps)
+    busy.count(sr)
+    outputs[side] = (sr, noise_steps, noise_final)
+  res = envelope_result(ctx, outputs)
+  res.busy_s = busy.busy_s
+  return res
 
-  A side whose rerun did not finish gets a failing 'noise_rerun' check (its pairs keep the fixed table: the verdict
-  never silently falls back to it). Section: {method, rule, runs: {side: {status, wall_s, error}}, sides: {side:
-  {steps, abs_loss_diff, grad_norm_rel_diff, params_ratio_max}}}.
+
+def envelope_result(ctx: RerunContext, outputs: dict[str, tuple[SideRun, list[dict], dict | None]]) -> RerunResult:
+  """The noise-envelope checks and section from each finished side's reduction-order rerun: what `noise_envelope`
+  computes once the reruns ran, and what parity.report.reverify recomputes from run_dir/noise/ (no process started).
+
+  Args:
+    outputs: side -> (its rerun's SideRun, StepRecords, final params or None; parity.pipeline.collect.side_outputs)
+      for each side of ctx.ok_sides, in that order.
+  Returns:
+    RerunResult (busy_s 0): a side whose rerun did not finish gets a failing 'noise_rerun' check (its pairs keep the
+    fixed table: the verdict never silently falls back to it). Section: {method, rule, runs: {side: {status,
+    wall_s, error}}, sides: {side: {steps, abs_loss_diff, grad_norm_rel_diff, params_ratio_max}}}.
   """
   res, rule = RerunResult(), envelope_rule(ctx.spec.train.precision)
   env: dict[str, dict[str, dict]] = {m: {} for m in ENVELOPE_METRICS}
   penv: dict[str, dict[str, float]] = {}
   runs = {}
-  for side in ctx.ok_sides:
-    try:
-      sr, _ = self_runs.run_noise(ctx.run_dir, side, timeout_s=ctx.timeout_s)
-    except KeyboardInterrupt as exc:
-      res.interrupted = exc
-      break
-    noise_steps, noise_final = side_outputs(ctx.run_dir / self_runs.NOISE_DIR / side, sr, ctx.run_id,
-                                            expected_steps=ctx.spec.train.steps)
-    res.count(sr)
+  for side, (sr, noise_steps, noise_final) in outputs.items():
     runs[side] = {"status": sr.status, "wall_s": sr.wall_s, "error": sr.error}
     if sr.status != "ok":
       res.checks.append(Check(name=f"noise_rerun {side}", metric="noise_rerun", sides=(side, f"{side}#noise"),
@@ -143,8 +167,6 @@ def noise_envelope(ctx: RerunContext) -> RerunResult:
       env[metric][side] = diffs
     if ctx.side_data[side]["final"] is not None and noise_final is not None:
       penv[side] = param_ratios(ctx.side_data[side]["final"], noise_final, ctx.init, ctx.spec.model)
-  if res.interrupted is not None:
-    return res
   res.section = {
       "method": "each side rerun with every step's micro batches and every micro batch's rows in reverse "
                 "order (the same loss and gradient in exact arithmetic; only the reduction order changes)",
@@ -170,7 +192,8 @@ def _envelope_checks(ctx: RerunContext, env: dict, penv: dict, rule, res: RerunR
           res.checks.append(c)
           res.decides.add((metric, a, b))
       if a in penv and b in penv:
-        lr_sum = float(sum(r["lr"] for r in data[a]["steps"] if not r.get("skipped")))
+        lr_sum = adam_step_sum([r["lr"] for r in data[a]["steps"] if not r.get("skipped")], ctx.spec.train.beta1,
+                               ctx.spec.train.beta2)  # the most one Adam side can move an element
         c = envelope_params_check(a, data[a]["final"], b, data[b]["final"], ctx.init, ctx.spec.model, penv, rule,
                                   moments={s: data[s].get("moments") for s in (a, b)}, lr_sum=lr_sum,
                                   precision=ctx.spec.train.precision,
@@ -193,32 +216,64 @@ def repeat_and_resume(ctx: RerunContext, determinism_steps: int, resume_at: int 
   prefix, steps = min(determinism_steps, ctx.spec.train.steps), ctx.spec.train.steps
   stop = max(prefix - 1, resume_at if resume_at is not None else -1)
   for side in ctx.ok_sides if stop >= 0 else ():
-    main = ctx.side_data[side]
     try:
       sr, again = self_runs.run_repeat(ctx.run_dir, side, stop_after_step=stop, save_checkpoint_at_step=resume_at,
                                        timeout_s=ctx.timeout_s)
       det.count(sr)
       if prefix > 0:
-        c = repeat_check("determinism", side, main["steps"], [r for r in again if r["step"] < prefix], gating=False)
-        det.checks.append(c)
-        det.section[side] = {"deterministic": c.passed, "steps_checked": prefix, "detail": c.detail,
-                             "status": sr.status}
+        det.checks.append(c := determinism_outcome(ctx, side, prefix, again))
+        det.section[side] = determinism_section(c, prefix, sr)
       if resume_at is None:
         continue
-      if sr.status != "ok":
-        c = repeat_check("resume", side, main["steps"], [], from_step=resume_at + 1, gating=True)
-        c.detail = f"the checkpointing run did not finish ({sr.status}): {sr.error}"
-      else:
+      resumed = None
+      if sr.status == "ok":
         rr, _, out = self_runs.run_resume(ctx.run_dir, side, timeout_s=ctx.timeout_s)
         res.count(rr)
         rest, final_b = side_outputs(out, rr, ctx.run_id, expected_steps=steps - resume_at - 1)
-        c = repeat_check("resume", side, main["steps"], rest, from_step=resume_at + 1, final_a=main["final"],
-                         final_b=final_b, gating=True)
-        if rr.status != "ok":
-          c.passed, c.detail = False, f"the resumed run did not finish ({rr.status}): {rr.error}"
-      res.checks.append(c)
-      res.section[side] = {"resumed_at_step": resume_at + 1, "bit_identical": c.passed, "detail": c.detail}
+        resumed = (rr, rest, final_b)
+      res.checks.append(c := resume_outcome(ctx, side, resume_at, sr, resumed))
+      res.section[side] = resume_section(c, resume_at)
     except KeyboardInterrupt as exc:
       det.interrupted = exc
       break
   return {"determinism": det, "resume": res}
+
+
+def determinism_outcome(ctx: RerunContext, side: str, prefix: int, again: list[dict]) -> Check:
+  """One side's determinism check (reported only: parity.verdict.gating) from its repeat run's StepRecords
+  (run_dir/repeat/<side>/steps.jsonl): what `repeat_and_resume` computes once the rerun ran, and what
+  parity.report.reverify recomputes from the folder (no process started). prefix: steps compared (>= 1)."""
+  return repeat_check("determinism", side, ctx.side_data[side]["steps"], [r for r in again if r["step"] < prefix],
+                      gating="determinism" not in ALWAYS_REPORTED_ONLY)
+
+
+def determinism_section(c: Check, prefix: int, repeat: SideRun) -> dict:
+  """report.json determinism[side] for one side's determinism check."""
+  return {"deterministic": c.passed, "steps_checked": prefix, "detail": c.detail, "status": repeat.status}
+
+
+def resume_outcome(ctx: RerunContext, side: str, resume_at: int, repeat: SideRun,
+                   resumed: tuple[SideRun, list[dict], dict | None] | None) -> Check:
+  """One side's resume check (gating): the resumed run's records and final params against the main run's.
+
+  Args:
+    resume_at: the checkpoint step; repeat: the checkpointing (repeat) run's SideRun.
+    resumed: (SideRun, StepRecords from resume_at + 1 on, final params or None; parity.pipeline.collect.side_outputs
+      of run_dir/resume/<side>) of the resumed run, None when it did not start (the repeat run did not finish).
+  """
+  main = ctx.side_data[side]
+  if repeat.status != "ok" or resumed is None:
+    c = repeat_check("resume", side, main["steps"], [], from_step=resume_at + 1, gating=True)
+    c.detail = f"the checkpointing run did not finish ({repeat.status}): {repeat.error}"
+    return c
+  rr, rest, final_b = resumed
+  c = repeat_check("resume", side, main["steps"], rest, from_step=resume_at + 1, final_a=main["final"],
+                   final_b=final_b, gating=True)
+  if rr.status != "ok":
+    c.passed, c.detail = False, f"the resumed run did not finish ({rr.status}): {rr.error}"
+  return c
+
+
+def resume_section(c: Check, resume_at: int) -> dict:
+  """report.json resume[side] for one side's resume check."""
+  return {"resumed_at_step": resume_at + 1, "bit_identical": c.passed, "detail": c.detail}

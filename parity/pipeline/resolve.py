@@ -18,7 +18,9 @@
                  the sides differ or misreport the run).
 
 Nothing is applied twice and nothing applied earlier is replaced by a later step without that step's rule saying
-so. The result is one frozen ResolvedRun.
+so. The result is one frozen ResolvedRun. Per-side `--perturb` changes come after it, when the run folder is
+prepared (parity.pipeline.perturb.plan_perturbations): each must change what its side trains, and on the DeepSpeed
+side of a DeepSpeed config it is written into the copy of the config that side runs (never into the user's file).
 """
 from __future__ import annotations
 
@@ -28,7 +30,17 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parity.presets import DEFAULT_PRESET, preset
-from parity.spec import apply_overrides, from_dict, parse_overrides, RunSpec, SpecError, to_dict
+from parity.spec import apply_overrides, from_dict, get_dotted, parse_overrides, RunSpec, SpecError, to_dict
+from parity.migrate._read import PortError, read_deepspeed_config, read_structured
+from parity.data import DataError
+from parity.spec import SFT_DEMO
+from parity.hf import MODEL_PRESETS, convert
+from parity.sizing.memory import model_preset_train
+from parity.spec import check_numbers
+from parity.migrate._reverse import load_ported, to_run_spec, port_for_compare
+from parity import hf, weights
+from parity.sizing import plans
+from parity.sizing.plans import DEFAULT_PLAN, plan_of
 
 __all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file"]
 
@@ -40,7 +52,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
   Raises:
     SpecError: missing file, a syntax error (with file, line and column), or a top level that is not a mapping.
   """
-  from parity.migrate._read import PortError, read_deepspeed_config, read_structured
   p = Path(path)
   if not p.exists():
     raise SpecError(f"config file not found: {p}")
@@ -72,7 +83,7 @@ def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | No
 
 
 def _is_path(data: Any) -> bool:
-  return isinstance(data, str) and bool(data.strip()) and data != "stdlib"
+  return isinstance(data, str) and bool(data.strip()) and data not in ("stdlib", SFT_DEMO)
 
 
 def _data_relative_to(cfg: dict[str, Any], config: Path) -> dict[str, Any]:
@@ -87,7 +98,6 @@ def _data_relative_to(cfg: dict[str, Any], config: Path) -> dict[str, Any]:
   where = config.absolute().parent
   resolved = where / data
   if not resolved.exists():
-    from parity.data import DataError
     raise DataError(f"{config}: data {data!r} is resolved relative to the config file's folder {where}, and "
                     f"{resolved} does not exist; fix the path (or make it absolute)")
   return {**cfg, "data": str(resolved)}
@@ -104,7 +114,8 @@ class ResolvedRun:
     init_source: absolute path of the HF checkpoint the initial weights come from; None: seeded init
       (parity.weights.init_params).
     init_params: canonical initial weights (name -> float32 array) from that checkpoint, or None.
-    deepspeed_config: the resolved DeepSpeed config the DeepSpeed side runs verbatim ("auto" filled), or None.
+    deepspeed_config: the resolved DeepSpeed config the DeepSpeed side runs verbatim ("auto" filled; a
+      `--perturb deepspeed:...` is written into a copy of it, parity.pipeline.perturb), or None.
     deepspeed_source: the DeepSpeed config file it came from, or None.
     port: the migration PortResult (key-by-key report) of that config, or None.
     overrides: the dotted overrides applied last (key -> value), as given.
@@ -118,6 +129,8 @@ class ResolvedRun:
   deepspeed_source: str | None = None
   port: Any = dataclasses.field(default=None, repr=False)
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  tokenizer: str | None = None
+  """Padded/packed text records: the folder of their tokenizer.json (`--tokenizer`); None: init_source's."""
 
 
 def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
@@ -137,7 +150,8 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
                 deepspeed_config: str | Path | None = None, steps: int | None = None,
                 sides: Sequence[str] | None = None, data: str | None = None, micro_batch: int | None = None,
                 seq_len: int | None = None, grad_accum: int | None = None, precision: str | None = None,
-                overrides: Mapping[str, Any] | Sequence[str] | None = None) -> ResolvedRun:
+                overrides: Mapping[str, Any] | Sequence[str] | None = None,
+                tokenizer: str | Path | None = None) -> ResolvedRun:
   """Resolves one run from all its sources, in the order of this module's docstring.
 
   Args:
@@ -153,6 +167,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     steps, sides, data: train.steps, sides and data.
     micro_batch, seq_len, grad_accum, precision: train.micro_batch_size, seq_len, grad_accum_steps, precision.
     overrides: dotted overrides, a mapping {'train.lr': 3e-4} or strings ['train.lr=3e-4'].
+    tokenizer: a folder with tokenizer.json for text example records (default: hf_model's folder).
   Returns:
     The frozen ResolvedRun.
   Raises:
@@ -190,6 +205,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   if deepspeed_config is not None and plan_record is not None:  # the config's port decided the plans, not a default
     plan_record = {**plan_record, "chosen_by": f"the DeepSpeed config {deepspeed_config}"}
   return ResolvedRun(spec=spec, preset=name, plan=plan_record, init_source=init_source,
+                     tokenizer=None if tokenizer is None else str(Path(tokenizer).expanduser().absolute()),
                      init_params=init_params, deepspeed_config=ds_cfg,
                      deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
 
@@ -220,8 +236,6 @@ def _base(name: str, model: str | None) -> RunSpec:
   """The run preset `name`, or for a model-size preset its ModelSpec with model_preset_train's training."""
   if model is None:
     return preset(name)
-  from parity.hf import MODEL_PRESETS
-  from parity.sizing.memory import model_preset_train
   if model not in MODEL_PRESETS:
     raise SpecError(f"unknown model preset {model!r}; known model presets: {', '.join(MODEL_PRESETS)} "
                     "(see `parity presets`)")
@@ -230,9 +244,7 @@ def _base(name: str, model: str | None) -> RunSpec:
 
 def _base_with_config(base: RunSpec, cfg: dict[str, Any], source: str) -> RunSpec:
   """The base run with the config's sections merged over it (or a `parity port` output mapped onto it)."""
-  from parity.spec import check_numbers
   if str(cfg.get("schema", "")).startswith("parity.ported/"):  # `parity port`'s output: a DeepSpeed run's JAX config
-    from parity.migrate._reverse import load_ported, to_run_spec
     return to_run_spec(load_ported(cfg, source=source), base)
   try:
     spec = from_dict(RunSpec, _merge(to_dict(base), cfg))
@@ -272,8 +284,6 @@ def _settle(spec: RunSpec) -> RunSpec:
 
 
 def _from_checkpoint(hf_model, spec: RunSpec):
-  from parity import hf
-  from parity.hf import convert
   try:
     return hf.run_spec_from_hf(hf_model, spec, bin_reader=convert.read_bin)
   except (ValueError, FileNotFoundError) as exc:  # HFFormatError is a SpecError (a ValueError)
@@ -282,7 +292,6 @@ def _from_checkpoint(hf_model, spec: RunSpec):
 
 def _check_init_shapes(spec: RunSpec, init: Mapping[str, Any], source: str | None) -> None:
   """The checkpoint's weights must still fit the model after the overrides (e.g. `--set model.d_model=` would not)."""
-  from parity import weights
   want = weights.param_shapes(spec.model)
   bad = [n for n, shp in want.items() if n not in init or tuple(init[n].shape) != tuple(shp)]
   if bad:
@@ -297,7 +306,6 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
   """(the named or planner-chosen parity.sizing.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is
   validated with the rest of the run at the end; the planner ('auto') chooses for the run as the flags and
   overrides (`user`, dotted keys) will make it."""
-  from parity.sizing import plans
   if plan != "auto":
     if plan not in plans.PLANS:
       raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
@@ -315,7 +323,6 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
 
 def _plan_of(spec: RunSpec) -> dict | None:
   """The pair the run's plans happen to be (the default pair unless the config or overrides changed them)."""
-  from parity.sizing.plans import DEFAULT_PLAN, plan_of
   matched = plan_of(spec)
   if matched is None:
     return None
@@ -324,24 +331,12 @@ def _plan_of(spec: RunSpec) -> dict | None:
 
 def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any]):
   """Ports the DeepSpeed config against `spec`; refuses an override the config contradicts (both values named)."""
-  from parity.migrate import read_deepspeed_config
-  from parity.migrate._reverse import port_for_compare
   ported, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec, source=str(deepspeed_config))
   want, got = to_dict(spec), to_dict(ported)
   for key in over:
-    mine, theirs = _get(want, key), _get(got, key)
+    mine, theirs = get_dotted(want, key), get_dotted(got, key)
     if mine != theirs:
       raise SpecError(f"--set {key}={mine!r} conflicts with --deepspeed-config {deepspeed_config}, which sets it to "
                       f"{theirs!r}; the DeepSpeed side runs that file as written, so change the value there (or set "
                       f"it to \"auto\" to take it from the run), or drop the --set")
   return ported, ds_cfg, port
-
-
-def _get(tree: Mapping[str, Any], dotted: str) -> Any:
-  node: Any = tree
-  for part in dotted.split("."):
-    if not isinstance(node, Mapping) or part not in node:
-      return None
-    node = node[part]
-  return node
-

@@ -145,13 +145,28 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   if batches is not None:
     request["batches"] = batches
   if perturb is not None:
+    _check_derived_perturb(request, perturb, run_dir)
     request["perturb"] = {side: dict(kv) for side, kv in perturb.items()}
+    request["perturbations"] = None  # the parent's records describe its own perturbations, not these
   path = out / "request.json"
   path.write_text(json.dumps(request, indent=2))
   launch = run_dir / LAUNCH_FILE  # a rerun runs with the ranks of the run it derives from
   if launch.exists():
     (out / LAUNCH_FILE).write_text(launch.read_text())
   return path
+
+
+def _check_derived_perturb(request: dict[str, Any], perturb: dict[str, dict[str, Any]], run_dir: Path) -> None:
+  """A run with a user's DeepSpeed config carries the DeepSpeed side's perturbations inside that config
+  (request.json 'deepspeed_config', parity.pipeline.perturb), so a derived request may not change them: the side
+  would run the parent's config with other perturbations claimed. Raises ControlError naming the folder."""
+  if request.get("deepspeed_config") is None:
+    return
+  mine, theirs = dict(perturb.get("deepspeed") or {}), dict((request.get("perturb") or {}).get("deepspeed") or {})
+  if mine != theirs:
+    raise ControlError(f"derive_request: {run_dir / 'request.json'} runs a user's DeepSpeed config with the "
+                       f"DeepSpeed side's perturbations {theirs} written into it; a derived run cannot change them "
+                       f"(asked: {mine}): prepare a new run folder with those perturbations")
 
 
 def _rebase_inputs(request: dict[str, Any], run_dir: Path, out: Path) -> None:
@@ -162,6 +177,10 @@ def _rebase_inputs(request: dict[str, Any], run_dir: Path, out: Path) -> None:
     if isinstance(request.get(key), str) and not Path(request[key]).is_absolute():
       request[key] = (up / request[key]).as_posix()
   request["derived_from"] = (up / "request.json").as_posix()
+  examples = request.get("examples")  # padded/packed: the arrays beside the batches (parity.pipeline.examples_input)
+  for key in ("arrays", "val_arrays"):
+    if isinstance(examples, dict) and isinstance(examples.get(key), dict):
+      examples[key] = {k: v if Path(v).is_absolute() else (up / v).as_posix() for k, v in examples[key].items()}
 
 
 def _check_control_keys(run_dir: Path, sub: Path, keys: dict[str, Any]) -> None:

@@ -3,14 +3,15 @@
 Files of one run (DESIGN.md):
   run_dir/request.json          RunRequest (schema 'parity.request/1'), written by the harness
   run_dir/init.safetensors      canonical initial weights (parity.weights)
-  run_dir/batches.npy           uint16 (steps, grad_accum_steps, micro_batch_size, seq_len + 1)
-  run_dir/val_batches.npy       uint16 (eval_batches, micro_batch_size, seq_len + 1)
+  run_dir/batches.npy           uint16 (steps, grad_accum_steps, micro_batch_size, seq_len + 1); uint32 when
+                                model.vocab_size > 65,536 (parity.data.batch_dtype)
+  run_dir/val_batches.npy       same dtype (eval_batches, micro_batch_size, seq_len + 1)
   run_dir/<side>/steps.jsonl    one StepRecord per optimizer step, flushed as it is written
   run_dir/<side>/summary.json   Summary, written once at the end (also on failure when possible)
   run_dir/<side>/final.safetensors  canonical final fp32 (master) params
   run_dir/<side>/final_moments.safetensors  float32, per canonical param: 'grad_rms/<name>' = Adam's
                                 bias-corrected sqrt(v_hat) at the end, 'sensitivity/<name>' = sum over updates of
-                                lr_t / (sqrt(v_hat_t) + eps) (parity.verdict.params.AdamSensitivity); read by the params
+                                lr_t / (sqrt(v_hat_t) + eps) (parity.numerics.adam.AdamSensitivity); read by the params
                                 rule (parity.verdict.params.param_checks); optional
 
 A worker (`parity.protocol.workers`) writes them through `parity.protocol.side.SideIO`, so both frameworks write
@@ -29,17 +30,20 @@ Run control keys of a request: `parity.protocol.control`.
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from parity import weights
 
-__all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "FINAL_MOMENTS",
-           "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA", "parse_debug_value",
-           "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
-           "PLANTED_HANG", "tail_text", "count_lines"]
+__all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "STEP_LIST_KEYS",
+           "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
+           "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
+           "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
+           "step_time_median", "tokens_per_s", "loss_tokens_per_s"]
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"
@@ -50,11 +54,19 @@ PLANTED_KILL = "[parity] planted kill"
 kill as planted, not as one from outside or the OOM killer."""
 PLANTED_HANG = "[parity] planted hang"
 """What a worker writes to stderr when the fault injection hang_at_step stops it, so a hang is named as planted."""
-DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps", "fault_rank")
+PLANT_KEYS = ("attention_mask_dropped", "positions_not_restarted", "labels_shifted_twice", "loss_on_prompt")
+"""Planted data bugs of the padded/packed layouts (issue #20 item 6, docs/data-examples.md "Planted bugs"), each
+`true` or absent, applied by the side to its own inputs and model: attention_mask_dropped (the model gets no
+segment ids: causal attention over the whole row, across documents), positions_not_restarted (no positions: 0..T-1
+along the row), labels_shifted_twice (input t scored against token t + 2, with target t's weight), loss_on_prompt
+(every target inside its example carries the loss, prompt tokens included)."""
+DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps",
+              "fault_rank") + PLANT_KEYS
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
 the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would.
-`fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md)."""
+`fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md).
+PLANT_KEYS take `true`."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
 
@@ -72,12 +84,67 @@ CHECKPOINT_META = "meta.json"
 CHECKPOINT_SCHEMA = "parity.checkpoint/1"
 
 
-def parse_debug_value(key: str, value: Any) -> int | tuple[int, ...]:
-  """Checks one debug value: a step (int >= 0), or for STEP_LIST_KEYS a list of steps (or one step).
+def warmup_steps_left_out(n_steps: int) -> int:
+  """How many leading steps throughput leaves out as warmup, of a side that timed `n_steps` steps: 2 when more than 3
+  ran (the first step compiles, the second can still re-trace or warm caches), 1 when 2 or 3 ran, 0 for one step."""
+  return 2 if n_steps > 3 else 1 if n_steps > 1 else 0
+
+
+def warm_step_times(times: Sequence[Any]) -> list[float]:
+  """THE throughput rule (summary.json, report, card, comparison page and gate all use it): a side's per-step wall
+  seconds (StepRecord step_time_s, in step order; non-numbers dropped) after `warmup_steps_left_out` steps."""
+  ts = [float(t) for t in times if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)]
+  return ts[warmup_steps_left_out(len(ts)):]
+
+
+def step_time_median(times: Sequence[Any]) -> float | None:
+  """Median seconds per step of `warm_step_times(times)`; None when no step was timed."""
+  warm = warm_step_times(times)
+  return statistics.median(warm) if warm else None
+
+
+def tokens_per_s(times: Sequence[Any], tokens_per_step: int | float | None) -> float | None:
+  """tokens_per_step / step_time_median(times) (tokens/s); None when either is missing or the median is 0."""
+  med = step_time_median(times)
+  return tokens_per_step / med if med and tokens_per_step else None
+
+
+def loss_tokens_per_s(times: Sequence[Any], loss_tokens: Sequence[Any] | None) -> float | None:
+  """Loss tokens/s: the mean loss-carrying targets of the warm steps / step_time_median(times) (tokens/s).
+
+  The same rule as `tokens_per_s`, counting only the targets that carry the loss (padding, prompt tokens and
+  cut-off targets left out): the steps are the ones `warm_step_times` keeps, and since a padded or packed step's
+  loss tokens vary, their mean over those steps is divided by the median step time. On a stream run every target
+  carries the loss, so loss_tokens is tokens_per_step at every step and the two figures are equal.
+  Args:
+    times: per-step wall seconds, in step order (StepRecord step_time_s; non-numbers dropped with their step).
+    loss_tokens: the loss tokens of the same steps, one per entry of `times` (all micro batches and ranks:
+      parity.dataset.layouts ExampleBatches.loss_tokens_per_step, the data card's list).
+  Returns:
+    Loss tokens/s; None when no step was timed, the counts are missing or shorter than `times`, or the median is 0.
+  """
+  if loss_tokens is None or len(loss_tokens) < len(times):
+    return None
+  num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+  pairs = [(float(t), n) for t, n in zip(times, loss_tokens) if num(t)]
+  warm = pairs[warmup_steps_left_out(len(pairs)):]
+  if not warm or not all(num(n) for _, n in warm):
+    return None
+  med = statistics.median(t for t, _ in warm)
+  return statistics.fmean(float(n) for _, n in warm) / med if med else None
+
+
+def parse_debug_value(key: str, value: Any) -> int | bool | tuple[int, ...]:
+  """Checks one debug value: a step (int >= 0), for STEP_LIST_KEYS a list of steps (or one step), for PLANT_KEYS
+  `true` (a plant is on or absent).
 
   Raises:
     ValueError: naming the key and what it takes.
   """
+  if key in PLANT_KEYS:
+    if value is not True:
+      raise ValueError(f"{key} is a planted bug: it takes true (leave it out for a correct side); got {value!r}")
+    return True
   if key in STEP_LIST_KEYS:
     items = value if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in items):

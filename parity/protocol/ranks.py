@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from parity.errors import SpecError
 
 __all__ = ["LAUNCH_FILE", "LAUNCH_SCHEMA", "COORDINATOR_ENV", "write_launch", "read_launch", "check_nproc",
-           "check_coordinator",
+           "check_coordinator", "MULTIRANK_CHECKPOINTS", "multirank_checkpoint_refusal",
            "rank_env", "rank_rows", "rank_file", "rank_stderr", "write_rank_record", "read_rank_records"]
 
 LAUNCH_FILE = "launch.json"
@@ -110,6 +110,17 @@ def check_coordinator(coordinator: str | None, *, nnodes: int = 1) -> None:
   if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
     raise SpecError(f"--coordinator {coordinator!r}: expected HOST:PORT with a non-empty host and a port in "
                     f"1..65535; {example}")
+
+
+MULTIRANK_CHECKPOINTS = ("checkpoints of multi-rank sides are not supported yet; run the resume check (--resume-at) "
+                         "with --nproc 1")
+"""Why a checkpoint with several ranks per side is refused (each rank would write its own): the one text of the
+harness's refusal (parity.pipeline.compare, before anything runs) and the workers' (parity.protocol.loop)."""
+
+
+def multirank_checkpoint_refusal(what: str, world: int) -> str:
+  """The refusal message: `what` (e.g. '--resume-at with --nproc 2') and MULTIRANK_CHECKPOINTS, naming the ranks."""
+  return f"{what} ({world} ranks per side): {MULTIRANK_CHECKPOINTS}"
 
 
 def rank_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:

@@ -6,6 +6,7 @@ uses `SideIO` for every file of `parity.protocol.layout`, so both frameworks wri
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,7 +14,6 @@ import platform
 import resource
 import shutil
 import signal
-import statistics
 import sys
 import time
 import traceback
@@ -23,16 +23,60 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from parity import weights
+from parity.data import batch_dtype
 
 from parity.numerics import schedule
 from parity.protocol.control import RunControl, parse_control
 from parity.protocol.ranks import rank_env, rank_stderr, write_rank_record
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, CHECKPOINT_SCHEMA, DEBUG_KEYS, FINAL_MOMENTS,
-                                    LAUNCH_ENV, PLANTED_HANG, PLANTED_KILL, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value)
+                                    LAUNCH_ENV, PLANT_KEYS, PLANTED_HANG, PLANTED_KILL, REQUEST_SCHEMA,
+                                    SUMMARY_SCHEMA, parse_debug_value, loss_tokens_per_s, step_time_median,
+                                    tokens_per_s)
 from parity.protocol.workers import SIDE_WORKERS
-from parity.spec import RunSpec, TrainSpec, apply_overrides, config_hash, from_dict, to_dict
+from parity.spec import (RunSpec, TrainSpec, apply_overrides, config_hash, from_dict, to_dict,
+                         without_layout_defaults)
 
-__all__ = ["SideIO", "main_guard", "check_batch_shapes", "peak_rss_bytes"]
+__all__ = ["SideIO", "main_guard", "check_batch_shapes", "check_batch_dtype", "peak_rss_bytes", "ExampleArrays",
+           "check_example_arrays"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleArrays:
+  """The arrays beside the tokens of a padded/packed batch, as a side's step and eval take them (numpy).
+
+  Attributes:
+    segment_ids: int32 (A, M, T): 0 on padding, 1.. per example of a row (attention never crosses two ids).
+    positions: int32 (A, M, T): each input's position within its example.
+    weights: float32 (A, M, T): each target's weight in the micro-batch loss sum(weights * ce), already times the
+      side's factor (docs/data-examples.md "The model level": A*W*w on torch/DeepSpeed, A*w on JAX, w in eval).
+  A is the micro batches of a step (E validation batches in eval), M this rank's rows, T = train.seq_len.
+  """
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  weights: np.ndarray
+
+  def at(self, step: int) -> "ExampleArrays":
+    """Step `step`'s arrays (A, M, T) of whole-run arrays (steps, A, M, T)."""
+    return ExampleArrays(self.segment_ids[step], self.positions[step], self.weights[step])
+
+  def rows(self, sl: slice) -> "ExampleArrays":
+    """These arrays' rows `sl` of each micro batch (a rank's, parity.protocol.ranks.rank_rows)."""
+    return ExampleArrays(self.segment_ids[:, sl], self.positions[:, sl], self.weights[:, sl])
+
+
+def check_example_arrays(arrays: dict, shape: Sequence[int], names: dict) -> None:
+  """Refuses example arrays whose shape or dtype does not fit the token batches of `shape` (..., T + 1).
+
+  Raises:
+    ValueError: naming the file, its shape/dtype and what this run needs; the fix is a fresh run folder.
+  """
+  want = tuple(shape[:-1]) + (shape[-1] - 1,)
+  dtypes = {"loss_mask": np.dtype(bool), "segment_ids": np.dtype(np.int32), "positions": np.dtype(np.int32)}
+  for name, arr in arrays.items():
+    if tuple(arr.shape) != want or arr.dtype != dtypes[name]:
+      raise ValueError(f"{names[name]} has shape {tuple(arr.shape)} and dtype {arr.dtype.name}; this run needs "
+                       f"{want} {dtypes[name].name} (the token batches' shape less the last target); regenerate the "
+                       "run folder")
 
 
 def check_batch_shapes(shape: Sequence[int], val_shape: Sequence[int] | None, train: TrainSpec, *,
@@ -54,6 +98,26 @@ def check_batch_shapes(shape: Sequence[int], val_shape: Sequence[int] | None, tr
   if val_shape is not None and (len(val_shape) != 3 or tuple(val_shape[1:]) != want[1:]):
     raise ValueError(f"{names[1]} has shape {tuple(val_shape)}; this run needs (eval_batches, *{want[1:]}) "
                      "(eval_batches, micro_batch_size, seq_len + 1); regenerate the run folder")
+
+
+def check_batch_dtype(dtype: Any, vocab_size: int, name: str = "batches.npy") -> None:
+  """Refuses a batch file whose dtype is not the one the vocabulary implies (`parity.data.batch_dtype`: uint16 up
+  to 65,536 ids, else uint32), before a framework sees it (SideIO.batches and val_batches call it).
+
+  Raises:
+    ValueError: naming the file, its dtype, the dtype model.vocab_size implies; the fix is a fresh run folder.
+  """
+  want = batch_dtype(vocab_size)
+  if np.dtype(dtype) != want:
+    raise ValueError(f"{name} holds {np.dtype(dtype).name} token ids; model.vocab_size={vocab_size} needs "
+                     f"{want.name} (the harness writes that dtype); regenerate the run folder")
+
+
+def _built_from(run: RunSpec) -> dict[str, Any]:
+  """summary.json 'spec': the model and train sections this side built from (a stream run without the layout
+  fields at their defaults, as its summaries were before they existed: parity.spec.without_layout_defaults)."""
+  d = to_dict(run)
+  return {"model": d["model"], "train": without_layout_defaults(d["train"], stream_only=True)}
 
 
 def peak_rss_bytes() -> int:
@@ -85,6 +149,8 @@ class SideIO:
     self.out.mkdir(parents=True, exist_ok=True)
     perturb = dict(self.request.get("perturb", {}).get(side, {}))
     self.debug = {k: parse_debug_value(k, perturb.pop(k)) for k in DEBUG_KEYS if k in perturb}
+    self.plants = frozenset(k for k in PLANT_KEYS if self.debug.get(k))
+    """This side's planted data bugs (PLANT_KEYS); its step applies them to its own inputs and model."""
     base = from_dict(RunSpec, self.request["run"])
     self.run = apply_overrides(base, perturb) if perturb else base
     self.perturbed = perturb
@@ -95,6 +161,10 @@ class SideIO:
       write_rank_record(self.out, self.rank, pid=os.getpid(), status="running", host=platform.node())
     self._steps = open(self.out / "steps.jsonl" if self.rank == 0 else os.devnull, "w")
     self._step_times: list[float] = []
+    self._step_loss_tokens: list[int] = []
+    """Loss tokens of each recorded step, aligned with _step_times (`record`)."""
+    self._loss_tokens: np.ndarray | None = None
+    """int64 (steps,): loss tokens per optimizer step of a padded/packed run (`example_arrays`); None on stream."""
     self._t_ready: float | None = None
     self.compile_s = 0.0
     self.steps_done = 0
@@ -178,12 +248,18 @@ class SideIO:
     return weights.load(self.run_dir / self.request["init_weights"], self.run.model)
 
   def batches(self) -> np.ndarray:
-    """uint16 (steps, grad_accum_steps, micro_batch_size, seq_len + 1), memory-mapped."""
-    return np.load(self.run_dir / self.request["batches"], mmap_mode="r")
+    """Token ids (steps, grad_accum_steps, micro_batch_size, seq_len + 1), memory-mapped: uint16, or uint32 when
+    model.vocab_size > 65,536. Raises ValueError: another dtype (`check_batch_dtype`)."""
+    arr = np.load(self.run_dir / self.request["batches"], mmap_mode="r")
+    check_batch_dtype(arr.dtype, self.run.model.vocab_size, self.request["batches"])
+    return arr
 
   def val_batches(self) -> np.ndarray:
-    """uint16 (eval_batches, micro_batch_size, seq_len + 1)."""
-    return np.load(self.run_dir / self.request["val_batches"])
+    """Token ids (eval_batches, micro_batch_size, seq_len + 1), the dtype of `batches`. Raises ValueError: another
+    dtype (`check_batch_dtype`)."""
+    arr = np.load(self.run_dir / self.request["val_batches"])
+    check_batch_dtype(arr.dtype, self.run.model.vocab_size, self.request["val_batches"])
+    return arr
 
   def training_batches(self) -> tuple[np.ndarray, np.ndarray | None]:
     """(batches, val_batches or None when train.eval_every is 0), their shapes checked (`check_batch_shapes`).
@@ -196,6 +272,44 @@ class SideIO:
     check_batch_shapes(batches.shape, None if val is None else val.shape, self.run.train,
                        names=(self.request["batches"], self.request.get("val_batches", "val_batches.npy")))
     return batches, val
+
+  def _example_file_arrays(self, key: str, shape: Sequence[int]) -> dict[str, np.ndarray] | None:
+    """request.json 'examples'[key]'s arrays (loss_mask, segment_ids, positions), checked against `shape`."""
+    names = (self.request.get("examples") or {}).get(key)
+    if not names:
+      return None
+    arrays = {name: np.load(self.run_dir / file, mmap_mode="r") for name, file in names.items()}
+    check_example_arrays(arrays, shape, names)
+    return arrays
+
+  def example_arrays(self, factor: float, batches_shape: Sequence[int], val_shape: Sequence[int] | None
+                     ) -> tuple[ExampleArrays | None, ExampleArrays | None]:
+    """(training, validation) ExampleArrays of a padded/packed run, the whole global batch; (None, None) on stream.
+
+    Training weights: float32(factor * w), w = parity.dataset.reference.token_weights(loss_mask,
+    train.loss_normalization, world) in float64 (factor: the side's, `Side.loss_weight_factor`); under the plant
+    loss_on_prompt the loss mask is every in-example target (parity.dataset.reference.in_example_targets);
+    validation: w of each batch alone under 'tokens' (the mean over batches of sum(w * ce) is the validation loss).
+    Raises:
+      ValueError: an array's shape or dtype does not fit the batches (`check_example_arrays`).
+      parity.data.DataError: micro_mean with a rank's micro batch without a loss token.
+    """
+    from parity.dataset.reference import in_example_targets, token_weights
+    train = self._example_file_arrays("arrays", batches_shape)
+    if train is None:
+      return None, None
+    mask = np.asarray(train["loss_mask"])
+    if "loss_on_prompt" in self.plants:  # the planted bug: prompt targets not zeroed (docs/data-examples.md)
+      mask = in_example_targets(mask, np.asarray(train["segment_ids"]))
+    self._loss_tokens = mask.sum(axis=(1, 2, 3), dtype=np.int64)  # global: every micro batch and rank
+    w = token_weights(mask, self.run.train.loss_normalization, self.world)
+    out = ExampleArrays(np.asarray(train["segment_ids"]), np.asarray(train["positions"]),
+                        (factor * w).astype(np.float32))
+    val = self._example_file_arrays("val_arrays", val_shape) if val_shape is not None else None
+    if val is None:
+      return out, None
+    vw = token_weights(np.asarray(val["loss_mask"])[:, None], "tokens")[:, 0].astype(np.float32)
+    return out, ExampleArrays(np.asarray(val["segment_ids"]), np.asarray(val["positions"]), vw)
 
   def forced_overflow(self, step: int) -> bool:
     """True when this side must make step `step`'s gradient overflow (debug `overflow_at_steps`)."""
@@ -250,9 +364,16 @@ class SideIO:
     self._steps.write(json.dumps(rec) + "\n")
     self._steps.flush()
     self._step_times.append(step_time_s)
+    self._step_loss_tokens.append(self.loss_tokens(step))
     self.steps_done = step + 1
     # an fp16 step skipped on overflow reports grad_norm inf, as DeepSpeed does: that is not a failure
     return math.isfinite(rec["loss"]) and (rec["skipped"] or math.isfinite(rec["grad_norm"]))
+
+  def loss_tokens(self, step: int) -> int:
+    """Loss-carrying targets of optimizer step `step`, all micro batches and ranks: the loss mask's count of a
+    padded/packed run (once `example_arrays` read it), else every target (TrainSpec.tokens_per_step)."""
+    lt = self._loss_tokens
+    return int(lt[step]) if lt is not None and 0 <= step < len(lt) else self.run.train.tokens_per_step
 
   def finish(self, status: str, *, final_params: dict[str, np.ndarray] | None = None, error: str | None = None,
              final_moments: dict[str, dict[str, np.ndarray]] | None = None, versions: dict[str, str] | None = None,
@@ -274,8 +395,7 @@ class SideIO:
       else:  # never leave an earlier run's moments beside these params
         (self.out / FINAL_MOMENTS).unlink(missing_ok=True)
     times = self._step_times
-    warm = times[2:] if len(times) > 3 else times[1:] or times
-    med = statistics.median(warm) if warm else None
+    med = step_time_median(times)  # the one throughput rule (layout.warm_step_times)
     t_ready = self._t_ready or time.time()
     summary = {
         "schema": SUMMARY_SCHEMA,
@@ -292,11 +412,13 @@ class SideIO:
         "compile_s": self.compile_s,
         "train_s": float(sum(times)),
         "step_time_s_median": med,
-        "tokens_per_s": (self.run.train.tokens_per_step / med) if med else None,
+        "tokens_per_s": tokens_per_s(times, self.run.train.tokens_per_step),
+        "loss_tokens_per_s": loss_tokens_per_s(times, self._step_loss_tokens),  # = tokens_per_s on stream
         "peak_device_bytes": peak_device_bytes,
         "peak_host_rss_bytes": peak_rss_bytes(),
         "state_bytes_by_memory_kind": state_bytes_by_memory_kind or {},
         "perturbed": {**self.perturbed, **{k: list(v) if isinstance(v, tuple) else v for k, v in self.debug.items()}},
+        "spec": _built_from(self.run),  # what this side built from
         **self._control_summary(status),
         **(extra or {}),
     }

@@ -1,12 +1,17 @@
-"""Reports of a comparison: report.json (schema below), report.md, loss.png.
+"""One run's report: report.json (schema below), report.md, report.html, the PNG plots, card.json; read back and
+re-verified. Holding runs against each other (the comparison page, the regression gate) is parity.history, which
+stands on this package; nothing here imports it.
 
 report.json, schema 'parity.report/1' (units in key names):
   schema, created_utc, run_dir, preset, config_hash
+  checkpoint     {path, architecture} of the Hugging Face checkpoint (`--hf-model`) the model and initial weights
+                 came from | null (seeded weights); parity.report.headline.model_label names the run by it
   run            the resolved RunSpec (parity.spec.to_dict)
   data           {source, sha256, train_tokens, val_tokens, files}
   environment    {python, platform, machine, cpu_count, cpu_model, load_avg_1_5_15, hostname, versions: {package:
                  version}, git: {rev, dirty} | null} of the harness (environment.json beside it, when written, has more)
-  migration      {source: the DeepSpeed config file, status, file: 'migration.md', entries} | null
+  migration      {source: the DeepSpeed config file, status, file: 'migration.md', entries, loss_normalization:
+                 what the config implies (text; parity.migrate._loss_norm) | null} | null
   verdict        {passed, message, first_failure: {check, metric, sides, step, value, tolerance} | null}
   tolerances     {precision: {metric: {atol, rtol, reason}}} (the table in force)
   checks         [{name, metric, sides, value, tolerance, passed, first_failing_step, worst, detail, reason,
@@ -18,12 +23,25 @@ report.json, schema 'parity.report/1' (units in key names):
   timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, self_runs_s (the same for
                   the noise/determinism/resume reruns), overhead_ratio = wall_s / (sum(sides_s) + self_runs_s)}
   plan           {name, chosen_by, why} when --plan was given, else null
-  memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}
+  memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}: every
+                 side in the same categories (parity.sizing.memory.CATEGORIES); measured None where a side cannot
+                 measure a category (activations; the JAX gradients, which live inside the jitted step)
   noise_envelope {method, rule: parity.verdict.tolerances.EnvelopeRule fields, runs: {side: {status, wall_s, error}},
                   sides: {side: {steps, abs_loss_diff, grad_norm_rel_diff, params_ratio_max}}} | null: each side's
                  reduction-order rerun behind the *_envelope checks (bf16/fp16 by default)
   determinism    {side: {deterministic, steps_checked, detail, status}}: a rerun of each side's first steps
   resume         {side: {resumed_at_step, bit_identical, detail}} when a resume check was asked for
+  inputs         {data, tokens ('bytes' | 'ids'), format ('bytes' | 'nanogpt-bin' | 'llmc-bin' | 'npy'), file_dtype,
+                  max_id, vocab_size, batches_dtype ('uint16' | 'uint32'), tokenizer (a sentence), checkpoint
+                  (--hf-model folder) | null, checkpoint_tokenizer_used (false with a checkpoint),
+                  checkpoint_tokenizer_files} | null (parity.pipeline.folder.inputs_record)
+  deepspeed_files {given: {file: 'deepspeed_config.given.json', source, sha256, bytes} | null, resolved: {file:
+                  'deepspeed_config.resolved.json', sha256, bytes}} with --deepspeed-config, else null
+  perturbations  [{side, key, value, applies, deepspeed_config: [{path, was, now, for}] | null, note, ran: {side:
+                  {value, from}}, peak_lr, expected_peak_lr (lr keys), applied: true | false | null}]
+                 (parity.report.build.perturbations_ran; fault injections last, applies null)
+  artifacts      {relative path: {sha256, bytes}} of every file the checks read (parity.report.build.artifact_paths);
+                 parity.report.read.verify_report re-hashes them and recomputes every check from them
 """
 from parity.report.build import Report, build_report
 from parity.report.write import write_markdown, write_plot, write_all

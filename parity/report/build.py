@@ -3,35 +3,45 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
 import platform
+import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from parity.environment import cpu_model
+from parity.numerics import schedule
+from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
+from parity.protocol.layout import DEBUG_KEYS, PLANT_KEYS
+from parity.sizing.measured import predicted_vs_measured
+from parity.spec import RunSpec, apply_overrides, config_hash, from_dict, to_dict
 from parity.verdict.check import Check
 from parity.verdict.sides import Verdict
-from parity.spec import RunSpec, config_hash, to_dict
 from parity.verdict.tolerances import TOLERANCES
 
-__all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "SIDE_ARTIFACTS", "artifact_hashes",
-           "file_digest"]
+__all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "SIDE_ARTIFACTS", "RERUN_ARTIFACTS",
+           "artifact_paths", "artifact_hashes", "file_digest", "series_json", "verdict_json", "params_table_json",
+           "run_inputs", "perturbations_ran", "ran_value"]
 
 REPORT_SCHEMA = "parity.report/1"
-RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy")
+RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy",
+                 "deepspeed_config.given.json", "deepspeed_config.resolved.json")  # the last two: --deepspeed-config
 SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors")
-"""The files a verdict rests on (the inputs both sides read, each side's outputs the checks read); report.json
-records their sha256 and size at write time so that `parity report` can say which changed since the run."""
+RERUN_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors")
+"""The files a verdict rests on (the inputs both sides read, each side's outputs the checks read, and the outputs of
+the noise/determinism/resume reruns their checks read, in noise/, repeat/ and resume/<side>/); report.json records their sha256 and
+size at write time so that `parity report` can say which changed since the run."""
 SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")
 
 
 @dataclasses.dataclass
 class Report:
   """A finished comparison. `data` is exactly what report.json holds; `post` what ran after it was written
-  (parity.report.after.PostRunResult: the --baseline gate, --tracker mirroring), None when nothing was asked."""
+  (parity.history.after.PostRunResult: the --baseline gate, --tracker mirroring), None when nothing was asked."""
   data: dict[str, Any]
   run_dir: Path
   post: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -76,7 +86,6 @@ def _versions() -> dict[str, str]:
 def _git_state() -> dict[str, Any] | None:
   """{rev, dirty} of the git checkout holding this package (dirty: uncommitted changes to tracked files), or None
   when it is not a checkout or git is missing (an installed wheel)."""
-  import subprocess
   root = Path(__file__).resolve().parents[2]
   if not (root / ".git").exists():
     return None
@@ -103,22 +112,31 @@ def _environment() -> dict[str, Any]:
 
 
 def _migration(run_dir: Path) -> dict[str, Any] | None:
-  """{source, status, file} of the DeepSpeed config port (migration.json) the run was given, or None."""
+  """{source, status, file, entries, loss_normalization (what the config implies, text, or None)} of the DeepSpeed
+  config port (migration.json) the run was given, or None."""
   try:
     m = json.loads((Path(run_dir) / "migration.json").read_text())
   except (OSError, ValueError):
     return None
+  ln = m.get("loss_normalization")  # parity.migrate._loss_norm; absent from an older port's migration.json
   return {"source": m.get("source"), "status": m.get("status"), "file": "migration.md",
-          "entries": len(m.get("entries") or [])}
+          "entries": len(m.get("entries") or []), "loss_normalization": ln.get("why") if isinstance(ln, dict) else None}
 
 
-def _series(steps: list[dict]) -> dict[str, list]:
+def series_json(steps: list[dict]) -> dict[str, list]:
+  """report.json sides.<side>.series from a side's StepRecords: step, SERIES_KEYS, val_step and val_loss (lists;
+  a non-finite number as None (NaN) or its text (inf))."""
   s = {"step": [r["step"] for r in steps]}
   for k in SERIES_KEYS:
     s[k] = [_num(r.get(k)) for r in steps]
   s["val_step"] = [r["step"] for r in steps if "val_loss" in r]
   s["val_loss"] = [_num(r["val_loss"]) for r in steps if "val_loss" in r]
   return s
+
+
+def params_table_json(table: list[dict]) -> list[dict]:
+  """report.json params_table from parity.verdict.sides.compare_sides' table (a non-finite number as None or text)."""
+  return [{k: _num(v) for k, v in row.items()} for row in table]
 
 
 def _num(v):
@@ -131,7 +149,8 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
                  side_steps: dict[str, list[dict]], checks: list[Check], params_table: list[dict],
                  verdict: Verdict, wall_s: float, prepare_s: float, plan: dict | None = None,
                  reruns: dict[str, Any] | None = None, reruns_s: float = 0.0, run_folder: dict | None = None,
-                 interrupted: bool = False, side_loads: dict[str, dict] | None = None) -> Report:
+                 interrupted: bool = False, side_loads: dict[str, dict] | None = None,
+                 checkpoint: str | None = None) -> Report:
   """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
 
   Args:
@@ -146,44 +165,69 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
     interrupted: a Ctrl-C stopped the run: the verdict fails and its message says so.
     side_loads: side -> {start, end}: os.getloadavg() (1/5/15-minute load) when the side started and ended
       (the sides run one after another on a shared machine: their timings are only as good as the load).
+    checkpoint: the Hugging Face checkpoint folder the initial weights and model came from (`--hf-model`), or None.
   Returns:
     The Report (JSON-ready data; not written: parity.report.write_all).
   """
-  from parity.sizing import memory
   sides, sides_s = _sides(side_runs, side_steps, side_loads)
-  busy_total = sum(sides_s.values()) + reruns_s
   reruns = reruns if reruns is not None else {"noise_envelope": None, "determinism": {}, "resume": {}}
   data = {
       "schema": REPORT_SCHEMA,
       "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
       "run_dir": str(run_dir),
       "preset": preset_name,
+      "checkpoint": checkpoint_record(checkpoint),
       "config_hash": config_hash(spec),
       "run": to_dict(spec),
       "data": data_info,
       "environment": _environment(),
       "migration": _migration(run_dir),
-      "verdict": _verdict_json(verdict, interrupted),
+      "verdict": verdict_json(verdict, interrupted),
       "tolerances": {p: {m: dataclasses.asdict(t) for m, t in tab.items()} for p, tab in TOLERANCES.items()
                      if p == spec.train.precision},
       "checks": [c.to_json() for c in checks],
-      "params_table": [{k: _num(v) for k, v in row.items()} for row in params_table],
+      "params_table": params_table_json(params_table),
       "sides": sides,
-      "timing": {"wall_s": wall_s, "prepare_s": prepare_s, "sides_s": sides_s, "self_runs_s": reruns_s,
-                 "overhead_ratio": (wall_s / busy_total) if busy_total > 0 else None},
+      "timing": _timing(wall_s, prepare_s, sides_s, reruns_s),
       "plan": plan,
       "noise_envelope": reruns.get("noise_envelope"),
       "determinism": reruns.get("determinism", {}),
       "resume": reruns.get("resume", {}),
+      "equivalence": reruns.get("equivalence") or {},
       "memory": None,
       "run_folder": run_folder,
       "artifacts": artifact_hashes(run_dir, list(sides)),
+      **run_inputs(run_dir),
   }
+  data["perturbations"] = perturbations_ran(run_dir, json.loads(json.dumps(sides, default=str)))
   data = json.loads(json.dumps(data, default=str))
-  data["memory"] = {"predicted_vs_measured": memory.predicted_vs_measured(data),  # reads the sides' summaries
-                    "note": "predicted by parity.sizing.memory (parity estimate); measured from the live "
-                            "state arrays / engine tensors of each side"}
+  data["memory"] = {"predicted_vs_measured": predicted_vs_measured(data),  # reads the sides' summaries
+                    "note": MEMORY_NOTE}
   return Report(data=data, run_dir=run_dir)
+
+
+MEMORY_NOTE = ("predicted by parity.sizing.memory (parity estimate); measured from the live state arrays / engine "
+               "tensors of each side")
+"""report.json memory.note: where the predicted and the measured figures come from."""
+
+
+def _timing(wall_s: float, prepare_s: float, sides_s: dict[str, float], reruns_s: float) -> dict[str, Any]:
+  """report.json timing (seconds): overhead_ratio = wall_s / (sum(sides_s) + reruns_s), None when nothing ran."""
+  busy_total = sum(sides_s.values()) + reruns_s
+  return {"wall_s": wall_s, "prepare_s": prepare_s, "sides_s": sides_s, "self_runs_s": reruns_s,
+          "overhead_ratio": (wall_s / busy_total) if busy_total > 0 else None}
+
+
+def checkpoint_record(folder: str | None) -> dict | None:
+  """report.json 'checkpoint': {path, architecture} of the `--hf-model` folder (architecture: config.json's
+  architectures[0], None when unreadable); None for a run from seeded initial weights."""
+  if folder is None:
+    return None
+  try:
+    arch = (json.loads((Path(folder) / "config.json").read_text()).get("architectures") or [None])[0]
+  except (OSError, ValueError, AttributeError, IndexError, TypeError):
+    arch = None
+  return {"path": str(folder), "architecture": arch if isinstance(arch, str) else None}
 
 
 def _sides(side_runs: dict, side_steps: dict[str, list[dict]], side_loads: dict[str, dict] | None
@@ -195,13 +239,13 @@ def _sides(side_runs: dict, side_steps: dict[str, list[dict]], side_loads: dict[
     summ = sr.summary or {}
     sides[name] = {"status": sr.status, "error": sr.error, "returncode": sr.returncode, "wall_s": sr.wall_s,
                    "harness_peak_rss_bytes": sr.peak_rss_bytes, "summary": summ,
-                   "series": _series(side_steps.get(name, [])), "load": (side_loads or {}).get(name)}
+                   "series": series_json(side_steps.get(name, [])), "load": (side_loads or {}).get(name)}
     busy = sum(float(summ.get(k) or 0.0) for k in ("init_s", "compile_s", "train_s"))
     sides_s[name] = busy if sr.status == "ok" else sr.wall_s
   return sides, sides_s
 
 
-def _verdict_json(verdict: Verdict, interrupted: bool) -> dict:
+def verdict_json(verdict: Verdict, interrupted: bool) -> dict:
   """The verdict as report.json holds it; an interrupted run never passes, and its message says it stopped early."""
   out = verdict.to_json()
   if interrupted:
@@ -215,7 +259,6 @@ def _verdict_json(verdict: Verdict, interrupted: bool) -> dict:
 def file_digest(path: Path) -> dict[str, Any]:
   """{'sha256': hex digest, 'bytes': size} of a file, read in 8 MiB blocks (~1 s per GB on one core).
   Raises OSError when it cannot be read."""
-  import hashlib
   h, n = hashlib.sha256(), 0
   with open(path, "rb") as f:
     while block := f.read(8 * 2**20):
@@ -224,17 +267,160 @@ def file_digest(path: Path) -> dict[str, Any]:
   return {"sha256": h.hexdigest(), "bytes": n}
 
 
+def artifact_paths(sides: list[str]) -> list[str]:
+  """The relative paths report.json['artifacts'] covers for a run of `sides`: RUN_ARTIFACTS, each side's
+  SIDE_ARTIFACTS and each rerun folder's (harness.self_runs: noise/, repeat/, resume/) RERUN_ARTIFACTS per side
+  (those that exist are recorded)."""
+  from harness.self_runs import NOISE_DIR, REPEAT_DIR, RESUME_DIR  # harness: lazily
+  return [*RUN_ARTIFACTS, *(f"{side}/{name}" for side in sides for name in SIDE_ARTIFACTS),
+          *(f"{sub}/{side}/{name}" for sub in (NOISE_DIR, REPEAT_DIR, RESUME_DIR) for side in sides for name in RERUN_ARTIFACTS)]
+
+
 def artifact_hashes(run_dir: Path, sides: list[str]) -> dict[str, dict]:
-  """relative path -> file_digest for each RUN_ARTIFACTS file of `run_dir` and SIDE_ARTIFACTS file of each side
-  folder that exists (a side that failed early has no final.safetensors: it is simply not listed); a file that
-  cannot be read is listed as {'error': strerror}."""
+  """relative path -> file_digest for each `artifact_paths` file of `run_dir` that exists (a side that failed early
+  has no final.safetensors, a run without reruns no noise/: simply not listed); a file that cannot be read is
+  listed as {'error': strerror}."""
   out: dict[str, dict] = {}
-  rels = [*RUN_ARTIFACTS, *(f"{side}/{name}" for side in sides for name in SIDE_ARTIFACTS)]
-  for rel in rels:
+  for rel in artifact_paths(sides):
     p = Path(run_dir) / rel
     if p.is_file():
       try:
         out[rel] = file_digest(p)
       except OSError as exc:
         out[rel] = {"error": exc.strerror or str(exc)}
+  return out
+
+
+def _request(run_dir: Path) -> dict[str, Any]:
+  try:
+    return json.loads((Path(run_dir) / "request.json").read_text())
+  except (OSError, ValueError):
+    return {}
+
+
+def run_inputs(run_dir: Path) -> dict[str, Any]:
+  """report.json's 'inputs' (the data, its tokens and the checkpoint: parity.pipeline.folder.inputs_record) and
+  'deepspeed_files' (the DeepSpeed config copied into the run folder as given and as the DeepSpeed side ran it,
+  each {file, sha256, bytes}), from request.json; None each when the request has none."""
+  req = _request(run_dir)
+  return {"inputs": req.get("inputs"), "deepspeed_files": req.get("deepspeed_files")}
+
+
+LR_KEYS = frozenset({"train.lr", "train.lr_schedule", "train.lr_schedule_params", "train.warmup_steps",
+                     "train.warmup_min_ratio", "train.cos_min_ratio"})
+"""Perturbation keys that shape the learning rate of each step: the steps' own lr is read back for them."""
+_GROUP_KEYS = {"train.beta1": ("betas", 0), "train.beta2": ("betas", 1), "train.eps": ("eps", None),
+               "train.weight_decay": ("weight_decay", None), "train.momentum": ("momentum", None),
+               "train.dampening": ("dampening", None), "train.nesterov": ("nesterov", None),
+               "train.lamb_max_coeff": ("max_coeff", None), "train.lamb_min_coeff": ("min_coeff", None),
+               "train.eps_inside_sqrt": ("eps_inside_sqrt", None)}
+"""Spec keys the DeepSpeed optimizer's param groups hold (summary.json optimizer_hyperparams): (name, index)."""
+
+
+def ran_value(side: dict, key: str) -> dict[str, Any]:
+  """The value of spec `key` a side ran with, read from what it recorded, and where it was read.
+
+  Order: the DeepSpeed optimizer's own param groups (optimizer_hyperparams; weight_decay: the decayed group's, the
+  largest), then the DeepSpeed config the side was given (summary.json ds_config), then the spec the side built
+  itself from (summary.json spec). Returns {value, from}; {value: None, from: 'nothing: ...'} when the side
+  wrote no summary.
+  """
+  summ = side.get("summary") or {}
+  groups = summ.get("optimizer_hyperparams") or []
+  if key in _GROUP_KEYS and groups and all(_GROUP_KEYS[key][0] in g for g in groups):
+    name, idx = _GROUP_KEYS[key]
+    vals = [g[name] if idx is None else g[name][idx] for g in groups]
+    return {"value": max(vals) if name == "weight_decay" else vals[0],
+            "from": f"the DeepSpeed optimizer's param groups, {name}"}
+  found, value = config_value(summ.get("ds_config"), key)
+  if found:
+    return {"value": value, "from": f"its DeepSpeed config, {TRAIN_KEY_PATHS.get(key, 'bf16/fp16.enabled')}"}
+  node: Any = summ.get("spec")
+  for part in key.split("."):
+    node = node.get(part) if isinstance(node, dict) else None
+  if isinstance(summ.get("spec"), dict):
+    return {"value": node, "from": "the spec it built itself from, summary.json spec"}
+  return {"value": None, "from": "nothing: the side wrote no summary.json"}
+
+
+def _peak_lr(side: dict) -> float | None:
+  vals = [v for v in ((side.get("series") or {}).get("lr") or []) if isinstance(v, (int, float)) and v == v]
+  return max(vals) if vals else None
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=0.0)
+  if isinstance(a, str) and isinstance(b, str):
+    return a.lower() == b.lower()
+  if isinstance(a, dict) and isinstance(b, dict):  # a config's scheduler params hold every default; the spec's fewer
+    return all(k in b and _same(v, b[k]) for k, v in a.items())
+  return a == b
+
+
+def _expected_peak(request: dict[str, Any], side: str) -> float | None:
+  """The highest lr the side's perturbed spec schedules over the run (parity.numerics.schedule.train_lr)."""
+  try:
+    fields = {k: v for k, v in ((request.get("perturb") or {}).get(side) or {}).items() if k not in DEBUG_KEYS}
+    t = apply_overrides(from_dict(RunSpec, request["run"]), fields).train
+    return max(schedule.train_lr(t, k) for k in range(t.steps))
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def _applied(row: dict[str, Any], sides: dict) -> bool | None:
+  """Whether the perturbed side ran the requested value (and, for lr keys, the peak lr its perturbed spec schedules,
+  read from its steps); None when that side did not finish (nothing complete to read back)."""
+  side = sides.get(row["side"]) or {}
+  if side.get("status") != "ok":
+    return None
+  ok = _same(row["value"], row["ran"][row["side"]]["value"])
+  if "peak_lr" in row and row["peak_lr"].get(row["side"]) is not None and row["expected_peak_lr"] is not None:
+    ok = ok and math.isclose(row["peak_lr"][row["side"]], row["expected_peak_lr"], rel_tol=1e-5)
+  return bool(ok)
+
+
+def perturbations_ran(run_dir: Path, sides: dict) -> list[dict[str, Any]]:
+  """report.json 'perturbations': every requested `--perturb` spec change with the value each side ran.
+
+  Args:
+    run_dir: the run folder (request.json 'perturbations', as parity.pipeline.perturb.plan_perturbations wrote
+      them; an older or derived request without them: its 'perturb' fields).
+    sides: report.json 'sides' (each side's summary and series).
+  Returns:
+    [{side, key, value (requested), applies, deepspeed_config, note, ran {side: {value, from}}, peak_lr {side} and
+      expected_peak_lr (lr keys), applied (True/False; None when the perturbed side did not finish)}], then the
+    fault injections (`_injections`: applies None); [] for none.
+  """
+  req = _request(run_dir)
+  recs = req.get("perturbations")
+  if recs is None:
+    recs = [{"side": sd, "key": k, "value": v, "applies": {k: v}, "deepspeed_config": None, "note": None}
+            for sd, kv in (req.get("perturb") or {}).items() for k, v in kv.items() if k not in DEBUG_KEYS]
+  out = []
+  for r in recs:
+    row = {k: r.get(k) for k in ("side", "key", "value", "applies", "deepspeed_config", "note")}
+    row["ran"] = {name: ran_value(s, r["key"]) for name, s in sides.items()}
+    if r["key"] in LR_KEYS:
+      row["peak_lr"] = {name: _peak_lr(s) for name, s in sides.items()}
+      row["expected_peak_lr"] = _expected_peak(req, r["side"])
+    row["applied"] = _applied(row, sides)
+    out.append(row)
+  return out + _injections(req, sides)
+
+
+def _injections(request: dict[str, Any], sides: dict) -> list[dict[str, Any]]:
+  """The fault injections (DEBUG_KEYS: nan_at_step, kill_at_step, ...) each side was asked for, with what each side
+  recorded of them (summary.json 'perturbed'); applied is None when the side did not finish (a kill or hang does
+  not let it)."""
+  out = []
+  for side, kv in (request.get("perturb") or {}).items():
+    for key in (k for k in kv if k in DEBUG_KEYS):
+      ran = {n: {"value": ((s.get("summary") or {}).get("perturbed") or {}).get(key),
+                 "from": "summary.json perturbed" if s.get("summary") else "nothing: the side wrote no summary.json"}
+             for n, s in sides.items()}
+      done = (sides.get(side) or {}).get("status") == "ok" or (ran.get(side) or {}).get("value") is not None
+      out.append({"side": side, "key": key, "value": kv[key], "applies": None, "deepspeed_config": None,
+                  "note": "a planted data bug" if key in PLANT_KEYS else "a fault injection", "ran": ran,
+                  "applied": _same(kv[key], ran[side]["value"]) if done and side in ran else None})
   return out

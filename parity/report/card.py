@@ -2,25 +2,42 @@
 the versions, the command, the key figures and the verdict (schema 'parity.card/1', below)."""
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from parity.report import content as C
+from parity.protocol.layout import step_time_median
+from parity.report import cells, headline, side_table
+from parity.report.read import peak_load
+from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
 
-__all__ = ["CARD_SCHEMA", "make_card"]
+__all__ = ["CARD_SCHEMA", "make_card", "card_inputs", "LOSS_POINTS"]
 
 CARD_SCHEMA = "parity.card/1"
 """card.json fields:
   schema, created_utc, verdict {passed, sentence, message}
-  compared   {preset, sides, precision, steps, plan, deepspeed_config (the file, or null), config_hash, data_sha256,
-              model {n_layers, d_model, n_heads, seq_len}}
+  compared   {title (parity.report.headline.run_title), preset (the training settings), checkpoint ({path,
+              architecture} of an --hf-model run, or null), sides, precision, steps, plan, deepspeed_config (the
+              file, as typed, or null), deepspeed_config_sha256 (of that file as read, or null),
+              deepspeed_config_files {given, resolved: {file (in the run folder), sha256}}, tokens (which tokens ran),
+              checkpoint_tokenizer_used (false with a checkpoint), perturbations [{side, key, value, applied}],
+              config_hash, data_sha256, data_card (padded/packed runs only: parity.dataset.card.data_card of the
+              examples, with the run's layout and loss normalization in report.json 'data'), model {name (parity.report.headline.model_label: the checkpoint, its
+              family and parameter count), n_layers, d_model, n_heads, seq_len},
+              config {dotted key: value}: what the regression gate's configuration gate compares
+              (parity.report.runconfig.gate_config: the resolved spec, nproc, perturbations, input digests)}
   command, git {rev, dirty} | null, versions {package: version}, backend {side: cpu|gpu|...}
   key_figures {max_abs_dloss {pair: nats}, first_failing_step {check: step}, tokens_per_s {side},
+               loss_tokens_per_s {side} (loss-carrying targets/s, parity.protocol.layout.loss_tokens_per_s; equal to
+               tokens_per_s on a stream run, where every target carries the loss),
                step_time_s_median {side}, peak_host_rss_bytes {side}, peak_device_bytes {side},
                state_bytes_by_memory_kind {side: {kind: bytes}}, wall_s}
                final_loss {side: nats}, loss_at_steps {side: {step: nats}} (a few steps spread over the run, so a
-               card baseline catches a changed lr or schedule), load {side: highest 1-minute load around it}}
+               card baseline catches a changed lr or schedule), load {side: highest 1-minute load around it},
+               final_params_digest {side: parity.report.runconfig.tensor_digest of final.safetensors}}
+  determinism {side: steps}: the sides whose determinism rerun was bit-identical, and over how many steps (the gate
+              holds a rerun on the same machine, versions and configuration bit for bit against such a side)
   machine    {host, cpu_model, cpu_count, machine, platform}: where the run was written (the gate's step-time rule)
+  threads    {side: {torch_num_threads, OMP_NUM_THREADS, ...}}: each side's thread settings
+             (parity.report.runconfig.thread_settings; they set torch's summation order, so the gate's bitwise band)
   files      the report files beside it (report.html, report.md, report.json)"""
 
 LOSS_POINTS = 5
@@ -39,38 +56,51 @@ def _loss_points(s: dict) -> tuple[float | None, dict[str, float]]:
   return pts[-1][1], {str(pts[i][0]): pts[i][1] for i in idx}
 
 
-def _peak_load(s: dict) -> float | None:
-  vals = [x[0] for x in (s.get("load") or {}).values() if isinstance(x, list) and x and isinstance(x[0], (int, float))]
-  return max(vals) if vals else None
+def card_inputs(d: dict) -> dict[str, Any]:
+  """The card's record of the run's own inputs: the DeepSpeed config copies in the run folder with their sha256
+  (report.json deepspeed_files), the tokens and checkpoint (inputs), the perturbations and whether each took."""
+  files = d.get("deepspeed_files") or {}
+  inp = d.get("inputs") or {}
+  return {"deepspeed_config_sha256": (files.get("given") or {}).get("sha256"),
+          "deepspeed_config_files": {k: {"file": v["file"], "sha256": v["sha256"]} for k, v in files.items() if v},
+          "tokens": inp.get("tokenizer"),
+          "checkpoint_tokenizer_used": inp.get("checkpoint_tokenizer_used"),
+          "perturbations": [{"side": p["side"], "key": p["key"], "value": p["value"], "applied": p.get("applied")}
+                            for p in d.get("perturbations") or []]}
 
 
-def make_card(d: dict) -> dict[str, Any]:
-  """The card of report.json data `d` (JSON-ready)."""
+def make_card(d: dict, run_dir=None) -> dict[str, Any]:
+  """The card of report.json data `d` (JSON-ready); run_dir: the run folder (launch.json, request.json: nproc and
+  perturbations for compared.config), default d['run_dir'] (where it was written)."""
   t, m = d["run"]["train"], d["run"]["model"]
-  kind, sentence, _ = C.verdict_parts(d)
+  run_dir = run_dir if run_dir is not None else d.get("run_dir")
+  kind, sentence, _ = headline.verdict_parts(d)
   env = d.get("environment") or {}
   sides = d["sides"]
-  loss = {C.pair_label(c["sides"]): c["value"] for c in d["checks"] if c["metric"] == "loss"}
-  times = {}
-  for n, s in sides.items():
-    ts = C.step_times(s)
-    times[n] = statistics.median(ts) if ts else None
+  loss = {cells.pair_label(c["sides"]): c["value"] for c in d["checks"] if c["metric"] == "loss"}
+  times = {n: step_time_median(s["series"].get("step_time_s") or []) for n, s in sides.items()}  # the one rule
   return {
       "schema": CARD_SCHEMA, "created_utc": d.get("created_utc"),
       "verdict": {"passed": d["verdict"]["passed"], "sentence": sentence, "message": d["verdict"]["message"]},
-      "compared": {"preset": d.get("preset"), "sides": list(sides), "precision": t["precision"], "steps": t["steps"],
+      "compared": {"title": headline.run_title(d), "preset": d.get("preset"), "checkpoint": d.get("checkpoint"),
+                   "sides": list(sides), "precision": t["precision"], "steps": t["steps"],
                    "plan": (d.get("plan") or {}).get("name"),
                    "deepspeed_config": (d.get("migration") or {}).get("source"),
+                   **card_inputs(d),
                    "config_hash": d.get("config_hash"), "data_sha256": (d.get("data") or {}).get("sha256"),
-                   "model": {"n_layers": m.get("n_layers"), "d_model": m.get("d_model"), "n_heads": m.get("n_heads"),
-                             "seq_len": t.get("seq_len")}},
+                   **({"data_card": (d.get("data") or {})["card"]} if (d.get("data") or {}).get("card") else {}),
+                   "model": {"name": headline.model_label(d), "n_layers": m.get("n_layers"),
+                             "d_model": m.get("d_model"), "n_heads": m.get("n_heads"), "seq_len": t.get("seq_len")},
+                   "config": gate_config(d, run_dir)},
       "command": (d.get("run_folder") or {}).get("command"), "git": env.get("git"),
-      "versions": env.get("versions") or {}, "backend": {n: C.backend(s) for n, s in sides.items()},
+      "versions": env.get("versions") or {}, "backend": {n: side_table.backend(s) for n, s in sides.items()},
       "key_figures": {
           "max_abs_dloss": loss,
           "first_failing_step": {c["name"]: c["first_failing_step"] for c in d["checks"]
                                  if not c["passed"] and c.get("gating", True)},
-          "tokens_per_s": {n: (s.get("summary") or {}).get("tokens_per_s") for n, s in sides.items()},
+          "tokens_per_s": {n: side_table.side_tokens_per_s(d, s) for n, s in sides.items()},
+          "loss_tokens_per_s": {n: side_table.side_loss_tokens_per_s(d, s) if side_table.step_loss_tokens(d)
+                                else side_table.side_tokens_per_s(d, s) for n, s in sides.items()},
           "step_time_s_median": times,
           "peak_host_rss_bytes": {n: (s.get("summary") or {}).get("peak_host_rss_bytes")
                                   or s.get("harness_peak_rss_bytes") for n, s in sides.items()},
@@ -80,7 +110,9 @@ def make_card(d: dict) -> dict[str, Any]:
           "wall_s": (d.get("timing") or {}).get("wall_s"),
           "final_loss": {n: _loss_points(s)[0] for n, s in sides.items()},
           "loss_at_steps": {n: _loss_points(s)[1] for n, s in sides.items()},
-          "load": {n: _peak_load(s) for n, s in sides.items()}},
+          "load": {n: peak_load(s.get("load")) for n, s in sides.items()},
+          "final_params_digest": final_digests(d, run_dir)},
+      "determinism": proven_deterministic(d), "threads": thread_settings(d),
       "machine": {k: env.get(src) for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"),
                                                   ("cpu_count", "cpu_count"), ("machine", "machine"),
                                                   ("platform", "platform")) if env.get(src) not in (None, "")},

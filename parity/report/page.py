@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from parity.report import content as C
+from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report import html as H
+from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
+from parity.report.markdown import data_card_rows
 
 __all__ = ["report_figures", "report_html", "read_environment"]
 
@@ -32,20 +34,23 @@ def _pairs(d: dict, key: str) -> dict[str, tuple[list, list]]:
 
 def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
   """(key, caption, matplotlib Figure) of every plot the run's data supports, in page order."""
-  from parity.report import plots as P
-  t = C.run_title(d)
+  from parity.report import plots as P  # imports matplotlib, which is optional: only when drawing
+  t = headline.run_title(d)
   prec = d["run"]["train"]["precision"]
   sides = {(n if s["status"] == "ok" else n): {**s["series"], "status": s["status"]} for n, s in d["sides"].items()}
   yield "loss", "Training loss of every side (markers without a line: held-out loss at its steps).", P.loss_figure(sides, title=f"training loss · {t}")
   if len(d["sides"]) > 1:
     loss_checks = [c for c in d["checks"] if c["metric"] == "loss"]
-    tol = max((c["tolerance"] for c in loss_checks if c["tolerance"]), default=None)
+    tol = max((c["tolerance"] for c in loss_checks if isinstance(c["tolerance"], (int, float)) and c["tolerance"]),
+              default=None)
+    gating = any(c.get("gating", True) for c in loss_checks)  # bf16/fp16: the noise envelope decides instead
     env = {f"noise envelope of {s} (batch rows reversed)": (e["steps"], e["abs_loss_diff"])
            for s, e in ((d.get("noise_envelope") or {}).get("sides") or {}).items()}
     yield "delta", ("Per-step loss difference of each pair, log scale; exact zeros sit on the '= 0' line"
                     + ("; dotted: each side's own rounding noise (noise envelope)." if env else ".")), \
         P.delta_figure(_pairs(d, "loss"), title=f"per-step abs Δloss per pair · {t}", tolerance=tol,
-                       tolerance_label="loss tolerance (atol)", envelopes=env)
+                       tolerance_label="loss tolerance (atol)" if gating else
+                       "per-step loss bound (reported only: the noise envelope decides)", envelopes=env)
   gaps = sorted({st for s in d["sides"].values() for st, g in zip(s["series"]["step"], s["series"]["grad_norm"])
                  if not isinstance(g, (int, float))})
   gap_note = f"gaps: non-finite norm (inf/NaN, e.g. an fp16 overflow) at step(s) {', '.join(map(str, gaps))}" \
@@ -64,14 +69,17 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
         P.line_figure(_series_of(d, "loss_scale"), title=f"loss scale · {t}", ylabel="loss scale", log=True,
                       points=skipped, note=f"skipped steps per side: {per_side}",
                       vlines={"step skipped for overflow": sorted({x for pts in skipped.values() for x in pts[0]})})
-  rows = ((d.get("memory") or {}).get("predicted_vs_measured")) or []
+  rows = side_table.memory_rows(d)
   if any(r["category"] != "peak_rss" and (r["predicted"] or r["measured"]) for r in rows):
-    yield "memory", ("Training-state memory per side, predicted (parity.sizing.memory) beside measured (live "
-                     "arrays / engine tensors); hatched: host memory. Activations are predicted only: no side measures them, "
-                     "so a measured bar lacks them."), P.memory_figure(rows, title=f"memory · {t}")
-  times = {n: C.step_times(s) for n, s in d["sides"].items()}
-  tps = {n: (s.get("summary") or {}).get("tokens_per_s") for n, s in d["sides"].items()}
-  yield "throughput", C.throughput_note(d), P.throughput_figure(times, tps, title=f"throughput · {t}")
+    gaps = side_table.memory_gaps(d)
+    yield "memory", ("Memory per side in the same categories, predicted (parity.sizing.memory) beside measured (live "
+                     "arrays / engine tensors); right panel, hatched: host memory." + (f" {gaps}." if gaps else "")), \
+        P.memory_figure(rows, title=f"memory · {t}")
+  times = {n: side_table.step_times(s) for n, s in d["sides"].items()}
+  tps = {n: side_table.side_tokens_per_s(d, s) for n, s in d["sides"].items()}
+  yield "throughput", (f"Tokens/s per side, and the time of every step after the warmup "
+                       f"({side_table.warmup_phrase(d)}; the caveat above holds)."), \
+      P.throughput_figure(times, tps, title=f"throughput · {t}")
 
 
 def read_environment(run_dir: Path) -> dict | None:
@@ -99,8 +107,8 @@ def _result(r: dict) -> str:
 
 def _metrics_html(d: dict) -> str:
   """One row per metric, its worst pair: what a reviewer reads first."""
-  rows = C.metric_rows(d)
-  return H.table(["metric", "value is", "worst pair", "value", "tolerance", "where the tolerance comes from", "result",
+  rows = check_table.metric_rows(d)
+  return H.table(["metric", "value is", "worst pair (or side)", "value", "tolerance", "where the tolerance comes from", "result",
                   "first failing step"],
                  [[r["metric"], r["measure"], r["worst"], r["value"], r["tolerance"], _source(r["source"]),
                    _result(r), r["first_failing_step"]] for r in rows],
@@ -109,7 +117,7 @@ def _metrics_html(d: dict) -> str:
 
 def _checks_html(d: dict) -> str:
   """Every check of every pair, with its detail."""
-  rows = C.check_rows(d)
+  rows = check_table.check_rows(d)
   return H.table(["check", "value is", "value", "tolerance", "result", "first failing step", "detail"],
                  [[r["name"], r["measure"], r["value"], r["tolerance"], _result(r), r["first_failing_step"],
                    r["detail"]] for r in rows],
@@ -119,27 +127,30 @@ def _checks_html(d: dict) -> str:
 
 def _sides_html(d: dict) -> str:
   keys = [("side", "side"), ("status", "status"), ("steps", "steps"), ("loss", "loss first → last"),
-          ("val_loss", "val loss"), ("tokens_per_s", "tokens/s"), ("init_s", "init s"), ("compile_s", "compile s"),
-          ("op_build_s", "op build s"), ("peak_rss", "peak RSS"), ("peak_device", "peak device"),
-          ("memory_kinds", "state by memory kind"), ("backend", "backend")]
-  rows = C.side_rows(d)
+          ("val_loss", "val loss"), *side_table.throughput_columns(d), ("init_s", "init s"),
+          ("compile_s", "compile s"), ("op_build_s", "op build s"), ("peak_rss", "peak RSS"),
+          ("peak_device", "peak device"), ("memory_kinds", "state by memory kind"), ("backend", "backend")]
+  rows = side_table.side_rows(d)
+  numeric = tuple(i for i, (k, _) in enumerate(keys) if k not in ("side", "status", "loss", "val_loss",
+                                                                   "memory_kinds", "backend"))
   out = H.table([h for _, h in keys], [[r[k] for k, _ in keys] for r in rows],
-                row_classes=[None if r["status"] == "ok" else "fail" for r in rows], numeric=(2, 5, 6, 7, 8, 9, 10))
+                row_classes=[None if r["status"] == "ok" else "fail" for r in rows], numeric=numeric)
   for name, s in d["sides"].items():
     if s.get("error"):
       out += H.details(f"{name} {s['status']}: error output", H.code("\n".join(s["error"].strip().splitlines()[-20:]),
                                                                      block=True))
-    ranks = C.rank_table(s)
+    ranks = side_table.rank_table(s)
     if ranks:
       out += H.section(f"{name}: per rank", H.table(*ranks), level=3)
   return out
 
 
 def _memory_table(d: dict) -> str:
-  rows = [r for r in ((d.get("memory") or {}).get("predicted_vs_measured") or []) if r["predicted"] or r["measured"]]
+  rows = [r for r in side_table.memory_rows(d) if r["predicted"] or r["measured"]]
   return H.table(["side", "category", "memory kind", "predicted", "measured", "measured / predicted"],
-                 [[r["side"], r["category"], r["memory_kind"], C.fmt_bytes(r["predicted"]), C.fmt_bytes(r["measured"]),
-                   C.fmt(r["ratio"], ".3f")] for r in rows], numeric=(3, 4, 5)) if rows else ""
+                 [[r["side"], r["category"], r["memory_kind"], cells.fmt_bytes(r["predicted"]),
+                   cells.fmt_bytes(r["measured"]), cells.fmt(r["ratio"], ".3f")] for r in rows],
+                 numeric=(3, 4, 5)) if rows else ""
 
 
 def _migration_html(run_dir: Path, d: dict) -> str:
@@ -157,21 +168,44 @@ def _migration_html(run_dir: Path, d: dict) -> str:
   body = (f"<p>The DeepSpeed side ran {H.code(str(m.get('source')))} as given; the JAX and torch sides ran its port "
           f"(status <b>{H.esc(m.get('status'))}</b>; also in migration.md).</p>"
           + H.table(["key", "value", "fate", "target", "reason"], rows))
+  if isinstance(m.get("loss_normalization"), dict):
+    body += f"<p>Loss normalisation the config implies: {H.esc(m['loss_normalization'].get('why'))}.</p>"
   if m.get("implied"):
     body += H.section("implied by DeepSpeed defaults", H.table(["key", "value", "reason"], [
         [H.code(i["key"]), json.dumps(i["value"], default=str), i["reason"]] for i in m["implied"]]), level=3)
   return H.section(f"DeepSpeed config migration: {mig['source']}", body, anchor="migration")
 
 
+def _perturb_kind(result: str) -> str:
+  return "pass" if result == "applied" else "info" if result.startswith("unknown") else "fail"
+
+
+def perturbations_html(d: dict) -> str:
+  """The 'Inputs' and 'Perturbations' sections (parity.report.setup_table.inputs_lines / perturbation_rows); '' when
+  the report has neither."""
+  out = ""
+  lines = setup_table.inputs_lines(d)
+  if lines:
+    out += H.section("Inputs", "".join(f"<p class=\"note\">{H.esc(x)}</p>" for x in lines), anchor="inputs")
+  rows = setup_table.perturbation_rows(d)
+  if rows:
+    out += H.section("Perturbations (planted on purpose with --perturb)", H.table(
+        setup_table.PERTURB_HEADERS, [[*r[:-1], H.badge(_perturb_kind(r[-1]), r[-1])] for r in rows],
+        row_classes=[{"pass": None}.get(_perturb_kind(r[-1]), _perturb_kind(r[-1])) for r in rows]),
+        anchor="perturbations")
+  return out
+
+
 def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> str:
   """The page. d: report.json data; figures: key -> (svg text, caption) from report_figures; run_dir: for
   migration.json and environment.json beside report.json."""
-  kind, sentence, sub = C.verdict_parts(d)
+  kind, sentence, sub = headline.verdict_parts(d)
   fig = lambda k: H.figure(figures[k][0], figures[k][1], key=k) if k in figures else ""  # noqa: E731
-  body = [f"<h1>parity report · {H.esc(C.run_title(d))}</h1>", H.banner(kind, sentence, sub)]
-  if d.get("write_errors"):
+  body = [f"<h1>parity report · {H.esc(headline.run_title(d))}</h1>", H.banner(kind, sentence, sub)]
+  errors = headline.open_write_errors(d, run_dir)
+  if errors:
     body.append(H.banner("warn", "Some report files could not be written: " + "; ".join(
-        f"{e['file']}: {e['error']}" for e in d["write_errors"])))
+        f"{e['file']}: {e['error']}" for e in errors)))
   body.append(H.section("Checks: one row per metric, its worst pair", _metrics_html(d)
                         + "<p class=\"note\">Every check of every pair: <a href=\"#all-checks\">all checks</a>.</p>",
                         anchor="checks"))
@@ -179,18 +213,30 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
                         anchor="curves"))
   body.append(H.section("Sides", _sides_html(d), anchor="sides"))
   mem_note = H.esc((d.get("memory") or {}).get("note") or "")
+  gaps = H.esc(side_table.memory_gaps(d))
   body.append(H.section("Memory", fig("memory") + (f"<p class=\"note\">{mem_note}.</p>" if mem_note else "")
+                        + (f"<p class=\"note\"><b>{gaps}.</b></p>" if gaps and "memory" not in figures else "")
                         + _memory_table(d), anchor="memory"))
-  tp = C.throughput_rows(d)
-  tkeys = ["side", "backend", "repeats", "min_s", "median_s", "max_s", "tokens_per_s", "load", "op_build_s"]
-  body.append(H.section("Throughput", f"<p class=\"note\"><b>{H.esc(C.throughput_note(d))}</b></p>" + fig("throughput")
+  tp = side_table.throughput_rows(d)
+  cols = side_table.throughput_columns(d)
+  tkeys = ["side", "backend", "repeats", "min_s", "median_s", "max_s", *(k for k, _ in cols), "load", "op_build_s"]
+  note = H.esc(side_table.throughput_note(d))
+  body.append(H.section("Throughput", f"<p class=\"note\"><b>{note}</b></p>" + fig("throughput")
                         + H.table(["side", "backend", "steps timed", "min s/step", "median s/step", "max s/step",
-                                   "tokens/s", "load (1 min) start → end", "op build s (not in init)"],
-                                  [[r[k] for k in tkeys] for r in tp], numeric=(2, 3, 4, 5, 6)), anchor="throughput"))
-  body.append(H.section("Plan and placements", H.kv_table(C.plan_rows(d)), anchor="plan"))
+                                   *(h for _, h in cols), "load (1 min) start → end", "op build s (not in init)"],
+                                  [[r[k] for k in tkeys] for r in tp], numeric=tuple(range(2, 6 + len(cols)))),
+                        anchor="throughput"))
+  card_rows = data_card_rows(d)
+  if card_rows:
+    body.append(H.section("Data card", H.kv_table([tuple(r) for r in card_rows]), anchor="data-card"))
+  if equivalence_rows(d):
+    body.append(H.section("Equivalence", f"<p class=\"note\">{H.esc(equivalence_intro(d))}</p>"
+                          + H.table(EQUIVALENCE_HEADERS, equivalence_rows(d)), anchor="equivalence"))
+  body.append(H.section("Plan and placements", H.kv_table(setup_table.plan_rows(d)), anchor="plan"))
   body.append(_migration_html(run_dir, d))
+  body.append(perturbations_html(d))
   body.append(H.section(f"All checks ({len(d['checks'])})", _checks_html(d), anchor="all-checks"))
-  body.append(H.section("Environment", H.kv_table(C.environment_rows(d, read_environment(run_dir))),
+  body.append(H.section("Environment", H.kv_table(setup_table.environment_rows(d, read_environment(run_dir))),
                         anchor="environment"))
   body.append("<p class=\"note\">Written by parity from report.json in this folder; report.md has the same tables "
               "with the plots as PNG files.</p>")

@@ -7,13 +7,17 @@ SVG text or PNG bytes. Conventions every figure follows:
   * legends sit outside the data (below the axes);
   * titles name the run (preset / plan / precision) and are wrapped at word boundaries, never cut.
 Figures are closed by `to_svg` / `to_png`; callers that keep a Figure must close it themselves.
+No warning of matplotlib or numpy raised while a figure is built or rendered reaches the user (`quiet`): a
+cosmetic remark of the plotting library, naming an internal file, says nothing about parity.
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 import textwrap
-from typing import Mapping, Sequence
+import warnings
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import matplotlib
 
@@ -21,13 +25,24 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-__all__ = ["STYLES", "wrap_title", "to_svg", "to_png", "line_figure", "loss_figure", "delta_figure",
+__all__ = ["STYLES", "quiet", "wrap_title", "to_svg", "to_png", "line_figure", "loss_figure", "delta_figure",
            "memory_figure", "throughput_figure", "across_runs_figure", "coincide", "finite"]
 
 STYLES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1, 1, 1)), "v"), ((0, (1, 3)), "x"))
 """(line style, marker) per curve index: identical curves stay distinguishable without moving any data."""
 WIDTH_IN = 10.0
 """Figure width in inches (1100 px at the 110 dpi of the PNGs)."""
+_F = TypeVar("_F", bound=Callable)
+
+
+def quiet(fn: _F) -> _F:
+  """`fn` with every warning raised inside it ignored (each figure builder and renderer of this module)."""
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      return fn(*args, **kwargs)
+  return run  # type: ignore[return-value]
 
 
 def finite(v) -> float:
@@ -69,7 +84,10 @@ def _legend_below(fig: Figure, ax, ncol: int | None = None) -> None:
 
 def _new(title: str, ncols: int = 1, height_in: float = 3.6) -> tuple[Figure, list]:
   fig, axes = plt.subplots(1, ncols, figsize=(WIDTH_IN, height_in), squeeze=False)
-  fig.suptitle(wrap_title(title), fontsize=10)
+  text = wrap_title(title)
+  fig.suptitle(text, fontsize=10)
+  # room above the axes for every line of the title and an axes title below it (a long run title wraps)
+  fig.subplots_adjust(top=1 - (14 * (text.count("\n") + 1) + 26) / (72 * height_in))
   return fig, list(axes[0])
 
 
@@ -92,6 +110,7 @@ def coincide(curves: Mapping[str, tuple[Sequence, Sequence]], rel: float = 1e-3)
   return worst if worst <= rel * span else None
 
 
+@quiet
 def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, ylabel: str, xlabel: str = "step",
                 log: bool = False, points: Mapping[str, tuple[Sequence, Sequence]] | None = None,
                 note: str | None = None, vlines: Mapping[str, Sequence] | None = None) -> Figure:
@@ -131,6 +150,7 @@ def line_figure(curves: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
   return fig
 
 
+@quiet
 def loss_figure(sides: Mapping[str, Mapping], *, title: str) -> Figure:
   """Training loss of every side overlaid (+ held-out loss as stars). sides: name -> report.json series
   ({step, loss, val_step, val_loss}) plus an optional 'status' used in the label when not 'ok'."""
@@ -140,6 +160,7 @@ def loss_figure(sides: Mapping[str, Mapping], *, title: str) -> Figure:
   return line_figure(curves, title=title, ylabel="loss (nats/token)", points=points)
 
 
+@quiet
 def delta_figure(pairs: Mapping[str, tuple[Sequence, Sequence]], *, title: str, tolerance: float | None,
                  tolerance_label: str = "tolerance", envelopes: Mapping[str, tuple[Sequence, Sequence]] | None = None,
                  ylabel: str = "|Δloss| (nats)") -> Figure:
@@ -172,7 +193,9 @@ def delta_figure(pairs: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
   ax.set_yscale("log")
   ax.axhline(floor, color="0.6", lw=0.8)
   ax.text(1.005, floor, "= 0", transform=ax.get_yaxis_transform(), va="center", fontsize=8, color="0.35")
-  ax.set_ylim(bottom=floor / 3)
+  top = max([*pos, tolerance or 0.0, floor]) * 3  # both limits set: never equal (one point, or only zeros)
+  ax.set_autoscaley_on(False)  # the autoscaler would first try equal limits when only the floor line is drawn
+  ax.set_ylim(floor / 3, top)
   ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel("step")
   ax.set_ylabel(ylabel)
@@ -181,41 +204,71 @@ def delta_figure(pairs: Mapping[str, tuple[Sequence, Sequence]], *, title: str, 
   return fig
 
 
+def _measured_categories(rows: Sequence[Mapping]) -> set[tuple[str, str]]:
+  """(side, category) pairs a side measured (any memory kind with a measured figure, 0 included); a measured 'state'
+  row (JAX params and opt_state in one memory kind, measured together) covers params and optimizer moments."""
+  out = {(r["side"], r["category"]) for r in rows if r["measured"] is not None}
+  return out | {(s, c) for s, cat in out if cat == "state" for c in ("params", "optimizer_moments")}
+
+
+@quiet
 def memory_figure(rows: Sequence[Mapping], *, title: str) -> Figure:
   """Memory per side as stacked bars, predicted beside measured: left by category (params, gradients, fp32 master,
-  optimizer moments, activations, ...), right by memory kind (device / host).
+  optimizer moments, activations, ...), right by memory kind (device / host). Every side's bars stack the same
+  categories in the same colours; a predicted segment of a category the side does not measure (activations; the
+  JAX gradients, inside the step) is cross-hatched ("predicted only"), so the measured bar beside it is read as
+  lacking exactly those. Each bar carries its total (MiB) on top.
 
   rows: {side, category, memory_kind, predicted, measured} (bytes; None = not known), e.g. report.json
-  memory.predicted_vs_measured; 'peak_rss' rows (whole-process figures) are left out."""
+  parity.sizing.measured.predicted_vs_measured; 'peak_rss' rows (whole-process figures) are left out."""
+  from matplotlib.patches import Patch
   rows = [r for r in rows if r["category"] != "peak_rss"]
-  fig, axes = _new(title, ncols=2, height_in=4.0)
+  fig, axes = _new(title, ncols=2, height_in=4.2)
   sides = list(dict.fromkeys(r["side"] for r in rows))
   xs = [3 * i + j for i in range(len(sides)) for j in (0, 1)]  # a gap between sides: pairs read as pairs
   cmap = plt.get_cmap("tab10")
+  measured = _measured_categories(rows)
   for ax, key in zip(axes, ("category", "memory_kind")):
     stacks = list(dict.fromkeys(r[key] for r in rows if (r["predicted"] or r["measured"])))
     bottom = [0.0] * len(xs)
+    predicted_only, labelled = False, {}
     for ci, cat in enumerate(stacks):
-      vals = [sum((r[w] or 0) for r in rows if r["side"] == s and r[key] == cat) / 2**20
-              for s in sides for w in ("predicted", "measured")]
-      ax.bar(xs, vals, bottom=bottom, color=cmap(ci % 10), label=cat.replace("_", " "),
-             hatch="//" if key == "memory_kind" and "host" in cat else None, edgecolor="white")
-      bottom = [b + v for b, v in zip(bottom, vals)]
+      for xi, (s, w) in enumerate((s, w) for s in sides for w in ("predicted", "measured")):
+        v = sum((r[w] or 0) for r in rows if r["side"] == s and r[key] == cat) / 2**20
+        if not v:
+          continue
+        only = key == "category" and w == "predicted" and (s, cat) not in measured
+        predicted_only |= only
+        hatch = "xx" if only else ("//" if key == "memory_kind" and "host" in cat else None)
+        ax.bar(xs[xi], v, bottom=bottom[xi], color=cmap(ci % 10), hatch=hatch, edgecolor="white")
+        if cat not in labelled:  # a plain swatch per category (the first segment drawn may be hatched)
+          labelled[cat] = Patch(facecolor=cmap(ci % 10), edgecolor="white",
+                                hatch="//" if key == "memory_kind" and "host" in cat else None)
+        bottom[xi] += v
+    for x, b in zip(xs, bottom):
+      if b:
+        ax.text(x, b, f"{b:.3g}", ha="center", va="bottom", fontsize=7)
     for i, s in enumerate(sides):
       if not any(r["side"] == s and r["measured"] is not None for r in rows):
         ax.text(3 * i + 1, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="0.4")
       ax.text(3 * i + 0.5, -0.13, s, transform=ax.get_xaxis_transform(), ha="center", va="top", fontsize=8,
               fontweight="bold")
     ax.set_xticks(xs, ["pred.", "meas."] * len(sides), fontsize=7)
-    ax.set_ylim(0, max(bottom + [1e-3]) * 1.12)
+    ax.set_ylim(0, max(bottom + [1e-3]) * 1.15)
     ax.set_ylabel("MiB")
     ax.set_title(f"by {key.replace('_', ' ')} (pred.: predicted, meas.: measured)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    handles, labels = ax.get_legend_handles_labels()
+    handles = list(labelled.values())
+    labels = ["params + optimizer moments (measured together)" if c == "state" else c.replace("_", " ")
+              for c in labelled]
+    if predicted_only:
+      handles.append(Patch(facecolor="white", edgecolor="0.3", hatch="xx"))
+      labels.append("cross-hatched: predicted only (not measured)")
     ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=8, frameon=False)
   return fig
 
 
+@quiet
 def throughput_figure(step_times: Mapping[str, Sequence[float]], tokens_per_s: Mapping[str, float | None], *,
                       title: str, note: str | None = None) -> Figure:
   """Left: tokens/s per side (bars); right: the distribution of per-step times after warmup (box + every step as a
@@ -250,6 +303,7 @@ def throughput_figure(step_times: Mapping[str, Sequence[float]], tokens_per_s: M
   return fig
 
 
+@quiet
 def across_runs_figure(runs: Sequence[str], values: Mapping[str, Sequence], *, title: str, ylabel: str,
                        log: bool = False) -> Figure:
   """One metric across runs (a sweep, or before/after an upgrade): x = run labels in order, one styled line per
@@ -269,6 +323,7 @@ def across_runs_figure(runs: Sequence[str], values: Mapping[str, Sequence], *, t
   return fig
 
 
+@quiet
 def to_svg(fig: Figure, salt: str, close: bool = True) -> str:
   """The figure as standalone SVG text (glyphs as paths: no font needed), closed afterwards unless `close` is
   False. `salt` makes its element ids unique on a page holding several SVGs (use the figure's key)."""
@@ -281,6 +336,7 @@ def to_svg(fig: Figure, salt: str, close: bool = True) -> str:
   return text[text.index("<svg"):]
 
 
+@quiet
 def to_png(fig: Figure, dpi: int = 110, close: bool = True) -> bytes:
   """The figure as PNG bytes (legend and wrapped title kept: tight bounding box), closed afterwards unless `close`
   is False."""

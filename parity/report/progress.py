@@ -28,13 +28,18 @@ def rerun_line(spec, noise: bool | None, determinism_steps: int, resume_at: int 
 
 def run_notes(run: Any) -> list[str]:
   """Lines a user should see before a run starts: the values a DeepSpeed config port filled in (the DeepSpeed
-  defaults it implies and the "auto" values it resolved from the run spec). `run` is a ResolvedRun."""
+  defaults it implies, the "auto" values it resolved from the run spec and, on padded/packed data, the loss
+  normalisation the run trains beside what the config implies). `run` is a ResolvedRun."""
   port = getattr(run, "port", None)
   if port is None:
     return []
   out = [f"filled in {i['key']} = {json.dumps(i['value'], default=str)} ({i['reason']})" for i in port.report.implied]
   out += [f"filled in \"auto\" {e.key} = {json.dumps(e.resolved, default=str)} (from the run spec)"
           for e in port.report.entries.values() if e.value == "auto"]
+  ln, spec = port.report.loss_normalization, getattr(run, "spec", None)
+  if ln is not None and spec is not None and spec.train.layout != "stream":  # on a stream both are one loss
+    out.append(f"loss normalisation: this run trains train.loss_normalization={spec.train.loss_normalization}; "
+               f"the DeepSpeed config: {ln['why']}")
   return out
 
 

@@ -2,13 +2,17 @@
 first, so a truncated, hand-edited or foreign file is refused by name instead of failing half-way."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from parity.inputs import InputError, load_json
+from parity.report import build
 from parity.report.build import REPORT_SCHEMA, Report
+from parity.report.reverify import Unverifiable, differences, recompute
+from parity.verdict.gating import ALWAYS_REPORTED_ONLY, ENVELOPE_DECIDES, reported_only_allowed
 
-__all__ = ["load_report", "verify_report"]
+__all__ = ["load_report", "verify_report", "check_contradictions", "finite_number", "peak_load"]
 
 _CHECK_KEYS = ("name", "value", "tolerance", "passed", "first_failing_step")
 
@@ -70,37 +74,43 @@ def load_report(run_dir: str | Path) -> Report:
   return Report(data=data, run_dir=run_dir)
 
 
-def _check_from_json(d: dict):
-  """A parity.verdict.check.Check back from its to_json form (non-finite value/tolerance were stored as None or text)."""
-  import dataclasses
-  from parity.verdict.check import Check
-  fields = {f.name for f in dataclasses.fields(Check)}
-  kw = {k: v for k, v in d.items() if k in fields}
-  for k in ("value", "tolerance"):
-    v = kw.get(k)
-    kw[k] = float("nan") if v is None else float(v) if isinstance(v, str) else v
-  kw["sides"] = tuple(kw.get("sides") or ("?", "?"))
-  return Check(**kw)
-
-
 _AT_LEAST = ("completed", "updates")  # checks that pass when value >= tolerance (steps run, updates compared)
-_NON_GATING = ("determinism",)  # the only checks parity.pipeline.reruns stores as reported-only (gating False)
 
 
-def _check_contradictions(checks: list[dict]) -> list[str]:
-  """The stored checks whose pass flag their own figures contradict: a check marked passed whose value is NaN or
-  beyond its tolerance (value <= tolerance for difference checks; value >= tolerance for 'completed' and
-  'updates'), or a gating check stored as reported-only. A failing flag with figures inside the tolerance is not
-  flagged (params checks pass per tensor, so the worst figures alone cannot prove a pass)."""
+def finite_number(v) -> float | None:
+  """A figure report.json (or a card) stores, as a float: None for a missing one, text ('inf', 'nan': how
+  report.json keeps a non-finite number), a bool, or a non-finite value."""
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    return None
+  return float(v) if math.isfinite(v) else None
+
+
+def peak_load(load) -> float | None:
+  """The highest 1-minute load average recorded around a side (report.json sides.<side>.load: {start: [1, 5, 15],
+  end: [...]} of os.getloadavg()), None when none was recorded."""
+  vals = [x[0] for x in (load or {}).values() if isinstance(x, list) and x and finite_number(x[0]) is not None]
+  return max(vals) if vals else None
+
+
+def _number(v) -> float:
+  return float("nan") if v is None else float(v) if isinstance(v, (str, int, float)) else float("nan")
+
+
+def check_contradictions(checks: list[dict], precision: str | None = None) -> list[str]:
+  """The stored checks whose flags their own figures contradict: a check marked passed whose value is NaN or beyond
+  its tolerance (value <= tolerance for difference checks; value >= tolerance for 'completed' and 'updates'), or a
+  check stored as reported only where parity.verdict.gating allows none (determinism always; in bf16/fp16 a
+  pointwise check whose noise-envelope check for the same pair is there). A failing flag with figures inside the
+  tolerance is not flagged here (params checks pass per tensor; the recomputation in verify_report catches it)."""
   out = []
   for i, c in enumerate(checks):
-    if c.get("gating") is False and c.get("metric") not in _NON_GATING:
-      out.append(f"checks[{i}] ({c.get('name')}) is stored as not gating, which only {_NON_GATING} checks are")
+    if c.get("gating") is False and not reported_only_allowed(c, checks, precision):
+      out.append(f"checks[{i}] ({c.get('name')}) is stored as not gating, which only {ALWAYS_REPORTED_ONLY} "
+                 f"checks are, and in bf16/fp16 the {', '.join(ENVELOPE_DECIDES)} checks of a pair its noise "
+                 "envelope decides")
     if c.get("passed") is not True:
       continue
-    v, t = c.get("value"), c.get("tolerance")
-    v = float("nan") if v is None else float(v) if isinstance(v, (str, int, float)) else float("nan")
-    t = float("nan") if t is None else float(t) if isinstance(t, (str, int, float)) else float("nan")
+    v, t = _number(c.get("value")), _number(c.get("tolerance"))
     # NaN compares False: a NaN never passes. The checks decide on a ratio (|Δ|/allowed <= 1), so a pass may sit one
     # rounding step past value <= tolerance: 1e-9 relative slack, far below any edit that changes a verdict
     ok = v >= t * (1 - 1e-9) if c.get("metric") in _AT_LEAST else v <= t + 1e-9 * abs(t)
@@ -111,57 +121,73 @@ def _check_contradictions(checks: list[dict]) -> list[str]:
   return out
 
 
-def verify_report(report: Report) -> list[str]:
-  """What no longer holds in a loaded report: one line per problem, [] when it is consistent and untouched.
-
-  Two rules: (1) the stored verdict is the one parity.verdict.sides.verdict gives for the stored checks and side statuses
-  (an interrupted run never passes), so a hand-edited check or verdict is caught; (2) every artifact recorded in
-  report.json['artifacts'] (relative path -> sha256, bytes) still has that size and hash, so a side's output or
-  an input changed, truncated or removed since the run is named. A report without 'artifacts' (written before
-  they were recorded) is checked by rule 1 only.
-  """
-  from parity.verdict.sides import verdict
-  from parity.report.build import file_digest
-  d, rd, out = report.data, Path(report.run_dir), []
-  path = rd / "report.json"
-  try:
-    recomputed = verdict([_check_from_json(c) for c in d["checks"]],
-                         {name: s["status"] for name, s in d["sides"].items()})
-  except (TypeError, ValueError) as exc:
-    return [f"{path}: its checks cannot be re-read ({exc}); the report was edited or is not from `parity compare`"]
-  try:
-    contradictions = _check_contradictions(d["checks"])
-  except (TypeError, ValueError) as exc:
-    contradictions = [f"its checks' values cannot be read ({exc})"]
-  if contradictions:
-    out.append(f"{path}: report.json does not match its checks: {'; '.join(contradictions)}; the report was "
-               "edited (rerun `parity compare` for a verdict)")
-  interrupted = d["verdict"]["message"].startswith("INTERRUPTED")
-  expected = recomputed.passed and not interrupted
-  if d["verdict"]["passed"] != expected and not contradictions:
-    out.append(f"{path}: the stored verdict says {'PASS' if d['verdict']['passed'] else 'FAIL'} but its own checks "
-               f"and side statuses give {recomputed.message!r}; the report was edited or is inconsistent")
-  arts = d.get("artifacts")
-  if not isinstance(arts, dict):
-    return out
+def _artifact_changes(rd: Path, arts: dict, sides: list[str]) -> list[str]:
+  """The recorded artifacts (parity.report.build.artifact_paths) that are missing, unreadable, of another size (not
+  hashed: the size already shows it) or of another sha256 now, and those present but not recorded."""
   changed = []
-  for rel, rec in sorted(arts.items()):
-    if not isinstance(rec, dict) or "sha256" not in rec:
+  for rel in build.artifact_paths(sides):
+    p, rec = rd / rel, arts.get(rel)
+    if rec is None:
+      if p.is_file():
+        changed.append(f"{rel} (present, but report.json records no hash for it)")
       continue
-    p = rd / rel
+    if not isinstance(rec, dict) or "sha256" not in rec:
+      continue  # recorded as unreadable when the report was written: the checks saw it so
     if not p.is_file():
       changed.append(f"{rel} (missing)")
       continue
     try:
-      now = file_digest(p)
+      size = p.stat().st_size
+      if size != rec.get("bytes"):
+        changed.append(f"{rel} ({rec.get('bytes')} -> {size} bytes; not hashed: the size shows it changed)")
+      elif build.file_digest(p)["sha256"] != rec["sha256"]:  # build.: a test counts the files hashed
+        changed.append(f"{rel} (same size, different content)")
     except OSError as exc:
       changed.append(f"{rel} (unreadable: {exc.strerror})")
-      continue
-    if now["bytes"] != rec.get("bytes"):
-      changed.append(f"{rel} ({rec.get('bytes')} -> {now['bytes']} bytes)")
-    elif now["sha256"] != rec["sha256"]:
-      changed.append(f"{rel} (same size, different content)")
+  return changed
+
+
+def verify_report(report: Report) -> list[str]:
+  """What no longer holds in a loaded report: one line per problem, [] when every statement it makes about the
+  verdict follows from the run's own files. The rule (docs/report-compare.md, "Verification"):
+
+  1. report.json must record 'artifacts' (relative path -> sha256, bytes; parity.report.build.artifact_paths):
+     without it the run is UNVERIFIED. Every recorded file must still have its size (a file of another size is
+     not hashed) and hash; a file present but not recorded is named too.
+  2. No stored flag may contradict its own figures (`check_contradictions`).
+  3. Every check, the params table, each side's status and series, the rerun sections and the verdict are
+     recomputed from the run's records by the functions `parity compare` used (parity.report.reverify.recompute)
+     and must equal what report.json stores. A record that is missing or unreadable makes the run UNVERIFIED.
+  Steps 2-3 run only when step 1 found every file as recorded.
+  """
+  d, rd = report.data, Path(report.run_dir)
+  path = rd / "report.json"
+  arts = d.get("artifacts")
+  if not isinstance(arts, dict) or not arts:
+    return [f"{path}: report.json records no 'artifacts' (the sha256 of the files its verdict rests on), so its "
+            "verdict cannot be checked against the run's files: UNVERIFIED (rerun `parity compare` for a verdict)"]
+  changed = _artifact_changes(rd, arts, list(d["sides"]))
   if changed:
-    out.append(f"{rd}: files the verdict rests on changed since the run: {', '.join(changed)}; the stored verdict "
-               "no longer describes these files (rerun `parity compare` for a verdict on them)")
+    return [f"{rd}: files changed since the run (files the verdict rests on): {', '.join(changed)}; the stored "
+            "verdict no longer describes these files (rerun `parity compare` for a verdict on them)"]
+  out = []
+  precision = (d.get("run") or {}).get("train", {}).get("precision") if isinstance(d.get("run"), dict) else None
+  try:
+    contradictions = check_contradictions(d["checks"], precision)
+  except (TypeError, ValueError, AttributeError) as exc:
+    contradictions = [f"its checks' values cannot be read ({exc})"]
+  if contradictions:
+    out.append(f"{path}: report.json does not match its checks: {'; '.join(contradictions)}; the report was "
+               "edited (rerun `parity compare` for a verdict)")
+  try:
+    diffs = differences(d, recompute(report))
+  except Unverifiable as exc:
+    return out + [f"{rd}: the checks cannot be recomputed from the run's records: {exc}; the stored verdict is "
+                  "UNVERIFIED (rerun `parity compare` for a verdict)"]
+  except Exception as exc:  # a forged or foreign report.json: any failure to recompute leaves it unverified
+    return out + [f"{path}: its checks cannot be recomputed ({type(exc).__name__}: {exc}); the report was edited "
+                  "or is not from `parity compare`: UNVERIFIED"]
+  if diffs:
+    out.append(f"{path}: report.json is not what the run's records give: {'; '.join(diffs)}; the report was edited "
+               "or is inconsistent (rerun `parity compare` for a verdict)")
   return out

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 from parity.inputs import InputError
+from parity.protocol.layout import read_steps
 
 __all__ = ["Tracker", "TRACKERS", "parse_tracker", "check_trackers", "open_tracker", "mirror_run", "STEP_METRICS"]
 
@@ -34,7 +35,7 @@ class Tracker(Protocol):
   def close(self) -> None: ...
 
 
-def _installed(*modules: str) -> str | None:
+def installed_module(*modules: str) -> str | None:
   """The first module of `modules` that can be imported (found without importing it), else None."""
   for m in modules:
     try:
@@ -71,7 +72,7 @@ def check_trackers(specs: Sequence[str]) -> list[tuple[str, str]]:
   for text in specs:
     kind, target = parse_tracker(text)
     modules, install = TRACKERS[kind]
-    if _installed(*modules) is None:
+    if installed_module(*modules) is None:
       raise InputError(f"--tracker {text}: {kind} is not installed (none of {', '.join(modules)} can be imported); "
                        f"`{install}` into this environment, or drop --tracker (trackers are optional)")
     out.append((kind, target))
@@ -99,7 +100,7 @@ class _PerSide:
 
 def _tensorboard(folder: Path) -> Tracker:
   """Event files under folder/<side>: tensorboardX's SummaryWriter, else tensorboard's EventFileWriter."""
-  if _installed("tensorboardX"):
+  if installed_module("tensorboardX"):
     from tensorboardX import SummaryWriter
 
     def log_x(w, step, metrics):
@@ -166,7 +167,6 @@ def mirror_run(run_dir: str | Path, trackers: Sequence[Tracker], sides: Sequence
   Returns:
     The number of records sent (per tracker).
   """
-  from parity.protocol.layout import read_steps
   rd = Path(run_dir)
   names = list(sides) if sides is not None else sorted(p.parent.name for p in rd.glob("*/steps.jsonl"))
   n = 0

@@ -9,16 +9,16 @@ import time
 from pathlib import Path
 
 from parity.report.build import Report
-from parity.report.content import fmt_bytes
+from parity.report.card import make_card
+from parity.report.markdown import PLOT_ALT, PLOT_FILES, report_markdown
+from parity.report.page import read_environment, report_figures, report_html
 
-__all__ = ["write_all", "write_markdown", "write_plot", "write_html", "write_card", "fmt_bytes"]
+__all__ = ["write_all", "write_markdown", "write_plot", "write_html", "write_card", "atomic_write"]
 
 
 def write_markdown(report: Report, path: Path, plots: dict[str, tuple[str, str]] | None = None) -> None:
   """report.md at `path`. plots: figure key -> (PNG file name beside it, caption); None: every PLOT_FILES file that
   exists beside `path`."""
-  from parity.report.markdown import PLOT_ALT, PLOT_FILES, report_markdown
-  from parity.report.page import read_environment
   if plots is None:
     plots = {k: (f, PLOT_ALT[k]) for k, f in PLOT_FILES.items() if (Path(path).parent / f).exists()}
   Path(path).write_text(report_markdown(report.data, plots, read_environment(report.run_dir)))
@@ -32,33 +32,30 @@ def write_plot(report: Report, folder: Path) -> dict[str, tuple[str, str]]:
     import matplotlib  # noqa: F401
   except ImportError:
     return {}
-  from parity.report.markdown import PLOT_FILES
-  from parity.report.page import report_figures
-  from parity.report.plots import to_png, to_svg
+  from parity.report.plots import to_png, to_svg  # imports matplotlib, which is optional: only when drawing
   out = {}
   for key, caption, fig in report_figures(report.data):
     svg = to_svg(fig, salt=key, close=False)
     png = to_png(fig)
-    _write_file(Path(folder) / PLOT_FILES[key], lambda p, b=png: p.write_bytes(b))
+    atomic_write(Path(folder) / PLOT_FILES[key], lambda p, b=png: p.write_bytes(b))
     out[key] = (svg, caption)
   return out
 
 
 def write_html(report: Report, path: Path, figures: dict[str, tuple[str, str]]) -> None:
   """report.html at `path`: one self-contained page (parity.report.page.report_html)."""
-  from parity.report.page import report_html
   Path(path).write_text(report_html(report.data, figures, report.run_dir), encoding="utf-8")
 
 
 def write_card(report: Report, path: Path) -> None:
   """card.json at `path` (parity.report.card.make_card)."""
-  from parity.report.card import make_card
-  Path(path).write_text(json.dumps(make_card(report.data), indent=2, default=str) + "\n")
+  Path(path).write_text(json.dumps(make_card(report.data, report.run_dir), indent=2, default=str) + "\n")
 
 
-def _write_file(path: Path, write) -> None:
-  """Writes `path` through a temporary file and a rename: a failed write (disk full) never leaves a partial file
-  under the real name, and the temporary file is removed."""
+def atomic_write(path: Path, write) -> None:
+  """Writes `path` through a temporary file beside it (`.<name>.tmp`, given to `write(tmp_path)`) and a rename: a
+  failed write (disk full) never leaves a partial file under the real name, and the temporary file is removed.
+  Raises what `write` or the rename raises (OSError for the file system)."""
   tmp = path.with_name(f".{path.name}.tmp")
   try:
     write(tmp)
@@ -102,7 +99,7 @@ def write_all(report: Report) -> dict[str, Path]:
 
   def attempt(key: str, path: Path, write) -> bool:
     try:
-      _write_file(path, write)
+      atomic_write(path, write)
     except OSError as exc:
       errors.append({"file": str(path), "error": exc.strerror or str(exc)})
       return False
@@ -146,5 +143,4 @@ def write_all(report: Report) -> dict[str, Path]:
 
 
 def _plot_files(figures: dict) -> list[tuple[str, str]]:
-  from parity.report.markdown import PLOT_FILES
   return [(k, PLOT_FILES[k]) for k in figures]

@@ -19,14 +19,14 @@ import enum
 import math
 from typing import Any, Iterable
 
-from parity.sizing.memory_jax import jax_state_bytes
-from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec, TrainSpec, from_dict
+from parity.sizing.batches import is_batch_row, step_input_rows
+from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
 
-__all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "block_params",
+__all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
-           "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes", "predicted_vs_measured",
-           "model_preset_train", "estimate_json", "step_rows"]
+           "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes", "model_preset_train",
+           "estimate_json", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
@@ -65,6 +65,12 @@ def largest_layer_params(model: ModelSpec) -> int:
     prefix = name.rsplit(".", 1)[0]
     per_module[prefix] = per_module.get(prefix, 0) + math.prod(shape)
   return max(per_module.values())
+
+
+def largest_param(model: ModelSpec) -> int:
+  """Elements of the largest single parameter tensor (DeepSpeed stage 1/2 `largest_param_numel`, which sizes its
+  offload gradient staging buffers)."""
+  return max(math.prod(s) for s in param_shapes(model).values())
 
 
 def block_params(model: ModelSpec) -> int:
@@ -226,8 +232,11 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
   stage s >= 2 partitions the compute gradient, s = 3 also the compute params, whose device working set is
   then the largest gathered module (DeepSpeed's 4·largest_layer_params). Offloaded master, fp32 gradient
   and moments live on the host (CPU Adam updates them there); at stages 1-2 the device then holds only the
-  gradients of the module being reduced, and the host one more fp32 partition-sized staging buffer
-  (measured by torch_impl.memory on gpt2-tiny; docs/plans.md)."""
+  gradients of the module being reduced, and the host, in the compute dtype, a partition-sized staging buffer for
+  the updated params, one param's gradient staging buffer and, with gradient accumulation, a partition-sized
+  accumulation buffer (DeepSpeed 0.19.8 stage_1_and_2.py: param_buffer_of_bit16_for_cpu_offload_groups,
+  temp_grad_buffer_for_cpu_offload, accumulated_grads_in_cpu; measured by torch_impl.memory on gpt2-tiny in fp32 and
+  bf16, tests/test_memory.py; docs/plans.md)."""
   m, t, p = run.model, run.train, run.deepspeed
   n, e = param_count(m), FP32 if t.precision == "fp32" else 2
   off_opt, off_par = p.offload_optimizer == "cpu", p.offload_param == "cpu"
@@ -241,9 +250,13 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
   grad_shard = ranks if p.zero_stage >= 2 else 1
   if p.zero_stage in (1, 2) and off_opt:  # each module's grads are copied to the host as they are reduced
     rows.append(Row("deepspeed", "gradients", "device", e * largest_layer_params(m), "compute dtype, in flight"))
-    rows.append(Row("deepspeed", "buffers", "host", FP32 * math.ceil(n / opt_shard), "fp32 host staging"))
-    if t.grad_accum_steps > 1:  # stage_1_and_2 accumulated_grads_in_cpu
-      rows.append(Row("deepspeed", "gradients", "host", FP32 * math.ceil(n / opt_shard), "fp32 accumulation"))
+    rows.append(Row("deepspeed", "gradients", "host", e * largest_param(m),
+                    "compute dtype, one param's host staging"))
+    rows.append(Row("deepspeed", "buffers", "host", e * math.ceil(n / opt_shard),
+                    "compute dtype, host staging of the updated params"))
+    if t.grad_accum_steps > 1:
+      rows.append(Row("deepspeed", "gradients", "host", e * math.ceil(n / opt_shard),
+                      "compute dtype, accumulation"))
   else:
     rows.append(Row("deepspeed", "gradients", "device", e * math.ceil(n / grad_shard), "compute dtype"))
   master = p.zero_stage >= 1 or t.precision != "fp32"
@@ -323,7 +336,9 @@ def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed
     ranks: data-parallel ranks of the DeepSpeed side (the JAX side uses run.jax.data_parallel).
     sides: which sides to estimate ('deepspeed', 'jax', 'torch': plain AdamW, fp32, no sharding).
   Returns:
-    Rows; rows noted 'in-step' are transient copies of offloaded state (not resident between steps).
+    Rows; rows noted 'in-step' exist only while the step runs: transient copies of offloaded state, and the batch
+    (token ids in their stored dtype, the mask arrays and attention mask of a padded/packed run:
+    parity.sizing.batches.step_input_rows).
   """
   rows: list[Row] = []
   for side in sides:
@@ -338,6 +353,8 @@ def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed
       rows += _activation_rows("torch", run, "none", ranks=1)
     else:
       raise ValueError(f"unknown side {side!r}; expected deepspeed, jax or torch")
+    rows += [Row(side, cat, "device", b, note) for cat, note, b, _ in
+             step_input_rows(run, side, run.jax.data_parallel if side == "jax" else 1)]
   return rows
 
 
@@ -380,58 +397,6 @@ def peak_host_bytes(rows: Iterable[Row], side: str) -> int:
   return sum(r.bytes for r in rows if r.side == side and r.kind == "host")
 
 
-# ----------------------------------------------------------------------------- predicted vs measured
-
-def _run_of(report: dict[str, Any]) -> RunSpec:
-  return from_dict(RunSpec, report["run"])
-
-
-def _jax_predicted_by_kind(run: RunSpec) -> dict[str, int]:
-  """JAX state bytes per memory kind (parity.sizing.memory_jax, which sizes each array by its memory kind)."""
-  return {("host" if k.endswith("host") else k): int(v) for k, v in jax_state_bytes(run).items()}
-
-
-def predicted_vs_measured(report_json: dict[str, Any] | str) -> list[dict[str, Any]]:
-  """Rows (side, category, memory kind, predicted, measured, ratio) for a finished run's report.json.
-
-  DeepSpeed and torch sides: per category and kind, predicted by `estimate` vs what torch_impl.memory
-  measured on the live tensors (max over the probed moments of step 0). JAX: state bytes per memory kind
-  ('pinned_host' / 'unpinned_host' counted as 'host'). Every side also gets its peak host RSS (measured
-  only: it includes the libraries and the data). ratio = measured / predicted (None when either is
-  missing or predicted is 0).
-  """
-  import json
-  if isinstance(report_json, str):
-    with open(report_json) as f:
-      report_json = json.load(f)
-  run = _run_of(report_json)
-  rows: list[dict[str, Any]] = []
-  for side, info in report_json.get("sides", {}).items():
-    summ = info.get("summary") or {}
-    if side in ("deepspeed", "torch"):
-      pred = totals(estimate(run, sides=(side,)), side)
-      meas = summ.get("state_bytes_by_category") or {}
-      for cat in sorted(set(CATEGORIES) | set(meas), key=lambda c: (c not in CATEGORIES, c)):
-        for kind in KINDS:
-          rows.append(_row(side, cat, kind, pred.get(cat, {}).get(kind), (meas.get(cat) or {}).get(kind)))
-    elif side == "jax":
-      pred_k = _jax_predicted_by_kind(run)
-      meas_k: dict[str, int] = {}
-      for k, v in (summ.get("state_bytes_by_memory_kind") or {}).items():
-        key = "host" if k.endswith("host") else k
-        meas_k[key] = meas_k.get(key, 0) + int(v)
-      for kind in KINDS:
-        rows.append(_row(side, "state", kind, pred_k.get(kind), meas_k.get(kind)))
-    rows.append(_row(side, "peak_rss", "host", None, summ.get("peak_host_rss_bytes")))
-  return rows
-
-
-def _row(side: str, category: str, kind: str, predicted: int | None, measured: int | None) -> dict[str, Any]:
-  ratio = measured / predicted if predicted and measured is not None else None
-  return {"side": side, "category": category, "memory_kind": kind, "predicted": predicted,
-          "measured": measured, "ratio": ratio}
-
-
 # ----------------------------------------------------------------------------- what `parity estimate` shows
 
 def model_preset_train(model: ModelSpec) -> TrainSpec:
@@ -440,20 +405,73 @@ def model_preset_train(model: ModelSpec) -> TrainSpec:
   return TrainSpec(micro_batch_size=1, seq_len=min(2048, model.max_seq_len), precision="bf16")
 
 
-def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
-  """Everything `parity estimate` prints, JSON-ready: rows, peaks, and DeepSpeed's own estimator figures."""
-  rows = estimate(run, ranks=ranks)
-  n, big = param_count(run.model), largest_layer_params(run.model)
-  p = run.deepspeed
+DS_BUFFER_FACTOR = 1.5
+"""DeepSpeed's default `additional_buffer_factor`: its estimators multiply every host figure by it (a safety margin)."""
+
+
+def _ds_formula(run: RunSpec, ranks: int) -> dict[str, Any]:
+  """DeepSpeed's own estimator for the run's DeepSpeed plan on one node of `ranks` GPUs (zero_init, buffer factor
+  1.5), with what each of its terms counts. Stages 0 and 1 have no estimator of their own: the stage-2 one is used.
+
+  Returns {'function', 'call', 'gpu_bytes', 'cpu_bytes', 'gpu_formula', 'cpu_formula'} (bytes: int)."""
+  n, big, p = param_count(run.model), largest_layer_params(run.model), run.deepspeed
+  off_opt, off_par, g = p.offload_optimizer == "cpu", p.offload_param == "cpu", ranks
   if p.zero_stage == 3:
-    cpu, gpu, _ = ds_zero3_model_states(n, big, ranks, 1, p.offload_optimizer == "cpu", p.offload_param == "cpu")
+    cpu, gpu, _ = ds_zero3_model_states(n, big, g, 1, off_opt, off_par)
+    call = (f"estimate_zero3_model_states_mem_needs(total_params={n}, largest_layer_params={big}, num_gpus_per_node="
+            f"{g}, cpu_offload={off_opt}, cpu_offload_params={off_par})")
+    layer = "4·L (the largest layer gathered, fp32 size)"
+    if off_opt and off_par:
+      gf, cf = layer, "1.5 × 18·N (fp16 params 2 + fp32 master 4 + fp32 gradients 4 + Adam moments 8 bytes/param)"
+    elif off_opt:
+      gf = f"{layer} + 2·N/{g} (fp16 param partition)"
+      cf = "1.5 × 16·N (fp32 master 4 + fp32 gradients 4 + Adam moments 8 bytes/param)"
+    else:
+      gf = f"{layer} + 18·N/{g} (fp16 params 2 + fp32 master 4 + fp32 gradients 4 + Adam moments 8, partitioned)"
+      cf = f"1.5 × 4·L·{g} (a host copy of the largest layer per GPU)"
   else:
-    cpu, gpu = ds_zero2_model_states(n, ranks, 1, p.offload_optimizer == "cpu")
-  return {"total_params": n, "largest_layer_params": big, "rows": [dataclasses.asdict(r) for r in rows],
+    cpu, gpu = ds_zero2_model_states(n, g, 1, off_opt)
+    call = f"estimate_zero2_model_states_mem_needs(total_params={n}, num_gpus_per_node={g}, cpu_offload={off_opt})"
+    if off_opt:
+      gf = "2·N (fp16 params)"
+      cf = ("1.5 × 16·N (fp32 master 4 + fp32 gradients 4 + Adam moments 8 bytes/param)" if 4 * g <= 16 else
+            f"1.5 × 4·N·{g} (an fp32 model copy per GPU while loading)")
+    else:
+      gf = f"2·N + 18·N/{g} (fp16 params 2; fp16 + fp32 gradients 6, fp32 master 4, Adam moments 8, partitioned)"
+      cf = f"1.5 × 4·N·{g} (an fp32 model copy per GPU while loading)"
+  name = call.split("(")[0]
+  return {"function": name, "call": call, "gpu_bytes": gpu, "cpu_bytes": cpu, "gpu_formula": gf, "cpu_formula": cf}
+
+
+def estimator_relation(rows: Iterable[Row], ds: dict[str, Any], ranks: int) -> dict[str, Any]:
+  """How this model's DeepSpeed figures relate to DeepSpeed's own estimator (`_ds_formula`): the same scope (model
+  states: resident rows without activations or the batch, the in-step gathered module included on the device), per
+  node (host x ranks), and the host figure set against the estimator's without its 1.5 factor.
+
+  Returns {'device_bytes', 'host_bytes', 'estimator_host_unfactored_bytes', 'host_minus_unfactored_bytes', 'rows'}
+  (bytes: int); rows: {kind, category, note, bytes} of this model, the terms of its two sums."""
+  states = [r for r in rows if r.side == "deepspeed" and r.category != "activations" and not is_batch_row(r.note)]
+  dev = sum(r.bytes for r in states if r.kind == "device")
+  host = ranks * sum(r.bytes for r in states if r.kind == "host")
+  unfactored = round(ds["cpu_bytes"] / DS_BUFFER_FACTOR)
+  return {"device_bytes": dev, "host_bytes": host, "estimator_host_unfactored_bytes": unfactored,
+          "host_minus_unfactored_bytes": host - unfactored,
+          "rows": [{"kind": r.kind, "category": r.category, "note": r.note,
+                    "bytes": r.bytes * (ranks if r.kind == "host" else 1)}
+                   for r in sorted(states, key=lambda r: -r.bytes) if r.bytes]}
+
+
+def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
+  """Everything `parity estimate` prints, JSON-ready: rows, peaks, and DeepSpeed's own estimator figures with how
+  this model's DeepSpeed figures relate to them (`estimator_relation`)."""
+  rows = estimate(run, ranks=ranks)
+  ds = _ds_formula(run, ranks)
+  return {"total_params": param_count(run.model), "largest_layer_params": largest_layer_params(run.model),
+          "ranks": ranks, "rows": [dataclasses.asdict(r) for r in rows],
           "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in ("deepspeed", "jax")},
           "peak_host_bytes": {s: peak_host_bytes(rows, s) for s in ("deepspeed", "jax")},
-          "deepspeed_estimator": {"function": f"estimate_zero{3 if p.zero_stage == 3 else 2}_model_states_mem_needs",
-                                  "cpu_bytes": cpu, "gpu_bytes": gpu}}
+          "deepspeed_estimator": {**ds, "additional_buffer_factor": DS_BUFFER_FACTOR,
+                                  "relation": estimator_relation(rows, ds, ranks)}}
 
 
 def step_rows(rows: Iterable[Row]) -> list[tuple[str, list[int]]]:

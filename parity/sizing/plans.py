@@ -14,10 +14,11 @@ import math
 from typing import Any
 
 from parity.sizing import memory
+from parity.sizing.batches import counted_tokens_per_s
 from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
-           "step_time", "choose_plan", "explain", "custom_hardware", "ranking_json"]
+           "step_time", "choose_plan", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -315,9 +316,44 @@ def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: 
   return dataclasses.replace(hw, **changes)
 
 
-def ranking_json(best: Candidate | None, ranked: list[Candidate]) -> dict[str, Any]:
-  """JSON-ready ranking of `choose_plan`: {'choice': name or None, 'ranked': [Candidate fields + 'fits']}; an
-  infinite cost (a pair this run cannot use) is None."""
+def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None, devices: int = 1,
+                sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4, reserve: float = 0.1,
+                padding_fraction: float = 0.0) -> dict[str, Any]:
+  """What `choose_plan` assumed, JSON-ready (the same arguments): hardware name, device memory and the part usable
+  after `reserve` (bytes), host memory per device (bytes), host link per direction (bytes/s), the peak at the run's
+  precision (FLOP/s), MFU, devices, sides, and the run's precision, micro batch, sequence and gradient accumulation,
+  and the padding fraction the ranking's non-padding tokens/s counts with (`ranking_json`; 0: every position real).
+
+  Raises:
+    SpecError: padding_fraction (--padding-fraction) outside [0, 1).
+  """
+  if not (isinstance(padding_fraction, (int, float)) and 0 <= padding_fraction < 1):
+    raise SpecError(f"padding fraction (--padding-fraction) {padding_fraction!r}: must be in [0, 1) (a padded or "
+                    "packed run's data card gives it)")
+  return {"hardware": hw.name, "device_bytes": hw.device_bytes, "reserve": reserve,
+          "usable_device_bytes": int(hw.device_bytes * (1 - reserve)),
+          "host_bytes_per_device": hw.host_bytes if host_bytes is None else host_bytes,
+          "host_link_bytes_per_s": hw.host_link_bytes_per_s, "peak_flops": hw.peak(train.precision), "mfu": mfu,
+          "devices": devices, "sides": list(sides), "precision": train.precision,
+          "micro_batch_size": train.micro_batch_size, "seq_len": train.seq_len,
+          "grad_accum_steps": train.grad_accum_steps, "padding_fraction": padding_fraction}
+
+
+def ranking_json(best: Candidate | None, ranked: list[Candidate], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+  """JSON-ready ranking of `choose_plan`: {'inputs': `plan_inputs` (when given), 'choice': name or None, 'ranked':
+  [Candidate fields + 'fits', and with inputs 'tokens_per_s' (every position of the global step / step_s) and
+  'non_padding_tokens_per_s' (parity.sizing.batches.counted_tokens_per_s at inputs' padding_fraction)]}; an infinite
+  cost (a pair this run cannot use) is None."""
   finite = lambda d: {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
-  return {"choice": best.name if best else None,
-          "ranked": [finite(dict(dataclasses.asdict(c), fits=c.fits)) for c in ranked]}
+  return {**({"inputs": inputs} if inputs is not None else {}), "choice": best.name if best else None,
+          "ranked": [finite(dict(dataclasses.asdict(c), fits=c.fits, **_throughput(c, inputs))) for c in ranked]}
+
+
+def _throughput(c: Candidate, inputs: dict[str, Any] | None) -> dict[str, float]:
+  """{'tokens_per_s', 'non_padding_tokens_per_s'} of a candidate (inf for a pair that cannot run: None in JSON);
+  {} without the plan's inputs. Padding costs the FLOPs of a real position, so only the counted share changes."""
+  if inputs is None:
+    return {}
+  tokens = inputs["micro_batch_size"] * inputs["seq_len"] * inputs["grad_accum_steps"] * inputs["devices"]
+  tps = tokens / c.step_s if c.step_s > 0 and math.isfinite(c.step_s) else math.inf
+  return {"tokens_per_s": tps, "non_padding_tokens_per_s": counted_tokens_per_s(tps, inputs["padding_fraction"])}

@@ -12,9 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from parity.data import _CHUNK_TOKENS
+from parity.data import _CHUNK_TOKENS, batch_dtype
 from parity.inputs import InputError
 from parity.sizing import memory
+from parity.sizing.batches import example_file_bytes, example_host_bytes
 from parity.weights import param_shapes
 
 __all__ = ["Resources", "estimate_resources", "check_resources", "available_memory_bytes", "tensor_count",
@@ -27,16 +28,22 @@ class Resources:
 
   Attributes:
     params: number of model parameters (closed form; no per-layer table is built).
-    batches_bytes: size of batches.npy (steps x grad_accum x micro_batch x (seq_len + 1) uint16 tokens).
+    batches_bytes: size of batches.npy (steps x grad_accum x micro_batch x (seq_len + 1) tokens, 2 bytes each,
+      4 when model.vocab_size > 65,536: parity.data.batch_dtype).
     memory_bytes: peak host RAM of the largest single process: the memory model's device + host bytes of the
-      heavier side (on a CPU machine both kinds are RAM) plus the batches, plus make_batches' sampling buffers.
+      heavier side (on a CPU machine both kinds are RAM; the batch and mask rows of parity.sizing.batches among
+      them) plus the batches, plus make_batches' sampling buffers, plus examples_bytes.
     disk_bytes: what the run folder will hold: batches.npy twice (run + noise rerun), init.safetensors and one
       final.safetensors per side and rerun.
+    examples_bytes: a padded/packed run's example arrays at their peak in one process (parity.sizing.batches.
+      example_host_bytes: loss mask, segment ids and positions of every step, and a side's float32 weights built
+      through float64); 0 on stream. Counted in memory_bytes; their files (twice: run + noise rerun) in disk_bytes.
   """
   params: int
   batches_bytes: int
   memory_bytes: int
   disk_bytes: int
+  examples_bytes: int = 0
 
 
 def _per_layer(model, measure: Callable[[dict], int]) -> int:
@@ -76,18 +83,21 @@ def estimate_resources(spec, nproc: int = 1) -> Resources:
   """
   t, m = spec.train, spec.model
   n = _param_count(m)
-  batches = (t.steps * t.grad_accum_steps * t.micro_batch_size * (t.seq_len + 1) * 2
-             + max(t.eval_batches, 1) * t.micro_batch_size * (t.seq_len + 1) * 2 + 128)
+  tok = batch_dtype(m.vocab_size).itemsize  # bytes per stored token id
+  batches = (t.steps * t.grad_accum_steps * t.micro_batch_size * (t.seq_len + 1) * tok
+             + max(t.eval_batches, 1) * t.micro_batch_size * (t.seq_len + 1) * tok + 128)
   state = n * STATE_BYTES_PER_PARAM_FLOOR
   if n <= LARGE_MODEL_PARAMS:
     rows = memory.estimate(spec, sides=("deepspeed", "jax"))
     state = max(state, *(sum(r.bytes for r in rows if r.side == s) for s in ("deepspeed", "jax")))
-  disk = 2 * batches + n * 4 * (1 + 2 * len(spec.sides))
-  # make_batches' peak besides the batches: int64 window starts, and one chunk's int64 indices + uint16 gather
+  examples = example_host_bytes(spec)
+  disk = 2 * (batches + example_file_bytes(spec)) + n * 4 * (1 + 2 * len(spec.sides))
+  # make_batches' peak besides the batches: int64 window starts, and one chunk's int64 indices + its gather (tok)
   # (measured with tracemalloc, 200,000 steps of gpt2-tiny: peak 102.1 MB; this formula: 101.1 MB + the model state)
-  sampling = t.steps * t.grad_accum_steps * t.micro_batch_size * 8 + _CHUNK_TOKENS * 10
+  sampling = t.steps * t.grad_accum_steps * t.micro_batch_size * 8 + _CHUNK_TOKENS * (8 + tok)
   per_rank = state if nproc <= 1 else nproc * (state + FRAMEWORK_FLOOR_BYTES)
-  return Resources(params=n, batches_bytes=batches, memory_bytes=per_rank + batches + sampling, disk_bytes=disk)
+  return Resources(params=n, batches_bytes=batches, memory_bytes=per_rank + batches + sampling + examples,
+                   disk_bytes=disk, examples_bytes=examples)
 
 
 def visible_gpus(environ=os.environ) -> int:
@@ -170,11 +180,14 @@ def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False, npr
   if allow_large or os.environ.get(ALLOW_LARGE_ENV) == "1":
     return r
   t, m = spec.train, spec.model
+  tok = batch_dtype(m.vocab_size)
   ranks = f"--nproc {nproc} ranks x (model state + {_gb(FRAMEWORK_FLOOR_BYTES)} framework floor); " \
       if nproc > 1 else ""
   why = (f"{ranks}{r.params:,} params (model.n_layers={m.n_layers}, d_model={m.d_model}, vocab_size={m.vocab_size}); "
          f"batches.npy {_gb(r.batches_bytes)} (train.steps={t.steps} x grad_accum_steps={t.grad_accum_steps} x "
-         f"micro_batch_size={t.micro_batch_size} x (seq_len+1)={t.seq_len + 1} x 2 bytes)")
+         f"micro_batch_size={t.micro_batch_size} x (seq_len+1)={t.seq_len + 1} x {tok.itemsize} bytes, "
+         f"{tok.name} ids of model.vocab_size={m.vocab_size})"
+         + (f"; the {t.layout} layout's mask arrays {_gb(r.examples_bytes)}" if r.examples_bytes else ""))
   mem = available_memory_bytes()
   if mem is not None and r.memory_bytes > mem:
     raise InputError(f"the run needs ~{_gb(r.memory_bytes)} of memory, more than the {_gb(mem)} available: {why}. "

@@ -3,8 +3,10 @@
   check.py       Check, what every check returns
   steps.py       scalar per-step checks (loss, grad norm, lr, val loss, fp16 scale/skips), completion,
                  determinism/resume
-  params.py      the final-params rule (per-element Adam or per-tensor) and AdamSensitivity, which workers feed
+  params.py      the final-params rule (per-element Adam or per-tensor); its Adam kernels and AdamSensitivity,
+                 which workers feed, are parity.numerics.adam
   envelope.py    the bf16/fp16 noise envelope: per-step windows and final params against each side's rerun
+  gating.py      which checks are reported only (gating False): the one registry the reruns and the verifier use
   sides.py       compare_sides (every check of every pair) and the verdict
   tolerances.py  every tolerance with its derivation or measurement
 """

@@ -8,10 +8,10 @@ from typing import Sequence
 
 import numpy as np
 
+from parity.numerics.adam import element_scores
 from parity.verdict.check import Check
-from parity.verdict.params import (FINAL_MOMENTS_NAME, _adam_element_scores, _masked_diff, _pair_rule, _PairRule,
-                                   param_ratios)
-from parity.verdict.steps import _steps_by_index, relative_diff
+from parity.verdict.params import FINAL_MOMENTS_NAME, PairRule, masked_diff, pair_rule, param_ratios
+from parity.verdict.steps import relative_diff, steps_by_index
 from parity.verdict.tolerances import EnvelopeRule, tolerance
 from parity.weights import zero_grad_slices
 
@@ -84,7 +84,7 @@ def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict
   floor = rule.grad_norm_floor if relative else rule.floor
   envs = [noise[s] for s in (a_side, b_side) if s in noise]
   skipped = {int(r["step"]) for r in (*a, *b) if r.get("skipped")}
-  sa, sb = _steps_by_index(a, metric), _steps_by_index(b, metric)
+  sa, sb = steps_by_index(a, metric), steps_by_index(b, metric)
   common = sorted((set(sa) & set(sb).intersection(*envs)) - skipped) if envs else []
   if not common:
     return None
@@ -115,35 +115,34 @@ def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict
 
 
 def _envelope_row(name: str, r: float, bound: float, params: tuple, zslice: tuple[int, int] | None,
-                  pair_rule: _PairRule) -> tuple[float, str, float, float, float, float]:
+                  prule: PairRule) -> tuple[float, str, float, float, float, float]:
   """One tensor of the params envelope: (score, name, ratio r, bound_T, value, allowed), value/allowed being the
   worst element's |a_i - b_i| and its bound (Adam rule) or r and bound_T (per-tensor rule, or a non-finite r).
   params: (a, b, init) arrays of the tensor."""
-  if not pair_rule.adam or not math.isfinite(r):
+  if not prule.adam or not math.isfinite(r):
     return (r / bound if math.isfinite(r) else math.inf, name, r, bound, r, bound)
   pa, pb, p0 = (np.asarray(x, dtype=np.float64) for x in params)
-  mask, d, moved = _masked_diff(pa, pb, p0, zslice)
-  scores, allowed = _adam_element_scores(d, moved, bound, name, pair_rule.ma, pair_rule.mb, mask, pair_rule.lr_sum,
-                                         pair_rule.kappa)
+  mask, d, moved = masked_diff(pa, pb, p0, zslice)
+  scores, allowed = element_scores(d, moved, bound, name, prule.ma, prule.mb, mask, prule.lr_sum, prule.kappa)
   if not scores.size:
     return (0.0, name, r, bound, 0.0, 0.0)
   k = int(np.argmax(scores))
   return (float(scores[k]), name, r, bound, float(d[k]), float(allowed[k]))
 
 
-def _envelope_params_detail(worst: tuple, over: int, n: int, rule: EnvelopeRule, pair_rule: _PairRule,
+def _envelope_params_detail(worst: tuple, over: int, n: int, rule: EnvelopeRule, prule: PairRule,
                             precision: str | None, adam_updates: bool) -> tuple[str, str]:
   """(detail, reason) of the params envelope check from its worst row (`_envelope_row`) and the count over."""
   score, name, r, bound, value, allowed = worst
   base = f"{rule.factor:g}x the noisier rerun's + {rule.params_floor:g}"
-  if pair_rule.adam:
+  if prule.adam:
     detail = (f"worst tensor {name}: element |Δ| = {value:.3g} vs allowed {allowed:.3g} ({score:.3g}x; "
-              f"{bound:.3g}·moved + min(2·Σlr, {pair_rule.kappa:.3g}·g·S_i), {bound:.3g} = {base}); tensor max |Δ| / "
+              f"{bound:.3g}·moved + min(2·Σc_t·lr_t, {prule.kappa:.3g}·g·S_i), {bound:.3g} = {base}); tensor max |Δ| / "
               f"moved = {r:.3g}; {over} of {n} tensors over; rule: envelope + Adam per element (moments of "
               "both sides)")
     return detail, rule.reason + " " + tolerance(precision, "params_grad_noise").reason
   why = ("no precision given" if precision is None else "the optimizer is not Adam" if not adam_updates else
-         f"{', '.join(pair_rule.missing)} wrote no {FINAL_MOMENTS_NAME}" if pair_rule.missing else
+         f"{', '.join(prule.missing)} wrote no {FINAL_MOMENTS_NAME}" if prule.missing else
          "a moments file lacks some tensors")
   detail = (f"worst tensor {name}: max |Δ| / moved = {r:.3g} vs bound {bound:.3g} ({base}); {over} of "
             f"{n} tensors over; rule: per-tensor fallback ({why})")
@@ -191,17 +190,17 @@ def envelope_params_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b:
   envs = [noise[s] for s in (a_side, b_side) if s in noise]
   if not envs:
     return None
-  pair_rule = _pair_rule(a_side, b_side, a, moments, precision, lr_sum, 0.0,
-                         adam_ok=precision is not None and adam_updates)
+  prule = pair_rule(a_side, b_side, a, moments, precision, lr_sum, 0.0,
+                    adam_ok=precision is not None and adam_updates)
   zslices = zero_grad_slices(spec)
   rows = []
   for name, r in param_ratios(a, b, init, spec).items():
     bound = rule.factor * max(e.get(name, 0.0) for e in envs) + rule.params_floor
-    rows.append(_envelope_row(name, r, bound, (a[name], b[name], init[name]), zslices.get(name), pair_rule))
+    rows.append(_envelope_row(name, r, bound, (a[name], b[name], init[name]), zslices.get(name), prule))
   rows.sort(key=lambda x: (-x[0] if not math.isnan(x[0]) else -math.inf, x[1]))
   score, name, r, bound, value, allowed = rows[0]
   over = sum(not x[0] <= 1.0 for x in rows)
-  detail, reason = _envelope_params_detail(rows[0], over, len(rows), rule, pair_rule, precision, adam_updates)
+  detail, reason = _envelope_params_detail(rows[0], over, len(rows), rule, prule, precision, adam_updates)
   nonfinite = [x[1] for x in rows if not math.isfinite(x[2])]
   if nonfinite:
     detail += f"; non-finite values in {nonfinite[:3]}"

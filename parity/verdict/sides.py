@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from parity.verdict.check import Check
+from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_checks
 from parity.verdict.steps import FP16_SERIES, SERIES_METRICS, completion_check, series_check, updates_check
 
@@ -38,13 +39,16 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
     checks.append(completion_check(na, a["status"], len(a["steps"]), nb, b["status"], len(b["steps"]),
                                    spec.train.steps))
     if a["steps"] and b["steps"]:
-      checks.append(updates_check(na, a["steps"], nb, b["steps"]))
+      checks.append(updates_check(na, a["steps"], nb, b["steps"], spec.train.steps))
     for metric in SERIES_METRICS + (FP16_SERIES if precision == "fp16" else ()):
       c = series_check(metric, na, a["steps"], nb, b["steps"], precision)
       if c is not None:
         checks.append(c)
     if a.get("final") is not None and b.get("final") is not None:
-      lr_sum = float(sum(r["lr"] for r in a["steps"]))
+      # the most one Adam side can move an element (numerics.adam.adam_step_sum; the betas set how far past lr a step
+      # goes)
+      lr_sum = adam_step_sum([r["lr"] for r in a["steps"] if not r.get("skipped")], spec.train.beta1,
+                             spec.train.beta2)
       pc, pt = param_checks(na, a["final"], nb, b["final"], init, spec.model, precision, lr_sum,
                             moments={na: a.get("moments"), nb: b.get("moments")},
                             adam_updates=spec.train.optimizer in ("adam", "adamw"))

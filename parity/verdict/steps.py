@@ -12,7 +12,7 @@ from parity.verdict.check import Check
 from parity.verdict.tolerances import tolerance
 
 __all__ = ["SERIES_METRICS", "FP16_SERIES", "BITWISE_KEYS", "series_check", "completion_check", "updates_check", "repeat_check",
-           "relative_diff"]
+           "relative_diff", "steps_by_index"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")
 FP16_SERIES = ("loss_scale", "skipped")
@@ -21,7 +21,7 @@ BITWISE_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "val_loss")
 """StepRecord fields that must be bit-identical between two runs of the same side (determinism, resume)."""
 
 
-def _steps_by_index(records: Sequence[dict], metric: str) -> dict[int, float]:
+def steps_by_index(records: Sequence[dict], metric: str) -> dict[int, float]:
   return {int(r["step"]): float(r[metric]) for r in records if r.get(metric) is not None}
 
 
@@ -33,7 +33,7 @@ def series_check(metric: str, a_side: str, a: Sequence[dict], b_side: str, b: Se
   A step where exactly one side is NaN/inf, or both are but differ, fails.
   """
   tol = tolerance(precision, metric)
-  sa, sb = _steps_by_index(a, metric), _steps_by_index(b, metric)
+  sa, sb = steps_by_index(a, metric), steps_by_index(b, metric)
   common = sorted(set(sa) & set(sb))
   if not common:
     return None
@@ -78,12 +78,15 @@ def completion_check(a_side: str, a_status: str, a_steps: int, b_side: str, b_st
                reason="Both sides must run every step to be compared; a crash, kill, timeout or NaN fails parity.")
 
 
-def updates_check(a_side: str, a_steps: Sequence[dict], b_side: str, b_steps: Sequence[dict]) -> Check:
+def updates_check(a_side: str, a_steps: Sequence[dict], b_side: str, b_steps: Sequence[dict],
+                  total: int | None = None) -> Check:
   """Whether the pair compared at least one optimizer update: a step with lr > 0 on both sides.
 
   With lr = 0 on every step (DeepSpeed's WarmupLR and WarmupCosineLR give lr 0 at steps 0 and 1), no weight moves,
   so the params checks compare the initial weights with themselves and the optimizer (Adam moments, weight decay,
   clipping, the update itself) is never compared: a PASS would vouch for nothing. This check fails such a run.
+  total: the steps the run was configured for; when fewer were recorded (a side stopped early), the detail blames
+    the stop, not the configuration (its advice to run more steps holds only for a run configured that short).
   Returns:
     An 'updates' Check: value = the number of steps both sides ran with lr > 0, tolerance = 1 (the fewest that
     compares an update); passed when value >= tolerance. Skipped by the caller when either side recorded no step.
@@ -91,7 +94,10 @@ def updates_check(a_side: str, a_steps: Sequence[dict], b_side: str, b_steps: Se
   n = min(len(a_steps), len(b_steps))
   moving = sum(1 for ra, rb in zip(a_steps[:n], b_steps[:n]) if ra.get("lr") and rb.get("lr"))
   passed = moving >= 1
+  stopped = total is not None and n < total
   detail = (f"{moving} of {n} steps updated the weights (lr > 0 on both sides)" if passed else
+            f"lr was 0 on all {n} steps both sides ran: no optimizer update was compared, because a side stopped "
+            f"after {n} of {total} steps (see the completed check), still in the warmup" if stopped else
             f"lr was 0 on all {n} steps: no optimizer update was compared; run more steps than the warmup "
             "(train.steps > 2 with DeepSpeed's warmup schedules) or give train.lr a nonzero start")
   return Check(name=f"updates {a_side}~{b_side}", metric="updates", sides=(a_side, b_side), value=float(moving),

@@ -9,16 +9,23 @@ plots beside it) and comparison.html (one self-contained file) with one plot per
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from parity.history.gate import read_gate
 from parity.inputs import InputError
-from parity.report.finished import _atomic_write, load_finished, rerender_run  # noqa: F401
+from parity.report import html as H
+from parity.report.finished import load_finished
+from parity.report.headline import model_label
+from parity.report.markdown import md_table, md_text
+from parity.report.read import finite_number, peak_load, verify_report
+from parity.report.runconfig import config_diff, flatten, launch_config
+from parity.report.write import atomic_write
+from parity.report.plots import across_runs_figure, line_figure, to_png, to_svg  # imports matplotlib: only when drawing
 
-__all__ = ["RunFigures", "load_runs", "run_figures", "config_diff", "flatten", "METRICS", "metric_values",
-           "comparison_figures", "comparison_markdown", "comparison_html", "write_comparison", "load_finished",
-           "rerender_run"]
+__all__ = ["RunFigures", "load_runs", "run_figures", "side_figures", "METRICS", "metric_values", "gate_failures",
+           "comparison_figures", "comparison_markdown", "comparison_html", "write_comparison", "COLUMNS"]
 
 
 @dataclasses.dataclass
@@ -37,7 +44,8 @@ class RunFigures:
     differs: dotted key -> value where this run's config differs from the first run's ({} for the first).
     loss_series: side -> (steps, loss) for the overlaid loss plot. problems: what verify_report found (the files
       the verdict rests on changed since the run, or an edited report); [] when intact.
-    gate: the one-line outcome of the run's regression gate (gate.json, `--baseline`), '' when it had none.
+    gate: the one-line outcome of the run's regression gate (gate.json, `--baseline`), '' when it had none;
+      gate_passed: whether that gate passed (None: no gate; parity.history.gate.read_gate).
     backend: the sides' devices' platforms ('cpu', 'cuda'). max_load: the highest 1-minute load average recorded
       around any side (None: not recorded). cores: the machine's CPU count.
   """
@@ -62,6 +70,7 @@ class RunFigures:
   max_load: float | None = None
   cores: int | None = None
   gate: str = ""
+  gate_passed: bool | None = None
 
 
 METRICS: tuple[tuple[str, str, str, bool], ...] = (
@@ -72,23 +81,6 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("peak_rss_bytes", "peak host RSS per side", "MiB", False),
 )
 """(key, title, unit, log scale) of each plot across runs; max_dloss is per pair, the others per side."""
-
-
-def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-  """{'train': {'lr': 1e-3}} -> {'train.lr': 1e-3}; lists and scalars are leaves."""
-  if not isinstance(d, dict):
-    return {prefix: d}
-  out: dict[str, Any] = {}
-  for k, v in d.items():
-    key = f"{prefix}.{k}" if prefix else str(k)
-    out.update(flatten(v, key) if isinstance(v, dict) else {key: v})
-  return out
-
-
-def config_diff(base: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-  """Dotted key -> (base value, new value) for every key whose value differs (a key missing on one side shows
-  None there). Both arguments are flat (see `flatten`)."""
-  return {k: (base.get(k), new.get(k)) for k in sorted(set(base) | set(new)) if base.get(k) != new.get(k)}
 
 
 def _plan_text(d: dict) -> str:
@@ -104,43 +96,14 @@ def _plan_text(d: dict) -> str:
   return f"ZeRO-{ds.get('zero_stage')}{off} / JAX{jax_off}"
 
 
-def _num(v) -> float | None:
-  """A stored figure as a float; None for missing, text ('inf') or non-finite values."""
-  if isinstance(v, bool) or not isinstance(v, (int, float)):
-    return None
-  return float(v) if math.isfinite(v) else None
-
-
-def _side_figures(s: dict) -> dict[str, Any]:
+def side_figures(s: dict) -> dict[str, Any]:
   summ, ser = s["summary"], s["series"]
-  losses = [x for x in ser["loss"] if _num(x) is not None]
-  return {"status": s["status"], "tokens_per_s": _num(summ.get("tokens_per_s")),
-          "step_time_s_median": _num(summ.get("step_time_s_median")),
-          "peak_rss_bytes": _num(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
-          "peak_device_bytes": _num(summ.get("peak_device_bytes")),
+  losses = [x for x in ser["loss"] if finite_number(x) is not None]
+  return {"status": s["status"], "tokens_per_s": finite_number(summ.get("tokens_per_s")),
+          "step_time_s_median": finite_number(summ.get("step_time_s_median")),
+          "peak_rss_bytes": finite_number(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
+          "peak_device_bytes": finite_number(summ.get("peak_device_bytes")),
           "final_loss": float(losses[-1]) if losses else None}
-
-
-def launch_config(run_dir: str | Path) -> dict[str, Any]:
-  """How a run was launched beyond its spec, as dotted keys to compare like the spec's: 'nproc' (ranks per side,
-  launch.json; 1 when absent) and 'perturb.<side>.<key>' (request.json's per-side --perturb changes, which make
-  the sides differ on purpose). A file that cannot be read adds nothing."""
-  import json
-  out: dict[str, Any] = {}
-  try:
-    launch = json.loads((Path(run_dir) / "launch.json").read_text(encoding="utf-8"))
-    out["nproc"] = launch.get("nproc", 1) if isinstance(launch, dict) else 1
-  except FileNotFoundError:
-    out["nproc"] = 1
-  except (OSError, ValueError):
-    pass
-  try:
-    pert = json.loads((Path(run_dir) / "request.json").read_text(encoding="utf-8")).get("perturb")
-  except (OSError, ValueError, AttributeError):
-    pert = None
-  if isinstance(pert, dict) and pert:
-    out.update(flatten(pert, "perturb"))
-  return out
 
 
 def run_figures(report, label: str | None = None) -> RunFigures:
@@ -152,39 +115,36 @@ def run_figures(report, label: str | None = None) -> RunFigures:
   tol = None
   for c in d["checks"]:
     if c.get("metric") == "loss" and len(c.get("sides") or ()) == 2:
-      max_dloss["~".join(c["sides"])] = _num(c["value"])
-      tol = _num(c["tolerance"]) if tol is None else tol
+      max_dloss["~".join(c["sides"])] = finite_number(c["value"])
+      tol = finite_number(c["tolerance"]) if tol is None else tol
   if tol is None:
-    tol = _num(((d.get("tolerances") or {}).get(d["run"]["train"]["precision"]) or {}).get("loss", {}).get("atol"))
+    table = (d.get("tolerances") or {}).get(d["run"]["train"]["precision"]) or {}
+    tol = finite_number(table.get("loss", {}).get("atol"))
   sides = list(d["sides"])
   return RunFigures(
-      label=label or Path(report.run_dir).name, run_dir=Path(report.run_dir), preset=str(d.get("preset")),
+      label=label or Path(report.run_dir).name, run_dir=Path(report.run_dir), preset=model_label(d),
       precision=d["run"]["train"]["precision"], plan=_plan_text(d), sides=sides,
       steps=int(d["run"]["train"]["steps"]), passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"],
-      max_dloss=max_dloss, loss_tolerance=tol, per_side={s: _side_figures(d["sides"][s]) for s in sides},
+      max_dloss=max_dloss, loss_tolerance=tol, per_side={s: side_figures(d["sides"][s]) for s in sides},
       versions=dict((d.get("environment") or {}).get("versions") or {}),
       config={**flatten(d["run"]), **launch_config(report.run_dir)},
-      loss_series={s: (list(d["sides"][s]["series"]["step"]), [_num(x) for x in d["sides"][s]["series"]["loss"]])
-                   for s in sides},
+      loss_series={s: (list(d["sides"][s]["series"]["step"]),
+                       [finite_number(x) for x in d["sides"][s]["series"]["loss"]]) for s in sides},
       backend=",".join(sorted({str(d["sides"][s]["summary"].get("device") or "?").split(":")[0] for s in sides})),
       max_load=_max_load(d),
       cores=(d.get("environment") or {}).get("cpu_count"))
 
 
-def _gate_message(run_dir: Path) -> str:
-  """The message of <run_dir>/gate.json (written by `parity compare --baseline`), '' when absent or unreadable."""
-  import json
-  try:
-    g = json.loads((run_dir / "gate.json").read_text(encoding="utf-8"))
-  except (OSError, ValueError):
-    return ""
-  return str(g.get("message") or "") if isinstance(g, dict) else ""
+def gate_failures(runs: Sequence[RunFigures]) -> str:
+  """' Failed the regression gate against its baseline (gate.md): a, b.' naming the runs whose gate.json failed ('' when
+  none did): a run that holds parity but moved against its baseline must not leave the banner green."""
+  bad = [r.label for r in runs if r.gate_passed is False]
+  return f" Failed the regression gate against its baseline (gate.md): {', '.join(bad)}." if bad else ""
 
 
 def _max_load(d: dict) -> float | None:
   """The highest 1-minute load average recorded around any side (sides.<side>.load {start, end}), None if none."""
-  loads = [x[0] for s in d["sides"].values() for x in (s.get("load") or {}).values()
-           if isinstance(x, list) and x and _num(x[0]) is not None]
+  loads = [x for x in (peak_load(s.get("load")) for s in d["sides"].values()) if x is not None]
   return max(loads) if loads else None
 
 
@@ -207,7 +167,6 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[RunFigures]:
     InputError: an empty list, a folder given twice, or a folder that is not a finished run (load_report's message
       names the folder and what is missing).
   """
-  from parity.report.read import verify_report
   if not run_dirs:
     raise InputError("no run folder given: pass one or more folders written by `parity compare`")
   dirs = [Path(p) for p in run_dirs]
@@ -222,7 +181,7 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[RunFigures]:
     report = load_finished(p)
     fig = run_figures(report, label)
     fig.problems = verify_report(report)
-    fig.gate = _gate_message(p)
+    fig.gate, fig.gate_passed = read_gate(p)
     runs.append(fig)
   for r in runs[1:]:
     r.differs = {k: new for k, (_, new) in config_diff(runs[0].config, r.config).items()}
@@ -293,7 +252,6 @@ COLUMNS = ("run", "verdict", "preset", "precision", "plan", "steps", "max |Δlos
 
 def comparison_figures(runs: Sequence[RunFigures]):
   """(key, caption, Figure) per plot: one per METRICS entry across the runs, then every run's loss curves."""
-  from parity.report.plots import across_runs_figure, line_figure
   labels = [r.label for r in runs]
   out = []
   for key, title, unit, log in METRICS:
@@ -316,11 +274,6 @@ def comparison_figures(runs: Sequence[RunFigures]):
   return out
 
 
-def _md_cell(text) -> str:
-  """A GFM table cell: '|' escaped (a raw bar ends the cell in every renderer), no line breaks."""
-  return str(text).replace("|", "\\|").replace("\n", " ")
-
-
 def timing_note(runs: Sequence[RunFigures]) -> str:
   """One sentence on how far the time figures can be compared: the backend, and the runs whose machine was busier
   than its core count (1-minute load) while a side ran; '' when nothing needs saying."""
@@ -337,34 +290,32 @@ def timing_note(runs: Sequence[RunFigures]) -> str:
 
 
 def comparison_markdown(runs: Sequence[RunFigures], plots: dict[str, tuple[str, str]]) -> str:
-  """comparison.md: the key-figure table (GFM, '|' escaped), each run's problems, and the PNG plots
-  (plots: key -> (file name beside it, caption))."""
+  """comparison.md: the key-figure table (GFM), each run's problems, and the PNG plots (plots: key -> (file name
+  beside it, caption)). Every name, path and stored message goes through parity.report.markdown's `md_text` / `cell`,
+  so a folder named like HTML or Markdown reads as typed."""
   n_pass = sum(holds(r) for r in runs)
   out = [f"# parity: {len(runs)} runs compared", "",
-         f"**{n_pass} of {len(runs)} runs hold parity.** Runs in the order given; the first is the reference for "
-         "\"differs\". " + timing_note(runs), "",
-         "| " + " | ".join(_md_cell(c) for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-  for r in runs:
-    row = run_row(r, runs[0])
-    out.append("| " + " | ".join(_md_cell(row[c]) for c in COLUMNS) + " |")
+         f"**{n_pass} of {len(runs)} runs hold parity.{md_text(gate_failures(runs))}** Runs in the order given; the "
+         "first is the reference for \"differs\". " + md_text(timing_note(runs)), ""]
+  out += md_table(COLUMNS, [[run_row(r, runs[0])[c] for c in COLUMNS] for r in runs])
   out += ["", "## Runs", ""]
   for r in runs:
-    out.append(f"- `{r.label}`: {r.run_dir} — " + (f"UNVERIFIED (stored verdict: {r.verdict})" if r.problems
-                                                     else r.verdict))
-    out += [f"  - regression gate: {r.gate} (gate.md)"] if r.gate else []
-    out += [f"  - **files changed since its verdict**: {p}" for p in r.problems]
+    out.append(f"- {md_text(r.label)}: {md_text(r.run_dir)} — " + md_text(f"UNVERIFIED (stored verdict: {r.verdict})"
+                                                                          if r.problems else r.verdict))
+    out += [f"  - regression gate: {md_text(r.gate)} (gate.md)"] if r.gate else []
+    out += [f"  - **files changed since its verdict**: {md_text(p)}" for p in r.problems]
   for key, (name, caption) in plots.items():
-    out += ["", f"![{caption}]({name})", "", f"*{caption}*"]
+    out += ["", f"![{md_text(caption)}]({name})", "", f"*{md_text(caption, block=False)}*"]
   return "\n".join(out) + "\n"
 
 
 def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, str]]) -> str:
   """comparison.html: one self-contained page (parity.report.html building blocks, inline SVG figures:
   figures: key -> (svg, caption))."""
-  from parity.report import html as H
   n_pass = sum(holds(r) for r in runs)
   changed = [r.label for r in runs if r.problems]
-  kind = "pass" if n_pass == len(runs) and not changed else "fail" if n_pass == 0 else "warn"
+  gated = gate_failures(runs)
+  kind = "pass" if n_pass == len(runs) and not changed and not gated else "fail" if n_pass == 0 else "warn"
   sub = (f"Files changed since the verdict in: {', '.join(changed)}. " if changed else "") + \
       "Runs in the order given; the first is the reference for \"differs\". " + timing_note(runs)
   rows, classes = [], []
@@ -372,12 +323,13 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
     row = run_row(r, runs[0])
     link = H.Raw(f"<a href=\"{H.esc((r.run_dir / 'report.html').resolve().as_uri())}\">{H.esc(r.label)}</a>")
     cells = [link, H.badge("pass" if holds(r) else "fail", row["verdict"])]
-    cells += [H.Raw("<br>".join(H.esc(x) for x in row[c].split("; "))) for c in COLUMNS[2:]]
+    cells += [H.Raw("<br>".join(_figure_html(x) if c in PER_SIDE else H.esc(x) for x in row[c].split("; ")))
+              for c in COLUMNS[2:]]
     rows.append(cells)
     classes.append("fail" if not r.passed or r.problems else None)
   body = [f"<h1>parity: {len(runs)} runs compared</h1>",
-          H.banner(kind, f"{n_pass} of {len(runs)} runs hold parity", sub),
-          H.section("Key figures", H.table(list(COLUMNS), rows, row_classes=classes)),
+          H.banner(kind, f"{n_pass} of {len(runs)} runs hold parity.{gated}", sub),
+          H.section("Key figures", f"<div class=\"keyfig\">{H.table(list(COLUMNS), rows, row_classes=classes)}</div>"),
           H.section("Plots", "".join(H.figure(svg, cap, key=k) for k, (svg, cap) in figures.items()))]
   details = [H.kv_table([("folder", str(r.run_dir)),
                          ("verdict", f"UNVERIFIED (stored verdict: {r.verdict})" if r.problems else r.verdict),
@@ -385,9 +337,27 @@ def comparison_html(runs: Sequence[RunFigures], figures: dict[str, tuple[str, st
                          *([("regression gate", r.gate)] if r.gate else []),
                          *[("files changed", p) for p in r.problems]]) for r in runs]
   body.append(H.section("Runs", "".join(H.section(r.label, d, level=3) for r, d in zip(runs, details))))
-  css = H.CSS + "td:not(:last-child){white-space:nowrap}\n"  # one line per side or pair; only "differs" wraps
+  css = H.CSS + KEY_FIGURES_CSS
   return H.page(f"parity: {len(runs)} runs compared", "\n".join(body), css=css)
 
+
+PER_SIDE = ("max |Δloss|", "tokens/s", "median step s", "peak RSS")
+"""Key-figure columns of one 'name value' figure per side or pair, joined by '; '."""
+
+
+def _figure_html(item: str) -> str:
+  """'jax 2,384 MiB' as HTML that breaks, if the width needs it, only between the name and its value."""
+  name, _, value = item.partition(" ")
+  return f"{H.esc(name)} <span class=\"nw\">{H.esc(value)}</span>" if value else H.esc(item)
+
+
+KEY_FIGURES_CSS = ("main{max-width:1600px} .keyfig{overflow-x:auto} .keyfig table{width:100%}\n"
+                   ".keyfig td:first-child,.keyfig td:nth-child(5){overflow-wrap:anywhere;min-width:7em}\n"
+                   ".keyfig td:nth-child(2){min-width:7em} .keyfig td:last-child{min-width:11em}\n"
+                   ".keyfig .nw{white-space:nowrap}\n")
+"""The key-figures table fits a 1400 px window (the page may use up to 1600 px): every cell may wrap (a folder name
+and the plan anywhere, a figure only between its side and its value), the verdict and "differs" columns keep room;
+should the table still be wider (a narrow window, many sides), it scrolls inside its own box, not off the page."""
 
 COMPARISON_SCHEMA = "parity.comparison/1"
 
@@ -396,7 +366,6 @@ def _foreign_files(out: Path) -> list[str]:
   """The files in `out` this command would replace but did not write: comparison.md/.html/.json and
   comparison-*.png, unless comparison.json there carries COMPARISON_SCHEMA (a folder an earlier `parity report`
   wrote); [] for a missing or empty folder."""
-  import json
   if not out.is_dir():
     return []
   ours = sorted(p.name for p in out.iterdir() if p.name in ("comparison.md", "comparison.html", "comparison.json")
@@ -436,14 +405,12 @@ def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path, force: boo
 
 def _write_comparison_files(runs: Sequence[RunFigures], out: Path, created: list[Path]) -> dict[str, Path]:
   """write_comparison's writing: every file it creates anew is appended to `created` (removed on a failure)."""
-  import json
-  from parity.report.plots import to_png, to_svg
   out.mkdir(parents=True, exist_ok=True)
 
   def _atomic(path: Path, write) -> None:
     if not path.exists():
       created.append(path)
-    _atomic_write(path, write)
+    atomic_write(path, write)
   written: dict[str, Path] = {}
   figures, plots = {}, {}
   for key, caption, fig in comparison_figures(runs):

@@ -1,14 +1,21 @@
 """What the regression gate compares: a run's key figures (`Snapshot`) read from a finished run folder or from its
-card.json, with the machine and package versions it ran on (parity.report.gate compares two of them)."""
+card.json, with the machine and package versions it ran on (parity.history.gate compares two of them)."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
-from parity.inputs import InputError
+from parity.inputs import InputError, load_json
+from parity.report.card import CARD_SCHEMA
+from parity.report.finished import load_finished
+from parity.report.read import finite_number, peak_load, verify_report
+from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
+
+__all__ = ["Snapshot", "machine_identity", "machine_identity_from_env", "snapshot_from_report", "unfinished_reason",
+           "refuse_unfinished", "pair_key", "load_baseline", "snapshot_from_card"]
+
 
 @dataclasses.dataclass
 class Snapshot:
@@ -21,8 +28,16 @@ class Snapshot:
     figures: side -> {steps_completed, step_time_s_median (s), peak_rss_bytes, state_bytes ({kind: bytes}),
       final_loss (nats)}; a figure not recorded is None.
     versions: package -> version. machine: identity fields (see machine_identity). config: the run spec, dotted
-      keys ({} for a card). config_hash: parity.spec.config_hash. max_dloss: 'a~b' -> max |Δloss| (nats) of the
-      pair's loss check. created: when the run was written (text).
+      keys as `gate_config` gives them ({} for a card written before cards kept it). config_hash:
+      parity.spec.config_hash. max_dloss: 'a~b' -> max |Δloss| (nats) of the pair's loss check. created: when the
+      run was written (text).
+    determinism: side -> steps the run's own determinism rerun (report.json `determinism`) found bit-identical in a
+      new process; a side whose rerun differed, did not run or did not finish is absent.
+    final_digest: side -> parity.report.runconfig.tensor_digest of its final.safetensors; absent when not recorded.
+    threads: side -> its thread settings (parity.report.runconfig.thread_settings); a side that recorded none is
+      absent. None: the source keeps no thread records at all (a card written before cards kept them).
+    unfinished: why the run is no finished measurement ('' when it is): it was interrupted (verdict INTERRUPTED), or
+      a side never ran (status not_run).
   """
   source: Path
   kind: str
@@ -38,12 +53,10 @@ class Snapshot:
   config_hash: str = ""
   max_dloss: dict[str, float | None] = dataclasses.field(default_factory=dict)
   created: str = ""
-
-
-def _num(v) -> float | None:
-  if isinstance(v, bool) or not isinstance(v, (int, float)):
-    return None
-  return float(v) if math.isfinite(v) else None
+  determinism: dict[str, int] = dataclasses.field(default_factory=dict)
+  final_digest: dict[str, str] = dataclasses.field(default_factory=dict)
+  threads: dict[str, dict[str, str | None]] | None = dataclasses.field(default_factory=dict)
+  unfinished: str = ""
 
 
 def machine_identity(run_dir: Path, data: dict) -> dict[str, str]:
@@ -79,8 +92,8 @@ def machine_identity_from_env(env: dict) -> dict[str, str]:
 
 
 def _environment_json(run_dir: Path) -> dict:
-  """<run_dir>/environment.json (harness.doctor.write_environment), {} when absent or unreadable: it adds detail,
-  the gate does not depend on it."""
+  """<run_dir>/environment.json (parity.pipeline.folder.write_environment), {} when absent or unreadable: it adds
+  detail, the gate does not depend on it."""
   try:
     d = json.loads((Path(run_dir) / "environment.json").read_text(encoding="utf-8"))
   except (OSError, ValueError):
@@ -99,7 +112,6 @@ def _versions(run_dir: Path, data: dict) -> dict[str, str]:
 
 def snapshot_from_report(report) -> Snapshot:
   """A Snapshot of a loaded Report (parity.report.build.Report)."""
-  from parity.report.multi import flatten, launch_config
   d = report.data
   series, figures = {}, {}
   for side, s in d["sides"].items():
@@ -112,24 +124,46 @@ def snapshot_from_report(report) -> Snapshot:
         by_step[st]["val_loss"] = v
     series[side] = recs
     summ = s["summary"]
-    losses = [x for x in ser["loss"] if _num(x) is not None]
+    losses = [x for x in ser["loss"] if finite_number(x) is not None]
     figures[side] = {"steps_completed": summ.get("steps_completed", len(ser["loss"])),
-                     "step_time_s_median": _num(summ.get("step_time_s_median")), "load": _peak_load(s.get("load")),
-                     "peak_rss_bytes": _num(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
+                     "step_time_s_median": finite_number(summ.get("step_time_s_median")),
+                     "load": peak_load(s.get("load")),
+                     "peak_rss_bytes": finite_number(summ.get("peak_host_rss_bytes")
+                                                     or s.get("harness_peak_rss_bytes")),
                      "state_bytes": dict(summ.get("state_bytes_by_memory_kind") or {}),
                      "final_loss": losses[-1] if losses else None}
   return Snapshot(source=Path(report.run_dir), kind="run", precision=d["run"]["train"]["precision"],
                   passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"], sides=list(d["sides"]),
                   series=series, figures=figures, versions=_versions(Path(report.run_dir), d),
                   machine=machine_identity(Path(report.run_dir), d),
-                  config={**flatten(d["run"]), **launch_config(report.run_dir)},
+                  config=gate_config(d, report.run_dir),
                   config_hash=str(d.get("config_hash") or ""), max_dloss=_max_dloss(d["checks"]),
-                  created=str(d.get("created_utc") or ""))
+                  created=str(d.get("created_utc") or ""), determinism=proven_deterministic(d),
+                  final_digest=final_digests(d, report.run_dir), threads=thread_settings(d),
+                  unfinished=unfinished_reason(d["verdict"]["message"],
+                                               {s: v.get("status") for s, v in d["sides"].items()}))
+
+
+def unfinished_reason(verdict: str, status: dict[str, Any]) -> str:
+  """Why a run is no finished measurement, '' when it is: its verdict message says INTERRUPTED (a Ctrl-C or SIGTERM
+  stopped it; parity.report.build.verdict_json), or a side's status (side -> status; {} when not kept) is not_run."""
+  if str(verdict).startswith("INTERRUPTED"):
+    return "it was interrupted (verdict INTERRUPTED): stopped before every side and check finished"
+  never = sorted(s for s, st in status.items() if st == "not_run")
+  return f"side(s) {', '.join(never)} never ran (status not_run)" if never else ""
+
+
+def refuse_unfinished(snap: Snapshot, flag: str) -> None:
+  """Raises InputError (exit 2) when baseline `snap` is no finished run: its figures are partial, so every gate
+  against it would blame what merely did not run. flag: how the user gave it ('--baseline', 'BASELINE')."""
+  if snap.unfinished:
+    raise InputError(f"{flag} {snap.source}: not a finished run: {snap.unfinished}; a baseline must be a run that "
+                     "completed: rerun its command to completion (a new --out) and gate against that")
 
 
 def pair_key(pair) -> str:
   """The one key a pair has in a Snapshot: 'a~b', from a sides list ['a', 'b'], a check's 'a~b' or a card's
-  'a vs b' (parity.report.content.pair_label), so a run and a card baseline name a pair alike."""
+  'a vs b' (parity.report.cells.pair_label), so a run and a card baseline name a pair alike."""
   if isinstance(pair, (list, tuple)):
     return "~".join(str(x) for x in pair)
   return str(pair).replace(" vs ", "~")
@@ -137,7 +171,7 @@ def pair_key(pair) -> str:
 
 def _max_dloss(checks: list[dict]) -> dict[str, float | None]:
   """'a~b' -> the `loss` check's value (max |loss_a - loss_b|, nats) of each pair."""
-  return {pair_key(c["sides"]): _num(c["value"]) for c in checks if c.get("metric") == "loss"}
+  return {pair_key(c["sides"]): finite_number(c["value"]) for c in checks if c.get("metric") == "loss"}
 
 
 def load_baseline(path: str | Path, flag: str = "--baseline") -> Snapshot:
@@ -147,47 +181,56 @@ def load_baseline(path: str | Path, flag: str = "--baseline") -> Snapshot:
   flag: how the user gave the path, for messages ('--baseline' for compare, 'BASELINE' for `parity check`).
   Raises:
     InputError (exit 2): no such path; a folder that is neither a finished run nor holds a card (named: what is
-      missing); a run whose files changed since its verdict (verify_report's lines); a card that is not one.
+      missing); a run whose files changed since its verdict (verify_report's lines); a card that is not one; a run
+      or card that did not finish (interrupted, a side not run: `refuse_unfinished`).
   """
-  from parity.report.finished import load_finished
-  from parity.report.read import verify_report
   p = Path(path)
   if not p.exists():
     raise InputError(f"{flag} {p}: no such file or folder; pass a finished run folder or its card.json")
   if p.is_dir() and not (p / "report.json").exists() and (p / "card.json").is_file():
     p = p / "card.json"
   if p.is_file():
-    return snapshot_from_card(p)
-  report = load_finished(p)
-  problems = verify_report(report)
-  if problems:
-    raise InputError(f"baseline {p} cannot be trusted: {'; '.join(problems)}")
-  return snapshot_from_report(report)
+    snap = snapshot_from_card(p)
+  else:
+    report = load_finished(p)
+    problems = verify_report(report)
+    if problems:
+      raise InputError(f"baseline {p} cannot be trusted: {'; '.join(problems)}")
+    snap = snapshot_from_report(report)
+  refuse_unfinished(snap, flag)
+  return snap
 
 
 def snapshot_from_card(path: Path) -> Snapshot:
   """A Snapshot of a verification card (card.json, schema parity.report.card.CARD_SCHEMA): key figures per side, the
   max |Δloss| per pair, versions and backend; no per-step series. The machine is read from environment.json beside
   the card when there is one. Raises InputError naming what the file lacks."""
-  from parity.inputs import load_json
-  from parity.report.card import CARD_SCHEMA
   d = load_json(path, what="card")
   if not isinstance(d, dict) or d.get("schema") != CARD_SCHEMA or not isinstance(d.get("verdict"), dict) \
       or not isinstance(d.get("compared"), dict) or not isinstance(d.get("key_figures"), dict):
     raise InputError(f"{path}: not a parity card (expected schema {CARD_SCHEMA!r} with verdict, compared and "
                      "key_figures); pass the card.json `parity compare` wrote, or its run folder")
   comp, kf = d["compared"], d["key_figures"]
-  sides = [str(s) for s in comp.get("sides") or []]
+  wrong = [name for name, value, types in (("compared.sides", comp.get("sides"), (list,)),
+                                           ("backend", d.get("backend"), (dict, type(None))),
+                                           ("versions", d.get("versions"), (dict, type(None))))
+           if not isinstance(value, types) or (name == "compared.sides" and not all(isinstance(x, str) for x in value))]
+  if wrong:
+    raise InputError(f"{path}: not a parity card ({', '.join(wrong)} of the wrong type: compared.sides is a list of "
+                     "side names, backend and versions are objects); pass the card.json `parity compare` wrote")
+  sides = list(comp["sides"])
 
   def per_side(key: str) -> dict:
     v = kf.get(key)
     return v if isinstance(v, dict) else {}
-  figures = {side: {"steps_completed": None, "step_time_s_median": _num(per_side("step_time_s_median").get(side)),
-                    "peak_rss_bytes": _num(per_side("peak_host_rss_bytes").get(side)),
+  def number(key: str, side: str) -> float | None:
+    return finite_number(per_side(key).get(side))
+  figures = {side: {"steps_completed": None, "step_time_s_median": number("step_time_s_median", side),
+                    "peak_rss_bytes": number("peak_host_rss_bytes", side),
                     "state_bytes": dict(per_side("state_bytes_by_memory_kind").get(side) or {}),
-                    "final_loss": _num(per_side("final_loss").get(side)), "load": _num(per_side("load").get(side)),
-                    "loss_at_steps": {int(k): _num(v) for k, v in (per_side("loss_at_steps").get(side) or {}).items()
-                                      if str(k).isdigit() and _num(v) is not None}}
+                    "final_loss": number("final_loss", side), "load": number("load", side),
+                    "loss_at_steps": {int(k): finite_number(v) for k, v in (per_side("loss_at_steps").get(side) or {})
+                                      .items() if str(k).isdigit() and finite_number(v) is not None}}
              for side in sides}
   backends = sorted({str(b) for b in (d.get("backend") or {}).values() if b})
   machine = {"backend": ",".join(backends)} if backends else {}
@@ -200,12 +243,25 @@ def snapshot_from_card(path: Path) -> Snapshot:
                   passed=bool(d["verdict"].get("passed")), verdict=str(d["verdict"].get("message", "")),
                   sides=sides, series=None, figures=figures,
                   versions={k: str(v) for k, v in (d.get("versions") or {}).items() if v is not None},
-                  machine=machine, config={}, config_hash=str(comp.get("config_hash") or ""),
-                  max_dloss={pair_key(k): _num(v) for k, v in per_side("max_abs_dloss").items()},
-                  created=str(d.get("created_utc") or ""))
+                  machine=machine, config=dict(comp["config"]) if isinstance(comp.get("config"), dict) else {},
+                  config_hash=str(comp.get("config_hash") or ""),
+                  max_dloss={pair_key(k): finite_number(v) for k, v in per_side("max_abs_dloss").items()},
+                  created=str(d.get("created_utc") or ""), determinism=_card_determinism(d.get("determinism")),
+                  final_digest={str(k): str(v) for k, v in per_side("final_params_digest").items() if v},
+                  threads=_card_threads(d.get("threads")),
+                  unfinished=unfinished_reason(str(d["verdict"].get("message", "")), {}))
 
 
-def _peak_load(load) -> float | None:
-  """The highest 1-minute load average recorded around a side ({start: [1, 5, 15], end: [...]}), None if none."""
-  vals = [x[0] for x in (load or {}).values() if isinstance(x, list) and x and _num(x[0]) is not None]
-  return max(vals) if vals else None
+def _card_threads(rec) -> dict[str, dict[str, str | None]] | None:
+  """A card's `threads` {side: {key: value}} (cards written before it was kept have none: None, unknown)."""
+  if not isinstance(rec, dict):
+    return None
+  return {str(s): {str(k): None if v is None else str(v) for k, v in t.items()} for s, t in rec.items()
+          if isinstance(t, dict)}
+
+
+def _card_determinism(det) -> dict[str, int]:
+  """A card's `determinism` {side: steps checked} (cards written before it was kept have none: {})."""
+  if not isinstance(det, dict):
+    return {}
+  return {str(s): n for s, n in det.items() if isinstance(n, int) and not isinstance(n, bool) and n > 0}

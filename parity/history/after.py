@@ -8,14 +8,18 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["PostRun", "PostRunResult", "print_gate"]
+from parity.history.gate import GateResult, check_against, write_gate
+from parity.history.snapshot import Snapshot, load_baseline, snapshot_from_report
+from parity.report.trackers import check_trackers, mirror_run, open_tracker
+
+__all__ = ["PostRun", "PostRunResult", "baseline_as_moved"]
 
 
 @dataclasses.dataclass
 class PostRunResult:
-  """gate: parity.report.gate.GateResult (None without --baseline); gate_files: name -> path written (gate.json,
+  """gate: parity.history.gate.GateResult (None without --baseline); gate_files: name -> path written (gate.json,
   gate.md); messages: one line per tracker mirrored or failed, or a gate file that could not be written."""
-  gate: object | None = None
+  gate: GateResult | None = None
   gate_files: dict[str, Path] = dataclasses.field(default_factory=dict)
   messages: list[str] = dataclasses.field(default_factory=list)
 
@@ -27,16 +31,14 @@ class PostRunResult:
 
 @dataclasses.dataclass
 class PostRun:
-  """The checked --baseline (a parity.report.gate.Snapshot) and --tracker specs [(kind, target)]."""
-  baseline: object | None = None
+  """The checked --baseline (a parity.history.snapshot.Snapshot) and --tracker specs [(kind, target)]."""
+  baseline: Snapshot | None = None
   trackers: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
   @classmethod
   def prepare(cls, baseline: str | Path | None, trackers: Sequence[str] = ()) -> "PostRun":
-    """Reads the baseline (parity.report.gate.load_baseline) and checks every tracker is installed
+    """Reads the baseline (parity.history.snapshot.load_baseline) and checks every tracker is installed
     (parity.report.trackers.check_trackers). Raises InputError naming the flag, the value and the fix."""
-    from parity.report.gate import load_baseline
-    from parity.report.trackers import check_trackers
     return cls(baseline=None if baseline is None else load_baseline(baseline), trackers=check_trackers(trackers))
 
   @property
@@ -46,11 +48,9 @@ class PostRun:
   def apply(self, report) -> PostRunResult:
     """Gates `report` (parity.report.build.Report) against the baseline, writing gate.json/gate.md into its folder,
     and mirrors its sides' steps.jsonl to each tracker. Never raises for a file or tracker error: it is a message."""
-    from parity.report.gate import check_against, snapshot_from_report, write_gate
-    from parity.report.trackers import mirror_run, open_tracker
     out = PostRunResult()
     if self.baseline is not None:
-      out.gate = check_against(snapshot_from_report(report), _moved_baseline(self.baseline, report))
+      out.gate = check_against(snapshot_from_report(report), baseline_as_moved(self.baseline, report))
       try:
         out.gate_files = write_gate(out.gate, report.run_dir)
       except OSError as exc:
@@ -65,33 +65,16 @@ class PostRun:
     return out
 
 
-def _moved_baseline(baseline, report):
+def baseline_as_moved(baseline, report):
   """The baseline Snapshot named where it now lies: with `--out X --baseline X --force` the old run X (read before
   the run started) was moved aside to report.json's run_folder.moved_aside_to, and X is the new run, so the gate
   must not call the baseline "X"."""
-  import dataclasses as dc
   moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
   src, rd = Path(baseline.source), Path(report.run_dir).resolve()
   if not moved:
     return baseline
   if src.resolve() == rd:
-    return dc.replace(baseline, source=Path(moved))
+    return dataclasses.replace(baseline, source=Path(moved))
   if src.resolve().parent == rd:  # X/card.json
-    return dc.replace(baseline, source=Path(moved) / src.name)
+    return dataclasses.replace(baseline, source=Path(moved) / src.name)
   return baseline
-
-
-def print_gate(result, con) -> None:
-  """The gate's table (metric, side, baseline, new, change, gate, result), its notes and the one-line outcome."""
-  from rich.table import Table
-  t = Table(title=f"regression gate — {result.new} against {result.baseline}")
-  for col in ("metric", "side", "baseline", "new", "change", "gate", "result"):
-    t.add_column(col)
-  for r in result.rows:
-    res = f"[red]{r.status}[/red]" if r.status in ("MOVED", "FAIL") else r.status
-    t.add_row(r.metric, r.side, r.baseline, r.new, r.change, r.gate, res + (f" ({r.note})" if r.note else ""))
-  con.print(t)
-  for n in result.notes:
-    con.print(f"- {n}", soft_wrap=True)
-  style = "bold green" if result.passed else "bold red"
-  con.print(f"[{style}]{result.message()}[/{style}]", soft_wrap=True)

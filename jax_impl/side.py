@@ -1,0 +1,126 @@
+"""The JAX side of the one loop: `JaxSide`, `parity.protocol.loop.Side` over `jax_impl.step.Trainer`.
+
+`jax_impl.worker` runs it (`run_train(io, JaxSide())`) after setting the environment jax reads when it starts (XLA
+device count, no preallocation); this module imports jax and jax_impl only inside the methods, so importing it sets
+nothing up and the worker keeps the order: environment first, then the framework.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from parity.protocol.loop import Side, SideSummary
+from parity.protocol.side import SideIO
+from parity.spec import to_dict
+
+__all__ = ["JaxSide"]
+
+
+class JaxSide(Side):
+  """`parity.protocol.loop.Side` over `jax_impl.step.Trainer`. With several ranks (jax_impl.distributed) each
+  process puts its rows of each batch into the global array, and the state is gathered to read it.
+
+  jax and jax_impl are imported inside the methods: `main` must set XLA_FLAGS (`force_host_devices`) first.
+  No op builds, no synchronize (`Trainer.step` blocks until its state and metrics are ready): Side's defaults.
+  """
+
+  def build(self, io: SideIO) -> None:
+    """jax.distributed first (several ranks), then the Trainer on a mesh over every process's devices."""
+    from jax_impl import distributed  # after force_host_devices (module docstring)
+    from jax_impl.step import Trainer
+    self.io = io
+    distributed.initialize()  # (0, 1) and nothing done with one rank
+    self.trainer = Trainer.build(io.run, io.init_params(), mesh=distributed.global_mesh() if io.world > 1 else None,
+                                 plants=io.plants)
+    self.gathered = distributed.Gathered(self.trainer) if io.world > 1 else None
+
+  def restore(self, folder: Path, meta: dict[str, Any]) -> None:
+    from jax_impl import checkpoint  # after force_host_devices
+    t = self.trainer
+    t.state = checkpoint.restore_train_state(folder, t.state, t.shardings)
+
+  def compile(self, batch_shape, val_shape, dtype, examples: bool = False) -> float:
+    self.trainer.compile(batch_shape, val_shape, dtype, examples=examples)
+    return self.trainer.compile_s
+
+  def loss_weight_factor(self) -> float:
+    """A: the step is one program over the whole global micro batch; accumulate_grads divides by A (W = 1 in the
+    factor even on a data-parallel mesh: docs/data-examples.md "The model level")."""
+    return float(self.io.run.train.grad_accum_steps)
+
+  def training(self):
+    import jax  # after force_host_devices
+    return jax.transfer_guard("disallow")  # every host<->device move in the steps is explicit
+
+  def _global(self, host: np.ndarray):
+    """A host batch as this rank's part of the global array (several ranks), else itself."""
+    if self.gathered is None:
+      return host
+    from jax_impl import distributed  # after force_host_devices
+    sharding = self.trainer.placement.batch_sharding()
+    return distributed.global_batch(host, sharding, tuple(host.shape), self.io.rank, self.io.world)
+
+  def rank_batch(self, batches: np.ndarray, step: int):
+    return self._global(batches[step])
+
+  def rank_arrays(self, arrays):
+    """Each array as the global array (several ranks: this process puts its rows in, as `rank_batch`), else as is."""
+    return type(arrays)(*(self._global(np.asarray(getattr(arrays, f)))
+                          for f in ("segment_ids", "positions", "weights")))
+
+  def step(self, batch, *, probe: bool, force_overflow: bool, arrays=None) -> dict[str, float | bool]:
+    from jax_impl.step import example_batch  # after force_host_devices
+    if arrays is not None:
+      batch = example_batch(batch, arrays)
+    return self.trainer.step(batch, force_overflow=force_overflow)  # probe unused: state sizes are the compiled ones
+
+  def eval_loss(self, val: np.ndarray, arrays=None) -> float:
+    from jax_impl.step import example_batch  # after force_host_devices
+    if arrays is None:
+      return self.trainer.eval_loss(self._global(val))
+    return self.trainer.eval_loss(example_batch(self._global(val), self.rank_arrays(arrays)))
+
+  def _read(self, fn):
+    """fn() (canonical params or moments), on the replicated state with several ranks (a collective)."""
+    return fn() if self.gathered is None else self.gathered.call(self.trainer, fn)
+
+  def canonical_params(self) -> dict[str, np.ndarray]:
+    return self._read(self.trainer.canonical_params)
+
+  def canonical_moments(self) -> dict[str, np.ndarray]:
+    return self._read(self.trainer.canonical_moments)
+
+  def poison(self) -> None:
+    self.trainer.poison()
+
+  def save(self, folder: Path, step: int) -> dict[str, Any]:
+    import jax  # after force_host_devices
+    from jax_impl import checkpoint
+    with jax.transfer_guard("allow"):  # orbax reads the state to host memory
+      return checkpoint.save_train_state(folder, self.trainer.state)
+
+  def versions(self) -> dict[str, str]:
+    import flax  # after force_host_devices
+    import jax
+    import jaxlib
+    import optax
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__}
+
+  def summary(self) -> SideSummary:
+    """The first device's name and peak bytes (one rank: the mesh's; several: this process's), the state's bytes by
+    memory kind, and the plan's evidence (memory kinds, shardings, compiled memory and offload, compile times)."""
+    import jax  # after force_host_devices
+    from jax_impl import offload
+    t = self.trainer
+    device = t.placement.mesh.devices.flat[0] if self.io.world == 1 else jax.local_devices()[0]
+    stats = device.memory_stats()  # None on CPU
+    extra = {"state_memory_kinds": offload.state_memory_kinds(t.state), "memory_analysis": t.memory_analysis,
+             "offload_evidence": t.offload_evidence(), "state_bytes_all_devices": offload.bytes_by_memory_kind(t.state),
+             "state_shardings": offload.state_sharding_specs(t.state), "mesh_devices": int(t.placement.mesh.size),
+             "compile_times_s": t.compile_times_s, "plan": to_dict(self.io.run.jax)}
+    return SideSummary(versions=self.versions(), device=str(device),
+                       peak_device_bytes=int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats
+                       else None,
+                       state_bytes_by_memory_kind=offload.bytes_by_memory_kind(t.state, device), extra=extra)

@@ -1,0 +1,212 @@
+"""A local Hugging Face tokenizer, loaded offline: `tokenizer.json` (the `tokenizers` package) and the chat template
+and special tokens of `tokenizer_config.json` (rendered with jinja2, as transformers renders it).
+
+Assistant tokens of a chat get the loss by one of two methods, both giving character spans of the rendered text that
+are then mapped to tokens through the tokenizer's offsets (a token is an assistant token when its characters overlap
+a span):
+  generation  the template marks assistant text with `{% generation %}...{% endgeneration %}` (the transformers
+              convention behind `return_assistant_tokens_mask`): the spans are exactly the marked text.
+  prefix-diff no such tag: for each assistant message i, the span runs from the end of the rendering of messages[:i]
+              with add_generation_prompt=True to the end of the rendering of messages[:i+1]; so it covers the
+              assistant's text and whatever the template closes its turn with (e.g. `<|im_end|>`), which the model
+              must learn to emit. It needs each rendering to be a prefix of the next (a template that rewrites earlier
+              turns, e.g. one that drops past reasoning, is refused: use one with generation tags or pre-tokenize).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from parity.data import DataError
+
+__all__ = ["HFTokenizer", "load_tokenizer", "TOKENIZER_FILE", "CONFIG_FILE", "GEN_OPEN", "GEN_CLOSE"]
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
+"""Private-use characters the `generation` tag wraps its text in while rendering; removed from the final text (a
+message that holds one is refused)."""
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _token_str(value) -> str | None:
+  """A special token of tokenizer_config.json: a string, or an AddedToken dict {"content": ...}."""
+  if isinstance(value, dict):
+    value = value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def _environment():
+  """The jinja2 sandbox transformers renders chat templates in (trim_blocks, lstrip_blocks, loopcontrols, the
+  `generation` tag, raise_exception, tojson without ASCII escaping)."""
+  try:  # optional: only chat data needs it
+    import jinja2  # noqa: PLC0415
+    from jinja2 import nodes  # noqa: PLC0415
+    from jinja2.ext import Extension  # noqa: PLC0415
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+  except ImportError:
+    raise DataError("chat data (messages / conversations) needs jinja2 to render the tokenizer's chat template: "
+                    "pip install jinja2") from None
+
+  class Generation(Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+      lineno = next(parser.stream).lineno
+      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+      return nodes.CallBlock(self.call_method("_wrap"), [], [], body).set_lineno(lineno)
+
+    def _wrap(self, caller):
+      return GEN_OPEN + caller() + GEN_CLOSE
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[Generation, "jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+  env.globals["raise_exception"] = raise_exception
+  return env
+
+
+@dataclasses.dataclass
+class HFTokenizer:
+  """A tokenizer.json with its tokenizer_config.json (module docstring).
+
+  Attributes:
+    folder: the folder both files are in.
+    sha256: hex sha256 of tokenizer.json's bytes (the data card's tokenizer hash).
+    vocab_size: ids the tokenizer can produce (added tokens included).
+    chat_template: the template text, or None.
+    special: bos_token / eos_token / pad_token / unk_token as strings, where the config names them.
+    eos_id: id of eos_token, or None.
+  """
+  folder: Path
+  sha256: str
+  vocab_size: int
+  chat_template: str | None
+  special: dict
+  eos_id: int | None
+  _tok: object = dataclasses.field(repr=False, default=None)
+  _template: object = dataclasses.field(repr=False, default=None)
+
+  def encode(self, text: str, *, special: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, offsets) of `text`: ids int64 shape (n,); offsets int64 shape (n, 2), character [start, end) of each
+    token in `text` ((0, 0) for a token the post-processor added). `special`: apply the post-processor (BOS...)."""
+    enc = self._tok.encode(text, add_special_tokens=special)
+    return (np.asarray(enc.ids, dtype=np.int64).reshape(-1),
+            np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2))
+
+  @property
+  def has_generation_tags(self) -> bool:
+    """Whether the template marks assistant text with {% generation %} (else prefix-diff is used)."""
+    return self.chat_template is not None and GENERATION_TAG.search(self.chat_template) is not None
+
+  def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+    """The chat template rendered on `messages` (generation markers left in). Raises DataError: no template, or
+    the template raises (its message is given)."""
+    if self.chat_template is None:
+      raise DataError(f"{self.folder / CONFIG_FILE}: no chat_template, which chat data (messages / conversations) "
+                      "needs; use a tokenizer folder whose tokenizer_config.json has one, or give prompt/completion")
+    if self._template is None:
+      self._template = _environment().from_string(self.chat_template)
+    try:
+      return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+    except Exception as exc:  # jinja2 TemplateError, or an error inside the template's own logic
+      raise DataError(f"{self.folder / CONFIG_FILE}: the chat template failed on these messages: {exc}") from None
+
+  def chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
+    """(ids int64 (n,), assistant bool (n,), method) of a rendered chat; method 'generation' or 'prefix-diff'
+    (module docstring). Raises DataError: a message holds a marker character, or prefix-diff finds a rendering
+    that is not a prefix of the next."""
+    for m in messages:
+      if GEN_OPEN in str(m.get("content", "")) or GEN_CLOSE in str(m.get("content", "")):
+        raise DataError("a message holds U+E000 or U+E001, which parity reserves to mark assistant text")
+    if self.has_generation_tags:
+      (text, spans), method = _strip_markers(self.render(messages)), "generation"
+    else:
+      (text, spans), method = self._prefix_spans(messages), "prefix-diff"
+    ids, offsets = self.encode(text)
+    mask = np.zeros(ids.shape, dtype=bool)
+    for a, b in spans:
+      mask |= (offsets[:, 0] < b) & (offsets[:, 1] > a) & (offsets[:, 1] > offsets[:, 0])
+    return ids, mask, method
+
+  def _prefix_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    full = self.render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+      if m.get("role") != "assistant":
+        continue
+      before = self.render(messages[:i], add_generation_prompt=True)
+      upto = self.render(messages[:i + 1])
+      if not (upto.startswith(before) and full.startswith(upto)):
+        raise DataError(f"{self.folder / CONFIG_FILE}: the chat template's rendering of the first {i} messages (with "
+                        f"the generation prompt) is not a prefix of its rendering of the first {i + 1}, so the "
+                        "assistant's tokens cannot be found by prefix difference; use a template with "
+                        "{% generation %} tags, or pre-tokenize the data (input_ids + labels)")
+      spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def _strip_markers(text: str) -> tuple[str, list[tuple[int, int]]]:
+  """(text without GEN_OPEN/GEN_CLOSE, the [start, end) character spans they enclosed in that text)."""
+  out, spans, start, n = [], [], None, 0
+  for ch in text:
+    if ch == GEN_OPEN:
+      start = n
+    elif ch == GEN_CLOSE:
+      if start is not None:
+        spans.append((start, n))
+      start = None
+    else:
+      out.append(ch)
+      n += 1
+  return "".join(out), spans
+
+
+def load_tokenizer(folder: str | Path) -> HFTokenizer:
+  """Loads `folder/tokenizer.json` offline with the `tokenizers` package, and `folder/tokenizer_config.json` (chat
+  template, special tokens) when it exists.
+
+  Raises:
+    DataError: the folder or tokenizer.json is missing, `tokenizers` is not installed, or either file cannot be
+      parsed (the message names the file).
+  """
+  folder = Path(folder).expanduser()
+  path = folder / TOKENIZER_FILE if folder.is_dir() else folder
+  if path.name != TOKENIZER_FILE or not path.is_file():
+    raise DataError(f"tokenizer {str(folder)!r}: no {TOKENIZER_FILE} there; give the folder of a Hugging Face "
+                    f"tokenizer (the one holding {TOKENIZER_FILE}, e.g. the --hf-model checkpoint's)")
+  try:  # optional: only text data needs it
+    from tokenizers import Tokenizer  # noqa: PLC0415
+  except ImportError:
+    raise DataError(f"{path}: text examples need the `tokenizers` package to tokenize: pip install tokenizers "
+                    "(or give pre-tokenized input_ids)") from None
+  blob = path.read_bytes()
+  try:
+    tok = Tokenizer.from_str(blob.decode("utf-8"))
+  except Exception as exc:  # tokenizers raises a plain Exception for a malformed file
+    raise DataError(f"{path}: not a tokenizer.json the tokenizers package can load ({exc})") from None
+  config = {}
+  cfg_path = path.parent / CONFIG_FILE
+  if cfg_path.is_file():
+    try:
+      config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+      raise DataError(f"{cfg_path}: not JSON ({exc}); fix or remove it") from None
+  special = {k: s for k in SPECIAL_KEYS if (s := _token_str(config.get(k))) is not None}
+  template = config.get("chat_template")
+  if isinstance(template, list):  # several named templates: transformers takes the one named 'default'
+    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  eos = special.get("eos_token")
+  return HFTokenizer(folder=path.parent, sha256=hashlib.sha256(blob).hexdigest(),
+                     vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                     chat_template=template if isinstance(template, str) else None, special=special,
+                     eos_id=None if eos is None else tok.token_to_id(eos), _tok=tok)

@@ -1,0 +1,133 @@
+"""When a planted data bug (parity.protocol.layout.PLANT_KEYS, `--perturb SIDE:KEY=true`) can change what a side
+trains, decided before the sides start: a plant that cannot have an effect is refused (exit 2) with the reason,
+rather than left to PASS silently (docs/data-examples.md "Planted bugs").
+
+The physics, per plant (right padding, one causal attention per row):
+  attention_mask_dropped   the model gets no segment ids, so attention is causal over the whole row. A real token
+                           never reads padding (padding sits after it), so it changes only a row holding two or more
+                           examples: the packed layout, and data where some row packs a later example.
+  positions_not_restarted  the model gets positions 0..T-1 along the row. Only an example that does not start at
+                           slot 0 sees other positions (packed rows again); and rotary positions enter q.k as
+                           differences only, so within a per-example mask it changes nothing: learned positions
+                           (model.position='learned') only, unless the same side drops the mask too.
+  labels_shifted_twice     input t scored against token t + 2: always a different objective.
+  loss_on_prompt           every target inside its example carries the loss: changes the objective only when the
+                           data has prompt targets without loss.
+A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
+cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
+both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
+loss tokens: `normalization_reason`).
+Numpy only; `spec_reason` reads the spec, `data_reason` the arrays the run folder holds.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from parity.dataset.reference import in_example_targets, token_weights
+from parity.protocol.layout import PLANT_KEYS
+from parity.spec import RunSpec, SpecError
+
+__all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "check_plants",
+           "check_plants_on_data"]
+
+
+def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | None:
+  """Why plant `key` cannot change what a side of `spec` trains (its other `plants` considered), or None."""
+  t, m = spec.train, spec.model
+  if t.layout == "stream":
+    return ("the planted data bugs act on the example arrays (segment ids, positions, loss mask) of "
+            "train.layout=padded or packed; the stream layout has none")
+  if key == "attention_mask_dropped" and t.layout == "padded":
+    return ("on the padded layout a row holds one example from slot 0, right-padded: under the causal mask a real "
+            "token never reads padding, so without the segment mask every real logit is the same; it shows on "
+            "train.layout=packed (attention across documents)")
+  if key == "positions_not_restarted" and t.layout == "padded":
+    return "on the padded layout every example starts at slot 0, so its positions are 0..T-1 already"
+  if (key == "positions_not_restarted" and m.position == "rope"
+          and not plants.get("attention_mask_dropped")):
+    return ("model.position is 'rope': rotary positions enter q.k as differences, which a shift of a whole example "
+            "leaves unchanged within its own (per-example) attention; it shows with learned positions (GPT-2)")
+  return None
+
+
+def data_reason(key: str, loss_mask: np.ndarray, segment_ids: np.ndarray) -> str | None:
+  """Why plant `key` changes nothing on these training arrays (bool / int (steps, A, M, T)), or None."""
+  if key in ("attention_mask_dropped", "positions_not_restarted") and int(np.max(segment_ids, initial=0)) < 2:
+    return "no row of the run's batches holds a second example, so no example starts after slot 0"
+  if key == "loss_on_prompt" and np.array_equal(in_example_targets(loss_mask, segment_ids), loss_mask):
+    return "every target inside an example carries the loss already (the data has no prompt tokens without loss)"
+  return None
+
+
+def every_side_reason(sides, perturb: Mapping[str, Mapping[str, Any]] | None) -> str | None:
+  """Why the perturbations cannot be seen by comparing `sides` (the run's sides, in order): a key given the same
+  value on every one of them (two or more sides) is a change of the run itself, not a difference; else None. Only the
+  planted data bugs (PLANT_KEYS) are checked: fault injections (kill, NaN, hang, raise, overflow) test the run's
+  failure paths, and a spec key on every side tests its routing, on every side if the user wants."""
+  perturb = perturb or {}
+  sides = list(sides)
+  if len(sides) < 2 or any(s not in perturb for s in sides):
+    return None
+  for key, value in perturb[sides[0]].items():
+    if key not in PLANT_KEYS:  # fault injections test the run itself; a spec key on every side is a routing test
+      continue
+    if all(key in perturb[s] and perturb[s][key] == value for s in sides[1:]):
+      fix = ("plant it on one side only" if key in PLANT_KEYS else
+             f"plant it on one side only, or give it to every side with --set {key}=...")
+      return (f"--perturb {key}={value!r} on every compared side ({', '.join(sides)}): a difference none of the sides "
+              f"has cannot be seen by comparing them, so the run would PASS with the bug on every side; {fix}")
+  return None
+
+
+def normalization_reason(loss_mask: np.ndarray) -> str | None:
+  """Why a train.loss_normalization perturbation changes nothing on these training arrays (bool (steps, A, B, T), B
+  the global micro batch): every target's weight is the same under 'tokens' and 'micro_mean' for every way of
+  splitting the micro batch over ranks, i.e. with one rank per row (every row of a step holds the same number of loss
+  tokens, so every rank's micro batch does, whatever --nproc); else None."""
+  rows = loss_mask.shape[2]
+  try:
+    same = np.allclose(token_weights(loss_mask, "tokens"), token_weights(loss_mask, "micro_mean", rows),
+                       rtol=1e-12, atol=0.0)
+  except ValueError:  # DataError (micro_mean undefined on these batches) is the sides' own refusal
+    return None
+  if same:
+    return ("on these batches every row of a step holds the same number of loss tokens, so 'tokens' "
+            "and 'micro_mean' give every target the same weight; it shows on data whose micro batches hold "
+            "different numbers of loss tokens (examples of varying length, padded or packed, with grad_accum_steps "
+            "> 1 or several rows per micro batch)")
+  return None
+
+
+def _refuse(side: str, key: str, reason: str) -> None:
+  raise SpecError(f"--perturb {side}:{key}=true changes nothing the {side} side trains: {reason}")
+
+
+def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None) -> None:
+  """Refuses a plant `spec_reason` names (SpecError '--perturb SIDE:KEY=true changes nothing ...: reason'), and a
+  perturbation given alike to every side of spec.sides (`every_side_reason`)."""
+  alike = every_side_reason(spec.sides, perturb)
+  if alike is not None:
+    raise SpecError(alike)
+  for side, kv in (perturb or {}).items():
+    for key in (k for k in kv if k in PLANT_KEYS):
+      reason = spec_reason(spec, key, kv)
+      if reason is not None:
+        _refuse(side, key, reason)
+
+
+def check_plants_on_data(perturb: Mapping[str, Mapping[str, Any]] | None, loss_mask: np.ndarray,
+                         segment_ids: np.ndarray) -> None:
+  """Refuses a plant `data_reason` names for the run's training arrays, and a train.loss_normalization perturbation
+  `normalization_reason` names (SpecError, as `check_plants`)."""
+  for side, kv in (perturb or {}).items():
+    if "train.loss_normalization" in kv:
+      reason = normalization_reason(np.asarray(loss_mask, dtype=bool))
+      if reason is not None:
+        raise SpecError(f"--perturb {side}:train.loss_normalization={kv['train.loss_normalization']} changes nothing "
+                        f"the {side} side trains: {reason}")
+    for key in (k for k in kv if k in PLANT_KEYS):
+      reason = data_reason(key, loss_mask, segment_ids)
+      if reason is not None:
+        _refuse(side, key, reason)

@@ -1,0 +1,238 @@
+"""Each side of a report as rows: status, losses, times and memory (`side_rows`), throughput (`throughput_rows`, the
+caveat under it: `throughput_note`), memory predicted vs measured (`memory_rows`, `memory_gaps`), the ranks of a
+multi-rank side (`rank_table`), and the throughput rules the card and the comparison page share (`step_times`,
+`side_tokens_per_s`, from parity.protocol.layout). Plain text; callers escape."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from parity.protocol.layout import loss_tokens_per_s, step_time_median, warm_step_times, warmup_steps_left_out
+from parity.protocol.layout import tokens_per_s as layout_tokens_per_s
+from parity.report.cells import compact, fmt, fmt_bytes
+from parity.sizing.measured import predicted_vs_measured
+
+__all__ = ["backend", "step_times", "tokens_per_step", "side_tokens_per_s", "step_loss_tokens",
+           "side_loss_tokens_per_s", "throughput_columns", "warmup_phrase", "side_rows",
+           "state_by_kind", "MEMORY_UNMEASURED_WHY", "memory_rows", "memory_gaps", "rank_table", "throughput_rows",
+           "throughput_note"]
+
+
+def backend(s: dict) -> str:
+  """'cpu' or 'gpu' (or the device text) of a side, from its summary's device field."""
+  dev = str((s.get("summary") or {}).get("device") or "")
+  low = dev.lower()
+  if not dev:
+    return "n/a"
+  if low.startswith("cpu"):
+    return "cpu"
+  return "gpu" if any(k in low for k in ("cuda", "gpu", "rocm")) else dev
+
+
+def step_times(s: dict) -> list[float]:
+  """A side's step seconds that count for throughput: the one rule, parity.protocol.layout.warm_step_times (the
+  summary writer, the card, the comparison page and the gate use it too)."""
+  return warm_step_times(s["series"].get("step_time_s") or [])
+
+
+def tokens_per_step(d: dict) -> int | None:
+  """micro_batch_size * grad_accum_steps * seq_len of the run (TrainSpec.tokens_per_step); None when not stored."""
+  t = (d.get("run") or {}).get("train") or {}
+  vals = [t.get(k) for k in ("micro_batch_size", "grad_accum_steps", "seq_len")]
+  return math.prod(vals) if all(isinstance(v, int) and not isinstance(v, bool) for v in vals) else None
+
+
+def side_tokens_per_s(d: dict, s: dict) -> float | None:
+  """tokens/s of a side: tokens per step / the median of `step_times` (parity.protocol.layout.tokens_per_s); the
+  summary's own figure (same rule, written by the side) when the report does not store the batch shape."""
+  n = tokens_per_step(d)
+  if n is None:
+    return (s.get("summary") or {}).get("tokens_per_s")
+  return layout_tokens_per_s(s["series"].get("step_time_s") or [], n)
+
+
+def step_loss_tokens(d: dict) -> list[int] | None:
+  """Loss tokens of each optimizer step of a padded/packed run (report.json data.card.loss_tokens_per_step, from the
+  materialised loss mask, all micro batches and ranks); None on a stream run, where every target carries the loss
+  and loss tokens/s equals tokens/s (the report then shows tokens/s alone)."""
+  per_step = ((d.get("data") or {}).get("card") or {}).get("loss_tokens_per_step")
+  return list(per_step) if isinstance(per_step, list) and per_step else None
+
+
+def side_loss_tokens_per_s(d: dict, s: dict) -> float | None:
+  """Loss tokens/s of a side (parity.protocol.layout.loss_tokens_per_s over the steps it recorded, each step's count
+  from `step_loss_tokens`); the summary's own figure when the report has no step numbers; None on a stream run."""
+  per_step = step_loss_tokens(d)
+  if per_step is None:
+    return None
+  series = s.get("series") or {}
+  steps, times = series.get("step") or [], series.get("step_time_s") or []
+  if not steps:
+    return (s.get("summary") or {}).get("loss_tokens_per_s")
+  counts = [per_step[k] if isinstance(k, int) and 0 <= k < len(per_step) else None for k in steps]
+  return loss_tokens_per_s(times, counts)
+
+
+def throughput_columns(d: dict) -> list[tuple[str, str]]:
+  """(row key, heading) of the throughput figures a table shows: tokens/s, and loss tokens/s beside it on a
+  padded/packed run (on stream the two are equal, so the second column would only repeat the first)."""
+  return [("tokens_per_s", "tokens/s")] + ([("loss_tokens_per_s", "loss tokens/s")] if step_loss_tokens(d) else [])
+
+
+def warmup_phrase(d: dict) -> str:
+  """How many leading steps each side's throughput leaves out ('the first 2 steps left out as warmup'), per side
+  when they differ."""
+  left = {n: warmup_steps_left_out(len([t for t in s["series"].get("step_time_s") or []
+                                        if isinstance(t, (int, float))])) for n, s in d["sides"].items()}
+  say = lambda k: "no step left out (one step ran)" if k == 0 else (  # noqa: E731
+      f"the first {'step' if k == 1 else f'{k} steps'} left out as warmup")
+  if len(set(left.values())) <= 1:
+    return say(next(iter(left.values()), 0))
+  return ", ".join(f"{n}: {say(k)}" for n, k in left.items())
+
+
+def _init_s(s: dict) -> str:
+  """A side's own init time; 'n/a' for a side that did not finish or never reported it (not 0.0)."""
+  v = (s.get("summary") or {}).get("init_s")
+  if s["status"] != "ok" and not v:
+    return "n/a"
+  return fmt(v, ".1f")
+
+
+def side_rows(d: dict) -> list[dict[str, Any]]:
+  """One row per side: side, status, steps, loss (first → last), val_loss, tokens_per_s, loss_tokens_per_s ('n/a'
+  on stream: `throughput_columns`), init_s, compile_s, op_build_s, peak_rss, peak_device, memory_kinds (text),
+  backend."""
+  rows = []
+  for name, s in d["sides"].items():
+    summ, loss = s.get("summary") or {}, s["series"]["loss"]
+    kinds = state_by_kind(summ)
+    rows.append({"side": name, "status": s["status"], "steps": summ.get("steps_completed", len(loss)),
+                 "loss": f"{fmt(loss[0] if loss else None, '.4f')} → {fmt(loss[-1] if loss else None, '.4f')}",
+                 "val_loss": fmt((s["series"].get("val_loss") or [None])[-1], ".4f"),
+                 "tokens_per_s": fmt(side_tokens_per_s(d, s), ",.0f"),
+                 "loss_tokens_per_s": fmt(side_loss_tokens_per_s(d, s), ",.0f"), "init_s": _init_s(s),
+                 "compile_s": fmt(summ.get("compile_s"), ".1f") if s["status"] == "ok" else "n/a",
+                 "op_build_s": fmt(summ.get("op_build_s"), ".1f") if "op_build_s" in summ else "none",
+                 "peak_rss": fmt_bytes(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
+                 "peak_device": fmt_bytes(summ.get("peak_device_bytes")), "memory_kinds": kinds or "n/a",
+                 "backend": backend(s)})
+  return rows
+
+
+def state_by_kind(summ: dict) -> str:
+  """A side's training-state bytes per memory kind, with the state groups each kind holds where the side says
+  (JAX: 'device: 471.0 KiB (params), pinned_host: 942.0 KiB (opt_state)'); '' when the summary has neither."""
+  by_kind = summ.get("state_bytes_by_memory_kind") or {}
+  placed = summ.get("state_memory_kinds") or {}
+  groups = {k: [g for g, v in placed.items() if v == k] for k in {*by_kind, *placed.values()}}
+  return ", ".join(f"{k}: {fmt_bytes(by_kind.get(k))}" + (f" ({', '.join(groups[k])})" if groups.get(k) else "")
+                   for k in dict.fromkeys([*by_kind, *placed.values()]))
+
+
+MEMORY_UNMEASURED_WHY = {"activations": "no side measures them", "gradients": "inside the jitted step, not state"}
+"""Why a category has no measured figure on a side (memory_gaps), by category; gradients: the JAX side's only."""
+
+
+def memory_rows(d: dict) -> list[dict[str, Any]]:
+  """report.json's memory rows, in the categories every side shares: recomputed from the run and the sides'
+  summaries (parity.sizing.measured.predicted_vs_measured, a function of report.json alone), so a report written
+  before the JAX side had them (one 'state' row) renders like with like; the stored rows when that fails."""
+  stored = list(((d.get("memory") or {}).get("predicted_vs_measured")) or [])
+  if not any(r.get("side") == "jax" and r.get("category") == "state" for r in stored):
+    return stored
+  try:
+    return predicted_vs_measured(d)
+  except Exception:  # noqa: BLE001  an edited report: draw what it holds
+    return stored
+
+
+def memory_gaps(d: dict) -> str:
+  """The plain statement under the memory figure: which categories are predicted only, on which sides, and why;
+  '' when every predicted category is measured. Read from report.json memory.predicted_vs_measured."""
+  rows = [r for r in memory_rows(d) if r["category"] != "peak_rss"]
+  missing: dict[str, list[str]] = {}
+  for side in dict.fromkeys(r["side"] for r in rows):
+    for cat in dict.fromkeys(r["category"] for r in rows if r["side"] == side):
+      mine = [r for r in rows if r["side"] == side and r["category"] == cat]
+      together = cat in ("params", "optimizer_moments") and any(  # measured in one 'state' row with the other
+          r["side"] == side and r["category"] == "state" and r["measured"] is not None for r in rows)
+      if any(r["predicted"] for r in mine) and all(r["measured"] is None for r in mine) and not together:
+        missing.setdefault(cat, []).append(side)
+  shared = sorted({r["side"] for r in rows if r["category"] == "state" and r["measured"] is not None})
+  parts = [f"{cat.replace('_', ' ')} on {', '.join(ss)}" + (f" ({MEMORY_UNMEASURED_WHY[cat]})"
+                                                             if cat in MEMORY_UNMEASURED_WHY else "")
+           for cat, ss in missing.items()]
+  out = ("Predicted only, not measured (cross-hatched in the predicted bar, absent from the measured one): "
+         + "; ".join(parts) + ". Every side's bars carry the same categories: compare predicted with predicted, "
+         "measured with measured") if parts else ""
+  if shared:
+    out += (". " if out else "") + (f"{', '.join(shared)}: params and optimizer state share one memory kind, so they "
+                                   "are measured together ('state')")
+  return out
+
+
+def rank_table(s: dict) -> tuple[list[str], list[list[str]]] | None:
+  """(columns, rows) of a multi-rank side's summary 'ranks' list (harness.ranks: rank, status, pid, exit code, peak
+  RSS, ...; *_bytes fields in binary units), None for a one-process side."""
+  ranks = [r for r in ((s.get("summary") or {}).get("ranks") or []) if isinstance(r, dict)]
+  if not ranks:
+    return None
+  cols = list(dict.fromkeys(k for r in ranks for k in r))
+  cell = lambda k, v: fmt_bytes(v) if "bytes" in k and isinstance(v, (int, float)) else (  # noqa: E731
+      compact(v) if isinstance(v, (dict, list)) else fmt(v))
+  # a *_bytes column's cells say their unit (fmt_bytes: KiB/MiB/GiB), so its header drops "bytes"
+  head = lambda c: c.removesuffix("_bytes").replace("_", " ")  # noqa: E731
+  return [head(c) for c in cols], [[cell(k, r.get(k)) for k in cols] for r in ranks]
+
+
+def throughput_rows(d: dict) -> list[dict[str, Any]]:
+  """Per side: backend, repeats (steps timed after the warmup, step_times), step time min / median / max (s), tokens/s,
+  loss tokens/s ('n/a' on stream), machine load (1-minute average) at the side's start and end, op build seconds (kept out of init)."""
+  rows = []
+  for name, s in d["sides"].items():
+    ts, summ = step_times(s), s.get("summary") or {}
+    load = s.get("load") or {}
+    lo = "n/a" if not load.get("start") else f"{load['start'][0]:.2f} → {fmt((load.get('end') or [None])[0], '.2f')}"
+    rows.append({"side": name, "backend": backend(s), "repeats": len(ts),
+                 "min_s": fmt(min(ts) if ts else None, ".4g"),
+                 "median_s": fmt(step_time_median(s["series"].get("step_time_s") or []), ".4g"),
+                 "max_s": fmt(max(ts) if ts else None, ".4g"),
+                 "tokens_per_s": fmt(side_tokens_per_s(d, s), ",.0f"),
+                 "loss_tokens_per_s": fmt(side_loss_tokens_per_s(d, s), ",.0f"), "load": lo,
+                 "op_build_s": fmt(summ.get("op_build_s"), ".1f") if "op_build_s" in summ else "none"})
+  return rows
+
+
+def throughput_note(d: dict) -> str:
+  """The plain caveat under the throughput figures (a CPU backend, one sample per step, sides in sequence)."""
+  cpus = {n for n, s in d["sides"].items() if backend(s) == "cpu"}
+  parts = []
+  if cpus:
+    parts.append(f"CPU backend ({', '.join(sorted(cpus))}): throughput is not representative of GPU training")
+  loads = [x for s in d["sides"].values() for x in ((s.get("load") or {}).get("start") or [None])[:1]
+           + ((s.get("load") or {}).get("end") or [None])[:1] if isinstance(x, (int, float))]
+  cpus = (d.get("environment") or {}).get("cpu_count")
+  busy = bool(loads and cpus and max(loads) > 0.8 * cpus)
+  spread = (f" (1-minute load {min(loads):.2f} to {max(loads):.2f}" + (f" on {cpus} CPUs: busy" if busy else "") + ")"
+            if loads and len(d["sides"]) > 1 else "")
+  parts.append(("sides ran one after another on a shared machine, each under its own load" + spread
+                if len(d["sides"]) > 1 else "one side on a shared machine")
+               + f"; each step is one sample ({warmup_phrase(d)}); tokens/s = "
+               + (f"{tokens_per_step(d):,} " if tokens_per_step(d) else "") + "tokens per step / the median of the "
+               "same steps" + _loss_tokens_phrase(d)
+               + ("; DeepSpeed op builds are timed apart (op build s), not in init" if "deepspeed" in d["sides"] else ""))
+  if busy and not spread:
+    parts.append(f"the machine was busy while they ran (1-minute load up to {max(loads):.1f} on {cpus} CPUs)")
+  return "; ".join(parts) + "."
+
+
+
+
+def _loss_tokens_phrase(d: dict) -> str:
+  """How loss tokens/s is counted (padded/packed), or that it equals tokens/s (stream)."""
+  per_step = step_loss_tokens(d)
+  if per_step is None:
+    return "; every target carries the loss (stream), so loss tokens/s equals tokens/s"
+  return (f"; loss tokens/s = the loss-carrying targets of the same steps (padding and no-loss tokens left out; "
+          f"{min(per_step):,} to {max(per_step):,} a step), averaged, / the same median")

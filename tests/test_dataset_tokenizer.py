@@ -1,0 +1,185 @@
+"""The tokenizer path of parity.dataset (issue #20 item 2): text, prompt/completion, chat messages, ShareGPT and
+Alpaca records tokenized by a local Hugging Face tokenizer, with the loss on completion / assistant tokens only.
+The tokenizer is a tiny byte-level BPE trained offline inside the test and saved as tokenizer.json, with a
+tokenizer_config.json holding a ChatML chat template (with and without generation tags)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from parity.data import DataError
+from parity.dataset.examples import ALPACA_PROMPT_INPUT, read_examples
+from parity.dataset.tokenizer import load_tokenizer
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHATML_GEN = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+              "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+              "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = CHATML_GEN.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+CORPUS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.",
+          "Summarise the text below in one line.", "Sure: foxes jump; dogs rest.", "hello world, hello tokens"] * 20
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "hello world"}, {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": "hello tokens"}]
+
+
+def _save(folder, template):
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+  folder.mkdir()
+  tok.save(str(folder / "tokenizer.json"))
+  config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "pad_token": "<pad>"}
+  if template is not None:
+    config["chat_template"] = template
+  (folder / "tokenizer_config.json").write_text(json.dumps(config))
+  return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  root = tmp_path_factory.mktemp("tok")
+  return {name: _save(root / name, t) for name, t in (("gen", CHATML_GEN), ("diff", CHATML), ("none", None))}
+
+
+def _read(tmp_path, rows, folder, **kw):
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return read_examples(path, tokenizer=load_tokenizer(folder), **kw)
+
+
+def _decode(tok, ids):
+  return tok._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def test_text_gets_bos_eos_and_loss_on_every_target(tmp_path, folders):
+  tok = load_tokenizer(folders["none"])
+  s = _read(tmp_path, [{"text": "hello world"}], folders["none"])
+  ex = s.examples[0]
+  assert ex.ids[0] == tok._tok.token_to_id("<s>") and ex.ids[-1] == tok.eos_id
+  assert _decode(tok, ex.ids[1:-1]) == "hello world" and ex.loss.tolist() == [False] + [True] * (ex.ids.size - 1)
+  assert s.tokenizer_sha256 == tok.sha256 and s.vocab_size == tok.vocab_size == 320
+
+
+def test_prompt_completion_puts_the_loss_on_the_completion_and_eos_only(tmp_path, folders):
+  tok = load_tokenizer(folders["none"])
+  ex = _read(tmp_path, [{"prompt": "Say hello.", "completion": " hello world"}], folders["none"]).examples[0]
+  assert _decode(tok, ex.ids[ex.loss]) == " hello world</s>"
+  assert _decode(tok, ex.ids[~ex.loss]) == "<s>Say hello."
+  with_prompt = _read(tmp_path, [{"prompt": "Say hello.", "completion": " hi"}], folders["none"],
+                      prompt_loss=True).examples[0]
+  assert with_prompt.loss[1:].all()
+
+
+@pytest.mark.parametrize("kind", ["gen", "diff"])
+def test_chat_loss_falls_on_assistant_turns_only(tmp_path, folders, kind):
+  tok = load_tokenizer(folders[kind])
+  s = _read(tmp_path, [{"messages": CHAT}], folders[kind])
+  ex = s.examples[0]
+  assert s.chat_masking == ("generation" if kind == "gen" else "prefix-diff")
+  text = _decode(tok, ex.ids)
+  assert text == tok.render(CHAT).replace("\ue000", "").replace("\ue001", "")
+  # the loss-carrying tokens are exactly the two assistant turns with their closing <|im_end|>\n
+  runs = np.split(ex.ids, np.flatnonzero(np.diff(ex.loss.astype(int))) + 1)
+  flags = np.split(ex.loss, np.flatnonzero(np.diff(ex.loss.astype(int))) + 1)
+  assert [_decode(tok, r) for r, f in zip(runs, flags) if f[0]] == ["hello world<|im_end|>\n",
+                                                                     "hello tokens<|im_end|>\n"]
+
+
+def test_the_generation_tags_and_the_prefix_diff_agree_on_chatml(tmp_path, folders):
+  gen = _read(tmp_path, [{"messages": CHAT}], folders["gen"]).examples[0]
+  diff = _read(tmp_path, [{"messages": CHAT}], folders["diff"]).examples[0]
+  assert np.array_equal(gen.ids, diff.ids) and np.array_equal(gen.loss, diff.loss)
+
+
+def test_sharegpt_and_alpaca_become_the_same_chat(tmp_path, folders):
+  chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summarise\nfoxes and dogs"},
+          {"role": "assistant", "content": "Sure: foxes jump; dogs rest."}]
+  rows = [{"messages": chat},
+          {"system": "Be brief.", "conversations": [{"from": "human", "value": "Summarise\nfoxes and dogs"},
+                                                    {"from": "gpt", "value": "Sure: foxes jump; dogs rest."}]},
+          {"system": "Be brief.", "instruction": "Summarise", "input": "foxes and dogs",
+           "output": "Sure: foxes jump; dogs rest."}]
+  s = _read(tmp_path, rows, folders["gen"])
+  a, b, c = s.examples
+  assert s.formats == {"messages": 1, "conversations": 1, "instruction": 1}
+  for other in (b, c):
+    assert np.array_equal(a.ids, other.ids) and np.array_equal(a.loss, other.loss)
+
+
+def test_alpaca_without_a_chat_template_uses_the_stanford_prompt(tmp_path, folders):
+  tok = load_tokenizer(folders["none"])
+  ex = _read(tmp_path, [{"instruction": "Summarise", "input": "foxes", "output": "They jump."}],
+             folders["none"]).examples[0]
+  assert _decode(tok, ex.ids[~ex.loss]) == "<s>" + ALPACA_PROMPT_INPUT.format(instruction="Summarise", input="foxes")
+  assert _decode(tok, ex.ids[ex.loss]) == "They jump.</s>"
+
+
+@pytest.mark.parametrize("kind, row, match", [
+    ("none", {"messages": CHAT}, "d.jsonl line 1: .*tokenizer_config.json: no chat_template"),
+    ("gen", {"conversations": [{"from": "human", "value": "hi"}, {"from": "tool", "value": "x"}]},
+     "line 1: conversations\\[1\\] has from='tool'; parity reads assistant, gpt, human, system, user"),
+    ("gen", {"conversations": [{"from": "human", "value": "hi"}]}, "line 1: `conversations` has no gpt/assistant turn"),
+    ("gen", {"messages": [{"role": "user"}]}, "messages\\[0\\] must be an object with string `role` and `content`"),
+    ("none", {"prompt": "a"}, "line 1: `completion` must be a string; got NoneType \\(the key is missing\\)"),
+    ("gen", {"instruction": "a", "output": "b", "history": [["only one"]]}, "history\\[0\\] must be a \\[user, "),
+])
+def test_a_bad_text_record_is_refused_naming_line_key_and_fix(tmp_path, folders, kind, row, match):
+  with pytest.raises(DataError, match=match):
+    _read(tmp_path, [row], folders[kind])
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_for_prefix_diff(tmp_path, folders):
+  folder = tmp_path / "unstable"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_bytes((folders["none"] / "tokenizer.json").read_bytes())
+  unstable = "{% for m in messages %}{{ m['content'] + ('!' if loop.last else '') }}{% endfor %}"
+  (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": unstable}))
+  with pytest.raises(DataError, match="not a prefix of its rendering .*use a template with \\{% generation %\\} tags"):
+    _read(tmp_path, [{"messages": CHAT}], folder)
+
+
+def test_the_template_sees_the_special_tokens_and_no_clock(folders):
+  tok = load_tokenizer(folders["none"])
+  tok.chat_template = "{{ bos_token }}{{ eos_token }}{% if strftime_now is defined %}today{% else %}fixed{% endif %}"
+  assert tok.render([]) == "<s></s>fixed"  # a date-printing template takes its own default: same tokens every day
+
+
+def test_the_vocabulary_must_hold_the_tokenizers_ids(tmp_path, folders):
+  with pytest.raises(DataError, match="the tokenizer has 320 ids but model.vocab_size is 256; set model.vocab_size"):
+    _read(tmp_path, [{"text": "hi"}], folders["none"], vocab_size=256)
+
+
+def test_missing_packages_and_files_name_the_fix(tmp_path, folders, monkeypatch):
+  with pytest.raises(DataError, match="no tokenizer.json there; give the folder of a Hugging Face tokenizer"):
+    load_tokenizer(tmp_path)
+  monkeypatch.setitem(sys.modules, "tokenizers", None)
+  with pytest.raises(DataError, match="need the `tokenizers` package to tokenize: pip install tokenizers"):
+    load_tokenizer(folders["gen"])
+  monkeypatch.undo()
+  tok = load_tokenizer(folders["gen"])
+  monkeypatch.setitem(sys.modules, "jinja2", None)
+  with pytest.raises(DataError, match="needs jinja2 to render the tokenizer's chat template: pip install jinja2"):
+    tok.chat(CHAT)
+
+
+def test_the_assistant_mask_matches_transformers_apply_chat_template(folders):
+  """The oracle: transformers' own rendering and return_assistant_tokens_mask on the same tokenizer files."""
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folders["gen"] / "tokenizer.json"))
+  out = hf.apply_chat_template(CHAT, chat_template=CHATML_GEN, tokenize=True, return_dict=True,
+                               return_assistant_tokens_mask=True)
+  ids, mask, _ = load_tokenizer(folders["gen"]).chat(CHAT)
+  assert ids.tolist() == list(out["input_ids"])
+  assert mask.astype(int).tolist() == list(out["assistant_masks"])
