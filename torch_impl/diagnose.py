@@ -37,13 +37,13 @@ def _sdpa_internal_taps(self, q, k, t: int, mask=None) -> None:
   The fused kernel (flash on CPU, likewise on CUDA) multiplies the bf16/fp16 q and k with float32
   accumulation and takes the softmax in float32; spelling it out in the compute dtype, as the fp32 taps
   do, would round the scores and probs where the forward never rounds them. Taps only: SDPA still makes
-  the context. q, k: (B, nh, T, hd) in the compute dtype; mask: None (causal) or bool (B, 1, T, T), True = attend
-  (torch_impl.model.attention_mask, for padded/packed rows).
+  the context. q, k: (B, nh, T, hd) in the compute dtype; mask: None (causal) or additive (B, 1, T, T), 0 = attend,
+  -inf = not (torch_impl.model.additive_mask of attention_mask, for padded/packed rows).
   """
   scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S) float32
   self._tap("scores", lambda: scores)
-  if mask is not None:
-    scores = scores.masked_fill(~mask, float("-inf"))
+  if mask is not None:  # additive, in the compute dtype: 0 and -inf are exact in float32 too
+    scores = scores + mask.float()
   elif self.causal:
     keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~keep, float("-inf"))

@@ -135,6 +135,13 @@ def attention_mask(segment_ids: torch.Tensor, causal: bool = True) -> torch.Tens
   return same & _causal(t, segment_ids.device)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+  """bool (B, 1, T, S) (True = attend) -> `dtype` (B, 1, T, S): 0 where attended, -inf elsewhere; exactly what SDPA
+  makes of a bool `attn_mask` in every call (aten `convert_boolean_attn_mask`: where(~mask, -inf, 0) in the query's
+  dtype), so the outputs are bit-identical; built once per forward instead of once per layer and pass."""
+  return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 @functools.lru_cache(maxsize=16)
 def _causal(t: int, device: torch.device) -> torch.Tensor:
   """bool (T, S) lower triangle (s <= t), built once per length and device: `tril` on a bool tensor cost ~0.9 ms
@@ -174,8 +181,9 @@ class Attention(_Tapped, nn.Module):
 
   def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
               mask: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (B, T, d_model) -> (B, T, d_model). mask: None (causal, SDPA's is_causal), or bool (B, 1, T, S)
-    (`attention_mask`: segment and causality in it) given to SDPA as attn_mask, without is_causal."""
+    """x: (B, T, d_model) -> (B, T, d_model). mask: None (causal, SDPA's is_causal), or additive (B, 1, T, S) in
+    x's dtype (`additive_mask(attention_mask(...))`: segment and causality in it, 0 = attend, -inf = not) given to
+    SDPA as attn_mask, without is_causal."""
     s = self.spec
     b, t, _ = x.shape
     q_dim, kv_dim = s.n_heads * s.head_dim, s.kv_heads * s.head_dim
@@ -212,8 +220,8 @@ class Attention(_Tapped, nn.Module):
     """
     scores = torch.matmul(q, k.transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S)
     self._tap("scores", lambda: scores)
-    if mask is not None:
-      scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:  # additive: s + 0 = s and s + -inf = -inf exactly, as masked_fill
+      scores = scores + mask
     elif self.causal:
       keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
       scores = scores.masked_fill(~keep, float("-inf"))
@@ -312,8 +320,8 @@ class GPT(_Tapped, nn.Module):
     Args:
       tokens: int64 token ids, shape (B, T), T <= spec.max_seq_len.
       segment_ids: optional int (B, T) (the `padded` / `packed` layouts, docs/data-examples.md): query t
-        attends key s iff segment_ids[t] == segment_ids[s] and s <= t, as a boolean SDPA attn_mask
-        (`attention_mask`). None: causal only (SDPA is_causal), exactly as before.
+        attends key s iff segment_ids[t] == segment_ids[s] and s <= t (`attention_mask`, made additive once:
+        `additive_mask`), as SDPA's attn_mask. None: causal only (SDPA is_causal), exactly as before.
       positions: optional int64 (B, T), each token's position within its example, in [0, max_seq_len): learned
         positions gather wpe[positions], rotary angles use them. None: 0 .. T-1 in every row.
     Returns:
@@ -339,7 +347,7 @@ class GPT(_Tapped, nn.Module):
       rope = (cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1))
     self._tap("embed", lambda: x)
     causal = all(b.attn.causal for b in self.h)  # False only under the diagnose plant no_causal_mask
-    mask = None if segment_ids is None else attention_mask(segment_ids, causal)  # once for all blocks
+    mask = None if segment_ids is None else additive_mask(attention_mask(segment_ids, causal), x.dtype)  # once
     for block in self.h:
       if mask is None:  # the stream layout: the call of before, unchanged
         x = block(x, rope) if self.checkpoint is None else self.checkpoint(block, x, rope)
