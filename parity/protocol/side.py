@@ -24,6 +24,7 @@ import numpy as np
 
 from parity import weights
 from parity.data import batch_dtype
+from parity.dataset.reference import in_example_targets, token_weights
 
 from parity.numerics import schedule
 from parity.protocol.control import RunControl, parse_control
@@ -294,7 +295,6 @@ class SideIO:
       ValueError: an array's shape or dtype does not fit the batches (`check_example_arrays`).
       parity.data.DataError: micro_mean with a rank's micro batch without a loss token.
     """
-    from parity.dataset.reference import in_example_targets, token_weights
     train = self._example_file_arrays("arrays", batches_shape)
     if train is None:
       return None, None
