@@ -251,6 +251,6 @@ def test_params_rule_for_sgd_and_lamb_is_per_tensor_with_zero_grad_slices_inside
 
 
 def test_lamb_with_scan_layers_is_refused_before_running():
-  from parity.spec import apply_overrides
+  from parity.overrides import apply_overrides
   with pytest.raises(SpecError, match="jax.scan_layers=false"):
     apply_overrides(preset("gpt2-tiny"), {"train.optimizer": "lamb", "jax.scan_layers": True}).validate()

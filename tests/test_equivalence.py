@@ -18,7 +18,7 @@ from parity.pipeline.folder import prepare_run_dir
 from parity.presets import preset
 from parity.report.equivalence_view import equivalence_lines, equivalence_rows
 from parity.report.read import check_contradictions
-from parity.spec import apply_overrides
+from parity.overrides import apply_overrides
 from parity.verdict.sides import verdict
 
 

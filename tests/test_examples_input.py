@@ -14,7 +14,8 @@ from parity.pipeline.examples_input import EXAMPLE_ARRAYS, EXAMPLE_INPUTS, VAL_A
 from parity.pipeline.folder import parse_perturb, prepare_run_dir
 from parity.pipeline.perturb import plan_perturbations
 from parity.presets import preset
-from parity.spec import apply_overrides, config_hash, to_dict
+from parity.overrides import apply_overrides
+from parity.spec import config_hash, to_dict
 
 
 def _spec(**overrides):

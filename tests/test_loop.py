@@ -26,7 +26,8 @@ from parity.protocol import (CHECKPOINT_META, FINAL_MOMENTS, REQUEST_SCHEMA, der
                              read_steps, read_summary)
 from parity.protocol.loop import EXIT_CRASHED, EXIT_NAN, EXIT_OK, Side, SideSummary, run_train
 from parity.protocol.ranks import MULTIRANK_CHECKPOINTS, rank_rows
-from parity.spec import apply_overrides, to_dict
+from parity.overrides import apply_overrides
+from parity.spec import to_dict
 
 SIDE = "torch"
 """The side name the fake runs under (SideIO takes any; its folder is run_dir/torch)."""

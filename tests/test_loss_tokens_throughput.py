@@ -15,7 +15,7 @@ from parity.protocol.side import SideIO
 from parity.report import side_table
 from parity.report.card import make_card
 from parity.report.markdown import report_markdown
-from parity.spec import apply_overrides
+from parity.overrides import apply_overrides
 
 from test_report_page import _synthetic
 

@@ -25,7 +25,8 @@ from parity.pipeline.resolve import resolve_run
 from parity.presets import preset
 from parity.protocol.control import ControlError, derive_request
 from parity.protocol.side import SideIO
-from parity.spec import apply_overrides, to_dict
+from parity.overrides import apply_overrides
+from parity.spec import to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = ("jax", "torch", "deepspeed")

@@ -30,7 +30,8 @@ from parity.pipeline.perturb import plan_perturbations
 from parity.pipeline.plants import check_plants_on_data, data_reason, normalization_reason
 from parity.presets import preset
 from parity.protocol.layout import PLANT_KEYS, parse_debug_value
-from parity.spec import ModelSpec, SpecError, apply_overrides
+from parity.overrides import apply_overrides
+from parity.spec import ModelSpec, SpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 V, T = 64, 16

@@ -12,7 +12,8 @@ from parity.migrate._model import NOT_RUNNABLE_KEYS
 from parity.migrate._reverse import load_ported, to_deepspeed, to_run_spec
 from parity.numerics.ds_json import deepspeed_json, zero_section
 from parity.presets import preset
-from parity.spec import JaxPlan, SpecError, apply_overrides
+from parity.overrides import apply_overrides
+from parity.spec import JaxPlan, SpecError
 from test_migrate import REAL_FILES, flags_for, read_deepspeed_config
 
 JAX_FIELDS = {f.name for f in dataclasses.fields(JaxPlan)}

@@ -12,7 +12,7 @@ import pytest
 
 from parity.migrate import port_config, read_deepspeed_config
 from parity.migrate._reverse import to_deepspeed
-from parity.spec import has_dotted
+from parity.overrides import has_dotted
 from tests.test_migrate import REAL, REAL_FILES, flags_for
 
 LLAVA = REAL / "haotian-liu__LLaVA__scripts__zero2.json"

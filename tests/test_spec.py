@@ -7,8 +7,8 @@ from parity import weights
 
 from parity.numerics import schedule
 from parity.presets import PRESETS
-from parity.spec import (DeepSpeedPlan, ModelSpec, RunSpec, SpecError, TrainSpec,
-                         apply_overrides, parse_overrides, config_hash, from_dict, to_dict)
+from parity.overrides import apply_overrides, parse_overrides
+from parity.spec import DeepSpeedPlan, ModelSpec, RunSpec, SpecError, TrainSpec, config_hash, from_dict, to_dict
 from parity.pipeline.folder import parse_perturb
 from parity.pipeline.resolve import resolve
 

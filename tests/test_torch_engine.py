@@ -24,7 +24,8 @@ from parity import data, weights  # noqa: E402
 from parity.numerics import schedule  # noqa: E402
 from parity.protocol import REQUEST_SCHEMA, read_steps, read_summary  # noqa: E402
 from parity.presets import preset  # noqa: E402
-from parity.spec import apply_overrides, DeepSpeedPlan, ModelSpec, parse_overrides, RunSpec, to_dict  # noqa: E402
+from parity.overrides import apply_overrides, parse_overrides  # noqa: E402
+from parity.spec import DeepSpeedPlan, ModelSpec, RunSpec, to_dict  # noqa: E402
 from parity.verdict.tolerances import tolerance  # noqa: E402
 from torch_impl.baseline import CLIP_EPS, TorchTrainer, clip_like_deepspeed, global_grad_norm  # noqa: E402
 from torch_impl.engine import ds_config  # noqa: E402

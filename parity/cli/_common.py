@@ -34,7 +34,7 @@ def console(stderr: bool = False):
 
 def add_run_source(p: argparse.ArgumentParser, *, set_example: str, preset: bool = True) -> None:
   """--preset (when `preset`), --config and --set: the run sources every run-building command hands to
-  parity.pipeline.resolve.resolve_run (overrides as key=value strings, parsed by parity.spec.parse_overrides)."""
+  parity.pipeline.resolve.resolve_run (overrides as key=value strings, parsed by parity.overrides.parse_overrides)."""
   if preset:
     p.add_argument("--preset", default=None, help=f"built-in run (default {DEFAULT_PRESET}); see `parity presets`")
   p.add_argument("--config", help="run config file (YAML or JSON) merged over the preset (default: none)")

@@ -10,7 +10,7 @@ from pathlib import Path
 from parity.cli._common import add_allow_large, add_run_source, console, count_arg
 from parity.pipeline.compare import OPTION_FIELDS, RunOptions, run_comparison
 from parity.pipeline.resolve import ResolvedRun, resolve_run
-from parity.spec import parse_overrides
+from parity.overrides import parse_overrides
 from parity.cli.gate_table import print_gate
 from parity.report.check_table import per_tensor_rule, tolerance_text
 from parity.report.equivalence_view import equivalence_lines

@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from parity.cli._common import add_allow_large, add_run_source, console, split_list
-from parity.spec import parse_overrides
+from parity.overrides import parse_overrides
 from parity.diagnose import diagnose
 
 __all__ = ["register"]

@@ -11,7 +11,8 @@ import math
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
 from parity.presets import DEFAULT_PRESET
-from parity.spec import parse_overrides, SpecError
+from parity.overrides import parse_overrides
+from parity.spec import SpecError
 from parity.weights import n_params
 from parity.pipeline.resolve import resolve_run
 from parity.sizing.plans import HARDWARE, plan_of

@@ -12,7 +12,8 @@ from parity.migrate._blockers import compare_blockers
 from parity.migrate._model import SCHEMA, PortedConfig
 from parity.migrate._read import PortError
 from parity.migrate._report import Report, leaf_paths
-from parity.spec import RunSpec, SpecError, has_dotted
+from parity.overrides import has_dotted
+from parity.spec import RunSpec, SpecError
 from parity.numerics.ds_json import fp16_section, activation_checkpointing_section, zero_section, OFFLOAD_REMAT
 from parity.sizing.plans import PLANS
 from parity.migrate._resolve import AUTO_RULES

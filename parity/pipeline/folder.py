@@ -20,8 +20,8 @@ from parity.pipeline.claim import RUN_INPUTS, RunFolderError, RunIOError, claim_
 from parity.pipeline.perturb import PerturbPlan, plan_perturbations
 from parity.pipeline.examples_input import EXAMPLE_ARRAYS, write_example_inputs
 from parity.pipeline.plants import check_plants_on_data
-from parity.spec import RunSpec, SpecError, apply_overrides, config_hash, to_dict
-from parity.spec import parse_value
+from parity.overrides import apply_overrides, parse_value
+from parity.spec import RunSpec, SpecError, config_hash, to_dict
 from parity.sizing.resources import check_resources
 
 __all__ = ["prepare_run_dir", "default_run_dir", "parse_perturb", "check_perturb", "write_new", "PreparedRun",

@@ -29,7 +29,8 @@ from typing import Any, Mapping
 from parity.numerics import schedule
 from parity.numerics.ds_json import deepspeed_json, fp16_config
 from parity.protocol.layout import DEBUG_KEYS
-from parity.spec import RunSpec, SpecError, apply_overrides, get_dotted, to_dict
+from parity.overrides import apply_overrides, get_dotted
+from parity.spec import RunSpec, SpecError, to_dict
 from parity.migrate._reverse import port_for_compare
 from parity.pipeline.plants import check_plants
 

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from parity.presets import DEFAULT_PRESET, preset
-from parity.spec import apply_overrides, from_dict, get_dotted, parse_overrides, RunSpec, SpecError, to_dict
+from parity.overrides import apply_overrides, get_dotted, parse_overrides
+from parity.spec import from_dict, RunSpec, SpecError, to_dict
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.data import DataError
 from parity.spec import SFT_DEMO
@@ -135,7 +136,7 @@ class ResolvedRun:
 
 def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
   """A mapping of dotted keys to values from a mapping (returned as a dict) or `key=value` strings (the
-  convenient notebook form; parsed by parity.spec.parse_overrides). Raises SpecError on a malformed string."""
+  convenient notebook form; parsed by parity.overrides.parse_overrides). Raises SpecError on a malformed string."""
   if overrides is None:
     return {}
   if isinstance(overrides, Mapping):

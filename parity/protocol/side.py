@@ -34,8 +34,8 @@ from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, CHECKPOINT_
                                     SUMMARY_SCHEMA, parse_debug_value, loss_tokens_per_s, step_time_median,
                                     tokens_per_s)
 from parity.protocol.workers import SIDE_WORKERS
-from parity.spec import (RunSpec, TrainSpec, apply_overrides, config_hash, from_dict, to_dict,
-                         without_layout_defaults)
+from parity.overrides import apply_overrides
+from parity.spec import RunSpec, TrainSpec, config_hash, from_dict, to_dict, without_layout_defaults
 
 __all__ = ["SideIO", "main_guard", "check_batch_shapes", "check_batch_dtype", "peak_rss_bytes", "ExampleArrays",
            "check_example_arrays"]

@@ -18,7 +18,8 @@ from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
 from parity.protocol.layout import DEBUG_KEYS, PLANT_KEYS
 from parity.sizing.measured import predicted_vs_measured
-from parity.spec import RunSpec, apply_overrides, config_hash, from_dict, to_dict
+from parity.overrides import apply_overrides
+from parity.spec import RunSpec, config_hash, from_dict, to_dict
 from parity.verdict.check import Check
 from parity.verdict.sides import Verdict
 from parity.verdict.tolerances import TOLERANCES
