@@ -183,11 +183,7 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
     data_info, inputs = _write_stream(run_dir, spec, corpus, init_source)
     examples = None
   else:  # padded / packed: examples through parity.dataset (parity.pipeline.examples_input)
-    data_info, examples = write_example_inputs(run_dir, spec, write_new, tokenizer=tokenizer or init_source)
-    check_plants_on_data(plan.perturb, np.load(run_dir / EXAMPLE_ARRAYS["loss_mask"]),
-                         np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]))  # a plant these batches hide: exit 2
-    inputs = {"data": data_info["source"], "tokens": "examples", "checkpoint": init_source,
-              "tokenizer": data_info["card"]["tokenizer"] or "byte-level / pre-tokenized ids (no tokenizer)"}
+    data_info, inputs, examples = _write_examples(run_dir, spec, plan, tokenizer or init_source, init_source)
   _write_init(run_dir / "init.safetensors", spec, init_params)
   write_new(run_dir / "config.json", json.dumps(to_dict(spec), indent=2))
   ds_files = (_write_deepspeed_files(run_dir, deepspeed_source, plan.deepspeed_config)
@@ -201,6 +197,19 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
     request["examples"] = examples
   write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
+
+
+def _write_examples(run_dir: Path, spec: RunSpec, plan: PerturbPlan, tokenizer: str | None, init_source: str | None
+                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+  """The padded/packed layouts' example arrays (parity.pipeline.examples_input.write_example_inputs, with
+  `tokenizer` for text records), then the plants checked on them (parity.pipeline.plants.check_plants_on_data:
+  SpecError for a plant these batches hide); returns (data_info, inputs, examples)."""
+  data_info, examples = write_example_inputs(run_dir, spec, write_new, tokenizer=tokenizer)
+  check_plants_on_data(plan.perturb, np.load(run_dir / EXAMPLE_ARRAYS["loss_mask"]),
+                       np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]))  # a plant these batches hide: exit 2
+  inputs = {"data": data_info["source"], "tokens": "examples", "checkpoint": init_source,
+            "tokenizer": data_info["card"]["tokenizer"] or "byte-level / pre-tokenized ids (no tokenizer)"}
+  return data_info, inputs, examples
 
 
 def _write_stream(run_dir: Path, spec: RunSpec, corpus: Corpus | None, init_source: str | None
