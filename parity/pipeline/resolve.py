@@ -176,15 +176,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
       DeepSpeed config, a conflict between two sources (both named).
   """
   over = overrides_mapping(overrides)
-  cfg, source = _config_mapping(config)
-  name = _base_name(preset_name, model, cfg.pop("preset", None), source)
-  if isinstance(config, (str, Path)):
-    cfg = _data_relative_to(cfg, Path(config))
-  spec = _base_with_config(_base(name, model), cfg, source)                       # 1, 2
-  init_source, init_params = None, None
-  if hf_model is not None:                                                        # 3
-    spec, init_params = _from_checkpoint(hf_model, spec)
-    init_source = str(Path(hf_model).expanduser().absolute())
+  name, spec, init_source, init_params = _base_config_checkpoint(preset_name, model, config, hf_model)  # 1, 2, 3
   # 5 and 6 as one mapping of dotted keys, the overrides after the flags (a later key wins)
   user = {**_flag_values(steps=steps, sides=sides, data=data, micro_batch=micro_batch, seq_len=seq_len,
                          grad_accum=grad_accum, precision=precision), **over}
@@ -209,6 +201,24 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
                      tokenizer=None if tokenizer is None else str(Path(tokenizer).expanduser().absolute()),
                      init_params=init_params, deepspeed_config=ds_cfg,
                      deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
+
+
+def _base_config_checkpoint(preset_name: str | None, model: str | None, config: str | Path | Mapping | None,
+                            hf_model: str | Path | None) -> tuple[str, RunSpec, str | None, Any]:
+  """Steps 1-3 of resolve_run: the base preset (`_base_name`, `_base`), the config merged over it (a config file's
+  relative data path taken from the file's folder), then a Hugging Face checkpoint's model section and weights.
+  Returns (preset name, spec, init_source: the checkpoint folder, absolute, or None, init_params: its canonical
+  weights or None). Raises SpecError / DataError as resolve_run does."""
+  cfg, source = _config_mapping(config)
+  name = _base_name(preset_name, model, cfg.pop("preset", None), source)
+  if isinstance(config, (str, Path)):
+    cfg = _data_relative_to(cfg, Path(config))
+  spec = _base_with_config(_base(name, model), cfg, source)                       # 1, 2
+  init_source, init_params = None, None
+  if hf_model is not None:                                                        # 3
+    spec, init_params = _from_checkpoint(hf_model, spec)
+    init_source = str(Path(hf_model).expanduser().absolute())
+  return name, spec, init_source, init_params
 
 
 def _plan_record(spec: RunSpec, plan_choice: dict | None, over: Mapping[str, Any]) -> dict:
