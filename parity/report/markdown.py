@@ -147,17 +147,10 @@ def perturbation_markdown(d: dict) -> list[str]:
   return out
 
 
-def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = None) -> str:
-  """report.md text. d: report.json data; plots: figure key -> (file name beside report.md, caption);
-  environment: environment.json of the run folder, or None."""
-  kind, sentence, sub = headline.verdict_parts(d)
-  out = [f"# parity report: {md_text(headline.run_title(d))}", "", strong(sentence), "", md_text(sub), ""]
-  errors = headline.open_write_errors(d)
-  if errors:
-    out += ["**Some report files could not be written:** " + "; ".join(
-        md_text(f"{e['file']}: {e['error']}") for e in errors), ""]
-  out += ["Also: `report.html` (one page, plots inline), `report.json`, `card.json`, `metrics.jsonl`.", ""]
-  out += ["## Checks", ""] + md_table(
+def _checks_markdown(d: dict) -> list[str]:
+  """report.md's "## Checks" lines: the check table (a failing gating result in bold), then where each metric's
+  tolerance comes from. d: report.json data."""
+  out = ["## Checks", ""] + md_table(
       ["metric", "pair (or side)", "value is", "value", "tolerance", "result", "first failing step", "detail"],
       [[r["metric"], r["pair"], r["measure"], r["value"], r["tolerance"],
         r["result"] if r["passed"] or not r["gating"] else strong(r["result"]), r["first_failing_step"], r["detail"]]
@@ -168,6 +161,36 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
     if r["metric"] not in seen and r["source"]:
       seen.add(r["metric"])
       out.append(f"- {strong(r['metric'])}: {md_text(r['source'])}")
+  return out
+
+
+def _memory_markdown(d: dict, plots: dict[str, str]) -> list[str]:
+  """report.md's "## Memory: predicted vs measured" lines (the gaps, the figure when `plots` has 'memory', the
+  table), or [] when no side has a predicted or measured figure. d: report.json data; plots: as report_markdown."""
+  mem = [r for r in side_table.memory_rows(d) if r["predicted"] or r["measured"]]
+  if not mem:
+    return []
+  gaps = side_table.memory_gaps(d)
+  out = ["", "## Memory: predicted vs measured", "", md_text(d["memory"]["note"] + "."), ""]
+  out += [strong(gaps + "."), ""] if gaps else []
+  out += [f"![{md_text(plots['memory'][1])}]({plots['memory'][0]})", ""] if "memory" in plots else []
+  out += md_table(["side", "category", "memory kind", "predicted", "measured", "measured / predicted"],
+                  [[r["side"], r["category"], r["memory_kind"], cells.fmt_bytes(r["predicted"]),
+                    cells.fmt_bytes(r["measured"]), cells.fmt(r["ratio"], ".3f")] for r in mem])
+  return out
+
+
+def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = None) -> str:
+  """report.md text. d: report.json data; plots: figure key -> (file name beside report.md, caption);
+  environment: environment.json of the run folder, or None."""
+  kind, sentence, sub = headline.verdict_parts(d)
+  out = [f"# parity report: {md_text(headline.run_title(d))}", "", strong(sentence), "", md_text(sub), ""]
+  errors = headline.open_write_errors(d)
+  if errors:
+    out += ["**Some report files could not be written:** " + "; ".join(
+        md_text(f"{e['file']}: {e['error']}") for e in errors), ""]
+  out += ["Also: `report.html` (one page, plots inline), `report.json`, `card.json`, `metrics.jsonl`.", ""]
+  out += _checks_markdown(d)
   out += ["", "## Curves", ""]
   for key in ("loss", "delta", "grad_norm", "lr", "loss_scale"):
     if key in plots:
@@ -185,15 +208,7 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
       out += ["", f"{name}, per rank:", ""] + md_table(*ranks)
     if s.get("error"):
       out += ["", strong(f"{name} {s['status']}") + ":", *code_block(s["error"].strip().splitlines()[-15:])]
-  mem = [r for r in side_table.memory_rows(d) if r["predicted"] or r["measured"]]
-  if mem:
-    gaps = side_table.memory_gaps(d)
-    out += ["", "## Memory: predicted vs measured", "", md_text(d["memory"]["note"] + "."), ""]
-    out += [strong(gaps + "."), ""] if gaps else []
-    out += [f"![{md_text(plots['memory'][1])}]({plots['memory'][0]})", ""] if "memory" in plots else []
-    out += md_table(["side", "category", "memory kind", "predicted", "measured", "measured / predicted"],
-                    [[r["side"], r["category"], r["memory_kind"], cells.fmt_bytes(r["predicted"]),
-                      cells.fmt_bytes(r["measured"]), cells.fmt(r["ratio"], ".3f")] for r in mem])
+  out += _memory_markdown(d, plots)
   tk = ["side", "backend", "repeats", "min_s", "median_s", "max_s", *(k for k, _ in cols), "load", "op_build_s"]
   out += ["", "## Throughput", "", strong(side_table.throughput_note(d)), ""]
   out += [f"![{md_text(plots['throughput'][1])}]({plots['throughput'][0]})", ""] if "throughput" in plots else []
