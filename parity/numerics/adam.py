@@ -13,7 +13,7 @@ parameter by at most g_i * S_i with S_i = sum_t lr_t / (sqrt(v_hat_t,i) + eps) (
 moved the larger distance either side moved the tensor from init (the dynamics term, rtol = params.rtol), 2 *
 sum_t c_t lr_t the most two Adam sequences can separate an element (adam_step_sum, Cauchy-Schwarz bound), kappa =
 params_grad_noise.rtol (parity.verdict.tolerances, measured). The derivation and the measurements behind kappa:
-parity.verdict.params.param_checks and benchmarks/params_rule.py.
+parity.verdict.params (its module docstring) and benchmarks/params_rule.py.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def noise_scale(name: str, ma, mb, mask: np.ndarray, vocab_size: int | None) -> 
   """The gradient scale g_i the noise term multiplies, over the masked elements of one tensor: g_T, the larger
   side's RMS of sqrt(v_hat) over the tensor, and for a tensor whose axis 0 is the vocabulary (shape[0] ==
   vocab_size, 2-D: wte, an untied lm_head) max(g_T, g_row), g_row the larger side's RMS of sqrt(v_hat) over the
-  element's row (a float64 array over the mask then; why: parity.verdict.params.param_checks)."""
+  element's row (a float64 array over the mask then; why: parity.verdict.params, its module docstring)."""
   rms = [m["grad_rms"][name].astype(np.float64) for m in (ma, mb)]
   g = max(float(np.sqrt(np.mean(np.square(r)))) for r in rms)
   if vocab_size is None or rms[0].ndim != 2 or rms[0].shape[0] != vocab_size:
@@ -61,7 +61,7 @@ def element_scores(d: np.ndarray, moved: float, bound: float, name: str, ma, mb,
   """(|a_i - b_i| / allowed_i, allowed_i) over the masked elements of one tensor, for the per-element Adam rule
   allowed_i = bound·moved + min(2·lr_sum, kappa·g_i·S_i): g_i the gradient scale of `noise_scale` (g_T, or on a
   vocabulary-row tensor max(g_T, g_row)), S_i the larger side's Σ_t lr_t/(sqrt(v_hat_t)+eps) (derivation: this module's docstring
-  and parity.verdict.params.param_checks). An element with allowed 0 scores 0 when equal, inf otherwise."""
+  and that of parity.verdict.params). An element with allowed 0 scores 0 when equal, inf otherwise."""
   g = noise_scale(name, ma, mb, mask, vocab_size)
   sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
   allowed = bound * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)

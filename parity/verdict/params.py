@@ -1,6 +1,59 @@
 """The final-parameter check of a pair of sides: the per-element Adam rule (fp32, with both sides' moments) or the
 per-tensor fallback, the zero-gradient slices held to Adam's step bound, and the per-element Adam sensitivity each
-worker accumulates for it (parity.numerics.adam). Numpy only; tolerances from parity.verdict.tolerances."""
+worker accumulates for it (parity.numerics.adam). Numpy only; tolerances from parity.verdict.tolerances.
+
+The per-element Adam rule of `param_checks`, derived.
+
+The rule, per element i of a tensor T (fp32 with both sides' moments, parity.protocol.FINAL_MOMENTS):
+
+    |a_i - b_i| <= rtol * moved_T + min(2 * sum_t lr_t, kappa * g_i * S_i)
+
+rtol * moved_T is the dynamics term (params.rtol times the larger distance either side moved T from init).
+The second term is how far Adam carries a gradient perturbation, derived per element:
+1. Sensitivity. Adam's update is u_t = lr_t * m_hat_t / (sqrt(v_hat_t) + eps) (Kingma & Ba 2015, Algorithm 1).
+   To first order a perturbation delta of the element's gradients changes m_hat_t by at most delta and moves
+   u_t by at most lr_t * delta / (sqrt(v_hat_t,i) + eps) (the v_hat part of the derivative has the opposite sign
+   and is no larger), so |delta theta_i| <= delta * S_i with S_i = max over the sides of sum_t lr_t /
+   (sqrt(v_hat_t,i) + eps), the sensitivity each worker accumulates (parity.numerics.adam.AdamSensitivity).
+2. Ill-conditioning. Where |g_i| is within a few delta of 0, or sqrt(v_hat) ~ eps, that first-order figure is
+   huge and meaningless: rounding decides the update's sign (at step 1 u = lr * g / (|g| + eps) = +-lr). What
+   bounds it is Adam's step bound: one side moves an element by at most sum_t c_t * lr_t (adam_step_sum), two
+   sides differ by at most twice that. Hence min(2 * sum_t c_t lr_t, .).
+3. The perturbation. A gradient element is a sum over the L tokens of the step; two frameworks sum in different
+   orders and blockings, so the rounding of g_i differs by ~u * sqrt(L) of the scale of its partial sums (u =
+   2^-24). That scale is not |g_i|: an element can be 270x below its tensor's RMS through cancellation while its
+   partial sums are not, and a bound from its own ulp(g_i) * sqrt(L) (~u * sqrt(L) * sum lr: 2.4e-9 at the
+   gpt2-small-cpu drift element, L = 512) is 600x below the gap measured there (1.55e-6 over the dynamics term). It is the tensor's gradient scale g_i = g_T (the larger side's RMS over T of the
+   final sqrt(v_hat); on a vocabulary-row tensor max(g_T, g_row_i), below). From step 2 on, g_i also answers the
+   parameter differences the earlier steps left (drift; among them the up-to-2·lr steps of item 2 on
+   rounding-level elements). So delta = kappa * g_i, kappa = params_grad_noise.rtol: rounding (<= u * sqrt(L);
+   measured 6.8e-8 on the grids) plus drift (measured 3.3e-6), 1e-5 (the entry's reason gives the cells).
+4. The premise. Items 1-3 assume both sides fed Adam the same gradients up to delta. A bug that scales every
+   gradient of a side by one factor c (a clipping threshold 0.5 vs 1.0 with clipping active, a loss scaled on one
+   side) moves m_hat and sqrt(v_hat) by c and so the update only through eps: u = lr * m_hat / (sqrt(v_hat) + eps
+   / c), |delta theta_i| ~ eps * |c_a / c_b - 1| * S_i, exactly the shape of item 3's term with delta = eps (a
+   gpt2-tiny tensor with g_T ~ 1e-3 needs kappa > 5e-6 to excuse it). It shows at full size in the moments,
+   though: each tensor's g_T differs by |1 - c_b / c_a| (0.5) where correct sides agree to 2.2e-6. So the noise
+   term applies to a tensor only when the two sides' g_T agree within params_moments.rtol
+   (parity.numerics.adam.moments_gap); elsewhere it is withheld (the detail names those tensors), leaving the
+   dynamics term. An element with a large gradient gets ~kappa * sum lr * g_i / sqrt(v_hat_i) on top of the
+   dynamics term, far below a real bug's effect. This holds for any lr schedule.
+
+g_T is an RMS over the tensor, so on a tensor whose rows are the vocabulary (shape[0] == model.vocab_size: wte,
+an untied lm_head) it is diluted by the rows a run never feeds: n fed rows of V give g_T ~ sqrt(n / V) * g_row.
+The rounding noise of a fed row's element scales with that row's own sums (its tokens' input gradients, and the
+tied head's sum_n (p_nj - y_nj) h_n), not with rows that got nothing. Measured (issue #20, gpt2-tiny, V = 151,936,
+byte ids, 3 steps): g_T 1.5e-4 vs the fed row's 1.9e-3, and the worst element (|g| 3e-7 in row 79) needed kappa
+3.4e-6 against g_T but 2.6e-7 against its row. So on such tensors the scale is g_i = max(g_T, g_row_i), g_row_i
+the larger side's RMS of sqrt(v_hat) over element i's row: a fed row's own scale, never below g_T (a vocabulary
+every row of which is fed, e.g. 256 bytes, gets no tighter bound than before; a row never fed keeps g_T, and its
+rounding-level elements the step bound). Zero-gradient slices (parity.weights.zero_grad_slices) are the S_i -> sum
+lr / eps limit: they get the step bound 2 * sum lr in their own 'params_zero_grad' check.
+
+Fallback (said in the detail): without moments from both sides, or in bf16/fp16 (kappa unmeasured there; their
+params entry is a gross bound and the noise envelope decides), every tensor must satisfy
+max|a - b| / max(max|a - init|, max|b - init|) <= params.rtol.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -156,6 +209,21 @@ def _zero_grad_check(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict
                f"{zworst[0]}", reason=tolerance(precision, "params_zero_grad").reason)
 
 
+def _param_table(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
+                 init: dict[str, np.ndarray], zslices: dict[str, tuple[int, int]], rule: PairRule
+                 ) -> tuple[list[dict], dict[str, tuple[float, float]]]:
+  """The pair's per-tensor table under `rule` (one `_param_row` per tensor of `a`, in its order, as float64) and,
+  per tensor, (|Δ|, allowed) at its worst point. Raises ValueError naming a tensor whose two shapes differ."""
+  table, at = [], {}
+  for name in a:
+    pa, pb, p0 = (np.asarray(x, dtype=np.float64) for x in (a[name], b[name], init[name]))
+    if pa.shape != pb.shape:
+      raise ValueError(f"{name}: shape {pa.shape} on {a_side} vs {pb.shape} on {b_side}")
+    row, at[name] = _param_row(name, pa, pb, p0, zslices.get(name), rule)
+    table.append({"tensor": name, "sides": [a_side, b_side], **row})
+  return table, at
+
+
 def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str, np.ndarray],
                  init: dict[str, np.ndarray], spec, precision: str, lr_sum: float,
                  moments: dict[str, dict | None] | None = None, adam_updates: bool = True
@@ -166,51 +234,13 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
 
       |a_i - b_i| <= rtol * moved_T + min(2 * sum_t lr_t, kappa * g_i * S_i)
 
-  rtol * moved_T is the dynamics term (params.rtol times the larger distance either side moved T from init).
-  The second term is how far Adam carries a gradient perturbation, derived per element:
-  1. Sensitivity. Adam's update is u_t = lr_t * m_hat_t / (sqrt(v_hat_t) + eps) (Kingma & Ba 2015, Algorithm 1).
-     To first order a perturbation delta of the element's gradients changes m_hat_t by at most delta and moves
-     u_t by at most lr_t * delta / (sqrt(v_hat_t,i) + eps) (the v_hat part of the derivative has the opposite sign
-     and is no larger), so |delta theta_i| <= delta * S_i with S_i = max over the sides of sum_t lr_t /
-     (sqrt(v_hat_t,i) + eps), the sensitivity each worker accumulates (parity.numerics.adam.AdamSensitivity).
-  2. Ill-conditioning. Where |g_i| is within a few delta of 0, or sqrt(v_hat) ~ eps, that first-order figure is
-     huge and meaningless: rounding decides the update's sign (at step 1 u = lr * g / (|g| + eps) = +-lr). What
-     bounds it is Adam's step bound: one side moves an element by at most sum_t c_t * lr_t (adam_step_sum), two
-     sides differ by at most twice that. Hence min(2 * sum_t c_t lr_t, .).
-  3. The perturbation. A gradient element is a sum over the L tokens of the step; two frameworks sum in different
-     orders and blockings, so the rounding of g_i differs by ~u * sqrt(L) of the scale of its partial sums (u =
-     2^-24). That scale is not |g_i|: an element can be 270x below its tensor's RMS through cancellation while its
-     partial sums are not, and a bound from its own ulp(g_i) * sqrt(L) (~u * sqrt(L) * sum lr: 2.4e-9 at the
-     gpt2-small-cpu drift element, L = 512) is 600x below the gap measured there (1.55e-6 over the dynamics term). It is the tensor's gradient scale g_i = g_T (the larger side's RMS over T of the
-     final sqrt(v_hat); on a vocabulary-row tensor max(g_T, g_row_i), below). From step 2 on, g_i also answers the
-     parameter differences the earlier steps left (drift; among them the up-to-2·lr steps of item 2 on
-     rounding-level elements). So delta = kappa * g_i, kappa = params_grad_noise.rtol: rounding (<= u * sqrt(L);
-     measured 6.8e-8 on the grids) plus drift (measured 3.3e-6), 1e-5 (the entry's reason gives the cells).
-  4. The premise. Items 1-3 assume both sides fed Adam the same gradients up to delta. A bug that scales every
-     gradient of a side by one factor c (a clipping threshold 0.5 vs 1.0 with clipping active, a loss scaled on one
-     side) moves m_hat and sqrt(v_hat) by c and so the update only through eps: u = lr * m_hat / (sqrt(v_hat) + eps
-     / c), |delta theta_i| ~ eps * |c_a / c_b - 1| * S_i, exactly the shape of item 3's term with delta = eps (a
-     gpt2-tiny tensor with g_T ~ 1e-3 needs kappa > 5e-6 to excuse it). It shows at full size in the moments,
-     though: each tensor's g_T differs by |1 - c_b / c_a| (0.5) where correct sides agree to 2.2e-6. So the noise
-     term applies to a tensor only when the two sides' g_T agree within params_moments.rtol
-     (parity.numerics.adam.moments_gap); elsewhere it is withheld (the detail names those tensors), leaving the
-     dynamics term. An element with a large gradient gets ~kappa * sum lr * g_i / sqrt(v_hat_i) on top of the
-     dynamics term, far below a real bug's effect. This holds for any lr schedule.
-
-  g_T is an RMS over the tensor, so on a tensor whose rows are the vocabulary (shape[0] == model.vocab_size: wte,
-  an untied lm_head) it is diluted by the rows a run never feeds: n fed rows of V give g_T ~ sqrt(n / V) * g_row.
-  The rounding noise of a fed row's element scales with that row's own sums (its tokens' input gradients, and the
-  tied head's sum_n (p_nj - y_nj) h_n), not with rows that got nothing. Measured (issue #20, gpt2-tiny, V = 151,936,
-  byte ids, 3 steps): g_T 1.5e-4 vs the fed row's 1.9e-3, and the worst element (|g| 3e-7 in row 79) needed kappa
-  3.4e-6 against g_T but 2.6e-7 against its row. So on such tensors the scale is g_i = max(g_T, g_row_i), g_row_i
-  the larger side's RMS of sqrt(v_hat) over element i's row: a fed row's own scale, never below g_T (a vocabulary
-  every row of which is fed, e.g. 256 bytes, gets no tighter bound than before; a row never fed keeps g_T, and its
-  rounding-level elements the step bound). Zero-gradient slices (parity.weights.zero_grad_slices) are the S_i -> sum
-  lr / eps limit: they get the step bound 2 * sum lr in their own 'params_zero_grad' check.
-
-  Fallback (said in the detail): without moments from both sides, or in bf16/fp16 (kappa unmeasured there; their
-  params entry is a gross bound and the noise envelope decides), every tensor must satisfy
-  max|a - b| / max(max|a - init|, max|b - init|) <= params.rtol.
+  rtol * moved_T is the dynamics term; the second term is how far Adam carries a gradient perturbation kappa * g_i
+  (g_i the tensor's gradient scale, on a vocabulary-row tensor max(g_T, g_row_i); S_i the Adam sensitivity), capped
+  by the step bound, and withheld on a tensor whose two sides' gradient scales differ beyond params_moments.rtol.
+  Zero-gradient slices get the step bound 2 * sum lr in their own 'params_zero_grad' check. Fallback (said in the
+  detail): without moments from both sides, or in bf16/fp16, every tensor must satisfy
+  max|a - b| / max(max|a - init|, max|b - init|) <= params.rtol. The derivation (items 1-4, the vocabulary rows,
+  the fallback): this module's docstring.
 
   Args:
     a, b, init: canonical float32 params (name -> array), same names and shapes.
@@ -235,13 +265,7 @@ def param_checks(a_side: str, a: dict[str, np.ndarray], b_side: str, b: dict[str
   rule = pair_rule(a_side, b_side, a, moments, precision, lr_sum, tolerance(precision, "params").rtol,
                     adam_ok=precision == "fp32", vocab_size=getattr(spec, "vocab_size", None))
   zslices = zero_grad_slices(spec) if adam_updates else {}
-  table, at = [], {}
-  for name in a:
-    pa, pb, p0 = (np.asarray(x, dtype=np.float64) for x in (a[name], b[name], init[name]))
-    if pa.shape != pb.shape:
-      raise ValueError(f"{name}: shape {pa.shape} on {a_side} vs {pb.shape} on {b_side}")
-    row, at[name] = _param_row(name, pa, pb, p0, zslices.get(name), rule)
-    table.append({"tensor": name, "sides": [a_side, b_side], **row})
+  table, at = _param_table(a_side, a, b_side, b, init, zslices, rule)
   checks = [_params_check(a_side, b_side, table, at, rule, precision, slices_apart=bool(zslices))] if table else []
   zero = _zero_grad_check(a_side, a, b_side, b, zslices, lr_sum, precision)
   return checks + ([zero] if zero is not None else []), table
