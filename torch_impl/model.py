@@ -1,17 +1,14 @@
 """The GPT decoder in PyTorch, named so that canonical weights load key by key.
 
-Every `parity.spec.ModelSpec` option is implemented: pre-norm blocks, LayerNorm
-(with or without bias) or RMSNorm, GELU (tanh or exact) or SwiGLU MLP, learned
-positions or rotary embeddings (HF LLaMA rotate-half convention), grouped-query
-attention, a tied or untied output head. There is no dropout.
+Every `parity.spec.ModelSpec` option is implemented: pre-norm blocks, LayerNorm (with or without bias) or RMSNorm,
+GELU (tanh or exact) or SwiGLU MLP, learned positions or rotary embeddings (HF LLaMA rotate-half convention),
+grouped-query attention, a tied or untied output head. There is no dropout.
 
-Module attribute paths equal the canonical names of `parity.weights` (torch
-layout, linear weights [out, in]), so `state_dict()` keys are the canonical keys
-and loading is a copy with a shape check; no tensor is transposed on this side.
+Module attribute paths equal the canonical names of `parity.weights` (torch layout, linear weights [out, in]), so
+`state_dict()` keys are the canonical keys and loading is a copy with a shape check; no tensor is transposed here.
 
-Parameters are never initialised here: `build_model` constructs the module on
-the meta device, allocates storage with `to_empty`, and `load_canonical`
-overwrites every parameter from the canonical file.
+Parameters are never initialised here: `build_model` constructs the module on the meta device, allocates storage
+with `to_empty`, and `load_canonical` overwrites every parameter from the canonical file.
 """
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ from parity.spec import ModelSpec
 from parity.weights import decays, param_shapes
 
 __all__ = ["GPT", "RMSNorm", "TapRecorder", "build_model", "load_canonical", "to_canonical", "lm_loss", "micro_loss",
-           "rope_tables", "attention_mask", "decay_groups", "count_params"]
+           "rope_tables", "attention_mask", "additive_mask", "decay_groups", "count_params"]
 
 
 class TapRecorder:
