@@ -24,12 +24,17 @@ from parity.verdict.check import Check
 from parity.verdict.sides import Verdict
 from parity.verdict.tolerances import TOLERANCES
 
-__all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "SIDE_ARTIFACTS", "RERUN_ARTIFACTS",
+__all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "EXAMPLE_ARTIFACTS", "SIDE_ARTIFACTS",
+           "RERUN_ARTIFACTS",
            "artifact_paths", "artifact_hashes", "file_digest", "series_json", "verdict_json", "params_table_json",
            "run_inputs", "perturbations_ran", "ran_value"]
 
 REPORT_SCHEMA = "parity.report/1"
-RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy",
+EXAMPLE_ARTIFACTS = ("loss_mask.npy", "segment_ids.npy", "positions.npy", "val_loss_mask.npy", "val_segment_ids.npy",
+                     "val_positions.npy")
+"""The example arrays of a padded/packed run (parity.pipeline.examples_input): inputs the sides read as they read
+batches.npy."""
+RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy", *EXAMPLE_ARTIFACTS,
                  "deepspeed_config.given.json", "deepspeed_config.resolved.json")  # the last two: --deepspeed-config
 SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors")
 RERUN_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors")

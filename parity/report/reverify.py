@@ -12,6 +12,9 @@ What is read (nothing is run):
 and what is recomputed: parity.verdict.sides.compare_sides, parity.pipeline.reruns.envelope_result (then
 parity.verdict.gating.mark_envelope_decided), determinism_outcome and resume_outcome, and parity.verdict.sides.verdict.
 The tolerances are the ones in force (parity.verdict.tolerances); a report stored with another table is named.
+What the report renders beside the checks is compared with its source too: the data card (request.json 'data'),
+each side's summary (<side>/summary.json), the perturbations table (parity.report.build.perturbations_ran over
+those summaries) and the memory table (parity.sizing.measured.predicted_vs_measured over them).
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from parity.pipeline.equivalence import equivalence_from_folders
 from parity.pipeline.reruns import (RerunContext, determinism_outcome, determinism_section, envelope_result,
                                     resume_outcome, resume_section)
 from parity.protocol.layout import FINAL_MOMENTS, read_moments, read_steps, read_summary
-from parity.report.build import params_table_json, series_json, verdict_json
+from parity.report.build import params_table_json, perturbations_ran, series_json, verdict_json
+from parity.sizing.measured import predicted_vs_measured
 from parity.report.runconfig import run_as_compared
 from parity.spec import RunSpec, SpecError, config_hash, to_dict
 from parity.verdict.check import Check
@@ -57,6 +61,9 @@ class Recomputed:
   series: dict[str, dict]
   sections: dict[str, Any]
   tolerances: dict
+  rendered: dict[str, Any] = dataclasses.field(default_factory=dict)
+  """report.json key -> its recomputed value, for what is rendered beside the checks: 'data' (the data card),
+  'summaries' ({side: summary}), 'perturbations', 'memory' (its predicted_vs_measured rows)."""
 
 
 def check_from_json(d: dict):
@@ -250,13 +257,46 @@ def recompute(report) -> Recomputed:
   eq_checks, eq_sec = _equivalence(ctx, d)
   every = checks + noise_checks + repeat_checks + eq_checks + stopped
   v = verdict_json(verdict(every, {s: sr.status for s, sr in runs.items()}), interrupted)
+  series = {s: _json(series_json(x["steps"])) for s, x in data.items()}
   return Recomputed(checks=_json([c.to_json() for c in every]), params_table=_json(params_table_json(table)), verdict=_json(v),
                     statuses={s: sr.status for s, sr in runs.items()},
-                    series={s: _json(series_json(x["steps"])) for s, x in data.items()},
+                    series=series, rendered=_rendered(rd, d, runs, series),
                     sections={"noise_envelope": _json(noise_sec), "determinism": _json(dsec), "resume": _json(rsec),
                               "equivalence": _json(eq_sec)},
                     tolerances={spec.train.precision: {m: {"atol": t.atol, "rtol": t.rtol} for m, t in
                                                        TOLERANCES[spec.train.precision].items()}})
+
+
+def _rendered(rd: Path, d: dict, runs: dict, series: dict) -> dict[str, Any]:
+  """Recomputation.rendered: the data card from request.json, the summaries from the sides' summary.json (a side
+  without one keeps what report.json stores: _side_run), and the perturbations and memory tables over them."""
+  try:
+    card = json.loads((rd / "request.json").read_text()).get("data")
+  except (OSError, ValueError, AttributeError) as exc:
+    raise Unverifiable(f"request.json cannot be read for the data card ({type(exc).__name__}: {exc})") from None
+  sides = {s: {**(d["sides"].get(s) or {}), "summary": _json(sr.summary), "series": series[s]}
+           for s, sr in runs.items()}
+  memory = predicted_vs_measured({**d, "sides": sides})
+  return {"data": _json(card), "summaries": {s: x["summary"] for s, x in sides.items()},
+          "perturbations": _json(perturbations_ran(rd, sides)), "memory": _json(memory)}
+
+
+def _rendered_lines(d: dict, rec: Recomputed) -> list[str]:
+  """One line per rendered part of report.json (data card, side summaries, perturbations, memory table) that is not
+  what the run's files give."""
+  r, out = rec.rendered, []
+  if not r:
+    return out
+  if not _same(d.get("data"), r["data"]):
+    out.append("its data card ('data') is not request.json's")
+  for side, summ in r["summaries"].items():
+    if not _same(((d.get("sides") or {}).get(side) or {}).get("summary"), summ):
+      out.append(f"sides.{side}.summary is not {side}/summary.json")
+  if not _same(d.get("perturbations") or [], r["perturbations"]):
+    out.append("its perturbations table is not what request.json and the sides' summaries give")
+  if not _same((d.get("memory") or {}).get("predicted_vs_measured"), r["memory"]):
+    out.append("its memory table is not what the sides' summaries give")
+  return out
 
 
 def _check_lines(stored: list, again: list[dict]) -> list[str]:
@@ -313,6 +353,7 @@ def differences(d: dict, rec: Recomputed) -> list[str]:
   for name in ("determinism", "resume", "equivalence"):
     if not _same(d.get(name) or {}, rec.sections[name]):
       out.append(f"the {name} section is not what the rerun folders give")
+  out += _rendered_lines(d, rec)
   stored_tol = {p: {m: {k: t.get(k) for k in ("atol", "rtol")} for m, t in tab.items() if isinstance(t, dict)}
                 for p, tab in (d.get("tolerances") or {}).items() if isinstance(tab, dict)}
   if not _same(stored_tol, rec.tolerances):

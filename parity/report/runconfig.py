@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from parity.report.build import EXAMPLE_ARTIFACTS
 from parity.spec import without_layout_defaults
 
 __all__ = ["flatten", "config_diff", "run_as_compared", "launch_config", "gate_config", "proven_deterministic", "final_digests",
@@ -19,10 +20,11 @@ VOLATILE_KEYS = ("data.path", "timeout_s", "sides")
 """Spec keys the configuration gate leaves out: where the data file lay, how long a side may run, and which sides ran
 (each baseline side is gated on its own: a side the new run lacks fails, one it adds is named). None of them changes
 what a side computes."""
-INPUT_FILES = ("init.safetensors", "batches.npy", "val_batches.npy")
+INPUT_FILES = ("init.safetensors", "batches.npy", "val_batches.npy", *EXAMPLE_ARTIFACTS)
 """The run's inputs, compared as part of the configuration (the same spec on other data or another initialisation is
-another run): the .npy files by their sha256 (report.json `artifacts`), init.safetensors by `tensor_digest` (its
-file bytes are not reproducible, see there)."""
+another run; a padded/packed run's example arrays too, parity.report.build.EXAMPLE_ARTIFACTS): the .npy files by
+their sha256 (report.json `artifacts`), init.safetensors by `tensor_digest` (its file bytes are not reproducible, see
+there)."""
 THREAD_KEYS = ("torch_num_threads", "torch_interop_threads", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "XLA_FLAGS")
 """The fields of a side's summary `threads` record (torch_impl.doctor.thread_settings; XLA_FLAGS where a side records
 it) that can change its bits: the intra-op thread count sets how torch splits a float sum (harness.env.choose_threads),
