@@ -60,3 +60,34 @@ def test_short_examples_packed_several_to_a_row_pass_on_all_three_sides(tmp_path
   _check_pass(rep, "packed")
   seg = np.load(tmp_path / "run" / "segment_ids.npy")
   assert seg.max() >= 3  # several examples in one row: the masks and positions matter
+  _tampering_is_caught(tmp_path / "run")
+
+
+def _verify(rd: Path) -> str:
+  from parity.report.read import load_report, verify_report
+  return "; ".join(verify_report(load_report(rd)))
+
+
+def _tampering_is_caught(run: Path) -> None:
+  """`parity report` re-verifies what it renders beside the checks, and the example arrays are hashed inputs: each
+  edit of a copy is named (the untouched run verifies clean: the control)."""
+  import shutil
+  assert _verify(run) == ""
+  edits = {
+      "its data card ('data') is not request.json's": lambda d: d["data"]["card"].update(loss_tokens_total=1),
+      "sides.jax.summary is not jax/summary.json": lambda d: d["sides"]["jax"]["summary"].update(compile_s=1e-3),
+      "its memory table is not what the sides' summaries give":
+          lambda d: d["memory"].update(predicted_vs_measured=[{"side": "jax", "bytes": 1}]),
+      "its perturbations table is not what": lambda d: d.update(perturbations=[{"side": "jax", "key": "x"}]),
+  }
+  for i, (said, edit) in enumerate(edits.items()):
+    rd = Path(shutil.copytree(run, run.parent / f"edit{i}", ignore=shutil.ignore_patterns(".parity.lock")))
+    d = json.loads((rd / "report.json").read_text())
+    edit(d)
+    (rd / "report.json").write_text(json.dumps(d))
+    assert said in _verify(rd), said
+  for name in ("segment_ids.npy", "loss_mask.npy", "val_positions.npy"):
+    rd = Path(shutil.copytree(run, run.parent / f"arr-{name}", ignore=shutil.ignore_patterns(".parity.lock")))
+    a = np.load(rd / name)
+    np.save(rd / name, (~a) if a.dtype == bool else a + 1)
+    assert f"{name} (same size, different content)" in _verify(rd), name
