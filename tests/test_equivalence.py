@@ -48,6 +48,9 @@ def test_kinds_parse_from_a_comma_string_or_a_list_in_a_fixed_order():
     with pytest.raises(SpecError, match="names no check"):
       parse_equivalence(RunOptions(equivalence=empty).equivalence)
   assert RunOptions(equivalence="ga,ranks").equivalence == ("ga", "ranks")
+  for slip in ("ga,", "ga,ga", "ga, ,packing"):  # a slip is refused, not read as some check (breaker, 2026-12-02)
+    with pytest.raises(SpecError, match="empty or repeated item"):
+      parse_equivalence(RunOptions(equivalence=slip).equivalence)
   with pytest.raises(SpecError, match=r"--equivalence grad: not an equivalence check; choose from ga, ranks, packing"):
     parse_equivalence("ga,grad")
 

@@ -24,7 +24,7 @@ from parity.protocol.layout import STEP_LIST_KEYS
 from parity.protocol.ranks import check_coordinator, check_nproc, multirank_checkpoint_refusal, write_launch
 from parity.report import Report, build_report, write_all
 from parity.history.after import PostRun
-from parity.report.progress import progress_display, run_notes, show_reruns
+from parity.report.progress import progress_display, rerun_parts, run_notes, show_reruns
 from parity.pipeline.equivalence import check_equivalence, parse_equivalence
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, resolve_run
@@ -223,15 +223,18 @@ def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
       side_data = collect_sides(folder.path, side_runs, folder.claim.run_id, spec.train.steps)
       checks, table = compare_sides(side_data, spec=spec, init=folder.init)
     interrupted = interrupted or lifetime.take_stop()
+    kinds = parse_equivalence(options.equivalence)
+    asked = (options.noise_envelope, options.determinism_steps, options.resume_at, kinds)
     if interrupted is None:
-      show_reruns(options.progress, spec, options.noise_envelope, options.determinism_steps, options.resume_at)
+      show_reruns(options.progress, spec, *asked)
+    names = ", ".join(n for n, _ in rerun_parts(spec, *asked)) or "none asked for"
     with lifetime.activity("the reruns were between two workers (none was running)", hold=True,
                            on_stop="no rerun was started after that",
-                           within="in the reruns (noise envelope, determinism, resume; the main run had finished)"):
+                           within=f"in the reruns ({names}; the main run had finished)"):
       reruns = Reruns() if interrupted is not None else run_reruns(
           RerunContext(folder.path, spec, folder.claim.run_id, limit, folder.init, side_data), checks,
           noise=options.noise_envelope, determinism_steps=options.determinism_steps, resume_at=options.resume_at,
-          equivalence=parse_equivalence(options.equivalence), tokenizer=getattr(run, "tokenizer", None) or run.init_source)
+          equivalence=kinds, tokenizer=getattr(run, "tokenizer", None) or run.init_source)
     interrupted = interrupted or reruns.interrupted
     with lifetime.activity("the report was being written (no side was running)", hold=True,
                            on_stop="that was finished first" + (

@@ -70,7 +70,8 @@ def parse_equivalence(value: str | Sequence[str] | None) -> tuple[str, ...]:
   """The kinds asked for, in EQUIVALENCES' order, from 'ga,ranks' or ['ga', 'ranks'] (None, '' or []: none).
 
   Raises:
-    SpecError: an unknown kind, named with the valid ones; a value that names no kind (',').
+    SpecError: an unknown kind, named with the valid ones; a value that names no kind (','), or an empty or
+      repeated item ('ga,', 'ga,ga').
   """
   if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
     return ()
@@ -80,6 +81,11 @@ def parse_equivalence(value: str | Sequence[str] | None) -> tuple[str, ...]:
     given = value if isinstance(value, str) else ",".join(str(v) for v in value)
     raise SpecError(f"--equivalence {given!r} names no check; choose from {', '.join(EQUIVALENCES)} "
                     "(comma-separated, e.g. --equivalence ga,packing), or leave the option out")
+  given = value if isinstance(value, str) else ",".join(str(v) for v in value)
+  named = [k.strip() for k in items]
+  if "" in named or len(named) != len(kinds):  # 'ga,' or 'ga,ga': a slip; which check was meant is not known
+    raise SpecError(f"--equivalence {given!r} has an empty or repeated item; name each check once, comma-separated, "
+                    f"from {', '.join(EQUIVALENCES)} (e.g. --equivalence ga,packing)")
   unknown = sorted(kinds - set(EQUIVALENCES))
   if unknown:
     raise SpecError(f"--equivalence {', '.join(unknown)}: not an equivalence check; choose from "

@@ -7,23 +7,33 @@ import sys
 import time
 from typing import Any, Sequence
 
-__all__ = ["progress_display", "run_notes", "rerun_line", "show_reruns", "STARTING"]
+__all__ = ["progress_display", "run_notes", "rerun_line", "rerun_parts", "show_reruns", "STARTING"]
 
 STARTING = "starting (imports, model init, compile) before step 0"
 """What a side does between its start and its first step record: the label shown instead of a silent 0/N."""
 
 
-def rerun_line(spec, noise: bool | None, determinism_steps: int, resume_at: int | None) -> str | None:
-  """The line shown before the reruns start (they run without a bar, for minutes on a large run): which reruns,
-  of how many steps each; None when there are none."""
+def rerun_parts(spec, noise: bool | None, determinism_steps: int, resume_at: int | None,
+                equivalence: Sequence[str] = ()) -> list[tuple[str, str]]:
+  """The reruns a run asked for, in the order they run, as (short name, what each side reruns): noise envelope
+  (default on in bf16/fp16), determinism, resume, and each --equivalence kind."""
   t = spec.train
   noise_on = noise if noise is not None else t.precision in ("bf16", "fp16")
-  parts = [f"noise envelope ({t.steps} steps per side, batch rows reversed)"] if noise_on else []
+  parts = [("noise envelope", f"{t.steps} steps per side, batch rows reversed")] if noise_on else []
   if determinism_steps:
-    parts.append(f"determinism (first {min(determinism_steps, t.steps)} steps per side in a new process)")
+    parts.append(("determinism", f"first {min(determinism_steps, t.steps)} steps per side in a new process"))
   if resume_at is not None:
-    parts.append(f"resume from step {resume_at}")
-  return f"rerunning each side that finished: {'; '.join(parts)}" if parts else None
+    parts.append(("resume", f"from step {resume_at}"))
+  parts += [(f"equivalence {k}", f"{t.steps} steps per side") for k in equivalence]
+  return parts
+
+
+def rerun_line(spec, noise: bool | None, determinism_steps: int, resume_at: int | None,
+               equivalence: Sequence[str] = ()) -> str | None:
+  """The line shown before the reruns start (they run without a bar, for minutes on a large run): which reruns,
+  of how many steps each; None when there are none."""
+  parts = rerun_parts(spec, noise, determinism_steps, resume_at, equivalence)
+  return f"rerunning each side that finished: {'; '.join(f'{n} ({w})' for n, w in parts)}" if parts else None
 
 
 def run_notes(run: Any) -> list[str]:
@@ -43,9 +53,10 @@ def run_notes(run: Any) -> list[str]:
   return out
 
 
-def show_reruns(enabled: bool, spec, noise: bool | None, determinism_steps: int, resume_at: int | None) -> None:
+def show_reruns(enabled: bool, spec, noise: bool | None, determinism_steps: int, resume_at: int | None,
+                equivalence: Sequence[str] = ()) -> None:
   """Prints rerun_line (to stderr, timestamped) when `enabled` and there are reruns."""
-  line = rerun_line(spec, noise, determinism_steps, resume_at) if enabled else None
+  line = rerun_line(spec, noise, determinism_steps, resume_at, equivalence) if enabled else None
   if line:
     print(f"[{time.strftime('%H:%M:%S')}] parity compare: {line}", file=sys.stderr, flush=True)
 
