@@ -50,7 +50,7 @@ def test_a_json_array_reads_like_jsonl(tmp_path):
 
 @pytest.mark.parametrize("row, match", [
     ({"input_ids": [1, 2, 30]}, r"d.jsonl line 2: token id 30 at position 2 is outside the vocabulary \[0, 16\); "
-                                r"set model.vocab_size > 30"),
+                                r"the file's largest id is 30: set model.vocab_size > 30"),
     ({"input_ids": [1, 2], "labels": [-100]}, "d.jsonl line 2: `labels` has 1 entries but `input_ids` has 2"),
     ({"input_ids": [1, 2, 3], "labels": [-100, 3, 4]}, r"line 2: labels\[1\] = 3 differs from input_ids\[1\] = 2.*"
                                                      "already shifted by one, unshift them"),
@@ -69,6 +69,15 @@ def test_a_bad_record_is_refused_naming_file_line_key_and_fix(tmp_path, row, mat
   path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}, row])
   with pytest.raises(DataError, match=match):
     read_examples(path, vocab_size=16)
+
+
+def test_an_id_beyond_the_vocabulary_names_the_files_largest_id(tmp_path):
+  """The fix names the file's largest id, not the first bad record's: following it must work (breaker, 2026-12-02:
+  the advice from line 1 led to a new refusal at line 2)."""
+  path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 20]}, {"input_ids": [1, 2, 40]}, {"input_ids": [3, 30]}])
+  with pytest.raises(DataError, match=r"line 1: token id 20 .* the file's largest id is 40: set model.vocab_size > 40"):
+    read_examples(path, vocab_size=16)
+  assert len(read_examples(path, vocab_size=41).examples) == 3
 
 
 def test_an_id_beyond_the_vocabulary_names_the_json_record(tmp_path):

@@ -228,6 +228,14 @@ def _format(rec: Record) -> str:
   return fmt
 
 
+class _OutOfVocab(DataError):
+  """An id >= the vocabulary in one record; `examples_from_records` reads on to name the file's largest id."""
+
+  def __init__(self, where: str, top: int):
+    super().__init__(where)
+    self.where, self.top = where, top
+
+
 def _checked(rec: Record, ids: np.ndarray, loss: np.ndarray, vocab_size: int) -> Example:
   if ids.size < 2:
     raise DataError(f"{rec.where}: {ids.size} token(s); an example needs at least 2 (a target needs a token before "
@@ -239,9 +247,8 @@ def _checked(rec: Record, ids: np.ndarray, loss: np.ndarray, vocab_size: int) ->
       raise DataError(f"{rec.where}: token id {int(ids[i])} at position {i} is negative (padding, or an ignore label "
                       "like -100 put in input_ids?); input_ids hold token ids >= 0: mark no-loss positions in "
                       "`labels` (-100) or `loss_mask`, and leave padding out (parity pads the rows itself)")
-    raise DataError(f"{rec.where}: token id {int(ids[i])} at position {i} is outside the vocabulary [0, {vocab_size}); "
-                    f"set model.vocab_size > {int(ids.max())} (at most {MAX_VOCAB}), or fix the ids "
-                    "(another tokenizer's?)")
+    raise _OutOfVocab(f"{rec.where}: token id {int(ids[i])} at position {i} is outside the vocabulary "
+                      f"[0, {vocab_size})", int(ids.max()))
   loss = loss.copy()
   loss[0] = False
   return Example(ids=ids.astype(np.uint32), loss=loss, record=rec.number)
@@ -256,7 +263,12 @@ def examples_from_records(records, *, vocab_size: int, tokenizer: HFTokenizer | 
       text record without a tokenizer, fewer than 2 tokens, or an id outside [0, vocab_size).
   """
   examples, formats, methods = [], Counter(), set()
+  first: _OutOfVocab | None = None
   for rec in records:
+    if first is not None:  # after an id past the vocabulary: only the largest id of the file is still wanted
+      ids = _pretokenized(rec)[0] if _format(rec) == "input_ids" else np.zeros(0, np.int64)
+      first.top = max(first.top, int(ids.max(initial=0)))
+      continue
     fmt = _format(rec)
     if fmt == "input_ids":
       (ids, loss), method = _pretokenized(rec), None
@@ -266,10 +278,17 @@ def examples_from_records(records, *, vocab_size: int, tokenizer: HFTokenizer | 
                       "checkpoint holding one), or give pre-tokenized input_ids")
     else:
       ids, loss, method = _tokenized(rec, fmt, tokenizer, prompt_loss)
-    examples.append(_checked(rec, ids, loss, vocab_size))
+    try:
+      examples.append(_checked(rec, ids, loss, vocab_size))
+    except _OutOfVocab as exc:
+      first = exc
+      continue
     formats[fmt] += 1
     if method:
       methods.add(method)
+  if first is not None:
+    raise DataError(f"{first.where}; the file's largest id is {first.top}: set model.vocab_size > {first.top} (at most "
+                    f"{MAX_VOCAB}), or fix the ids (another tokenizer's?)")
   return examples, formats, methods
 
 
