@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   _COMMAND_LINE[:] = argv  # what a saved traceback names (main(argv) from Python, not the interpreter's sys.argv)
   args = ap.parse_args(argv)
-  bad = _bad_number_flag(args, argv)
+  bad = _bad_number_flag(args, argv) or _empty_flag(argv, _takes_no_value(ap, args.command))
   if bad:
     ap.exit(EXIT_BAD_INPUT, f"parity {args.command}: error: {bad}\n")
   bad = bad_path_arg(ap, args)  # a path no OS can open (a NUL byte, a name over 255 bytes): before anything runs
@@ -219,6 +219,31 @@ def _bad_number_flag(args, argv: list[str] | None = None) -> str | None:
       return f"{flag} {_typed(argv or [], flag, v)}: must be a finite number"
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_MAX:
       return f"{flag} {_typed(argv or [], flag, v)}: out of range (at most {INT_MAX:,})"
+  return None
+
+
+def _takes_no_value(ap, command: str) -> set[str]:
+  """The option strings of `command` (and the top level) that take no value (store_true and the like)."""
+  parsers = [ap] + [a.choices[command] for a in ap._actions
+                    if isinstance(a, argparse._SubParsersAction) and command in a.choices]
+  return {o for p in parsers for a in p._actions if a.nargs == 0 for o in a.option_strings}
+
+
+def _empty_flag(argv: list[str], no_value: set[str] = frozenset()) -> str | None:
+  """The message for the first option given an empty or blank value (`--sides ""`, `--preset=`), or None: an empty
+  value is a slip (an unset shell variable), never a request for the default (breaker, 2026-12-02: `--sides ""` ran
+  all three sides, `--preset ""` the default preset)."""
+  for i, tok in enumerate(argv):
+    if tok == "--" or not (tok.startswith("--") or (len(tok) == 2 and tok[0] == "-" and tok[1].isalpha())):
+      continue
+    if "=" in tok:
+      flag, value = tok.split("=", 1)
+    elif tok not in no_value and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+      flag, value = tok, argv[i + 1]
+    else:
+      continue
+    if value.strip() == "":
+      return f"{flag} is given an empty value; give it one, or leave the option out for its default"
   return None
 
 
