@@ -120,6 +120,11 @@ def test_same_folder_twice_and_a_run_folder_as_output_are_refused(tmp_path, caps
   assert "given twice" in capsys.readouterr().err
   assert main(["report", d[0], d[1], "-o", d[2]]) == 2
   assert "is a parity run folder" in capsys.readouterr().err
+  inside = Path(d[2]) / "jax"  # a side's folder: the files would look like the run's own (breaker, 2026-12-02)
+  before = sorted(p.name for p in inside.iterdir())
+  assert main(["report", d[0], d[1], "-o", str(inside)]) == 2
+  assert f"is inside the parity run folder {Path(d[2]).absolute()}" in capsys.readouterr().err
+  assert sorted(p.name for p in inside.iterdir()) == before
 
 
 @needs_runs

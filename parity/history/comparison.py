@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from parity.history.gate import read_gate
 from parity.inputs import InputError
+from parity.pipeline.claim import enclosing_run
 from parity.report import html as H
 from parity.report.finished import load_finished
 from parity.report.headline import model_label
@@ -381,13 +382,16 @@ def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path, force: boo
   """Writes comparison.html, comparison.md with its PNG plots (comparison-<metric>.png) and comparison.json
   (the key figures) into `out_dir` (created if missing; files of an earlier comparison there are replaced).
 
-  Returns: name -> path. Raises InputError (exit 2) when `out_dir` is a run folder (its files are not mixed with a
-  comparison's), when it holds comparison files this command did not write (no comparison.json with
+  Returns: name -> path. Raises InputError (exit 2) when `out_dir` is a run folder or inside one (its files are not
+  mixed with a comparison's), when it holds comparison files this command did not write (no comparison.json with
   COMPARISON_SCHEMA; `force` replaces them), or when a file cannot be written there (the files this call wrote
   are removed again, the message names the file)."""
   out = Path(out_dir)
   if (out / "report.json").exists() or (out / ".parity.lock").exists():
     raise InputError(f"-o {out} is a parity run folder; write the comparison to a folder of its own")
+  outer = enclosing_run(out)
+  if outer is not None:  # e.g. a side's folder: files there would look like the run's own (breaker, 2026-12-02)
+    raise InputError(f"-o {out} is inside the parity run folder {outer}; write the comparison to a folder of its own")
   foreign = [] if force else _foreign_files(out)
   if foreign:
     raise InputError(f"-o {out} holds files `parity report` did not write ({', '.join(foreign)}); they would be "
