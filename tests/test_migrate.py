@@ -101,7 +101,7 @@ BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
 
 # --------------------------------------------------------------------------- real configs
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name[:60])
 def test_real_config_without_flags_ports_or_refuses_naming_a_key(path):
   raw = read_deepspeed_config(path)
@@ -116,7 +116,7 @@ def test_real_config_without_flags_ports_or_refuses_naming_a_key(path):
     assert any(n in first for n in names), first
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name[:60])
 def test_real_config_with_its_flags(path):
   raw = read_deepspeed_config(path)
@@ -131,7 +131,7 @@ def test_real_config_with_its_flags(path):
     assert r.report.entries[[k for k in r.report.entries if k.startswith(want)][0]].fate == "unsupported"
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("name", GOLDEN_FILES)
 def test_golden_reports(name):
   raw = read_deepspeed_config(REAL / name)
@@ -474,7 +474,7 @@ def test_not_runnable_lists_every_reason_compare_refuses_with_how_to_run_it():
   assert "bias_correction" in str(e.value) and "cpu_checkpointing" in str(e.value)
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present")
+@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 def test_not_runnable_is_empty_exactly_when_compare_runs_the_port():
   from parity.spec import SpecError
   seen = 0
