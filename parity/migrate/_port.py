@@ -141,9 +141,20 @@ def _batch(ctx: Ctx) -> dict[str, Any] | None:
   return {"micro": mb, "grad_accum": gas, "world": world, "global_batch": tb}
 
 
+def _unresolved_precision(ctx: Ctx, key: str) -> bool:
+  """True when `key`.enabled is an "auto" no flag resolved (refused in resolve_autos): its block is marked as
+  unresolved, not ported as disabled (newcomer, 2026-12-02: the table said `false` beside the refusal)."""
+  if ctx.get(f"{key}.enabled") is not UNRESOLVED:
+    return False
+  ctx.mark(key, "unsupported", None, "\"auto\" not resolved: pass --fp16, --bf16 or --fp32")
+  return True
+
+
 def _fp16(ctx: Ctx) -> tuple[bool, dict[str, Any] | None]:
   ctx.unknown_keys("fp16", _FP16_KEYS, why="DeepSpeedFP16Config has extra='forbid'")
   on = bool(ctx.boolean("fp16.enabled", False))
+  if _unresolved_precision(ctx, "fp16"):
+    return False, None
   ctx.mark("fp16.enabled", "mapped", "precision.compute_dtype", "true -> fp16 compute" if on else "false")
   if not on:
     ctx.mark("fp16", "not_needed", None, "fp16 disabled", overwrite=False)
@@ -199,6 +210,8 @@ def _bf16(ctx: Ctx) -> tuple[bool, bool]:
   ctx.unknown_keys(key, _BF16_KEYS + tuple(scale_keys), why="DeepSpeedBF16Config has extra='forbid'")
   on = bool(ctx.boolean(f"{key}.enabled", False))
   check = ctx.boolean(f"{key}.check_grad_overflow", True)
+  if _unresolved_precision(ctx, key):
+    return False, True
   ctx.mark(f"{key}.enabled", "mapped", "precision.compute_dtype", "true -> bf16 compute, fp32 master" if on else "false")
   if not on:
     ctx.mark(key, "not_needed", None, "bf16 disabled", overwrite=False)
