@@ -415,6 +415,19 @@ def perturbations_ran(run_dir: Path, sides: dict) -> list[dict[str, Any]]:
   return out + _injections(req, sides)
 
 
+def _recorded_injection(side: dict, key: str) -> dict[str, Any]:
+  """{value, from} of fault injection / planted bug `key` as a side recorded it (summary.json 'perturbed'); a side
+  whose summary has no 'perturbed' record (one the harness wrote for a side that timed out or was killed) says so
+  rather than naming a record that is not there (breaker, 2026-12-02)."""
+  summ = side.get("summary") or {}
+  if not summ:
+    return {"value": None, "from": "nothing: the side wrote no summary.json"}
+  if not isinstance(summ.get("perturbed"), dict):
+    why = " (the harness wrote it: the side did not finish)" if side.get("status") != "ok" else ""
+    return {"value": None, "from": f"nothing: its summary.json{why} has no perturbed record"}
+  return {"value": summ["perturbed"].get(key), "from": "summary.json perturbed"}
+
+
 def _injections(request: dict[str, Any], sides: dict) -> list[dict[str, Any]]:
   """The fault injections (DEBUG_KEYS: nan_at_step, kill_at_step, ...) each side was asked for, with what each side
   recorded of them (summary.json 'perturbed'); applied is None when the side did not finish (a kill or hang does
@@ -422,9 +435,7 @@ def _injections(request: dict[str, Any], sides: dict) -> list[dict[str, Any]]:
   out = []
   for side, kv in (request.get("perturb") or {}).items():
     for key in (k for k in kv if k in DEBUG_KEYS):
-      ran = {n: {"value": ((s.get("summary") or {}).get("perturbed") or {}).get(key),
-                 "from": "summary.json perturbed" if s.get("summary") else "nothing: the side wrote no summary.json"}
-             for n, s in sides.items()}
+      ran = {n: _recorded_injection(s, key) for n, s in sides.items()}
       done = (sides.get(side) or {}).get("status") == "ok" or (ran.get(side) or {}).get("value") is not None
       out.append({"side": side, "key": key, "value": kv[key], "applies": None, "deepspeed_config": None,
                   "note": "a planted data bug" if key in PLANT_KEYS else "a fault injection", "ran": ran,
