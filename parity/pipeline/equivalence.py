@@ -178,14 +178,17 @@ def equivalence_outcome(kind: str, side: str, main: dict, rerun: SideRun, rerun_
   Returns:
     (Check, row). Check: value max |Δloss| over the steps (nats), tolerance EQUIVALENCE_LOSS.atol; passed when every
     step's loss and grad_norm and the final params are within their fp32 bounds; gating per `equivalence_metric`.
-    row: {status, error, max_abs_loss_diff, worst_step, max_grad_norm_rel_diff, params_max_abs_diff,
-    params_ratio_max, passed, gating}.
+    row: {status, error, normalization (the loss normalisation this side's rerun trained: its summary.json spec,
+    which keeps a --perturb of the side; else the run's), max_abs_loss_diff, worst_step, max_grad_norm_rel_diff,
+    params_max_abs_diff, params_ratio_max, passed, gating}.
   """
   metric = equivalence_metric(kind, spec)
   gating = not metric.endswith("_distance")
   name, pair = f"equivalence {kind} {side}", (side, f"{side}#{kind}")
-  row = {"status": rerun.status, "error": rerun.error, "max_abs_loss_diff": None, "worst_step": None,
-         "max_grad_norm_rel_diff": None, "params_max_abs_diff": None, "params_ratio_max": None}
+  ran = (((rerun.summary or {}).get("spec") or {}).get("train") or {}).get("loss_normalization")
+  row = {"status": rerun.status, "error": rerun.error, "normalization": ran or spec.train.loss_normalization,
+         "max_abs_loss_diff": None, "worst_step": None, "max_grad_norm_rel_diff": None, "params_max_abs_diff": None,
+         "params_ratio_max": None}
   if rerun.status != "ok" or final is None:
     c = Check(name=name, metric=metric, sides=pair, value=float("nan"), tolerance=EQUIVALENCE_LOSS.atol,
               passed=False, detail=f"the {kind} rerun did not finish ({rerun.status}): {rerun.error}",

@@ -32,7 +32,8 @@ def equivalence_rows(d: dict) -> list[list[str]]:
   out = []
   for kind, sec in (d.get("equivalence") or {}).items():
     for side, row in (sec.get("sides") or {}).items():
-      out.append([kind, side, str(sec.get("normalization")), _rerun(sec), fmt(row.get("max_abs_loss_diff")),
+      norm = row.get("normalization") or sec.get("normalization")  # the side's own: a --perturb it kept
+      out.append([kind, side, str(norm), _rerun(sec), fmt(row.get("max_abs_loss_diff")),
                   fmt(row.get("worst_step")), fmt(row.get("max_grad_norm_rel_diff")),
                   fmt(row.get("params_max_abs_diff")), fmt(row.get("params_ratio_max")),
                   _result(row, bool(sec.get("gating")))])
