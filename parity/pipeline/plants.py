@@ -44,7 +44,8 @@ def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | Non
             "token never reads padding, so without the segment mask every real logit is the same; it shows on "
             "train.layout=packed (attention across documents)")
   if key == "positions_not_restarted" and t.layout == "padded":
-    return "on the padded layout every example starts at slot 0, so its positions are 0..T-1 already"
+    return ("on the padded layout every example starts at slot 0, so its positions are 0..T-1 already; it shows on "
+            "train.layout=packed (examples after slot 0)")
   if (key == "positions_not_restarted" and m.position == "rope"
           and not plants.get("attention_mask_dropped")):
     return ("model.position is 'rope': rotary positions enter q.k as differences, which a shift of a whole example "
