@@ -602,3 +602,16 @@ def test_the_data_card_rows_show_the_padding_fraction_rounded_and_as_a_percentag
   rows = dict((k, v) for k, v in data_card_rows({"data": {"card": card, "loss_normalization": "tokens"}}))
   assert rows["padding_fraction"] == "0.0579 (5.8%)" and rows["loss tokens per step (min / max)"] == "3 / 5"
   assert data_card_rows({"data": {}}) == []
+
+
+def test_data_notes_tell_the_terminal_what_truncation_cut_and_stay_quiet_otherwise():
+  """Examples cut to a row are said before the sides start, not only in the data card (newcomer, 2026-12-02)."""
+  from parity.report.progress import data_notes
+  card = {"examples": 512, "truncation": {"mode": "truncate", "examples_cut": 329, "tokens_dropped": 48972,
+                                          "loss_tokens_dropped": 35086, "pieces_added": 0}}
+  (line,) = data_notes({"card": card})
+  assert "329 of 512 examples" in line and "48,972 tokens dropped, 35,086 of them with loss" in line
+  assert "train.truncation=split" in line
+  assert data_notes({"card": {**card, "truncation": {**card["truncation"], "examples_cut": 0}}}) == []
+  assert data_notes({"card": {**card, "truncation": {**card["truncation"], "mode": "split"}}}) == []
+  assert data_notes({"source": "stream"}) == [] and data_notes(None) == []

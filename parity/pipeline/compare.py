@@ -24,7 +24,7 @@ from parity.protocol.layout import STEP_LIST_KEYS
 from parity.protocol.ranks import check_coordinator, check_nproc, multirank_checkpoint_refusal, write_launch
 from parity.report import Report, build_report, write_all
 from parity.history.after import PostRun
-from parity.report.progress import progress_display, rerun_parts, run_notes, show_reruns
+from parity.report.progress import data_notes, progress_display, rerun_parts, run_notes, show_reruns
 from parity.pipeline.equivalence import check_equivalence, parse_equivalence
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, resolve_run
@@ -206,7 +206,7 @@ def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
   once it is complete (so the gate and trackers, `post_asked`, do not run)."""
   spec = run.spec
   limit = options.timeout_s if options.timeout_s is not None else spec.timeout_s
-  with progress_display(options.progress, spec, notes=run_notes(run)) as on_progress:
+  with progress_display(options.progress, spec, notes=run_notes(run) + data_notes(folder.data_info)) as on_progress:
     loads: dict[str, dict] = {}
 
     def one_side(side: str):  # the machine's load around each side: its timings are only as good as that

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-__all__ = ["progress_display", "run_notes", "rerun_line", "rerun_parts", "show_reruns", "STARTING"]
+__all__ = ["progress_display", "data_notes", "run_notes", "rerun_line", "rerun_parts", "show_reruns", "STARTING"]
 
 STARTING = "starting (imports, model init, compile) before step 0"
 """What a side does between its start and its first step record: the label shown instead of a silent 0/N."""
@@ -34,6 +34,20 @@ def rerun_line(spec, noise: bool | None, determinism_steps: int, resume_at: int 
   of how many steps each; None when there are none."""
   parts = rerun_parts(spec, noise, determinism_steps, resume_at, equivalence)
   return f"rerunning each side that finished: {'; '.join(f'{n} ({w})' for n, w in parts)}" if parts else None
+
+
+def data_notes(data_info: dict | None) -> list[str]:
+  """Lines about the data a user should see before the sides start, not only in the report's data card: examples
+  that 'truncate' cut to a row (newcomer, 2026-12-02: 329 of 512 examples cut, 48,972 tokens dropped, said only in
+  the card). [] for a stream run or when nothing was cut."""
+  card = (data_info or {}).get("card") if isinstance(data_info, dict) else None
+  cut = (card or {}).get("truncation") if isinstance(card, dict) else None
+  if not isinstance(cut, dict) or not cut.get("examples_cut") or cut.get("mode") != "truncate":
+    return []
+  return [f"data: {cut['examples_cut']:,} of {card.get('examples', '?'):,} examples are longer than a row and were "
+          f"cut (train.truncation=truncate): {cut.get('tokens_dropped', 0):,} tokens dropped, "
+          f"{cut.get('loss_tokens_dropped', 0):,} of them with loss; --set train.truncation=split keeps them as more "
+          "pieces, a longer train.seq_len as longer rows"]
 
 
 def run_notes(run: Any) -> list[str]:
