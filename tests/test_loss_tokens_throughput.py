@@ -123,3 +123,17 @@ def test_the_html_page_and_the_terminal_table_carry_the_column(tmp_path):
   con = Console(record=True, width=200)
   print_summary(Report(data=d, run_dir=tmp_path), con)
   assert "loss tokens/s" in con.export_text()
+
+
+def test_throughput_note_names_a_side_whose_device_was_not_recorded():
+  """A killed side's summary is the harness's, without a device: its row still shows the tokens/s of the steps it
+  recorded, and the note says so instead of leaving it out of the backend caveat (newcomer, 2026-12-02)."""
+  d = _synthetic(steps=6, sides=("jax", "deepspeed"))
+  for s in d["sides"].values():
+    s["series"]["step_time_s"] = [0.5, 0.2, 0.01, 0.02, 0.01, 0.03]
+  d["sides"]["jax"]["summary"]["device"] = "cpu"
+  d["sides"]["deepspeed"]["summary"].pop("device", None)
+  note = side_table.throughput_note(d)
+  assert "CPU backend (jax)" in note and "deepspeed: device not recorded (the side did not finish" in note
+  d["sides"]["deepspeed"]["summary"]["device"] = "cpu"
+  assert "device not recorded" not in side_table.throughput_note(d)

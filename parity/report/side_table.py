@@ -210,6 +210,10 @@ def throughput_note(d: dict) -> str:
   parts = []
   if cpus:
     parts.append(f"CPU backend ({', '.join(sorted(cpus))}): throughput is not representative of GPU training")
+  unknown = sorted(n for n, s in d["sides"].items() if backend(s) == "n/a" and side_tokens_per_s(d, s) is not None)
+  if unknown:  # a side that did not finish: the harness wrote its summary, without a device (newcomer, 2026-12-02)
+    parts.append(f"{', '.join(unknown)}: device not recorded (the side did not finish; its figures are from the "
+                 "steps it recorded)")
   loads = [x for s in d["sides"].values() for x in ((s.get("load") or {}).get("start") or [None])[:1]
            + ((s.get("load") or {}).get("end") or [None])[:1] if isinstance(x, (int, float))]
   cpus = (d.get("environment") or {}).get("cpu_count")
