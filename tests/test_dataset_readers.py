@@ -15,7 +15,8 @@ from parity.dataset.records import read_records
 
 
 def _jsonl(path, rows, blank_lines=False):
-  path.write_text("".join(json.dumps(r) + ("\n\n" if blank_lines else "\n") for r in rows))
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + ("\n\n" if blank_lines else "\n")
+                          for r in rows))  # a str row is written as is (raw JSON text)
   return path
 
 
@@ -64,6 +65,7 @@ def test_a_json_array_reads_like_jsonl(tmp_path):
     ({"input_ids": [7]}, "line 2: 1 token\\(s\\); an example needs at least 2"),
     ({"tokens": [1, 2]}, "line 2: no example key \\(keys: tokens\\); an example has one of input_ids, messages"),
     ({"text": "hello"}, "line 2: a `text` record needs a tokenizer .*tokenizer.json"),
+    ('{"input_ids": [1, 2], "input_ids": [3, 4]}', "line 2: key 'input_ids' appears twice in one object"),
 ])
 def test_a_bad_record_is_refused_naming_file_line_key_and_fix(tmp_path, row, match):
   path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}, row])
@@ -139,3 +141,11 @@ def test_hostile_json_is_bad_data_not_an_internal_error(tmp_path, suffix, body, 
   with pytest.raises(DataError, match=said) as err:
     list(read_records(p))
   assert str(p) in str(err.value)
+
+
+def test_a_byte_order_mark_is_refused_with_the_fix(tmp_path):
+  """json's own message for a BOM is Python's advice ('decode using utf-8-sig'); ours names the file and the fix."""
+  path = tmp_path / "bom.jsonl"
+  path.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\n')
+  with pytest.raises(DataError, match="bom.jsonl: starts with a UTF-8 byte-order mark .* without BOM"):
+    read_examples(path, vocab_size=16)

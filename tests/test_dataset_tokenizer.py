@@ -162,8 +162,13 @@ def test_the_vocabulary_must_hold_the_tokenizers_ids(tmp_path, folders):
 
 
 def test_missing_packages_and_files_name_the_fix(tmp_path, folders, monkeypatch):
-  with pytest.raises(DataError, match="no tokenizer.json there; give the folder of a Hugging Face tokenizer"):
+  with pytest.raises(DataError, match="is a folder without tokenizer.json; give the folder of a Hugging Face"):
     load_tokenizer(tmp_path)
+  (tmp_path / "afile").write_text("x")  # a file and a missing path are told apart (breaker, 2026-12-02)
+  with pytest.raises(DataError, match="afile' is a file, not a tokenizer folder"):
+    load_tokenizer(tmp_path / "afile")
+  with pytest.raises(DataError, match="nowhere' does not exist"):
+    load_tokenizer(tmp_path / "nowhere")
   monkeypatch.setitem(sys.modules, "tokenizers", None)
   with pytest.raises(DataError, match="need the `tokenizers` package to tokenize: pip install tokenizers"):
     load_tokenizer(folders["gen"])

@@ -485,3 +485,13 @@ def test_an_empty_option_value_is_refused_not_read_as_the_default(argv, capsys):
   flag = next(a.split("=")[0] for a in argv if a.startswith("-"))
   assert f"{flag} is given an empty value" in capsys.readouterr().err
   assert cli._empty_flag(["report", "--force", ""], {"--force"}) is None
+
+
+def test_a_tokenizer_that_would_be_ignored_is_refused(tmp_path):
+  """`--tokenizer` with a token stream or the byte-level demo ran a whole compare and never opened it (breaker,
+  2026-12-02): refused, naming why and what to do."""
+  from parity.pipeline.resolve import resolve_run
+  with pytest.raises(SpecError, match="only padded/packed example files are tokenized"):
+    resolve_run("gpt2-tiny", tokenizer=tmp_path)
+  with pytest.raises(SpecError, match="the built-in sft-demo is byte-level"):
+    resolve_run("sft-tiny", tokenizer=tmp_path)

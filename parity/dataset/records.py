@@ -56,6 +56,9 @@ def _text(path: Path) -> str:
   if nul >= 0:
     raise DataError(f"{path}: not text (a NUL byte at offset {nul}), so not JSON or JSONL; parity never reads a "
                     f"binary file as text: {_FORMATS_FIX}; token streams belong in .bin / .npy (parity.data)")
+  if blob.startswith(b"\xef\xbb\xbf"):  # json.loads refuses a BOM with Python's advice (breaker, 2026-12-02)
+    raise DataError(f"{path}: starts with a UTF-8 byte-order mark (BOM), which JSON does not allow; save the file "
+                    "as UTF-8 without BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' FILE)")
   try:
     return blob.decode("utf-8")
   except UnicodeDecodeError as exc:
@@ -70,16 +73,27 @@ def _object(path: Path, value, where: str, number: int) -> Record:
   return Record(value, number, where)
 
 
+def _unique(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+  """A JSON object from its pairs, refusing a key given twice (json keeps the last silently; breaker, 2026-12-02)."""
+  out: dict[str, Any] = {}
+  for k, v in pairs:
+    if k in out:
+      raise DataError(f"{where}: key {k!r} appears twice in one object; JSON readers disagree on which one counts: "
+                      "keep one")
+    out[k] = v
+  return out
+
+
 def _loads(text: str, where: str) -> Any:
   """json.loads, with what its JSONDecodeError does not cover refused as bad data naming `where`: nesting over
   Python's recursion limit (RecursionError inside the parser) and an integer over Python's 4,300-digit conversion
   limit (ValueError). Raises DataError for those; json.JSONDecodeError passes through to the caller's message."""
   try:
-    return json.loads(text)
+    return json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, where))
   except RecursionError:
     raise DataError(f"{where}: nested too deeply to parse (over Python's recursion limit); an example is an object "
                     "of a few levels (input_ids, messages, ...): check the file") from None
-  except json.JSONDecodeError:
+  except (json.JSONDecodeError, DataError):
     raise
   except ValueError as exc:  # int('9' * 5000): "Exceeds the limit (4300 digits) for integer string conversion"
     raise DataError(f"{where}: an integer has too many digits ({exc}); token ids and labels are small integers, "

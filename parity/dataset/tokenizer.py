@@ -182,8 +182,11 @@ def load_tokenizer(folder: str | Path) -> HFTokenizer:
   folder = Path(folder).expanduser()
   path = folder / TOKENIZER_FILE if folder.is_dir() else folder
   if path.name != TOKENIZER_FILE or not path.is_file():
-    raise DataError(f"tokenizer {str(folder)!r}: no {TOKENIZER_FILE} there; give the folder of a Hugging Face "
-                    f"tokenizer (the one holding {TOKENIZER_FILE}, e.g. the --hf-model checkpoint's)")
+    what = ("does not exist" if not folder.exists() else
+            f"is a folder without {TOKENIZER_FILE}" if folder.is_dir() else
+            f"is a file, not a tokenizer folder (nor its {TOKENIZER_FILE})")
+    raise DataError(f"tokenizer {str(folder)!r} {what}; give the folder of a Hugging Face tokenizer (the one "
+                    f"holding {TOKENIZER_FILE}, e.g. the --hf-model checkpoint's)")
   try:  # optional: only text data needs it
     from tokenizers import Tokenizer  # noqa: PLC0415
   except ImportError:

@@ -146,6 +146,18 @@ def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> di
   return parse_overrides(list(overrides))
 
 
+def _check_tokenizer_is_read(spec: RunSpec, tokenizer) -> None:
+  """SpecError when `--tokenizer` would be ignored: a token stream, or the built-in byte-level SFT demo (breaker,
+  2026-12-02: `--tokenizer FILE` with --preset sft-tiny ran a whole compare and never opened it)."""
+  if spec.train.layout == "stream":
+    raise SpecError(f"--tokenizer {tokenizer}: only padded/packed example files are tokenized, and this run's data "
+                    f"({spec.data}) is a token stream (train.layout=stream); leave --tokenizer out, or give --data "
+                    "a JSONL of text examples with --set train.layout=padded")
+  if spec.data == SFT_DEMO:
+    raise SpecError(f"--tokenizer {tokenizer}: the built-in sft-demo is byte-level (ids 0-257) and uses no "
+                    "tokenizer; leave --tokenizer out, or give --data a JSONL of text examples")
+
+
 def resolve_run(preset_name: str | None = None, *, model: str | None = None, config: str | Path | Mapping | None = None,
                 hf_model: str | Path | None = None, plan: str | None = None, hardware: str = "H100",
                 deepspeed_config: str | Path | None = None, steps: int | None = None,
@@ -194,6 +206,8 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     raise SpecError(f"plan {plan_choice['name']!r}: {exc}" if plan is not None else str(exc)) from None
   if init_params is not None:
     _check_init_shapes(spec, init_params, init_source)
+  if tokenizer is not None:
+    _check_tokenizer_is_read(spec, tokenizer)
   plan_record = _plan_record(spec, plan_choice, over)
   if deepspeed_config is not None and plan_record is not None:  # the config's port decided the plans, not a default
     plan_record = {**plan_record, "chosen_by": f"the DeepSpeed config {deepspeed_config}"}
