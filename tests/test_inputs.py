@@ -495,3 +495,13 @@ def test_a_tokenizer_that_would_be_ignored_is_refused(tmp_path):
     resolve_run("gpt2-tiny", tokenizer=tmp_path)
   with pytest.raises(SpecError, match="the built-in sft-demo is byte-level"):
     resolve_run("sft-tiny", tokenizer=tmp_path)
+
+
+def test_a_folder_with_no_space_at_all_is_named_without_the_size_fixes(tmp_path, monkeypatch):
+  """0 bytes free (/proc, a full disk): no size or --allow-large advice (breaker, 2026-12-02), the folder named."""
+  from parity.sizing import resources as R
+  monkeypatch.setattr(R, "_free_disk_bytes", lambda folder: 0)
+  monkeypatch.delenv(R.ALLOW_LARGE_ENV, raising=False)
+  with pytest.raises(InputError, match="no space can be written under .*choose another --out") as e:
+    R.check_resources(PRESETS["gpt2-tiny"], tmp_path / "run")
+  assert "allow-large" not in str(e.value)

@@ -193,6 +193,9 @@ def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False, npr
     raise InputError(f"the run needs ~{_gb(r.memory_bytes)} of memory, more than the {_gb(mem)} available: {why}. "
                      "Reduce these sizes, or pass --allow-large (PARITY_ALLOW_LARGE=1) to try anyway")
   disk = _free_disk_bytes(Path(run_dir))
+  if disk == 0:  # a pseudo or read-only file system (/proc, a full disk): no size fits, so no size is the fix
+    raise InputError(f"no space can be written under {Path(run_dir).absolute()} (0 bytes free: a full disk, or a "
+                     "pseudo/read-only file system such as /proc); choose another --out")
   if disk is not None and r.disk_bytes > disk:
     raise InputError(f"the run folder would hold ~{_gb(r.disk_bytes)}, more than the {_gb(disk)} free under "
                      f"{Path(run_dir).absolute()}: {why}. Reduce these sizes, free disk, or pass --allow-large "
