@@ -379,3 +379,14 @@ def test_ctrl_c_still_writes_the_report_then_reraises(tmp_path, monkeypatch):
   assert report["side_status"] == {"jax": "interrupted", "torch": "not_run"}
   assert "Ctrl-C" in report["side_errors"]["jax"] and "not started" in report["side_errors"]["torch"]
   assert (tmp_path / "d" / "diagnose.md").exists()
+
+
+def test_a_refused_input_leaves_no_folder_behind(tmp_path):
+  """A diagnose refused while preparing its folder (here: a data file that is not there) removes the folder it made
+  (newcomer, 2026-12-02: an empty runs/<time>-diagnose-<hash>/ was left)."""
+  from parity.data import DataError
+  from parity.spec import SpecError
+  out = tmp_path / "d"
+  with pytest.raises((DataError, SpecError), match="does not exist"):
+    dg.diagnose("sft-tiny", overrides={"data": str(tmp_path / "nowhere.jsonl")}, out=out)
+  assert not out.exists()

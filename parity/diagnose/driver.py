@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import math
 import time
 from pathlib import Path
@@ -250,7 +251,13 @@ def _write_request(folder: Path, spec: RunSpec, given: Any, fresh: bool, pert: d
   request.json); then request.json's perturb, step and plant keys are rewritten for this call. Returns it."""
   if fresh:
     check_resources(spec, folder)  # sizes that cannot fit are refused before anything is allocated
-    prepare_run_dir(spec, folder, perturb=pert, init_params=given)
+    made = not folder.exists()
+    try:
+      prepare_run_dir(spec, folder, perturb=pert, init_params=given)
+    except BaseException:  # a refused input (bad data file, ...) leaves no folder this call made (newcomer, 2026-12-02)
+      if made:
+        shutil.rmtree(folder, ignore_errors=True)
+      raise
   request = json.loads((folder / "request.json").read_text())
   request.update({"perturb": plan_perturbations(spec, pert).perturb, REQUEST_KEY: {"step": step, "lr_step": lr_step},
                   PLANTS_KEY: plant_map})
