@@ -98,7 +98,7 @@ def check_tree(data: Any, source: str, *, max_depth: int = MAX_DEPTH, max_nodes:
                        "write the values out or remove the aliases")
     if depth > max_depth:
       raise InputError(f"{source}: nesting deeper than {max_depth} levels at {key or 'the top level'}; "
-                       "a config is a few levels deep, check the file")
+                       "configs and run records are a few levels deep: check the file")
     if isinstance(node, float) and not math.isfinite(node):
       raise InputError(f"{source}: {key or 'value'} is {node} (a number too large for a float, or not a number); "
                        "every number must be finite, check it")
