@@ -201,3 +201,16 @@ def test_a_run_with_lr_zero_on_every_step_fails_the_updates_check():
   assert c.passed and c.value == 1 and c.first_failing_step is None
   one_side = zero + [{"step": 2, "lr": 0.0}]
   assert not updates_check("jax", moving, "torch", one_side).passed  # both sides must update on the same step
+
+
+def test_a_relative_bound_names_the_step_nearest_it_and_the_largest_difference():
+  """grad_norm's bound is relative: the step nearest it need not hold the largest |Δ|; the detail names both
+  (design review, 2026-12-02: 'max |Δgrad_norm| = 2.38e-07 at step 0' where the largest was 4.77e-07 at step 3)."""
+  from parity.verdict.steps import series_check
+  a = [{"step": 0, "grad_norm": 1e-3}, {"step": 1, "grad_norm": 10.0}]
+  b = [{"step": 0, "grad_norm": 1e-3 + 2e-7}, {"step": 1, "grad_norm": 10.0 + 5e-7}]
+  c = series_check("grad_norm", "jax", a, "torch", b, "fp32")
+  assert c.worst == 0 and "the step nearest its tolerance" in c.detail
+  assert "largest |Δgrad_norm| = 5e-07 at step 1" in c.detail
+  same = series_check("loss", "jax", [{"step": 0, "loss": 1.0}], "torch", [{"step": 0, "loss": 1.0 + 1e-6}], "fp32")
+  assert same.detail.startswith("max |Δloss| = ") and "largest" not in same.detail  # an absolute bound: one step

@@ -25,7 +25,7 @@ def config_row(new: Snapshot, base: Snapshot) -> GateRow:
   if new.config and base.config:
     diff = {k: v for k, v in config_diff(base.config, new.config, missing=_ABSENT).items()
             if k not in VOLATILE_KEYS}
-    changes = [f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in diff.items()]
+    changes = [f"{k} {_show(a, k)} -> {_show(b, k)}" for k, (a, b) in diff.items()]
     how = "every key"
   else:
     changes = [] if new.precision == base.precision else [f"train.precision {base.precision!r} -> {new.precision!r}"]
@@ -47,13 +47,14 @@ _ABSENT = object()
 """A configuration key one run does not hold at all (config_diff's `missing`): shown 'absent'; a null value is None."""
 
 
-def _show(v) -> str:
+def _show(v, key: str = "") -> str:
   """A config value as the change column shows it: 'absent' (the key is not there: _ABSENT), a sha256 cut to 12 hex
-  digits, else repr (a null value: None)."""
+  digits (labelled `tensors-sha256:` for a .safetensors input, compared by parity.report.runconfig.tensor_digest over
+  its tensors, not its file bytes: design review, 2026-12-02), else repr (a null value: None)."""
   if v is _ABSENT:
     return "absent"
   if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
-    return f"sha256:{v[:12]}"
+    return f"{'tensors-sha256' if key.endswith('.safetensors') else 'sha256'}:{v[:12]}"
   return repr(v)
 
 

@@ -7,6 +7,7 @@ as many cells as its header (GFM splits rows at every unescaped bar, even in cod
 from __future__ import annotations
 
 import re
+import statistics
 from typing import Sequence
 
 from parity.report import cells, check_table, headline, setup_table, side_table
@@ -92,7 +93,7 @@ def _self_sections(d: dict) -> list[str]:
       diffs = sorted(e.get("abs_loss_diff", []))
       gn = [x for x in e.get("grad_norm_rel_diff", []) if x is not None]
       rows.append([side, run["status"], cells.fmt(diffs[-1] if diffs else None),
-                   cells.fmt(diffs[len(diffs) // 2] if diffs else None), cells.fmt(max(gn) if gn else None),
+                   cells.fmt(statistics.median(diffs) if diffs else None), cells.fmt(max(gn) if gn else None),
                    cells.fmt(e.get("params_ratio_max")), len(diffs)])
     out += md_table(["side", "rerun status", "max abs Δloss", "median abs Δloss", "max rel. Δgrad norm",
                      "params: max abs Δ / moved", "steps"], rows)

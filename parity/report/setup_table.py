@@ -28,11 +28,14 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
   else:
     rows.append(("plan pair", "none: the sides' own plans match no named pair"))
   j, ds = d["run"]["jax"], d["run"]["deepspeed"]
-  rows.append(("DeepSpeed plan", f"ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, "
-                                 f"offload_param {ds.get('offload_param')}"))
-  rows.append(("JAX plan", f"offload_opt_state {j.get('offload_opt_state')}, offload_params {j.get('offload_params')}, "
-                           f"remat {j.get('remat')}, scan_layers {j.get('scan_layers')}, zero_stage "
-                           f"{j.get('zero_stage')}, data_parallel {j.get('data_parallel', 1)}"))
+  if "deepspeed" in d["sides"]:  # a plan no side ran is not shown as if it had (design review, 2026-12-02)
+    rows.append(("DeepSpeed plan", f"ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, "
+                                   f"offload_param {ds.get('offload_param')}"))
+  if "jax" in d["sides"]:
+    rows.append(("JAX plan", f"offload_opt_state {j.get('offload_opt_state')}, "
+                             f"offload_params {j.get('offload_params')}, remat {j.get('remat')}, "
+                             f"scan_layers {j.get('scan_layers')}, zero_stage "
+                             f"{j.get('zero_stage')}, data_parallel {j.get('data_parallel', 1)}"))
   for name, s in d["sides"].items():
     summ = s.get("summary") or {}
     if summ.get("state_memory_kinds"):
