@@ -262,7 +262,7 @@ def test_hf_config_json_binary_or_deep_is_refused(tmp_path):
 
 
 def _report(tmp_path, **drop):
-  d = {"schema": "parity.report/1", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
+  d = {"schema": "parity.report/2", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
        "sides": {"jax": {"status": "ok", "summary": {}, "series": {"loss": [1.0], "val_loss": []}}}}
   for k in drop:
     d.pop(k)
@@ -505,3 +505,14 @@ def test_a_folder_with_no_space_at_all_is_named_without_the_size_fixes(tmp_path,
   with pytest.raises(InputError, match="no space can be written under .*choose another --out") as e:
     R.check_resources(PRESETS["gpt2-tiny"], tmp_path / "run")
   assert "allow-large" not in str(e.value)
+
+
+def test_a_report_of_an_older_schema_is_refused_naming_the_version(tmp_path):
+  """A report.json of schema parity.report/1 (before the reruns, example arrays and rendered parts were hashed) is
+  not re-verified as 'files changed since the run', which would be false: it is refused naming the version."""
+  from parity.report.build import REPORT_SCHEMA
+  from parity.report.read import load_report
+  (tmp_path / "report.json").write_text(json.dumps({"schema": "parity.report/1", "verdict": {}}))
+  with pytest.raises(InputError, match=r"written by another parity version \(report schema 'parity.report/1'; "
+                                       rf"this version reads '{REPORT_SCHEMA}'"):
+    load_report(tmp_path)

@@ -2,7 +2,7 @@
 re-verified. Holding runs against each other (the comparison page, the regression gate) is parity.history, which
 stands on this package; nothing here imports it.
 
-report.json, schema 'parity.report/1' (units in key names):
+report.json, schema 'parity.report/2' (units in key names):
   schema, created_utc, run_dir, preset, config_hash
   checkpoint     {path, architecture} of the Hugging Face checkpoint (`--hf-model`) the model and initial weights
                  came from | null (seeded weights); parity.report.headline.model_label names the run by it

@@ -29,7 +29,9 @@ __all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "EXAMPLE_
            "artifact_paths", "artifact_hashes", "file_digest", "series_json", "verdict_json", "params_table_json",
            "run_inputs", "perturbations_ran", "ran_value"]
 
-REPORT_SCHEMA = "parity.report/1"
+REPORT_SCHEMA = "parity.report/2"
+"""/2 (2026-12-02): the rerun folders, the example arrays and what is rendered beside the checks are verified;
+a /1 report is refused naming the version (parity.report.read.load_report), not re-verified as changed."""
 EXAMPLE_ARTIFACTS = ("loss_mask.npy", "segment_ids.npy", "positions.npy", "val_loss_mask.npy", "val_segment_ids.npy",
                      "val_positions.npy")
 """The example arrays of a padded/packed run (parity.pipeline.examples_input): inputs the sides read as they read

@@ -48,7 +48,12 @@ def load_report(run_dir: str | Path) -> Report:
     data: Any = load_json(path, what="report")
   except InputError as exc:
     raise InputError(f"{exc} (the run may have been interrupted while writing it)") from None
-  _need(isinstance(data, dict) and data.get("schema") == REPORT_SCHEMA, path,
+  schema = data.get("schema") if isinstance(data, dict) else None
+  if isinstance(schema, str) and schema.startswith("parity.report/") and schema != REPORT_SCHEMA:
+    raise InputError(f"{path}: written by another parity version (report schema {schema!r}; this version reads "
+                     f"{REPORT_SCHEMA!r}, whose report hashes and re-verifies more of the run's files); rerun "
+                     "`parity compare` with this version for a report it can verify")
+  _need(isinstance(data, dict) and schema == REPORT_SCHEMA, path,
         f"not a parity report (expected schema {REPORT_SCHEMA!r})")
   v = data.get("verdict")
   _need(isinstance(v, dict) and isinstance(v.get("passed"), bool) and isinstance(v.get("message"), str), path,
