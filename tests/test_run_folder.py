@@ -179,7 +179,7 @@ def test_folder_that_is_not_a_run_is_refused_even_with_force(tmp_path, force):
 
 def test_bad_out_and_refused_runs_leave_nothing(tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert main([*TINY, "--out", ""]) == 2 and "--out ''" in capsys.readouterr().err
+  assert main([*TINY, "--out", ""]) == 2 and "--out is given an empty value" in capsys.readouterr().err
   (tmp_path / "f").write_text("x")
   assert main([*TINY, "--out", "f"]) == 2 and "not a folder" in capsys.readouterr().err
   rc = main([*TINY, "--data", str(tmp_path / "missing.txt"), "--out", "new/deeper/run"])

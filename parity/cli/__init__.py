@@ -86,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   _COMMAND_LINE[:] = argv  # what a saved traceback names (main(argv) from Python, not the interpreter's sys.argv)
   args = ap.parse_args(argv)
-  bad = _bad_number_flag(args, argv) or _empty_flag(argv, _takes_no_value(ap, args.command))
+  bad = _bad_number_flag(args, argv)
   if bad:
     ap.exit(EXIT_BAD_INPUT, f"parity {args.command}: error: {bad}\n")
+  bad = _empty_flag(argv, _takes_no_value(ap, args.command))
+  if bad:
+    return _error(args.command, bad, EXIT_BAD_INPUT)
   bad = bad_path_arg(ap, args)  # a path no OS can open (a NUL byte, a name over 255 bytes): before anything runs
   if bad:
     return _error(args.command, bad, EXIT_BAD_INPUT)
