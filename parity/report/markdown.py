@@ -200,7 +200,7 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
   keys = ["side", "status", "steps", "loss", "val_loss", *(k for k, _ in cols), "init_s", "compile_s", "op_build_s",
           "peak_rss", "peak_device", "memory_kinds", "backend"]
   out += ["## Sides", ""] + md_table(["side", "status", "steps", "loss first → last", "val loss",
-                                      *(h for _, h in cols), "init s", "compile s", "op build s", "peak RSS",
+                                      *(h for _, h in cols), "init s", "compile s", "op build/load s", "peak RSS",
                                       "peak device", "state by memory kind", "backend"],
                                      [[r[k] for k in keys] for r in side_table.side_rows(d)])
   for name, s in d["sides"].items():
@@ -214,7 +214,7 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
   out += ["", "## Throughput", "", strong(side_table.throughput_note(d)), ""]
   out += [f"![{md_text(plots['throughput'][1])}]({plots['throughput'][0]})", ""] if "throughput" in plots else []
   out += md_table(["side", "backend", "steps timed", "min s/step", "median s/step", "max s/step",
-                   *(h for _, h in cols), "load (1 min) start → end", "op build s (not in init)"],
+                   *(h for _, h in cols), "load (1 min) start → end", "op build/load s (not in init)"],
                   [[r[k] for k in tk] for r in side_table.throughput_rows(d)])
   out += data_card_markdown(d)
   out += ["", "## Plan and placements", ""] + md_table(["item", "value"], setup_table.plan_rows(d))

@@ -128,7 +128,7 @@ def _checks_html(d: dict) -> str:
 def _sides_html(d: dict) -> str:
   keys = [("side", "side"), ("status", "status"), ("steps", "steps"), ("loss", "loss first → last"),
           ("val_loss", "val loss"), *side_table.throughput_columns(d), ("init_s", "init s"),
-          ("compile_s", "compile s"), ("op_build_s", "op build s"), ("peak_rss", "peak RSS"),
+          ("compile_s", "compile s"), ("op_build_s", "op build/load s"), ("peak_rss", "peak RSS"),
           ("peak_device", "peak device"), ("memory_kinds", "state by memory kind"), ("backend", "backend")]
   rows = side_table.side_rows(d)
   numeric = tuple(i for i, (k, _) in enumerate(keys) if k not in ("side", "status", "loss", "val_loss",
@@ -223,7 +223,7 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
   note = H.esc(side_table.throughput_note(d))
   body.append(H.section("Throughput", f"<p class=\"note\"><b>{note}</b></p>" + fig("throughput")
                         + H.table(["side", "backend", "steps timed", "min s/step", "median s/step", "max s/step",
-                                   *(h for _, h in cols), "load (1 min) start → end", "op build s (not in init)"],
+                                   *(h for _, h in cols), "load (1 min) start → end", "op build/load s (not in init)"],
                                   [[r[k] for k in tkeys] for r in tp], numeric=tuple(range(2, 6 + len(cols)))),
                         anchor="throughput"))
   card_rows = data_card_rows(d)

@@ -225,7 +225,8 @@ def throughput_note(d: dict) -> str:
                + f"; each step is one sample ({warmup_phrase(d)}); tokens/s = "
                + (f"{tokens_per_step(d):,} " if tokens_per_step(d) else "") + "tokens per step / the median of the "
                "same steps" + _loss_tokens_phrase(d)
-               + ("; DeepSpeed op builds are timed apart (op build s), not in init" if "deepspeed" in d["sides"] else ""))
+               + ("; DeepSpeed op builds and loads (an op built before still costs its load) are timed apart "
+                  "(op build/load s), not in init" if "deepspeed" in d["sides"] else ""))
   if busy and not spread:
     parts.append(f"the machine was busy while they ran (1-minute load up to {max(loads):.1f} on {cpus} CPUs)")
   return "; ".join(parts) + "."
