@@ -44,7 +44,9 @@ def data_notes(data_info: dict | None) -> list[str]:
   cut = (card or {}).get("truncation") if isinstance(card, dict) else None
   if not isinstance(cut, dict) or not cut.get("examples_cut") or cut.get("mode") != "truncate":
     return []
-  return [f"data: {cut['examples_cut']:,} of {card.get('examples', '?'):,} examples are longer than a row and were "
+  total = card.get("examples")
+  of = f" of {total:,}" if isinstance(total, int) else ""
+  return [f"data: {cut['examples_cut']:,}{of} examples are longer than a row and were "
           f"cut (train.truncation=truncate): {cut.get('tokens_dropped', 0):,} tokens dropped, "
           f"{cut.get('loss_tokens_dropped', 0):,} of them with loss; --set train.truncation=split keeps them as more "
           "pieces, a longer train.seq_len as longer rows"]

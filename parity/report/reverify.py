@@ -61,7 +61,7 @@ class Recomputed:
   series: dict[str, dict]
   sections: dict[str, Any]
   tolerances: dict
-  rendered: dict[str, Any] = dataclasses.field(default_factory=dict)
+  rendered: dict[str, Any]
   """report.json key -> its recomputed value, for what is rendered beside the checks: 'data' (the data card),
   'summaries' ({side: summary}), 'perturbations', 'memory' (its predicted_vs_measured rows)."""
 
@@ -86,8 +86,8 @@ def _same(a: Any, b: Any) -> bool:
   return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
-def _spec(rd: Path, d: dict):
-  """The RunSpec the sides ran (request.json), checked against report.json's run and config_hash."""
+def _spec(rd: Path, d: dict) -> tuple[RunSpec, dict]:
+  """(the RunSpec the sides ran, request.json as read), the spec checked against report.json's run and config_hash."""
   try:
     req = json.loads((rd / "request.json").read_text())
     spec = from_dict(RunSpec, req["run"])
@@ -99,7 +99,7 @@ def _spec(rd: Path, d: dict):
                        f"sides ran ({config_hash(spec)!r})")
   if list(d["sides"]) != list(spec.sides):
     raise Unverifiable(f"report.json's sides {list(d['sides'])} are not the sides the run had {list(spec.sides)}")
-  return spec
+  return spec, req
 
 
 def _side_run(out: Path, side: str, stored: dict | None = None):
@@ -240,7 +240,7 @@ def recompute(report) -> Recomputed:
       request (the message names the file or key).
   """
   d, rd = report.data, Path(report.run_dir)
-  spec = _spec(rd, d)
+  spec, request = _spec(rd, d)
   try:
     init = weights.load(rd / "init.safetensors")
   except Exception as exc:  # missing, truncated, foreign
@@ -260,20 +260,18 @@ def recompute(report) -> Recomputed:
   series = {s: _json(series_json(x["steps"])) for s, x in data.items()}
   return Recomputed(checks=_json([c.to_json() for c in every]), params_table=_json(params_table_json(table)), verdict=_json(v),
                     statuses={s: sr.status for s, sr in runs.items()},
-                    series=series, rendered=_rendered(rd, d, runs, series),
+                    series=series, rendered=_rendered(rd, request, d, runs, series),
                     sections={"noise_envelope": _json(noise_sec), "determinism": _json(dsec), "resume": _json(rsec),
                               "equivalence": _json(eq_sec)},
                     tolerances={spec.train.precision: {m: {"atol": t.atol, "rtol": t.rtol} for m, t in
                                                        TOLERANCES[spec.train.precision].items()}})
 
 
-def _rendered(rd: Path, d: dict, runs: dict, series: dict) -> dict[str, Any]:
-  """Recomputation.rendered: the data card from request.json, the summaries from the sides' summary.json (a side
-  without one keeps what report.json stores: _side_run), and the perturbations and memory tables over them."""
-  try:
-    card = json.loads((rd / "request.json").read_text()).get("data")
-  except (OSError, ValueError, AttributeError) as exc:
-    raise Unverifiable(f"request.json cannot be read for the data card ({type(exc).__name__}: {exc})") from None
+def _rendered(rd: Path, request: dict, d: dict, runs: dict, series: dict) -> dict[str, Any]:
+  """Recomputation.rendered: the data card from request.json (`request`, as _spec read it), the summaries from the
+  sides' summary.json (a side without one keeps what report.json stores: _side_run), and the perturbations and memory
+  tables over them."""
+  card = request.get("data")
   sides = {s: {**(d["sides"].get(s) or {}), "summary": _json(sr.summary), "series": series[s]}
            for s, sr in runs.items()}
   memory = predicted_vs_measured({**d, "sides": sides})
@@ -285,8 +283,6 @@ def _rendered_lines(d: dict, rec: Recomputed) -> list[str]:
   """One line per rendered part of report.json (data card, side summaries, perturbations, memory table) that is not
   what the run's files give."""
   r, out = rec.rendered, []
-  if not r:
-    return out
   if not _same(d.get("data"), r["data"]):
     out.append("its data card ('data') is not request.json's")
   for side, summ in r["summaries"].items():
