@@ -220,30 +220,41 @@ def interleaved_parser(doc: str, name: str, rounds: int) -> argparse.ArgumentPar
   return ap
 
 
-def main(argv: list[str] | None = None) -> None:
-  a = interleaved_parser(__doc__, "masked_step", 15).parse_args(argv)
-  out = pinned_record("masked_step.py", argv, a.threads)
-  builders = {"jax": jax_steps, "torch": torch_steps}
+def run_shapes(a: argparse.Namespace, out: dict, measure: Callable[[str, str], tuple[dict, dict]]) -> None:
+  """For each framework and shape of the parsed `a` (interleaved_parser): torch's thread count set before its first
+  op, then `measure(framework, shape)` -> (the record's own fields, interleave's result), appended to out['results']
+  as {framework, shape, **fields, **result}, and one ratio line printed. Shared by this script and
+  train_step_layouts.py."""
   for fw in a.frameworks.split(","):
     if fw == "torch":
-      import torch
+      import torch  # threads before the first torch op
       torch.set_num_threads(a.threads)
     for shape in a.shapes.split(","):
-      spec, b, t = SHAPES[shape]
-      arrays = packed_arrays(spec, b, t)
-      steps = builders[fw](spec, arrays)
-      res = interleave(steps, a.rounds, a.per_round, a.warmup)
-      res.update({k: steps[k] for k in ("hlo", "sdpa_kernels") if k in steps})
-      out["results"].append({"framework": fw, "shape": shape, "B": b, "T": t, "d_model": spec.d_model,
-                             "n_layers": spec.n_layers, "padding_fraction": arrays["padding_fraction"],
-                             "examples": arrays["examples"], **res})
+      fields, res = measure(fw, shape)
+      out["results"].append({"framework": fw, "shape": shape, **fields, **res})
       print(f"{fw} {shape}: ratio min {res['ratio_min']:.3f} median {res['ratio_median']:.3f} "
             f"max {res['ratio_max']:.3f} fastest {res['ratio_of_fastest']:.3f} cpu {res['cpu_ratio_median']:.3f} "
             f"(stream {1e3 * res['stream_s_median']:.2f} ms, packed "
             f"{1e3 * res['packed_s_median']:.2f} ms)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+  a = interleaved_parser(__doc__, "masked_step", 15).parse_args(argv)
+  out = pinned_record("masked_step.py", argv, a.threads)
+  builders = {"jax": jax_steps, "torch": torch_steps}
+
+  def measure(fw: str, shape: str) -> tuple[dict, dict]:
+    spec, b, t = SHAPES[shape]
+    arrays = packed_arrays(spec, b, t)
+    steps = builders[fw](spec, arrays)
+    res = interleave(steps, a.rounds, a.per_round, a.warmup)
+    res.update({k: steps[k] for k in ("hlo", "sdpa_kernels") if k in steps})
+    return {"B": b, "T": t, "d_model": spec.d_model, "n_layers": spec.n_layers,
+            "padding_fraction": arrays["padding_fraction"], "examples": arrays["examples"]}, res
+
+  run_shapes(a, out, measure)
   Path(a.out + ".json").write_text(json.dumps(out, indent=1) + "\n")
   Path(a.out + ".md").write_text(_markdown(out))
-
 
 if __name__ == "__main__":
   main()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.masked_step import SHAPES, interleave, interleaved_parser, pinned_record  # noqa: E402
+from benchmarks.masked_step import SHAPES, interleave, interleaved_parser, pinned_record, run_shapes  # noqa: E402
 from parity.dataset.examples import Example  # noqa: E402
 from parity.dataset.layouts import build_batches  # noqa: E402
 from parity.dataset.reference import token_weights  # noqa: E402
@@ -143,23 +143,18 @@ def main(argv: list[str] | None = None) -> None:
   a = ap.parse_args(argv)
   out = pinned_record("train_step_layouts.py", argv, a.threads)
   builders = {"jax": jax_steps, "torch": torch_steps}
-  for fw in a.frameworks.split(","):
-    if fw == "torch":
-      import torch  # threads before the first torch op
-      torch.set_num_threads(a.threads)
-    for shape in a.shapes.split(","):
-      model, m, t = SHAPES[shape]
-      run = run_spec(model, m, t, a.grad_accum)
-      data = packed_data(run, a.data_steps)
-      steps = builders[fw](run, data)
-      res = interleave(steps, a.rounds, a.per_round, a.warmup)
-      out["results"].append({"framework": fw, "shape": shape, "A": a.grad_accum, "M": m, "T": t,
-                             **{k: data[k] for k in ("padding_fraction", "loss_token_fraction", "examples_per_step")},
-                             **({"compile_s": steps["compile_s"]} if "compile_s" in steps else {}), **res})
-      print(f"{fw} {shape}: ratio min {res['ratio_min']:.3f} median {res['ratio_median']:.3f} "
-            f"max {res['ratio_max']:.3f} fastest {res['ratio_of_fastest']:.3f} cpu {res['cpu_ratio_median']:.3f} "
-            f"(stream {1e3 * res['stream_s_median']:.2f} ms, packed {1e3 * res['packed_s_median']:.2f} ms)",
-            flush=True)
+
+  def measure(fw: str, shape: str) -> tuple[dict, dict]:
+    model, m, t = SHAPES[shape]
+    run = run_spec(model, m, t, a.grad_accum)
+    data = packed_data(run, a.data_steps)
+    steps = builders[fw](run, data)
+    res = interleave(steps, a.rounds, a.per_round, a.warmup)
+    return {"A": a.grad_accum, "M": m, "T": t,
+            **{k: data[k] for k in ("padding_fraction", "loss_token_fraction", "examples_per_step")},
+            **({"compile_s": steps["compile_s"]} if "compile_s" in steps else {})}, res
+
+  run_shapes(a, out, measure)
   out["host"]["load_1min_end"] = load_1min()
   Path(a.out + ".json").write_text(json.dumps(out, indent=1) + "\n")
   Path(a.out + ".md").write_text(_markdown(out))
