@@ -157,13 +157,21 @@ def interleave(steps: dict[str, Any], rounds: int, per_round: int, warmup: int) 
           "stream_s_min": min(times["stream"]), "packed_s_min": min(times["packed"])}
 
 
+def header_lines(out: dict, title: str) -> list[str]:
+  """The head of a results .md from a pinned_record: title with the date, machine and load (at the end too when
+  host.load_1min_end is recorded), versions, command; shared with train_step_layouts.py."""
+  host = out["host"]
+  end = f", at end {host['load_1min_end']}" if "load_1min_end" in host else ""
+  return [f"# {title}, {out['date']}", "",
+          f"Machine: {host['cpu']}, {host['cpus']} schedulable CPUs, threads {out['threads']}, "
+          f"1-min load at start {host['load_1min']}{end} (the CPUs are shared with other work; the rounds "
+          "interleave the two steps so that load hits both alike).", "",
+          "Versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items() if v), "",
+          f"Command: `{out['command']}`", ""]
+
+
 def _markdown(out: dict) -> str:
-  lines = [f"# Masked (packed) step vs stream, forward + backward, {out['date']}", "",
-           f"Machine: {out['host']['cpu']}, {out['host']['cpus']} schedulable CPUs, threads {out['threads']}, "
-           f"1-min load at start {out['host']['load_1min']} (the CPUs are shared with other work; the rounds "
-           "interleave the two steps so that load hits both alike).", "",
-           "Versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items() if v), "",
-           f"Command: `{out['command']}`", "",
+  lines = [*header_lines(out, "Masked (packed) step vs stream, forward + backward"),
            "ratio = tokens/s packed / tokens/s stream (= t_stream / t_packed per round; target >= 0.95); "
            "fastest = the ratio of the two fastest calls (the least disturbed by other load); cpu = the median over "
            "rounds of the ratio of this process's CPU time (time.process_time, all threads), less sensitive to "

@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.masked_step import SHAPES, interleave, interleaved_parser, pinned_record, run_shapes  # noqa: E402
+from benchmarks.masked_step import (SHAPES, header_lines, interleave, interleaved_parser, pinned_record,  # noqa: E402
+                                    run_shapes)
 from parity.dataset.examples import Example  # noqa: E402
 from parity.dataset.layouts import build_batches  # noqa: E402
 from parity.dataset.reference import token_weights  # noqa: E402
@@ -115,12 +116,7 @@ def torch_steps(run: RunSpec, data: dict) -> dict[str, Any]:
 
 
 def _markdown(out: dict) -> str:
-  lines = [f"# Full training step, packed vs stream, {out['date']}", "",
-           f"Machine: {out['host']['cpu']}, {out['host']['cpus']} schedulable CPUs, threads {out['threads']}, "
-           f"1-min load at start {out['host']['load_1min']}, at end {out['host']['load_1min_end']} (the CPUs are "
-           "shared with other work; the rounds interleave the two steps so that load hits both alike).", "",
-           "Versions: " + ", ".join(f"{k} {v}" for k, v in out["versions"].items() if v), "",
-           f"Command: `{out['command']}`", "",
+  lines = [*header_lines(out, "Full training step, packed vs stream"),
            "Step = the side's trainer step (loss + backward + clipping + optimizer update + schedule), jax_impl.step."
            "Trainer / torch_impl.baseline.TorchTrainer. ratio = tokens/s packed / tokens/s stream (= t_stream / "
            "t_packed per round; target >= 0.95); fastest = the ratio of the two fastest rounds; cpu = the median "
