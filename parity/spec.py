@@ -11,10 +11,13 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any, Literal, Mapping
+from typing import Literal
 
 from parity.errors import SpecError
 from parity.fields import INT_MAX, check_numbers, check_section_numbers, from_dict, to_dict
+from parity import architecture
+from parity.example_fields import (EXAMPLE_SUFFIXES, LAYOUT_DEFAULTS, SFT_DEMO, _check_example_data, is_example_data,
+                                   validate_layout, without_layout_defaults)
 from parity.numerics import schedule
 
 __all__ = [
@@ -52,8 +55,9 @@ class ModelSpec:
   """Normalisation layer: LayerNorm (GPT-2) or RMSNorm (LLaMA)."""
   norm_eps: float = 1e-5
   """Epsilon inside the norm. PyTorch LayerNorm default 1e-5; Flax default 1e-6."""
-  mlp: Literal["gelu", "swiglu"] = "gelu"
-  """MLP form: fc -> GELU -> proj (GPT-2) or SwiGLU gate/up/down (LLaMA)."""
+  mlp: Literal["gelu", "swiglu", "geglu"] = "gelu"
+  """MLP form: fc -> GELU -> proj (GPT-2), SwiGLU gate/up/down (LLaMA), or GeGLU: down(GELU(gate) * up), GELU of
+  the `gelu_approximate` form (Gemma: tanh)."""
   gelu_approximate: bool = True
   """GELU form: True = tanh approximation (GPT-2 'gelu_new', Flax default), False = exact erf (torch default)."""
   position: Literal["learned", "rope"] = "learned"
@@ -68,10 +72,53 @@ class ModelSpec:
   """Multiplier on q.k; None means 1/sqrt(head_dim)."""
   init_std: float = 0.02
   """Std of the normal init of every weight matrix (GPT-2 scheme)."""
+  # ---- model-family fields (issue #21; parity.architecture). At their defaults a spec is the GPT-2 / LLaMA one of
+  # before, and config_hash leaves them out (FAMILY_DEFAULTS), so older runs keep their hash.
+  qkv_bias: bool | None = None
+  """Biases on the q/k/v projections (HF attention_bias; Qwen2 true with the others false); None: `bias`."""
+  out_bias: bool | None = None
+  """Bias on the attention output projection (HF attention_bias for LLaMA, none for Qwen2); None: `bias`."""
+  mlp_bias: bool | None = None
+  """Biases on the MLP projections (HF mlp_bias); None: `bias`."""
+  d_head: int | None = None
+  """Width of one attention head (HF head_dim: Qwen3, Gemma); None: d_model // n_heads."""
+  qk_norm: bool = False
+  """Per-head RMSNorm over head_dim on q and on k, before rotary (HF q_norm / k_norm: Qwen3, Gemma 3); its form and
+  eps are the model's (norm_plus_one, norm_eps)."""
+  rope_scaling: dict | None = None
+  """Rotary frequency scaling under HF's rope_parameters keys: {"rope_type": "linear", "factor"},
+  {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} or
+  {"rope_type": "yarn", "factor", "original_max_position_embeddings", optional "beta_fast", "beta_slow",
+  "attention_factor", "mscale", "mscale_all_dim", "truncate"}; None: plain rotary. parity.architecture.inv_freq."""
+  norm_plus_one: bool = False
+  """RMSNorm scales by (1 + weight), weight initialised to 0 (Gemma); statistics and the scale in float32."""
+  embed_scale: float = 1.0
+  """Multiplier on the token embeddings before the first block (Gemma: sqrt(d_model), rounded to the compute
+  dtype as HF's `normalizer`); 1.0: none."""
+  post_norms: bool = False
+  """Norms on each branch's output before its residual add, `ln_1_post` and `ln_2_post` (Gemma 2/3
+  post_attention_layernorm and post_feedforward_layernorm)."""
+  attn_softcap: float | None = None
+  """Attention score soft-cap: scores = cap * tanh(scores / cap) after the scale, before the mask (Gemma 2
+  attn_logit_softcapping); None: none."""
+  final_softcap: float | None = None
+  """Logit soft-cap: logits = cap * tanh(logits / cap) (Gemma 2 final_logit_softcapping); None: none."""
+  sliding_window: int | None = None
+  """Sliding-window attention: in a 'sliding' layer query t sees key s iff 0 <= t - s < sliding_window (HF
+  sliding_window; Mistral, Qwen2 with use_sliding_window, Gemma 2/3 local layers); None: every layer full."""
+  layer_types: tuple = ()
+  """Per layer 'full' or 'sliding' (HF layer_types: Gemma 2 alternates, Gemma 3 is 5 local : 1 global); ():
+  every layer 'sliding' when sliding_window is set (Mistral), else 'full'."""
+  rope_local_theta: float | None = None
+  """Rotary base of the 'sliding' layers, which then use no rope_scaling (Gemma 3 rope_local_base_freq); None:
+  every layer uses rope_theta and rope_scaling."""
+
+  def __hash__(self) -> int:  # rope_scaling is a dict: hash the canonical JSON (jit static args, caches)
+    return hash(json.dumps(to_dict(self), sort_keys=True))
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    return self.d_model // self.n_heads if self.d_head is None else self.d_head
 
   @property
   def kv_heads(self) -> int:
@@ -84,6 +131,17 @@ class ModelSpec:
   @property
   def scale(self) -> float:
     return 1.0 / math.sqrt(self.head_dim) if self.attn_scale is None else self.attn_scale
+
+  def linear_bias(self, kind: Literal["qkv", "out", "mlp"]) -> bool:
+    """Whether the `kind` projections (q/k/v, attention output, MLP) have biases: qkv_bias / out_bias / mlp_bias,
+    or `bias` where that field is None."""
+    own = {"qkv": self.qkv_bias, "out": self.out_bias, "mlp": self.mlp_bias}[kind]
+    return self.bias if own is None else own
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    """'full' or 'sliding' per layer, n_layers long (layer_types, or its default; see the field)."""
+    return architecture.layer_kinds(self)
 
   def validate(self) -> "ModelSpec":
     """Raises SpecError naming the field when the spec cannot describe a model."""
@@ -106,7 +164,7 @@ class ModelSpec:
     for name in ("gelu_approximate", "bias", "tie_embeddings"):
       if not isinstance(getattr(self, name), bool):
         raise SpecError(f"model.{name} must be true or false; got {getattr(self, name)!r}")
-    if self.d_model % self.n_heads:
+    if self.d_head is None and self.d_model % self.n_heads:
       raise SpecError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
     if self.n_heads % self.kv_heads:
       raise SpecError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.kv_heads})")
@@ -114,10 +172,11 @@ class ModelSpec:
       raise SpecError(f"model.norm_eps must be > 0; got {self.norm_eps}")
     if self.norm not in ("layernorm", "rmsnorm"):
       raise SpecError(f"model.norm must be 'layernorm' or 'rmsnorm'; got {self.norm!r}")
-    if self.mlp not in ("gelu", "swiglu"):
-      raise SpecError(f"model.mlp must be 'gelu' or 'swiglu'; got {self.mlp!r}")
+    if self.mlp not in ("gelu", "swiglu", "geglu"):
+      raise SpecError(f"model.mlp must be 'gelu', 'swiglu' or 'geglu'; got {self.mlp!r}")
     if self.position not in ("learned", "rope"):
       raise SpecError(f"model.position must be 'learned' or 'rope'; got {self.position!r}")
+    architecture.validate(self)
     if self.position == "rope" and self.head_dim % 2:
       raise SpecError(f"rotary embeddings need an even head_dim; got {self.head_dim}")
     return self
@@ -264,66 +323,10 @@ class TrainSpec:
       raise SpecError(f"train.lamb_min_coeff must be in [0, train.lamb_max_coeff] and train.eps_inside_sqrt true or "
                       f"false; got {self.lamb_min_coeff}, {self.lamb_max_coeff}, {self.eps_inside_sqrt!r}")
     schedule.scheduler_params(self)  # SpecError naming train.lr_schedule / lr_schedule_params (a bug would show)
-    _validate_layout(self)
+    validate_layout(self)
     if model is not None and self.seq_len > model.max_seq_len:
       raise SpecError(f"train.seq_len ({self.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
     return self
-
-
-LAYOUT_DEFAULTS = {"layout": "stream", "loss_normalization": "tokens", "truncation": "truncate",
-                   "examples_per_step": None}
-"""The example-data fields of TrainSpec and their defaults; config_hash leaves a field out at its default, so runs
-that do not use them keep the hash they had before the fields existed (gate baselines, checkpoints)."""
-
-
-EXAMPLE_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".pq")
-"""Data files read as examples (parity.dataset.records), for the padded and packed layouts."""
-SFT_DEMO = "sft-demo"
-"""`data` value of the built-in SFT examples (parity.dataset.demo.sft_demo)."""
-
-
-def is_example_data(data: str) -> bool:
-  """Whether `data` names example data (SFT_DEMO or a file with an EXAMPLE_SUFFIXES suffix), not a token stream."""
-  return data == SFT_DEMO or str(data).lower().endswith(EXAMPLE_SUFFIXES)
-
-
-def _check_example_data(data: str, layout: str) -> None:
-  """SpecError when the layout and the data do not go together: padded/packed need examples, stream a stream."""
-  if layout != "stream" and not is_example_data(data):
-    raise SpecError(f"train.layout={layout!r} needs example data (--data FILE{'/'.join(EXAMPLE_SUFFIXES)} or "
-                    f"--data {SFT_DEMO}); data is {data!r}, a token stream: use train.layout=stream for it")
-  if layout == "stream" and is_example_data(data):
-    raise SpecError(f"data {data!r} is example data (records of examples); set --set train.layout=padded (one "
-                    "example per row) or --set train.layout=packed")
-
-
-def without_layout_defaults(train: Mapping[str, Any], *, stream_only: bool = False) -> dict[str, Any]:
-  """A to_dict() train section without the LAYOUT_DEFAULTS fields that hold their defaults (config_hash; with
-  stream_only, only when the layout is 'stream', so a stream run's summary.json spec is the one it was before the
-  fields existed, and a padded/packed run's names every field)."""
-  out = dict(train)
-  if stream_only and out.get("layout", "stream") != "stream":
-    return out
-  for key, default in LAYOUT_DEFAULTS.items():
-    if key in out and out[key] == default:
-      del out[key]
-  return out
-
-
-def _validate_layout(self: TrainSpec) -> None:
-  """SpecError naming train.layout / loss_normalization / truncation / examples_per_step on a bad value."""
-  if self.layout not in ("stream", "padded", "packed"):
-    raise SpecError(f"train.layout must be 'stream', 'padded' or 'packed'; got {self.layout!r}")
-  if self.loss_normalization not in ("tokens", "micro_mean"):
-    raise SpecError(f"train.loss_normalization must be 'tokens' or 'micro_mean'; got {self.loss_normalization!r}")
-  if self.truncation not in ("truncate", "split"):
-    raise SpecError(f"train.truncation must be 'truncate' or 'split'; got {self.truncation!r}")
-  e = self.examples_per_step
-  if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
-    raise SpecError(f"train.examples_per_step must be null (the layout's default) or an integer >= 1; got {e!r}")
-  if e is not None and self.layout == "stream":
-    raise SpecError("train.examples_per_step applies to the padded and packed layouts only; train.layout is 'stream' "
-                    "(set train.layout=padded or packed with example data, or leave examples_per_step null)")
 
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "offload_dots_no_batch", "offload_names")
@@ -448,5 +451,6 @@ def config_hash(spec: RunSpec) -> str:
   """sha256 (first 16 hex) of the canonical JSON of the resolved spec."""
   data = to_dict(spec)
   data["train"] = without_layout_defaults(data.get("train", {}))  # the hash of the runs from before these fields
+  data["model"] = architecture.without_family_defaults(data.get("model", {}))  # likewise (issue #21)
   blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
   return hashlib.sha256(blob).hexdigest()[:16]

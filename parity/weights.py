@@ -6,14 +6,17 @@ The canonical layout is PyTorch's: a linear layer's weight is [out, in]. Names:
   wpe.weight                [max_seq_len, d_model]  learned positions (position == 'learned')
   h.{i}.ln_1.weight/.bias   [d_model]               pre-attention norm (bias only for layernorm+bias)
   h.{i}.attn.qkv.weight     [(n_heads + 2*kv_heads) * head_dim, d_model]  rows: q heads, k heads, v heads
-  h.{i}.attn.qkv.bias       [(n_heads + 2*kv_heads) * head_dim]
+  h.{i}.attn.qkv.bias       [(n_heads + 2*kv_heads) * head_dim]   (qkv_bias)
+  h.{i}.attn.ln_q/ln_k.weight [head_dim]                  per-head q/k RMSNorm (qk_norm)
   h.{i}.attn.proj.weight    [d_model, n_heads * head_dim]
-  h.{i}.attn.proj.bias      [d_model]
+  h.{i}.attn.proj.bias      [d_model]                (out_bias)
+  h.{i}.ln_1_post.weight    [d_model]                norm of the attention output (post_norms, Gemma 2/3)
   h.{i}.ln_2.weight/.bias   [d_model]
   h.{i}.mlp.fc.weight       [d_ff, d_model]         (gelu)   | mlp.gate.weight, mlp.up.weight (swiglu)
   h.{i}.mlp.fc.bias         [d_ff]
   h.{i}.mlp.proj.weight     [d_model, d_ff]
-  h.{i}.mlp.proj.bias       [d_model]
+  h.{i}.mlp.proj.bias       [d_model]                (mlp_bias; geglu has gate/up as swiglu)
+  h.{i}.ln_2_post.weight    [d_model]                norm of the MLP output (post_norms)
   ln_f.weight/.bias         [d_model]
   lm_head.weight            [vocab, d_model]        only when tie_embeddings is False
 
@@ -53,23 +56,30 @@ def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     if has_norm_bias:
       shapes[f"{prefix}.bias"] = (d,)
 
-  def linear(prefix: str, out_dim: int, in_dim: int) -> None:
+  def linear(prefix: str, out_dim: int, in_dim: int, kind: str) -> None:
     shapes[f"{prefix}.weight"] = (out_dim, in_dim)
-    if spec.bias:
+    if spec.linear_bias(kind):
       shapes[f"{prefix}.bias"] = (out_dim,)
 
   for i in range(spec.n_layers):
     p = f"h.{i}"
     norm(f"{p}.ln_1")
-    linear(f"{p}.attn.qkv", qkv, d)
-    linear(f"{p}.attn.proj", d, spec.n_heads * hd)
+    linear(f"{p}.attn.qkv", qkv, d, "qkv")
+    if spec.qk_norm:
+      shapes[f"{p}.attn.ln_q.weight"] = (hd,)
+      shapes[f"{p}.attn.ln_k.weight"] = (hd,)
+    linear(f"{p}.attn.proj", d, spec.n_heads * hd, "out")
+    if spec.post_norms:
+      norm(f"{p}.ln_1_post")
     norm(f"{p}.ln_2")
     if spec.mlp == "gelu":
-      linear(f"{p}.mlp.fc", f, d)
+      linear(f"{p}.mlp.fc", f, d, "mlp")
     else:
-      linear(f"{p}.mlp.gate", f, d)
-      linear(f"{p}.mlp.up", f, d)
-    linear(f"{p}.mlp.proj", d, f)
+      linear(f"{p}.mlp.gate", f, d, "mlp")
+      linear(f"{p}.mlp.up", f, d, "mlp")
+    linear(f"{p}.mlp.proj", d, f, "mlp")
+    if spec.post_norms:
+      norm(f"{p}.ln_2_post")
   norm("ln_f")
   if not spec.tie_embeddings:
     shapes["lm_head.weight"] = (spec.vocab_size, d)
@@ -86,7 +96,7 @@ def init_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
 
   Weight matrices and embeddings ~ N(0, init_std); residual projections
   (`attn.proj.weight`, `mlp.proj.weight`) ~ N(0, init_std / sqrt(2 * n_layers));
-  biases 0; norm scales 1. Draws happen in canonical-name order from one
+  biases 0; norm scales 1 (their weights 0 under norm_plus_one, whose scale is 1 + weight). Draws happen in canonical-name order from one
   `np.random.default_rng(seed)`, so the result depends only on (spec, seed).
 
   References: Radford et al. 2019 (GPT-2), section 2.3; nanoGPT `model.py _init_weights`.
@@ -94,8 +104,8 @@ def init_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   out: dict[str, np.ndarray] = {}
   for name, shape in param_shapes(spec).items():
-    if ".ln_" in name or name.startswith("ln_f"):
-      arr = np.ones(shape) if name.endswith(".weight") else np.zeros(shape)
+    if ".ln_" in name or name.startswith("ln_f"):  # norm_plus_one (Gemma): the scale is 1 + weight
+      arr = np.ones(shape) if name.endswith(".weight") and not spec.norm_plus_one else np.zeros(shape)
     elif name.endswith(".bias"):
       arr = np.zeros(shape)
     else:
@@ -129,8 +139,8 @@ def zero_grad_slices(spec: ModelSpec) -> dict[str, tuple[int, int]]:
   Adam normalises into lr-sized steps, so these values cannot be compared
   elementwise between implementations. Returns name -> (row_start, row_stop).
   """
-  if not spec.bias:
-    return {}
+  if not spec.linear_bias("qkv") or spec.qk_norm or spec.attn_softcap is not None:
+    return {}  # a normed or soft-capped k no longer shifts every score of a row by one constant
   q = spec.n_heads * spec.head_dim
   k = spec.kv_heads * spec.head_dim
   return {f"h.{i}.attn.qkv.bias": (q, q + k) for i in range(spec.n_layers)}
