@@ -23,7 +23,7 @@ from parity.spec import ModelSpec
 
 from jax_impl.layout import NORM_MODULES
 
-__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope"]
+__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation"]
 
 Dtype = Any
 
@@ -238,6 +238,16 @@ class Dense(nn.Module):
     if bias is not None:
       y = y + bias.astype(jnp.float32)
     return y.astype(self.dtype)
+
+
+def mlp_activation(spec: ModelSpec) -> Any:
+  """The MLP nonlinearity `Mlp` applies: GELU of the `gelu_approximate` form (tanh or erf) for gelu and geglu, SiLU
+  for swiglu. Returns a function of one array (any shape, float) to one of the same shape and dtype; the semantics
+  card probes this function."""
+  if spec.mlp == "swiglu":
+    return jax.nn.silu
+  approximate = bool(spec.gelu_approximate)
+  return lambda x: jax.nn.gelu(x, approximate=approximate)
 
 
 def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: float | None = None,

@@ -43,7 +43,7 @@ from jax_impl import remat as remat_lib
 # The layers (torch rounding points, diagnose taps: jax_impl.layers) and the canonical <-> Flax layout
 # (jax_impl.layout) are imported from their own modules.
 from jax_impl.layers import (_SUB_OUT, TAPS, Dtype, Norm, _add, _dense, _opmath, _reduced, _tap, apply_rope,
-                             rope_at, rope_tables)
+                             mlp_activation, rope_at, rope_tables)
 from jax_impl.layout import LAYERS, Params
 
 __all__ = ["GPT", "loss_fn", "loss_and_taps", "compute_dtype", "cast_params", "attention_mask"]
@@ -173,13 +173,13 @@ class Mlp(nn.Module):
     if s.mlp == "gelu":
       fc_btf = _dense(f, s, self.dtype, "fc")(x_btd)
       _tap(self, "fc" + _SUB_OUT, lambda: fc_btf)
-      hid_btf = _opmath(lambda x: jax.nn.gelu(x, approximate=s.gelu_approximate), fc_btf, self.dtype)
+      hid_btf = _opmath(mlp_activation(s), fc_btf, self.dtype)
     else:
       gate_btf = _dense(f, s, self.dtype, "gate")(x_btd)
       up_btf = _dense(f, s, self.dtype, "up")(x_btd)
       _tap(self, "gate" + _SUB_OUT, lambda: gate_btf)
       _tap(self, "up" + _SUB_OUT, lambda: up_btf)
-      hid_btf = _opmath(jax.nn.silu, gate_btf, self.dtype) * up_btf  # torch: F.silu rounds, then the product
+      hid_btf = _opmath(mlp_activation(s), gate_btf, self.dtype) * up_btf  # torch: F.silu rounds, then the product
     _tap(self, "act", lambda: hid_btf)
     hid_btf = checkpoint_name(hid_btf, "mlp_hidden")
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)

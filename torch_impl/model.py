@@ -225,6 +225,15 @@ class Attention(_Tapped, nn.Module):
     self._tap("probs", lambda: torch.softmax(scores.float(), dim=-1))
 
 
+def mlp_activation(spec: ModelSpec) -> nn.Module:
+  """The MLP nonlinearity: GELU of the `gelu_approximate` form (tanh or erf) for gelu and geglu, SiLU for swiglu.
+
+  Returns a module mapping a tensor to one of the same shape and dtype."""
+  if spec.mlp == "swiglu":
+    return nn.SiLU()
+  return nn.GELU(approximate="tanh" if spec.gelu_approximate else "none")
+
+
 class MLP(_Tapped, nn.Module):
   """fc -> GELU -> proj (gelu), or proj(silu(gate(x)) * up(x)) (swiglu)."""
 
@@ -238,18 +247,20 @@ class MLP(_Tapped, nn.Module):
       self.gate = nn.Linear(d, f, bias=spec.bias)
       self.up = nn.Linear(d, f, bias=spec.bias)
     self.proj = nn.Linear(f, d, bias=spec.bias)
+    self.act = mlp_activation(spec)
+    """The elementwise nonlinearity forward applies (to fc, or to gate); the semantics card probes this object."""
 
   def forward(self, x: torch.Tensor) -> torch.Tensor:
     """x: (B, T, d_model) -> (B, T, d_model)."""
     if self.spec.mlp == "gelu":
       fc = self.fc(x)  # (B, T, d_ff)
       self._tap("fc", lambda: fc)
-      h = F.gelu(fc, approximate="tanh" if self.spec.gelu_approximate else "none")  # (B, T, d_ff)
+      h = self.act(fc)  # (B, T, d_ff)
     else:
       gate, up = self.gate(x), self.up(x)  # (B, T, d_ff) each
       self._tap("gate", lambda: gate)
       self._tap("up", lambda: up)
-      h = F.silu(gate) * up  # (B, T, d_ff)
+      h = self.act(gate) * up  # (B, T, d_ff)
     self._tap("act", lambda: h)
     out = self.proj(h)
     self._tap("out", lambda: out)
