@@ -10,7 +10,8 @@ from typing import Mapping
 import numpy as np
 
 from parity import weights
-from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
+from parity.hf.config import HFFormatError, parse_hf_config
+from parity.hf.export import hf_config_from_spec
 from parity.hf.tensors import canonical_to_hf, hf_to_canonical
 from parity.inputs import InputError, load_json, parse_text, safetensors_header
 from parity.sizing.resources import tensor_count
@@ -137,7 +138,7 @@ def _read_shards(folder: Path, files: list[Path], notes: list[str]) -> dict[str,
 class HFCheckpoint:
   """An HF checkpoint read into our terms."""
   family: str
-  """'gpt2' or 'llama' (tensor naming)."""
+  """A value of parity.hf.ARCHITECTURES: 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3'."""
   spec: ModelSpec
   params: dict[str, np.ndarray]
   """Canonical float32 weights."""
