@@ -453,3 +453,14 @@ def test_run_spec_from_hf_replaces_the_model_only(tmp_path):
   assert all(np.array_equal(got[k], params[k]) for k in params)
   with pytest.raises(SpecError, match="exceeds model.max_seq_len"):
     hf.run_spec_from_hf(tmp_path, RunSpec(train=TrainSpec(seq_len=128)))
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_run_spec_from_hf_takes_every_family(name, tmp_path):
+  _, spec = _spec(FAMILY_CONFIGS[name])
+  params = weights.init_params(spec, 5)
+  hf.save_hf_checkpoint(tmp_path, spec, params)
+  run, got = hf.run_spec_from_hf(tmp_path, RunSpec(train=TrainSpec(steps=2, seq_len=64, micro_batch_size=2,
+                                                                    warmup_steps=1)))
+  assert run.model == spec and list(got) == list(weights.param_shapes(spec))  # seq_len 64: Mistral's window 8 is
+  assert all(np.array_equal(got[k], params[k]) for k in params)              # applied, not a context limit

@@ -222,3 +222,29 @@ def test_cli_refusals_exit_2_with_the_reason(tmp_path, capsys):
   assert cli_main(["convert-weights", str(bad), str(tmp_path / "x.safetensors")]) == 2
   err = capsys.readouterr().err
   assert "k_proj.weight: (16, 32) (expected (32, 32))" in err, err
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_spec_matches_the_transformers_modules(name):
+  """The imported spec against the numbers transformers' modules hold: rotary inverse frequencies and cos/sin factor
+  per layer (parity.architecture.layer_rope), the score scale, the window and soft-cap of each layer."""
+  from parity import architecture
+  model = _family_model(name)
+  spec = hf.spec_from_hf_config(model.config.to_dict())
+  rotary = model.model.rotary_emb
+  for i, layer in enumerate(model.model.layers):
+    attn = layer.self_attn
+    kind = spec.layer_kinds[i]
+    theta, scaling = architecture.layer_rope(spec, i)
+    hf_kind = f"{kind}_attention"
+    inv = getattr(rotary, f"{hf_kind}_inv_freq", None)
+    inv = rotary.inv_freq if inv is None else inv
+    factor = getattr(rotary, f"{hf_kind}_attention_scaling", getattr(rotary, "attention_scaling", 1.0))
+    np.testing.assert_allclose(architecture.inv_freq(spec.head_dim, theta, scaling), inv.numpy(), rtol=2e-7,
+                               err_msg=f"layer {i} inv_freq")
+    assert architecture.attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+    assert attn.scaling == pytest.approx(spec.scale, rel=1e-15) and attn.head_dim == spec.head_dim  # HF: hd ** -0.5
+    window = getattr(attn, "sliding_window", model.config.sliding_window if name == "mistral" else None)
+    assert window == (spec.sliding_window if kind == "sliding" else None), f"layer {i} window"
+    assert getattr(attn, "attn_logit_softcapping", None) == spec.attn_softcap
+  assert getattr(model.config, "final_logit_softcapping", None) == spec.final_softcap
