@@ -129,7 +129,7 @@ def test_qwen3_qk_norm_and_its_default_head_dim():
   assert weights.param_shapes(spec)["h.1.attn.ln_k.weight"] == (128,)
   spec = hf.spec_from_hf_config({**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 8,
                                  "attention_bias": True})
-  assert spec.d_head is None and spec.head_dim == 8 and spec.linear_bias("out") and not spec.linear_bias("mlp")
+  assert spec.d_head == 8 and spec.linear_bias("out") and not spec.linear_bias("mlp")  # Qwen3 keeps its head_dim
 
 
 GEMMA_TINY = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
@@ -145,7 +145,7 @@ def test_gemma2_takes_the_config_class_defaults():
   assert spec.sliding_window == 4096 and spec.layer_types == ("sliding", "full", "sliding", "full")
   spec = hf.spec_from_hf_config({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": 16,
                                  "attn_logit_softcapping": None, "hidden_activation": "gelu"})
-  assert spec.attn_scale is None and spec.attn_softcap is None and not spec.gelu_approximate  # 16 ** -0.5 == 1/4
+  assert spec.attn_scale == 0.25 and spec.attn_softcap is None and not spec.gelu_approximate
 
 
 def test_gemma1_is_gemma2_without_post_norms_or_caps():

@@ -6,15 +6,15 @@ never approximated. The way back (spec -> config.json) is `parity.hf.export`.
 Normal forms, so that config -> spec -> config -> spec is the identity:
   biases    bias = (q/k/v and o and MLP all have biases); qkv_bias / out_bias / mlp_bias are set only where they
             differ from `bias` (Qwen2: bias=False, qkv_bias=True).
-  d_head    None when HF's head_dim equals hidden_size / num_attention_heads.
+  d_head    head_dim for the config classes that hold it as a field of its own (Qwen3, Gemma 1/2/3: default 128 or
+            256); for LLaMA, Mistral, Qwen2 None when it equals hidden_size / num_attention_heads.
   layers    layer_types () when every layer is the default kind (all 'sliding' with a window, else all 'full').
-  Gemma     attn_scale = query_pre_attn_scalar ** -0.5, None when that equals 1/sqrt(head_dim) exactly;
+  Gemma     attn_scale = query_pre_attn_scalar ** -0.5 (Gemma 2/3; Gemma 1 None: head_dim ** -0.5);
             embed_scale = hidden_size ** 0.5; Gemma 3's rope_local_theta is None when the sliding layers' rotary
             parameters equal the global ones.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 from parity.architecture import ROPE_TYPES
@@ -163,6 +163,7 @@ def _parse_decoder(arch: str, family: str, c: Mapping[str, Any], notes: list[str
   kv = n if c["num_key_value_heads"] is None else int(c["num_key_value_heads"])
   hd = d // n if c.get("head_dim") is None else int(c["head_dim"])
   gemma = family.startswith("gemma")
+  own_head_dim = family == "qwen3" or gemma  # a head_dim field with a default of its own, not hidden / heads
   if gemma and c.get("use_bidirectional_attention"):
     raise _refuse(arch, "use_bidirectional_attention", True, "attention is causal in every ModelSpec")
   if int(c.get("pretraining_tp") or 1) != 1:
@@ -171,7 +172,7 @@ def _parse_decoder(arch: str, family: str, c: Mapping[str, Any], notes: list[str
     notes.append(f"attention_dropout={c['attention_dropout']} is not applied: ModelSpec has no dropout")
   kw: dict[str, Any] = dict(
       vocab_size=int(c["vocab_size"]), d_model=d, n_layers=int(c["num_hidden_layers"]), n_heads=n,
-      n_kv_heads=None if kv == n else kv, d_head=None if d % n == 0 and hd == d // n else hd,
+      n_kv_heads=None if kv == n else kv, d_head=None if d % n == 0 and hd == d // n and not own_head_dim else hd,
       d_ff=int(c["intermediate_size"]), max_seq_len=int(c["max_position_embeddings"]), norm="rmsnorm",
       norm_eps=float(c["rms_norm_eps"]), position="rope", tie_embeddings=bool(c["tie_word_embeddings"]),
       init_std=float(c["initializer_range"]), qk_norm=family in ("qwen3", "gemma3"))
@@ -180,7 +181,7 @@ def _parse_decoder(arch: str, family: str, c: Mapping[str, Any], notes: list[str
   kw.update(_windows(arch, family, c, kw["n_layers"], notes))
   kw.update(_rope(arch, c, kw["layer_types"] or (("sliding",) if kw["sliding_window"] is not None else ())))
   if gemma:
-    kw.update(_gemma(arch, family, c, hd))
+    kw.update(_gemma(arch, family, c))
   return ModelSpec(**kw)
 
 
@@ -294,7 +295,7 @@ def _rope(arch: str, c: Mapping[str, Any], kinds: tuple[str, ...]) -> dict[str, 
   return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
 
 
-def _gemma(arch: str, family: str, c: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
+def _gemma(arch: str, family: str, c: Mapping[str, Any]) -> dict[str, Any]:
   """Gemma's (1 + w) RMSNorm, sqrt(hidden_size) embedding scale, and Gemma 2/3's post-norms, score scale and caps."""
   kw: dict[str, Any] = dict(norm_plus_one=True, embed_scale=int(c["hidden_size"]) ** 0.5)
   if family == "gemma":
@@ -302,8 +303,7 @@ def _gemma(arch: str, family: str, c: Mapping[str, Any], head_dim: int) -> dict[
   q = c["query_pre_attn_scalar"]
   if isinstance(q, bool) or not isinstance(q, (int, float)) or not q > 0:
     raise _refuse(arch, "query_pre_attn_scalar", q, "the attention scale is query_pre_attn_scalar ** -0.5 > 0")
-  scale = q ** -0.5
   caps = {}
   for ours, theirs in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping")):
     caps[ours] = None if c[theirs] is None else float(c[theirs])
-  return {**kw, **caps, "post_norms": True, "attn_scale": None if scale == 1.0 / math.sqrt(head_dim) else scale}
+  return {**kw, **caps, "post_norms": True, "attn_scale": q ** -0.5}
