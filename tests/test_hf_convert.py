@@ -224,6 +224,25 @@ def test_cli_refusals_exit_2_with_the_reason(tmp_path, capsys):
   assert "k_proj.weight: (16, 32) (expected (32, 32))" in err, err
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "gemma3"])
+def test_bf16_checkpoint_round_trips_to_the_same_bits(name, tmp_path):
+  model = _family_model(name).to(torch.bfloat16)
+  model.save_pretrained(tmp_path / "src")
+  ck = hf.load_hf_checkpoint(tmp_path / "src")
+  hf.save_hf_checkpoint(tmp_path / "out", ck.spec, ck.params, dtype="bfloat16")
+  kinds_a, kinds_b = {}, {}
+  stored, _ = hf.read_safetensors(tmp_path / "src" / "model.safetensors", stored_dtypes=kinds_a)
+  again, _ = hf.read_safetensors(tmp_path / "out" / "model.safetensors", stored_dtypes=kinds_b)
+  assert kinds_b == kinds_a and set(kinds_a.values()) == {"BF16"}
+  assert all(np.array_equal(again[k].view(np.uint32), stored[k].view(np.uint32)) for k in stored)
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()  # not `model`: .to(bf16) also
+  assert back.dtype == ref.dtype == torch.bfloat16                                # rounds its rotary buffers
+  tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 61, size=(2, 20)))
+  with torch.no_grad():
+    assert torch.equal(back(input_ids=tokens).logits, ref(input_ids=tokens).logits)
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_spec_matches_the_transformers_modules(name):
   """The imported spec against the numbers transformers' modules hold: rotary inverse frequencies and cos/sin factor

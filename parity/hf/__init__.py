@@ -58,8 +58,8 @@ from __future__ import annotations
 
 from parity.hf.config import ARCHITECTURES, REFUSED, HFFormatError, parse_hf_config, spec_from_hf_config
 from parity.hf.export import family_of_spec, hf_config_from_spec
-from parity.hf.files import (SPEC_METADATA_KEY, HFCheckpoint, canonical_metadata, hf_weight_files, load_canonical,
-                             load_hf_checkpoint, read_safetensors, run_spec_from_hf, save_canonical,
+from parity.hf.files import (SPEC_METADATA_KEY, HFCheckpoint, bfloat16_bits, canonical_metadata, hf_weight_files,
+                             load_canonical, load_hf_checkpoint, read_safetensors, run_spec_from_hf, save_canonical,
                              save_hf_checkpoint, spec_from_metadata)
 from parity.hf.presets import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
 from parity.hf.tensors import Rule, canonical_to_hf, hf_rules, hf_tensor_table, hf_to_canonical
@@ -69,5 +69,5 @@ __all__ = [
     "spec_from_hf_config", "parse_hf_config", "hf_config_from_spec", "family_of_spec", "hf_rules",
     "hf_tensor_table", "hf_to_canonical", "canonical_to_hf", "read_safetensors", "hf_weight_files", "load_hf_checkpoint",
     "save_hf_checkpoint", "canonical_metadata", "spec_from_metadata", "save_canonical", "load_canonical",
-    "run_spec_from_hf", "SPEC_METADATA_KEY",
+    "run_spec_from_hf", "SPEC_METADATA_KEY", "bfloat16_bits",
 ]
