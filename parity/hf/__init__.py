@@ -67,7 +67,8 @@ from parity.hf.tensors import Rule, canonical_to_hf, hf_rules, hf_tensor_table, 
 __all__ = [
     "HFFormatError", "Rule", "ARCHITECTURES", "REFUSED", "MODEL_PRESETS", "PUBLISHED_PARAM_COUNTS", "HFCheckpoint",
     "spec_from_hf_config", "parse_hf_config", "hf_config_from_spec", "family_of_spec", "hf_rules",
-    "hf_tensor_table", "hf_to_canonical", "canonical_to_hf", "read_safetensors", "hf_weight_files", "load_hf_checkpoint",
+    "hf_tensor_table", "hf_to_canonical", "canonical_to_hf", "read_safetensors", "hf_weight_files",
+    "load_hf_checkpoint",
     "save_hf_checkpoint", "canonical_metadata", "spec_from_metadata", "save_canonical", "load_canonical",
     "run_spec_from_hf", "SPEC_METADATA_KEY", "bfloat16_bits",
 ]
