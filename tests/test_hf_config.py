@@ -1,6 +1,7 @@
 """parity.hf without any framework: config.json <-> ModelSpec, tensor naming, files, presets."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
@@ -76,29 +77,164 @@ def test_gpt2_options_map_to_spec_fields():
       (False, 1.0, 40, False, 1e-6)
 
 
-def test_mistral_sliding_window_caps_the_context():
+def test_mistral_sliding_window_is_applied_not_truncated():
   cfg = {**LLAMA_TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 32}
   family, spec, notes = hf.parse_hf_config(cfg)
-  assert family == "llama" and spec.max_seq_len == 32
-  assert any("sliding_window=32" in n for n in notes)
-  assert hf.spec_from_hf_config({**cfg, "sliding_window": None}).max_seq_len == 64
+  assert family == "mistral" and spec.max_seq_len == 64 and spec.sliding_window == 32
+  assert spec.layer_kinds == ("sliding", "sliding") and spec.layer_types == ()
+  plain = hf.spec_from_hf_config({**cfg, "sliding_window": None})
+  assert plain.sliding_window is None and hf.family_of_spec(plain) == "llama"
+  assert hf.spec_from_hf_config({k: v for k, v in cfg.items() if k != "sliding_window"}).sliding_window == 4096
 
 
-def test_llama_with_all_biases_is_expressible():
+def test_llama_biases_in_normal_form():
   spec = hf.spec_from_hf_config({**LLAMA_TINY, "attention_bias": True, "mlp_bias": True})
-  assert spec.bias and "h.0.attn.qkv.bias" in weights.param_shapes(spec)
-  assert "h.0.ln_1.bias" not in weights.param_shapes(spec)
+  assert spec.bias and (spec.qkv_bias, spec.out_bias, spec.mlp_bias) == (None, None, None)
+  assert "h.0.attn.qkv.bias" in weights.param_shapes(spec) and "h.0.ln_1.bias" not in weights.param_shapes(spec)
+  spec = hf.spec_from_hf_config({**LLAMA_TINY, "attention_bias": True})
+  assert (spec.bias, spec.qkv_bias, spec.out_bias, spec.mlp_bias) == (False, True, True, None)
+  assert [spec.linear_bias(k) for k in ("qkv", "out", "mlp")] == [True, True, False]
+
+
+LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+
+
+@pytest.mark.parametrize("cfg", [
+    {**LLAMA_TINY, "rope_theta": 500000.0, "rope_scaling": LLAMA31_ROPE},  # meta-llama/Llama-3.1-8B (4.x layout)
+    {**LLAMA_TINY, "rope_parameters": {**LLAMA31_ROPE, "rope_theta": 500000.0}},  # transformers 5 layout
+])
+def test_llama3_rope_scaling_is_read(cfg):
+  spec = hf.spec_from_hf_config(cfg)
+  assert spec.rope_theta == 500000.0 and spec.rope_scaling == LLAMA31_ROPE
+
+
+def test_linear_and_yarn_rope_scaling_take_hf_defaults():
+  spec = hf.spec_from_hf_config({**LLAMA_TINY, "rope_scaling": {"type": "linear", "factor": 2.0}})
+  assert spec.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+  spec = hf.spec_from_hf_config({**LLAMA_TINY, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                                                   "beta_fast": None, "rope_theta": 1e6}})
+  assert spec.rope_theta == 1e6  # original_max_position_embeddings defaults to max_position_embeddings, as in HF
+  assert spec.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+QWEN2_TINY = {**LLAMA_TINY, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 4}
+
+
+def test_qwen2_biases_on_qkv_only_and_its_window_layers():
+  spec = hf.spec_from_hf_config(QWEN2_TINY)
+  assert [spec.linear_bias(k) for k in ("qkv", "out", "mlp")] == [True, False, False]
+  assert (spec.bias, spec.qkv_bias, spec.out_bias, spec.mlp_bias) == (False, True, None, None)
+  assert spec.sliding_window is None and spec.layer_kinds == ("full",) * 4  # use_sliding_window defaults to false
+  names = weights.param_shapes(spec)
+  assert "h.0.attn.qkv.bias" in names and "h.0.attn.proj.bias" not in names and "h.0.mlp.up.bias" not in names
+  spec = hf.spec_from_hf_config({**QWEN2_TINY, "use_sliding_window": True, "sliding_window": 8,
+                                 "max_window_layers": 2})
+  assert spec.sliding_window == 8 and spec.layer_types == ("full", "full", "sliding", "sliding")
+  spec = hf.spec_from_hf_config({**QWEN2_TINY, "use_sliding_window": True, "sliding_window": 8,
+                                 "max_window_layers": 0})
+  assert spec.layer_types == () and spec.layer_kinds == ("sliding",) * 4
+
+
+def test_qwen3_qk_norm_and_its_default_head_dim():
+  spec = hf.spec_from_hf_config({**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"]})
+  assert spec.qk_norm and spec.d_head == 128 and spec.head_dim == 128  # Qwen3Config.head_dim defaults to 128
+  assert weights.param_shapes(spec)["h.1.attn.ln_k.weight"] == (128,)
+  spec = hf.spec_from_hf_config({**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 8,
+                                 "attention_bias": True})
+  assert spec.d_head == 8 and spec.linear_bias("out") and not spec.linear_bias("mlp")  # Qwen3 keeps its head_dim
+
+
+GEMMA_TINY = {"vocab_size": 50, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}
+
+
+def test_gemma2_takes_the_config_class_defaults():
+  spec = hf.spec_from_hf_config({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"]})
+  assert (spec.norm_plus_one, spec.post_norms, spec.qk_norm, spec.mlp, spec.gelu_approximate) == \
+      (True, True, False, "geglu", True)
+  assert spec.embed_scale == 32 ** 0.5 and spec.tie_embeddings and spec.d_head == 16
+  assert spec.attn_scale == 256 ** -0.5 and (spec.attn_softcap, spec.final_softcap) == (50.0, 30.0)
+  assert spec.sliding_window == 4096 and spec.layer_types == ("sliding", "full", "sliding", "full")
+  spec = hf.spec_from_hf_config({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": 16,
+                                 "attn_logit_softcapping": None, "hidden_activation": "gelu"})
+  assert spec.attn_scale == 0.25 and spec.attn_softcap is None and not spec.gelu_approximate
+
+
+def test_gemma1_is_gemma2_without_post_norms_or_caps():
+  spec = hf.spec_from_hf_config({**GEMMA_TINY, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu"})
+  assert spec.norm_plus_one and spec.mlp == "geglu" and spec.gelu_approximate  # GemmaConfig: legacy gelu -> tanh
+  assert not spec.post_norms and spec.attn_scale is None and spec.final_softcap is None and spec.layer_types == ()
+  assert hf.family_of_spec(spec) == "gemma"
+
+
+GEMMA3_TINY = {**GEMMA_TINY, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6}
+
+
+def test_gemma3_local_rope_and_pattern_in_both_layouts():
+  old = {**GEMMA3_TINY, "sliding_window_pattern": 3, "sliding_window": 16, "rope_theta": 1e6,
+         "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+  new = {**GEMMA3_TINY, "sliding_window": 16, "layer_types": ["sliding_attention"] * 2 + ["full_attention"]
+         + ["sliding_attention"] * 2 + ["full_attention"],
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+  a, b = hf.spec_from_hf_config(old), hf.spec_from_hf_config(new)
+  assert a == b and a.qk_norm and a.norm_plus_one and a.post_norms
+  assert a.layer_types == ("sliding", "sliding", "full") * 2 and a.rope_local_theta == 1e4
+  assert a.rope_theta == 1e6 and a.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+  default = hf.spec_from_hf_config(GEMMA3_TINY)  # pattern 6, global base 1e6, local 1e4, no caps
+  assert default.layer_types == ("sliding",) * 5 + ("full",) and (default.rope_theta, default.rope_local_theta) == \
+      (1e6, 1e4) and default.attn_softcap is None and default.final_softcap is None
+  same = {**new, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+  assert hf.spec_from_hf_config(same).rope_local_theta is None
+
+
+@pytest.mark.parametrize("cfg", [
+    LLAMA_TINY, {**LLAMA_TINY, "attention_bias": True}, {**LLAMA_TINY, "mlp_bias": True, "head_dim": 16},
+    {**LLAMA_TINY, "rope_scaling": LLAMA31_ROPE, "rope_theta": 5e5},
+    {**LLAMA_TINY, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.9, "truncate": False}},
+    {**LLAMA_TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 7},
+    QWEN2_TINY, {**QWEN2_TINY, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    {**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16, "tie_word_embeddings": True},
+    {**GEMMA_TINY, "architectures": ["GemmaForCausalLM"]},
+    {**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "query_pre_attn_scalar": 144, "sliding_window": 8},
+    {**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu", "layer_types": None},
+    {**GEMMA3_TINY, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "attn_logit_softcapping": 20.0},
+    {**GEMMA3_TINY, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 5.0}}},
+], ids=lambda c: c.get("architectures", ["?"])[0])
+def test_config_to_spec_to_config_round_trips(cfg):
+  family, spec, _ = hf.parse_hf_config(cfg)
+  assert hf.family_of_spec(spec) == family
+  exported = json.loads(json.dumps(hf.hf_config_from_spec(spec)))
+  assert exported["architectures"] == cfg["architectures"]
+  assert hf.parse_hf_config(exported)[:2] == (family, spec)
+  assert hf.hf_config_from_spec(spec) == exported
 
 
 @pytest.mark.parametrize("cfg, match", [
-    ({**LLAMA_TINY, "architectures": ["Qwen2ForCausalLM"]}, "o_proj and the MLP have none"),
-    ({**LLAMA_TINY, "architectures": ["GemmaForCausalLM"]}, r"\(1 \+ weight\)"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, "parallel residual"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "multimodal"),
+    ({"model_type": "gemma3"}, "multimodal"),
     ({"architectures": ["BertForMaskedLM"]}, "unknown architecture 'BertForMaskedLM'"),
-    ({**LLAMA_TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type='llama3'"),
-    ({**LLAMA_TINY, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters.rope_type='yarn'"),
-    ({**LLAMA_TINY, "head_dim": 16}, "head_dim=16"),
-    ({**LLAMA_TINY, "attention_bias": True}, "attention_bias=True with mlp_bias=False"),
+    ({**LLAMA_TINY, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_scaling.rope_type='dynamic'"),
+    ({**LLAMA_TINY, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+     "rope_parameters.rope_type='longrope'.*default, linear, llama3, yarn"),
+    ({**LLAMA_TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({**LLAMA_TINY, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
     ({**LLAMA_TINY, "hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu"}, "hidden_activation='relu'"),
+    ({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "use_bidirectional_attention": True}, "causal"),
+    ({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "sliding_window": None}, "sliding_window is null"),
+    ({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "layer_types": ["chunked_attention"] * 4},
+     "layer_types='chunked_attention'"),
+    ({**GEMMA3_TINY, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}}, "nests them per layer type"),
+    ({**GEMMA3_TINY, "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                         "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "sliding layers with a rotary scaling of their own"),
+    ({**QWEN2_TINY, "rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
     ({**GPT2_TINY, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({**GPT2_TINY, "activation_function": "relu"}, "activation_function='relu'"),
     ({**GPT2_TINY, "n_embd": 30}, "divisible"),
@@ -109,10 +245,22 @@ def test_unsupported_configs_are_refused_with_the_reason(cfg, match):
 
 
 def test_spec_without_an_hf_family_is_refused():
-  with pytest.raises(hf.HFFormatError, match="no HF architecture"):
+  with pytest.raises(hf.HFFormatError, match="no HF architecture") as err:
     hf.hf_config_from_spec(ModelSpec(norm="rmsnorm", mlp="gelu"))
-  with pytest.raises(hf.HFFormatError, match="grouped-query"):
+  assert "LlamaForCausalLM needs another position='learned'" in str(err.value)
+  with pytest.raises(hf.HFFormatError, match="GPT2LMHeadModel needs another kv_heads=2"):
     hf.hf_config_from_spec(ModelSpec(n_kv_heads=2))
+  llama = hf.spec_from_hf_config(LLAMA_TINY)
+  with pytest.raises(hf.HFFormatError, match="Qwen2ForCausalLM needs another attn_bias='out'"):
+    hf.hf_config_from_spec(dataclasses.replace(llama, out_bias=True))
+  with pytest.raises(hf.HFFormatError, match="LlamaForCausalLM needs another softcaps='final'"):
+    hf.hf_config_from_spec(dataclasses.replace(llama, final_softcap=30.0))
+  gemma2 = hf.spec_from_hf_config({**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"]})
+  assert hf.hf_config_from_spec(dataclasses.replace(gemma2, attn_scale=0.3))["query_pre_attn_scalar"] ** -0.5 == 0.3
+  with pytest.raises(hf.HFFormatError, match="attn_scale=1e-200 is not query_pre_attn_scalar"):
+    hf.hf_config_from_spec(dataclasses.replace(gemma2, attn_scale=1e-200))
+  with pytest.raises(hf.HFFormatError, match="Gemma2ForCausalLM needs another local_rope=True"):
+    hf.hf_config_from_spec(dataclasses.replace(gemma2, rope_local_theta=5.0))
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -122,17 +270,63 @@ def _spec(cfg):
   return hf.parse_hf_config(cfg)[:2]
 
 
-@pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY, {**LLAMA_TINY, "attention_bias": True, "mlp_bias": True},
-                                 {**LLAMA_TINY, "tie_word_embeddings": True}])
-def test_canonical_to_hf_and_back_is_exact(cfg):
-  family, spec = _spec(cfg)
+FAMILY_CONFIGS = {
+    "gpt2": GPT2_TINY, "llama": LLAMA_TINY, "llama-bias": {**LLAMA_TINY, "attention_bias": True, "mlp_bias": True},
+    "llama-tied": {**LLAMA_TINY, "tie_word_embeddings": True},
+    "mistral": {**LLAMA_TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 8},
+    "qwen2": QWEN2_TINY, "qwen3": {**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 12},
+    "gemma": {**GEMMA_TINY, "architectures": ["GemmaForCausalLM"]},
+    "gemma2": {**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"], "attention_bias": True},
+    "gemma3": {**GEMMA3_TINY, "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_canonical_to_hf_and_back_is_exact(name):
+  family, spec = _spec(FAMILY_CONFIGS[name])
   params = weights.init_params(spec, seed=3)
   params = {k: v + np.float32(0.01) * np.arange(v.size, dtype=np.float32).reshape(v.shape) for k, v in params.items()}
   tensors = hf.canonical_to_hf(params, spec)
+  table = hf.hf_tensor_table(spec, family)
+  assert {k: v.shape for k, v in tensors.items()} == {k: s for k, (s, tied) in table.items() if tied is None}
+  assert all(v.dtype == np.float32 for v in tensors.values())
+  assert [k for k, (_, tied) in table.items() if tied] == (["lm_head.weight"] if spec.tie_embeddings else [])
   back = hf.hf_to_canonical(tensors, spec, family)
   assert list(back) == list(weights.param_shapes(spec))
   for k in params:
     np.testing.assert_array_equal(back[k], params[k], err_msg=k)
+  again = hf.canonical_to_hf(back, spec)
+  assert list(again) == list(tensors) and all(np.array_equal(again[k], tensors[k]) for k in tensors)
+
+
+def test_gemma2_norm_names_and_qk_norms():
+  family, spec = _spec(FAMILY_CONFIGS["gemma3"])
+  rules = {r.canonical: r.hf for r in hf.hf_rules(spec, family)}
+  assert rules["h.2.ln_1_post.weight"] == ("model.layers.2.post_attention_layernorm.weight",)  # after attention
+  assert rules["h.2.ln_2.weight"] == ("model.layers.2.pre_feedforward_layernorm.weight",)
+  assert rules["h.2.ln_2_post.weight"] == ("model.layers.2.post_feedforward_layernorm.weight",)
+  assert rules["h.2.attn.ln_q.weight"] == ("model.layers.2.self_attn.q_norm.weight",)
+  family, spec = _spec(LLAMA_TINY)
+  assert {r.canonical: r.hf for r in hf.hf_rules(spec, family)}["h.1.ln_2.weight"] == \
+      ("model.layers.1.post_attention_layernorm.weight",)
+
+
+def test_unmapped_tensors_are_refused_by_name():
+  family, spec = _spec(FAMILY_CONFIGS["gemma2"])
+  good = hf.canonical_to_hf(weights.init_params(spec, 0), spec)
+  with pytest.raises(hf.HFFormatError, match=r"unexpected 1: model\.layers\.0\.self_attn\.q_norm\.weight"):
+    hf.hf_to_canonical({**good, "model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)}, spec, family)
+  bad = {k: v for k, v in good.items() if "post_feedforward" not in k}
+  with pytest.raises(hf.HFFormatError, match=r"missing 4: model\.layers\.0\.post_feedforward_layernorm\.weight"):
+    hf.hf_to_canonical(bad, spec, family)
+  bad = {**good, "model.norm.weight": np.ones(32, np.int32)}
+  with pytest.raises(hf.HFFormatError, match=r"not floating point 1: model\.norm\.weight: int32"):
+    hf.hf_to_canonical(bad, spec, family)
+  family, spec = _spec(FAMILY_CONFIGS["qwen2"])
+  good = hf.canonical_to_hf(weights.init_params(spec, 0), spec)
+  assert "model.layers.0.self_attn.k_proj.bias" in good and "model.layers.0.self_attn.o_proj.bias" not in good
+  with pytest.raises(hf.HFFormatError, match=r"unexpected 1: model\.layers\.0\.self_attn\.o_proj\.bias"):
+    hf.hf_to_canonical({**good, "model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}, spec, family)
 
 
 def test_gpt2_conv1d_transposes_and_qkv_column_order():
@@ -272,3 +466,14 @@ def test_run_spec_from_hf_replaces_the_model_only(tmp_path):
   assert all(np.array_equal(got[k], params[k]) for k in params)
   with pytest.raises(SpecError, match="exceeds model.max_seq_len"):
     hf.run_spec_from_hf(tmp_path, RunSpec(train=TrainSpec(seq_len=128)))
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_run_spec_from_hf_takes_every_family(name, tmp_path):
+  _, spec = _spec(FAMILY_CONFIGS[name])
+  params = weights.init_params(spec, 5)
+  hf.save_hf_checkpoint(tmp_path, spec, params)
+  run, got = hf.run_spec_from_hf(tmp_path, RunSpec(train=TrainSpec(steps=2, seq_len=64, micro_batch_size=2,
+                                                                    warmup_steps=1)))
+  assert run.model == spec and list(got) == list(weights.param_shapes(spec))  # seq_len 64: Mistral's window 8 is
+  assert all(np.array_equal(got[k], params[k]) for k in params)              # applied, not a context limit

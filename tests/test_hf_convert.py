@@ -110,6 +110,70 @@ def test_export_to_hf_loads_in_transformers_with_equal_logits(kind, tmp_path):
   _assert_same(hf.load_hf_checkpoint(tmp_path / "hf").params, {k: params[k] for k in weights.param_shapes(spec)})
 
 
+SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=24, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+FAMILIES = {  # architecture, config class, config kwargs beyond SMALL
+    "llama3": ("LlamaForCausalLM", "LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8,
+        rope_theta=5e5), attention_bias=True, head_dim=16)),
+    "llama-yarn": ("LlamaForCausalLM", "LlamaConfig", dict(rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=8, rope_theta=1e4), mlp_bias=True)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=5)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=12, attention_bias=True, tie_word_embeddings=True)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=12,
+                                                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        head_dim=8, sliding_window=6, sliding_window_pattern=3, rope_theta=1e5, rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=False)),
+}
+INERT_CONFIG_KEYS = {"architectures", "transformers_version", "dtype", "use_cache", "_name_or_path",
+                     "max_window_layers", "sliding_window_pattern", "_sliding_window_pattern", "bos_token_id",
+                     "eos_token_id", "pad_token_id"}
+"""Config keys that do not change the model's function once layer_types is explicit (Qwen max_window_layers, Gemma 3
+sliding_window_pattern), or are not model fields (token ids, cache, dtype)."""
+
+
+def _family_model(name: str):
+  arch, cfg_cls, kw = FAMILIES[name]
+  torch.manual_seed(1)
+  model = getattr(transformers, arch)(getattr(transformers, cfg_cls)(**{**SMALL, **kw}))
+  with torch.no_grad():  # nonzero biases and norm weights (Gemma's are 0 at init), so a mis-mapped one shows
+    for _, p in model.named_parameters():
+      if p.ndim == 1:
+        p.add_(0.1 * torch.randn(p.shape))
+  return model.eval()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_hf_to_canonical_to_hf_is_bit_identical(name, tmp_path):
+  model = _family_model(name)
+  model.save_pretrained(tmp_path / "src")
+  ck = hf.load_hf_checkpoint(tmp_path / "src")
+  assert ck.family == hf.ARCHITECTURES[FAMILIES[name][0]] and hf.family_of_spec(ck.spec) == ck.family
+  hf.save_hf_checkpoint(tmp_path / "out", ck.spec, ck.params)
+  stored, _ = hf.read_safetensors(tmp_path / "src" / "model.safetensors")
+  again, _ = hf.read_safetensors(tmp_path / "out" / "model.safetensors")
+  assert sorted(again) == sorted(stored)  # names; a tied head is stored by neither
+  for k in stored:
+    assert again[k].dtype == stored[k].dtype and np.array_equal(again[k], stored[k]), k
+  table = hf.hf_tensor_table(ck.spec, ck.family)  # every parameter of the HF model, its shape and its tie
+  assert {k: s for k, (s, _) in table.items()} == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+  if ck.spec.tie_embeddings:
+    assert table["lm_head.weight"][1] == "model.embed_tokens.weight"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+  cfg_cls = type(model.config)
+  want, got = model.config.to_dict(), cfg_cls.from_dict(json.loads((tmp_path / "out" / "config.json").read_text()))
+  got = got.to_dict()
+  assert {k: got.get(k) for k in set(want) | set(got) if k not in INERT_CONFIG_KEYS} == \
+      {k: want.get(k) for k in set(want) | set(got) if k not in INERT_CONFIG_KEYS}
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 61, size=(2, 20)))
+  with torch.no_grad():
+    assert torch.equal(back(input_ids=tokens).logits, model(input_ids=tokens).logits)
+
+
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
@@ -141,10 +205,10 @@ def test_jax_checkpoint_in_process_round_trip(tmp_path):
 
 
 def test_cli_refusals_exit_2_with_the_reason(tmp_path, capsys):
-  (tmp_path / "qwen").mkdir()
-  (tmp_path / "qwen" / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
-  assert cli_main(["convert-weights", str(tmp_path / "qwen"), str(tmp_path / "w.safetensors")]) == 2
-  assert "o_proj" in capsys.readouterr().err
+  (tmp_path / "neox").mkdir()
+  (tmp_path / "neox" / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+  assert cli_main(["convert-weights", str(tmp_path / "neox"), str(tmp_path / "w.safetensors")]) == 2
+  assert "parallel residual" in capsys.readouterr().err
   _hf_model("llama").save_pretrained(tmp_path / "hf")
   assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 0
   assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 2
@@ -158,3 +222,48 @@ def test_cli_refusals_exit_2_with_the_reason(tmp_path, capsys):
   assert cli_main(["convert-weights", str(bad), str(tmp_path / "x.safetensors")]) == 2
   err = capsys.readouterr().err
   assert "k_proj.weight: (16, 32) (expected (32, 32))" in err, err
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "gemma3"])
+def test_bf16_checkpoint_round_trips_to_the_same_bits(name, tmp_path):
+  model = _family_model(name).to(torch.bfloat16)
+  model.save_pretrained(tmp_path / "src")
+  ck = hf.load_hf_checkpoint(tmp_path / "src")
+  hf.save_hf_checkpoint(tmp_path / "out", ck.spec, ck.params, dtype="bfloat16")
+  kinds_a, kinds_b = {}, {}
+  stored, _ = hf.read_safetensors(tmp_path / "src" / "model.safetensors", stored_dtypes=kinds_a)
+  again, _ = hf.read_safetensors(tmp_path / "out" / "model.safetensors", stored_dtypes=kinds_b)
+  assert kinds_b == kinds_a and set(kinds_a.values()) == {"BF16"}
+  assert all(np.array_equal(again[k].view(np.uint32), stored[k].view(np.uint32)) for k in stored)
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()  # not `model`: .to(bf16) also
+  assert back.dtype == ref.dtype == torch.bfloat16                                # rounds its rotary buffers
+  tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 61, size=(2, 20)))
+  with torch.no_grad():
+    assert torch.equal(back(input_ids=tokens).logits, ref(input_ids=tokens).logits)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_spec_matches_the_transformers_modules(name):
+  """The imported spec against the numbers transformers' modules hold: rotary inverse frequencies and cos/sin factor
+  per layer (parity.architecture.layer_rope), the score scale, the window and soft-cap of each layer."""
+  from parity import architecture
+  model = _family_model(name)
+  spec = hf.spec_from_hf_config(model.config.to_dict())
+  rotary = model.model.rotary_emb
+  for i, layer in enumerate(model.model.layers):
+    attn = layer.self_attn
+    kind = spec.layer_kinds[i]
+    theta, scaling = architecture.layer_rope(spec, i)
+    hf_kind = f"{kind}_attention"
+    inv = getattr(rotary, f"{hf_kind}_inv_freq", None)
+    inv = rotary.inv_freq if inv is None else inv
+    factor = getattr(rotary, f"{hf_kind}_attention_scaling", getattr(rotary, "attention_scaling", 1.0))
+    np.testing.assert_allclose(architecture.inv_freq(spec.head_dim, theta, scaling), inv.numpy(), rtol=2e-7,
+                               err_msg=f"layer {i} inv_freq")
+    assert architecture.attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+    assert attn.scaling == pytest.approx(spec.scale, rel=1e-15) and attn.head_dim == spec.head_dim  # HF: hd ** -0.5
+    window = getattr(attn, "sliding_window", model.config.sliding_window if name == "mistral" else None)
+    assert window == (spec.sliding_window if kind == "sliding" else None), f"layer {i} window"
+    assert getattr(attn, "attn_logit_softcapping", None) == spec.attn_softcap
+  assert getattr(model.config, "final_logit_softcapping", None) == spec.final_softcap

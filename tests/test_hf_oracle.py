@@ -1,7 +1,8 @@
 """Oracle tests: our JAX and PyTorch models against transformers on HF checkpoints.
 
-Each case builds a randomly initialised GPT2LMHeadModel / LlamaForCausalLM /
-MistralForCausalLM from a config (nothing is downloaded), re-draws *every*
+Each case builds a randomly initialised GPT2LMHeadModel / LlamaForCausalLM / MistralForCausalLM /
+Qwen2ForCausalLM / Qwen3ForCausalLM / Gemma2ForCausalLM / Gemma3ForCausalLM from a config (nothing is
+downloaded), re-draws *every*
 parameter (biases and norm scales too, so a mis-mapped bias cannot hide behind
 HF's zero init) at a scale that gives O(1) activations and peaked attention,
 saves it with `save_pretrained`, converts the folder with `parity.hf`, and checks:
@@ -60,17 +61,53 @@ CASES = {
     "mistral-gqa": ("MistralForCausalLM", dict(vocab_size=97, hidden_size=64, intermediate_size=96,
                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                                max_position_embeddings=64, sliding_window=None), (17, 64)),
+    # Llama 3.x: llama3 rotary scaling with original_max_position_embeddings 16, so it changes every wavelength above
+    # 4 positions (16 / high_freq_factor) at these lengths.
+    "llama3-rope": ("LlamaForCausalLM", dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                                  low_freq_factor=1.0, high_freq_factor=4.0,
+                                                                  original_max_position_embeddings=16)), (64,)),
+    "qwen2-qkv-bias": ("Qwen2ForCausalLM", dict(vocab_size=89, hidden_size=64, intermediate_size=80,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=48), (48,)),
+    "qwen3-head-dim": ("Qwen3ForCausalLM", dict(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=24, max_position_embeddings=48), (37,)),
+    # Gemma 2: caps low enough to bind (scores and logits reach ~10), query_pre_attn_scalar != head_dim, and
+    # a sliding and a full layer (the default alternation) with a window of 6. One logits length per new case (and
+    # LOSS_SEQ for the gradients) keeps the JAX side's run time small.
+    "gemma2-softcap": ("Gemma2ForCausalLM", dict(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=16, max_position_embeddings=48, query_pre_attn_scalar=24,
+                                                 attn_logit_softcapping=5.0, final_logit_softcapping=4.0,
+                                                 sliding_window=6), (48,)),
+    # Gemma 3: 2 local : 1 global (sliding_window_pattern 3), local base 100, linear scaling x4 on the global layer.
+    "gemma3-local-global": ("Gemma3ForCausalLM", dict(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                      num_hidden_layers=3, num_attention_heads=4,
+                                                      num_key_value_heads=2, head_dim=16, max_position_embeddings=48,
+                                                      query_pre_attn_scalar=16, sliding_window=5,
+                                                      sliding_window_pattern=3, rope_theta=10000.0,
+                                                      rope_local_base_freq=100.0,
+                                                      rope_scaling=dict(rope_type="linear", factor=4.0)), (48,)),
+    "mistral-window": ("MistralForCausalLM", dict(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=64, sliding_window=8), (41,)),
 }
 """Sequence lengths above max_position_embeddings (LLaMA 128 > 64, 77 > 32) test a longer
 context than the checkpoint was trained for: rotary models have no position table, so the
 spec is widened (`max_seq_len`) with the same weights, as HF does implicitly."""
 
 LOSS_SEQ = 23
-"""Tokens per sequence of the loss/gradient check (odd, shorter than every context)."""
+"""Tokens per sequence of the loss/gradient check (odd, shorter than every context, longer than every window)."""
+
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+"""Architectures whose config class is not the architecture's name with ForCausalLM -> Config."""
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-  """Redraws every parameter: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 0.3^2), 1-D ~ 1 or 0 + N(0, 0.1^2).
+def _randomise(model: torch.nn.Module, seed: int, *, plus_one: bool = False) -> None:
+  """Redraws every parameter: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 0.3^2), 1-D ~ 1 or 0 + N(0, 0.1^2)
+  (norm weights ~ 0 + N(0, 0.1^2) when the norm scales by 1 + weight: `plus_one`, Gemma).
 
   Embedding std 0.3 gives logits of std ~0.3 * sqrt(d_model) ~ 2-3 (max ~10), the range of a
   trained model's centred logits, where fp32 rounding is ~1e-6; attention is peaked enough
@@ -81,7 +118,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=gen)
       if p.ndim == 1:
-        base = 1.0 if "norm" in name or ".ln_" in name else 0.0
+        base = 1.0 if ("norm" in name or ".ln_" in name) and not plus_one else 0.0
         p.copy_(base + 0.1 * noise)
       elif "wte" in name or "wpe" in name or "embed_tokens" in name:
         p.copy_(0.3 * noise)
@@ -108,10 +145,13 @@ def _case(name: str, tmp_path_factory) -> Case:
   if name in _CACHE:
     return _CACHE[name]
   arch, kwargs, seqs = CASES[name]
-  cfg_cls = getattr(transformers, arch.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config"))
+  cfg_cls = getattr(transformers, CONFIG_CLASSES.get(arch) or
+                    arch.replace("LMHeadModel", "Config").replace("ForCausalLM", "Config"))
   torch.manual_seed(0)
-  model = getattr(transformers, arch)(cfg_cls(**kwargs, bos_token_id=0, eos_token_id=0))
-  _randomise(model, seed=list(CASES).index(name) + 1)
+  # pad_token_id None: Gemma's default 0 makes embed_tokens an nn.Embedding(padding_idx=0), whose row 0 gets no
+  # gradient in transformers; ModelSpec has no padding row (the forward is the same).
+  model = getattr(transformers, arch)(cfg_cls(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=None))
+  _randomise(model, seed=list(CASES).index(name) + 1, plus_one=arch.startswith("Gemma"))
   model.eval()
   folder = tmp_path_factory.mktemp(name)
   model.save_pretrained(folder)
@@ -166,8 +206,7 @@ def _hf_loss_and_grads(case: Case, tokens: np.ndarray) -> tuple[float, dict[str,
   out = model(input_ids=torch.from_numpy(tokens), labels=torch.from_numpy(tokens))
   out.loss.backward()
   grads = {n: p.grad.detach().numpy().copy() for n, p in model.named_parameters()}
-  family = "gpt2" if case.spec.position == "learned" else "llama"
-  return float(out.loss.detach()), hf.hf_to_canonical(grads, case.spec, family)
+  return float(out.loss.detach()), hf.hf_to_canonical(grads, case.spec, hf.family_of_spec(case.spec))
 
 
 def _grad_diffs(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:

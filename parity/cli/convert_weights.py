@@ -16,7 +16,8 @@ def register(sub) -> None:
   """Adds `convert-weights` to the subparsers `sub`."""
   p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax",
                      description="Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
-                                 "LlamaForCausalLM, MistralForCausalLM), canonical safetensors (with the ModelSpec as "
+                                 "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                 "GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM), canonical safetensors (with the ModelSpec as "
                                  "metadata) and an orbax checkpoint of the Flax params. Exit 0; 1 when the output "
                                  "could not be written (nothing replaced); 2 on bad input.")
   p.add_argument("src", help="HF folder (config.json + safetensors or pytorch_model.bin), .safetensors, or orbax folder")

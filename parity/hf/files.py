@@ -10,7 +10,8 @@ from typing import Mapping
 import numpy as np
 
 from parity import weights
-from parity.hf.config import HFFormatError, hf_config_from_spec, parse_hf_config
+from parity.hf.config import HFFormatError, parse_hf_config
+from parity.hf.export import hf_config_from_spec
 from parity.hf.tensors import canonical_to_hf, hf_to_canonical
 from parity.inputs import InputError, load_json, parse_text, safetensors_header
 from parity.sizing.resources import tensor_count
@@ -137,7 +138,7 @@ def _read_shards(folder: Path, files: list[Path], notes: list[str]) -> dict[str,
 class HFCheckpoint:
   """An HF checkpoint read into our terms."""
   family: str
-  """'gpt2' or 'llama' (tensor naming)."""
+  """A value of parity.hf.ARCHITECTURES: 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3'."""
   spec: ModelSpec
   params: dict[str, np.ndarray]
   """Canonical float32 weights."""
@@ -185,20 +186,57 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
   return HFCheckpoint(family, spec, params, tuple(notes))
 
 
-def save_hf_checkpoint(folder: str | Path, spec: ModelSpec, params: Mapping[str, np.ndarray]) -> Path:
-  """Writes config.json + model.safetensors (float32) that `AutoModelForCausalLM.from_pretrained` loads.
+def save_hf_checkpoint(folder: str | Path, spec: ModelSpec, params: Mapping[str, np.ndarray], *,
+                       dtype: str = "float32") -> Path:
+  """Writes config.json + model.safetensors that `AutoModelForCausalLM.from_pretrained` loads.
 
+  Args:
+    dtype: 'float32' (exact) or 'bfloat16' (rounded to nearest even; exact for weights read from a bfloat16
+      checkpoint, so HF bf16 -> canonical -> HF bf16 gives the same bits).
   Raises:
-    HFFormatError: the spec has no HF family; InputError (a ValueError): params do not match the spec.
+    HFFormatError: the spec has no HF family; InputError (a ValueError): params do not match the spec, or an
+      unknown dtype.
   """
   from safetensors.numpy import save_file
+  if dtype not in ("float32", "bfloat16"):
+    raise InputError(f"save_hf_checkpoint: dtype must be 'float32' or 'bfloat16'; got {dtype!r}")
   folder = Path(folder)
-  config = hf_config_from_spec(spec)
+  config = {**hf_config_from_spec(spec), "dtype": dtype}
   tensors = canonical_to_hf(params, spec)
   folder.mkdir(parents=True, exist_ok=True)
   (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-  save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  if dtype == "float32":
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  else:
+    _write_bf16_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
   return folder
+
+
+def bfloat16_bits(x: np.ndarray) -> np.ndarray:
+  """float32 -> bfloat16 bit patterns (little-endian uint16, same shape), rounded to nearest even.
+
+  The inverse of `read_safetensors`' widening: a float32 that came from a bfloat16 maps back to its 16 bits.
+  """
+  u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+
+
+def _write_bf16_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+  """A safetensors file of BF16 tensors (in the given order), with string metadata; the header is padded to 8 bytes."""
+  header: dict = {"__metadata__": dict(metadata)}
+  blobs, offset = [], 0
+  for name, arr in tensors.items():
+    raw = bfloat16_bits(arr).tobytes()
+    header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
+    blobs.append(raw)
+    offset += len(raw)
+  head = json.dumps(header, separators=(",", ":")).encode()
+  head += b" " * (-len(head) % 8)
+  with open(path, "wb") as f:
+    f.write(len(head).to_bytes(8, "little"))
+    f.write(head)
+    for raw in blobs:
+      f.write(raw)
 
 
 def canonical_metadata(spec: ModelSpec) -> dict[str, str]:

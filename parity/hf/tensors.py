@@ -11,7 +11,8 @@ from typing import Mapping
 import numpy as np
 
 from parity import weights
-from parity.hf.config import HFFormatError, family_of_spec
+from parity.hf.config import HFFormatError
+from parity.hf.export import family_of_spec
 from parity.spec import ModelSpec
 
 # Tensors in older HF checkpoints that are buffers, not parameters: dropped with the reason.
@@ -20,6 +21,13 @@ _IGNORED = {
     "llama": [(re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),
                "rotary frequency buffer; recomputed from rope_theta")],
 }
+"""Buffers dropped, per tensor naming (`naming`)."""
+
+
+def naming(family: str) -> str:
+  """The tensor naming of an HF family: 'gpt2' for GPT-2, 'llama' for every rotary family (LLaMA, Mistral,
+  Qwen2/3, Gemma 1/2/3: the same model.layers.i.* names, plus q_norm/k_norm and Gemma 2/3's four norms)."""
+  return "gpt2" if family == "gpt2" else "llama"
 
 
 # ----------------------------------------------------------------------------- tensor naming
@@ -56,10 +64,10 @@ def hf_rules(spec: ModelSpec, family: str) -> list[Rule]:
   rules = []
   hd = spec.head_dim
   for name in weights.param_shapes(spec):
-    if family == "gpt2":
+    if naming(family) == "gpt2":
       rules.append(_gpt2_rule(name))
     else:
-      rules.append(_llama_rule(name, (spec.n_heads * hd, spec.kv_heads * hd, spec.kv_heads * hd)))
+      rules.append(_llama_rule(name, (spec.n_heads * hd, spec.kv_heads * hd, spec.kv_heads * hd), spec.post_norms))
   return rules
 
 
@@ -81,10 +89,16 @@ _LLAMA_LAYER = {"ln_1.weight": "input_layernorm.weight", "ln_2.weight": "post_at
                 "attn.proj.weight": "self_attn.o_proj.weight", "attn.proj.bias": "self_attn.o_proj.bias",
                 "mlp.gate.weight": "mlp.gate_proj.weight", "mlp.gate.bias": "mlp.gate_proj.bias",
                 "mlp.up.weight": "mlp.up_proj.weight", "mlp.up.bias": "mlp.up_proj.bias",
-                "mlp.proj.weight": "mlp.down_proj.weight", "mlp.proj.bias": "mlp.down_proj.bias"}
+                "mlp.proj.weight": "mlp.down_proj.weight", "mlp.proj.bias": "mlp.down_proj.bias",
+                "attn.ln_q.weight": "self_attn.q_norm.weight", "attn.ln_k.weight": "self_attn.k_norm.weight"}
+_GEMMA2_NORMS = {"ln_1_post.weight": "post_attention_layernorm.weight",  # after attention, before the residual add
+                 "ln_2.weight": "pre_feedforward_layernorm.weight",
+                 "ln_2_post.weight": "post_feedforward_layernorm.weight"}
+"""Gemma 2/3 (post_norms): HF's post_attention_layernorm is the attention branch's output norm, not the MLP's
+input norm as in LLaMA."""
 
 
-def _llama_rule(name: str, qkv_rows: tuple[int, int, int]) -> Rule:
+def _llama_rule(name: str, qkv_rows: tuple[int, int, int], post_norms: bool) -> Rule:
   top = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight",
          "lm_head.weight": "lm_head.weight"}
   if name in top:
@@ -94,14 +108,15 @@ def _llama_rule(name: str, qkv_rows: tuple[int, int, int]) -> Rule:
   if rest.startswith("attn.qkv."):
     leaf = rest.rsplit(".", 1)[1]
     return Rule(name, tuple(f"{p}.self_attn.{x}_proj.{leaf}" for x in "qkv"), rows=qkv_rows)
-  if rest not in _LLAMA_LAYER:
-    raise HFFormatError(f"canonical tensor {name!r} has no LLaMA counterpart")
-  return Rule(name, (f"{p}.{_LLAMA_LAYER[rest]}",))
+  table = {**_LLAMA_LAYER, **_GEMMA2_NORMS} if post_norms else _LLAMA_LAYER
+  if rest not in table:
+    raise HFFormatError(f"canonical tensor {name!r} has no HF counterpart in the LLaMA-style naming")
+  return Rule(name, (f"{p}.{table[rest]}",))
 
 
 def _normalise_names(tensors: Mapping[str, np.ndarray], family: str) -> dict[str, np.ndarray]:
   """Adds the `transformer.` prefix to unprefixed GPT-2 names; other names are kept."""
-  if family != "gpt2":
+  if naming(family) != "gpt2":
     return dict(tensors)
   out = {}
   for k, v in tensors.items():
@@ -117,7 +132,7 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
     tensors: HF name -> array, e.g. from `read_safetensors`; weights [out, in] (LLaMA) or
       Conv1D [in, out] (GPT-2). A tied checkpoint may include or omit `lm_head.weight`.
     spec: the spec from the same checkpoint's config.json.
-    family: 'gpt2' or 'llama'.
+    family: a value of parity.hf.ARCHITECTURES ('gpt2', 'llama', 'qwen3', ...; see `naming`).
     notes: if given, receives one line per dropped buffer kind.
   Returns:
     Canonical name -> float32 C-contiguous array, in canonical order.
@@ -129,7 +144,7 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
   dropped: dict[str, int] = {}
   for k in list(src):
     bare = k.removeprefix("transformer.")
-    for pattern, why in _IGNORED[family]:
+    for pattern, why in _IGNORED[naming(family)]:
       if pattern.match(bare):
         del src[k]
         dropped[why] = dropped.get(why, 0) + 1
@@ -137,21 +152,14 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
     notes.extend(f"dropped {n} tensor(s): {why}" for why, n in dropped.items())
   if spec.tie_embeddings and "lm_head.weight" in src:
     head = src.pop("lm_head.weight")
-    wte = src.get("transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight")
+    wte = src.get("transformer.wte.weight" if naming(family) == "gpt2" else "model.embed_tokens.weight")
     if wte is not None and not (head.shape == wte.shape and np.array_equal(head, wte)):
       raise HFFormatError("lm_head.weight differs from the token embedding, but config.json has "
                           "tie_word_embeddings=true; set it to false if the head is untied")
   rules = hf_rules(spec, family)
   shapes = weights.param_shapes(spec)
   expected = {h: s for r in rules for h, s in zip(r.hf, r.hf_shapes(shapes[r.canonical]))}
-  missing = [k for k in expected if k not in src]
-  extra = sorted(k for k in src if k not in expected)
-  wrong = [f"{k}: {tuple(src[k].shape)} (expected {expected[k]})" for k in expected
-           if k in src and tuple(src[k].shape) != expected[k]]
-  problems = []
-  for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong)):
-    if items:
-      problems.append(f"{label} {len(items)}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}")
+  problems = _mismatches(src, expected)
   if problems:
     raise HFFormatError(f"HF {family} tensors do not match config.json: " + "; ".join(problems))
   out = {}
@@ -160,6 +168,39 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
     arr = np.concatenate(parts, axis=0) if r.rows else (parts[0].T if r.transpose else parts[0])
     out[r.canonical] = np.ascontiguousarray(arr, dtype=np.float32)
   return out
+
+
+def _mismatches(src: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
+  """One line per kind of problem (missing, unexpected, wrong shape, not floating point), naming the tensors."""
+  missing = [k for k in expected if k not in src]
+  extra = sorted(k for k in src if k not in expected)
+  wrong = [f"{k}: {tuple(src[k].shape)} (expected {expected[k]})" for k in expected
+           if k in src and tuple(src[k].shape) != expected[k]]
+  not_float = [f"{k}: {np.asarray(src[k]).dtype}" for k in expected
+               if k in src and not np.issubdtype(np.asarray(src[k]).dtype, np.floating)]
+  problems = []
+  for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape", wrong),
+                       ("not floating point", not_float)):
+    if items:
+      problems.append(f"{label} {len(items)}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}")
+  return problems
+
+
+def hf_tensor_table(spec: ModelSpec, family: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
+  """Every tensor of the HF model: HF name -> (shape, the HF name it is tied to or None), in rule order.
+
+  A tied head is listed as lm_head.weight tied to the embedding (`save_pretrained` does not store it); dtypes are
+  any floating point on import (widened to float32 exactly) and float32 on export.
+  """
+  shapes = weights.param_shapes(spec)
+  table: dict[str, tuple[tuple[int, ...], str | None]] = {}
+  for r in hf_rules(spec, family):
+    for h, shape in zip(r.hf, r.hf_shapes(shapes[r.canonical])):
+      table[h] = (shape, None)
+  if spec.tie_embeddings:
+    wte = "transformer.wte.weight" if naming(family) == "gpt2" else "model.embed_tokens.weight"
+    table["lm_head.weight"] = (table[wte][0], wte)
+  return table
 
 
 def canonical_to_hf(params: Mapping[str, np.ndarray], spec: ModelSpec, family: str | None = None
