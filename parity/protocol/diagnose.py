@@ -29,7 +29,9 @@ __all__ = ["PLANTS_KEY", "REQUEST_KEY", "OUTPUT_FILE", "REFERENCE_FILE", "WHERE_
            "DiagnoseSide", "run_diagnose", "example_arrays"]
 
 PLANTS_KEY = "diagnose_plants"
-"""request.json key: side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names]}."""
+"""request.json key: side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names], 'offset': [names]}."""
+PLANT_OFFSET = 0.05
+"""Added to each element of an `offset=NAME` plant's tensor (parity.diagnose.inputs.OFFSET is this value)."""
 REQUEST_KEY = "diagnose"
 """request.json key: {'step': batch index, 'lr_step': schedule position of the update}."""
 OUTPUT_FILE = "diagnose.safetensors"
@@ -71,10 +73,13 @@ def tap_order(spec: ModelSpec) -> list[str]:
 
 
 def apply_weight_plants(params: Mapping[str, np.ndarray], plants: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  """The canonical weights with this side's `transpose` plants applied (a copy; float32)."""
+  """The canonical weights with this side's `transpose` and `offset` plants applied (a copy; float32; an offset adds
+  parity.diagnose.inputs.OFFSET, 0.05, to every element)."""
   out = dict(params)
   for name in plants.get("transpose", ()):
     out[name] = np.ascontiguousarray(np.asarray(params[name]).T)
+  for name in plants.get("offset", ()):
+    out[name] = (np.asarray(out[name], dtype=np.float32) + np.float32(PLANT_OFFSET)).astype(np.float32)
   return out
 
 
@@ -118,7 +123,8 @@ def read_request(request: Mapping[str, Any], side: str) -> WorkerRequest:
   return WorkerRequest(step=int(d["step"]), lr_step=int(d["lr_step"]),
                        plants={"no_causal_mask": bool(plants.get("no_causal_mask", False)),
                                "decay_all": bool(plants.get("decay_all", False)),
-                               "transpose": list(plants.get("transpose", []))},
+                               "transpose": list(plants.get("transpose", [])),
+                               "offset": list(plants.get("offset", []))},
                        data_plants=frozenset(k for k in PLANT_KEYS if perturb.get(k)))
 
 
