@@ -45,14 +45,20 @@ INPUTS_METADATA_KEY = "parity_diagnose_inputs"
 
 
 def forward_taps(spec: ModelSpec) -> list[str]:
-  """Canonical forward tap names in execution order (see the module docstring)."""
+  """Canonical forward tap names in execution order (see the module docstring). The issue-#21 blocks add, where the
+  spec has them: `attn.ln_q` / `attn.ln_k` (qk_norm: q/k after their norm, before rotary, (B, heads, T, hd)),
+  `attn.scores_capped` (attn_softcap: the soft-capped scores, before the mask), `ln_1_post` / `ln_2_post`
+  (post_norms: each branch's normed output, before its residual add) and `logits_capped` (final_softcap)."""
   out = ["embed"]
   mlp = ["mlp.fc"] if spec.mlp == "gelu" else ["mlp.gate", "mlp.up"]
+  qk = ["attn.ln_q", "attn.ln_k"] if spec.qk_norm else []
+  capped = ["attn.scores_capped"] if spec.attn_softcap is not None else []
+  post_1, post_2 = (["ln_1_post"], ["ln_2_post"]) if spec.post_norms else ([], [])
   for i in range(spec.n_layers):
-    out += [f"h.{i}.{t}" for t in ("ln_1", "attn.q", "attn.k", "attn.v", "attn.scores", "attn.probs",
-                                   "attn.context", "attn.out", "resid_mid", "ln_2", *mlp, "mlp.act",
-                                   "mlp.out", "out")]
-  return out + ["ln_f", "logits"]
+    out += [f"h.{i}.{t}" for t in ("ln_1", *qk, "attn.q", "attn.k", "attn.v", "attn.scores", *capped, "attn.probs",
+                                   "attn.context", "attn.out", *post_1, "resid_mid", "ln_2", *mlp, "mlp.act",
+                                   "mlp.out", *post_2, "out")]
+  return out + ["ln_f", "logits"] + (["logits_capped"] if spec.final_softcap is not None else [])
 
 
 def param_order(spec: ModelSpec) -> list[str]:
