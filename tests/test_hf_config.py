@@ -33,19 +33,7 @@ def test_presets_match_published_parameter_counts(name):
   assert weights.n_params(spec) == hf.PUBLISHED_PARAM_COUNTS[name]
 
 
-def _family_fields(spec: ModelSpec) -> list[str]:
-  """The issue-#21 fields a preset sets (rope_scaling, d_head, qk_norm, Gemma's ...)."""
-  from parity import architecture
-  from parity.spec import to_dict
-  model = to_dict(spec)
-  return sorted(k for k in architecture.FAMILY_DEFAULTS if k in architecture.without_family_defaults(model))
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason=f"sets {', '.join(_family_fields(s))}: parity/hf/config.py maps "
-                                                   "the model families in issue #21 item 2 (branch h/hfmap); drop "
-                                                   "this mark when it lands", strict=False))
-    if _family_fields(s) else n for n, s in hf.MODEL_PRESETS.items()])
+@pytest.mark.parametrize("name", sorted(hf.MODEL_PRESETS))
 def test_presets_round_trip_through_hf_configs(name):
   spec = hf.MODEL_PRESETS[name]
   again = hf.spec_from_hf_config(json.loads(json.dumps(hf.hf_config_from_spec(spec))))
