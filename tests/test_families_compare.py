@@ -5,7 +5,8 @@ For Llama 3.x (llama3 rotary scaling), Qwen2 (q/k/v biases), Qwen3 (q/k norms, a
 linear scaling on the global layers) and Mistral (a window shorter than the sequence): transformers builds the
 tiny model with its own random init (nothing is downloaded) and `save_pretrained`s it; `parity compare
 --hf-model DIR` then runs jax, deepspeed and torch on it, 3 steps, in fp32 at the fp32 tolerances and in bf16 by
-the noise envelope (parity.verdict.envelope), and must PASS. Each checkpoint's window (8) is shorter than the
+the noise envelope (parity.verdict.envelope; tests/test_families_compare_bf16.py, a file of its own so that
+`--dist loadfile` runs the two halves on two workers), and must PASS. Each checkpoint's window (8) is shorter than the
 32-token rows and each rotary scaling changes angles inside them, so a side that ignored a field would differ.
 """
 from __future__ import annotations
@@ -62,10 +63,15 @@ def _compare(hf: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.process
+@pytest.mark.slow
 @requires_all
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_passes_three_sides(family, precision, tmp_path):
+def test_family_passes_three_sides_fp32(family, tmp_path):
+  check_family(family, "fp32", tmp_path)
+
+
+def check_family(family: str, precision: str, tmp_path: Path) -> None:
+  """The compare of `family`'s checkpoint in `precision` PASSes, on the checkpoint's architecture and fields."""
   hf = _checkpoint(family, tmp_path / "hf")
   extra = () if precision == "fp32" else ("--set", 'train.precision="bf16"')
   p = _compare(hf, tmp_path / "run", *extra)
