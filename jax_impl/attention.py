@@ -1,7 +1,9 @@
 """Grouped-query self-attention of `jax_impl.model.GPT`: masks, sliding windows, rotary per layer kind, soft-cap.
 
 Rounding points follow torch's (the `jax_impl.model` docstring): float32 scores and softmax statistics; in
-bf16/fp16 the fused SDPA kernel's order (`Attention._fused_context`). The issue-#21 options live here too: biases
+bf16/fp16 the fused SDPA kernel's order (`Attention._fused_context`), or, with the soft-cap (which no fused
+kernel takes: HF's eager attention, torch_impl's), the float32 softmax rounded to the compute dtype and multiplied
+by v with float32 accumulation, rounded once. The issue-#21 options live here too: biases
 per projection (spec.linear_bias), per-head q/k RMSNorm before rotary (qk_norm), a head_dim of its own, scaled
 rotary tables (`parity.architecture.rope_tables`), the attention soft-cap (float32, on the float32 scores, after
 the scale and before the mask) and sliding windows per layer kind.
@@ -128,8 +130,13 @@ class Attention(nn.Module):
       scores_bkgts = softcap(scores_bkgts, s.attn_softcap)
       _tap(self, "scores_capped", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
     scores_bkgts = self._masked(scores_bkgts, mask_bts, flag)
-    if _reduced(self.dtype):
+    if _reduced(self.dtype) and s.attn_softcap is None:
       out_btkgh = self._fused_context(scores_bkgts, v_btkh)
+    elif _reduced(self.dtype):  # soft-capped (no fused kernel; HF eager, torch_impl): float32 softmax, rounded
+      probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1)
+      _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S) float32, as torch's
+      out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts.astype(self.dtype), v_btkh.astype(self.dtype),
+                             preferred_element_type=jnp.float32).astype(self.dtype)
     else:
       probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
       _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
