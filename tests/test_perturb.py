@@ -20,7 +20,7 @@ from parity.migrate._reverse import port_for_compare
 from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value, deepspeed_json
 from parity.pipeline.folder import DS_GIVEN, DS_RESOLVED, PERTURBABLE, inputs_record, parse_perturb, prepare_run_dir
-from parity.pipeline.perturb import plan_perturbations, trains
+from parity.pipeline.perturb import plan_perturbations, side_fields, trains
 from parity.pipeline.resolve import resolve_run
 from parity.presets import preset
 from parity.protocol.control import ControlError, derive_request
@@ -458,3 +458,27 @@ def test_the_same_side_and_key_twice_is_refused_not_overwritten():
     parse_perturb(["jax:train.lr=0.002", "jax:train.lr=0.003"], ["jax", "torch"])
   assert parse_perturb(["jax:train.lr=0.002", "torch:train.lr=0.003"], ["jax", "torch"]) == \
       {"jax": {"train.lr": 0.002}, "torch": {"train.lr": 0.003}}
+
+
+@pytest.mark.parametrize("name,item,match", [
+    ("mistral-tiny", 'jax:model.layer_types=["sliding", "sliding"]', "the layer kinds the run already has"),
+    ("gpt2-tiny", "torch:model.sliding_window=40", r"window of 40, at least train.seq_len \(32\)"),
+    ("qwen2-tiny", 'jax:model.rope_scaling={"rope_type": "linear", "factor": 1.0}', "a factor of 1 scales nothing"),
+    ("qwen2-tiny", 'jax:model.rope_scaling={"rope_type": "yarn", "factor": 1.0, '
+                   '"original_max_position_embeddings": 16}', "rotary frequencies it already has"),
+])
+def test_a_family_field_that_changes_nothing_is_refused_with_its_own_reason(name, item, match):
+  spec = preset(name)
+  with pytest.raises(SpecError, match=match):
+    plan_perturbations(spec, parse_perturb([item], SIDES, spec))
+
+
+@pytest.mark.parametrize("name,item", [("qwen2-tiny", 'jax:model.rope_scaling={"rope_type": "linear", "factor": 2.0}'),
+                                       ("mistral-tiny", "torch:model.sliding_window=4"),
+                                       ("gemma2-tiny", "jax:model.final_softcap=1.0"),
+                                       ("gpt2-tiny", "jax:model.sliding_window=8")])
+def test_a_family_field_that_changes_the_model_is_planned(name, item):
+  spec = preset(name)
+  plan = plan_perturbations(spec, parse_perturb([item], SIDES, spec))
+  side = item.split(":")[0]
+  assert trains(apply_overrides(spec, side_fields(spec, plan.perturb[side]))) != trains(spec)

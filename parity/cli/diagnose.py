@@ -26,7 +26,8 @@ def register(sub) -> None:
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
                  help="change one side on purpose, e.g. jax:model.norm_eps=1e-6 (default: none)")
   p.add_argument("--plant", action="append", default=[], metavar="SIDE:KIND",
-                 help="plant a bug in one side: no_causal_mask, transpose=<square weight>, decay_all (default: none)")
+                 help="plant a bug in one side: no_causal_mask, transpose=<square weight>, offset=<tensor> (0.05 added "
+                      "to it), decay_all (default: none)")
   p.add_argument("--out", help="output folder (default runs/<time>-diagnose-<hash>)")
   p.add_argument("--timeout", type=float, default=600.0, help="per-side wall-clock limit in seconds (default 600)")
   add_allow_large(p)

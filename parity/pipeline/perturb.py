@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-from parity.architecture import layer_rope
+from parity.architecture import attention_factor, inv_freq, layer_rope
 from parity.numerics import schedule
 from parity.numerics.ds_json import deepspeed_json, fp16_config
 from parity.protocol.layout import DEBUG_KEYS
@@ -98,15 +98,34 @@ def trains(spec: RunSpec) -> dict[str, Any]:
 def _model_numerics(spec: RunSpec) -> dict[str, Any]:
   """`trains`' model part: what the forward computes beyond the shared weights' shapes, per layer where it varies.
 
-  A sliding window at or beyond train.seq_len hides no key of a row, so its effective value is None there."""
-  m, t = spec.model, spec.train
-  rope = m.position == "rope"
-  kinds = m.layer_kinds
-  windows = tuple(m.sliding_window if k == "sliding" and m.sliding_window < t.seq_len else None for k in kinds)
+  A sliding window at or beyond train.seq_len hides no key of a row, so its effective value is None there; rotary
+  positions are compared by the frequencies and the cos/sin factor each layer computes (a scaling of factor 1 is
+  the plain rotary embedding)."""
+  m = spec.model
+  rope = [(tuple(inv_freq(m.head_dim, *layer_rope(m, i)).tolist()), attention_factor(layer_rope(m, i)[1]))
+          for i in range(m.n_layers)] if m.position == "rope" else None
   return {"norm_eps": m.norm_eps, "gelu": m.gelu_approximate if m.mlp in ("gelu", "geglu") else None,
-          "rope": [layer_rope(m, i) for i in range(m.n_layers)] if rope else None, "scale": m.scale,
-          "attn_softcap": m.attn_softcap, "final_softcap": m.final_softcap, "windows": windows,
+          "rope": rope, "scale": m.scale, "windows": _windows(spec),
+          "attn_softcap": m.attn_softcap, "final_softcap": m.final_softcap,
           "embed_scale": m.embed_scale, "norm_plus_one": m.norm_plus_one}
+
+
+def _windows(spec: RunSpec) -> tuple[int | None, ...]:
+  """Per layer the sliding window that hides keys of a train.seq_len row, or None (a full layer, or a window of at
+  least seq_len)."""
+  m, t = spec.model, spec.train
+  return tuple(m.sliding_window if k == "sliding" and m.sliding_window < t.seq_len else None for k in m.layer_kinds)
+
+
+def _window_reason(spec: RunSpec, key: str, value: Any) -> str:
+  """Why a sliding_window / layer_types perturbation leaves every layer's attention as it is (no_effect_reason)."""
+  m, t = spec.model, spec.train
+  new = apply_overrides(spec, {key: value}).model
+  if new.layer_kinds == m.layer_kinds and key == "model.layer_types":
+    return (f"it gives the layer kinds the run already has ({', '.join(m.layer_kinds)}; [] means every layer "
+            "'sliding' when model.sliding_window is set, else 'full')")
+  return (f"with it the {new.layer_kinds.count('sliding')} 'sliding' layer(s) of {m.n_layers} have a window of "
+          f"{new.sliding_window}, at least train.seq_len ({t.seq_len}): every key of a row stays visible, as without it")
 
 
 def side_fields(spec: RunSpec, kv: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,9 +171,10 @@ def no_effect_reason(spec: RunSpec, key: str, value: Any) -> str:
     return f"model.position is {m.position!r}: {key} is used only with rotary positions"
   if key in ("model.rope_theta", "model.rope_scaling") and "full" not in m.layer_kinds and m.rope_local_theta:
     return f"every layer is 'sliding' and uses model.rope_local_theta, never {key}"
+  if key == "model.rope_scaling":
+    return f"{key}={value!r} gives every layer the rotary frequencies it already has (a factor of 1 scales nothing)"
   if key in ("model.sliding_window", "model.layer_types"):
-    return (f"no 'sliding' layer has a window shorter than train.seq_len ({t.seq_len}): every key of a row is "
-            "inside it, so the attention is the full causal one")
+    return _window_reason(spec, key, value)
   return (f"it leaves what the side trains unchanged over the run's {t.steps} steps (the lr of every step, the "
           "optimizer, clipping, precision, loss scaling and model are identical with and without it)")
 
