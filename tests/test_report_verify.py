@@ -202,7 +202,7 @@ def test_minimal_forged_report_is_refused_cleanly(where, tmp_path, capsys):
   rd = tmp_path / "forged" if where == "empty folder" else _copy("fail", tmp_path)
   rd.mkdir(exist_ok=True)
   real = json.loads((_built("fail") / "report.json").read_text())
-  forged = {"schema": "parity.report/2", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
+  forged = {"schema": "parity.report/3", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
             "sides": {"jax": {"status": "ok", "summary": {}, "series": {"loss": [1.0], "val_loss": []}}}}
   if where == "real run folder":
     forged["artifacts"] = real["artifacts"]
