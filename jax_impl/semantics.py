@@ -124,7 +124,7 @@ def optimizer_probe(tx: Any, schedule: Any, params: Any, spec: Any, train: Any, 
   except ValueError:  # a chain without parity's clip (no recorded norm): not a rule this card knows
     norm = float("nan")
   rule = "global-l2" if abs(norm - g * np.sqrt(n_el)) <= 1e-3 * g * np.sqrt(n_el) else "other"
-  return {"decay_set": decayed, "weight_decay": sig(moved[decayed[0]]) if decayed else None,
+  return {"decay_set": decayed, "weight_decay": float(moved[decayed[0]]) if decayed else None,
           "eps_placement": placement, "bias_correction": bc, "clip_rule": rule, "probe_count": count,
           "probe_leaves": n_leaves}
 
@@ -136,8 +136,15 @@ def _loss_scale(state: Any) -> float:
   return float(found[0].scale) if found else 1.0
 
 
+def _host(x: Any) -> np.ndarray:
+  """A (replicated) array's value on this process: with several ranks a global array is not fully addressable."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return np.asarray(x)
+
+
 def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
-  """{'items', 'info'} of a built `jax_impl.step.Trainer` (parity.protocol.semantics.DIFFED)."""
+  """{'items', 'info'} of a built `jax_impl.step.Trainer` (parity.semantics.DIFFED)."""
   run = trainer.run
   spec, train, scan = run.model, run.train, run.jax.scan_layers
   leaves = jax.tree.leaves(trainer.state.params)
@@ -163,7 +170,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
       "optimizer.eps_placement": opt["eps_placement"], "optimizer.bias_correction": opt["bias_correction"],
       "clip.rule": opt["clip_rule"] if train.grad_clip > 0 else "none",
       "clip.max_norm": float(train.grad_clip) if train.grad_clip > 0 else None,
-      "lr.step0": sig(float(trainer.schedule(optim.step_count_of(trainer.state.opt_state))), 6),
+      "lr.step0": float(_host(trainer.schedule(_host(optim.step_count_of(trainer.state.opt_state))))),
       "dtypes.params": str(jnp.dtype(model_lib.compute_dtype(train.precision))), "dtypes.master": master,
       "dtypes.moments": str(nu[0].dtype) if nu else None, "dtypes.grads": master,
       "matmul.precision": {"highest": "highest", "float32": "highest", "high": "high", "tensorfloat32": "high",

@@ -140,7 +140,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     lr = schedule(optim.step_count_of(opt_state))
     old_ls = optim.loss_scale_state_of(opt_state)
     if streamed:  # one layer's params and moments on the device at a time (jax_impl.stream)
-      params, opt_state = stream_lib.streamed_update(run, placement, grads, opt_state, state.params)
+      params, opt_state = stream_lib.streamed_update(run, placement, grads, opt_state, state.params, plants)
     else:
       params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
       updates, opt_state = tx.update(grads, opt_state, params)

@@ -115,7 +115,7 @@ def make_card(side: str, run_id: str | None, items: Mapping[str, Any], info: Map
   """
   unknown = sorted(set(items) - set(DIFFED))
   if unknown:
-    raise ValueError(f"semantics card items {unknown} are not in parity.protocol.semantics.DIFFED")
+    raise ValueError(f"semantics card items {unknown} are not in parity.semantics.DIFFED")
   return {"schema": SEMANTICS_SCHEMA, "side": side, "run_id": run_id,
           "items": {k: items.get(k) for k in DIFFED}, "info": dict(info)}
 
@@ -123,12 +123,13 @@ def make_card(side: str, run_id: str | None, items: Mapping[str, Any], info: Map
 def _same(a: Any, b: Any) -> bool:
   if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
           and not isinstance(b, bool):
-    return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=0.0) or a == b
+    return math.isclose(float(a), float(b), rel_tol=1e-5, abs_tol=0.0) or a == b  # float32 vs float64 reads
   return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
-  """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order."""
+  """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order. Numbers
+  agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other); the rest as JSON."""
   ia, ib = a.get("items") or {}, b.get("items") or {}
   return [(k, ia.get(k), ib.get(k)) for k in DIFFED if not _same(ia.get(k), ib.get(k))]
 

@@ -33,7 +33,7 @@ def test_diff_names_each_item_and_both_values_and_ignores_info():
   c = _card("torch", **{"optimizer.decay_set": ["a", "b", "x.bias"]})
   assert "optimizer.decay_set jax=2 names (none the other lacks) torch=3 names (1 the other lacks: x.bias)" in card_lib.diff_text(
       "jax", "torch", card_lib.diff_cards(a, c))
-  with pytest.raises(ValueError, match="not in parity.protocol"):
+  with pytest.raises(ValueError, match="not in parity.semantics.DIFFED"):
     card_lib.make_card("jax", "r", {"mlp.gelu": "tanh"}, {})
 
 
@@ -241,3 +241,42 @@ def test_torch_decay_set_reads_the_optimizer_groups_and_the_plant():
   assert not any(n.endswith(".bias") for n in good["optimizer.decay_set"])
   assert "h.0.mlp.fc.bias" in planted["optimizer.decay_set"] and "ln_f.bias" in planted["optimizer.decay_set"]
   assert good["optimizer.eps_placement"] == "outside" and good["optimizer.bias_correction"] is True
+
+
+LLAMA = ['model.norm="rmsnorm"', 'model.mlp="swiglu"', 'model.position="rope"', "model.bias=false",
+         "model.norm_eps=1e-6", "model.n_kv_heads=2"]
+GRID = [(p, None, None, []) for p in ("gpt2-tiny", "gpt2-small-cpu", "gpt2-mini", "sft-tiny")] + [
+    ("gpt2-tiny", None, prec, over) for prec in ("bf16", "fp16") for over in ([], LLAMA)] + [
+    ("gpt2-tiny", None, None, LLAMA), ("gpt2-tiny", None, None, ['train.optimizer="adam"']),
+    ("gpt2-tiny", None, None, ['train.optimizer="sgd"'])] + [
+    ("gpt2-tiny", plan, None, []) for plan in ("zero0", "zero1", "zero2-offload", "zero3", "zero3-offload-all",
+                                               "scan-offload", "zero2-offload-scan", "act-offload")]
+
+
+@pytest.mark.slow
+@pytest.mark.process  # in one process, but deepspeed.initialize starts its op-build and compiler probes
+@pytest.mark.requires_jax
+@pytest.mark.requires_deepspeed
+@pytest.mark.parametrize("name, plan, precision, overrides", GRID,
+                         ids=[f"{n}-{pl or ''}-{pr or ''}-{len(o)}" for n, pl, pr, o in GRID])
+def test_no_false_alarm_on_the_presets_and_plans(name, plan, precision, overrides):
+  """Every side's card of a correct run agrees: the presets, bf16/fp16, a Llama-like model, each optimizer and the
+  plans that build in one process (zero3-fsdp4 needs 4 JAX devices: its worker sets them; the compare covers it)."""
+  import os
+  os.environ.setdefault("PARITY_ALLOW_CPU", "1")
+  from jax_impl.semantics import semantics_card as jcard
+  from jax_impl.step import Trainer
+  from parity import weights
+  from parity.pipeline.resolve import resolve_run
+  from torch_impl.baseline import TorchTrainer
+  from torch_impl.engine import DeepSpeedTrainer
+  from torch_impl.semantics import semantics_card as tcard
+  run = resolve_run(name, plan=plan, precision=precision, **({"overrides": overrides} if overrides else {}))
+  spec = run.spec
+  init = run.init_params if run.init_params is not None else weights.init_params(spec.model, spec.train.seed)
+  ref = jcard(Trainer.build(spec, init), frozenset())
+  others = {"torch": tcard(TorchTrainer(spec, init), "torch", frozenset())}
+  if spec.train.optimizer != "lamb":
+    others["deepspeed"] = tcard(DeepSpeedTrainer(spec, init, run.deepspeed_config), "deepspeed", frozenset())
+  for side, card in others.items():
+    assert card_lib.diff_cards(ref, card) == [], card_lib.diff_text("jax", side, card_lib.diff_cards(ref, card))

@@ -5,7 +5,7 @@ param groups (`decay_groups_of`).
   rotary.layout        `torch_impl.model._apply_rope` on the basis vector e_0 at a constant angle
   mlp.gelu_form        the built model's first block `MLP.act` at x = 1
   norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
-                       (parity.protocol.semantics.norm_probe)
+                       (parity.semantics.norm_probe)
   attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call), soft-caps
   loss.*               `torch_impl.model.micro_loss` (the loss every torch trainer computes) with a stand-in forward
                        whose logits pick input + k: the k it scores 0 is the label shift; logits 0 give the reduction
@@ -22,6 +22,7 @@ param groups (`decay_groups_of`).
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 from typing import Any
 
@@ -67,8 +68,17 @@ def rotary_layout(apply_rope: Any, head_dim: int) -> str:
 
 
 def norm_of(module: torch.nn.Module) -> dict[str, Any]:
-  """{form, eps, stats_dtype} of a norm module (a copy of it, weight 1 and bias 0, probed on known vectors)."""
-  probe = copy.deepcopy(module).float().cpu()
+  """{form, eps, stats_dtype} of a norm module (a copy of it, weight 1 and bias 0, probed on known vectors). A ZeRO-3
+  partitioned module (its params carry ds_shape) is rebuilt as its class with its own eps and full width instead:
+  a copy would carry DeepSpeed's partitioned params and hooks."""
+  full = [tuple(p.ds_shape) for p in module.parameters() if hasattr(p, "ds_shape")]
+  if not full:
+    probe = copy.deepcopy(module)
+  elif isinstance(module, torch.nn.LayerNorm):
+    probe = torch.nn.LayerNorm(full[0], eps=module.eps, bias=module.bias is not None)
+  else:
+    probe = type(module)(full[0][0], module.eps)
+  probe = probe.float().cpu()
   with torch.no_grad():
     for name, p in probe.named_parameters():
       p.fill_(0.0 if name == "bias" else 1.0)
@@ -127,8 +137,12 @@ def adam_form(optimizer: torch.optim.Optimizer, dtype: torch.dtype, eps: float) 
   p = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
   kw = {k: g0[k] for k in ("betas", "eps", "bias_correction", "amsgrad", "eps_inside_sqrt", "max_coeff", "min_coeff")
         if k in g0}
-  if hasattr(optimizer, "adam_w_mode"):
-    kw["adamw_mode"] = bool(optimizer.adam_w_mode)
+  takes = inspect.signature(type(optimizer).__init__).parameters
+  for name in ("adamw_mode", "adam_w_mode"):  # DeepSpeedCPUAdam's and FusedAdam's names of the same switch
+    if name in takes and hasattr(optimizer, "adam_w_mode"):
+      kw[name] = bool(optimizer.adam_w_mode)
+  if not any(p.kind == p.VAR_KEYWORD for p in takes.values()):
+    kw = {k: v for k, v in kw.items() if k in takes}
   try:
     probe = type(optimizer)([p], lr=1.0, weight_decay=0.0, **kw)
   except Exception as exc:  # an optimizer class that cannot be built again here: named, not guessed
@@ -162,7 +176,9 @@ def _engine_parts(trainer) -> dict[str, Any]:
   wrapper = engine.optimizer
   basic = getattr(wrapper, "optimizer", wrapper)
   bit16 = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "fp16_groups", None)
-  master = basic.param_groups[0]["params"][0].dtype
+  own = [p for g in basic.param_groups for p in g["params"]]  # ZeRO-3 keeps its fp32 partitions outside the groups
+  flat = getattr(wrapper, "fp32_partitioned_groups_flat", None) or []
+  master = own[0].dtype if own else flat[0].dtype
   clip = float(engine.gradient_clipping() or 0.0)
   return {"module": engine.module, "forward_module": engine.module, "optimizer": basic, "bit16": bit16,
           "master": master, "lr": float(wrapper.param_groups[0]["lr"]), "clip": clip,
@@ -206,7 +222,7 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
       "optimizer.eps_placement": adam["eps_placement"], "optimizer.bias_correction": adam["bias_correction"],
       "clip.rule": "global-l2" if parts["clip"] > 0 else "none",
       "clip.max_norm": parts["clip"] if parts["clip"] > 0 else None,
-      "lr.step0": sig(parts["lr"], 6),
+      "lr.step0": parts["lr"],
       "dtypes.params": _dtype(next(parts["forward_module"].parameters()).dtype),
       "dtypes.master": _dtype(parts["master"]),
       "dtypes.moments": adam["moments"], "dtypes.grads": _dtype(parts["master"]),

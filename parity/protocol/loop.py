@@ -89,7 +89,7 @@ class Side(Protocol):
 
   def semantics(self, io: SideIO) -> dict[str, Any] | None:
     """The semantics card of what this side's step runs, read from its built objects (called once after `build`
-    and `restore`, before step 1): {'items': {item: value} (parity.protocol.semantics.DIFFED), 'info': {...}}.
+    and `restore`, before step 1): {'items': {item: value} (parity.semantics.DIFFED), 'info': {...}}.
     Default None: no card (the run's 'semantics' check then leaves this side out)."""
     return None
 
