@@ -187,7 +187,7 @@ def test_jax_optimizer_probe_reads_eps_inside_and_no_bias_correction():
   got = js.optimizer_probe(no_bc, t.schedule, t.state.params, run.model, run.train, False)
   assert got["eps_placement"] == "outside" and got["bias_correction"] is False
   assert len(got["decay_set"]) == len(t.canonical_params())  # mask None: every tensor decayed
-  assert got["weight_decay"] == 0.1
+  assert got["weight_decay"] == pytest.approx(0.1, rel=1e-6)  # -delta / lr of a float32 update
 
 
 # ------------------------------------------------------------------ the torch sides' probes on wrong objects
@@ -280,3 +280,39 @@ def test_no_false_alarm_on_the_presets_and_plans(name, plan, precision, override
     others["deepspeed"] = tcard(DeepSpeedTrainer(spec, init, run.deepspeed_config), "deepspeed", frozenset())
   for side, card in others.items():
     assert card_lib.diff_cards(ref, card) == [], card_lib.diff_text("jax", side, card_lib.diff_cards(ref, card))
+
+
+@pytest.mark.requires_jax
+@pytest.mark.requires_torch
+@pytest.mark.parametrize("overrides, plants, item, value", [
+    ({"model.attn_scale": 0.2}, frozenset(), "attention.scale", 0.2),  # the scale the attention module multiplies by
+    ({"train.lr_schedule": "Constant"}, frozenset(), "lr.step0", 1e-3),  # the scheduler's first lr (no warmup)
+    ({"train.layout": "padded"}, frozenset({"labels_shifted_twice"}), "loss.label_shift", 2),
+    ({"train.optimizer": "sgd"}, frozenset(), "optimizer.eps_placement", None),
+])
+def test_both_sides_read_the_same_wrong_convention(overrides, plants, item, value):
+  from jax_impl.semantics import semantics_card as jcard
+  from jax_impl.step import Trainer
+  from parity import weights
+  from torch_impl.baseline import TorchTrainer
+  from torch_impl.semantics import semantics_card as tcard
+  run = apply_overrides(preset("gpt2-tiny"), overrides)
+  init = weights.init_params(run.model, run.train.seed)
+  for card in (jcard(Trainer.build(run, init, plants=plants), plants),
+               tcard(TorchTrainer(run, init, plants=plants), "torch", plants)):
+    got = card["items"][item]
+    assert got == value or (isinstance(value, float) and got == pytest.approx(value, rel=1e-6)), (item, got)
+
+
+@pytest.mark.requires_torch
+def test_torch_card_reads_dropout_and_the_forward_dtype_from_the_module():
+  import torch
+  from torch_impl.baseline import TorchTrainer
+  from torch_impl.semantics import semantics_card
+  from parity import weights
+  run = apply_overrides(preset("gpt2-tiny"), {"train.precision": "bf16"})
+  trainer = TorchTrainer(run, weights.init_params(run.model, run.train.seed))
+  assert semantics_card(trainer, "torch", frozenset())["items"]["dtypes.params"] == "bfloat16"
+  trainer.model.h[0].drop = torch.nn.Dropout(0.1)  # a module the spec does not know of
+  items = semantics_card(trainer, "torch", frozenset())["items"]
+  assert items["dropout"] == 0.1 and items["dtypes.master"] == "float32" and items["dtypes.moments"] == "float32"
