@@ -130,11 +130,13 @@ def decay_set(groups: list[dict], names: dict[int, str], bit16: list | None = No
   return sorted(out), wd
 
 
-def adam_form(optimizer: torch.optim.Optimizer, dtype: torch.dtype, eps: float) -> dict[str, Any]:
+def adam_form(optimizer: torch.optim.Optimizer, dtype: torch.dtype, eps: float,
+              device: torch.device | str = "cpu") -> dict[str, Any]:
   """{eps_placement, bias_correction, moments dtype} from a fresh optimizer of `optimizer`'s class and first group's
-  settings (lr 1, no decay), one step on a 1-element param of `dtype` with gradient eps."""
+  settings (lr 1, no decay), one step on a 1-element param of `dtype` on `device` (where the side's optimizer keeps
+  its params: FusedAdam steps CUDA tensors) with gradient eps."""
   g0 = optimizer.param_groups[0]
-  p = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+  p = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
   kw = {k: g0[k] for k in ("betas", "eps", "bias_correction", "amsgrad", "eps_inside_sqrt", "max_coeff", "min_coeff")
         if k in g0}
   takes = inspect.signature(type(optimizer).__init__).parameters
@@ -145,11 +147,11 @@ def adam_form(optimizer: torch.optim.Optimizer, dtype: torch.dtype, eps: float) 
     kw = {k: v for k, v in kw.items() if k in takes}
   try:
     probe = type(optimizer)([p], lr=1.0, weight_decay=0.0, **kw)
-  except Exception as exc:  # an optimizer class that cannot be built again here: named, not guessed
+    p.grad = torch.full((1,), eps, dtype=dtype, device=device)
+    probe.step()
+  except Exception as exc:  # an optimizer class that cannot be built or stepped again here: named, not guessed
     return {"eps_placement": None, "bias_correction": None, "moments": None,
             "note": f"{type(optimizer).__name__} not probed ({type(exc).__name__}: {exc})"}
-  p.grad = torch.full((1,), eps, dtype=dtype)
-  probe.step()
   u = -float(p.detach()[0])
   betas = g0.get("betas", (0.0, 0.0))
   placement, bc = classify_adam(u, eps, eps, float(betas[0]), float(betas[1]), 1)
@@ -178,10 +180,10 @@ def _engine_parts(trainer) -> dict[str, Any]:
   bit16 = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "fp16_groups", None)
   own = [p for g in basic.param_groups for p in g["params"]]  # ZeRO-3 keeps its fp32 partitions outside the groups
   flat = getattr(wrapper, "fp32_partitioned_groups_flat", None) or []
-  master = own[0].dtype if own else flat[0].dtype
+  master = (own or flat)[0]
   clip = float(engine.gradient_clipping() or 0.0)
   return {"module": engine.module, "forward_module": engine.module, "optimizer": basic, "bit16": bit16,
-          "master": master, "lr": float(wrapper.param_groups[0]["lr"]), "clip": clip,
+          "master": master.dtype, "device": master.device, "lr": float(wrapper.param_groups[0]["lr"]), "clip": clip,
           "optimizer_name": f"{type(wrapper).__name__}/{type(basic).__name__}"}
 
 
@@ -190,6 +192,7 @@ def _baseline_parts(trainer) -> dict[str, Any]:
   t = trainer.run.train
   return {"module": trainer.model, "forward_module": trainer.half_model or trainer.model,
           "optimizer": trainer.optimizer, "bit16": None, "master": trainer.params[0].dtype,
+          "device": trainer.params[0].device,
           "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(t.grad_clip),
           "optimizer_name": type(trainer.optimizer).__name__}
 
@@ -203,7 +206,7 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
   block = model.h[0]
   names = {id(p): n for n, p in model.named_parameters()}
   decayed, wd = decay_set(parts["optimizer"].param_groups, names, parts["bit16"])
-  adam = adam_form(parts["optimizer"], parts["master"], float(train.eps))
+  adam = adam_form(parts["optimizer"], parts["master"], float(train.eps), parts["device"])
   norm = norm_of(block.ln_1)
   dev = torch.device("cpu")
   loss = ((lambda f, x: micro_loss(f, x, dev)) if train.layout == "stream" else
