@@ -99,7 +99,18 @@ def _canonical_values(tree: Any, spec: Any, scan: bool) -> dict[str, float]:
 
 
 def optimizer_probe(tx: Any, schedule: Any, params: Any, spec: Any, train: Any, scan: bool) -> dict[str, Any]:
-  """Decay set, weight decay, eps placement, bias correction and clip rule of the optax chain `tx`."""
+  """Decay set, weight decay, eps placement, bias correction and clip rule of the optax chain `tx`, from two updates
+  of a tiny tree of `params`' structure at the first update count whose lr > 0.
+
+  Args:
+    tx, schedule: the Trainer's chain and its schedule (update count -> lr, float32).
+    params: the Flax params tree (float32; only its structure and leaf ranks are used); scan: stacked layers.
+    spec, train: the run's ModelSpec and TrainSpec (train.eps is the probe gradient; its betas are the hypotheses').
+  Returns:
+    {decay_set: sorted canonical names | None, weight_decay: float (-delta / lr of a decayed param 1) | None,
+    eps_placement, bias_correction (parity.numerics.adam.classify_adam), clip_rule: 'global-l2' | 'other' (the
+    chain's recorded norm against the tree's L2 norm), probe_count, probe_leaves}; every value None (and a 'note')
+    when the lr is 0 for the first 64 updates."""
   tiny = _tiny(params)
   count = next((k for k in range(64) if float(schedule(k)) > 0.0), None)
   if count is None:
@@ -177,7 +188,9 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
                            "bfloat16_3x": "high", "default": "medium", "bfloat16": "medium"}.get(
                                str(precision).lower(), f"default ({precision})"),
       "dropout": 0.0}
-  info = {"optimizer": "parity optax chain (clip_by_global_norm_deepspeed + DeepSpeed rule)",
+  states = jax.tree.leaves(trainer.state.opt_state, is_leaf=lambda x: hasattr(x, "_fields"))
+  info = {"optimizer": "optax chain of " + ", ".join(dict.fromkeys(type(x).__name__ for x in states
+                                                                   if hasattr(x, "_fields"))),
           "clip.max_norm_source": "train.grad_clip (held in the clip transform's closure)",
           "attention.scale_source": "the Attention module's spec.scale (its einsum factor)",
           "loss.label_shift_source": "step.example_loss_kwargs (stream: tokens[:, 1:])",
