@@ -135,7 +135,7 @@ def optimizer_probe(tx: Any, schedule: Any, params: Any, spec: Any, train: Any, 
   except ValueError:  # a chain without parity's clip (no recorded norm): not a rule this card knows
     norm = float("nan")
   rule = "global-l2" if abs(norm - g * np.sqrt(n_el)) <= 1e-3 * g * np.sqrt(n_el) else "other"
-  return {"decay_set": decayed, "weight_decay": float(moved[decayed[0]]) if decayed else None,
+  return {"decay_set": decayed, "weight_decay": sig(moved[decayed[0]], 6) if decayed else None,
           "eps_placement": placement, "bias_correction": bc, "clip_rule": rule, "probe_count": count,
           "probe_leaves": n_leaves}
 
@@ -181,7 +181,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
       "optimizer.eps_placement": opt["eps_placement"], "optimizer.bias_correction": opt["bias_correction"],
       "clip.rule": opt["clip_rule"] if train.grad_clip > 0 else "none",
       "clip.max_norm": float(train.grad_clip) if train.grad_clip > 0 else None,
-      "lr.step0": float(_host(trainer.schedule(_host(optim.step_count_of(trainer.state.opt_state))))),
+      "lr.step0": sig(float(_host(trainer.schedule(_host(optim.step_count_of(trainer.state.opt_state))))), 6),
       "dtypes.params": str(jnp.dtype(model_lib.compute_dtype(train.precision))), "dtypes.master": master,
       "dtypes.moments": str(nu[0].dtype) if nu else None, "dtypes.grads": master,
       "matmul.precision": {"highest": "highest", "float32": "highest", "high": "high", "tensorfloat32": "high",

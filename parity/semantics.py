@@ -129,7 +129,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
   """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order. Numbers
-  agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other); the rest as JSON."""
+  agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other, each rounded to 6
+  significant digits for the table: at most 5e-7 each); the rest as JSON."""
   ia, ib = a.get("items") or {}, b.get("items") or {}
   return [(k, ia.get(k), ib.get(k)) for k in DIFFED if not _same(ia.get(k), ib.get(k))]
 

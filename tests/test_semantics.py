@@ -187,7 +187,7 @@ def test_jax_optimizer_probe_reads_eps_inside_and_no_bias_correction():
   got = js.optimizer_probe(no_bc, t.schedule, t.state.params, run.model, run.train, False)
   assert got["eps_placement"] == "outside" and got["bias_correction"] is False
   assert len(got["decay_set"]) == len(t.canonical_params())  # mask None: every tensor decayed
-  assert got["weight_decay"] == pytest.approx(0.1, rel=1e-6)  # -delta / lr of a float32 update
+  assert got["weight_decay"] == 0.1  # -delta / lr of a float32 update, 6 significant digits
 
 
 # ------------------------------------------------------------------ the torch sides' probes on wrong objects
@@ -301,7 +301,7 @@ def test_both_sides_read_the_same_wrong_convention(overrides, plants, item, valu
   for card in (jcard(Trainer.build(run, init, plants=plants), plants),
                tcard(TorchTrainer(run, init, plants=plants), "torch", plants)):
     got = card["items"][item]
-    assert got == value or (isinstance(value, float) and got == pytest.approx(value, rel=1e-6)), (item, got)
+    assert got == value or (isinstance(value, float) and got == pytest.approx(value, rel=1e-5)), (item, got)
 
 
 @pytest.mark.requires_torch

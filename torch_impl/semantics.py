@@ -225,7 +225,7 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
       "optimizer.eps_placement": adam["eps_placement"], "optimizer.bias_correction": adam["bias_correction"],
       "clip.rule": "global-l2" if parts["clip"] > 0 else "none",
       "clip.max_norm": parts["clip"] if parts["clip"] > 0 else None,
-      "lr.step0": parts["lr"],
+      "lr.step0": sig(parts["lr"], 6),
       "dtypes.params": _dtype(next(parts["forward_module"].parameters()).dtype),
       "dtypes.master": _dtype(parts["master"]),
       "dtypes.moments": adam["moments"], "dtypes.grads": _dtype(parts["master"]),
