@@ -130,12 +130,14 @@ def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
   return _table([schedule_ref.train_lr(train, k) for k in range(n)])
 
 
-def decay_mask(spec: ModelSpec, scan_layers: bool = False) -> dict[str, Any]:
+def decay_mask(spec: ModelSpec, scan_layers: bool = False, plants: frozenset = frozenset()) -> dict[str, Any]:
   """Flax-layout pytree of bools: True where AdamW weight decay applies (`parity.weights.decays`).
 
-  With `scan_layers`, one bool per stacked block tensor (the same for every layer).
+  With `scan_layers`, one bool per stacked block tensor (the same for every layer). `plants`: with the planted bug
+  'decay_biases' (parity.protocol.layout.PLANT_KEYS) every '*.bias' is decayed too.
   """
-  values = {name: decays(name) for name in param_shapes(spec)}
+  values = {name: decays(name) or ("decay_biases" in plants and name.endswith(".bias"))
+            for name in param_shapes(spec)}
   return tree_from_canonical(values, n_layers=spec.n_layers if scan_layers else None)
 
 
@@ -285,7 +287,7 @@ def _table(values: list[float]) -> optax.Schedule:
 
 
 def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = False,
-                   stats: GlobalStats | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   stats: GlobalStats | None = None, plants: frozenset = frozenset()) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the DeepSpeed-equivalent optimizer for this model and training spec.
 
   Every transform but the clip and the fp16 overflow check is elementwise (Lamb: per tensor), so with `stats`
@@ -298,6 +300,7 @@ def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = Fal
     spec, train: the model and training specs (train.optimizer picks the rule, `optimizer_update`).
     scan_layers: the params use the layer-stacked layout (`model.stack_layers`).
     stats: whole-gradient norm and overflow (`global_stats`), used instead of the update input's own.
+    plants: this side's planted bugs (`decay_mask`: 'decay_biases').
 
   Returns:
     (tx, schedule): the optax chain (state: (ClipState, optimizer state)) and its learning-rate
@@ -309,7 +312,7 @@ def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = Fal
     raise ValueError("train.optimizer 'lamb' with jax.scan_layers: Lamb's trust ratio is per tensor and a "
                      "layer-stacked tensor holds every layer's; set jax.scan_layers=false")
   schedule = warmup_cosine_schedule(train)
-  full_mask = decay_mask(spec, scan_layers)
+  full_mask = decay_mask(spec, scan_layers, plants)
   b1_fn = b2 = None
   if schedule_ref.cycles_momentum(train):
     n = max(train.steps, train.warmup_steps, 2) + 2

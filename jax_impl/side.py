@@ -36,6 +36,11 @@ class JaxSide(Side):
                                  plants=io.plants)
     self.gathered = distributed.Gathered(self.trainer) if io.world > 1 else None
 
+  def semantics(self, io: SideIO) -> dict[str, Any]:
+    """The semantics card of the built Trainer (jax_impl.semantics: each item probed on its own objects)."""
+    from jax_impl.semantics import semantics_card  # after force_host_devices
+    return semantics_card(self.trainer, io.plants)
+
   def restore(self, folder: Path, meta: dict[str, Any]) -> None:
     from jax_impl import checkpoint  # after force_host_devices
     t = self.trainer

@@ -140,7 +140,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     lr = schedule(optim.step_count_of(opt_state))
     old_ls = optim.loss_scale_state_of(opt_state)
     if streamed:  # one layer's params and moments on the device at a time (jax_impl.stream)
-      params, opt_state = stream_lib.streamed_update(run, placement, grads, opt_state, state.params)
+      params, opt_state = stream_lib.streamed_update(run, placement, grads, opt_state, state.params, plants)
     else:
       params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
       updates, opt_state = tx.update(grads, opt_state, params)
@@ -296,6 +296,10 @@ class Trainer:
   lowered_text: str = ""
   compiled_text: str = ""
   memory_analysis: dict[str, int] = dataclasses.field(default_factory=dict)
+  tx: Any = None
+  """The optax chain the step applies (the semantics card probes it: jax_impl.semantics)."""
+  schedule: Any = None
+  """Its learning-rate schedule: update count -> lr."""
   _factors: dict[bool, jax.Array] = dataclasses.field(default_factory=dict, repr=False)
 
   @classmethod
@@ -310,7 +314,7 @@ class Trainer:
     placement = make_placement(run.jax, mesh)
     scan = run.jax.scan_layers
     canonical = weights.master_weights(canonical, run.train.precision)  # bf16/fp16: rounded, as DeepSpeed's
-    tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan)
+    tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan, plants=plants)
     state, shardings = init_state(placement, layout.to_flax(canonical, run.model, scan_layers=scan), tx)
     step = make_train_step(run, tx, schedule, placement, shardings, plants)
     metrics_shd = placement.replicated()
@@ -319,7 +323,8 @@ class Trainer:
                        out_shardings=(shardings, metrics_shd), donate_argnums=(0,))
     jit_eval = jax.jit(make_eval_loss(run, placement, shardings.params, plants),
                        in_shardings=(shardings.params, placement.batch_sharding()), out_shardings=metrics_shd)
-    return cls(run=run, placement=placement, state=state, shardings=shardings, jit_step=jit_step, jit_eval=jit_eval)
+    return cls(run=run, placement=placement, state=state, shardings=shardings, jit_step=jit_step, jit_eval=jit_eval,
+               tx=tx, schedule=schedule)
 
   @property
   def compile_s(self) -> float:

@@ -67,8 +67,8 @@ def scalars_to_device(placement: Placement, opt_state: Any, params: Any) -> Any:
                           lambda x: jax.device_put(x, jax.memory.Space.Device))
 
 
-def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: Any, params: Any
-                    ) -> tuple[Any, Any]:
+def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: Any, params: Any,
+                    plants: frozenset = frozenset()) -> tuple[Any, Any]:
   """One optimizer update, the layer subtree streamed through device memory one layer at a time.
 
   Args:
@@ -78,6 +78,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     opt_state: the `optim.make_optimizer` state: moments in their between-steps memory kind, scalars in
       device memory (`scalars_to_device`).
     params: the fp32 master params (scan layout), in their between-steps memory kind.
+    plants: this side's planted bugs (`optim.make_optimizer`: 'decay_biases'), as the Trainer's own chain has them.
   Returns:
     (new params, new opt_state) in the same layout; the `LAYERS` subtree of each group is in that
     group's between-steps memory space, the rest in device memory (the jit's out shardings place it).
@@ -92,7 +93,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   to_home = lambda tree, host: _move(tree, jax.memory.Space.Host) if host else tree
 
   stats = optim.global_stats(run.train, grads, opt_state)
-  tx, _ = optim.make_optimizer(run.model, run.train, scan_layers=True, stats=stats)
+  tx, _ = optim.make_optimizer(run.model, run.train, scan_layers=True, stats=stats, plants=plants)
 
   # The non-layer params (embeddings, final norm) and their moments: one sub-tree update on the device.
   rest_params = to_device(rest_of(params), params_host)

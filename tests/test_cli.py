@@ -473,7 +473,7 @@ def test_every_run_option_is_built_from_its_compare_flag(monkeypatch):
   argv = ["compare", "--out", "o", "--force", "--perturb", "jax:model.norm_eps=1e-3", "--timeout", "9",
           "--no-noise-envelope", "--determinism-steps", "3", "--resume-at", "1", "--no-progress", "--allow-cpu",
           "--baseline", "b", "--tracker", "tensorboard:t", "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
-          "--coordinator", "h:1", "--hostfile", "hf", "--equivalence", "ga,packing"]
+          "--coordinator", "h:1", "--hostfile", "hf", "--equivalence", "ga,packing", "--train-anyway-on-card-diff"]
   monkeypatch.setattr("sys.argv", ["parity", *argv])
   options = cli_compare.run_options(build_parser().parse_args(argv), started_s=5.0)
   default = RunOptions()

@@ -65,12 +65,14 @@ def test_planted_mismatch_fails_at_step_zero(tmp_path):
   out = tmp_path / "run"
   p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "3", "--sides", "jax,torch", "--determinism-steps", "0",
            "--out", str(out),
-           "--no-progress", "--perturb", "jax:model.norm_eps=1e-3")
+           "--no-progress", "--perturb", "jax:model.norm_eps=1e-3", "--train-anyway-on-card-diff")
   assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
-  first = rep["verdict"]["first_failure"]
-  assert first["metric"] == "loss" and first["step"] == 0 and first["sides"] == ["jax", "torch"]
-  assert "step 0" in rep["verdict"]["message"]
+  first = rep["verdict"]["first_failure"]  # the semantics card names the eps first; trained anyway, the loss too
+  assert first["metric"] == "semantics" and first["step"] == 0 and first["sides"] == ["jax", "torch"]
+  assert "norm.eps jax=0.001 torch=1e-05" in rep["verdict"]["message"]
+  loss = next(c for c in rep["checks"] if c["name"] == "loss jax~torch")
+  assert not loss["passed"] and loss["first_failing_step"] == 0
 
 
 @pytest.mark.process
@@ -230,8 +232,8 @@ def test_ctrl_c_kills_the_running_side_and_still_writes_a_report(tmp_path):
 def test_wrong_optimizer_settings_are_caught(tmp_path, perturb, metric):
   out = tmp_path / "run"
   p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "4", "--sides", "jax,torch", "--determinism-steps", "0",
-           "--out", str(out),
-           "--no-progress", "--perturb", perturb)
+           "--out", str(out),  # trained anyway: the per-step and params checks must catch these too, not only the card
+           "--no-progress", "--perturb", perturb, "--train-anyway-on-card-diff")
   assert p.returncode == 1, p.stdout[-2000:]
   rep = json.loads((out / "report.json").read_text())
   failed = {c["metric"] for c in rep["checks"] if not c["passed"]}
@@ -273,7 +275,7 @@ def test_bf16_verdict_uses_the_noise_envelope_and_catches_a_planted_bug(tmp_path
   out = tmp_path / "run"
   p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "30", "--set", 'train.precision="bf16"',
            "--perturb", "deepspeed:model.norm_eps=1e-3", "--determinism-steps", "0", "--out", str(out),
-           "--no-progress")
+           "--no-progress", "--train-anyway-on-card-diff")  # the envelope must catch it too, not only the card
   assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
   checks = {c["name"]: c for c in rep["checks"]}

@@ -262,7 +262,7 @@ def test_hf_config_json_binary_or_deep_is_refused(tmp_path):
 
 
 def _report(tmp_path, **drop):
-  d = {"schema": "parity.report/2", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
+  d = {"schema": "parity.report/3", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
        "sides": {"jax": {"status": "ok", "summary": {}, "series": {"loss": [1.0], "val_loss": []}}}}
   for k in drop:
     d.pop(k)

@@ -42,11 +42,13 @@ class FakeSide:
 
   Args:
     moments_fail_at: raise RuntimeError from the n-th canonical_moments call (0-based), to test the fallback.
+    card: the items of its semantics card (parity.semantics.DIFFED), or None for no card.
   Attributes (what the loop did, for the tests): calls (method names in order), probes (steps probed).
   """
 
-  def __init__(self, moments_fail_at: int | None = None):
+  def __init__(self, moments_fail_at: int | None = None, card: dict | None = None):
     self.moments_fail_at, self.moment_calls = moments_fail_at, 0
+    self.card = card
     self.calls: list[str] = []
     self.probes: list[int] = []
     self.in_training = False
@@ -69,6 +71,10 @@ class FakeSide:
 
   def op_build_s(self) -> float:
     return 0.0
+
+  def semantics(self, io) -> dict | None:
+    """The semantics card `card` (items), or None: no card (the default)."""
+    return None if self.card is None else {"items": dict(self.card), "info": {"side": "fake"}}
 
   def compile(self, batch_shape, val_shape, dtype, examples: bool = False) -> float:
     self.calls.append(f"compile {tuple(batch_shape)} {None if val_shape is None else tuple(val_shape)}"

@@ -202,7 +202,7 @@ def test_minimal_forged_report_is_refused_cleanly(where, tmp_path, capsys):
   rd = tmp_path / "forged" if where == "empty folder" else _copy("fail", tmp_path)
   rd.mkdir(exist_ok=True)
   real = json.loads((_built("fail") / "report.json").read_text())
-  forged = {"schema": "parity.report/2", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
+  forged = {"schema": "parity.report/3", "verdict": {"passed": True, "message": "PASS"}, "checks": [],
             "sides": {"jax": {"status": "ok", "summary": {}, "series": {"loss": [1.0], "val_loss": []}}}}
   if where == "real run folder":
     forged["artifacts"] = real["artifacts"]
@@ -219,7 +219,7 @@ def test_minimal_forged_report_is_refused_cleanly(where, tmp_path, capsys):
     (["noise/jax/summary.json", "noise/jax/steps.jsonl", "noise/jax/final.safetensors"],
      "noise/jax/summary.json is missing"),
     (["repeat/torch/summary.json", "repeat/torch/steps.jsonl"], "repeat/torch/summary.json is missing"),
-    (["resume/jax/steps.jsonl"], "checks[14] (jax resume): value stored 0.0, recomputed None; passed stored True"),
+    (["resume/jax/steps.jsonl"], "checks[15] (jax resume): value stored 0.0, recomputed None; passed stored True"),
 ])
 def test_missing_records_are_recomputed_not_trusted(gone, said, tmp_path):
   """Records removed together with their hashes (so re-hashing alone sees nothing): the recomputation finds what

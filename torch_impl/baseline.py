@@ -49,7 +49,8 @@ from parity.numerics import schedule
 from parity.numerics.loss_scale import LossScaler
 from parity.spec import RunSpec
 from torch_impl import memory
-from torch_impl.model import build_model, decay_groups, micro_loss, to_canonical
+from torch_impl.model import build_model, micro_loss, to_canonical
+from torch_impl.semantics import decay_groups_of
 from torch_impl.distributed import init_process_group
 
 __all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb"]
@@ -184,7 +185,7 @@ class TorchTrainer:
     self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     # bf16/fp16: the fp32 masters start rounded to the compute dtype, as DeepSpeed's do
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
-    self.optimizer = build_optimizer(decay_groups(self.model, t.weight_decay), t)
+    self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants), t)
     self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
     self.step_index = 0
     """Optimizer updates applied = the LR schedule position (skipped fp16 steps do not count)."""

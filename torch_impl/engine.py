@@ -43,7 +43,8 @@ from parity.weights import param_shapes
 from torch_impl import memory
 from torch_impl.distributed import setup_distributed
 from torch_impl.ds_config import MSG_FP16_STAGE0, ds_config, has_optimizer_section, per_rank_config
-from torch_impl.model import build_model, decay_groups, micro_loss
+from torch_impl.model import build_model, micro_loss
+from torch_impl.semantics import decay_groups_of
 from torch_impl.baseline import build_optimizer  # the one torch builder of the optimizer
 from parity.protocol.ranks import rank_env
 
@@ -189,7 +190,8 @@ def _enable_checkpointing(model, config: dict[str, Any]) -> None:
   model.checkpoint = deepspeed.checkpointing.checkpoint
 
 
-def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None):
+def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None,
+                 plants: frozenset = frozenset()):
   """Builds the DeepSpeed engine for a run, starting from canonical weights.
 
   Args:
@@ -197,6 +199,7 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
     params: canonical float32 initial weights.
     config: a user's DeepSpeed config to run verbatim (`parity compare --deepspeed-config`, "auto"
       already resolved); default `ds_config(run)`. Either way the engine is checked against `run`.
+    plants: this side's planted bugs (torch_impl.semantics.decay_groups_of: 'decay_biases').
   Returns:
     The `deepspeed.DeepSpeedEngine` (the module is on the engine's device).
   Raises:
@@ -218,7 +221,7 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   model = build_model(run.model, params)
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)
-  groups = decay_groups(model, run.train.weight_decay)
+  groups = decay_groups_of(model, run.train.weight_decay, plants)
   engine = initialize(model, groups, config, run.train)
   _check_engine(engine, run, client=not has_optimizer_section(config))
   return engine
@@ -396,7 +399,7 @@ class DeepSpeedTrainer:
     self.plants = plants
     """Planted data bugs (parity.protocol.layout.PLANT_KEYS) its steps and evals apply (`micro_loss`)."""
     self.config = per_rank_config(ds_config(run) if config is None else config, rank_env()[1])
-    self.engine = build_engine(run, params, self.config)
+    self.engine = build_engine(run, params, self.config, plants)
     self._snapshots: list[memory.StateBytes] = []
 
   @property

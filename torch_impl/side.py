@@ -17,6 +17,7 @@ from torch_impl import checkpoint, doctor, memory, ops
 from torch_impl.baseline import TorchTrainer
 from torch_impl.distributed import world_mean
 from torch_impl.engine import DeepSpeedTrainer
+from torch_impl.semantics import semantics_card
 
 __all__ = ["TorchSide"]
 
@@ -53,6 +54,10 @@ class TorchSide(Side):
     self.trainer = (DeepSpeedTrainer(io.run, params, io.request.get("deepspeed_config"), plants=io.plants)
                     if io.side == "deepspeed" else TorchTrainer(io.run, params, plants=io.plants))
     self.cuda = self.trainer.device.type == "cuda"
+
+  def semantics(self, io: SideIO) -> dict[str, Any]:
+    """The semantics card of the built trainer (torch_impl.semantics: each item probed on its own objects)."""
+    return semantics_card(self.trainer, io.side, io.plants)
 
   def restore(self, folder: Path, meta: dict[str, Any]) -> None:
     checkpoint.restore(self.trainer, folder, meta)

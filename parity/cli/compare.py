@@ -94,6 +94,10 @@ def _add_run_flags(p) -> None:
                  help="run even when CUDA is present but the JAX or torch side would run on the CPU (no CUDA "
                       "plugin / a CPU-only torch build; refused by default, exit 2, naming the package to "
                       "install; PARITY_ALLOW_CPU=1 does the same; default off)")
+  p.add_argument("--train-anyway-on-card-diff", action="store_true",
+                 help="train every side even when its semantics card (GELU form, norm, decay set, Adam eps, ...: "
+                      "parity.protocol.semantics) differs from an earlier side's; the report still FAILs the "
+                      "'semantics' check at step 0 (default: a side whose card differs stops before step 1)")
   p.add_argument("--baseline", metavar="RUN_DIR_OR_CARD",
                  help="regression gate: check this run against a finished run folder or its card.json, metric by "
                       "metric (docs/report-compare.md); exit 1 when one moved outside its gate, the table says "

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["moments_cover", "noise_scale", "moments_gap", "element_scores", "adam_step_sum", "AdamSensitivity"]
+__all__ = ["moments_cover", "noise_scale", "moments_gap", "element_scores", "adam_step_sum", "AdamSensitivity",
+           "adam_forms", "classify_adam"]
 
 
 def moments_cover(ma, mb, names) -> bool:
@@ -129,3 +130,30 @@ class AdamSensitivity:
     final grad_rms dict, whose shapes are used)."""
     return {n: self.total[n].astype(np.float32) if n in self.total else np.zeros_like(names[n], dtype=np.float32)
             for n in names}
+
+
+def adam_forms(g: float, eps: float, beta1: float, beta2: float, t: int) -> dict[tuple[str, bool], float]:
+  """The normalised first-update value u = -delta / lr of Adam from zero moments, for a gradient g at update t
+  (1-based), under each convention: {(eps placement 'outside' | 'inside', bias correction): u}.
+
+  m = (1 - b1) g, v = (1 - b2) g^2; with bias correction m / (1 - b1^t), v / (1 - b2^t); outside: m / (sqrt(v) +
+  eps), inside: m / sqrt(v + eps) (DeepSpeed's eps_inside_sqrt, Lamb)."""
+  m, v = (1 - beta1) * g, (1 - beta2) * g * g
+  out = {}
+  for bc in (True, False):
+    mh, vh = (m / (1 - beta1 ** t), v / (1 - beta2 ** t)) if bc else (m, v)
+    out[("outside", bc)] = mh / (np.sqrt(vh) + eps)
+    out[("inside", bc)] = mh / np.sqrt(vh + eps)
+  return out
+
+
+def classify_adam(u: float, g: float, eps: float, beta1: float, beta2: float, t: int
+                  ) -> tuple[str | None, bool | None]:
+  """(eps placement, bias correction) of an optimizer whose first update from zero moments at update t, gradient g
+  (g ~ eps separates the forms), moved a parameter by u * lr; (None, None) when no Adam form is within 1 %
+  (not an Adam: SGD, or a rule this does not know)."""
+  forms = adam_forms(g, eps, beta1, beta2, t)
+  (placement, bc), best = min(forms.items(), key=lambda kv: abs(kv[1] - u))
+  if not np.isfinite(u) or abs(best - u) > 1e-2 * abs(best):
+    return None, None
+  return placement, bc

@@ -8,6 +8,7 @@ from typing import Any
 from harness.runner import SideRun
 from parity import weights
 from parity.protocol.layout import FINAL_MOMENTS, read_moments, read_steps, read_summary
+from parity.protocol.semantics import SEMANTICS_FILE, read_card
 
 __all__ = ["side_outputs", "collect_sides", "interrupted_run"]
 
@@ -18,13 +19,15 @@ def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | No
 
   Returns:
     {side: {'status': str, 'steps': [StepRecord], 'final': {name: float32 array} | None,
-    'moments': parity.protocol.read_moments output | None}}: what parity.verdict.sides.compare_sides takes.
+    'moments': parity.protocol.read_moments output | None, 'semantics': the side's card of this run (run_dir/<side>/
+    semantics.json, parity.protocol.semantics.read_card) | None}}: what parity.verdict.sides.compare_sides takes.
   """
   data = {}
   for side, sr in side_runs.items():
     steps, final = side_outputs(run_dir / side, sr, run_id, expected_steps=expected_steps)
     data[side] = {"status": sr.status, "steps": steps, "final": final,
-                  "moments": read_moments(run_dir / side / FINAL_MOMENTS) if final else None}
+                  "moments": read_moments(run_dir / side / FINAL_MOMENTS) if final else None,
+                  "semantics": read_card(run_dir / side / SEMANTICS_FILE, run_id)}
   return data
 
 

@@ -72,6 +72,9 @@ class RunOptions:
       sequence; parity.pipeline.equivalence): each side trained again as GA 1 x micro batch k*m, on 1 rank (2 when
       the run has 1), or in the other example layout, and held against its main run, one check per kind and side
       (gating with loss_normalization 'tokens' in fp32, reported only otherwise). One that cannot apply is refused.
+    train_anyway_on_card_diff: a side whose semantics card (parity.protocol.semantics: the conventions its step runs)
+      differs from an earlier side's trains anyway (request.json 'train_anyway_on_card_diff'); the 'semantics'
+      check still FAILs at step 0. Default False: that side stops before step 1 (crashed, naming the items).
     trackers: 'KIND:TARGET' specs (tensorboard:DIR, wandb:PROJECT, mlflow:EXPERIMENT; one string: one tracker) to
       mirror each side's steps.jsonl to after the run (parity.report.trackers). Both are checked before any side
       starts.
@@ -97,6 +100,7 @@ class RunOptions:
   baseline: str | Path | None = None
   trackers: Sequence[str] = ()
   equivalence: str | Sequence[str] = ()
+  train_anyway_on_card_diff: bool = False
 
   def __post_init__(self):  # a lone string is one item, not a sequence of characters; lists become tuples (frozen)
     for name in ("perturb", "trackers"):
@@ -321,7 +325,8 @@ def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
   options (parity.protocol.ranks.write_launch; none for one rank) and run_dir/environment.json (harness.doctor's
   quick block). Returns the PreparedRun; its claim is released if a file after it cannot be written."""
   devices = backend.check_backends(run.spec.sides, options.allow_cpu)
-  folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command)
+  folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command,
+                           train_anyway_on_card_diff=options.train_anyway_on_card_diff)
   try:
     write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
                  node_rank=options.node_rank,

@@ -16,6 +16,7 @@ import numpy as np
 from parity import weights
 from parity.data import Corpus, batch_dtype, load_corpus, make_batches
 from parity.protocol.layout import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
+from parity.protocol.semantics import TRAIN_ANYWAY_KEY
 from parity.pipeline.claim import RUN_INPUTS, RunFolderError, RunIOError, claim_run_dir
 from parity.pipeline.perturb import PerturbPlan, plan_perturbations
 from parity.pipeline.examples_input import EXAMPLE_ARRAYS, write_example_inputs
@@ -145,7 +146,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
                     corpus: Corpus | None = None, init_params: Mapping[str, np.ndarray] | None = None,
                     deepspeed_config: Mapping[str, Any] | None = None, run_id: str | None = None,
                     deepspeed_source: str | Path | None = None, init_source: str | None = None,
-                    plan: PerturbPlan | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+                    plan: PerturbPlan | None = None, tokenizer: str | None = None,
+                    train_anyway_on_card_diff: bool = False) -> dict[str, Any]:
   """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json, each as a new file
   (with a DeepSpeed config also DS_GIVEN and DS_RESOLVED).
 
@@ -168,6 +170,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
       'perturbations' records what each requested change does, and 'deepspeed_config' the config the DeepSpeed
       side runs (the resolved one with its perturbations written in; DS_RESOLVED is the same, as a file).
     tokenizer: padded/packed text records: the folder of their tokenizer.json; default: init_source's.
+    train_anyway_on_card_diff: recorded as request.json 'train_anyway_on_card_diff': true (only when set): a side
+      whose semantics card differs from an earlier side's trains anyway (parity.protocol.semantics.gate).
   With train.layout padded or packed, the examples of `spec.data` are laid out instead of a corpus's windows and
   their arrays written beside batches.npy (parity.pipeline.examples_input); request.json 'examples' names them.
   Returns:
@@ -198,6 +202,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
              "deepspeed_config": plan.deepspeed_config, "deepspeed_files": ds_files}
   if examples is not None:
     request["examples"] = examples
+  if train_anyway_on_card_diff:
+    request[TRAIN_ANYWAY_KEY] = True
   write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
 
@@ -351,14 +357,14 @@ class PreparedRun:
 
 
 def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapping], *, force: bool = False,
-                    command: str | None = None) -> PreparedRun:
+                    command: str | None = None, train_anyway_on_card_diff: bool = False) -> PreparedRun:
   """Claims the run folder of a resolved run (parity.pipeline.resolve.ResolvedRun) and writes its inputs.
 
   Sizes that cannot fit are refused before any folder or array exists (parity.sizing.resources.check_resources); then the
   folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
   (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back. The
   perturbations are decided first (`parity.pipeline.perturb.plan_perturbations`): one that cannot reach its side is
-  refused before any folder exists.
+  refused before any folder exists. train_anyway_on_card_diff: recorded in request.json (`prepare_run_dir`).
   Raises:
     SpecError, DataError, RunFolderError, RunIOError: as those functions; nothing of this run is left behind.
   """
@@ -370,7 +376,8 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
   try:
     prep = prepare_run_dir(run.spec, folder, perturb=perturb, init_params=run.init_params, deepspeed_config=ds_cfg,
                            run_id=claim.run_id, deepspeed_source=run.deepspeed_source if ds_cfg else None,
-                           init_source=run.init_source, plan=plan, tokenizer=getattr(run, "tokenizer", None))
+                           init_source=run.init_source, plan=plan, tokenizer=getattr(run, "tokenizer", None),
+                           train_anyway_on_card_diff=train_anyway_on_card_diff)
     if run.port is not None:
       write_new(folder / "migration.json", run.port.report.to_json())
       write_new(folder / "migration.md", run.port.report.to_markdown())

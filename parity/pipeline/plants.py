@@ -13,6 +13,8 @@ The physics, per plant (right padding, one causal attention per row):
   labels_shifted_twice     input t scored against token t + 2: always a different objective.
   loss_on_prompt           every target inside its example carries the loss: changes the objective only when the
                            data has prompt targets without loss.
+  decay_biases             (an optimizer plant, any layout) every '*.bias' joins the decayed set: changes the update
+                           only when the model has biases and train.weight_decay > 0.
 A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
 cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
 both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
@@ -27,6 +29,7 @@ import numpy as np
 
 from parity.dataset.reference import in_example_targets, token_weights
 from parity.protocol.layout import PLANT_KEYS
+from parity.weights import param_shapes
 from parity.spec import RunSpec, SpecError
 
 __all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "check_plants",
@@ -36,6 +39,8 @@ __all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_rea
 def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | None:
   """Why plant `key` cannot change what a side of `spec` trains (its other `plants` considered), or None."""
   t, m = spec.train, spec.model
+  if key == "decay_biases":
+    return _decay_biases_reason(spec)
   if t.layout == "stream":
     return ("the planted data bugs act on the example arrays (segment ids, positions, loss mask) of "
             "train.layout=padded or packed; the stream layout has none")
@@ -50,6 +55,15 @@ def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | Non
           and not plants.get("attention_mask_dropped")):
     return ("model.position is 'rope': rotary positions enter q.k as differences, which a shift of a whole example "
             "leaves unchanged within its own (per-example) attention; it shows with learned positions (GPT-2)")
+  return None
+
+
+def _decay_biases_reason(spec: RunSpec) -> str | None:
+  """Why 'decay_biases' changes nothing: no parameter named '*.bias', or no weight decay."""
+  if not any(n.endswith(".bias") for n in param_shapes(spec.model)):
+    return "the model has no bias parameters (model.bias and the per-projection biases are off, no LayerNorm bias)"
+  if not spec.train.weight_decay > 0:
+    return f"train.weight_decay is {spec.train.weight_decay}: nothing is decayed"
   return None
 
 

@@ -39,7 +39,8 @@ import numpy as np
 
 from parity import weights
 
-__all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "STEP_LIST_KEYS",
+__all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "DATA_PLANT_KEYS",
+           "OPTIMIZER_PLANT_KEYS", "STEP_LIST_KEYS",
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
            "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
@@ -54,12 +55,18 @@ PLANTED_KILL = "[parity] planted kill"
 kill as planted, not as one from outside or the OOM killer."""
 PLANTED_HANG = "[parity] planted hang"
 """What a worker writes to stderr when the fault injection hang_at_step stops it, so a hang is named as planted."""
-PLANT_KEYS = ("attention_mask_dropped", "positions_not_restarted", "labels_shifted_twice", "loss_on_prompt")
+DATA_PLANT_KEYS = ("attention_mask_dropped", "positions_not_restarted", "labels_shifted_twice", "loss_on_prompt")
 """Planted data bugs of the padded/packed layouts (issue #20 item 6, docs/data-examples.md "Planted bugs"), each
 `true` or absent, applied by the side to its own inputs and model: attention_mask_dropped (the model gets no
 segment ids: causal attention over the whole row, across documents), positions_not_restarted (no positions: 0..T-1
 along the row), labels_shifted_twice (input t scored against token t + 2, with target t's weight), loss_on_prompt
 (every target inside its example carries the loss, prompt tokens included)."""
+OPTIMIZER_PLANT_KEYS = ("decay_biases",)
+"""Planted optimizer bugs (issue #21 item 4), `true` or absent, applied by the side to its own optimizer: decay_biases
+(every '*.bias' parameter joins the weight-decayed set: torch_impl.semantics.decay_groups_of, jax_impl.optim.
+decay_mask). Any layout; the semantics card names it at step 0."""
+PLANT_KEYS = DATA_PLANT_KEYS + OPTIMIZER_PLANT_KEYS
+"""Every planted bug a side applies to itself (data and optimizer)."""
 DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps",
               "fault_rank") + PLANT_KEYS
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.

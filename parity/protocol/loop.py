@@ -6,7 +6,9 @@ tests/test_loop.py's `FakeSide` is a numpy one). The loop owns everything the wo
 
   run control      `io.control()` (refusals end as 'crashed'), then the multi-rank checkpoint refusal
                    (`check_checkpoint_ranks`), then the batch files' shapes (`io.training_batches()`)
-  build            `side.build(io)`, `side.restore(...)` when resuming, `side.op_build_s()` taken off init_s,
+  build            `side.build(io)`, `side.restore(...)` when resuming, the semantics card (`side.semantics(io)`,
+                   written and diffed against the earlier sides' before step 1: parity.protocol.semantics.gate),
+                   `side.op_build_s()` taken off init_s,
                    `io.ready()`, `side.compile(...)` (its seconds are summary.json's compile_s)
   each step        inside `side.training()`: `io.before_step` (fault injection; `side.poison` for nan_at_step),
                    the timed part between two `side.synchronize()` calls: this rank's batch (`side.rank_batch`)
@@ -32,6 +34,8 @@ import numpy as np
 from parity.protocol.control import RunControl
 from parity.protocol.ranks import multirank_checkpoint_refusal, rank_rows
 from parity.protocol.side import ExampleArrays, SideIO
+from parity import semantics as semantics_card
+from parity.protocol.semantics import gate as card_gate
 from parity.numerics.adam import AdamSensitivity
 
 __all__ = ["Side", "SideSummary", "run_train", "check_checkpoint_ranks", "EXIT_OK", "EXIT_CRASHED", "EXIT_NAN",
@@ -82,6 +86,12 @@ class Side(Protocol):
     """Builds the model and optimizer from `io.run` (the resolved RunSpec), `io.init_params()` (canonical float32
     initial weights), `io.rank` / `io.world` (this process's rank and the side's world size) and `io.request`;
     keeps `io` as `self.io`."""
+
+  def semantics(self, io: SideIO) -> dict[str, Any] | None:
+    """The semantics card of what this side's step runs, read from its built objects (called once after `build`
+    and `restore`, before step 1): {'items': {item: value} (parity.semantics.DIFFED), 'info': {...}}.
+    Default None: no card (the run's 'semantics' check then leaves this side out)."""
+    return None
 
   def restore(self, folder: Path, meta: dict[str, Any]) -> None:
     """Restores the whole training state from a checkpoint this side saved (`save`); meta is its meta.json
@@ -198,6 +208,7 @@ def run_train(io: SideIO, side: Side) -> int:
   side.build(io)
   if control.resume_dir is not None:
     side.restore(control.resume_dir, control.resume_meta or {})
+  _card(io, side)
   io.launch_time += side.op_build_s()  # op builds are not initialisation: off init_s (the side's summary has them)
   io.ready()
   arrays = val_arrays = None  # the stream layout: no arrays, the step and eval called as always
@@ -223,6 +234,17 @@ def run_train(io: SideIO, side: Side) -> int:
             device=fields.device, peak_device_bytes=fields.peak_device_bytes,
             state_bytes_by_memory_kind=fields.state_bytes_by_memory_kind, extra=extra)
   return EXIT_OK if status == "ok" else EXIT_NAN
+
+
+def _card(io: SideIO, side: Side) -> None:
+  """The side's semantics card, written and gated before step 1 (parity.protocol.semantics.gate: raises
+  CardDiffers, which ends the side as 'crashed', when it differs from an earlier side's and the run does not train
+  anyway)."""
+  made = side.semantics(io)
+  if made is None:
+    return
+  card = semantics_card.make_card(io.side, io.request.get("run_id"), made.get("items") or {}, made.get("info") or {})
+  card_gate(io.run_dir, io.side, list(io.run.sides), io.request, card, write=io.rank == 0)
 
 
 def _steps(io: SideIO, side: Side, control: RunControl, train: tuple, held_out: tuple,

@@ -2,7 +2,7 @@
 re-verified. Holding runs against each other (the comparison page, the regression gate) is parity.history, which
 stands on this package; nothing here imports it.
 
-report.json, schema 'parity.report/2' (units in key names):
+report.json, schema 'parity.report/3' (units in key names):
   schema, created_utc, run_dir, preset, config_hash
   checkpoint     {path, architecture} of the Hugging Face checkpoint (`--hf-model`) the model and initial weights
                  came from | null (seeded weights); parity.report.headline.model_label names the run by it
@@ -23,6 +23,8 @@ report.json, schema 'parity.report/2' (units in key names):
   timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, self_runs_s (the same for
                   the noise/determinism/resume reruns), overhead_ratio = wall_s / (sum(sides_s) + self_runs_s)}
   plan           {name, chosen_by, why} when --plan was given, else null
+  semantics      {cards: {side: <the side's semantics.json> | null}, rows: [{item, values: {side: value}, agree}]}:
+                 the semantics cards behind the 'semantics' checks (parity.report.build.semantics_section)
   memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}: every
                  side in the same categories (parity.sizing.memory.CATEGORIES); measured None where a side cannot
                  measure a category (activations; the JAX gradients, which live inside the jitted step)

@@ -16,7 +16,9 @@ from typing import Any
 from parity.environment import cpu_model
 from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
-from parity.protocol.layout import DEBUG_KEYS, PLANT_KEYS
+from parity.protocol.layout import DEBUG_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.semantics import SEMANTICS_FILE, read_card
+from parity.semantics import DIFFED, diff_cards
 from parity.sizing.measured import predicted_vs_measured
 from parity.overrides import apply_overrides
 from parity.spec import RunSpec, config_hash, from_dict, to_dict
@@ -27,18 +29,20 @@ from parity.verdict.tolerances import TOLERANCES
 __all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "EXAMPLE_ARTIFACTS", "SIDE_ARTIFACTS",
            "RERUN_ARTIFACTS",
            "artifact_paths", "artifact_hashes", "file_digest", "series_json", "verdict_json", "params_table_json",
-           "run_inputs", "perturbations_ran", "ran_value"]
+           "run_inputs", "perturbations_ran", "ran_value", "semantics_section"]
 
-REPORT_SCHEMA = "parity.report/2"
-"""/2 (2026-12-02): the rerun folders, the example arrays and what is rendered beside the checks are verified;
-a /1 report is refused naming the version (parity.report.read.load_report), not re-verified as changed."""
+REPORT_SCHEMA = "parity.report/3"
+"""/3 (2026-12-02): report.json 'semantics' (each side's semantics card and the item table, `semantics_section`), the
+cards hashed as side artifacts and re-verified; /2: the rerun folders, the example arrays and what is rendered beside
+the checks are verified. An older report is refused naming the version (parity.report.read.load_report), not
+re-verified as changed."""
 EXAMPLE_ARTIFACTS = ("loss_mask.npy", "segment_ids.npy", "positions.npy", "val_loss_mask.npy", "val_segment_ids.npy",
                      "val_positions.npy")
 """The example arrays of a padded/packed run (parity.pipeline.examples_input): inputs the sides read as they read
 batches.npy."""
 RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy", *EXAMPLE_ARTIFACTS,
                  "deepspeed_config.given.json", "deepspeed_config.resolved.json")  # the last two: --deepspeed-config
-SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors")
+SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors", SEMANTICS_FILE)
 RERUN_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors")
 """The files a verdict rests on (the inputs both sides read, each side's outputs the checks read, and the outputs of
 the noise/determinism/resume reruns their checks read, in noise/, repeat/ and resume/<side>/); report.json records their sha256 and
@@ -204,6 +208,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "equivalence": reruns.get("equivalence") or {},
       "memory": None,
       "run_folder": run_folder,
+      "semantics": semantics_section(run_dir, list(sides), (run_folder or {}).get("run_id")),
       "artifacts": artifact_hashes(run_dir, list(sides)),
       **run_inputs(run_dir),
   }
@@ -217,6 +222,22 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
 MEMORY_NOTE = ("predicted by parity.sizing.memory (parity estimate); measured from the live state arrays / engine "
                "tensors of each side")
 """report.json memory.note: where the predicted and the measured figures come from."""
+
+
+def semantics_section(run_dir: Path, sides: list[str], run_id: str | None) -> dict[str, Any]:
+  """report.json 'semantics': {'cards': {side: its card of this run (run_dir/<side>/semantics.json,
+  parity.protocol.semantics.read_card) or None}, 'rows': [{item, values {side: value}, agree}] for every
+  parity.semantics.DIFFED item over the sides with a card (agree: all equal as parity.semantics.diff_cards holds
+  them)}. What the 'semantics' checks rest on; report.md/.html render it and card.json carries it."""
+  cards = {s: read_card(Path(run_dir) / s / SEMANTICS_FILE, run_id) for s in sides}
+  have = {s: c for s, c in cards.items() if c is not None}
+  rows = []
+  for item in DIFFED:
+    values = {s: (c.get("items") or {}).get(item) for s, c in have.items()}
+    first = next(iter(have.values()), None)
+    agree = all(not any(k == item for k, _, _ in diff_cards(first, c)) for c in have.values()) if first else True
+    rows.append({"item": item, "values": values, "agree": agree})
+  return {"cards": cards, "rows": rows}
 
 
 def _timing(wall_s: float, prepare_s: float, sides_s: dict[str, float], reruns_s: float) -> dict[str, Any]:
@@ -440,6 +461,7 @@ def _injections(request: dict[str, Any], sides: dict) -> list[dict[str, Any]]:
       ran = {n: _recorded_injection(s, key) for n, s in sides.items()}
       done = (sides.get(side) or {}).get("status") == "ok" or (ran.get(side) or {}).get("value") is not None
       out.append({"side": side, "key": key, "value": kv[key], "applies": None, "deepspeed_config": None,
-                  "note": "a planted data bug" if key in PLANT_KEYS else "a fault injection", "ran": ran,
+                  "note": ("a planted optimizer bug" if key in OPTIMIZER_PLANT_KEYS else "a planted data bug"
+                           if key in PLANT_KEYS else "a fault injection"), "ran": ran,
                   "applied": _same(kv[key], ran[side]["value"]) if done and side in ran else None})
   return out

@@ -7,6 +7,7 @@ from typing import Any
 from parity.protocol.layout import step_time_median
 from parity.report import cells, headline, side_table
 from parity.report.read import peak_load
+from parity.report.semantics_view import semantics_card_block
 from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
 
 __all__ = ["CARD_SCHEMA", "make_card", "card_inputs", "LOSS_POINTS"]
@@ -33,6 +34,8 @@ CARD_SCHEMA = "parity.card/1"
                final_loss {side: nats}, loss_at_steps {side: {step: nats}} (a few steps spread over the run, so a
                card baseline catches a changed lr or schedule), load {side: highest 1-minute load around it},
                final_params_digest {side: parity.report.runconfig.tensor_digest of final.safetensors}}
+  semantics  {agree, differences [{item, values {side: value}}], items {side: {item: value}}} (the sides'
+             semantics cards, parity.report.semantics_view; null when no side wrote one)
   determinism {side: steps}: the sides whose determinism rerun was bit-identical, and over how many steps (the gate
               holds a rerun on the same machine, versions and configuration bit for bit against such a side)
   machine    {host, cpu_model, cpu_count, machine, platform}: where the run was written (the gate's step-time rule)
@@ -112,6 +115,7 @@ def make_card(d: dict, run_dir=None) -> dict[str, Any]:
           "loss_at_steps": {n: _loss_points(s)[1] for n, s in sides.items()},
           "load": {n: peak_load(s.get("load")) for n, s in sides.items()},
           "final_params_digest": final_digests(d, run_dir)},
+      "semantics": semantics_card_block(d),
       "determinism": proven_deterministic(d), "threads": thread_settings(d),
       "machine": {k: env.get(src) for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"),
                                                   ("cpu_count", "cpu_count"), ("machine", "machine"),

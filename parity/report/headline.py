@@ -182,6 +182,9 @@ def verdict_parts(d: dict) -> tuple[str, str, str]:
   elif ff and ff.get("metric") == "updates":  # nothing exceeded a tolerance: there was nothing to compare
     c = next((c for c in checks if c["name"] == ff["check"]), {})
     parts.append(f"{pair_label(ff['sides'])}: {c.get('detail') or 'no step with lr > 0 was compared'}")
+  elif ff and ff.get("metric") == "semantics":  # the cards differ: name the items and both values, at step 0
+    c = next((c for c in checks if c["name"] == ff["check"]), {})
+    parts.append(f"{pair_label(ff['sides'])} differ before step 1, {c.get('detail') or 'semantics cards differ'}")
   elif ff and ff.get("metric") != "completed" and ff.get("value") is None:  # nothing was measured: say why, not
     # "exceeds its tolerance" (breaker, 2026-12-02: an equivalence rerun killed by SIGKILL read "... over the run n/a")
     c = next((c for c in checks if c["name"] == ff["check"]), {})

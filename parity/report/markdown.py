@@ -10,6 +10,7 @@ import re
 import statistics
 from typing import Sequence
 
+from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, semantics_rows
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
 
@@ -192,6 +193,9 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
         md_text(f"{e['file']}: {e['error']}") for e in errors), ""]
   out += ["Also: `report.html` (one page, plots inline), `report.json`, `card.json`, `metrics.jsonl`.", ""]
   out += _checks_markdown(d)
+  if semantics_rows(d):
+    out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(d),
+                                                                                semantics_rows(d))
   out += ["", "## Curves", ""]
   for key in ("loss", "delta", "grad_norm", "lr", "loss_scale"):
     if key in plots:

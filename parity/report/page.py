@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, semantics_rows
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report import html as H
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
@@ -209,6 +210,12 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
   body.append(H.section("Checks: one row per metric, its worst pair", _metrics_html(d)
                         + "<p class=\"note\">Every check of every pair: <a href=\"#all-checks\">all checks</a>.</p>",
                         anchor="checks"))
+  if semantics_rows(d):
+    rows = semantics_rows(d)
+    body.append(H.section("Semantics card", f"<p class=\"note\">{H.esc(SEMANTICS_INTRO)}</p>"
+                          + H.table(semantics_headers(d), rows,
+                                    row_classes=[None if r[-1] == "yes" else "fail" for r in rows]),
+                          anchor="semantics"))
   body.append(H.section("Curves", "".join(fig(k) for k in ("loss", "delta", "grad_norm", "lr", "loss_scale")),
                         anchor="curves"))
   body.append(H.section("Sides", _sides_html(d), anchor="sides"))

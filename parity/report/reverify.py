@@ -3,6 +3,7 @@
 
 What is read (nothing is run):
   request.json, init.safetensors          the spec the sides ran and the initial weights
+  <side>/semantics.json                   each side's semantics card (the 'semantics' checks and the card table)
   <side>/summary.json, steps.jsonl,       each side's status, records, final params and moments
     final.safetensors, final_moments.safetensors   (parity.pipeline.collect.side_outputs: a side whose files are not
                                           whole is downgraded exactly as `parity compare` did)
@@ -30,7 +31,8 @@ from parity.pipeline.equivalence import equivalence_from_folders
 from parity.pipeline.reruns import (RerunContext, determinism_outcome, determinism_section, envelope_result,
                                     resume_outcome, resume_section)
 from parity.protocol.layout import FINAL_MOMENTS, read_moments, read_steps, read_summary
-from parity.report.build import params_table_json, perturbations_ran, series_json, verdict_json
+from parity.protocol.semantics import SEMANTICS_FILE, read_card
+from parity.report.build import params_table_json, perturbations_ran, semantics_section, series_json, verdict_json
 from parity.sizing.measured import predicted_vs_measured
 from parity.report.runconfig import run_as_compared
 from parity.spec import RunSpec, SpecError, config_hash, to_dict
@@ -63,7 +65,8 @@ class Recomputed:
   tolerances: dict
   rendered: dict[str, Any]
   """report.json key -> its recomputed value, for what is rendered beside the checks: 'data' (the data card),
-  'summaries' ({side: summary}), 'perturbations', 'memory' (its predicted_vs_measured rows)."""
+  'summaries' ({side: summary}), 'perturbations', 'memory' (its predicted_vs_measured rows), 'semantics' (the cards
+  and their table)."""
 
 
 def check_from_json(d: dict):
@@ -124,7 +127,8 @@ def _collect(rd: Path, d: dict, spec, run_id: str | None) -> tuple[dict, dict]:
     sr = _side_run(rd / side, side, d["sides"][side])
     steps, final = side_outputs(rd / side, sr, run_id, expected_steps=spec.train.steps)
     data[side] = {"status": sr.status, "steps": steps, "final": final,
-                  "moments": read_moments(rd / side / FINAL_MOMENTS) if final else None}
+                  "moments": read_moments(rd / side / FINAL_MOMENTS) if final else None,
+                  "semantics": read_card(rd / side / SEMANTICS_FILE, run_id)}
     runs[side] = sr
   return data, runs
 
@@ -260,23 +264,25 @@ def recompute(report) -> Recomputed:
   series = {s: _json(series_json(x["steps"])) for s, x in data.items()}
   return Recomputed(checks=_json([c.to_json() for c in every]), params_table=_json(params_table_json(table)), verdict=_json(v),
                     statuses={s: sr.status for s, sr in runs.items()},
-                    series=series, rendered=_rendered(rd, request, d, runs, series),
+                    series=series, rendered=_rendered(rd, request, d, runs, series, run_id),
                     sections={"noise_envelope": _json(noise_sec), "determinism": _json(dsec), "resume": _json(rsec),
                               "equivalence": _json(eq_sec)},
                     tolerances={spec.train.precision: {m: {"atol": t.atol, "rtol": t.rtol} for m, t in
                                                        TOLERANCES[spec.train.precision].items()}})
 
 
-def _rendered(rd: Path, request: dict, d: dict, runs: dict, series: dict) -> dict[str, Any]:
+def _rendered(rd: Path, request: dict, d: dict, runs: dict, series: dict, run_id: str | None = None
+              ) -> dict[str, Any]:
   """Recomputation.rendered: the data card from request.json (`request`, as _spec read it), the summaries from the
-  sides' summary.json (a side without one keeps what report.json stores: _side_run), and the perturbations and memory
-  tables over them."""
+  sides' summary.json (a side without one keeps what report.json stores: _side_run), the perturbations and memory
+  tables over them, and the semantics cards and table from the sides' semantics.json (build.semantics_section)."""
   card = request.get("data")
   sides = {s: {**(d["sides"].get(s) or {}), "summary": _json(sr.summary), "series": series[s]}
            for s, sr in runs.items()}
   memory = predicted_vs_measured({**d, "sides": sides})
   return {"data": _json(card), "summaries": {s: x["summary"] for s, x in sides.items()},
-          "perturbations": _json(perturbations_ran(rd, sides)), "memory": _json(memory)}
+          "perturbations": _json(perturbations_ran(rd, sides)), "memory": _json(memory),
+          "semantics": _json(semantics_section(rd, list(runs), run_id))}
 
 
 def _rendered_lines(d: dict, rec: Recomputed) -> list[str]:
@@ -292,6 +298,8 @@ def _rendered_lines(d: dict, rec: Recomputed) -> list[str]:
     out.append("its perturbations table is not what request.json and the sides' summaries give")
   if not _same((d.get("memory") or {}).get("predicted_vs_measured"), r["memory"]):
     out.append("its memory table is not what the sides' summaries give")
+  if not _same(d.get("semantics"), r["semantics"]):
+    out.append("its semantics cards ('semantics') are not the sides' semantics.json")
   return out
 
 

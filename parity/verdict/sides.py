@@ -11,11 +11,15 @@ import numpy as np
 from parity.verdict.check import Check
 from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_checks
+from parity.semantics import DIFFED, diff_cards, diff_text
 from parity.verdict.steps import FP16_SERIES, SERIES_METRICS, completion_check, series_check, updates_check
 
-__all__ = ["compare_sides", "Verdict", "verdict", "METRIC_ORDER"]
+__all__ = ["compare_sides", "Verdict", "verdict", "METRIC_ORDER", "semantics_check", "SEMANTICS_REASON"]
 
-METRIC_ORDER = {m: i for i, m in enumerate(("completed", "updates", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
+SEMANTICS_REASON = ("the semantics cards (parity.protocol.semantics: what each side's step runs, read from its own "
+                    "objects before step 1) must agree item for item; any difference changes the math")
+
+METRIC_ORDER = {m: i for i, m in enumerate(("semantics", "completed", "updates", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
                                             "grad_norm_envelope", "val_loss_envelope", "params", "params_envelope",
                                             "params_zero_grad", "noise_rerun", "resume", "determinism"))}
 """Which of two checks failing at the same step is named first in the verdict (earlier here: named first)."""
@@ -26,7 +30,9 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
 
   Args:
     sides: side -> {'status': str, 'steps': list of StepRecord dicts, 'final': params dict or None, and
-      optionally 'moments': parity.protocol.read_moments output or None}.
+      optionally 'moments': parity.protocol.read_moments output or None, 'semantics': the side's semantics card
+      (parity.protocol.semantics.read_card) or None: a pair with both cards gets a 'semantics' check, after its
+      other checks}.
       Insertion order decides the reference of each pair (the earlier side).
     spec: the RunSpec.
     init: canonical initial params.
@@ -54,7 +60,20 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
                             adam_updates=spec.train.optimizer in ("adam", "adamw"))
       checks.extend(pc)
       table.extend(pt)
+    if a.get("semantics") is not None and b.get("semantics") is not None:  # last of the pair: the earlier checks
+      # keep their places; the verdict names it first anyway (step 0, METRIC_ORDER)
+      checks.append(semantics_check(na, a["semantics"], nb, b["semantics"]))
   return checks, table
+
+
+def semantics_check(na: str, card_a: dict, nb: str, card_b: dict) -> Check:
+  """The 'semantics' check of two sides' cards: FAILs at step 0 when any DIFFED item differs, its detail naming each
+  item and both values ('semantics: mlp.gelu_form jax=tanh deepspeed=erf'); value: the number of items differing."""
+  diffs = diff_cards(card_a, card_b)
+  detail = diff_text(na, nb, diffs) if diffs else f"semantics cards agree ({len(DIFFED)} items)"
+  return Check(name=f"semantics {na}~{nb}", metric="semantics", sides=(na, nb), value=float(len(diffs)),
+               tolerance=0.0, passed=not diffs, first_failing_step=0 if diffs else None,
+               worst=diffs[0][0] if diffs else None, detail=detail, reason=SEMANTICS_REASON)
 
 
 @dataclasses.dataclass

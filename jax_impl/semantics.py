@@ -1,0 +1,201 @@
+"""The JAX side's semantics card (parity.protocol.semantics): each item probed on the objects its step runs, after
+`Trainer.build` and before step 1 (`jax_impl.side.JaxSide.semantics`).
+
+  rotary.layout        `layers.apply_rope` on the basis vector e_0 with a constant angle: the rotated mass lands
+                       on index H/2 (half-split, HF rotate_half) or 1 (interleaved)
+  mlp.gelu_form        `layers.mlp_activation(spec)` at x = 1 (tanh 0.841192, erf 0.841345, silu 0.731059)
+  norm.*               a `layers.Norm` of the run's spec (scale 1, bias 0) on known vectors: the form from
+                       (1, 3, 1, 3, ...), eps from +-a at the amplitude whose output is nearest 0.5, the statistics'
+                       dtype from a float16 input of +-300 (300^2 overflows float16 but not float32)
+  attention.*          the module's own scale (spec.scale, what its einsum multiplies by) and soft-caps
+  loss.*               the loss's reduction (`model._mean_nll` on synthetic logits) and the label shift of its
+                       wiring (`step.example_loss_kwargs` with this side's plants; stream: tokens[:, 1:])
+  optimizer.*, lr, clip  the Trainer's own optax chain (`Trainer.tx`) on a tiny tree of the params' structure
+                       (each leaf (1, ...), a scan-stacked leaf (L, 1, ...), expanded to per-layer canonical names):
+                       zero gradients and params 1 at the first update count whose lr > 0 give the decay set (the
+                       leaves that move); gradient eps and params 0 give eps placement and bias correction
+                       (parity.numerics.adam.classify_adam); the clip's recorded norm gives the rule
+  dtypes, matmul       the state's leaves; jax.config's default matmul precision; no dropout exists in the model.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_impl import layers, layout, loss_scaling, optim
+from jax_impl import model as model_lib
+from jax_impl import step as step_lib
+from parity.numerics import schedule as schedule_ref
+from parity.numerics.adam import classify_adam
+from parity import semantics as card_lib
+from parity.semantics import sig
+from parity.weights import param_shapes
+
+__all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "loss_reduction"]
+
+
+def gelu_form(act: Any) -> str:
+  """'tanh' | 'erf' | 'silu' | 'other': the form of a nonlinearity function of one array, probed at x = 1."""
+  return card_lib.classify_gelu(float(np.asarray(act(jnp.ones((1,), jnp.float32)))[0]))
+
+
+def rotary_layout(apply_rope: Any, head_dim: int) -> str:
+  """'half-split' | 'interleaved' | 'other': apply_rope(x (1, 1, 1, H), cos, sin (1, H)) on e_0 at angle 0.5."""
+  x = jnp.zeros((1, 1, 1, head_dim), jnp.float32).at[..., 0].set(1.0)
+  c, s = np.full((1, head_dim), np.cos(0.5), np.float32), np.full((1, head_dim), np.sin(0.5), np.float32)
+  return card_lib.classify_rotary(np.asarray(apply_rope(x, c, s)).reshape(-1))
+
+
+def _norm_apply(spec: Any, x: np.ndarray) -> np.ndarray:
+  """A `layers.Norm` of `spec` (scale 1, bias 0, compute dtype the input's) on one vector x (D,)."""
+  norm = layers.Norm(spec, dtype=jnp.dtype(x.dtype))
+  xin = jnp.asarray(x)[None, None]
+  params = jax.tree.map(lambda p: jnp.ones_like(p) if p.ndim else p, norm.init(jax.random.PRNGKey(0), xin))
+  params = {"params": {k: (jnp.zeros_like(v) if k == "bias" else v) for k, v in params["params"].items()}}
+  return np.asarray(norm.apply(params, xin), np.float64).reshape(-1)
+
+
+def loss_reduction(nll_fn: Any) -> str:
+  """'mean' | 'sum' | 'other' of a loss nll_fn(logits (B, T, V), targets (B, T)) on logits 0 (each term log V)."""
+  v, n = card_lib.REDUCTION_PROBE
+  return card_lib.classify_reduction(float(nll_fn(jnp.zeros((1, n, v), jnp.float32), jnp.zeros((1, n), jnp.int32))))
+
+
+def _tiny(params: Any) -> Any:
+  """The params tree with every leaf (1, ...) (a scan-stacked leaf under layout.LAYERS: (L, 1, ...)), float32."""
+  out = {}
+  for k, v in params.items():
+    if isinstance(v, dict):
+      out[k] = _tiny(v) if k != layout.LAYERS else jax.tree.map(
+          lambda x: jnp.zeros((x.shape[0],) + (1,) * (x.ndim - 1), x.dtype), v)
+    else:
+      out[k] = jnp.zeros((1,) * v.ndim, v.dtype)
+  return out
+
+
+def _at_count(opt_state: Any, count: int) -> Any:
+  """The optimizer state with every update count (DeepSpeedOptState, optax's ScaleByAdamState and
+  ScaleByScheduleState: each state tuple with a `count`) set to `count`."""
+  is_opt = lambda x: "count" in getattr(x, "_fields", ())  # noqa: E731
+  return jax.tree.map(lambda x: x._replace(count=jnp.asarray(count, x.count.dtype)) if is_opt(x) else x,
+                      opt_state, is_leaf=is_opt)
+
+
+def _canonical_values(tree: Any, spec: Any, scan: bool) -> dict[str, float]:
+  """{canonical name: the leaf's first element} of a tiny tree (`_tiny`'s layout)."""
+  if scan:
+    tree = layout.unstack_layers(tree, spec.n_layers)
+  out = {}
+  for name in param_shapes(spec):
+    path, _ = layout.flax_path(name)
+    leaf = tree
+    for k in path:
+      leaf = leaf[k]
+    out[name] = float(np.asarray(leaf, np.float64).reshape(-1)[0])
+  return out
+
+
+def optimizer_probe(tx: Any, schedule: Any, params: Any, spec: Any, train: Any, scan: bool) -> dict[str, Any]:
+  """Decay set, weight decay, eps placement, bias correction and clip rule of the optax chain `tx`, from two updates
+  of a tiny tree of `params`' structure at the first update count whose lr > 0.
+
+  Args:
+    tx, schedule: the Trainer's chain and its schedule (update count -> lr, float32).
+    params: the Flax params tree (float32; only its structure and leaf ranks are used); scan: stacked layers.
+    spec, train: the run's ModelSpec and TrainSpec (train.eps is the probe gradient; its betas are the hypotheses').
+  Returns:
+    {decay_set: sorted canonical names | None, weight_decay: float (-delta / lr of a decayed param 1) | None,
+    eps_placement, bias_correction (parity.numerics.adam.classify_adam), clip_rule: 'global-l2' | 'other' (the
+    chain's recorded norm against the tree's L2 norm), probe_count, probe_leaves}; every value None (and a 'note')
+    when the lr is 0 for the first 64 updates."""
+  tiny = _tiny(params)
+  count = next((k for k in range(64) if float(schedule(k)) > 0.0), None)
+  if count is None:
+    return {"decay_set": None, "weight_decay": None, "eps_placement": None, "bias_correction": None,
+            "clip_rule": None, "note": "the learning rate is 0 for the first 64 updates: nothing moves"}
+  lr = float(schedule(count))
+  state = _at_count(tx.init(tiny), count)
+  scale = _loss_scale(state)
+  ones = jax.tree.map(jnp.ones_like, tiny)
+  upd, _ = tx.update(jax.tree.map(jnp.zeros_like, tiny), state, ones)
+  moved = {n: -v / lr for n, v in _canonical_values(upd, spec, scan).items()}
+  decayed = sorted(n for n, v in moved.items() if v != 0.0)
+  g = float(train.eps)
+  upd, after = tx.update(jax.tree.map(lambda x: jnp.full_like(x, g * scale), tiny), state, tiny)
+  u = -_canonical_values(upd, spec, scan)[next(iter(param_shapes(spec)))] / lr
+  b1, b2 = schedule_ref.train_betas(train, count)
+  placement, bc = classify_adam(u, g, float(train.eps), b1, b2, count + 1)
+  n_leaves = len(jax.tree.leaves(tiny, is_leaf=lambda x: isinstance(x, jax.Array)))
+  n_el = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tiny))
+  try:
+    norm = float(optim.grad_norm_of(after))
+  except ValueError:  # a chain without parity's clip (no recorded norm): not a rule this card knows
+    norm = float("nan")
+  rule = "global-l2" if abs(norm - g * np.sqrt(n_el)) <= 1e-3 * g * np.sqrt(n_el) else "other"
+  return {"decay_set": decayed, "weight_decay": sig(moved[decayed[0]], 6) if decayed else None,
+          "eps_placement": placement, "bias_correction": bc, "clip_rule": rule, "probe_count": count,
+          "probe_leaves": n_leaves}
+
+
+def _loss_scale(state: Any) -> float:
+  """The fp16 loss scale of a loss-scaled state (the update divides the gradient by it), else 1."""
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, loss_scaling.LossScaleState))
+           if isinstance(x, loss_scaling.LossScaleState)]
+  return float(found[0].scale) if found else 1.0
+
+
+def _host(x: Any) -> np.ndarray:
+  """A (replicated) array's value on this process: with several ranks a global array is not fully addressable."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return np.asarray(x)
+
+
+def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
+  """{'items', 'info'} of a built `jax_impl.step.Trainer` (parity.semantics.DIFFED)."""
+  run = trainer.run
+  spec, train, scan = run.model, run.train, run.jax.scan_layers
+  leaves = jax.tree.leaves(trainer.state.params)
+  master = str(leaves[0].dtype)
+  norm = card_lib.norm_probe(lambda x: _norm_apply(spec, x), spec.d_model)
+  opt = optimizer_probe(trainer.tx, trainer.schedule, trainer.state.params, spec, train, scan)
+  has_nu = lambda x: "nu" in getattr(x, "_fields", ())  # noqa: E731 (DeepSpeedOptState, ScaleByAdamState)
+  moments = [x for x in jax.tree.leaves(trainer.state.opt_state, is_leaf=has_nu) if has_nu(x)]
+  nu = jax.tree.leaves(moments[0].nu) if moments else []
+  shift = step_lib.example_loss_kwargs({"segment_ids": None, "positions": None, "weights": None}, plants)
+  precision = jax.config.jax_default_matmul_precision
+  items = {
+      "rotary.layout": rotary_layout(layers.apply_rope, spec.head_dim) if spec.position == "rope" else None,
+      "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
+      "mlp.gelu_form": gelu_form(layers.mlp_activation(spec)),
+      "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
+      "attention.scale": sig(spec.scale, 6), "attention.softcap": getattr(spec, "attn_softcap", None),
+      "logits.final_softcap": getattr(spec, "final_softcap", None),
+      "loss.label_shift": 1 if train.layout == "stream" else int(shift["label_shift"]),
+      "loss.reduction": loss_reduction(model_lib._mean_nll),
+      "optimizer.decay_set": opt["decay_set"],
+      "optimizer.weight_decay": opt["weight_decay"] if train.optimizer == "adamw" else None,
+      "optimizer.eps_placement": opt["eps_placement"], "optimizer.bias_correction": opt["bias_correction"],
+      "clip.rule": opt["clip_rule"] if train.grad_clip > 0 else "none",
+      "clip.max_norm": float(train.grad_clip) if train.grad_clip > 0 else None,
+      "lr.step0": sig(float(_host(trainer.schedule(_host(optim.step_count_of(trainer.state.opt_state))))), 6),
+      "dtypes.params": str(jnp.dtype(model_lib.compute_dtype(train.precision))), "dtypes.master": master,
+      "dtypes.moments": str(nu[0].dtype) if nu else None, "dtypes.grads": master,
+      "matmul.precision": {"highest": "highest", "float32": "highest", "high": "high", "tensorfloat32": "high",
+                           "bfloat16_3x": "high", "default": "medium", "bfloat16": "medium"}.get(
+                               str(precision).lower(), f"default ({precision})"),
+      "dropout": 0.0}
+  states = jax.tree.leaves(trainer.state.opt_state, is_leaf=lambda x: hasattr(x, "_fields"))
+  info = {"optimizer": "optax chain of " + ", ".join(dict.fromkeys(type(x).__name__ for x in states
+                                                                   if hasattr(x, "_fields"))),
+          "clip.max_norm_source": "train.grad_clip (held in the clip transform's closure)",
+          "attention.scale_source": "the Attention module's spec.scale (its einsum factor)",
+          "loss.label_shift_source": "step.example_loss_kwargs (stream: tokens[:, 1:])",
+          "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only (HF rotate-half "
+                                              "layout, both models use it)",
+          "optimizer_probe": {k: v for k, v in opt.items() if k.startswith("probe") or k == "note"},
+          "scan_layers": bool(scan)}
+  return {"items": items, "info": info}

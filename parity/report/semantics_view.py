@@ -1,0 +1,49 @@
+"""What the report shows of the sides' semantics cards (report.json 'semantics', parity.report.build.semantics_section):
+the item table of report.md and report.html and the card.json block. A run without cards (a report of sides that
+wrote none) shows nothing."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO"]
+
+SEMANTICS_INTRO = ("Each side's conventions, read from its own built model and optimizer before step 1 "
+                   "(parity.semantics): a row that differs is the 'semantics' check's FAIL at step 0.")
+
+
+def _sides_with_cards(d: dict) -> list[str]:
+  return [s for s, c in ((d.get("semantics") or {}).get("cards") or {}).items() if c is not None]
+
+
+def _value(v: Any) -> str:
+  """A card value as a table cell: a list (the decay set) by its length and first names."""
+  if isinstance(v, list):
+    return f"{len(v)} names: " + ", ".join(map(str, v[:3])) + (", ..." if len(v) > 3 else "")
+  return "null" if v is None else v if isinstance(v, str) else json.dumps(v)
+
+
+def semantics_headers(d: dict) -> list[str]:
+  """['item', <side>..., 'agree'] over the sides with a card."""
+  return ["item", *_sides_with_cards(d), "agree"]
+
+
+def semantics_rows(d: dict) -> list[list[str]]:
+  """One row per card item: the item, each side's value, 'yes' or 'NO'; [] without cards."""
+  sides = _sides_with_cards(d)
+  if not sides:
+    return []
+  return [[r["item"], *(_value(r["values"].get(s)) for s in sides), "yes" if r["agree"] else "NO"]
+          for r in (d.get("semantics") or {}).get("rows") or []]
+
+
+def semantics_card_block(d: dict) -> dict[str, Any] | None:
+  """card.json 'semantics': {agree, differences [{item, values {side: value}}], items {side: {item: value}}}; None
+  without cards."""
+  sem = d.get("semantics") or {}
+  sides = _sides_with_cards(d)
+  if not sides:
+    return None
+  diffs = [{"item": r["item"], "values": r["values"]} for r in sem.get("rows") or [] if not r["agree"]]
+  return {"agree": not diffs, "differences": diffs,
+          "items": {s: (sem["cards"][s] or {}).get("items") for s in sides}}

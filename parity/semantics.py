@@ -1,0 +1,155 @@
+"""The semantics card (issue #21 item 4): the conventions a side's training step actually runs, read from the side's
+own built objects after `build` and before step 1 (`parity.protocol.loop.Side.semantics`; jax_impl.semantics,
+torch_impl.semantics), written to run_dir/<side>/semantics.json and diffed between sides (parity.protocol.semantics
+writes and gates it; parity.verdict.sides.semantics_check is the report's check).
+
+Card (schema 'parity.semantics/1'): {schema, side, run_id, items {item: value}, info {item: value}}.
+`items` are the conventions that change the math (DIFFED; a difference between two sides is a FAIL at step 0);
+`info` are names that legitimately differ between correct sides (optimizer classes, foreach vs fused, where a value
+was read) and are shown, never diffed. Values are JSON scalars, lists or null ("the side has no such thing").
+The framework-free halves of the probes live here too (each side calls its own function, these classify the
+output), so both sides name a convention by the same rule.
+
+Imports neither jax nor torch.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text", "sig", "GELU_AT_1", "classify_gelu",
+           "classify_rotary",
+           "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION"]
+
+SEMANTICS_SCHEMA = "parity.semantics/1"
+
+DIFFED = ("rotary.layout", "rotary.import_permutation", "mlp.gelu_form", "norm.form", "norm.eps", "norm.stats_dtype",
+          "attention.scale", "attention.softcap", "logits.final_softcap", "loss.label_shift", "loss.reduction",
+          "optimizer.decay_set", "optimizer.weight_decay", "optimizer.eps_placement", "optimizer.bias_correction",
+          "clip.rule", "clip.max_norm", "lr.step0", "dtypes.params", "dtypes.master", "dtypes.moments",
+          "dtypes.grads", "matmul.precision", "dropout")
+"""The card items diffed between sides, each a convention that changes the math:
+  rotary.layout             'half-split' (HF rotate_half) | 'interleaved' | null (no rotary): the side's rotary
+                            function applied to a basis vector
+  rotary.import_permutation the q/k permutation applied on import (parity.hf applies none: 'none')
+  mlp.gelu_form             'tanh' | 'erf' | 'silu' | 'other': the MLP nonlinearity object at x = 1
+  norm.form, norm.eps       'layernorm' | 'rmsnorm' | 'rmsnorm(1+w)' and the eps inferred from the norm's output
+  norm.stats_dtype          the dtype its statistics are computed in ('float32')
+  attention.scale           the factor of q.k the attention module uses (6 significant digits)
+  attention.softcap, logits.final_softcap   the caps (null: none)
+  loss.label_shift          the target offset the loss function scores input t against (1: next token)
+  loss.reduction            'mean' (over tokens) | 'sum' (the stream layout's reduction)
+  optimizer.decay_set       the canonical parameter names actually decayed (sorted), per layer
+  optimizer.weight_decay    the decay factor of the decayed set
+  optimizer.eps_placement   'outside' (sqrt(v) + eps) | 'inside' (sqrt(v + eps)) | null (no Adam)
+  optimizer.bias_correction true | false | null
+  clip.rule, clip.max_norm  'global-l2' | 'none', and its threshold
+  lr.step0                  the learning rate the first update applies
+  dtypes.*                  params (the forward's), master weights, moments, gradients (the optimizer's input)
+  matmul.precision          'highest' | 'high' (TF32) | 'medium'
+  dropout                   the largest dropout probability of the model's modules (0.0: none)"""
+
+
+IMPORT_PERMUTATION = "none"
+"""The q/k permutation applied on import: none. parity.hf maps HF tensors to canonical names by name and transposes
+only (parity/hf/__init__.py: HF's rotate-half layout, which both models use, so no permutation); both sides load
+those canonical tensors as they are."""
+
+GELU_AT_1 = {"tanh": 0.841192, "erf": 0.841345, "silu": 0.731059}
+"""The MLP nonlinearity at x = 1, per form (6 decimals)."""
+
+
+def classify_gelu(y: float) -> str:
+  """'tanh' | 'erf' | 'silu' | 'other': the nonlinearity whose value at x = 1 is y."""
+  return next((k for k, v in GELU_AT_1.items() if abs(y - v) < 2e-6), "other")
+
+
+def classify_rotary(y: np.ndarray) -> str:
+  """'half-split' | 'interleaved' | 'other': the layout of a rotary function whose image of e_0 (H,) is y: the
+  rotated mass on index H/2 (HF rotate_half) or on index 1 (interleaved pairs)."""
+  h = len(y)
+  moved = [i for i in range(1, h) if abs(y[i]) > 1e-3]
+  return "half-split" if moved == [h // 2] else "interleaved" if moved == [1] else "other"
+
+
+def norm_probe(apply: Callable[[np.ndarray], np.ndarray], d: int) -> dict[str, Any]:
+  """{form, eps, stats_dtype} of a norm `apply(x (D,) numpy) -> y (D,)` with unit scale and zero bias."""
+  alt = np.tile(np.array([1.0, -1.0]), d // 2)
+  y = apply((1.0 + 2.0 * (alt < 0)).astype(np.float32))  # 1, 3, 1, 3: LayerNorm -1, +1; RMS 1/sqrt(5)
+  ratio = y[0] / (1.0 / np.sqrt(5.0))
+  form = ("layernorm" if abs(y[0] + 1.0) < 1e-3 else "rmsnorm" if abs(ratio - 1.0) < 1e-3
+          else "rmsnorm(1+w)" if abs(ratio - 2.0) < 2e-3 else "other")
+  gain = 2.0 if form == "rmsnorm(1+w)" else 1.0
+  best = None
+  for a in (10.0 ** -k for k in range(1, 8)):
+    y0 = abs(apply((a * alt).astype(np.float32))[0]) / gain
+    if 0.0 < y0 < 1.0 and (best is None or abs(y0 - 0.5) < abs(best[1] - 0.5)):
+      best = (a, y0)
+  eps = sig(best[0] ** 2 * (1.0 / best[1] ** 2 - 1.0)) if best is not None else None
+  big = abs(apply((300.0 * alt).astype(np.float16))[0]) / gain
+  return {"form": form, "eps": eps, "stats_dtype": "float32" if abs(big - 1.0) < 1e-2 else "reduced"}
+
+
+REDUCTION_PROBE = (4, 6)
+"""(V, N): the loss probes score N targets of logits 0 over V classes (each term log V)."""
+
+
+def classify_reduction(y: float) -> str:
+  """'mean' | 'sum' | 'other' of a loss whose value on REDUCTION_PROBE's logits 0 is y."""
+  v, n = REDUCTION_PROBE
+  return "mean" if abs(y - np.log(v)) < 1e-5 else "sum" if abs(y - n * np.log(v)) < 1e-4 else "other"
+
+def sig(x: float, digits: int = 3) -> float:
+  """x rounded to `digits` significant digits (a probe's inferred value, so both frameworks' float noise agrees)."""
+  return float(f"{float(x):.{digits}g}") if math.isfinite(float(x)) else float(x)
+
+
+def make_card(side: str, run_id: str | None, items: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
+  """The card as written: schema, side, run_id, items (every DIFFED key; a missing one is null), info.
+
+  Raises:
+    ValueError: an item that is not in DIFFED (a typo would never be diffed).
+  """
+  unknown = sorted(set(items) - set(DIFFED))
+  if unknown:
+    raise ValueError(f"semantics card items {unknown} are not in parity.semantics.DIFFED")
+  return {"schema": SEMANTICS_SCHEMA, "side": side, "run_id": run_id,
+          "items": {k: items.get(k) for k in DIFFED}, "info": dict(info)}
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+          and not isinstance(b, bool):
+    return math.isclose(float(a), float(b), rel_tol=1e-5, abs_tol=0.0) or a == b  # float32 vs float64 reads
+  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+  """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order. Numbers
+  agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other, each rounded to 6
+  significant digits for the table: at most 5e-7 each); the rest as JSON."""
+  ia, ib = a.get("items") or {}, b.get("items") or {}
+  return [(k, ia.get(k), ib.get(k)) for k in DIFFED if not _same(ia.get(k), ib.get(k))]
+
+
+def _value_text(v: Any, other: Any) -> str:
+  """A value for the message; of two name lists (decay sets), the count and the names only this one has (no square
+  brackets: a terminal's markup would eat them)."""
+  if isinstance(v, list) and isinstance(other, list):
+    only = [x for x in v if x not in other]
+    if not only:
+      return f"{len(v)} names (none the other lacks)"
+    return (f"{len(v)} names ({len(only)} the other lacks: " + ", ".join(map(str, only[:4]))
+            + (", ..." if len(only) > 4 else "") + ")")
+  return json.dumps(v) if not isinstance(v, str) else v
+
+
+def diff_text(na: str, nb: str, diffs: Sequence[tuple[str, Any, Any]]) -> str:
+  """'semantics: mlp.gelu_form jax=tanh deepspeed=erf; ...' for the differences of sides na and nb."""
+  return "semantics: " + "; ".join(f"{k} {na}={_value_text(va, vb)} {nb}={_value_text(vb, va)}"
+                                   for k, va, vb in diffs)
+
+

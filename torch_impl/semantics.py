@@ -1,0 +1,238 @@
+"""The PyTorch sides' semantics card (parity.protocol.semantics), probed on the objects their steps run, after the
+trainer is built and before step 1 (`torch_impl.side.TorchSide.semantics`), and the 'decay_biases' plant of their
+param groups (`decay_groups_of`).
+
+  rotary.layout        `torch_impl.model._apply_rope` on the basis vector e_0 at a constant angle
+  mlp.gelu_form        the built model's first block `MLP.act` at x = 1
+  norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
+                       (parity.semantics.norm_probe)
+  attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call), soft-caps
+  loss.*               `torch_impl.model.micro_loss` (the loss every torch trainer computes) with a stand-in forward
+                       whose logits pick input + k: the k it scores 0 is the label shift; logits 0 give the reduction
+  optimizer.decay_set  the canonical names in the optimizer's param groups with weight_decay > 0: torch
+                       `optimizer.param_groups`; DeepSpeed's engine optimizer groups (a ZeRO wrapper's
+                       bit16_groups / fp16_groups hold the module's params of each flat group)
+  eps, bias correction a fresh optimizer of the side's class and group settings (lr 1), one step on a 1-element
+                       param with gradient eps (parity.numerics.adam.classify_adam)
+  clip, lr.step0       the baseline's clip threshold and scheduler (parity.numerics.schedule.train_lr at its
+                       step index); DeepSpeed's engine.gradient_clipping() and its optimizer's current lr
+  dtypes               the forward's module, the optimizer's params (master), the probe's moments
+  matmul, dropout      torch.get_float32_matmul_precision / allow_tf32; the largest nn.Dropout p in the module
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+from parity.numerics import schedule
+from parity.numerics.adam import classify_adam
+from parity import semantics as card_lib
+from parity.semantics import sig
+from torch_impl.model import _apply_rope, decay_groups, micro_loss
+
+__all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "label_shift",
+           "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
+
+
+def decay_groups_of(model: torch.nn.Module, weight_decay: float, plants: frozenset = frozenset()) -> list[dict]:
+  """`torch_impl.model.decay_groups`, with the planted bug 'decay_biases' (parity.protocol.layout.PLANT_KEYS):
+  every '*.bias' moved into the decayed group (the group made when there was none)."""
+  groups = decay_groups(model, weight_decay)
+  if "decay_biases" not in plants:
+    return groups
+  names = {id(p): n for n, p in model.named_parameters()}
+  moved = [p for g in groups if g["weight_decay"] == 0.0 for p in g["params"] if names[id(p)].endswith(".bias")]
+  keep = [dict(g, params=[p for p in g["params"] if not any(p is m for m in moved)]) if g["weight_decay"] == 0.0
+          else dict(g, params=list(g["params"]) + (moved if g["weight_decay"] > 0 else [])) for g in groups]
+  if not any(g["weight_decay"] > 0 for g in keep):
+    keep.insert(0, {"params": moved, "weight_decay": float(weight_decay)})
+  return [g for g in keep if g["params"]]
+
+
+def gelu_form(act: Any) -> str:
+  """'tanh' | 'erf' | 'silu' | 'other' of a nonlinearity module or function, at x = 1."""
+  return card_lib.classify_gelu(float(act(torch.ones(1, dtype=torch.float32))[0]))
+
+
+def rotary_layout(apply_rope: Any, head_dim: int) -> str:
+  """The layout of apply_rope(x (1, 1, 1, H), cos, sin (1, H)) on e_0 at angle 0.5."""
+  x = torch.zeros(1, 1, 1, head_dim)
+  x[..., 0] = 1.0
+  c, s = torch.full((1, head_dim), float(np.cos(0.5))), torch.full((1, head_dim), float(np.sin(0.5)))
+  return card_lib.classify_rotary(apply_rope(x, c, s).reshape(-1).detach().numpy())
+
+
+def norm_of(module: torch.nn.Module) -> dict[str, Any]:
+  """{form, eps, stats_dtype} of a norm module (a copy of it, weight 1 and bias 0, probed on known vectors). A ZeRO-3
+  partitioned module (its params carry ds_shape) is rebuilt as its class with its own eps and full width instead:
+  a copy would carry DeepSpeed's partitioned params and hooks."""
+  full = [tuple(p.ds_shape) for p in module.parameters() if hasattr(p, "ds_shape")]
+  if not full:
+    probe = copy.deepcopy(module)
+  elif isinstance(module, torch.nn.LayerNorm):
+    probe = torch.nn.LayerNorm(full[0], eps=module.eps, bias=module.bias is not None)
+  else:
+    probe = type(module)(full[0][0], module.eps)
+  probe = probe.float().cpu()
+  with torch.no_grad():
+    for name, p in probe.named_parameters():
+      p.fill_(0.0 if name == "bias" else 1.0)
+
+  def apply(x: np.ndarray) -> np.ndarray:
+    m = probe.half() if x.dtype == np.float16 else probe.float()
+    with torch.no_grad():
+      return m(torch.from_numpy(x)[None]).double().reshape(-1).numpy()
+  d = next(probe.parameters()).shape[0]
+  return card_lib.norm_probe(apply, d)
+
+
+def label_shift(loss: Any, train) -> int | None:
+  """The k for which `loss(forward, tokens)` is 0 when the stand-in forward's logits pick input + k (k = 0..2)."""
+  t, v = 6, 16
+  tokens = np.arange(t + 1, dtype=np.int64)[None]
+  for k in range(3):
+    def forward(x, segment_ids=None, positions=None, k=k):
+      logits = torch.zeros(*x.shape, v)
+      logits.scatter_(-1, (x + k).clamp(max=v - 1)[..., None], 60.0)
+      return logits
+    if float(loss(forward, tokens)) < 1e-6:
+      return k
+  return None
+
+
+def _stand_in_arrays(t: int) -> Any:
+  """An ExampleArrays-shaped (A=1, M=1, T) object: one example over the row, weights 1 / T."""
+  return types.SimpleNamespace(segment_ids=np.ones((1, 1, t), np.int32), positions=np.arange(t)[None, None],
+                               weights=np.full((1, 1, t), 1.0 / t, np.float32))
+
+
+def loss_reduction() -> str:
+  """The reduction of `micro_loss` (stream) on logits 0: 'mean' | 'sum' | 'other'."""
+  v, n = card_lib.REDUCTION_PROBE
+  y = micro_loss(lambda x: torch.zeros(*x.shape, v), np.zeros((1, n + 1), np.int64), torch.device("cpu"))
+  return card_lib.classify_reduction(float(y))
+
+
+def decay_set(groups: list[dict], names: dict[int, str], bit16: list | None = None) -> tuple[list[str], float | None]:
+  """(sorted canonical names in groups with weight_decay > 0, that decay); `bit16`: a ZeRO wrapper's module params
+  of each group (its own params are flat partitions)."""
+  out, wd = [], None
+  for i, g in enumerate(groups):
+    if g.get("weight_decay", 0.0) > 0:
+      wd = float(g["weight_decay"])
+      params = bit16[i] if bit16 is not None else g["params"]
+      out += [names[id(p)] for p in params if id(p) in names]
+  return sorted(out), wd
+
+
+def adam_form(optimizer: torch.optim.Optimizer, dtype: torch.dtype, eps: float,
+              device: torch.device | str = "cpu") -> dict[str, Any]:
+  """{eps_placement, bias_correction, moments dtype} from a fresh optimizer of `optimizer`'s class and first group's
+  settings (lr 1, no decay), one step on a 1-element param of `dtype` on `device` (where the side's optimizer keeps
+  its params: FusedAdam steps CUDA tensors) with gradient eps."""
+  g0 = optimizer.param_groups[0]
+  p = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+  kw = {k: g0[k] for k in ("betas", "eps", "bias_correction", "amsgrad", "eps_inside_sqrt", "max_coeff", "min_coeff")
+        if k in g0}
+  takes = inspect.signature(type(optimizer).__init__).parameters
+  for name in ("adamw_mode", "adam_w_mode"):  # DeepSpeedCPUAdam's and FusedAdam's names of the same switch
+    if name in takes and hasattr(optimizer, "adam_w_mode"):
+      kw[name] = bool(optimizer.adam_w_mode)
+  if not any(p.kind == p.VAR_KEYWORD for p in takes.values()):
+    kw = {k: v for k, v in kw.items() if k in takes}
+  try:
+    probe = type(optimizer)([p], lr=1.0, weight_decay=0.0, **kw)
+    p.grad = torch.full((1,), eps, dtype=dtype, device=device)
+    probe.step()
+  except Exception as exc:  # an optimizer class that cannot be built or stepped again here: named, not guessed
+    return {"eps_placement": None, "bias_correction": None, "moments": None,
+            "note": f"{type(optimizer).__name__} not probed ({type(exc).__name__}: {exc})"}
+  u = -float(p.detach()[0])
+  betas = g0.get("betas", (0.0, 0.0))
+  placement, bc = classify_adam(u, eps, eps, float(betas[0]), float(betas[1]), 1)
+  state = probe.state.get(p, {})
+  sq = state.get("exp_avg_sq")
+  return {"eps_placement": placement, "bias_correction": bc, "moments": None if sq is None else _dtype(sq.dtype)}
+
+
+def matmul_precision() -> str:
+  """'highest' | 'high' (TF32) | 'medium' of torch's float32 matmuls."""
+  prec = torch.get_float32_matmul_precision()
+  if torch.backends.cuda.matmul.allow_tf32 and prec == "highest":
+    return "high"
+  return prec
+
+
+def _dtype(t: torch.dtype) -> str:
+  return str(t).replace("torch.", "")
+
+
+def _engine_parts(trainer) -> dict[str, Any]:
+  """The DeepSpeed engine's objects the card reads: module, optimizer (with its groups' module params), lr, clip."""
+  engine = trainer.engine
+  wrapper = engine.optimizer
+  basic = getattr(wrapper, "optimizer", wrapper)
+  bit16 = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "fp16_groups", None)
+  own = [p for g in basic.param_groups for p in g["params"]]  # ZeRO-3 keeps its fp32 partitions outside the groups
+  flat = getattr(wrapper, "fp32_partitioned_groups_flat", None) or []
+  master = (own or flat)[0]
+  clip = float(engine.gradient_clipping() or 0.0)
+  return {"module": engine.module, "forward_module": engine.module, "optimizer": basic, "bit16": bit16,
+          "master": master.dtype, "device": master.device, "lr": float(wrapper.param_groups[0]["lr"]), "clip": clip,
+          "optimizer_name": f"{type(wrapper).__name__}/{type(basic).__name__}"}
+
+
+def _baseline_parts(trainer) -> dict[str, Any]:
+  """The plain-torch trainer's objects the card reads (its scheduler: parity.numerics.schedule.train_lr)."""
+  t = trainer.run.train
+  return {"module": trainer.model, "forward_module": trainer.half_model or trainer.model,
+          "optimizer": trainer.optimizer, "bit16": None, "master": trainer.params[0].dtype,
+          "device": trainer.params[0].device,
+          "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(t.grad_clip),
+          "optimizer_name": type(trainer.optimizer).__name__}
+
+
+def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
+  """{'items', 'info'} of a built DeepSpeedTrainer (side 'deepspeed') or TorchTrainer ('torch')."""
+  run = trainer.run
+  spec, train = run.model, run.train
+  parts = _engine_parts(trainer) if side == "deepspeed" else _baseline_parts(trainer)
+  model = parts["module"]
+  block = model.h[0]
+  names = {id(p): n for n, p in model.named_parameters()}
+  decayed, wd = decay_set(parts["optimizer"].param_groups, names, parts["bit16"])
+  adam = adam_form(parts["optimizer"], parts["master"], float(train.eps), parts["device"])
+  norm = norm_of(block.ln_1)
+  dev = torch.device("cpu")
+  loss = ((lambda f, x: micro_loss(f, x, dev)) if train.layout == "stream" else
+          (lambda f, x: micro_loss(f, x, dev, _stand_in_arrays(x.shape[1] - 1), plants=plants)))
+  dropout = max([float(m.p) for m in model.modules() if isinstance(m, torch.nn.Dropout)] or [0.0])
+  attn = block.attn
+  items = {
+      "rotary.layout": rotary_layout(_apply_rope, spec.head_dim) if spec.position == "rope" else None,
+      "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
+      "mlp.gelu_form": gelu_form(block.mlp.act),
+      "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
+      "attention.scale": sig(attn.spec.scale, 6), "attention.softcap": getattr(attn.spec, "attn_softcap", None),
+      "logits.final_softcap": getattr(model.spec, "final_softcap", None),
+      "loss.label_shift": label_shift(loss, train), "loss.reduction": loss_reduction(),
+      "optimizer.decay_set": decayed, "optimizer.weight_decay": wd if train.optimizer == "adamw" else None,
+      "optimizer.eps_placement": adam["eps_placement"], "optimizer.bias_correction": adam["bias_correction"],
+      "clip.rule": "global-l2" if parts["clip"] > 0 else "none",
+      "clip.max_norm": parts["clip"] if parts["clip"] > 0 else None,
+      "lr.step0": sig(parts["lr"], 6),
+      "dtypes.params": _dtype(next(parts["forward_module"].parameters()).dtype),
+      "dtypes.master": _dtype(parts["master"]),
+      "dtypes.moments": adam["moments"], "dtypes.grads": _dtype(parts["master"]),
+      "matmul.precision": matmul_precision(), "dropout": dropout}
+  info = {"optimizer": parts["optimizer_name"], "foreach": parts["optimizer"].param_groups[0].get("foreach"),
+          "fused": parts["optimizer"].param_groups[0].get("fused"),
+          "attention.scale_source": "the first block's Attention spec.scale (its SDPA scale=)",
+          "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only",
+          **({"optimizer_probe": adam["note"]} if "note" in adam else {})}
+  return {"items": items, "info": info}
