@@ -195,7 +195,8 @@ def test_jax_optimizer_probe_reads_eps_inside_and_no_bias_correction():
 def test_torch_probes_detect_wrong_objects():
   import torch
   from torch_impl import semantics as ts
-  from torch_impl.model import _apply_rope, build_model
+  from torch_impl.layers import _apply_rope
+  from torch_impl.model import build_model
   from parity import weights
   assert ts.gelu_form(torch.nn.GELU(approximate="none")) == "erf"
   assert ts.gelu_form(torch.nn.GELU(approximate="tanh")) == "tanh"

@@ -2,7 +2,7 @@
 trainer is built and before step 1 (`torch_impl.side.TorchSide.semantics`), and the 'decay_biases' plant of their
 param groups (`decay_groups_of`).
 
-  rotary.layout        `torch_impl.model._apply_rope` on the basis vector e_0 at a constant angle
+  rotary.layout        `torch_impl.layers._apply_rope` on the basis vector e_0 at a constant angle
   mlp.gelu_form        the built model's first block `MLP.act` at x = 1
   norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
                        (parity.semantics.norm_probe)
@@ -33,7 +33,8 @@ from parity.numerics import schedule
 from parity.numerics.adam import classify_adam
 from parity import semantics as card_lib
 from parity.semantics import sig
-from torch_impl.model import _apply_rope, decay_groups, micro_loss
+from torch_impl.layers import _apply_rope
+from torch_impl.model import decay_groups, micro_loss
 
 __all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "label_shift",
            "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
