@@ -176,10 +176,11 @@ def test_family_hf_to_canonical_to_hf_is_bit_identical(name, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "gemma3"])
 def test_hf_canonical_orbax_round_trip_is_byte_identical(kind, tmp_path, capsys):
   pytest.importorskip("orbax.checkpoint")
-  _hf_model(kind, tie_word_embeddings=(kind == "gpt2")).save_pretrained(tmp_path / "hf")
+  model = _family_model(kind) if kind in FAMILIES else _hf_model(kind, tie_word_embeddings=(kind == "gpt2"))
+  model.save_pretrained(tmp_path / "hf")
   first, ckpt, second = tmp_path / "first.safetensors", tmp_path / "orbax", tmp_path / "second.safetensors"
   assert cli_main(["convert-weights", str(tmp_path / "hf"), str(first)]) == 0
   assert cli_main(["convert-weights", str(first), str(ckpt), "--to", "orbax"]) == 0
