@@ -12,6 +12,7 @@ _ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemm
 ARCHITECTURE_OF = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+"""family -> the architecture `hf_config_from_spec` writes (the inverse of parity.hf.config.ARCHITECTURES)."""
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 _ROTARY = {"norm": {"rmsnorm"}, "position": {"rope"}, "embed_scale": {"none"}, "norm_plus_one": {False},
