@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parity import architecture
 from parity.spec import ModelSpec
 
 from jax_impl.layout import NORM_MODULES
 
-__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation"]
+__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation", "softcap",
+           "embed_scale"]
 
 Dtype = Any
 
@@ -99,16 +101,26 @@ def _opmath(fn: Any, x: jax.Array, dtype: Dtype) -> jax.Array:
 
 
 class Norm(nn.Module):
-  """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA), in float32.
+  """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA, or Gemma's (1 + w)), in float32.
 
   The output is rounded to `dtype` once (torch's layer_norm kernel); bf16/fp16 RMSNorm rounds the
   normalised value first and multiplies by the weight in `dtype`, as HF `LlamaRMSNorm` and
-  `torch_impl.model.RMSNorm` do.
+  `torch_impl.model.RMSNorm` do. With spec.norm_plus_one (Gemma) the scale is (1 + weight): the normalised value
+  times (1 + weight) all in float32, rounded once (HF `Gemma2RMSNorm` / `Gemma3RMSNorm`), in every dtype.
 
-  Params: `scale` (D,) and, for LayerNorm with spec.bias, `bias` (D,); float32.
+  Params: `scale` (D,) (init 1, or 0 under norm_plus_one) and, for LayerNorm with spec.bias, `bias` (D,); float32.
+  Call: x (..., D) -> (..., D) in `dtype`; the norm is over the last axis.
+
+  Attributes:
+    heads: the input is (B, T, heads, H) (the q/k norms); the diagnose tap is then in the canonical (B, heads, T, H)
+      layout of the q/k taps.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
+  heads: bool = False
+
+  def _tap_out(self, y: jax.Array) -> None:
+    _tap(self, _NORM_TAP, lambda: y.transpose(0, 2, 1, 3) if self.heads else y)
 
   @nn.compact
   def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -123,43 +135,44 @@ class Norm(nn.Module):
     else:
       ms_bt1 = jnp.mean(x * x, axis=-1, keepdims=True)
       y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
-    scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
+    init = nn.initializers.zeros if s.norm_plus_one else nn.initializers.ones
+    scale = self.param("scale", init, (d,), jnp.float32)
+    if s.norm_plus_one:  # Gemma: (1 + w) in float32 (w may arrive rounded: cast_params), one rounding
+      y = (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+      self._tap_out(y)
+      return y
     if s.norm == "rmsnorm" and _reduced(self.dtype):
       # HF LlamaRMSNorm: round y, then weight * y rounded once (the product of two bf16/fp16 values is exact in
       # float32, so this is the dtype's multiply); in float32 so that the weight's gradient sums over (B, T) in
       # float32, as torch's reduction of it does, not in the dtype
       y = (y.astype(self.dtype).astype(jnp.float32) * scale.astype(self.dtype).astype(jnp.float32)).astype(self.dtype)
-      _tap(self, _NORM_TAP, lambda: y)
+      self._tap_out(y)
       return y
     y = y * scale
     if s.norm == "layernorm" and s.bias:
       y = y + self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
     y = y.astype(self.dtype)
-    _tap(self, _NORM_TAP, lambda: y)
+    self._tap_out(y)
     return y
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-  """Rotary cos/sin tables in the HF LLaMA rotate-half layout, exact values rounded once to float32.
-
-  angle[t, j] = t * theta ** (-2j / H) for j < H / 2, repeated once along the last axis.
-  The angles are computed in float64 and rounded once, as `torch_impl.model.rope_tables` does,
-  so both sides use bitwise-identical tables (HF's float32 angle recipe is off by up to ~1e-5
-  at position 128).
+def rope_tables(seq_len: int, head_dim: int, theta: float, scaling: dict | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Rotary cos/sin tables in the HF LLaMA rotate-half layout: `parity.architecture.rope_tables`, the one numpy
+  implementation both sides take their tables from (float64 angles rounded once to float32; plain, linear,
+  llama3 or yarn frequencies).
 
   Args:
     seq_len: number of positions T (0 .. T-1).
     head_dim: H, even.
-    theta: rotary base (spec.rope_theta).
+    theta: rotary base (spec.rope_theta, or a layer's base: `parity.architecture.layer_rope`).
+    scaling: spec.rope_scaling (HF rope_parameters) or None (plain rotary).
   Returns:
     cos, sin: float32, shape (T, H).
   References:
     Su et al. 2021 (RoFormer); HF transformers `LlamaRotaryEmbedding`, `rotate_half`.
   """
-  inv_freq_h2 = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-  ang_th2 = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq_h2)
-  ang_th = np.concatenate([ang_th2, ang_th2], axis=-1)
-  return np.cos(ang_th).astype(np.float32), np.sin(ang_th).astype(np.float32)
+  return architecture.rope_tables(seq_len, head_dim, theta, scaling)
 
 
 def apply_rope(x_btnh: jax.Array, cos: Any, sin: Any) -> jax.Array:
@@ -181,7 +194,8 @@ def apply_rope(x_btnh: jax.Array, cos: Any, sin: Any) -> jax.Array:
   return x_btnh * cos + rotated * sin
 
 
-def rope_at(positions_bt: jax.Array, max_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_at(positions_bt: jax.Array, max_len: int, head_dim: int, theta: float, scaling: dict | None = None
+            ) -> tuple[jax.Array, jax.Array]:
   """Rotary cos/sin of each token's own position: rows `positions_bt` of `rope_tables(max_len, ...)`.
 
   The rows are the tables' bitwise values, so positions 0..T-1 give exactly the stream path's angles.
@@ -189,11 +203,11 @@ def rope_at(positions_bt: jax.Array, max_len: int, head_dim: int, theta: float) 
   Args:
     positions_bt: int (B, T), each in [0, max_len) (jnp gathers clamp an index out of range; the layouts of
       parity.dataset never produce one: a position is < seq_len <= max_seq_len).
-    max_len: rows of the table (spec.max_seq_len). head_dim, theta: as `rope_tables`.
+    max_len: rows of the table (spec.max_seq_len). head_dim, theta, scaling: as `rope_tables`.
   Returns:
     cos, sin: float32 (B, T, H).
   """
-  cos_th, sin_th = rope_tables(max_len, head_dim, theta)
+  cos_th, sin_th = rope_tables(max_len, head_dim, theta, scaling)
   return jnp.asarray(cos_th)[positions_bt], jnp.asarray(sin_th)[positions_bt]
 
 
@@ -248,6 +262,33 @@ def mlp_activation(spec: ModelSpec) -> Any:
     return jax.nn.silu
   approximate = bool(spec.gelu_approximate)
   return lambda x: jax.nn.gelu(x, approximate=approximate)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+  """cap * tanh(x / cap) (Gemma 2's attention-score and final-logit soft-caps), in x's dtype.
+
+  float32 (the attention scores): the plain ops. bf16/fp16 (the final logits, HF's `logits / cap; tanh; * cap` on
+  the compute-dtype logits): each of the three ops computes in float32 and rounds to x's dtype, as torch's.
+  x: any shape, float; cap > 0.
+  """
+  if not _reduced(x.dtype):
+    return cap * jnp.tanh(x / cap)
+  dtype = x.dtype
+  y = _opmath(lambda v: v / cap, x, dtype)
+  y = _opmath(jnp.tanh, y, dtype)
+  return _opmath(lambda v: v * cap, y, dtype)
+
+
+def embed_scale(x_btd: jax.Array, scale: float) -> jax.Array:
+  """x * scale with the scale first rounded to x's dtype (HF Gemma's `normalizer`), the product rounded once.
+
+  x_btd: the token embeddings (B, T, D) in the compute dtype; the result has its shape and dtype.
+  """
+  dtype = x_btd.dtype
+  factor = jnp.asarray(scale, dtype)
+  if not _reduced(dtype):
+    return x_btd * factor
+  return (x_btd.astype(jnp.float32) * factor.astype(jnp.float32)).astype(dtype)
 
 
 def _dense(features: int, spec: ModelSpec, dtype: Dtype, name: str, *, std: float | None = None,

@@ -30,8 +30,9 @@ LAYERS = "h"
 """Module name of the layer-stacked blocks when scan_layers (params leaves carry a leading layer axis)."""
 
 _EMBEDDINGS = ("wte", "wpe")
-NORM_MODULES = ("ln_1", "ln_2", "ln_f")
-"""Flax module names of the norms (their `weight` is `scale`)."""
+NORM_MODULES = ("ln_1", "ln_2", "ln_f", "ln_q", "ln_k", "ln_1_post", "ln_2_post")
+"""Flax module names of the norms (their `weight` is `scale`): the pre-norms, the final norm, the per-head q/k norms
+inside `attn` (qk_norm) and the branch-output norms (post_norms)."""
 
 def flax_path(name: str) -> tuple[tuple[str, ...], bool]:
   """Canonical name -> (path in the Flax params tree, transposed?).

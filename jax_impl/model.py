@@ -1,8 +1,14 @@
-"""Flax linen GPT decoder (GPT-2 and LLaMA families) and the canonical weight mapping.
+"""Flax linen GPT decoder (GPT-2, LLaMA 3, Mistral, Qwen2/3 and Gemma 2/3 families) and the canonical weight mapping.
 
 Every option of `parity.spec.ModelSpec` is implemented here: pre-norm blocks,
 LayerNorm (with or without bias) or RMSNorm, GELU (tanh or erf) or SwiGLU MLP,
-learned or rotary positions, grouped-query attention, tied or untied head.
+learned or rotary positions, grouped-query attention, tied or untied head; and the
+model-family fields of issue #21: biases per projection, a head_dim of its own, per-head q/k
+RMSNorm, scaled rotary tables (`parity.architecture.rope_tables`), Gemma's (1 + w) RMSNorm,
+GeGLU, embedding scale, post-attention/post-MLP norms and soft-caps (`jax_impl.layers.softcap`),
+and sliding-window attention per layer kind with its own rotary base (`jax_impl.attention`;
+with scan_layers, a model that mixes kinds scans each layer's kind as an input). At their
+defaults a spec computes exactly what it computed before these fields (bitwise).
 
 Numerics follow PyTorch, not Flax defaults (shared/NUMERICS.md): the norm epsilon is
 `spec.norm_eps` (Flax 1e-6, torch 1e-5), LayerNorm uses the two-pass biased
@@ -17,8 +23,10 @@ normalised value before the weight multiply (HF `LlamaRMSNorm`), and attention f
 kernel: float32 scores and softmax statistics, unnormalised probabilities rounded for the product with
 v (float32 accumulation), divided by the float32 row sum, rounded once. Reductions that produce a
 gradient (bias, norm weight, position embedding) thereby sum in float32, as torch's do. In float32
-every op is the plain one, unchanged (bitwise). The layers that round so (Dense, Norm, the adds) live in
-`jax_impl.layers`; this module assembles attention, MLP, blocks and the decoder.
+every op is the plain one, unchanged (bitwise). Gemma's norm computes in float32 and rounds once; the
+attention soft-cap works on the float32 scores; the final soft-cap on the compute-dtype logits, each op
+rounded (HF). The layers that round so (Dense, Norm, the adds) live in `jax_impl.layers`, attention in
+`jax_impl.attention`; this module assembles MLP, blocks and the decoder.
 
 `to_flax` / `from_flax` (in `jax_impl.layout`, re-exported here) are the only place where the canonical
 (torch) layout meets the Flax layout. Axis letters in names: B batch, T/S query/key positions,
@@ -40,10 +48,11 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.spec import ModelSpec
 
 from jax_impl import remat as remat_lib
-# The layers (torch rounding points, diagnose taps: jax_impl.layers) and the canonical <-> Flax layout
-# (jax_impl.layout) are imported from their own modules.
-from jax_impl.layers import (_SUB_OUT, TAPS, Dtype, Norm, _add, _dense, _opmath, _reduced, _tap, apply_rope,
-                             mlp_activation, rope_at, rope_tables)
+# The layers (torch rounding points, diagnose taps: jax_impl.layers), attention (jax_impl.attention) and the
+# canonical <-> Flax layout (jax_impl.layout) are imported from their own modules.
+from jax_impl.attention import Attention, attention_mask, kind_rope, uniform_kind
+from jax_impl.layers import (_SUB_OUT, TAPS, Dtype, Norm, _add, _dense, _opmath, _tap, embed_scale, mlp_activation,
+                             rope_at, softcap)
 from jax_impl.layout import LAYERS, Params
 
 __all__ = ["GPT", "loss_fn", "loss_and_taps", "compute_dtype", "cast_params", "attention_mask"]
@@ -62,106 +71,12 @@ def cast_params(params: Params, dtype: Dtype) -> Params:
   return jax.tree.map(lambda x: x.astype(dtype), params)
 
 
-def attention_mask(segment_ids_bt: jax.Array, causal: bool = True) -> jax.Array:
-  """bool (B, T, S), [query, key]: True where query t may attend key s, i.e. segment_ids[t] == segment_ids[s]
-  and s <= t (parity.dataset.reference.attention_mask). Padding (segment 0) attends earlier padding only, so no
-  row is empty. `causal=False` (the diagnose plant) keeps the segment test only.
-
-  Args:
-    segment_ids_bt: int (B, T): 0 = padding, 1, 2, ... = the example's order in its row.
-  """
-  t = segment_ids_bt.shape[-1]
-  same_bts = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-  return same_bts & np.tril(np.ones((t, t), dtype=bool)) if causal else same_bts
-
-
 # ----------------------------------------------------------------------------- decoder
 
 
-class Attention(nn.Module):
-  """Causal grouped-query self-attention; kv head k serves query heads k*G .. k*G+G-1 (HF repeat_kv).
-
-  Attributes:
-    causal: apply the causal mask. Always True in training; False only as a planted bug of
-      `parity diagnose` (`--plant SIDE:no_causal_mask`).
-
-  Call: x (B, T, D) -> (B, T, D). With `mask_bts` (bool (B, T, S), `attention_mask`: segment and causality
-  already in it) the scores outside it are set to finfo(float32).min before the softmax, instead of the causal
-  mask; with `rope` ((B, T, H) cos and sin, `rope_at`) rotary angles are each token's own position. None of them:
-  today's stream computation, unchanged.
-  """
-  spec: ModelSpec
-  dtype: Dtype = jnp.float32
-  causal: bool = True
-
-  @nn.compact
-  def __call__(self, x_btd: jax.Array, mask_bts: jax.Array | None = None,
-               rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    s = self.spec
-    b, t, _ = x_btd.shape
-    n, k, h = s.n_heads, s.kv_heads, s.head_dim
-    g = n // k
-    x_btd = checkpoint_name(x_btd, "attn_in")
-    qkv_btf = _dense((n + 2 * k) * h, s, self.dtype, "qkv")(x_btd)  # rows: q heads, k heads, v heads
-    qkv_btf = checkpoint_name(qkv_btf, "qkv")
-    q_btnh = qkv_btf[..., :n * h].reshape(b, t, n, h)
-    k_btkh = qkv_btf[..., n * h:(n + k) * h].reshape(b, t, k, h)
-    v_btkh = qkv_btf[..., (n + k) * h:].reshape(b, t, k, h)
-    if s.position == "rope":
-      cos_th, sin_th = rope_tables(t, h, s.rope_theta) if rope is None else rope  # (T, H), or per token (B, T, H)
-      q_btnh = apply_rope(q_btnh, cos_th, sin_th)
-      k_btkh = apply_rope(k_btkh, cos_th, sin_th)
-    _tap(self, "q", lambda: q_btnh.transpose(0, 2, 1, 3))  # (B, N, T, H)
-    _tap(self, "k", lambda: k_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
-    _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
-    q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
-    scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
-                              preferred_element_type=jnp.float32) * s.scale
-    _tap(self, "scores", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    if mask_bts is not None:  # segment & causal (attention_mask), per row
-      scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, jnp.finfo(jnp.float32).min)
-    elif self.causal:
-      causal_ts = np.tril(np.ones((t, t), dtype=bool))
-      scores_bkgts = jnp.where(causal_ts, scores_bkgts, jnp.finfo(jnp.float32).min)
-    if _reduced(self.dtype):
-      out_btkgh = self._fused_context(scores_bkgts, v_btkh)
-    else:
-      probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
-      _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-      out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
-    out_btd = checkpoint_name(out_btkgh.reshape(b, t, n * h), "attn_out")  # heads in query-head order
-    _tap(self, "context", lambda: out_btd)  # (B, T, N * H)
-    proj_std = s.init_std / np.sqrt(2 * s.n_layers)
-    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(out_btd)
-    _tap(self, "out", lambda: y_btd)
-    return y_btd
-
-  def _fused_context(self, scores_bkgts: jax.Array, v_bskh: jax.Array) -> jax.Array:
-    """bf16/fp16 softmax(scores) @ v in the order of torch's fused SDPA kernel (flash attention on CPU).
-
-    Softmax statistics in float32 (row max m, e = exp(s - m), row sum l = sum e); e rounded to the
-    compute dtype for the product with v, accumulated in float32; divided by l; rounded once. The
-    kernel's per-block rescaling of e is exact up to float32 rounding for rows within one key block.
-
-    Args:
-      scores_bkgts: float32 masked, scaled scores (B, K, G, T, S).
-      v_bskh: values (B, S, K, H) in the compute dtype.
-    Returns:
-      Context (B, T, K, G, H) in the compute dtype.
-    """
-    b, k, g, t, _ = scores_bkgts.shape
-    m_bkgt1 = jax.lax.stop_gradient(jnp.max(scores_bkgts, axis=-1, keepdims=True))
-    e_bkgts = jnp.exp(scores_bkgts - m_bkgt1)
-    l_bkgt1 = jnp.sum(e_bkgts, axis=-1, keepdims=True)
-    _tap(self, "probs", lambda: (e_bkgts / l_bkgt1).reshape(b, k * g, t, t))  # float32, as the kernel's
-    acc_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", e_bkgts.astype(self.dtype), v_bskh.astype(self.dtype),
-                           preferred_element_type=jnp.float32)
-    l_btkg1 = l_bkgt1[..., 0].transpose(0, 3, 1, 2)[..., None]  # (B, T, K, G, 1)
-    return (acc_btkgh / l_btkg1).astype(self.dtype)
-
-
 class Mlp(nn.Module):
-  """fc -> GELU -> proj (GPT-2), or proj(silu(gate(x)) * up(x)) (SwiGLU, LLaMA)."""
+  """fc -> GELU -> proj (GPT-2), proj(silu(gate(x)) * up(x)) (SwiGLU, LLaMA) or proj(gelu(gate(x)) * up(x)) (GeGLU,
+  Gemma); biases where spec.linear_bias("mlp")."""
   spec: ModelSpec
   dtype: Dtype = jnp.float32
 
@@ -169,30 +84,33 @@ class Mlp(nn.Module):
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     s = self.spec
     f = s.ffn_dim
+    bias = s.linear_bias("mlp")
     x_btd = checkpoint_name(x_btd, "mlp_in")
     if s.mlp == "gelu":
-      fc_btf = _dense(f, s, self.dtype, "fc")(x_btd)
+      fc_btf = _dense(f, s, self.dtype, "fc", bias=bias)(x_btd)
       _tap(self, "fc" + _SUB_OUT, lambda: fc_btf)
       hid_btf = _opmath(mlp_activation(s), fc_btf, self.dtype)
     else:
-      gate_btf = _dense(f, s, self.dtype, "gate")(x_btd)
-      up_btf = _dense(f, s, self.dtype, "up")(x_btd)
+      gate_btf = _dense(f, s, self.dtype, "gate", bias=bias)(x_btd)
+      up_btf = _dense(f, s, self.dtype, "up", bias=bias)(x_btd)
       _tap(self, "gate" + _SUB_OUT, lambda: gate_btf)
       _tap(self, "up" + _SUB_OUT, lambda: up_btf)
-      hid_btf = _opmath(mlp_activation(s), gate_btf, self.dtype) * up_btf  # torch: F.silu rounds, then the product
+      hid_btf = _opmath(mlp_activation(s), gate_btf, self.dtype) * up_btf  # torch: the activation rounds, then *
     _tap(self, "act", lambda: hid_btf)
     hid_btf = checkpoint_name(hid_btf, "mlp_hidden")
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
-    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std)(hid_btf)
+    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std, bias=bias)(hid_btf)
     _tap(self, "out", lambda: y_btd)
     return y_btd
 
 
 class Block(nn.Module):
-  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with spec.post_norms (Gemma 2/3)
+  x + ln_1_post(attn(ln_1(x))), then x + ln_2_post(mlp(ln_2(x))).
 
-  With `scanned`, the call signature is the `nn.scan` body's: (x, None) -> (x, None); `mask_bts` and `rope` (see
-  `Attention`) follow, broadcast over the layers.
+  With `scanned`, the call signature is the `nn.scan` body's: (x, None) -> (x, None); `mask_bts`, `rope` and
+  `local` (see `Attention`) follow, broadcast over the layers, then `sliding` (the layer's kind, a scanned input
+  when the model mixes kinds).
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
@@ -202,13 +120,23 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x_btd: jax.Array, _: Any = None, mask_bts: jax.Array | None = None,
-               rope: tuple[jax.Array, jax.Array] | None = None) -> Any:
-    attn = Attention(self.spec, self.dtype, self.causal, name="attn")
-    h_btd = Norm(self.spec, self.dtype, name="ln_1")(x_btd)
-    x_btd = _add(x_btd, attn(h_btd) if mask_bts is None and rope is None else attn(h_btd, mask_bts, rope), self.dtype)
+               rope: tuple[jax.Array, jax.Array] | None = None, local: tuple[jax.Array, jax.Array] | None = None,
+               sliding: Any = None) -> Any:
+    s = self.spec
+    attn = Attention(s, self.dtype, self.causal, name="attn")
+    h_btd = Norm(s, self.dtype, name="ln_1")(x_btd)
+    if mask_bts is None and rope is None and local is None and sliding is None:
+      a_btd = attn(h_btd)  # the stream call of a default spec, unchanged
+    else:
+      a_btd = attn(h_btd, mask_bts, rope, local, sliding)
+    if s.post_norms:
+      a_btd = Norm(s, self.dtype, name="ln_1_post")(a_btd)
+    x_btd = _add(x_btd, a_btd, self.dtype)
     _tap(self, "resid_mid", lambda: x_btd)
-    x_btd = _add(x_btd, Mlp(self.spec, self.dtype, name="mlp")(Norm(self.spec, self.dtype, name="ln_2")(x_btd)),
-                 self.dtype)
+    m_btd = Mlp(s, self.dtype, name="mlp")(Norm(s, self.dtype, name="ln_2")(x_btd))
+    if s.post_norms:
+      m_btd = Norm(s, self.dtype, name="ln_2_post")(m_btd)
+    x_btd = _add(x_btd, m_btd, self.dtype)
     _tap(self, "out", lambda: x_btd)
     return (x_btd, None) if self.scanned else x_btd
 
@@ -261,18 +189,28 @@ class GPT(nn.Module):
     return self.remat
 
   def _blocks(self, x_btd: jax.Array, mask_bts: jax.Array | None = None,
-              rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+              rope: tuple[jax.Array, jax.Array] | None = None,
+              local: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """The blocks over x (B, T, D). A model that mixes layer kinds passes each layer's kind (`sliding`): a Python
+    bool per unrolled block, a scanned (L,) bool input of the nn.scan; the rest is broadcast over the layers."""
     s = self.spec
     block = _block_class(self._remat_name(), self.host_memory_kind, self.scan_layers,
                          self.layer_to_device and self.scan_layers and not self.is_initializing(), self.dtype)
-    extra = () if mask_bts is None and rope is None else (mask_bts, rope)  # stream: the call of before, unchanged
+    mixed = uniform_kind(s) is None
+    extra: tuple = (mask_bts, rope) + ((local,) if local is not None or mixed else ())
+    if all(e is None for e in extra) and not mixed:
+      extra = ()  # stream: the call of before, unchanged
+    kinds = [k == "sliding" for k in s.layer_kinds]
     if not self.scan_layers:
       for i in range(s.n_layers):
-        x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd, *((None,) + extra if extra else ()))
+        args = ((None,) + extra if extra else ()) + ((kinds[i],) if mixed else ())
+        x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd, *args)
       return x_btd
-    kw = {"in_axes": (nn.broadcast,) * 3} if extra else {}  # (None, mask, rope): the same for every layer
+    # (None, mask, rope[, local]): the same for every layer; the kinds, one per layer
+    kw = {"in_axes": (nn.broadcast,) * (1 + len(extra)) + ((0,) if mixed else ())} if extra else {}
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers, **kw)
-    x_btd, _ = scanned(s, self.dtype, True, self.causal, name=LAYERS)(x_btd, None, *extra)
+    x_btd, _ = scanned(s, self.dtype, True, self.causal, name=LAYERS)(
+        x_btd, None, *extra, *((jnp.asarray(kinds),) if mixed else ()))
     return x_btd
 
   @nn.compact
@@ -303,6 +241,8 @@ class GPT(nn.Module):
     wte = nn.Embed(s.vocab_size, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wte",
                    embedding_init=nn.initializers.normal(s.init_std))
     x_btd = wte(tokens_bt)
+    if s.embed_scale != 1.0:  # Gemma: x sqrt(d_model), the scale rounded to the compute dtype first
+      x_btd = embed_scale(x_btd, s.embed_scale)
     if s.position == "learned":
       wpe = nn.Embed(s.max_seq_len, s.d_model, dtype=self.dtype, param_dtype=jnp.float32, name="wpe",
                      embedding_init=nn.initializers.normal(s.init_std))
@@ -311,17 +251,22 @@ class GPT(nn.Module):
       else:
         x_btd = _add(x_btd, wpe(positions_bt.astype(jnp.int32)), self.dtype)  # + (B, T, D)
     _tap(self, "embed", lambda: x_btd)
-    rope = None
-    if s.position == "rope" and positions_bt is not None:
-      rope = rope_at(positions_bt.astype(jnp.int32), s.max_seq_len, s.head_dim, s.rope_theta)
+    rope = local = None
+    if s.position == "rope" and positions_bt is not None:  # the 'full' layers' tables, and the 'sliding' ones'
+      rope = rope_at(positions_bt.astype(jnp.int32), s.max_seq_len, s.head_dim, *kind_rope(s, False))
+      if s.rope_local_theta is not None:
+        local = rope_at(positions_bt.astype(jnp.int32), s.max_seq_len, s.head_dim, *kind_rope(s, True))
     mask_bts = None if segment_ids_bt is None else attention_mask(segment_ids_bt, self.causal)
-    x_btd = self._blocks(x_btd, mask_bts, rope)
+    x_btd = self._blocks(x_btd, mask_bts, rope, local)
     x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)
     if s.tie_embeddings:
       logits_btv = wte.attend(x_btd)  # x @ wte.T
     else:
       logits_btv = _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
     _tap(self, "logits", lambda: logits_btv)
+    if s.final_softcap is not None:  # Gemma 2: on the compute-dtype logits, before the loss (HF)
+      logits_btv = softcap(logits_btv, s.final_softcap)
+      _tap(self, "logits_capped", lambda: logits_btv)
     return logits_btv
 
 

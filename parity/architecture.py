@@ -190,8 +190,6 @@ def _validate_rope(spec: Any) -> None:
   kind = sc["rope_type"]
   if kind not in ROPE_TYPES:
     raise SpecError(f"model.rope_scaling.rope_type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-  if spec.position != "rope":
-    raise SpecError("model.rope_scaling needs model.position 'rope'")
   allowed = set(ROPE_TYPES[kind]) | {"rope_type"} | (set(_YARN_OPTIONAL) if kind == "yarn" else set())
   unknown = sorted(set(sc) - allowed)
   if unknown:

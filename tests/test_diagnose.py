@@ -79,14 +79,19 @@ def test_update_rule_allows_adam_noise_only_where_the_gradient_is_noise():
 def test_plants_parse_and_reject_bad_input():
   plants = dg.parse_plants(["jax:no_causal_mask", "torch:transpose=h.0.attn.proj.weight", "torch:decay_all"],
                            ("jax", "torch"), GPT2)
-  assert plants == {"jax": {"no_causal_mask": True, "decay_all": False, "transpose": []},
-                    "torch": {"no_causal_mask": False, "decay_all": True, "transpose": ["h.0.attn.proj.weight"]}}
+  assert plants == {"jax": {"no_causal_mask": True, "decay_all": False, "transpose": [], "offset": []},
+                    "torch": {"no_causal_mask": False, "decay_all": True, "transpose": ["h.0.attn.proj.weight"],
+                              "offset": []}}
   for bad, msg in (("jax", "SIDE:KIND"), ("deepspeed:decay_all", "not among"), ("jax:flip", "unknown plant"),
                    ("jax:transpose=h.0.mlp.fc.weight", "square"), ("jax:transpose=nope", "canonical")):
     with pytest.raises(SpecError, match=msg):
       dg.parse_plants([bad], ("jax", "torch"), GPT2)
   params = {"w": np.arange(4, dtype=np.float32).reshape(2, 2)}
   assert np.array_equal(dg.apply_weight_plants(params, {"transpose": ["w"]})["w"], params["w"].T)
+  assert np.array_equal(dg.apply_weight_plants(params, {"offset": ["w"]})["w"], params["w"] + np.float32(0.05))
+  assert dg.parse_plants(["torch:offset=h.0.ln_1.bias"], ("jax", "torch"), GPT2)["torch"]["offset"] == ["h.0.ln_1.bias"]
+  with pytest.raises(SpecError, match="canonical"):
+    dg.parse_plants(["torch:offset=h.9.ln_1.bias"], ("jax", "torch"), GPT2)
 
 
 def test_lr_position_skips_warmup_zeros():

@@ -95,3 +95,16 @@ def test_parity_report_verify_recomputes_the_equivalence_checks_and_catches_an_e
   rep["equivalence"]["ga"]["sides"]["jax"]["max_abs_loss_diff"] = 0.5  # an edited figure
   (copy / "report.json").write_text(json.dumps(rep))
   assert any("equivalence section" in line for line in verify_report(load_report(copy)))
+
+
+def test_equivalence_asked_for_a_side_that_died_is_a_named_failure(tmp_path, data):
+  """A side killed in its main run gets no equivalence rerun: the report says it was asked for and not run (a failing
+  'reruns' check naming the kind and the side), instead of an equivalence section without that side."""
+  from parity.report.read import load_report, verify_report
+  out = tmp_path / "killed"
+  p, rep = _compare(out, data, "--sides", "torch", "--equivalence", "ga", "--perturb", "torch:kill_at_step=1")
+  assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+  rows = [c for c in rep["checks"] if c["metric"] == "reruns"]
+  assert len(rows) == 1 and not rows[0]["passed"] and rows[0]["gating"]
+  assert "--equivalence ga was not run for torch (killed)" in rows[0]["detail"], rows[0]["detail"]
+  assert verify_report(load_report(out)) == []

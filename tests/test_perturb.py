@@ -34,14 +34,19 @@ SIDES = ("jax", "torch", "deepspeed")
 VARIANTS = {"adamw": {}, "fp16": {"train.precision": "fp16"}, "sgd": {"train.optimizer": "sgd", "train.momentum": 0.9},
             "lamb": {"train.optimizer": "lamb"}, "rope": {"model.position": "rope"},
             "padded": {"train.layout": "padded", "data": "sft-demo", "model.vocab_size": 258, "model.max_seq_len": 128,
-                       "train.seq_len": 128}}
+                       "train.seq_len": 128},
+            "gemma": {"model.norm": "rmsnorm", "model.mlp": "geglu", "model.position": "rope", "model.bias": False,
+                      "model.sliding_window": 4, "model.layer_types": ["sliding", "full"],
+                      "model.rope_local_theta": 100.0}}
 """Runs (over gpt2-tiny, 6 steps: fp32 AdamW, WarmupCosineLR from the train fields, learned positions, GELU) in which
 each key shapes the training: its HOME."""
 HOME = {**{k: "fp16" for k in ("train.loss_scale", "train.initial_scale_power", "train.loss_scale_window",
                                "train.hysteresis", "train.consecutive_hysteresis", "train.min_loss_scale")},
         **{k: "sgd" for k in ("train.momentum", "train.dampening", "train.nesterov")},
         **{k: "lamb" for k in ("train.lamb_max_coeff", "train.lamb_min_coeff", "train.eps_inside_sqrt")},
-        "model.rope_theta": "rope", "train.loss_normalization": "padded"}
+        "model.rope_theta": "rope", "model.rope_scaling": "rope", "train.loss_normalization": "padded",
+        **{k: "gemma" for k in ("model.rope_local_theta", "model.sliding_window", "model.layer_types",
+                                "model.norm_plus_one")}}
 VALUES = {
     "model.norm_eps": 1e-3, "model.gelu_approximate": False, "model.attn_scale": 0.2, "model.rope_theta": 500.0,
     "train.lr": 2e-3, "train.warmup_steps": 2, "train.warmup_min_ratio": 0.1, "train.cos_min_ratio": 0.5,
@@ -52,9 +57,11 @@ VALUES = {
     "train.loss_scale_window": 10, "train.hysteresis": 1, "train.consecutive_hysteresis": True,
     "train.min_loss_scale": 2.0, "train.optimizer": "adam", "train.momentum": 0.5, "train.dampening": 0.1,
     "train.nesterov": True, "train.lamb_max_coeff": 5.0, "train.lamb_min_coeff": 0.05, "train.eps_inside_sqrt": True,
-    "train.loss_normalization": "micro_mean"}
+    "train.loss_normalization": "micro_mean", "model.rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    "model.rope_local_theta": 50.0, "model.attn_softcap": 5.0, "model.final_softcap": 3.0, "model.sliding_window": 8,
+    "model.layer_types": ["full", "sliding"], "model.embed_scale": 8.0, "model.norm_plus_one": True}
 """A value for every perturbable key that differs from its HOME run's."""
-REFUSED_ON_ADAMW = {k for k, v in HOME.items() if v != "adamw"}
+REFUSED_ON_ADAMW = {k for k, v in HOME.items() if v not in ("adamw", "gemma")}
 """On the plain AdamW fp32 GPT-2 run these keys change nothing (loss scaling is fp16 only, SGD/Lamb fields, rotary
 base with learned positions): each must be refused, never accepted and dropped."""
 REFUSED_WITH_CONFIG = {

@@ -1,8 +1,11 @@
 """The GPT decoder in PyTorch, named so that canonical weights load key by key.
 
-Every `parity.spec.ModelSpec` option is implemented: pre-norm blocks, LayerNorm (with or without bias) or RMSNorm,
-GELU (tanh or exact) or SwiGLU MLP, learned positions or rotary embeddings (HF LLaMA rotate-half convention),
-grouped-query attention, a tied or untied output head. There is no dropout.
+Every `parity.spec.ModelSpec` option is implemented: pre-norm blocks, LayerNorm (with or without bias) or RMSNorm
+(Gemma's (1 + w) form under norm_plus_one), GELU (tanh or exact), SwiGLU or GeGLU MLP, learned positions or rotary
+embeddings (HF LLaMA rotate-half convention; linear / llama3 / yarn scaling, a local base per sliding layer),
+grouped-query attention with its own head_dim, per-projection biases, q/k norms, Gemma's embedding scale, post
+norms and soft-caps, sliding-window layers, a tied or untied output head. There is no dropout. The parts (norms,
+rotary, masks, soft-cap, attention, MLP) are in `torch_impl.layers` and re-exported here.
 
 Module attribute paths equal the canonical names of `parity.weights` (torch layout, linear weights [out, in]), so
 `state_dict()` keys are the canonical keys and loading is a copy with a shape check; no tensor is transposed here.
@@ -12,7 +15,7 @@ with `to_empty`, and `load_canonical` overwrites every parameter from the canoni
 """
 from __future__ import annotations
 
-import functools
+import json
 import math
 
 import numpy as np
@@ -20,290 +23,70 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parity import architecture
 from parity.spec import ModelSpec
 from parity.weights import decays, param_shapes
+from torch_impl.layers import (MLP, Attention, RMSNorm, TapRecorder, _Tapped, additive_mask, attention_mask,
+                               make_norm, mlp_activation, rope_tables, softcap, window_mask)
 
 __all__ = ["GPT", "RMSNorm", "TapRecorder", "build_model", "load_canonical", "to_canonical", "lm_loss", "micro_loss",
-           "rope_tables", "attention_mask", "additive_mask", "decay_groups", "count_params"]
+           "rope_tables", "attention_mask", "window_mask", "additive_mask", "softcap", "decay_groups", "count_params",
+           "Attention", "MLP", "Block", "mlp_activation"]
 
-
-class TapRecorder:
-  """Collects the diagnose taps of a forward pass (`parity diagnose`, docs/diagnose.md).
-
-  `GPT.record_taps(recorder)` attaches it; each module then stores its intermediates under
-  canonical tap names (module name + tap, e.g. `h.0.attn.q`). Only the first value of each
-  name is kept, so with gradient accumulation the taps are those of the first micro batch.
-
-  Attributes:
-    values: canonical tap name -> detached float32 copy, canonical layout (q/k/v (B, heads, T, hd),
-      scores/probs (B, nh, T, S), all else (B, T, features)).
-    where: canonical tap name -> the torch module and tap, e.g. 'h.0.attn (Attention) q'.
-  """
-
-  def __init__(self):
-    self.values: dict[str, torch.Tensor] = {}
-    self.where: dict[str, str] = {}
-
-  def record(self, module: nn.Module, name: str, make) -> None:
-    prefix = module._tap_prefix
-    key = f"{prefix}.{name}" if prefix else name
-    if key not in self.values:
-      self.values[key] = make().detach().float().clone()
-      self.where[key] = f"{prefix or '<model>'} ({type(module).__name__}) {name}"
-
-
-class _Tapped:
-  """Mixin: a module that can report diagnose taps. No cost unless a TapRecorder is attached."""
-  _taps: TapRecorder | None = None
-  _tap_prefix: str = ""
-
-  def _tap(self, name: str, make) -> None:
-    """Records `make()` as tap `name` when a recorder is attached; `make` is not called otherwise."""
-    if self._taps is not None:
-      self._taps.record(self, name, make)
-
-
-class RMSNorm(nn.Module):
-  """Root-mean-square norm: x / sqrt(mean(x^2) + eps) * weight, statistics in float32.
-
-  Matches HF `LlamaRMSNorm` (normalise in fp32, cast back, then scale) and
-  Flax `nn.RMSNorm`; identical to `torch.nn.RMSNorm` for fp32 inputs.
-
-  Args:
-    dim: size of the last axis.
-    eps: added to the mean square (unitless).
-  """
-
-  def __init__(self, dim: int, eps: float):
-    super().__init__()
-    self.eps = eps
-    self.weight = nn.Parameter(torch.ones(dim))
-
-  def forward(self, x: torch.Tensor) -> torch.Tensor:
-    """x: (..., dim), any float dtype -> same shape and dtype."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-    return self.weight * y.to(x.dtype)
-
-
-def _norm(spec: ModelSpec) -> nn.Module:
-  if spec.norm == "rmsnorm":
-    return RMSNorm(spec.d_model, spec.norm_eps)
-  return nn.LayerNorm(spec.d_model, eps=spec.norm_eps, bias=spec.bias)
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float,
-                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-  """Rotary cos/sin tables in the HF LLaMA rotate-half layout.
-
-  angle[t, j] = t * theta^(-2j / head_dim) for j < head_dim / 2, repeated once
-  along the last axis ([a_0..a_{h/2-1}, a_0..a_{h/2-1}]). Computed in float64
-  and rounded once to float32, so any implementation that rounds the exact
-  values agrees bitwise (a float32 angle computation is off by up to ~1e-5 at
-  position 128).
-
-  Args:
-    seq_len: number of positions T.
-    head_dim: per-head width (even).
-    theta: rotary base (unitless).
-  Returns:
-    (cos, sin), each float32 of shape (T, head_dim).
-  References:
-    Su et al. 2021 (RoFormer); HF transformers `LlamaRotaryEmbedding`, `rotate_half`.
-  """
-  inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (hd/2,)
-  angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
-  angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
-  return angles.cos().float().to(device), angles.sin().float().to(device)
-
-
-def attention_mask(segment_ids: torch.Tensor, causal: bool = True) -> torch.Tensor:
-  """bool (B, 1, T, S), [query, key], SDPA's `attn_mask` (True = attend): query t may attend key s iff
-  segment_ids[t] == segment_ids[s] and s <= t (parity.dataset.reference.attention_mask). Padding (segment 0)
-  attends earlier padding only, so no row is empty. `causal=False` (the diagnose plant) keeps the segment test.
-
-  Args:
-    segment_ids: int (B, T): 0 = padding, 1, 2, ... = the example's order in its row.
-  """
-  t = segment_ids.shape[-1]
-  same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # (B, 1, T, S)
-  if not causal:
-    return same
-  return same & _causal(t, segment_ids.device)
-
-
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-  """bool (B, 1, T, S) (True = attend) -> `dtype` (B, 1, T, S): 0 where attended, -inf elsewhere; exactly what SDPA
-  makes of a bool `attn_mask` in every call (aten `convert_boolean_attn_mask`: where(~mask, -inf, 0) in the query's
-  dtype), so the outputs are bit-identical; built once per forward instead of once per layer and pass."""
-  return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-@functools.lru_cache(maxsize=16)
-def _causal(t: int, device: torch.device) -> torch.Tensor:
-  """bool (T, S) lower triangle (s <= t), built once per length and device: `tril` on a bool tensor cost ~0.9 ms
-  of a ~20 ms gpt2-tiny step when built every forward (torch.profiler, benchmarks/results/train_step_layouts.md)."""
-  return torch.ones(t, t, dtype=torch.bool, device=device).tril()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-  half = x.shape[-1] // 2
-  return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-  """x: (B, nh, T, hd); cos, sin: (T, hd), or per token (B, 1, T, hd), float32 -> (B, nh, T, hd), dtype of x."""
-  return (x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)).to(x.dtype)
-
-
-class Attention(_Tapped, nn.Module):
-  """Causal self-attention with grouped-query heads.
-
-  qkv rows are [q heads | k heads | v heads] (parity.weights); query head i
-  attends with key/value head i // (n_heads // kv_heads), as HF `repeat_kv` and
-  SDPA `enable_gqa` do.
-
-  Attributes:
-    causal: apply the causal mask. Always True in training; False only as a planted bug of
-      `parity diagnose` (`--plant SIDE:no_causal_mask`).
-  """
-
-  def __init__(self, spec: ModelSpec):
-    super().__init__()
-    self.spec = spec
-    self.causal = True
-    hd = spec.head_dim
-    self.qkv = nn.Linear(spec.d_model, (spec.n_heads + 2 * spec.kv_heads) * hd, bias=spec.bias)
-    self.proj = nn.Linear(spec.n_heads * hd, spec.d_model, bias=spec.bias)
-
-  def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (B, T, d_model) -> (B, T, d_model). mask: None (causal, SDPA's is_causal), or additive (B, 1, T, S) in
-    x's dtype (`additive_mask(attention_mask(...))`: segment and causality in it, 0 = attend, -inf = not) given to
-    SDPA as attn_mask, without is_causal."""
-    s = self.spec
-    b, t, _ = x.shape
-    q_dim, kv_dim = s.n_heads * s.head_dim, s.kv_heads * s.head_dim
-    q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-    q = q.view(b, t, s.n_heads, s.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-    k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-    v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-    if rope is not None:
-      q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-    self._tap("q", lambda: q)
-    self._tap("k", lambda: k)
-    self._tap("v", lambda: v)
-    if s.kv_heads != s.n_heads:
-      rep = s.n_heads // s.kv_heads
-      k = k.repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
-      v = v.repeat_interleave(rep, dim=1)  # (B, nh, T, hd)
-    if self._taps is not None:  # SDPA hides scores and probs: recompute them from the same q, k for the taps
-      self._attention_taps(q, k, t) if mask is None else self._attention_taps(q, k, t, mask)
-    if mask is None:
-      y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=s.scale)  # (B, nh, T, hd)
-    else:
-      y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scale)  # (B, nh, T, hd)
-    y = y.transpose(1, 2).reshape(b, t, q_dim)  # (B, T, nh * hd)
-    self._tap("context", lambda: y)
-    out = self.proj(y)
-    self._tap("out", lambda: out)
-    return out
-
-  def _attention_taps(self, q: torch.Tensor, k: torch.Tensor, t: int, mask: torch.Tensor | None = None) -> None:
-    """Taps `scores` (scaled q.k, before the mask) and `probs` (after mask and softmax), (B, nh, T, S).
-
-    The forward output still comes from SDPA; these are the same math spelled out (SDPA's
-    math backend), so a bug in the SDPA call itself shows up first at `context`.
-    """
-    scores = torch.matmul(q, k.transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S)
-    self._tap("scores", lambda: scores)
-    if mask is not None:  # additive: s + 0 = s and s + -inf = -inf exactly, as masked_fill
-      scores = scores + mask
-    elif self.causal:
-      keep = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-      scores = scores.masked_fill(~keep, float("-inf"))
-    self._tap("probs", lambda: torch.softmax(scores.float(), dim=-1))
-
-
-def mlp_activation(spec: ModelSpec) -> nn.Module:
-  """The MLP nonlinearity: GELU of the `gelu_approximate` form (tanh or erf) for gelu and geglu, SiLU for swiglu.
-
-  Returns a module mapping a tensor to one of the same shape and dtype."""
-  if spec.mlp == "swiglu":
-    return nn.SiLU()
-  return nn.GELU(approximate="tanh" if spec.gelu_approximate else "none")
-
-
-class MLP(_Tapped, nn.Module):
-  """fc -> GELU -> proj (gelu), or proj(silu(gate(x)) * up(x)) (swiglu)."""
-
-  def __init__(self, spec: ModelSpec):
-    super().__init__()
-    self.spec = spec
-    d, f = spec.d_model, spec.ffn_dim
-    if spec.mlp == "gelu":
-      self.fc = nn.Linear(d, f, bias=spec.bias)
-    else:
-      self.gate = nn.Linear(d, f, bias=spec.bias)
-      self.up = nn.Linear(d, f, bias=spec.bias)
-    self.proj = nn.Linear(f, d, bias=spec.bias)
-    self.act = mlp_activation(spec)
-    """The elementwise nonlinearity forward applies (to fc, or to gate); the semantics card probes this object."""
-
-  def forward(self, x: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, d_model) -> (B, T, d_model)."""
-    if self.spec.mlp == "gelu":
-      fc = self.fc(x)  # (B, T, d_ff)
-      self._tap("fc", lambda: fc)
-      h = self.act(fc)  # (B, T, d_ff)
-    else:
-      gate, up = self.gate(x), self.up(x)  # (B, T, d_ff) each
-      self._tap("gate", lambda: gate)
-      self._tap("up", lambda: up)
-      h = self.act(gate) * up  # (B, T, d_ff)
-    self._tap("act", lambda: h)
-    out = self.proj(h)
-    self._tap("out", lambda: out)
-    return out
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Block(_Tapped, nn.Module):
-  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+  """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); with post_norms (Gemma 2/3)
+  x + ln_1_post(attn(ln_1(x))), then x + ln_2_post(mlp(ln_2(x)))."""
 
   def __init__(self, spec: ModelSpec):
     super().__init__()
-    self.ln_1 = _norm(spec)
+    self.post_norms = spec.post_norms
+    self.ln_1 = make_norm(spec)
     self.attn = Attention(spec)
-    self.ln_2 = _norm(spec)
+    if spec.post_norms:
+      self.ln_1_post = make_norm(spec)
+    self.ln_2 = make_norm(spec)
     self.mlp = MLP(spec)
+    if spec.post_norms:
+      self.ln_2_post = make_norm(spec)
 
-  def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One pre-norm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)); with a TapRecorder set, every
-    intermediate is recorded under its canonical tap name. x: (B, T, d_model) in the compute dtype; rope and
-    mask: see `Attention.forward`."""
+  def forward(self, x: torch.Tensor, rope: Rope | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One transformer block; with a TapRecorder set, every intermediate is recorded under its canonical tap name.
+    x: (B, T, d_model) in the compute dtype; rope and mask: see `Attention.forward`."""
     if self._taps is None:
-      x = x + self.attn(self.ln_1(x), rope, mask)
-      return x + self.mlp(self.ln_2(x))
+      h = self.attn(self.ln_1(x), rope, mask)
+      x = x + (self.ln_1_post(h) if self.post_norms else h)
+      h = self.mlp(self.ln_2(x))
+      return x + (self.ln_2_post(h) if self.post_norms else h)
     h = self.ln_1(x)
     self._tap("ln_1", lambda: h)
-    x = x + self.attn(h, rope, mask)
+    h = self.attn(h, rope, mask)
+    if self.post_norms:
+      h = self.ln_1_post(h)
+      self._tap("ln_1_post", lambda: h)
+    x = x + h
     self._tap("resid_mid", lambda: x)
     h = self.ln_2(x)
     self._tap("ln_2", lambda: h)
-    x = x + self.mlp(h)
+    h = self.mlp(h)
+    if self.post_norms:
+      h = self.ln_2_post(h)
+      self._tap("ln_2_post", lambda: h)
+    x = x + h
     self._tap("out", lambda: x)
     return x
 
 
 class GPT(_Tapped, nn.Module):
-  """GPT-2 / LLaMA-family decoder described by a ModelSpec.
+  """GPT-2 / LLaMA / Qwen / Gemma / Mistral-family decoder described by a ModelSpec.
 
   Args:
     spec: the model spec (validated here).
 
   Attributes:
-    checkpoint: None (store every activation), or a function `checkpoint(block, x, rope) -> y` that runs a
+    checkpoint: None (store every activation), or a function `checkpoint(block, x, rope[, mask]) -> y` that runs a
       block without keeping its internal activations and recomputes them in the backward pass (activation
       checkpointing; set by `torch_impl.engine` under DeepSpeedPlan.activation_checkpointing). Recomputation
       repeats the same fp32 ops, so the loss and gradients are unchanged.
@@ -317,7 +100,7 @@ class GPT(_Tapped, nn.Module):
     if spec.position == "learned":
       self.wpe = nn.Embedding(spec.max_seq_len, spec.d_model)
     self.h = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
-    self.ln_f = _norm(spec)
+    self.ln_f = make_norm(spec)
     if not spec.tie_embeddings:
       self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
 
@@ -329,11 +112,12 @@ class GPT(_Tapped, nn.Module):
       tokens: int64 token ids, shape (B, T), T <= spec.max_seq_len.
       segment_ids: optional int (B, T) (the `padded` / `packed` layouts, docs/data-examples.md): query t
         attends key s iff segment_ids[t] == segment_ids[s] and s <= t (`attention_mask`, made additive once:
-        `additive_mask`), as SDPA's attn_mask. None: causal only (SDPA is_causal), exactly as before.
+        `additive_mask`), as SDPA's attn_mask. None: causal only (SDPA is_causal), exactly as before. 'sliding'
+        layers (spec.layer_kinds) add the window (`window_mask`), with or without segment_ids.
       positions: optional int64 (B, T), each token's position within its example, in [0, max_seq_len): learned
         positions gather wpe[positions], rotary angles use them. None: 0 .. T-1 in every row.
     Returns:
-      Logits, shape (B, T, vocab_size), in the module's dtype.
+      Logits, shape (B, T, vocab_size), in the module's dtype (soft-capped under spec.final_softcap).
     Raises:
       ValueError: T exceeds spec.max_seq_len, or segment_ids / positions is not (B, T).
     """
@@ -344,20 +128,12 @@ class GPT(_Tapped, nn.Module):
     for name, arr in (("segment_ids", segment_ids), ("positions", positions)):
       if arr is not None and tuple(arr.shape) != tuple(tokens.shape):
         raise ValueError(f"{name} has shape {tuple(arr.shape)}; it must be the inputs' shape {tuple(tokens.shape)}")
-    x = self.wte(tokens)  # (B, T, d)
-    rope = None
-    if s.position == "learned":
-      x = x + self.wpe(torch.arange(t, device=tokens.device) if positions is None else positions.long())  # (B, T, d)
-    elif positions is None:
-      rope = rope_tables(t, s.head_dim, s.rope_theta, device=tokens.device)
-    else:  # each token's own angle: rows of the table, (B, 1, T, hd) against q/k (B, nh, T, hd)
-      cos, sin = rope_tables(s.max_seq_len, s.head_dim, s.rope_theta, device=tokens.device)
-      rope = (cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1))
+    x = self._embed(tokens, positions)  # (B, T, d)
     self._tap("embed", lambda: x)
-    causal = all(b.attn.causal for b in self.h)  # False only under the diagnose plant no_causal_mask
-    mask = None if segment_ids is None else additive_mask(attention_mask(segment_ids, causal), x.dtype)  # once
-    for block in self.h:
-      if mask is None:  # the stream layout: the call of before, unchanged
+    ropes = self._ropes(t, positions, tokens.device)
+    masks = self._masks(t, segment_ids, x.dtype, tokens.device)
+    for block, rope, mask in zip(self.h, ropes, masks):
+      if mask is None:  # the stream layout of a full layer: the call of before, unchanged
         x = block(x, rope) if self.checkpoint is None else self.checkpoint(block, x, rope)
       else:
         x = block(x, rope, mask) if self.checkpoint is None else self.checkpoint(block, x, rope, mask)
@@ -365,7 +141,58 @@ class GPT(_Tapped, nn.Module):
     self._tap("ln_f", lambda: x)
     logits = F.linear(x, self.wte.weight) if s.tie_embeddings else self.lm_head(x)  # (B, T, V)
     self._tap("logits", lambda: logits)
+    if s.final_softcap is not None:
+      logits = softcap(logits, s.final_softcap)
+      self._tap("logits_capped", lambda: logits)
     return logits
+
+  def _embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Token embeddings (times spec.embed_scale, rounded to the compute dtype first as HF Gemma's `normalizer`),
+    plus learned positions: (B, T, d_model) in the module's dtype."""
+    s = self.spec
+    x = self.wte(tokens)  # (B, T, d)
+    if s.embed_scale != 1.0:
+      x = x * torch.tensor(s.embed_scale, dtype=x.dtype, device=x.device)
+    if s.position == "learned":
+      t = tokens.shape[1]
+      x = x + self.wpe(torch.arange(t, device=tokens.device) if positions is None else positions.long())  # (B, T, d)
+    return x
+
+  def _ropes(self, t: int, positions: torch.Tensor | None, device: torch.device) -> list[Rope | None]:
+    """Each layer's rotary (cos, sin) (`parity.architecture.layer_rope`: rope_theta and rope_scaling, or the local
+    base of a sliding layer), one table per distinct (theta, scaling): (T, hd) each, or per token (B, 1, T, hd)
+    with positions. None per layer for learned positions."""
+    s = self.spec
+    if s.position != "rope":
+      return [None] * s.n_layers
+    tables: dict[str, Rope] = {}
+    out = []
+    for i in range(s.n_layers):
+      theta, scaling = architecture.layer_rope(s, i)
+      key = json.dumps([theta, scaling], sort_keys=True)
+      if key not in tables:
+        if positions is None:
+          tables[key] = rope_tables(t, s.head_dim, theta, device=device, scaling=scaling)
+        else:  # each token's own angle: rows of the table, (B, 1, T, hd) against q/k (B, nh, T, hd)
+          cos, sin = rope_tables(s.max_seq_len, s.head_dim, theta, device=device, scaling=scaling)
+          tables[key] = (cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1))
+      out.append(tables[key])
+    return out
+
+  def _masks(self, t: int, segment_ids: torch.Tensor | None, dtype: torch.dtype,
+             device: torch.device) -> list[torch.Tensor | None]:
+    """Each layer's additive mask, built once per kind: a full layer None (stream: SDPA's is_causal) or
+    `additive_mask(attention_mask(segment_ids))`; a sliding layer `additive_mask(window_mask(...))`."""
+    s = self.spec
+    causal = all(b.attn.causal for b in self.h)  # False only under the diagnose plant no_causal_mask
+    kinds = s.layer_kinds
+    full = None
+    if segment_ids is not None and "full" in kinds:
+      full = additive_mask(attention_mask(segment_ids, causal), dtype)
+    sliding = None
+    if "sliding" in kinds:
+      sliding = additive_mask(window_mask(t, s.sliding_window, device, segment_ids, causal), dtype)
+    return [sliding if kind == "sliding" else full for kind in kinds]
 
   def record_taps(self, recorder: TapRecorder | None) -> None:
     """Attaches (or, with None, detaches) a TapRecorder to this model and every tapped submodule.

@@ -19,6 +19,7 @@ from parity.sizing.plans import HARDWARE, plan_of
 from parity.sizing import memory, plans
 from parity.cli._common import Failure
 from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
+from parity.hf.presets import HF_REPOS
 from parity.presets import PRESETS
 from parity.spec import to_dict
 
@@ -35,9 +36,9 @@ def _add_run_source(p: argparse.ArgumentParser, model_default: str) -> None:
   """--preset | --model, --config, --set, --micro-batch, --seq-len, --precision: what resolve_run takes."""
   src = p.add_mutually_exclusive_group()
   src.add_argument("--preset", help=f"a run preset, e.g. gpt2-tiny (default: {model_default}); see `parity presets`")
-  src.add_argument("--model", help="a model-size preset, e.g. gpt2-124m, llama-7b, with micro batch 1, sequence "
-                                   "min(2048, max) and bf16 unless given (default: "
-                                   f"{model_default}); see `parity presets`")
+  src.add_argument("--model", help="a model-size preset, e.g. gpt2-124m, llama-3.1-8b, qwen3-8b, gemma-3-27b (or its "
+                                   "Hugging Face name: Llama-3.1-8B), with micro batch 1, sequence min(2048, max) and "
+                                   f"bf16 unless given (default: {model_default}); see `parity presets`")
   add_run_source(p, set_example="--set model.n_layers=4", preset=False)  # --preset is exclusive with --model here
   p.add_argument("--micro-batch", type=int, help="sequences per micro batch per device (default: the preset's; a "
                                                  "--model: 1)")
@@ -281,6 +282,8 @@ def run_presets(args: argparse.Namespace) -> int:
   for name, m in MODEL_PRESETS.items():
     n = PUBLISHED_PARAM_COUNTS.get(name, n_params(m))
     con.print(f"  [bold]{name}[/bold]: {n / 1e9:.3g} B params, {m.n_layers} layers × d_model {m.d_model}, "
-              f"{m.n_heads} heads{f' ({m.n_kv_heads} kv)' if m.n_kv_heads and m.n_kv_heads != m.n_heads else ''}, "
-              f"{m.mlp} MLP, max seq {m.max_seq_len}")
+              f"{m.n_heads} heads{f' ({m.n_kv_heads} kv)' if m.n_kv_heads and m.n_kv_heads != m.n_heads else ''}"
+              f"{f' of {m.d_head}' if m.d_head is not None else ''}, {m.mlp} MLP, vocab {m.vocab_size:,}, max seq "
+              f"{m.max_seq_len}{f', window {m.sliding_window}' if m.sliding_window is not None else ''}"
+              f"{f' ({HF_REPOS[name]})' if name in HF_REPOS else ''}")
   return EXIT_OK

@@ -7,20 +7,25 @@ from typing import Any, Sequence
 
 from parity import weights
 from parity.numerics import schedule
+from parity.protocol.diagnose import PLANT_OFFSET
 from parity.spec import ModelSpec, SpecError, TrainSpec
 
 __all__ = ["PLANT_KINDS", "parse_plants", "lr_position"]
 
-PLANT_KINDS = ("no_causal_mask", "transpose=<canonical square weight>", "decay_all")
+PLANT_KINDS = ("no_causal_mask", "transpose=<canonical square weight>", "offset=<canonical tensor>", "decay_all")
+OFFSET = PLANT_OFFSET
+"""What an `offset=NAME` plant adds to every element of the tensor when that side loads it (a mis-loaded tensor: a
+zero bias or a norm weight of 1 is moved as much as a matrix)."""
 
 
 def parse_plants(items: Sequence[str], sides: Sequence[str], spec: ModelSpec) -> dict[str, dict[str, Any]]:
   """Parses `--plant SIDE:KIND` items (planted bugs for testing diagnose itself).
 
-  Kinds: `no_causal_mask`; `transpose=NAME` (a square canonical weight, transposed when loaded);
-  `decay_all` (AdamW decay on every tensor).
+  Kinds: `no_causal_mask`; `transpose=NAME` (a square canonical weight, transposed when loaded); `offset=NAME` (any
+  canonical tensor, OFFSET added to each element when loaded); `decay_all` (AdamW decay on every tensor).
   Returns:
-    side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names]} for sides with plants.
+    side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names], 'offset': [names]} for sides with
+    plants.
   Raises:
     SpecError: malformed item, a side not run, an unknown kind, or a name that is not a square weight.
   """
@@ -33,15 +38,18 @@ def parse_plants(items: Sequence[str], sides: Sequence[str], spec: ModelSpec) ->
                       f"{', '.join(PLANT_KINDS)}")
     if side not in sides:
       raise SpecError(f"--plant {item!r}: side {side!r} is not among the sides run ({', '.join(sides)})")
-    p = out.setdefault(side, {"no_causal_mask": False, "decay_all": False, "transpose": []})
+    p = out.setdefault(side, {"no_causal_mask": False, "decay_all": False, "transpose": [], "offset": []})
     key, eq, value = kind.partition("=")
     if key in ("no_causal_mask", "decay_all") and not eq:
       p[key] = True
-    elif key == "transpose" and eq:
+    elif key in ("transpose", "offset") and eq:
       if value not in shapes:
         raise SpecError(f"--plant {item!r}: {value!r} is not a canonical parameter of this model; e.g. "
                         f"h.0.attn.proj.weight")
       shape = shapes[value]
+      if key == "offset":
+        p["offset"].append(value)
+        continue
       if len(shape) != 2 or shape[0] != shape[1]:
         raise SpecError(f"--plant {item!r}: {value} has shape {shape}; only a square weight can be transposed "
                         "in place (e.g. h.0.attn.proj.weight)")

@@ -38,7 +38,9 @@ in (request.json 'deepspeed_config' holds the same)."""
 
 
 PERTURBABLE = frozenset({
-    "model.norm_eps", "model.gelu_approximate", "model.attn_scale", "model.rope_theta",
+    "model.norm_eps", "model.gelu_approximate", "model.attn_scale", "model.rope_theta", "model.rope_scaling",
+    "model.rope_local_theta", "model.attn_softcap", "model.final_softcap", "model.sliding_window", "model.layer_types",
+    "model.embed_scale", "model.norm_plus_one",
     "train.lr", "train.warmup_steps", "train.warmup_min_ratio", "train.cos_min_ratio", "train.lr_schedule",
     "train.lr_schedule_params", "train.beta1", "train.beta2", "train.eps", "train.weight_decay", "train.grad_clip",
     "train.precision", "train.loss_scale", "train.initial_scale_power", "train.loss_scale_window",
@@ -46,7 +48,8 @@ PERTURBABLE = frozenset({
     "train.dampening", "train.nesterov", "train.lamb_max_coeff", "train.lamb_min_coeff", "train.eps_inside_sqrt",
     "train.loss_normalization"})
 """Settings one side may change on its own: numerics only. Weights and batches are shared files, so keys that
-shape them (seeds, sizes, steps, layer layout) cannot differ per side."""
+shape them (seeds, sizes, steps, layer layout, which tensors exist: biases, q/k and post norms, d_head) cannot differ
+per side; model.norm_plus_one keeps the shared weights and changes what the side makes of its norm weights."""
 
 
 def parse_perturb(items: Sequence[str], sides: Sequence[str], spec: RunSpec | None = None) -> dict[str, dict[str, Any]]:

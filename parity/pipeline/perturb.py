@@ -26,6 +26,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from parity.architecture import layer_rope
 from parity.numerics import schedule
 from parity.numerics.ds_json import deepspeed_json, fp16_config
 from parity.protocol.layout import DEBUG_KEYS
@@ -76,21 +77,36 @@ def trains(spec: RunSpec) -> dict[str, Any]:
   nothing the side runs.
 
   Returns:
-    {model: {norm_eps, gelu (None for SwiGLU), rope_theta (None for learned positions), scale (q.k multiplier)},
+    {model: {norm_eps, gelu (None for SwiGLU), rope ((theta, scaling) per layer; None for learned positions), scale
+     (q.k multiplier), soft-caps, windows (per layer, None where full or not shorter than seq_len), embed_scale,
+     norm_plus_one},
      lr: the lr of each optimizer step (parity.numerics.schedule.train_lr), betas: (beta1, beta2) per step (None for
      SGD), optimizer: (type, its other params), grad_clip, precision, fp16: DeepSpeed's fp16 block (loss scaling),
      loss_normalization (None on the stream layout, where 'tokens' and 'micro_mean' are the same loss)}.
   """
-  t, m = spec.train, spec.model
+  t = spec.train
   opt = schedule.optimizer_of(t)
   params = {k: v for k, v in opt["params"].items() if k not in ("lr", "betas")}
   betas = [schedule.train_betas(t, k) for k in range(t.steps)] if "betas" in opt["params"] else None
-  return {"model": {"norm_eps": m.norm_eps, "gelu": m.gelu_approximate if m.mlp == "gelu" else None,
-                    "rope_theta": m.rope_theta if m.position == "rope" else None, "scale": m.scale},
+  return {"model": _model_numerics(spec),
           "lr": [schedule.train_lr(t, k) for k in range(t.steps)], "betas": betas,
           "optimizer": (opt["type"], params), "grad_clip": t.grad_clip, "precision": t.precision,
           "fp16": fp16_config(t),
           "loss_normalization": t.loss_normalization if t.layout != "stream" else None}
+
+
+def _model_numerics(spec: RunSpec) -> dict[str, Any]:
+  """`trains`' model part: what the forward computes beyond the shared weights' shapes, per layer where it varies.
+
+  A sliding window at or beyond train.seq_len hides no key of a row, so its effective value is None there."""
+  m, t = spec.model, spec.train
+  rope = m.position == "rope"
+  kinds = m.layer_kinds
+  windows = tuple(m.sliding_window if k == "sliding" and m.sliding_window < t.seq_len else None for k in kinds)
+  return {"norm_eps": m.norm_eps, "gelu": m.gelu_approximate if m.mlp in ("gelu", "geglu") else None,
+          "rope": [layer_rope(m, i) for i in range(m.n_layers)] if rope else None, "scale": m.scale,
+          "attn_softcap": m.attn_softcap, "final_softcap": m.final_softcap, "windows": windows,
+          "embed_scale": m.embed_scale, "norm_plus_one": m.norm_plus_one}
 
 
 def side_fields(spec: RunSpec, kv: Mapping[str, Any]) -> dict[str, Any]:
@@ -130,10 +146,15 @@ def no_effect_reason(spec: RunSpec, key: str, value: Any) -> str:
             f"{t.lr_schedule} with lr_schedule_params {t.lr_schedule_params}; perturb train.lr_schedule_params instead")
   if key in ("train.beta1", "train.beta2") and schedule.cycles_momentum(t):
     return "OneCycle with cycle_momentum sets beta1 every step and fixes beta2 at 0.99"
-  if key == "model.gelu_approximate" and m.mlp != "gelu":
+  if key == "model.gelu_approximate" and m.mlp not in ("gelu", "geglu"):
     return f"model.mlp is {m.mlp!r}, which has no GELU"
-  if key == "model.rope_theta" and m.position != "rope":
-    return f"model.position is {m.position!r}: rope_theta is used only with rotary positions"
+  if key in ("model.rope_theta", "model.rope_scaling") and m.position != "rope":
+    return f"model.position is {m.position!r}: {key} is used only with rotary positions"
+  if key in ("model.rope_theta", "model.rope_scaling") and "full" not in m.layer_kinds and m.rope_local_theta:
+    return f"every layer is 'sliding' and uses model.rope_local_theta, never {key}"
+  if key in ("model.sliding_window", "model.layer_types"):
+    return (f"no 'sliding' layer has a window shorter than train.seq_len ({t.seq_len}): every key of a row is "
+            "inside it, so the attention is the full causal one")
   return (f"it leaves what the side trains unchanged over the run's {t.steps} steps (the lr of every step, the "
           "optimizer, clipping, precision, loss scaling and model are identical with and without it)")
 

@@ -111,11 +111,27 @@ def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | Non
         out.add(name, result)
     if out.interrupted is None and equivalence and ctx.ok_sides:
       out.add("equivalence", run_equivalence(ctx, equivalence, tokenizer=tokenizer, result=RerunResult()))
+    if equivalence and out.interrupted is None:
+      out.checks.extend(equivalence_not_run(ctx, equivalence))
   except (OSError, ValueError) as exc:  # a rerun's files could not be written or read: its checks fail, said why
     out.checks.append(Check(name="reruns", metric="reruns", sides=tuple(ctx.spec.sides[:2]), value=float("nan"),
                             tolerance=0.0, passed=False, detail=f"the noise/determinism/resume reruns stopped: {exc}",
                             reason="A rerun that could not run cannot vouch for the verdict."))
   return out
+
+
+def equivalence_not_run(ctx: RerunContext, equivalence: Sequence[str]) -> list[Check]:
+  """A failing 'reruns' check naming the --equivalence kinds asked for and the sides they were not run for (a side
+  whose main run did not finish has nothing to hold an equivalent run against); [] when every side ran them. The
+  report would otherwise show no equivalence row for those sides, as if none had been asked for."""
+  missing = [s for s in ctx.side_data if s not in ctx.ok_sides]
+  if not missing:
+    return []
+  why = ", ".join(f"{s} ({ctx.side_data[s]['status']})" for s in missing)
+  return [Check(name="reruns", metric="reruns", sides=tuple(ctx.spec.sides[:2]), value=float("nan"), tolerance=0.0,
+                passed=False, detail=f"--equivalence {','.join(equivalence)} was not run for {why}: the main run of "
+                "that side did not finish, so there is nothing to hold an equivalent run against",
+                reason="A check that was asked for and could not run cannot vouch for the verdict.")]
 
 
 def noise_envelope(ctx: RerunContext) -> RerunResult:

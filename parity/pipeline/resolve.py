@@ -36,6 +36,7 @@ from parity.migrate._read import PortError, read_deepspeed_config, read_structur
 from parity.data import DataError
 from parity.spec import SFT_DEMO
 from parity.hf import MODEL_PRESETS, convert
+from parity.hf.presets import model_preset_name
 from parity.sizing.memory import model_preset_train
 from parity.spec import check_numbers
 from parity.migrate._reverse import load_ported, to_run_spec, port_for_compare
@@ -169,7 +170,8 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
 
   Args:
     preset_name: a parity.presets.PRESETS name, or None (the config's `preset:`, else `model`, else DEFAULT_PRESET).
-    model: a model-size preset of parity.hf.MODEL_PRESETS (e.g. llama-7b, gpt2-124m): its ModelSpec with
+    model: a model-size preset of parity.hf.MODEL_PRESETS (e.g. llama-7b, gpt2-124m), or its Hugging Face repository
+      name in any case (parity.hf.presets.model_preset_name: 'Llama-3.1-8B'): its ModelSpec with
       parity.sizing.memory.model_preset_train's training (micro batch 1, seq_len min(2048, max_seq_len), bf16).
     config: a run config file (YAML/JSON/hjson) or mapping with sections model, train, jax, deepspeed (+ preset,
       data, sides, timeout_s), or a `parity port` output.
@@ -188,6 +190,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
       DeepSpeed config, a conflict between two sources (both named).
   """
   over = overrides_mapping(overrides)
+  model = None if model is None else model_preset_name(model)  # 'Llama-3.1-8B' or its HF repo id: 'llama-3.1-8b'
   name, spec, init_source, init_params = _base_config_checkpoint(preset_name, model, config, hf_model)  # 1, 2, 3
   # 5 and 6 as one mapping of dotted keys, the overrides after the flags (a later key wins)
   user = {**_flag_values(steps=steps, sides=sides, data=data, micro_batch=micro_batch, seq_len=seq_len,

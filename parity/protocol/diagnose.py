@@ -29,7 +29,9 @@ __all__ = ["PLANTS_KEY", "REQUEST_KEY", "OUTPUT_FILE", "REFERENCE_FILE", "WHERE_
            "DiagnoseSide", "run_diagnose", "example_arrays"]
 
 PLANTS_KEY = "diagnose_plants"
-"""request.json key: side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names]}."""
+"""request.json key: side -> {'no_causal_mask': bool, 'decay_all': bool, 'transpose': [names], 'offset': [names]}."""
+PLANT_OFFSET = 0.05
+"""Added to each element of an `offset=NAME` plant's tensor (parity.diagnose.inputs.OFFSET is this value)."""
 REQUEST_KEY = "diagnose"
 """request.json key: {'step': batch index, 'lr_step': schedule position of the update}."""
 OUTPUT_FILE = "diagnose.safetensors"
@@ -43,14 +45,20 @@ INPUTS_METADATA_KEY = "parity_diagnose_inputs"
 
 
 def forward_taps(spec: ModelSpec) -> list[str]:
-  """Canonical forward tap names in execution order (see the module docstring)."""
+  """Canonical forward tap names in execution order (see the module docstring). The issue-#21 blocks add, where the
+  spec has them: `attn.ln_q` / `attn.ln_k` (qk_norm: q/k after their norm, before rotary, (B, heads, T, hd)),
+  `attn.scores_capped` (attn_softcap: the soft-capped scores, before the mask), `ln_1_post` / `ln_2_post`
+  (post_norms: each branch's normed output, before its residual add) and `logits_capped` (final_softcap)."""
   out = ["embed"]
   mlp = ["mlp.fc"] if spec.mlp == "gelu" else ["mlp.gate", "mlp.up"]
+  qk = ["attn.ln_q", "attn.ln_k"] if spec.qk_norm else []
+  capped = ["attn.scores_capped"] if spec.attn_softcap is not None else []
+  post_1, post_2 = (["ln_1_post"], ["ln_2_post"]) if spec.post_norms else ([], [])
   for i in range(spec.n_layers):
-    out += [f"h.{i}.{t}" for t in ("ln_1", "attn.q", "attn.k", "attn.v", "attn.scores", "attn.probs",
-                                   "attn.context", "attn.out", "resid_mid", "ln_2", *mlp, "mlp.act",
-                                   "mlp.out", "out")]
-  return out + ["ln_f", "logits"]
+    out += [f"h.{i}.{t}" for t in ("ln_1", *qk, "attn.q", "attn.k", "attn.v", "attn.scores", *capped, "attn.probs",
+                                   "attn.context", "attn.out", *post_1, "resid_mid", "ln_2", *mlp, "mlp.act",
+                                   "mlp.out", *post_2, "out")]
+  return out + ["ln_f", "logits"] + (["logits_capped"] if spec.final_softcap is not None else [])
 
 
 def param_order(spec: ModelSpec) -> list[str]:
@@ -65,10 +73,13 @@ def tap_order(spec: ModelSpec) -> list[str]:
 
 
 def apply_weight_plants(params: Mapping[str, np.ndarray], plants: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  """The canonical weights with this side's `transpose` plants applied (a copy; float32)."""
+  """The canonical weights with this side's `transpose` and `offset` plants applied (a copy; float32; an offset adds
+  parity.diagnose.inputs.OFFSET, 0.05, to every element)."""
   out = dict(params)
   for name in plants.get("transpose", ()):
     out[name] = np.ascontiguousarray(np.asarray(params[name]).T)
+  for name in plants.get("offset", ()):
+    out[name] = (np.asarray(out[name], dtype=np.float32) + np.float32(PLANT_OFFSET)).astype(np.float32)
   return out
 
 
@@ -112,7 +123,8 @@ def read_request(request: Mapping[str, Any], side: str) -> WorkerRequest:
   return WorkerRequest(step=int(d["step"]), lr_step=int(d["lr_step"]),
                        plants={"no_causal_mask": bool(plants.get("no_causal_mask", False)),
                                "decay_all": bool(plants.get("decay_all", False)),
-                               "transpose": list(plants.get("transpose", []))},
+                               "transpose": list(plants.get("transpose", [])),
+                               "offset": list(plants.get("offset", []))},
                        data_plants=frozenset(k for k in PLANT_KEYS if perturb.get(k)))
 
 

@@ -8,9 +8,8 @@ Two models live here:
     per rank, split into 'device' and 'host', for the DeepSpeed side and the JAX side of a RunSpec. It
     differs from DeepSpeed's estimator on purpose; docs/plans.md lists where and why.
 
-Activation bytes per block follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", sec. 4.1 (34·s·b·h + 5·a·s²·b bytes for 2-byte activations with dropout), rewritten
-for this model: no dropout, element size e, grouped-query K/V, GELU or SwiGLU MLP (`block_activation_bytes`).
+Activation bytes (`block_activation_bytes`, `logits_bytes`, `activation_bytes`) live in parity.sizing.activations
+and are importable from here.
 """
 from __future__ import annotations
 
@@ -19,21 +18,20 @@ import enum
 import math
 from typing import Any, Iterable
 
+from parity.sizing.activations import FP32, activation_bytes, block_activation_bytes, logits_bytes
 from parity.sizing.batches import is_batch_row, step_input_rows
-from parity.spec import REMAT_POLICIES, ModelSpec, RunSpec, TrainSpec
+from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
-           "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes", "model_preset_train",
-           "estimate_json", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR"]
+           "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
+           "model_preset_train", "estimate_json", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
 KINDS = ("device", "host")
 """Memory kinds: the accelerator's memory, and host RAM used for offload ('pinned_host' on the JAX side)."""
-FP32 = 4
-"""Bytes per float32 element."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,56 +168,6 @@ def ds_estimate_table(stage: int, total_params: int, largest_layer_params: int =
   return "\n".join([head, "  per CPU  |  per GPU |   Options", *lines]) + "\n"
 
 
-# ----------------------------------------------------------------------------- activations
-
-def block_activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, elem: int,
-                           policy: str = "none") -> tuple[int, int]:
-  """Bytes one block keeps for its backward pass: (device, host), per rank.
-
-  With s = seq_len, b = micro_batch, h = d_model, f = ffn_dim, a = n_heads, k = kv_heads·head_dim and
-  e = elem bytes, a block without remat saves (Korthikanti et al. 2022, sec. 4.1, without dropout):
-    2·e·sbh (the two norm inputs) + e·sbh (qkv input) + e·sb(h + 2k) (Q, K, V) + e·a·s²·b (softmax
-    probabilities) + e·sbh (attention output) + MLP: GELU e·sb(h + 2f), SwiGLU e·sb(h + 4f).
-  With e = 2, k = h, f = 4h: 32·sbh + 2·as²b; their 34·sbh + 5·as²b adds the dropout masks and outputs.
-  Policies (jax_impl/offload.py names): 'full' keeps the block input e·sbh; 'save_dots' keeps it plus every
-  matmul output, 'save_dots_no_batch' only the weight matmuls (no batch dimension: not QK^T or PV);
-  'offload_dots_no_batch' / 'offload_names' keep the input on the device and those outputs on the host.
-  """
-  if policy not in REMAT_POLICIES:
-    raise ValueError(f"remat policy must be one of {', '.join(REMAT_POLICIES)}; got {policy!r}")
-  sb, h, f = seq_len * micro_batch, model.d_model, model.ffn_dim
-  k = model.kv_heads * model.head_dim
-  probs = model.n_heads * seq_len * seq_len * micro_batch
-  mlp_in, mlp_dots = (h + 2 * f, f) if model.mlp == "gelu" else (h + 4 * f, 2 * f)
-  weight_dots = sb * ((h + 2 * k) + h + mlp_dots + h)  # qkv, attention proj, fc (gate+up), mlp proj outputs
-  if policy == "none":
-    return elem * (sb * (2 * h + h + (h + 2 * k) + h + mlp_in) + probs), 0
-  if policy == "full":
-    return elem * sb * h, 0
-  if policy == "save_dots":
-    return elem * (sb * h + weight_dots + probs + sb * h), 0
-  if policy == "save_dots_no_batch":
-    return elem * (sb * h + weight_dots), 0
-  return elem * sb * h, elem * weight_dots  # offload_dots_no_batch, offload_names
-
-
-def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, elem: int,
-                     policy: str = "none") -> tuple[int, int]:
-  """Activation bytes at the end of the forward pass: (device, host), per rank.
-
-  n_layers × `block_activation_bytes`, plus the recompute working set of one block under any remat policy
-  (the block being recomputed holds its full activations), plus the embedding output and final norm input
-  (2·e·sbh) and the logits (e·sbV, and another 4·sbV when the loss upcasts them to fp32).
-  """
-  dev, host = block_activation_bytes(model, micro_batch, seq_len, elem, policy)
-  sb = seq_len * micro_batch
-  extra = 2 * elem * sb * model.d_model + elem * sb * model.vocab_size + (FP32 * sb * model.vocab_size
-                                                                          if elem != FP32 else 0)
-  if policy != "none":
-    extra += block_activation_bytes(model, micro_batch, seq_len, elem, "none")[0]
-  return model.n_layers * dev + extra, model.n_layers * host
-
-
 # ----------------------------------------------------------------------------- per-category model
 
 def _kind(offloaded: bool) -> str:
@@ -319,10 +267,15 @@ def _jax_rows(run: RunSpec) -> list[Row]:
 
 
 def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int) -> list[Row]:
+  """The side's saved activations (`activation_bytes`; the torch sides repeat K/V to n_heads) and, in-step, the
+  float32 gradient w.r.t. the logits at the start of the backward pass (`logits_bytes`)."""
   t = run.train
   elem = FP32 if t.precision == "fp32" else 2
-  dev, host = activation_bytes(run.model, math.ceil(t.micro_batch_size / ranks), t.seq_len, elem, policy)
-  rows = [Row(side, "activations", "device", dev, f"remat {policy}")]
+  micro = math.ceil(t.micro_batch_size / ranks)
+  dev, host = activation_bytes(run.model, micro, t.seq_len, elem, policy, kv_repeated=side != "jax")
+  rows = [Row(side, "activations", "device", dev, f"remat {policy}"),
+          Row(side, "activations", "device", logits_bytes(run.model, micro, t.seq_len, elem)[1],
+              "in-step (forward/backward: float32 gradient of the logits)")]
   if host:
     rows.append(Row(side, "activations", "host", host, f"remat {policy}"))
   return rows

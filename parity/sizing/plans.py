@@ -139,15 +139,21 @@ HARDWARE: dict[str, Hardware] = {
 
 # ----------------------------------------------------------------------------- cost model
 
+def _attention_width(model: ModelSpec) -> int:
+  """H·Q of PaLM's attention term: query heads × head_dim (= d_model unless d_head is decoupled: Qwen3, Gemma)."""
+  return model.n_heads * model.head_dim
+
+
 def _flops_per_token(model: ModelSpec, seq_len: int) -> float:
-  """Training FLOPs per token: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B; causal masking ignored)."""
-  return 6 * memory.param_count(model) + 12 * model.n_layers * model.d_model * seq_len
+  """Training FLOPs per token: 6·N + 12·L·H·Q·s, H·Q = n_heads·head_dim (PaLM, Chowdhery et al. 2022, app. B;
+  causal masking and sliding windows ignored: both sides compute dense scores)."""
+  return 6 * memory.param_count(model) + 12 * model.n_layers * _attention_width(model) * seq_len
 
 
 def _recompute_flops_per_token(model: ModelSpec, seq_len: int, policy: str) -> float:
-  """Extra FLOPs per token of a remat policy: 'full' reruns the forward (2·N + 4·L·h·s); the *_no_batch
-  policies rerun the attention score/value matmuls (4·L·h·s); none and save_dots rerun no matmul."""
-  attention = 4 * model.n_layers * model.d_model * seq_len
+  """Extra FLOPs per token of a remat policy: 'full' reruns the forward (2·N + 4·L·H·Q·s); the *_no_batch
+  policies rerun the attention score/value matmuls (4·L·H·Q·s); none and save_dots rerun no matmul."""
+  attention = 4 * model.n_layers * _attention_width(model) * seq_len
   if policy == "full":
     return 2 * memory.param_count(model) + attention
   if policy in ("save_dots_no_batch", "offload_dots_no_batch", "offload_names"):
