@@ -199,6 +199,13 @@ def _validate_rope(spec: Any) -> None:
     v = sc.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
       raise SpecError(f"model.rope_scaling.{key} ({kind}) must be a number > 0; got {v!r}")
+  for key in sorted(set(_YARN_OPTIONAL) & set(sc)) if kind == "yarn" else ():
+    v = sc[key]
+    if key == "truncate" and not isinstance(v, bool):
+      raise SpecError(f"model.rope_scaling.truncate (yarn) must be true or false; got {v!r}")
+    if key != "truncate" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v <= 0):
+      raise SpecError(f"model.rope_scaling.{key} (yarn) must be a number > 0; got {v!r}")
   if kind == "llama3" and not float(sc["high_freq_factor"]) > float(sc["low_freq_factor"]):
     raise SpecError("model.rope_scaling (llama3): high_freq_factor must exceed low_freq_factor; got "
                     f"{sc['high_freq_factor']} and {sc['low_freq_factor']}")

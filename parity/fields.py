@@ -88,7 +88,12 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     if dataclasses.is_dataclass(cur):
       kwargs[name] = from_dict(type(cur), value, path=key)
     elif isinstance(cur, tuple):
+      if not isinstance(value, (list, tuple)):  # tuple("full") would be its characters, tuple({...}) its keys
+        raise SpecError(f"{key} must be a list; got {str(value)[:60] if isinstance(value, str) else value!r}")
       kwargs[name] = tuple(value)
+    elif cur is None and _optional_bool(fields[name]) and isinstance(value, str) and value.lower() in (
+        "true", "false"):  # as a bool field takes them (_coerce): 'model.qkv_bias=true' like 'model.bias=true'
+      kwargs[name] = value.lower() == "true"
     elif value is None and cur is not None and not _allows_none(fields[name]):
       raise SpecError(f"{key}: expected {_kind(cur)}, got null; give a value, or leave the key out")
     else:
@@ -101,6 +106,12 @@ def _allows_none(f: dataclasses.Field) -> bool:
   import annotations`)."""
   t = f.type if isinstance(f.type, str) else repr(f.type)
   return "None" in t or "Optional" in t or t in ("Any", "typing.Any")
+
+
+def _optional_bool(f: dataclasses.Field) -> bool:
+  """Whether the field is annotated 'bool | None' (or 'Optional[bool]')."""
+  t = (f.type if isinstance(f.type, str) else repr(f.type)).replace(" ", "")
+  return t in ("bool|None", "None|bool", "Optional[bool]", "typing.Optional[bool]")
 
 
 def _kind(default: Any) -> str:

@@ -325,7 +325,8 @@ class TrainSpec:
     schedule.scheduler_params(self)  # SpecError naming train.lr_schedule / lr_schedule_params (a bug would show)
     validate_layout(self)
     if model is not None and self.seq_len > model.max_seq_len:
-      raise SpecError(f"train.seq_len ({self.seq_len}) exceeds model.max_seq_len ({model.max_seq_len})")
+      raise SpecError(f"train.seq_len ({self.seq_len}) exceeds model.max_seq_len ({model.max_seq_len}); lower it "
+                      f"(--set train.seq_len={model.max_seq_len}) or raise model.max_seq_len")
     return self
 
 

@@ -89,3 +89,39 @@ def test_d_head_decouples_heads_from_width_and_defaults_keep_the_hash():
   assert config_hash(RunSpec()) == "93d0bb43e4a32bcc"  # the default run's hash from before the fields existed
   assert ModelSpec(bias=True, qkv_bias=True, out_bias=False).linear_bias("out") is False
   assert ModelSpec(bias=True).linear_bias("mlp") is True
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("beta_fast", "x", r"beta_fast \(yarn\) must be a number > 0; got 'x'"),
+    ("beta_slow", 0, r"beta_slow \(yarn\) must be a number > 0"),
+    ("attention_factor", True, r"attention_factor \(yarn\) must be a number > 0"),
+    ("mscale", 0.0, r"mscale \(yarn\) must be a number > 0"),
+    ("mscale_all_dim", -1.0, r"mscale_all_dim \(yarn\) must be a number > 0"),
+    ("truncate", "true", r"truncate \(yarn\) must be true or false; got 'true'"),
+])
+def test_yarn_optional_keys_are_checked_up_front(key, value, match):
+  sc = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, key: value}
+  with pytest.raises(SpecError, match=r"model.rope_scaling." + match):
+    ModelSpec(**ROPE, rope_scaling=sc).validate()
+  ok = {**sc, key: False if key == "truncate" else 2.0}
+  ModelSpec(**ROPE, rope_scaling=ok).validate()
+
+
+@pytest.mark.parametrize("value", ["full", {"a": 1}, "full,sliding"])
+def test_layer_types_given_as_other_than_a_list_are_refused_not_split(value):
+  """from_dict would make tuple('full') its characters; a --set / config value that is not a list is refused."""
+  from parity.overrides import apply_overrides
+  with pytest.raises(SpecError, match=r"model.layer_types must be a list; got"):
+    apply_overrides(RunSpec(), {"model.layer_types": value})
+  with pytest.raises(SpecError, match=r"model.layer_types must be a list of 'full' / 'sliding'"):
+    ModelSpec(**ROPE, layer_types="full").validate()  # built directly: the field's own check
+
+
+def test_family_bool_fields_take_true_false_strings_as_model_bias_does():
+  from parity.overrides import apply_overrides
+  run = apply_overrides(RunSpec(), {"model.bias": "false", "model.post_norms": "true", "model.qkv_bias": "True",
+                                    "model.mlp_bias": "false"})
+  assert (run.model.bias, run.model.post_norms, run.model.qkv_bias, run.model.mlp_bias) == (False, True, True, False)
+  for key, value in (("model.bias", 1), ("model.norm_plus_one", 1), ("model.qkv_bias", 1), ("model.qkv_bias", "yes")):
+    with pytest.raises(SpecError, match=key.split(".")[1]):
+      apply_overrides(RunSpec(), {key: value}).validate()

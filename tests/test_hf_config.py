@@ -465,3 +465,97 @@ def test_run_spec_from_hf_takes_every_family(name, tmp_path):
                                                                     warmup_steps=1)))
   assert run.model == spec and list(got) == list(weights.param_shapes(spec))  # seq_len 64: Mistral's window 8 is
   assert all(np.array_equal(got[k], params[k]) for k in params)              # applied, not a context limit
+
+
+# ----------------------------------------------------------------------------- config.json value types (breaker #4, #7)
+
+QWEN3_TINY = {**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 8}
+GEMMA2_TINY = {**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"]}
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({**LLAMA_TINY, "hidden_size": None}, r"hidden_size=None must be an integer >= 1"),
+    ({**LLAMA_TINY, "hidden_size": "abc"}, r"hidden_size='abc' must be an integer >= 1"),
+    ({**LLAMA_TINY, "rms_norm_eps": None}, r"rms_norm_eps=None must be a number > 0"),
+    ({**LLAMA_TINY, "rope_parameters": [1, 2]}, r"rope_parameters=\[1, 2\] must be an object"),
+    ({**LLAMA_TINY, "rope_parameters": {"rope_type": "default", "rope_theta": "abc"}},
+     r"rope_parameters.rope_theta='abc' must be a number > 0"),
+    ({**LLAMA_TINY, "pretraining_tp": "two"}, r"pretraining_tp='two' must be an integer"),
+    ({**QWEN3_TINY, "head_dim": "16"}, r"head_dim='16' must be an integer"),
+    ({**GEMMA2_TINY, "attn_logit_softcapping": "50"}, r"attn_logit_softcapping='50' must be a number > 0 or null"),
+    ({**LLAMA_TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 8.5},
+     r"sliding_window=8.5 must be an integer >= 1 or null"),
+    ({**LLAMA_TINY, "rope_theta": 0}, r"rope_theta=0 must be a number > 0"),
+    ({**LLAMA_TINY, "attention_bias": "false"}, r"attention_bias='false' must be true or false"),
+    ({**GEMMA2_TINY, "layer_types": "full_attention"}, r"layer_types='full_attention' must be a list"),
+    ({**GEMMA2_TINY, "layer_types": {"a": 1}}, r"layer_types=\{'a': 1\} must be a list"),
+    ({**LLAMA_TINY, "tie_word_embeddings": 1}, r"tie_word_embeddings=1 must be true or false"),
+    ({**LLAMA_TINY, "architectures": "LlamaForCausalLM"}, r"architectures='LlamaForCausalLM' must be a list"),
+    ({**GPT2_TINY, "n_embd": 32.0}, r"n_embd=32.0 must be an integer"),
+    ({**LLAMA_TINY, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"}},
+     r"rope_scaling.beta_fast='x' must be a number > 0"),
+    ({**LLAMA_TINY, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}},
+     r"rope_scaling.truncate='no' must be true or false"),
+    ({**LLAMA_TINY, "rope_scaling": {"rope_type": ["yarn"], "factor": 2.0}}, r"rope_scaling.rope_type=\['yarn'\]"),
+    ({**GEMMA3_TINY, "rope_parameters": {"full_attention": 5, "sliding_attention": {}}},
+     r"rope_parameters.full_attention=5 must be an object"),
+])
+def test_bad_config_values_are_refused_naming_the_key_and_the_type(cfg, match):
+  with pytest.raises(hf.HFFormatError, match=r"config.json( \(\w+\))?: " + match):
+    hf.parse_hf_config(cfg)
+
+
+def test_a_default_that_does_not_fit_is_named_as_the_config_key_and_its_default():
+  cfg = {k: v for k, v in QWEN2_TINY.items() if k != "num_key_value_heads"}  # Qwen2Config's default: 32
+  with pytest.raises(hf.HFFormatError, match=r"num_key_value_heads=32 \(config.json omits it: the Qwen2ForCausalLM "
+                                             r"default\) must be a divisor of num_attention_heads \(4\)"):
+    hf.parse_hf_config(cfg)
+  with pytest.raises(hf.HFFormatError, match=r"max_position_embeddings \(model.max_seq_len\) = 8589934592 is out"):
+    hf.parse_hf_config({**LLAMA_TINY, "max_position_embeddings": 2**33})  # a spec check, named by the config key
+  with pytest.raises(hf.HFFormatError, match=r"n_embd \(model.d_model\) \(30\) must be divisible by n_head"):
+    hf.parse_hf_config({**GPT2_TINY, "n_embd": 30})
+
+
+def test_qwen2_sliding_layers_with_use_sliding_window_false_name_use_sliding_window():
+  """Qwen2Config drops sliding_window when use_sliding_window is false; its forward then fails on the sliding
+  layers (TypeError in the mask). The refusal names the key that causes it."""
+  cfg = {**QWEN2_TINY, "use_sliding_window": False, "sliding_window": 8,
+         "layer_types": ["full_attention", "sliding_attention"] * 2}
+  with pytest.raises(hf.HFFormatError, match=r"layer_types has sliding_attention layers, but use_sliding_window="
+                                             r"false \(sliding_window=8 is then dropped"):
+    hf.parse_hf_config(cfg)
+  spec = hf.spec_from_hf_config({**cfg, "use_sliding_window": True})
+  assert spec.layer_kinds == ("full", "sliding") * 2 and spec.sliding_window == 8
+
+
+def test_mistral_layer_types_are_read_as_auto_config_reads_them():
+  """AutoConfig loads a mistral config.json with layer_types as MinistralConfig, whose layers follow layer_types
+  (tests/test_hf_oracle.py checks the logits against AutoModelForCausalLM)."""
+  cfg = {**LLAMA_TINY, "architectures": ["MistralForCausalLM"], "num_hidden_layers": 4, "sliding_window": 8,
+         "layer_types": ["full_attention", "sliding_attention"] * 2}
+  family, spec, notes = hf.parse_hf_config(cfg)
+  assert family == "mistral" and spec.layer_kinds == ("full", "sliding") * 2 and spec.sliding_window == 8
+  assert any("Ministral" in n for n in notes) and not any("ignored" in n for n in notes)
+  exported = hf.hf_config_from_spec(spec)
+  assert exported["architectures"] == ["MistralForCausalLM"] and exported["layer_types"] == cfg["layer_types"]
+  assert hf.parse_hf_config(exported)[:2] == (family, spec)
+  every = hf.parse_hf_config({**cfg, "layer_types": ["sliding_attention"] * 4})
+  assert every[1].layer_types == () and "layer_types" not in hf.hf_config_from_spec(every[1])
+
+
+def test_f64_tensors_are_read_only_when_exact_in_float32(tmp_path):
+  _, spec = _spec(LLAMA_TINY)
+  params = weights.init_params(spec, 3)
+  hf.save_hf_checkpoint(tmp_path, spec, params)
+  tensors, _ = hf.read_safetensors(tmp_path / "model.safetensors")
+  name = "model.norm.weight"
+  f64 = {k: (("F64", v.shape, v.astype("<f8").tobytes()) if k == name else ("F32", v.shape, v.tobytes()))
+         for k, v in tensors.items()}
+  _write_raw_safetensors(tmp_path / "model.safetensors", f64)
+  ck = hf.load_hf_checkpoint(tmp_path)
+  assert np.array_equal(ck.params["ln_f.weight"], params["ln_f.weight"])
+  assert any("F64" in n and "exact" in n for n in ck.notes)
+  lossy = tensors[name].astype(np.float64) + 1e-12
+  _write_raw_safetensors(tmp_path / "model.safetensors", {**f64, name: ("F64", lossy.shape, lossy.tobytes())})
+  with pytest.raises(hf.HFFormatError, match="'model.norm.weight' is float64 \\(F64\\) and its values do not fit"):
+    hf.load_hf_checkpoint(tmp_path)

@@ -176,10 +176,11 @@ def test_family_hf_to_canonical_to_hf_is_bit_identical(name, tmp_path):
 
 @pytest.mark.process
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "gemma3"])
 def test_hf_canonical_orbax_round_trip_is_byte_identical(kind, tmp_path, capsys):
   pytest.importorskip("orbax.checkpoint")
-  _hf_model(kind, tie_word_embeddings=(kind == "gpt2")).save_pretrained(tmp_path / "hf")
+  model = _family_model(kind) if kind in FAMILIES else _hf_model(kind, tie_word_embeddings=(kind == "gpt2"))
+  model.save_pretrained(tmp_path / "hf")
   first, ckpt, second = tmp_path / "first.safetensors", tmp_path / "orbax", tmp_path / "second.safetensors"
   assert cli_main(["convert-weights", str(tmp_path / "hf"), str(first)]) == 0
   assert cli_main(["convert-weights", str(first), str(ckpt), "--to", "orbax"]) == 0
@@ -267,3 +268,27 @@ def test_family_spec_matches_the_transformers_modules(name):
     assert window == (spec.sliding_window if kind == "sliding" else None), f"layer {i} window"
     assert getattr(attn, "attn_logit_softcapping", None) == spec.attn_softcap
   assert getattr(model.config, "final_logit_softcapping", None) == spec.final_softcap
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", None), ("hidden_size", "abc"), ("rms_norm_eps", None),
+                                        ("rope_parameters", [1, 2]), ("pretraining_tp", "two"),
+                                        ("attention_bias", "false"), ("layer_types", "full_attention")])
+def test_bad_config_values_exit_2_naming_config_json_and_the_key(key, value, tmp_path, capsys):
+  """A mistyped config.json value is bad input (exit 2, named), never an internal error (exit 1)."""
+  _hf_model("llama").save_pretrained(tmp_path / "hf")
+  cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+  arch = {"architectures": ["Qwen2ForCausalLM"]} if key == "layer_types" else {}  # LLaMA has no layer_types
+  (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **arch, key: value}))
+  assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 2
+  err = capsys.readouterr().err
+  assert "config.json (" in err and f"{key}={value!r}" in err and "must be" in err, err
+
+
+def test_f64_checkpoint_converts_with_a_note_when_exact(tmp_path, capsys):
+  """save_pretrained of a float64 model writes F64; values that are float32 exactly (as here) are read with a
+  note and written back as F32 with the same values."""
+  model = _hf_model("llama").double()
+  model.save_pretrained(tmp_path / "hf")
+  ck = hf.load_hf_checkpoint(tmp_path / "hf")
+  assert any("F64" in n and "exact" in n for n in ck.notes)
+  _assert_same(ck.params, _expected_canonical(model.float(), "llama"))

@@ -289,3 +289,32 @@ def test_jax_loss_and_grads_match_transformers(name, tmp_path_factory):
   print(f"\n[{name}] jax vs transformers loss: {ref_loss:.6f} diff {abs(loss.item() - ref_loss):.3e}")
   _report(f"[{name}] jax vs transformers grads", _grad_diffs(grads, ref_grads))
   assert abs(loss.item() - ref_loss) <= TOL["loss"][0]
+
+
+def test_mistral_config_with_layer_types_is_read_as_auto_model_for_causal_lm_reads_it(tmp_path):
+  """transformers' AutoConfig loads a model_type 'mistral' config.json with layer_types as MinistralConfig, whose
+  layers follow layer_types; the import reads it the same way (a note says so), and exports the layer_types back."""
+  import json
+  from torch_impl.model import build_model
+  kwargs = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6,
+                layer_types=["full_attention", "sliding_attention"], bos_token_id=0, eos_token_id=0)
+  torch.manual_seed(0)
+  model = transformers.MinistralForCausalLM(transformers.MinistralConfig(**kwargs))
+  _randomise(model, seed=41)
+  model.save_pretrained(tmp_path)
+  cfg = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"],
+                                                    "model_type": "mistral"}))
+  auto = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  assert type(auto).__name__ == "MinistralForCausalLM"
+  ck = hf.load_hf_checkpoint(tmp_path)
+  assert ck.spec.layer_types == ("full", "sliding") and ck.spec.sliding_window == 6
+  assert any("Ministral" in n for n in ck.notes)
+  tokens = _tokens(97, 2, 29, seed=5)
+  with torch.no_grad():
+    ref = auto(input_ids=torch.from_numpy(tokens)).logits.numpy()
+    ours = build_model(ck.spec, ck.params)(torch.from_numpy(tokens)).numpy()
+  assert float(np.max(np.abs(ours - ref))) <= 2 * TOL["logits"][0]
+  out = hf.hf_config_from_spec(ck.spec)
+  assert out["architectures"] == ["MistralForCausalLM"] and out["layer_types"] == kwargs["layer_types"]

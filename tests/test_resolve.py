@@ -104,3 +104,17 @@ def test_a_deepspeed_config_run_says_its_plans_come_from_that_config(tmp_path):
   run = resolve_run("gpt2-tiny", deepspeed_config=cfg)
   assert run.plan is None or run.plan["chosen_by"] == f"the DeepSpeed config {cfg}"
   assert run.plan is not None  # ZeRO-2 without offload matches a pair
+
+
+def test_set_train_seq_len_fits_a_preset_to_a_shorter_checkpoint_context(tmp_path):
+  """The checkpoint replaces the model before the overrides apply, and the context check runs after them: a preset
+  whose seq_len exceeds the checkpoint's max_position_embeddings is fixed by --set train.seq_len (breaker #6)."""
+  import dataclasses
+  spec = dataclasses.replace(preset("qwen2-tiny").model, max_seq_len=16)
+  hf.save_hf_checkpoint(tmp_path, spec, weights.init_params(spec, seed=2))
+  with pytest.raises(SpecError, match=r"train.seq_len \(32\) exceeds model.max_seq_len \(16\); lower it "
+                                      r"\(--set train.seq_len=16\)"):
+    resolve_run("qwen2-tiny", hf_model=tmp_path)
+  run = resolve_run("qwen2-tiny", hf_model=tmp_path, overrides=["train.seq_len=16"])
+  assert run.spec.train.seq_len == 16 and run.spec.model == spec and run.init_params is not None
+  assert resolve_run("qwen2-tiny", hf_model=tmp_path, seq_len=8).spec.train.seq_len == 8

@@ -15,6 +15,8 @@ Normal forms, so that config -> spec -> config -> spec is the identity:
 """
 from __future__ import annotations
 
+import math
+import re
 from typing import Any, Mapping
 
 from parity.architecture import ROPE_TYPES
@@ -96,6 +98,63 @@ _SWIGLU = ("silu", "swish")
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")
 
 
+# ----------------------------------------------------------------------------- typed config.json values
+
+
+class _Config(dict):
+  """config.json over the HF class defaults, each value read with its type checked (transformers' strict config
+  classes refuse the same values): a wrong type is an HFFormatError naming config.json, the key, the value and what
+  it must be, never a coercion ("false" is not False, 8.5 is not 8) or an internal error."""
+
+  def __init__(self, arch: str, defaults: Mapping[str, Any], given: Mapping[str, Any]):
+    super().__init__({**defaults, **given})
+    self.arch, self.given = arch, set(given)
+
+  def bad(self, key: str, value: Any, expected: str) -> HFFormatError:
+    """The refusal of `key`'s value (`key` may be dotted into a nested block)."""
+    default = "" if key.split(".")[0] in self.given else f" (config.json omits it: the {self.arch} default)"
+    return HFFormatError(f"config.json ({self.arch}): {key}={value!r}{default} must be {expected}")
+
+  def int(self, key: str, low: int = 1, *, none: bool = False) -> int | None:
+    """An integer >= low (None allowed when `none`)."""
+    v = self.get(key)
+    if none and v is None:
+      return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+      raise self.bad(key, v, f"an integer >= {low}" + (" or null" if none else ""))
+    return v
+
+  def num(self, key: str, *, low: float = 0.0, strict: bool = True, none: bool = False, value: Any = ...,
+          ) -> float | None:
+    """A finite number > low (>= low unless `strict`); `value` checks a value read from a nested block."""
+    v = self.get(key) if value is ... else value
+    if none and v is None:
+      return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not (
+        v > low if strict else v >= low):
+      raise self.bad(key, v, f"a number {'>' if strict else '>='} {low:g}" + (" or null" if none else ""))
+    return float(v)
+
+  def bool(self, key: str) -> bool:
+    v = self.get(key)
+    if not isinstance(v, bool):
+      raise self.bad(key, v, "true or false")
+    return v
+
+  def str(self, key: str) -> str:
+    v = self.get(key)
+    if not isinstance(v, str):
+      raise self.bad(key, v, "a string")
+    return v
+
+  def dict(self, key: str) -> dict:
+    """A JSON object ({} for null)."""
+    v = self.get(key)
+    if v is not None and not isinstance(v, Mapping):
+      raise self.bad(key, v, "an object (or null)")
+    return dict(v or {})
+
+
 # ----------------------------------------------------------------------------- config.json -> ModelSpec
 
 
@@ -112,7 +171,11 @@ def parse_hf_config(config: Mapping[str, Any]) -> tuple[str, ModelSpec, list[str
     HFFormatError: unknown or refused architecture, or a key whose value the spec cannot express (named).
   """
   archs = config.get("architectures") or []
-  arch = archs[0] if archs else MODEL_TYPES.get(config.get("model_type", ""), "")
+  if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    raise HFFormatError(f"config.json: architectures={archs!r} must be a list of class names, e.g. "
+                        "[\"LlamaForCausalLM\"]")
+  model_type = config.get("model_type", "")
+  arch = archs[0] if archs else MODEL_TYPES.get(model_type, "") if isinstance(model_type, str) else ""
   if arch in REFUSED:
     raise HFFormatError(f"config.json: architecture {arch} is not supported: {REFUSED[arch]}")
   if arch not in ARCHITECTURES:
@@ -120,12 +183,26 @@ def parse_hf_config(config: Mapping[str, Any]) -> tuple[str, ModelSpec, list[str
                         f"{', '.join(ARCHITECTURES)} (refused with a reason: {', '.join(REFUSED)})")
   family = ARCHITECTURES[arch]
   notes: list[str] = []
-  c = {**_HF_DEFAULTS[arch], **config}
+  c = _Config(arch, _HF_DEFAULTS[arch], config)
   spec = _parse_gpt2(c, notes) if family == "gpt2" else _parse_decoder(arch, family, c, notes)
   try:
     return family, spec.validate(), notes
   except SpecError as exc:
-    raise HFFormatError(f"config.json ({arch}): {exc}") from None
+    raise HFFormatError(f"config.json ({arch}): {_hf_keys(str(exc), family)}") from None
+
+
+_HF_KEYS = {"n_kv_heads": "num_key_value_heads", "n_heads": "num_attention_heads", "d_model": "hidden_size",
+            "n_layers": "num_hidden_layers", "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings",
+            "vocab_size": "vocab_size", "d_head": "head_dim", "sliding_window": "sliding_window",
+            "layer_types": "layer_types", "rope_scaling": "rope_parameters", "rope_local_theta": "rope_local_base_freq"}
+_GPT2_KEYS = {"n_heads": "n_head", "d_model": "n_embd", "n_layers": "n_layer", "d_ff": "n_inner",
+              "max_seq_len": "n_positions", "vocab_size": "vocab_size"}
+
+
+def _hf_keys(message: str, family: str) -> str:
+  """A spec validation message with each model.<field> named by its config.json key first."""
+  keys = _GPT2_KEYS if family == "gpt2" else _HF_KEYS
+  return re.sub(r"model\.(\w+)", lambda m: f"{keys[m[1]]} (model.{m[1]})" if m[1] in keys else m[0], message)
 
 
 def spec_from_hf_config(config: Mapping[str, Any]) -> ModelSpec:
@@ -137,45 +214,47 @@ def _refuse(arch: str, key: str, value: Any, why: str) -> HFFormatError:
   return HFFormatError(f"config.json ({arch}): {key}={value!r} is not supported: {why}")
 
 
-def _parse_gpt2(c: Mapping[str, Any], notes: list[str]) -> ModelSpec:
+def _parse_gpt2(c: _Config, notes: list[str]) -> ModelSpec:
   arch = "GPT2LMHeadModel"
-  act = c["activation_function"]
+  act = c.str("activation_function")
   approx = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
   if act not in approx:
     raise _refuse(arch, "activation_function", act, "only gelu_new, gelu_pytorch_tanh (tanh GELU) and gelu (erf)")
-  if c["scale_attn_by_inverse_layer_idx"]:
+  if c.bool("scale_attn_by_inverse_layer_idx"):
     raise _refuse(arch, "scale_attn_by_inverse_layer_idx", True, "a per-layer 1/(layer+1) score scale has no spec field")
-  if c["add_cross_attention"]:
+  if c.bool("add_cross_attention"):
     raise _refuse(arch, "add_cross_attention", True, "cross-attention layers are not part of a decoder-only GPT")
-  if c["reorder_and_upcast_attn"]:
+  if c.bool("reorder_and_upcast_attn"):
     notes.append("reorder_and_upcast_attn=true only changes fp16/bf16 rounding; fp32 attention is the same")
   return ModelSpec(
-      vocab_size=int(c["vocab_size"]), d_model=int(c["n_embd"]), n_layers=int(c["n_layer"]),
-      n_heads=int(c["n_head"]), n_kv_heads=None, d_ff=None if c["n_inner"] is None else int(c["n_inner"]),
-      max_seq_len=int(c["n_positions"]), norm="layernorm", norm_eps=float(c["layer_norm_epsilon"]), mlp="gelu",
-      gelu_approximate=approx[act], position="learned", bias=True, tie_embeddings=bool(c["tie_word_embeddings"]),
-      attn_scale=None if c["scale_attn_weights"] else 1.0, init_std=float(c["initializer_range"]))
+      vocab_size=c.int("vocab_size"), d_model=c.int("n_embd"), n_layers=c.int("n_layer"),
+      n_heads=c.int("n_head"), n_kv_heads=None, d_ff=c.int("n_inner", none=True),
+      max_seq_len=c.int("n_positions"), norm="layernorm", norm_eps=c.num("layer_norm_epsilon"), mlp="gelu",
+      gelu_approximate=approx[act], position="learned", bias=True, tie_embeddings=c.bool("tie_word_embeddings"),
+      attn_scale=None if c.bool("scale_attn_weights") else 1.0, init_std=c.num("initializer_range", strict=False))
 
 
-def _parse_decoder(arch: str, family: str, c: Mapping[str, Any], notes: list[str]) -> ModelSpec:
+def _parse_decoder(arch: str, family: str, c: _Config, notes: list[str]) -> ModelSpec:
   """Every rotary family: LLaMA, Mistral, Qwen2/3, Gemma 1/2/3 (family-specific parts in the helpers below)."""
-  d, n = int(c["hidden_size"]), int(c["num_attention_heads"])
-  kv = n if c["num_key_value_heads"] is None else int(c["num_key_value_heads"])
-  hd = d // n if c.get("head_dim") is None else int(c["head_dim"])
+  d, n = c.int("hidden_size"), c.int("num_attention_heads")
+  kv = c.int("num_key_value_heads", none=True) or n
+  if n % kv:
+    raise c.bad("num_key_value_heads", kv, f"a divisor of num_attention_heads ({n})")
+  hd = c.int("head_dim", none=True) or d // n
   gemma = family.startswith("gemma")
   own_head_dim = family == "qwen3" or gemma  # a head_dim field with a default of its own, not hidden / heads
-  if gemma and c.get("use_bidirectional_attention"):
+  if gemma and c.get("use_bidirectional_attention") is not None and c.bool("use_bidirectional_attention"):
     raise _refuse(arch, "use_bidirectional_attention", True, "attention is causal in every ModelSpec")
-  if int(c.get("pretraining_tp") or 1) != 1:
+  if "pretraining_tp" in c and c.int("pretraining_tp") != 1:
     notes.append(f"pretraining_tp={c['pretraining_tp']} only splits matmuls in old transformers; ignored")
-  if float(c.get("attention_dropout") or 0.0) != 0.0:
+  if "attention_dropout" in c and c.num("attention_dropout", strict=False) != 0.0:
     notes.append(f"attention_dropout={c['attention_dropout']} is not applied: ModelSpec has no dropout")
   kw: dict[str, Any] = dict(
-      vocab_size=int(c["vocab_size"]), d_model=d, n_layers=int(c["num_hidden_layers"]), n_heads=n,
+      vocab_size=c.int("vocab_size"), d_model=d, n_layers=c.int("num_hidden_layers"), n_heads=n,
       n_kv_heads=None if kv == n else kv, d_head=None if d % n == 0 and hd == d // n and not own_head_dim else hd,
-      d_ff=int(c["intermediate_size"]), max_seq_len=int(c["max_position_embeddings"]), norm="rmsnorm",
-      norm_eps=float(c["rms_norm_eps"]), position="rope", tie_embeddings=bool(c["tie_word_embeddings"]),
-      init_std=float(c["initializer_range"]), qk_norm=family in ("qwen3", "gemma3"))
+      d_ff=c.int("intermediate_size"), max_seq_len=c.int("max_position_embeddings"), norm="rmsnorm",
+      norm_eps=c.num("rms_norm_eps"), position="rope", tie_embeddings=c.bool("tie_word_embeddings"),
+      init_std=c.num("initializer_range", strict=False), qk_norm=family in ("qwen3", "gemma3"))
   kw.update(_mlp(arch, family, c))
   kw.update(_biases(family, c))
   kw.update(_windows(arch, family, c, kw["n_layers"], notes))
@@ -185,70 +264,82 @@ def _parse_decoder(arch: str, family: str, c: Mapping[str, Any], notes: list[str
   return ModelSpec(**kw)
 
 
-def _mlp(arch: str, family: str, c: Mapping[str, Any]) -> dict[str, Any]:
+def _mlp(arch: str, family: str, c: _Config) -> dict[str, Any]:
   """SwiGLU (silu) or, for Gemma, GeGLU with the GELU form of hidden_act / hidden_activation."""
   if not family.startswith("gemma"):
-    if c["hidden_act"] not in _SWIGLU:
+    if c.str("hidden_act") not in _SWIGLU:
       raise _refuse(arch, "hidden_act", c["hidden_act"], "the SwiGLU MLP uses silu")
     return {"mlp": "swiglu"}
   key = "hidden_act" if family == "gemma" else "hidden_activation"
-  act = c[key]
+  act = c.str(key)
   forms = {**{a: True for a in _TANH_GELU}, "gelu": family == "gemma"}  # GemmaConfig turns legacy 'gelu' into tanh
   if act not in forms:
     raise _refuse(arch, key, act, "GeGLU takes gelu_pytorch_tanh / gelu_new (tanh GELU) or gelu")
   return {"mlp": "geglu", "gelu_approximate": forms[act]}
 
 
-def _biases(family: str, c: Mapping[str, Any]) -> dict[str, Any]:
+def _biases(family: str, c: _Config) -> dict[str, Any]:
   """Per-projection biases in the module's normal form (bias = all three; the others only where they differ)."""
   if family == "qwen2":  # Qwen2Attention: q/k/v bias=True, o_proj bias=False; the MLP has none
     qkv, out, mlp = True, False, False
   elif family == "mistral":  # MistralAttention / MistralMLP: bias=False everywhere
     qkv = out = mlp = False
   else:
-    qkv = out = bool(c["attention_bias"])
-    mlp = bool(c["mlp_bias"]) if family == "llama" else False
+    qkv = out = c.bool("attention_bias")
+    mlp = c.bool("mlp_bias") if family == "llama" else False
   bias = qkv and out and mlp
   return dict(bias=bias, qkv_bias=None if qkv == bias else qkv, out_bias=None if out == bias else out,
               mlp_bias=None if mlp == bias else mlp)
 
 
-def _windows(arch: str, family: str, c: Mapping[str, Any], n_layers: int, notes: list[str]) -> dict[str, Any]:
+def _windows(arch: str, family: str, c: _Config, n_layers: int, notes: list[str]) -> dict[str, Any]:
   """sliding_window and layer_types ('full' / 'sliding' per layer, () for the default) from the HF keys."""
   if family in ("llama", "gemma"):
     return {"sliding_window": None, "layer_types": ()}
-  if family == "mistral":  # every layer slides (MistralAttention passes config.sliding_window)
-    if c.get("layer_types") is not None:
-      notes.append("layer_types is ignored by MistralForCausalLM (every layer uses sliding_window); ignored")
-    w = c["sliding_window"]
-    return {"sliding_window": None if w is None else int(w), "layer_types": ()}
-  if family in ("qwen2", "qwen3"):
-    w = c["sliding_window"] if c["use_sliding_window"] else None
-    default = ["sliding_attention" if w is not None and i >= int(c["max_window_layers"]) else "full_attention"
-               for i in range(n_layers)]
+  w = c.int("sliding_window", none=True)
+  if family == "mistral":  # every layer slides (MistralAttention passes config.sliding_window) ...
+    default = ["sliding_attention" if w is not None else "full_attention"] * n_layers
+    if "layer_types" in c.given:  # ... but AutoConfig loads a mistral config with layer_types as MinistralConfig
+      notes.append("layer_types is read as transformers' AutoConfig / AutoModelForCausalLM read it (a mistral "
+                   "config with layer_types loads as Ministral, whose layers follow layer_types; "
+                   "MistralForCausalLM.from_pretrained itself would slide every layer)")
+  elif family in ("qwen2", "qwen3"):
+    if not c.bool("use_sliding_window"):  # Qwen2Config / Qwen3Config: sliding_window = None then
+      w = None
+    lo = c.int("max_window_layers", 0)
+    default = ["sliding_attention" if w is not None and i >= lo else "full_attention" for i in range(n_layers)]
   else:
-    w = c["sliding_window"]
-    every = 2 if family == "gemma2" else int(c.get("sliding_window_pattern") or 6)
+    every = 2 if family == "gemma2" else c.int("sliding_window_pattern", none=True) or 6
     default = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
-  hf_types = c.get("layer_types")
-  hf_types = default if hf_types is None else hf_types
+  hf_types = default if c.get("layer_types") is None else c.get("layer_types")
+  if not isinstance(hf_types, list):
+    raise c.bad("layer_types", hf_types, "a list of 'full_attention' / 'sliding_attention', one per layer")
   kinds = []
   for t in hf_types:
     if t not in ("full_attention", "sliding_attention"):
       raise _refuse(arch, "layer_types", t, "only full_attention and sliding_attention layers")
     kinds.append(t.removesuffix("_attention"))
-  window = None if w is None else int(w)
-  plain = ("sliding" if window is not None else "full",) * len(kinds)
-  return {"sliding_window": window, "layer_types": () if tuple(kinds) == plain else tuple(kinds)}
+  if "sliding" in kinds and w is None:
+    why = (f"use_sliding_window=false (sliding_window={c.get('sliding_window')!r} is then dropped by "
+           f"transformers' config and its forward fails on the sliding layers); set use_sliding_window=true"
+           if family in ("qwen2", "qwen3") else "sliding_window is null; give the window")
+    raise HFFormatError(f"config.json ({arch}): layer_types has sliding_attention layers, but {why}, or make "
+                        "them full_attention")
+  plain = ("sliding" if w is not None else "full",) * len(kinds)
+  return {"sliding_window": w, "layer_types": () if tuple(kinds) == plain else tuple(kinds)}
 
 
-def _rope_block(arch: str, key: str, block: Mapping[str, Any], theta: float, max_pos: int
-                ) -> tuple[float, dict | None]:
+def _rope_block(c: _Config, key: str, block: Any, theta: float, max_pos: int) -> tuple[float, dict | None]:
   """(rope_theta, rope_scaling) of one HF rope_parameters / rope_scaling dict, as transformers standardises it."""
+  arch = c.arch
+  if not isinstance(block, Mapping):
+    raise c.bad(key, block, "an object (or null)")
   block = dict(block)
   kind = block.pop("rope_type", None) or block.pop("type", None) or "default"
   block.pop("type", None)
-  theta = float(block.pop("rope_theta", None) or theta)
+  if block.get("rope_theta") is not None:
+    theta = c.num(f"{key}.rope_theta", value=block["rope_theta"])
+  block.pop("rope_theta", None)
   partial = block.pop("partial_rotary_factor", None)
   if partial not in (None, 1, 1.0):
     raise _refuse(arch, f"{key}.partial_rotary_factor", partial, "partial rotary embeddings have no spec field")
@@ -258,35 +349,43 @@ def _rope_block(arch: str, key: str, block: Mapping[str, Any], theta: float, max
                   "Gemma3ForCausalLM only")
   if kind == "default":
     return theta, None
-  if kind not in ROPE_TYPES:
+  if not isinstance(kind, str) or kind not in ROPE_TYPES:
     raise _refuse(arch, f"{key}.rope_type", kind, f"rotary scaling types: default, {', '.join(ROPE_TYPES)}")
   scaling = {"rope_type": kind, **{k: v for k, v in block.items() if v is not None or k == "truncate"}}
   if kind in ("llama3", "yarn"):
     scaling.setdefault("original_max_position_embeddings", max_pos)
   if "truncate" in scaling and scaling["truncate"] is None:  # transformers: `if truncate:`
     scaling["truncate"] = False
+  for k, v in scaling.items():
+    if k == "truncate" and not isinstance(v, bool):
+      raise c.bad(f"{key}.truncate", v, "true or false")
+    if k not in ("rope_type", "truncate"):
+      c.num(f"{key}.{k}", value=v)
   return theta, scaling
 
 
-def _rope(arch: str, c: Mapping[str, Any], kinds: tuple[str, ...]) -> dict[str, Any]:
+def _rope(arch: str, c: _Config, kinds: tuple[str, ...]) -> dict[str, Any]:
   """rope_theta / rope_scaling / rope_local_theta from transformers>=5 `rope_parameters` (Gemma 3: per layer type)
   or the older top-level `rope_theta`, `rope_scaling` (and Gemma 3's `rope_local_base_freq`)."""
-  max_pos = int(c["max_position_embeddings"])
+  max_pos = c.int("max_position_embeddings")
   glob, local = _DEFAULT_THETA.get(arch, (10_000.0, None))
-  theta = c.get("rope_theta") or glob
+  theta = glob if c.get("rope_theta") is None else c.num("rope_theta")
   if arch != "Gemma3ForCausalLM":  # transformers: rope_scaling, if given, replaces rope_parameters
     key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-    theta, scaling = _rope_block(arch, key, c.get(key) or {}, theta, max_pos)
+    theta, scaling = _rope_block(c, key, c.dict(key), theta, max_pos)
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": None}
-  params = c.get("rope_parameters") or {}
+  params = c.dict("rope_parameters")
   if params and not {"full_attention", "sliding_attention"} & set(params):
     raise _refuse(arch, "rope_parameters", params, "Gemma 3 nests them per layer type ({'full_attention': {...}, "
                   "'sliding_attention': {...}}); transformers ignores a flat dict here")
-  full = {**(params.get("full_attention") or {}), **(c.get("rope_scaling") or {})}
-  theta, scaling = _rope_block(arch, "rope_parameters.full_attention", full, theta, max_pos)
-  local_theta, local_scaling = _rope_block(arch, "rope_parameters.sliding_attention",
-                                           params.get("sliding_attention") or {},
-                                           c.get("rope_local_base_freq") or local, max_pos)
+  full_params = params.get("full_attention") or {}
+  if not isinstance(full_params, Mapping):
+    raise c.bad("rope_parameters.full_attention", full_params, "an object (or null)")
+  full = {**full_params, **c.dict("rope_scaling")}
+  theta, scaling = _rope_block(c, "rope_parameters.full_attention", full, theta, max_pos)
+  local_theta = local if c.get("rope_local_base_freq") is None else c.num("rope_local_base_freq")
+  local_theta, local_scaling = _rope_block(c, "rope_parameters.sliding_attention",
+                                           params.get("sliding_attention") or {}, local_theta, max_pos)
   if "sliding" not in kinds or (local_theta, local_scaling) == (theta, scaling):
     local_theta = None
   elif local_scaling is not None:
@@ -295,9 +394,9 @@ def _rope(arch: str, c: Mapping[str, Any], kinds: tuple[str, ...]) -> dict[str, 
   return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
 
 
-def _gemma(arch: str, family: str, c: Mapping[str, Any]) -> dict[str, Any]:
+def _gemma(arch: str, family: str, c: _Config) -> dict[str, Any]:
   """Gemma's (1 + w) RMSNorm, sqrt(hidden_size) embedding scale, and Gemma 2/3's post-norms, score scale and caps."""
-  kw: dict[str, Any] = dict(norm_plus_one=True, embed_scale=int(c["hidden_size"]) ** 0.5)
+  kw: dict[str, Any] = dict(norm_plus_one=True, embed_scale=c.int("hidden_size") ** 0.5)
   if family == "gemma":
     return kw
   q = c["query_pre_attn_scalar"]
@@ -305,5 +404,5 @@ def _gemma(arch: str, family: str, c: Mapping[str, Any]) -> dict[str, Any]:
     raise _refuse(arch, "query_pre_attn_scalar", q, "the attention scale is query_pre_attn_scalar ** -0.5 > 0")
   caps = {}
   for ours, theirs in (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping")):
-    caps[ours] = None if c[theirs] is None else float(c[theirs])
+    caps[ours] = c.num(theirs, none=True)
   return {**kw, **caps, "post_norms": True, "attn_scale": q ** -0.5}

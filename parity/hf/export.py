@@ -12,6 +12,7 @@ _ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemm
 ARCHITECTURE_OF = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
                    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+"""family -> the architecture `hf_config_from_spec` writes (the inverse of parity.hf.config.ARCHITECTURES)."""
 _MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 _ROTARY = {"norm": {"rmsnorm"}, "position": {"rope"}, "embed_scale": {"none"}, "norm_plus_one": {False},
@@ -26,7 +27,7 @@ _LAYOUTS: dict[str, dict[str, set]] = {
              "attn_bias": {"qkv+out"}, "attn_scale": {"1/sqrt(head_dim)", "1"}, "kv_heads": {"n_heads"},
              "d_head": {"d_model / n_heads"}, "rope_scaling": {False}},
     "llama": {**_ROTARY, "mlp_bias": {False, True}},
-    "mistral": {**_ROTARY, "attn_bias": {"none"}, "windows": {"all"}},
+    "mistral": {**_ROTARY, "attn_bias": {"none"}, "windows": {"all", "per-layer"}},  # per-layer: as Ministral
     "qwen2": {**_ROTARY, "attn_bias": {"qkv"}, "windows": {"none", "all", "per-layer"}},
     "qwen3": {**_ROTARY, "qk_norm": {True}, "windows": {"none", "all", "per-layer"}},
     "gemma": {**_GEMMA, "gelu": {"tanh"}},
@@ -150,8 +151,10 @@ def _family_keys(spec: ModelSpec, family: str) -> dict[str, Any]:
   else:
     out["hidden_act"] = "silu"
   kinds = spec.layer_kinds
-  if family == "mistral":
+  if family == "mistral":  # layer_types only when they differ per layer (AutoConfig then loads MinistralConfig)
     out["sliding_window"] = spec.sliding_window
+    if spec.layer_types:
+      out["layer_types"] = [f"{k}_attention" for k in kinds]
   elif family in ("qwen2", "qwen3", "gemma2", "gemma3"):
     out["layer_types"] = [f"{k}_attention" for k in kinds]
     out["sliding_window"] = spec.sliding_window

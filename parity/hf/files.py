@@ -296,20 +296,23 @@ def load_canonical(path: str | Path, spec: ModelSpec | None = None) -> tuple[dic
   return {k: params[k] for k in weights.param_shapes(spec)}, spec
 
 
-def run_spec_from_hf(folder: str | Path, base: RunSpec, *, bin_reader=None
+def run_spec_from_hf(folder: str | Path, base: RunSpec, *, bin_reader=None, validate: bool = True
                      ) -> tuple[RunSpec, dict[str, np.ndarray]]:
   """The RunSpec of a comparison that starts from an HF checkpoint, and its canonical weights.
 
   The model section is replaced by the checkpoint's spec; training, plans, data and sides
   come from `base`. The caller must use the returned weights as the initial weights
-  (instead of `weights.init_params`).
+  (instead of `weights.init_params`). `validate=False` leaves the RunSpec unvalidated, for a caller that applies
+  overrides first and validates after (parity.pipeline.resolve: `--set train.seq_len=` within the context).
 
   Raises:
     FileNotFoundError, HFFormatError: see `load_hf_checkpoint`.
-    SpecError: `base.train.seq_len` exceeds the checkpoint's context (named).
+    SpecError: `base.train.seq_len` exceeds the checkpoint's context (named; only with `validate`).
   """
   ckpt = load_hf_checkpoint(folder, bin_reader=bin_reader)
   run = dataclasses.replace(base, model=ckpt.spec)
+  if not validate:
+    return run, ckpt.params
   try:
     return run.validate(), ckpt.params
   except SpecError as exc:

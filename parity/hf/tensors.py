@@ -126,7 +126,7 @@ def _normalise_names(tensors: Mapping[str, np.ndarray], family: str) -> dict[str
 
 def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: str,
                     *, notes: list[str] | None = None) -> dict[str, np.ndarray]:
-  """HF state dict (numpy, any float dtype) -> canonical float32 weights.
+  """HF state dict (numpy, any float dtype; float64 only when exact in float32) -> canonical float32 weights.
 
   Args:
     tensors: HF name -> array, e.g. from `read_safetensors`; weights [out, in] (LLaMA) or
@@ -138,7 +138,8 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
     Canonical name -> float32 C-contiguous array, in canonical order.
   Raises:
     HFFormatError: a tensor is missing, unexpected or misshapen (each named, with the
-      expected shape), or a tied checkpoint's lm_head differs from its embedding.
+      expected shape), a float64 tensor holds a value float32 cannot represent (named), or a tied checkpoint's
+      lm_head differs from its embedding.
   """
   src = _normalise_names(tensors, family)
   dropped: dict[str, int] = {}
@@ -162,12 +163,29 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
   problems = _mismatches(src, expected)
   if problems:
     raise HFFormatError(f"HF {family} tensors do not match config.json: " + "; ".join(problems))
+  _check_float64(src, notes)
   out = {}
   for r in rules:
     parts = [np.asarray(src[h], dtype=np.float32) for h in r.hf]
     arr = np.concatenate(parts, axis=0) if r.rows else (parts[0].T if r.transpose else parts[0])
     out[r.canonical] = np.ascontiguousarray(arr, dtype=np.float32)
   return out
+
+
+def _check_float64(src: Mapping[str, np.ndarray], notes: list[str] | None) -> None:
+  """float64 (F64) tensors are taken only when every value is a float32, so nothing is rounded: the models train
+  float32 weights, and HF -> ours -> HF then keeps every value (written back as F32)."""
+  f64 = [k for k, v in src.items() if np.asarray(v).dtype == np.float64]
+  for k in f64:
+    v = np.asarray(src[k])
+    with np.errstate(over="ignore"):  # a value past float32's range becomes inf: not exact, refused below
+      narrowed = v.astype(np.float32).astype(np.float64)
+    if not np.array_equal(narrowed, v, equal_nan=True):
+      raise HFFormatError(f"tensor {k!r} is float64 (F64) and its values do not fit float32 exactly; the models "
+                          "train float32 weights: save the checkpoint in float32 (model.float().save_pretrained)")
+  if f64 and notes is not None:
+    notes.append(f"{len(f64)} F64 tensor(s) narrowed to float32 (exact: every value is a float32); written back "
+                 "as F32")
 
 
 def _mismatches(src: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> list[str]:
@@ -190,7 +208,8 @@ def hf_tensor_table(spec: ModelSpec, family: str) -> dict[str, tuple[tuple[int, 
   """Every tensor of the HF model: HF name -> (shape, the HF name it is tied to or None), in rule order.
 
   A tied head is listed as lm_head.weight tied to the embedding (`save_pretrained` does not store it); dtypes are
-  any floating point on import (widened to float32 exactly) and float32 on export.
+  any floating point on import (widened to float32 exactly; float64 only when exact in float32, else refused) and
+  float32 on export.
   """
   shapes = weights.param_shapes(spec)
   table: dict[str, tuple[tuple[int, ...], str | None]] = {}
