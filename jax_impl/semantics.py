@@ -7,7 +7,15 @@
   norm.*               a `layers.Norm` of the run's spec (scale 1, bias 0) on known vectors: the form from
                        (1, 3, 1, 3, ...), eps from +-a at the amplitude whose output is nearest 0.5, the statistics'
                        dtype from a float16 input of +-300 (300^2 overflows float16 but not float32)
-  attention.*          the module's own scale (spec.scale, what its einsum multiplies by) and soft-caps
+  attention.*          the module's own scale (spec.scale, what its einsum multiplies by); the soft-caps:
+                       `layers.softcap` at parity.semantics.CAP_PROBE with the Attention's / GPT's spec caps; the q/k
+                       norm: present when the built params hold the Attention's `ln_q`, probed as a
+                       `layers.Norm(heads=True)` of the spec over head_dim; the window of each layer:
+                       `attention.window_ok` of the layer's kind (spec.layer_kinds, what GPT passes each block) and
+                       the causal triangle at T = train.seq_len (parity.semantics.window_of)
+  rotary.per_layer     `layers.rope_tables` of each layer's (theta, scaling) (`attention.kind_rope` of its kind, what
+                       the Attention builds), row 1 (parity.semantics.rope_row)
+  embedding.scale      `layers.embed_scale` on ones with spec.embed_scale (GPT applies it when the scale is not 1)
   loss.*               the loss's reduction (`model._mean_nll` on synthetic logits) and the label shift of its
                        wiring (`step.example_loss_kwargs` with this side's plants; stream: tokens[:, 1:])
   optimizer.*, lr, clip  the Trainer's own optax chain (`Trainer.tx`) on a tiny tree of the params' structure
@@ -25,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import layers, layout, loss_scaling, optim
+from jax_impl import attention, layers, layout, loss_scaling, optim
 from jax_impl import model as model_lib
 from jax_impl import step as step_lib
 from parity.numerics import schedule as schedule_ref
@@ -34,7 +42,7 @@ from parity import semantics as card_lib
 from parity.semantics import sig
 from parity.weights import param_shapes
 
-__all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "loss_reduction"]
+__all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "loss_reduction", "family_items"]
 
 
 def gelu_form(act: Any) -> str:
@@ -49,13 +57,41 @@ def rotary_layout(apply_rope: Any, head_dim: int) -> str:
   return card_lib.classify_rotary(np.asarray(apply_rope(x, c, s)).reshape(-1))
 
 
-def _norm_apply(spec: Any, x: np.ndarray) -> np.ndarray:
-  """A `layers.Norm` of `spec` (scale 1, bias 0, compute dtype the input's) on one vector x (D,)."""
-  norm = layers.Norm(spec, dtype=jnp.dtype(x.dtype))
+def _norm_apply(spec: Any, x: np.ndarray, heads: bool = False) -> np.ndarray:
+  """A `layers.Norm` of `spec` (scale 1, bias 0, compute dtype the input's; `heads`: the q/k norm's) on one vector
+  x (D,)."""
+  norm = layers.Norm(spec, dtype=jnp.dtype(x.dtype), heads=heads)
   xin = jnp.asarray(x)[None, None]
   params = jax.tree.map(lambda p: jnp.ones_like(p) if p.ndim else p, norm.init(jax.random.PRNGKey(0), xin))
   params = {"params": {k: (jnp.zeros_like(v) if k == "bias" else v) for k, v in params["params"].items()}}
   return np.asarray(norm.apply(params, xin), np.float64).reshape(-1)
+
+
+def family_items(spec: Any, params: Any, seq_len: int) -> dict[str, Any]:
+  """The model-family items (issue #21) of the module docstring: rotary.per_layer, attention.qk_norm(_eps),
+  attention.softcap, attention.window, embedding.scale, logits.final_softcap. params: the state's Flax params (only
+  their paths are read); seq_len: the rows' T (the window probe's)."""
+  kinds = spec.layer_kinds
+  rope = None
+  if spec.position == "rope":
+    rope = []
+    for kind in kinds:
+      cos, sin = layers.rope_tables(2, spec.head_dim, *attention.kind_rope(spec, kind == "sliding"))
+      rope.append(card_lib.rope_row(cos[1], sin[1]))
+  causal = np.tril(np.ones((seq_len, seq_len), bool))
+  window = [card_lib.window_of(causal & np.asarray(attention.window_ok(seq_len, spec.sliding_window or seq_len,
+                                                                       kind == "sliding"))) for kind in kinds]
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  qk = (card_lib.norm_probe(lambda x: _norm_apply(spec, x, heads=True), spec.head_dim)
+        if any("'ln_q'" in p for p in paths) else None)
+  cap = lambda c: None if c is None else sig(float(layers.softcap(  # noqa: E731
+      jnp.full((1,), card_lib.CAP_PROBE, jnp.float32), c)[0]), 6)
+  scale = 1.0 if spec.embed_scale == 1.0 else float(layers.embed_scale(jnp.ones((1, 1, 1), jnp.float32),
+                                                                       spec.embed_scale)[0, 0, 0])
+  return {"rotary.per_layer": rope, "attention.qk_norm": qk["form"] if qk else None,
+          "attention.qk_norm_eps": qk["eps"] if qk else None, "attention.softcap": cap(spec.attn_softcap),
+          "attention.window": window, "embedding.scale": sig(scale, 6),
+          "logits.final_softcap": cap(spec.final_softcap)}
 
 
 def loss_reduction(nll_fn: Any) -> str:
@@ -172,8 +208,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
       "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
       "mlp.gelu_form": gelu_form(layers.mlp_activation(spec)),
       "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
-      "attention.scale": sig(spec.scale, 6), "attention.softcap": getattr(spec, "attn_softcap", None),
-      "logits.final_softcap": getattr(spec, "final_softcap", None),
+      "attention.scale": sig(spec.scale, 6), **family_items(spec, trainer.state.params, train.seq_len),
       "loss.label_shift": 1 if train.layout == "stream" else int(shift["label_shift"]),
       "loss.reduction": loss_reduction(model_lib._mean_nll),
       "optimizer.decay_set": opt["decay_set"],

@@ -21,13 +21,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 __all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text", "sig", "GELU_AT_1", "classify_gelu",
-           "classify_rotary",
+           "classify_rotary", "rope_row", "window_of", "CAP_PROBE", "NAME_LISTS", "layers_text",
            "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION"]
 
 SEMANTICS_SCHEMA = "parity.semantics/1"
 
-DIFFED = ("rotary.layout", "rotary.import_permutation", "mlp.gelu_form", "norm.form", "norm.eps", "norm.stats_dtype",
-          "attention.scale", "attention.softcap", "logits.final_softcap", "loss.label_shift", "loss.reduction",
+DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp.gelu_form", "norm.form", "norm.eps",
+          "norm.stats_dtype", "attention.qk_norm", "attention.qk_norm_eps", "attention.scale", "attention.softcap",
+          "attention.window", "embedding.scale", "logits.final_softcap", "loss.label_shift", "loss.reduction",
           "optimizer.decay_set", "optimizer.weight_decay", "optimizer.eps_placement", "optimizer.bias_correction",
           "clip.rule", "clip.max_norm", "lr.step0", "dtypes.params", "dtypes.master", "dtypes.moments",
           "dtypes.grads", "matmul.precision", "dropout")
@@ -35,11 +36,19 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "mlp.gelu_form", "norm.f
   rotary.layout             'half-split' (HF rotate_half) | 'interleaved' | null (no rotary): the side's rotary
                             function applied to a basis vector
   rotary.import_permutation the q/k permutation applied on import (parity.hf applies none: 'none')
+  rotary.per_layer          per layer, [angle at position 1 of dim 0, of dim H/2 - 1 (radians), the cos/sin factor
+                            (yarn's attention factor; 1 otherwise)] of the side's rotary tables for that layer (6
+                            significant digits, `rope_row`); null without rotary
   mlp.gelu_form             'tanh' | 'erf' | 'silu' | 'other': the MLP nonlinearity object at x = 1
   norm.form, norm.eps       'layernorm' | 'rmsnorm' | 'rmsnorm(1+w)' and the eps inferred from the norm's output
   norm.stats_dtype          the dtype its statistics are computed in ('float32')
+  attention.qk_norm(_eps)   the per-head q/k norm of the first block's attention: its form and eps; null: none
   attention.scale           the factor of q.k the attention module uses (6 significant digits)
-  attention.softcap, logits.final_softcap   the caps (null: none)
+  attention.softcap, logits.final_softcap   the caps: the side's `softcap` function at CAP_PROBE with the cap the
+                            attention module / model passes it (null: none)
+  attention.window          per layer, the sliding window of the side's mask for that layer at T = train.seq_len:
+                            the largest visible distance + 1, or 'full' (every earlier key visible; `window_of`)
+  embedding.scale           the factor the embedding path multiplies the token embeddings by (1.0: none)
   loss.label_shift          the target offset the loss function scores input t against (1: next token)
   loss.reduction            'mean' (over tokens) | 'sum' (the stream layout's reduction)
   optimizer.decay_set       the canonical parameter names actually decayed (sorted), per layer
@@ -52,6 +61,9 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "mlp.gelu_form", "norm.f
   matmul.precision          'highest' | 'high' (TF32) | 'medium'
   dropout                   the largest dropout probability of the model's modules (0.0: none)"""
 
+
+NAME_LISTS = ("optimizer.decay_set",)
+"""The items whose value is a list of parameter names (the diff text gives counts and the names only one side has)."""
 
 IMPORT_PERMUTATION = "none"
 """The q/k permutation applied on import: none. parity.hf maps HF tensors to canonical names by name and transposes
@@ -73,6 +85,31 @@ def classify_rotary(y: np.ndarray) -> str:
   h = len(y)
   moved = [i for i in range(1, h) if abs(y[i]) > 1e-3]
   return "half-split" if moved == [h // 2] else "interleaved" if moved == [1] else "other"
+
+
+def rope_row(cos_h: np.ndarray, sin_h: np.ndarray) -> list[float]:
+  """[angle of dim 0, angle of dim H/2 - 1, factor] of a rotary table's row at position 1 (cos, sin (H,) float):
+  the angles atan2(sin, cos) in radians and the factor hypot(cos, sin) of dim 0, each to 6 significant digits."""
+  c, s = np.asarray(cos_h, np.float64), np.asarray(sin_h, np.float64)
+  last = len(c) // 2 - 1
+  return [sig(np.arctan2(s[0], c[0]), 6), sig(np.arctan2(s[last], c[last]), 6), sig(np.hypot(c[0], s[0]), 6)]
+
+
+def window_of(visible_ts: np.ndarray) -> int | str:
+  """The sliding window of a bool (T, S) attention mask (True = attend): 'full' when every key s <= t is visible,
+  else the largest visible distance t - s + 1."""
+  v = np.asarray(visible_ts, bool)
+  t = v.shape[-1]
+  causal = np.tril(np.ones((t, t), bool))
+  if v[causal].all():
+    return "full"
+  dist = np.arange(t)[:, None] - np.arange(t)[None, :]
+  return int(dist[v & causal].max()) + 1
+
+
+CAP_PROBE = 1.0e4
+"""The input the soft-cap probes pass to the side's `softcap`: cap * tanh(1e4 / cap) is the cap to float32 for every
+cap under ~1e3."""
 
 
 def norm_probe(apply: Callable[[np.ndarray], np.ndarray], d: int) -> dict[str, Any]:
@@ -135,9 +172,11 @@ def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, An
   return [(k, ia.get(k), ib.get(k)) for k in DIFFED if not _same(ia.get(k), ib.get(k))]
 
 
-def _value_text(v: Any, other: Any) -> str:
-  """A value for the message; of two name lists (decay sets), the count and the names only this one has (no square
-  brackets: a terminal's markup would eat them)."""
+def _value_text(v: Any, other: Any, names: bool = False) -> str:
+  """A value for the message; of two name lists (`names`: the decay sets), the count and the names only this one
+  has; a list of per-layer values in round brackets (no square brackets: a terminal's markup would eat them)."""
+  if isinstance(v, list) and not (names and isinstance(other, list)):
+    return layers_text(v)
   if isinstance(v, list) and isinstance(other, list):
     only = [x for x in v if x not in other]
     if not only:
@@ -147,9 +186,17 @@ def _value_text(v: Any, other: Any) -> str:
   return json.dumps(v) if not isinstance(v, str) else v
 
 
+def layers_text(v: Any) -> str:
+  """A per-layer value list as '((1, 0.5, 1), (1, 0.5, 1))' / '(8, full)' text (round brackets: `_value_text`)."""
+  if isinstance(v, list):
+    return "(" + ", ".join(layers_text(x) for x in v) + ")"
+  return v if isinstance(v, str) else json.dumps(v)
+
+
 def diff_text(na: str, nb: str, diffs: Sequence[tuple[str, Any, Any]]) -> str:
   """'semantics: mlp.gelu_form jax=tanh deepspeed=erf; ...' for the differences of sides na and nb."""
-  return "semantics: " + "; ".join(f"{k} {na}={_value_text(va, vb)} {nb}={_value_text(vb, va)}"
-                                   for k, va, vb in diffs)
+  return "semantics: " + "; ".join(
+      f"{k} {na}={_value_text(va, vb, k in NAME_LISTS)} {nb}={_value_text(vb, va, k in NAME_LISTS)}"
+      for k, va, vb in diffs)
 
 

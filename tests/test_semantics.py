@@ -244,6 +244,8 @@ def test_torch_decay_set_reads_the_optimizer_groups_and_the_plant():
   assert good["optimizer.eps_placement"] == "outside" and good["optimizer.bias_correction"] is True
 
 
+FAMILIES = ("llama3-tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "mistral-tiny")
+"""The issue-#21 family run presets (parity.presets)."""
 LLAMA = ['model.norm="rmsnorm"', 'model.mlp="swiglu"', 'model.position="rope"', "model.bias=false",
          "model.norm_eps=1e-6", "model.n_kv_heads=2"]
 GRID = [(p, None, None, []) for p in ("gpt2-tiny", "gpt2-small-cpu", "gpt2-mini", "sft-tiny")] + [
@@ -251,7 +253,9 @@ GRID = [(p, None, None, []) for p in ("gpt2-tiny", "gpt2-small-cpu", "gpt2-mini"
     ("gpt2-tiny", None, None, LLAMA), ("gpt2-tiny", None, None, ['train.optimizer="adam"']),
     ("gpt2-tiny", None, None, ['train.optimizer="sgd"'])] + [
     ("gpt2-tiny", plan, None, []) for plan in ("zero0", "zero1", "zero2-offload", "zero3", "zero3-offload-all",
-                                               "scan-offload", "zero2-offload-scan", "act-offload")]
+                                               "scan-offload", "zero2-offload-scan", "act-offload")] + [
+    (family, None, prec, []) for family in FAMILIES for prec in (None, "bf16")] + [
+    ("gemma3-tiny", "zero3", None, []), ("gemma3-tiny", "scan-offload", None, [])]
 
 
 @pytest.mark.slow
@@ -317,3 +321,71 @@ def test_torch_card_reads_dropout_and_the_forward_dtype_from_the_module():
   trainer.model.h[0].drop = torch.nn.Dropout(0.1)  # a module the spec does not know of
   items = semantics_card(trainer, "torch", frozenset())["items"]
   assert items["dropout"] == 0.1 and items["dtypes.master"] == "float32" and items["dtypes.moments"] == "float32"
+
+
+# ------------------------------------------------------------------ one plant per model family (issue #21)
+FAMILY_PLANTS = [
+    ("llama3-tiny", "torch", {"model.rope_scaling": {"rope_type": "linear", "factor": 2.0}}, frozenset(),
+     "rotary.per_layer jax=((0.576056, 1.28917e-06, 1.0), (0.576056, 1.28917e-06, 1.0)) "
+     "torch=((0.5, 5.15669e-06, 1.0), (0.5, 5.15669e-06, 1.0))"),
+    ("qwen2-tiny", "torch", {}, frozenset({"decay_biases"}),
+     "optimizer.decay_set jax=11 names (none the other lacks) torch=13 names (2 the other lacks: h.0.attn.qkv.bias, "
+     "h.1.attn.qkv.bias)"),
+    ("qwen3-tiny", "jax", {"model.attn_scale": 0.25}, frozenset(), "attention.scale torch=0.176777 jax=0.25"),
+    ("gemma2-tiny", "torch", {"model.attn_softcap": 50.0}, frozenset(), "attention.softcap jax=2.0 torch=50.0"),
+    ("gemma3-tiny", "jax", {"model.rope_local_theta": 1000000.0}, frozenset(),
+     "rotary.per_layer torch=((1.0, 0.000177828, 1.0), (1.0, 0.000177828, 1.0), (0.125, 2.96422e-07, 1.0)) "
+     "jax=((1.0, 2.37137e-06, 1.0), (1.0, 2.37137e-06, 1.0), (0.125, 2.96422e-07, 1.0))"),
+    ("mistral-tiny", "jax", {"model.sliding_window": 16}, frozenset(), "attention.window torch=(8, 8) jax=(16, 16)"),
+]
+
+
+@pytest.mark.requires_jax
+@pytest.mark.requires_torch
+@pytest.mark.parametrize("name, side, overrides, plants, expected", FAMILY_PLANTS, ids=[p[0] for p in FAMILY_PLANTS])
+def test_one_plant_per_family_differs_naming_the_item_and_both_values(name, side, overrides, plants, expected):
+  """The per-family plant (a `--perturb SIDE:model.<field>` or decay_biases) on one side against the other side's
+  card of the preset: exactly that item differs, the text naming both values (the FAIL at step 0 of a compare)."""
+  from jax_impl.semantics import semantics_card as jcard
+  from jax_impl.step import Trainer
+  from parity import weights
+  from torch_impl.baseline import TorchTrainer
+  from torch_impl.semantics import semantics_card as tcard
+  base = preset(name)
+  init = weights.init_params(base.model, base.train.seed)
+
+  def card(s, run, pl):
+    return (jcard(Trainer.build(run, init, plants=pl), pl) if s == "jax"
+            else tcard(TorchTrainer(run, init, plants=pl), "torch", pl))
+  other = "torch" if side == "jax" else "jax"
+  good = card(other, base, frozenset())
+  assert card_lib.diff_cards(good, card(side, base, frozenset())) == []  # no false alarm unperturbed
+  diffs = card_lib.diff_cards(good, card(side, apply_overrides(base, overrides), plants))
+  assert card_lib.diff_text(other, side, diffs) == "semantics: " + expected
+
+
+@pytest.mark.requires_jax
+@pytest.mark.requires_torch
+def test_family_probes_read_the_built_objects():
+  """Each probe reads what the step runs: a q/k norm swapped on the torch module, the norm form under (1 + w), the
+  window of a mask, the rotary row of a yarn table (its attention factor)."""
+  import torch
+  from jax_impl import semantics as js
+  from torch_impl import semantics as ts
+  from torch_impl.layers import RMSNorm
+  from torch_impl.model import build_model
+  from parity import architecture, weights
+  spec = preset("qwen3-tiny").model
+  model = build_model(spec, weights.init_params(spec, 0))
+  assert ts.family_items(model, 32)["attention.qk_norm"] == "rmsnorm"
+  model.h[0].attn.ln_q = RMSNorm(spec.head_dim, 1e-3, plus_one=True)
+  got = ts.family_items(model, 32)
+  assert got["attention.qk_norm"] == "rmsnorm(1+w)" and got["attention.qk_norm_eps"] == 1e-3
+  assert ts.norm_of(torch.nn.LayerNorm(8))["form"] == "layernorm"
+  gemma = preset("gemma2-tiny").model
+  assert card_lib.norm_probe(lambda x: js._norm_apply(gemma, x), gemma.d_model)["form"] == "rmsnorm(1+w)"
+  band = np.tril(np.ones((6, 6), bool)) & ~np.tril(np.ones((6, 6), bool), -3)
+  assert card_lib.window_of(band) == 3 and card_lib.window_of(np.tril(np.ones((6, 6), bool))) == "full"
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+  cos, sin = architecture.rope_tables(2, 8, 10000.0, yarn)
+  assert card_lib.rope_row(cos[1], sin[1])[2] == card_lib.sig(architecture.attention_factor(yarn), 6) != 1.0

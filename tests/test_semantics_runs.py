@@ -1,6 +1,7 @@
 """The semantics card in real compares (issue #21 item 4, process tests): the GELU-form and bias-decay plants FAIL at
 step 0 on gpt2-tiny naming both values, a differing side stops before step 1 unless --train-anyway-on-card-diff, and
-a clean three-side run has no false alarm (each compare run once, module-scoped, as tests/test_plants.py does)."""
+a clean three-side run has no false alarm, and a model-family plant (gemma2-tiny's attention soft-cap on one side) FAILs
+at step 0 (each compare run once, module-scoped, as tests/test_plants.py does)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"gelu": ["--perturb", "jax:model.gelu_approximate=false"],
         "bias": ["--perturb", "deepspeed:decay_biases=true", "--train-anyway-on-card-diff"],
         "clean": []}
+FAMILY_RUN = ["--preset", "gemma2-tiny", "--sides", "jax,torch", "--steps", "2",
+              "--perturb", "torch:model.attn_softcap=50.0"]
+"""A model-family plant (issue #21): the attention soft-cap of one side, 50 where the preset has 2."""
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -31,8 +35,8 @@ def runs(tmp_path_factory):
   def get(name: str):
     if name not in cache:
       out = base / name
-      p = _cli("compare", "--preset", "gpt2-tiny", "--steps", "3", "--determinism-steps", "0", "--no-progress",
-               "--out", str(out), *RUNS[name])
+      args = FAMILY_RUN if name == "family" else ["--preset", "gpt2-tiny", "--steps", "3", *RUNS[name]]
+      p = _cli("compare", *args, "--determinism-steps", "0", "--no-progress", "--out", str(out))
       rep = out / "report.json"
       cache[name] = (p.returncode, json.loads(rep.read_text()) if rep.exists() else None, p.stdout + p.stderr, out)
     return cache[name]
@@ -97,3 +101,18 @@ def test_a_clean_three_side_run_has_no_false_alarm_and_reverifies(runs):
   assert "deepspeed/semantics.json" in rep["artifacts"]
   p = _cli("report", str(folder))
   assert p.returncode == 0 and "UNVERIFIED" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@pytest.mark.process
+@requires_all
+def test_a_family_plant_fails_at_step_0_naming_the_item_and_both_values(runs):
+  rc, rep, out, _ = runs("family")
+  assert rc == 1 and rep is not None, out[-3000:]
+  first = rep["verdict"]["first_failure"]
+  assert first["metric"] == "semantics" and first["step"] == 0 and first["sides"] == ["jax", "torch"]
+  assert _checks(rep)["semantics jax~torch"]["detail"] == "semantics: attention.softcap jax=2.0 torch=50.0"
+  s = rep["sides"]["torch"]
+  assert s["status"] == "crashed" and s["series"]["step"] == [] and "attention.softcap jax=2.0 torch=50.0" in s["error"]
+  rows = {r["item"]: r for r in rep["semantics"]["rows"]}
+  assert rows["attention.window"]["agree"] and rows["attention.window"]["values"]["torch"] == [8, "full"]
+  assert rows["embedding.scale"]["values"] == {"jax": 8.0, "torch": 8.0}

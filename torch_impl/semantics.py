@@ -6,7 +6,13 @@ param groups (`decay_groups_of`).
   mlp.gelu_form        the built model's first block `MLP.act` at x = 1
   norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
                        (parity.semantics.norm_probe)
-  attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call), soft-caps
+  attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call); the
+                       soft-caps: `torch_impl.layers.softcap` at parity.semantics.CAP_PROBE with the Attention's and
+                       the model's spec caps (what forward passes it); the q/k norm: the first block's `attn.ln_q`
+                       (norm_of), null when it has none; the window of each layer: the model's own `_masks` at
+                       T = train.seq_len (None: SDPA's is_causal, 'full')
+  rotary.per_layer     the model's own `_ropes(2)` (the (cos, sin) each block gets), row 1 (parity.semantics.rope_row)
+  embedding.scale      the model's own `_embed` with a stand-in embedding table of ones
   loss.*               `torch_impl.model.micro_loss` (the loss every torch trainer computes) with a stand-in forward
                        whose logits pick input + k: the k it scores 0 is the label shift; logits 0 give the reduction
   optimizer.decay_set  the canonical names in the optimizer's param groups with weight_decay > 0: torch
@@ -33,10 +39,10 @@ from parity.numerics import schedule
 from parity.numerics.adam import classify_adam
 from parity import semantics as card_lib
 from parity.semantics import sig
-from torch_impl.layers import _apply_rope
+from torch_impl.layers import _apply_rope, softcap
 from torch_impl.model import decay_groups, micro_loss
 
-__all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "label_shift",
+__all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "family_items", "label_shift",
            "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
 
 
@@ -77,8 +83,8 @@ def norm_of(module: torch.nn.Module) -> dict[str, Any]:
     probe = copy.deepcopy(module)
   elif isinstance(module, torch.nn.LayerNorm):
     probe = torch.nn.LayerNorm(full[0], eps=module.eps, bias=module.bias is not None)
-  else:
-    probe = type(module)(full[0][0], module.eps)
+  else:  # torch_impl's RMSNorm: its (1 + w) form kept
+    probe = type(module)(full[0][0], module.eps, getattr(module, "plus_one", False))
   probe = probe.float().cpu()
   with torch.no_grad():
     for name, p in probe.named_parameters():
@@ -90,6 +96,29 @@ def norm_of(module: torch.nn.Module) -> dict[str, Any]:
       return m(torch.from_numpy(x)[None]).double().reshape(-1).numpy()
   d = next(probe.parameters()).shape[0]
   return card_lib.norm_probe(apply, d)
+
+
+def family_items(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
+  """The model-family items (issue #21) of the module docstring: rotary.per_layer, attention.qk_norm(_eps),
+  attention.softcap, attention.window, embedding.scale, logits.final_softcap, of a torch_impl GPT (a DeepSpeed
+  engine's module too: only its spec, modules and own methods are used, no parameter values). seq_len: the rows' T."""
+  cpu = torch.device("cpu")
+  ropes = model._ropes(2, None, cpu)
+  rope = None if model.spec.position != "rope" else [
+      card_lib.rope_row(c[1].double().numpy(), s[1].double().numpy()) for c, s in ropes]
+  window = [("full" if m is None else card_lib.window_of((m[0, 0] == 0).numpy()))
+            for m in model._masks(seq_len, None, torch.float32, cpu)]
+  ln_q = getattr(model.h[0].attn, "ln_q", None)
+  qk = norm_of(ln_q) if ln_q is not None else None
+  cap = lambda c: None if c is None else sig(float(softcap(  # noqa: E731
+      torch.full((1,), card_lib.CAP_PROBE, dtype=torch.float32), c)[0]), 6)
+  table = types.SimpleNamespace(spec=model.spec, wte=lambda t: torch.ones(*t.shape, 1),
+                                wpe=lambda p: torch.zeros(*p.shape, 1))
+  scale = float(type(model)._embed(table, torch.zeros(1, 1, dtype=torch.long), None)[0, 0, 0])
+  return {"rotary.per_layer": rope, "attention.qk_norm": qk["form"] if qk else None,
+          "attention.qk_norm_eps": qk["eps"] if qk else None,
+          "attention.softcap": cap(model.h[0].attn.spec.attn_softcap), "attention.window": window,
+          "embedding.scale": sig(scale, 6), "logits.final_softcap": cap(model.spec.final_softcap)}
 
 
 def label_shift(loss: Any, train) -> int | None:
@@ -219,8 +248,7 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
       "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
       "mlp.gelu_form": gelu_form(block.mlp.act),
       "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
-      "attention.scale": sig(attn.spec.scale, 6), "attention.softcap": getattr(attn.spec, "attn_softcap", None),
-      "logits.final_softcap": getattr(model.spec, "final_softcap", None),
+      "attention.scale": sig(attn.spec.scale, 6), **family_items(model, train.seq_len),
       "loss.label_shift": label_shift(loss, train), "loss.reduction": loss_reduction(),
       "optimizer.decay_set": decayed, "optimizer.weight_decay": wd if train.optimizer == "adamw" else None,
       "optimizer.eps_placement": adam["eps_placement"], "optimizer.bias_correction": adam["bias_correction"],

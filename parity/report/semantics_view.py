@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from parity.semantics import NAME_LISTS, layers_text
+
 __all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO"]
 
 SEMANTICS_INTRO = ("Each side's conventions, read from its own built model and optimizer before step 1 "
@@ -16,8 +18,11 @@ def _sides_with_cards(d: dict) -> list[str]:
   return [s for s, c in ((d.get("semantics") or {}).get("cards") or {}).items() if c is not None]
 
 
-def _value(v: Any) -> str:
-  """A card value as a table cell: a list (the decay set) by its length and first names."""
+def _value(v: Any, item: str = "optimizer.decay_set") -> str:
+  """A card value as a table cell: a name list (the decay set) by its length and first names, a per-layer list
+  (rotary.per_layer, attention.window) in round brackets."""
+  if isinstance(v, list) and item not in NAME_LISTS:
+    return layers_text(v)
   if isinstance(v, list):
     return f"{len(v)} names: " + ", ".join(map(str, v[:3])) + (", ..." if len(v) > 3 else "")
   return "null" if v is None else v if isinstance(v, str) else json.dumps(v)
@@ -33,7 +38,7 @@ def semantics_rows(d: dict) -> list[list[str]]:
   sides = _sides_with_cards(d)
   if not sides:
     return []
-  return [[r["item"], *(_value(r["values"].get(s)) for s in sides), "yes" if r["agree"] else "NO"]
+  return [[r["item"], *(_value(r["values"].get(s), r["item"]) for s in sides), "yes" if r["agree"] else "NO"]
           for r in (d.get("semantics") or {}).get("rows") or []]
 
 
