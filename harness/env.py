@@ -27,17 +27,25 @@ from pathlib import Path
 from parity.buildenv import build_environ
 from parity.environment import cpu_quota, load_1min, runnable_now, usable_cpus
 
-__all__ = ["ROOT", "worker_env", "THREADS_SWITCH", "THREADS_CHOICE", "PARITY_SET", "choose_threads", "thread_environ"]
+__all__ = ["ROOT", "RENDEZVOUS", "worker_env", "THREADS_SWITCH", "THREADS_CHOICE", "PARITY_SET", "choose_threads", "thread_environ"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: workers run `python -m <module>` with it first on PYTHONPATH."""
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+"""torch.distributed's rendezvous variables. A worker never inherits them from the harness's own environment: a
+single-process side picks a free port of its own (torch_impl.distributed.setup_distributed) and a multi-rank side's
+launcher sets them per rank (harness.ranks); inherited, a port some other process still holds (a torchrun shell, a
+DeepSpeed engine built in this process) made every DeepSpeed side fail with EADDRINUSE."""
+
+
 def worker_env(extra: dict[str, str] | None = None, python: str = sys.executable, ranks: int = 1) -> dict[str, str]:
-  """The full environment of a worker process: os.environ, then `extra`, then the op-build environment, the thread
-  settings for `ranks` processes sharing this machine's CPUs (`thread_environ`), the repository first on
-  PYTHONPATH, and unbuffered output (the harness tails stderr.log)."""
-  env = build_environ({**os.environ, **(extra or {})}, python)
+  """The full environment of a worker process: os.environ without the RENDEZVOUS variables, then `extra`, then the
+  op-build environment, the thread settings for `ranks` processes sharing this machine's CPUs (`thread_environ`),
+  the repository first on PYTHONPATH, and unbuffered output (the harness tails stderr.log)."""
+  inherited = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+  env = build_environ({**inherited, **(extra or {})}, python)
   thread_environ(env, ranks)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
   env["PYTHONUNBUFFERED"] = "1"

@@ -157,3 +157,13 @@ def test_environment_card_and_doctor_show_the_workers_thread_settings(monkeypatc
   assert block["host"]["cpu_quota"] == environment.cpu_quota()
   row = dict(rows(block))["worker threads"]
   assert "OMP_WAIT_POLICY=ACTIVE (user)" in row and threads["reason"] in row
+
+
+def test_a_worker_never_inherits_a_rendezvous_port(monkeypatch):
+  """A MASTER_PORT left in the harness's environment (a torchrun shell, a DeepSpeed engine built in this process)
+  is not handed to the workers: each single-process side picks a free port, a launcher sets its ranks' own."""
+  for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    monkeypatch.setenv(key, "46697" if key == "MASTER_PORT" else "0")
+  env = worker_env()
+  assert not any(k in env for k in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"))
+  assert worker_env({"MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"  # what the harness sets itself is kept
