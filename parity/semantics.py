@@ -14,6 +14,7 @@ Imports neither jax nor torch.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Any, Callable, Mapping, Sequence
@@ -37,8 +38,8 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
                             function applied to a basis vector
   rotary.import_permutation the q/k permutation applied on import (parity.hf applies none: 'none')
   rotary.per_layer          per layer, [angle at position 1 of dim 0, of dim H/2 - 1 (radians), the cos/sin factor
-                            (yarn's attention factor; 1 otherwise)] of the side's rotary tables for that layer (6
-                            significant digits, `rope_row`); null without rotary
+                            (yarn's attention factor; 1 otherwise), a digest of the whole row] of the side's rotary
+                            tables for that layer (6 significant digits, `rope_row`); null without rotary
   mlp.gelu_form             'tanh' | 'erf' | 'silu' | 'other': the MLP nonlinearity object at x = 1
   norm.form, norm.eps       'layernorm' | 'rmsnorm' | 'rmsnorm(1+w)' and the eps inferred from the norm's output
   norm.stats_dtype          the dtype its statistics are computed in ('float32')
@@ -87,12 +88,16 @@ def classify_rotary(y: np.ndarray) -> str:
   return "half-split" if moved == [h // 2] else "interleaved" if moved == [1] else "other"
 
 
-def rope_row(cos_h: np.ndarray, sin_h: np.ndarray) -> list[float]:
-  """[angle of dim 0, angle of dim H/2 - 1, factor] of a rotary table's row at position 1 (cos, sin (H,) float):
-  the angles atan2(sin, cos) in radians and the factor hypot(cos, sin) of dim 0, each to 6 significant digits."""
+def rope_row(cos_h: np.ndarray, sin_h: np.ndarray) -> list[float | str]:
+  """[angle of dim 0, angle of dim H/2 - 1, factor, digest] of a rotary table's row at position 1 (cos, sin (H,)
+  float32 values): the angles atan2(sin, cos) in radians and the factor hypot(cos, sin) of dim 0, each to 6
+  significant digits, and 'sha256:' + 12 hex digits of the whole row's float32 bytes, so that a difference in any
+  dim (a yarn beta, a llama3 band edge) shows, not only at the two ends read out."""
   c, s = np.asarray(cos_h, np.float64), np.asarray(sin_h, np.float64)
   last = len(c) // 2 - 1
-  return [sig(np.arctan2(s[0], c[0]), 6), sig(np.arctan2(s[last], c[last]), 6), sig(np.hypot(c[0], s[0]), 6)]
+  blob = np.concatenate([c, s]).astype(np.float32).tobytes()
+  return [sig(np.arctan2(s[0], c[0]), 6), sig(np.arctan2(s[last], c[last]), 6), sig(np.hypot(c[0], s[0]), 6),
+          "sha256:" + hashlib.sha256(blob).hexdigest()[:12]]
 
 
 def window_of(visible_ts: np.ndarray) -> int | str:

@@ -4,6 +4,7 @@ detecting a deliberately wrong object (in process). The process tests (plants FA
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -361,7 +362,18 @@ def test_one_plant_per_family_differs_naming_the_item_and_both_values(name, side
   good = card(other, base, frozenset())
   assert card_lib.diff_cards(good, card(side, base, frozenset())) == []  # no false alarm unperturbed
   diffs = card_lib.diff_cards(good, card(side, apply_overrides(base, overrides), plants))
-  assert card_lib.diff_text(other, side, diffs) == "semantics: " + expected
+  text = re.sub(r", sha256:[0-9a-f]{12}", "", card_lib.diff_text(other, side, diffs))  # rotary rows' digests
+  assert text == "semantics: " + expected
+
+
+def test_a_rotary_difference_inside_the_row_shows_in_its_digest():
+  """Two yarn scalings that differ only in beta_fast: the two angles read out are equal, the rows are not."""
+  from parity import architecture
+  base = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32}
+  rows = [card_lib.rope_row(*(t[1] for t in architecture.rope_tables(2, 32, 10000.0, {**base, "beta_fast": b})))
+          for b in (32, 16)]
+  assert rows[0][:3] == rows[1][:3] and rows[0][3] != rows[1][3]
+  assert card_lib.diff_cards({"items": {"rotary.per_layer": [rows[0]]}}, {"items": {"rotary.per_layer": [rows[1]]}})
 
 
 @pytest.mark.requires_jax
@@ -389,3 +401,17 @@ def test_family_probes_read_the_built_objects():
   yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
   cos, sin = architecture.rope_tables(2, 8, 10000.0, yarn)
   assert card_lib.rope_row(cos[1], sin[1])[2] == card_lib.sig(architecture.attention_factor(yarn), 6) != 1.0
+
+
+def test_the_gate_holds_each_side_against_the_first_card_only(tmp_path):
+  """jax, deepspeed (planted), torch: deepspeed stops on its difference from jax, torch (jax's card) trains; with
+  jax planted both later sides stop, each naming jax."""
+  from parity.protocol.semantics import CardDiffers, gate
+  sides, req = ("jax", "deepspeed", "torch"), {"run_id": None}
+  gate(tmp_path, "jax", sides, req, _card("jax"))
+  with pytest.raises(CardDiffers, match="mlp.gelu_form jax=tanh deepspeed=erf"):
+    gate(tmp_path, "deepspeed", sides, req, _card("deepspeed", **{"mlp.gelu_form": "erf"}))
+  gate(tmp_path, "torch", sides, req, _card("torch"))  # agrees with jax, the reference: trains
+  with pytest.raises(CardDiffers, match="mlp.gelu_form jax=erf torch=tanh"):
+    gate(tmp_path / "b", "jax", sides, req, _card("jax", **{"mlp.gelu_form": "erf"})) or gate(
+        tmp_path / "b", "torch", sides, req, _card("torch"))

@@ -50,8 +50,9 @@ def read_card(path: Path, run_id: str | None = None) -> dict[str, Any] | None:
 
 def gate(run_dir: Path, side: str, sides: Sequence[str], request: Mapping[str, Any], card: dict[str, Any], *,
          write: bool = True) -> None:
-  """Writes `card` to run_dir/<side>/semantics.json (`write`: rank 0 only), then compares it with the cards of the
-  sides before `side` in `sides` (this run's: request run_id); the module docstring says why this is "before step 1".
+  """Writes `card` to run_dir/<side>/semantics.json (`write`: rank 0 only), then compares it with the reference card:
+  the first side before `side` in `sides` that wrote one (this run's: request run_id), so a planted middle side stops
+  itself, not the correct sides after it; the module docstring says why this is "before step 1".
 
   Raises:
     CardDiffers: a difference, unless request[TRAIN_ANYWAY_KEY] or the request is a derived one (a rerun).
@@ -63,11 +64,14 @@ def gate(run_dir: Path, side: str, sides: Sequence[str], request: Mapping[str, A
   if request.get(TRAIN_ANYWAY_KEY) or request.get("derived_from") is not None or side not in sides:
     return
   problems = []
-  for earlier in list(sides)[:list(sides).index(side)]:
+  for earlier in list(sides)[:list(sides).index(side)]:  # the reference: the first earlier side with a card
     theirs = read_card(Path(run_dir) / earlier / SEMANTICS_FILE, request.get("run_id"))
-    diffs = diff_cards(theirs, card) if theirs is not None else []
+    if theirs is None:
+      continue
+    diffs = diff_cards(theirs, card)
     if diffs:
       problems.append(diff_text(earlier, side, diffs))
+    break
   if problems:
     raise CardDiffers("; ".join(problems) + " -- stopped before step 1 (the semantics cards differ; "
                       "`parity compare --train-anyway-on-card-diff` trains anyway)")
