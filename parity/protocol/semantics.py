@@ -4,7 +4,8 @@ parity.semantics).
 
 How "before step 1" is enforced (`gate`): the sides run one after another (their timings must not share the
 machine), so when side k has built its model and optimizer, the cards of sides 1..k-1 of this run are already on
-disk. Side k writes its card, then compares it with each of them; on a difference it raises `CardDiffers` before its
+disk. Side k writes its card, then compares it with the first of them (the reference: a planted middle side
+stops itself, not the correct sides after it); on a difference it raises `CardDiffers` before its
 first step, which ends it as 'crashed' through the ordinary worker path (main_guard: summary.json names the items and
 both values), so the harness's killed/hung/crashed reporting is unchanged, and a side that dies before writing its
 card is reported as today. The first side has nothing to compare against and trains (a pre-pass building every side
