@@ -195,6 +195,15 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   write_new(run_dir / "config.json", json.dumps(to_dict(spec), indent=2))
   ds_files = (_write_deepspeed_files(run_dir, deepspeed_source, plan.deepspeed_config)
               if deepspeed_config is not None else None)
+  request = _request(spec, run_id, plan, data_info, inputs, ds_files, examples, train_anyway_on_card_diff)
+  write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
+  return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
+
+
+def _request(spec: RunSpec, run_id: str | None, plan: PerturbPlan, data_info: dict[str, Any], inputs: Any,
+             ds_files: Any, examples: Any, train_anyway: bool) -> dict[str, Any]:
+  """request.json's dict (prepare_run_dir): the run, its input files, the perturbation plan and data records;
+  'examples' only for padded/packed, TRAIN_ANYWAY_KEY only when set."""
   request = {"schema": REQUEST_SCHEMA, "run_id": run_id or uuid.uuid4().hex, "run": to_dict(spec),
              "config_hash": config_hash(spec),
              "init_weights": "init.safetensors", "batches": "batches.npy", "val_batches": "val_batches.npy",
@@ -202,10 +211,9 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
              "deepspeed_config": plan.deepspeed_config, "deepspeed_files": ds_files}
   if examples is not None:
     request["examples"] = examples
-  if train_anyway_on_card_diff:
+  if train_anyway:
     request[TRAIN_ANYWAY_KEY] = True
-  write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
-  return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
+  return request
 
 
 def _write_examples(run_dir: Path, spec: RunSpec, plan: PerturbPlan, tokenizer: str | None, init_source: str | None
