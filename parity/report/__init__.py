@@ -25,6 +25,11 @@ report.json, schema 'parity.report/3' (units in key names):
   plan           {name, chosen_by, why} when --plan was given, else null
   semantics      {cards: {side: <the side's semantics.json> | null}, rows: [{item, values: {side: value}, agree}]}:
                  the semantics cards behind the 'semantics' checks (parity.report.build.semantics_section)
+  placement      {sides: {side: {kind ('jax' | 'deepspeed' | 'torch'), from (the file read), status ('ok' |
+                  'missing' | 'unreadable' | 'invalid'), error, and placement (<the JAX side's placement.json>) |
+                  transfers (<the DeepSpeed summary.json transfers>) | bytes_per_step ({h2d, d2h}: the torch
+                  baseline's 0, derived from its summary)}}}: where each side's state lives and what crosses between
+                 host and device per step (parity.report.placement_view.placement_section)
   memory         {predicted_vs_measured: [{side, category, memory_kind, predicted, measured, ratio}], note}: every
                  side in the same categories (parity.sizing.memory.CATEGORIES); measured None where a side cannot
                  measure a category (activations; the JAX gradients, which live inside the jitted step)

@@ -18,6 +18,7 @@ from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
 from parity.protocol.layout import DEBUG_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
+from parity.report.placement_view import PLACEMENT_FILE, placement_section
 from parity.semantics import DIFFED, diff_cards
 from parity.sizing.measured import predicted_vs_measured
 from parity.overrides import apply_overrides
@@ -42,9 +43,11 @@ EXAMPLE_ARTIFACTS = ("loss_mask.npy", "segment_ids.npy", "positions.npy", "val_l
 batches.npy."""
 RUN_ARTIFACTS = ("request.json", "init.safetensors", "batches.npy", "val_batches.npy", *EXAMPLE_ARTIFACTS,
                  "deepspeed_config.given.json", "deepspeed_config.resolved.json")  # the last two: --deepspeed-config
-SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors", SEMANTICS_FILE)
+SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_moments.safetensors", SEMANTICS_FILE,
+                  PLACEMENT_FILE)
 RERUN_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors")
-"""The files a verdict rests on (the inputs both sides read, each side's outputs the checks read, and the outputs of
+"""The files a verdict rests on (the inputs both sides read, each side's outputs the checks read or the report
+renders: placement.json of a JAX side, parity.report.placement_view; and the outputs of
 the noise/determinism/resume reruns their checks read, in noise/, repeat/ and resume/<side>/); report.json records their sha256 and
 size at write time so that `parity report` can say which changed since the run."""
 SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")
@@ -209,6 +212,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "memory": None,
       "run_folder": run_folder,
       "semantics": semantics_section(run_dir, list(sides), (run_folder or {}).get("run_id")),
+      "placement": placement_section(run_dir, sides),
       "artifacts": artifact_hashes(run_dir, list(sides)),
       **run_inputs(run_dir),
   }

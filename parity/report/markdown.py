@@ -13,9 +13,10 @@ from typing import Sequence
 from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, semantics_rows
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
+from parity.report.placement_view import COPY_HEADERS, copy_rows, placement_blocks
 
 __all__ = ["md_text", "strong", "Markup", "cell", "code_block", "md_table", "report_markdown", "perturbation_markdown",
-           "PLOT_FILES", "PLOT_ALT"]
+           "placement_markdown", "PLOT_FILES", "PLOT_ALT"]
 
 PLOT_FILES = {"loss": "loss.png", "delta": "loss_delta.png", "grad_norm": "grad_norm.png", "lr": "lr.png",
               "loss_scale": "loss_scale.png", "memory": "memory.png", "throughput": "throughput.png"}
@@ -149,6 +150,24 @@ def perturbation_markdown(d: dict) -> list[str]:
   return out
 
 
+def placement_markdown(d: dict) -> list[str]:
+  """'## Placement and transfers' of report.md (parity.report.placement_view.placement_blocks: the transfer table,
+  each JAX side's placement table, mismatches in bold; the copy schedule as a table of the copies, where report.html
+  draws its strip); [] for a report without the section."""
+  blocks = placement_blocks(d)
+  out = ["", "## Placement and transfers"] if blocks else []
+  for b in blocks:
+    if b[0] == "h3":
+      out += ["", f"### {md_text(b[1])}"]
+    elif b[0] in ("p", "warn"):
+      out += ["", strong(b[1]) if b[0] == "warn" else md_text(b[1])]
+    elif b[0] == "table":
+      out += [""] + md_table(b[1], [[*r[:-1], strong(r[-1])] if bad else r for r, bad in zip(b[2], b[3])])
+    else:
+      out += [""] + md_table(COPY_HEADERS, copy_rows(b[2]))
+  return out
+
+
 def _checks_markdown(d: dict) -> list[str]:
   """report.md's "## Checks" lines: the check table (a failing gating result in bold), then where each metric's
   tolerance comes from. d: report.json data."""
@@ -222,6 +241,7 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
                   [[r[k] for k in tk] for r in side_table.throughput_rows(d)])
   out += data_card_markdown(d)
   out += ["", "## Plan and placements", ""] + md_table(["item", "value"], setup_table.plan_rows(d))
+  out += placement_markdown(d)
   if d.get("migration"):
     out += ["", f"DeepSpeed config {strong(d['migration']['source'])}: key-by-key migration table in "
             f"[migration.md](migration.md)."]

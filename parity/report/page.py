@@ -11,8 +11,10 @@ from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report import html as H
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
 from parity.report.markdown import data_card_rows
+from parity.report.placement_strip import strip_svg
+from parity.report.placement_view import placement_blocks
 
-__all__ = ["report_figures", "report_html", "read_environment"]
+__all__ = ["report_figures", "report_html", "read_environment", "placement_html"]
 
 
 def _series_of(d: dict, key: str) -> dict[str, tuple[list, list]]:
@@ -197,6 +199,30 @@ def perturbations_html(d: dict) -> str:
   return out
 
 
+def _placement_cells(row: list[str], bad: bool) -> list:
+  return [*row[:-1], H.Raw(H.badge("fail", "MISMATCH") + " " + H.esc(row[-1].removeprefix("MISMATCH: ")))] \
+      if bad else row
+
+
+def placement_html(d: dict) -> str:
+  """The 'Placement and transfers' section (parity.report.placement_view.placement_blocks: the transfer table, each
+  JAX side's placement table with its mismatch rows marked, and, where the copies are known, the schedule strip,
+  parity.report.placement_strip.strip_svg); '' for a report without the section."""
+  parts = []
+  for b in placement_blocks(d):
+    if b[0] == "h3":
+      parts.append(f"<h3>{H.esc(b[1])}</h3>")
+    elif b[0] in ("p", "warn"):
+      parts.append(f"<p><b>{H.esc(b[1])}</b></p>" if b[0] == "warn" else f"<p class=\"note\">{H.esc(b[1])}</p>")
+    elif b[0] == "table":
+      parts.append(H.table(b[1], [_placement_cells(r, bad) for r, bad in zip(b[2], b[3])],
+                           row_classes=["fail" if bad else None for bad in b[3]]))
+    else:
+      parts.append(H.figure(strip_svg(b[2]["transfers"]), f"{b[1]}: host↔device copies of the compiled step, "
+                            "each bar from its start to its done position (hover a bar for its tensor)."))
+  return H.section("Placement and transfers", "".join(parts), anchor="placement") if parts else ""
+
+
 def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> str:
   """The page. d: report.json data; figures: key -> (svg text, caption) from report_figures; run_dir: for
   migration.json and environment.json beside report.json."""
@@ -240,6 +266,7 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
     body.append(H.section("Equivalence", f"<p class=\"note\">{H.esc(equivalence_intro(d))}</p>"
                           + H.table(EQUIVALENCE_HEADERS, equivalence_rows(d)), anchor="equivalence"))
   body.append(H.section("Plan and placements", H.kv_table(setup_table.plan_rows(d)), anchor="plan"))
+  body.append(placement_html(d))
   body.append(_migration_html(run_dir, d))
   body.append(perturbations_html(d))
   body.append(H.section(f"All checks ({len(d['checks'])})", _checks_html(d), anchor="all-checks"))

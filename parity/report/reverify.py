@@ -4,6 +4,7 @@
 What is read (nothing is run):
   request.json, init.safetensors          the spec the sides ran and the initial weights
   <side>/semantics.json                   each side's semantics card (the 'semantics' checks and the card table)
+  <side>/placement.json                   a JAX side's placement of its compiled step (the placement section)
   <side>/summary.json, steps.jsonl,       each side's status, records, final params and moments
     final.safetensors, final_moments.safetensors   (parity.pipeline.collect.side_outputs: a side whose files are not
                                           whole is downgraded exactly as `parity compare` did)
@@ -15,7 +16,8 @@ parity.verdict.gating.mark_envelope_decided), determinism_outcome and resume_out
 The tolerances are the ones in force (parity.verdict.tolerances); a report stored with another table is named.
 What the report renders beside the checks is compared with its source too: the data card (request.json 'data'),
 each side's summary (<side>/summary.json), the perturbations table (parity.report.build.perturbations_ran over
-those summaries) and the memory table (parity.sizing.measured.predicted_vs_measured over them).
+those summaries), the memory table (parity.sizing.measured.predicted_vs_measured over them) and the placement section
+(<side>/placement.json and the summaries' transfers, parity.report.placement_view.placement_section).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from parity.pipeline.reruns import (RerunContext, determinism_outcome, determini
 from parity.protocol.layout import FINAL_MOMENTS, read_moments, read_steps, read_summary
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.build import params_table_json, perturbations_ran, semantics_section, series_json, verdict_json
+from parity.report.placement_view import placement_section
 from parity.sizing.measured import predicted_vs_measured
 from parity.report.runconfig import run_as_compared
 from parity.spec import RunSpec, SpecError, config_hash, to_dict
@@ -66,7 +69,7 @@ class Recomputed:
   rendered: dict[str, Any]
   """report.json key -> its recomputed value, for what is rendered beside the checks: 'data' (the data card),
   'summaries' ({side: summary}), 'perturbations', 'memory' (its predicted_vs_measured rows), 'semantics' (the cards
-  and their table)."""
+  and their table), 'placement' (parity.report.placement_view.placement_section)."""
 
 
 def check_from_json(d: dict):
@@ -275,14 +278,16 @@ def _rendered(rd: Path, request: dict, d: dict, runs: dict, series: dict, run_id
               ) -> dict[str, Any]:
   """Recomputation.rendered: the data card from request.json (`request`, as _spec read it), the summaries from the
   sides' summary.json (a side without one keeps what report.json stores: _side_run), the perturbations and memory
-  tables over them, and the semantics cards and table from the sides' semantics.json (build.semantics_section)."""
+  tables over them, the semantics cards and table from the sides' semantics.json (build.semantics_section), and the
+  placement section from the sides' placement.json and summaries (parity.report.placement_view.placement_section)."""
   card = request.get("data")
   sides = {s: {**(d["sides"].get(s) or {}), "summary": _json(sr.summary), "series": series[s]}
            for s, sr in runs.items()}
   memory = predicted_vs_measured({**d, "sides": sides})
   return {"data": _json(card), "summaries": {s: x["summary"] for s, x in sides.items()},
           "perturbations": _json(perturbations_ran(rd, sides)), "memory": _json(memory),
-          "semantics": _json(semantics_section(rd, list(runs), run_id))}
+          "semantics": _json(semantics_section(rd, list(runs), run_id)),
+          "placement": _json(placement_section(rd, sides))}
 
 
 def _rendered_lines(d: dict, rec: Recomputed) -> list[str]:
@@ -300,7 +305,18 @@ def _rendered_lines(d: dict, rec: Recomputed) -> list[str]:
     out.append("its memory table is not what the sides' summaries give")
   if not _same(d.get("semantics"), r["semantics"]):
     out.append("its semantics cards ('semantics') are not the sides' semantics.json")
-  return out
+  return out + _placement_lines(d, r["placement"])
+
+
+def _placement_lines(d: dict, again: dict) -> list[str]:
+  """The line for report.json 'placement' when it is not what the sides' placement.json and summary.json give; a
+  report without the section (written before it existed) is named only when the run's files record a placement."""
+  if "placement" not in d:
+    recorded = [s for s, e in again["sides"].items() if e["kind"] != "torch" and e["status"] != "missing"]
+    return [f"it has no placement section, but {', '.join(recorded)} recorded one"] if recorded else []
+  if not _same(d["placement"], again):
+    return ["its placement section ('placement') is not the sides' placement.json / summary.json transfers"]
+  return []
 
 
 def _check_lines(stored: list, again: list[dict]) -> list[str]:
