@@ -58,16 +58,20 @@ def test_a_cpu_placement_without_transfers_gives_its_classes_bytes_and_why_no_sc
   assert sec["sides"]["jax"]["status"] == "ok"
   md, html = _pages(sec)
   assert "## Placement and transfers" in md and 'id="placement"' in html
-  for cls, role, plan, nbytes in (("params", "argument", "device", "471.0 KiB"), ("opt_state", "argument", "device",
-                                  "942.0 KiB"), ("batch", "argument", "no expectation", "4.0 KiB"),
-                                  ("metrics", "result", "no expectation", "16 B")):
+  for cls, role, plan, nbytes in (("params", "argument", "device", "471.0 KiB"), ("batch", "argument",
+                                  "no expectation", "4.0 KiB"), ("metrics", "result", "no expectation", "16 B")):
     row = _md_row(md, cls, role, plan, "device")
     assert f"| {nbytes} | 0 B |" in row and "MISMATCH" not in row
+  for role in ("argument", "result"):  # the plan's pinned_host, S(5) in the entry layout
+    assert _md_row(md, "opt_state", role) == f"| opt_state | {role} | host | host | 33 / 33 | 942.0 KiB | 942.0 KiB | as planned |"
   assert _md_row(md, "params", "argument").endswith("| as planned |")
-  assert _md_row(md, "argument_bytes") == "| argument_bytes | 1.4 MiB | 0 B |"
-  assert "CPU backend: host and device are one memory" in md
+  assert _md_row(md, "argument_bytes") == "| argument_bytes | 475.0 KiB | 942.0 KiB |"
+  assert _md_row(md, "generated_code_bytes") == "| generated_code_bytes | 0 B | n/a |"
+  assert "split device/host (CPU backend: S(5) buffers of the entry layout counted as host)" in md
   assert "Copy schedule: not known: CPU backend: the compiled HLO carries no host\\<-\\>device copies." in md
-  assert _md_row(md, "jax", "jax/placement.json", "0 B", "0 B").count("in-step copies not known") == 1
+  row = _md_row(md, "jax", "jax/placement.json", "942.0 KiB (964,612 B)", "942.0 KiB (964,612 B)")
+  assert "entry buffers in host memory: opt_state argument 942.0 KiB, opt_state result 942.0 KiB; in-step " \
+         "copies not known: CPU backend" in row
   assert "copy-strip" not in html and "<rect" not in html
 
 
