@@ -41,6 +41,7 @@ from parity.numerics import schedule
 from parity.spec import RunSpec
 from parity.weights import param_shapes
 from torch_impl import memory
+from torch_impl.transfers import TransferProbe
 from torch_impl.distributed import setup_distributed
 from torch_impl.ds_config import MSG_FP16_STAGE0, ds_config, has_optimizer_section, per_rank_config
 from torch_impl.model import build_model, micro_loss
@@ -401,6 +402,8 @@ class DeepSpeedTrainer:
     self.config = per_rank_config(ds_config(run) if config is None else config, rank_env()[1])
     self.engine = build_engine(run, params, self.config, plants)
     self._snapshots: list[memory.StateBytes] = []
+    self.probe = TransferProbe(self.engine)
+    """Host<->device bytes and CPU Adam time of each step (torch_impl.transfers; `transfers()`)."""
 
   @property
   def device(self) -> torch.device:
@@ -410,11 +413,16 @@ class DeepSpeedTrainer:
            force_overflow: bool = False, arrays=None) -> dict[str, float | bool]:
     """One optimizer step (`torch_step`); with probe, state bytes are measured before and after the update."""
     hook = (lambda: self._snapshots.append(engine_state_bytes(self.engine, self.run))) if probe else None
-    metrics = torch_step(self.engine, micro_batches, before_update=hook, force_overflow=force_overflow,
-                         arrays=arrays, plants=self.plants)
+    with self.probe.step():
+      metrics = torch_step(self.engine, micro_batches, before_update=hook, force_overflow=force_overflow,
+                           arrays=arrays, plants=self.plants)
     if probe:
       self._snapshots.append(engine_state_bytes(self.engine, self.run))
     return metrics
+
+  def transfers(self) -> dict[str, Any]:
+    """summary.json's `transfers` block (torch_impl.transfers.TransferProbe.summary)."""
+    return self.probe.summary()
 
   def eval_loss(self, val_batches: np.ndarray, arrays=None) -> float:
     return eval_loss(self.engine.module, val_batches, self.device, arrays, self.plants)

@@ -13,7 +13,7 @@ import torch
 
 from parity.protocol.loop import Side, SideSummary
 from parity.protocol.side import SideIO
-from torch_impl import checkpoint, doctor, memory, ops
+from torch_impl import checkpoint, doctor, memory, ops, transfers
 from torch_impl.baseline import TorchTrainer
 from torch_impl.distributed import world_mean
 from torch_impl.engine import DeepSpeedTrainer
@@ -103,4 +103,14 @@ class TorchSide(Side):
         peak_device_bytes=int(torch.cuda.max_memory_allocated(t.device)) if self.cuda else None,
         state_bytes_by_memory_kind=memory.by_memory_kind(state),
         extra={"state_bytes_by_category": state, "op_build_s": ops.build_s(),
-               "threads": doctor.thread_settings(torch), **info})
+               "threads": doctor.thread_settings(torch), "transfers": self._transfers(), **info})
+
+  def _transfers(self) -> dict[str, Any]:
+    """summary.json's `transfers` (torch_impl.transfers): the DeepSpeed engine's counted bytes and CPU Adam time; the
+    plain-torch side offloads nothing, so zero bytes."""
+    if isinstance(self.trainer, DeepSpeedTrainer):
+      return self.trainer.transfers()
+    return transfers.no_offload(
+        "plain torch: the module, its gradients and the optimizer state stay where the module computes",
+        ["nothing is offloaded: no tensor of the training state crosses host<->device in a step (the batch's token "
+         "ids aside)", "cpu_adam_s is null: the plain-torch side runs torch's optimizer, not DeepSpeedCPUAdam"])
