@@ -47,6 +47,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA backend cannot start w
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 import numpy as np  # noqa: E402
 from jax._src import compiler  # noqa: E402
 from jax._src.interpreters import pxla  # noqa: E402
@@ -57,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from parity.sizing.plans import PLANS as PLAN_PAIRS, apply_plan  # noqa: E402
 from parity.spec import ModelSpec, RunSpec, TrainSpec  # noqa: E402
 from parity.weights import init_params  # noqa: E402
+from jax_impl.offload import make_mesh  # noqa: E402
 from jax_impl.step import Trainer  # noqa: E402
 from benchmarks.hlo_moves import summary, transfers, trim  # noqa: E402
 
@@ -94,6 +96,7 @@ versions jax-cuda13-plugin 0.10.2 was built against (`jax_cuda13_plugin._version
 MODEL = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
 TRAIN = TrainSpec(steps=1, micro_batch_size=2, grad_accum_steps=2, seq_len=8, warmup_steps=1, lr=1e-2, eval_every=0)
 PLANS = ("zero2-offload", "scan-offload", "act-offload")
+
 
 def cuda_devices(target_config: str = H100_SXM, topology: str = "1x1x1") -> list[Any]:
   """Compile-only CUDA devices of `topology` ("slices x hosts x devices per host") for `target_config`.
@@ -135,7 +138,6 @@ def host_move_fn() -> tuple[Any, tuple[Any, ...]]:
 
 def remat_offload_fn() -> tuple[Any, tuple[Any, ...]]:
   """grad of sum(tanh(tanh(x @ w) @ w)) with the inner activation `h` (512, 512) f32 offloaded to pinned_host."""
-  from jax.ad_checkpoint import checkpoint_name
   policy = jax.checkpoint_policies.save_and_offload_only_these_names(
       names_which_can_be_saved=[], names_which_can_be_offloaded=["h"], offload_src="device", offload_dst="pinned_host")
 
@@ -150,7 +152,7 @@ def plan_step(plan: str) -> tuple[Any, tuple[Any, ...], RunSpec]:
   """The project's train step of `plan` on the tiny MODEL/TRAIN, built on one CPU device (`Trainer.build`), and its
   abstract arguments as `Trainer.compile` makes them (state with the plan's shardings, uint16 batch (A, M, T + 1))."""
   run = apply_plan(RunSpec(model=MODEL, train=TRAIN), plan)
-  t = Trainer.build(run, init_params(MODEL, 0))
+  t = Trainer.build(run, init_params(MODEL, 0), mesh=make_mesh(jax.devices("cpu")[:1]))  # memory kinds hold on CPU
   sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
   state = jax.tree.map(sds, t.state, t.shardings)
   batch = jax.ShapeDtypeStruct((TRAIN.grad_accum_steps, TRAIN.micro_batch_size, TRAIN.seq_len + 1), np.uint16,
