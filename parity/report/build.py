@@ -185,7 +185,6 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
     The Report (JSON-ready data; not written: parity.report.write_all).
   """
   sides, sides_s = _sides(side_runs, side_steps, side_loads)
-  reruns = reruns if reruns is not None else {"noise_envelope": None, "determinism": {}, "resume": {}}
   data = {
       "schema": REPORT_SCHEMA,
       "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -205,10 +204,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "sides": sides,
       "timing": _timing(wall_s, prepare_s, sides_s, reruns_s),
       "plan": plan,
-      "noise_envelope": reruns.get("noise_envelope"),
-      "determinism": reruns.get("determinism", {}),
-      "resume": reruns.get("resume", {}),
-      "equivalence": reruns.get("equivalence") or {},
+      **_rerun_sections(reruns),
       "memory": None,
       "run_folder": run_folder,
       "semantics": semantics_section(run_dir, list(sides), (run_folder or {}).get("run_id")),
@@ -221,6 +217,13 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
   data["memory"] = {"predicted_vs_measured": predicted_vs_measured(data),  # reads the sides' summaries
                     "note": MEMORY_NOTE}
   return Report(data=data, run_dir=run_dir)
+
+
+def _rerun_sections(reruns: dict[str, Any] | None) -> dict[str, Any]:
+  """report.json's noise_envelope, determinism, resume and equivalence sections, in that order (None: no reruns)."""
+  reruns = reruns or {}
+  return {"noise_envelope": reruns.get("noise_envelope"), "determinism": reruns.get("determinism", {}),
+          "resume": reruns.get("resume", {}), "equivalence": reruns.get("equivalence") or {}}
 
 
 MEMORY_NOTE = ("predicted by parity.sizing.memory (parity estimate); measured from the live state arrays / engine "
