@@ -1,7 +1,9 @@
-"""Host<->device moves in an optimised GPU HLO text (`compiled.as_text()`), for benchmarks/deviceless_aot.py.
+"""Host<->device moves in an optimised GPU HLO text (`compiled.as_text()`), for benchmarks/deviceless_aot.py: the
+records of jax_impl/hlo_transfers.py (the one reader of these forms, also behind placement.json) in the flat form
+the fixtures of tests/fixtures/hlo/ store, plus the host-to-host copies and `trim`.
 
-Pure text: no jax, no numpy. The forms it recognises are those the CUDA plugin of jax 0.10.2 emitted for the
-project's offload plans (docs/deviceless-aot.md shows one line of each):
+Pure text: no jax, no numpy. The forms the CUDA plugin of jax 0.10.2 emitted for the project's offload plans
+(docs/deviceless-aot.md shows one line of each):
 
   copy-start / copy-done       %copy-start.2 = (f32[8]{0}, f32[8]{0:S(5)}, u32[]) copy-start(%p)   (dst, src, ctx)
   fusion-start / fusion-done   a dynamic-slice out of an S(5) buffer (host -> device) or a dynamic-update-slice into
@@ -13,119 +15,44 @@ host memory as `s32[]{:S(5)}`.
 """
 from __future__ import annotations
 
-import math
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["instructions", "nbytes", "trip_counts", "transfers", "summary", "trim", "TRIM_STEPS"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jax_impl import hlo_transfers as ht  # noqa: E402  (plain text, no jax)
 
-_COMP = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = ")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+__all__ = ["transfers", "summary", "trim", "TRIM_STEPS"]
+
 _COMPUTE = {"fusion", "custom-call", "while", "conditional", "call", "dot", "convolution", "all-reduce",
             "all-gather", "reduce-scatter", "all-reduce-start", "all-gather-start", "collective-permute-start"}
-"""Opcodes counted as compute when they sit inside a copy's window."""
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+"""Opcodes counted as compute when they sit inside a copy's window (`window_compute` of the fixtures)."""
 HOST = "S(5)"
+_DIRECTION = {"h2d": "host_to_device", "d2h": "device_to_host"}
 
 
-def _split_top(text: str) -> list[str]:
-  """`text` split at commas outside (), {} and [] (a tuple shape's elements)."""
-  out, depth, cur = [], 0, ""
-  for ch in text:
-    depth += (ch in "({[") - (ch in ")}]")
-    if ch == "," and depth == 0:
-      out.append(cur.strip())
-      cur = ""
-    else:
-      cur += ch
-  return out + [cur.strip()] if cur.strip() else out
+def _moved_operand(mod: ht.Module, comp: ht.Computation, ins: ht.Instr, op: str) -> str:
+  """The operand a move carries: a dynamic-update-slice's (largest) device update, else the host/source buffer."""
+  if ins.opcode == "fusion-start":
+    shapes = {o: comp.by_name[o].shape if o in comp.by_name else "" for o in ins.operands}
+    if op == "dynamic-update-slice":
+      device = [o for o in ins.operands if not ht.memory_space(shapes[o]) in ht.HOST_SPACES
+                and ht.shape_bytes(shapes[o]) > 4]
+      return device[0] if device else ins.operands[0]
+    host = [o for o in ins.operands if ht.memory_space(shapes[o]) in ht.HOST_SPACES]
+    return host[0] if host else ins.operands[0]
+  return ins.operands[0] if ins.operands else ""
 
 
-def _group_end(text: str) -> int:
-  """Index just past the bracket group that opens at text[0]."""
-  depth = 0
-  for j, ch in enumerate(text):
-    depth += (ch in "({[") - (ch in ")}]")
-    if depth == 0:
-      return j + 1
-  return len(text)
-
-
-def nbytes(shape: str) -> int:
-  """Bytes of an array shape such as `f32[2,32]{1,0:S(5)}`; 0 for a tuple, a token or an unknown dtype."""
-  m = _ARRAY.match(shape)
-  if not m or shape.startswith("("):
-    return 0
-  return _DTYPE_BYTES.get(m.group(1), 0) * math.prod(int(d) for d in m.group(2).split(",") if d)
-
-
-def instructions(hlo: str) -> list[dict[str, Any]]:
-  """Every instruction of an HLO text, in text order (the schedule order of a scheduled module).
-
-  Returns dicts: computation (name), entry (it is the ENTRY computation), index (position in it), name, shape
-  (text), opcode, operands (names), line.
-  """
-  out, comp, entry, idx = [], "", False, 0
-  for line in hlo.splitlines():
-    if (m := _COMP.match(line)):
-      comp, entry, idx = m.group(2), bool(m.group(1)), 0
-      continue
-    if not (m := _INSTR.match(line)):
-      continue
-    rest = line[m.end():]
-    cut = _group_end(rest) if rest.startswith("(") else rest.find(" ")
-    shape, tail = rest[:cut], rest[cut:].lstrip()
-    opcode = tail.split("(", 1)[0]
-    args = tail[len(opcode):]
-    operands = re.findall(r"%([\w.-]+)", args[:_group_end(args)]) if args.startswith("(") else []
-    out.append({"computation": comp, "entry": entry, "index": idx, "name": m.group(1), "shape": shape, "opcode": opcode,
-                "operands": operands, "line": line})
-    idx += 1
-  return out
-
-
-def trip_counts(ins: list[dict[str, Any]]) -> dict[str, int]:
-  """Times each computation runs per execution: 1 for ENTRY (and any computation no while calls), a while body
-  its caller's count times the while's `known_trip_count` (1 when the backend config gives none)."""
-  caller: dict[str, tuple[str, int]] = {}
-  for i in ins:
-    if i["opcode"] == "while" and (body := re.search(r"body=%([\w.-]+)", i["line"])):
-      n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i["line"])
-      caller[body.group(1)] = (i["computation"], int(n.group(1)) if n else 1)
-
-  def times(comp: str, depth: int = 0) -> int:
-    return 1 if comp not in caller or depth > 64 else caller[comp][1] * times(caller[comp][0], depth + 1)
-  return {c: times(c) for c in {i["computation"] for i in ins}}
-
-
-def _classify(i: dict[str, Any], shape_of: dict[str, str]) -> tuple[str, int, str] | None:
-  """(direction, bytes, operand moved) of one instruction that moves data across or within S(5); None otherwise."""
-  op, sh = i["opcode"], i["shape"]
-  if op == "copy-start":
-    dst, src = _split_top(sh[1:-1])[:2]
-    src_host, dst_host, moved, operand = HOST in src, HOST in dst, nbytes(dst), i["operands"][0]
-  elif op == "fusion-start":
-    ins_shapes, result = _split_top(sh[1:-1])[:2]
-    parts = _split_top(ins_shapes[1:-1])
-    device = [k for k, x in enumerate(parts) if HOST not in x and nbytes(x) > 4]  # not the s32[] indices
-    host = [k for k, x in enumerate(parts) if HOST in x]
-    if HOST in result:  # dynamic-update-slice of a device update into a host buffer
-      src_host, dst_host = not device, True
-      moved = sum(nbytes(parts[k]) for k in device)
-      operand = i["operands"][device[0]] if device else i["operands"][0]
-    else:  # dynamic-slice out of a host buffer
-      src_host, dst_host, moved = bool(host), False, nbytes(result)
-      operand = i["operands"][host[0]] if host else i["operands"][0]
-  elif op == "copy" and i["operands"]:
-    src_host, dst_host, moved, operand = HOST in shape_of.get(i["operands"][0], ""), HOST in sh, nbytes(sh), \
-        i["operands"][0]
-  else:
-    return None
-  direction = {(True, False): "host_to_device", (False, True): "device_to_host",
-               (True, True): "host_to_host"}.get((src_host, dst_host))
-  return None if direction is None else (direction, moved, operand)
+def _record(comp: ht.Computation, ins: ht.Instr, direction: str, nbytes: int, per_step: int | None, operand: str,
+            done: int | None) -> dict[str, Any]:
+  between = comp.instrs[ins.index + 1:done] if done is not None else []
+  return {"computation": comp.name, "name": ins.name, "opcode": ins.opcode, "direction": direction, "bytes": nbytes,
+          "per_step": per_step, "operand": operand, "op_name": ins.op_name or "",
+          "window": len(between) if done is not None else None,
+          "window_compute": sum(b.opcode in _COMPUTE for b in between),
+          "position": round(ins.index / len(comp.instrs), 3)}
 
 
 def transfers(hlo: str) -> list[dict[str, Any]]:
@@ -133,30 +60,27 @@ def transfers(hlo: str) -> list[dict[str, Any]]:
 
   Returns dicts: computation, name, opcode ('copy-start' | 'fusion-start' | 'copy'), direction ('host_to_device' |
   'device_to_host' | 'host_to_host'), bytes (one execution: the device-side array), per_step (times its computation
-  runs per execution, `trip_counts`), operand (the instruction moved: an entry parameter's name is the state leaf's
-  path), op_name (metadata, "" if none), window (instructions strictly between the start and its done in that
-  computation; None for a synchronous copy or a start with no done there), window_compute (how many of those are
-  `_COMPUTE` opcodes), position (start index / instructions in its computation, 0..1).
+  runs per execution), operand (the instruction moved: an entry parameter's name is the state leaf's path), op_name
+  (metadata, "" if none), window (instructions strictly between the start and its done in that computation; None
+  for a synchronous copy), window_compute (how many of those are `_COMPUTE` opcodes), position (start index /
+  instructions in its computation, 0..1). Host-to-device and device-to-host moves are jax_impl.hlo_transfers';
+  host-to-host copies (synchronous copies between two host buffers) are added here.
   """
-  ins = instructions(hlo)
-  shape_of = {i["name"]: i["shape"] for i in ins}
-  by_comp: dict[str, list[dict[str, Any]]] = {}
-  for i in ins:
-    by_comp.setdefault(i["computation"], []).append(i)
-  trips, out = trip_counts(ins), []
-  for i in ins:
-    if (kind := _classify(i, shape_of)) is None:
+  mod = ht.parse_module(hlo)
+  found = {(c["computation"], c["start"]): c for c in ht.transfers(mod)["copies"]}
+  out = []
+  for comp in mod.computations.values():
+    if comp.name in mod.nested:
       continue
-    comp = by_comp[i["computation"]]
-    done = next((d for d in comp[i["index"] + 1:] if d["opcode"].endswith("-done") and i["name"] in d["operands"]),
-                None) if i["opcode"].endswith("-start") else None
-    between = comp[i["index"] + 1:done["index"]] if done else []
-    name = re.search(r'op_name="([^"]*)"', i["line"])
-    out.append({"computation": i["computation"], "name": i["name"], "opcode": i["opcode"], "direction": kind[0],
-                "bytes": kind[1], "per_step": trips[i["computation"]], "operand": kind[2],
-                "op_name": name.group(1) if name else "", "window": len(between) if done else None,
-                "window_compute": sum(b["opcode"] in _COMPUTE for b in between),
-                "position": round(i["index"] / len(comp), 3)})
+    for ins in comp.instrs:
+      c = found.get((comp.name, ins.index))
+      if c is not None:
+        out.append(_record(comp, ins, _DIRECTION[c["direction"]], c["bytes"], c["times_per_step"],
+                           _moved_operand(mod, comp, ins, c["op"]), c["done"] if c["form"] == "async" else None))
+      elif ins.opcode == "copy" and ins.operands and HOST in ins.shape \
+          and HOST in (comp.by_name[ins.operands[0]].shape if ins.operands[0] in comp.by_name else ""):
+        out.append(_record(comp, ins, "host_to_host", ht.shape_bytes(ins.shape), ht.times_per_step(mod, comp.name),
+                           ins.operands[0], None))
   return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from parity.protocol.loop import Side, SideSummary
+from parity.protocol.placement import PLACEMENT_FILE, write_placement
 from parity.protocol.side import SideIO
 from parity.spec import to_dict
 
@@ -47,8 +48,25 @@ class JaxSide(Side):
     t.state = checkpoint.restore_train_state(folder, t.state, t.shardings)
 
   def compile(self, batch_shape, val_shape, dtype, examples: bool = False) -> float:
+    """Compiles the step (and eval), then writes <side>/placement.json from the compiled step (`_write_placement`);
+    the seconds returned are the compile's only."""
     self.trainer.compile(batch_shape, val_shape, dtype, examples=examples)
+    self._write_placement()
     return self.trainer.compile_s
+
+  def _write_placement(self) -> None:
+    """Rank 0 writes placement.json (jax_impl.placement: the compiled step against the request's plan), a new file.
+    A record that cannot be built or written stops nothing: summary.json's `placement_error` says why, and the
+    'placement' check reports itself not run."""
+    from jax_impl.placement import placement_record  # after force_host_devices
+    self.placement_error = None
+    if self.io.rank != 0:
+      return
+    try:
+      record = placement_record(self.trainer, self.io.run.jax, side=self.io.side, run_id=self.io.request.get("run_id"))
+      write_placement(self.io.out / PLACEMENT_FILE, record)
+    except Exception as exc:  # a report of the step, not the step: training goes on, the error is recorded
+      self.placement_error = f"{type(exc).__name__}: {exc}"
 
   def loss_weight_factor(self) -> float:
     """A: the step is one program over the whole global micro batch; accumulate_grads divides by A (W = 1 in the
@@ -125,6 +143,8 @@ class JaxSide(Side):
              "offload_evidence": t.offload_evidence(), "state_bytes_all_devices": offload.bytes_by_memory_kind(t.state),
              "state_shardings": offload.state_sharding_specs(t.state), "mesh_devices": int(t.placement.mesh.size),
              "compile_times_s": t.compile_times_s, "plan": to_dict(self.io.run.jax)}
+    if getattr(self, "placement_error", None):
+      extra["placement_error"] = self.placement_error
     return SideSummary(versions=self.versions(), device=str(device),
                        peak_device_bytes=int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats
                        else None,

@@ -43,6 +43,10 @@ from jax_impl import remat as remat_lib
 from jax_impl import stream as stream_lib
 from jax_impl.offload import Placement, TrainState, make_placement
 from parity.numerics.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
+from parity.protocol.layout import PLACEMENT_PLANT_KEYS
+
+PLACEMENT_PLANT = PLACEMENT_PLANT_KEYS[0]
+"""'placement_device': the planted mismatch of `Trainer.build`."""
 
 __all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer", "example_batch",
            "example_loss_kwargs"]
@@ -309,8 +313,12 @@ class Trainer:
     side's planted data bugs (parity.protocol.layout.PLANT_KEYS; `_micro_loss`).
 
     bf16/fp16: the master weights start as the canonical weights rounded to the compute dtype, as
-    DeepSpeed's do (`parity.weights.master_weights`).
+    DeepSpeed's do (`parity.weights.master_weights`). The planted mismatch 'placement_device'
+    (parity.protocol.layout.PLACEMENT_PLANT_KEYS) builds the step with every offloaded group in device memory:
+    the Trainer's run says so, the request's plan does not (jax_impl.placement checks the step against that one).
     """
+    if PLACEMENT_PLANT in plants:
+      run = dataclasses.replace(run, jax=dataclasses.replace(run.jax, offload_params=False, offload_opt_state=False))
     placement = make_placement(run.jax, mesh)
     scan = run.jax.scan_layers
     canonical = weights.master_weights(canonical, run.train.precision)  # bf16/fp16: rounded, as DeepSpeed's

@@ -1,5 +1,7 @@
 """The H100 HLO fixtures of the deviceless AOT compile (docs/deviceless-aot.md, issue #22 item 1) and the text reader
-behind their JSON (benchmarks/hlo_moves.py). Reads files only: no jax, no CUDA plugin."""
+behind their JSON and placement.json (jax_impl/hlo_transfers.py, in the fixtures' flat form by benchmarks/hlo_moves.py).
+Reads files only: no jax, no CUDA plugin. The JSON was written at compile time from the untrimmed text, so equality
+here also says the trimmed text lost no move."""
 from __future__ import annotations
 
 import json
@@ -7,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.hlo_moves import instructions, nbytes, summary, transfers, trim
+from benchmarks.hlo_moves import summary, transfers, trim
+from jax_impl import hlo_transfers as ht
+
+nbytes = ht.shape_bytes
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hlo"
 NAMES = ("host-move", "remat-offload", "zero2-offload", "scan-offload", "act-offload")
@@ -27,7 +32,8 @@ def moves(fixtures) -> dict[str, list[dict]]:
 
 def _entry_params(text: str) -> dict[str, str]:
   """ENTRY parameter name -> shape text."""
-  return {i["name"]: i["shape"] for i in instructions(text) if i["entry"] and i["opcode"] == "parameter"}
+  mod = ht.parse_module(text)
+  return {i.name: i.shape for i in mod.computations[mod.entry].instrs if i.opcode == "parameter"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -89,10 +95,10 @@ def test_act_offload_moves_activations_in_the_micro_batch_loop(moves):
 SYNTHETIC = """HloModule m, entry_computation_layout={(f32[8]{0:S(5)}, s32[]{:S(5)})->f32[8]{0:S(5)}}
 
 %body (p: (s32[], f32[2,8])) -> (s32[], f32[2,8]) {
-  %ds = ((f32[2,8]{1,0:S(5)}, s32[], s32[]), f32[1,8]{1,0}, u32[]) fusion-start(%a, %i, %j), kind=kCustom
+  %ds = ((f32[2,8]{1,0:S(5)}, s32[], s32[]), f32[1,8]{1,0}, u32[]) fusion-start(%a, %i, %j), kind=kCustom, calls=%wrapped_dynamic-slice_computation.1
   %x = f32[1,8]{1,0} fusion(%ds), kind=kLoop
   %dd = f32[1,8]{1,0} fusion-done(%ds)
-  %us = ((f32[2,8]{1,0:S(5)}, f32[1,8]{1,0}, s32[], s32[]), f32[2,8]{1,0:S(5)}, u32[]) fusion-start(%a, %dd, %i, %j)
+  %us = ((f32[2,8]{1,0:S(5)}, f32[1,8]{1,0}, s32[], s32[]), f32[2,8]{1,0:S(5)}, u32[]) fusion-start(%a, %dd, %i, %j), calls=%wrapped_dynamic-update-slice_computation
   %ud = f32[2,8]{1,0:S(5)} fusion-done(%us)
 }
 

@@ -57,6 +57,7 @@ def probe() -> dict:
   from parity.spec import JaxPlan, ModelSpec, RunSpec, TrainSpec
   from parity.weights import init_params
   from jax_impl import offload
+  from jax_impl.placement import placement_record
   from jax_impl.step import Trainer
   model = ModelSpec(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16)
   train = TrainSpec(steps=STEPS, micro_batch_size=4, grad_accum_steps=2, seq_len=8, warmup_steps=1, lr=1e-2,
@@ -72,7 +73,8 @@ def probe() -> dict:
     out["plans"][name] = {"losses": losses, "leaves": _leaf_report(t), "mesh": int(t.placement.mesh.size),
                           "measured": offload.bytes_by_memory_kind(t.state, dev0),
                           "predicted": jax_state_bytes(run), "evidence": t.offload_evidence(),
-                          "params": {k: v.tolist() for k, v in t.canonical_params().items()}}
+                          "params": {k: v.tolist() for k, v in t.canonical_params().items()},
+                          "placement": placement_record(t)}
   return out
 
 
@@ -129,6 +131,22 @@ def test_sharded_offload_moves_one_shard_per_device(report):
   assert moved_out == params_bytes["pinned_host"]
   assert moved_in == params_bytes["pinned_host"] - 4  # jit prunes the clip's previous norm: never read
   assert ev["jaxpr_device_puts"]["to_host"] > 0  # activation offload, visible only in the jaxpr on CPU
+
+
+@pytest.mark.process
+def test_zero3_fsdp4_placement_from_the_compiled_program(report):
+  """PLANS['zero3-fsdp4'] is the `z3` plan here: everything in device memory, per-device (1/4) bytes in the entry
+  layout (tests/test_placement_plans.py asserts the one-device plans)."""
+  from parity.sizing.plans import PLANS as PAIRS
+  from parity.spec import JaxPlan
+  assert JaxPlan(**PLANS["z3"]) == PAIRS["zero3-fsdp4"].jax
+  rec = report["plans"]["z3"]["placement"]
+  assert {(r["class"], r["role"]): r["memory_space"] for r in rec["classes"]} == {
+      ("params", "argument"): "device", ("opt_state", "argument"): "device", ("batch", "argument"): "device",
+      ("params", "result"): "device", ("opt_state", "result"): "device", ("metrics", "result"): "device"}
+  assert rec["mismatches"] == [] and rec["plan"]["data_parallel"] == N_DEV
+  state_out = sum(r["bytes"] for r in rec["classes"] if r["role"] == "result" and r["class"] != "metrics")
+  assert state_out == report["plans"]["z3"]["predicted"]["device"]  # per device: the shards, not the whole state
 
 
 @pytest.mark.process

@@ -223,7 +223,15 @@ def test_parity_report_re_renders_and_verifies_a_real_run_with_a_placement(tmp_p
                             ignore=shutil.ignore_patterns(".parity.lock")))
   d = json.loads((rd / "report.json").read_text())
   assert d["placement"]["sides"]["torch"]["status"] == "ok"  # written by `parity compare` itself
-  shutil.copy(FIX / "gpu.placement.json", rd / "jax" / PLACEMENT_FILE)
+  # the fixture stamped as this run's, and the one-side 'placement jax' check rebuilt from it as compare builds it
+  run_id = d["run_folder"]["run_id"]
+  fixture = {**json.loads((FIX / "gpu.placement.json").read_text()), "run_id": run_id}
+  (rd / "jax" / PLACEMENT_FILE).write_text(json.dumps(fixture))
+  from parity.verdict.placement import placement_check
+  check = placement_check("jax", {"record": fixture, "problem": None}, d["sides"]["jax"]["status"]).to_json()
+  names = [c["name"] for c in d["checks"]]
+  assert "placement jax" in names
+  d["checks"][names.index("placement jax")] = json.loads(json.dumps(check))
   d["placement"] = json.loads(json.dumps(placement_section(rd, d["sides"])))
   d["artifacts"] = artifact_hashes(rd, list(d["sides"]))
   (rd / "report.json").write_text(json.dumps(d))

@@ -219,7 +219,8 @@ def test_minimal_forged_report_is_refused_cleanly(where, tmp_path, capsys):
     (["noise/jax/summary.json", "noise/jax/steps.jsonl", "noise/jax/final.safetensors"],
      "noise/jax/summary.json is missing"),
     (["repeat/torch/summary.json", "repeat/torch/steps.jsonl"], "repeat/torch/summary.json is missing"),
-    (["resume/jax/steps.jsonl"], "checks[15] (jax resume): value stored 0.0, recomputed None; passed stored True"),
+    # checks[15] is the jax side's placement check (after the pair's checks, before the reruns')
+    (["resume/jax/steps.jsonl"], "checks[16] (jax resume): value stored 0.0, recomputed None; passed stored True"),
 ])
 def test_missing_records_are_recomputed_not_trusted(gone, said, tmp_path):
   """Records removed together with their hashes (so re-hashing alone sees nothing): the recomputation finds what

@@ -8,9 +8,10 @@ from typing import Any
 from harness.runner import SideRun
 from parity import weights
 from parity.protocol.layout import FINAL_MOMENTS, read_moments, read_steps, read_summary
+from parity.protocol.placement import PLACEMENT_FILE, read_placement, writes_placement
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 
-__all__ = ["side_outputs", "collect_sides", "interrupted_run"]
+__all__ = ["side_outputs", "collect_sides", "interrupted_run", "placement_entry"]
 
 
 def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | None,
@@ -20,15 +21,31 @@ def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | No
   Returns:
     {side: {'status': str, 'steps': [StepRecord], 'final': {name: float32 array} | None,
     'moments': parity.protocol.read_moments output | None, 'semantics': the side's card of this run (run_dir/<side>/
-    semantics.json, parity.protocol.semantics.read_card) | None}}: what parity.verdict.sides.compare_sides takes.
+    semantics.json, parity.protocol.semantics.read_card) | None, 'placement': `placement_entry`}}: what
+    parity.verdict.sides.compare_sides takes.
   """
   data = {}
   for side, sr in side_runs.items():
     steps, final = side_outputs(run_dir / side, sr, run_id, expected_steps=expected_steps)
     data[side] = {"status": sr.status, "steps": steps, "final": final,
                   "moments": read_moments(run_dir / side / FINAL_MOMENTS) if final else None,
-                  "semantics": read_card(run_dir / side / SEMANTICS_FILE, run_id)}
+                  "semantics": read_card(run_dir / side / SEMANTICS_FILE, run_id),
+                  "placement": placement_entry(run_dir / side, side, sr.summary, run_id)}
   return data
+
+
+def placement_entry(out: Path, side: str, summary: dict | None, run_id: str | None) -> dict[str, Any] | None:
+  """What the 'placement' check of `side` reads (parity.verdict.placement.placement_check): None for a side whose
+  worker writes no placement.json (parity.protocol.placement.writes_placement), else {'record': its placement.json
+  of this run or None, 'problem': why it is None (missing, unreadable, another run's; with the side's own
+  summary.json `placement_error` when it recorded one)}."""
+  if not writes_placement(side):
+    return None
+  record, problem = read_placement(out / PLACEMENT_FILE, run_id)
+  why = (summary or {}).get("placement_error")
+  if record is None and why:
+    problem = f"{problem}; the side could not write it: {why}"
+  return {"record": record, "problem": problem}
 
 
 def side_outputs(out: Path, sr, run_id: str | None, *, expected_steps: int | None) -> tuple[list[dict], dict | None]:

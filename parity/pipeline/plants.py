@@ -15,6 +15,8 @@ The physics, per plant (right padding, one causal attention per row):
                            data has prompt targets without loss.
   decay_biases             (an optimizer plant, any layout) every '*.bias' joins the decayed set: changes the update
                            only when the model has biases and train.weight_decay > 0.
+  placement_device         (a placement fault, JAX side only: PLACEMENT_PLANT_KEYS) the step compiled with the offloaded
+                           groups in device memory: shows only when the JaxPlan offloads a group (`placement_reason`).
 A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
 cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
 both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
@@ -28,12 +30,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from parity.dataset.reference import in_example_targets, token_weights
-from parity.protocol.layout import PLANT_KEYS
+from parity.protocol.layout import PLACEMENT_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.placement import writes_placement
 from parity.weights import param_shapes
 from parity.spec import RunSpec, SpecError
 
-__all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "check_plants",
-           "check_plants_on_data"]
+__all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "placement_reason",
+           "check_plants", "check_plants_on_data"]
 
 
 def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | None:
@@ -119,15 +122,28 @@ def _refuse(side: str, key: str, reason: str) -> None:
   raise SpecError(f"--perturb {side}:{key}=true changes nothing the {side} side trains: {reason}")
 
 
+def placement_reason(spec: RunSpec, side: str) -> str | None:
+  """Why the planted placement fault ('placement_device', PLACEMENT_PLANT_KEYS) on `side` cannot show, or None: only
+  the JAX worker compiles its step from a placement plan (parity.protocol.placement.writes_placement), and a plan that
+  offloads nothing already keeps every group in device memory."""
+  if not writes_placement(side):
+    return (f"only the JAX side compiles its step from a memory plan and writes placement.json; {side} has no "
+            "compiled placement to plant a mismatch in")
+  if not (spec.jax.offload_params or spec.jax.offload_opt_state):
+    return ("the run's JaxPlan offloads nothing (jax.offload_params and jax.offload_opt_state are false): every group "
+            "is in device memory already; plant it on a plan that offloads, e.g. --plan zero2-offload")
+  return None
+
+
 def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None) -> None:
-  """Refuses a plant `spec_reason` names (SpecError '--perturb SIDE:KEY=true changes nothing ...: reason'), and a
-  perturbation given alike to every side of spec.sides (`every_side_reason`)."""
+  """Refuses a plant `spec_reason` or `placement_reason` names (SpecError '--perturb SIDE:KEY=true changes nothing
+  ...: reason'), and a perturbation given alike to every side of spec.sides (`every_side_reason`)."""
   alike = every_side_reason(spec.sides, perturb)
   if alike is not None:
     raise SpecError(alike)
   for side, kv in (perturb or {}).items():
-    for key in (k for k in kv if k in PLANT_KEYS):
-      reason = spec_reason(spec, key, kv)
+    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS):
+      reason = spec_reason(spec, key, kv) if key in PLANT_KEYS else placement_reason(spec, side)
       if reason is not None:
         _refuse(side, key, reason)
 

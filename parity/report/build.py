@@ -17,8 +17,9 @@ from parity.environment import cpu_model
 from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
 from parity.protocol.layout import DEBUG_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.placement import PLACEMENT_FILE
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
-from parity.report.placement_view import PLACEMENT_FILE, placement_section
+from parity.report.placement_view import placement_section
 from parity.semantics import DIFFED, diff_cards
 from parity.sizing.measured import predicted_vs_measured
 from parity.overrides import apply_overrides

@@ -22,7 +22,8 @@ METRIC_LABEL = {"loss": "max abs Δloss", "val_loss": "abs Δval_loss at the wor
                 "grad_norm_envelope": "worst window: rms rel. Δgrad_norm",
                 "params_envelope": "worst tensor: element abs Δ", "loss_scale": "max abs Δloss_scale",
                 "skipped": "max abs Δ (1: skipped on one side only)",
-                "semantics": "semantics card items that differ"}
+                "semantics": "semantics card items that differ",
+                "placement": "places the compiled step contradicts the plan"}
 """How each metric's value reads (no '|': these labels go into Markdown table cells)."""
 METRIC_LABEL.update({f"equivalence_{k}{d}": "max abs Δloss against its own rerun" for k in ("ga", "ranks", "packing")
                      for d in ("", "_distance")})  # --equivalence (parity.pipeline.equivalence)

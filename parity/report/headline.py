@@ -185,6 +185,10 @@ def verdict_parts(d: dict) -> tuple[str, str, str]:
   elif ff and ff.get("metric") == "semantics":  # the cards differ: name the items and both values, at step 0
     c = next((c for c in checks if c["name"] == ff["check"]), {})
     parts.append(f"{pair_label(ff['sides'])} differ before step 1, {c.get('detail') or 'semantics cards differ'}")
+  elif ff and ff.get("metric") == "placement":  # one side's compiled step against its plan, at step 0
+    c = next((c for c in checks if c["name"] == ff["check"]), {})
+    parts.append(f"{pair_label(ff['sides'])}'s compiled step differs from its plan before step 1, "
+                 f"{c.get('detail') or 'placement: the compiled memory spaces differ'}")
   elif ff and ff.get("metric") != "completed" and ff.get("value") is None:  # nothing was measured: say why, not
     # "exceeds its tolerance" (breaker, 2026-12-02: an equivalence rerun killed by SIGKILL read "... over the run n/a")
     c = next((c for c in checks if c["name"] == ff["check"]), {})

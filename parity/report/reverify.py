@@ -4,7 +4,7 @@
 What is read (nothing is run):
   request.json, init.safetensors          the spec the sides ran and the initial weights
   <side>/semantics.json                   each side's semantics card (the 'semantics' checks and the card table)
-  <side>/placement.json                   a JAX side's placement of its compiled step (the placement section)
+  <side>/placement.json                   a JAX side's compiled placement (the 'placement' check and section)
   <side>/summary.json, steps.jsonl,       each side's status, records, final params and moments
     final.safetensors, final_moments.safetensors   (parity.pipeline.collect.side_outputs: a side whose files are not
                                           whole is downgraded exactly as `parity compare` did)
@@ -28,7 +28,7 @@ from typing import Any
 
 from parity import weights
 from parity.fields import from_dict
-from parity.pipeline.collect import side_outputs
+from parity.pipeline.collect import placement_entry, side_outputs
 from parity.pipeline.equivalence import equivalence_from_folders
 from parity.pipeline.reruns import (RerunContext, determinism_outcome, determinism_section, envelope_result,
                                     resume_outcome, resume_section)
@@ -131,7 +131,8 @@ def _collect(rd: Path, d: dict, spec, run_id: str | None) -> tuple[dict, dict]:
     steps, final = side_outputs(rd / side, sr, run_id, expected_steps=spec.train.steps)
     data[side] = {"status": sr.status, "steps": steps, "final": final,
                   "moments": read_moments(rd / side / FINAL_MOMENTS) if final else None,
-                  "semantics": read_card(rd / side / SEMANTICS_FILE, run_id)}
+                  "semantics": read_card(rd / side / SEMANTICS_FILE, run_id),
+                  "placement": placement_entry(rd / side, side, sr.summary, run_id)}
     runs[side] = sr
   return data, runs
 

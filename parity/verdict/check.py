@@ -1,4 +1,4 @@
-"""One pairwise check: what every check of parity.verdict returns and report.json stores."""
+"""One check (pairwise, or of one side): what every check of parity.verdict returns and report.json stores."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +10,12 @@ __all__ = ["Check"]
 
 @dataclasses.dataclass
 class Check:
-  """One pairwise check.
+  """One check: pairwise, or of one side (placement).
 
   Attributes:
-    name: '<metric> <a>~<b>'.
-    metric: 'completed', 'loss', 'grad_norm', 'lr', 'val_loss', 'params' or 'params_zero_grad'.
-    sides: (reference side, candidate side).
+    name: '<metric> <a>~<b>' ('placement <side>' for a one-side check).
+    metric: 'completed', 'loss', 'grad_norm', 'lr', 'val_loss', 'params', 'params_zero_grad', 'placement', ...
+    sides: (reference side, candidate side); (side,) for a one-side check (parity.verdict.placement).
     value: the largest difference found (absolute for series; for 'params' the largest
       per-tensor ratio max|a - b| / max|final - init|); NaN when a NaN mismatch occurred.
     tolerance: the allowed value at the worst point (atol + rtol * |reference| for series).
@@ -29,7 +29,7 @@ class Check:
   """
   name: str
   metric: str
-  sides: tuple[str, str]
+  sides: tuple[str, ...]
   value: float
   tolerance: float
   passed: bool

@@ -9,6 +9,8 @@ Two kinds exist:
   ENVELOPE_DECIDES      in bf16/fp16, a pairwise check of one of these metrics stops gating when the noise envelope
                         check named beside it exists for the same pair: the envelope decides, the fixed table is
                         reported (parity.verdict.tolerances, the bf16 'loss' entry says why).
+and one state: NOT_RUN_REPORTED_ONLY, a check of these metrics that could not run (no value: the 'placement' check
+of a side that finished without a usable placement.json, parity.verdict.placement) is reported only, saying why.
 """
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ from typing import Iterable
 from parity.verdict.check import Check
 from parity.verdict.envelope import ENVELOPE_METRICS
 
-__all__ = ["ALWAYS_REPORTED_ONLY", "EQUIVALENCE_DISTANCE", "ENVELOPE_DECIDES", "mark_envelope_decided", "reported_only_allowed"]
+__all__ = ["ALWAYS_REPORTED_ONLY", "EQUIVALENCE_DISTANCE", "ENVELOPE_DECIDES", "NOT_RUN_REPORTED_ONLY",
+           "mark_envelope_decided", "reported_only_allowed"]
 
 EQUIVALENCE_DISTANCE = ("equivalence_ga_distance", "equivalence_ranks_distance", "equivalence_packing_distance")
 """The reported-only form of the --equivalence checks (micro_mean or bf16/fp16: how far apart, never a failure;
 parity.pipeline.equivalence)."""
 ALWAYS_REPORTED_ONLY = ("determinism", *EQUIVALENCE_DISTANCE)
 """Check metrics stored with gating False whatever the precision."""
+NOT_RUN_REPORTED_ONLY = ("placement",)
+"""Check metrics stored with gating False when they could not run (value None in report.json: NaN)."""
 ENVELOPE_DECIDES = {**{m: f"{m}_envelope" for m in ENVELOPE_METRICS}, "params": "params_envelope"}
 """Pairwise metric -> the noise-envelope check metric that decides instead of it in bf16/fp16."""
 
@@ -47,10 +52,11 @@ def mark_envelope_decided(checks: Iterable[Check], decides: set, precision: str)
 
 
 def reported_only_allowed(check: dict, checks: list[dict], precision: str | None) -> bool:
-  """Whether a stored check (report.json form) may be reported only: its metric is in ALWAYS_REPORTED_ONLY, or
-  precision is bf16/fp16 and `checks` hold the envelope check that decides it for the same pair of sides."""
+  """Whether a stored check (report.json form) may be reported only: its metric is in ALWAYS_REPORTED_ONLY, it is a
+  NOT_RUN_REPORTED_ONLY check without a value (it could not run), or precision is bf16/fp16 and `checks` hold the
+  envelope check that decides it for the same pair of sides."""
   metric = check.get("metric")
-  if metric in ALWAYS_REPORTED_ONLY:
+  if metric in ALWAYS_REPORTED_ONLY or (metric in NOT_RUN_REPORTED_ONLY and check.get("value") is None):
     return True
   env = ENVELOPE_DECIDES.get(metric)
   if env is None or precision in (None, "fp32"):

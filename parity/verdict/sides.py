@@ -11,6 +11,7 @@ import numpy as np
 from parity.verdict.check import Check
 from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_checks
+from parity.verdict.placement import placement_check
 from parity.semantics import DIFFED, diff_cards, diff_text
 from parity.verdict.steps import FP16_SERIES, SERIES_METRICS, completion_check, series_check, updates_check
 
@@ -19,7 +20,7 @@ __all__ = ["compare_sides", "Verdict", "verdict", "METRIC_ORDER", "semantics_che
 SEMANTICS_REASON = ("the semantics cards (parity.protocol.semantics: what each side's step runs, read from its own "
                     "objects before step 1) must agree item for item; any difference changes the math")
 
-METRIC_ORDER = {m: i for i, m in enumerate(("semantics", "completed", "updates", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
+METRIC_ORDER = {m: i for i, m in enumerate(("semantics", "placement", "completed", "updates", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
                                             "grad_norm_envelope", "val_loss_envelope", "params", "params_envelope",
                                             "params_zero_grad", "noise_rerun", "resume", "determinism"))}
 """Which of two checks failing at the same step is named first in the verdict (earlier here: named first)."""
@@ -32,7 +33,9 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
     sides: side -> {'status': str, 'steps': list of StepRecord dicts, 'final': params dict or None, and
       optionally 'moments': parity.protocol.read_moments output or None, 'semantics': the side's semantics card
       (parity.protocol.semantics.read_card) or None: a pair with both cards gets a 'semantics' check, after its
-      other checks}.
+      other checks, 'placement': parity.pipeline.collect's placement entry of a side that writes placement.json
+      (the one-side 'placement' check of each such side, after every pair's checks:
+      parity.verdict.placement.placement_check)}.
       Insertion order decides the reference of each pair (the earlier side).
     spec: the RunSpec.
     init: canonical initial params.
@@ -63,6 +66,8 @@ def compare_sides(sides: dict[str, dict], *, spec, init: dict[str, np.ndarray]) 
     if a.get("semantics") is not None and b.get("semantics") is not None:  # last of the pair: the earlier checks
       # keep their places; the verdict names it first anyway (step 0, METRIC_ORDER)
       checks.append(semantics_check(na, a["semantics"], nb, b["semantics"]))
+  # last: the pairs' checks keep their places; the verdict names a failing one first anyway (step 0, METRIC_ORDER)
+  checks.extend(c for c in (placement_check(n, d.get("placement"), d["status"]) for n, d in sides.items()) if c)
   return checks, table
 
 
@@ -116,7 +121,10 @@ def verdict(checks: Sequence[Check], statuses: dict[str, str]) -> Verdict:
   parts = []
   if bad_sides:
     parts.append("side(s) did not finish: " + ", ".join(f"{s} ({st})" for s, st in bad_sides.items()))
-  if first is not None:
+  if first is not None and len(first.sides) == 1:  # a one-side check (placement): the side and what it found
+    where = f" at step {first.first_failing_step}" if first.first_failing_step is not None else ""
+    parts.append(f"{first.metric} of {first.sides[0]} fails{where}: {first.detail}")
+  elif first is not None:
     where = f" at step {first.first_failing_step}" if first.first_failing_step is not None else ""
     parts.append(f"{first.metric} {first.sides[0]} vs {first.sides[1]} first breaks tolerance{where}: {first.detail}")
   return Verdict(False, first, "FAIL: " + "; ".join(parts))
