@@ -16,7 +16,9 @@ part is recorded with its stderr tail and the suite goes on):
            measured bandwidth, step time with offload minus without)
   largest  the largest n_layers each side trains at the fixed width (doubling from the memory model's prediction,
            then bisection; one process per probe; OOM read from the exit status and stderr); JAX plan scan-offload
-           (params + optimizer state in pinned_host), DeepSpeed ZeRO-3 offload_optimizer + offload_param
+           (params + optimizer state in pinned_host), DeepSpeed ZeRO-3 offload_optimizer + offload_param. Each JAX
+           part gets XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB from its plan by the planner's rule (sizing.jax_pool), and a
+           probe whose pool exceeds the host is not started ('host-limit')
 Writes DIR/gpu.json and DIR/gpu.md (date, nvidia-smi, versions, the measured bandwidth next to every figure) and
 DIR/logs/<part>.log. This driver imports neither jax nor torch. Exit 0: every part ran; 1: some failed (both
 files are still written); 2: bad input.
@@ -72,10 +74,12 @@ def say(msg: str) -> None:
   print(f"[gpu-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_part(suite: Suite, name: str, module: str, argv: list[str], timeout: float) -> dict:
+def run_part(suite: Suite, name: str, module: str, argv: list[str], timeout: float,
+             env: dict[str, str] | None = None) -> dict:
   """Runs `python -m benchmarks.gpu_parts.<module> --json <out> argv` through the harness (harness.launch: bound to
-  this process, its whole tree killed at the timeout); returns its record: {'ok': True, 'result', 'wall_s'} or
-  {'ok': False, 'failure': 'timeout'|'oom'|'error'|'skipped', 'detail', 'stderr_tail'}. Output: logs/<name>.log."""
+  this process, its whole tree killed at the timeout) with `env` added to its environment; returns its record:
+  {'ok': True, 'result', 'wall_s'} or {'ok': False, 'failure': 'timeout'|'oom'|'error'|'skipped', 'detail',
+  'stderr_tail'}. Output: logs/<name>.log."""
   timeout = min(timeout, suite.left())
   if timeout < suite.args.min_part_s:
     rec = {"ok": False, "failure": "skipped", "detail": f"suite budget spent ({suite.left():.0f} s left)"}
@@ -86,7 +90,7 @@ def run_part(suite: Suite, name: str, module: str, argv: list[str], timeout: flo
   say(f"{name}: start (timeout {timeout:.0f} s)")
   t0 = time.monotonic()
   try:
-    fin = run_module(f"benchmarks.gpu_parts.{module}", args, timeout_s=timeout)
+    fin = run_module(f"benchmarks.gpu_parts.{module}", args, timeout_s=timeout, env=env)
     rc, text, timed_out = fin.returncode, fin.stdout + fin.stderr, False
   except LaunchTimeout as exc:
     rc, text, timed_out = None, exc.stderr_tail, True
@@ -210,8 +214,11 @@ def part_train(suite: Suite, side: str, configs: dict) -> None:
     spec = write_spec(run, suite.out / "parts" / f"{name}.spec.json")
     # DeepSpeed without offload: torch.optim.AdamW (torch_adam), as FusedAdam's CUDA op needs nvcc and minutes
     adam = ["--torch-adam"] if side == "deepspeed" and cname == "cost_none" else []
+    env, pool = sizing.jax_pool(run) if side == "jax" else ({}, None)
     rec = run_part(suite, name, SIDES[side], ["--spec", str(spec), "--steps", str(a.steps), "--warmup",
-                                             str(a.warmup), *init, *adam], a.train_timeout_s)
+                                             str(a.warmup), *init, *adam], a.train_timeout_s, env=env)
+    if pool:
+      rec["pool"] = pool
     rec["config"] = {"plan": sizing.NO_OFFLOAD_PLAN if cname == "cost_none" else sizing.OFFLOAD_PLAN,
                      "micro_batch": run.train.micro_batch_size, "seq_len": run.train.seq_len,
                      "n_layers": run.model.n_layers, "d_model": run.model.d_model, "precision": run.train.precision}
@@ -285,13 +292,17 @@ def part_largest(suite: Suite, side: str) -> None:
       if not ok:
         return {"status": "host-limit", "detail": f"not started: {text}"}
     spec = write_spec(run, suite.out / "parts" / f"largest_{side}_{n}.spec.json")
+    env, pool = sizing.jax_pool(run) if side == "jax" else ({}, None)  # the pool sized from the plan
     rec = run_part(suite, f"largest_{side}_{n}", SIDES[side], ["--spec", str(spec), "--steps", "1", "--warmup", "1",
-                                                                "--fast-init"], a.probe_timeout_s)
+                                                                "--fast-init"], a.probe_timeout_s, env=env)
+    extra = {"pool": pool} if pool else {}
     if rec["ok"]:
       r = rec["result"]
       return {"status": "ok", "n_params": r["n_params"], "peak_device_bytes": r["peak_device_bytes"],
-              "peak_host_rss_bytes": r["peak_host_rss_bytes"], "step_s": r["median_s"], "wall_s": rec["wall_s"]}
-    return {"status": rec["failure"], "detail": rec.get("detail"), "stderr_tail": rec.get("stderr_tail", "")}
+              "peak_host_rss_bytes": r["peak_host_rss_bytes"], "step_s": r["median_s"], "wall_s": rec["wall_s"],
+              **extra}
+    return {"status": rec["failure"], "detail": rec.get("detail"), "stderr_tail": rec.get("stderr_tail", ""),
+            **extra}
 
   res = sizing.search_largest(probe, start, max_probes=a.max_probes, min_probe_s=a.min_part_s, time_left=suite.left)
   res.update(plan=sizing.PROBE_PLANS[side], start=start, start_why=why, d_model=base.model.d_model,
@@ -365,7 +376,8 @@ def header(args: argparse.Namespace) -> dict:
     except md.PackageNotFoundError:
       versions[p] = None
   env = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_DEFAULT_MATMUL_PRECISION", "XLA_FLAGS",
-                                        "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR") if os.environ.get(k)}
+                                        "PYTHONUNBUFFERED", "TORCH_EXTENSIONS_DIR", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+         if os.environ.get(k)}
   return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "tiny (CPU check)" if args.tiny else "full",
           "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "python": sys.version.split()[0],
           "versions": versions, "env": env, "argv": sys.argv[1:]}

@@ -17,6 +17,8 @@ fi
 export PYTHONUNBUFFERED=1                  # progress lines as they happen
 export XLA_PYTHON_CLIENT_PREALLOCATE=false # JAX takes memory as it needs it: its peaks are the run's, not 75 %
 export JAX_DEFAULT_MATMUL_PRECISION=highest # fp32 matmuls in full fp32 (parity with torch, TF32 off); bf16 unchanged
+# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is not exported here: gpu.py sizes XLA's pinned-host pool for each JAX part from
+# that part's plan (parity.sizing.host_limits.jax_pool, the rule `parity plan` states), or keeps a value set already.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/parity-torch-extensions}  # DeepSpeed op builds
 export OUT=${OUT:-benchmarks/results/gpu-$(date -u +%Y-%m-%d)}
 "$PY" - <<'PYEOF'

@@ -19,11 +19,15 @@ from pathlib import Path
 from typing import Mapping
 
 from harness import launch
-from harness.env import thread_environ
+from harness.env import jax_pool_choice, side_spec, thread_environ
 from parity import environment as env
+from parity.errors import SpecError
+from parity.numerics_flags import numerics_flags
+from parity.sizing import host_limits
+from parity.spec import to_dict
 
 __all__ = ["SCHEMA", "PROBE_TIMEOUT_S", "BUILD_TIMEOUT_S", "PROBES", "run_probe",
-           "probe_frameworks", "git_state", "gpu_info", "environment_block", "run_environment"]
+           "probe_frameworks", "git_state", "gpu_info", "environment_block", "run_environment", "host_limits_block"]
 
 SCHEMA = "parity.environment/1"
 PROBE_TIMEOUT_S = 180.0
@@ -136,7 +140,8 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
     bandwidth, build: passed to the probes when not quick (see probe_frameworks).
     timeout_s: per probe, seconds.
   Returns:
-    {'schema', 'quick', 'host', 'packages', 'git', 'cuda_driver', 'gpus', 'worker_threads', 'frameworks'};
+    {'schema', 'quick', 'host', 'packages', 'git', 'cuda_driver', 'gpus', 'worker_threads', 'frameworks',
+    'host_limits' (`host_limits_block`), 'numerics_flags' (parity.numerics_flags.numerics_flags)};
     worker_threads: the thread settings a one-rank worker started now gets (harness.env.thread_environ: the
     variables, who set each, the inputs, the reason); torch's own view is frameworks.torch.thread_settings where
     torch was probed, and every torch side's summary.json `threads`.
@@ -150,15 +155,39 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
                                     devices_only=quick, timeout_s=timeout_s)
   return {"schema": SCHEMA, "quick": quick, "host": env.host_info(), "packages": env.package_versions(),
           "git": git_state(), "cuda_driver": evidence, "gpus": gpu_info(topology=not quick),
-          "worker_threads": thread_environ(dict(os.environ)), "frameworks": dict(frameworks)}
+          "worker_threads": thread_environ(dict(os.environ)), "frameworks": dict(frameworks),
+          "host_limits": host_limits_block(os.environ), "numerics_flags": numerics_flags(os.environ)}
 
 
-def run_environment(devices: Mapping[str, object] | None) -> dict[str, object]:
+def host_limits_block(environ: Mapping[str, str], **paths: str) -> dict[str, object]:
+  """The host limits a run meets here (parity.sizing.host_limits): {'xla_pool': {'variable', 'value' (its text or
+  None), 'gib' (None for a bad value), 'source' ('default' | 'env' | 'invalid'), 'error' (a bad value), 'applies'},
+  'mem_available_bytes', 'cgroup', 'cgroup_headroom_bytes', 'available_bytes'}. paths: host_memory's (tests)."""
+  raw = environ.get(host_limits.XLA_POOL_ENV)
+  pool: dict[str, object] = {"variable": host_limits.XLA_POOL_ENV, "value": raw,
+                             "applies": "per GPU, XLA's GPU client only: on the CPU backend pinned_host is ordinary "
+                                        "memory and the variable is not read"}
+  try:
+    gib = host_limits.xla_pool_setting(environ)
+    pool.update(gib=gib or host_limits.XLA_POOL_DEFAULT_GIB, source="env" if gib else "default")
+  except SpecError as exc:
+    pool.update(gib=None, source="invalid", error=str(exc))
+  return {"xla_pool": pool, **host_limits.host_memory(**paths).to_json()}
+
+
+def run_environment(devices: Mapping[str, object] | None, spec=None,
+                    perturb: Mapping[str, Mapping] | None = None) -> dict[str, object]:
   """The quick block a run records, from the CPU-fallback check's result (harness.backend.check_backends: None
   where no driver is visible): its probes as `frameworks`, and `cpu_fallback` (the sentences; [] when every side
-  sees a GPU) and `allowed_cpu` (--allow-cpu) at the top level."""
-  if devices is None:
-    return environment_block(quick=True)
-  block = environment_block(quick=True, frameworks=devices["frameworks"])
-  block.update(cpu_fallback=devices["cpu_fallback"], allowed_cpu=devices["allowed_cpu"])
+  sees a GPU) and `allowed_cpu` (--allow-cpu) at the top level. With the run's `spec` (a RunSpec) and its
+  --perturb plan, a JAX side's pinned-host pool (`host_pool`: harness.env.jax_pool_choice, what the runner puts in
+  that worker's environment) and the value in numerics_flags."""
+  block = environment_block(quick=True) if devices is None else environment_block(quick=True,
+                                                                                  frameworks=devices["frameworks"])
+  if devices is not None:
+    block.update(cpu_fallback=devices["cpu_fallback"], allowed_cpu=devices["allowed_cpu"])
+  if spec is not None and "jax" in spec.sides:
+    choice = jax_pool_choice(os.environ, side_spec({"run": to_dict(spec), "perturb": dict(perturb or {})}, "jax"))
+    block["host_pool"] = {"jax": choice}
+    block["numerics_flags"] = numerics_flags(os.environ, pool=choice)
   return block

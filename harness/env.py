@@ -26,8 +26,14 @@ from pathlib import Path
 
 from parity.buildenv import build_environ
 from parity.environment import cpu_quota, load_1min, runnable_now, usable_cpus
+from parity.errors import SpecError
+from parity.overrides import apply_overrides
+from parity.protocol.layout import DEBUG_KEYS
+from parity.sizing import host_limits
+from parity.spec import RunSpec, from_dict
 
-__all__ = ["ROOT", "RENDEZVOUS", "worker_env", "THREADS_SWITCH", "THREADS_CHOICE", "PARITY_SET", "choose_threads", "thread_environ"]
+__all__ = ["ROOT", "RENDEZVOUS", "worker_env", "THREADS_SWITCH", "THREADS_CHOICE", "PARITY_SET", "choose_threads",
+           "thread_environ", "HOST_POOL_CHOICE", "side_spec", "jax_pool_choice", "host_pool_environ"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: workers run `python -m <module>` with it first on PYTHONPATH."""
@@ -144,4 +150,59 @@ def thread_environ(environ: MutableMapping[str, str], ranks: int = 1) -> dict[st
                          "where the user set none)")
   environ.update(choice["env"])
   environ[THREADS_CHOICE] = json.dumps(choice, sort_keys=True)
+  return choice
+
+
+# ----------------------------------------------------------------------------- the JAX worker's pinned-host pool
+
+HOST_POOL_CHOICE = "PARITY_HOST_POOL_CHOICE"
+"""The JAX worker's pool choice as JSON (`jax_pool_choice`), set beside the variable: how a second
+`host_pool_environ` over the same environment tells parity's value from a user's."""
+
+
+def side_spec(request: Mapping[str, object], side: str) -> RunSpec:
+  """The RunSpec a side of request.json runs: the run with the side's --perturb overrides (not its fault
+  injections, DEBUG_KEYS), as parity.protocol.side.SideIO builds it. Raises SpecError for a request that is not one."""
+  base = from_dict(RunSpec, request["run"])
+  perturb = {k: v for k, v in dict((request.get("perturb") or {}).get(side) or {}).items() if k not in DEBUG_KEYS}
+  return apply_overrides(base, perturb) if perturb else base
+
+
+def jax_pool_choice(environ: Mapping[str, str], spec: RunSpec) -> dict[str, object]:
+  """The pinned-host pool a JAX worker started with `environ` gets (pure: nothing is set).
+
+  The rule is parity.sizing.host_limits.pool_decision over the memory model's pinned-host bytes per device; a value
+  of XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in `environ` is the user's and kept. Returns the decision's JSON
+  (need_bytes, user_gib, parity_gib, rule_gib, gib, set_by, fits, statement) plus 'env' ({variable: value} parity
+  sets; {} for none), 'user_value' (the user's text or None) and 'value' (what the worker runs with; None: unset,
+  XLA's 64 GiB default). A user's value XLA cannot read gives 'error' (what the run's resource check refuses on a GPU
+  machine) and sets nothing.
+  """
+  raw = environ.get(host_limits.XLA_POOL_ENV)
+  try:
+    decision = host_limits.jax_pool(spec, environ)
+  except SpecError as exc:
+    return {"variable": host_limits.XLA_POOL_ENV, "env": {}, "user_value": raw, "value": raw, "set_by": "user",
+            "error": str(exc)}
+  env = decision.env()
+  return {**decision.to_json(), "env": env, "user_value": raw,
+          "value": raw if raw is not None else env.get(host_limits.XLA_POOL_ENV)}
+
+
+def host_pool_environ(environ: MutableMapping[str, str], spec: RunSpec) -> dict[str, object]:
+  """Puts the JAX worker's pool into `environ` in place (`jax_pool_choice`: only when the plan needs more pinned host
+  than XLA's default pool and the user set no value; a user's value is never replaced) and records the choice as JSON
+  in HOST_POOL_CHOICE; returns the choice. Idempotent: a value parity set earlier (named in an existing
+  HOST_POOL_CHOICE, same value) is chosen again."""
+  try:
+    before = json.loads(environ.get(HOST_POOL_CHOICE) or "{}").get("env", {})
+  except (ValueError, AttributeError):
+    before = {}
+  var = host_limits.XLA_POOL_ENV
+  ours = var in before and environ.get(var) == before[var]
+  if ours:
+    environ.pop(var)
+  choice = jax_pool_choice(environ, spec)
+  environ.update(choice["env"])
+  environ[HOST_POOL_CHOICE] = json.dumps(choice, sort_keys=True)
   return choice

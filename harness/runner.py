@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from harness import lifetime, ranks
 from parity import phase
-from harness.env import worker_env
+from harness.env import host_pool_environ, side_spec, worker_env
 from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
 from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
@@ -117,11 +117,24 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
                          phase.PHASE_ENV: str(out / phase.PHASE_FILE)}, python,
                         ranks=int(launch["nproc"]))  # the ranks on this host share its CPUs
+  _host_pool(full_env, run_dir, side)
   t0 = time.time()
   world = ranks.world_size(launch)
   if world > 1:
     return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)
   return _run_one(side, cmd, out, full_env, timeout_s, on_progress, t0)
+
+
+def _host_pool(env: dict[str, str], run_dir: Path, side: str) -> None:
+  """The JAX worker's pinned-host pool, set in `env` before JAX starts (harness.env.host_pool_environ, from
+  run_dir/request.json); nothing for another side, or a request that is no run (a test's fake worker)."""
+  if side != "jax":
+    return
+  try:
+    spec = side_spec(json.loads((run_dir / "request.json").read_text()), side)
+  except (OSError, ValueError, KeyError, TypeError):
+    return
+  host_pool_environ(env, spec)
 
 
 def _run_one(side: str, cmd: list[str], out: Path, env: dict[str, str], timeout_s: float,

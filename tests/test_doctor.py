@@ -200,3 +200,68 @@ def test_doctor_json_refuses_an_existing_file_without_force(tmp_path, capsys):
   err = capsys.readouterr().err
   assert str(existing) in err and "--force" in err
   assert existing.read_text() == "the user's file"
+
+
+# --- host limits (issue #22 item 4): the pool, the cgroup limit and MemAvailable, with faked probes -------------
+
+POOL = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def _limits_block(tmp_path, environ, jax_probe):
+  """An environment block whose host limits come from fake files (cgroup v2: 8 GiB limit, 3 GiB used of which 1 GiB
+  inactive file; MemAvailable 20 GiB) and `environ`, with `jax_probe` as the jax framework's probe result."""
+  cg = tmp_path / "cg" / "job"
+  cg.mkdir(parents=True)
+  (tmp_path / "self").write_text("0::/job\n")
+  (cg / "memory.max").write_text(str(8 * 2**30))
+  (cg / "memory.current").write_text(str(3 * 2**30))
+  (cg / "memory.stat").write_text(f"inactive_file {2**30}\n")
+  (tmp_path / "meminfo").write_text("MemAvailable: 20971520 kB\n")
+  hl = doctor.host_limits_block(environ, root=str(tmp_path / "cg"), self_cgroup=str(tmp_path / "self"),
+                                meminfo=str(tmp_path / "meminfo"))
+  return {"host_limits": hl, "frameworks": {"jax": jax_probe}, "numerics_flags": {"values": {"JAX_REMAT3": "1"}}}
+
+
+def test_doctor_shows_the_pool_per_gpu_with_a_faked_gpu_probe(tmp_path):
+  from parity.cli.doctor import host_rows
+  rows = dict(host_rows(_limits_block(tmp_path, {POOL: "160"}, JAX_GPU)))
+  assert rows["jax pinned-host pool"] == (f"160 GiB per GPU ({POOL}=160); applies to this jax's GPU devices, one "
+                                          "pool each")
+  assert rows["host memory"] == (f"MemAvailable 20.0 GiB; cgroup v2 {tmp_path / 'cg' / 'job'}: limit 8.0 GiB, "
+                                 "working set 3.0 GiB less inactive file 1.0 GiB, headroom 6.0 GiB; a run may use "
+                                 "6.0 GiB")
+  assert rows["numerics flags"] == "JAX_REMAT3=1"
+  rows = dict(host_rows(_limits_block(tmp_path / "b", {}, JAX_GPU)))
+  assert rows["jax pinned-host pool"].startswith(f"64 GiB per GPU (XLA's default; {POOL} not set)")
+
+
+def test_doctor_says_the_pool_applies_to_gpu_backends_on_a_cpu_jax(tmp_path):
+  from parity.cli.doctor import host_rows, rows
+  block = _limits_block(tmp_path, {}, JAX_CPU)
+  text = dict(host_rows(block))["jax pinned-host pool"]
+  assert text.endswith("jax here runs on cpu: the pool applies to GPU backends only")
+  bad = dict(host_rows(_limits_block(tmp_path / "b", {POOL: "64GB"}, JAX_CPU)))["jax pinned-host pool"]
+  assert bad.startswith(f"INVALID {POOL}='64GB'") and "whole number of GiB" in bad
+  full = doctor.environment_block(quick=True, frameworks={"jax": JAX_GPU, "torch": TORCH_GPU})
+  assert {"jax pinned-host pool", "host memory", "numerics flags"} <= {k for k, _ in rows(full)}
+  assert full["host_limits"]["xla_pool"]["variable"] == POOL and "numerics_flags" in full
+  json.dumps(full)
+
+
+def test_a_runs_environment_records_the_jax_workers_pool(monkeypatch):
+  """environment.json (run_environment with the run's spec) records the pool the runner gives the JAX worker, and
+  the same value under numerics_flags."""
+  import dataclasses
+  from parity.hf import MODEL_PRESETS
+  from parity.sizing.plans import PLANS
+  from parity.spec import RunSpec, TrainSpec
+  monkeypatch.delenv(POOL, raising=False)
+  monkeypatch.setattr(doctor, "probe_frameworks", lambda *a, **k: pytest.fail("probed"))
+  run = RunSpec(model=MODEL_PRESETS["llama-7b"], train=TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16"),
+                jax=PLANS["scan-offload"].jax, deepspeed=PLANS["scan-offload"].deepspeed)
+  devices = {"frameworks": {"jax": JAX_GPU, "torch": TORCH_GPU}, "cpu_fallback": [], "allowed_cpu": False}
+  b = doctor.run_environment(devices, run, {"jax": {"kill_at_step": 1}})
+  assert b["host_pool"]["jax"]["value"] == "160" and b["host_pool"]["jax"]["set_by"] == "parity"
+  assert b["numerics_flags"]["values"][POOL] == "160" and b["numerics_flags"]["set_by"][POOL] == "parity"
+  tiny = doctor.run_environment(devices, dataclasses.replace(run, sides=("torch",)))
+  assert "host_pool" not in tiny and tiny["numerics_flags"]["values"][POOL] is None

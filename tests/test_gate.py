@@ -731,3 +731,54 @@ def test_version_notes_say_same_only_when_something_was_compared():
   assert version_notes({"jax": "1"}, {"torch": "2"}) == [
       "package versions not compared: the two runs recorded none in common"]
   assert "jax 0.1 -> 0.2" in version_notes({"jax": "0.2"}, {"jax": "0.1"})[0]
+
+
+# ------------------------------------------------------------------ issue #22 item 4: numerics flags
+
+
+FLAGS = {"XLA_FLAGS --xla_gpu_enable_pipelined_host_offloading": None, "JAX_REMAT3": None,
+         "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "160", "jax matmul.precision": "highest"}
+
+
+def test_a_change_of_a_numerics_flag_is_reported_and_turns_the_bitwise_band_off():
+  """Like a package version: never a FAIL, always named (a 'reported' row and a note), and no bit-for-bit band."""
+  from parity.history.gate import check_against
+  base = _bitwise_snap("base", {"torch": TORCH_2}, numerics_flags=dict(FLAGS))
+  same = check_against(_bitwise_snap("new", {"torch": TORCH_2}, numerics_flags=dict(FLAGS)), base)
+  row = next(r for r in same.rows if r.metric == "numerics_flags")
+  assert row.status == "ok" and all(b.bitwise for b in same.bands.values())
+  assert "same numerics flags (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=160, jax matmul.precision=highest)" in same.notes
+  moved = {**FLAGS, "JAX_REMAT3": "1", "XLA_FLAGS --xla_gpu_enable_pipelined_host_offloading": "true"}
+  gate = check_against(_bitwise_snap("new", {"torch": TORCH_2}, numerics_flags=moved), base)
+  row = next(r for r in gate.rows if r.metric == "numerics_flags")
+  assert row.status == "reported" and gate.passed, (row, gate.moved)
+  assert row.change == ("JAX_REMAT3 unset -> '1'; XLA_FLAGS --xla_gpu_enable_pipelined_host_offloading unset -> "
+                        "'true'")
+  assert any(n.startswith("numerics flags differ") and "JAX_REMAT3 unset -> '1'" in n for n in gate.notes)
+  assert not any(b.bitwise for b in gate.bands.values()) and "numerics flags differ" in gate.bands["jax"].reason
+  assert "numerics_flags" in gate.to_markdown() and gate.to_json()["rows"][2]["status"] == "reported"
+
+
+def test_numerics_flags_one_run_did_not_record_are_not_compared():
+  from parity.history.gate import check_against
+  old = check_against(_bitwise_snap("new", {"torch": TORCH_2}, numerics_flags=dict(FLAGS)),
+                      _bitwise_snap("old", {"torch": TORCH_2}))
+  row = next(r for r in old.rows if r.metric == "numerics_flags")
+  assert row.status == "skipped" and "numerics flags not compared: the baseline recorded none" in " ".join(old.notes)
+  card = {k: v for k, v in FLAGS.items() if k != "jax matmul.precision"}  # a card keeps the environment's flags
+  gate = check_against(_bitwise_snap("new", {"torch": TORCH_2}, numerics_flags=dict(FLAGS)),
+                       _bitwise_snap("card", {"torch": TORCH_2}, numerics_flags=card))
+  assert next(r for r in gate.rows if r.metric == "numerics_flags").status == "ok"
+
+
+def test_a_runs_numerics_flags_come_from_environment_json_and_the_semantics_cards(tmp_path):
+  from parity.history.snapshot import run_flags
+  from parity.semantics import SEMANTICS_SCHEMA
+  assert run_flags(tmp_path, ["jax"]) is None  # a run from before: nothing recorded
+  (tmp_path / "environment.json").write_text(json.dumps({"numerics_flags": {"values": {"JAX_REMAT3": "1",
+                                                                                      "XLA_FLAGS --x": None}}}))
+  (tmp_path / "jax").mkdir()
+  (tmp_path / "jax" / "semantics.json").write_text(json.dumps({"schema": SEMANTICS_SCHEMA,
+                                                               "items": {"matmul.precision": "highest"}}))
+  assert run_flags(tmp_path, ["jax", "torch"]) == {"JAX_REMAT3": "1", "XLA_FLAGS --x": None,
+                                                   "jax matmul.precision": "highest"}

@@ -7,6 +7,9 @@
     where `zero2` (no offload) still fits on both sides, the same model.
   * `probe_run` / `predicted_largest`: the largest-model search's runs (same width, n_layers varies, micro
     batch 1) and the memory model's prediction of the largest n_layers, the doubling's start.
+  * `jax_pool`: the JAX side's pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) by the planner's rule
+    (parity.sizing.host_limits), set in each JAX part's environment and checked against the host in
+    `predicted_fits`.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 
 from benchmarks.gpu_parts.common import sizing_modules
 from parity.presets import PRESETS
+from parity.sizing import host_limits
 from parity.hf import MODEL_PRESETS
 from parity.spec import RunSpec, TrainSpec
 
@@ -116,17 +120,29 @@ framework's own layout (the stacked flax tree / the torch module) before placeme
 probe past the host's memory meets the OOM killer, on a node without swap."""
 
 
+def jax_pool(run, environ=None):
+  """The JAX side's pinned-host pool for `run` by the planner's rule (parity.sizing.host_limits.jax_pool: the memory
+  model's pinned bytes per device, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB kept when the user set it): (env for the part's
+  process, the decision's JSON). Raises SpecError for a bad value of the variable."""
+  import os
+  decision = host_limits.jax_pool(run, os.environ if environ is None else environ)
+  return decision.env(), decision.to_json()
+
+
 def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int) -> tuple[bool, str]:
   """(fits, why) of one side's probe run by the memory model: peak device <= usable (unchecked when device_bytes is
-  None) and peak host + BUILD_COPIES fp32 weight copies <= host_bytes."""
+  None), peak host + BUILD_COPIES fp32 weight copies <= host_bytes and, for the JAX side, its pinned-host pool by
+  the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit)."""
   memory, _ = sizing_modules()
   rows = memory.estimate(run, sides=(side,))
   dev = memory.peak_device_bytes(rows, side)
   host = memory.peak_host_bytes(rows, side) + BUILD_COPIES * 4 * memory.param_count(run.model)
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
-  ok = dev <= usable and host <= host_bytes
-  return ok, (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB "
-              f"with {BUILD_COPIES} fp32 build copies (available {host_bytes / 2**30:.1f})")
+  pool = host_limits.pool_problem(host_limits.jax_pool(run), host_bytes) if side == "jax" else None
+  ok = dev <= usable and host <= host_bytes and pool is None
+  why = (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB with "
+         f"{BUILD_COPIES} fp32 build copies (available {host_bytes / 2**30:.1f})")
+  return ok, why + (f"; {pool}" if pool else "")
 
 
 def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096) -> int:

@@ -128,10 +128,46 @@ def rows(block: dict) -> list[tuple[str, str]]:
             ("torch copy bandwidth", _fmt_bw(tc.get("bandwidth"), ("host_to_device_pinned", "device_to_host_pinned",
                                                                    "host_to_device_pageable",
                                                                    "device_to_host_pageable")))]
+  out += host_rows(block)
   gpus = block.get("gpus")
   out.append(("gpus (nvidia-smi)", "; ".join(gpus["gpus"]) if gpus else "nvidia-smi not installed"))
   if gpus and gpus.get("topology"):
     out.append(("gpu topology", gpus["topology"]))
+  return out
+
+
+def _gib(n) -> str:
+  return "unknown" if n is None else f"{n / 2**30:,.1f} GiB"
+
+
+def host_rows(block: dict) -> list[tuple[str, str]]:
+  """The host-limit rows (harness.doctor.host_limits_block, numerics_flags): XLA's pinned-host pool (default or the
+  variable's value; on a jax that runs on the CPU, that it applies to GPU backends), the cgroup memory limit,
+  MemAvailable, and the numerics flags set. [] for a block written before they were kept."""
+  hl = block.get("host_limits")
+  if not isinstance(hl, dict):
+    return []
+  pool, jx = hl.get("xla_pool") or {}, (block.get("frameworks") or {}).get("jax") or {}
+  var = pool.get("variable", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+  if pool.get("source") == "invalid":
+    text = f"INVALID {var}={pool.get('value')!r}: {pool.get('error')}"
+  else:
+    text = (f"{pool.get('gib')} GiB per GPU (" + (f"{var}={pool.get('value')}" if pool.get("source") == "env" else
+                                                 f"XLA's default; {var} not set") + ")")
+  backend = jx.get("backend")
+  text += (f"; jax here runs on {backend}: the pool applies to GPU backends only" if backend not in ("gpu", "cuda")
+           else "; applies to this jax's GPU devices, one pool each")
+  cg = hl.get("cgroup") or None
+  cg_text = ("no cgroup memory controller readable" if cg is None else
+             f"cgroup v{cg.get('version')} {cg.get('path')}: " + ("no limit" if cg.get("limit_bytes") is None else
+             f"limit {_gib(cg.get('limit_bytes'))}, working set {_gib(cg.get('usage_bytes'))} less inactive file "
+             f"{_gib(cg.get('inactive_file_bytes'))}, headroom {_gib(hl.get('cgroup_headroom_bytes'))}"))
+  mem = (f"MemAvailable {_gib(hl.get('mem_available_bytes'))}; {cg_text}; a run may use "
+         f"{_gib(hl.get('available_bytes'))}")
+  out = [("jax pinned-host pool", text), ("host memory", mem)]
+  nf = (block.get("numerics_flags") or {}).get("values") or {}
+  set_ = [f"{k}={v}" for k, v in nf.items() if v is not None]
+  out.append(("numerics flags", ", ".join(set_) or f"none set ({', '.join(nf)}: the frameworks' defaults)"))
   return out
 
 

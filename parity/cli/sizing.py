@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
 from parity.presets import DEFAULT_PRESET
@@ -16,7 +18,7 @@ from parity.spec import SpecError
 from parity.weights import n_params
 from parity.pipeline.resolve import resolve_run
 from parity.sizing.plans import HARDWARE, plan_of
-from parity.sizing import memory, plans
+from parity.sizing import host_limits, memory, plans
 from parity.cli._common import Failure
 from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
 from parity.hf.presets import HF_REPOS
@@ -76,8 +78,14 @@ def register(sub) -> None:
   p.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default: the preset's; a "
                                                 "--model: 1)")
   p.add_argument("--hardware", choices=sorted(HARDWARE), default="H100", help="accelerator preset")
-  p.add_argument("--device-memory", type=float, help="device memory, GiB (default: --hardware's)")
-  p.add_argument("--host-memory", type=float, help="host memory per device, GiB (default: --hardware's)")
+  p.add_argument("--device-memory", type=size_gib,
+                 help="device memory: GiB, or a size such as 80GB, 80GiB (default: --hardware's)")
+  p.add_argument("--host-memory", type=host_size,
+                 help="host memory per device: GiB, a size such as 512GB, or 'here' (this machine: the smaller of "
+                      "MemAvailable and the cgroup limit, over --devices) (default: --hardware's)")
+  p.add_argument("--pin-memory", action="store_true",
+                 help="cost DeepSpeed's offload with pin_memory true: torch pins each host buffer as a power of two "
+                      "(default off: parity's DeepSpeed configs are unpinned)")
   p.add_argument("--bandwidth", type=float, help="host<->device bandwidth per direction, GB/s (default: --hardware's)")
   p.add_argument("--peak-tflops", type=float, help="peak at the run's precision, TFLOP/s (default: --hardware's; "
                                                    "fp32 runs use its fp32 peak)")
@@ -210,9 +218,12 @@ def run_plan(args: argparse.Namespace) -> int:
   from rich.table import Table  # rich: loaded when a table is printed
   sides = tuple(split_list(args.sides))
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
-  hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory, host_gib=args.host_memory,
-                             bandwidth_gbs=args.bandwidth, peak_tflops=args.peak_tflops)
-  best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu)
+  pool_gib = host_limits.xla_pool_setting(os.environ)  # a bad value: SpecError naming the variable (exit 2)
+  hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory,
+                             host_gib=host_gib(args.host_memory, args.devices), bandwidth_gbs=args.bandwidth,
+                             peak_tflops=args.peak_tflops)
+  best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu,
+                                   xla_pool_gib=pool_gib, pin_memory=args.pin_memory)
   inputs = plans.plan_inputs(hw, run.train, devices=args.devices, sides=sides, mfu=args.mfu,
                              padding_fraction=args.padding_fraction)
   unit = table_unit([b for c in ranked for d in (c.peak_device_bytes, c.host_bytes) for b in d.values()])
@@ -241,11 +252,70 @@ def run_plan(args: argparse.Namespace) -> int:
               + (f", {tput['non_padding_tokens_per_s']:,.0f} of them real positions (padding fraction "
                  f"{args.padding_fraction:g}: padding costs the FLOPs of a real position)"
                  if args.padding_fraction else ""), highlight=False)
+  for line in host_lines(best, pool_gib, inputs["host_bytes_per_device"]):
+    con.print(line, highlight=False)
   for line in plans.explain(best, ranked):
     con.print("  " + line)
   if args.json:
-    _write_json(args.json, plans.ranking_json(best, ranked, inputs))
+    _write_json(args.json, {**plans.ranking_json(best, ranked, inputs),
+                            "host_limits": {"xla_pool_env": host_limits.XLA_POOL_ENV, "xla_pool_user_gib": pool_gib,
+                                            "pin_memory": args.pin_memory}})
   return EXIT_OK if best else EXIT_FAIL
+
+
+def host_lines(best, user_gib: int | None, host_bytes: int) -> list[str]:
+  """The chosen plan's host limits as `parity plan` prints them: the JAX side's pinned-host requirement and the pool
+  setting it will use (PoolDecision.statement) against `host_bytes` per device, DeepSpeed's pinned rounding (with
+  --pin-memory)."""
+  if best is None:
+    return []
+  out = []
+  if best.jax_pool:
+    gib = best.jax_pool["gib"]
+    fits = (f"; the {gib} GiB pool, one per GPU, fits the {host_bytes / 2**30:,.0f} GiB host memory per device"
+            if gib * 2**30 <= host_bytes else "")
+    out.append(f"pinned host of {best.name}: {best.jax_pool['statement']}{fits}")
+  elif "jax" in best.host_bytes:
+    out.append(f"pinned host of {best.name}: the JAX side pins no host memory; "
+               f"{host_limits.XLA_POOL_ENV} {'is ' + str(user_gib) if user_gib else 'is not set'}")
+  if best.deepspeed_pinned:
+    d = best.deepspeed_pinned
+    out.append(f"pinned host of {best.name}, DeepSpeed (pin_memory): {human_bytes(d['requested_bytes'])} of buffers "
+               f"pin {human_bytes(d['pinned_bytes'])} (torch rounds each to a power of two), counted in its host "
+               "figure")
+  return out
+
+
+_SIZE_UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12, "mib": 2**20, "mb": 10**6}
+
+
+def size_gib(text: str) -> float:
+  """A memory size flag's value in GiB (argparse `type`): a bare number is GiB; a suffix GB/TB/MB is decimal, GiB/TiB/
+  MiB binary ('80GB' -> 74.5). A non-finite or non-positive figure is returned as is: the CLI's number rule and
+  plans.custom_hardware refuse it naming the flag. Raises argparse.ArgumentTypeError for text that is no size."""
+  m = re.fullmatch(r"\s*([-+]?(?:[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?|inf|infinity|nan))\s*([A-Za-z]*)\s*", str(text),
+                   flags=re.IGNORECASE)
+  unit = m.group(2).lower() if m else None
+  if m is None or unit not in _SIZE_UNITS:
+    raise argparse.ArgumentTypeError(f"{text!r}: give GiB as a number (80) or a size with a unit (80GB, 80GiB, 1TB)")
+  return float(m.group(1)) * _SIZE_UNITS[unit] / 2**30
+
+
+def host_size(text: str) -> float | str:
+  """--host-memory's argparse `type`: 'here', or a size (`size_gib`)."""
+  return "here" if str(text).strip().lower() == "here" else size_gib(text)
+
+
+def host_gib(value: float | str | None, devices: int) -> float | None:
+  """--host-memory in GiB per device: a size (`host_size`), or 'here': this machine's available memory (the smaller
+  of MemAvailable and the cgroup limit less its working set, host_limits.host_memory) over `devices`."""
+  if value != "here":
+    return value
+  avail = host_limits.host_memory().available_bytes
+  if avail is None:
+    raise SpecError("--host-memory here: neither /proc/meminfo MemAvailable nor a cgroup memory limit can be read "
+                    "on this machine; give the host memory per device in GiB")
+  return avail / max(1, devices) / 2**30
 
 
 def plan_header(inputs: dict) -> str:

@@ -11,7 +11,7 @@ from parity.report.runconfig import THREAD_KEYS
 from parity.verdict.tolerances import TOLERANCES
 
 __all__ = ["looser_precision", "machine_notes", "version_notes", "thread_notes", "side_bands", "thread_difference",
-           "pair_bitwise", "THREAD_RECORDING_SIDES"]
+           "pair_bitwise", "THREAD_RECORDING_SIDES", "flag_changes", "flag_notes"]
 
 
 def looser_precision(a: str, b: str) -> str:
@@ -87,7 +87,34 @@ def _not_reproducible(new: Snapshot, base: Snapshot, config_same: bool) -> str:
     return "the runs do not both record their package versions"
   if any(new.versions[k] != base.versions[k] for k in shared):
     return "package versions differ"
+  if flag_changes(new, base):
+    return "numerics flags differ"
   return ""
+
+
+def flag_changes(new: Snapshot, base: Snapshot) -> list[str]:
+  """Each numerics flag (parity.numerics_flags) both runs recorded whose value differs: 'JAX_REMAT3 unset -> 1'; []
+  when equal or when either run recorded none. A key only one run holds is not compared (a card keeps the
+  environment's flags, not the sides' semantics cards); a key held with no value is 'unset'."""
+  nf, bf = new.numerics_flags, base.numerics_flags
+  if nf is None or bf is None:
+    return []
+  show = lambda v: "unset" if v is None else repr(v)  # noqa: E731
+  return [f"{k} {show(bf.get(k))} -> {show(nf.get(k))}" for k in sorted(set(nf) & set(bf)) if nf[k] != bf[k]]
+
+
+def flag_notes(new: Snapshot, base: Snapshot) -> list[str]:
+  """The numerics-flags note, as the versions note: not a gate; a difference turns the bitwise band off (the flags
+  change where XLA copies to the host, which residuals a remat policy keeps, how matmuls round)."""
+  if new.numerics_flags is None or base.numerics_flags is None:
+    who = " and ".join(w for w, s in (("the baseline", base), ("the new run", new)) if s.numerics_flags is None)
+    return [f"numerics flags not compared: {who} recorded none (written before environment.json kept them)"]
+  changed = flag_changes(new, base)
+  if changed:
+    return ["numerics flags differ (not a gate; the per-step gates use the cross-framework band, not bit for bit): "
+            + "; ".join(changed)]
+  set_ = [f"{k}={v}" for k, v in sorted(base.numerics_flags.items()) if v is not None]
+  return [f"same numerics flags ({', '.join(set_) or 'none set'})"]
 
 
 THREAD_RECORDING_SIDES = ("deepspeed", "torch")

@@ -10,8 +10,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from parity.history.bands import looser_precision, machine_notes, pair_bitwise, side_bands, thread_notes, version_notes
-from parity.history.gate_rows import config_row, pair_row, side_rows, verdict_row
+from parity.history.bands import (flag_notes, looser_precision, machine_notes, pair_bitwise, side_bands, thread_notes,
+                                  version_notes)
+from parity.history.gate_rows import config_row, flags_row, pair_row, side_rows, verdict_row
 from parity.history.gates import GATES, Band, GateRow
 from parity.history.snapshot import Snapshot, refuse_unfinished
 from parity.report.write import atomic_write
@@ -99,7 +100,8 @@ def check_against(new: Snapshot, base: Snapshot) -> GateResult:
   notes, cross = machine_notes(new.machine, base.machine)
   notes += version_notes(new.versions, base.versions)
   notes += thread_notes(new, base)
-  rows = [verdict_row(new, base), config_row(new, base)]
+  notes += flag_notes(new, base)
+  rows = [verdict_row(new, base), config_row(new, base), flags_row(new, base)]
   bands = side_bands(new, base, config_same=rows[1].status != "MOVED")
   notes += [f"{side}: {b.reason}" for side, b in bands.items()]
   if new.precision != base.precision:

@@ -4,6 +4,7 @@ per-step series in its band, final weights, step time, peak RSS, state bytes) an
 (`pair_row`)."""
 from __future__ import annotations
 
+from parity.history.bands import flag_changes
 from parity.history.gates import GATES, SERIES_METRICS, Band, GateRow
 from parity.history.snapshot import Snapshot
 from parity.report.read import finite_number
@@ -11,7 +12,22 @@ from parity.report.runconfig import VOLATILE_KEYS, config_diff
 from parity.verdict.steps import series_check
 from parity.verdict.tolerances import tolerance
 
-__all__ = ["verdict_row", "config_row", "side_rows", "pair_row"]
+__all__ = ["verdict_row", "config_row", "side_rows", "pair_row", "flags_row"]
+
+
+def flags_row(new: Snapshot, base: Snapshot) -> GateRow:
+  """The numerics-flags row: 'reported' naming each flag that differs (parity.history.bands.flag_changes), 'ok' when
+  equal, 'skipped' when a run recorded none. Never MOVED: a flag change explains a move, the other gates judge it."""
+  gate = GATES["numerics_flags"].reason
+  if new.numerics_flags is None or base.numerics_flags is None:
+    return GateRow("numerics_flags", "", "n/a" if base.numerics_flags is None else "recorded",
+                   "n/a" if new.numerics_flags is None else "recorded", "", gate, "skipped",
+                   "not recorded by both (runs written before environment.json kept them)")
+  changed = flag_changes(new, base)
+  if not changed:
+    return GateRow("numerics_flags", "", "same", "same", "", gate, "ok")
+  return GateRow("numerics_flags", "", "", "", "; ".join(changed), gate, "reported",
+                 f"{len(changed)} flag{'s' * (len(changed) > 1)} changed: not a gate, the bitwise band is off")
 
 
 def _fmt(v, spec: str = ".6g") -> str:

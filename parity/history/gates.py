@@ -33,6 +33,9 @@ metric has a gate, and the reason for its width sits next to it (GATES). Per sid
   peak_rss     the side's peak host RSS at most PEAK_RSS_BAND higher than the baseline's.
   state_bytes  bytes of training state per memory kind, equal (sizes of the live arrays: a function of the model,
                precision and plan only).
+  numerics_flags  the flags that change offload or numerics (environment.json's numerics_flags, each side's
+               semantics-card matmul precision): a change is reported (status 'reported'), never failed, like a
+               package version, and turns the bitwise band off.
 
 Which machine wrote a run: <run>/environment.json when present (host, CPU model, versions), else report.json's
 `environment` plus each side's summary (platform, CPU count, backend); only fields both runs recorded are compared.
@@ -111,6 +114,10 @@ GATES: dict[str, Gate] = {
                      "peak host RSS at most 25 % higher; 6 reruns spread 9.2 % (jax) and 0.1 % (torch)"),
     "state_bytes": Gate("state_bytes", "equal", 0.0, False,
                         "sizes of the live state arrays: fixed by model, precision and plan"),
+    "numerics_flags": Gate("numerics_flags", "reported", None, False,
+                           "flags that change offload or numerics (XLA pipelined host offloading, the latency-hiding "
+                           "scheduler, jax_remat3, matmul precision, the pinned-host pool: parity.numerics_flags): a "
+                           "change is reported, not failed, as package versions are, and turns the bitwise band off"),
 }
 
 

@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from parity.inputs import InputError, load_json
+from parity.numerics_flags import SIDE_KEYS, flag_values
+from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.card import CARD_SCHEMA
 from parity.report.finished import load_finished
 from parity.report.read import finite_number, peak_load, verify_report
 from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
 
 __all__ = ["Snapshot", "machine_identity", "machine_identity_from_env", "snapshot_from_report", "unfinished_reason",
-           "refuse_unfinished", "pair_key", "load_baseline", "snapshot_from_card"]
+           "refuse_unfinished", "pair_key", "load_baseline", "snapshot_from_card", "run_flags"]
 
 
 @dataclasses.dataclass
@@ -38,6 +40,8 @@ class Snapshot:
       absent. None: the source keeps no thread records at all (a card written before cards kept them).
     unfinished: why the run is no finished measurement ('' when it is): it was interrupted (verdict INTERRUPTED), or
       a side never ran (status not_run).
+    numerics_flags: the flags that change offload or numerics (`run_flags`: environment.json's numerics_flags
+      values and each side's semantics-card matmul precision), {key: text | None (unset)}; None: not recorded.
   """
   source: Path
   kind: str
@@ -57,6 +61,7 @@ class Snapshot:
   final_digest: dict[str, str] = dataclasses.field(default_factory=dict)
   threads: dict[str, dict[str, str | None]] | None = dataclasses.field(default_factory=dict)
   unfinished: str = ""
+  numerics_flags: dict[str, str | None] | None = None
 
 
 def machine_identity(run_dir: Path, data: dict) -> dict[str, str]:
@@ -101,6 +106,21 @@ def _environment_json(run_dir: Path) -> dict:
   return d if isinstance(d, dict) else {}
 
 
+def run_flags(run_dir: Path, sides) -> dict[str, str | None] | None:
+  """The numerics flags of a run folder (parity.numerics_flags): environment.json's `numerics_flags` values, plus
+  '<side> matmul.precision' from each side's semantics.json (SIDE_KEYS; the precision its step ran with). None when
+  neither was recorded (a run written before they were kept)."""
+  out = flag_values(_environment_json(run_dir).get("numerics_flags"))
+  for side in sides:
+    card = read_card(Path(run_dir) / side / SEMANTICS_FILE)
+    for key in SIDE_KEYS if card else ():
+      if key in card["items"]:
+        out = out if out is not None else {}
+        v = card["items"][key]
+        out[f"{side} {key}"] = None if v is None else str(v)
+  return out
+
+
 def _versions(run_dir: Path, data: dict) -> dict[str, str]:
   """package -> version: report.json's environment.versions, completed by environment.json's packages."""
   out = {k: str(v) for k, v in ((data.get("environment") or {}).get("versions") or {}).items() if v is not None}
@@ -141,7 +161,8 @@ def snapshot_from_report(report) -> Snapshot:
                   created=str(d.get("created_utc") or ""), determinism=proven_deterministic(d),
                   final_digest=final_digests(d, report.run_dir), threads=thread_settings(d),
                   unfinished=unfinished_reason(d["verdict"]["message"],
-                                               {s: v.get("status") for s, v in d["sides"].items()}))
+                                               {s: v.get("status") for s, v in d["sides"].items()}),
+                  numerics_flags=run_flags(Path(report.run_dir), list(d["sides"])))
 
 
 def unfinished_reason(verdict: str, status: dict[str, Any]) -> str:
@@ -249,7 +270,8 @@ def snapshot_from_card(path: Path) -> Snapshot:
                   created=str(d.get("created_utc") or ""), determinism=_card_determinism(d.get("determinism")),
                   final_digest={str(k): str(v) for k, v in per_side("final_params_digest").items() if v},
                   threads=_card_threads(d.get("threads")),
-                  unfinished=unfinished_reason(str(d["verdict"].get("message", "")), {}))
+                  unfinished=unfinished_reason(str(d["verdict"].get("message", "")), {}),
+                  numerics_flags=flag_values(env.get("numerics_flags")) if env else None)
 
 
 def _card_threads(rec) -> dict[str, dict[str, str | None]] | None:

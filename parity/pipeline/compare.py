@@ -331,7 +331,7 @@ def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
     write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
                  node_rank=options.node_rank,
                  hostfile=str(Path(options.hostfile).resolve()) if options.hostfile else None)
-    write_environment(folder.path, doctor.run_environment(devices), folder.claim.run_id)
+    write_environment(folder.path, doctor.run_environment(devices, run.spec, pert), folder.claim.run_id)
   except BaseException:
     folder.claim.release()
     raise

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from parity.sizing import memory
+from parity.sizing import host_limits, memory
 from parity.sizing.batches import counted_tokens_per_s
 from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
@@ -218,32 +218,63 @@ class Candidate:
   """side -> predicted peak host bytes per rank (resident + in-step host rows)."""
   problems: tuple[str, ...]
   """Why the plan does not fit; empty when it fits."""
+  jax_pool: dict[str, Any] | None = None
+  """The JAX side's pinned-host pool per device (parity.sizing.host_limits.PoolDecision.to_json: need, the pool the
+  worker gets, who set it, the sentence); None when the JAX side is not costed or pins nothing."""
+  deepspeed_pinned: dict[str, Any] | None = None
+  """With pin_memory: the DeepSpeed side's pinned host buffers, {'requested_bytes', 'pinned_bytes'} per rank
+  (host_limits.deepspeed_pinned_cost: torch rounds each block to a power of two); host_bytes includes the
+  difference. None without pin_memory."""
 
   @property
   def fits(self) -> bool:
     return not self.problems
 
 
+def _host_limits(runs: dict[str, RunSpec], hosts: dict[str, int], host_bytes: int, *, ranks: int,
+                 pool_user_gib: int | None, pin_memory: bool) -> tuple[dict | None, dict | None, list[str]]:
+  """(jax_pool, deepspeed_pinned, problems) of one pair (`Candidate`): the JAX side's pool by the shared rule
+  (host_limits.pool_decision: it must hold the need and fit the host), DeepSpeed's pinned rounding added to `hosts`
+  in place when pin_memory is on."""
+  pool, pinned, problems = None, None, []
+  if "deepspeed" in runs and pin_memory:
+    cost = host_limits.deepspeed_pinned_cost(runs["deepspeed"], ranks)
+    hosts["deepspeed"] += cost.extra_bytes
+    pinned = {"requested_bytes": cost.requested_bytes, "pinned_bytes": cost.pinned_bytes}
+  if "jax" in runs:
+    need = host_limits.jax_pinned_need_bytes(runs["jax"])
+    if need:
+      decision = host_limits.pool_decision(need, pool_user_gib)
+      pool = decision.to_json()
+      why = host_limits.pool_problem(decision, host_bytes)
+      if why and (not decision.fits or hosts["jax"] <= host_bytes):  # else the host line already says it
+        problems.append(why)
+  return pool, pinned, problems
+
+
 def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: int, *, mfu: float, reserve: float,
-               ranks: int) -> Candidate:
+               ranks: int, pool_user_gib: int | None = None, pin_memory: bool = False) -> Candidate:
   """Costs one pair; `runs` maps each side that must fit to the RunSpec it would run."""
   sides = tuple(runs)
   rows = [r for s, run in runs.items() for r in memory.estimate(run, ranks=ranks, sides=(s,))]
   usable = int(hw.device_bytes * (1 - reserve))
   peaks = {s: memory.peak_device_bytes(rows, s) for s in sides}
   hosts = {s: memory.peak_host_bytes(rows, s) for s in sides}
+  pool, pinned, pool_problems = _host_limits(runs, hosts, host_bytes, ranks=ranks, pool_user_gib=pool_user_gib,
+                                             pin_memory=pin_memory)
   problems = [f"{s} needs {peaks[s] / GiB:.1f} GiB on the device > {usable / GiB:.1f} GiB usable"
               for s in sides if peaks[s] > usable]
   problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
                for s in sides if hosts[s] > host_bytes]
   times = [step_time(run, s, hw, rows, mfu=mfu, ranks=ranks) for s, run in runs.items()]
   step, compute, transfer = max(times)
-  return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems))
+  return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems + pool_problems), pool, pinned)
 
 
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
-                reserve: float = 0.1) -> tuple[Candidate | None, list[Candidate]]:
+                reserve: float = 0.1, xla_pool_gib: int | None = None,
+                pin_memory: bool = False) -> tuple[Candidate | None, list[Candidate]]:
   """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first).
 
   Args:
@@ -257,6 +288,12 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     sides: sides that must fit; a pair costs its slower side.
     mfu: assumed model-FLOPs utilisation of the peak.
     reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
+    xla_pool_gib: the user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (host_limits.xla_pool_setting; None: unset). Every
+      HARDWARE target is a GPU, so each JAX plan that pins host memory gets a pool by the shared rule
+      (host_limits.pool_decision, `Candidate.jax_pool`); a user's pool below the need, or a pool above the host
+      memory per device, is a problem (the pair does not fit).
+    pin_memory: cost DeepSpeed's offload with pin_memory true: its pinned buffers rounded as torch pins them
+      (host_limits.deepspeed_pinned_cost); parity's own DeepSpeed configs are unpinned (parity.numerics.ds_json).
   Raises:
     SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax.
   """
@@ -285,7 +322,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
                            (f"not runnable here: {exc}",)))
       continue
-    out.append(_candidate(name, {s: runs[s] for s in sides}, hw, host, mfu=mfu, reserve=reserve, ranks=devices))
+    out.append(_candidate(name, {s: runs[s] for s in sides}, hw, host, mfu=mfu, reserve=reserve, ranks=devices,
+                          pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
   out.sort(key=lambda c: c.step_s)
   best = next((c for c in out if c.fits), None)
   return best, out

@@ -10,16 +10,17 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from parity.data import _CHUNK_TOKENS, batch_dtype
 from parity.inputs import InputError
-from parity.sizing import memory
+from parity.environment import cuda_evidence
+from parity.sizing import host_limits, memory
 from parity.sizing.batches import example_file_bytes, example_host_bytes
 from parity.weights import param_shapes
 
 __all__ = ["Resources", "estimate_resources", "check_resources", "available_memory_bytes", "tensor_count",
-           "ALLOW_LARGE_ENV", "check_rank_count", "visible_gpus", "FRAMEWORK_FLOOR_BYTES"]
+           "ALLOW_LARGE_ENV", "check_rank_count", "visible_gpus", "FRAMEWORK_FLOOR_BYTES", "check_host_pool"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +134,43 @@ def check_rank_count(nproc: int, *, allow_large: bool = False, gpus: int | None 
 
 
 def available_memory_bytes() -> int | None:
-  """MemAvailable from /proc/meminfo (Linux), else physical memory (sysconf), else None."""
-  try:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-      if line.startswith("MemAvailable:"):
-        return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
+  """Host memory a run may use here: the smaller of /proc/meminfo MemAvailable and this process's cgroup memory limit
+  less its working set (parity.sizing.host_limits.host_memory); where neither can be read, physical memory
+  (sysconf), else None."""
+  avail = host_limits.host_memory().available_bytes
+  if avail is not None:
+    return avail
   try:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (ValueError, OSError, AttributeError):
     return None
+
+
+def check_host_pool(spec, *, available: int | None, gpu: bool | None = None,
+                    environ: Mapping[str, str] = os.environ) -> host_limits.PoolDecision | None:
+  """Refuses a JAX side whose pinned-host pool cannot work here; returns the pool decision (None: no JAX side, no
+  GPU, or nothing pinned).
+
+  Rule (docs/plans.md, 'Host limits'): only where XLA's GPU pool applies (`gpu`; None: a CUDA driver is visible,
+  parity.environment.cuda_evidence). The JAX worker gets the pool of host_limits.pool_decision (the user's
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB kept, else the rule's when the default is short). Refused: the user's pool below
+  the need, or jax.data_parallel pools (one per device, each able to grow to its limit) above `available`.
+  Raises:
+    SpecError: a bad variable value (host_limits.xla_pool_setting). InputError: the pool does not work, naming the
+      variable, the need, the pool and the fix.
+  """
+  if "jax" not in spec.sides or not (cuda_evidence() is not None if gpu is None else gpu):
+    return None
+  decision = host_limits.jax_pool(spec, environ)
+  if not decision.need_bytes:
+    return None
+  devices = max(1, spec.jax.data_parallel)
+  per_device = available // devices if available is not None else None
+  why = host_limits.pool_problem(decision, per_device if per_device is not None else decision.pool_bytes)
+  if why:
+    raise InputError(f"the JAX side's pinned host cannot be placed here: {why}. Change the plan (`parity plan`), "
+                     "or pass --allow-large (PARITY_ALLOW_LARGE=1) to try anyway")
+  return decision
 
 
 def _free_disk_bytes(folder: Path) -> int | None:
@@ -165,16 +192,20 @@ def _gb(n: int) -> str:
 def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False, nproc: int = 1) -> Resources:
   """Refuses a run whose estimated memory or disk exceeds what this machine has, before anything is allocated.
 
-  Rule: refuse when Resources.memory_bytes > available memory (MemAvailable) or Resources.disk_bytes > free disk
-  under `run_dir`. The memory figure is a floor: it leaves out each framework's own footprint (measured peak RSS of
-  a 1-layer run: jax 435 MB, torch 328 MB, against 4 MB of model state and batches; with nproc > 1 every rank's
-  footprint and model state are counted), so the rule never refuses a run that would fit and catches sizes that are
-  off by orders of magnitude (--steps 2e9: 0.53 TB of batches); `allow_large`, or PARITY_ALLOW_LARGE=1 (what
-  `--allow-large` sets), skips the refusal (e.g. memory that will be freed, swap).
+  Rule: refuse when Resources.memory_bytes > available memory (`available_memory_bytes`: the smaller of MemAvailable
+  and the cgroup limit less its working set), when the JAX side's pinned-host pool cannot work on a GPU machine
+  (`check_host_pool`), or when Resources.disk_bytes > free disk under `run_dir`. The memory figure is a floor: it
+  leaves out each framework's own footprint (measured peak RSS of a 1-layer run: jax 435 MB, torch 328 MB, against
+  4 MB of model state and batches; with nproc > 1 every rank's footprint and model state are counted), so the memory
+  rule never refuses a run that would fit and catches sizes that are off by orders of magnitude (--steps 2e9: 0.53 TB of
+  batches). The pool rule is stricter on purpose: each device's pool can grow to its limit, not just to the need.
+  `allow_large`, or PARITY_ALLOW_LARGE=1 (what `--allow-large` sets), skips the refusals (e.g. memory that will be
+  freed, swap).
   Returns:
     The estimate.
   Raises:
     InputError: naming the sizes behind the estimate, the estimate, what is available and the fix.
+    SpecError: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB is no whole number of GiB (on a GPU machine with a JAX side).
   """
   r = estimate_resources(spec, nproc)
   if allow_large or os.environ.get(ALLOW_LARGE_ENV) == "1":
@@ -190,8 +221,10 @@ def check_resources(spec, run_dir: str | Path, *, allow_large: bool = False, npr
          + (f"; the {t.layout} layout's mask arrays {_gb(r.examples_bytes)}" if r.examples_bytes else ""))
   mem = available_memory_bytes()
   if mem is not None and r.memory_bytes > mem:
-    raise InputError(f"the run needs ~{_gb(r.memory_bytes)} of memory, more than the {_gb(mem)} available: {why}. "
-                     "Reduce these sizes, or pass --allow-large (PARITY_ALLOW_LARGE=1) to try anyway")
+    raise InputError(f"the run needs ~{_gb(r.memory_bytes)} of memory, more than the {_gb(mem)} available (the "
+                     f"smaller of MemAvailable and the cgroup limit): {why}. Reduce these sizes, or pass --allow-large "
+                     "(PARITY_ALLOW_LARGE=1) to try anyway")
+  check_host_pool(spec, available=mem)
   disk = _free_disk_bytes(Path(run_dir))
   if disk == 0:  # a pseudo or read-only file system (/proc, a full disk): no size fits, so no size is the fix
     raise InputError(f"no space can be written under {Path(run_dir).absolute()} (0 bytes free: a full disk, or a "
