@@ -241,7 +241,7 @@ def test_doctor_says_the_pool_applies_to_gpu_backends_on_a_cpu_jax(tmp_path):
   text = dict(host_rows(block))["jax pinned-host pool"]
   assert text.endswith("jax here runs on cpu: the pool applies to GPU backends only")
   bad = dict(host_rows(_limits_block(tmp_path / "b", {POOL: "64GB"}, JAX_CPU)))["jax pinned-host pool"]
-  assert bad.startswith(f"INVALID {POOL}='64GB'") and "whole number of GiB" in bad
+  assert bad.startswith(f"INVALID: {POOL}='64GB'") and "whole number of GiB" in bad
   full = doctor.environment_block(quick=True, frameworks={"jax": JAX_GPU, "torch": TORCH_GPU})
   assert {"jax pinned-host pool", "host memory", "numerics flags"} <= {k for k, _ in rows(full)}
   assert full["host_limits"]["xla_pool"]["variable"] == POOL and "numerics_flags" in full

@@ -559,3 +559,19 @@ def test_f64_tensors_are_read_only_when_exact_in_float32(tmp_path):
   _write_raw_safetensors(tmp_path / "model.safetensors", {**f64, name: ("F64", lossy.shape, lossy.tobytes())})
   with pytest.raises(hf.HFFormatError, match="'model.norm.weight' is float64 \\(F64\\) and its values do not fit"):
     hf.load_hf_checkpoint(tmp_path)
+
+
+def test_a_tensor_holding_nan_or_inf_is_refused_naming_it(tmp_path):
+  """A checkpoint with a non-finite weight is bad input (exit 2 through HFFormatError), not a run that goes NaN."""
+  _, spec = _spec(LLAMA_TINY)
+  params = weights.init_params(spec, 3)
+  hf.save_hf_checkpoint(tmp_path, spec, params)
+  tensors, _ = hf.read_safetensors(tmp_path / "model.safetensors")
+  name = "model.layers.0.self_attn.q_proj.weight"
+  for bad in (np.nan, np.inf):
+    broken = tensors[name].copy()
+    broken[0, :3] = bad
+    raw = {k: ("F32", v.shape, (broken if k == name else v).astype("<f4").tobytes()) for k, v in tensors.items()}
+    _write_raw_safetensors(tmp_path / "model.safetensors", raw)
+    with pytest.raises(hf.HFFormatError, match=f"tensor '{name}' holds 3 NaN/inf value"):
+      hf.load_hf_checkpoint(tmp_path)

@@ -37,7 +37,7 @@ def test_the_pool_variable_is_read_as_whole_gib(raw, gib):
   assert hl.xla_pool_setting({} if raw is None else {VAR: raw}) == gib
 
 
-@pytest.mark.parametrize("raw", ["1e3", "64GB", "0", "-5", "abc", "1.5"])
+@pytest.mark.parametrize("raw", ["1e3", "64GB", "0", "-5", "abc", "1.5", "²", "１６０", "٣", "8589934592"])
 def test_a_bad_pool_value_is_refused_naming_the_variable(raw):
   with pytest.raises(SpecError, match=f"{VAR}=.*whole number of GiB"):
     hl.xla_pool_setting({VAR: raw})

@@ -150,7 +150,7 @@ def host_rows(block: dict) -> list[tuple[str, str]]:
   pool, jx = hl.get("xla_pool") or {}, (block.get("frameworks") or {}).get("jax") or {}
   var = pool.get("variable", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
   if pool.get("source") == "invalid":
-    text = f"INVALID {var}={pool.get('value')!r}: {pool.get('error')}"
+    text = f"INVALID: {pool.get('error')}"  # the error names the variable and its value
   else:
     text = (f"{pool.get('gib')} GiB per GPU (" + (f"{var}={pool.get('value')}" if pool.get("source") == "env" else
                                                  f"XLA's default; {var} not set") + ")")

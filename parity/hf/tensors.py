@@ -138,8 +138,8 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
     Canonical name -> float32 C-contiguous array, in canonical order.
   Raises:
     HFFormatError: a tensor is missing, unexpected or misshapen (each named, with the
-      expected shape), a float64 tensor holds a value float32 cannot represent (named), or a tied checkpoint's
-      lm_head differs from its embedding.
+      expected shape), a float64 tensor holds a value float32 cannot represent (named), a tensor holds NaN or inf
+      (named, with the count), or a tied checkpoint's lm_head differs from its embedding.
   """
   src = _normalise_names(tensors, family)
   dropped: dict[str, int] = {}
@@ -169,6 +169,11 @@ def hf_to_canonical(tensors: Mapping[str, np.ndarray], spec: ModelSpec, family: 
     parts = [np.asarray(src[h], dtype=np.float32) for h in r.hf]
     arr = np.concatenate(parts, axis=0) if r.rows else (parts[0].T if r.transpose else parts[0])
     out[r.canonical] = np.ascontiguousarray(arr, dtype=np.float32)
+    if not np.isfinite(out[r.canonical]).all():
+      bad = [h for h in r.hf if not np.isfinite(np.asarray(src[h], dtype=np.float32)).all()]
+      n = int(out[r.canonical].size - np.isfinite(out[r.canonical]).sum())
+      raise HFFormatError(f"tensor {', '.join(map(repr, bad))} holds {n:,} NaN/inf value(s); a model cannot train "
+                          "from non-finite weights: re-export the checkpoint from a healthy model")
   return out
 
 

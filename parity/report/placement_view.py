@@ -294,9 +294,11 @@ def _activations(p: dict) -> str:
   a = p.get("activations")
   if not isinstance(a, dict):
     return "Activations: not recorded."
-  return (f"Activations: policy {a.get('policy')}, planned {a.get('expected')}; device_put in the differentiated "
-          f"step's jaxpr: {fmt(a.get('jaxpr_to_host'))} to host, {fmt(a.get('jaxpr_to_device'))} to device; "
-          f"host-bound copies in the compiled step: {fmt(a.get('compiled_to_host_copies'))}.")
+  return (f"Activations: policy {a.get('policy')}, planned {a.get('expected')}; device_puts to host that the remat "
+          f"policy adds (beyond the same step with remat 'none'): {fmt(a.get('jaxpr_to_host_by_policy'))}. All "
+          f"device_puts in the differentiated step's jaxpr, the state's streaming included: "
+          f"{fmt(a.get('jaxpr_to_host'))} to host, {fmt(a.get('jaxpr_to_device'))} to device; host-bound copies of "
+          f"values other than the state in the compiled step: {fmt(a.get('compiled_to_host_copies'))}.")
 
 
 def _jax_blocks(side: str, e: dict) -> list[tuple]:

@@ -139,7 +139,7 @@ def _artifact_changes(rd: Path, arts: dict, sides: list[str]) -> list[str]:
     if not isinstance(rec, dict) or "sha256" not in rec:
       continue  # recorded as unreadable when the report was written: the checks saw it so
     if not p.is_file():
-      changed.append(f"{rel} (missing)")
+      changed.append(f"{rel} ({'not a file' if p.exists() else 'missing'})")
       continue
     try:
       size = p.stat().st_size

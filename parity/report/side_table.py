@@ -82,10 +82,11 @@ def throughput_columns(d: dict) -> list[tuple[str, str]]:
 def warmup_phrase(d: dict) -> str:
   """How many leading steps each side's throughput leaves out ('the first 2 steps left out as warmup'), per side
   when they differ."""
-  left = {n: warmup_steps_left_out(len([t for t in s["series"].get("step_time_s") or []
-                                        if isinstance(t, (int, float))])) for n, s in d["sides"].items()}
-  say = lambda k: "no step left out (one step ran)" if k == 0 else (  # noqa: E731
-      f"the first {'step' if k == 1 else f'{k} steps'} left out as warmup")
+  timed = {n: len([t for t in s["series"].get("step_time_s") or [] if isinstance(t, (int, float))])
+           for n, s in d["sides"].items()}
+  left = {n: ("none" if k == 0 else warmup_steps_left_out(k)) for n, k in timed.items()}
+  say = lambda k: ("no step timed" if k == "none" else "no step left out (one step ran)" if k == 0 else  # noqa: E731
+                   f"the first {'step' if k == 1 else f'{k} steps'} left out as warmup")
   if len(set(left.values())) <= 1:
     return say(next(iter(left.values()), 0))
   return ", ".join(f"{n}: {say(k)}" for n, k in left.items())

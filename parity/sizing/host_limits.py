@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -50,6 +51,8 @@ XLA_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 """XLA's pinned-host pool size per GPU, whole GiB (the unit is 1 << 30 bytes despite the name's 'GB')."""
 XLA_POOL_DEFAULT_GIB = 64
 """The pool without the variable (openxla/xla gpu_helpers.cc)."""
+XLA_POOL_MAX_GIB = (2**63 - 1) >> 30
+"""The largest value XLA can hold: it multiplies the variable by 1 << 30 in an int64 (8,589,934,591 GiB)."""
 POOL_HEADROOM = 1.05
 """The pool parity sets is at least 1.05x the predicted need: room for the BFC allocator's chunk rounding and
 fragmentation and for host buffers the memory model does not list. An allowance, not measured."""
@@ -68,10 +71,12 @@ def xla_pool_setting(environ: Mapping[str, str] = os.environ) -> int | None:
   if raw is None or not raw.strip():
     return None
   text = raw.strip()
-  if not (text.isdigit() and int(text) >= 1):
-    raise SpecError(f"{XLA_POOL_ENV}={raw!r}: must be a whole number of GiB >= 1 (XLA reads it as an int64 and, "
-                    f"failing that, logs an error and uses {XLA_POOL_DEFAULT_GIB}); set e.g. {XLA_POOL_ENV}=160, or "
-                    "unset it")
+  # ASCII digits only (str.isdigit also takes '²' or '１６０', which int() refuses or XLA's strtoll does not read),
+  # and at most (2^63 - 1) / 2^30 GiB: XLA multiplies the value by 1 << 30 in an int64
+  if not (re.fullmatch(r"[0-9]+", text) and 1 <= int(text) <= XLA_POOL_MAX_GIB):
+    raise SpecError(f"{XLA_POOL_ENV}={raw!r}: must be a whole number of GiB from 1 to {XLA_POOL_MAX_GIB} in ASCII "
+                    f"digits (XLA reads it as an int64 and, failing that, logs an error and uses "
+                    f"{XLA_POOL_DEFAULT_GIB}); set e.g. {XLA_POOL_ENV}=160, or unset it")
   return int(text)
 
 
@@ -198,7 +203,7 @@ def _read(path: Path) -> str | None:
 
 
 def _int(text: str | None) -> int | None:
-  return int(text) if text is not None and text.isdigit() else None
+  return int(text) if text is not None and re.fullmatch(r"[0-9]+", text) else None
 
 
 def _inactive_file(stat: str | None, key: str) -> int:
