@@ -413,8 +413,10 @@ class TransferProbe:
     if not self.adam_s:
       return "cpu_adam_s is null: no optimizer step has run"
     calls = sorted(set(self.adam_calls))
-    return (f"cpu_adam_s: wall seconds (time.perf_counter) of DeepSpeedCPUAdam.step alone, summed over the {calls} "
-            "call(s) DeepSpeed makes per optimizer step (one per param group or ZeRO-3 sub-group)")
+    n = str(calls[0]) if len(calls) == 1 else f"{calls[0]} to {calls[-1]}"
+    return (f"cpu_adam_s: wall seconds (time.perf_counter) of DeepSpeedCPUAdam.step alone, summed over the {n} "
+            f"call{'' if calls == [1] else 's'} DeepSpeed makes per optimizer step (one per param group or ZeRO-3 "
+            "sub-group)")
 
 
 def _layer(name: str) -> str:
