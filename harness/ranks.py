@@ -1,10 +1,11 @@
 """A side with several ranks (`parity compare --nproc N`): the engines' own launchers, watched as one side.
 
-  deepspeed, torch   `torchrun` (torch.distributed.run) starts the N ranks: one host `--standalone` (a free port on
-                     localhost), several hosts `--nnodes K --node-rank R --master-addr H --master-port P`. The
+  deepspeed, torch,  `torchrun` (torch.distributed.run) starts the N ranks: one host `--standalone` (a free port on
+  fsdp               localhost), several hosts `--nnodes K --node-rank R --master-addr H --master-port P`. The
                      DeepSpeed side with a hostfile goes through DeepSpeed's own launcher instead
                      (`deepspeed --hostfile F --master_addr H --master_port P --module ...`). Each rank reads RANK /
-                     WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the launcher; on CPU gloo, on CUDA nccl.
+                     WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the launcher; on CPU gloo, on CUDA nccl
+                     (fsdp: gloo for its CPU tensors too, torch_impl.fsdp.device_mesh).
   jax                JAX's multi-controller runtime has no launcher: the harness starts the N processes itself, each
                      with RANK, WORLD_SIZE and PARITY_COORDINATOR (host:port), and each calls
                      `jax.distributed.initialize(coordinator, num_processes, process_id)` (jax_impl/distributed.py).
@@ -57,7 +58,7 @@ def _host_port(coordinator: str) -> tuple[str, str]:
 
 
 def torch_command(python: str, side: str, worker: str, request: str, launch: dict) -> list[str]:
-  """argv that starts the ranks of a torch side (deepspeed or torch) through the engine's launcher.
+  """argv that starts the ranks of a torch side (deepspeed, torch or fsdp) through the engine's launcher.
 
   Args:
     python: interpreter; worker: the side's worker module; request: run_dir/request.json.

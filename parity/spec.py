@@ -21,7 +21,7 @@ from parity.example_fields import (EXAMPLE_SUFFIXES, LAYOUT_DEFAULTS, SFT_DEMO, 
 from parity.numerics import schedule
 
 __all__ = [
-    "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError",
+    "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError", "SIDES",
     "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX", "without_layout_defaults", "LAYOUT_DEFAULTS",
     "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES",
 ]
@@ -407,6 +407,34 @@ class DeepSpeedPlan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class FsdpPlan:
+  """How the FSDP2 side (`torch.distributed.fsdp.fully_shard`, torch_impl/fsdp.py) keeps its training state. Every
+  block and then the root is sharded over the ranks (ZeRO-3-like: params, gradients and optimizer state split)."""
+
+  offload: bool = False
+  """`CPUOffloadPolicy`: the sharded params, their gradients and the optimizer state live in host memory; each
+  block's params are copied to the device for its forward and backward, and the optimizer step runs on the CPU."""
+  pin_memory: bool = True
+  """With offload, pin the host copies (CPUOffloadPolicy(pin_memory=True)) where CUDA exists; a machine without an
+  accelerator cannot pin (torch 2.13 raises 'Cannot access accelerator device when none is available'), so there
+  the side runs unpinned and its summary says so."""
+  reshard_after_forward: bool = True
+  """fully_shard's reshard_after_forward: free each block's gathered params after its forward and gather them again
+  for its backward (True, ZeRO-3's schedule), or keep them to the backward (False, ZeRO-2's memory)."""
+
+  def validate(self) -> "FsdpPlan":
+    """Checks every field is a boolean. Returns self. Raises SpecError naming the `fsdp.<field>` and the value."""
+    for name in ("offload", "pin_memory", "reshard_after_forward"):
+      if not isinstance(getattr(self, name), bool):
+        raise SpecError(f"fsdp.{name} must be true or false; got {getattr(self, name)!r}")
+    return self
+
+
+SIDES = ("jax", "deepspeed", "torch", "fsdp")
+"""Every side a run can name (`RunSpec.sides`): its worker is parity.protocol.workers.WORKERS[(side, 'train')]."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RunSpec:
   """Everything one comparison needs, resolved."""
 
@@ -414,6 +442,8 @@ class RunSpec:
   train: TrainSpec = TrainSpec()
   jax: JaxPlan = JaxPlan()
   deepspeed: DeepSpeedPlan = DeepSpeedPlan()
+  fsdp: FsdpPlan = FsdpPlan()
+  """The FSDP2 side's plan (used by side 'fsdp' only; config_hash leaves it out at its defaults)."""
   data: str = "stdlib"
   """Corpus: 'stdlib' (this Python's standard library sources), a text file or folder, a .bin of token ids
   (llm.c header; headerless uint16, nanoGPT; NAME.uint32.bin) or a 1-D integer .npy (parity.data.load_corpus)."""
@@ -423,13 +453,14 @@ class RunSpec:
   """Wall-clock limit of one side, seconds; a side past it is killed and reported as 'timeout'."""
 
   def validate(self) -> "RunSpec":
-    """Checks every section (model, train against the model, deepspeed, jax) and the run-level rules (micro batch
+    """Checks every section (model, train against the model, deepspeed, jax, fsdp) and the run-level rules (micro batch
     divisible by jax.data_parallel, Lamb without scan_layers, timeout, sides). Returns self. Raises SpecError naming the key and the value."""
     check_section_numbers(self, "")
     self.model.validate()
     self.train.validate(self.model)
     self.deepspeed.validate()
     self.jax.validate()
+    self.fsdp.validate()
     _check_example_data(self.data, self.train.layout)
     if self.train.micro_batch_size % self.jax.data_parallel:
       raise SpecError(f"train.micro_batch_size ({self.train.micro_batch_size}) must be divisible by "
@@ -439,7 +470,7 @@ class RunSpec:
                       "layer-stacked tensor holds every layer's; set jax.scan_layers=false (or another optimizer)")
     if not self.timeout_s > 0:
       raise SpecError(f"timeout_s must be > 0 seconds; got {self.timeout_s}")
-    known = {"jax", "deepspeed", "torch"}
+    known = set(SIDES)
     bad = [s for s in self.sides if s not in known]
     if bad or not self.sides:
       raise SpecError(f"sides must be a non-empty subset of {sorted(known)}; got {list(self.sides)}")
@@ -453,5 +484,7 @@ def config_hash(spec: RunSpec) -> str:
   data = to_dict(spec)
   data["train"] = without_layout_defaults(data.get("train", {}))  # the hash of the runs from before these fields
   data["model"] = architecture.without_family_defaults(data.get("model", {}))  # likewise (issue #21)
+  if data.get("fsdp") == to_dict(FsdpPlan()):
+    del data["fsdp"]  # likewise (issue #23): a run that leaves the FSDP2 plan at its defaults keeps its hash
   blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
   return hashlib.sha256(blob).hexdigest()[:16]

@@ -220,7 +220,8 @@ def test_diagnose_package_init_is_a_face():
 def test_one_worker_registry_by_side_and_job():
   from parity.protocol import workers
   assert workers.SIDE_WORKERS == workers.workers_for("train") == {
-      "jax": "jax_impl.worker", "deepspeed": "torch_impl.worker", "torch": "torch_impl.worker"}
+      "jax": "jax_impl.worker", "deepspeed": "torch_impl.worker", "torch": "torch_impl.worker",
+      "fsdp": "torch_impl.fsdp_worker"}
   assert workers.DIAGNOSE_WORKERS == {"jax": "jax_impl.diagnose", "torch": "torch_impl.diagnose"}
   assert workers.worker_module("deepspeed", "port_verify") == "torch_impl.port_verify"
   for (side, job), module in workers.WORKERS.items():  # every registered module exists

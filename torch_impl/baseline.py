@@ -53,7 +53,7 @@ from torch_impl.model import build_model, micro_loss, to_canonical
 from torch_impl.semantics import decay_groups_of
 from torch_impl.distributed import init_process_group
 
-__all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb"]
+__all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb", "set_hparams"]
 
 CLIP_EPS = 1e-6
 """Added to the gradient norm before dividing by the clip threshold (DeepSpeed ZeRO-1/2)."""
@@ -164,6 +164,20 @@ def build_optimizer(groups: list[dict[str, Any]], train, lr: float = 0.0) -> tor
                 min_coeff=p["min_coeff"], eps_inside_sqrt=p["eps_inside_sqrt"])
   cls = torch.optim.AdamW if o["type"] == "adamw" else torch.optim.Adam
   return cls(groups, lr=lr, betas=betas, eps=p["eps"], weight_decay=p["weight_decay"], foreach=False)
+
+
+def set_hparams(optimizer: torch.optim.Optimizer, train, step_index: int) -> float:
+  """Writes the lr of update `step_index` (0-based count of applied updates) into every param group, and OneCycle's
+  cycled betas where the schedule cycles momentum, as DeepSpeed's scheduler does; returns the lr.
+
+  The lr is `parity.numerics.schedule.train_lr(train, step_index)` (DeepSpeed's formula for train.lr_schedule)."""
+  lr = schedule.train_lr(train, step_index)
+  cycled = schedule.cycles_momentum(train)
+  for g in optimizer.param_groups:
+    g["lr"] = lr
+    if cycled:
+      g["betas"] = schedule.train_betas(train, step_index)
+  return lr
 
 
 class TorchTrainer:
@@ -304,15 +318,8 @@ class TorchTrainer:
 
   def _set_hparams(self) -> float:
     """Writes this step's lr (and OneCycle's cycled betas) into every param group, as DeepSpeed's scheduler does;
-    returns the lr."""
-    t = self.run.train
-    lr = schedule.train_lr(t, self.step_index)
-    cycled = schedule.cycles_momentum(t)
-    for g in self.optimizer.param_groups:
-      g["lr"] = lr
-      if cycled:
-        g["betas"] = schedule.train_betas(t, self.step_index)
-    return lr
+    returns the lr (`set_hparams`)."""
+    return set_hparams(self.optimizer, self.run.train, self.step_index)
 
   @torch.no_grad()
   def refresh_half_model(self) -> None:

@@ -22,7 +22,8 @@ param groups (`decay_groups_of`).
                        param with gradient eps (parity.numerics.adam.classify_adam)
   clip, lr.step0       the baseline's clip threshold and scheduler (parity.numerics.schedule.train_lr at its
                        step index); DeepSpeed's engine.gradient_clipping() and its optimizer's current lr
-  dtypes               the forward's module, the optimizer's params (master), the probe's moments
+  dtypes               the forward's module (FSDP2: the param dtype its modules cast to), the optimizer's params
+                       (master), the probe's moments
   matmul, dropout      torch.get_float32_matmul_precision / allow_tf32; the largest nn.Dropout p in the module
 """
 from __future__ import annotations
@@ -76,9 +77,11 @@ def rotary_layout(apply_rope: Any, head_dim: int) -> str:
 
 def norm_of(module: torch.nn.Module) -> dict[str, Any]:
   """{form, eps, stats_dtype} of a norm module (a copy of it, weight 1 and bias 0, probed on known vectors). A ZeRO-3
-  partitioned module (its params carry ds_shape) is rebuilt as its class with its own eps and full width instead:
-  a copy would carry DeepSpeed's partitioned params and hooks."""
-  full = [tuple(p.ds_shape) for p in module.parameters() if hasattr(p, "ds_shape")]
+  partitioned module (its params carry ds_shape) or an FSDP2-sharded one (DTensor params, whose shape is the whole
+  one) is rebuilt as its class with its own eps and full width instead: a copy would carry DeepSpeed's partitioned
+  params and hooks, or DTensors a plain input cannot meet."""
+  full = ([tuple(p.ds_shape) for p in module.parameters() if hasattr(p, "ds_shape")] or
+          [tuple(p.shape) for p in module.parameters() if hasattr(p, "device_mesh")])  # an FSDP2 DTensor: its shape
   if not full:
     probe = copy.deepcopy(module)
   elif isinstance(module, torch.nn.LayerNorm):
@@ -227,11 +230,25 @@ def _baseline_parts(trainer) -> dict[str, Any]:
           "optimizer_name": type(trainer.optimizer).__name__}
 
 
+def _fsdp_parts(trainer) -> dict[str, Any]:
+  """The FSDP2 trainer's objects (torch_impl.fsdp.FsdpTrainer): the plain-torch side's optimizer, scheduler and clip;
+  the forward's param dtype is the one its FSDP2 modules cast to (MixedPrecisionPolicy.param_dtype, read from their
+  FSDPParams: `trainer.describe()['fsdp']`), which with the reduce dtype and the offload goes into the card's info."""
+  t, built = trainer.run.train, trainer.describe()["fsdp"]
+  return {"module": trainer.model, "forward_module": trainer.model, "forward_dtype": built["param_dtype"],
+          "optimizer": trainer.optimizer, "bit16": None, "master": trainer.params[0].dtype,
+          "device": trainer.device, "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(t.grad_clip),
+          "optimizer_name": type(trainer.optimizer).__name__,
+          "info": {f"fsdp.{k}": v for k, v in built.items()}}
+
+
 def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
-  """{'items', 'info'} of a built DeepSpeedTrainer (side 'deepspeed') or TorchTrainer ('torch')."""
+  """{'items', 'info'} of a built DeepSpeedTrainer (side 'deepspeed'), TorchTrainer ('torch') or FsdpTrainer ('fsdp':
+  the FSDP2 param and reduce dtypes, offload and mesh are info, not diffed: the other sides have no such items)."""
   run = trainer.run
   spec, train = run.model, run.train
-  parts = _engine_parts(trainer) if side == "deepspeed" else _baseline_parts(trainer)
+  parts = (_engine_parts(trainer) if side == "deepspeed" else _fsdp_parts(trainer) if side == "fsdp" else
+           _baseline_parts(trainer))
   model = parts["module"]
   block = model.h[0]
   names = {id(p): n for n, p in model.named_parameters()}
@@ -255,7 +272,7 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
       "clip.rule": "global-l2" if parts["clip"] > 0 else "none",
       "clip.max_norm": parts["clip"] if parts["clip"] > 0 else None,
       "lr.step0": sig(parts["lr"], 6),
-      "dtypes.params": _dtype(next(parts["forward_module"].parameters()).dtype),
+      "dtypes.params": parts.get("forward_dtype") or _dtype(next(parts["forward_module"].parameters()).dtype),
       "dtypes.master": _dtype(parts["master"]),
       "dtypes.moments": adam["moments"], "dtypes.grads": _dtype(parts["master"]),
       "matmul.precision": matmul_precision(), "dropout": dropout}
@@ -263,5 +280,5 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
           "fused": parts["optimizer"].param_groups[0].get("fused"),
           "attention.scale_source": "the first block's Attention spec.scale (its SDPA scale=)",
           "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only",
-          **({"optimizer_probe": adam["note"]} if "note" in adam else {})}
+          **({"optimizer_probe": adam["note"]} if "note" in adam else {}), **parts.get("info", {})}
   return {"items": items, "info": info}

@@ -117,7 +117,7 @@ def flag_notes(new: Snapshot, base: Snapshot) -> list[str]:
   return [f"same numerics flags ({', '.join(set_) or 'none set'})"]
 
 
-THREAD_RECORDING_SIDES = ("deepspeed", "torch")
+THREAD_RECORDING_SIDES = ("deepspeed", "torch", "fsdp")
 """Sides whose worker records its thread settings in every summary (torch_impl.doctor.thread_settings): such a side
 without a record is a run written before it was kept, and its thread count (torch's summation order) is unknown.
 The jax side records none: XLA's CPU pool follows the CPU count, which the machine identity compares; a jax record

@@ -38,10 +38,11 @@ CONTROL_KEYS = ("stop_after_step", "save_checkpoint_at_step", "resume_from")
 """Optional top-level request keys that cut a run short, checkpoint it, or resume it (module docstring)."""
 _INPUT_KEYS = ("init_weights", "batches", "val_batches")
 """Request keys naming input files relative to the folder holding request.json."""
-STATE_LAYOUT_KEYS = {"jax": ("scan_layers",), "deepspeed": None, "torch": ()}
+STATE_LAYOUT_KEYS = {"jax": ("scan_layers",), "deepspeed": None, "torch": (), "fsdp": ()}
 """Per side, the plan fields (of RunSpec.jax / RunSpec.deepspeed) a checkpoint must share with the run resuming
 it: JAX restores into this run's shardings and memory kinds, so only the params layout (scan_layers) matters;
-a DeepSpeed checkpoint is ZeRO-partitioned, so the whole `deepspeed` plan must match (None); torch has no plan."""
+a DeepSpeed checkpoint is ZeRO-partitioned, so the whole `deepspeed` plan must match (None); torch has no plan;
+FSDP2's DCP checkpoint is loaded into whatever sharding and offload the resuming run has (none of `fsdp` must match)."""
 
 
 class ControlError(ValueError):

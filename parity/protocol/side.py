@@ -131,7 +131,7 @@ class SideIO:
 
   Args:
     request_path: run_dir/request.json.
-    side: 'jax', 'deepspeed' or 'torch'.
+    side: 'jax', 'deepspeed', 'torch' or 'fsdp'.
   Attributes:
     run: the RunSpec for this side, with this side's debug overrides applied.
     debug: this side's fault injections (subset of DEBUG_KEYS -> step).

@@ -19,6 +19,7 @@ WORKERS: dict[tuple[str, str], str] = {
     ("jax", "train"): "jax_impl.worker",
     ("deepspeed", "train"): "torch_impl.worker",
     ("torch", "train"): "torch_impl.worker",
+    ("fsdp", "train"): "torch_impl.fsdp_worker",
     ("jax", "diagnose"): "jax_impl.diagnose",
     ("torch", "diagnose"): "torch_impl.diagnose",  # DeepSpeed runs the torch model: it is diagnosed as 'torch'
     ("jax", "port_verify"): "jax_impl.port_verify",

@@ -1,0 +1,137 @@
+"""The FSDP2 side `fsdp` (issue #23 item 1: torch_impl/fsdp.py, fsdp_side.py): the plan section and its hash, then end to
+end on CPU (gloo): the four sides PASS on the default preset, 2 ranks agree with 1 rank and with the other sides at the
+fp32 tolerances, a bf16 + CPUOffloadPolicy + accumulation run resumes bit for bit from its DCP checkpoint, and a
+killed rank is reported by its rank."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_all, requires_torch
+from parity.errors import SpecError
+from parity.overrides import apply_overrides
+from parity.presets import DEFAULT_PRESET, PRESETS
+from parity.spec import FsdpPlan, RunSpec, config_hash
+
+SIDES = ("jax", "deepspeed", "torch", "fsdp")
+STEPS = 3
+
+
+def test_fsdp_plan_at_its_defaults_keeps_every_config_hash():
+  # measured on main before RunSpec had an `fsdp` section (commit 4850e41)
+  assert config_hash(PRESETS["gpt2-small-cpu"]) == "93d0bb43e4a32bcc"
+  assert config_hash(PRESETS["gpt2-tiny"]) == "0e0bcdb5fc278b56"
+  assert config_hash(RunSpec(fsdp=FsdpPlan())) == config_hash(RunSpec())
+  offload = apply_overrides(RunSpec(), {"fsdp.offload": True})
+  assert offload.fsdp.offload is True and config_hash(offload) != config_hash(RunSpec())
+  assert config_hash(apply_overrides(RunSpec(), {"fsdp.reshard_after_forward": False})) != config_hash(RunSpec())
+
+
+def test_fsdp_plan_and_side_are_validated():
+  RunSpec(sides=SIDES).validate()
+  with pytest.raises(SpecError, match="fsdp.offload must be true or false; got 'yes'"):
+    RunSpec(fsdp=FsdpPlan(offload="yes")).validate()
+  with pytest.raises(SpecError, match=r"sides must be a non-empty subset of \['deepspeed', 'fsdp', 'jax', 'torch'\]"):
+    RunSpec(sides=("jax", "fsdp2")).validate()
+  assert RunSpec().sides == ("jax", "deepspeed", "torch")  # the default sides are unchanged
+
+
+def _side(run_dir: Path, side: str) -> dict:
+  from parity import weights
+  from parity.protocol import read_moments, read_steps
+  out = run_dir / side
+  return {"status": json.loads((out / "summary.json").read_text())["status"], "steps": read_steps(out / "steps.jsonl"),
+          "final": weights.load(out / "final.safetensors"), "moments": read_moments(out)}
+
+
+@pytest.fixture(scope="module")
+def four_sides(tmp_path_factory):
+  """The default preset, STEPS steps, every side on 1 rank (fp32), and the FSDP2 side alone on 2 ranks."""
+  import parity
+  base = tmp_path_factory.mktemp("fsdp")
+  one = parity.compare(DEFAULT_PRESET, steps=STEPS, sides=list(SIDES), out=base / "n1", determinism_steps=0)
+  two = parity.compare(DEFAULT_PRESET, steps=STEPS, sides=["fsdp"], out=base / "n2", determinism_steps=0, nproc=2)
+  return base, one, two
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_all
+def test_four_sides_pass_on_the_default_preset(four_sides):
+  base, one, _ = four_sides
+  assert one.passed, [c for c in one.checks if not c.passed]
+  rep = json.loads((base / "n1" / "report.json").read_text())
+  names = {c["name"] for c in rep["checks"]}
+  for pair in ("jax~fsdp", "deepspeed~fsdp", "torch~fsdp"):
+    for metric in ("loss", "grad_norm", "lr", "val_loss", "params", "semantics", "completed"):
+      assert f"{metric} {pair}" in names, (metric, pair)
+  card = json.loads((base / "n1" / "fsdp" / "semantics.json").read_text())
+  assert card["items"]["dtypes.params"] == "float32" and card["info"]["fsdp.reduce_dtype"] == "float32"
+  assert card["info"]["fsdp.sharded_modules"] == PRESETS[DEFAULT_PRESET].model.n_layers + 1  # each block + the root
+  summary = json.loads((base / "n1" / "fsdp" / "summary.json").read_text())
+  assert summary["optimizer"]["implementation"] == "for-loop" and summary["fsdp"]["mesh"] == "cpu x 1"
+  for c in rep["checks"]:
+    if c["metric"] in ("loss", "grad_norm", "params") and "fsdp" in c["name"]:
+      print(f"{c['name']}: {c['value']:.3g} (tolerance {c['tolerance']:.3g})")
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_all
+def test_two_ranks_agree_with_one_rank_and_the_other_sides(four_sides):
+  from parity import weights
+  from parity.pipeline.resolve import resolve
+  from parity.verdict.sides import compare_sides
+  base, _, two = four_sides
+  assert two.passed, two.checks
+  s = json.loads((base / "n2" / "fsdp" / "summary.json").read_text())
+  assert s["nproc"] == 2 and [r["status"] for r in s["ranks"]] == ["ok", "ok"] and s["fsdp"]["mesh"] == "cpu x 2"
+  spec = resolve(DEFAULT_PRESET, steps=STEPS, sides=list(SIDES))
+  init = weights.load(base / "n1" / "init.safetensors")
+  for other in ("fsdp", "torch", "jax"):
+    pair = {f"{other}@1": _side(base / "n1", other), "fsdp@2": _side(base / "n2", "fsdp")}
+    checks, _ = compare_sides(pair, spec=spec, init=init)  # the project's fp32 tolerances
+    bad = [c for c in checks if not c.passed]
+    assert not bad and len(pair["fsdp@2"]["steps"]) == STEPS, (other, bad)
+    for c in checks:
+      if c.metric in ("loss", "grad_norm", "params"):
+        print(f"{c.name}: {c.value:.3g} (tolerance {c.tolerance:.3g})")
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_torch
+def test_bf16_offload_accumulation_resumes_bit_for_bit_from_dcp(tmp_path):
+  import parity
+  settings = {"train.precision": "bf16", "fsdp.offload": True, "train.grad_accum_steps": 2}
+  report = parity.compare("gpt2-tiny", steps=4, sides=["fsdp"], overrides=settings, out=tmp_path / "r",
+                          determinism_steps=2, resume_at=0, noise_envelope=False)
+  rep = json.loads((tmp_path / "r" / "report.json").read_text())
+  assert report.passed and rep["resume"]["fsdp"]["bit_identical"] is True, rep["resume"]
+  assert rep["resume"]["fsdp"]["resumed_at_step"] == 1
+  ckpt = tmp_path / "r" / "repeat" / "fsdp" / "checkpoint"
+  meta = json.loads((ckpt / "meta.json").read_text())
+  assert meta["format"] == "torch.distributed.checkpoint" and (ckpt / "dcp" / ".metadata").is_file()
+  card = json.loads((tmp_path / "r" / "fsdp" / "semantics.json").read_text())
+  assert (card["items"]["dtypes.params"], card["items"]["dtypes.master"]) == ("bfloat16", "float32")
+  assert (card["info"]["fsdp.param_dtype"], card["info"]["fsdp.reduce_dtype"]) == ("bfloat16", "float32")
+  assert card["info"]["fsdp.offload_to_cpu"] is True and card["info"]["fsdp.pin_memory"] is False  # no CUDA here
+  kinds = json.loads((tmp_path / "r" / "fsdp" / "summary.json").read_text())["state_bytes_by_memory_kind"]
+  assert kinds["device"] == 0 and kinds["host"] > 0  # CPUOffloadPolicy: the whole state on the host
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_torch
+def test_killed_fsdp_rank_is_named(tmp_path):
+  import parity
+  report = parity.compare("gpt2-tiny", steps=2, sides=["fsdp"], out=tmp_path / "run", determinism_steps=0, nproc=2,
+                          perturb=["fsdp:kill_at_step=1", "fsdp:fault_rank=1"])
+  assert report.exit_code == 1 and not report.passed
+  s = json.loads((tmp_path / "run" / "fsdp" / "summary.json").read_text())
+  assert s["status"] == "killed" and s["failed_rank"]["rank"] == 1 and s["failed_rank"]["exit_code"] == -9
+  assert s["error"].startswith("rank 1 of 2 was killed by signal SIGKILL (the planted")
+  assert {r["rank"]: r["status"] for r in s["ranks"]}[1] == "killed"
+  assert "fsdp/rank1.stderr" in (tmp_path / "run" / "report.md").read_text()
