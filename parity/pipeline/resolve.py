@@ -8,7 +8,8 @@
                  DEFAULT_PRESET (any two of a config's `preset:`, `preset` and `model` are refused as a conflict)
   2. config      the config file's sections merged over the preset (a `parity port` output maps onto it)
   3. checkpoint  an HF checkpoint (`--hf-model`) replaces the model section; its weights become the initial weights
-  4. plan        a plan pair (`--plan NAME|auto`) replaces the `jax` and `deepspeed` sections
+  4. plan        a plan pair (`--plan NAME|auto`) replaces the `jax` and `deepspeed` sections (and `fsdp`, for a
+                 pair with an FSDP2 plan: parity.sizing.plans.with_plan)
   5. flags       `steps`, `sides`, `data`, `micro_batch`, `seq_len`, `grad_accum`, `precision`
   6. overrides   dotted `section.key: value` pairs, applied once, last, over everything above
   7. DeepSpeed   a DeepSpeed config (`--deepspeed-config`) is ported against the result: its "auto" values are
@@ -198,7 +199,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   plan_choice = None
   if plan is not None:                                                            # 4, then 5 and 6 over it
     pair, plan_choice = _plan_pair(spec, user, plan, hardware)
-    spec = dataclasses.replace(spec, jax=pair.jax, deepspeed=pair.deepspeed)
+    spec = plans.with_plan(spec, pair)
   spec = apply_overrides(spec, user) if user else spec                           # 5, 6
   ds_cfg, port = None, None
   if deepspeed_config is not None:                                                # 7
@@ -239,12 +240,12 @@ def _base_config_checkpoint(preset_name: str | None, model: str | None, config: 
 
 
 def _plan_record(spec: RunSpec, plan_choice: dict | None, over: Mapping[str, Any]) -> dict:
-  """The run's plan record: the named plan chosen (with the jax./deepspeed. overrides put on top of it, as
+  """The run's plan record: the named plan chosen (with the jax./deepspeed./fsdp. overrides put on top of it, as
   key=value strings), or the plan the settled spec describes (`_plan_of`) when none was named."""
   if plan_choice is None:
     return _plan_of(spec)
   if plan_choice.get("name") is not None:
-    on_top = {k: v for k, v in over.items() if k.startswith(("jax.", "deepspeed."))}
+    on_top = {k: v for k, v in over.items() if k.startswith(("jax.", "deepspeed.", "fsdp."))}
     if on_top:
       plan_choice["overrides"] = [f"{k}={json.dumps(v)}" for k, v in on_top.items()]
   return plan_choice

@@ -36,6 +36,12 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
                              f"offload_params {j.get('offload_params')}, remat {j.get('remat')}, "
                              f"scan_layers {j.get('scan_layers')}, zero_stage "
                              f"{j.get('zero_stage')}, data_parallel {j.get('data_parallel', 1)}"))
+  f = d["run"].get("fsdp")
+  if "fsdp" in d["sides"] and isinstance(f, dict):
+    rows.append(("FSDP2 plan", "fully_shard on every block and the root, "
+                               + ("CPUOffloadPolicy (params, gradients and optimizer state on the host, "
+                                  f"{_fsdp_pinning(d, f)})" if f.get("offload") else "no offload")
+                               + f", reshard_after_forward {f.get('reshard_after_forward')}"))
   for name, s in d["sides"].items():
     summ = s.get("summary") or {}
     if summ.get("state_memory_kinds"):
@@ -45,6 +51,16 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
           f"{cat} " + " + ".join(f"{fmt_bytes(b)} {k}" for k, b in kinds.items() if b)
           for cat, kinds in summ["state_bytes_by_category"].items() if any(kinds.values()))))
   return rows
+
+
+def _fsdp_pinning(d: dict, plan: dict) -> str:
+  """The plan's pin_memory and, where the side recorded what it built (summary.json fsdp.pin_memory), that: a
+  machine without CUDA cannot pin, so the two can differ."""
+  built = ((d["sides"].get("fsdp") or {}).get("summary") or {}).get("fsdp") or {}
+  asked = f"pin_memory {plan.get('pin_memory')}"
+  if "pin_memory" in built and built["pin_memory"] != plan.get("pin_memory"):
+    return f"{asked} asked, {built['pin_memory']} as built (no CUDA: host memory cannot be pinned)"
+  return asked
 
 
 def environment_rows(d: dict, extra: dict | None = None) -> list[tuple[str, str]]:

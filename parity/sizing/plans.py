@@ -3,7 +3,10 @@
 `PLANS` pairs each `DeepSpeedPlan` with the `JaxPlan` that keeps the same state in the same places:
 ZeRO stage s <-> JAX `zero_stage` s (sharding over the data axis), DeepSpeed `offload_optimizer: cpu`
 <-> `offload_opt_state` (Adam moments and, in DeepSpeed, the fp32 master copy on the host),
-`offload_param: cpu` <-> `offload_params`, activation checkpointing <-> `remat='full'`.
+`offload_param: cpu` <-> `offload_params`, activation checkpointing <-> `remat='full'`. Where FSDP2 keeps the same
+state in the same places, the pair also names the FSDP2 side's plan (`Plan.fsdp`): ZeRO-3 <-> `fully_shard` on every
+block and the root; ZeRO-3 with params and optimizer on the CPU <-> `fully_shard` + `CPUOffloadPolicy`. FSDP2 always
+shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart (None: an `fsdp` side runs its own plan).
 `apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
 model of `parity.sizing.memory` and a roofline step-time model (docs/plans.md). No jax or torch import.
 """
@@ -15,9 +18,9 @@ from typing import Any
 
 from parity.sizing import host_limits, memory
 from parity.sizing.batches import counted_tokens_per_s
-from parity.spec import DeepSpeedPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
+from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
-__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
+__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "with_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
            "step_time", "choose_plan", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
 
 
@@ -31,9 +34,16 @@ class Plan:
   """Memory kinds, sharding and remat policy of the JAX side."""
   description: str
   """One line: what the pair keeps where."""
+  fsdp: FsdpPlan | None = None
+  """The FSDP2 side's plan that keeps the same state in the same places, or None where FSDP2 has none (it always
+  shards the params: no ZeRO-0/1/2 counterpart; an `fsdp` side then runs the run's own `RunSpec.fsdp`)."""
 
 
 _OFF = dict(offload_optimizer="none")
+_SHARD = FsdpPlan()
+"""fully_shard on every block and the root, params resharded after forward: ZeRO-3's state and schedule."""
+_SHARD_OFFLOAD = FsdpPlan(offload=True)
+"""The same with CPUOffloadPolicy: sharded params, gradients and optimizer state on the host, the step on the CPU."""
 PLANS: dict[str, Plan] = {
     "zero0": Plan(DeepSpeedPlan(zero_stage=0, **_OFF), JaxPlan(offload_opt_state=False),
                   "everything replicated on the device: no sharding, no offload"),
@@ -46,20 +56,20 @@ PLANS: dict[str, Plan] = {
     "zero2-offload-remat": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="full"),
                                 "default pair + every block recomputed in the backward pass"),
     "zero3": Plan(DeepSpeedPlan(zero_stage=3, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=3),
-                  "params, gradients and optimizer state sharded (FSDP)"),
+                  "params, gradients and optimizer state sharded (FSDP)", _SHARD),
     "zero3-offload-all": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu"),
                               JaxPlan(offload_params=True, zero_stage=3),
-                              "ZeRO-3 with optimizer state and params on the host"),
+                              "ZeRO-3 with optimizer state and params on the host", _SHARD_OFFLOAD),
     "zero3-offload-all-remat": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu", activation_checkpointing=True),
                                     JaxPlan(offload_params=True, zero_stage=3, remat="full"),
                                     "ZeRO-3, everything offloaded, every block recomputed"),
     "zero3-fsdp4": Plan(DeepSpeedPlan(zero_stage=3, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=3,
                                                                       data_parallel=4),
-                        "FSDP over 4 devices on the JAX side (DeepSpeed: ZeRO-3 on its ranks)"),
+                        "FSDP over 4 devices on the JAX side (DeepSpeed: ZeRO-3 on its ranks)", _SHARD),
     "scan-offload": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu"),
                          JaxPlan(offload_params=True, zero_stage=3, scan_layers=True),
                          "ZeRO-3 with params and optimizer state on the host, brought to the device one layer at "
-                         "a time (JAX: scan, forward, backward and update)"),
+                         "a time (JAX: scan, forward, backward and update)", _SHARD_OFFLOAD),
     "scan-offload-remat": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu", activation_checkpointing=True),
                                JaxPlan(offload_params=True, zero_stage=3, scan_layers=True, remat="full"),
                                "scan-offload + every block recomputed in the backward pass"),
@@ -85,17 +95,26 @@ def apply_plan(run: RunSpec, name: str) -> RunSpec:
     plan = PLANS[name]
   except KeyError:
     raise SpecError(f"unknown plan {name!r}; known plans: {', '.join(PLANS)} (or 'auto')") from None
-  out = dataclasses.replace(run, deepspeed=plan.deepspeed, jax=plan.jax)
+  out = with_plan(run, plan)
   try:
     return out.validate()
   except SpecError as exc:
     raise SpecError(f"plan {name!r}: {exc}") from None
 
 
+def with_plan(run: RunSpec, plan: Plan) -> RunSpec:
+  """`run` with the pair's DeepSpeed and JAX plans, and its FSDP2 plan where it has one (else run.fsdp kept); not
+  validated."""
+  return dataclasses.replace(run, deepspeed=plan.deepspeed, jax=plan.jax,
+                             fsdp=plan.fsdp if plan.fsdp is not None else run.fsdp)
+
+
 def plan_of(run: RunSpec) -> str | None:
-  """Name of the plan pair a run uses, or None when its plans are not one of PLANS."""
+  """Name of the plan pair a run uses, or None when its plans are not one of PLANS. A run with an `fsdp` side
+  matches a pair with an FSDP2 plan only when its `RunSpec.fsdp` is that plan."""
   for name, plan in PLANS.items():
-    if plan.deepspeed == run.deepspeed and plan.jax == run.jax:
+    if plan.deepspeed == run.deepspeed and plan.jax == run.jax and (
+        plan.fsdp is None or "fsdp" not in run.sides or plan.fsdp == run.fsdp):
       return name
   return None
 

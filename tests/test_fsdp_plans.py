@@ -1,0 +1,81 @@
+"""FSDP2 in the plan pairs (issue #23 item 2): the pairs that keep the same state in the same places on all three
+engines, ZeRO-3 <-> JAX zero_stage 3 <-> fully_shard (`zero3`) and ZeRO-3 with params and optimizer on the host <->
+JAX scan-offload <-> fully_shard + CPUOffloadPolicy (`scan-offload`), each PASSing jax~deepspeed~fsdp on 1 rank and
+the FSDP2 side on 2 ranks against the 1-rank sides at the project's fp32 tolerances."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_all
+from parity.sizing import plans
+from parity.spec import FsdpPlan, RunSpec
+
+SIDES = ("jax", "deepspeed", "fsdp")
+STEPS = 3
+SMALL = {"model.n_layers": 2, "train.eval_every": 0}
+
+
+def test_the_fsdp_plans_of_the_pairs():
+  with_fsdp = {n: p.fsdp for n, p in plans.PLANS.items() if p.fsdp is not None}
+  assert with_fsdp == {"zero3": FsdpPlan(), "zero3-fsdp4": FsdpPlan(), "zero3-offload-all": FsdpPlan(offload=True),
+                       "scan-offload": FsdpPlan(offload=True)}
+  for name, fsdp in with_fsdp.items():  # every FSDP2 pair is ZeRO-3 (FSDP2 always shards the params)
+    assert plans.PLANS[name].deepspeed.zero_stage == 3
+    assert fsdp.offload == (plans.PLANS[name].deepspeed.offload_param == "cpu")
+  run = RunSpec(sides=SIDES)
+  assert plans.apply_plan(run, "scan-offload").fsdp == FsdpPlan(offload=True)
+  assert plans.apply_plan(run, "zero2").fsdp == run.fsdp  # no counterpart: the run's own FSDP2 plan is kept
+  assert plans.plan_of(plans.apply_plan(run, "scan-offload")) == "scan-offload"
+  # a run with an fsdp side names a pair only when the FSDP2 plan is the pair's too; without the side it is not asked
+  mixed = dataclasses.replace(plans.apply_plan(run, "scan-offload"), fsdp=FsdpPlan())
+  assert plans.plan_of(mixed) is None
+  assert plans.plan_of(dataclasses.replace(mixed, sides=("jax", "deepspeed"))) == "scan-offload"
+
+
+def test_compare_resolves_the_pair_into_the_fsdp_plan():
+  from parity.pipeline.resolve import resolve_run
+  r = resolve_run("gpt2-tiny", plan="scan-offload", sides=list(SIDES))
+  assert r.spec.fsdp.offload is True and r.spec.deepspeed.offload_param == "cpu" and r.spec.jax.scan_layers is True
+  r = resolve_run("gpt2-tiny", plan="zero3", sides=list(SIDES), overrides={"fsdp.reshard_after_forward": False})
+  assert r.spec.fsdp == FsdpPlan(reshard_after_forward=False)  # an override goes on top of the pair
+  assert r.plan["overrides"] == ["fsdp.reshard_after_forward=false"]
+
+
+def _side(run_dir: Path, side: str) -> dict:
+  from parity import weights
+  from parity.protocol import read_moments, read_steps
+  out = run_dir / side
+  return {"status": json.loads((out / "summary.json").read_text())["status"], "steps": read_steps(out / "steps.jsonl"),
+          "final": weights.load(out / "final.safetensors"), "moments": read_moments(out)}
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_all
+@pytest.mark.parametrize("plan", ["zero3", "scan-offload"])
+def test_the_pair_passes_on_one_rank_and_fsdp_on_two_ranks(tmp_path, plan):
+  import parity
+  from parity import weights
+  from parity.pipeline.resolve import resolve_run
+  from parity.verdict.sides import compare_sides
+  kw = dict(steps=STEPS, plan=plan, overrides=SMALL, determinism_steps=0, noise_envelope=False)
+  one = parity.compare("gpt2-tiny", sides=list(SIDES), out=tmp_path / "n1", **kw)
+  assert one.passed, [c for c in one.checks if not c.passed]
+  rep = json.loads((tmp_path / "n1" / "report.json").read_text())
+  assert rep["plan"]["name"] == plan and rep["run"]["fsdp"]["offload"] == (plan == "scan-offload")
+  kinds = json.loads((tmp_path / "n1" / "fsdp" / "summary.json").read_text())["state_bytes_by_memory_kind"]
+  assert (kinds["host"] > 0 and kinds["device"] == 0) if plan == "scan-offload" else kinds["host"] == 0
+  assert "FSDP2 plan" in (tmp_path / "n1" / "report.md").read_text()
+  two = parity.compare("gpt2-tiny", sides=["fsdp"], out=tmp_path / "n2", nproc=2, **kw)
+  assert two.passed, two.checks
+  spec = resolve_run("gpt2-tiny", plan=plan, steps=STEPS, sides=list(SIDES), overrides=SMALL).spec
+  init = weights.load(tmp_path / "n1" / "init.safetensors")
+  for other in ("jax", "deepspeed", "fsdp"):
+    pair = {f"{other}@1": _side(tmp_path / "n1", other), "fsdp@2": _side(tmp_path / "n2", "fsdp")}
+    checks, _ = compare_sides(pair, spec=spec, init=init)  # the project's fp32 tolerances
+    bad = [c for c in checks if not c.passed]
+    assert not bad and len(pair["fsdp@2"]["steps"]) == STEPS, (other, bad)
