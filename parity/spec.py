@@ -422,9 +422,14 @@ class FsdpPlan:
   """fully_shard's reshard_after_forward: free each block's gathered params after its forward and gather them again
   for its backward (True, ZeRO-3's schedule), or keep them to the backward (False, ZeRO-2's memory)."""
 
+  activation_offload: bool = False
+  """Activations saved for the backward pass kept in host memory (`torch.autograd.graph.save_on_cpu` around each
+  micro batch's forward, pinned where CUDA exists) and brought back when the backward needs them: PyTorch's
+  counterpart of the JAX offload remat policies. Nothing is recomputed, so the numbers are the run without it."""
+
   def validate(self) -> "FsdpPlan":
     """Checks every field is a boolean. Returns self. Raises SpecError naming the `fsdp.<field>` and the value."""
-    for name in ("offload", "pin_memory", "reshard_after_forward"):
+    for name in ("offload", "pin_memory", "reshard_after_forward", "activation_offload"):
       if not isinstance(getattr(self, name), bool):
         raise SpecError(f"fsdp.{name} must be true or false; got {getattr(self, name)!r}")
     return self

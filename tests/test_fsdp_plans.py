@@ -79,3 +79,28 @@ def test_the_pair_passes_on_one_rank_and_fsdp_on_two_ranks(tmp_path, plan):
     checks, _ = compare_sides(pair, spec=spec, init=init)  # the project's fp32 tolerances
     bad = [c for c in checks if not c.passed]
     assert not bad and len(pair["fsdp@2"]["steps"]) == STEPS, (other, bad)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.requires_torch
+def test_activation_offload_saves_on_cpu_and_changes_no_number(tmp_path):
+  """fsdp.activation_offload (torch.autograd.graph.save_on_cpu around each forward) keeps what the backward needs in
+  host memory and recomputes nothing: every step record's loss and grad norm and every final param equal the run
+  without it, bit for bit (on the CPU the saved tensors are already host memory: the hooks run, nothing moves)."""
+  import numpy as np
+  import parity
+  from parity import weights
+  kw = dict(steps=2, sides=["fsdp"], determinism_steps=0, noise_envelope=False)
+  runs = {}
+  for on in (False, True):
+    out = tmp_path / f"offload_{on}"
+    report = parity.compare("gpt2-tiny", out=out, overrides={**SMALL, "train.grad_accum_steps": 2,
+                                                              "fsdp.activation_offload": on}, **kw)
+    assert report.passed, report.checks
+    summary = json.loads((out / "fsdp" / "summary.json").read_text())
+    assert summary["fsdp"]["activation_offload"] == ("save_on_cpu" if on else None)
+    runs[on] = (_side(out, "fsdp"), weights.load(out / "fsdp" / "final.safetensors"))
+  (a, fa), (b, fb) = runs[False], runs[True]
+  assert [(r["loss"], r["grad_norm"]) for r in a["steps"]] == [(r["loss"], r["grad_norm"]) for r in b["steps"]]
+  assert all(np.array_equal(fa[k], fb[k]) for k in fa)

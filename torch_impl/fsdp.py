@@ -19,6 +19,8 @@ What `FsdpTrainer` runs (torch 2.13):
   * the optimizer of `torch_impl.baseline.build_optimizer` (`OPTIMIZER_IMPL` says which AdamW implementation and why),
     its lr written per step by `torch_impl.baseline.set_hparams` (DeepSpeed's schedule formula), DeepSpeed's
     clipping rule (`torch_impl.baseline.clip_like_deepspeed`) on the global norm of `sharded_grad_norm`;
+  * `fsdp.activation_offload`: each micro batch's forward under `torch.autograd.graph.save_on_cpu`, the saved
+    activations in host memory until the backward (`_saved_tensors`);
   * gradient accumulation as the plain-torch side: each micro batch backpropagates loss / train.grad_accum_steps;
     the reduce-scatter runs only after the last micro batch (`set_requires_gradient_sync`, DDP's no_sync).
 Checkpoints (DCP) are torch_impl/fsdp_side.py's. Imports torch and parity only.
@@ -261,11 +263,21 @@ class FsdpTrainer:
     losses = []
     for i, mb in enumerate(micro_batches):
       self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-      loss = micro_loss(self.model, mb, self.device, arrays, i, self.plants)  # float32 (logits cast up)
+      with self._saved_tensors():
+        loss = micro_loss(self.model, mb, self.device, arrays, i, self.plants)  # float32 (logits cast up)
       scaled = loss / a
       (scaled * multiplier if multiplier != 1.0 else scaled).backward()
       losses.append(float(loss.detach()))
     return losses
+
+  def _saved_tensors(self):
+    """The context the forward runs in: `torch.autograd.graph.save_on_cpu` under fsdp.activation_offload (every
+    tensor autograd saves for the backward goes to host memory, pinned where CUDA exists; on the CPU a tensor
+    already in host memory is kept as it is), else a context that changes nothing."""
+    import contextlib
+    if not self.run.fsdp.activation_offload:
+      return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
 
   def _overflow(self) -> bool:
     """Whether any rank's gradient shard holds a non-finite value (a max all-reduce of the ranks' flags)."""
@@ -341,5 +353,7 @@ class FsdpTrainer:
                           "group_weight_decay": [g["weight_decay"] for g in self.optimizer.param_groups],
                           "clipping": "deepspeed: g / max(1, (||g|| + 1e-6) / clip)"},
             "fsdp": {**fsdp_settings(self.model), "mesh": f"{self.mesh.device_type} x {self.world}",
-                     "reshard_after_forward": self.run.fsdp.reshard_after_forward},
+                     "reshard_after_forward": self.run.fsdp.reshard_after_forward,
+                     "activation_offload": ("save_on_cpu" + (" (pinned)" if self.device.type == "cuda" else "")
+                                            if self.run.fsdp.activation_offload else None)},
             "versions": {"torch": torch.__version__}}
