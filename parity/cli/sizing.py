@@ -58,15 +58,15 @@ def _resolve(args: argparse.Namespace, *, default_model: str | None, plan: str |
 
 def register(sub) -> None:
   """Adds `estimate`, `plan` and `presets` to the subparsers `sub`."""
-  p = sub.add_parser("estimate", help="memory model: bytes per category and memory kind, both sides, with "
-                                      "DeepSpeed's own estimator figures",
+  p = sub.add_parser("estimate", help="memory model: bytes per category and memory kind, DeepSpeed, JAX and FSDP2, "
+                                      "with DeepSpeed's own estimator figures",
                      description="Estimates the bytes of params, gradients, fp32 master, optimizer moments and "
-                                 "activations per rank, on the device and on the host, for the DeepSpeed and the JAX "
-                                 "side of a run, next to DeepSpeed's own estimate_zero*_model_states_mem_needs "
+                                 "activations per rank, on the device and on the host, for the DeepSpeed, the JAX "
+                                 "and the FSDP2 side of a run, next to DeepSpeed's own estimate_zero*_model_states_mem_needs "
                                  "(docs/plans.md). Exit 0, or 2 on bad input.")
   _add_run_source(p, DEFAULT_PRESET)
   p.add_argument("--plan", help="a plan pair of `parity plan` (parity.sizing.plans.PLANS) (default: the run's own plans)")
-  p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed side")
+  p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed and the FSDP2 side")
   p.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON (default: none)")
   p.set_defaults(handler=run_estimate)
 
@@ -147,6 +147,13 @@ def plan_label(run) -> str:
   return f"{f'plan {name}' if name else 'own plans (no named pair)'} (DeepSpeed {ds_txt}; JAX {jx_txt})"
 
 
+def fsdp_label(run) -> str:
+  """What the run's FSDP2 plan sets: 'offload, reshard after forward' and the like."""
+  p = run.fsdp
+  return ", ".join(["CPU offload" if p.offload else "no offload",
+                    "reshard after forward" if p.reshard_after_forward else "no reshard after forward"])
+
+
 def run_estimate(args: argparse.Namespace) -> int:
   """`parity estimate`: the per-category model for both sides and DeepSpeed's own figures. Returns 0.
 
@@ -158,19 +165,21 @@ def run_estimate(args: argparse.Namespace) -> int:
     raise SpecError(f"--ranks {args.ranks}: must be >= 1")
   run = _resolve(args, default_model=None, plan=args.plan)
   out = memory.estimate_json(run, args.ranks)
-  rows = memory.estimate(run, ranks=args.ranks)
+  sides = memory.ESTIMATE_SIDES
+  rows = memory.estimate(run, ranks=args.ranks, sides=sides)
   t = run.train
-  tot = {s: memory.totals(rows, s) for s in ("deepspeed", "jax")}
-  steps = memory.step_rows(rows)
-  peaks = [out[f"peak_{w}_bytes"][s] for s in ("deepspeed", "jax") for w in ("device", "host")]
+  tot = {s: memory.totals(rows, s) for s in sides}
+  steps = memory.step_rows(rows, sides)
+  peaks = [out[f"peak_{w}_bytes"][s] for s in sides for w in ("device", "host")]
   unit = table_unit([*peaks, *(c for _, cells in steps for c in cells)])
+  ranks = f"{args.ranks} rank{'s' * (args.ranks > 1)}"
   table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
-                      f"{t.precision}, {plan_label(run)}, DeepSpeed on {args.ranks} rank{'s' * (args.ranks > 1)} "
-                      f"({unit[0]} per rank)")
-  for col in ("category", "deepspeed device", "deepspeed host", "jax device", "jax host"):
+                      f"{t.precision}, {plan_label(run)}, DeepSpeed on {ranks}; FSDP2 ({fsdp_label(run)}) on "
+                      f"{ranks}, the micro batch split over them ({unit[0]} per rank)")
+  for col in ("category", *(f"{s} {k}" for s in sides for k in memory.KINDS)):
     table.add_column(col, justify="left" if col == "category" else "right")
   for cat in memory.CATEGORIES:
-    table.add_row(cat, *(_in(tot[s][cat][k], unit) for s in ("deepspeed", "jax") for k in memory.KINDS))
+    table.add_row(cat, *(_in(tot[s][cat][k], unit) for s in sides for k in memory.KINDS))
   for label, cells in steps:
     table.add_row(label, *(_in(c, unit) for c in cells))
   table.add_row("peak device / host", *(_in(c, unit) for c in peaks))

@@ -67,9 +67,9 @@ def step_input_rows(run: RunSpec, side: str, ranks: int = 1) -> list[tuple[str, 
   """The device bytes of a side's batch during a step, as (category, phase note, bytes, what) per rank / device.
 
   Args:
-    run: the run; its train.layout says whether masks exist. side: 'jax', 'torch' or 'deepspeed'.
-    ranks: devices of the JAX data axis (its rows split over them); the torch sides take micro_batch_size per
-      rank, as their activation rows do.
+    run: the run; its train.layout says whether masks exist. side: 'jax', 'torch', 'deepspeed' or 'fsdp'.
+    ranks: devices of the JAX data axis, or the FSDP2 side's ranks (the rows split over them); the torch and
+      DeepSpeed sides take micro_batch_size per rank, as their activation rows do.
   Returns:
     Tuples for parity.sizing.memory.Row: ('buffers', 'in-step (batch...)', ...) for the step's inputs (JAX: the
     whole step's, alive through it; torch: one micro batch's, in the forward/backward) and ('activations',
@@ -86,15 +86,15 @@ def step_input_rows(run: RunSpec, side: str, ranks: int = 1) -> list[tuple[str, 
     if has_masks(run):
       out.append(("buffers", "in-step (batch: segment ids int32, positions int32, weights float32 (A, M, T))",
                   _mask_bytes(run, t.grad_accum_steps * m, MASK_DTYPES), "masks"))
-  elif side in ("torch", "deepspeed"):
-    m = t.micro_batch_size
+  elif side in ("torch", "deepspeed", "fsdp"):
+    m = math.ceil(t.micro_batch_size / ranks) if side == "fsdp" else t.micro_batch_size  # fsdp: split over ranks
     out = [("buffers", "in-step (forward/backward: batch: token ids int64 (M, T + 1), one micro batch)",
             m * (t.seq_len + 1) * TORCH_INPUT_DTYPES["tokens"].itemsize, "tokens")]
     if has_masks(run):
       out.append(("buffers", "in-step (forward/backward: batch: segment ids int64, positions int64, weights "
                              "float32 (M, T))", _mask_bytes(run, m, TORCH_INPUT_DTYPES), "masks"))
   else:
-    raise ValueError(f"unknown side {side!r}; expected deepspeed, jax or torch")
+    raise ValueError(f"unknown side {side!r}; expected deepspeed, jax, torch or fsdp")
   if has_masks(run):
     out.append(("activations", "in-step (forward/backward: attention mask bool (M, T, S), kept for the backward)",
                 m * t.seq_len * t.seq_len, "attention_mask"))

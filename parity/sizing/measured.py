@@ -70,8 +70,9 @@ def _jax_rows_compared(run: RunSpec, summ: dict[str, Any]) -> list[dict[str, Any
 def predicted_vs_measured(report_json: dict[str, Any] | str) -> list[dict[str, Any]]:
   """Rows (side, category, memory kind, predicted, measured, ratio) for a finished run's report.json.
 
-  Every side in the same categories (CATEGORIES), predicted by `estimate`. DeepSpeed and torch: measured by
-  torch_impl.memory on the live tensors (max over the probed moments of step 0). JAX: `_jax_rows_compared`
+  Every side in the same categories (CATEGORIES), predicted by `estimate`. DeepSpeed, torch and fsdp: measured by
+  torch_impl.memory on the live tensors (max over the probed moments of step 0); fsdp predicted for its summary's
+  nproc ranks (parity.sizing.fsdp_memory, rank 0's shards). JAX: `_jax_rows_compared`
   (measured per state group from its memory kind's live bytes). measured None: the side does not measure that
   category (activations on every side; JAX gradients, inside the step). Every side also gets its peak host RSS
   (measured only: it includes the libraries and the data). ratio = measured / predicted (None when either is
@@ -84,8 +85,9 @@ def predicted_vs_measured(report_json: dict[str, Any] | str) -> list[dict[str, A
   rows: list[dict[str, Any]] = []
   for side, info in report_json.get("sides", {}).items():
     summ = info.get("summary") or {}
-    if side in ("deepspeed", "torch"):
-      pred = totals(estimate(run, sides=(side,)), side)
+    if side in ("deepspeed", "torch", "fsdp"):
+      ranks = int(summ.get("nproc") or 1) if side == "fsdp" else 1  # FSDP2 shards over its ranks (rank 0's figures)
+      pred = totals(estimate(run, ranks=ranks, sides=(side,)), side)
       meas = summ.get("state_bytes_by_category") or {}
       order = lambda c: (CATEGORIES.index(c) if c in CATEGORIES else len(CATEGORIES), c)  # noqa: E731  as JAX's
       for cat in sorted(set(CATEGORIES) | set(meas), key=order):

@@ -5,7 +5,8 @@ Two models live here:
     `ds_estimate_table`, the text the `*_all_cold` / `*_all_live` functions print). Same inputs, same integer
     results: tests/test_memory.py imports deepspeed and compares.
   * A per-category model (`estimate`): bytes of params, gradients, fp32 master, Adam moments and activations,
-    per rank, split into 'device' and 'host', for the DeepSpeed side and the JAX side of a RunSpec. It
+    per rank, split into 'device' and 'host', for the DeepSpeed side and the JAX side of a RunSpec (the FSDP2
+    side's in parity.sizing.fsdp_memory, the plain-torch side's here). It
     differs from DeepSpeed's estimator on purpose; docs/plans.md lists where and why.
 
 Activation bytes (`block_activation_bytes`, `logits_bytes`, `activation_bytes`) live in parity.sizing.activations
@@ -26,7 +27,7 @@ from parity.weights import n_params, param_shapes
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
            "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
-           "model_preset_train", "estimate_json", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR"]
+           "model_preset_train", "estimate_json", "ESTIMATE_SIDES", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
@@ -286,8 +287,9 @@ def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed
 
   Args:
     run: model, train and both plans.
-    ranks: data-parallel ranks of the DeepSpeed side (the JAX side uses run.jax.data_parallel).
-    sides: which sides to estimate ('deepspeed', 'jax', 'torch': plain AdamW, fp32, no sharding).
+    ranks: data-parallel ranks of the DeepSpeed and the FSDP2 side (the JAX side uses run.jax.data_parallel).
+    sides: which sides to estimate ('deepspeed', 'jax', 'torch': plain AdamW, fp32, no sharding; 'fsdp': FSDP2,
+      parity.sizing.fsdp_memory.fsdp_rows, rank 0 of `ranks`, its batch rows included).
   Returns:
     Rows; rows noted 'in-step' exist only while the step runs: transient copies of offloaded state, and the batch
     (token ids in their stored dtype, the mask arrays and attention mask of a padded/packed run:
@@ -304,8 +306,12 @@ def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed
       rows += [Row("torch", "params", "device", FP32 * n), Row("torch", "gradients", "device", FP32 * n),
                Row("torch", "optimizer_moments", "device", 2 * FP32 * n)]
       rows += _activation_rows("torch", run, "none", ranks=1)
+    elif side == "fsdp":
+      from parity.sizing.fsdp_memory import fsdp_rows  # it imports Row from here
+      rows += fsdp_rows(run, ranks)
+      continue
     else:
-      raise ValueError(f"unknown side {side!r}; expected deepspeed, jax or torch")
+      raise ValueError(f"unknown side {side!r}; expected deepspeed, jax, torch or fsdp")
     rows += [Row(side, cat, "device", b, note) for cat, note, b, _ in
              step_input_rows(run, side, run.jax.data_parallel if side == "jax" else 1)]
   return rows
@@ -414,28 +420,34 @@ def estimator_relation(rows: Iterable[Row], ds: dict[str, Any], ranks: int) -> d
                    for r in sorted(states, key=lambda r: -r.bytes) if r.bytes]}
 
 
+ESTIMATE_SIDES = ("deepspeed", "jax", "fsdp")
+"""The sides `parity estimate` prints, in its column order (fsdp: FSDP2 on `ranks` ranks, parity.sizing.fsdp_memory)."""
+
+
 def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
-  """Everything `parity estimate` prints, JSON-ready: rows, peaks, and DeepSpeed's own estimator figures with how
-  this model's DeepSpeed figures relate to them (`estimator_relation`)."""
-  rows = estimate(run, ranks=ranks)
+  """Everything `parity estimate` prints, JSON-ready: rows (ESTIMATE_SIDES), peaks, and DeepSpeed's own estimator
+  figures with how this model's DeepSpeed figures relate to them (`estimator_relation`)."""
+  rows = estimate(run, ranks=ranks, sides=ESTIMATE_SIDES)
   ds = _ds_formula(run, ranks)
   return {"total_params": param_count(run.model), "largest_layer_params": largest_layer_params(run.model),
           "ranks": ranks, "rows": [dataclasses.asdict(r) for r in rows],
-          "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in ("deepspeed", "jax")},
-          "peak_host_bytes": {s: peak_host_bytes(rows, s) for s in ("deepspeed", "jax")},
+          "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in ESTIMATE_SIDES},
+          "peak_host_bytes": {s: peak_host_bytes(rows, s) for s in ESTIMATE_SIDES},
           "deepspeed_estimator": {**ds, "additional_buffer_factor": DS_BUFFER_FACTOR,
                                   "relation": estimator_relation(rows, ds, ranks)}}
 
 
-def step_rows(rows: Iterable[Row]) -> list[tuple[str, list[int]]]:
-  """The in-step rows of `parity estimate`'s table: (label, bytes per [deepspeed device, deepspeed host, jax device,
-  jax host]) for the forward/backward, update and whole-step phases that hold any bytes."""
+def step_rows(rows: Iterable[Row], sides: Iterable[str] = ("deepspeed", "jax")) -> list[tuple[str, list[int]]]:
+  """The in-step rows of `parity estimate`'s table: (label, bytes per [side device, side host] of each of `sides`:
+  deepspeed device, deepspeed host, jax device, jax host by default) for the forward/backward, update and
+  whole-step phases that hold any bytes."""
+  sides = tuple(sides)
   rows = list(rows)
   out = []
   for phase, label in (("forward", "in step: forward/backward"), ("update", "in step: update"),
                        ("both", "in step: whole step")):
     cells = [sum(r.bytes for r in rows if r.side == s and r.kind == k and _phase(r.note) == phase)
-             for s in ("deepspeed", "jax") for k in KINDS]
+             for s in sides for k in KINDS]
     if any(cells):
       out.append((label, cells))
   return out
