@@ -104,3 +104,50 @@ def test_activation_offload_saves_on_cpu_and_changes_no_number(tmp_path):
   (a, fa), (b, fb) = runs[False], runs[True]
   assert [(r["loss"], r["grad_norm"]) for r in a["steps"]] == [(r["loss"], r["grad_norm"]) for r in b["steps"]]
   assert all(np.array_equal(fa[k], fb[k]) for k in fa)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_parity_plan_costs_the_fsdp_pairs_of_llama_7b_on_h100(devices, tmp_path, capsys):
+  """`parity plan --model llama-7b --sides deepspeed,jax,fsdp` (1 and 8 x H100): the ZeRO-3 pairs are costed with
+  the FSDP2 model (parity.sizing.fsdp_memory), every other pair is ranked last naming why, and the JSON says so."""
+  from parity.cli import main
+  from parity.sizing import fsdp_memory, memory
+  from parity.hf import MODEL_PRESETS
+  out = tmp_path / "plan.json"
+  rc = main(["plan", "--model", "llama-7b", "--hardware", "H100", "--devices", str(devices),
+             "--sides", "deepspeed,jax,fsdp", "--json", str(out)])
+  text = capsys.readouterr().out
+  assert rc == 0 and "fsdp GiB" in text
+  ranked = {r["name"]: r for r in json.loads(out.read_text())["ranked"]}
+  costed = {n for n, r in ranked.items() if r["step_s"] is not None and r["step_s"] != float("inf")}
+  assert costed == {"zero3", "zero3-offload-all", "scan-offload"}
+  for name in set(ranked) - costed:
+    assert any("no FSDP2 counterpart" in p for p in ranked[name]["problems"]), ranked[name]
+  best, cands = plans.choose_plan(MODEL_PRESETS["llama-7b"], memory.model_preset_train(MODEL_PRESETS["llama-7b"]),
+                                  plans.HARDWARE["H100"], devices=devices, sides=("deepspeed", "jax", "fsdp"))
+  c = {x.name: x for x in cands}
+  train = dataclasses.replace(memory.model_preset_train(MODEL_PRESETS["llama-7b"]),
+                              micro_batch_size=memory.model_preset_train(MODEL_PRESETS["llama-7b"]).micro_batch_size
+                              * devices)
+  for name in costed:  # the planner's fsdp figures are the memory model's
+    peak = fsdp_memory.fsdp_peak_bytes(MODEL_PRESETS["llama-7b"], train, plans.PLANS[name].fsdp, devices)
+    assert (c[name].peak_device_bytes["fsdp"], c[name].host_bytes["fsdp"]) == (peak["device"], peak["host"])
+  assert c["scan-offload"].host_bytes["fsdp"] > 0 and c["zero3"].host_bytes["fsdp"] == 0
+  assert best.name == ("scan-offload" if devices == 1 else "zero3")
+
+
+def test_fsdp_offload_transfers_per_step():
+  """CPUOffloadPolicy moves each rank's fp32 shards to the device for every micro batch's forward and backward and
+  its fp32 gradient shards back once: 4·N/W·(2·GAS + 1) bytes; reshard_after_forward=False fetches once per micro
+  batch; no offload moves nothing."""
+  from parity.sizing import memory
+  from parity.presets import PRESETS
+  base = PRESETS["gpt2-tiny"]
+  n, ga = memory.param_count(base.model), 3
+  run = dataclasses.replace(base, train=dataclasses.replace(base.train, grad_accum_steps=ga), sides=("fsdp",))
+  part = -(-n // 2)
+  assert plans._transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True)), "fsdp", [], 2) == \
+      4 * part * (2 * ga + 1)
+  assert plans._transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True, reshard_after_forward=False)),
+                               "fsdp", [], 2) == 4 * part * (ga + 1)
+  assert plans._transfer_bytes(run, "fsdp", [], 2) == 0

@@ -248,9 +248,10 @@ def run_plan(args: argparse.Namespace) -> int:
                      no_wrap=col == "plan")
   for c in ranked:
     mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
+    costed = math.isfinite(c.step_s)  # a pair not runnable here (or with no FSDP2 counterpart) was not costed
     table.add_row(c.name, t(c.step_s), t(c.compute_s), t(c.transfer_s),
                   *(f"{_in(c.peak_device_bytes[s], unit, ',.1f')} / {_in(c.host_bytes[s], unit, ',.1f')}"
-                    for s in sides), mark)
+                    if costed else "-" for s in sides), mark)
   con = console()
   con.print(table)
   con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}" if best else

@@ -188,7 +188,9 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int 
   partition for every micro batch's forward and backward (2·e·N/W·GAS; the rest of each layer arrives by
   all-gather over the device interconnect, not the host link). JAX (rows per device, so already sharded):
   offloaded moments go in and out (2·8·N/D), offloaded params in and out (2·4·N/D); offloaded activations
-  out and back (2·bytes) per micro batch.
+  out and back (2·bytes) per micro batch. FSDP2 with CPUOffloadPolicy on W ranks: each rank's fp32 param shards
+  come to the device for the forward and the backward of every micro batch (4·N/W·2·GAS; once per micro batch
+  without reshard_after_forward), its fp32 gradient shards go back once (4·N/W); without offload, nothing.
   """
   t = run.train
   n = memory.param_count(run.model)
@@ -197,6 +199,12 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int 
     part = math.ceil(n / (ranks if p.zero_stage >= 1 else 1))
     out = 2 * e * part if p.offload_optimizer == "cpu" else 0
     return out + (2 * e * part * t.grad_accum_steps if p.offload_param == "cpu" else 0)
+  if side == "fsdp":  # CPUOffloadPolicy: the fp32 shards go to the device for each unit's all-gather, in the forward
+    if not run.fsdp.offload:  # and again in the backward (reshard_after_forward) of every micro batch; the fp32
+      return 0  # gradient shards come back once per step (FSDPParam.offload_to_cpu, torch 2.13)
+    part = math.ceil(n / ranks)
+    fetches = 2 if run.fsdp.reshard_after_forward else 1
+    return 4 * part * fetches * t.grad_accum_steps + 4 * part
   resident = [r for r in rows if r.side == "jax" and r.kind == "host" and not r.note.startswith("in-step")]
   host = sum(r.bytes for r in resident)
   moments = sum(r.bytes for r in resident if r.category == "optimizer_moments")
@@ -211,8 +219,10 @@ def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
   the precision's peak (`Hardware.peak`),
   transfer = bytes / bandwidth, step = max(compute, transfer) (transfers overlap compute)."""
   t = run.train
-  tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / (run.jax.data_parallel if side == "jax" else 1)
-  policy = run.jax.remat if side == "jax" else ("full" if run.deepspeed.activation_checkpointing else "none")
+  per = run.jax.data_parallel if side == "jax" else ranks if side == "fsdp" else 1  # jax, fsdp: global micro batch
+  tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / per
+  policy = (run.jax.remat if side == "jax" else "none" if side == "fsdp" else
+            "full" if run.deepspeed.activation_checkpointing else "none")
   flops = tokens * (_flops_per_token(run.model, t.seq_len) + _recompute_flops_per_token(run.model, t.seq_len,
                                                                                            policy))
   compute = flops / (hw.peak(t.precision) * mfu)
@@ -304,7 +314,9 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     host_bytes: host memory per rank, bytes; default hw.host_bytes.
     devices: data-parallel devices; plans are evaluated with jax.data_parallel = devices and DeepSpeed on
       `devices` ranks (zero3-fsdp4 only when devices == 4).
-    sides: sides that must fit; a pair costs its slower side.
+    sides: sides that must fit; a pair costs its slower side. 'fsdp': the pair's FSDP2 plan (`Plan.fsdp`) on
+      `devices` ranks, the global micro batch split over them (parity.sizing.fsdp_memory); a pair without one is
+      ranked last, saying so.
     mfu: assumed model-FLOPs utilisation of the peak.
     reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
     xla_pool_gib: the user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (host_limits.xla_pool_setting; None: unset). Every
@@ -314,14 +326,14 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     pin_memory: cost DeepSpeed's offload with pin_memory true: its pinned buffers rounded as torch pins them
       (host_limits.deepspeed_pinned_cost); parity's own DeepSpeed configs are unpinned (parity.numerics.ds_json).
   Raises:
-    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax.
+    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp.
   """
   if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
     raise SpecError(f"mfu (--mfu) {mfu}: must be a fraction in (0, 1]")
   if devices < 1:
     raise SpecError(f"devices (--devices) {devices}: must be >= 1")
-  if not sides or set(sides) - {"deepspeed", "jax"}:
-    raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed and/or jax")
+  if not sides or set(sides) - {"deepspeed", "jax", "fsdp"}:
+    raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed, jax and/or fsdp")
   host = hw.host_bytes if host_bytes is None else host_bytes
   jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
@@ -334,6 +346,12 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     seen.add((plan.deepspeed, jax_plan))
     runs = {"deepspeed": RunSpec(model=model, train=train, deepspeed=plan.deepspeed),
             "jax": RunSpec(model=model, train=jax_train, jax=jax_plan)}
+    if "fsdp" in sides:
+      if plan.fsdp is None:  # a ZeRO-0/1/2 pair: FSDP2 always shards the params
+        out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
+                             ("no FSDP2 counterpart (FSDP2 always shards the params; its pairs are ZeRO-3's)",)))
+        continue
+      runs["fsdp"] = RunSpec(model=model, train=jax_train, fsdp=plan.fsdp, sides=("fsdp",))
     try:
       for s in sides:
         runs[s].validate()
