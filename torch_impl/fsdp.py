@@ -47,7 +47,8 @@ __all__ = ["FsdpTrainer", "device_mesh", "policies", "sharded_grad_norm", "full_
 
 REDUCE_PLANT, UNSYNCED_PLANT = FSDP_PLANT_KEYS
 """The planted FSDP2 bugs (parity.protocol.layout.FSDP_PLANT_KEYS): 'fsdp_reduce_dtype_low' lowers the gradient
-reduce dtype (`policies`), 'fsdp_shard_unsynced' leaves one rank's shard of one param un-updated (`FsdpTrainer.step`)."""
+reduce dtype (`policies`), 'fsdp_shard_unsynced' leaves one rank's shard of one param un-updated
+(`FsdpTrainer.step`)."""
 UNSYNCED_PARAM = "h.0.attn.qkv.weight"
 """The param whose shard the planted 'fsdp_shard_unsynced' leaves at its pre-step value on rank UNSYNCED_RANK (every
 family's first attention projection: the rows of dim 0 that rank holds)."""
