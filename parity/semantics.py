@@ -59,6 +59,7 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
   clip.rule, clip.max_norm  'global-l2' | 'none', and its threshold
   lr.step0                  the learning rate the first update applies
   dtypes.*                  params (the forward's), master weights, moments, gradients (the optimizer's input)
+                            (fsdp: the coarser of that and its gradient reduce dtype)
   matmul.precision          'highest' | 'high' (TF32) | 'medium'
   dropout                   the largest dropout probability of the model's modules (0.0: none)"""
 

@@ -37,6 +37,7 @@ import torch
 from parity import weights
 from parity.numerics import schedule
 from parity.numerics.loss_scale import LossScaler
+from parity.protocol.layout import FSDP_PLANT_KEYS
 from parity.spec import RunSpec
 from torch_impl import memory
 from torch_impl.baseline import build_optimizer, clip_like_deepspeed, set_hparams
@@ -44,7 +45,17 @@ from torch_impl.model import build_model, micro_loss
 from torch_impl.semantics import decay_groups_of
 
 __all__ = ["FsdpTrainer", "device_mesh", "policies", "sharded_grad_norm", "full_tensor", "fsdp_settings",
-           "OPTIMIZER_IMPL"]
+           "OPTIMIZER_IMPL", "REDUCE_PLANT", "UNSYNCED_PLANT", "UNSYNCED_PARAM", "UNSYNCED_RANK"]
+
+REDUCE_PLANT, UNSYNCED_PLANT = FSDP_PLANT_KEYS
+"""The planted FSDP2 bugs (parity.protocol.layout.FSDP_PLANT_KEYS): 'fsdp_reduce_dtype_low' lowers the gradient
+reduce dtype (`policies`), 'fsdp_shard_unsynced' leaves one rank's shard of one param un-updated
+(`FsdpTrainer.step`)."""
+UNSYNCED_PARAM = "h.0.attn.qkv.weight"
+"""The param whose shard the planted 'fsdp_shard_unsynced' leaves at its pre-step value on rank UNSYNCED_RANK (every
+family's first attention projection: the rows of dim 0 that rank holds)."""
+UNSYNCED_RANK = 1
+"""The rank whose shard the planted 'fsdp_shard_unsynced' leaves un-updated (a 2-rank run or more: refused on 1)."""
 
 OPTIMIZER_IMPL = "for-loop"
 """Which torch.optim.AdamW implementation runs: the for-loop one (`foreach=False, fused=False`: `_single_tensor_adamw`,
@@ -87,15 +98,23 @@ def device_mesh():
   return init_device_mesh(device.type, (dist.get_world_size(),)), device
 
 
-def policies(run: RunSpec, cuda: bool) -> dict[str, Any]:
+def policies(run: RunSpec, cuda: bool, plants: frozenset = frozenset()) -> dict[str, Any]:
   """fully_shard's keyword arguments for this run: mp_policy (bf16/fp16: MixedPrecisionPolicy(param_dtype=the
   compute dtype, reduce_dtype=float32); fp32: the default, no casting), offload_policy (fsdp.offload:
-  CPUOffloadPolicy(pin_memory=fsdp.pin_memory and cuda)) and reshard_after_forward (fsdp.reshard_after_forward)."""
+  CPUOffloadPolicy(pin_memory=fsdp.pin_memory and cuda)) and reshard_after_forward (fsdp.reshard_after_forward).
+
+  The planted 'fsdp_reduce_dtype_low' (REDUCE_PLANT in `plants`) keeps the param dtype and lowers reduce_dtype to
+  16 bits: bfloat16 in fp32 and bf16 runs (fp32: param_dtype=None, reduce_dtype=bfloat16, which FSDP2 accepts: the
+  gradients are rounded to bfloat16 for the reduce-scatter, even on one rank, and cast back to the float32 shards;
+  bf16: the policy without its fp32 reduce, the common mistake), float16 in fp16 runs."""
   from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
   precision = run.train.precision
-  mp = (MixedPrecisionPolicy() if precision == "fp32" else
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
-                             reduce_dtype=torch.float32))
+  compute = None if precision == "fp32" else torch.bfloat16 if precision == "bf16" else torch.float16
+  reduce = torch.float32
+  if REDUCE_PLANT in plants:
+    reduce = torch.float16 if precision == "fp16" else torch.bfloat16
+  mp = (MixedPrecisionPolicy() if compute is None and reduce == torch.float32 else
+        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce))
   plan = run.fsdp
   offload = CPUOffloadPolicy(pin_memory=plan.pin_memory and cuda) if plan.offload else OffloadPolicy()
   return {"mp_policy": mp, "offload_policy": offload, "reshard_after_forward": plan.reshard_after_forward}
@@ -184,7 +203,8 @@ class FsdpTrainer:
   Args:
     run: the resolved run spec (run.fsdp: the plan).
     params: canonical float32 initial weights.
-    plants: planted bugs (parity.protocol.layout.PLANT_KEYS) its steps, evals and param groups apply.
+    plants: planted bugs (parity.protocol.layout.PLANT_KEYS) its steps, evals and param groups apply, and the
+      FSDP2 ones (FSDP_PLANT_KEYS: `policies`, `step`).
   Raises:
     RuntimeError: the optimizer built is not the for-loop implementation (OPTIMIZER_IMPL).
   """
@@ -198,7 +218,7 @@ class FsdpTrainer:
     self.mesh, self.device = device_mesh()
     self.world = dist.get_world_size()
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
-    self.fsdp_kwargs = policies(run, self.device.type == "cuda")
+    self.fsdp_kwargs = policies(run, self.device.type == "cuda", plants)
     _shard(self.model, self.mesh, self.fsdp_kwargs)
     self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants), t)
     g0 = self.optimizer.param_groups[0]
@@ -249,11 +269,24 @@ class FsdpTrainer:
     clip_like_deepspeed(self.params, t.grad_clip, norm)
     if probe:
       self._snapshots.append(self.measure())
+    stale = self._unsynced_shard()
     self.optimizer.step()
+    if stale is not None:  # the planted 'fsdp_shard_unsynced': this rank's updated shard never written back
+      stale[0].copy_(stale[1])
     if probe:
       self._snapshots.append(self.measure())
     self.step_index += 1
     return {**out, "grad_norm": float(norm) * divisor / scale}
+
+  def _unsynced_shard(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The planted 'fsdp_shard_unsynced' (UNSYNCED_PLANT in plants), on rank UNSYNCED_RANK only: (UNSYNCED_PARAM's
+    local shard, a copy of it before the update), which `step` copies back after optimizer.step, so that rank's rows
+    of the param stay at their pre-step values while its Adam moments and every other shard (the other ranks' rows
+    of it too) advance; None otherwise. Local only: no collective differs between the ranks."""
+    if UNSYNCED_PLANT not in self.plants or self.mesh.get_rank() != UNSYNCED_RANK:
+      return None
+    shard = _local(dict(self.model.named_parameters())[UNSYNCED_PARAM].detach())
+    return shard, shard.clone()
 
   def _backward(self, micro_batches: np.ndarray, arrays, multiplier: float) -> list[float]:
     """Backward of every micro batch (loss / A, times the fp16 scale); the gradients are reduce-scattered after the

@@ -233,13 +233,23 @@ def _baseline_parts(trainer) -> dict[str, Any]:
 def _fsdp_parts(trainer) -> dict[str, Any]:
   """The FSDP2 trainer's objects (torch_impl.fsdp.FsdpTrainer): the plain-torch side's optimizer, scheduler and clip;
   the forward's param dtype is the one its FSDP2 modules cast to (MixedPrecisionPolicy.param_dtype, read from their
-  FSDPParams: `trainer.describe()['fsdp']`), which with the reduce dtype and the offload goes into the card's info."""
+  FSDPParams: `trainer.describe()['fsdp']`), which with the reduce dtype and the offload goes into the card's info.
+  dtypes.grads is the lower of the master dtype and the gradient reduce dtype (MixedPrecisionPolicy.reduce_dtype):
+  the sharded gradients the optimizer reads are float32, but a 16-bit reduce rounds them first, so they carry that
+  precision (the planted 'fsdp_reduce_dtype_low' shows here at step 0); a correct policy reduces in float32."""
   t, built = trainer.run.train, trainer.describe()["fsdp"]
   return {"module": trainer.model, "forward_module": trainer.model, "forward_dtype": built["param_dtype"],
           "optimizer": trainer.optimizer, "bit16": None, "master": trainer.params[0].dtype,
           "device": trainer.device, "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(t.grad_clip),
-          "optimizer_name": type(trainer.optimizer).__name__,
+          "optimizer_name": type(trainer.optimizer).__name__, "grads_dtype": _lower(built["reduce_dtype"],
+                                                                                      _dtype(trainer.params[0].dtype)),
           "info": {f"fsdp.{k}": v for k, v in built.items()}}
+
+
+def _lower(reduce: str | list[str], master: str) -> str:
+  """The lowest-precision dtype name of the reduce dtype(s) (a name, or the sorted list of several) and the master's."""
+  names = ([reduce] if isinstance(reduce, str) else list(reduce)) + [master]
+  return max(names, key=lambda n: torch.finfo(getattr(torch, n)).eps)  # the largest eps: the coarsest
 
 
 def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
@@ -274,7 +284,7 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
       "lr.step0": sig(parts["lr"], 6),
       "dtypes.params": parts.get("forward_dtype") or _dtype(next(parts["forward_module"].parameters()).dtype),
       "dtypes.master": _dtype(parts["master"]),
-      "dtypes.moments": adam["moments"], "dtypes.grads": _dtype(parts["master"]),
+      "dtypes.moments": adam["moments"], "dtypes.grads": parts.get("grads_dtype") or _dtype(parts["master"]),
       "matmul.precision": matmul_precision(), "dropout": dropout}
   info = {"optimizer": parts["optimizer_name"], "foreach": parts["optimizer"].param_groups[0].get("foreach"),
           "fused": parts["optimizer"].param_groups[0].get("fused"),

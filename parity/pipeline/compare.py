@@ -353,6 +353,10 @@ def _check_ranks(spec: RunSpec, pert: dict, options: RunOptions) -> None:
   if world > 1 and options.resume_at is not None:
     raise SpecError(multirank_checkpoint_refusal(f"--resume-at with --nproc {options.nproc}", world))
   for side, kv in pert.items():
+    if side == "fsdp" and kv.get("fsdp_shard_unsynced") and world < 2:  # other sides: parity.pipeline.plants
+      raise SpecError(f"--perturb {side}:fsdp_shard_unsynced=true changes nothing the {side} side trains: it leaves "
+                      f"rank 1's shard of a param behind, and the side has one rank (--nproc {options.nproc}); run it "
+                      f"with --nproc 2 or more")
     if "fault_rank" in kv and not kv["fault_rank"] < world:
       raise SpecError(f"--perturb {side}:fault_rank={kv['fault_rank']}: the side has ranks 0..{world - 1} "
                       f"(--nproc {options.nproc})")

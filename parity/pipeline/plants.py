@@ -17,6 +17,10 @@ The physics, per plant (right padding, one causal attention per row):
                            only when the model has biases and train.weight_decay > 0.
   placement_device         (a placement fault, JAX side only: PLACEMENT_PLANT_KEYS) the step compiled with the offloaded
                            groups in device memory: shows only when the JaxPlan offloads a group (`placement_reason`).
+  fsdp_reduce_dtype_low    (an FSDP2 plant, fsdp side only: FSDP_PLANT_KEYS) the gradients reduced in 16 bits: any
+                           run (`fsdp_reason`).
+  fsdp_shard_unsynced      (an FSDP2 plant, fsdp side only) rank 1's shard of one param not updated: needs a rank 1
+                           (--nproc 2 or more: parity.pipeline.compare, which knows the ranks).
 A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
 cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
 both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
@@ -30,13 +34,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from parity.dataset.reference import in_example_targets, token_weights
-from parity.protocol.layout import PLACEMENT_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.layout import FSDP_PLANT_KEYS, PLACEMENT_PLANT_KEYS, PLANT_KEYS
 from parity.protocol.placement import writes_placement
 from parity.weights import param_shapes
 from parity.spec import RunSpec, SpecError
 
 __all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "placement_reason",
-           "check_plants", "check_plants_on_data"]
+           "fsdp_reason", "check_plants", "check_plants_on_data"]
 
 
 def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | None:
@@ -135,15 +139,25 @@ def placement_reason(spec: RunSpec, side: str) -> str | None:
   return None
 
 
+def fsdp_reason(side: str, key: str) -> str | None:
+  """Why the planted FSDP2 bug `key` (FSDP_PLANT_KEYS) on `side` cannot show, or None: only the fsdp side shards its
+  model with fully_shard (a reduce dtype to lower, a rank's shard to leave behind)."""
+  if side != "fsdp":
+    return (f"{key} is a planted FSDP2 bug: only the fsdp side (torch.distributed.fsdp.fully_shard) has a gradient "
+            f"reduce dtype and sharded params to plant it in; plant it as --perturb fsdp:{key}=true")
+  return None
+
+
 def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None) -> None:
-  """Refuses a plant `spec_reason` or `placement_reason` names (SpecError '--perturb SIDE:KEY=true changes nothing
-  ...: reason'), and a perturbation given alike to every side of spec.sides (`every_side_reason`)."""
+  """Refuses a plant `spec_reason`, `placement_reason` or `fsdp_reason` names (SpecError '--perturb SIDE:KEY=true
+  changes nothing ...: reason'), and a perturbation given alike to every side of spec.sides (`every_side_reason`)."""
   alike = every_side_reason(spec.sides, perturb)
   if alike is not None:
     raise SpecError(alike)
   for side, kv in (perturb or {}).items():
-    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS):
-      reason = spec_reason(spec, key, kv) if key in PLANT_KEYS else placement_reason(spec, side)
+    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS):
+      reason = (spec_reason(spec, key, kv) if key in PLANT_KEYS else fsdp_reason(side, key)
+                if key in FSDP_PLANT_KEYS else placement_reason(spec, side))
       if reason is not None:
         _refuse(side, key, reason)
 

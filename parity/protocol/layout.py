@@ -40,7 +40,7 @@ import numpy as np
 from parity import weights
 
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "DATA_PLANT_KEYS",
-           "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "STEP_LIST_KEYS",
+           "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "FSDP_PLANT_KEYS", "STEP_LIST_KEYS",
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
            "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
@@ -71,13 +71,20 @@ PLACEMENT_PLANT_KEYS = ("placement_device",)
 """Planted placement faults (issue #22), `true` or absent, JAX side only: placement_device compiles the step with every
 state group the plan offloads in device memory while the plan still names the host (jax_impl.step.Trainer.build), so
 the 'placement' check (parity.verdict.placement) FAILs naming the class. Nothing the side computes changes."""
+FSDP_PLANT_KEYS = ("fsdp_reduce_dtype_low", "fsdp_shard_unsynced")
+"""Planted FSDP2 bugs (issue #23 item 4), `true` or absent, fsdp side only (torch_impl.fsdp): fsdp_reduce_dtype_low
+lowers the gradient reduce dtype of MixedPrecisionPolicy to 16 bits (bfloat16; float16 in fp16 runs) where the
+correct policy reduces in float32, so the gradients are rounded before the reduce-scatter (`torch_impl.fsdp.policies`;
+the semantics card's dtypes.grads names it at step 0); fsdp_shard_unsynced leaves rank 1's shard of one param
+(h.0.attn.qkv.weight) at its pre-step value after every optimizer step, its update never written back, so the ranks'
+shards no longer make the single-rank model (`FsdpTrainer.step`; needs --nproc 2 or more)."""
 DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps",
-              "fault_rank") + PLANT_KEYS + PLACEMENT_PLANT_KEYS
+              "fault_rank") + PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
 the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would.
 `fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md).
-PLANT_KEYS and PLACEMENT_PLANT_KEYS take `true`."""
+PLANT_KEYS, PLACEMENT_PLANT_KEYS and FSDP_PLANT_KEYS take `true`."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
 
@@ -152,7 +159,7 @@ def parse_debug_value(key: str, value: Any) -> int | bool | tuple[int, ...]:
   Raises:
     ValueError: naming the key and what it takes.
   """
-  if key in PLANT_KEYS + PLACEMENT_PLANT_KEYS:
+  if key in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS:
     if value is not True:
       raise ValueError(f"{key} is a planted bug: it takes true (leave it out for a correct side); got {value!r}")
     return True
