@@ -151,3 +151,21 @@ def test_fsdp_offload_transfers_per_step():
   assert plans._transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True, reshard_after_forward=False)),
                                "fsdp", [], 2) == 4 * part * (ga + 1)
   assert plans._transfer_bytes(run, "fsdp", [], 2) == 0
+
+
+def test_the_engine_line_names_each_engines_fastest_fitting_pair_and_what_it_leaves_out():
+  from parity.hf import MODEL_PRESETS
+  from parity.sizing import memory
+  m = MODEL_PRESETS["llama-7b"]
+  t = memory.model_preset_train(m)
+  sides = ("deepspeed", "jax", "fsdp")
+  _, one = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=1, sides=sides)
+  line = plans.engine_choice(one, "1 x H100")
+  assert line.startswith("engine, by estimated step time: stay on PyTorch (FSDP2 zero3-offload-all, ")
+  assert "JAX's fastest that fits is scan-offload" in line and "leaves out its optimizer step on the CPU" in line
+  _, eight = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=8, sides=sides)
+  assert plans.engine_choice(eight, "8 x H100").startswith("engine, by estimated step time: either (JAX zero3, ")
+  _, tiny = plans.choose_plan(m, t, plans.custom_hardware(plans.HARDWARE["H100"], device_gib=4), sides=sides)
+  assert plans.engine_choice(tiny, "1 x 4 GiB") == "engine: neither JAX nor FSDP2 fits 1 x 4 GiB with any pair"
+  _, no_fsdp = plans.choose_plan(m, t, plans.HARDWARE["H100"], sides=("deepspeed", "jax"))
+  assert plans.engine_choice(no_fsdp, "1 x H100") is None  # one engine costed: nothing to choose between

@@ -262,6 +262,9 @@ def run_plan(args: argparse.Namespace) -> int:
               + (f", {tput['non_padding_tokens_per_s']:,.0f} of them real positions (padding fraction "
                  f"{args.padding_fraction:g}: padding costs the FLOPs of a real position)"
                  if args.padding_fraction else ""), highlight=False)
+  engine = plans.engine_choice(ranked, f"{args.devices} x {hw.name}")
+  if engine:
+    con.print(engine, highlight=False)
   for line in host_lines(best, pool_gib, inputs["host_bytes_per_device"]):
     con.print(line, highlight=False)
   for line in plans.explain(best, ranked):

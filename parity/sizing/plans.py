@@ -21,7 +21,7 @@ from parity.sizing.batches import counted_tokens_per_s
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "with_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
-           "step_time", "choose_plan", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
+           "step_time", "choose_plan", "engine_choice", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -250,6 +250,8 @@ class Candidate:
   jax_pool: dict[str, Any] | None = None
   """The JAX side's pinned-host pool per device (parity.sizing.host_limits.PoolDecision.to_json: need, the pool the
   worker gets, who set it, the sentence); None when the JAX side is not costed or pins nothing."""
+  side_step_s: dict[str, float] | None = None
+  """side -> its own estimated step seconds (step_s is the slowest of them); None for a pair not costed."""
   deepspeed_pinned: dict[str, Any] | None = None
   """With pin_memory: the DeepSpeed side's pinned host buffers, {'requested_bytes', 'pinned_bytes'} per rank
   (host_limits.deepspeed_pinned_cost: torch rounds each block to a power of two); host_bytes includes the
@@ -258,6 +260,10 @@ class Candidate:
   @property
   def fits(self) -> bool:
     return not self.problems
+
+  def side_fits(self, side: str) -> bool:
+    """Whether `side` alone fits: costed, and no problem names it (each problem starts with its side's name)."""
+    return self.side_step_s is not None and not any(p.startswith((f"{side} ", f"{side}'s ")) for p in self.problems)
 
 
 def _host_limits(runs: dict[str, RunSpec], hosts: dict[str, int], host_bytes: int, *, ranks: int,
@@ -295,9 +301,10 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
               for s in sides if peaks[s] > usable]
   problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
                for s in sides if hosts[s] > host_bytes]
-  times = [step_time(run, s, hw, rows, mfu=mfu, ranks=ranks) for s, run in runs.items()]
-  step, compute, transfer = max(times)
-  return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems + pool_problems), pool, pinned)
+  times = {s: step_time(run, s, hw, rows, mfu=mfu, ranks=ranks) for s, run in runs.items()}
+  step, compute, transfer = max(times.values())
+  return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems + pool_problems), pool,
+                   {s: t[0] for s, t in times.items()}, pinned)
 
 
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
@@ -364,6 +371,35 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
   out.sort(key=lambda c: c.step_s)
   best = next((c for c in out if c.fits), None)
   return best, out
+
+
+def engine_choice(ranked: list[Candidate], hw_name: str) -> str | None:
+  """With both a JAX and an FSDP2 side costed: which engine trains faster by this model, each by its fastest pair
+  that fits it alone (`Candidate.side_fits`, its own step time); None without both sides. "stay on PyTorch" when
+  FSDP2's is faster or JAX has none, "JAX" when JAX's is, a tie said as one. An FSDP2 pair with CPUOffloadPolicy
+  runs its optimizer step on the CPU, which the step-time model does not cost (nor DeepSpeed's CPU Adam): the line
+  says so whenever the FSDP2 pair it names offloads."""
+  best = {}
+  for side in ("jax", "fsdp"):
+    if not any(c.side_step_s and side in c.side_step_s for c in ranked):
+      return None
+    fitting = [c for c in ranked if c.side_step_s and side in c.side_step_s and c.side_fits(side)]
+    best[side] = min(fitting, key=lambda c: c.side_step_s[side], default=None)
+  j, f = best["jax"], best["fsdp"]
+  say = lambda side, c: f"{c.name}, {c.side_step_s[side] * 1e3:.1f} ms/step"  # noqa: E731
+  caveat = ("; the FSDP2 figure leaves out its optimizer step on the CPU (CPUOffloadPolicy), which this model does "
+            "not cost: measure it (`parity compare --plan " + f.name + " --sides jax,fsdp`) before choosing"
+            if f is not None and PLANS[f.name].fsdp is not None and PLANS[f.name].fsdp.offload else "")
+  if j is None and f is None:
+    return f"engine: neither JAX nor FSDP2 fits {hw_name} with any pair"
+  if j is None or (f is not None and f.side_step_s["fsdp"] < j.side_step_s["jax"]):
+    return (f"engine, by estimated step time: stay on PyTorch (FSDP2 {say('fsdp', f)}): "
+            + ("no JAX plan fits" if j is None else f"JAX's fastest that fits is {say('jax', j)}") + caveat)
+  if f is None or j.side_step_s["jax"] < f.side_step_s["fsdp"]:
+    return (f"engine, by estimated step time: JAX ({say('jax', j)}): "
+            + ("no FSDP2 plan fits" if f is None else f"FSDP2's fastest that fits is {say('fsdp', f)}") + caveat)
+  return (f"engine, by estimated step time: either (JAX {say('jax', j)}; FSDP2 {say('fsdp', f)}): the same"
+          + caveat)
 
 
 def explain(best: Candidate | None, ranked: list[Candidate]) -> list[str]:
