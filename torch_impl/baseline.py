@@ -53,7 +53,8 @@ from torch_impl.model import build_model, micro_loss, to_canonical
 from torch_impl.semantics import decay_groups_of
 from torch_impl.distributed import init_process_group
 
-__all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb", "set_hparams"]
+__all__ = ["clip_like_deepspeed", "global_grad_norm", "TorchTrainer", "build_optimizer", "Lamb", "set_hparams",
+           "adam_grad_rms"]
 
 CLIP_EPS = 1e-6
 """Added to the gradient norm before dividing by the clip threshold (DeepSpeed ZeRO-1/2)."""
@@ -178,6 +179,32 @@ def set_hparams(optimizer: torch.optim.Optimizer, train, step_index: int) -> flo
     if cycled:
       g["betas"] = schedule.train_betas(train, step_index)
   return lr
+
+
+def adam_grad_rms(run: RunSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  whole=lambda t: t) -> dict[str, np.ndarray]:
+  """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)) of every canonical param of
+  `model` under a torch.optim Adam/AdamW `optimizer`: canonical name -> float32 array of the param's shape; zeros for
+  a param no update has touched yet. `whole` turns a state tensor into the whole tensor (FSDP2: the all-gather of a
+  DTensor shard, torch_impl.fsdp.full_tensor; a collective).
+  Raises:
+    KeyError: run.train.optimizer is not an Adam (Lamb, SGD: the params rule's per-element Adam bound does not hold
+      for them; parity.verdict.params.param_checks falls back per tensor).
+  """
+  if run.train.optimizer not in ("adam", "adamw"):
+    raise KeyError(f"train.optimizer {run.train.optimizer!r} keeps no Adam second moment the params rule can use")
+  beta2 = float(schedule.adam_beta2(run.train))
+  own = dict(model.named_parameters())
+  out = {}
+  for name in weights.param_shapes(run.model):
+    st = optimizer.state.get(own[name], {})
+    if not st:
+      out[name] = np.zeros(tuple(own[name].shape), dtype=np.float32)
+      continue
+    t = int(st["step"])
+    v = whole(st["exp_avg_sq"].detach()).double().cpu().numpy()
+    out[name] = np.sqrt(v / (1.0 - beta2 ** t if t > 0 else 1.0)).astype(np.float32)
+  return out
 
 
 class TorchTrainer:
@@ -354,21 +381,7 @@ class TorchTrainer:
     Zeros for a param no update has touched yet. Raises KeyError when the optimizer is not an Adam (Lamb, SGD: the
     params rule's per-element Adam bound does not hold for them; parity.verdict.params.param_checks falls back per tensor).
     """
-    if self.run.train.optimizer not in ("adam", "adamw"):
-      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule "
-                     f"can use")
-    beta2 = float(schedule.adam_beta2(self.run.train))
-    own = dict(self.model.named_parameters())
-    out = {}
-    for name in weights.param_shapes(self.run.model):
-      st = self.optimizer.state.get(own[name], {})
-      if not st:
-        out[name] = np.zeros(tuple(own[name].shape), dtype=np.float32)
-        continue
-      t = int(st["step"])
-      v = st["exp_avg_sq"].detach().double().cpu().numpy()
-      out[name] = np.sqrt(v / (1.0 - beta2 ** t if t > 0 else 1.0)).astype(np.float32)
-    return out
+    return adam_grad_rms(self.run, self.model, self.optimizer)
 
   def _measure(self) -> memory.StateBytes:
     return memory.state_bytes(self.model, self.optimizer)

@@ -35,12 +35,11 @@ import numpy as np
 import torch
 
 from parity import weights
-from parity.numerics import schedule
 from parity.numerics.loss_scale import LossScaler
 from parity.protocol.layout import FSDP_PLANT_KEYS
 from parity.spec import RunSpec
 from torch_impl import memory
-from torch_impl.baseline import build_optimizer, clip_like_deepspeed, set_hparams
+from torch_impl.baseline import adam_grad_rms, build_optimizer, clip_like_deepspeed, set_hparams
 from torch_impl.model import build_model, micro_loss
 from torch_impl.semantics import decay_groups_of
 
@@ -341,23 +340,10 @@ class FsdpTrainer:
     return {k: full_tensor(own[k].detach()).float().cpu().numpy().copy() for k in weights.param_shapes(self.run.model)}
 
   def canonical_moments(self) -> dict[str, np.ndarray]:
-    """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)), canonical, float32, whole
-    (a collective); zeros before the first update. Raises KeyError when the optimizer is not an Adam."""
-    if self.run.train.optimizer not in ("adam", "adamw"):
-      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule "
-                     f"can use")
-    beta2 = float(schedule.adam_beta2(self.run.train))
-    own = dict(self.model.named_parameters())
-    out = {}
-    for name in weights.param_shapes(self.run.model):
-      st = self.optimizer.state.get(own[name], {})
-      if not st:
-        out[name] = np.zeros(tuple(own[name].shape), dtype=np.float32)
-        continue
-      t = int(st["step"])
-      v = full_tensor(st["exp_avg_sq"].detach()).double().cpu().numpy()
-      out[name] = np.sqrt(v / (1.0 - beta2 ** t if t > 0 else 1.0)).astype(np.float32)
-    return out
+    """Adam's bias-corrected per-element gradient RMS, canonical, float32, whole (torch_impl.baseline.adam_grad_rms
+    over the all-gathered moments: a collective); zeros before the first update. Raises KeyError when the optimizer
+    is not an Adam."""
+    return adam_grad_rms(self.run, self.model, self.optimizer, whole=full_tensor)
 
   def measure(self) -> memory.StateBytes:
     """Bytes of this rank's training state now (`torch_impl.memory` categories): its param shards (the fp32

@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 
-from parity.protocol.loop import SideSummary
 from parity.protocol.side import SideIO
-from torch_impl import doctor, memory
 from torch_impl.fsdp import FsdpTrainer
 from torch_impl.semantics import semantics_card
 from torch_impl.side import TorchSide, _determinism
@@ -112,14 +110,5 @@ class FsdpSide(TorchSide):
   def save(self, folder: Path, step: int) -> dict[str, Any]:
     return save(self.trainer, folder, step)
 
-  def summary(self) -> SideSummary:
-    """versions/device/memory/thread fields of summary.json, from the trainer (`threads`: torch_impl.doctor)."""
-    t = self.trainer
-    info, state = t.describe(), t.state_bytes()
-    return SideSummary(
-        versions=info.pop("versions"),
-        device=f"cuda ({torch.cuda.get_device_name(t.device)})" if self.cuda else "cpu",
-        peak_device_bytes=int(torch.cuda.max_memory_allocated(t.device)) if self.cuda else None,
-        state_bytes_by_memory_kind=memory.by_memory_kind(state),
-        extra={"state_bytes_by_category": state, "op_build_s": 0.0, "threads": doctor.thread_settings(torch),
-               **info})
+  def _side_extra(self) -> dict[str, Any]:
+    return {}  # no DeepSpeed offload copies to count: summary.json has no `transfers`

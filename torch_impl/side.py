@@ -102,8 +102,12 @@ class TorchSide(Side):
         device=f"cuda ({torch.cuda.get_device_name(t.device)})" if self.cuda else "cpu",
         peak_device_bytes=int(torch.cuda.max_memory_allocated(t.device)) if self.cuda else None,
         state_bytes_by_memory_kind=memory.by_memory_kind(state),
-        extra={"state_bytes_by_category": state, "op_build_s": ops.build_s(),
-               "threads": doctor.thread_settings(torch), "transfers": self._transfers(), **info})
+        extra={"state_bytes_by_category": state, "op_build_s": self.op_build_s(),
+               "threads": doctor.thread_settings(torch), **self._side_extra(), **info})
+
+  def _side_extra(self) -> dict[str, Any]:
+    """summary.json fields only some torch sides write: here `transfers` (FsdpSide writes none)."""
+    return {"transfers": self._transfers()}
 
   def _transfers(self) -> dict[str, Any]:
     """summary.json's `transfers` (torch_impl.transfers): the DeepSpeed engine's counted bytes and CPU Adam time; the
