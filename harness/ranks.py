@@ -255,7 +255,7 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
     status = "killed" if code is not None and code < 0 else "crashed"
   else:
     what = ("hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else "hung") + f"; {running}"
-  error = (f"rank {who} of {world} {what}; the whole side was stopped. Its stderr "
-           f"({rank_stderr(out, who)}) ends:\n{stderr[-1500:]}")
+  error = (f"rank {who} of {world} {what}; the whole side was stopped. Its stderr ({rank_stderr(out, who)}) "
+           + (f"ends:\n{stderr[-1500:]}" if stderr.strip() else "is empty"))
   summary.update(status=status, error=error, failed_rank={"rank": who, "exit_code": code, "stderr_tail": stderr})
   return status, error, summary

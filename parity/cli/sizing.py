@@ -151,7 +151,8 @@ def fsdp_label(run) -> str:
   """What the run's FSDP2 plan sets: 'offload, reshard after forward' and the like."""
   p = run.fsdp
   return ", ".join(["CPU offload" if p.offload else "no offload",
-                    "reshard after forward" if p.reshard_after_forward else "no reshard after forward"])
+                    "reshard after forward" if p.reshard_after_forward else "no reshard after forward"]
+                   + (["activations saved on the CPU"] if p.activation_offload else []))
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -251,7 +252,7 @@ def run_plan(args: argparse.Namespace) -> int:
     costed = math.isfinite(c.step_s)  # a pair not runnable here (or with no FSDP2 counterpart) was not costed
     table.add_row(c.name, t(c.step_s), t(c.compute_s), t(c.transfer_s),
                   *(f"{_in(c.peak_device_bytes[s], unit, ',.1f')} / {_in(c.host_bytes[s], unit, ',.1f')}"
-                    if costed else "-" for s in sides), mark)
+                    if costed else "-" for s in sides), mark if costed else "not costed")
   con = console()
   con.print(table)
   con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}" if best else
@@ -269,6 +270,8 @@ def run_plan(args: argparse.Namespace) -> int:
     con.print(line, highlight=False)
   for line in plans.explain(best, ranked):
     con.print("  " + line)
+  for why, names in plans.uncosted(ranked).items():
+    con.print(f"  not costed: {', '.join(names)}: {why}", highlight=False)
   if args.json:
     _write_json(args.json, {**plans.ranking_json(best, ranked, inputs),
                             "host_limits": {"xla_pool_env": host_limits.XLA_POOL_ENV, "xla_pool_user_gib": pool_gib,

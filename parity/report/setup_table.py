@@ -41,7 +41,9 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
     rows.append(("FSDP2 plan", "fully_shard on every block and the root, "
                                + ("CPUOffloadPolicy (params, gradients and optimizer state on the host, "
                                   f"{_fsdp_pinning(d, f)})" if f.get("offload") else "no offload")
-                               + f", reshard_after_forward {f.get('reshard_after_forward')}"))
+                               + f", reshard_after_forward {f.get('reshard_after_forward')}"
+                               + (", activations saved for the backward in host memory (save_on_cpu)"
+                                  if f.get("activation_offload") else "")))
   for name, s in d["sides"].items():
     summ = s.get("summary") or {}
     if summ.get("state_memory_kinds"):

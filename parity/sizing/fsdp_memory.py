@@ -31,7 +31,8 @@ final norm, an untied head): 1 + n_layers FSDP units. Sources, torch 2.13 `torch
     batches before the last skip the reduce-scatter and accumulate every unit's unsharded gradient in the reduce
     dtype (`FSDPParam.to_accumulated_grad_if_needed`): 4 x the padded whole model;
   * activations and the batch: as the plain-torch side's (`parity.sizing.memory._activation_rows`, no remat), of
-    this rank's micro_batch_size / world sequences.
+    this rank's micro_batch_size / world sequences; under fsdp.activation_offload (`torch.autograd.graph.
+    save_on_cpu`) the saved activations are host rows (the float32 logits gradient stays an in-step device row).
 Not modelled: the device copy of an offloaded shard made for its all-gather input (one unit's 4·shard at a time),
 the caching allocator's rounding. torch_impl.memory measures the resident rows (params, gradients, moments).
 """
@@ -113,7 +114,12 @@ def fsdp_rows(run: RunSpec, world: int = 1) -> list:
   if t.grad_accum_steps > 1:
     rows.append(Row("fsdp", "gradients", "device", FP32 * sum(gathered.values()),
                     "in-step (forward/backward: unsharded fp32 gradients accumulated between micro batches)"))
-  rows += _activation_rows("fsdp", run, "none", ranks=world)
+  acts = _activation_rows("fsdp", run, "none", ranks=world)
+  if p.activation_offload:  # save_on_cpu: what autograd saves lives in host memory until the backward needs it
+    acts = [Row("fsdp", r.category, "host", r.bytes, "saved for the backward in host memory (save_on_cpu)")
+            if r.category == "activations" and r.kind == "device" and not r.note.startswith("in-step") else r
+            for r in acts]
+  rows += acts
   rows += [Row("fsdp", cat, "device", b, note) for cat, note, b, _ in step_input_rows(run, "fsdp", world)]
   return rows
 

@@ -21,7 +21,7 @@ from parity.sizing.batches import counted_tokens_per_s
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "with_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
-           "step_time", "choose_plan", "engine_choice", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
+           "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,9 +111,12 @@ def with_plan(run: RunSpec, plan: Plan) -> RunSpec:
 
 def plan_of(run: RunSpec) -> str | None:
   """Name of the plan pair a run uses, or None when its plans are not one of PLANS. A run with an `fsdp` side
-  matches a pair with an FSDP2 plan only when its `RunSpec.fsdp` is that plan."""
+  matches a pair with an FSDP2 plan only when its `RunSpec.fsdp` is that plan, and a pair must describe at least
+  one side the run has (jax, deepspeed, or fsdp where the pair has an FSDP2 plan): an fsdp-only run names no
+  ZeRO-0/1/2 pair."""
   for name, plan in PLANS.items():
-    if plan.deepspeed == run.deepspeed and plan.jax == run.jax and (
+    described = {"jax", "deepspeed"} | ({"fsdp"} if plan.fsdp is not None else set())
+    if plan.deepspeed == run.deepspeed and plan.jax == run.jax and described & set(run.sides) and (
         plan.fsdp is None or "fsdp" not in run.sides or plan.fsdp == run.fsdp):
       return name
   return None
@@ -402,12 +405,24 @@ def engine_choice(ranked: list[Candidate], hw_name: str) -> str | None:
           + caveat)
 
 
+def uncosted(ranked: list[Candidate]) -> dict[str, list[str]]:
+  """The pairs not costed (not runnable here, or no FSDP2 counterpart), grouped by their reason: {reason: names}."""
+  out: dict[str, list[str]] = {}
+  for c in ranked:
+    if not math.isfinite(c.step_s):
+      out.setdefault("; ".join(c.problems), []).append(c.name)
+  return out
+
+
 def explain(best: Candidate | None, ranked: list[Candidate]) -> list[str]:
-  """One line per plan cheaper than the choice (or every plan when none fits): why it does not fit."""
+  """One line per costed plan cheaper than the choice (or every costed plan when none fits): why it does not fit
+  (the uncosted ones: `uncosted`)."""
   lines = []
   for c in ranked:
     if best is not None and c.name == best.name:
       break
+    if not math.isfinite(c.step_s):
+      continue
     lines.append(f"{c.name} ({c.step_s * 1e3:.1f} ms/step) does not fit: " + "; ".join(c.problems))
   return lines
 
@@ -461,7 +476,11 @@ def ranking_json(best: Candidate | None, ranked: list[Candidate], inputs: dict[s
   [Candidate fields + 'fits', and with inputs 'tokens_per_s' (every position of the global step / step_s) and
   'non_padding_tokens_per_s' (parity.sizing.batches.counted_tokens_per_s at inputs' padding_fraction)]}; an infinite
   cost (a pair this run cannot use) is None."""
-  finite = lambda d: {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in d.items()}
+  def finite(d: dict) -> dict:  # an uncosted pair's byte figures are not zero bytes: null, as its costs
+    costed = math.isfinite(d["step_s"])
+    return {k: (None if isinstance(v, float) and math.isinf(v) else
+                {s: None for s in v} if k in ("peak_device_bytes", "host_bytes") and not costed else v)
+            for k, v in d.items()}
   return {**({"inputs": inputs} if inputs is not None else {}), "choice": best.name if best else None,
           "ranked": [finite(dict(dataclasses.asdict(c), fits=c.fits, **_throughput(c, inputs))) for c in ranked]}
 
