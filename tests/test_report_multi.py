@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -399,3 +400,15 @@ def test_key_figures_table_shows_every_column_in_a_1400px_window(tmp_path):
   edges = dict(x.rsplit("=", 1) for x in probe.group(3).split(";"))
   assert list(edges) == list(COLUMNS) and scroll == width, probe.group(0)
   assert all(int(v) <= width for v in edges.values()), (width, edges)
+
+
+def test_a_run_that_compared_no_pair_is_not_a_pass_on_the_comparison_page():
+  """A ONE SIDE (or INTERRUPTED) run's stored flag may be true, but it compared nothing: its cell says what its own
+  headline says and it does not count as holding parity (fsdp breaker finding)."""
+  from parity.history.comparison import holds, verdict_cell
+  for message, word in (("ONE SIDE: fsdp ran ok; nothing to compare", "ONE SIDE"),
+                        ("INTERRUPTED: stopped by Ctrl-C at step 3", "INTERRUPTED")):
+    r = SimpleNamespace(passed=True, problems=[], verdict=message)
+    assert verdict_cell(r) == word and not holds(r)
+  ok = SimpleNamespace(passed=True, problems=[], verdict="PASS: jax and torch agree")
+  assert verdict_cell(ok) == "PASS" and holds(ok)

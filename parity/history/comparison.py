@@ -218,15 +218,20 @@ def _mib(v) -> str:
 
 def holds(r: RunFigures) -> bool:
   """True when the run's stored verdict passed AND its files still verify (verify_report found nothing): a run
-  whose report or artifacts changed since its verdict never counts as holding parity."""
-  return r.passed and not r.problems
+  whose report or artifacts changed since its verdict never counts as holding parity, nor one that compared no
+  pair (ONE SIDE, INTERRUPTED)."""
+  return r.passed and not r.problems and not str(r.verdict).startswith(("ONE SIDE", "INTERRUPTED"))
 
 
 def verdict_cell(r: RunFigures) -> str:
-  """'PASS' / 'FAIL', or 'UNVERIFIED (files changed: ...)' when verify_report found a problem: the stored verdict
-  no longer describes the files, so it is not shown as a verdict."""
+  """'PASS' / 'FAIL', 'ONE SIDE' / 'INTERRUPTED' for a run that compared no pair (as its own headline says), or
+  'UNVERIFIED (files changed: ...)' when verify_report found a problem: the stored verdict no longer describes the
+  files, so it is not shown as a verdict."""
   if r.problems:
     return f"UNVERIFIED (files changed: {'; '.join(r.problems)})"
+  for word in ("ONE SIDE", "INTERRUPTED"):  # no pair was compared: not a PASS, whatever the stored flag
+    if str(r.verdict).startswith(word):
+      return word
   return "PASS" if r.passed else "FAIL"
 
 
