@@ -51,7 +51,7 @@ def test_units_are_the_root_and_each_block():
 def test_resident_state_is_4_4_8_bytes_per_padded_shard_element(world, offload):
   run = _tiny(offload=offload)
   s = sum(fsdp_memory.shard_numel(tuple(v), world) for v in param_shapes(run.model).values())
-  tot = fsdp_memory.fsdp_state_bytes(run.model, run.train, run.fsdp, world)
+  tot = memory.fsdp_state_bytes(run.model, run.train, run.fsdp, world)
   kind, other = ("host", "device") if offload else ("device", "host")
   assert {c: tot[c][kind] for c in EXACT} == {"params": 4 * s, "gradients": 4 * s, "optimizer_moments": 8 * s}
   assert all(tot[c][other] == 0 for c in EXACT)
@@ -65,7 +65,7 @@ def test_resident_state_is_4_4_8_bytes_per_padded_shard_element(world, offload):
 def test_optimizer_state_follows_the_optimizer():
   run = preset("gpt2-tiny")
   n = memory.param_count(run.model)
-  moments = lambda **t: fsdp_memory.fsdp_state_bytes(  # noqa: E731
+  moments = lambda **t: memory.fsdp_state_bytes(  # noqa: E731
       run.model, dataclasses.replace(run.train, **t), run.fsdp)["optimizer_moments"]["device"]
   assert moments(optimizer="adamw") == moments(optimizer="adam") == moments(optimizer="lamb") == 8 * n
   assert moments(optimizer="sgd", momentum=0.9) == 4 * n and moments(optimizer="sgd", momentum=0.0) == 0
@@ -81,7 +81,7 @@ def test_in_step_gathered_units_and_backward_buffers():
   root, block = units["root"], units["h.0"]
 
   def rows(plan, train=t):
-    return [r for r in fsdp_memory.fsdp_rows(dataclasses.replace(run, model=m, train=train, fsdp=plan), 1)
+    return [r for r in memory.fsdp_rows(dataclasses.replace(run, model=m, train=train, fsdp=plan), 1)
             if r.note.startswith("in-step") and r.category in ("params", "gradients")]
   on = rows(FsdpPlan())
   assert [r.bytes for r in on if r.category == "params"] == [2 * (root + 2 * block)]
@@ -90,7 +90,7 @@ def test_in_step_gathered_units_and_backward_buffers():
   assert [r.bytes for r in off if r.category == "params"] == [2 * (root + 4 * block)]
   acc = rows(FsdpPlan(), dataclasses.replace(t, grad_accum_steps=2))
   assert 4 * memory.param_count(m) in [r.bytes for r in acc if r.category == "gradients"]
-  peak = fsdp_memory.fsdp_peak_bytes(m, t, FsdpPlan(offload=True), 1)
+  peak = memory.fsdp_peak_bytes(m, t, FsdpPlan(offload=True), 1)
   assert peak["host"] == 16 * memory.param_count(m) and peak["device"] > 2 * (root + 2 * block)
 
 
@@ -102,7 +102,7 @@ def test_activations_and_batch_are_this_ranks_share_of_the_micro_batch():
                    if r.category == "activations" and not r.note.startswith("in-step"))
   assert acts(1) == torch_acts and acts(2) * 2 == acts(1)
   with pytest.raises(ValueError, match="world"):
-    fsdp_memory.fsdp_rows(run, 0)
+    memory.fsdp_rows(run, 0)
 
 
 def test_predicted_vs_measured_has_fsdp_rows_for_its_ranks():
@@ -126,7 +126,7 @@ def test_estimate_prints_and_writes_fsdp(tmp_path, capsys):
   assert "fsdp device" in text and "fsdp host" in text and "FSDP2 (CPU offload, reshard after forward)" in text
   data = json.loads(out.read_text())
   run = preset("gpt2-tiny")
-  want = fsdp_memory.fsdp_peak_bytes(run.model, run.train, FsdpPlan(offload=True), 2)
+  want = memory.fsdp_peak_bytes(run.model, run.train, FsdpPlan(offload=True), 2)
   assert {k: data[f"peak_{k}_bytes"]["fsdp"] for k in ("device", "host")} == want
   assert {r["side"] for r in data["rows"]} == {"deepspeed", "jax", "fsdp"}
 
@@ -154,7 +154,7 @@ def test_one_rank_measured_equals_predicted(tmp_path, offload):
   run = dataclasses.replace(run, train=dataclasses.replace(run.train, steps=2))
   summary = _run_fsdp_worker(tmp_path, run)
   got = summary["state_bytes_by_category"]
-  want = fsdp_memory.fsdp_state_bytes(run.model, run.train, run.fsdp, 1)
+  want = memory.fsdp_state_bytes(run.model, run.train, run.fsdp, 1)
   for cat in EXACT:
     assert got[cat] == want[cat], f"{cat}: measured {got[cat]} != predicted {want[cat]}"
   assert got["master_params"] == got["buffers"] == {"device": 0, "host": 0}

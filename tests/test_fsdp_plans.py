@@ -111,7 +111,7 @@ def test_parity_plan_costs_the_fsdp_pairs_of_llama_7b_on_h100(devices, tmp_path,
   """`parity plan --model llama-7b --sides deepspeed,jax,fsdp` (1 and 8 x H100): the ZeRO-3 pairs are costed with
   the FSDP2 model (parity.sizing.fsdp_memory), every other pair is ranked last naming why, and the JSON says so."""
   from parity.cli import main
-  from parity.sizing import fsdp_memory, memory
+  from parity.sizing import memory
   from parity.hf import MODEL_PRESETS
   out = tmp_path / "plan.json"
   rc = main(["plan", "--model", "llama-7b", "--hardware", "H100", "--devices", str(devices),
@@ -130,7 +130,7 @@ def test_parity_plan_costs_the_fsdp_pairs_of_llama_7b_on_h100(devices, tmp_path,
                               micro_batch_size=memory.model_preset_train(MODEL_PRESETS["llama-7b"]).micro_batch_size
                               * devices)
   for name in costed:  # the planner's fsdp figures are the memory model's
-    peak = fsdp_memory.fsdp_peak_bytes(MODEL_PRESETS["llama-7b"], train, plans.PLANS[name].fsdp, devices)
+    peak = memory.fsdp_peak_bytes(MODEL_PRESETS["llama-7b"], train, plans.PLANS[name].fsdp, devices)
     assert (c[name].peak_device_bytes["fsdp"], c[name].host_bytes["fsdp"]) == (peak["device"], peak["host"])
   assert c["scan-offload"].host_bytes["fsdp"] > 0 and c["zero3"].host_bytes["fsdp"] == 0
   assert best.name == ("scan-offload" if devices == 1 else "zero3")

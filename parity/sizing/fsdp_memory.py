@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import math
 
-from parity.spec import FsdpPlan, ModelSpec, RunSpec, TrainSpec
+from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import param_shapes
 
-__all__ = ["shard_numel", "unit_shapes", "optimizer_state_tensors", "fsdp_rows", "fsdp_state_bytes",
-           "fsdp_peak_bytes"]
+__all__ = ["shard_numel", "unit_shapes", "optimizer_state_tensors", "fsdp_state_rows"]
 
 FP32 = 4
 
@@ -76,16 +75,13 @@ def optimizer_state_tensors(train: TrainSpec) -> int:
   return 2
 
 
-def _run(model: ModelSpec, train: TrainSpec, plan: FsdpPlan) -> RunSpec:
-  return RunSpec(model=model, train=train, fsdp=plan, sides=("fsdp",))
-
-
-def fsdp_rows(run: RunSpec, world: int = 1) -> list:
-  """Rows (parity.sizing.memory.Row, side 'fsdp') of rank 0 of `world` ranks: resident params, gradients and
-  optimizer state (module docstring), in-step gathered params and backward gradient buffers on the device, the
-  activations and the batch."""
-  from parity.sizing.batches import step_input_rows
-  from parity.sizing.memory import Row, _activation_rows
+def fsdp_state_rows(run: RunSpec, world: int = 1) -> list[tuple[str, str, int, str]]:
+  """(category, kind, bytes, note) of rank 0 of `world` ranks: resident params, gradients and optimizer state
+  (module docstring), in-step gathered params and backward gradient buffers on the device. The activations and the
+  batch are parity.sizing.memory.fsdp_rows' (which makes these Rows): this module imports nothing of parity.sizing.
+  Raises:
+    ValueError: world < 1.
+  """
   if world < 1:
     raise ValueError(f"world must be >= 1; got {world}")
   m, t, p = run.model, run.train, run.fsdp
@@ -99,42 +95,18 @@ def fsdp_rows(run: RunSpec, world: int = 1) -> list:
   block = max((gathered[u] for u in blocks), default=0)
   biggest = max(gathered.values())
   k = optimizer_state_tensors(t)
-  rows = [Row("fsdp", "params", kind, FP32 * s_all, "fp32 sharded masters (dim-0 padded shards)"),
-          Row("fsdp", "gradients", kind, FP32 * s_all, "fp32 sharded (reduce-scatter output)")]
+  rows = [("params", kind, FP32 * s_all, "fp32 sharded masters (dim-0 padded shards)"),
+          ("gradients", kind, FP32 * s_all, "fp32 sharded (reduce-scatter output)")]
   if k:
-    rows.append(Row("fsdp", "optimizer_moments", kind, k * FP32 * s_all))
+    rows.append(("optimizer_moments", kind, k * FP32 * s_all, ""))
   n_gathered = min(2, len(blocks)) if p.reshard_after_forward else len(blocks)
   what = f"root + {n_gathered} block{'s' * (n_gathered != 1)}"
-  rows.append(Row("fsdp", "params", "device", e * (gathered["root"] + n_gathered * block),
-                  f"in-step (forward/backward: all-gathered units, {what}, compute dtype)"))
-  rows.append(Row("fsdp", "gradients", "device", e * biggest + FP32 * biggest + (FP32 * biggest // world if p.offload
-                                                                                 else 0),
-                  "in-step (forward/backward: largest unit's unsharded gradients, compute dtype, and its fp32 "
-                  "reduce-scatter buffers)"))
+  rows.append(("params", "device", e * (gathered["root"] + n_gathered * block),
+               f"in-step (forward/backward: all-gathered units, {what}, compute dtype)"))
+  rows.append(("gradients", "device", e * biggest + FP32 * biggest + (FP32 * biggest // world if p.offload else 0),
+               "in-step (forward/backward: largest unit's unsharded gradients, compute dtype, and its fp32 "
+               "reduce-scatter buffers)"))
   if t.grad_accum_steps > 1:
-    rows.append(Row("fsdp", "gradients", "device", FP32 * sum(gathered.values()),
-                    "in-step (forward/backward: unsharded fp32 gradients accumulated between micro batches)"))
-  acts = _activation_rows("fsdp", run, "none", ranks=world)
-  if p.activation_offload:  # save_on_cpu: what autograd saves lives in host memory until the backward needs it
-    acts = [Row("fsdp", r.category, "host", r.bytes, "saved for the backward in host memory (save_on_cpu)")
-            if r.category == "activations" and r.kind == "device" and not r.note.startswith("in-step") else r
-            for r in acts]
-  rows += acts
-  rows += [Row("fsdp", cat, "device", b, note) for cat, note, b, _ in step_input_rows(run, "fsdp", world)]
+    rows.append(("gradients", "device", FP32 * sum(gathered.values()),
+                 "in-step (forward/backward: unsharded fp32 gradients accumulated between micro batches)"))
   return rows
-
-
-def fsdp_state_bytes(model: ModelSpec, train: TrainSpec, fsdp_plan: FsdpPlan, world: int = 1) -> dict[str, dict[str, int]]:
-  """Resident training state of one FSDP2 rank (rank 0, the largest), category -> kind -> bytes: what
-  torch_impl.fsdp.FsdpTrainer.measure counts (params, gradients, optimizer_moments; master_params and buffers 0),
-  activations included as `totals` has them (resident rows only)."""
-  from parity.sizing.memory import totals
-  return totals(fsdp_rows(_run(model, train, fsdp_plan), world), "fsdp")
-
-
-def fsdp_peak_bytes(model: ModelSpec, train: TrainSpec, fsdp_plan: FsdpPlan, world: int = 1) -> dict[str, int]:
-  """{'device', 'host'}: peak bytes of one FSDP2 rank (parity.sizing.memory.peak_device_bytes / peak_host_bytes of
-  `fsdp_rows`), for a planner."""
-  from parity.sizing.memory import peak_device_bytes, peak_host_bytes
-  rows = fsdp_rows(_run(model, train, fsdp_plan), world)
-  return {"device": peak_device_bytes(rows, "fsdp"), "host": peak_host_bytes(rows, "fsdp")}

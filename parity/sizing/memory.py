@@ -21,13 +21,15 @@ from typing import Any, Iterable
 
 from parity.sizing.activations import FP32, activation_bytes, block_activation_bytes, logits_bytes
 from parity.sizing.batches import is_batch_row, step_input_rows
+from parity.sizing.fsdp_memory import fsdp_state_rows
 from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
            "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
-           "model_preset_train", "estimate_json", "ESTIMATE_SIDES", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR"]
+           "model_preset_train", "estimate_json", "ESTIMATE_SIDES", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR",
+           "fsdp_rows", "fsdp_state_bytes", "fsdp_peak_bytes"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
@@ -289,7 +291,7 @@ def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed
     run: model, train and both plans.
     ranks: data-parallel ranks of the DeepSpeed and the FSDP2 side (the JAX side uses run.jax.data_parallel).
     sides: which sides to estimate ('deepspeed', 'jax', 'torch': plain AdamW, fp32, no sharding; 'fsdp': FSDP2,
-      parity.sizing.fsdp_memory.fsdp_rows, rank 0 of `ranks`, its batch rows included).
+      fsdp_rows (parity.sizing.fsdp_memory), rank 0 of `ranks`, its batch rows included).
   Returns:
     Rows; rows noted 'in-step' exist only while the step runs: transient copies of offloaded state, and the batch
     (token ids in their stored dtype, the mask arrays and attention mask of a padded/packed run:
@@ -307,7 +309,6 @@ def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed
                Row("torch", "optimizer_moments", "device", 2 * FP32 * n)]
       rows += _activation_rows("torch", run, "none", ranks=1)
     elif side == "fsdp":
-      from parity.sizing.fsdp_memory import fsdp_rows  # it imports Row from here
       rows += fsdp_rows(run, ranks)
       continue
     else:
@@ -451,3 +452,39 @@ def step_rows(rows: Iterable[Row], sides: Iterable[str] = ("deepspeed", "jax")) 
     if any(cells):
       out.append((label, cells))
   return out
+
+
+# ----------------------------------------------------------------------------- FSDP2 (parity.sizing.fsdp_memory)
+
+def fsdp_rows(run: RunSpec, world: int = 1) -> list[Row]:
+  """Rows (side 'fsdp') of rank 0 of `world` ranks: parity.sizing.fsdp_memory.fsdp_state_rows (resident state and
+  in-step gathered params and gradient buffers), the activations as the plain-torch side's (`_activation_rows`, no
+  remat, micro_batch_size / world sequences; under fsdp.activation_offload, `save_on_cpu`, the saved activations
+  are host rows and the float32 logits gradient stays an in-step device row) and the batch.
+  Raises:
+    ValueError: world < 1.
+  """
+  rows = [Row("fsdp", cat, kind, b, note) for cat, kind, b, note in fsdp_state_rows(run, world)]
+  acts = _activation_rows("fsdp", run, "none", ranks=world)
+  if run.fsdp.activation_offload:  # what autograd saves lives in host memory until the backward needs it
+    acts = [Row("fsdp", r.category, "host", r.bytes, "saved for the backward in host memory (save_on_cpu)")
+            if r.category == "activations" and r.kind == "device" and not r.note.startswith("in-step") else r
+            for r in acts]
+  return rows + acts + [Row("fsdp", cat, "device", b, note) for cat, note, b, _ in step_input_rows(run, "fsdp", world)]
+
+
+def _fsdp_run(model: ModelSpec, train: TrainSpec, plan) -> RunSpec:
+  return RunSpec(model=model, train=train, fsdp=plan, sides=("fsdp",))
+
+
+def fsdp_state_bytes(model: ModelSpec, train: TrainSpec, fsdp_plan, world: int = 1) -> dict[str, dict[str, int]]:
+  """Resident training state of one FSDP2 rank (rank 0, the largest), category -> kind -> bytes: what
+  torch_impl.fsdp.FsdpTrainer.measure counts (params, gradients, optimizer_moments; master_params and buffers 0),
+  activations included as `totals` has them (resident rows only). `fsdp_plan`: a parity.spec.FsdpPlan."""
+  return totals(fsdp_rows(_fsdp_run(model, train, fsdp_plan), world), "fsdp")
+
+
+def fsdp_peak_bytes(model: ModelSpec, train: TrainSpec, fsdp_plan, world: int = 1) -> dict[str, int]:
+  """{'device', 'host'}: peak bytes of one FSDP2 rank (`peak_device_bytes` / `peak_host_bytes` of `fsdp_rows`)."""
+  rows = fsdp_rows(_fsdp_run(model, train, fsdp_plan), world)
+  return {"device": peak_device_bytes(rows, "fsdp"), "host": peak_host_bytes(rows, "fsdp")}
