@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
 from conftest import requires_all
+from test_fsdp import _side  # a side's status, steps, final params and moments, as compare_sides reads them
 from parity.sizing import plans
 from parity.spec import FsdpPlan, RunSpec
 
@@ -43,14 +43,6 @@ def test_compare_resolves_the_pair_into_the_fsdp_plan():
   r = resolve_run("gpt2-tiny", plan="zero3", sides=list(SIDES), overrides={"fsdp.reshard_after_forward": False})
   assert r.spec.fsdp == FsdpPlan(reshard_after_forward=False)  # an override goes on top of the pair
   assert r.plan["overrides"] == ["fsdp.reshard_after_forward=false"]
-
-
-def _side(run_dir: Path, side: str) -> dict:
-  from parity import weights
-  from parity.protocol import read_moments, read_steps
-  out = run_dir / side
-  return {"status": json.loads((out / "summary.json").read_text())["status"], "steps": read_steps(out / "steps.jsonl"),
-          "final": weights.load(out / "final.safetensors"), "moments": read_moments(out)}
 
 
 @pytest.mark.process

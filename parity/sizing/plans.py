@@ -310,6 +310,25 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
                    {s: t[0] for s, t in times.items()}, pinned)
 
 
+def _pair_runs(plan: Plan, jax_plan: JaxPlan, model: ModelSpec, train: TrainSpec, jax_train: TrainSpec,
+               sides: tuple[str, ...]) -> dict[str, RunSpec] | str:
+  """{side: the validated RunSpec it would run} of one pair for `sides`, or why the pair cannot be costed: no FSDP2
+  counterpart (a ZeRO-0/1/2 pair: FSDP2 always shards the params), or 'not runnable here: <the SpecError>'. The JAX
+  and FSDP2 sides get `jax_train` (the global micro batch), DeepSpeed `train` (per rank)."""
+  runs = {"deepspeed": RunSpec(model=model, train=train, deepspeed=plan.deepspeed),
+          "jax": RunSpec(model=model, train=jax_train, jax=jax_plan)}
+  if "fsdp" in sides:
+    if plan.fsdp is None:
+      return "no FSDP2 counterpart (FSDP2 always shards the params; its pairs are ZeRO-3's)"
+    runs["fsdp"] = RunSpec(model=model, train=jax_train, fsdp=plan.fsdp, sides=("fsdp",))
+  try:
+    for s in sides:
+      runs[s].validate()
+  except SpecError as exc:
+    return f"not runnable here: {exc}"
+  return {s: runs[s] for s in sides}
+
+
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
                 reserve: float = 0.1, xla_pool_gib: int | None = None,
@@ -354,22 +373,12 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     if (plan.deepspeed, jax_plan) in seen:  # e.g. zero3 == zero3-fsdp4 on 4 devices
       continue
     seen.add((plan.deepspeed, jax_plan))
-    runs = {"deepspeed": RunSpec(model=model, train=train, deepspeed=plan.deepspeed),
-            "jax": RunSpec(model=model, train=jax_train, jax=jax_plan)}
-    if "fsdp" in sides:
-      if plan.fsdp is None:  # a ZeRO-0/1/2 pair: FSDP2 always shards the params
-        out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
-                             ("no FSDP2 counterpart (FSDP2 always shards the params; its pairs are ZeRO-3's)",)))
-        continue
-      runs["fsdp"] = RunSpec(model=model, train=jax_train, fsdp=plan.fsdp, sides=("fsdp",))
-    try:
-      for s in sides:
-        runs[s].validate()
-    except SpecError as exc:  # a pair this run cannot use: ranked last, with the reason
+    runs = _pair_runs(plan, jax_plan, model, train, jax_train, sides)
+    if isinstance(runs, str):  # a pair this run cannot use: ranked last, with the reason
       out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
-                           (f"not runnable here: {exc}",)))
+                           (runs,)))
       continue
-    out.append(_candidate(name, {s: runs[s] for s in sides}, hw, host, mfu=mfu, reserve=reserve, ranks=devices,
+    out.append(_candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices,
                           pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
   out.sort(key=lambda c: c.step_s)
   best = next((c for c in out if c.fits), None)
