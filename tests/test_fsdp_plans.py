@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,14 @@ def test_compare_resolves_the_pair_into_the_fsdp_plan():
   assert r.plan["overrides"] == ["fsdp.reshard_after_forward=false"]
 
 
+def _why(run: Path, side: str, checks) -> str:
+  """What a failed run says of itself: the side's status and error, and each rank's exit code and stderr tail."""
+  summary = json.loads((run / side / "summary.json").read_text()) if (run / side / "summary.json").exists() else {}
+  ranks = [(r.get("rank"), r.get("status"), r.get("exit_code")) for r in summary.get("ranks", [])]
+  tails = {p.name: p.read_text(errors="replace")[-1500:] for p in sorted((run / side).glob("*stderr*"))}
+  return f"{side}: {summary.get('status')} {summary.get('error')}; ranks {ranks}; checks {checks}; stderr {tails}"
+
+
 @pytest.mark.process
 @pytest.mark.slow
 @requires_all
@@ -63,7 +72,7 @@ def test_the_pair_passes_on_one_rank_and_fsdp_on_two_ranks(tmp_path, plan):
   assert (kinds["host"] > 0 and kinds["device"] == 0) if plan == "scan-offload" else kinds["host"] == 0
   assert "FSDP2 plan" in (tmp_path / "n1" / "report.md").read_text()
   two = parity.compare("gpt2-tiny", sides=["fsdp"], out=tmp_path / "n2", nproc=2, **kw)
-  assert two.passed, two.checks
+  assert two.passed, _why(tmp_path / "n2", "fsdp", two.checks)
   spec = resolve_run("gpt2-tiny", plan=plan, steps=STEPS, sides=list(SIDES), overrides=SMALL).spec
   init = weights.load(tmp_path / "n1" / "init.safetensors")
   for other in ("jax", "deepspeed", "fsdp"):

@@ -168,6 +168,9 @@ class FakeSide:
   def versions(self) -> dict[str, str]:
     return {"numpy": np.__version__}
 
+  def close(self) -> None:
+    self.calls.append("close")
+
   def summary(self) -> SideSummary:
     nbytes = sum(v.nbytes for v in self.p.values()) + sum(v.nbytes for v in self.v.values())
     return SideSummary(versions=self.versions(), device="cpu", peak_device_bytes=None,
@@ -253,6 +256,14 @@ def test_an_ok_run_writes_every_record_and_its_summary(full):
   # every step: sync, step, sync (the timed part), in this order, inside side.training(); one probe, the first step
   assert full.fake.calls[:2] == ["build", "compile (1, 4, 33) (2, 4, 33)"]
   assert full.fake.calls[2:6] == ["sync", "step", "sync", "sync"] and full.fake.probes == [0]
+  assert full.fake.calls[-1] == "close" and full.fake.calls.count("close") == 1  # after the summary, once
+
+
+def test_close_runs_after_a_nan_and_never_after_a_crash(tmp_path):
+  nan = train(make_run(tmp_path / "nan", perturb={"nan_at_step": 1}))
+  assert nan.code == EXIT_NAN and nan.fake.calls[-1] == "close"
+  crash = train(make_run(tmp_path / "crash", perturb={"raise_at_step": 1}))  # a barrier could wait on a dead rank
+  assert crash.code == EXIT_CRASHED and "close" not in crash.fake.calls
 
 
 def test_eval_cadence_every_n_and_the_last_step(tmp_path, full):
@@ -282,7 +293,7 @@ def test_resume_continues_at_the_checkpoints_step_plus_one(tmp_path, full):
   derive_request(root, "resume", resume_from="../stop/{side}/checkpoint")
   stop, resume = train(root / "stop"), train(root / "resume")
   assert records(stop.steps) == records(full.steps[:3]) and stop.summary["stopped_after_step"] == 2
-  assert stop.summary["checkpoint"]["step"] == 2 and stop.fake.calls[-1] == "save 2"
+  assert stop.summary["checkpoint"]["step"] == 2 and stop.fake.calls[-2:] == ["save 2", "close"]
   meta = json.loads((stop.out / "checkpoint" / CHECKPOINT_META).read_text())
   assert (meta["side"], meta["step"], meta["format"], meta["versions"]["numpy"]) == (SIDE, 2, "fake npz", np.__version__)
   assert resume.fake.calls[:2] == ["build", "restore 2"]

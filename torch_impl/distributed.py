@@ -13,7 +13,7 @@ import torch
 from parity.buildenv import build_environ
 from torch_impl import ops
 
-__all__ = ["setup_distributed", "init_process_group", "world_mean", "rank_and_world"]
+__all__ = ["setup_distributed", "init_process_group", "world_mean", "rank_and_world", "leave_process_group"]
 
 
 def _free_port() -> int:
@@ -89,3 +89,21 @@ def init_process_group() -> int:
       torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend="nccl" if cuda else "gloo")
   return world
+
+
+def leave_process_group() -> bool:
+  """Ends this rank's part of a multi-rank run: a barrier (every rank has finished its last collective and rank 0
+  has written the run's files), then `destroy_process_group`. Without it a rank that exits first closes its gloo
+  sockets while a peer's background thread still reads them, and that peer can abort ('Connection reset by peer',
+  SIGABRT): torchrun then reports a finished run as killed. Nothing with one rank or no group.
+
+  Returns:
+    True when a process group was left.
+  """
+  import torch.distributed as dist  # torch.distributed: on first use
+  if not dist.is_available() or not dist.is_initialized():
+    return False
+  if dist.get_world_size() > 1:
+    dist.barrier()
+  dist.destroy_process_group()
+  return True

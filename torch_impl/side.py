@@ -15,7 +15,7 @@ from parity.protocol.loop import Side, SideSummary
 from parity.protocol.side import SideIO
 from torch_impl import checkpoint, doctor, memory, ops, transfers
 from torch_impl.baseline import TorchTrainer
-from torch_impl.distributed import world_mean
+from torch_impl.distributed import leave_process_group, world_mean
 from torch_impl.engine import DeepSpeedTrainer
 from torch_impl.semantics import semantics_card
 
@@ -92,6 +92,11 @@ class TorchSide(Side):
 
   def versions(self) -> dict[str, str]:
     return self.trainer.describe()["versions"]
+
+  def close(self) -> None:
+    """Leaves the process group after the run's files are written (torch_impl.distributed.leave_process_group:
+    DeepSpeed's, the plain-torch side's and FSDP2's group alike)."""
+    leave_process_group()
 
   def summary(self) -> SideSummary:
     """versions/device/memory/thread fields of summary.json, from the trainer (`threads`: torch_impl.doctor)."""

@@ -17,7 +17,8 @@ tests/test_loop.py's `FakeSide` is a numpy one). The loop owns everything the wo
                    (status 'nan', exit 3); Adam's moments are accumulated for the params rule
                    (`AdamSensitivity`; a side that cannot give them falls back, named in extra.moments_error);
                    the checkpoint after step `save_checkpoint_at_step`
-  finish           `side.summary()` fields, the canonical params and moments (status ok only), `io.finish`
+  finish           `side.summary()` fields, the canonical params and moments (status ok only), `io.finish`,
+                   then `side.close()` (every rank waits for the others and leaves the process group)
 
 Imports neither jax nor torch.
 """
@@ -186,6 +187,12 @@ class Side(Protocol):
   def summary(self) -> SideSummary:
     """The fields this side adds to summary.json (called once, after the last step, before the final reads)."""
 
+  def close(self) -> None:
+    """Ends the side's runtime after `io.finish` on a run that ended normally (ok or nan; not called when a step
+    raised, where a collective could wait on a dead rank). With several ranks: every rank waits for the others,
+    then leaves the process group, so no rank exits while a peer still reads its sockets (gloo aborts a peer
+    whose connection is reset: a finished run would be reported killed). Default: nothing."""
+
 
 def check_checkpoint_ranks(world: int, control: RunControl) -> None:
   """Refuses a checkpoint (save or resume) of a side run with several ranks: each rank would write its own.
@@ -233,6 +240,7 @@ def run_train(io: SideIO, side: Side) -> int:
   io.finish(status, final_params=params, final_moments=moments, error=error, versions=fields.versions,
             device=fields.device, peak_device_bytes=fields.peak_device_bytes,
             state_bytes_by_memory_kind=fields.state_bytes_by_memory_kind, extra=extra)
+  side.close()  # after the summary is on disk: a failure to leave the group cannot lose the run's results
   return EXIT_OK if status == "ok" else EXIT_NAN
 
 
