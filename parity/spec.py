@@ -385,6 +385,11 @@ class DeepSpeedPlan:
   """zero_optimization.offload_param.device; stage 3 only."""
   activation_checkpointing: bool = False
   """Recompute each block in the backward pass (deepspeed.checkpointing / torch.utils.checkpoint)."""
+  cpu_checkpointing: bool = False
+  """With activation_checkpointing: keep each block's checkpointed input in host memory until its backward
+  (activation_checkpointing.cpu_checkpointing, with partition_activations so DeepSpeed copies it: torch_impl.engine
+  `_enable_checkpointing`). The same recompute, so the same numbers; DeepSpeed's counterpart of the JAX offload remat
+  policies (`offload_names`)."""
 
   def validate(self) -> "DeepSpeedPlan":
     """Checks every field (numbers, zero stage 0-3, offload targets 'none'/'cpu', offload_param only at stage 3).
@@ -396,8 +401,12 @@ class DeepSpeedPlan:
       if getattr(self, name) not in ("none", "cpu"):
         raise SpecError(f"deepspeed.{name} must be 'none' or 'cpu'; got {getattr(self, name)!r} "
                         "(NVMe offload has no JAX counterpart; `parity port` explains the nearest host-memory plan)")
-    if not isinstance(self.activation_checkpointing, bool):
-      raise SpecError(f"deepspeed.activation_checkpointing must be true or false; got {self.activation_checkpointing!r}")
+    for name in ("activation_checkpointing", "cpu_checkpointing"):
+      if not isinstance(getattr(self, name), bool):
+        raise SpecError(f"deepspeed.{name} must be true or false; got {getattr(self, name)!r}")
+    if self.cpu_checkpointing and not self.activation_checkpointing:
+      raise SpecError("deepspeed.cpu_checkpointing keeps the checkpoints of activation checkpointing in host memory; "
+                      "set deepspeed.activation_checkpointing=true with it")
     if self.offload_param != "none" and self.zero_stage != 3:
       raise SpecError(f"deepspeed.offload_param requires zero_stage 3; got zero_stage={self.zero_stage}. "
                       "Use offload_optimizer for stages 1-2.")

@@ -24,7 +24,7 @@ FP16_EXAMPLES = "zero3-offload-all"
 """The plan compiled as an fp16 run on padded/packed inputs (same placement; adds the overflow_factor argument and the
 batch's four arrays): no extra compile."""
 EXTRA = {"remat-offload_names": JaxPlan(remat="offload_names")}
-"""The other activation-offload policy (no PLANS pair uses it)."""
+"""offload_names with the Adam moments in pinned_host too (zero3-act-offload keeps them on the device)."""
 JAX_PLANS = {**{n: p.jax for n, p in PLANS.items() if p.jax.data_parallel == 1}, **EXTRA}
 ON_MESH = {"zero3-fsdp4"}
 """Plans asserted in tests/test_jax_plans_mesh.py (several devices)."""
@@ -35,13 +35,14 @@ EXPECT = {  # (params, opt_state, activations), written out: not derived from th
     "zero2-offload": (D, H, D), "zero2-offload-remat": (D, H, "recomputed"),
     "zero3-offload-all": (H, H, D), "zero3-offload-all-remat": (H, H, "recomputed"),
     "scan-offload": (H, H, D), "scan-offload-remat": (H, H, "recomputed"), "zero2-offload-scan": (D, H, D),
-    "act-offload": (D, H, H), "remat-offload_names": (D, H, H),
+    "act-offload": (D, H, H), "remat-offload_names": (D, H, H), "zero3-act-offload": (D, D, H),
 }
 GROUPS = ({"zero0", "zero1", "zero2", "zero3", "zero2-offload", "zero2-offload-remat", "zero3-offload-all",
            "zero3-offload-all-remat"},
-          {"scan-offload", "scan-offload-remat", "zero2-offload-scan", "act-offload", "remat-offload_names"})
-"""The plans of test_placement_plans.py and of test_placement_plans_scan.py (5 distinct programs each)."""
-OFFLOADED_PER_LAYER = {"act-offload": 3, "remat-offload_names": 5}
+          {"scan-offload", "scan-offload-remat", "zero2-offload-scan", "act-offload", "remat-offload_names",
+           "zero3-act-offload"})
+"""The plans of test_placement_plans.py and of test_placement_plans_scan.py (5 and 6 distinct programs)."""
+OFFLOADED_PER_LAYER = {"act-offload": 3, "remat-offload_names": 5, "zero3-act-offload": 5}
 """device_puts to host the offload policy adds per block, measured with jax 0.10.2 (jax_remat3 false):
 offload_dot_with_no_batch_dims moves 3 weight-matmul outputs of a block, save_and_offload_only_these_names the 5
 RESIDUAL_NAMES. A JAX that moves another number has changed what the policy means."""

@@ -23,7 +23,7 @@ SMALL = {"model.n_layers": 2, "train.eval_every": 0}
 def test_the_fsdp_plans_of_the_pairs():
   with_fsdp = {n: p.fsdp for n, p in plans.PLANS.items() if p.fsdp is not None}
   assert with_fsdp == {"zero3": FsdpPlan(), "zero3-fsdp4": FsdpPlan(), "zero3-offload-all": FsdpPlan(offload=True),
-                       "scan-offload": FsdpPlan(offload=True)}
+                       "scan-offload": FsdpPlan(offload=True), "zero3-act-offload": FsdpPlan(activation_offload=True)}
   for name, fsdp in with_fsdp.items():  # every FSDP2 pair is ZeRO-3 (FSDP2 always shards the params)
     assert plans.PLANS[name].deepspeed.zero_stage == 3
     assert fsdp.offload == (plans.PLANS[name].deepspeed.offload_param == "cpu")
@@ -57,8 +57,10 @@ def _why(run: Path, side: str, checks) -> str:
 @pytest.mark.process
 @pytest.mark.slow
 @requires_all
-@pytest.mark.parametrize("plan", ["zero3", "scan-offload"])
-def test_the_pair_passes_on_one_rank_and_fsdp_on_two_ranks(tmp_path, plan):
+@pytest.mark.parametrize("plan", ["zero3", "scan-offload", "zero3-act-offload"])
+def test_the_pair_passes_on_one_rank_and_on_two_ranks(tmp_path, plan):
+  """Each FSDP2 plan pair (docs/plans.md): jax, deepspeed and fsdp PASS on one rank and on two, and every side on two
+  ranks agrees with every side on one at the fp32 tolerances (the ranks change the summation order only)."""
   import parity
   from parity import weights
   from parity.pipeline.resolve import resolve_run
@@ -68,18 +70,23 @@ def test_the_pair_passes_on_one_rank_and_fsdp_on_two_ranks(tmp_path, plan):
   assert one.passed, [c for c in one.checks if not c.passed]
   rep = json.loads((tmp_path / "n1" / "report.json").read_text())
   assert rep["plan"]["name"] == plan and rep["run"]["fsdp"]["offload"] == (plan == "scan-offload")
-  kinds = json.loads((tmp_path / "n1" / "fsdp" / "summary.json").read_text())["state_bytes_by_memory_kind"]
+  summary = {s: json.loads((tmp_path / "n1" / s / "summary.json").read_text()) for s in SIDES}
+  kinds = summary["fsdp"]["state_bytes_by_memory_kind"]
   assert (kinds["host"] > 0 and kinds["device"] == 0) if plan == "scan-offload" else kinds["host"] == 0
+  act = plan == "zero3-act-offload"  # activations in host memory, each side by its own mechanism
+  assert rep["run"]["fsdp"]["activation_offload"] == act and (rep["run"]["jax"]["remat"] == "offload_names") == act
+  assert summary["deepspeed"]["optimizer"]["cpu_checkpointing"] == act  # read back from deepspeed.checkpointing
   assert "FSDP2 plan" in (tmp_path / "n1" / "report.md").read_text()
-  two = parity.compare("gpt2-tiny", sides=["fsdp"], out=tmp_path / "n2", nproc=2, **kw)
-  assert two.passed, _why(tmp_path / "n2", "fsdp", two.checks)
+  two = parity.compare("gpt2-tiny", sides=list(SIDES), out=tmp_path / "n2", nproc=2, **kw)
+  assert two.passed, [_why(tmp_path / "n2", s, two.checks) for s in SIDES]
   spec = resolve_run("gpt2-tiny", plan=plan, steps=STEPS, sides=list(SIDES), overrides=SMALL).spec
   init = weights.load(tmp_path / "n1" / "init.safetensors")
-  for other in ("jax", "deepspeed", "fsdp"):
-    pair = {f"{other}@1": _side(tmp_path / "n1", other), "fsdp@2": _side(tmp_path / "n2", "fsdp")}
-    checks, _ = compare_sides(pair, spec=spec, init=init)  # the project's fp32 tolerances
-    bad = [c for c in checks if not c.passed]
-    assert not bad and len(pair["fsdp@2"]["steps"]) == STEPS, (other, bad)
+  for a in SIDES:
+    for b in SIDES:
+      pair = {f"{a}@1": _side(tmp_path / "n1", a), f"{b}@2": _side(tmp_path / "n2", b)}
+      checks, _ = compare_sides(pair, spec=spec, init=init)  # the project's fp32 tolerances
+      bad = [c for c in checks if not c.passed]
+      assert not bad and len(pair[f"{b}@2"]["steps"]) == STEPS, (a, b, bad)
 
 
 @pytest.mark.process
@@ -121,7 +128,7 @@ def test_parity_plan_costs_the_fsdp_pairs_of_llama_7b_on_h100(devices, tmp_path,
   assert rc == 0 and "fsdp GiB" in text
   ranked = {r["name"]: r for r in json.loads(out.read_text())["ranked"]}
   costed = {n for n, r in ranked.items() if r["step_s"] is not None and r["step_s"] != float("inf")}
-  assert costed == {"zero3", "zero3-offload-all", "scan-offload"}
+  assert costed == {"zero3", "zero3-offload-all", "scan-offload", "zero3-act-offload"}
   for name in set(ranked) - costed:
     assert any("no FSDP2 counterpart" in p for p in ranked[name]["problems"]), ranked[name]
   best, cands = plans.choose_plan(MODEL_PRESETS["llama-7b"], memory.model_preset_train(MODEL_PRESETS["llama-7b"]),

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from parity.migrate import PortError, port_config
-from parity.migrate._model import NOT_RUNNABLE_KEYS
+from parity.migrate._model import NOT_RUNNABLE_KEYS, NotRunnable
 from parity.migrate._reverse import load_ported, to_deepspeed, to_run_spec
 from parity.numerics.ds_json import deepspeed_json, zero_section
 from parity.presets import preset
@@ -61,14 +61,18 @@ def test_zero3_offload_maps_to_jaxplan_and_mixed_pinning_is_named_not_runnable()
     to_run_spec(r.ported, preset("gpt2-tiny"))
 
 
-def test_cpu_checkpointing_is_remat_offload_names_and_refused_by_compare_by_name():
+def test_cpu_checkpointing_is_remat_offload_names_and_runs_on_both_sides():
   r = port_config(CRAFTED[1], source="t")
-  assert r.ported.jax.remat == "offload_names" and "cpu_checkpointing" in r.ported.not_runnable_by_compare
+  assert r.ported.jax.remat == "offload_names" and "cpu_checkpointing" not in r.ported.not_runnable_by_compare
   assert r.report.entries["activation_checkpointing.cpu_checkpointing"].target == "jax.remat"
   ds, _ = to_deepspeed(r.ported.to_dict())
   assert ds["activation_checkpointing"]["cpu_checkpointing"] is True
-  with pytest.raises(SpecError, match="cpu_checkpointing"):
-    to_run_spec(r.ported, preset("gpt2-tiny"))
+  run = to_run_spec(r.ported, preset("gpt2-tiny"))
+  assert run.jax.remat == "offload_names" and run.deepspeed.activation_checkpointing
+  assert run.deepspeed.cpu_checkpointing  # compare's DeepSpeed side keeps the checkpoints in host memory too
+  old = r.ported.model_copy(update={"not_runnable_by_compare": {"cpu_checkpointing": NotRunnable(
+      value=True, why="written by an older parity")}})  # a port from before compare ran it
+  assert to_run_spec(old, preset("gpt2-tiny")).deepspeed.cpu_checkpointing
 
 
 def test_a_runnable_port_runs_its_jax_section_as_written():

@@ -83,6 +83,15 @@ def _basic_optimizer(engine) -> torch.optim.Optimizer:
   return getattr(opt, "optimizer", opt)
 
 
+def _cpu_checkpointing(engine) -> bool:
+  """Whether the blocks' checkpoints go to host memory: read from deepspeed.checkpointing's own configuration (the
+  module globals `configure` set), not from the config; False without activation checkpointing."""
+  if getattr(engine.module, "checkpoint", None) is None:
+    return False
+  from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt  # deepspeed: already imported
+  return bool(ds_ckpt.CPU_CHECKPOINT and ds_ckpt.PARTITION_ACTIVATIONS)
+
+
 def optimizer_classes(engine) -> dict[str, Any]:
   """Class names and ZeRO settings of what DeepSpeed built, for the summary and for checks."""
   basic = _basic_optimizer(engine)
@@ -99,6 +108,7 @@ def optimizer_classes(engine) -> dict[str, Any]:
       "partitioned_params": bool(params) and all(hasattr(p, "ds_tensor") for p in params),
       "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
       "activation_checkpointing": getattr(engine.module, "checkpoint", None) is not None,
+      "cpu_checkpointing": _cpu_checkpointing(engine),
       "group_weight_decay": [g["weight_decay"] for g in basic.param_groups],
   }
 
@@ -156,6 +166,9 @@ def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> 
   if info["activation_checkpointing"] != plan.activation_checkpointing:
     problems.append(f"activation checkpointing is {info['activation_checkpointing']}, "
                     f"planned {plan.activation_checkpointing}")
+  if info["cpu_checkpointing"] != plan.cpu_checkpointing:
+    problems.append(f"CPU checkpointing (checkpoints in host memory) is {info['cpu_checkpointing']}, "
+                    f"planned {plan.cpu_checkpointing}")
   return problems
 
 
@@ -181,14 +194,37 @@ def _enable_checkpointing(model, config: dict[str, Any]) -> None:
   deepspeed.checkpointing is configured from the config's activation_checkpointing section. Its reentrant
   `checkpoint` is used: `non_reentrant_checkpoint` fails under ZeRO-3 (the recompute sees the released,
   size-0 params: "The size of tensor a (0) must match ...", deepspeed 0.19.8).
-  partition_activations is turned off: it splits activations over model-parallel ranks, and with none (mpu None,
-  mp_size 1) DeepSpeed keeps each whole (gather_partitioned_activations: a view), so it changes nothing here, but its
-  saved-tensor pairing breaks the recompute of a block called as block(x, rope) ("Block.forward() takes 3
-  positional arguments but 4 were given", deepspeed 0.19.8; e.g. Megatron-LM's ds_zero2_cpu_offload_config.json).
+  Each block is called with tensors only (`_tensor_args`): DeepSpeed's partitioned path saves a (value, size) pair
+  per argument and hands a non-tensor's size (None) back to the recompute as one more argument ("Block.forward()
+  takes 4 positional arguments but 5 were given", deepspeed 0.19.8, any block called with its mask).
+  partition_activations: as the config says, except that cpu_checkpointing turns it on. DeepSpeed's other CPU path
+  `.to('cpu')`s each input and then empties the argument: on the CPU accelerator that copy is the argument itself,
+  so the saved input is lost ("tensor has no dimensions" in the next block). The partitioned path clones, and with
+  one model-parallel rank (mpu None) the partition is the whole tensor: the same numbers, the input in host memory.
   """
   import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
-  deepspeed.checkpointing.configure(None, deepspeed_config=config, partition_activations=False)
-  model.checkpoint = deepspeed.checkpointing.checkpoint
+  section = config.get("activation_checkpointing") or {}
+  cpu = bool(section.get("cpu_checkpointing", False))
+  deepspeed.checkpointing.configure(None, deepspeed_config=config,
+                                    partition_activations=bool(section.get("partition_activations", False)) or cpu)
+  model.checkpoint = _tensor_args(deepspeed.checkpointing.checkpoint)
+
+
+def _tensor_args(checkpoint):
+  """`GPT.checkpoint(block, x, rope[, mask])` over a checkpoint function that takes tensors only: the rotary tables
+  and the mask go in as tensors marked `no_checkpointing` (shared by every layer and not activations: DeepSpeed
+  leaves them whole and in place) and the block is called with the same arguments as without checkpointing."""
+  def run(block, x, rope, mask=None):
+    shared = ([] if rope is None else list(rope)) + ([] if mask is None else [mask])
+    for t in shared:
+      t.no_checkpointing = True
+    n_rope = 0 if rope is None else len(rope)
+
+    def call(x, *rest):
+      r = None if rope is None else tuple(rest[:n_rope])
+      return block(x, r) if mask is None else block(x, r, rest[n_rope])
+    return checkpoint(call, x, *shared)
+  return run
 
 
 def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, Any] | None = None,

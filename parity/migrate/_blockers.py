@@ -17,10 +17,11 @@ MSG_FP16_STAGE0_RUN = ("Nearest run compare makes: jax.zero_stage 1 (zero_optimi
 def compare_blockers(ported: PortedConfig) -> dict[str, NotRunnable]:
   """Every reason `parity compare` cannot run `ported`, by parity.migrate._model.NOT_RUNNABLE_KEYS name, each with
   its value, why and how to run it (NotRunnable.run): the port's own entries of not_runnable_by_compare (mixed
-  offload pinning, CPU checkpointing) and the checks `to_run_spec` makes (it raises SpecError naming them all):
+  offload pinning) and the checks `to_run_spec` makes (it raises SpecError naming them all):
   fp16 under ZeRO stage 0, Adam/Lamb without bias correction, a scheduler compare does not run. Empty exactly when
   to_run_spec maps the config; `parity port` writes this as not_runnable_by_compare."""
   out = dict(ported.not_runnable_by_compare)
+  out.pop("cpu_checkpointing", None)  # a port written before compare ran CPU checkpointing names it; it runs now
   o, s, pr = ported.optimizer, ported.scheduler, ported.precision
   if s.type not in COMPARE_SCHEDULERS:
     out["scheduler"] = NotRunnable(value=s.type, why=f"parity compare runs the schedulers "
@@ -41,6 +42,4 @@ def compare_blockers(ported: PortedConfig) -> dict[str, NotRunnable]:
 
 
 _RUN_OF = {"params_host_memory_kind": "Nearest run compare makes: the same pin_memory on offload_param and "
-                                      "offload_optimizer",
-           "cpu_checkpointing": "Nearest run compare makes: activation_checkpointing.cpu_checkpointing false (the "
-                                "same math, checkpoints kept on the device)"}
+                                      "offload_optimizer"}

@@ -164,8 +164,8 @@ class NotRunnable(BaseModel):
 NOT_RUNNABLE_KEYS = ("params_host_memory_kind", "cpu_checkpointing", "fp16_zero_stage0", "bias_correction",
                      "scheduler")
 """What `not_runnable_by_compare` may hold: params_host_memory_kind (offload_param pinned differently from
-offload_optimizer: a JaxPlan has one host memory kind), cpu_checkpointing (DeepSpeed's CPU activation
-checkpointing: the JAX side runs it as remat offload_names, compare's DeepSpeed side has no such plan), and the
+offload_optimizer: a JaxPlan has one host memory kind), cpu_checkpointing (only in ports written before compare's
+DeepSpeed side ran CPU checkpointing, deepspeed.cpu_checkpointing: compare_blockers drops it), and the
 checks `to_run_spec` makes (parity.migrate._blockers.compare_blockers): fp16 under ZeRO stage 0, Adam/Lamb without
 bias correction, a scheduler compare does not run."""
 

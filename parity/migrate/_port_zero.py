@@ -211,7 +211,8 @@ def _plan(stage: int, opt_kind: str, par_kind: str) -> tuple[dict[str, Any], dic
 
 def port_remat(ctx: Ctx) -> tuple[str, dict[str, Any]]:
   """activation_checkpointing -> (PortedConfig.jax.remat: 'none', 'full' or 'offload_names' for cpu_checkpointing,
-  the not_runnable_by_compare entry of cpu_checkpointing: compare's DeepSpeed side has no CPU checkpointing plan)."""
+  no not_runnable_by_compare entry: compare's DeepSpeed side runs cpu_checkpointing too, deepspeed.cpu_checkpointing).
+  """
   if not ctx.has("activation_checkpointing"):
     return "none", {}
   sec = "activation_checkpointing"
@@ -227,7 +228,8 @@ def port_remat(ctx: Ctx) -> tuple[str, dict[str, Any]]:
            "(save_and_offload_only_these_names)" if cpu else "false: residuals stay on device")
   ctx.mark(f"{sec}.partition_activations", "not_needed", None, "splits checkpoints across model-parallel ranks; the "
            "JAX plan has no model-parallel axis, and with one model-parallel rank DeepSpeed keeps each whole "
-           "(parity compare's DeepSpeed side configures it off: torch_impl.engine._enable_checkpointing)")
+           "(parity compare's DeepSpeed side configures it off, or on under cpu_checkpointing, the path that copies "
+           "the checkpoints to the host: torch_impl.engine._enable_checkpointing)")
   ctx.mark(f"{sec}.contiguous_memory_optimization", "not_needed", None, "checkpoint buffer layout; XLA allocates")
   ctx.mark(f"{sec}.number_checkpoints", "not_needed", None, "buffer count for contiguous_memory_optimization")
   ctx.mark(f"{sec}.synchronize_checkpoint_boundary", "not_needed", None, "CUDA synchronisation for profiling")
@@ -238,7 +240,4 @@ def port_remat(ctx: Ctx) -> tuple[str, dict[str, Any]]:
       ctx.mark(f"{sec}.{k}", "not_needed", None, "not read by DeepSpeed's activation-checkpointing config")
       ctx.warn(f"{sec}.{k}: unknown key; DeepSpeed does not read it.")
   ctx.implied("jax.remat", policy, reason)
-  not_runnable = {"cpu_checkpointing": {
-      "value": True, "why": "DeepSpeed's CPU activation checkpointing: the JAX side runs it as remat offload_names, "
-                            "but compare's DeepSpeed plan checkpoints on the device only"}} if cpu else {}
-  return policy, not_runnable
+  return policy, {}

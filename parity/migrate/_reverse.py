@@ -301,7 +301,8 @@ def to_run_spec(ported: PortedConfig, base: RunSpec) -> RunSpec:
   ds = dataclasses.replace(base.deepspeed, zero_stage=j.zero_stage,
                            offload_optimizer="cpu" if j.offload_opt_state else "none",
                            offload_param="cpu" if j.offload_params else "none",
-                           activation_checkpointing=j.remat != "none")  # the config's section: each block recomputed
+                           activation_checkpointing=j.remat != "none",  # the config's section: each block recomputed
+                           cpu_checkpointing=j.remat in OFFLOAD_REMAT)  # as --to-deepspeed writes it back
   return dataclasses.replace(base, train=train, jax=_jax_plan(ported, base, ds), deepspeed=ds).validate()
 
 

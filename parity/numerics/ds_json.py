@@ -100,7 +100,9 @@ def deepspeed_json(run) -> dict[str, Any]:
   if scheduler is not None:  # 'Constant': no scheduler block, the optimizer lr throughout
     cfg["scheduler"] = scheduler
   if plan.activation_checkpointing:
-    cfg["activation_checkpointing"] = activation_checkpointing_section()
+    cfg["activation_checkpointing"] = activation_checkpointing_section(cpu=plan.cpu_checkpointing)
+    if plan.cpu_checkpointing:  # the path that copies the input to the host (torch_impl.engine._enable_checkpointing)
+      cfg["activation_checkpointing"]["partition_activations"] = True
   if t.optimizer == "sgd" and plan.offload_optimizer == "cpu":  # DeepSpeed offloads only its own CPU optimizers
     cfg["zero_force_ds_cpu_optimizer"] = False
   if t.optimizer in ("sgd", "lamb") and plan.zero_stage >= 1:  # DeepSpeed asserts on optimizers it did not test

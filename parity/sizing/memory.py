@@ -216,8 +216,22 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
     if off_opt or e != FP32:
       rows.append(Row("deepspeed", "gradients", _kind(off_opt), FP32 * math.ceil(n / opt_shard), "fp32 partition"))
   rows.append(Row("deepspeed", "optimizer_moments", _kind(off_opt), 2 * FP32 * math.ceil(n / opt_shard)))
-  rows += _activation_rows("deepspeed", run, "full" if p.activation_checkpointing else "none", ranks=1)
-  return rows
+  acts = _activation_rows("deepspeed", run, "full" if p.activation_checkpointing else "none", ranks=1)
+  if p.cpu_checkpointing:  # each block's checkpointed input (e·sbh, the 'full' policy's) kept in host memory
+    acts = _cpu_checkpoint_rows(run, acts)
+  return rows + acts
+
+
+def _cpu_checkpoint_rows(run: RunSpec, acts: list[Row]) -> list[Row]:
+  """DeepSpeed's cpu_checkpointing: the n_layers block inputs (`block_activation_bytes` 'full': e·sbh each) move from
+  the device row to a host row; the recompute working set, embedding output and logits stay on the device."""
+  t = run.train
+  elem = FP32 if t.precision == "fp32" else 2
+  inputs = run.model.n_layers * block_activation_bytes(run.model, t.micro_batch_size, t.seq_len, elem, "full",
+                                                       kv_repeated=True)[0]
+  first = acts[0]
+  return ([dataclasses.replace(first, bytes=first.bytes - inputs, note="remat full, checkpoints on the host")]
+          + acts[1:] + [Row("deepspeed", "activations", "host", inputs, "cpu_checkpointing: each block's input")])
 
 
 def _jax_rows(run: RunSpec) -> list[Row]:

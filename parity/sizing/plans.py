@@ -77,6 +77,12 @@ PLANS: dict[str, Plan] = {
                                "default pair; JAX streams the Adam moments through the update one layer at a time"),
     "act-offload": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="offload_dots_no_batch"),
                         "JAX keeps weight-matmul outputs in host memory; DeepSpeed recomputes each block"),
+    "zero3-act-offload": Plan(DeepSpeedPlan(zero_stage=3, **_OFF, activation_checkpointing=True, cpu_checkpointing=True),
+                              JaxPlan(offload_opt_state=False, zero_stage=3, remat="offload_names"),
+                              "ZeRO-3 state on the device, saved activations in host memory: DeepSpeed "
+                              "cpu_checkpointing (block inputs; blocks recomputed), JAX remat offload_names (the "
+                              "named residuals), FSDP2 save_on_cpu (everything autograd saves)",
+                              FsdpPlan(activation_offload=True)),
 }
 """Named plan pairs for `parity compare --plan NAME`; see docs/plans.md for the table."""
 
@@ -191,23 +197,26 @@ def _transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int 
   partition for every micro batch's forward and backward (2·e·N/W·GAS; the rest of each layer arrives by
   all-gather over the device interconnect, not the host link). JAX (rows per device, so already sharded):
   offloaded moments go in and out (2·8·N/D), offloaded params in and out (2·4·N/D); offloaded activations
-  out and back (2·bytes) per micro batch. FSDP2 with CPUOffloadPolicy on W ranks: each rank's fp32 param shards
+  out and back (2·bytes) per micro batch, as are DeepSpeed's (cpu_checkpointing) and FSDP2's (activation_offload)
+  host activation rows. FSDP2 with CPUOffloadPolicy on W ranks: each rank's fp32 param shards
   come to the device for the forward and the backward of every micro batch (4·N/W·2·GAS; once per micro batch
   without reshard_after_forward), its fp32 gradient shards go back once (4·N/W); without offload, nothing.
   """
   t = run.train
   n = memory.param_count(run.model)
+  host_acts = 2 * t.grad_accum_steps * sum(r.bytes for r in rows if r.side == side and r.category == "activations"
+                                           and r.kind == "host")  # saved on the host, back for the backward
   if side == "deepspeed":
     p, e = run.deepspeed, 4 if t.precision == "fp32" else 2
     part = math.ceil(n / (ranks if p.zero_stage >= 1 else 1))
     out = 2 * e * part if p.offload_optimizer == "cpu" else 0
-    return out + (2 * e * part * t.grad_accum_steps if p.offload_param == "cpu" else 0)
+    return out + (2 * e * part * t.grad_accum_steps if p.offload_param == "cpu" else 0) + host_acts
   if side == "fsdp":  # CPUOffloadPolicy: the fp32 shards go to the device for each unit's all-gather, in the forward
     if not run.fsdp.offload:  # and again in the backward (reshard_after_forward) of every micro batch; the fp32
-      return 0  # gradient shards come back once per step (FSDPParam.offload_to_cpu, torch 2.13)
+      return host_acts  # gradient shards come back once per step (FSDPParam.offload_to_cpu, torch 2.13)
     part = math.ceil(n / ranks)
     fetches = 2 if run.fsdp.reshard_after_forward else 1
-    return 4 * part * fetches * t.grad_accum_steps + 4 * part
+    return 4 * part * fetches * t.grad_accum_steps + 4 * part + host_acts
   resident = [r for r in rows if r.side == "jax" and r.kind == "host" and not r.note.startswith("in-step")]
   host = sum(r.bytes for r in resident)
   moments = sum(r.bytes for r in resident if r.category == "optimizer_moments")
