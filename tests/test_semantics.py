@@ -254,7 +254,7 @@ GRID = [(p, None, None, []) for p in ("gpt2-tiny", "gpt2-small-cpu", "gpt2-mini"
     ("gpt2-tiny", None, None, LLAMA), ("gpt2-tiny", None, None, ['train.optimizer="adam"']),
     ("gpt2-tiny", None, None, ['train.optimizer="sgd"'])] + [
     ("gpt2-tiny", plan, None, []) for plan in ("zero0", "zero1", "zero2-offload", "zero3", "zero3-offload-all",
-                                               "scan-offload", "zero2-offload-scan", "act-offload")] + [
+                                               "scan-offload", "zero2-offload-scan", "act-offload", "zero3-act-offload")] + [
     (family, None, prec, []) for family in FAMILIES for prec in (None, "bf16")] + [
     ("gemma3-tiny", "zero3", None, []), ("gemma3-tiny", "scan-offload", None, [])]
 
