@@ -500,5 +500,7 @@ def config_hash(spec: RunSpec) -> str:
   data["model"] = architecture.without_family_defaults(data.get("model", {}))  # likewise (issue #21)
   if data.get("fsdp") == to_dict(FsdpPlan()):
     del data["fsdp"]  # likewise (issue #23): a run that leaves the FSDP2 plan at its defaults keeps its hash
+  if data.get("deepspeed", {}).get("cpu_checkpointing") is False:
+    del data["deepspeed"]["cpu_checkpointing"]  # likewise (issue #23's third pair): off is the runs from before it
   blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
   return hashlib.sha256(blob).hexdigest()[:16]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,6 +47,12 @@ def requires_all(obj):
 
 def pytest_configure(config):
   config.pluginmanager.register(process_guard, "process_guard")
+  if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # a suite started as a background job (`nohup pytest &`: the shell ignores SIGINT for it) would hand the
+    # ignored SIGINT to every worker and every process a test starts, and parity keeps an ignored SIGINT ignored on
+    # purpose (harness.lifetime.stop_signals); the Ctrl-C tests need it delivered, so the suite starts from Python's
+    # default, as in a terminal (tests that want it ignored set SIG_IGN themselves)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_setup(item):

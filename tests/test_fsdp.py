@@ -27,6 +27,8 @@ def test_fsdp_plan_at_its_defaults_keeps_every_config_hash():
   offload = apply_overrides(RunSpec(), {"fsdp.offload": True})
   assert offload.fsdp.offload is True and config_hash(offload) != config_hash(RunSpec())
   assert config_hash(apply_overrides(RunSpec(), {"fsdp.reshard_after_forward": False})) != config_hash(RunSpec())
+  on = apply_overrides(RunSpec(), {"deepspeed.activation_checkpointing": True, "deepspeed.cpu_checkpointing": True})
+  assert config_hash(on) != config_hash(apply_overrides(RunSpec(), {"deepspeed.activation_checkpointing": True}))
 
 
 def test_fsdp_plan_and_side_are_validated():
