@@ -8,10 +8,8 @@ final_moments.safetensors, semantics.json; rank 0 only). Exit codes: 0 ok, 1 cra
 """
 from __future__ import annotations
 
-import sys
-
 from parity.protocol.loop import run_train
-from parity.protocol.side import main_guard
+from parity.protocol.side import exit_now, main_guard
 from torch_impl.fsdp_side import FsdpSide
 
 
@@ -20,4 +18,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  exit_now(main())  # no interpreter teardown: the runtime's C++ threads can abort there (parity.protocol.side.exit_now)

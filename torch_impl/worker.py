@@ -12,10 +12,8 @@ Checkpoints: with resume_from the trainer is built from the initial weights and 
 """
 from __future__ import annotations
 
-import sys
-
 from parity.protocol.loop import run_train
-from parity.protocol.side import main_guard
+from parity.protocol.side import exit_now, main_guard
 from torch_impl.side import TorchSide
 
 
@@ -24,4 +22,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  exit_now(main())  # no interpreter teardown: the runtime's C++ threads can abort there (parity.protocol.side.exit_now)
