@@ -453,7 +453,11 @@ def exit_now(code: int) -> None:
   (steps.jsonl, summary.json, the rank record, the final tensors). The torch workers use it because the C++
   threads of their runtime can abort in teardown after a finished run: "terminate called without an active
   exception" (SIGABRT) on rank 0 of a 2-rank ZeRO-3 offload_param run, deepspeed 0.19.8 / torch 2.13, 1 in 3 runs
-  here. torchrun then reports the rank killed, and a run that finished would be reported as a side that did not."""
+  here. torchrun then reports the rank killed, and a run that finished would be reported as a side that did not.
+  A crash (code 1) exits through `sys.exit` as before: a rank that fails because a peer was killed must not exit
+  before torchrun has seen the killed peer, which torchrun names as the root cause only when it dies first."""
+  if code == 1:
+    sys.exit(code)
   import logging
   logging.shutdown()
   for stream in (sys.stdout, sys.stderr):
