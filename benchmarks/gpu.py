@@ -235,9 +235,10 @@ def derived(suite: Suite, side: str, run, res: dict) -> dict:
          "peak_tflops": peak / 1e12 if peak else None,
          "mfu": res["tokens_per_s"] * fpt / peak if peak else None, "link": link_gbs(suite, side)}
   if side == "deepspeed":
-    memory, plans = sizing_modules()
+    memory, _ = sizing_modules()
+    from parity.sizing import cost
     rows = memory.estimate(run, sides=("deepspeed",))
-    out["moved_bytes_per_step_model"] = plans._transfer_bytes(run, "deepspeed", rows)
+    out["moved_bytes_per_step_model"] = cost.transfer_bytes(run, "deepspeed", rows)
   return out
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import requires_all
 from test_fsdp import _side  # a side's status, steps, final params and moments, as compare_sides reads them
-from parity.sizing import plans
+from parity.sizing import cost, plans
 from parity.spec import FsdpPlan, RunSpec
 
 SIDES = ("jax", "deepspeed", "fsdp")
@@ -154,11 +154,11 @@ def test_fsdp_offload_transfers_per_step():
   n, ga = memory.param_count(base.model), 3
   run = dataclasses.replace(base, train=dataclasses.replace(base.train, grad_accum_steps=ga), sides=("fsdp",))
   part = -(-n // 2)
-  assert plans._transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True)), "fsdp", [], 2) == \
+  assert cost.transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True)), "fsdp", [], 2) == \
       4 * part * (2 * ga + 1)
-  assert plans._transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True, reshard_after_forward=False)),
+  assert cost.transfer_bytes(dataclasses.replace(run, fsdp=FsdpPlan(offload=True, reshard_after_forward=False)),
                                "fsdp", [], 2) == 4 * part * (ga + 1)
-  assert plans._transfer_bytes(run, "fsdp", [], 2) == 0
+  assert cost.transfer_bytes(run, "fsdp", [], 2) == 0
 
 
 def test_the_engine_line_names_each_engines_fastest_fitting_pair_and_what_it_leaves_out():

@@ -688,6 +688,28 @@ def test_a_run_written_before_the_layout_keys_is_the_same_configuration():
       "train.layout": (None, "padded")}
 
 
+def test_every_field_added_later_is_the_same_configuration_at_its_default():
+  """Each LATER_FIELDS entry (layout keys, family keys, the fsdp section, deepspeed.cpu_checkpointing): a run written
+  before the field existed and one written after at its default are one configuration to the gate and to
+  config_hash; the field away from its default is a named difference. Before the table, a baseline from before the
+  FSDP2 side showed fsdp.* and deepspeed.cpu_checkpointing as new keys."""
+  from parity.pipeline.resolve import resolve_run
+  from parity.report.runconfig import config_diff, gate_config
+  from parity.spec import LATER_FIELDS, to_dict
+  new = to_dict(resolve_run("gpt2-tiny").spec)
+  old = dict(new)
+  for section, defaults, whole in LATER_FIELDS:
+    assert set(defaults) <= set(new[section]), section
+    old = ({k: v for k, v in old.items() if k != section} if whole else
+           {**old, section: {k: v for k, v in old[section].items() if k not in defaults}})
+  assert config_diff(gate_config({"run": old}, None), gate_config({"run": new}, None)) == {}
+  changed = {**new, "fsdp": {**new["fsdp"], "offload": True},
+             "deepspeed": {**new["deepspeed"], "activation_checkpointing": True, "cpu_checkpointing": True}}
+  diff = config_diff(gate_config({"run": old}, None), gate_config({"run": changed}, None))
+  assert diff["fsdp.offload"] == (None, True) and diff["deepspeed.cpu_checkpointing"] == (None, True)
+  assert diff["fsdp.pin_memory"] == (None, True)  # a section at non-defaults is named whole, as config_hash has it
+
+
 def test_state_bytes_the_baseline_never_recorded_are_not_blamed_on_the_new_run():
   """A baseline whose side crashed recorded no state bytes; the new run's figures were each 'n/a -> X MOVED'
   (breaker: 'no figure is blamed for what did not run'). They are skipped, saying why; a kind the new run lost or

@@ -14,7 +14,7 @@ from parity.cli import main
 from parity.hf.presets import HF_REPOS, MODEL_PRESETS, PUBLISHED_PARAM_COUNTS, model_preset_name
 from parity.pipeline.resolve import resolve_run
 from parity.presets import PRESETS
-from parity.sizing import memory, plans
+from parity.sizing import cost, memory, plans
 from parity.sizing.activations import activation_bytes, block_activation_bytes, logits_bytes
 from parity.spec import SpecError
 from parity.weights import n_params
@@ -195,5 +195,5 @@ def test_deepspeed_side_saves_k_and_v_repeated_to_every_head():
 def test_attention_flops_use_heads_times_head_dim():
   """PaLM's 12·L·H·Q·s: Qwen3-32B's attention is 64 x 128 = 8192 wide, not d_model 5120."""
   m, s = MODEL_PRESETS["qwen3-32b"], 2048
-  assert plans._flops_per_token(m, s) == 6 * n_params(m) + 12 * 64 * 8192 * s
-  assert plans._recompute_flops_per_token(m, s, "save_dots_no_batch") == 4 * 64 * 8192 * s
+  assert cost.flops_per_token(m, s) == 6 * n_params(m) + 12 * 64 * 8192 * s
+  assert cost.recompute_flops_per_token(m, s, "save_dots_no_batch") == 4 * 64 * 8192 * s

@@ -19,7 +19,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
-from parity.sizing.plans import _flops_per_token  # noqa: E402
+from parity.sizing.cost import flops_per_token as _flops_per_token  # noqa: E402
 from parity.sizing import memory, plans  # noqa: E402
 from parity.weights import param_shapes  # noqa: E402
 from parity.spec import RunSpec, from_dict, to_dict  # noqa: E402

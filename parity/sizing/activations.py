@@ -73,15 +73,19 @@ def logits_bytes(model: ModelSpec, micro_batch: int, seq_len: int, elem: int) ->
 
 
 def activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, elem: int,
-                     policy: str = "none", *, kv_repeated: bool = False) -> tuple[int, int]:
+                     policy: str = "none", *, kv_repeated: bool = False,
+                     host_checkpoints: bool = False) -> tuple[int, int]:
   """Activation bytes at the end of the forward pass: (device, host), per rank.
 
   n_layers × `block_activation_bytes`, plus the recompute working set of one block under any remat policy
   (the block being recomputed holds its full activations), plus the embedding output and final norm input
   (2·e·sbh) and the saved logits (`logits_bytes`: e·sbV, another 4·sbV when the loss upcasts them to fp32, e·sbV
-  more with a final soft-cap).
+  more with a final soft-cap). `host_checkpoints` (DeepSpeed's cpu_checkpointing) counts each block's
+  checkpointed bytes on the host instead of the device.
   """
   dev, host = block_activation_bytes(model, micro_batch, seq_len, elem, policy, kv_repeated=kv_repeated)
+  if host_checkpoints:
+    dev, host = 0, host + dev
   sb = seq_len * micro_batch
   extra = 2 * elem * sb * model.d_model + logits_bytes(model, micro_batch, seq_len, elem)[0]
   if policy != "none":

@@ -2,8 +2,8 @@
 
 Two models live here:
   * DeepSpeed's own estimators, reproduced exactly (`ds_zero2_model_states`, `ds_zero3_model_states`, and
-    `ds_estimate_table`, the text the `*_all_cold` / `*_all_live` functions print). Same inputs, same integer
-    results: tests/test_memory.py imports deepspeed and compares.
+    `ds_estimate_table`, the text the `*_all_cold` / `*_all_live` functions print), in parity.sizing.ds_estimator
+    and importable from here. Same inputs, same integer results: tests/test_memory.py imports deepspeed and compares.
   * A per-category model (`estimate`): bytes of params, gradients, fp32 master, Adam moments and activations,
     per rank, split into 'device' and 'host', for the DeepSpeed side and the JAX side of a RunSpec (the FSDP2
     side's in parity.sizing.fsdp_memory, the plain-torch side's here). It
@@ -15,12 +15,12 @@ and are importable from here.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any, Iterable
 
 from parity.sizing.activations import FP32, activation_bytes, block_activation_bytes, logits_bytes
 from parity.sizing.batches import is_batch_row, step_input_rows
+from parity.sizing.ds_estimator import ds_estimate_table, ds_zero2_model_states, ds_zero3_model_states
 from parity.sizing.fsdp_memory import fsdp_state_rows
 from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
@@ -79,98 +79,6 @@ def block_params(model: ModelSpec) -> int:
   return sum(math.prod(s) for n, s in param_shapes(model).items() if n.startswith("h.0."))
 
 
-# ----------------------------------------------------------------------------- DeepSpeed's estimators
-
-def ds_zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                          cpu_offload: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
-  """(cpu bytes, gpu bytes) exactly as deepspeed `estimate_zero2_model_states_mem_needs` (0.19.8).
-
-  Offload: gpu 2·N (fp16 params); cpu N·max(4·gpus, 16)·buffer. Otherwise gpu 2·N + int(18·N / gpus)
-  (2 fp16 grads + 4 fp32 grads + 4 fp32 params + 8 Adam moments), cpu N·4·gpus_per_node·buffer.
-  References: deepspeed/runtime/zero/stage_1_and_2.py.
-  """
-  total_gpus = num_nodes * num_gpus_per_node
-  if cpu_offload:
-    gpu_mem = 2 * total_params
-    cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
-  else:
-    gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
-    cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-  return int(cpu_mem), int(gpu_mem)
-
-
-def ds_zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1,
-                          num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
-                          zero_init: bool = True, additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
-  """(cpu bytes, gpu bytes, largest layer bytes) exactly as deepspeed `estimate_zero3_model_states_mem_needs`.
-
-  The gpu always holds 4·largest_layer_params (one gathered layer); params, grads and optimizer state
-  cost 18 bytes per param (16 without the fp16 params when only the optimizer is offloaded), divided
-  over nodes on the host, over all gpus on the device. References: deepspeed/runtime/zero/stage3.py.
-  """
-  total_gpus = num_nodes * num_gpus_per_node
-  gpus_factor = 1 / num_nodes
-  largest_layer_memory = 4 * largest_layer_params
-  buf = additional_buffer_factor
-  if cpu_offload:
-    per_param = 18 if cpu_offload_params else 16
-    gpu_mem = largest_layer_memory + (0 if cpu_offload_params else int(2 * total_params / total_gpus))
-    if zero_init:
-      cpu_mem = total_params * per_param * gpus_factor * buf
-    else:
-      cpu_mem = total_params * max(4 * num_gpus_per_node, per_param * gpus_factor) * buf
-  else:
-    gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
-    cpu_mem = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * buf
-  return int(cpu_mem), int(gpu_mem), largest_layer_memory
-
-
-def _ds_zero3_options() -> Iterable[tuple[bool, bool, bool]]:
-  """(cpu_offload, cpu_offload_params, zero_init) in the order `*_all_cold` prints them."""
-  for cpu_offload in (True, False):
-    for cpu_offload_params in (True, False):
-      if not cpu_offload and cpu_offload_params:
-        continue
-      for zero_init in (True, False):
-        yield cpu_offload, cpu_offload_params, zero_init
-
-
-class _OffloadDeviceEnum(str, enum.Enum):
-  """Mirror of deepspeed.runtime.zero.offload_config.OffloadDeviceEnum, whose `f'{x:4}'` the tables print
-  (its text depends on the Python version's Enum.__format__, so it is reproduced, not written out)."""
-  none = "none"
-  cpu = "cpu"
-  nvme = "nvme"
-
-
-_OffloadDeviceEnum.__name__ = _OffloadDeviceEnum.__qualname__ = "OffloadDeviceEnum"
-
-
-def ds_estimate_table(stage: int, total_params: int, largest_layer_params: int = 0, num_gpus_per_node: int = 1,
-                      num_nodes: int = 1, additional_buffer_factor: float = 1.5) -> str:
-  """The exact text deepspeed `estimate_zero{2,3}_model_states_mem_needs_all_cold` prints (stage 2 or 3)."""
-  nodes_str = "nodes" if num_nodes > 1 else "node"
-  gpus_str = "GPUs" if num_gpus_per_node > 1 else "GPU"
-  cpu = f"{_OffloadDeviceEnum.cpu:4}"  # as DeepSpeed formats it: 'OffloadDeviceEnum.cpu' on Python 3.11
-  head = ("Estimated memory needed for params, optim states and gradients for a:\n"
-          f"HW: Setup with {num_nodes} {nodes_str}, {num_gpus_per_node} {gpus_str} per node.\n")
-  lines = []
-  if stage == 2:
-    head += f"SW: Model with {int(total_params/1e6)}M total params."
-    for off in (True, False):
-      c, g = ds_zero2_model_states(total_params, num_gpus_per_node, num_nodes, off, additional_buffer_factor)
-      lines.append(f" {c/2**30:7.2f}GB | {g/2**30:6.2f}GB | offload_optimizer={cpu if off else 'none'}")
-  else:
-    head += (f"SW: Model with {int(total_params/1e6)}M total params, "
-             f"{int(largest_layer_params/1e6)}M largest layer params.")
-    for off, offp, zi in _ds_zero3_options():
-      c, g, _ = ds_zero3_model_states(total_params, largest_layer_params, num_gpus_per_node, num_nodes, off,
-                                      offp, zi, additional_buffer_factor)
-      lines.append(f" {c/2**30:7.2f}GB | {g/2**30:6.2f}GB | offload_param={cpu if offp else 'none'}, "
-                   f"offload_optimizer={cpu if off else 'none'}, zero_init={1 if zi else 0}")
-  return "\n".join([head, "  per CPU  |  per GPU |   Options", *lines]) + "\n"
-
-
 # ----------------------------------------------------------------------------- per-category model
 
 def _kind(offloaded: bool) -> str:
@@ -216,22 +124,9 @@ def _deepspeed_rows(run: RunSpec, ranks: int) -> list[Row]:
     if off_opt or e != FP32:
       rows.append(Row("deepspeed", "gradients", _kind(off_opt), FP32 * math.ceil(n / opt_shard), "fp32 partition"))
   rows.append(Row("deepspeed", "optimizer_moments", _kind(off_opt), 2 * FP32 * math.ceil(n / opt_shard)))
-  acts = _activation_rows("deepspeed", run, "full" if p.activation_checkpointing else "none", ranks=1)
-  if p.cpu_checkpointing:  # each block's checkpointed input (e·sbh, the 'full' policy's) kept in host memory
-    acts = _cpu_checkpoint_rows(run, acts)
-  return rows + acts
-
-
-def _cpu_checkpoint_rows(run: RunSpec, acts: list[Row]) -> list[Row]:
-  """DeepSpeed's cpu_checkpointing: the n_layers block inputs (`block_activation_bytes` 'full': e·sbh each) move from
-  the device row to a host row; the recompute working set, embedding output and logits stay on the device."""
-  t = run.train
-  elem = FP32 if t.precision == "fp32" else 2
-  inputs = run.model.n_layers * block_activation_bytes(run.model, t.micro_batch_size, t.seq_len, elem, "full",
-                                                       kv_repeated=True)[0]
-  first = acts[0]
-  return ([dataclasses.replace(first, bytes=first.bytes - inputs, note="remat full, checkpoints on the host")]
-          + acts[1:] + [Row("deepspeed", "activations", "host", inputs, "cpu_checkpointing: each block's input")])
+  # cpu_checkpointing: each block's checkpointed input (e·sbh, the 'full' policy's) kept in host memory
+  return rows + _activation_rows("deepspeed", run, "full" if p.activation_checkpointing else "none", ranks=1,
+                                 host_checkpoints=p.cpu_checkpointing)
 
 
 def _jax_rows(run: RunSpec) -> list[Row]:
@@ -283,18 +178,23 @@ def _jax_rows(run: RunSpec) -> list[Row]:
   return rows + _activation_rows("jax", run, p.remat, ranks=d)
 
 
-def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int) -> list[Row]:
+def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int, host_checkpoints: bool = False) -> list[Row]:
   """The side's saved activations (`activation_bytes`; the torch sides repeat K/V to n_heads) and, in-step, the
-  float32 gradient w.r.t. the logits at the start of the backward pass (`logits_bytes`)."""
+  float32 gradient w.r.t. the logits at the start of the backward pass (`logits_bytes`). `host_checkpoints`
+  (DeepSpeed's cpu_checkpointing): the blocks' checkpoints are a host row; the recompute working set, the
+  embedding output and the logits stay on the device."""
   t = run.train
   elem = FP32 if t.precision == "fp32" else 2
   micro = math.ceil(t.micro_batch_size / ranks)
-  dev, host = activation_bytes(run.model, micro, t.seq_len, elem, policy, kv_repeated=side != "jax")
-  rows = [Row(side, "activations", "device", dev, f"remat {policy}"),
+  dev, host = activation_bytes(run.model, micro, t.seq_len, elem, policy, kv_repeated=side != "jax",
+                               host_checkpoints=host_checkpoints)
+  note = f"remat {policy}, checkpoints on the host" if host_checkpoints else f"remat {policy}"
+  rows = [Row(side, "activations", "device", dev, note),
           Row(side, "activations", "device", logits_bytes(run.model, micro, t.seq_len, elem)[1],
               "in-step (forward/backward: float32 gradient of the logits)")]
   if host:
-    rows.append(Row(side, "activations", "host", host, f"remat {policy}"))
+    rows.append(Row(side, "activations", "host", host,
+                    "cpu_checkpointing: each block's checkpoint" if host_checkpoints else f"remat {policy}"))
   return rows
 
 

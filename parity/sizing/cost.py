@@ -1,0 +1,132 @@
+"""Accelerator presets and the roofline cost model of one optimizer step (no jax, no torch).
+
+`Hardware` is one accelerator and its host link; `HARDWARE` the presets of `parity plan --hardware`.
+`flops_per_token` and `recompute_flops_per_token` count the training FLOPs (PaLM's 6·N + 12·L·H·Q·s and each remat
+policy's rerun), `transfer_bytes` the host <-> device bytes of a plan, counted from the memory model's rows
+(parity.sizing.memory), and `step_time` puts them together: max(compute, transfer) on one device. docs/plans.md
+says where the model is measured and where it is only a bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from parity.sizing import memory
+from parity.spec import ModelSpec, RunSpec
+
+__all__ = ["Hardware", "HARDWARE", "GB", "GiB", "attention_width", "flops_per_token", "recompute_flops_per_token",
+           "transfer_bytes", "step_time"]
+
+
+# ----------------------------------------------------------------------------- hardware
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hardware:
+  """One accelerator and its link to host memory."""
+
+  name: str
+  device_bytes: int
+  """Accelerator memory, bytes."""
+  peak_flops: float
+  """Dense bf16/fp16 tensor-core peak, FLOP/s (no sparsity)."""
+  host_link_bytes_per_s: float
+  """Host <-> device bandwidth per direction, bytes/s (PCIe, or NVLink-C2C on GH200)."""
+  host_bytes: int
+  """Host memory of a typical node, bytes (override with --host-memory)."""
+  peak_flops_fp32: float = 0.0
+  """fp32 peak without TF32, FLOP/s: what an fp32 run gets (JAX matmul precision 'highest', torch TF32 off)."""
+
+  def peak(self, precision: str) -> float:
+    """FLOP/s for a run at this precision (fp32: peak_flops_fp32 when known, else the bf16 peak)."""
+    return self.peak_flops_fp32 if precision == "fp32" and self.peak_flops_fp32 > 0 else self.peak_flops
+
+
+GB, GiB = 10**9, 2**30
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA data sheets: A100 (PCIe gen4 x16: 32 GB/s per direction), H100 SXM / H200 (PCIe gen5 x16:
+    # 64 GB/s), GH200 (NVLink-C2C 900 GB/s total = 450 GB/s per direction, 480 GB LPDDR5X).
+    # fp32 (no TF32): A100 19.5 TFLOP/s, H100/H200/GH200 SXM 67 TFLOP/s.
+    "A100-40": Hardware("A100-40", 40 * GiB, 312e12, 32 * GB, 512 * GiB, 19.5e12),
+    "A100-80": Hardware("A100-80", 80 * GiB, 312e12, 32 * GB, 512 * GiB, 19.5e12),
+    "H100": Hardware("H100", 80 * GiB, 989e12, 64 * GB, 512 * GiB, 67e12),
+    "H200": Hardware("H200", 141 * GB, 989e12, 64 * GB, 1024 * GiB, 67e12),
+    "GH200": Hardware("GH200", 96 * GiB, 989e12, 450 * GB, 480 * GB, 67e12),
+}
+"""Accelerator presets of `parity plan --hardware`."""
+
+
+# ----------------------------------------------------------------------------- cost model
+
+def attention_width(model: ModelSpec) -> int:
+  """H·Q of PaLM's attention term: query heads × head_dim (= d_model unless d_head is decoupled: Qwen3, Gemma)."""
+  return model.n_heads * model.head_dim
+
+
+def flops_per_token(model: ModelSpec, seq_len: int) -> float:
+  """Training FLOPs per token: 6·N + 12·L·H·Q·s, H·Q = n_heads·head_dim (PaLM, Chowdhery et al. 2022, app. B;
+  causal masking and sliding windows ignored: both sides compute dense scores)."""
+  return 6 * memory.param_count(model) + 12 * model.n_layers * attention_width(model) * seq_len
+
+
+def recompute_flops_per_token(model: ModelSpec, seq_len: int, policy: str) -> float:
+  """Extra FLOPs per token of a remat policy: 'full' reruns the forward (2·N + 4·L·H·Q·s); the *_no_batch
+  policies rerun the attention score/value matmuls (4·L·H·Q·s); none and save_dots rerun no matmul."""
+  attention = 4 * model.n_layers * attention_width(model) * seq_len
+  if policy == "full":
+    return 2 * memory.param_count(model) + attention
+  if policy in ("save_dots_no_batch", "offload_dots_no_batch", "offload_names"):
+    return attention
+  return 0.0
+
+
+def transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int = 1) -> int:
+  """Host <-> device bytes per optimizer step over one device's link (both directions summed).
+
+  DeepSpeed on W ranks: offload_optimizer sends each rank's gradient partition down and its updated param
+  partition up (2·e·N/W; stage 0 has no offload); offload_param (stage 3) also fetches each rank's param
+  partition for every micro batch's forward and backward (2·e·N/W·GAS; the rest of each layer arrives by
+  all-gather over the device interconnect, not the host link). JAX (rows per device, so already sharded):
+  offloaded moments go in and out (2·8·N/D), offloaded params in and out (2·4·N/D); offloaded activations
+  out and back (2·bytes) per micro batch, as are DeepSpeed's (cpu_checkpointing) and FSDP2's (activation_offload)
+  host activation rows. FSDP2 with CPUOffloadPolicy on W ranks: each rank's fp32 param shards
+  come to the device for the forward and the backward of every micro batch (4·N/W·2·GAS; once per micro batch
+  without reshard_after_forward), its fp32 gradient shards go back once (4·N/W); without offload, nothing.
+  """
+  t = run.train
+  n = memory.param_count(run.model)
+  host_acts = 2 * t.grad_accum_steps * sum(r.bytes for r in rows if r.side == side and r.category == "activations"
+                                           and r.kind == "host")  # saved on the host, back for the backward
+  if side == "deepspeed":
+    p, e = run.deepspeed, 4 if t.precision == "fp32" else 2
+    part = math.ceil(n / (ranks if p.zero_stage >= 1 else 1))
+    out = 2 * e * part if p.offload_optimizer == "cpu" else 0
+    return out + (2 * e * part * t.grad_accum_steps if p.offload_param == "cpu" else 0) + host_acts
+  if side == "fsdp":  # CPUOffloadPolicy: the fp32 shards go to the device for each unit's all-gather, in the forward
+    if not run.fsdp.offload:  # and again in the backward (reshard_after_forward) of every micro batch; the fp32
+      return host_acts  # gradient shards come back once per step (FSDPParam.offload_to_cpu, torch 2.13)
+    part = math.ceil(n / ranks)
+    fetches = 2 if run.fsdp.reshard_after_forward else 1
+    return 4 * part * fetches * t.grad_accum_steps + 4 * part + host_acts
+  resident = [r for r in rows if r.side == "jax" and r.kind == "host" and not r.note.startswith("in-step")]
+  host = sum(r.bytes for r in resident)
+  moments = sum(r.bytes for r in resident if r.category == "optimizer_moments")
+  params = sum(r.bytes for r in resident if r.category == "params")
+  acts = host - moments - params
+  return 2 * moments + 2 * params + 2 * acts * t.grad_accum_steps
+
+
+def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
+              mfu: float = 0.4, ranks: int = 1) -> tuple[float, float, float]:
+  """(step, compute, transfer) seconds of one optimizer step on one rank: compute = FLOPs / (peak · mfu) with
+  the precision's peak (`Hardware.peak`),
+  transfer = bytes / bandwidth, step = max(compute, transfer) (transfers overlap compute)."""
+  t = run.train
+  per = run.jax.data_parallel if side == "jax" else ranks if side == "fsdp" else 1  # jax, fsdp: global micro batch
+  tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / per
+  policy = (run.jax.remat if side == "jax" else "none" if side == "fsdp" else
+            "full" if run.deepspeed.activation_checkpointing else "none")
+  flops = tokens * (flops_per_token(run.model, t.seq_len) + recompute_flops_per_token(run.model, t.seq_len,
+                                                                                           policy))
+  compute = flops / (hw.peak(t.precision) * mfu)
+  transfer = transfer_bytes(run, side, rows, ranks) / hw.host_link_bytes_per_s
+  return max(compute, transfer), compute, transfer
