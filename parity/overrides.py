@@ -36,13 +36,16 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
   Values are parsed by `parse_value` (JSON where it parses, else the string).
   Raises:
-    SpecError: an item without '=' or with an empty key, or a value parse_value refuses.
+    SpecError: an item without '=', with an empty key or an empty value, or a value parse_value refuses.
   """
   out: dict[str, Any] = {}
   for item in items:
     if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
       raise SpecError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
     key, raw = item.split("=", 1)
+    if not raw.strip():
+      raise SpecError(f"override {item!r} has no value after '='; give one (e.g. {key.strip()}=VALUE), or leave "
+                      "the --set out to keep the default")
     out[key.strip()] = parse_value(raw, f"override {key.strip()!r}")
   return out
 

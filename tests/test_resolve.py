@@ -118,3 +118,29 @@ def test_set_train_seq_len_fits_a_preset_to_a_shorter_checkpoint_context(tmp_pat
   run = resolve_run("qwen2-tiny", hf_model=tmp_path, overrides=["train.seq_len=16"])
   assert run.spec.train.seq_len == 16 and run.spec.model == spec and run.init_params is not None
   assert resolve_run("qwen2-tiny", hf_model=tmp_path, seq_len=8).spec.train.seq_len == 8
+
+
+def test_an_empty_set_value_is_refused_naming_the_key(capsys):
+  """`--set train.lr=` used to reach the config-file reader and say 'the file is empty'; it names the key now."""
+  from parity.overrides import parse_overrides
+  with pytest.raises(SpecError, match=r"'train.lr=' has no value after '='"):
+    parse_overrides(["train.lr="])
+  with pytest.raises(SpecError, match="no value"):
+    parse_overrides(["train.lr=   "])
+  assert parse_overrides(['data=""']) == {"data": ""}  # an explicitly empty JSON string is a value
+  assert cli_main(["compare", "--set", "train.lr=", "--steps", "1"]) == 2
+  assert "train.lr=' has no value" in capsys.readouterr().err
+
+
+def test_fsdp_overrides_without_the_fsdp_side_are_refused_by_compare_not_by_estimate(tmp_path, capsys):
+  """The fsdp section is read by the fsdp side only: a comparison without it refuses `--set fsdp.*` (exit 2, before
+  any folder), while `parity estimate`, which estimates the FSDP2 side whatever the sides, takes it."""
+  out = tmp_path / "r"
+  assert cli_main(["compare", "--sides", "torch", "--set", "fsdp.offload=true", "--steps", "1", "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert "--set fsdp.offload" in err and "--sides torch,fsdp" in err and not out.exists()
+  import parity
+  with pytest.raises(SpecError, match="fsdp section is the FSDP2 side's plan"):
+    parity.compare("gpt2-tiny", sides=["jax", "torch"], overrides={"fsdp.activation_offload": True},
+                   out=tmp_path / "api")
+  assert cli_main(["estimate", "--preset", "gpt2-tiny", "--set", "fsdp.offload=true"]) == 0

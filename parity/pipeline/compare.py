@@ -27,7 +27,7 @@ from parity.history.after import PostRun
 from parity.report.progress import data_notes, progress_display, rerun_parts, run_notes, show_reruns
 from parity.pipeline.equivalence import check_equivalence, parse_equivalence
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
-from parity.pipeline.resolve import ResolvedRun, resolve_run
+from parity.pipeline.resolve import ResolvedRun, check_fsdp_overrides_are_read, resolve_run
 from parity.pipeline.folder import check_perturb, open_run_folder, parse_perturb, write_environment
 from parity.spec import RunSpec, SpecError
 from parity.sizing.resources import check_rank_count, check_resources
@@ -179,6 +179,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   """
   t0 = options.started_s if options.started_s is not None else time.time()
   spec = run.spec
+  check_fsdp_overrides_are_read(spec, run.overrides)
   if isinstance(options.perturb, Mapping):  # the mapping form skips parse_perturb, which validates the strings
     pert = dict(options.perturb)
     check_perturb(pert, spec)

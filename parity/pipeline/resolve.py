@@ -45,7 +45,7 @@ from parity import hf, weights
 from parity.sizing import plans
 from parity.sizing.plans import DEFAULT_PLAN, plan_of
 
-__all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file"]
+__all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file", "check_fsdp_overrides_are_read"]
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -146,6 +146,17 @@ def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> di
   if isinstance(overrides, str):
     raise SpecError(f"overrides {overrides!r}: pass a list of key=value strings or a mapping, not one string")
   return parse_overrides(list(overrides))
+
+
+def check_fsdp_overrides_are_read(spec: RunSpec, over: Mapping[str, Any]) -> None:
+  """SpecError when a comparison's `fsdp.*` override would be ignored: the FSDP2 plan is read by the fsdp side only
+  (`--sides torch --set fsdp.offload=true` ran the plain-torch side and never said the key did nothing). `parity
+  estimate` and `parity plan` read the fsdp section whatever the sides, so they do not call this."""
+  keys = [k for k in over if k == "fsdp" or k.startswith("fsdp.")]
+  if keys and "fsdp" not in spec.sides:
+    raise SpecError(f"--set {keys[0]}: the fsdp section is the FSDP2 side's plan, and this run's sides "
+                    f"({','.join(spec.sides)}) do not include fsdp; add it (--sides {','.join(spec.sides)},fsdp) "
+                    "or leave the fsdp keys out")
 
 
 def _check_tokenizer_is_read(spec: RunSpec, tokenizer) -> None:
