@@ -50,10 +50,16 @@ from typing import IO, Iterator
 from parity import phase
 
 __all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "DEADLINE_GRACE_S", "spawn", "workers_started",
-           "kill_tree", "release", "watch_parent", "StopState", "stop_signals", "activity", "stop_state", "check_stop",
+           "kill_tree", "release", "watch_parent", "LAUNCHED_ENV", "StopState", "stop_signals", "activity", "stop_state", "check_stop",
            "take_stop", "on_disk"]
 
 PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PARENT_FD", "PARITY_DEADLINE"
+LAUNCHED_ENV = "PARITY_BIND_TO_LAUNCHER"
+"""Set ('1') on an engine launcher parity starts (torchrun, DeepSpeed's runner), and inherited by the ranks it
+starts: a rank, which has no PARENT_PID_ENV of its own (the launcher's watch_parent removed it), then dies with its
+launcher (PR_SET_PDEATHSIG). torchrun starts each rank in a session of its own, so killing the launcher's process
+group does not reach them: without this a launcher killed by SIGKILL left its FSDP2 ranks training, and writing into
+a run folder whose report was already written (breaker, 2026-12-04)."""
 DEADLINE_GRACE_S = 30.0
 """The worker's own deadline is this much later than the harness's timeout, so that while the harness is
 alive its timeout (which writes the 'timeout' summary) always fires first; 30 s covers a harness poll
@@ -205,13 +211,18 @@ def _watch_deadline(deadline: float) -> None:
 def watch_parent(environ=os.environ) -> dict[str, object]:
   """Binds this worker to the harness that started it: dies with it, and by its own deadline.
 
-  Reads (and removes, so grandchildren do not inherit them) the variables `spawn` set; without them does
-  nothing. Returns what was armed: {'pdeathsig': bool, 'pipe': bool, 'deadline': epoch seconds or None}.
+  Reads (and removes, so grandchildren do not inherit them) the variables `spawn` set; without them, a rank started by
+  an engine launcher parity started (LAUNCHED_ENV) is bound to that launcher by PR_SET_PDEATHSIG, and anything else
+  is left alone. Returns what was armed: {'pdeathsig': bool, 'pipe': bool, 'deadline': epoch seconds or None}.
   Raises nothing: a malformed variable disarms that mechanism only.
   """
   pid, fd, deadline = (environ.pop(k, None) for k in (PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV))
   armed: dict[str, object] = {"pdeathsig": False, "pipe": False, "deadline": None}
   if pid is None:
+    if environ.get(LAUNCHED_ENV) == "1":  # a rank of an engine launcher that parity started: dies with the launcher
+      armed["pdeathsig"] = _arm_parent_death_signal()
+      if os.getppid() == 1:  # the launcher died between starting this rank and the prctl
+        _die("its launcher was gone before it started")
     return armed
   armed["pdeathsig"] = _arm_parent_death_signal()
   try:

@@ -65,9 +65,10 @@ def torch_command(python: str, side: str, worker: str, request: str, launch: dic
     launch: parity.protocol.ranks.read_launch's fields (nproc, nnodes, node_rank, coordinator, hostfile).
   Returns:
     [python, -m, harness.boot, torch.distributed.run, ...] (or deepspeed.launcher.runner with a hostfile for the
-    DeepSpeed side), ending in `-m WORKER REQUEST --side SIDE`.
+    DeepSpeed side), ending in `-m harness.boot WORKER REQUEST --side SIDE`: each rank goes through harness.boot, which
+    binds it to the launcher (harness.lifetime.LAUNCHED_ENV).
   """
-  tail = [worker, request, "--side", side]
+  tail = ["harness.boot", worker, request, "--side", side]  # each rank bound to the launcher (lifetime.LAUNCHED_ENV)
   boot = [python, "-m", "harness.boot"]
   if side == "deepspeed" and launch.get("hostfile"):
     cmd = boot + ["deepspeed.launcher.runner", "--hostfile", str(launch["hostfile"]),
@@ -134,7 +135,8 @@ def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict
       argv = torch_command(python, side, worker, request, launch)
       # the ranks build DeepSpeed ops without moving the launcher's own deadline (phase.extend_deadline is
       # per process): it gets the build allowance up front; the harness's watch still enforces timeout_s
-      proc = lifetime.spawn(argv, stdout=so, stderr=se, env=env, timeout_s=timeout_s + phase.BUILD_LIMIT_S)
+      proc = lifetime.spawn(argv, stdout=so, stderr=se, env={**env, lifetime.LAUNCHED_ENV: "1"},
+                            timeout_s=timeout_s + phase.BUILD_LIMIT_S)
       return _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress)
     procs = [lifetime.spawn(cmd, stdout=so, stderr=se, env={**env, **renv}, timeout_s=timeout_s)
              for renv in jax_rank_envs(launch)]
@@ -255,7 +257,9 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
     status = "killed" if code is not None and code < 0 else "crashed"
   else:
     what = ("hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else "hung") + f"; {running}"
-  error = (f"rank {who} of {world} {what}; the whole side was stopped. Its stderr ({rank_stderr(out, who)}) "
+  own = next((r.get("error") for r in records if r["rank"] == who and isinstance(r.get("error"), str)), None)
+  said = f": {own.strip().splitlines()[0][:400]}" if own and own.strip() else ""  # the rank's own reason, one line
+  error = (f"rank {who} of {world} {what}{said}; the whole side was stopped. Its stderr ({rank_stderr(out, who)}) "
            + (f"ends:\n{stderr[-1500:]}" if stderr.strip() else "is empty"))
   summary.update(status=status, error=error, failed_rank={"rank": who, "exit_code": code, "stderr_tail": stderr})
   return status, error, summary

@@ -5,6 +5,10 @@ killed rank is reported by its rank."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +141,41 @@ def test_killed_fsdp_rank_is_named(tmp_path):
   assert s["error"].startswith("rank 1 of 2 was killed by signal SIGKILL (the planted")
   assert {r["rank"]: r["status"] for r in s["ranks"]}[1] == "killed"
   assert "fsdp/rank1.stderr" in (tmp_path / "run" / "report.md").read_text()
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_torch
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+  """kill -9 of the torchrun agent: torchrun starts each rank in a session of its own, so the harness's kill of the
+  agent's group missed them, and the two FSDP2 ranks trained on unsupervised and rewrote the reported run's
+  summary.json (breaker, 2026-12-04). Each rank is bound to its launcher now (harness.lifetime.LAUNCHED_ENV): the side
+  is reported killed, and no rank outlives the report."""
+  import signal
+  from conftest import process_alive
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--sides", "fsdp", "--nproc", "2",
+         "--steps", "20000", "--set", "train.eval_every=0", "--determinism-steps", "0", "--no-progress",
+         "--timeout", "300", "--out", str(out)]
+  harness = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  ranks = [out / "fsdp" / f"rank{k}.json" for k in (0, 1)]
+  deadline = time.time() + 240
+  while time.time() < deadline and not (all(r.exists() for r in ranks) and (out / "fsdp" / "steps.jsonl").exists()):
+    time.sleep(0.5)
+  pids = [json.loads(r.read_text())["pid"] for r in ranks]
+  agent = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the ranks' parent
+  assert "torch.distributed.run" in Path(f"/proc/{agent}/cmdline").read_text().replace("\0", " ")
+  os.kill(agent, signal.SIGKILL)
+  text, _ = harness.communicate(timeout=120)
+  assert harness.returncode == 1, text[-2000:]
+  deadline = time.time() + 15
+  while time.time() < deadline and any(process_alive(p) for p in pids):
+    time.sleep(0.2)
+  left = [p for p in pids if process_alive(p)]
+  for p in left:  # leave no orphan behind when the test fails
+    os.kill(p, signal.SIGKILL)
+  assert not left, left
+  summary = json.loads((out / "fsdp" / "summary.json").read_text())
+  assert summary["status"] == "killed", summary.get("error")
+  time.sleep(2)
+  assert json.loads((out / "fsdp" / "summary.json").read_text()) == summary  # nobody writes after the report

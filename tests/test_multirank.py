@@ -23,7 +23,7 @@ def test_torchrun_command_single_host_is_standalone():
   cmd = torch_command("py", "torch", "torch_impl.worker", "/r/request.json", LAUNCH1)
   assert cmd[:4] == ["py", "-m", "harness.boot", "torch.distributed.run"]
   assert cmd[4:8] == ["--nproc-per-node", "2", "--max-restarts", "0"] and "--standalone" in cmd
-  assert cmd[-5:] == ["-m", "torch_impl.worker", "/r/request.json", "--side", "torch"]
+  assert cmd[-6:] == ["-m", "harness.boot", "torch_impl.worker", "/r/request.json", "--side", "torch"]
 
 
 def test_multi_host_commands_pass_the_coordinator_and_hostfile_through():
@@ -33,7 +33,7 @@ def test_multi_host_commands_pass_the_coordinator_and_hostfile_through():
   assert cmd[cmd.index("--master-addr") + 1] == "node0" and cmd[cmd.index("--master-port") + 1] == "29400"
   ds = torch_command("py", "deepspeed", "torch_impl.worker", "req", {**two, "hostfile": "/h/hostfile"})
   assert ds[3] == "deepspeed.launcher.runner" and ds[ds.index("--hostfile") + 1] == "/h/hostfile"
-  assert ds[ds.index("--module") + 1] == "torch_impl.worker"
+  assert ds[ds.index("--module") + 1:ds.index("--module") + 3] == ["harness.boot", "torch_impl.worker"]
   envs = jax_rank_envs({**two, "nproc": 2})  # this host's ranks are 2 and 3 of 4
   assert [e["RANK"] for e in envs] == ["2", "3"] and {e["WORLD_SIZE"] for e in envs} == {"4"}
   assert {e["PARITY_COORDINATOR"] for e in envs} == {"node0:29400"} and world_size(two) == 4
@@ -184,6 +184,20 @@ def test_fold_ranks_names_a_crashed_rank_from_torchruns_report(tmp_path):
   assert status == "crashed" and error.startswith("rank 1 of 2 exited with code 1; the whole side was stopped")
   assert "RuntimeError: boom" in error and summary["nproc"] == 2
   assert {r["rank"]: r["status"] for r in summary["ranks"]} == {0: "stopped", 1: "crashed"}
+
+
+def test_fold_ranks_puts_the_failed_ranks_own_reason_in_the_first_line(tmp_path):
+  """A rank that wrote its own error (a card diff refused before step 1) has that reason in the first line of the
+  side's error, which the one-line verdict shows (newcomer, 2026-12-04: a 2-rank FSDP2 card diff read 'exited with
+  code 1 ... Its stderr ends:' and nothing after, while one rank says 'CardDiffers: ...')."""
+  from harness.ranks import Launched, fold_ranks
+  _rank_files(tmp_path / "run", "some warning\n")
+  (tmp_path / "run" / "rank1.json").write_text(json.dumps({"rank": 1, "pid": 11, "status": "crashed",
+                                                           "error": "CardDiffers: semantics: dtypes.grads\nmore"}))
+  crashed = Launched(1, None, False, rank_codes={1: 1}, failed_rank=1)
+  _, error, _ = fold_ranks({"status": "crashed"}, "crashed", "worker exited with code 1", crashed, tmp_path / "run", 2)
+  assert error.splitlines()[0].startswith("rank 1 of 2 exited with code 1: CardDiffers: semantics: dtypes.grads; "
+                                          "the whole side was stopped")
 
 
 def test_compare_refuses_rank_options_before_anything_runs():

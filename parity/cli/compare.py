@@ -24,8 +24,9 @@ __all__ = ["register", "run_options", "resolved_run", "print_summary"]
 def register(sub) -> None:
   """Adds `compare` to the subparsers `sub`: what is run (_add_source_flags), how (_add_run_flags, _add_rank_flags)."""
   p = sub.add_parser("compare", help="run every side on identical data and weights and check parity",
-                     description="Runs JAX (Flax+Optax, host offload), DeepSpeed (ZeRO) and plain PyTorch on "
-                                 "the same data and initial weights, each in its own process, and checks parity. "
+                     description="Runs JAX (Flax+Optax, host offload), DeepSpeed (ZeRO) and plain PyTorch (and, "
+                                 "with --sides ...,fsdp, PyTorch FSDP2) on the same data and initial weights, each "
+                                 "in its own process, and checks parity. "
                                  "Exit 0: parity holds; 1: it does not (or a side failed; the report says which); "
                                  "2: bad input.")
   _add_source_flags(p)
@@ -38,13 +39,15 @@ def register(sub) -> None:
 def _add_source_flags(p) -> None:
   """What is run, the flags parity.pipeline.resolve.resolve_run takes (`resolved_run`)."""
   add_run_source(p, set_example="--set train.lr=3e-4 --set jax.offload_params=true")
-  p.add_argument("--plan", help="a DeepSpeed <-> JAX plan pair (see `parity plan`; e.g. zero3-offload-all), "
+  p.add_argument("--plan", help="a named plan pair: DeepSpeed <-> JAX, and FSDP2 where the pair has one (see "
+                                "`parity plan`; e.g. zero3-offload-all), "
                                 "or 'auto': the fastest pair that fits --hardware by the memory model "
                                 "(default: the run's own plans)")
   p.add_argument("--hardware", default="H100", help="accelerator preset for --plan auto (A100-40, A100-80, H100, "
                                                     "H200, GH200)")
   p.add_argument("--steps", type=count_arg, help="optimizer steps, train.steps (default: the preset's)")
-  p.add_argument("--sides", help="comma-separated sides, first is the reference (default jax,deepspeed,torch)")
+  p.add_argument("--sides", help="comma-separated sides out of jax, deepspeed, torch, fsdp; the first is the "
+                                 "reference (default jax,deepspeed,torch)")
   p.add_argument("--data", help="corpus: 'stdlib', a text file or folder, a .bin of token ids (llm.c header, "
                                 "or headerless uint16 as nanoGPT; NAME.uint32.bin for uint32) or a 1-D integer .npy; "
                                 "or examples for train.layout padded/packed: a .jsonl/.json/.parquet file or "

@@ -252,14 +252,17 @@ def _base_config_checkpoint(preset_name: str | None, model: str | None, config: 
 
 def _plan_record(spec: RunSpec, plan_choice: dict | None, over: Mapping[str, Any]) -> dict:
   """The run's plan record: the named plan chosen (with the jax./deepspeed./fsdp. overrides put on top of it, as
-  key=value strings), or the plan the settled spec describes (`_plan_of`) when none was named."""
-  if plan_choice is None:
-    return _plan_of(spec)
-  if plan_choice.get("name") is not None:
+  key=value strings), or the plan the settled spec describes (`_plan_of`) when none was named; with an fsdp side and a
+  pair that has no FSDP2 plan, `fsdp` says so (the pair describes the other sides only)."""
+  record = _plan_of(spec) if plan_choice is None else plan_choice
+  if plan_choice is not None and plan_choice.get("name") is not None:
     on_top = {k: v for k, v in over.items() if k.startswith(("jax.", "deepspeed.", "fsdp."))}
     if on_top:
       plan_choice["overrides"] = [f"{k}={json.dumps(v)}" for k, v in on_top.items()]
-  return plan_choice
+  pair = plans.PLANS.get((record or {}).get("name"))
+  if pair is not None and pair.fsdp is None and "fsdp" in spec.sides:  # the pair says nothing of the fsdp side
+    record = {**record, "fsdp": f"{plans.fsdp_missing_reason(pair)}: the fsdp side runs the run's own fsdp plan"}
+  return record
 
 
 def _config_mapping(config) -> tuple[dict[str, Any], str]:

@@ -24,13 +24,17 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
     how = {"default": "the preset's own plans match this pair", "auto": "chosen by --plan auto",
            "user": "given with --plan"}.get(plan.get("chosen_by"), plan.get("chosen_by") or "")
     extra = f"; then {', '.join(plan['overrides'])}" if plan.get("overrides") else ""
-    rows.append(("plan pair", f"{plan['name']} ({how}{extra})" + (f": {plan['why']}" if plan.get("why") else "")))
+    rows.append(("plan pair", f"{plan['name']} ({how}{extra})" + (f": {plan['why']}" if plan.get("why") else "")
+                 + (f"; {plan['fsdp']}" if isinstance(plan.get("fsdp"), str) else "")))
   else:
     rows.append(("plan pair", "none: the sides' own plans match no named pair"))
   j, ds = d["run"]["jax"], d["run"]["deepspeed"]
   if "deepspeed" in d["sides"]:  # a plan no side ran is not shown as if it had (design review, 2026-12-02)
+    ckpt = ("activation checkpointing" + (" with cpu_checkpointing (block inputs on the host)"
+                                          if ds.get("cpu_checkpointing") else "")
+            if ds.get("activation_checkpointing") else "no activation checkpointing")
     rows.append(("DeepSpeed plan", f"ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, "
-                                   f"offload_param {ds.get('offload_param')}"))
+                                   f"offload_param {ds.get('offload_param')}, {ckpt}"))
   if "jax" in d["sides"]:
     rows.append(("JAX plan", f"offload_opt_state {j.get('offload_opt_state')}, "
                              f"offload_params {j.get('offload_params')}, remat {j.get('remat')}, "

@@ -6,7 +6,8 @@ ZeRO stage s <-> JAX `zero_stage` s (sharding over the data axis), DeepSpeed `of
 `offload_param: cpu` <-> `offload_params`, activation checkpointing <-> `remat='full'`. Where FSDP2 keeps the same
 state in the same places, the pair also names the FSDP2 side's plan (`Plan.fsdp`): ZeRO-3 <-> `fully_shard` on every
 block and the root; ZeRO-3 with params and optimizer on the CPU <-> `fully_shard` + `CPUOffloadPolicy`. FSDP2 always
-shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart (None: an `fsdp` side runs its own plan).
+shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart, and the FSDP2 side recomputes nothing, so neither
+have the pairs with activation checkpointing but no cpu_checkpointing (None: an `fsdp` side runs its own plan).
 `apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
 model of `parity.sizing.memory` and the roofline step-time model of `parity.sizing.cost` (docs/plans.md), whose
 `Hardware`, `HARDWARE` and `step_time` are importable from here. No jax or torch import.
@@ -22,7 +23,7 @@ from parity.sizing.cost import GB, GiB, HARDWARE, Hardware, step_time
 from parity.sizing.batches import counted_tokens_per_s
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
-__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "apply_plan", "with_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
+__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "fsdp_missing_reason", "apply_plan", "with_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
            "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
 
 
@@ -37,8 +38,9 @@ class Plan:
   description: str
   """One line: what the pair keeps where."""
   fsdp: FsdpPlan | None = None
-  """The FSDP2 side's plan that keeps the same state in the same places, or None where FSDP2 has none (it always
-  shards the params: no ZeRO-0/1/2 counterpart; an `fsdp` side then runs the run's own `RunSpec.fsdp`)."""
+  """The FSDP2 side's plan that keeps the same state in the same places, or None where FSDP2 has none
+  (`fsdp_missing_reason`: a ZeRO-0/1/2 pair, or one that recomputes blocks; an `fsdp` side then runs the run's own
+  `RunSpec.fsdp`)."""
 
 
 _OFF = dict(offload_optimizer="none")
@@ -207,16 +209,27 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
                    {s: t[0] for s, t in times.items()}, pinned)
 
 
+def fsdp_missing_reason(plan: Plan) -> str:
+  """Why a pair has no FSDP2 plan (`Plan.fsdp` None), in words `parity plan` prints: a ZeRO-0/1/2 pair (FSDP2 always
+  shards the params), one that recomputes blocks (the FSDP2 side has no activation checkpointing), or one that shards
+  differently (the JAX side's own plan, e.g. JAX's scan streaming with ZeRO-2)."""
+  if plan.deepspeed.zero_stage < 3:
+    return "no FSDP2 counterpart (FSDP2 always shards the params; these pairs are ZeRO-0/1/2)"
+  if plan.deepspeed.activation_checkpointing and not plan.deepspeed.cpu_checkpointing:
+    return "no FSDP2 counterpart (the FSDP2 side has no activation checkpointing: nothing is recomputed)"
+  return "no FSDP2 counterpart"
+
+
 def _pair_runs(plan: Plan, jax_plan: JaxPlan, model: ModelSpec, train: TrainSpec, jax_train: TrainSpec,
                sides: tuple[str, ...]) -> dict[str, RunSpec] | str:
   """{side: the validated RunSpec it would run} of one pair for `sides`, or why the pair cannot be costed: no FSDP2
-  counterpart (a ZeRO-0/1/2 pair: FSDP2 always shards the params), or 'not runnable here: <the SpecError>'. The JAX
+  counterpart (`fsdp_missing_reason`), or 'not runnable here: <the SpecError>'. The JAX
   and FSDP2 sides get `jax_train` (the global micro batch), DeepSpeed `train` (per rank)."""
   runs = {"deepspeed": RunSpec(model=model, train=train, deepspeed=plan.deepspeed),
           "jax": RunSpec(model=model, train=jax_train, jax=jax_plan)}
   if "fsdp" in sides:
     if plan.fsdp is None:
-      return "no FSDP2 counterpart (FSDP2 always shards the params; its pairs are ZeRO-3's)"
+      return fsdp_missing_reason(plan)
     runs["fsdp"] = RunSpec(model=model, train=jax_train, fsdp=plan.fsdp, sides=("fsdp",))
   try:
     for s in sides:
