@@ -509,3 +509,16 @@ def test_interrupt_before_any_side_started_says_so(monkeypatch, capsys):
   assert main(["compare", "--preset", "gpt2-tiny"]) == 130
   err = capsys.readouterr().err
   assert "before any side started" in err and "report marks" not in err, err
+
+
+def test_estimate_and_plan_keep_an_existing_json_file_unless_forced(tmp_path, capsys):
+  """`plan --json FILE` and `estimate --json FILE` replaced a user's file without asking (breaker, 2026-12-04)."""
+  mine = tmp_path / "mine.json"
+  for cmd in (["estimate", "--preset", "gpt2-tiny"], ["plan", "--preset", "gpt2-tiny"]):
+    mine.write_text("precious")
+    assert main(cmd + ["--json", str(mine)]) == 2
+    assert "already exists and would be overwritten; pass --force" in capsys.readouterr().err
+    assert mine.read_text() == "precious"
+    assert main(cmd + ["--json", str(mine), "--force"]) in (0, 1) and json.loads(mine.read_text())
+  assert main(["plan", "--preset", "gpt2-tiny", "--sides", "fsdp,fsdp"]) == 2
+  assert "lists a side twice" in capsys.readouterr().err

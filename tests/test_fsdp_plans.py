@@ -46,6 +46,26 @@ def test_compare_resolves_the_pair_into_the_fsdp_plan():
   assert r.plan["overrides"] == ["fsdp.reshard_after_forward=false"]
 
 
+def test_a_pair_without_an_fsdp2_plan_is_refused_with_the_fsdp_side_and_auto_costs_it():
+  """`--plan zero2 --sides deepspeed,fsdp` ran FSDP2's own sharded plan under a report titled 'plan zero2', and
+  `--plan auto --sides jax,fsdp` chose zero0, which FSDP2 has no counterpart of (breaker, 2026-12-04). A named pair
+  without an FSDP2 plan is refused naming the reason and the pairs that have one; auto costs the fsdp side; without
+  --plan the report's plan row says the fsdp side ran its own plan."""
+  from parity.pipeline.resolve import resolve_run
+  from parity.report.setup_table import plan_rows
+  from parity.spec import SpecError
+  for plan, reason in (("zero2", "ZeRO-0/1/2"), ("scan-offload-remat", "no activation checkpointing")):
+    with pytest.raises(SpecError, match=rf"--plan {plan}: no FSDP2 counterpart \(.*{reason}.*zero3-act-offload"):
+      resolve_run("gpt2-tiny", plan=plan, sides=["deepspeed", "fsdp"])
+  assert resolve_run("gpt2-tiny", plan="zero2", sides=["deepspeed", "jax"]).plan["name"] == "zero2"
+  auto = resolve_run("gpt2-tiny", plan="auto", sides=["jax", "fsdp"])
+  assert plans.PLANS[auto.plan["name"]].fsdp is not None and auto.spec.fsdp == plans.PLANS[auto.plan["name"]].fsdp
+  default = resolve_run("gpt2-tiny", sides=["jax", "deepspeed", "fsdp"])
+  assert default.plan["name"] == "zero2-offload" and "fsdp side runs the run's own fsdp plan" in default.plan["fsdp"]
+  d = {"plan": default.plan, "run": {"jax": {}, "deepspeed": {"zero_stage": 2}, "fsdp": {}}, "sides": {}}
+  assert "the fsdp side runs the run's own fsdp plan" in dict(plan_rows(d))["plan pair"]
+
+
 def _why(run: Path, side: str, checks) -> str:
   """What a failed run says of itself: the side's status and error, and each rank's exit code and stderr tail."""
   summary = json.loads((run / side / "summary.json").read_text()) if (run / side / "summary.json").exists() else {}

@@ -353,6 +353,32 @@ def test_an_injected_failure_is_a_crash_with_its_records(tmp_path):
   assert "injected failure at step 1" in ran.summary["error"] and len(ran.steps) == 1
 
 
+def test_a_base_exception_of_a_library_is_a_crash_with_its_cause_in_one_line(tmp_path):
+  """torch.distributed.checkpoint's CheckpointException derives from BaseException and carries each rank's
+  traceback in its message: main_guard let it through as a bare traceback and no summary (breaker, 2026-12-04, a
+  truncated DCP shard). It is a 'crashed' summary now, its error the first line and the cause; Ctrl-C still
+  propagates."""
+
+  class CheckpointException(BaseException):
+    pass
+
+  class Failing(FakeSide):
+    def step(self, batch, **kw):
+      raise CheckpointException("CheckpointException ranks:dict_keys([0])\nTraceback (most recent call last):\n"
+                                "  File \"x.py\", line 1, in load\nEOFError: Ran out of input")
+
+  ran = train(make_run(tmp_path / "r"), Failing())
+  assert ran.code == EXIT_CRASHED and ran.summary["status"] == "crashed"
+  assert ran.summary["error"] == "CheckpointException: CheckpointException ranks:dict_keys([0]) ... EOFError: Ran out of input"
+
+  class Interrupted(FakeSide):
+    def step(self, batch, **kw):
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    train(make_run(tmp_path / "k"), Interrupted())
+
+
 def test_multirank_checkpoints_are_refused_before_the_side_is_built(tmp_path):
   from parity.errors import SpecError
   from parity.pipeline.compare import RunOptions, check_run_options

@@ -68,6 +68,8 @@ def register(sub) -> None:
   p.add_argument("--plan", help="a plan pair of `parity plan` (parity.sizing.plans.PLANS) (default: the run's own plans)")
   p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed and the FSDP2 side")
   p.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON (default: none)")
+  p.add_argument("--force", action="store_true", help="let --json FILE replace an existing file (default off: an "
+                                                      "existing file is refused, exit 2)")
   p.set_defaults(handler=run_estimate)
 
   p = sub.add_parser("plan", help="choose the sharding/offload/remat plan that fits a device and is fastest",
@@ -96,6 +98,8 @@ def register(sub) -> None:
                  help="share of padding positions of a padded/packed run (its data card's padding_fraction), in "
                       "[0, 1): the ranking also gives tokens/s of the real positions (default 0)")
   p.add_argument("--json", metavar="FILE", help="also write the ranking as JSON (default: none)")
+  p.add_argument("--force", action="store_true", help="let --json FILE replace an existing file (default off: an "
+                                                      "existing file is refused, exit 2)")
   p.set_defaults(handler=run_plan)
 
   p = sub.add_parser("presets", help="list the built-in run presets and the model-size presets",
@@ -164,6 +168,7 @@ def run_estimate(args: argparse.Namespace) -> int:
   from rich.table import Table  # rich: loaded when a table is printed
   if args.ranks < 1:
     raise SpecError(f"--ranks {args.ranks}: must be >= 1")
+  _check_json_target(args)
   run = _resolve(args, default_model=None, plan=args.plan)
   out = memory.estimate_json(run, args.ranks)
   sides = memory.ESTIMATE_SIDES
@@ -227,6 +232,9 @@ def run_plan(args: argparse.Namespace) -> int:
   """
   from rich.table import Table  # rich: loaded when a table is printed
   sides = tuple(split_list(args.sides))
+  if len(set(sides)) != len(sides):
+    raise SpecError(f"--sides {args.sides}: lists a side twice; give each of deepspeed, jax, fsdp once")
+  _check_json_target(args)
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
   pool_gib = host_limits.xla_pool_setting(os.environ)  # a bad value: SpecError naming the variable (exit 2)
   hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory,
@@ -342,6 +350,15 @@ def plan_header(inputs: dict) -> str:
           f"after a {inputs['reserve']:.0%} reserve), {inputs['host_bytes_per_device'] / GiB:,.0f} GiB host memory per "
           f"device, {inputs['host_link_bytes_per_s'] / GB:,.0f} GB/s host link per direction, peak "
           f"{inputs['peak_flops'] / 1e12:,.1f} TFLOP/s ({inputs['precision']}), MFU {inputs['mfu']:g}")
+
+
+def _check_json_target(args: argparse.Namespace) -> None:
+  """SpecError (exit 2, before anything is computed) when --json names an existing file and --force is not given:
+  nothing a user had is replaced without asking (breaker, 2026-12-04: `plan --json mine.json` overwrote it)."""
+  path = getattr(args, "json", None)
+  if path and (os.path.isfile(path) or os.path.islink(path)) and not args.force:
+    raise SpecError(f"--json {path}: it already exists and would be overwritten; pass --force to replace it, or "
+                    "pick another path")
 
 
 def _write_json(path: str, data) -> None:

@@ -350,15 +350,23 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
   """(the named or planner-chosen parity.sizing.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is
   validated with the rest of the run at the end; the planner ('auto') chooses for the run as the flags and
   overrides (`user`, dotted keys) will make it."""
+  raw = user.get("sides")
+  sides = tuple(raw.split(",")) if isinstance(raw, str) else tuple(raw) if isinstance(raw, (list, tuple)) else spec.sides
   if plan != "auto":
     if plan not in plans.PLANS:
       raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
-    return plans.PLANS[plan], {"name": plan, "chosen_by": "user"}
+    pair = plans.PLANS[plan]
+    if pair.fsdp is None and "fsdp" in sides:  # the pair would say nothing of the fsdp side (breaker, 2026-12-04)
+      with_fsdp = ", ".join(n for n, p in plans.PLANS.items() if p.fsdp is not None)
+      raise SpecError(f"--plan {plan}: {plans.fsdp_missing_reason(pair)}, and the sides include fsdp; name a pair "
+                      f"that has one ({with_fsdp}), or leave --plan out (the fsdp side then runs its own fsdp "
+                      "section, the report says which)")
+    return pair, {"name": plan, "chosen_by": "user"}
   if hardware not in plans.HARDWARE:
     raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
   run = apply_overrides(spec, user) if user else spec
   best, ranked = plans.choose_plan(run.model, run.train, plans.HARDWARE[hardware], sides=tuple(
-      s for s in run.sides if s in ("jax", "deepspeed")) or ("jax",))
+      s for s in run.sides if s in ("jax", "deepspeed", "fsdp")) or ("jax",))
   if best is None:
     raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
   return plans.PLANS[best.name], {"name": best.name, "chosen_by": f"planner ({hardware})",

@@ -442,7 +442,9 @@ class SideIO:
   def fail(self, exc: BaseException, **kw) -> dict:
     """Writes a 'crashed' summary: `error` is the exception's own one-line message (what a user reads in the
     report), `traceback` its last 8000 characters (the full one is in the side's stderr.log)."""
-    headline = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    headline = [x for x in f"{type(exc).__name__}: {exc}".strip().splitlines() if x.strip()]
+    if any(x.startswith("Traceback (most recent call last)") for x in headline[1:]):  # an exception that carries
+      headline = [headline[0], "...", headline[-1]]  # others' tracebacks (DCP's CheckpointException): first, cause
     extra = {**(kw.pop("extra", None) or {}), "traceback": "".join(traceback.format_exception(exc))[-8000:]}
     return self.finish("crashed", error=" ".join(x.strip() for x in headline)[:2000], extra=extra, **kw)
 
@@ -478,8 +480,10 @@ def main_guard(side_main: Callable[[SideIO], int], argv: list[str] | None = None
   io = SideIO(args.request, args.side)
   try:
     return side_main(io)
-  except Exception as exc:  # reported in summary.json; the harness reads it
-    io.fail(exc)
+  except (KeyboardInterrupt, SystemExit, GeneratorExit):
+    raise
+  except BaseException as exc:  # reported in summary.json; the harness reads it. BaseException: DCP's
+    io.fail(exc)  # CheckpointException (torch 2.13) is one, and slipped past as a bare traceback (breaker, 2026-12-04)
     print(f"[{args.side}] crashed: {exc!r}", file=sys.stderr)
     traceback.print_exc()
     return 1
