@@ -20,6 +20,7 @@ summary.json as `ranks`. Imports neither jax nor torch (docs/multirank.md has th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -144,9 +145,47 @@ def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict
   return _wait_ranks({first + k: p for k, p in enumerate(procs)}, side, out, t0, timeout_s, on_progress)
 
 
+STATES_FILE = "rank_states.json"
+"""run_dir/<side>/rank_states.json: each rank's process state (/proc/<pid>/stat) at the side's timeout, just before
+the kill; `fold_ranks` names a rank that was stopped (state T: SIGSTOP, a debugger) as the one that hung."""
+
+
+def record_rank_states(out: Path, pids: dict[int, int]) -> dict[int, str]:
+  """{rank: process state letter} of `pids` (rank -> pid; or, when empty, the pids the ranks wrote in rank<k>.json),
+  written to out/STATES_FILE. A process that is gone is left out. Raises nothing: this runs on the way to a kill."""
+  if not pids:
+    for f in out.glob("rank*.json"):
+      try:
+        rec = json.loads(f.read_text())
+        pids[int(rec["rank"])] = int(rec["pid"])
+      except (OSError, ValueError, KeyError, TypeError):
+        continue
+  states = {}
+  for rank, pid in pids.items():
+    try:
+      states[rank] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+      continue
+  try:
+    (out / STATES_FILE).write_text(json.dumps({str(k): v for k, v in sorted(states.items())}))
+  except OSError:
+    pass
+  return states
+
+
+def _stopped_ranks(out: Path) -> list[int]:
+  """Ranks recorded in out/STATES_FILE as stopped (T, or t: stopped by a tracer)."""
+  try:
+    states = json.loads((out / STATES_FILE).read_text())
+    return sorted(int(k) for k, v in states.items() if v in ("T", "t"))
+  except (OSError, ValueError, AttributeError):
+    return []
+
+
 def _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress) -> Launched:
   try:
-    rc, rusage, timed_out = watch(proc, side, out, t0, timeout_s, on_progress)
+    rc, rusage, timed_out = watch(proc, side, out, t0, timeout_s, on_progress,
+                                  before_kill=lambda: record_rank_states(out, {}))
   except BaseException:
     lifetime.kill_tree(proc.pid)
     os.wait4(proc.pid, 0)
@@ -176,6 +215,7 @@ def _wait_ranks(procs: dict, side: str, out: Path, t0: float, timeout_s: float, 
             _kill_all(procs, codes)
       if not timed_out and time.time() - t0 > timeout_s:
         timed_out = True
+        record_rank_states(out, {r: p.pid for r, p in procs.items() if r not in codes})
         _kill_all(procs, codes)
       n = count_lines(out / "steps.jsonl")
       if on_progress is not None and n != last:
@@ -242,6 +282,8 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
   if launched.timed_out and failed is None:  # the side ran past its limit: 'timeout', naming who was still there
     status = "timeout"
     hung = next((r["rank"] for r in records if PLANTED_HANG in _tail(rank_stderr(out, r["rank"]))), None)
+    stopped = _stopped_ranks(out) if hung is None else []
+    hung = stopped[0] if len(stopped) == 1 else hung  # one rank stopped (SIGSTOP) while the others waited on it
     still = [r["rank"] for r in records if r["status"] in ("stopped", "killed")]
     running = (f"ranks still running at the timeout: {still} (a rank that hangs stalls the others at the next "
                "collective)")
@@ -256,7 +298,9 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
     what = _code_text(code) + (" (the planted --perturb kill_at_step)" if PLANTED_KILL in stderr else "")
     status = "killed" if code is not None and code < 0 else "crashed"
   else:
-    what = ("hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else "hung") + f"; {running}"
+    what = ("hung (the planted --perturb hang_at_step)" if PLANTED_HANG in stderr else
+            "hung: it was stopped (process state T: SIGSTOP or a debugger) when the side timed out"
+            if who in _stopped_ranks(out) else "hung") + f"; {running}"
   own = next((r.get("error") for r in records if r["rank"] == who and isinstance(r.get("error"), str)), None)
   said = f": {own.strip().splitlines()[0][:400]}" if own and own.strip() else ""  # the rank's own reason, one line
   error = (f"rank {who} of {world} {what}{said}; the whole side was stopped. Its stderr ({rank_stderr(out, who)}) "

@@ -219,11 +219,13 @@ def _prepare(run_dir: Path, out: Path) -> dict:
   return read_launch(run_dir)
 
 
-def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress) -> tuple[int, object, bool]:
+def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress,
+           before_kill=None) -> tuple[int, object, bool]:
   """Polls the worker until it exits; kills its process group past the timeout. Returns (rc, rusage, timed_out).
 
   While the worker's phase file is non-empty (a DeepSpeed op build) its clock stops, for at most
-  phase.BUILD_LIMIT_S in all, and on_progress gets the phase as a note."""
+  phase.BUILD_LIMIT_S in all, and on_progress gets the phase as a note. `before_kill()`, when given, runs at the
+  timeout before the kill (harness.ranks records what each rank was doing)."""
   last, note, timed_out, paused, t_prev = -1, "", False, 0.0, time.time()
   while True:
     pid, status, rusage = os.wait4(proc.pid, os.WNOHANG)
@@ -246,6 +248,8 @@ def _watch(proc, side: str, out: Path, t0: float, timeout_s: float, on_progress)
         last = n
     if now - t0 - paused > timeout_s and not timed_out:
       timed_out = True
+      if before_kill is not None:
+        before_kill()
       _kill_group(proc.pid)
     time.sleep(POLL_S)
 

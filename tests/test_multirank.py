@@ -175,6 +175,37 @@ def test_fold_ranks_names_a_planted_hang_and_lists_ranks_of_a_real_one(tmp_path)
   assert status == "timeout" and "ranks still running at the timeout: [0, 1]" in error and "failed_rank" not in summary
 
 
+@pytest.mark.process
+def test_fold_ranks_names_a_rank_that_was_stopped_at_the_timeout(tmp_path):
+  """A rank stopped by SIGSTOP stalls the others at the next collective; the timeout listed every rank as 'still
+  running' and blamed none (breaker, 2026-12-04). The process states taken just before the kill name it; a real
+  deadlock (every rank sleeping) still blames none."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  from harness.ranks import Launched, fold_ranks, record_rank_states
+  _rank_files(tmp_path / "a", "")
+  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    time.sleep(0.2)
+    assert record_rank_states(tmp_path / "a", {0: os.getpid(), 1: sleeper.pid}) == {0: "R", 1: "T"}
+  finally:
+    sleeper.kill()
+    sleeper.wait()
+  status, error, summary = fold_ranks({}, "timeout", "side exceeded its timeout", Launched(None, None, True),
+                                      tmp_path / "a", 2)
+  assert status == "timeout" and error.startswith("rank 1 of 2 hung: it was stopped (process state T")
+  assert summary["failed_rank"]["rank"] == 1
+  _rank_files(tmp_path / "b", "")
+  (tmp_path / "b" / "rank_states.json").write_text('{"0": "S", "1": "S"}')
+  _, error, summary = fold_ranks({}, "timeout", "side exceeded its timeout", Launched(None, None, True),
+                                 tmp_path / "b", 2)
+  assert "failed_rank" not in summary and "ranks still running at the timeout: [0, 1]" in error
+
+
 def test_fold_ranks_names_a_crashed_rank_from_torchruns_report(tmp_path):
   from harness.ranks import Launched, fold_ranks
   _rank_files(tmp_path / "run", "Traceback ...\nRuntimeError: boom\n")
