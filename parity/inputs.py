@@ -130,8 +130,7 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
       import hjson
       data = hjson.loads(text, object_pairs_hook=object_pairs_hook)
     elif fmt == "yaml":
-      import yaml
-      data = yaml.safe_load(text)
+      data = _yaml_load_unique(text, source)
     else:
       raise ValueError(f"unknown format {fmt!r}")
   except RecursionError:
@@ -150,6 +149,33 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
                      "into it (a mapping of keys), or pass another")
   # every value of the tree takes >= 1 character of `text`; more values means references expanded it
   return check_tree(data, source, max_nodes=len(text) + 1)
+
+
+def _yaml_load_unique(text: str, source: str) -> Any:
+  """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently; the JSON and hjson
+  readers refuse duplicates, as DeepSpeed does), naming the key and its line. Raises InputError."""
+  import yaml
+
+  class UniqueKeys(yaml.SafeLoader):
+    pass
+
+  def mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:  # the keys written in this mapping; a '<<' merge's keys may be overridden
+      if key_node.tag == "tag:yaml.org,2002:merge":
+        continue
+      key = loader.construct_object(key_node, deep=deep)
+      try:
+        if key in seen:
+          raise InputError(f"{source}: duplicate key {key!r} in one mapping (lines {seen[key] + 1} and "
+                           f"{key_node.start_mark.line + 1}); keep one of them")
+        seen[key] = key_node.start_mark.line
+      except TypeError:  # an unhashable key: construct_mapping names it
+        break
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+  UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+  return yaml.load(text, Loader=UniqueKeys)  # noqa: S506 - a SafeLoader subclass
 
 
 _BIG_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+(?![\w.])")

@@ -514,3 +514,15 @@ def test_a_report_of_an_older_schema_is_refused_naming_the_version(tmp_path):
   with pytest.raises(InputError, match=r"written by another parity version \(report schema 'parity.report/1'; "
                                        rf"this version reads '{REPORT_SCHEMA}'"):
     load_report(tmp_path)
+
+
+def test_a_yaml_config_with_a_key_given_twice_is_refused_naming_key_and_lines(tmp_path, capsys):
+  """PyYAML keeps the last of two equal keys silently, while the JSON and hjson readers refuse them (breaker,
+  2026-12-04). A '<<' merge's keys may still be overridden, as YAML means them to be."""
+  from parity.cli import main
+  from parity.inputs import parse_text
+  bad = tmp_path / "dup.yaml"
+  bad.write_text("train:\n  lr: 0.001\n  lr: 0.002\n")
+  assert main(["estimate", "--config", str(bad)]) == 2
+  assert "duplicate key 'lr' in one mapping (lines 2 and 3)" in capsys.readouterr().err
+  assert parse_text("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n", "m", "yaml") == {"a": {"b": 1}, "c": {"b": 2}}
