@@ -120,10 +120,20 @@ class FsdpPlan:
   """Activations saved for the backward pass kept in host memory (`torch.autograd.graph.save_on_cpu` around each
   micro batch's forward, pinned where CUDA exists) and brought back when the backward needs them: PyTorch's
   counterpart of the JAX offload remat policies. Nothing is recomputed, so the numbers are the run without it."""
+  activation_checkpointing: bool = False
+  """Recompute each block in the backward pass (`torch.utils.checkpoint.checkpoint`, non-reentrant, around each block
+  of the sharded model, as torchtitan's full activation checkpointing): only each block's input is saved. FSDP2's
+  hooks all-gather the block's params again for the recompute. The counterpart of DeepSpeed's activation
+  checkpointing and JAX's remat='full'; the same ops on the same values, so the same numbers."""
 
   def validate(self) -> "FsdpPlan":
-    """Checks every field is a boolean. Returns self. Raises SpecError naming the `fsdp.<field>` and the value."""
-    for name in ("offload", "pin_memory", "reshard_after_forward", "activation_offload"):
+    """Checks every field is a boolean, and that activation_checkpointing and activation_offload are not both on.
+    Returns self. Raises SpecError naming the `fsdp.<field>` and the value."""
+    for name in ("offload", "pin_memory", "reshard_after_forward", "activation_offload", "activation_checkpointing"):
       if not isinstance(getattr(self, name), bool):
         raise SpecError(f"fsdp.{name} must be true or false; got {getattr(self, name)!r}")
+    if self.activation_checkpointing and self.activation_offload:
+      raise SpecError("fsdp.activation_checkpointing with fsdp.activation_offload: checkpointing saves each block's "
+                      "input only and recomputes the rest, save_on_cpu moves what is saved to the host; the side "
+                      "runs one of them (the plans pair each with its own counterpart); set one to false")
     return self

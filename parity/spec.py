@@ -384,7 +384,8 @@ class RunSpec:
 LATER_FIELDS: tuple[tuple[str, dict, bool], ...] = (
     ("train", LAYOUT_DEFAULTS, False),  # issue #13: padded/packed example data
     ("model", architecture.FAMILY_DEFAULTS, False),  # issue #21: Llama 3, Qwen, Gemma, Mistral
-    ("fsdp", to_dict(FsdpPlan()), True),  # issue #23: the FSDP2 side's plan
+    ("fsdp", {"activation_checkpointing": False}, False),  # issue #23: the remat pairs; before the whole section
+    ("fsdp", {k: v for k, v in to_dict(FsdpPlan()).items() if k != "activation_checkpointing"}, True),  # issue #23
     ("deepspeed", {"cpu_checkpointing": False}, False),  # issue #23: zero3-act-offload
 )
 """Fields added after runs, baselines and checkpoints were written, with their defaults: (section, field -> default,

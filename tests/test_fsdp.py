@@ -33,6 +33,13 @@ def test_fsdp_plan_at_its_defaults_keeps_every_config_hash():
   assert config_hash(apply_overrides(RunSpec(), {"fsdp.reshard_after_forward": False})) != config_hash(RunSpec())
   on = apply_overrides(RunSpec(), {"deepspeed.activation_checkpointing": True, "deepspeed.cpu_checkpointing": True})
   assert config_hash(on) != config_hash(apply_overrides(RunSpec(), {"deepspeed.activation_checkpointing": True}))
+  # measured on main before FsdpPlan.activation_checkpointing existed (commit 3970a09): an FSDP2 plan off its
+  # defaults keeps its hash too, and the new field changes it only when on
+  tiny_offload = apply_overrides(PRESETS["gpt2-tiny"], {"fsdp.offload": True})
+  assert config_hash(tiny_offload) == "ae942901fa8bd240"
+  assert config_hash(apply_overrides(tiny_offload, {"fsdp.activation_checkpointing": True})) != "ae942901fa8bd240"
+  with pytest.raises(SpecError, match="fsdp.activation_checkpointing with fsdp.activation_offload"):
+    apply_overrides(RunSpec(), {"fsdp.activation_checkpointing": True, "fsdp.activation_offload": True}).validate()
 
 
 def test_fsdp_plan_and_side_are_validated():

@@ -23,10 +23,15 @@ SMALL = {"model.n_layers": 2, "train.eval_every": 0}
 def test_the_fsdp_plans_of_the_pairs():
   with_fsdp = {n: p.fsdp for n, p in plans.PLANS.items() if p.fsdp is not None}
   assert with_fsdp == {"zero3": FsdpPlan(), "zero3-fsdp4": FsdpPlan(), "zero3-offload-all": FsdpPlan(offload=True),
-                       "scan-offload": FsdpPlan(offload=True), "zero3-act-offload": FsdpPlan(activation_offload=True)}
+                       "scan-offload": FsdpPlan(offload=True), "zero3-act-offload": FsdpPlan(activation_offload=True),
+                       "zero3-offload-all-remat": FsdpPlan(offload=True, activation_checkpointing=True),
+                       "scan-offload-remat": FsdpPlan(offload=True, activation_checkpointing=True)}
   for name, fsdp in with_fsdp.items():  # every FSDP2 pair is ZeRO-3 (FSDP2 always shards the params)
-    assert plans.PLANS[name].deepspeed.zero_stage == 3
-    assert fsdp.offload == (plans.PLANS[name].deepspeed.offload_param == "cpu")
+    ds = plans.PLANS[name].deepspeed
+    assert ds.zero_stage == 3 and fsdp.offload == (ds.offload_param == "cpu")
+    assert fsdp.activation_checkpointing == (ds.activation_checkpointing and not ds.cpu_checkpointing)
+    assert fsdp.activation_offload == ds.cpu_checkpointing
+  assert set(with_fsdp) == {n for n, p in plans.PLANS.items() if p.deepspeed.zero_stage == 3}
   run = RunSpec(sides=SIDES)
   assert plans.apply_plan(run, "scan-offload").fsdp == FsdpPlan(offload=True)
   assert plans.apply_plan(run, "zero2").fsdp == run.fsdp  # no counterpart: the run's own FSDP2 plan is kept
@@ -54,7 +59,7 @@ def test_a_pair_without_an_fsdp2_plan_is_refused_with_the_fsdp_side_and_auto_cos
   from parity.pipeline.resolve import resolve_run
   from parity.report.setup_table import plan_rows
   from parity.spec import SpecError
-  for plan, reason in (("zero2", "ZeRO-0/1/2"), ("scan-offload-remat", "no activation checkpointing")):
+  for plan, reason in (("zero2", "ZeRO-0/1/2"), ("act-offload", "ZeRO-0/1/2")):
     with pytest.raises(SpecError, match=rf"--plan {plan}: no FSDP2 counterpart \(.*{reason}.*zero3-act-offload"):
       resolve_run("gpt2-tiny", plan=plan, sides=["deepspeed", "fsdp"])
   assert resolve_run("gpt2-tiny", plan="zero2", sides=["deepspeed", "jax"]).plan["name"] == "zero2"
@@ -112,22 +117,26 @@ def test_the_pair_passes_on_one_rank_and_on_two_ranks(tmp_path, plan):
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.requires_torch
-def test_activation_offload_saves_on_cpu_and_changes_no_number(tmp_path):
+@pytest.mark.parametrize("key,built", [("activation_offload", "save_on_cpu"),
+                                       ("activation_checkpointing", "torch.utils.checkpoint (non-reentrant), every block")])
+def test_activation_offload_and_checkpointing_change_no_number(tmp_path, key, built):
   """fsdp.activation_offload (torch.autograd.graph.save_on_cpu around each forward) keeps what the backward needs in
-  host memory and recomputes nothing: every step record's loss and grad norm and every final param equal the run
-  without it, bit for bit (on the CPU the saved tensors are already host memory: the hooks run, nothing moves)."""
+  host memory and recomputes nothing; fsdp.activation_checkpointing keeps each block's input and recomputes the block
+  (with CPUOffloadPolicy here, so FSDP2 all-gathers the host shards again for the recompute). Either way every step
+  record's loss and grad norm and every final param equal the run without it, bit for bit (on the CPU the saved
+  tensors are already host memory: the hooks run, nothing moves)."""
   import numpy as np
   import parity
   from parity import weights
   kw = dict(steps=2, sides=["fsdp"], determinism_steps=0, noise_envelope=False)
   runs = {}
   for on in (False, True):
-    out = tmp_path / f"offload_{on}"
-    report = parity.compare("gpt2-tiny", out=out, overrides={**SMALL, "train.grad_accum_steps": 2,
-                                                              "fsdp.activation_offload": on}, **kw)
+    out = tmp_path / f"{key}_{on}"
+    report = parity.compare("gpt2-tiny", out=out, overrides={**SMALL, "train.grad_accum_steps": 2, f"fsdp.{key}": on,
+                                                              "fsdp.offload": key == "activation_checkpointing"}, **kw)
     assert report.passed, report.checks
     summary = json.loads((out / "fsdp" / "summary.json").read_text())
-    assert summary["fsdp"]["activation_offload"] == ("save_on_cpu" if on else None)
+    assert summary["fsdp"][key] == (built if on else None)
     runs[on] = (_side(out, "fsdp"), weights.load(out / "fsdp" / "final.safetensors"))
   (a, fa), (b, fb) = runs[False], runs[True]
   assert [(r["loss"], r["grad_norm"]) for r in a["steps"]] == [(r["loss"], r["grad_norm"]) for r in b["steps"]]
@@ -136,7 +145,7 @@ def test_activation_offload_saves_on_cpu_and_changes_no_number(tmp_path):
 
 @pytest.mark.parametrize("devices", [1, 8])
 def test_parity_plan_costs_the_fsdp_pairs_of_llama_7b_on_h100(devices, tmp_path, capsys):
-  """`parity plan --model llama-7b --sides deepspeed,jax,fsdp` (1 and 8 x H100): the ZeRO-3 pairs are costed with
+  """`parity plan --model llama-7b --sides deepspeed,jax,fsdp` (1 and 8 x H100): every ZeRO-3 pair is costed with
   the FSDP2 model (parity.sizing.fsdp_memory), every other pair is ranked last naming why, and the JSON says so."""
   from parity.cli import main
   from parity.sizing import memory
@@ -148,7 +157,8 @@ def test_parity_plan_costs_the_fsdp_pairs_of_llama_7b_on_h100(devices, tmp_path,
   assert rc == 0 and "fsdp GiB" in text
   ranked = {r["name"]: r for r in json.loads(out.read_text())["ranked"]}
   costed = {n for n, r in ranked.items() if r["step_s"] is not None and r["step_s"] != float("inf")}
-  assert costed == {"zero3", "zero3-offload-all", "scan-offload", "zero3-act-offload"}
+  assert costed == {"zero3", "zero3-offload-all", "scan-offload", "zero3-act-offload", "zero3-offload-all-remat",
+                    "scan-offload-remat"}
   for name in set(ranked) - costed:
     assert any("no FSDP2 counterpart" in p for p in ranked[name]["problems"]), ranked[name]
   best, cands = plans.choose_plan(MODEL_PRESETS["llama-7b"], memory.model_preset_train(MODEL_PRESETS["llama-7b"]),
@@ -189,11 +199,52 @@ def test_the_engine_line_names_each_engines_fastest_fitting_pair_and_what_it_lea
   sides = ("deepspeed", "jax", "fsdp")
   _, one = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=1, sides=sides)
   line = plans.engine_choice(one, "1 x H100")
-  assert line.startswith("engine, by estimated step time: stay on PyTorch (FSDP2 zero3-offload-all, ")
+  assert line.startswith("engine, each by its own side's estimated step time (a row's step is its slowest side's): stay on PyTorch (FSDP2 zero3-offload-all, ")
   assert "JAX's fastest that fits is scan-offload" in line and "leaves out its optimizer step on the CPU" in line
   _, eight = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=8, sides=sides)
-  assert plans.engine_choice(eight, "8 x H100").startswith("engine, by estimated step time: either (JAX zero3, ")
+  assert plans.engine_choice(eight, "8 x H100").startswith("engine, each by its own side's estimated step time (a row's step is its slowest side's): either (JAX zero3, ")
   _, tiny = plans.choose_plan(m, t, plans.custom_hardware(plans.HARDWARE["H100"], device_gib=4), sides=sides)
   assert plans.engine_choice(tiny, "1 x 4 GiB") == "engine: neither JAX nor FSDP2 fits 1 x 4 GiB with any pair"
   _, no_fsdp = plans.choose_plan(m, t, plans.HARDWARE["H100"], sides=("deepspeed", "jax"))
   assert plans.engine_choice(no_fsdp, "1 x H100") is None  # one engine costed: nothing to choose between
+
+
+@pytest.mark.requires_torch
+def test_recompute_block_runs_the_block_again_in_the_backward():
+  """torch_impl.fsdp.recompute_block (GPT.checkpoint under fsdp.activation_checkpointing) really recomputes: the
+  block's forward runs twice per forward + backward, and the gradients equal the plain call's."""
+  import torch
+  from torch_impl.fsdp import recompute_block
+  calls = []
+
+  class Block(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.w = torch.nn.Parameter(torch.linspace(-1, 1, 12).reshape(3, 4))
+
+    def forward(self, x, rope, mask=None):
+      calls.append(1)
+      return torch.tanh(x @ self.w.T) * rope
+
+  block, x, rope = Block(), torch.randn(2, 4, requires_grad=True), torch.randn(2, 3)
+  recompute_block(block, x, rope).sum().backward()
+  assert len(calls) == 2
+  g_ckpt, gx_ckpt = block.w.grad.clone(), x.grad.clone()
+  block.w.grad, x.grad = None, None
+  block(x, rope).sum().backward()
+  assert torch.equal(g_ckpt, block.w.grad) and torch.equal(gx_ckpt, x.grad)
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@requires_all
+def test_a_remat_pair_passes_with_its_fsdp2_plan(tmp_path):
+  """scan-offload-remat's FSDP2 plan (CPUOffloadPolicy + activation checkpointing): jax~deepspeed~fsdp PASS, and the
+  report's FSDP2 row says every block is recomputed."""
+  import parity
+  run = parity.compare("gpt2-tiny", sides=list(SIDES), out=tmp_path / "r", steps=STEPS, plan="scan-offload-remat",
+                       overrides=SMALL, determinism_steps=0, noise_envelope=False)
+  assert run.passed, [_why(tmp_path / "r", s, run.checks) for s in SIDES]
+  rep = json.loads((tmp_path / "r" / "report.json").read_text())
+  assert rep["plan"]["name"] == "scan-offload-remat" and rep["run"]["fsdp"]["activation_checkpointing"] is True
+  assert "every block recomputed in the backward (activation checkpointing)" in (tmp_path / "r" / "report.md").read_text()

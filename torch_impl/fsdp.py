@@ -21,6 +21,8 @@ What `FsdpTrainer` runs (torch 2.13):
     clipping rule (`torch_impl.baseline.clip_like_deepspeed`) on the global norm of `sharded_grad_norm`;
   * `fsdp.activation_offload`: each micro batch's forward under `torch.autograd.graph.save_on_cpu`, the saved
     activations in host memory until the backward (`_saved_tensors`);
+  * `fsdp.activation_checkpointing`: every block under non-reentrant `torch.utils.checkpoint` (`recompute_block`),
+    recomputed in the backward;
   * gradient accumulation as the plain-torch side: each micro batch backpropagates loss / train.grad_accum_steps;
     the reduce-scatter runs only after the last micro batch (`set_requires_gradient_sync`, DDP's no_sync).
 Checkpoints (DCP) are torch_impl/fsdp_side.py's. Imports torch and parity only.
@@ -127,6 +129,15 @@ def _shard(model: torch.nn.Module, mesh, kwargs: dict[str, Any]) -> None:
   fully_shard(model, mesh=mesh, **kwargs)
 
 
+def recompute_block(block, x, rope, mask=None):
+  """`GPT.checkpoint` under fsdp.activation_checkpointing: the block under non-reentrant
+  `torch.utils.checkpoint.checkpoint` (the form torch recommends; FSDP2's pre-forward hook all-gathers the block's
+  params again when the backward recomputes it). The rotary tables and the mask are inputs like x, saved whole."""
+  from torch.utils.checkpoint import checkpoint
+  args = (x, rope) if mask is None else (x, rope, mask)
+  return checkpoint(block, *args, use_reentrant=False)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
   """The whole tensor of a DTensor shard (an all-gather: a collective, every rank calls it), on the mesh's device
   first where the shard is offloaded to the host; a plain tensor as it is."""
@@ -219,6 +230,8 @@ class FsdpTrainer:
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
     self.fsdp_kwargs = policies(run, self.device.type == "cuda", plants)
     _shard(self.model, self.mesh, self.fsdp_kwargs)
+    if run.fsdp.activation_checkpointing:
+      self.model.checkpoint = recompute_block
     self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants), t)
     g0 = self.optimizer.param_groups[0]
     if g0.get("foreach") or g0.get("fused"):
@@ -374,5 +387,8 @@ class FsdpTrainer:
             "fsdp": {**fsdp_settings(self.model), "mesh": f"{self.mesh.device_type} x {self.world}",
                      "reshard_after_forward": self.run.fsdp.reshard_after_forward,
                      "activation_offload": ("save_on_cpu" + (" (pinned)" if self.device.type == "cuda" else "")
-                                            if self.run.fsdp.activation_offload else None)},
+                                            if self.run.fsdp.activation_offload else None),
+                     "activation_checkpointing": ("torch.utils.checkpoint (non-reentrant), every block"
+                                                  if getattr(self.model, "checkpoint", None) is recompute_block
+                                                  else None)},
             "versions": {"torch": torch.__version__}}

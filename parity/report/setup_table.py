@@ -47,7 +47,9 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
                                   f"{_fsdp_pinning(d, f)})" if f.get("offload") else "no offload")
                                + f", reshard_after_forward {f.get('reshard_after_forward')}"
                                + (", activations saved for the backward in host memory (save_on_cpu)"
-                                  if f.get("activation_offload") else "")))
+                                  if f.get("activation_offload") else "")
+                               + (", every block recomputed in the backward (activation checkpointing)"
+                                  if f.get("activation_checkpointing") else "")))
   for name, s in d["sides"].items():
     summ = s.get("summary") or {}
     if summ.get("state_memory_kinds"):

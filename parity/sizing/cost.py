@@ -123,7 +123,8 @@ def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
   t = run.train
   per = run.jax.data_parallel if side == "jax" else ranks if side == "fsdp" else 1  # jax, fsdp: global micro batch
   tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / per
-  policy = (run.jax.remat if side == "jax" else "none" if side == "fsdp" else
+  policy = (run.jax.remat if side == "jax" else
+            ("full" if run.fsdp.activation_checkpointing else "none") if side == "fsdp" else
             "full" if run.deepspeed.activation_checkpointing else "none")
   flops = tokens * (flops_per_token(run.model, t.seq_len) + recompute_flops_per_token(run.model, t.seq_len,
                                                                                            policy))

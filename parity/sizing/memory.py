@@ -373,13 +373,13 @@ def step_rows(rows: Iterable[Row], sides: Iterable[str] = ("deepspeed", "jax")) 
 def fsdp_rows(run: RunSpec, world: int = 1) -> list[Row]:
   """Rows (side 'fsdp') of rank 0 of `world` ranks: parity.sizing.fsdp_memory.fsdp_state_rows (resident state and
   in-step gathered params and gradient buffers), the activations as the plain-torch side's (`_activation_rows`, no
-  remat, micro_batch_size / world sequences; under fsdp.activation_offload, `save_on_cpu`, the saved activations
+  remat, or 'full' under fsdp.activation_checkpointing; micro_batch_size / world sequences; under fsdp.activation_offload, `save_on_cpu`, the saved activations
   are host rows and the float32 logits gradient stays an in-step device row) and the batch.
   Raises:
     ValueError: world < 1.
   """
   rows = [Row("fsdp", cat, kind, b, note) for cat, kind, b, note in fsdp_state_rows(run, world)]
-  acts = _activation_rows("fsdp", run, "none", ranks=world)
+  acts = _activation_rows("fsdp", run, "full" if run.fsdp.activation_checkpointing else "none", ranks=world)
   if run.fsdp.activation_offload:  # what autograd saves lives in host memory until the backward needs it
     acts = [Row("fsdp", r.category, "host", r.bytes, "saved for the backward in host memory (save_on_cpu)")
             if r.category == "activations" and r.kind == "device" and not r.note.startswith("in-step") else r

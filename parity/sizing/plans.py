@@ -6,8 +6,8 @@ ZeRO stage s <-> JAX `zero_stage` s (sharding over the data axis), DeepSpeed `of
 `offload_param: cpu` <-> `offload_params`, activation checkpointing <-> `remat='full'`. Where FSDP2 keeps the same
 state in the same places, the pair also names the FSDP2 side's plan (`Plan.fsdp`): ZeRO-3 <-> `fully_shard` on every
 block and the root; ZeRO-3 with params and optimizer on the CPU <-> `fully_shard` + `CPUOffloadPolicy`. FSDP2 always
-shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart, and the FSDP2 side recomputes nothing, so neither
-have the pairs with activation checkpointing but no cpu_checkpointing (None: an `fsdp` side runs its own plan).
+shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart (None: an `fsdp` side runs its own plan); activation
+checkpointing <-> `FsdpPlan.activation_checkpointing`.
 `apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
 model of `parity.sizing.memory` and the roofline step-time model of `parity.sizing.cost` (docs/plans.md), whose
 `Hardware`, `HARDWARE` and `step_time` are importable from here. No jax or torch import.
@@ -39,8 +39,7 @@ class Plan:
   """One line: what the pair keeps where."""
   fsdp: FsdpPlan | None = None
   """The FSDP2 side's plan that keeps the same state in the same places, or None where FSDP2 has none
-  (`fsdp_missing_reason`: a ZeRO-0/1/2 pair, or one that recomputes blocks; an `fsdp` side then runs the run's own
-  `RunSpec.fsdp`)."""
+  (`fsdp_missing_reason`: a ZeRO-0/1/2 pair; an `fsdp` side then runs the run's own `RunSpec.fsdp`)."""
 
 
 _OFF = dict(offload_optimizer="none")
@@ -48,6 +47,8 @@ _SHARD = FsdpPlan()
 """fully_shard on every block and the root, params resharded after forward: ZeRO-3's state and schedule."""
 _SHARD_OFFLOAD = FsdpPlan(offload=True)
 """The same with CPUOffloadPolicy: sharded params, gradients and optimizer state on the host, the step on the CPU."""
+_SHARD_OFFLOAD_REMAT = FsdpPlan(offload=True, activation_checkpointing=True)
+"""The same, every block recomputed in the backward pass (torch.utils.checkpoint)."""
 PLANS: dict[str, Plan] = {
     "zero0": Plan(DeepSpeedPlan(zero_stage=0, **_OFF), JaxPlan(offload_opt_state=False),
                   "everything replicated on the device: no sharding, no offload"),
@@ -66,7 +67,7 @@ PLANS: dict[str, Plan] = {
                               "ZeRO-3 with optimizer state and params on the host", _SHARD_OFFLOAD),
     "zero3-offload-all-remat": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu", activation_checkpointing=True),
                                     JaxPlan(offload_params=True, zero_stage=3, remat="full"),
-                                    "ZeRO-3, everything offloaded, every block recomputed"),
+                                    "ZeRO-3, everything offloaded, every block recomputed", _SHARD_OFFLOAD_REMAT),
     "zero3-fsdp4": Plan(DeepSpeedPlan(zero_stage=3, **_OFF), JaxPlan(offload_opt_state=False, zero_stage=3,
                                                                       data_parallel=4),
                         "FSDP over 4 devices on the JAX side (DeepSpeed: ZeRO-3 on its ranks)", _SHARD),
@@ -76,7 +77,7 @@ PLANS: dict[str, Plan] = {
                          "a time (JAX: scan, forward, backward and update)", _SHARD_OFFLOAD),
     "scan-offload-remat": Plan(DeepSpeedPlan(zero_stage=3, offload_param="cpu", activation_checkpointing=True),
                                JaxPlan(offload_params=True, zero_stage=3, scan_layers=True, remat="full"),
-                               "scan-offload + every block recomputed in the backward pass"),
+                               "scan-offload + every block recomputed in the backward pass", _SHARD_OFFLOAD_REMAT),
     "zero2-offload-scan": Plan(DeepSpeedPlan(), JaxPlan(scan_layers=True),
                                "default pair; JAX streams the Adam moments through the update one layer at a time"),
     "act-offload": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="offload_dots_no_batch"),
@@ -211,12 +212,9 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
 
 def fsdp_missing_reason(plan: Plan) -> str:
   """Why a pair has no FSDP2 plan (`Plan.fsdp` None), in words `parity plan` prints: a ZeRO-0/1/2 pair (FSDP2 always
-  shards the params), one that recomputes blocks (the FSDP2 side has no activation checkpointing), or one that shards
-  differently (the JAX side's own plan, e.g. JAX's scan streaming with ZeRO-2)."""
+  shards the params)."""
   if plan.deepspeed.zero_stage < 3:
     return "no FSDP2 counterpart (FSDP2 always shards the params; these pairs are ZeRO-0/1/2)"
-  if plan.deepspeed.activation_checkpointing and not plan.deepspeed.cpu_checkpointing:
-    return "no FSDP2 counterpart (the FSDP2 side has no activation checkpointing: nothing is recomputed)"
   return "no FSDP2 counterpart"
 
 
@@ -315,12 +313,12 @@ def engine_choice(ranked: list[Candidate], hw_name: str) -> str | None:
   if j is None and f is None:
     return f"engine: neither JAX nor FSDP2 fits {hw_name} with any pair"
   if j is None or (f is not None and f.side_step_s["fsdp"] < j.side_step_s["jax"]):
-    return (f"engine, by estimated step time: stay on PyTorch (FSDP2 {say('fsdp', f)}): "
+    return (f"engine, each by its own side's estimated step time (a row's step is its slowest side's): stay on PyTorch (FSDP2 {say('fsdp', f)}): "
             + ("no JAX plan fits" if j is None else f"JAX's fastest that fits is {say('jax', j)}") + caveat)
   if f is None or j.side_step_s["jax"] < f.side_step_s["fsdp"]:
-    return (f"engine, by estimated step time: JAX ({say('jax', j)}): "
+    return (f"engine, each by its own side's estimated step time (a row's step is its slowest side's): JAX ({say('jax', j)}): "
             + ("no FSDP2 plan fits" if f is None else f"FSDP2's fastest that fits is {say('fsdp', f)}") + caveat)
-  return (f"engine, by estimated step time: either (JAX {say('jax', j)}; FSDP2 {say('fsdp', f)}): the same"
+  return (f"engine, each by its own side's estimated step time (a row's step is its slowest side's): either (JAX {say('jax', j)}; FSDP2 {say('fsdp', f)}): the same"
           + caveat)
 
 
