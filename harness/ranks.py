@@ -32,7 +32,7 @@ from typing import Callable
 from harness import lifetime
 from parity import phase
 from parity.protocol.layout import PLANTED_HANG, PLANTED_KILL, count_lines, tail_text
-from parity.protocol.ranks import COORDINATOR_ENV, read_rank_records, rank_stderr
+from parity.protocol.ranks import COORDINATOR_ENV, rank_file, read_rank_records, rank_stderr
 
 __all__ = ["world_size", "torch_command", "jax_rank_envs", "launch_side", "fold_ranks", "Launched"]
 
@@ -236,6 +236,16 @@ def _wait_ranks(procs: dict, side: str, out: Path, t0: float, timeout_s: float, 
   return Launched(rc, biggest, timed_out, rank_codes=codes, rank_rss=rss, failed_rank=failed)
 
 
+def _rewrite(path: Path, record: dict) -> None:
+  """Writes `record` over a rank's file (temp file, then rename); a failure leaves the file as it was."""
+  tmp = path.with_suffix(".json.tmp")
+  try:
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, path)
+  except OSError:
+    tmp.unlink(missing_ok=True)
+
+
 def _kill_all(procs: dict, done: dict) -> None:
   for rank, p in procs.items():
     if rank not in done:
@@ -275,6 +285,9 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
       code = rec.get("exit_code")
       rec["status"] = ("not_started" if "pid" not in rec else "killed" if code is not None and code < 0
                        else "crashed" if code else "stopped")
+      if "pid" in rec:  # its own file said 'running' for ever after (breaker, 2026-12-03): the end is written there
+        rec["ended_by"] = "the harness: the rank wrote no end (killed, or stopped with the side)"
+        _rewrite(rank_file(out, k), rec)
   failed, hung, running = launched.failed_rank, None, ""
   if failed is None and status != "ok" and not launched.timed_out:
     failed = next((r["rank"] for r in records if PLANTED_KILL in _tail(rank_stderr(out, r["rank"]))), None)

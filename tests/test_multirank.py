@@ -215,6 +215,8 @@ def test_fold_ranks_names_a_crashed_rank_from_torchruns_report(tmp_path):
   assert status == "crashed" and error.startswith("rank 1 of 2 exited with code 1; the whole side was stopped")
   assert "RuntimeError: boom" in error and summary["nproc"] == 2
   assert {r["rank"]: r["status"] for r in summary["ranks"]} == {0: "stopped", 1: "crashed"}
+  on_disk = json.loads((tmp_path / "run" / "rank0.json").read_text())  # its own file no longer says 'running'
+  assert on_disk["status"] == "stopped" and on_disk["ended_by"].startswith("the harness")
 
 
 def test_fold_ranks_puts_the_failed_ranks_own_reason_in_the_first_line(tmp_path):
