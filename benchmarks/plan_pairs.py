@@ -1,10 +1,13 @@
-"""Every DeepSpeed <-> JAX plan pair of parity.sizing.plans.PLANS under `parity compare`, on CPU.
+"""Every plan pair of parity.sizing.plans.PLANS under `parity compare`, on this machine (CPU, or a GPU node's).
 
 For each pair: the verdict, max |Δloss| between the sides, each side's median step time and tokens/s,
 and the memory model's prediction against the bytes measured on the live state (report.json
 `measured.predicted_vs_measured`). Writes benchmarks/results/<date>-<host>-plan-pairs.{json,md}.
 
-Usage: python benchmarks/plan_pairs.py [--preset gpt2-tiny] [--steps 8] [--sides jax,deepspeed]
+With `fsdp` among --sides only the pairs that have an FSDP2 plan run (the others are listed as skipped, with the
+reason): `--sides jax,deepspeed,fsdp` is the FSDP2 check of a GPU node (CUDA + nccl), the same runs as on the CPU.
+
+Usage: python benchmarks/plan_pairs.py [--preset gpt2-tiny] [--steps 8] [--sides jax,deepspeed] [--nproc N]
 """
 from __future__ import annotations
 
@@ -20,7 +23,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from parity.sizing.plans import PLANS  # noqa: E402
+from parity.sizing.plans import PLANS, fsdp_missing_reason  # noqa: E402
+
+
+def gpu_name() -> str | None:
+  """The first GPU's name from nvidia-smi, or None (no driver, no GPU)."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                         timeout=30).stdout.strip().splitlines()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out[0].strip() if out else None
 
 
 def main() -> int:
@@ -28,15 +41,19 @@ def main() -> int:
   ap.add_argument("--preset", default="gpt2-tiny")
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--sides", default="jax,deepspeed")
+  ap.add_argument("--nproc", type=int, default=1, help="ranks per side (parity compare --nproc)")
   ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
   args = ap.parse_args()
   tmp = Path(tempfile.mkdtemp(prefix="parity-plans-"))
   rows = []
-  for name in PLANS:
+  for name, pair in PLANS.items():
     out = tmp / name
+    if "fsdp" in args.sides.split(",") and pair.fsdp is None:
+      rows.append({"plan": name, "exit": None, "verdict": f"skipped: {fsdp_missing_reason(pair)}"})
+      continue
     cmd = [sys.executable, "-m", "parity.cli", "compare", "--preset", args.preset, "--steps", str(args.steps),
            "--sides", args.sides, "--plan", name, "--out", str(out), "--no-progress",
-           "--determinism-steps", "0"]
+           "--determinism-steps", "0", "--nproc", str(args.nproc)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if not (out / "report.json").exists():
       rows.append({"plan": name, "exit": proc.returncode, "verdict": proc.stderr.strip()[-300:]})
@@ -55,18 +72,21 @@ def main() -> int:
                    for m in mem],
     })
     print(name, rows[-1]["verdict"], rows[-1]["max_abs_loss_diff"], flush=True)
-  versions = json.loads((tmp / next(iter(PLANS)) / "report.json").read_text())["environment"]["versions"] \
-      if (tmp / next(iter(PLANS)) / "report.json").exists() else {}
+  first = next((tmp / r["plan"] / "report.json" for r in rows if (tmp / r["plan"] / "report.json").exists()), None)
+  versions = json.loads(first.read_text())["environment"]["versions"] if first is not None else {}
+  gpu = gpu_name()
   result = {"date": dt.date.today().isoformat(), "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "gpu": None}, "versions": versions, "preset": args.preset, "steps": args.steps, "sides": args.sides,
-            "rows": rows}
+            "gpu": gpu}, "versions": versions, "preset": args.preset, "steps": args.steps, "sides": args.sides,
+            "nproc": args.nproc, "rows": rows}
   out = Path(args.results)
   out.mkdir(parents=True, exist_ok=True)
-  stem = f"{result['date']}-{platform.node() or 'host'}-cpu{os.cpu_count()}-plan-pairs"
+  where = (gpu or "").replace(" ", "-") or f"cpu{os.cpu_count()}"
+  extra = "" if args.sides == "jax,deepspeed" and args.nproc == 1 else f"-{args.sides.replace(',', '-')}-n{args.nproc}"
+  stem = f"{result['date']}-{platform.node() or 'host'}-{where}-plan-pairs{extra}"
   (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
   md = [f"# Plan pairs under `parity compare` — {result['date']}", "",
-        f"{platform.platform()}, {os.cpu_count()} CPUs, no GPU. Preset `{args.preset}`, {args.steps} steps, sides "
-        f"{args.sides}. Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
+        f"{platform.platform()}, {os.cpu_count()} CPUs, {gpu or 'no GPU'}. Preset `{args.preset}`, {args.steps} steps, "
+        f"sides {args.sides}, {args.nproc} rank(s) per side. Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
         "| plan | exit | max abs loss diff | step s (per side) | JAX state memory kinds | predicted = measured bytes |",
         "|---|---|---|---|---|---|"]
   for r in rows:

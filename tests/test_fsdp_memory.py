@@ -122,7 +122,7 @@ def test_estimate_prints_and_writes_fsdp(tmp_path, capsys):
   out = tmp_path / "e.json"
   assert main(["estimate", "--preset", "gpt2-tiny", "--ranks", "2", "--set", "fsdp.offload=true",
                "--json", str(out)]) == 0
-  text = capsys.readouterr().out
+  text = " ".join(capsys.readouterr().out.split())  # the title wraps with the terminal's width
   assert "fsdp device" in text and "fsdp host" in text and "FSDP2 (CPU offload, reshard after forward)" in text
   data = json.loads(out.read_text())
   run = preset("gpt2-tiny")
@@ -158,3 +158,15 @@ def test_one_rank_measured_equals_predicted(tmp_path, offload):
   for cat in EXACT:
     assert got[cat] == want[cat], f"{cat}: measured {got[cat]} != predicted {want[cat]}"
   assert got["master_params"] == got["buffers"] == {"device": 0, "host": 0}
+
+
+def test_estimate_says_when_the_micro_batch_does_not_split_over_the_fsdp_ranks(capsys):
+  """`estimate --model llama-1b --ranks 2` said 'the micro batch split over them' of a micro batch of 1, which
+  compare --nproc 2 refuses (breaker, 2026-12-04): it says what it counted and the micro batch that would split."""
+  from parity.cli import main
+  assert main(["estimate", "--model", "llama-1b", "--ranks", "2"]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert "micro batch 1 does not split over 2 ranks" in text and "--micro-batch 2 would" in text
+  assert "train_micro_batch_size_per_gpu" in text  # DeepSpeed's rows: that micro batch on each rank
+  assert main(["estimate", "--model", "llama-1b", "--ranks", "2", "--micro-batch", "2"]) == 0
+  assert "the micro batch split over them" in " ".join(capsys.readouterr().out.split())

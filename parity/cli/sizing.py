@@ -179,9 +179,15 @@ def run_estimate(args: argparse.Namespace) -> int:
   peaks = [out[f"peak_{w}_bytes"][s] for s in sides for w in ("device", "host")]
   unit = table_unit([*peaks, *(c for _, cells in steps for c in cells)])
   ranks = f"{args.ranks} rank{'s' * (args.ranks > 1)}"
+  per = -(-t.micro_batch_size // args.ranks)
+  split = ("the micro batch split over them" if t.micro_batch_size % args.ranks == 0 else
+           f"micro batch {t.micro_batch_size} does not split over {ranks} (compare --nproc {args.ranks} refuses "
+           f"it; --micro-batch {args.ranks * per} would): counted as {per} sequence{'s' * (per > 1)} each")
   table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
-                      f"{t.precision}, {plan_label(run)}, DeepSpeed on {ranks}; FSDP2 ({fsdp_label(run)}) on "
-                      f"{ranks}, the micro batch split over them ({unit[0]} per rank)")
+                      f"{t.precision}, {plan_label(run)}, DeepSpeed on {ranks}"
+                      + (" (that micro batch on each: train_micro_batch_size_per_gpu)" if args.ranks > 1 else "")
+                      + f"; FSDP2 ({fsdp_label(run)}) on "
+                      f"{ranks}, {split} ({unit[0]} per rank)")
   for col in ("category", *(f"{s} {k}" for s in sides for k in memory.KINDS)):
     table.add_column(col, justify="left" if col == "category" else "right")
   for cat in memory.CATEGORIES:
