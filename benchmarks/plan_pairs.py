@@ -36,6 +36,33 @@ def gpu_name() -> str | None:
   return out[0].strip() if out else None
 
 
+def markdown(result: dict) -> list[str]:
+  """The .md lines of one result (the .json's dict)."""
+  md = [f"# Plan pairs under `parity compare` — {result['date']}", "",
+        f"{result['machine']['platform']}, {result['machine']['cpu_count']} CPUs, {result['machine']['gpu'] or 'no GPU'}. Preset `{result['preset']}`, {result['steps']} steps, "
+        f"sides {result['sides']}, {result['nproc']} rank(s) per side. Versions: " + ", ".join(f"{k} {v}" for k, v in result['versions'].items()), "",
+        "| plan | exit | max abs loss diff | step s (per side) | JAX state memory kinds | predicted = measured bytes |",
+        "|---|---|---|---|---|---|"]
+  for r in result['rows']:
+    st = ", ".join(f"{s} {v:.3f}" for s, v in (r.get("step_time_s") or {}).items() if v)
+    mem = r.get("memory") or []
+    exact = sum(1 for m in mem if m["predicted"] == m["measured"])
+    kinds = ", ".join(f"{k}: {v}" for k, v in (r.get("jax_state_memory_kinds") or {}).items())
+    diff = r.get("max_abs_loss_diff")
+    if r["exit"] is None:  # not run: the reason
+      md.append(f"| `{r['plan']}` | {r['verdict']} | | | | |")
+      continue
+    md.append(f"| `{r['plan']}` | {r['exit']} | {diff if diff is None else format(diff, '.2e')} | {st} | {kinds} "
+              f"| {exact} of {len(mem)} rows |")
+  md += ["", "Rows that differ (predicted vs measured):", ""]
+  for r in result['rows']:
+    for m in r.get("memory") or []:
+      if m["predicted"] != m["measured"]:
+        md.append(f"- `{r['plan']}` {m['side']} {m['category']} {m['memory_kind']}: predicted {m['predicted']:,} B, "
+                  f"measured {m['measured']:,} B (ratio {m['ratio']:.3f})")
+  return md
+
+
 def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--preset", default="gpt2-tiny")
@@ -84,25 +111,7 @@ def main() -> int:
   extra = "" if args.sides == "jax,deepspeed" and args.nproc == 1 else f"-{args.sides.replace(',', '-')}-n{args.nproc}"
   stem = f"{result['date']}-{platform.node() or 'host'}-{where}-plan-pairs{extra}"
   (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-  md = [f"# Plan pairs under `parity compare` — {result['date']}", "",
-        f"{platform.platform()}, {os.cpu_count()} CPUs, {gpu or 'no GPU'}. Preset `{args.preset}`, {args.steps} steps, "
-        f"sides {args.sides}, {args.nproc} rank(s) per side. Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()), "",
-        "| plan | exit | max abs loss diff | step s (per side) | JAX state memory kinds | predicted = measured bytes |",
-        "|---|---|---|---|---|---|"]
-  for r in rows:
-    st = ", ".join(f"{s} {v:.3f}" for s, v in (r.get("step_time_s") or {}).items() if v)
-    mem = r.get("memory") or []
-    exact = sum(1 for m in mem if m["predicted"] == m["measured"])
-    kinds = ", ".join(f"{k}: {v}" for k, v in (r.get("jax_state_memory_kinds") or {}).items())
-    diff = r.get("max_abs_loss_diff")
-    md.append(f"| `{r['plan']}` | {r['exit']} | {diff if diff is None else format(diff, '.2e')} | {st} | {kinds} "
-              f"| {exact} of {len(mem)} rows |")
-  md += ["", "Rows that differ (predicted vs measured):", ""]
-  for r in rows:
-    for m in r.get("memory") or []:
-      if m["predicted"] != m["measured"]:
-        md.append(f"- `{r['plan']}` {m['side']} {m['category']} {m['memory_kind']}: predicted {m['predicted']:,} B, "
-                  f"measured {m['measured']:,} B (ratio {m['ratio']:.3f})")
+  md = markdown(result)
   (out / f"{stem}.md").write_text("\n".join(md) + "\n")
   print("\n".join(md))
   return 0
