@@ -57,7 +57,8 @@ PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PAREN
 LAUNCHED_ENV = "PARITY_BIND_TO_LAUNCHER"
 """Set ('1') on an engine launcher parity starts (torchrun, DeepSpeed's runner), and inherited by the ranks it
 starts: a rank, which has no PARENT_PID_ENV of its own (the launcher's watch_parent removed it), then dies with its
-launcher (PR_SET_PDEATHSIG). torchrun starts each rank in a session of its own, so killing the launcher's process
+launcher (PR_SET_PDEATHSIG with SIGKILL, which a stopped or blocked rank cannot hold off; harness.ranks also kills
+any rank still alive once the launcher has ended). torchrun starts each rank in a session of its own, so killing the launcher's process
 group does not reach them: without this a launcher killed by SIGKILL left its FSDP2 ranks training, and writing into
 a run folder whose report was already written (breaker, 2026-12-04)."""
 DEADLINE_GRACE_S = 30.0
@@ -166,12 +167,12 @@ def _die(why: str) -> None:
   os._exit(137)
 
 
-def _set_pdeathsig() -> bool:
+def _set_pdeathsig(sig: int = PARENT_DEATH_SIGNAL) -> bool:
   if not sys.platform.startswith("linux"):
     return False
   try:
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0) == 0
+    return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
   except (OSError, AttributeError):
     return False
 
@@ -219,9 +220,9 @@ def watch_parent(environ=os.environ) -> dict[str, object]:
   pid, fd, deadline = (environ.pop(k, None) for k in (PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV))
   armed: dict[str, object] = {"pdeathsig": False, "pipe": False, "deadline": None}
   if pid is None:
-    if environ.get(LAUNCHED_ENV) == "1":  # a rank of an engine launcher that parity started: dies with the launcher
-      armed["pdeathsig"] = _arm_parent_death_signal()
-      if os.getppid() == 1:  # the launcher died between starting this rank and the prctl
+    if environ.get(LAUNCHED_ENV) == "1":  # a rank of an engine launcher that parity started: dies with the launcher,
+      armed["pdeathsig"] = _set_pdeathsig(signal.SIGKILL)  # by SIGKILL: a rank stopped (SIGSTOP) or blocked in a C
+      if os.getppid() == 1:  # collective runs no handler (breaker, 2026-12-04); the launcher died before the prctl
         _die("its launcher was gone before it started")
     return armed
   armed["pdeathsig"] = _arm_parent_death_signal()

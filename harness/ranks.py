@@ -109,6 +109,7 @@ class Launched:
     rank_codes: rank -> exit code seen directly (JAX ranks; torchrun's report for the torch sides).
     rank_rss: rank -> peak RSS bytes from wait4 (JAX ranks only: the kernel's figure).
     failed_rank: the first rank that exited non-zero, or None.
+    launcher: the launcher module of a torch side, or None.
   """
   returncode: int | None
   rusage: object
@@ -116,6 +117,8 @@ class Launched:
   rank_codes: dict[int, int] = dataclasses.field(default_factory=dict)
   rank_rss: dict[int, int] = dataclasses.field(default_factory=dict)
   failed_rank: int | None = None
+  launcher: str | None = None
+  """The torch sides' launcher module (torch.distributed.run, deepspeed.launcher.runner); None for JAX ranks."""
 
 
 def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict[str, str], timeout_s: float,
@@ -138,7 +141,7 @@ def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict
       # per process): it gets the build allowance up front; the harness's watch still enforces timeout_s
       proc = lifetime.spawn(argv, stdout=so, stderr=se, env={**env, lifetime.LAUNCHED_ENV: "1"},
                             timeout_s=timeout_s + phase.BUILD_LIMIT_S)
-      return _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress)
+      return _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress, request, argv[3])
     procs = [lifetime.spawn(cmd, stdout=so, stderr=se, env={**env, **renv}, timeout_s=timeout_s)
              for renv in jax_rank_envs(launch)]
   first = int(launch["node_rank"]) * int(launch["nproc"])
@@ -182,7 +185,28 @@ def _stopped_ranks(out: Path) -> list[int]:
     return []
 
 
-def _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress) -> Launched:
+def kill_leftover_ranks(out: Path, request: str) -> list[int]:
+  """SIGKILLs every rank recorded in out/rank<k>.json that still runs once its launcher has ended, and returns their
+  ranks. A pid counts as that rank only while its command line names this run's `request` file (a pid the system
+  reused is left alone). The ranks die with their launcher by PR_SET_PDEATHSIG; this is the harness's own check."""
+  killed = []
+  for f in sorted(out.glob("rank*.json")):
+    try:
+      rec = json.loads(f.read_text())
+      pid, rank = int(rec["pid"]), int(rec["rank"])
+      cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+    if request in cmdline:
+      try:
+        os.kill(pid, signal.SIGKILL)
+        killed.append(rank)
+      except (ProcessLookupError, PermissionError):
+        pass
+  return killed
+
+
+def _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress, request: str, launcher: str) -> Launched:
   try:
     rc, rusage, timed_out = watch(proc, side, out, t0, timeout_s, on_progress,
                                   before_kill=lambda: record_rank_states(out, {}))
@@ -192,10 +216,11 @@ def _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress) -> Launch
     raise
   finally:
     lifetime.release(proc)
+    kill_leftover_ranks(out, request)
   found = _ROOT_CAUSE.search(_tail(out / "stderr.log", 20000))
   codes = {int(found.group(1)): int(found.group(2))} if found else {}
   failed = next(iter(codes), None)
-  return Launched(rc, rusage, timed_out, rank_codes=codes, failed_rank=failed)
+  return Launched(rc, rusage, timed_out, rank_codes=codes, failed_rank=failed, launcher=launcher)
 
 
 def _wait_ranks(procs: dict, side: str, out: Path, t0: float, timeout_s: float, on_progress) -> Launched:
@@ -303,6 +328,10 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
     error = summary["error"] = f"{error or 'side exceeded its timeout and was killed'}; {running}"
     summary["status"] = status
   who = failed if failed is not None else hung
+  if who is None and status == "killed" and launched.launcher and launched.returncode is not None \
+      and launched.returncode < 0:  # no rank failed first: the launcher itself was killed, and its ranks with it
+    error = summary["error"] = (f"its launcher ({launched.launcher}) {_code_text(launched.returncode)}; every rank "
+                                "was stopped with it (no rank had failed)")
   if who is None or status == "ok":
     return status, error, summary
   stderr = _tail(rank_stderr(out, who))

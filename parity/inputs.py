@@ -153,7 +153,8 @@ def parse_text(text: str, source: str, fmt: str, *, object_pairs_hook: Callable 
 
 def _yaml_load_unique(text: str, source: str) -> Any:
   """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently; the JSON and hjson
-  readers refuse duplicates, as DeepSpeed does), naming the key and its line. Raises InputError."""
+  readers refuse duplicates, as DeepSpeed does) and a key that is not a string (`1:`, `null:`; JSON keys are strings
+  and the spec readers expect names), naming the key and its line. Raises InputError."""
   import yaml
 
   class UniqueKeys(yaml.SafeLoader):
@@ -165,6 +166,9 @@ def _yaml_load_unique(text: str, source: str) -> Any:
       if key_node.tag == "tag:yaml.org,2002:merge":
         continue
       key = loader.construct_object(key_node, deep=deep)
+      if not isinstance(key, str):  # JSON and hjson keys are strings; a config's keys are names
+        raise InputError(f"{source}: key {key!r} (line {key_node.start_mark.line + 1}) is not a string "
+                         f"({type(key).__name__}); config keys are names: quote it or fix the key")
       try:
         if key in seen:
           raise InputError(f"{source}: duplicate key {key!r} in one mapping (lines {seen[key] + 1} and "

@@ -25,7 +25,7 @@ from parity.side_plans import REMAT_POLICIES, DeepSpeedPlan, FsdpPlan, JaxPlan
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError", "SIDES",
     "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX", "without_layout_defaults", "LAYOUT_DEFAULTS",
-    "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES", "REMAT_POLICIES", "LATER_FIELDS", "without_later_defaults",
+    "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES", "REMAT_POLICIES", "LATER_FIELDS", "without_later_defaults", "with_later_defaults",
 ]
 
 MAX_SEQ_LEN = 1 << 17
@@ -408,6 +408,19 @@ def without_later_defaults(data: dict) -> dict:
         del out[section]
       continue
     out[section] = {k: v for k, v in sec.items() if not (k in defaults and v == defaults[k])}
+  return out
+
+
+def with_later_defaults(data: dict) -> dict:
+  """`to_dict(RunSpec)` (or report.json's `run`) with every LATER_FIELDS field it lacks filled with its default: a
+  run written before a field existed reads as the run that holds its default (the gate's comparison,
+  parity.report.runconfig.run_as_compared, so a difference names only the fields that differ). Sections that are
+  not dicts are kept as they are. Returns a new dict."""
+  out = dict(data)
+  for section, defaults, _ in LATER_FIELDS:
+    sec = out.get(section, {})
+    if isinstance(sec, dict):
+      out[section] = {**defaults, **sec}
   return out
 
 

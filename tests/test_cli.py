@@ -269,7 +269,10 @@ def bad_paths(tmp_path):
      "--output {P}/afile/o.yaml: {P}/afile is a file where a folder is expected"),
     (["port", "{P}/ds.json", "--quiet", "--report-md", "{P}/afile/r.md"],
      "--report-md {P}/afile/r.md: {P}/afile is a file where a folder is expected"),
-    (["estimate", "--preset", "gpt2-tiny", "--json", "{P}/afile/e.json"], "--json {P}/afile/e.json: cannot write"),
+    (["estimate", "--preset", "gpt2-tiny", "--json", "{P}/afile/e.json"],
+     "--json {P}/afile/e.json: {P}/afile is a file where a folder is expected"),
+    (["plan", "--preset", "gpt2-tiny", "--json", "{P}/nofolder/p.json"],
+     "--json {P}/nofolder/p.json: folder {P}/nofolder does not exist"),
     (["convert-weights", "{P}/w.safetensors", "{P}/afile/o.safetensors"],
      "DST {P}/afile/o.safetensors: {P}/afile is a file where a folder is expected"),
     (["convert-weights", "{P}/w.safetensors", "{P}/afile/hf", "--to", "hf"],
@@ -522,3 +525,7 @@ def test_estimate_and_plan_keep_an_existing_json_file_unless_forced(tmp_path, ca
     assert main(cmd + ["--json", str(mine), "--force"]) in (0, 1) and json.loads(mine.read_text())
   assert main(["plan", "--preset", "gpt2-tiny", "--sides", "fsdp,fsdp"]) == 2
   assert "lists a side twice" in capsys.readouterr().err
+  assert main(["plan", "--preset", "gpt2-tiny", "--sides", "fsdp,,"]) == 2
+  assert "an empty entry" in capsys.readouterr().err
+  assert main(["plan", "--preset", "gpt2-tiny", "--json", "-"]) == 2  # doctor's '-' is stdout; here, a file named '-'
+  assert "--json -: this command prints its table to stdout" in capsys.readouterr().err

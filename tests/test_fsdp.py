@@ -153,18 +153,20 @@ def test_killed_fsdp_rank_is_named(tmp_path):
 @pytest.mark.process
 @pytest.mark.slow
 @requires_torch
-def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+@pytest.mark.parametrize("stop_rank", [False, True])
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, stop_rank):
   """kill -9 of the torchrun agent: torchrun starts each rank in a session of its own, so the harness's kill of the
   agent's group missed them, and the two FSDP2 ranks trained on unsupervised and rewrote the reported run's
-  summary.json (breaker, 2026-12-04). Each rank is bound to its launcher now (harness.lifetime.LAUNCHED_ENV): the side
-  is reported killed, and no rank outlives the report."""
+  summary.json (breaker, 2026-12-04). Each rank is bound to its launcher now (harness.lifetime.LAUNCHED_ENV, SIGKILL)
+  and the harness kills any recorded rank still alive: the side is reported killed, naming the launcher, and no rank
+  outlives the report, also when one rank was stopped (SIGSTOP) and the other blocked in a collective on it."""
   import signal
   from conftest import process_alive
   out = tmp_path / "run"
   cmd = [sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--sides", "fsdp", "--nproc", "2",
          "--steps", "20000", "--set", "train.eval_every=0", "--determinism-steps", "0", "--no-progress",
          "--timeout", "300", "--out", str(out)]
-  harness = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  parity_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   ranks = [out / "fsdp" / f"rank{k}.json" for k in (0, 1)]
   deadline = time.time() + 240
   while time.time() < deadline and not (all(r.exists() for r in ranks) and (out / "fsdp" / "steps.jsonl").exists()):
@@ -172,9 +174,12 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
   pids = [json.loads(r.read_text())["pid"] for r in ranks]
   agent = int(Path(f"/proc/{pids[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the ranks' parent
   assert "torch.distributed.run" in Path(f"/proc/{agent}/cmdline").read_text().replace("\0", " ")
+  if stop_rank:
+    os.kill(pids[1], signal.SIGSTOP)
+    time.sleep(2)
   os.kill(agent, signal.SIGKILL)
-  text, _ = harness.communicate(timeout=120)
-  assert harness.returncode == 1, text[-2000:]
+  text, _ = parity_proc.communicate(timeout=120)
+  assert parity_proc.returncode == 1, text[-2000:]
   deadline = time.time() + 15
   while time.time() < deadline and any(process_alive(p) for p in pids):
     time.sleep(0.2)
@@ -184,5 +189,6 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
   assert not left, left
   summary = json.loads((out / "fsdp" / "summary.json").read_text())
   assert summary["status"] == "killed", summary.get("error")
+  assert summary["error"].startswith("its launcher (torch.distributed.run) was killed by signal SIGKILL")
   time.sleep(2)
   assert json.loads((out / "fsdp" / "summary.json").read_text()) == summary  # nobody writes after the report

@@ -526,3 +526,8 @@ def test_a_yaml_config_with_a_key_given_twice_is_refused_naming_key_and_lines(tm
   assert main(["estimate", "--config", str(bad)]) == 2
   assert "duplicate key 'lr' in one mapping (lines 2 and 3)" in capsys.readouterr().err
   assert parse_text("a: &x {b: 1}\nc:\n  <<: *x\n  b: 2\n", "m", "yaml") == {"a": {"b": 1}, "c": {"b": 2}}
+  for text, key in (("train:\n  1: a\n  x: b\n", "key 1 (line 2) is not a string (int)"),
+                    ("null: a\n", "key None (line 1) is not a string (NoneType)")):
+    bad.write_text(text)  # was an internal error (sorting int and str keys), exit 1
+    assert main(["estimate", "--config", str(bad)]) == 2
+    assert key in capsys.readouterr().err

@@ -237,9 +237,7 @@ def run_plan(args: argparse.Namespace) -> int:
   Returns 0 when a plan fits, 1 when none does. Raises SpecError on bad input (main exits 2).
   """
   from rich.table import Table  # rich: loaded when a table is printed
-  sides = tuple(split_list(args.sides))
-  if len(set(sides)) != len(sides):
-    raise SpecError(f"--sides {args.sides}: lists a side twice; give each of deepspeed, jax, fsdp once")
+  sides = _plan_sides(args.sides)
   _check_json_target(args)
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
   pool_gib = host_limits.xla_pool_setting(os.environ)  # a bad value: SpecError naming the variable (exit 2)
@@ -358,10 +356,27 @@ def plan_header(inputs: dict) -> str:
           f"{inputs['peak_flops'] / 1e12:,.1f} TFLOP/s ({inputs['precision']}), MFU {inputs['mfu']:g}")
 
 
+def _plan_sides(text: str) -> tuple[str, ...]:
+  """`plan --sides`: comma-separated, no empty entry, no side twice (choose_plan checks the names). Raises SpecError."""
+  if any(not x.strip() for x in str(text).split(",")):
+    raise SpecError(f"--sides {text!r}: an empty entry; give comma-separated names out of deepspeed, jax, fsdp")
+  sides = tuple(split_list(text))
+  if len(set(sides)) != len(sides):
+    raise SpecError(f"--sides {text}: lists a side twice; give each of deepspeed, jax, fsdp once")
+  return sides
+
+
 def _check_json_target(args: argparse.Namespace) -> None:
   """SpecError (exit 2, before anything is computed) when --json names an existing file and --force is not given:
   nothing a user had is replaced without asking (breaker, 2026-12-04: `plan --json mine.json` overwrote it)."""
   path = getattr(args, "json", None)
+  if path == "-":
+    raise SpecError("--json -: this command prints its table to stdout and writes the JSON to a file; give a path")
+  parent = os.path.dirname(os.path.abspath(path)) if path else None
+  if parent and os.path.exists(parent) and not os.path.isdir(parent):
+    raise SpecError(f"--json {path}: {parent} is a file where a folder is expected; pick another path")
+  if parent and not os.path.isdir(parent):
+    raise SpecError(f"--json {path}: folder {parent} does not exist; create it or pick another path")
   if path and (os.path.isfile(path) or os.path.islink(path)) and not args.force:
     raise SpecError(f"--json {path}: it already exists and would be overwritten; pass --force to replace it, or "
                     "pick another path")

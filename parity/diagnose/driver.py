@@ -22,7 +22,7 @@ from parity.protocol.workers import DIAGNOSE_WORKERS
 from parity.inputs import load_json
 from parity.pipeline.folder import default_run_dir, parse_perturb, prepare_run_dir
 from parity.pipeline.perturb import plan_perturbations  # the fields each side applies (tied ones included)
-from parity.pipeline.resolve import resolve_run
+from parity.pipeline.resolve import check_fsdp_overrides_are_read, resolve_run
 from parity.sizing.resources import check_resources
 from parity.spec import RunSpec, SpecError, from_dict
 
@@ -270,6 +270,7 @@ def _resolve(preset, config, overrides, hf_model, sides, out, run_dir) -> tuple[
   parity.pipeline.resolve.resolve_run in `out` (default runs/<time>-diagnose-<hash>)."""
   if run_dir is None:
     resolved = resolve_run(preset, config=config, hf_model=hf_model, overrides=overrides, sides=sides)
+    check_fsdp_overrides_are_read(resolved.spec, resolved.overrides, "diagnose")
     return (Path(out) if out is not None else default_run_dir(resolved.spec, "diagnose"), resolved.spec,
             resolved.init_params)
   folder = Path(run_dir)

@@ -148,11 +148,14 @@ def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> di
   return parse_overrides(list(overrides))
 
 
-def check_fsdp_overrides_are_read(spec: RunSpec, over: Mapping[str, Any]) -> None:
+def check_fsdp_overrides_are_read(spec: RunSpec, over: Mapping[str, Any], command: str = "compare") -> None:
   """SpecError when a comparison's `fsdp.*` override would be ignored: the FSDP2 plan is read by the fsdp side only
   (`--sides torch --set fsdp.offload=true` ran the plain-torch side and never said the key did nothing). `parity
   estimate` and `parity plan` read the fsdp section whatever the sides, so they do not call this."""
   keys = [k for k in over if k == "fsdp" or k.startswith("fsdp.")]
+  if keys and command == "diagnose":
+    raise SpecError(f"--set {keys[0]}: the fsdp section is the FSDP2 side's plan, and `parity diagnose` has no fsdp "
+                    "side (its sides are jax, deepspeed, torch); leave the fsdp keys out")
   if keys and "fsdp" not in spec.sides:
     raise SpecError(f"--set {keys[0]}: the fsdp section is the FSDP2 side's plan, and this run's sides "
                     f"({','.join(spec.sides)}) do not include fsdp; add it (--sides {','.join(spec.sides)},fsdp) "

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.report.build import EXAMPLE_ARTIFACTS
-from parity.spec import without_later_defaults
+from parity.spec import with_later_defaults
 
 __all__ = ["flatten", "config_diff", "run_as_compared", "launch_config", "gate_config", "proven_deterministic", "final_digests",
            "tensor_digest", "thread_settings", "VOLATILE_KEYS", "INPUT_FILES", "THREAD_KEYS"]
@@ -73,11 +73,12 @@ def launch_config(run_dir: str | Path) -> dict[str, Any]:
 
 
 def run_as_compared(run: Any) -> Any:
-  """report.json's `run` (a RunSpec as a dict) with the fields added later that hold their defaults left out
-  (parity.spec.LATER_FIELDS: the train layout keys, the model family keys, deepspeed.cpu_checkpointing, an fsdp
-  section at its defaults), as config_hash does: a run written before those keys existed and one written after that
-  leaves them alone are the same configuration."""
-  return without_later_defaults(run) if isinstance(run, dict) else run
+  """report.json's `run` (a RunSpec as a dict) with the fields added later that it lacks filled with their defaults
+  (parity.spec.LATER_FIELDS: the train layout keys, the model family keys, deepspeed.cpu_checkpointing, the fsdp
+  section): a run written before those keys existed and one written after that leaves them alone are the same
+  configuration, and against a run that changes one of them only that key differs (a baseline without an fsdp
+  section against a run with fsdp.activation_checkpointing=true: one difference, not the whole section)."""
+  return with_later_defaults(run) if isinstance(run, dict) else run
 
 
 def gate_config(d: dict, run_dir: str | Path | None) -> dict[str, Any]:
