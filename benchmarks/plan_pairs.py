@@ -2,7 +2,8 @@
 
 For each pair: the verdict, max |Δloss| between the sides, each side's median step time and tokens/s,
 and the memory model's prediction against the bytes measured on the live state (report.json
-`measured.predicted_vs_measured`). Writes benchmarks/results/<date>-<host>-plan-pairs.{json,md}.
+`measured.predicted_vs_measured`). Writes benchmarks/results/<date>-<host>-<gpu or cpuN>-plan-pairs[-<sides>-n<N>]
+.{json,md} (no suffix for the default sides on one rank).
 
 With `fsdp` among --sides only the pairs that have an FSDP2 plan run (the others are listed as skipped, with the
 reason): `--sides jax,deepspeed,fsdp` is the FSDP2 check of a GPU node (CUDA + nccl), the same runs as on the CPU.

@@ -73,7 +73,8 @@ def register(sub) -> None:
   p.set_defaults(handler=run_estimate)
 
   p = sub.add_parser("plan", help="choose the sharding/offload/remat plan that fits a device and is fastest",
-                     description="Ranks every DeepSpeed <-> JAX plan pair by the memory model and a roofline step "
+                     description="Ranks every plan pair (DeepSpeed <-> JAX, and FSDP2 with --sides ...,fsdp) by the "
+                                 "memory model and a roofline step "
                                  "time on the given hardware and chooses the fastest that fits (docs/plans.md).",
                      epilog=PLAN_EXITS, formatter_class=argparse.RawDescriptionHelpFormatter)
   _add_run_source(p, "llama-7b")
@@ -156,7 +157,8 @@ def fsdp_label(run) -> str:
   p = run.fsdp
   return ", ".join(["CPU offload" if p.offload else "no offload",
                     "reshard after forward" if p.reshard_after_forward else "no reshard after forward"]
-                   + (["activations saved on the CPU"] if p.activation_offload else []))
+                   + (["activations saved on the CPU"] if p.activation_offload else [])
+                   + (["activation checkpointing"] if p.activation_checkpointing else []))
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -180,7 +182,8 @@ def run_estimate(args: argparse.Namespace) -> int:
   unit = table_unit([*peaks, *(c for _, cells in steps for c in cells)])
   ranks = f"{args.ranks} rank{'s' * (args.ranks > 1)}"
   per = -(-t.micro_batch_size // args.ranks)
-  split = ("the micro batch split over them" if t.micro_batch_size % args.ranks == 0 else
+  split = ("the whole micro batch" if args.ranks == 1 else
+           "the micro batch split over them" if t.micro_batch_size % args.ranks == 0 else
            f"micro batch {t.micro_batch_size} does not split over {ranks} (compare --nproc {args.ranks} refuses "
            f"it; --micro-batch {args.ranks * per} would): counted as {per} sequence{'s' * (per > 1)} each")
   table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
