@@ -15,7 +15,7 @@ import numpy as np
 
 from parity.errors import SpecError
 
-__all__ = ["FAMILY_DEFAULTS", "without_family_defaults", "validate", "layer_kinds", "layer_rope", "inv_freq",
+__all__ = ["FAMILY_DEFAULTS", "validate", "layer_kinds", "layer_rope", "inv_freq",
            "attention_factor", "rope_tables", "ROPE_TYPES", "LAYER_KINDS"]
 
 FAMILY_DEFAULTS: dict[str, Any] = {
@@ -33,15 +33,6 @@ ROPE_TYPES = {
 }
 """rope_scaling.rope_type -> its required keys. Other HF rope types (dynamic, longrope) are refused by name."""
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")
-
-
-def without_family_defaults(model: Mapping[str, Any]) -> dict[str, Any]:
-  """A to_dict() model section without the FAMILY_DEFAULTS fields that hold their defaults (config_hash)."""
-  out = dict(model)
-  for key, default in FAMILY_DEFAULTS.items():
-    if key in out and out[key] == default:
-      del out[key]
-  return out
 
 
 def layer_kinds(spec: Any) -> tuple[str, ...]:
