@@ -5,11 +5,12 @@ import argparse
 import errno
 import math
 import os
+from parity.errors import SpecError
 from parity.presets import DEFAULT_PRESET
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_BAD_INPUT", "Failure", "console", "add_allow_large", "split_list",
            "show_defaults", "add_run_source", "PATH_ARGS", "PATH_ERRNOS", "BAD_PATH_ERRNOS", "LIMITS",
-           "path_problem", "bad_path_arg", "path_error", "shown_path"]
+           "path_problem", "bad_path_arg", "path_error", "shown_path", "check_json_target"]
 
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -86,6 +87,25 @@ def count_arg(text: str) -> int:
 
 
 # ----------------------------------------------------------------------------- paths the user gives
+def check_json_target(path: str | None, force: bool, *, dash_is_stdout: bool = False) -> None:
+  """Refuses (SpecError, exit 2, before anything is computed) a `--json FILE` that cannot be written as asked: a
+  parent that is a file or missing, or a FILE that exists (a file or a link) without --force: nothing a user had is
+  replaced without asking. '-' is stdout where the command says so (`dash_is_stdout`: doctor); elsewhere it is
+  refused rather than written as a file named '-'. None (no --json) passes."""
+  if path is None or (path == "-" and dash_is_stdout):
+    return
+  if path == "-":
+    raise SpecError("--json -: this command prints its table to stdout and writes the JSON to a file; give a path")
+  parent = os.path.dirname(os.path.abspath(path))
+  if os.path.exists(parent) and not os.path.isdir(parent):
+    raise SpecError(f"--json {path}: {parent} is a file where a folder is expected; pick another path")
+  if not os.path.isdir(parent):
+    raise SpecError(f"--json {path}: folder {parent} does not exist; create it or pick another path")
+  if (os.path.isfile(path) or os.path.islink(path)) and not force:
+    raise SpecError(f"--json {path}: it already exists and would be overwritten; pass --force to replace it, or "
+                    "pick another path" + (" ('-' writes to stdout)" if dash_is_stdout else ""))
+
+
 PATH_ARGS = frozenset({"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline", "run_dirs",
                        "new", "json", "output", "report_json", "report_md", "src", "dst", "spec"})
 """The `dest` of every argument, on any command, that names a file or folder (tests/test_cli.py lists them per

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, console
+from parity.cli._common import EXIT_FAIL, EXIT_OK, check_json_target, console
 from parity.errors import SpecError
 from harness import doctor
 
@@ -44,12 +44,8 @@ def run(args: argparse.Namespace) -> int:
   """Probes, prints, writes --json. Raises SpecError on a bad --timeout or an unwritable --json path (exit 2)."""
   if args.timeout is not None and not args.timeout > 0:
     raise SpecError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
+  check_json_target(args.json, getattr(args, "force", False), dash_is_stdout=True)
   out = None if args.json in (None, "-") else Path(args.json)
-  if out is not None and not out.parent.is_dir():
-    raise SpecError(f"--json {args.json}: folder {out.parent} does not exist; create it or pick another path")
-  if out is not None and out.exists() and not getattr(args, "force", False):
-    raise SpecError(f"--json {args.json}: {out} already exists and would be overwritten; pass --force to replace "
-                     "it, or pick another path ('-' writes to stdout)")
   frameworks = doctor.probe_frameworks(bandwidth=not args.quick, build=args.build,
                                        timeout_s=args.timeout or doctor.PROBE_TIMEOUT_S)
   block = doctor.environment_block(quick=args.quick, frameworks=frameworks)

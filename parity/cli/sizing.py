@@ -11,7 +11,7 @@ import math
 import os
 import re
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, console, split_list
+from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, check_json_target, console, split_list
 from parity.presets import DEFAULT_PRESET
 from parity.overrides import parse_overrides
 from parity.spec import SpecError
@@ -170,7 +170,7 @@ def run_estimate(args: argparse.Namespace) -> int:
   from rich.table import Table  # rich: loaded when a table is printed
   if args.ranks < 1:
     raise SpecError(f"--ranks {args.ranks}: must be >= 1")
-  _check_json_target(args)
+  check_json_target(args.json, args.force)
   run = _resolve(args, default_model=None, plan=args.plan)
   out = memory.estimate_json(run, args.ranks)
   sides = memory.ESTIMATE_SIDES
@@ -241,7 +241,7 @@ def run_plan(args: argparse.Namespace) -> int:
   """
   from rich.table import Table  # rich: loaded when a table is printed
   sides = _plan_sides(args.sides)
-  _check_json_target(args)
+  check_json_target(args.json, args.force)
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
   pool_gib = host_limits.xla_pool_setting(os.environ)  # a bad value: SpecError naming the variable (exit 2)
   hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory,
@@ -367,22 +367,6 @@ def _plan_sides(text: str) -> tuple[str, ...]:
   if len(set(sides)) != len(sides):
     raise SpecError(f"--sides {text}: lists a side twice; give each of deepspeed, jax, fsdp once")
   return sides
-
-
-def _check_json_target(args: argparse.Namespace) -> None:
-  """SpecError (exit 2, before anything is computed) when --json names an existing file and --force is not given:
-  nothing a user had is replaced without asking (breaker, 2026-12-04: `plan --json mine.json` overwrote it)."""
-  path = getattr(args, "json", None)
-  if path == "-":
-    raise SpecError("--json -: this command prints its table to stdout and writes the JSON to a file; give a path")
-  parent = os.path.dirname(os.path.abspath(path)) if path else None
-  if parent and os.path.exists(parent) and not os.path.isdir(parent):
-    raise SpecError(f"--json {path}: {parent} is a file where a folder is expected; pick another path")
-  if parent and not os.path.isdir(parent):
-    raise SpecError(f"--json {path}: folder {parent} does not exist; create it or pick another path")
-  if path and (os.path.isfile(path) or os.path.islink(path)) and not args.force:
-    raise SpecError(f"--json {path}: it already exists and would be overwritten; pass --force to replace it, or "
-                    "pick another path")
 
 
 def _write_json(path: str, data) -> None:
