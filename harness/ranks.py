@@ -153,16 +153,23 @@ STATES_FILE = "rank_states.json"
 the kill; `fold_ranks` names a rank that was stopped (state T: SIGSTOP, a debugger) as the one that hung."""
 
 
-def record_rank_states(out: Path, pids: dict[int, int]) -> dict[int, str]:
-  """{rank: process state letter} of `pids` (rank -> pid; or, when empty, the pids the ranks wrote in rank<k>.json),
+def _recorded_pids(out: Path) -> dict[int, int]:
+  """{rank: pid} as the ranks wrote them in out/rank<k>.json; a file that cannot be read, or holds no pid, is left
+  out (a rank that never started)."""
+  pids = {}
+  for f in sorted(out.glob("rank*.json")):
+    try:
+      rec = json.loads(f.read_text())
+      pids[int(rec["rank"])] = int(rec["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  return pids
+
+
+def record_rank_states(out: Path, pids: dict[int, int] | None = None) -> dict[int, str]:
+  """{rank: process state letter} of `pids` (rank -> pid; None: the pids the ranks wrote, `_recorded_pids`),
   written to out/STATES_FILE. A process that is gone is left out. Raises nothing: this runs on the way to a kill."""
-  if not pids:
-    for f in out.glob("rank*.json"):
-      try:
-        rec = json.loads(f.read_text())
-        pids[int(rec["rank"])] = int(rec["pid"])
-      except (OSError, ValueError, KeyError, TypeError):
-        continue
+  pids = _recorded_pids(out) if pids is None else pids
   states = {}
   for rank, pid in pids.items():
     try:
@@ -190,12 +197,10 @@ def kill_leftover_ranks(out: Path, request: str) -> list[int]:
   ranks. A pid counts as that rank only while its command line names this run's `request` file (a pid the system
   reused is left alone). The ranks die with their launcher by PR_SET_PDEATHSIG; this is the harness's own check."""
   killed = []
-  for f in sorted(out.glob("rank*.json")):
+  for rank, pid in _recorded_pids(out).items():
     try:
-      rec = json.loads(f.read_text())
-      pid, rank = int(rec["pid"]), int(rec["rank"])
       cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except (OSError, ValueError, KeyError, TypeError):
+    except OSError:
       continue
     if request in cmdline:
       try:
@@ -209,7 +214,7 @@ def kill_leftover_ranks(out: Path, request: str) -> list[int]:
 def _wait_launcher(proc, side, out, t0, timeout_s, watch, on_progress, request: str, launcher: str) -> Launched:
   try:
     rc, rusage, timed_out = watch(proc, side, out, t0, timeout_s, on_progress,
-                                  before_kill=lambda: record_rank_states(out, {}))
+                                  before_kill=lambda: record_rank_states(out))
   except BaseException:
     lifetime.kill_tree(proc.pid)
     os.wait4(proc.pid, 0)

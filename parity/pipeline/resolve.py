@@ -353,8 +353,8 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
   """(the named or planner-chosen parity.sizing.plans.Plan (.jax, .deepspeed), {name, chosen_by, why?}). A named pair is
   validated with the rest of the run at the end; the planner ('auto') chooses for the run as the flags and
   overrides (`user`, dotted keys) will make it."""
-  raw = user.get("sides")
-  sides = tuple(raw.split(",")) if isinstance(raw, str) else tuple(raw) if isinstance(raw, (list, tuple)) else spec.sides
+  # the sides the run will have (a list from --sides or an override; anything else apply_overrides refuses later)
+  sides = tuple(user["sides"]) if isinstance(user.get("sides"), (list, tuple)) else spec.sides
   if plan != "auto":
     if plan not in plans.PLANS:
       raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
