@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# TPU VM measurements in one command (docs/benchmarks.md, "On a TPU VM"): installs what the VM image lacks
+# (benchmarks/tpu_parts/env.sh), then runs one part and tars its folder into $OUT (default
+# benchmarks/results/tpu-<date>). Parts: recon (doctor, numerics probe, a few compares with their run folders), matrix
+# (benchmarks/tpu_parts/matrix.py: the family x precision x plan grid of `parity compare --sides jax,torch`, the
+# plants, and a JAX run folder for a cross-machine join). Each part stays under BUDGET_S seconds (default 480).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:-matrix}
+shift || true
+export OUT=${OUT:-benchmarks/results/tpu-$(date -u +%Y-%m-%d)}
+mkdir -p "$OUT"
+source benchmarks/tpu_parts/env.sh
+case "$PART" in
+  recon) source benchmarks/tpu_parts/recon.sh ;;
+  *) python3 benchmarks/tpu_parts/"$PART".py --out "$OUT" "$@" ;;
+esac

@@ -1,0 +1,22 @@
+# Sourced by benchmarks/tpu.sh: installs what a TPU VM's image lacks into a writable target and sets the environment.
+# The VM's own package index (/opt/pypi/simple) and wheel folder (/opt/wheels) give flax, optax, orbax, safetensors,
+# matplotlib, pyyaml, transformers and torch's CPU build; pydantic, rich, hjson, py-cpuinfo, psutil and deepspeed
+# come as wheels carried in .whl-tpu/ (docs/install.md, "On a TPU VM"). PYTHONPATH is appended to, never replaced:
+# the image puts jax and libtpu on it.
+SITE=${PARITY_TPU_SITE:-${TMPDIR:-/tmp}/parity-site}
+t0=$(date +%s)
+if [ ! -f "$SITE/.done" ]; then
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
+    --index-url file:///opt/pypi/simple --find-links .whl-tpu --find-links /opt/wheels --target "$SITE" \
+    flax optax orbax-checkpoint safetensors matplotlib pyyaml pydantic rich psutil hjson py-cpuinfo tqdm \
+    ninja msgpack einops packaging torch==2.13.0 2>&1 | grep -v "^WARNING" | tail -5 || true
+  if compgen -G ".whl-tpu/deepspeed-*.whl" > /dev/null; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --target "$SITE" \
+      .whl-tpu/deepspeed-*.whl 2>&1 | grep -v "^WARNING" | tail -3 || true
+  fi
+  touch "$SITE/.done"
+fi
+echo "[tpu.sh] install: $(( $(date +%s) - t0 )) s into $SITE"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/parity-torch-extensions}
+export DS_ACCELERATOR=cpu
