@@ -21,6 +21,7 @@ from typing import Mapping
 from harness import launch
 from harness.env import jax_pool_choice, side_spec, thread_environ
 from parity import environment as env
+from parity import sockets
 from parity.errors import SpecError
 from parity.numerics_flags import numerics_flags
 from parity.sizing import host_limits
@@ -141,7 +142,8 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
     timeout_s: per probe, seconds.
   Returns:
     {'schema', 'quick', 'host', 'packages', 'git', 'cuda_driver', 'gpus', 'worker_threads', 'frameworks',
-    'host_limits' (`host_limits_block`), 'numerics_flags' (parity.numerics_flags.numerics_flags)};
+    'host_limits' (`host_limits_block`), 'numerics_flags' (parity.numerics_flags.numerics_flags), 'sockets'
+    (parity.sockets.sockets_record: whether a loopback TCP socket can be bound, what that means for the sides)};
     worker_threads: the thread settings a one-rank worker started now gets (harness.env.thread_environ: the
     variables, who set each, the inputs, the reason); torch's own view is frameworks.torch.thread_settings where
     torch was probed, and every torch side's summary.json `threads`.
@@ -156,7 +158,8 @@ def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | No
   return {"schema": SCHEMA, "quick": quick, "host": env.host_info(), "packages": env.package_versions(),
           "git": git_state(), "cuda_driver": evidence, "gpus": gpu_info(topology=not quick),
           "worker_threads": thread_environ(dict(os.environ)), "frameworks": dict(frameworks),
-          "host_limits": host_limits_block(os.environ), "numerics_flags": numerics_flags(os.environ)}
+          "host_limits": host_limits_block(os.environ), "numerics_flags": numerics_flags(os.environ),
+          "sockets": sockets.sockets_record()}
 
 
 def host_limits_block(environ: Mapping[str, str], **paths: str) -> dict[str, object]:
@@ -166,7 +169,8 @@ def host_limits_block(environ: Mapping[str, str], **paths: str) -> dict[str, obj
   raw = environ.get(host_limits.XLA_POOL_ENV)
   pool: dict[str, object] = {"variable": host_limits.XLA_POOL_ENV, "value": raw,
                              "applies": "per GPU, XLA's GPU client only: on the CPU backend pinned_host is ordinary "
-                                        "memory and the variable is not read"}
+                                        "memory and on a TPU it comes from the runtime's premapped region "
+                                        "(TPU_PREMAPPED_BUFFER_SIZE); there the variable is not read"}
   try:
     gib = host_limits.xla_pool_setting(environ)
     pool.update(gib=gib or host_limits.XLA_POOL_DEFAULT_GIB, source="env" if gib else "default")

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import jax
 import jaxlib
 
-from parity.protocol.placement import PLACEMENT_SCHEMA
+from parity.protocol.placement import PLACEMENT_SCHEMA, host_compute_mismatch, split_host_compute
 from parity.spec import JaxPlan, to_dict
 
 from jax_impl import hlo_transfers as hlo
@@ -226,11 +226,8 @@ def plan_mismatches(rows, activations, host_ops, plan: JaxPlan, backend: str) ->
     out.append({"class": "activations", "role": "residuals", "expected": a["expected"], "compiled": "host",
                 "detail": f"plan jax.remat={plan.remat} keeps residuals off the host; the step's jaxpr moves "
                           f"{a['jaxpr_to_host_by_policy']} to host beyond the remat='none' step's"})
-  for op in host_ops:
-    out.append({"class": op["class"] or "unknown", "role": "compute", "expected": "device", "compiled": "host",
-                "detail": f"the compiled step computes {op['opcode']} {op['name']} ({op['bytes']} bytes, "
-                          f"{op['tensor']}) in host memory; the plan moves host-resident state to the device to "
-                          "compute (jax_impl.offload.Placement.to_device)"})
+  bulk, _, _ = split_host_compute(host_ops)
+  out.extend(host_compute_mismatch(op) for op in bulk)
   return out
 
 

@@ -3,7 +3,7 @@
 
   rotary.layout        `layers.apply_rope` on the basis vector e_0 with a constant angle: the rotated mass lands
                        on index H/2 (half-split, HF rotate_half) or 1 (interleaved)
-  mlp.gelu_form        `layers.mlp_activation(spec)` at x = 1 (tanh 0.841192, erf 0.841345, silu 0.731059)
+  mlp.gelu_form        `layers.mlp_activation(spec)` at parity.semantics.GELU_PROBE_X (x = 1 and -3)
   norm.*               a `layers.Norm` of the run's spec (scale 1, bias 0) on known vectors: the form from
                        (1, 3, 1, 3, ...), eps from +-a at the amplitude whose output is nearest 0.5, the statistics'
                        dtype from a float16 input of +-300 (300^2 overflows float16 but not float32)
@@ -46,8 +46,9 @@ __all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "l
 
 
 def gelu_form(act: Any) -> str:
-  """'tanh' | 'erf' | 'silu' | 'other': the form of a nonlinearity function of one array, probed at x = 1."""
-  return card_lib.classify_gelu(float(np.asarray(act(jnp.ones((1,), jnp.float32)))[0]))
+  """'tanh' | 'erf' | 'silu' | 'other': the form of a nonlinearity function of one array, probed at
+  parity.semantics.GELU_PROBE_X in float32."""
+  return card_lib.classify_gelu(np.asarray(act(jnp.asarray(card_lib.GELU_PROBE_X, jnp.float32)), np.float64))
 
 
 def rotary_layout(apply_rope: Any, head_dim: int) -> str:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from parity.protocol.loop import Side, SideSummary
+from parity.protocol.memory_figures import device_memory_fields, host_rss_fields, vm_rss_bytes
 from parity.protocol.placement import PLACEMENT_FILE, write_placement
 from parity.protocol.side import SideIO
 from parity.spec import to_dict
@@ -28,14 +29,25 @@ class JaxSide(Side):
   """
 
   def build(self, io: SideIO) -> None:
-    """jax.distributed first (several ranks), then the Trainer on a mesh over every process's devices."""
+    """jax.distributed first (several ranks), then the backend's start between two VmRSS readings
+    (`_open_backend`), then the Trainer on a mesh over every process's devices."""
     from jax_impl import distributed  # after force_host_devices (module docstring)
     from jax_impl.step import Trainer
     self.io = io
     distributed.initialize()  # (0, 1) and nothing done with one rank
+    self._open_backend()
     self.trainer = Trainer.build(io.run, io.init_params(), mesh=distributed.global_mesh() if io.world > 1 else None,
                                  plants=io.plants)
     self.gathered = distributed.Gathered(self.trainer) if io.world > 1 else None
+
+  def _open_backend(self) -> None:
+    """Opens jax's backend (`jax.devices()`, which the Trainer's build would call first) between two VmRSS
+    readings: jax, flax, optax and jax_impl are imported by then and nothing has touched a device, so the jump is
+    the runtime's start (on a TPU, the mapping it makes when it opens the chip: parity.protocol.memory_figures)."""
+    import jax  # after force_host_devices
+    self.rss_readings = {"before_backend": vm_rss_bytes()}
+    self.platform = jax.devices()[0].platform
+    self.rss_readings["backend_opened"] = vm_rss_bytes()
 
   def semantics(self, io: SideIO) -> dict[str, Any]:
     """The semantics card of the built Trainer (jax_impl.semantics: each item probed on its own objects)."""
@@ -132,20 +144,26 @@ class JaxSide(Side):
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__}
 
   def summary(self) -> SideSummary:
-    """The first device's name and peak bytes (one rank: the mesh's; several: this process's), the state's bytes by
-    memory kind, and the plan's evidence (memory kinds, shardings, compiled memory and offload, compile times)."""
+    """The first device's name and peak bytes (one rank: the mesh's; several: this process's): the larger of the
+    allocator's peak and the compiled step's (parity.protocol.memory_figures.device_memory_fields, both kept; on the
+    CPU neither), the VmRSS readings and the runtime's mapping (`host_rss_fields`), the state's bytes by memory
+    kind, and the plan's evidence (memory kinds, shardings, compiled memory and offload, compile times)."""
     import jax  # after force_host_devices
     from jax_impl import offload
     t = self.trainer
     device = t.placement.mesh.devices.flat[0] if self.io.world == 1 else jax.local_devices()[0]
     stats = device.memory_stats()  # None on CPU
-    extra = {"state_memory_kinds": offload.state_memory_kinds(t.state), "memory_analysis": t.memory_analysis,
+    allocator = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+    memory = device_memory_fields(allocator, t.memory_analysis, device.platform)
+    rss = {**getattr(self, "rss_readings", {}), "end": vm_rss_bytes()}
+    extra = {**{k: v for k, v in memory.items() if k != "peak_device_bytes"},
+             **host_rss_fields(rss, getattr(self, "platform", device.platform)),
+             "state_memory_kinds": offload.state_memory_kinds(t.state), "memory_analysis": t.memory_analysis,
              "offload_evidence": t.offload_evidence(), "state_bytes_all_devices": offload.bytes_by_memory_kind(t.state),
              "state_shardings": offload.state_sharding_specs(t.state), "mesh_devices": int(t.placement.mesh.size),
              "compile_times_s": t.compile_times_s, "plan": to_dict(self.io.run.jax)}
     if getattr(self, "placement_error", None):
       extra["placement_error"] = self.placement_error
     return SideSummary(versions=self.versions(), device=str(device),
-                       peak_device_bytes=int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats
-                       else None,
+                       peak_device_bytes=memory["peak_device_bytes"],
                        state_bytes_by_memory_kind=offload.bytes_by_memory_kind(t.state, device), extra=extra)

@@ -122,8 +122,9 @@ def test_mismatches_name_the_class_both_ways_and_the_residuals():
   assert plan_mismatches(rows[2:], _acts("host", 5), [], plan, "cpu") == []
   gpu = plan_mismatches(rows[2:], _acts("host", 5, copies=0), [], plan, "gpu")  # the jaxpr moves, the HLO does not
   assert [m["class"] for m in gpu] == ["activations"] and "0 host-bound copies in the HLO" in gpu[0]["detail"]
-  stray = plan_mismatches([], _acts("device", 3), [{"name": "add.9", "opcode": "add", "bytes": 8, "tensor": "t",
-                                                    "class": "opt_state"}], JaxPlan(), "gpu")
+  ops = [{"name": "add.9", "opcode": "add", "bytes": 4096, "tensor": "t", "class": "opt_state"},
+         {"name": "add.10", "opcode": "add", "bytes": 8, "tensor": "count", "class": "opt_state"}]  # a scalar: listed
+  stray = plan_mismatches([], _acts("device", 3), ops, JaxPlan(), "gpu")
   assert [(m["class"], m["compiled"]) for m in stray] == [("activations", "host"), ("opt_state", "host")]
 
 

@@ -3,7 +3,7 @@ trainer is built and before step 1 (`torch_impl.side.TorchSide.semantics`), and 
 param groups (`decay_groups_of`).
 
   rotary.layout        `torch_impl.layers._apply_rope` on the basis vector e_0 at a constant angle
-  mlp.gelu_form        the built model's first block `MLP.act` at x = 1
+  mlp.gelu_form        the built model's first block `MLP.act` at parity.semantics.GELU_PROBE_X
   norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
                        (parity.semantics.norm_probe)
   attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call); the
@@ -63,8 +63,8 @@ def decay_groups_of(model: torch.nn.Module, weight_decay: float, plants: frozens
 
 
 def gelu_form(act: Any) -> str:
-  """'tanh' | 'erf' | 'silu' | 'other' of a nonlinearity module or function, at x = 1."""
-  return card_lib.classify_gelu(float(act(torch.ones(1, dtype=torch.float32))[0]))
+  """'tanh' | 'erf' | 'silu' | 'other' of a nonlinearity module or function, at parity.semantics.GELU_PROBE_X."""
+  return card_lib.classify_gelu(act(torch.tensor(card_lib.GELU_PROBE_X, dtype=torch.float32)).double().tolist())
 
 
 def rotary_layout(apply_rope: Any, head_dim: int) -> str:

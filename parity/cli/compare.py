@@ -201,6 +201,8 @@ def print_summary(report, con) -> None:
   for line in perturbation_lines(report.data):  # each --perturb and whether the side ran it (the report's table)
     con.print(line, style="bold red" if "NOT APPLIED" in line else None, soft_wrap=True, markup=False)
   style = "bold green" if report.passed else "bold red"
+  for why in (report.data.get("sides_not_run") or {}).values():  # a side this machine could not start (parity.sockets)
+    con.print(why.get("reason"), style="bold red" if why.get("named") else None, soft_wrap=True, markup=False)
   con.print(f"[{style}]{verdict_sentence(report.data)}[/{style}]")
   moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
   if moved:

@@ -1,9 +1,12 @@
 """`parity doctor [--quick] [--json FILE] [--build]`: what this machine offers each side (DeepSpeed's ds_report role).
 
-Prints the environment block (harness.doctor.environment_block): versions, the devices each framework sees, the
-memory kinds JAX accepts here, whether DeepSpeed's CPU Adam op is built and loads, pinned-host <-> device copy
-bandwidth, CPU/NUMA and GPU topology; `--json FILE` also writes it (the same block every run records as
-environment.json). Exit 0 when both frameworks were probed; 1 when a probe failed (the table says which).
+Prints the environment block (harness.doctor.environment_block): versions, the devices each framework sees, JAX's
+chip (kind, count, device memory), the memory kinds JAX accepts here, whether DeepSpeed's CPU Adam op is built and
+loads, the host <-> device link (the step round trip first, then the standalone copies), on a TPU the runtime's
+host-buffer settings and numerics flags, whether this machine allows sockets (DeepSpeed's init, torch.distributed and
+jax.distributed need them), CPU/NUMA and GPU topology; `--json FILE` also writes it (the same block every run records
+as environment.json). Exit 0 when both frameworks were probed; 1 when a probe failed (the table says which). The
+JAX rows and the sockets row are parity.cli.doctor_jax's.
 """
 from __future__ import annotations
 
@@ -15,16 +18,19 @@ from pathlib import Path
 from parity.cli._common import EXIT_FAIL, EXIT_OK, check_json_target, console
 from parity.errors import SpecError
 from harness import doctor
+from parity.cli.doctor_jax import jax_rows, pool_text_tpu, sockets_row
 
 __all__ = ["register", "run", "rows"]
 
 
 def register(sub) -> None:
   """Adds `doctor` to the subparsers `sub`."""
-  p = sub.add_parser("doctor", help="versions, devices, memory kinds, DeepSpeed ops, copy bandwidth, topology",
+  p = sub.add_parser("doctor", help="versions, devices, memory kinds, DeepSpeed ops, host link, sockets, topology",
                      description="Reports what this machine offers each side: package versions, the devices JAX "
-                                 "and torch see, the memory kinds JAX accepts, whether DeepSpeed's CPU Adam op is "
-                                 "built and loads, host <-> device copy bandwidth, CPU/NUMA and GPU topology. Each "
+                                 "and torch see (JAX's chip and its memory), the memory kinds JAX accepts, whether "
+                                 "DeepSpeed's CPU Adam op is built and loads, the host <-> device link, a TPU's "
+                                 "host-buffer and numerics settings, whether sockets are allowed (DeepSpeed and "
+                                 "torch.distributed need them), CPU/NUMA and GPU topology. Each "
                                  "framework is probed in its own process. Exit 0: every probe answered; 1: one "
                                  "failed (shown); 2: bad input.")
   p.add_argument("--json", metavar="FILE", help="also write the block as JSON to FILE ('-': stdout instead of the "
@@ -101,15 +107,7 @@ def rows(block: dict) -> list[tuple[str, str]]:
   if "error" in jx:
     out.append(("jax", f"PROBE FAILED: {jx['error']}"))
   else:
-    mk = jx.get("memory_kinds", {})
-    out += [("jax backend", f"{jx.get('backend')}: " + ", ".join(f"{d['platform']}:{d['id']} {d['kind']}"
-                                                                  for d in jx.get("devices", []))),
-            ("jax platforms", ", ".join(f"{k}: {v}" for k, v in (jx.get("platforms") or {}).items())),
-            ("jax memory kinds", ", ".join(f"{k} {'accepted' if v is True else v}"
-                                           for k, v in (mk.get("accepted") or {}).items())
-             + f" (default {mk.get('default')})"),
-            ("jax copy bandwidth", _fmt_bw(jx.get("bandwidth"), ("numpy_to_device", "device_to_pinned_host",
-                                                                 "pinned_host_to_device")))]
+    out += jax_rows(jx)  # chip, memory kinds, host link (the step round trip first), a TPU's settings
   if "error" in tc:
     out.append(("torch", f"PROBE FAILED: {tc['error']}"))
   else:
@@ -125,6 +123,7 @@ def rows(block: dict) -> list[tuple[str, str]]:
                                                                    "host_to_device_pageable",
                                                                    "device_to_host_pageable")))]
   out += host_rows(block)
+  out.append(sockets_row(block))  # the loopback check (parity.sockets): DeepSpeed, torch.distributed, jax.distributed
   gpus = block.get("gpus")
   out.append(("gpus (nvidia-smi)", "; ".join(gpus["gpus"]) if gpus else "nvidia-smi not installed"))
   if gpus and gpus.get("topology"):
@@ -151,8 +150,11 @@ def host_rows(block: dict) -> list[tuple[str, str]]:
     text = (f"{pool.get('gib')} GiB per GPU (" + (f"{var}={pool.get('value')}" if pool.get("source") == "env" else
                                                  f"XLA's default; {var} not set") + ")")
   backend = jx.get("backend")
-  text += (f"; jax here runs on {backend}: the pool applies to GPU backends only" if backend not in ("gpu", "cuda")
-           else "; applies to this jax's GPU devices, one pool each")
+  if backend == "tpu":  # the variable is XLA's GPU client's; a TPU's pinned host memory is the premapped region
+    text = (text + "; " if pool.get("source") == "invalid" else "") + pool_text_tpu(var, jx)
+  else:
+    text += (f"; jax here runs on {backend}: the pool applies to GPU backends only" if backend not in ("gpu", "cuda")
+             else "; applies to this jax's GPU devices, one pool each")
   cg = hl.get("cgroup") or None
   cg_text = ("no cgroup memory controller readable" if cg is None else
              f"cgroup v{cg.get('version')} {cg.get('path')}: " + ("no limit" if cg.get("limit_bytes") is None else
@@ -163,7 +165,8 @@ def host_rows(block: dict) -> list[tuple[str, str]]:
   out = [("jax pinned-host pool", text), ("host memory", mem)]
   nf = (block.get("numerics_flags") or {}).get("values") or {}
   set_ = [f"{k}={v}" for k, v in nf.items() if v is not None]
-  out.append(("numerics flags", ", ".join(set_) or f"none set ({', '.join(nf)}: the frameworks' defaults)"))
+  out.append(("numerics flags", (", ".join(set_) or f"none set ({', '.join(nf)}: the frameworks' defaults)")
+              + ("; the TPU's own: the 'tpu numerics flags' row" if backend == "tpu" else "")))
   return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from harness import backend, doctor, lifetime, runner
+from parity import sockets
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
@@ -33,7 +34,7 @@ from parity.spec import RunSpec, SpecError
 from parity.sizing.resources import check_rank_count, check_resources
 
 __all__ = ["compare", "run_comparison", "RunOptions", "OPTION_FIELDS", "SOURCE_KEYWORDS", "split_keywords",
-           "check_run_options"]
+           "check_run_options", "socket_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +179,9 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   Returns, Raises: as `compare`; a Ctrl-C is re-raised once the report of what ran is written.
   """
   t0 = options.started_s if options.started_s is not None else time.time()
+  check_fsdp_overrides_are_read(run.spec, run.overrides)
+  run, not_run = socket_plan(run, options)  # before anything reads the sides: a side left out is gone from here on
   spec = run.spec
-  check_fsdp_overrides_are_read(spec, run.overrides)
   if isinstance(options.perturb, Mapping):  # the mapping form skips parse_perturb, which validates the strings
     pert = dict(options.perturb)
     check_perturb(pert, spec)
@@ -187,11 +189,13 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
   post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
+  for line in not_run.not_run.values():  # the one line per side, whatever --no-progress says: it changes the result
+    print(f"parity compare: {line}", file=sys.stderr, flush=True)
   with lifetime.stop_signals():
     folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
     lifetime.on_disk(f"no report was written; {folder.path} holds the run's inputs only")
     try:
-      report, interrupted = _run_and_report(run, options, folder, t0, post_asked=not post.empty)
+      report, interrupted = _run_and_report(run, options, folder, t0, post_asked=not post.empty, not_run=not_run)
       if interrupted is None and not post.empty:
         with lifetime.activity("the --baseline gate or the --tracker mirrors were running (after the report)",
                                on_stop="they were stopped: gate.json, gate.md and the trackers may be incomplete"):
@@ -203,8 +207,8 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   return report
 
 
-def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
-                    post_asked: bool) -> tuple[Report, KeyboardInterrupt | None]:
+def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *, post_asked: bool,
+                    not_run: sockets.SidePlan) -> tuple[Report, KeyboardInterrupt | None]:
   """The sides, the reruns and the written report; returns it and the Ctrl-C that stopped a side or rerun (None).
   Only a worker is stopped at once: the rest is held (harness.lifetime.activity), and a stop held while the
   records are compared skips the reruns (the run is INTERRUPTED); one held while the report is written is raised
@@ -215,6 +219,8 @@ def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
     loads: dict[str, dict] = {}
 
     def one_side(side: str):  # the machine's load around each side: its timings are only as good as that
+      if side in not_run.not_run:  # a named side this machine cannot start (parity.sockets.plan_sides)
+        return runner.not_run(side, not_run.not_run[side])
       loads[side] = {"start": _load()}
       try:
         return runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress)
@@ -245,14 +251,14 @@ def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
                            on_stop="that was finished first" + (
                                "; the --baseline gate and --tracker mirrors were not run" if post_asked else "")):
       report = _build(run, options, folder, side_runs, side_data, checks + reruns.checks, table, reruns, loads,
-                      interrupted is not None, t0)
+                      interrupted is not None, t0, not_run)
       write_all(report)
     lifetime.on_disk(_report_on_disk(report))
   return report, interrupted
 
 
 def _build(run: ResolvedRun, options: RunOptions, folder, side_runs, side_data, checks, table, reruns, loads,
-           interrupted: bool, t0: float) -> Report:
+           interrupted: bool, t0: float, not_run: sockets.SidePlan) -> Report:
   """build_report with everything the run gathered."""
   spec, claim = run.spec, folder.claim
   return build_report(
@@ -263,7 +269,8 @@ def _build(run: ResolvedRun, options: RunOptions, folder, side_runs, side_data, 
       run_folder={"run_id": claim.run_id, "moved_aside_to": str(claim.moved_to) if claim.moved_to else None,
                   "stale_lock_taken_over": claim.stale_lock,
                   "command": options.command if options.command is not None else " ".join(sys.argv)},
-      interrupted=interrupted, side_loads=loads, checkpoint=run.init_source)
+      interrupted=interrupted, side_loads=loads, checkpoint=run.init_source,
+      sides_not_run={s: {"reason": why, "named": not_run.named} for s, why in not_run.not_run.items()})
 
 
 def _report_on_disk(report: Report) -> str:
@@ -276,6 +283,23 @@ def _report_on_disk(report: Report) -> str:
   word = str((report.data.get("verdict") or {}).get("message") or "").split(":", 1)[0]  # PASS, FAIL, INTERRUPTED
   what = "the report of what ran" if word == "INTERRUPTED" else "the report"
   return f"{what} is written, verdict {word}: {where / 'report.html'}, with report.json, report.md and card.json"
+
+
+def socket_plan(run: ResolvedRun, options: RunOptions) -> tuple[ResolvedRun, sockets.SidePlan]:
+  """The run with the sides this machine can start, where it refuses sockets (parity.sockets.loopback_refusal, once,
+  here, before anything starts): a side the user did not name that needs them (DeepSpeed, FSDP2) is left out of the
+  run; a named one stays, to be recorded as not run (the verdict then fails: exit 1). Returns (the run, the
+  SidePlan). Raises SpecError (exit 2): several ranks per side, or --equivalence ranks, where sockets are refused."""
+  error = sockets.loopback_refusal()
+  if error is not None and "ranks" in parse_equivalence(options.equivalence):
+    raise SpecError(f"--equivalence ranks reruns each side on 2 ranks, which meet over sockets, and this machine "
+                    f"refuses them ({sockets.PROBE}: {error}); leave 'ranks' out here, or run on a machine that "
+                    "allows sockets")
+  plan = sockets.plan_sides(run.spec.sides, world=options.nproc * options.nnodes, named=run.sides_named,
+                            error=error)
+  if plan.sides == run.spec.sides:
+    return run, plan
+  return dataclasses.replace(run, spec=dataclasses.replace(run.spec, sides=plan.sides).validate()), plan
 
 
 def _load() -> list[float] | None:

@@ -134,6 +134,13 @@ class ResolvedRun:
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   tokenizer: str | None = None
   """Padded/packed text records: the folder of their tokenizer.json (`--tokenizer`); None: init_source's."""
+  sides_named: bool = False
+  """The user named the sides (`sides`, an override of `sides`, or a config whose sides differ from the default):
+  a named side that cannot run here fails the run; an unnamed one is left out (parity.sockets.plan_sides)."""
+
+
+_DEFAULT_SIDES = next(f.default for f in dataclasses.fields(RunSpec) if f.name == "sides")
+"""RunSpec's sides when nothing names them (jax, deepspeed, torch)."""
 
 
 def overrides_mapping(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
@@ -207,6 +214,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   over = overrides_mapping(overrides)
   model = None if model is None else model_preset_name(model)  # 'Llama-3.1-8B' or its HF repo id: 'llama-3.1-8b'
   name, spec, init_source, init_params = _base_config_checkpoint(preset_name, model, config, hf_model)  # 1, 2, 3
+  sides_named = sides is not None or "sides" in over or spec.sides != _DEFAULT_SIDES
   # 5 and 6 as one mapping of dotted keys, the overrides after the flags (a later key wins)
   user = {**_flag_values(steps=steps, sides=sides, data=data, micro_batch=micro_batch, seq_len=seq_len,
                          grad_accum=grad_accum, precision=precision), **over}
@@ -232,7 +240,8 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   return ResolvedRun(spec=spec, preset=name, plan=plan_record, init_source=init_source,
                      tokenizer=None if tokenizer is None else str(Path(tokenizer).expanduser().absolute()),
                      init_params=init_params, deepspeed_config=ds_cfg,
-                     deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
+                     deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over,
+                     sides_named=sides_named)
 
 
 def _base_config_checkpoint(preset_name: str | None, model: str | None, config: str | Path | Mapping | None,

@@ -15,13 +15,60 @@ from typing import Any
 from parity.protocol.workers import SIDE_WORKERS
 
 __all__ = ["PLACEMENT_FILE", "PLACEMENT_SCHEMA", "PLACEMENT_WORKER", "writes_placement", "read_placement",
-           "write_placement"]
+           "write_placement", "BOOKKEEPING_BYTES", "split_host_compute", "host_compute_mismatch", "judged_mismatches"]
 
 PLACEMENT_FILE = "placement.json"
 """In run_dir/<side>/: the compiled step's placement (jax_impl.placement.placement_record)."""
 PLACEMENT_SCHEMA = "parity.placement/1"
 PLACEMENT_WORKER = "jax_impl.worker"
 """The worker module that writes placement.json (its step is compiled ahead of time)."""
+
+
+BOOKKEEPING_BYTES = 8
+"""A host-memory op whose result is at most this many bytes (one scalar: a float32/int32 count, a predicate, a 64-bit
+value) is bookkeeping, listed and not failed. XLA:TPU computes such scalars in host memory when their operands live
+there: measured on a TPU v5e (tests/data/tpu_v5e, five plans and families), every one of the 32-59 host ops of a step
+was a 4-byte add/maximum/power/convert (the Adam bias-correction terms of the offloaded update count) or a 1-byte
+compare, 136-236 bytes per step in all. What the plan is about (params, gradients, moments, activations) is tensors
+of KiB and up, so a bulk op in host memory is never this small."""
+
+_ASYNC_PARTS = ("-start", "-done", "-update")
+"""Opcode suffixes of an async op's halves (custom-call-done of a host-offload move, copy-done, ...): the completion
+of a move that lands in host memory, not compute. A real host computation of jax's compute_on is marked
+_xla_compute_type="host" and is listed by its own opcode."""
+
+
+def split_host_compute(ops: Any) -> tuple[list[dict], list[dict], list[dict]]:
+  """(bulk, bookkeeping, moves) of placement.json's transfers.host_compute: the ops computing in host memory that
+  contradict the plan, the scalar ones listed only (BOOKKEEPING_BYTES), and the async halves of moves."""
+  bulk, small, moves = [], [], []
+  for op in ops if isinstance(ops, list) else []:
+    if not isinstance(op, dict):
+      continue
+    opcode, size = str(op.get("opcode")), op.get("bytes")
+    if opcode.endswith(_ASYNC_PARTS):
+      moves.append(op)
+    elif isinstance(size, (int, float)) and not isinstance(size, bool) and 0 <= size <= BOOKKEEPING_BYTES:
+      small.append(op)
+    else:
+      bulk.append(op)
+  return bulk, small, moves
+
+
+def host_compute_mismatch(op: dict[str, Any]) -> dict[str, Any]:
+  """The placement mismatch of one bulk op that computes in host memory."""
+  return {"class": op.get("class") or "unknown", "role": "compute", "expected": "device", "compiled": "host",
+          "detail": f"the compiled step computes {op.get('opcode')} {op.get('name')} ({op.get('bytes')} bytes, "
+                    f"{op.get('tensor')}) in host memory; the plan moves host-resident state to the device to "
+                    "compute (jax_impl.offload.Placement.to_device)"}
+
+
+def judged_mismatches(rec: dict[str, Any]) -> list[dict[str, Any]]:
+  """The record's mismatches with the host-compute ones judged anew from transfers.host_compute (split_host_compute:
+  only bulk ops count), so a record written before the rule (every host op a mismatch) reads the same as a new one."""
+  rows = [m for m in rec.get("mismatches") or [] if isinstance(m, dict) and m.get("role") != "compute"]
+  bulk, _, _ = split_host_compute((rec.get("transfers") or {}).get("host_compute"))
+  return rows + [host_compute_mismatch(op) for op in bulk]
 
 
 def writes_placement(side: str) -> bool:

@@ -166,7 +166,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
                  verdict: Verdict, wall_s: float, prepare_s: float, plan: dict | None = None,
                  reruns: dict[str, Any] | None = None, reruns_s: float = 0.0, run_folder: dict | None = None,
                  interrupted: bool = False, side_loads: dict[str, dict] | None = None,
-                 checkpoint: str | None = None) -> Report:
+                 checkpoint: str | None = None, sides_not_run: dict[str, dict] | None = None) -> Report:
   """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
 
   Args:
@@ -182,6 +182,9 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
     side_loads: side -> {start, end}: os.getloadavg() (1/5/15-minute load) when the side started and ended
       (the sides run one after another on a shared machine: their timings are only as good as the load).
     checkpoint: the Hugging Face checkpoint folder the initial weights and model came from (`--hf-model`), or None.
+    sides_not_run: side -> {'reason', 'named'} of each side that never started because this machine cannot run it
+      (parity.sockets.plan_sides: a side the user named is also in `sides`, status not_run; one they did not name
+      is left out of the run and recorded only here). None: every side could start.
   Returns:
     The Report (JSON-ready data; not written: parity.report.write_all).
   """
@@ -203,6 +206,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
       "checks": [c.to_json() for c in checks],
       "params_table": params_table_json(params_table),
       "sides": sides,
+      "sides_not_run": dict(sides_not_run or {}),
       "timing": _timing(wall_s, prepare_s, sides_s, reruns_s),
       "plan": plan,
       **_rerun_sections(reruns),

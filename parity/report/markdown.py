@@ -226,6 +226,10 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
                                       *(h for _, h in cols), "init s", "compile s", "op build/load s", "peak RSS",
                                       "peak device", "state by memory kind", "backend"],
                                      [[r[k] for k in keys] for r in side_table.side_rows(d)])
+  out += [line for note in side_table.memory_notes(d) for line in ("", md_text(note) + ".")]
+  for name, why in (d.get("sides_not_run") or {}).items():  # this machine could not start it (parity.sockets)
+    if name not in d["sides"]:  # a named one is in the table above, its reason below as its error
+      out += ["", strong(f"{name} not run") + ": " + md_text(why.get("reason"))]
   for name, s in d["sides"].items():
     ranks = side_table.rank_table(s)
     if ranks:

@@ -138,6 +138,9 @@ def _sides_html(d: dict) -> str:
                                                                    "memory_kinds", "backend"))
   out = H.table([h for _, h in keys], [[r[k] for k, _ in keys] for r in rows],
                 row_classes=[None if r["status"] == "ok" else "fail" for r in rows], numeric=numeric)
+  out += "".join(f"<p>{H.esc(note)}.</p>" for note in side_table.memory_notes(d))
+  out += "".join(f"<p><strong>{H.esc(name)} not run</strong>: {H.esc(why.get('reason'))}</p>"  # parity.sockets
+                 for name, why in (d.get("sides_not_run") or {}).items() if name not in d["sides"])
   for name, s in d["sides"].items():
     if s.get("error"):
       out += H.details(f"{name} {s['status']}: error output", H.code("\n".join(s["error"].strip().splitlines()[-20:]),

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from parity.protocol.placement import judged_mismatches, split_host_compute
 from parity.report.cells import fmt, fmt_bytes
 from parity.report.placement_strip import strip_extent
 
@@ -28,7 +29,7 @@ PLACEMENT_SCHEMA = "parity.placement/1"
 _NUM, _INT, _STR, _OPT_STR, _DIR = "number or null", "whole number >= 0", "text", "text or null", "'h2d' or 'd2h'"
 _CLASS = {"class": _STR, "role": _STR, "memory_space": _STR, "expected": _OPT_STR, "buffers": _NUM,
           "host_buffers": _NUM, "bytes": _NUM, "host_bytes": _NUM}
-_COPY = {"tensor": _STR, "class": _STR, "direction": _DIR, "bytes": _NUM, "start": _INT, "done": _INT,
+_COPY = {"tensor": _OPT_STR, "class": _OPT_STR, "direction": _DIR, "bytes": _NUM, "start": _INT, "done": _INT,
          "window_ops": _NUM, "window_flops": _NUM}
 _MISMATCH = {"class": _STR, "role": _STR, "expected": _OPT_STR, "compiled": _OPT_STR, "detail": _STR}
 _ITEM = {"tensor": _STR, "direction": _DIR, "bytes": _NUM, "times_per_step": _NUM, "from": _OPT_STR}
@@ -185,7 +186,8 @@ def _bytes(n) -> str:
 
 def _mismatch_of(p: dict, c: dict) -> str | None:
   """The detail of placement.json's mismatch for class row `c` (its 'mismatches' decide), None when it lists none."""
-  return next((m["detail"] for m in p["mismatches"] if (m["class"], m["role"]) == (c["class"], c["role"])), None)
+  return next((m["detail"] for m in judged_mismatches(p) if (m["class"], m["role"]) == (c["class"], c["role"])),
+              None)
 
 
 def _verdict(c: dict, why: str | None) -> str:
@@ -216,7 +218,20 @@ def class_rows(p: dict) -> tuple[list[list[str]], list[bool]]:
 def _unplaced_mismatches(p: dict) -> list[str]:
   """Mismatches placement.json lists for no class row (activations): 'class role: detail'."""
   shown = {(c["class"], c["role"]) for c in p["classes"]}
-  return [f"{m['class']} {m['role']}: {m['detail']}" for m in p["mismatches"] if (m["class"], m["role"]) not in shown]
+  return [f"{m['class']} {m['role']}: {m['detail']}" for m in judged_mismatches(p)
+          if (m["class"], m["role"]) not in shown]
+
+
+def _host_ops(p: dict) -> list[tuple]:
+  """A block listing the scalar ops XLA computes in host memory (bookkeeping, not failed), or none."""
+  _, small, moves = split_host_compute((p.get("transfers") or {}).get("host_compute"))
+  if not small:
+    return []
+  names = ", ".join(f"{op.get('opcode')} {op.get('name')} ({op.get('bytes')} B)" for op in small[:8])
+  more = f", and {len(small) - 8} more" if len(small) > 8 else ""
+  return [("p", f"Listed, not failed: {len(small)} scalar ops of at most 8 bytes that XLA computes in host memory "
+                f"(the offloaded update count's bookkeeping): {names}{more}."
+                + (f" {len(moves)} async halves of host moves are not compute." if moves else ""))]
 
 
 def memory_analysis_rows(p: dict) -> list[list[str]]:
@@ -279,7 +294,8 @@ def transfer_rows(sec: dict) -> list[list[str]]:
 def copy_rows(p: dict) -> list[list[str]]:
   """COPY_HEADERS rows of the in-step copies (transfers.copies, by start position)."""
   copies = sorted(p["transfers"].get("copies") or [], key=lambda c: (c["start"], c["done"]))
-  return [[str(i), c["tensor"], c["class"], c["direction"], _bytes(c["bytes"]), str(c["start"]), str(c["done"]),
+  return [[str(i), c["tensor"] or "(untraced)", c["class"] or "(untraced)", c["direction"], _bytes(c["bytes"]),
+           str(c["start"]), str(c["done"]),
            fmt(c["window_ops"]), "not measured" if c["window_flops"] is None else fmt(c["window_flops"])]
           for i, c in enumerate(copies)]
 
@@ -313,7 +329,7 @@ def _jax_blocks(side: str, e: dict) -> list[tuple]:
   rows, flags = class_rows(p)
   out = [("h3", f"{side}: placement of the compiled step"), ("p", _jax_head(side, p)),
          ("table", PLACEMENT_HEADERS, rows, flags), ("p", _activations(p))]
-  out += [("warn", f"MISMATCH {m}.") for m in _unplaced_mismatches(p)]
+  out += [("warn", f"MISMATCH {m}.") for m in _unplaced_mismatches(p)] + _host_ops(p)
   ma = memory_analysis_rows(p)
   note = (p.get("memory_analysis") or {}).get("note")
   out += [("p", "memory_analysis of the compiled step: not recorded.")] if not ma else [

@@ -1,7 +1,8 @@
-"""Each side of a report as rows: status, losses, times and memory (`side_rows`), throughput (`throughput_rows`, the
-caveat under it: `throughput_note`), memory predicted vs measured (`memory_rows`, `memory_gaps`), the ranks of a
-multi-rank side (`rank_table`), and the throughput rules the card and the comparison page share (`step_times`,
-`side_tokens_per_s`, from parity.protocol.layout). Plain text; callers escape."""
+"""Each side of a report as rows: status, losses, times and memory (`side_rows`; what its memory cells are made of:
+`memory_notes`), throughput (`throughput_rows`, the caveat under it: `throughput_note`), memory predicted vs
+measured (`memory_rows`, `memory_gaps`), the ranks of a multi-rank side (`rank_table`), and the throughput rules
+the card and the comparison page share (`step_times`, `side_tokens_per_s`, from parity.protocol.layout). Plain
+text; callers escape."""
 from __future__ import annotations
 
 import math
@@ -9,13 +10,14 @@ from typing import Any
 
 from parity.protocol.layout import loss_tokens_per_s, step_time_median, warm_step_times, warmup_steps_left_out
 from parity.protocol.layout import tokens_per_s as layout_tokens_per_s
+from parity.protocol.memory_figures import compiled_peak_bytes, own_host_rss, peak_device
 from parity.report.cells import compact, fmt, fmt_bytes
 from parity.sizing.measured import predicted_vs_measured
 
 __all__ = ["backend", "step_times", "tokens_per_step", "side_tokens_per_s", "step_loss_tokens",
            "side_loss_tokens_per_s", "throughput_columns", "warmup_phrase", "side_rows",
-           "state_by_kind", "MEMORY_UNMEASURED_WHY", "memory_rows", "memory_gaps", "rank_table", "throughput_rows",
-           "throughput_note"]
+           "host_rss_cell", "device_memory_cell", "memory_notes", "state_by_kind", "MEMORY_UNMEASURED_WHY",
+           "memory_rows", "memory_gaps", "rank_table", "throughput_rows", "throughput_note"]
 
 
 def backend(s: dict) -> str:
@@ -102,8 +104,8 @@ def _init_s(s: dict) -> str:
 
 def side_rows(d: dict) -> list[dict[str, Any]]:
   """One row per side: side, status, steps, loss (first → last), val_loss, tokens_per_s, loss_tokens_per_s ('n/a'
-  on stream: `throughput_columns`), init_s, compile_s, op_build_s, peak_rss, peak_device, memory_kinds (text),
-  backend."""
+  on stream: `throughput_columns`), init_s, compile_s, op_build_s, peak_rss (`host_rss_cell`), peak_device
+  (`device_memory_cell`), memory_kinds (text), backend."""
   rows = []
   for name, s in d["sides"].items():
     summ, loss = s.get("summary") or {}, s["series"]["loss"]
@@ -115,10 +117,57 @@ def side_rows(d: dict) -> list[dict[str, Any]]:
                  "loss_tokens_per_s": fmt(side_loss_tokens_per_s(d, s), ",.0f"), "init_s": _init_s(s),
                  "compile_s": fmt(summ.get("compile_s"), ".1f") if s["status"] == "ok" else "n/a",
                  "op_build_s": fmt(summ.get("op_build_s"), ".1f") if "op_build_s" in summ else "none",
-                 "peak_rss": fmt_bytes(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
-                 "peak_device": fmt_bytes(summ.get("peak_device_bytes")), "memory_kinds": kinds or "n/a",
+                 "peak_rss": host_rss_cell(s), "peak_device": device_memory_cell(summ), "memory_kinds": kinds or "n/a",
                  "backend": backend(s)})
   return rows
+
+
+def _runtime_words(platform: str | None) -> str:
+  """"the TPU runtime's mapping made when it opened the chip" (another accelerator: "... the device")."""
+  name = str(platform or "accelerator")
+  return f"the {name.upper()} runtime's mapping made when it opened the {'chip' if name == 'tpu' else 'device'}"
+
+
+def host_rss_cell(s: dict) -> str:
+  """A side's host RSS: its own (the peak less the runtime's mapping, parity.protocol.memory_figures.own_host_rss)
+  with the peak and the mapping beside it ('612.0 MiB (peak 13.8 GiB less 13.3 GiB TPU runtime mapping)'), or the
+  raw peak where no mapping was recorded (the summary's, else the harness's wait4 figure)."""
+  summ = s.get("summary") or {}
+  peak = summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")
+  own, mapping = own_host_rss(summ, peak)
+  if mapping is None:
+    return fmt_bytes(peak)
+  name = str(summ.get("host_rss_backend") or "accelerator").upper()
+  return f"{fmt_bytes(own)} (peak {fmt_bytes(peak)} less {fmt_bytes(mapping)} {name} runtime mapping)"
+
+
+def device_memory_cell(summ: dict) -> str:
+  """A side's peak device memory with its source ('7.7 GiB (compiled memory analysis)', '5.4 MiB (allocator
+  peak)'; parity.protocol.memory_figures.peak_device); 'n/a' where there is none (the CPU)."""
+  value, source = peak_device(summ)
+  return fmt_bytes(value) + (f" ({source})" if value is not None and source else "")
+
+
+def memory_notes(d: dict) -> list[str]:
+  """The sentences under the sides' table that say what the memory cells are made of, one per side and figure: the
+  peak RSS and the runtime's mapping in it, and the peak device memory with both figures behind it."""
+  out = []
+  for name, s in d["sides"].items():
+    summ = s.get("summary") or {}
+    peak = summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")
+    own, mapping = own_host_rss(summ, peak)
+    if mapping is not None:
+      out.append(f"{name}: peak RSS {fmt_bytes(peak)}, of which {fmt_bytes(mapping)} is "
+                 f"{_runtime_words(summ.get('host_rss_backend'))}; the side's own host RSS is {fmt_bytes(own)}")
+    value, source = peak_device(summ)
+    compiled, how = ((summ.get("peak_device_bytes_compiled"), summ.get("peak_device_compiled_from"))
+                     if "peak_device_bytes_compiled" in summ else compiled_peak_bytes(summ.get("memory_analysis")))
+    if value is not None and source and compiled is not None:
+      allocator = summ.get("peak_device_bytes_allocator", summ.get("peak_device_bytes"))
+      out.append(f"{name}: peak device memory {fmt_bytes(value)}, the {source} (the larger of the allocator peak "
+                 f"{fmt_bytes(allocator)} and the compiled memory analysis of the train step {fmt_bytes(compiled)}, "
+                 f"from {how})")
+  return out
 
 
 def state_by_kind(summ: dict) -> str:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from parity.protocol.placement import judged_mismatches, split_host_compute
 from parity.verdict.check import Check
 
 __all__ = ["placement_check", "PLACEMENT_REASON", "mismatch_text"]
 
 PLACEMENT_REASON = ("the compiled step must keep each tensor class (params, optimizer state, batch, metrics, the remat "
-                    "policy's residuals) in the memory space its JaxPlan names: read from the executable's entry layout "
-                    "(host memory spaces S(5)/S(6)), its jaxpr and, on GPU, its HLO copies (docs/plans.md 'Placement "
-                    "from the compiled step'); any difference FAILs")
+                    "policy's residuals) in the memory space its JaxPlan names, and compute on the device: read from the "
+                    "executable's entry layout (host memory spaces S(5)/S(6)), its jaxpr and, on GPU and TPU, its HLO "
+                    "copies and ops (docs/plans.md 'Placement from the compiled step'); any difference FAILs, but "
+                    "scalar ops of at most 8 bytes that XLA keeps in host memory are listed only "
+                    "(parity.protocol.placement.BOOKKEEPING_BYTES)")
 FINISHED = ("ok", "nan")
 """Statuses of a side that compiled and trained (a NaN run stopped after its step ran)."""
 
@@ -30,7 +33,7 @@ def mismatch_text(rec: Mapping[str, Any]) -> list[str]:
   """One phrase per class the record's mismatches name, its roles folded: 'opt_state planned pinned_host, compiled
   in device memory (59/59 buffers in, 59/59 out)'; a compute or residual mismatch says what it saw."""
   out: dict[tuple, list[Mapping[str, Any]]] = {}
-  for m in rec.get("mismatches") or []:
+  for m in judged_mismatches(dict(rec)):
     out.setdefault((m.get("class"), m.get("expected"), m.get("compiled"), m.get("role") == "compute"), []).append(m)
   phrases = []
   for (cls, _, compiled, compute), ms in out.items():
@@ -75,9 +78,23 @@ def placement_check(side: str, entry: Mapping[str, Any] | None, status: str) -> 
                  detail=f"placement: not run: {entry.get('problem') or 'no placement.json'}", reason=PLACEMENT_REASON,
                  gating=False)
   phrases = mismatch_text(rec)
+  mismatches = judged_mismatches(dict(rec))
   detail = ("placement: " + "; ".join(phrases) if phrases
-            else f"placement: every tensor class where the plan puts it ({_agree(rec)})")
-  return Check(name=name, metric="placement", sides=(side,), value=float(len(rec.get("mismatches") or [])),
+            else f"placement: every tensor class where the plan puts it ({_agree(rec)})") + _bookkeeping(rec)
+  return Check(name=name, metric="placement", sides=(side,), value=float(len(mismatches)),
                tolerance=0.0, passed=not phrases, first_failing_step=0 if phrases else None,
-               worst=(rec.get("mismatches") or [{}])[0].get("class") if phrases else None, detail=detail,
-               reason=PLACEMENT_REASON)
+               worst=mismatches[0].get("class") if phrases else None, detail=detail, reason=PLACEMENT_REASON)
+
+
+def _bookkeeping(rec: Mapping[str, Any]) -> str:
+  """'; listed, not failed: 43 scalar ops XLA computes in host memory (172 bytes: add x30, compare x2, ...)' or ''."""
+  _, small, _ = split_host_compute((rec.get("transfers") or {}).get("host_compute"))
+  if not small:
+    return ""
+  counts: dict[str, int] = {}
+  for op in small:
+    counts[str(op.get("opcode"))] = counts.get(str(op.get("opcode")), 0) + 1
+  ops = ", ".join(f"{k} x{n}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+  total = sum(int(op.get("bytes") or 0) for op in small)
+  return (f"; listed, not failed: {len(small)} scalar ops XLA computes in host memory, the offloaded update "
+          f"count's bookkeeping ({total} bytes: {ops})")
