@@ -13,6 +13,9 @@ the parent's weights and batches (`parity.protocol.derive_request`):
                      when the side is deterministic.
   run_dir/resume/    each side resumed in a new process from repeat/'s checkpoint (`resume_from`),
                      running steps R+1..end; bitwise equal to the main run when checkpointing is exact.
+  run_dir/backend/   each side that ran on an accelerator, rerun on the host CPU (the same request, batches and
+                     weights; JAX_PLATFORMS=cpu, no CUDA device visible): |side - side on CPU| per step is how far
+                     that backend's arithmetic moves the side (parity.verdict.backend).
 """
 from __future__ import annotations
 
@@ -25,9 +28,12 @@ import numpy as np
 from harness.runner import SideRun, run_side
 from parity.protocol import derive_request, read_steps
 
-__all__ = ["NOISE_DIR", "REPEAT_DIR", "RESUME_DIR", "reversed_batches", "run_noise", "run_repeat", "run_resume"]
+__all__ = ["NOISE_DIR", "REPEAT_DIR", "RESUME_DIR", "BACKEND_DIR", "CPU_ENV", "reversed_batches", "run_noise",
+           "run_repeat", "run_resume", "run_backend"]
 
-NOISE_DIR, REPEAT_DIR, RESUME_DIR = "noise", "repeat", "resume"
+NOISE_DIR, REPEAT_DIR, RESUME_DIR, BACKEND_DIR = "noise", "repeat", "resume", "backend"
+CPU_ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+"""The environment that puts a side on the host CPU: JAX's CPU backend only, no CUDA device for torch."""
 
 
 def reversed_batches(batches_samtp1: np.ndarray) -> np.ndarray:
@@ -75,6 +81,14 @@ def _reverse_example_arrays(run_dir: Path, sub: Path) -> None:
     tmp.replace(sub / f"{name}.npy")
     arrays[name] = f"{name}.npy"
   path.write_text(json.dumps(request, indent=2))
+
+
+def run_backend(run_dir: Path, side: str, *, timeout_s: float) -> tuple[SideRun, list[dict]]:
+  """Reruns `side` on the host CPU (CPU_ENV) in run_dir/backend/, configured exactly as its main run (same request,
+  batches, weights and perturbations): only the backend's arithmetic differs. Returns (run, its StepRecords)."""
+  sub = derive_request(run_dir, BACKEND_DIR).parent
+  sr = run_side(sub, side, timeout_s=timeout_s, env=dict(CPU_ENV))
+  return sr, read_steps(sub / side / "steps.jsonl")
 
 
 def run_repeat(run_dir: Path, side: str, *, stop_after_step: int, save_checkpoint_at_step: int | None,

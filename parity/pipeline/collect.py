@@ -21,7 +21,8 @@ def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | No
   Returns:
     {side: {'status': str, 'steps': [StepRecord], 'final': {name: float32 array} | None,
     'moments': parity.protocol.read_moments output | None, 'semantics': the side's card of this run (run_dir/<side>/
-    semantics.json, parity.protocol.semantics.read_card) | None, 'placement': `placement_entry`}}: what
+    semantics.json, parity.protocol.semantics.read_card) | None, 'placement': `placement_entry`, 'device': summary.json's
+    device name | None}}: what
     parity.verdict.sides.compare_sides takes.
   """
   data = {}
@@ -30,7 +31,8 @@ def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | No
     data[side] = {"status": sr.status, "steps": steps, "final": final,
                   "moments": read_moments(run_dir / side / FINAL_MOMENTS) if final else None,
                   "semantics": read_card(run_dir / side / SEMANTICS_FILE, run_id),
-                  "placement": placement_entry(run_dir / side, side, sr.summary, run_id)}
+                  "placement": placement_entry(run_dir / side, side, sr.summary, run_id),
+                  "device": (sr.summary or {}).get("device")}
   return data
 
 

@@ -12,6 +12,8 @@ reruns; what finished is kept (`run_reruns`).
                   its main run (parity.pipeline.equivalence; section 'equivalence').
   resume          the same rerun saves a checkpoint at step R; a new process resumes from it; the rest of the run
                   must be bit-identical to the uninterrupted one (gating).
+  backend         fp32, sides on different backends: each accelerator side rerun on the host CPU; its shift bounds
+                  itself and widens its pairs' table (parity.verdict.backend; section 'backend').
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from harness import self_runs
 from harness.runner import SideRun
 from parity.verdict.check import Check
 from parity.verdict.envelope import ENVELOPE_METRICS, envelope_check, envelope_params_check, rerun_differences
-from parity.verdict.gating import ALWAYS_REPORTED_ONLY, mark_envelope_decided
+from parity.verdict.backend import BACKEND_METRICS, backend_pair_check, backend_shift_check, on_accelerator, shifts
+from parity.verdict.gating import ALWAYS_REPORTED_ONLY, mark_backend_decided, mark_envelope_decided
 from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_ratios
 from parity.verdict.steps import repeat_check
@@ -32,7 +35,8 @@ from parity.pipeline.equivalence import run_equivalence
 from parity.spec import RunSpec
 from parity.verdict.tolerances import envelope_rule
 
-__all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelope", "repeat_and_resume", "envelope_result",
+__all__ = ["RerunContext", "RerunResult", "Reruns", "run_reruns", "noise_envelope", "backend_sides", "backend_reruns",
+           "backend_result", "repeat_and_resume", "envelope_result",
            "determinism_outcome", "determinism_section", "resume_outcome", "resume_section"]
 
 
@@ -76,7 +80,8 @@ class Reruns:
   seconds in all, and the Ctrl-C that stopped them (re-raise it once the report is written)."""
   checks: list[Check] = dataclasses.field(default_factory=list)
   sections: dict[str, Any] = dataclasses.field(
-      default_factory=lambda: {"noise_envelope": None, "determinism": {}, "resume": {}, "equivalence": {}})
+      default_factory=lambda: {"noise_envelope": None, "determinism": {}, "resume": {}, "equivalence": {},
+                               "backend": None})
   busy_s: float = 0.0
   interrupted: KeyboardInterrupt | None = None
 
@@ -102,7 +107,11 @@ def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | Non
   """
   out, t = Reruns(), ctx.spec.train
   try:
-    if (t.precision != "fp32" if noise is None else noise) and len(ctx.side_data) > 1 and ctx.ok_sides:
+    if backend_sides(ctx):
+      result = backend_reruns(ctx)
+      out.add("backend", result)
+      mark_backend_decided(main_checks, result.decides)
+    if out.interrupted is None and (t.precision != "fp32" if noise is None else noise) and len(ctx.side_data) > 1 and ctx.ok_sides:
       result = noise_envelope(ctx)
       out.add("noise_envelope", result)
       mark_envelope_decided(main_checks, result.decides, t.precision)  # the envelope decides; the table is reported
@@ -118,6 +127,79 @@ def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | Non
                             tolerance=0.0, passed=False, detail=f"the noise/determinism/resume reruns stopped: {exc}",
                             reason="A rerun that could not run cannot vouch for the verdict."))
   return out
+
+
+def _device(ctx: RerunContext, side: str) -> str:
+  return str(ctx.side_data[side].get("device") or "")
+
+
+def backend_sides(ctx: RerunContext) -> list[str]:
+  """The finished sides that ran on an accelerator, in an fp32 run of two sides or more where another side ran on
+  the host CPU or another backend: those the backend rerun holds (parity.verdict.backend). In bf16/fp16 the noise
+  envelope decides, far above any backend's rounding."""
+  if ctx.spec.train.precision != "fp32" or len(ctx.side_data) < 2:
+    return []
+  devices = {s: _device(ctx, s) for s in ctx.ok_sides}
+  if len({d.split("_")[0].split(":")[0] for d in devices.values()}) < 2:
+    return []  # every side on the same kind of device: the table was measured for that
+  return [s for s, d in devices.items() if on_accelerator(d)]
+
+
+def backend_reruns(ctx: RerunContext) -> RerunResult:
+  """Reruns each accelerator side on the host CPU (harness.self_runs.run_backend) and returns `backend_result`."""
+  outputs: dict[str, tuple[SideRun, list[dict]]] = {}
+  busy = RerunResult()
+  for side in backend_sides(ctx):
+    try:
+      sr, _ = self_runs.run_backend(ctx.run_dir, side, timeout_s=ctx.timeout_s)
+    except KeyboardInterrupt as exc:
+      busy.interrupted = exc
+      return busy
+    steps, _ = side_outputs(ctx.run_dir / self_runs.BACKEND_DIR / side, sr, ctx.run_id,
+                            expected_steps=ctx.spec.train.steps)
+    busy.count(sr)
+    outputs[side] = (sr, steps)
+  res = backend_result(ctx, outputs)
+  res.busy_s = busy.busy_s
+  return res
+
+
+def backend_result(ctx: RerunContext, outputs: dict[str, tuple[SideRun, list[dict]]]) -> RerunResult:
+  """The backend checks and section from each accelerator side's CPU rerun (what `backend_reruns` computes, and what
+  parity.report.reverify recomputes from run_dir/backend/): a 'backend_shift' check per side, and per pair with a
+  shift a '<metric>_backend' check that decides the pair's table check. A rerun that did not finish gets a failing
+  'backend_rerun' check (its pairs keep the table, which then FAILs or PASSes as measured on one CPU)."""
+  res, precision = RerunResult(), ctx.spec.train.precision
+  shift: dict[str, dict[str, dict[int, float]]] = {}
+  runs = {}
+  for side, (sr, steps) in outputs.items():
+    runs[side] = {"status": sr.status, "error": sr.error, "device": _device(ctx, side)}
+    if sr.status != "ok":
+      res.checks.append(Check(name=f"backend_rerun {side}", metric="backend_rerun", sides=(side, f"{side}#cpu"),
+                              value=float("nan"), tolerance=0.0, passed=False,
+                              detail=f"the host-CPU rerun of {side} did not finish ({sr.status}): {sr.error}",
+                              reason="A pair on two backends is judged by the accelerator side's measured shift."))
+      continue
+    shift[side] = shifts(ctx.side_data[side]["steps"], steps)
+    c = backend_shift_check(side, runs[side]["device"], shift[side]["loss"], precision)
+    if c is not None:
+      res.checks.append(c)
+  names, data = list(ctx.side_data), ctx.side_data
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      if not ({a, b} & set(shift)) or data[a]["status"] != "ok" or data[b]["status"] != "ok":
+        continue
+      for metric in BACKEND_METRICS:
+        c = backend_pair_check(metric, a, data[a]["steps"], b, data[b]["steps"],
+                               {s: shift[s][metric] for s in (a, b) if s in shift}, precision)
+        if c is not None:
+          res.checks.append(c)
+          res.decides.add((metric, a, b))
+  res.section = {"method": "each side that ran on an accelerator, rerun on the host CPU with the same request, "
+                           "batches and weights (JAX_PLATFORMS=cpu)", "runs": runs,
+                 "sides": {s: {"steps": sorted(v["loss"]), "abs_loss_shift": [v["loss"][k] for k in sorted(v["loss"])]}
+                           for s, v in shift.items()}}
+  return res
 
 
 def equivalence_not_run(ctx: RerunContext, equivalence: Sequence[str]) -> list[Check]:

@@ -205,8 +205,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
                      if p == spec.train.precision},
       "checks": [c.to_json() for c in checks],
       "params_table": params_table_json(params_table),
-      "sides": sides,
-      "sides_not_run": dict(sides_not_run or {}),
+      "sides": sides, "sides_not_run": dict(sides_not_run or {}),
       "timing": _timing(wall_s, prepare_s, sides_s, reruns_s),
       "plan": plan,
       **_rerun_sections(reruns),
@@ -225,10 +224,12 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
 
 
 def _rerun_sections(reruns: dict[str, Any] | None) -> dict[str, Any]:
-  """report.json's noise_envelope, determinism, resume and equivalence sections, in that order (None: no reruns)."""
+  """report.json's noise_envelope, determinism, resume, equivalence and backend sections, in that order (None: no
+  reruns; backend None: no side ran on an accelerator in an fp32 run)."""
   reruns = reruns or {}
   return {"noise_envelope": reruns.get("noise_envelope"), "determinism": reruns.get("determinism", {}),
-          "resume": reruns.get("resume", {}), "equivalence": reruns.get("equivalence") or {}}
+          "resume": reruns.get("resume", {}), "equivalence": reruns.get("equivalence") or {},
+          "backend": reruns.get("backend")}
 
 
 MEMORY_NOTE = ("predicted by parity.sizing.memory (parity estimate); measured from the live state arrays / engine "

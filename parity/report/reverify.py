@@ -30,8 +30,8 @@ from parity import weights
 from parity.fields import from_dict
 from parity.pipeline.collect import placement_entry, side_outputs
 from parity.pipeline.equivalence import equivalence_from_folders
-from parity.pipeline.reruns import (RerunContext, determinism_outcome, determinism_section, envelope_result,
-                                    resume_outcome, resume_section)
+from parity.pipeline.reruns import (RerunContext, backend_result, determinism_outcome, determinism_section,
+                                    envelope_result, resume_outcome, resume_section)
 from parity.protocol.layout import FINAL_MOMENTS, read_moments, read_steps, read_summary
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.build import params_table_json, perturbations_ran, semantics_section, series_json, verdict_json
@@ -40,7 +40,7 @@ from parity.sizing.measured import predicted_vs_measured
 from parity.report.runconfig import run_as_compared
 from parity.spec import RunSpec, SpecError, config_hash, to_dict
 from parity.verdict.check import Check
-from parity.verdict.gating import mark_envelope_decided
+from parity.verdict.gating import mark_backend_decided, mark_envelope_decided
 from parity.verdict.sides import compare_sides, verdict
 from parity.verdict.tolerances import TOLERANCES
 
@@ -132,7 +132,8 @@ def _collect(rd: Path, d: dict, spec, run_id: str | None) -> tuple[dict, dict]:
     data[side] = {"status": sr.status, "steps": steps, "final": final,
                   "moments": read_moments(rd / side / FINAL_MOMENTS) if final else None,
                   "semantics": read_card(rd / side / SEMANTICS_FILE, run_id),
-                  "placement": placement_entry(rd / side, side, sr.summary, run_id)}
+                  "placement": placement_entry(rd / side, side, sr.summary, run_id),
+                  "device": (sr.summary or {}).get("device")}
     runs[side] = sr
   return data, runs
 
@@ -156,6 +157,27 @@ def _noise(ctx, d: dict, main_checks: list) -> tuple[list, Any]:
     outputs[side] = (sr, *side_outputs(out, sr, ctx.run_id, expected_steps=ctx.spec.train.steps))
   res = envelope_result(ctx, outputs)
   mark_envelope_decided(main_checks, res.decides, ctx.spec.train.precision)
+  return res.checks, res.section
+
+
+def _backend(ctx, d: dict, main_checks: list) -> tuple[list, Any]:
+  """The backend checks and section from run_dir/backend/ (when report.json has the section), the main checks they
+  decide marked reported only."""
+  from harness.self_runs import BACKEND_DIR  # harness: lazily
+  sec = d.get("backend")
+  if sec is None:
+    if (ctx.run_dir / BACKEND_DIR / "request.json").exists() and not _stopped(d):
+      raise Unverifiable(f"{BACKEND_DIR}/request.json shows the host-CPU reruns were started, but report.json has no "
+                         "backend section")
+    return [], None
+  runs = sec.get("runs") if isinstance(sec, dict) and isinstance(sec.get("runs"), dict) else {}
+  outputs = {}
+  for side in runs:
+    out = ctx.run_dir / BACKEND_DIR / side
+    sr = _side_run(out, side)
+    outputs[side] = (sr, side_outputs(out, sr, ctx.run_id, expected_steps=ctx.spec.train.steps)[0])
+  res = backend_result(ctx, outputs)
+  mark_backend_decided(main_checks, res.decides)
   return res.checks, res.section
 
 
@@ -258,19 +280,20 @@ def recompute(report) -> Recomputed:
   checks, table = compare_sides(data, spec=spec, init=init)
   ctx = RerunContext(rd, spec, run_id, 0.0, init, data)
   interrupted = str(d["verdict"]["message"]).startswith("INTERRUPTED")
+  backend_checks, backend_sec = _backend(ctx, d, checks)
   noise_checks, noise_sec = _noise(ctx, d, checks)
   repeat_checks, dsec, rsec = _repeats(ctx, d, interrupted)
   stopped = [check_from_json(c) for c in d["checks"] if c.get("metric") == "reruns" and c.get("passed") is False
              and c.get("gating", True) is True]  # the reruns stopped (a file not written): a failure, as stored
   eq_checks, eq_sec = _equivalence(ctx, d)
-  every = checks + noise_checks + repeat_checks + eq_checks + stopped
+  every = checks + backend_checks + noise_checks + repeat_checks + eq_checks + stopped
   v = verdict_json(verdict(every, {s: sr.status for s, sr in runs.items()}), interrupted)
   series = {s: _json(series_json(x["steps"])) for s, x in data.items()}
   return Recomputed(checks=_json([c.to_json() for c in every]), params_table=_json(params_table_json(table)), verdict=_json(v),
                     statuses={s: sr.status for s, sr in runs.items()},
                     series=series, rendered=_rendered(rd, request, d, runs, series, run_id),
                     sections={"noise_envelope": _json(noise_sec), "determinism": _json(dsec), "resume": _json(rsec),
-                              "equivalence": _json(eq_sec)},
+                              "equivalence": _json(eq_sec), "backend": _json(backend_sec)},
                     tolerances={spec.train.precision: {m: {"atol": t.atol, "rtol": t.rtol} for m, t in
                                                        TOLERANCES[spec.train.precision].items()}})
 
@@ -371,6 +394,8 @@ def differences(d: dict, rec: Recomputed) -> list[str]:
       out.append(f"sides.{side}.series ({', '.join(keys) or 'keys'}) is not {side}/steps.jsonl")
   if not _same(_noise_section(d.get("noise_envelope")), _noise_section(rec.sections["noise_envelope"])):
     out.append("the noise_envelope section is not what noise/ gives")
+  if not _same(d.get("backend"), rec.sections["backend"]):
+    out.append("the backend section is not what backend/ gives")
   for name in ("determinism", "resume", "equivalence"):
     if not _same(d.get(name) or {}, rec.sections[name]):
       out.append(f"the {name} section is not what the rerun folders give")

@@ -1,0 +1,97 @@
+"""Pairs whose sides ran on different backends (JAX on a TPU or GPU, PyTorch on the host CPU): their fp32 tolerance
+from the accelerator's measured shift, and a bound on that shift.
+
+The fp32 table (parity.verdict.tolerances) was measured between sides on one CPU. A side on an accelerator computes
+the same program with other arithmetic (TPU v5e: tanh 7e-5 relative, exp 4e-6; CPU: ~2e-7), so a correct pair can
+exceed it (gpt2-tiny, 30 steps, JAX on the chip vs torch on the CPU: 1.38e-5 nats against 1e-5; gemma3-tiny at step
+0: 2.15e-5, its tanh-GELU). The accelerator side is therefore rerun on the host CPU (harness.self_runs.run_backend:
+same request, batches and weights), and for every step t
+
+    |a(t) - b(t)| <= atol + rtol |a(t)| + shift_a(t) + shift_b(t),     shift_x(t) = |x(t) - x_cpu(t)|
+
+where atol/rtol are the fp32 table's (shift 0 for a side that ran on the CPU). This is the triangle inequality: the
+table bounds the two frameworks on one backend, and the measured shift is exactly what the other backend adds, so a
+correct pair cannot fail it and a framework difference larger than the table still does. The shift itself is bounded
+too ('backend_shift <side>', tolerance 'backend_shift'), so an accelerator that computes fp32 at a lower precision
+(a TPU matmul in one bf16 pass is 2e-3 relative) FAILs even though the pair bound grants its shift.
+Numpy only."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from parity.verdict.check import Check
+from parity.verdict.steps import steps_by_index
+from parity.verdict.tolerances import tolerance
+
+__all__ = ["BACKEND_METRICS", "on_accelerator", "shifts", "backend_pair_check", "backend_shift_check"]
+
+BACKEND_METRICS = ("loss", "grad_norm", "val_loss")
+"""Per-step metrics whose pair check takes the backend shift (the params check keeps its own per-element rule)."""
+
+
+def on_accelerator(device: object) -> bool:
+  """Whether a side's summary.json 'device' names an accelerator (a TPU or GPU device), not the host CPU."""
+  text = str(device or "").lower()
+  return bool(text) and "cpu" not in text
+
+
+def shifts(main: Sequence[dict], on_cpu: Sequence[dict]) -> dict[str, dict[int, float]]:
+  """metric -> (step -> |main - on_cpu|) for BACKEND_METRICS over the steps both recorded."""
+  out: dict[str, dict[int, float]] = {}
+  for m in BACKEND_METRICS:
+    a, b = steps_by_index(main, m), steps_by_index(on_cpu, m)
+    out[m] = {k: abs(a[k] - b[k]) for k in sorted(set(a) & set(b))}
+  return out
+
+
+def backend_pair_check(metric: str, a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict],
+                       shift: dict[str, dict[int, float]], precision: str) -> Check | None:
+  """'<metric>_backend a~b': each step within the table's bound plus both sides' measured shift (module docstring).
+
+  Args:
+    shift: side -> (step -> |side - side on the CPU|) of this metric, for the sides that ran on an accelerator.
+  Returns:
+    The Check, or None when the sides share no step of the metric or no side has a shift.
+  """
+  tol = tolerance(precision, metric)
+  sa, sb = steps_by_index(a, metric), steps_by_index(b, metric)
+  sides = [s for s in (a_side, b_side) if s in shift]
+  common = sorted(set(sa) & set(sb).intersection(*[shift[s] for s in sides])) if sides else []
+  if not common:
+    return None
+  va, vb = (np.array([x[k] for k in common], np.float64) for x in (sa, sb))
+  extra = np.sum([[shift[s][k] for k in common] for s in sides], axis=0)
+  table = tol.atol + tol.rtol * np.abs(va)
+  diff = np.abs(va - vb)
+  allowed = table + extra
+  with np.errstate(invalid="ignore", divide="ignore"):
+    ratio = np.where(np.isfinite(diff), diff / np.maximum(allowed, 1e-300), np.inf)
+  i = int(np.argmax(ratio))
+  bad = ~(diff <= allowed)
+  first = common[int(np.argmax(bad))] if bad.any() else None
+  label = " + ".join(f"{s}'s shift {shift[s][common[i]]:.3g}" for s in sides)
+  detail = (f"|Δ{metric}| = {diff[i]:.3g} at step {common[i]} vs {allowed[i]:.3g} = fp32 table {table[i]:.3g} + "
+            f"{label} (each accelerator side against its rerun on the host CPU); {int(bad.sum())} of "
+            f"{len(common)} steps over")
+  return Check(name=f"{metric}_backend {a_side}~{b_side}", metric=f"{metric}_backend", sides=(a_side, b_side),
+               value=float(diff[i]), tolerance=float(allowed[i]), passed=not bad.any(), first_failing_step=first,
+               worst=common[i], detail=detail, reason=tolerance(precision, metric).reason + " " + __doc__.split(
+                   "\n\n")[0].replace("\n", " "))
+
+
+def backend_shift_check(side: str, device: str, shift: dict[int, float], precision: str) -> Check | None:
+  """'backend_shift <side>': the largest |loss - loss on the CPU| of a side that ran on an accelerator, against the
+  'backend_shift' tolerance; None without a shared step."""
+  if not shift:
+    return None
+  tol = tolerance(precision, "backend_shift")
+  k = max(shift, key=lambda s: (shift[s] if np.isfinite(shift[s]) else np.inf))
+  value = float(shift[k])
+  passed = all(np.isfinite(v) and v <= tol.atol for v in shift.values())
+  first = next((s for s in sorted(shift) if not (np.isfinite(shift[s]) and shift[s] <= tol.atol)), None)
+  return Check(name=f"backend_shift {side}", metric="backend_shift", sides=(side,), value=value, tolerance=tol.atol,
+               passed=passed, first_failing_step=first, worst=k,
+               detail=f"{side} on {device} vs the same run on the host CPU: max |Δloss| = {value:.3g} at step {k}",
+               reason=tol.reason)
