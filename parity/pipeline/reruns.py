@@ -134,13 +134,14 @@ def _device(ctx: RerunContext, side: str) -> str:
 
 
 def backend_sides(ctx: RerunContext) -> list[str]:
-  """The finished sides that ran on an accelerator, in an fp32 run of two sides or more where another side ran on
-  the host CPU or another backend: those the backend rerun holds (parity.verdict.backend). In bf16/fp16 the noise
-  envelope decides, far above any backend's rounding."""
-  if ctx.spec.train.precision != "fp32" or len(ctx.side_data) < 2:
+  """The finished sides that ran on an accelerator in an fp32 run, unless two sides or more all ran on the same kind
+  of device (the table then holds as measured): those the backend rerun holds (parity.verdict.backend). A run of one
+  side gets its rerun too, so that a join with a folder from another machine (`parity join`) has the shift. In
+  bf16/fp16 the noise envelope decides, far above any backend's rounding."""
+  if ctx.spec.train.precision != "fp32":
     return []
   devices = {s: _device(ctx, s) for s in ctx.ok_sides}
-  if len({d.split("_")[0].split(":")[0] for d in devices.values()}) < 2:
+  if len(devices) > 1 and len({d.split("_")[0].split(":")[0] for d in devices.values()}) < 2:
     return []  # every side on the same kind of device: the table was measured for that
   return [s for s, d in devices.items() if on_accelerator(d)]
 
