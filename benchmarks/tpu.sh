@@ -13,5 +13,6 @@ mkdir -p "$OUT"
 source benchmarks/tpu_parts/env.sh
 case "$PART" in
   recon) source benchmarks/tpu_parts/recon.sh ;;
+  verdict) source benchmarks/tpu_parts/verdict.sh ;;
   *) python3 benchmarks/tpu_parts/"$PART".py --out "$OUT" "$@" ;;
 esac
