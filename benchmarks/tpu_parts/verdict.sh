@@ -20,18 +20,17 @@ run() {  # name, seconds, args...
 jt=(--sides jax,torch)
 run gpt2-fp32-z2off 90 --preset gpt2-tiny "${jt[@]}" --steps 30
 run gemma3-fp32-scan 70 --preset gemma3-tiny "${jt[@]}" --plan scan-offload --steps 8
-run plant-gelu 45 --preset gpt2-tiny "${jt[@]}" --steps 3 --perturb jax:model.gelu_approximate=false
-run plant-placement 45 --preset gpt2-tiny "${jt[@]}" --steps 3 --perturb jax:placement_device=true
+run plant-gelu 75 --preset gpt2-tiny "${jt[@]}" --steps 3 --perturb jax:model.gelu_approximate=false
+run plant-placement 75 --preset gpt2-tiny "${jt[@]}" --steps 3 --perturb jax:placement_device=true
 if [ -f runs/join-A/request.json ]; then
   run join-B-jax 60 --request runs/join-A/request.json --sides jax
 fi
-run plant-norm-eps 50 --preset gpt2-tiny "${jt[@]}" --steps 4 --perturb jax:model.norm_eps=1e-3
+run plant-norm-eps 80 --preset gpt2-tiny "${jt[@]}" --steps 4 --perturb jax:model.norm_eps=1e-3
 run qwen3-fp32-act 70 --preset qwen3-tiny "${jt[@]}" --plan act-offload --steps 8
 run llama3-bf16-z2off 90 --preset llama3-tiny "${jt[@]}" --set train.precision=bf16
 run mistral-fp32-default-sides 70 --preset mistral-tiny --steps 8
 (cd "$R" && find . \( -name "*.png" -o -name "*.html" -o -name "*.log" -o -name pid \) -delete
- find . -path ./join-B-jax -prune -o \( -name "*.npz" -o -name "*.npy" -o -name "*.safetensors" \) -print -delete \
-   > /dev/null)
+ find . -path ./join-B-jax -prune -o \( -name "*.npz" -o -name "*.npy" -o -name "*.safetensors" \) -exec rm -f {} +)
 tar czf "$OUT/verdict.tgz" -C "$OUT" verdict
 cp "$R/log.txt" "$OUT/log.txt"
 ls -la "$OUT"
