@@ -15,8 +15,8 @@ def _subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParse
   return dict(action.choices)
 
 
-COMMANDS = ("compare", "report", "check", "diagnose", "estimate", "plan", "presets", "port", "convert-weights", "build-ops",
-            "doctor")
+COMMANDS = ("compare", "report", "check", "join", "diagnose", "estimate", "plan", "presets", "port", "convert-weights",
+            "build-ops", "doctor")
 
 
 def test_every_subcommand_is_there_with_a_description():
@@ -184,8 +184,8 @@ def test_cli_wiring_and_printing_left_the_domain_modules():
 
 # ----------------------------------------------------------------------------- issue 18 item 9: paths the user gives
 PATH_ARGUMENTS = {
-    "compare": {"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline"},
-    "report": {"run_dirs", "out"}, "check": {"new", "baseline"}, "diagnose": {"config", "hf_model", "out"},
+    "compare": {"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline", "request"},
+    "report": {"run_dirs", "out"}, "check": {"new", "baseline"}, "join": {"run_dirs", "out"}, "diagnose": {"config", "hf_model", "out"},
     "estimate": {"config", "json"}, "plan": {"config", "json"}, "presets": set(),
     "port": {"config", "output", "report_json", "report_md"}, "convert-weights": {"src", "dst", "spec"},
     "build-ops": set(), "doctor": {"json"},

@@ -4,6 +4,7 @@
                  [--data SRC] [--out DIR] [--perturb side:key=value ...] [--timeout S]      (compare.py)
   parity report RUN_DIR...         (re-render a finished run; several: a comparison page)    (report.py)
   parity check NEW BASELINE        (regression gate of a run against a run or card)           (report.py)
+  parity join A B [--out DIR]      (one verdict over one request's sides run on two machines)  (join.py)
   parity diagnose [--preset NAME | --config FILE | --hf-model DIR] [--step N] [--sides jax,torch]
                   [--perturb side:key=value ...] [--plant side:kind ...] [--out DIR]         (diagnose.py)
   parity estimate [--preset NAME | --model llama-7b] [--plan NAME]   (memory model, both sides)  (sizing.py)
@@ -29,7 +30,7 @@ import sys
 from parity.cli._common import (BAD_PATH_ERRNOS, EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, LIMITS, PATH_ERRNOS, Failure,
                                 bad_path_arg, path_error, show_defaults, shown_path as _shown)
 from parity.errors import ParityInputError
-from parity.cli import build_ops, compare, convert_weights, diagnose, doctor, port, report, sizing
+from parity.cli import build_ops, compare, convert_weights, diagnose, doctor, join, port, report, sizing
 from harness import lifetime
 from parity.sizing.resources import ALLOW_LARGE_ENV
 from parity.pipeline.claim import RunIOError
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
   sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
   compare.register(sub)
   report.register(sub)
+  join.register(sub)
   diagnose.register(sub)
   sizing.register(sub)
   port.register(sub)

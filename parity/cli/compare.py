@@ -9,7 +9,9 @@ from pathlib import Path
 
 from parity.cli._common import add_allow_large, add_run_source, console, count_arg
 from parity.pipeline.compare import OPTION_FIELDS, RunOptions, run_comparison
+from parity.pipeline.request_source import CONFLICTING_FLAGS, resolve_request
 from parity.pipeline.resolve import ResolvedRun, resolve_run
+from parity.spec import SpecError
 from parity.overrides import parse_overrides
 from parity.cli.gate_table import print_gate
 from parity.report.check_table import per_tensor_rule, tolerance_text
@@ -61,6 +63,12 @@ def _add_source_flags(p) -> None:
   p.add_argument("--deepspeed-config", metavar="FILE",
                  help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
                       "the JAX and torch sides run its port; see `parity port` (default: none)")
+  p.add_argument("--request", metavar="FILE",
+                 help="run exactly the run of an earlier folder's request.json (its spec; its batches, initial "
+                      "weights and example arrays copied from that folder), with the --sides given: the other half "
+                      "of a run split over two machines, joined by `parity join` (docs/join.md); --preset, --config, "
+                      "--set, --steps, --data, --hf-model, --deepspeed-config, --plan and --tokenizer are refused "
+                      "with it (default: none)")
 
 
 def _add_run_flags(p) -> None:
@@ -135,7 +143,17 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def resolved_run(args: argparse.Namespace) -> ResolvedRun:
-  """What a parsed `parity compare` runs: resolve_run with its source flags (--set strings parsed here)."""
+  """What a parsed `parity compare` runs: resolve_run with its source flags (--set strings parsed here), or with
+  --request the earlier request's run (parity.pipeline.request_source.resolve_request; a flag that would change it
+  is refused, SpecError naming it)."""
+  if getattr(args, "request", None):
+    given = [flag for dest, flag in CONFLICTING_FLAGS.items() if getattr(args, dest, None)]
+    if given:
+      raise SpecError(f"--request {args.request} takes the whole run from that request, and {', '.join(given)} would "
+                      "change it (the two halves of a joined run must be one run): drop "
+                      f"{'them' if len(given) > 1 else 'it'}; only --sides (and how it runs: --perturb, --out, ...) "
+                      "go with --request")
+    return resolve_request(args.request, sides=args.sides.split(",") if args.sides else None)
   return resolve_run(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
                      sides=args.sides.split(",") if args.sides else None, data=args.data, hf_model=args.hf_model,
                      deepspeed_config=args.deepspeed_config, plan=args.plan, hardware=args.hardware,

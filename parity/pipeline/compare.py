@@ -25,7 +25,8 @@ from parity.protocol.layout import STEP_LIST_KEYS
 from parity.protocol.ranks import check_coordinator, check_nproc, multirank_checkpoint_refusal, write_launch
 from parity.report import Report, build_report, write_all
 from parity.history.after import PostRun
-from parity.report.progress import data_notes, progress_display, rerun_parts, run_notes, show_reruns
+from parity.report.progress import (data_notes, progress_display, rerun_parts, run_notes, show_not_run,
+                                    show_reruns)
 from parity.pipeline.equivalence import check_equivalence, parse_equivalence
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, check_fsdp_overrides_are_read, resolve_run
@@ -189,8 +190,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
   post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
-  for line in not_run.not_run.values():  # the one line per side, whatever --no-progress says: it changes the result
-    print(f"parity compare: {line}", file=sys.stderr, flush=True)
+  show_not_run(list(not_run.not_run.values()))  # one line per side left out or not run (parity.sockets)
   with lifetime.stop_signals():
     folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
     lifetime.on_disk(f"no report was written; {folder.path} holds the run's inputs only")

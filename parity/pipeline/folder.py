@@ -21,6 +21,7 @@ from parity.pipeline.claim import RUN_INPUTS, RunFolderError, RunIOError, claim_
 from parity.pipeline.perturb import PerturbPlan, plan_perturbations
 from parity.pipeline.examples_input import EXAMPLE_ARRAYS, write_example_inputs
 from parity.pipeline.plants import check_plants_on_data
+from parity.pipeline.request_source import copy_inputs
 from parity.overrides import apply_overrides, parse_value
 from parity.spec import RunSpec, SpecError, config_hash, to_dict
 from parity.sizing.resources import check_resources
@@ -147,7 +148,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
                     deepspeed_config: Mapping[str, Any] | None = None, run_id: str | None = None,
                     deepspeed_source: str | Path | None = None, init_source: str | None = None,
                     plan: PerturbPlan | None = None, tokenizer: str | None = None,
-                    train_anyway_on_card_diff: bool = False) -> dict[str, Any]:
+                    train_anyway_on_card_diff: bool = False, inputs_from: str | Path | None = None,
+                    preset: str | None = None) -> dict[str, Any]:
   """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json, each as a new file
   (with a DeepSpeed config also DS_GIVEN and DS_RESOLVED).
 
@@ -172,6 +174,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
     tokenizer: padded/packed text records: the folder of their tokenizer.json; default: init_source's.
     train_anyway_on_card_diff: recorded as request.json 'train_anyway_on_card_diff': true (only when set): a side
       whose semantics card differs from an earlier side's trains anyway (parity.protocol.semantics.gate).
+    inputs_from: `parity compare --request`: the folder whose inputs are copied byte for byte with their records
+      (parity.pipeline.request_source.copy_inputs; request.json 'request_from'). preset: request.json 'preset'.
   With train.layout padded or packed, the examples of `spec.data` are laid out instead of a corpus's windows and
   their arrays written beside batches.npy (parity.pipeline.examples_input); request.json 'examples' names them.
   Returns:
@@ -186,24 +190,36 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   t0 = time.time()
   plan = plan or plan_perturbations(spec, perturb, deepspeed_config, source=str(deepspeed_source or ""))
   run_dir = _input_folder(Path(run_dir))
-  if spec.train.layout == "stream":
-    data_info, inputs = _write_stream(run_dir, spec, corpus, init_source)
-    examples = None
-  else:  # padded / packed: examples through parity.dataset (parity.pipeline.examples_input)
-    data_info, inputs, examples = _write_examples(run_dir, spec, plan, tokenizer or init_source, init_source)
-  _write_init(run_dir / "init.safetensors", spec, init_params)
+  if inputs_from is not None:  # `--request`: the earlier run's own files (parity.pipeline.request_source)
+    data_info, inputs, examples, origin = copy_inputs(run_dir, Path(inputs_from), plan.perturb, write_new)
+  else:
+    data_info, inputs, examples = _write_data(run_dir, spec, plan, corpus, tokenizer, init_source)
+    _write_init(run_dir / "init.safetensors", spec, init_params)
+    origin = None
   write_new(run_dir / "config.json", json.dumps(to_dict(spec), indent=2))
   ds_files = (_write_deepspeed_files(run_dir, deepspeed_source, plan.deepspeed_config)
               if deepspeed_config is not None else None)
-  request = _request(spec, run_id, plan, data_info, inputs, ds_files, examples, train_anyway_on_card_diff)
+  request = _request(spec, run_id, plan, data_info, inputs, ds_files, examples, train_anyway_on_card_diff,
+                     {"preset": preset, "request_from": origin})
   write_new(run_dir / "request.json", json.dumps(request, indent=2))  # last: a folder with it is complete
   return {"request": request, "corpus": data_info, "prepare_s": time.time() - t0}
 
 
+def _write_data(run_dir: Path, spec: RunSpec, plan: PerturbPlan, corpus: Corpus | None, tokenizer: str | None,
+                init_source: str | None) -> tuple[dict[str, Any], Any, Any]:
+  """The run's batches (and, padded/packed, its example arrays) made here: (data_info, inputs, examples or None)."""
+  if spec.train.layout == "stream":
+    return (*_write_stream(run_dir, spec, corpus, init_source), None)
+  # padded / packed: examples through parity.dataset (parity.pipeline.examples_input)
+  return _write_examples(run_dir, spec, plan, tokenizer or init_source, init_source)
+
+
 def _request(spec: RunSpec, run_id: str | None, plan: PerturbPlan, data_info: dict[str, Any], inputs: Any,
-             ds_files: Any, examples: Any, train_anyway: bool) -> dict[str, Any]:
+             ds_files: Any, examples: Any, train_anyway: bool,
+             extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """request.json's dict (prepare_run_dir): the run, its input files, the perturbation plan and data records;
-  'examples' only for padded/packed, TRAIN_ANYWAY_KEY only when set."""
+  'examples' only for padded/packed, TRAIN_ANYWAY_KEY only when set, each of `extra` (preset, request_from) only
+  when not None."""
   request = {"schema": REQUEST_SCHEMA, "run_id": run_id or uuid.uuid4().hex, "run": to_dict(spec),
              "config_hash": config_hash(spec),
              "init_weights": "init.safetensors", "batches": "batches.npy", "val_batches": "val_batches.npy",
@@ -213,6 +229,7 @@ def _request(spec: RunSpec, run_id: str | None, plan: PerturbPlan, data_info: di
     request["examples"] = examples
   if train_anyway:
     request[TRAIN_ANYWAY_KEY] = True
+  request.update({k: v for k, v in (extra or {}).items() if v is not None})
   return request
 
 
@@ -385,7 +402,8 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
     prep = prepare_run_dir(run.spec, folder, perturb=perturb, init_params=run.init_params, deepspeed_config=ds_cfg,
                            run_id=claim.run_id, deepspeed_source=run.deepspeed_source if ds_cfg else None,
                            init_source=run.init_source, plan=plan, tokenizer=getattr(run, "tokenizer", None),
-                           train_anyway_on_card_diff=train_anyway_on_card_diff)
+                           train_anyway_on_card_diff=train_anyway_on_card_diff,
+                           inputs_from=getattr(run, "inputs_from", None), preset=getattr(run, "preset", None))
     if run.port is not None:
       write_new(folder / "migration.json", run.port.report.to_json())
       write_new(folder / "migration.md", run.port.report.to_markdown())

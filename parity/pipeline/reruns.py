@@ -100,7 +100,8 @@ def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | Non
   Args:
     main_checks: the pairwise checks of the main runs; in bf16/fp16 those a noise-envelope check decides instead
       are marked non-gating here (their detail says so).
-    noise: the noise envelope; None: only for bf16/fp16 runs.
+    noise: the noise envelope; None: only for bf16/fp16 runs of two sides or more (True: a one-side run too, the
+      half of a run `parity join` joins, its side's envelope for the joined pairs).
     determinism_steps: steps of the determinism rerun (0: none); resume_at: the checkpoint step (None: no resume).
     equivalence: the --equivalence kinds (parity.pipeline.equivalence); tokenizer: the run's tokenizer folder
       (the packing rerun reads text examples again).
@@ -111,7 +112,10 @@ def run_reruns(ctx: RerunContext, main_checks: list[Check], *, noise: bool | Non
       result = backend_reruns(ctx)
       out.add("backend", result)
       mark_backend_decided(main_checks, result.decides)
-    if out.interrupted is None and (t.precision != "fp32" if noise is None else noise) and len(ctx.side_data) > 1 and ctx.ok_sides:
+    # one side: only when asked for (--noise-envelope), as one half of a run split over machines (parity join)
+    paired_or_asked = len(ctx.side_data) > 1 or noise is True
+    asked = t.precision != "fp32" if noise is None else noise
+    if out.interrupted is None and asked and paired_or_asked and ctx.ok_sides:
       result = noise_envelope(ctx)
       out.add("noise_envelope", result)
       mark_envelope_decided(main_checks, result.decides, t.precision)  # the envelope decides; the table is reported

@@ -137,6 +137,9 @@ class ResolvedRun:
   sides_named: bool = False
   """The user named the sides (`sides`, an override of `sides`, or a config whose sides differ from the default):
   a named side that cannot run here fails the run; an unnamed one is left out (parity.sockets.plan_sides)."""
+  inputs_from: str | None = None
+  """A run from an earlier request (`parity compare --request`, parity.pipeline.request_source): the folder whose
+  initial weights, batches and example arrays are copied byte for byte instead of being made again; None: made here."""
 
 
 _DEFAULT_SIDES = next(f.default for f in dataclasses.fields(RunSpec) if f.name == "sides")
@@ -239,9 +242,8 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     plan_record = {**plan_record, "chosen_by": f"the DeepSpeed config {deepspeed_config}"}
   return ResolvedRun(spec=spec, preset=name, plan=plan_record, init_source=init_source,
                      tokenizer=None if tokenizer is None else str(Path(tokenizer).expanduser().absolute()),
-                     init_params=init_params, deepspeed_config=ds_cfg,
-                     deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over,
-                     sides_named=sides_named)
+                     init_params=init_params, deepspeed_config=ds_cfg, sides_named=sides_named,
+                     deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
 
 
 def _base_config_checkpoint(preset_name: str | None, model: str | None, config: str | Path | Mapping | None,

@@ -99,18 +99,14 @@ def peak_device(summ: dict) -> tuple[int | None, str | None]:
 
 
 def vm_rss_bytes(status: str | Path = "/proc/self/status") -> int | None:
-  """This process's resident set now, bytes: VmRSS of `status` (kB), else psutil's rss, else None."""
+  """This process's resident set now, bytes: VmRSS of `status` (kB; Linux), else None (not recorded)."""
   try:
     for line in Path(status).read_text().splitlines():
       if line.startswith("VmRSS:"):
         return int(line.split()[1]) * 1024
   except (OSError, ValueError, IndexError):
     pass
-  try:
-    import psutil
-    return int(psutil.Process().memory_info().rss)
-  except Exception:  # noqa: BLE001  no psutil, or a process table it cannot read: not recorded
-    return None
+  return None
 
 
 def runtime_mapping_bytes(before: int | None, opened: int | None, platform: str,

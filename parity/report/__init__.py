@@ -20,6 +20,9 @@ report.json, schema 'parity.report/3' (units in key names):
   sides          {side: {status, error, returncode, wall_s, harness_peak_rss_bytes, summary: <the side's
                   summary.json>, series: {step, loss, grad_norm, lr, loss_scale, skipped, step_time_s, tokens,
                   val_step, val_loss}, load: {start, end} (os.getloadavg() triples) | null}}
+  sides_not_run  {side: {reason, named}}: sides this machine could not start (parity.sockets: it refuses sockets);
+                 named true: the user named it, so it is also in `sides` (status not_run) and the run fails;
+                 false: left out of the run ({} when every side could start)
   timing         {wall_s, prepare_s, sides_s: {side: init_s + compile_s + train_s}, self_runs_s (the same for
                   the noise/determinism/resume reruns), overhead_ratio = wall_s / (sum(sides_s) + self_runs_s)}
   plan           {name, chosen_by, why} when --plan was given, else null

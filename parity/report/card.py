@@ -7,6 +7,7 @@ from typing import Any
 from parity.protocol.layout import step_time_median
 from parity.report import cells, headline, side_table
 from parity.report.read import peak_load
+from parity.report.join_view import join_card
 from parity.report.semantics_view import semantics_card_block
 from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
 
@@ -41,6 +42,8 @@ CARD_SCHEMA = "parity.card/1"
   machine    {host, cpu_model, cpu_count, machine, platform}: where the run was written (the gate's step-time rule)
   threads    {side: {torch_num_threads, OMP_NUM_THREADS, ...}}: each side's thread settings
              (parity.report.runconfig.thread_settings; they set torch's summation order, so the gate's bitwise band)
+  join       a joined folder's (`parity join`) folders {label, path, run_id, request_sha256}, each side's {folder,
+             host, device, backend} and the shared inputs' sha256 (parity.report.join_view.join_card); null otherwise
   files      the report files beside it (report.html, report.md, report.json)"""
 
 LOSS_POINTS = 5
@@ -120,5 +123,6 @@ def make_card(d: dict, run_dir=None) -> dict[str, Any]:
       "machine": {k: env.get(src) for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"),
                                                   ("cpu_count", "cpu_count"), ("machine", "machine"),
                                                   ("platform", "platform")) if env.get(src) not in (None, "")},
+      "join": join_card(d),
       "files": ["report.html", "report.md", "report.json"],
   }

@@ -13,6 +13,7 @@ from typing import Sequence
 from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, semantics_rows
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
+from parity.report.join_view import JOIN_HEADERS, join_intro, join_rows
 from parity.report.placement_view import COPY_HEADERS, copy_rows, placement_blocks
 
 __all__ = ["md_text", "strong", "Markup", "cell", "code_block", "md_table", "report_markdown", "perturbation_markdown",
@@ -211,6 +212,8 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
     out += ["**Some report files could not be written:** " + "; ".join(
         md_text(f"{e['file']}: {e['error']}") for e in errors), ""]
   out += ["Also: `report.html` (one page, plots inline), `report.json`, `card.json`, `metrics.jsonl`.", ""]
+  if join_rows(d):  # `parity join`: the folders joined and each side's machine
+    out += ["## Joined runs", "", md_text(join_intro(d)), ""] + md_table(list(JOIN_HEADERS), join_rows(d)) + [""]
   out += _checks_markdown(d)
   if semantics_rows(d):
     out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(d),

@@ -10,6 +10,7 @@ from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, sem
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report import html as H
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
+from parity.report.join_view import JOIN_HEADERS, join_intro, join_rows
 from parity.report.markdown import data_card_rows
 from parity.report.placement_strip import strip_svg
 from parity.report.placement_view import placement_blocks
@@ -236,6 +237,9 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
   if errors:
     body.append(H.banner("warn", "Some report files could not be written: " + "; ".join(
         f"{e['file']}: {e['error']}" for e in errors)))
+  if join_rows(d):  # `parity join`: the folders joined and each side's machine
+    body.append(H.section("Joined runs", f"<p class=\"note\">{H.esc(join_intro(d))}</p>"
+                          + H.table(JOIN_HEADERS, join_rows(d)), anchor="join"))
   body.append(H.section("Checks: one row per metric, its worst pair", _metrics_html(d)
                         + "<p class=\"note\">Every check of every pair: <a href=\"#all-checks\">all checks</a>.</p>",
                         anchor="checks"))

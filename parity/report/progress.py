@@ -7,7 +7,8 @@ import sys
 import time
 from typing import Any, Sequence
 
-__all__ = ["progress_display", "data_notes", "run_notes", "rerun_line", "rerun_parts", "show_reruns", "STARTING"]
+__all__ = ["progress_display", "data_notes", "run_notes", "rerun_line", "rerun_parts", "show_reruns", "show_not_run",
+           "STARTING"]
 
 STARTING = "starting (imports, model init, compile) before step 0"
 """What a side does between its start and its first step record: the label shown instead of a silent 0/N."""
@@ -67,6 +68,13 @@ def run_notes(run: Any) -> list[str]:
     out.append(f"loss normalisation: this run trains train.loss_normalization={spec.train.loss_normalization}; "
                f"the DeepSpeed config: {ln['why']}")
   return out
+
+
+def show_not_run(lines: Sequence[str]) -> None:
+  """Prints the line of each side this machine cannot start (parity.sockets.not_run_line) to stderr, before anything
+  starts and whatever --no-progress says: it changes what the run compares."""
+  for line in lines:
+    print(f"parity compare: {line}", file=sys.stderr, flush=True)
 
 
 def show_reruns(enabled: bool, spec, noise: bool | None, determinism_steps: int, resume_at: int | None,

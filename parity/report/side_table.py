@@ -11,6 +11,7 @@ from typing import Any
 from parity.protocol.layout import loss_tokens_per_s, step_time_median, warm_step_times, warmup_steps_left_out
 from parity.protocol.layout import tokens_per_s as layout_tokens_per_s
 from parity.protocol.memory_figures import compiled_peak_bytes, own_host_rss, peak_device
+from parity.report.hardware import hardware_caveat
 from parity.report.cells import compact, fmt, fmt_bytes
 from parity.sizing.measured import predicted_vs_measured
 
@@ -255,11 +256,10 @@ def throughput_rows(d: dict) -> list[dict[str, Any]]:
 
 
 def throughput_note(d: dict) -> str:
-  """The plain caveat under the throughput figures (a CPU backend, one sample per step, sides in sequence)."""
-  cpus = {n for n, s in d["sides"].items() if backend(s) == "cpu"}
-  parts = []
-  if cpus:
-    parts.append(f"CPU backend ({', '.join(sorted(cpus))}): throughput is not representative of GPU training")
+  """The plain caveat under the throughput figures (where each side computed: a CPU backend, or sides on different
+  hardware, parity.report.hardware.hardware_caveat; one sample per step, sides in sequence)."""
+  hardware = hardware_caveat(d)
+  parts = [hardware] if hardware else []
   unknown = sorted(n for n, s in d["sides"].items() if backend(s) == "n/a" and side_tokens_per_s(d, s) is not None)
   if unknown:  # a side that did not finish: the harness wrote its summary, without a device (newcomer, 2026-12-02)
     parts.append(f"{', '.join(unknown)}: device not recorded (the side did not finish; its figures are from the "
