@@ -152,21 +152,31 @@ def backend_sides(ctx: RerunContext) -> list[str]:
 
 def backend_reruns(ctx: RerunContext) -> RerunResult:
   """Reruns each accelerator side on the host CPU (harness.self_runs.run_backend) and returns `backend_result`."""
-  outputs: dict[str, tuple[SideRun, list[dict]]] = {}
-  busy = RerunResult()
-  for side in backend_sides(ctx):
-    try:
-      sr, _ = self_runs.run_backend(ctx.run_dir, side, timeout_s=ctx.timeout_s)
-    except KeyboardInterrupt as exc:
-      busy.interrupted = exc
-      return busy
-    steps, _ = side_outputs(ctx.run_dir / self_runs.BACKEND_DIR / side, sr, ctx.run_id,
-                            expected_steps=ctx.spec.train.steps)
-    busy.count(sr)
-    outputs[side] = (sr, steps)
-  res = backend_result(ctx, outputs)
+  busy, outputs = _rerun_each(ctx, backend_sides(ctx), self_runs.run_backend, self_runs.BACKEND_DIR)
+  if busy.interrupted is not None:
+    return busy
+  res = backend_result(ctx, {s: (sr, steps) for s, (sr, steps, _) in outputs.items()})
   res.busy_s = busy.busy_s
   return res
+
+
+def _rerun_each(ctx: RerunContext, sides: Sequence[str], run: Any, folder: str
+                ) -> tuple[RerunResult, dict[str, tuple[SideRun, list[dict], dict | None]]]:
+  """Runs `run(run_dir, side, timeout_s=...)` (a harness.self_runs rerun) for each side in turn and reads what each
+  left in run_dir/<folder>/<side>: (a RerunResult holding the busy seconds, or the Ctrl-C that stopped the loop;
+  side -> (its SideRun, StepRecords, final params or None))."""
+  outputs: dict[str, tuple[SideRun, list[dict], dict | None]] = {}
+  busy = RerunResult()
+  for side in sides:
+    try:
+      sr, _ = run(ctx.run_dir, side, timeout_s=ctx.timeout_s)
+    except KeyboardInterrupt as exc:
+      busy.interrupted = exc
+      return busy, outputs
+    steps, final = side_outputs(ctx.run_dir / folder / side, sr, ctx.run_id, expected_steps=ctx.spec.train.steps)
+    busy.count(sr)
+    outputs[side] = (sr, steps, final)
+  return busy, outputs
 
 
 def backend_result(ctx: RerunContext, outputs: dict[str, tuple[SideRun, list[dict]]]) -> RerunResult:
@@ -224,18 +234,9 @@ def equivalence_not_run(ctx: RerunContext, equivalence: Sequence[str]) -> list[C
 def noise_envelope(ctx: RerunContext) -> RerunResult:
   """Reruns every finished side on reversed batches and holds each pair against the noisier side's envelope
   (`envelope_result` on what the reruns left in run_dir/noise/)."""
-  outputs: dict[str, tuple[SideRun, list[dict], dict | None]] = {}
-  busy = RerunResult()
-  for side in ctx.ok_sides:
-    try:
-      sr, _ = self_runs.run_noise(ctx.run_dir, side, timeout_s=ctx.timeout_s)
-    except KeyboardInterrupt as exc:
-      busy.interrupted = exc
-      return busy
-    noise_steps, noise_final = side_outputs(ctx.run_dir / self_runs.NOISE_DIR / side, sr, ctx.run_id,
-                                            expected_steps=ctx.spec.train.steps)
-    busy.count(sr)
-    outputs[side] = (sr, noise_steps, noise_final)
+  busy, outputs = _rerun_each(ctx, ctx.ok_sides, self_runs.run_noise, self_runs.NOISE_DIR)
+  if busy.interrupted is not None:
+    return busy
   res = envelope_result(ctx, outputs)
   res.busy_s = busy.busy_s
   return res
