@@ -11,6 +11,8 @@ harness.env.thread_environ). A probe that fails, times out or prints no JSON is 
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -121,11 +123,30 @@ def gpu_info(topology: bool = False) -> dict[str, object] | None:
   return out
 
 
+def tpu_evidence() -> str | None:
+  """Why this machine looks like a TPU VM ('/dev/accel0 present', 'libtpu installed'), or None. Read without
+  starting the TPU runtime: opening the chip takes ~15 s and one process at a time may hold it."""
+  accel = sorted(glob.glob("/dev/accel*")) + sorted(glob.glob("/dev/vfio/[0-9]*"))
+  if accel:
+    return f"{accel[0]} present"
+  try:
+    found = importlib.util.find_spec("libtpu") is not None
+  except (ImportError, ValueError):
+    found = False
+  return "libtpu installed" if found else None
+
+
 def _inferred_frameworks() -> dict[str, dict[str, object]]:
-  """Quick mode on a machine with no NVIDIA driver: no CUDA backend can run, so both frameworks run on the CPU;
-  said as inferred (no process was started); `parity doctor` probes for real."""
+  """Quick mode on a machine with no NVIDIA driver: no CUDA backend can run, so torch runs on the CPU, and so does
+  JAX unless the machine looks like a TPU VM (`tpu_evidence`), where its backend is left unnamed rather than guessed:
+  the JAX side's summary.json names the device it ran on. Said as inferred (no process was started); `parity doctor`
+  probes for real."""
   why = "inferred, not probed: no NVIDIA driver on this machine (parity doctor probes the frameworks)"
-  return {"jax": {"backend": "cpu", "how": why}, "torch": {"cuda_available": False, "how": why}}
+  tpu = tpu_evidence()
+  jax = ({"backend": "cpu", "how": why} if tpu is None else
+         {"backend": None, "how": f"not probed: {tpu}, so JAX may run on a TPU (starting it here would hold the chip "
+                                  "~15 s); the JAX side's summary.json names the device it ran on"})
+  return {"jax": jax, "torch": {"cuda_available": False, "how": why}}
 
 
 def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | None = None, *,

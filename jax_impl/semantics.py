@@ -27,6 +27,7 @@
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -233,5 +234,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
           "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only (HF rotate-half "
                                               "layout, both models use it)",
           "optimizer_probe": {k: v for k, v in opt.items() if k.startswith("probe") or k == "note"},
-          "scan_layers": bool(scan)}
+          "scan_layers": bool(scan),
+          "precision_settings": card_lib.precision_settings(
+              os.environ, jax.default_backend(), str(jax.devices()[0].device_kind), str(precision))}
   return {"items": items, "info": info}

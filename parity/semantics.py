@@ -23,7 +23,8 @@ import numpy as np
 
 __all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text", "sig", "GELU_PROBE_X", "GELU_FORMS", "classify_gelu",
            "classify_rotary", "rope_row", "window_of", "CAP_PROBE", "NAME_LISTS", "layers_text",
-           "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION"]
+           "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION", "PRECISION_ENV",
+           "precision_settings", "precision_rows"]
 
 SEMANTICS_SCHEMA = "parity.semantics/1"
 
@@ -232,4 +233,29 @@ def diff_text(na: str, nb: str, diffs: Sequence[tuple[str, Any, Any]]) -> str:
       f"{k} {na}={_value_text(va, vb, k in NAME_LISTS)} {nb}={_value_text(vb, va, k in NAME_LISTS)}"
       for k, va, vb in diffs)
 
+
+PRECISION_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAX_DEFAULT_MATMUL_PRECISION", "JAX_ENABLE_X64",
+                 "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE")
+"""The environment variables that can change how a side's numbers round: XLA's flags (XLA_FLAGS; on TPU also
+LIBTPU_INIT_ARGS, which carries XLA:TPU's own flags), jax's default matmul precision and x64 switch, and the TF32
+overrides of torch and of NVIDIA's libraries."""
+
+
+def precision_settings(environ: Mapping[str, str], backend: str, device: str, matmul: str) -> dict[str, Any]:
+  """The precision settings one side ran with, for its card's info ('precision_settings'): the backend and device
+  its step ran on, its framework's float32 matmul setting as the framework states it (jax.config's
+  default_matmul_precision, torch's get_float32_matmul_precision and TF32 switches), and PRECISION_ENV as set (None:
+  unset). Shown side by side in the report (`precision_rows`); the normalised matmul.precision item is what gates."""
+  return {"backend": backend, "device": device, "matmul": matmul,
+          **{f"env {k}": environ.get(k) for k in PRECISION_ENV}}
+
+
+def precision_rows(cards: Mapping[str, Any]) -> list[dict[str, Any]]:
+  """[{setting, values {side: value}, agree}] over the sides whose card carries info.precision_settings, one row per
+  setting any of them recorded; [] when fewer than one does."""
+  have = {s: ((c or {}).get("info") or {}).get("precision_settings") for s, c in cards.items()}
+  have = {s: v for s, v in have.items() if isinstance(v, dict)}
+  keys = list(dict.fromkeys(k for v in have.values() for k in v))
+  return [{"setting": k, "values": {s: v.get(k) for s, v in have.items()},
+           "agree": len({json.dumps(v.get(k)) for v in have.values()}) <= 1} for k in keys]
 

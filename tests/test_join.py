@@ -284,3 +284,22 @@ def test_another_spec_and_other_reruns_are_refused_naming_the_key():
   crashed = _source("B", {**run, "sides": ["jax"]})
   crashed.report.data["sides"]["jax"]["status"] = "crashed"  # reran nothing: its failed side decides the verdict
   check_reruns([_source("A", {**run, "sides": ["torch"]}, noise={"sides": {}}), crashed])
+
+
+def test_each_folder_s_rerun_sections_are_merged_per_side():
+  """What the verification recomputes is named by the folders' own sections: each side's noise run, determinism
+  entry and host-CPU backend rerun (only the accelerator side's folder has one) from the folder that ran it."""
+  from parity.pipeline.join import _stub, joined_spec
+  from parity.presets import preset
+  from parity.spec import to_dict
+  run = json.loads(json.dumps(to_dict(preset("gpt2-tiny"))))
+  a, b = _source("A", {**run, "sides": ["torch"]}), _source("B", {**run, "sides": ["jax"]})
+  a.report.data.update(checks=[], noise_envelope={"rule": "r", "runs": {"torch": {"wall_s": 1.0}}},
+                       determinism={"torch": {"steps_checked": 2}})
+  b.report.data.update(checks=[], noise_envelope={"rule": "r", "runs": {"jax": {"wall_s": 2.0}}},
+                       determinism={"jax": {"steps_checked": 2}}, backend={"runs": {"jax": {"status": "ok"}}})
+  stub = _stub([a, b], joined_spec([a, b]))
+  assert stub["noise_envelope"] == {"rule": "r", "runs": {"torch": {"wall_s": 1.0}, "jax": {"wall_s": 2.0}}}
+  assert set(stub["determinism"]) == {"torch", "jax"} and stub["backend"] == {"runs": {"jax": {"status": "ok"}}}
+  assert list(stub["sides"]) == ["torch", "jax"] and stub["run"]["sides"] == ["torch", "jax"]
+  assert stub["resume"] == {} and stub["run_folder"] == {"run_id": None}

@@ -127,3 +127,14 @@ def test_cpu_only_and_same_accelerator_runs_keep_their_wording():
   d["sides"]["torch"]["summary"]["device"] = "cpu"  # a GPU jax beside a CPU torch (--allow-cpu)
   assert side_table.throughput_note(d).startswith("jax on GPU cuda:0; torch on the host CPU (13 threads): tokens/s "
                                                   "of sides on different hardware are not comparable")
+
+
+def test_quick_environment_on_a_tpu_vm_does_not_name_jax_s_backend_cpu(monkeypatch):
+  """Without an NVIDIA driver the quick block infers the backends; on a machine with a TPU runtime it must not say
+  JAX ran on the CPU (the JAX side's summary names its device instead)."""
+  from harness import doctor as hd
+  monkeypatch.setattr(hd, "tpu_evidence", lambda: "/dev/accel0 present")
+  fw = hd._inferred_frameworks()
+  assert fw["jax"]["backend"] is None and "/dev/accel0 present" in fw["jax"]["how"]
+  monkeypatch.setattr(hd, "tpu_evidence", lambda: None)
+  assert hd._inferred_frameworks()["jax"]["backend"] == "cpu"

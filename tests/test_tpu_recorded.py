@@ -115,3 +115,27 @@ def test_the_report_reads_the_chip_s_placement_with_untraced_copies(tmp_path):
   assert got["status"] == "ok", got["error"]
   rows = copy_rows(got["placement"])
   assert any(r[1] == "(untraced)" for r in rows) and len(rows) == len(got["placement"]["transfers"]["copies"])
+
+
+# ---------------------------------------------------------------- precision settings of each leg
+
+from parity.report.semantics_view import precision_table, semantics_card_block  # noqa: E402
+from parity.semantics import precision_rows, precision_settings  # noqa: E402
+
+
+def test_each_leg_s_precision_settings_are_recorded_and_their_differences_shown():
+  jax_card = {"items": {}, "info": {"precision_settings": precision_settings(
+      {"LIBTPU_INIT_ARGS": " --xla_tpu_use_enhanced_launch_barrier=true"}, "tpu", "TPU v5 lite", "highest")}}
+  torch_card = {"items": {}, "info": {"precision_settings": precision_settings(
+      {}, "cpu", "host CPU", "float32_matmul_precision=highest, cuda.matmul.allow_tf32=False")}}
+  rows = {r["setting"]: r for r in precision_rows({"jax": jax_card, "torch": torch_card})}
+  assert not rows["backend"]["agree"] and rows["env XLA_FLAGS"]["agree"]
+  assert rows["env LIBTPU_INIT_ARGS"]["values"] == {"jax": " --xla_tpu_use_enhanced_launch_barrier=true",
+                                                    "torch": None}
+  d = {"semantics": {"cards": {"jax": jax_card, "torch": torch_card}, "rows": []}}
+  table = precision_table(d)
+  assert ["backend", "tpu", "cpu", "differs"] in table and ["env XLA_FLAGS", "unset", "unset", "yes"] in table
+  block = semantics_card_block(d)
+  assert {x["setting"] for x in block["precision_settings"]["differences"]} == {
+      "backend", "device", "matmul", "env LIBTPU_INIT_ARGS"}
+  assert precision_rows({"jax": {"items": {}, "info": {}}}) == []

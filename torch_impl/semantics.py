@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import types
 from typing import Any
 
@@ -290,5 +291,18 @@ def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
           "fused": parts["optimizer"].param_groups[0].get("fused"),
           "attention.scale_source": "the first block's Attention spec.scale (its SDPA scale=)",
           "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only",
-          **({"optimizer_probe": adam["note"]} if "note" in adam else {}), **parts.get("info", {})}
+          **({"optimizer_probe": adam["note"]} if "note" in adam else {}), **parts.get("info", {}),
+          "precision_settings": _precision_settings(parts)}
   return {"items": items, "info": info}
+
+
+def _precision_settings(parts: dict) -> dict:
+  """This side's precision settings (parity.semantics.precision_settings): the device of its forward module and
+  torch's float32 matmul switches."""
+  param = next(parts["forward_module"].parameters(), None)
+  dev = param.device if param is not None else torch.device("cpu")
+  name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "host CPU"
+  matmul = (f"float32_matmul_precision={torch.get_float32_matmul_precision()}, "
+            f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
+            f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")
+  return card_lib.precision_settings(os.environ, dev.type, name, matmul)

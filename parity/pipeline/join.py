@@ -112,8 +112,9 @@ def _check_out(folder: Path, sources: Sequence[Source]) -> None:
   for src in sources:
     there = src.path.resolve()
     if here == there or there.is_relative_to(here):
-      raise RunFolderError(f"--out {folder} is {src.name}{'' if here == there else ' or holds it'}: the joined folder "
-                           "must be a new one (its files are the joined folders'); choose another --out")
+      raise RunFolderError(f"--out {folder} {'is' if here == there else 'holds'} {src.name}: the joined folder must "
+                           "be a new one, apart from the folders it joins (--force would move them aside); choose "
+                           "another --out")
 
 
 def _machine(src: Source, side: str) -> dict[str, Any]:

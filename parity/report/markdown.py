@@ -10,7 +10,8 @@ import re
 import statistics
 from typing import Sequence
 
-from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, semantics_rows
+from parity.report.semantics_view import (PRECISION_INTRO, SEMANTICS_INTRO, precision_headers, precision_table,
+                                          semantics_headers, semantics_rows)
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
 from parity.report.join_view import JOIN_HEADERS, join_intro, join_rows
@@ -218,6 +219,9 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
   if semantics_rows(d):
     out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(d),
                                                                                 semantics_rows(d))
+  if precision_table(d):
+    out += ["", "### Precision settings", "", md_text(PRECISION_INTRO), ""] + md_table(precision_headers(d),
+                                                                                      precision_table(d))
   out += ["", "## Curves", ""]
   for key in ("loss", "delta", "grad_norm", "lr", "loss_scale"):
     if key in plots:

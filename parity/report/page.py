@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from parity.report.semantics_view import SEMANTICS_INTRO, semantics_headers, semantics_rows
+from parity.report.semantics_view import (PRECISION_INTRO, SEMANTICS_INTRO, precision_headers, precision_table,
+                                          semantics_headers, semantics_rows)
 from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report import html as H
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
@@ -247,7 +248,9 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
     rows = semantics_rows(d)
     body.append(H.section("Semantics card", f"<p class=\"note\">{H.esc(SEMANTICS_INTRO)}</p>"
                           + H.table(semantics_headers(d), rows,
-                                    row_classes=[None if r[-1] == "yes" else "fail" for r in rows]),
+                                    row_classes=[None if r[-1] == "yes" else "fail" for r in rows])
+                          + (f"<h3>Precision settings</h3><p class=\"note\">{H.esc(PRECISION_INTRO)}</p>"
+                             + H.table(precision_headers(d), precision_table(d)) if precision_table(d) else ""),
                           anchor="semantics"))
   body.append(H.section("Curves", "".join(fig(k) for k in ("loss", "delta", "grad_norm", "lr", "loss_scale")),
                         anchor="curves"))

@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from parity.semantics import NAME_LISTS, layers_text
+from parity.semantics import NAME_LISTS, layers_text, precision_rows
 
-__all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO"]
+__all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO", "PRECISION_INTRO",
+           "precision_headers", "precision_table"]
+
+PRECISION_INTRO = ("The precision settings each side ran with (its card's info): backend, device, its framework's "
+                   "float32 matmul setting and the environment flags that can change rounding. A difference is shown, "
+                   "not failed: the matmul.precision item above gates, and a pair on two backends is held to the "
+                   "table plus the accelerator side's measured shift (the *_backend checks).")
 
 SEMANTICS_INTRO = ("Each side's conventions, read from its own built model and optimizer before step 1 "
                    "(parity.semantics): a row that differs is the 'semantics' check's FAIL at step 0.")
@@ -43,12 +49,35 @@ def semantics_rows(d: dict) -> list[list[str]]:
 
 
 def semantics_card_block(d: dict) -> dict[str, Any] | None:
-  """card.json 'semantics': {agree, differences [{item, values {side: value}}], items {side: {item: value}}}; None
+  """card.json 'semantics': {agree, differences [{item, values {side: value}}], items {side: {item: value}},
+  precision_settings {differences [{setting, values}], values {setting: {side: value}}} (shown, not gating)}; None
   without cards."""
   sem = d.get("semantics") or {}
   sides = _sides_with_cards(d)
   if not sides:
     return None
   diffs = [{"item": r["item"], "values": r["values"]} for r in sem.get("rows") or [] if not r["agree"]]
+  settings = precision_rows(_cards(d))
   return {"agree": not diffs, "differences": diffs,
-          "items": {s: (sem["cards"][s] or {}).get("items") for s in sides}}
+          "items": {s: (sem["cards"][s] or {}).get("items") for s in sides},
+          "precision_settings": {"differences": [{"setting": r["setting"], "values": r["values"]}
+                                                 for r in settings if not r["agree"]],
+                                 "values": {r["setting"]: r["values"] for r in settings}}}
+
+
+def _cards(d: dict) -> dict[str, Any]:
+  return {s: c for s, c in ((d.get("semantics") or {}).get("cards") or {}).items() if c is not None}
+
+
+def precision_headers(d: dict) -> list[str]:
+  """['setting', <side>..., 'same'] over the sides whose card records precision settings."""
+  rows = precision_rows(_cards(d))
+  return ["setting", *(rows[0]["values"] if rows else []), "same"]
+
+
+def precision_table(d: dict) -> list[list[str]]:
+  """One row per precision setting: each side's value ('unset' for an unset variable), 'yes' or 'differs'; []
+  without such cards."""
+  return [[r["setting"], *("unset" if v is None else str(v) for v in r["values"].values()),
+           "yes" if r["agree"] else "differs"] for r in precision_rows(_cards(d))]
+
