@@ -161,7 +161,8 @@ class JaxSide(Side):
              "state_memory_kinds": offload.state_memory_kinds(t.state), "memory_analysis": t.memory_analysis,
              "offload_evidence": t.offload_evidence(), "state_bytes_all_devices": offload.bytes_by_memory_kind(t.state),
              "state_shardings": offload.state_sharding_specs(t.state), "mesh_devices": int(t.placement.mesh.size),
-             "compile_times_s": t.compile_times_s, "plan": to_dict(self.io.run.jax)}
+             "compile_times_s": t.compile_times_s, "plan": to_dict(self.io.run.jax),
+             "device_kind": str(device.device_kind)}
     if getattr(self, "placement_error", None):
       extra["placement_error"] = self.placement_error
     return SideSummary(versions=self.versions(), device=str(device),

@@ -139,3 +139,12 @@ def test_each_leg_s_precision_settings_are_recorded_and_their_differences_shown(
   assert {x["setting"] for x in block["precision_settings"]["differences"]} == {
       "backend", "device", "matmul", "env LIBTPU_INIT_ARGS"}
   assert precision_rows({"jax": {"items": {}, "info": {}}}) == []
+
+
+def test_the_caveat_names_the_chip_by_its_kind():
+  from parity.report.hardware import hardware_caveat
+  summ = json.loads((DATA / "gpt2-fp32" / "jax" / "summary.json").read_text())
+  torch = json.loads((DATA / "gpt2-fp32" / "torch" / "summary.json").read_text())
+  d = {"sides": {"jax": {"summary": {**summ, "device_kind": "TPU v5 lite"}}, "torch": {"summary": torch}}}
+  text = hardware_caveat(d)
+  assert text.startswith("jax on TPU v5 lite; torch on the host CPU") and "not comparable" in text
