@@ -95,3 +95,10 @@ def test_the_cpu_rerun_runs_and_decides_the_pair(tmp_path):
   assert checks["backend_shift jax"].passed and checks["backend_shift jax"].value == 0.0
   assert checks["loss_backend jax~torch"].passed and ("loss", "jax", "torch") in res.decides
   assert res.section["runs"]["jax"]["status"] == "ok"
+
+
+def test_device_classes_group_one_kind_of_hardware():
+  from parity.verdict.backend import device_class
+  assert {device_class(d) for d in ("cuda:0", "cuda (NVIDIA H200)", "rocm:0")} == {"gpu"}
+  assert {device_class(d) for d in ("TFRT_CPU_0", "cpu", None)} == {"cpu"}
+  assert device_class("TPU_0(process=0,(0,0,0,0))") == "tpu"

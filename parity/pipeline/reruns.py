@@ -25,7 +25,8 @@ from harness import self_runs
 from harness.runner import SideRun
 from parity.verdict.check import Check
 from parity.verdict.envelope import ENVELOPE_METRICS, envelope_check, envelope_params_check, rerun_differences
-from parity.verdict.backend import BACKEND_METRICS, backend_pair_check, backend_shift_check, on_accelerator, shifts
+from parity.verdict.backend import (BACKEND_METRICS, backend_pair_check, backend_shift_check, device_class,
+                                    on_accelerator, shifts)
 from parity.verdict.gating import ALWAYS_REPORTED_ONLY, mark_backend_decided, mark_envelope_decided
 from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_ratios
@@ -145,7 +146,7 @@ def backend_sides(ctx: RerunContext) -> list[str]:
   if ctx.spec.train.precision != "fp32":
     return []
   devices = {s: _device(ctx, s) for s in ctx.ok_sides}
-  if len(devices) > 1 and len({d.split("_")[0].split(":")[0] for d in devices.values()}) < 2:
+  if len(devices) > 1 and len({device_class(d) for d in devices.values()}) < 2:
     return []  # every side on the same kind of device: the table was measured for that
   return [s for s, d in devices.items() if on_accelerator(d)]
 

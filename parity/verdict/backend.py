@@ -25,7 +25,7 @@ from parity.verdict.check import Check
 from parity.verdict.steps import steps_by_index
 from parity.verdict.tolerances import tolerance
 
-__all__ = ["BACKEND_METRICS", "on_accelerator", "shifts", "backend_pair_check", "backend_shift_check"]
+__all__ = ["BACKEND_METRICS", "on_accelerator", "device_class", "shifts", "backend_pair_check", "backend_shift_check"]
 
 BACKEND_METRICS = ("loss", "grad_norm", "val_loss")
 """Per-step metrics whose pair check takes the backend shift (the params check keeps its own per-element rule)."""
@@ -35,6 +35,17 @@ def on_accelerator(device: object) -> bool:
   """Whether a side's summary.json 'device' names an accelerator (a TPU or GPU device), not the host CPU."""
   text = str(device or "").lower()
   return bool(text) and "cpu" not in text
+
+
+def device_class(device: object) -> str:
+  """'cpu' | 'tpu' | 'gpu' | the text itself, of a summary.json 'device' ('TFRT_CPU_0', 'cpu', 'TPU_0(...)',
+  'cuda:0', 'cuda (NVIDIA H200)', 'rocm:0')."""
+  text = str(device or "").lower()
+  if not text or "cpu" in text:
+    return "cpu"
+  if text.startswith("tpu"):
+    return "tpu"
+  return "gpu" if any(k in text for k in ("cuda", "gpu", "rocm")) else text
 
 
 def shifts(main: Sequence[dict], on_cpu: Sequence[dict]) -> dict[str, dict[int, float]]:
