@@ -471,7 +471,8 @@ def host_compute(text: "str | Module", arg_names: Sequence[str] | None = None, a
 
   Returns:
     [{'name', 'opcode', 'computation', 'bytes' (of the result), 'tensor', 'class' (of the entry parameter its
-    operand 0 traces to, else its op_name and None)}], in module order.
+    operand 0 traces to, else its op_name and None), 'host_marked' (carries _xla_compute_type="host")}], in module
+    order.
   """
   mod = text if isinstance(text, Module) else parse_module(text)
   labels = _Labels(arg_names, arg_classes)
@@ -489,5 +490,5 @@ def host_compute(text: "str | Module", arg_names: Sequence[str] | None = None, a
       k = _source_param(mod, comp, ins.operands[0]) if ins.operands else None
       tensor, cls = labels.arg(mod, k) if k is not None else (ins.op_name, None)
       out.append({"name": ins.name, "opcode": ins.opcode, "computation": comp.name,
-                  "bytes": shape_bytes(ins.shape), "tensor": tensor, "class": cls})
+                  "bytes": shape_bytes(ins.shape), "tensor": tensor, "class": cls, "host_marked": marked})
   return out

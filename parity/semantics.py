@@ -96,7 +96,10 @@ worst backend measured, and a value between two forms by more than that is 'othe
 
 def classify_gelu(ys: Sequence[float]) -> str:
   """'tanh' | 'erf' | 'silu' | 'other': the nonlinearity whose values at GELU_PROBE_X are ys (GELU_MARGIN)."""
-  ys = [float(y) for y in ys]
+  try:
+    ys = [float(y) for y in ys]
+  except (TypeError, ValueError, OverflowError):  # not numbers: no form
+    return "other"
   if len(ys) != len(GELU_PROBE_X) or not all(math.isfinite(y) for y in ys):
     return "other"
   for form, f in GELU_FORMS.items():

@@ -45,6 +45,21 @@ def test_the_shift_itself_is_bounded():
   assert not bad.passed and bad.first_failing_step == 1 and bad.value == 3e-3
 
 
+def test_an_accelerator_only_error_in_grad_norm_or_val_loss_cannot_grant_itself_its_tolerance():
+  """The pair bound takes the side's own shift, so every metric's shift is bounded too: grad norm 1.5 on the chip
+  where the CPU rerun (and torch) read 1.0 passes the pair bound but FAILs its shift bound."""
+  tpu, cpu = _steps([5.0, 4.0], grad=1.5), _steps([5.0, 4.0], grad=1.0)
+  sh = shifts(tpu, cpu)
+  pair = backend_pair_check("grad_norm", "jax", tpu, "torch", cpu, {"jax": sh["grad_norm"]}, "fp32")
+  assert pair.passed  # by construction: the shift is granted
+  c = backend_shift_check("jax", "TPU v5 lite", sh["grad_norm"], "fp32", "grad_norm", {0: 1.5, 1: 1.5})
+  assert not c.passed and c.name == "grad_norm_backend_shift jax" and c.first_failing_step == 0
+  val = backend_shift_check("jax", "TPU v5 lite", {0: 0.5}, "fp32", "val_loss", {0: 4.0})
+  assert not val.passed and val.tolerance == 2e-4
+  ok = backend_shift_check("jax", "TPU v5 lite", {0: 3.2e-5}, "fp32", "grad_norm", {0: 5.65})
+  assert ok.passed
+
+
 def test_the_table_check_is_reported_only_where_the_backend_check_decides():
   torch, tpu = _steps([5.0, 4.0]), _steps([5.0 + 2e-5, 4.0])
   table = series_check("loss", "jax", tpu, "torch", torch, "fp32")
@@ -94,6 +109,7 @@ def test_the_cpu_rerun_runs_and_decides_the_pair(tmp_path):
   assert (out / "backend" / "jax" / "steps.jsonl").exists()
   assert checks["backend_shift jax"].passed and checks["backend_shift jax"].value == 0.0
   assert checks["loss_backend jax~torch"].passed and ("loss", "jax", "torch") in res.decides
+  assert checks["grad_norm_backend_shift jax"].passed and checks["val_loss_backend_shift jax"].passed
   assert res.section["runs"]["jax"]["status"] == "ok"
 
 

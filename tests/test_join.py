@@ -284,6 +284,12 @@ def test_another_spec_and_other_reruns_are_refused_naming_the_key():
   crashed = _source("B", {**run, "sides": ["jax"]})
   crashed.report.data["sides"]["jax"]["status"] = "crashed"  # reran nothing: its failed side decides the verdict
   check_reruns([_source("A", {**run, "sides": ["torch"]}, noise={"sides": {}}), crashed])
+  bf16 = json.loads(json.dumps(run))
+  bf16["train"]["precision"] = "bf16"
+  with pytest.raises(InputError, match="ran in bf16 without the noise envelope"):
+    check_reruns([_source("A", {**bf16, "sides": ["torch"]}), _source("B", {**bf16, "sides": ["jax"]})])
+  check_reruns([_source("A", {**bf16, "sides": ["torch"]}, noise={"sides": {}}),
+                _source("B", {**bf16, "sides": ["jax"]}, noise={"sides": {}})])
 
 
 def test_each_folder_s_rerun_sections_are_merged_per_side():

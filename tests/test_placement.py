@@ -82,7 +82,7 @@ def test_gpu_hlo_host_compute_and_unnamed_parameters():
       "  %copy-start = (f32[16,16]{1,0}")
   ops = hlo.host_compute(text, LABELS["arg_names"], LABELS["arg_classes"])
   assert ops == [{"name": "add.99", "opcode": "add", "computation": "main.42", "bytes": 1024,
-                  "tensor": "opt_state/mu/w", "class": "opt_state"}]
+                  "tensor": "opt_state/mu/w", "class": "opt_state", "host_marked": False}]
   unnamed = hlo.transfers(text)["copies"]  # no labels: the parameter's op_name metadata names it
   assert unnamed[0]["tensor"] == "state.params['h']" and unnamed[0]["class"] is None
 

@@ -148,3 +148,42 @@ def test_the_caveat_names_the_chip_by_its_kind():
   d = {"sides": {"jax": {"summary": {**summ, "device_kind": "TPU v5 lite"}}, "torch": {"summary": torch}}}
   text = hardware_caveat(d)
   assert text.startswith("jax on TPU v5 lite; torch on the host CPU") and "not comparable" in text
+
+
+@pytest.mark.parametrize("op", [
+    {"name": "async-done.1", "opcode": "async-done", "bytes": 4 << 20, "tensor": "mu", "class": "opt_state"},
+    {"name": "all-reduce-done.1", "opcode": "all-reduce-done", "bytes": 4 << 20, "tensor": "g", "class": None},
+    {"name": "multiply.1", "opcode": "multiply", "bytes": 4, "tensor": "w", "class": "params"},
+    {"name": "add.1", "opcode": "add", "bytes": 4, "tensor": "x", "class": None, "host_marked": True},
+    {"name": "add.2", "opcode": "add", "bytes": None, "tensor": "x", "class": None},
+    {"name": "add.3", "opcode": "add", "bytes": True, "tensor": "x", "class": None},
+    {"name": "add.4", "opcode": "add", "bytes": -4, "tensor": "x", "class": None}])
+def test_host_compute_that_is_not_bookkeeping_or_a_move_fails(op):
+  """A generic async op or a collective's -done in host memory, a scalar of params, an op jax's compute_on marked for
+  the host, and an op of unknown size are not bookkeeping."""
+  rec = _placement("gpt2-fp32")
+  rec["transfers"]["host_compute"].append(op)
+  check = placement_check("jax", {"record": rec, "problem": None}, "ok")
+  assert not check.passed and op["name"] in check.detail
+
+
+def test_many_scalar_host_ops_are_a_host_computation_not_bookkeeping():
+  rec = _placement("gpt2-fp32")
+  rec["transfers"]["host_compute"] += [{"name": f"multiply.{i}", "opcode": "multiply", "bytes": 4, "tensor": "t",
+                                        "class": "opt_state"} for i in range(300)]
+  bulk, small, _ = split_host_compute(rec["transfers"]["host_compute"])
+  assert not small and len(bulk) == 343
+  assert not placement_check("jax", {"record": rec, "problem": None}, "ok").passed
+
+
+@pytest.mark.parametrize("transfers", [[1], "abc", None, {"host_compute": "x"}, {"host_compute": [1, None]}])
+def test_a_malformed_record_is_judged_without_a_traceback(transfers):
+  rec = _placement("gpt2-fp32")
+  rec["transfers"] = transfers
+  assert judged_mismatches(rec) == [] and split_host_compute(transfers) == ([], [], [])
+  assert placement_check("jax", {"record": rec, "problem": None}, "ok").passed
+
+
+@pytest.mark.parametrize("ys", [None, "ab", [10 ** 400, 0.0], [None, 1.0], 3.0])
+def test_a_probe_value_that_is_not_a_number_is_other(ys):
+  assert card_lib.classify_gelu(ys) == "other"

@@ -191,6 +191,11 @@ def check_reruns(sources: list[Source]) -> None:
                        "over; rerun it without --equivalence (and check equivalence in each folder on its own)")
   ran = [s for s in sources if any((e or {}).get("status") == "ok" for e in s.report.data["sides"].values())]
   first = ran[0] if ran else None
+  if first is not None and first.spec.train.precision != "fp32" and not _reruns(first)["--noise-envelope"]:
+    raise InputError(f"{first.name} ran in {first.spec.train.precision} without the noise envelope: a "
+                     f"{first.spec.train.precision} verdict rests on each side's reduction-order rerun, which a "
+                     "one-side run makes only when asked (a run of two sides or more on one machine makes it by "
+                     "default); rerun each half with --noise-envelope")
   for src in ran[1:]:  # a folder none of whose sides finished reran nothing (its verdict already fails the join)
     a, b = _reruns(first), _reruns(src)
     for flag in a:

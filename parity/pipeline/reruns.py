@@ -30,7 +30,7 @@ from parity.verdict.backend import (BACKEND_METRICS, backend_pair_check, backend
 from parity.verdict.gating import ALWAYS_REPORTED_ONLY, mark_backend_decided, mark_envelope_decided
 from parity.numerics.adam import adam_step_sum
 from parity.verdict.params import param_ratios
-from parity.verdict.steps import repeat_check
+from parity.verdict.steps import repeat_check, steps_by_index
 from parity.pipeline.collect import side_outputs
 from parity.pipeline.equivalence import run_equivalence
 from parity.spec import RunSpec
@@ -197,9 +197,11 @@ def backend_result(ctx: RerunContext, outputs: dict[str, tuple[SideRun, list[dic
                               reason="A pair on two backends is judged by the accelerator side's measured shift."))
       continue
     shift[side] = shifts(ctx.side_data[side]["steps"], steps)
-    c = backend_shift_check(side, runs[side]["device"], shift[side]["loss"], precision)
-    if c is not None:
-      res.checks.append(c)
+    for metric in BACKEND_METRICS:  # every metric whose pair bound takes the shift has the shift bounded
+      c = backend_shift_check(side, runs[side]["device"], shift[side][metric], precision, metric,
+                              steps_by_index(ctx.side_data[side]["steps"], metric))
+      if c is not None:
+        res.checks.append(c)
   names, data = list(ctx.side_data), ctx.side_data
   for i, a in enumerate(names):
     for b in names[i + 1:]:

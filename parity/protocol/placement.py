@@ -15,7 +15,7 @@ from typing import Any
 from parity.protocol.workers import SIDE_WORKERS
 
 __all__ = ["PLACEMENT_FILE", "PLACEMENT_SCHEMA", "PLACEMENT_WORKER", "writes_placement", "read_placement",
-           "write_placement", "BOOKKEEPING_BYTES", "split_host_compute", "host_compute_mismatch", "judged_mismatches"]
+           "write_placement", "BOOKKEEPING_BYTES", "BOOKKEEPING_TOTAL_BYTES", "split_host_compute", "host_ops_of", "host_compute_mismatch", "judged_mismatches"]
 
 PLACEMENT_FILE = "placement.json"
 """In run_dir/<side>/: the compiled step's placement (jax_impl.placement.placement_record)."""
@@ -32,27 +32,49 @@ was a 4-byte add/maximum/power/convert (the Adam bias-correction terms of the of
 compare, 136-236 bytes per step in all. What the plan is about (params, gradients, moments, activations) is tensors
 of KiB and up, so a bulk op in host memory is never this small."""
 
-_ASYNC_PARTS = ("-start", "-done", "-update")
-"""Opcode suffixes of an async op's halves (custom-call-done of a host-offload move, copy-done, ...): the completion
-of a move that lands in host memory, not compute. A real host computation of jax's compute_on is marked
-_xla_compute_type="host" and is listed by its own opcode."""
+BOOKKEEPING_TOTAL_BYTES = 1024
+"""At most this many bytes of scalar host ops in one step are bookkeeping (measured 136-236 on a TPU v5e: 4x); more
+is a computation done on the host one scalar at a time, and every one of them counts as bulk."""
+BOOKKEEPING_CLASSES = (None, "opt_state")
+"""The classes whose scalars may be bookkeeping: untraced values and the optimizer state (its update count). A scalar
+op on params, the batch or the metrics is not bookkeeping of the offloaded state."""
+_MOVE_ASYNC = ("copy-start", "copy-done", "custom-call-start", "custom-call-update", "custom-call-done")
+"""The async halves of a move that lands in host memory (copy-done; custom-call-done of a host-offload move, whose
+-start carries the MoveToHost target): moves, not compute, whatever their size. Other async ops (async-done, which
+also wraps jax's compute_on host computations, or a collective's -done) are judged like any op."""
+
+
+def _size(op: dict) -> int | None:
+  v = op.get("bytes")
+  return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
 
 
 def split_host_compute(ops: Any) -> tuple[list[dict], list[dict], list[dict]]:
   """(bulk, bookkeeping, moves) of placement.json's transfers.host_compute: the ops computing in host memory that
-  contradict the plan, the scalar ones listed only (BOOKKEEPING_BYTES), and the async halves of moves."""
+  contradict the plan, the scalar ones listed only (BOOKKEEPING_BYTES each, BOOKKEEPING_TOTAL_BYTES in all, of
+  BOOKKEEPING_CLASSES), and the async halves of moves (_MOVE_ASYNC). An op marked to compute on the host, of unknown
+  size, or of another class is bulk."""
   bulk, small, moves = [], [], []
   for op in ops if isinstance(ops, list) else []:
     if not isinstance(op, dict):
       continue
-    opcode, size = str(op.get("opcode")), op.get("bytes")
-    if opcode.endswith(_ASYNC_PARTS):
+    size = _size(op)
+    if op.get("host_marked"):
+      bulk.append(op)
+    elif str(op.get("opcode")) in _MOVE_ASYNC:
       moves.append(op)
-    elif isinstance(size, (int, float)) and not isinstance(size, bool) and 0 <= size <= BOOKKEEPING_BYTES:
+    elif size is not None and size <= BOOKKEEPING_BYTES and op.get("class") in BOOKKEEPING_CLASSES:
       small.append(op)
     else:
       bulk.append(op)
+  if sum(_size(op) or 0 for op in small) > BOOKKEEPING_TOTAL_BYTES:
+    bulk, small = bulk + small, []
   return bulk, small, moves
+
+
+def host_ops_of(rec: Any) -> Any:
+  tr = rec.get("transfers") if isinstance(rec, dict) else None
+  return tr.get("host_compute") if isinstance(tr, dict) else None
 
 
 def host_compute_mismatch(op: dict[str, Any]) -> dict[str, Any]:
@@ -66,8 +88,9 @@ def host_compute_mismatch(op: dict[str, Any]) -> dict[str, Any]:
 def judged_mismatches(rec: dict[str, Any]) -> list[dict[str, Any]]:
   """The record's mismatches with the host-compute ones judged anew from transfers.host_compute (split_host_compute:
   only bulk ops count), so a record written before the rule (every host op a mismatch) reads the same as a new one."""
-  rows = [m for m in rec.get("mismatches") or [] if isinstance(m, dict) and m.get("role") != "compute"]
-  bulk, _, _ = split_host_compute((rec.get("transfers") or {}).get("host_compute"))
+  listed = rec.get("mismatches") if isinstance(rec, dict) else None
+  rows = [m for m in listed if isinstance(m, dict) and m.get("role") != "compute"] if isinstance(listed, list) else []
+  bulk, _, _ = split_host_compute(host_ops_of(rec))
   return rows + [host_compute_mismatch(op) for op in bulk]
 
 

@@ -311,11 +311,12 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 def artifact_paths(sides: list[str]) -> list[str]:
   """The relative paths report.json['artifacts'] covers for a run of `sides`: RUN_ARTIFACTS, each side's
-  SIDE_ARTIFACTS and each rerun folder's (harness.self_runs: noise/, repeat/, resume/) RERUN_ARTIFACTS per side
-  (those that exist are recorded)."""
-  from harness.self_runs import NOISE_DIR, REPEAT_DIR, RESUME_DIR  # harness: lazily
+  SIDE_ARTIFACTS and each rerun folder's (harness.self_runs: noise/, repeat/, resume/, backend/) RERUN_ARTIFACTS per
+  side (those that exist are recorded)."""
+  from harness.self_runs import BACKEND_DIR, NOISE_DIR, REPEAT_DIR, RESUME_DIR  # harness: lazily
   return [*RUN_ARTIFACTS, *(f"{side}/{name}" for side in sides for name in SIDE_ARTIFACTS),
-          *(f"{sub}/{side}/{name}" for sub in (NOISE_DIR, REPEAT_DIR, RESUME_DIR) for side in sides for name in RERUN_ARTIFACTS)]
+          *(f"{sub}/{side}/{name}" for sub in (NOISE_DIR, REPEAT_DIR, RESUME_DIR, BACKEND_DIR) for side in sides
+            for name in RERUN_ARTIFACTS)]
 
 
 def artifact_hashes(run_dir: Path, sides: list[str]) -> dict[str, dict]:

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from parity.protocol.placement import judged_mismatches, split_host_compute
+from parity.protocol.placement import host_ops_of, judged_mismatches, split_host_compute
 from parity.report.cells import fmt, fmt_bytes
 from parity.report.placement_strip import strip_extent
 
@@ -224,7 +224,7 @@ def _unplaced_mismatches(p: dict) -> list[str]:
 
 def _host_ops(p: dict) -> list[tuple]:
   """A block listing the scalar ops XLA computes in host memory (bookkeeping, not failed), or none."""
-  _, small, moves = split_host_compute((p.get("transfers") or {}).get("host_compute"))
+  _, small, moves = split_host_compute(host_ops_of(p))
   if not small:
     return []
   names = ", ".join(f"{op.get('opcode')} {op.get('name')} ({op.get('bytes')} B)" for op in small[:8])

@@ -25,7 +25,8 @@ from parity.verdict.check import Check
 from parity.verdict.steps import steps_by_index
 from parity.verdict.tolerances import tolerance
 
-__all__ = ["BACKEND_METRICS", "on_accelerator", "device_class", "shifts", "backend_pair_check", "backend_shift_check"]
+__all__ = ["BACKEND_METRICS", "SHIFT_TOLERANCE", "on_accelerator", "device_class", "shifts", "backend_pair_check",
+           "backend_shift_check"]
 
 BACKEND_METRICS = ("loss", "grad_norm", "val_loss")
 """Per-step metrics whose pair check takes the backend shift (the params check keeps its own per-element rule)."""
@@ -92,17 +93,27 @@ def backend_pair_check(metric: str, a_side: str, a: Sequence[dict], b_side: str,
                    "\n\n")[0].replace("\n", " "))
 
 
-def backend_shift_check(side: str, device: str, shift: dict[int, float], precision: str) -> Check | None:
-  """'backend_shift <side>': the largest |loss - loss on the CPU| of a side that ran on an accelerator, against the
-  'backend_shift' tolerance; None without a shared step."""
+SHIFT_TOLERANCE = {"loss": "backend_shift", "val_loss": "backend_shift_val_loss", "grad_norm": "backend_shift_grad_norm"}
+"""Per BACKEND_METRICS, the tolerance entry bounding the shift itself: each metric whose pair bound takes the shift
+has its shift bounded, so no metric can grant itself an accelerator-only error."""
+
+
+def backend_shift_check(side: str, device: str, shift: dict[int, float], precision: str, metric: str = "loss",
+                        values: dict[int, float] | None = None) -> Check | None:
+  """'backend_shift <side>' (loss; '<metric>_backend_shift <side>' for the others): the largest |metric - metric on
+  the CPU| of a side that ran on an accelerator against tolerance SHIFT_TOLERANCE[metric] (atol + rtol |value|,
+  values: the side's own per-step values, for a relative bound); None without a shared step."""
   if not shift:
     return None
-  tol = tolerance(precision, "backend_shift")
-  k = max(shift, key=lambda s: (shift[s] if np.isfinite(shift[s]) else np.inf))
-  value = float(shift[k])
-  passed = all(np.isfinite(v) and v <= tol.atol for v in shift.values())
-  first = next((s for s in sorted(shift) if not (np.isfinite(shift[s]) and shift[s] <= tol.atol)), None)
-  return Check(name=f"backend_shift {side}", metric="backend_shift", sides=(side,), value=value, tolerance=tol.atol,
-               passed=passed, first_failing_step=first, worst=k,
-               detail=f"{side} on {device} vs the same run on the host CPU: max |Δloss| = {value:.3g} at step {k}",
+  tol = tolerance(precision, SHIFT_TOLERANCE[metric])
+  allowed = {k: tol.atol + tol.rtol * abs((values or {}).get(k, 0.0)) for k in shift}
+  ratio = {k: (shift[k] / allowed[k] if np.isfinite(shift[k]) else np.inf) for k in shift}
+  k = max(ratio, key=lambda s: ratio[s])
+  bad = [s for s in sorted(shift) if not (np.isfinite(shift[s]) and shift[s] <= allowed[s])]
+  name = f"backend_shift {side}" if metric == "loss" else f"{metric}_backend_shift {side}"
+  return Check(name=name, metric="backend_shift" if metric == "loss" else f"{metric}_backend_shift", sides=(side,),
+               value=float(shift[k]), tolerance=float(allowed[k]), passed=not bad,
+               first_failing_step=bad[0] if bad else None, worst=k,
+               detail=f"{side} on {device} vs the same run on the host CPU: |Δ{metric}| = {shift[k]:.3g} at step {k} "
+                      f"(bound {allowed[k]:.3g}); {len(bad)} of {len(shift)} steps over",
                reason=tol.reason)

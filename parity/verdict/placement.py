@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from parity.protocol.placement import judged_mismatches, split_host_compute
+from parity.protocol.placement import host_ops_of, judged_mismatches, split_host_compute
 from parity.verdict.check import Check
 
 __all__ = ["placement_check", "PLACEMENT_REASON", "mismatch_text"]
@@ -88,7 +88,7 @@ def placement_check(side: str, entry: Mapping[str, Any] | None, status: str) -> 
 
 def _bookkeeping(rec: Mapping[str, Any]) -> str:
   """'; listed, not failed: 43 scalar ops XLA computes in host memory (172 bytes: add x30, compare x2, ...)' or ''."""
-  _, small, _ = split_host_compute((rec.get("transfers") or {}).get("host_compute"))
+  _, small, _ = split_host_compute(host_ops_of(rec))
   if not small:
     return ""
   counts: dict[str, int] = {}

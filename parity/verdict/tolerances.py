@@ -83,6 +83,16 @@ _FP32 = {
         "benchmarks/results/2026-12-05-tpu-v5e-verdict.md. 2e-4 leaves ~11x over the worst. A matmul in one bf16 pass (TPU's default fp32 precision) errs 2.3e-3 "
         "relative where 'highest' errs 1.1e-7 on the same product (numerics.json): a side computing fp32 that "
         "way moves the loss by orders of magnitude more than the transcendentals do.")),
+    "backend_shift_val_loss": Tolerance(2e-4, 0.0, (
+        "|val_loss - val_loss of the same run on the host CPU| of an accelerator side, nats: the training loss's "
+        "bound (backend_shift), the same arithmetic on held-out batches (measured on the TPU v5e: the pair's "
+        "val_loss differs by <= 8.8e-6).")),
+    "backend_shift_grad_norm": Tolerance(1e-6, 1e-3, (
+        "|grad_norm - grad_norm of the same run on the host CPU| of an accelerator side, relative to the norm. "
+        "Measured on the TPU v5e: the jax~torch pair's grad norms differ by 9.5e-6 (gpt2-tiny, 30 steps) and "
+        "3.2e-5 (gemma3-tiny) on norms of ~2-11, <= 6e-6 relative; 1e-3 leaves > 100x, and the pair bound "
+        "grad_norm_backend grants no more shift than this. A gradient computed at bf16 matmul precision is off "
+        "by ~2e-3 relative per product (tests/data/tpu_v5e/numerics.json).")),
     "params_zero_grad": Tolerance(0.0, 0.0, (
         "Slices whose true gradient is exactly zero (attention key bias: softmax is shift-"
         "invariant per query row). Their updates are Adam-normalised rounding noise, so only "
