@@ -203,6 +203,18 @@ def _memory_markdown(d: dict, plots: dict[str, str]) -> list[str]:
   return out
 
 
+def _semantics_markdown(d: dict) -> list[str]:
+  """The semantics card's table and, under it, each side's precision settings; [] without cards."""
+  out: list[str] = []
+  if semantics_rows(d):
+    out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(d),
+                                                                                semantics_rows(d))
+  if precision_table(d):
+    out += ["", "### Precision settings", "", md_text(PRECISION_INTRO), ""] + md_table(precision_headers(d),
+                                                                                      precision_table(d))
+  return out
+
+
 def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = None) -> str:
   """report.md text. d: report.json data; plots: figure key -> (file name beside report.md, caption);
   environment: environment.json of the run folder, or None."""
@@ -216,12 +228,7 @@ def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = N
   if join_rows(d):  # `parity join`: the folders joined and each side's machine
     out += ["## Joined runs", "", md_text(join_intro(d)), ""] + md_table(list(JOIN_HEADERS), join_rows(d)) + [""]
   out += _checks_markdown(d)
-  if semantics_rows(d):
-    out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(d),
-                                                                                semantics_rows(d))
-  if precision_table(d):
-    out += ["", "### Precision settings", "", md_text(PRECISION_INTRO), ""] + md_table(precision_headers(d),
-                                                                                      precision_table(d))
+  out += _semantics_markdown(d)
   out += ["", "## Curves", ""]
   for key in ("loss", "delta", "grad_norm", "lr", "loss_scale"):
     if key in plots:
