@@ -255,10 +255,12 @@ def precision_settings(environ: Mapping[str, str], backend: str, device: str, ma
 
 def precision_rows(cards: Mapping[str, Any]) -> list[dict[str, Any]]:
   """[{setting, values {side: value}, agree}] over the sides whose card carries info.precision_settings, one row per
-  setting any of them recorded; [] when fewer than one does."""
+  setting any of them recorded; [] when none does. agree is None for 'matmul', each framework's own words for its
+  setting (not comparable as text; the normalised matmul.precision item is compared)."""
   have = {s: ((c or {}).get("info") or {}).get("precision_settings") for s, c in cards.items()}
   have = {s: v for s, v in have.items() if isinstance(v, dict)}
   keys = list(dict.fromkeys(k for v in have.values() for k in v))
   return [{"setting": k, "values": {s: v.get(k) for s, v in have.items()},
-           "agree": len({json.dumps(v.get(k)) for v in have.values()}) <= 1} for k in keys]
+           "agree": None if k == "matmul" else len({json.dumps(v.get(k)) for v in have.values()}) <= 1}
+          for k in keys]
 

@@ -127,7 +127,7 @@ def test_each_leg_s_precision_settings_are_recorded_and_their_differences_shown(
   jax_card = {"items": {}, "info": {"precision_settings": precision_settings(
       {"LIBTPU_INIT_ARGS": " --xla_tpu_use_enhanced_launch_barrier=true"}, "tpu", "TPU v5 lite", "highest")}}
   torch_card = {"items": {}, "info": {"precision_settings": precision_settings(
-      {}, "cpu", "host CPU", "float32_matmul_precision=highest, cuda.matmul.allow_tf32=False")}}
+      {}, "cpu", "cpu", "float32_matmul_precision=highest, cuda.matmul.allow_tf32=False")}}
   rows = {r["setting"]: r for r in precision_rows({"jax": jax_card, "torch": torch_card})}
   assert not rows["backend"]["agree"] and rows["env XLA_FLAGS"]["agree"]
   assert rows["env LIBTPU_INIT_ARGS"]["values"] == {"jax": " --xla_tpu_use_enhanced_launch_barrier=true",
@@ -137,7 +137,9 @@ def test_each_leg_s_precision_settings_are_recorded_and_their_differences_shown(
   assert ["backend", "tpu", "cpu", "differs"] in table and ["env XLA_FLAGS", "unset", "unset", "yes"] in table
   block = semantics_card_block(d)
   assert {x["setting"] for x in block["precision_settings"]["differences"]} == {
-      "backend", "device", "matmul", "env LIBTPU_INIT_ARGS"}
+      "backend", "device", "env LIBTPU_INIT_ARGS"}
+  assert rows["matmul"]["agree"] is None and ["matmul", "highest", "float32_matmul_precision=highest, cuda.matmul."
+                                              "allow_tf32=False", "framework's own words"] in table
   assert precision_rows({"jax": {"items": {}, "info": {}}}) == []
 
 

@@ -301,7 +301,7 @@ def _precision_settings(parts: dict) -> dict:
   torch's float32 matmul switches."""
   param = next(parts["forward_module"].parameters(), None)
   dev = param.device if param is not None else torch.device("cpu")
-  name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "host CPU"
+  name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type  # 'cpu', as JAX's device_kind
   matmul = (f"float32_matmul_precision={torch.get_float32_matmul_precision()}, "
             f"cuda.matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, "
             f"cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}")

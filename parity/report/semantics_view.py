@@ -61,7 +61,7 @@ def semantics_card_block(d: dict) -> dict[str, Any] | None:
   return {"agree": not diffs, "differences": diffs,
           "items": {s: (sem["cards"][s] or {}).get("items") for s in sides},
           "precision_settings": {"differences": [{"setting": r["setting"], "values": r["values"]}
-                                                 for r in settings if not r["agree"]],
+                                                 for r in settings if r["agree"] is False],
                                  "values": {r["setting"]: r["values"] for r in settings}}}
 
 
@@ -79,5 +79,6 @@ def precision_table(d: dict) -> list[list[str]]:
   """One row per precision setting: each side's value ('unset' for an unset variable), 'yes' or 'differs'; []
   without such cards."""
   return [[r["setting"], *("unset" if v is None else str(v) for v in r["values"].values()),
-           "yes" if r["agree"] else "differs"] for r in precision_rows(_cards(d))]
+           "yes" if r["agree"] else "framework's own words" if r["agree"] is None else "differs"]
+          for r in precision_rows(_cards(d))]
 
