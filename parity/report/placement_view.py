@@ -184,10 +184,9 @@ def _bytes(n) -> str:
   return f"{int(n)} B" if abs(n) < 1024 else f"{fmt_bytes(n)} ({int(n):,} B)"
 
 
-def _mismatch_of(p: dict, c: dict) -> str | None:
-  """The detail of placement.json's mismatch for class row `c` (its 'mismatches' decide), None when it lists none."""
-  return next((m["detail"] for m in judged_mismatches(p) if (m["class"], m["role"]) == (c["class"], c["role"])),
-              None)
+def _mismatch_of(mismatches: list[dict], c: dict) -> str | None:
+  """The detail of the mismatch for class row `c` among placement.json's judged mismatches, None when none names it."""
+  return next((m["detail"] for m in mismatches if (m["class"], m["role"]) == (c["class"], c["role"])), None)
 
 
 def _verdict(c: dict, why: str | None) -> str:
@@ -206,8 +205,9 @@ def class_rows(p: dict) -> tuple[list[list[str]], list[bool]]:
   last cell 'MISMATCH: <detail>' (placement.json's mismatches), 'as planned', 'no plan for it', or, for a compiled
   memory space other than the planned one that placement.json does not call a mismatch, both spaces' buffers."""
   rows, flags = [], []
+  mismatches = judged_mismatches(p)
   for c in p["classes"]:
-    why = _mismatch_of(p, c)
+    why = _mismatch_of(mismatches, c)
     rows.append([c["class"], c["role"], c["expected"] or "no expectation", c["memory_space"],
                  f"{fmt(c['host_buffers'])} / {fmt(c['buffers'])}", fmt_bytes(c["bytes"]), fmt_bytes(c["host_bytes"]),
                  _verdict(c, why)])

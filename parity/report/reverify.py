@@ -138,17 +138,28 @@ def _collect(rd: Path, d: dict, spec, run_id: str | None) -> tuple[dict, dict]:
   return data, runs
 
 
+def _stored_section(ctx, d: dict, key: str, folder: str, what: str) -> tuple[Any, dict]:
+  """(report.json's rerun section `key`, its 'runs' mapping or {}); (None, {}) without the section.
+
+  Raises:
+    Unverifiable: the section is missing although run_dir/<folder>/request.json shows `what` were started (and the
+      run was not stopped before writing it).
+  """
+  sec = d.get(key)
+  if sec is None:
+    if (ctx.run_dir / folder / "request.json").exists() and not _stopped(d):
+      raise Unverifiable(f"{folder}/request.json shows {what} were started, but report.json has no {key} section")
+    return None, {}
+  return sec, sec.get("runs") if isinstance(sec, dict) and isinstance(sec.get("runs"), dict) else {}
+
+
 def _noise(ctx, d: dict, main_checks: list) -> tuple[list, Any]:
   """The noise-envelope checks and section from run_dir/noise/ (when report.json has the section), the main checks
   it decides marked reported only."""
   from harness.self_runs import NOISE_DIR  # harness: lazily
-  sec = d.get("noise_envelope")
+  sec, runs = _stored_section(ctx, d, "noise_envelope", NOISE_DIR, "the reduction-order reruns")
   if sec is None:
-    if (ctx.run_dir / NOISE_DIR / "request.json").exists() and not _stopped(d):
-      raise Unverifiable(f"{NOISE_DIR}/request.json shows the reduction-order reruns were started, but report.json "
-                         "has no noise_envelope section")
     return [], None
-  runs = sec.get("runs") if isinstance(sec, dict) and isinstance(sec.get("runs"), dict) else {}
   outputs = {}
   for side in ctx.ok_sides:
     out = ctx.run_dir / NOISE_DIR / side
@@ -164,13 +175,9 @@ def _backend(ctx, d: dict, main_checks: list) -> tuple[list, Any]:
   """The backend checks and section from run_dir/backend/ (when report.json has the section), the main checks they
   decide marked reported only."""
   from harness.self_runs import BACKEND_DIR  # harness: lazily
-  sec = d.get("backend")
+  sec, runs = _stored_section(ctx, d, "backend", BACKEND_DIR, "the host-CPU reruns")
   if sec is None:
-    if (ctx.run_dir / BACKEND_DIR / "request.json").exists() and not _stopped(d):
-      raise Unverifiable(f"{BACKEND_DIR}/request.json shows the host-CPU reruns were started, but report.json has no "
-                         "backend section")
     return [], None
-  runs = sec.get("runs") if isinstance(sec, dict) and isinstance(sec.get("runs"), dict) else {}
   outputs = {}
   for side in runs:
     out = ctx.run_dir / BACKEND_DIR / side

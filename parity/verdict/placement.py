@@ -29,11 +29,12 @@ def _planned(m: Mapping[str, Any], rec: Mapping[str, Any]) -> str:
   return kind if m.get("expected") == "host" else str(m.get("expected"))
 
 
-def mismatch_text(rec: Mapping[str, Any]) -> list[str]:
+def mismatch_text(rec: Mapping[str, Any], mismatches: list[dict] | None = None) -> list[str]:
   """One phrase per class the record's mismatches name, its roles folded: 'opt_state planned pinned_host, compiled
-  in device memory (59/59 buffers in, 59/59 out)'; a compute or residual mismatch says what it saw."""
+  in device memory (59/59 buffers in, 59/59 out)'; a compute or residual mismatch says what it saw. mismatches: the
+  record's judged_mismatches when the caller has them already."""
   out: dict[tuple, list[Mapping[str, Any]]] = {}
-  for m in judged_mismatches(dict(rec)):
+  for m in judged_mismatches(dict(rec)) if mismatches is None else mismatches:
     out.setdefault((m.get("class"), m.get("expected"), m.get("compiled"), m.get("role") == "compute"), []).append(m)
   phrases = []
   for (cls, _, compiled, compute), ms in out.items():
@@ -77,8 +78,8 @@ def placement_check(side: str, entry: Mapping[str, Any] | None, status: str) -> 
     return Check(name=name, metric="placement", sides=(side,), value=float("nan"), tolerance=0.0, passed=False,
                  detail=f"placement: not run: {entry.get('problem') or 'no placement.json'}", reason=PLACEMENT_REASON,
                  gating=False)
-  phrases = mismatch_text(rec)
   mismatches = judged_mismatches(dict(rec))
+  phrases = mismatch_text(rec, mismatches)
   detail = ("placement: " + "; ".join(phrases) if phrases
             else f"placement: every tensor class where the plan puts it ({_agree(rec)})") + _bookkeeping(rec)
   return Check(name=name, metric="placement", sides=(side,), value=float(len(mismatches)),
