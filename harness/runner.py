@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from harness import lifetime, ranks
+from harness import chip, lifetime, ranks
 from parity import phase
 from harness.env import host_pool_environ, side_spec, worker_env
 from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
@@ -118,11 +118,18 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
                          phase.PHASE_ENV: str(out / phase.PHASE_FILE)}, python,
                         ranks=int(launch["nproc"]))  # the ranks on this host share its CPUs
   _host_pool(full_env, run_dir, side)
-  t0 = time.time()
-  world = ranks.world_size(launch)
-  if world > 1:
-    return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)
-  return _run_one(side, cmd, out, full_env, timeout_s, on_progress, t0)
+  waiting = (lambda line: on_progress(side, 0, line)) if on_progress is not None else None
+  try:
+    with chip.chip_turn(side, str(run_dir), full_env, on_wait=waiting):  # one side at a time on a TPU chip
+      t0 = time.time()  # the limit starts once the side has the chip
+      world = ranks.world_size(launch)
+      if world > 1:
+        return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)
+      return _run_one(side, cmd, out, full_env, timeout_s, on_progress, t0)
+  except chip.ChipWaitInterrupted as exc:
+    _write_summary(out, _harness_summary(side, "killed", f"interrupted ({_signal_words()}) while waiting for the "
+                                         f"TPU, which {exc.holder} held: the side never started", out, None))
+    raise
 
 
 def _host_pool(env: dict[str, str], run_dir: Path, side: str) -> None:
@@ -161,7 +168,10 @@ def _run_one(side: str, cmd: list[str], out: Path, env: dict[str, str], timeout_
   stderr = _tail(out / "stderr.log")
   summary = read_summary(out / "summary.json")
   status, error = _classify(rc, timed_out, summary, stderr)
-  if summary is None or summary.get("status") != status:
+  busy = chip.busy_hint(f"{error or ''}\n{stderr}") if status == "crashed" else None
+  if busy:
+    error = f"{busy}\n{error}"
+  if summary is None or summary.get("status") != status or busy:
     summary = _harness_summary(side, status, error, out, summary)
     _write_summary(out, summary)
   peak = rusage.ru_maxrss * 1024 if rusage is not None else None
