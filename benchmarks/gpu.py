@@ -1,6 +1,6 @@
-"""GPU benchmark suite: both sides of parity on one accelerator, in one command (issue #13 items 4-5).
+"""GPU benchmark suite: both sides of parity on one accelerator, in one command (docs/benchmarks.md).
 
-  benchmarks/gpu.sh                                  # the lent GPU: wheels, env, this script; ~8 minutes
+  benchmarks/gpu.sh                                  # on a GPU node: wheels, env, this script; ~8 min
   python benchmarks/gpu.py --out DIR                 # the same without the wrapper
   python benchmarks/gpu.py --tiny --out DIR          # CPU check (tests/test_gpu_bench.py): gpt2-tiny, tiny buffers
   python benchmarks/gpu.py --parts largest --budget-s 600 --out DIR   # one group of parts, more time

@@ -13,7 +13,7 @@ For each plan (one fresh process per plan, so the allocator's peak belongs to th
     every plan's process; the report gives the median), which the planner's cost model assumes.
 
 Writes <out>/gpu-memory.json and gpu-memory.md. Needs jax, flax, optax and numpy only (no torch, DeepSpeed or
-pydantic), so it runs on the lent GPU machine as is.
+pydantic), so it runs on a GPU node as is.
 
 Usage:
   python benchmarks/gpu_memory.py --out DIR                       # gpt2-1.5b, bf16, micro 1 x 1024, 5 plans

@@ -3,7 +3,7 @@
 Rounding points follow torch's (the `jax_impl.model` docstring): float32 scores and softmax statistics; in
 bf16/fp16 the fused SDPA kernel's order (`Attention._fused_context`), or, with the soft-cap (which no fused
 kernel takes: HF's eager attention, torch_impl's), the float32 softmax rounded to the compute dtype and multiplied
-by v with float32 accumulation, rounded once. The issue-#21 options live here too: biases
+by v with float32 accumulation, rounded once. The model-family options live here too: biases
 per projection (spec.linear_bias), per-head q/k RMSNorm before rotary (qk_norm), a head_dim of its own, scaled
 rotary tables (`parity.architecture.rope_tables`), the attention soft-cap (float32, on the float32 scores, after
 the scale and before the mask) and sliding windows per layer kind.

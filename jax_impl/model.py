@@ -3,14 +3,14 @@
 Every option of `parity.spec.ModelSpec` is implemented here: pre-norm blocks,
 LayerNorm (with or without bias) or RMSNorm, GELU (tanh or erf) or SwiGLU MLP,
 learned or rotary positions, grouped-query attention, tied or untied head; and the
-model-family fields of issue #21: biases per projection, a head_dim of its own, per-head q/k
+model-family fields: biases per projection, a head_dim of its own, per-head q/k
 RMSNorm, scaled rotary tables (`parity.architecture.rope_tables`), Gemma's (1 + w) RMSNorm,
 GeGLU, embedding scale, post-attention/post-MLP norms and soft-caps (`jax_impl.layers.softcap`),
 and sliding-window attention per layer kind with its own rotary base (`jax_impl.attention`;
 with scan_layers, a model that mixes kinds scans each layer's kind as an input). At their
 defaults a spec computes exactly what it computed before these fields (bitwise).
 
-Numerics follow PyTorch, not Flax defaults (shared/NUMERICS.md): the norm epsilon is
+Numerics follow PyTorch, not Flax defaults (docs/numerics.md): the norm epsilon is
 `spec.norm_eps` (Flax 1e-6, torch 1e-5), LayerNorm uses the two-pass biased
 variance as `torch.nn.LayerNorm`, GELU uses `spec.gelu_approximate` explicitly,
 and norms compute in float32 whatever the compute dtype.
@@ -289,7 +289,7 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
     weights_bt: optional float32 (B, T), the weight of target t (0 where it carries no loss; the micro batch's
       rows of parity.dataset.reference.token_weights, times what the trainer's gradient convention needs).
     With none of the three (the `stream` layout) the traced computation is exactly the one without them.
-    label_shift: 1 (always, in training). 2 only as the planted bug "labels shifted twice" (issue #20 item 6):
+    label_shift: 1 (always, in training). 2 only as the planted bug "labels shifted twice":
       input t is scored against token t + 2; the last input has no target then (its weight is dropped).
   Returns:
     Scalar float32: without weights, the mean over all B * T targets of -log p(target); with weights,

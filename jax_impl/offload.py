@@ -23,7 +23,7 @@ the gradients back to device for the optimizer update. With scan_layers that upd
 too (`jax_impl.stream`): one layer's params and moments come to the device at a time, so the
 device never holds all offloaded state at once.
 
-What CPU can and cannot show (shared/NUMERICS.md): arrays really carry the memory kind, the
+What CPU can and cannot show (docs/numerics.md): arrays really carry the memory kind, the
 lowered StableHLO carries `mhlo.memory_kind = "pinned_host"` at the jit boundary, and the
 compiled HLO marks those entry buffers with memory space 5 (`S(5)`); but in-jit
 `device_put` lowers to nothing on CPU and `memory_analysis()` counts host buffers as
@@ -291,7 +291,7 @@ def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pi
     compiled_host_buffers: every `S(5)` layout in the compiled module (GPU adds in-step copies);
     per group (when `groups`): host_to_device_bytes (entry parameters in S(5)),
     device_to_host_bytes (entry results in S(5)) and their sum moved_bytes_per_step, per device.
-    `unpinned_host` gets no S(5) on CPU (shared/NUMERICS.md).
+    `unpinned_host` gets no S(5) on CPU (docs/numerics.md).
   """
   entry = _entry_layout(compiled_text)
   out: dict[str, Any] = {

@@ -11,7 +11,7 @@ Mapping to DeepSpeed (ZeRO-1/2, DeepSpeedCPUAdam in adamw_mode, WarmupCosineLR):
   * clipping: g * (1 / max(1, (||g|| + 1e-6) / clip)), skipped when clip == 0
     (`DeepSpeedZeroOptimizer.unscale_and_clip_grads`);
   * AdamW: p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps); optax and DeepSpeed agree
-    to rounding (shared/NUMERICS.md); weight decay only where `parity.weights.decays(name)`;
+    to rounding (docs/numerics.md); weight decay only where `parity.weights.decays(name)`;
   * learning rate: optimizer step k (0-based, = optax's update count) uses
     `parity.numerics.schedule.train_lr(train, k)`: 0 at steps 0 and 1, then linear warmup and cosine.
 

@@ -13,7 +13,7 @@ policy over them decides what is saved, recomputed or offloaded:
   offload_names               save_and_offload_only_these_names(RESIDUAL_NAMES -> host memory)
   ==========================  ==============================================================
 
-On the CPU backend the two offload policies are silent no-ops after lowering (shared/NUMERICS.md):
+On the CPU backend the two offload policies are silent no-ops after lowering (docs/numerics.md):
 the offload is visible only in the jaxpr of the differentiated step, as `device_put` ops to the
 host memory kind (`device_puts_in_jaxpr`). GPU runs are the real test of the placement.
 
@@ -76,7 +76,7 @@ def device_puts_in_jaxpr(jaxpr_text: str) -> dict[str, int]:
       one per offloaded residual per layer, or per scan body);
     to_device: `device_put` equations with destination `MemorySpace.Device` (the offload
       policies' reloads, and the per-layer param moves in the scan body).
-  On the CPU backend these moves exist only here: lowering drops them (shared/NUMERICS.md).
+  On the CPU backend these moves exist only here: lowering drops them (docs/numerics.md).
   """
   ops = re.findall(r"device_put\[[^\]]*\]", jaxpr_text)
   return {"to_host": sum("devices=(MemorySpace.Host,)" in op for op in ops),

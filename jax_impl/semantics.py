@@ -70,7 +70,7 @@ def _norm_apply(spec: Any, x: np.ndarray, heads: bool = False) -> np.ndarray:
 
 
 def family_items(spec: Any, params: Any, seq_len: int) -> dict[str, Any]:
-  """The model-family items (issue #21) of the module docstring: rotary.per_layer, attention.qk_norm(_eps),
+  """The model-family items of the module docstring: rotary.per_layer, attention.qk_norm(_eps),
   attention.softcap, attention.window, embedding.scale, logits.final_softcap. params: the state's Flax params (only
   their paths are read); seq_len: the rows' T (the window probe's)."""
   kinds = spec.layer_kinds

@@ -51,7 +51,7 @@ PLACEMENT_PLANT = PLACEMENT_PLANT_KEYS[0]
 __all__ = ["accumulate_grads", "make_train_step", "make_eval_loss", "init_state", "Trainer", "example_batch",
            "example_loss_kwargs"]
 
-# fp32 parity on GPU: f32 matmuls must not silently use TF32 (shared/NUMERICS.md).
+# fp32 parity on GPU: f32 matmuls must not silently use TF32 (docs/numerics.md).
 jax.config.update("jax_default_matmul_precision", "highest")
 
 Metrics = dict[str, jax.Array]

@@ -1,4 +1,4 @@
-"""The model-family fields of ModelSpec (issue #21): their validation, per-layer attention kinds, and rotary tables.
+"""The model-family fields of ModelSpec: their validation, per-layer attention kinds, and rotary tables.
 
 One numpy implementation of the rotary frequencies (plain, `linear`, `llama3`, `yarn`) serves both sides, so their
 cos/sin tables are bitwise identical; each side only gathers rows and multiplies. Formulas follow transformers'
@@ -22,7 +22,7 @@ FAMILY_DEFAULTS: dict[str, Any] = {
     "qkv_bias": None, "out_bias": None, "mlp_bias": None, "d_head": None, "qk_norm": False, "rope_scaling": None,
     "norm_plus_one": False, "embed_scale": 1.0, "post_norms": False, "attn_softcap": None, "final_softcap": None,
     "sliding_window": None, "layer_types": [], "rope_local_theta": None}
-"""The issue-#21 ModelSpec fields and their defaults (to_dict form): config_hash leaves a field out at its default,
+"""The model-family ModelSpec fields and their defaults (to_dict form): config_hash leaves a field out at its default,
 so a GPT-2 / LLaMA run keeps the hash it had before the fields existed (gate baselines, checkpoints)."""
 
 LAYER_KINDS = ("full", "sliding")
@@ -126,7 +126,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, scaling: Mapping[str,
 
 
 def validate(spec: Any) -> None:
-  """Raises SpecError naming the model.<field> of issue #21 whose value cannot describe a model."""
+  """Raises SpecError naming the model-family model.<field> whose value cannot describe a model."""
   for name in ("qkv_bias", "out_bias", "mlp_bias"):
     if getattr(spec, name) is not None and not isinstance(getattr(spec, name), bool):
       raise SpecError(f"model.{name} must be null (follow model.bias) or true/false; got {getattr(spec, name)!r}")

@@ -32,7 +32,7 @@ __all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER
            "parse_text", "load_json", "safetensors_header"]
 
 MAX_TEXT_BYTES = 16 * 2**20
-"""Largest config/JSON file read (16 MiB). The largest real config in shared/realworld is under 10 KiB and an
+"""Largest config/JSON file read (16 MiB). The largest real config in tests/data/realworld is under 10 KiB and an
 HF model.safetensors.index.json of a 70B model is ~70 KiB; anything past 16 MiB is not a config."""
 MAX_DEPTH = 100
 """Deepest nesting accepted in a parsed config. Real DeepSpeed configs nest 3-4 levels; 100 stays far below

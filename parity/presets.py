@@ -35,11 +35,11 @@ PRESETS: dict[str, RunSpec] = {
         model=ModelSpec(d_model=64, n_layers=2, n_heads=2, max_seq_len=64),
         train=TrainSpec(steps=16, micro_batch_size=4, seq_len=32, lr=1e-3, warmup_steps=3,
                         eval_every=8, eval_batches=2)),
-    # ~0.5 M params, 100 steps: the configuration shared/NUMERICS.md measured.
+    # ~0.5 M params, 100 steps: the configuration docs/numerics.md measured.
     "gpt2-mini": RunSpec(
         model=ModelSpec(d_model=128, n_layers=2, n_heads=4, max_seq_len=64),
         train=TrainSpec(steps=100, micro_batch_size=8, seq_len=64, warmup_steps=10, eval_every=25)),
-    # The padded SFT path end to end without a download (issue #20 item 9): docstring -> body pairs of this Python's
+    # The padded SFT path end to end without a download: docstring -> body pairs of this Python's
     # stdlib, byte-level (parity.dataset.demo: vocab 258, PAD 256, EOS 257), gpt2-tiny's width, 128-token rows
     # (longer examples are truncated and counted in the data card), eval on the held-out last 10% of the examples.
     "sft-tiny": RunSpec(
@@ -47,7 +47,7 @@ PRESETS: dict[str, RunSpec] = {
         train=TrainSpec(steps=8, micro_batch_size=4, grad_accum_steps=2, seq_len=128, lr=1e-3, warmup_steps=3,
                         eval_every=4, eval_batches=2, layout="padded"),
         data="sft-demo"),
-    # ---- one per model family of issue #21, gpt2-tiny's size and training, each family's features on (their HF
+    # ---- one per model family, gpt2-tiny's size and training, each family's features on (their HF
     # model-size presets are parity.hf.MODEL_PRESETS). Llama 3.x: rope_scaling llama3 with original_max 16, so that
     # the 32-token rows reach past it (positions above original_max are where llama3 scaling differs from none).
     "llama3-tiny": _tiny(_ROPE_MODEL, rope_theta=500000.0,

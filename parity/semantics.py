@@ -1,4 +1,4 @@
-"""The semantics card (issue #21 item 4): the conventions a side's training step actually runs, read from the side's
+"""The semantics card: the conventions a side's training step actually runs, read from the side's
 own built objects after `build` and before step 1 (`parity.protocol.loop.Side.semantics`; jax_impl.semantics,
 torch_impl.semantics), written to run_dir/<side>/semantics.json and diffed between sides (parity.protocol.semantics
 writes and gates it; parity.verdict.sides.semantics_check is the report's check).

@@ -74,7 +74,7 @@ class ModelSpec:
   """Multiplier on q.k; None means 1/sqrt(head_dim)."""
   init_std: float = 0.02
   """Std of the normal init of every weight matrix (GPT-2 scheme)."""
-  # ---- model-family fields (issue #21; parity.architecture). At their defaults a spec is the GPT-2 / LLaMA one of
+  # ---- model-family fields (parity.architecture). At their defaults a spec is the GPT-2 / LLaMA one of
   # before, and config_hash leaves them out (FAMILY_DEFAULTS), so older runs keep their hash.
   qkv_bias: bool | None = None
   """Biases on the q/k/v projections (HF attention_bias; Qwen2 true with the others false); None: `bias`."""
@@ -382,11 +382,11 @@ class RunSpec:
 
 
 LATER_FIELDS: tuple[tuple[str, dict, bool], ...] = (
-    ("train", LAYOUT_DEFAULTS, False),  # issue #13: padded/packed example data
-    ("model", architecture.FAMILY_DEFAULTS, False),  # issue #21: Llama 3, Qwen, Gemma, Mistral
-    ("fsdp", {"activation_checkpointing": False}, False),  # issue #23: the remat pairs; before the whole section
-    ("fsdp", {k: v for k, v in to_dict(FsdpPlan()).items() if k != "activation_checkpointing"}, True),  # issue #23
-    ("deepspeed", {"cpu_checkpointing": False}, False),  # issue #23: zero3-act-offload
+    ("train", LAYOUT_DEFAULTS, False),  # padded/packed example data
+    ("model", architecture.FAMILY_DEFAULTS, False),  # model families: Llama 3, Qwen, Gemma, Mistral
+    ("fsdp", {"activation_checkpointing": False}, False),  # FSDP2 remat pairs; before the whole section
+    ("fsdp", {k: v for k, v in to_dict(FsdpPlan()).items() if k != "activation_checkpointing"}, True),  # the FSDP2 side
+    ("deepspeed", {"cpu_checkpointing": False}, False),  # zero3-act-offload
 )
 """Fields added after runs, baselines and checkpoints were written, with their defaults: (section, field -> default,
 whole). A field that holds its default is left out (`without_later_defaults`), so an earlier run and one written since

@@ -44,7 +44,7 @@ def test_frameworks_are_open_ranges_so_a_node_keeps_its_builds():
     r = reqs[canonicalize_name(name)]
     ops = {s.operator for s in r.specifier}
     assert ops == {">="}, f"{name}: {r} must be a lower bound only"
-  # the GPU node of ../shared/GPU.md: torch 2.11 (CUDA 13), jax/jaxlib 0.11.2
+  # the GPU node of docs/install.md: torch 2.11 (CUDA 13), jax/jaxlib 0.11.2
   assert Version("2.11.0") in reqs["torch"].specifier and Version("0.11.2") in reqs["jax"].specifier
 
 

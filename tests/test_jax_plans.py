@@ -95,7 +95,7 @@ def test_activation_offload_is_planned_in_the_jaxpr(policy, to_host):
   """On CPU, activation offload exists only in the jaxpr of the differentiated step.
 
   jax 0.10.2 lowers the policy's in-jit `device_put` to host memory to nothing on the CPU backend
-  (shared/NUMERICS.md): neither the lowered StableHLO nor the compiled HLO carries a host annotation, so
+  (docs/numerics.md): neither the lowered StableHLO nor the compiled HLO carries a host annotation, so
   the test reads the jaxpr, where `offload_names` moves each named residual of each block to host
   memory (and back in the backward pass). That the names sit on real residuals is what makes the
   count exact: a name on a value the backward does not read would not be offloaded.

@@ -212,8 +212,8 @@ def test_torch_forced_overflow_skips_and_the_scaler_checkpoints():
 
 # --------------------------------------------------------------------------- DeepSpeed configs <-> fp16 runs
 
-REAL = Path(os.environ.get("PARITY_REALWORLD",
-                          Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"))
+# The real DeepSpeed configs (tests/data/realworld/ds_configs, SOURCES.md there); PARITY_REALWORLD may name others.
+REAL = Path(os.environ.get("PARITY_REALWORLD") or Path(__file__).parent / "data" / "realworld" / "ds_configs")
 FP16_CONFIGS = [  # (real config, the run's precision that an "auto" fp16.enabled takes)
     ("huggingface__accelerate__examples__deepspeed_config_templates__zero_stage1_config.json", "fp32"),
     ("huggingface__transformers__tests__deepspeed__ds_config_zero2.json", "fp16"),
@@ -228,10 +228,7 @@ def test_fp16_deepspeed_config_ports_to_an_fp16_run_and_back(name, base_precisio
   from parity.pipeline.resolve import resolve
   from torch_impl.engine import ds_config
   from parity.numerics.ds_json import fp16_config
-  path = REAL / name
-  if not path.exists():
-    pytest.skip(f"{path} not present (set PARITY_REALWORLD)")
-  raw = json.loads(path.read_text())
+  raw = json.loads((REAL / name).read_text())
   base = resolve("gpt2-tiny", overrides=[f'train.precision="{base_precision}"'])
   spec, ds, result = port_for_compare(raw, base, source=name)
   t = spec.train

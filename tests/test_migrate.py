@@ -16,8 +16,9 @@ from parity.migrate._report import leaf_paths
 from parity.migrate._reverse import to_deepspeed, to_run_spec
 from parity.presets import PRESETS
 
-REAL = Path(os.environ.get("PARITY_REALWORLD", Path(__file__).resolve().parents[2] / "shared" / "realworld" / "ds_configs"))
-REAL_FILES = sorted(REAL.glob("*.json")) if REAL.is_dir() else []
+# The real DeepSpeed configs (tests/data/realworld/ds_configs, SOURCES.md there); PARITY_REALWORLD may name others.
+REAL = Path(os.environ.get("PARITY_REALWORLD") or Path(__file__).parent / "data" / "realworld" / "ds_configs")
+REAL_FILES = sorted(REAL.glob("*.json"))
 GOLDEN = Path(__file__).parent / "golden" / "migrate"
 GOLDEN_FILES = ["microsoft__DeepSpeedExamples__cifar__ds_config.json",
                 "huggingface__transformers__tests__deepspeed__ds_config_zero3.json",
@@ -101,7 +102,6 @@ BASE = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
 
 # --------------------------------------------------------------------------- real configs
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name[:60])
 def test_real_config_without_flags_ports_or_refuses_naming_a_key(path):
   raw = read_deepspeed_config(path)
@@ -116,7 +116,6 @@ def test_real_config_without_flags_ports_or_refuses_naming_a_key(path):
     assert any(n in first for n in names), first
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("path", REAL_FILES, ids=lambda p: p.name[:60])
 def test_real_config_with_its_flags(path):
   raw = read_deepspeed_config(path)
@@ -131,7 +130,6 @@ def test_real_config_with_its_flags(path):
     assert r.report.entries[[k for k in r.report.entries if k.startswith(want)][0]].fate == "unsupported"
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("name", GOLDEN_FILES)
 def test_golden_reports(name):
   raw = read_deepspeed_config(REAL / name)
@@ -474,7 +472,6 @@ def test_not_runnable_lists_every_reason_compare_refuses_with_how_to_run_it():
   assert "bias_correction" in str(e.value) and "cpu_checkpointing" not in str(e.value)
 
 
-@pytest.mark.skipif(not REAL_FILES, reason=f"{REAL} not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 def test_not_runnable_is_empty_exactly_when_compare_runs_the_port():
   from parity.spec import SpecError
   seen = 0

@@ -1,6 +1,6 @@
 """`parity port` accepts exactly what the installed DeepSpeed accepts (issue #11 item 4).
 
-For every real-world config (shared/realworld/ds_configs or PARITY_REALWORLD) and a set of crafted edge configs, the
+For every real-world config (tests/data/realworld/ds_configs) and a set of crafted edge configs, the
 port's decision "DeepSpeed would refuse this" (`Report.deepspeed_refusals`) is checked against the installed
 DeepSpeed itself: one subprocess, started through harness.launch, runs `deepspeed.initialize` on every resolved config
 the way `parity compare` runs it (torch_impl.port_verify.accepts: CPU, one gloo rank, a tiny model, the client

@@ -31,7 +31,7 @@ CRAFTED = [
 
 
 def _ported_docs():
-  """(name, ported document) of every real config that ports (shared/realworld when present) and the crafted ones."""
+  """(name, ported document) of every real config that ports (tests/data/realworld/ds_configs) and the crafted ones."""
   out = [(f"crafted{i}", port_config(c, source=f"crafted{i}")) for i, c in enumerate(CRAFTED)]
   for p in REAL_FILES:
     raw = read_deepspeed_config(p)

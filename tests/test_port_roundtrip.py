@@ -47,7 +47,6 @@ def test_no_optimizer_or_scheduler_section_is_added(path):
   assert again.ported.scheduler == res.ported.scheduler
 
 
-@pytest.mark.skipif(not LLAVA.exists(), reason="real configs not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 def test_llava_client_optimizer_stays_client():
   _, _, out, report = _round_trip(LLAVA)
   assert "optimizer" not in out and "scheduler" not in out
@@ -67,7 +66,6 @@ LLAVA_FLAGS = ["--micro-batch", 4, "--grad-accum", 2, "--hidden-size", 64, "--lr
                "--eps", 1e-8, "--weight-decay", 0.1, "--fp32", "--quiet"]
 
 
-@pytest.mark.skipif(not LLAVA.exists(), reason="real configs not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 def test_rerun_replaces_its_own_output_and_refuses_an_edited_one(tmp_path, capsys):
   """Item 5.2: `--to-deepspeed -o back.json` run twice replaces its own file (a JSON has no marker: the record
   back.json.parity holds its sha256); a port output edited since is refused naming why, replaced with --force."""
@@ -104,7 +102,6 @@ def test_a_foreign_file_is_refused_and_says_so(tmp_path, capsys):
 MEGATRON = REAL / "microsoft__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_cpu_offload_config.json"
 
 
-@pytest.mark.skipif(not MEGATRON.exists(), reason="real configs not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 @pytest.mark.parametrize("path", [MEGATRON, LLAVA], ids=["activation_checkpointing", "none"])
 def test_resolve_run_gives_both_sides_the_same_checkpointing_plan(path):
   """Item 5.4: a config with an activation_checkpointing section checkpoints each block on the DeepSpeed side
@@ -118,7 +115,6 @@ def test_resolve_run_gives_both_sides_the_same_checkpointing_plan(path):
   assert ("activation_checkpointing" in run.deepspeed_config) == has
 
 
-@pytest.mark.skipif(not LLAVA.exists(), reason="real configs not present (set PARITY_REALWORLD to the real DeepSpeed configs folder)")
 def test_verify_still_runs_a_client_optimizer_port_as_torch_adamw():
   """--to-deepspeed writes no section for a client optimizer; --verify's DeepSpeed side still needs one (its probe
   model has no training script): the AdamW of the flags, as torch.optim runs it."""

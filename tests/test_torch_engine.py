@@ -44,7 +44,7 @@ LOSS_ATOL_FP32 = tolerance("fp32", "loss").atol
 GRAD_NORM_RTOL_FP32 = 1e-5
 # Final params after <= 10 steps, absolute: measured <= 1.2e-7 (gpt2-tiny and LLaMA-tiny), so
 #   2e-6 keeps ~16x headroom. Valid for short runs only: Adam turns rounding noise of
-#   near-zero gradients into lr-sized steps over time (shared/NUMERICS.md: 2e-5 to 1.7e-4 after 100
+#   near-zero gradients into lr-sized steps over time (docs/numerics.md: 2e-5 to 1.7e-4 after 100
 #   steps). The zero-gradient key-bias rows are excluded (parity.weights.zero_grad_slices).
 #   A missing weight-decay mask alone moves a norm gain by lr * wd ~ 1e-4 per step.
 PARAM_ATOL_FP32 = 2e-6

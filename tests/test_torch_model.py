@@ -18,7 +18,7 @@ from torch_impl.model import (GPT, build_model, decay_groups, lm_loss, load_cano
 pytestmark = pytest.mark.requires_torch
 
 # Tolerance of fp32 torch logits against the float64 reference, relative to max |logit|.
-# shared/NUMERICS.md: PyTorch fp32 vs fp64 logits differ by ~1e-6 on these sizes; 1e-5 leaves
+# docs/numerics.md: PyTorch fp32 vs fp64 logits differ by ~1e-6 on these sizes; 1e-5 leaves
 # 10x headroom and still catches every convention mismatch it lists (LayerNorm eps: 2e-3,
 # GELU form: 4e-5).
 LOGITS_RTOL_FP32 = 1e-5

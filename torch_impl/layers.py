@@ -2,7 +2,7 @@
 taps, norms, rotary tables, attention masks, the soft-cap, attention and the MLP.
 
 Module attribute paths are the canonical names of `parity.weights` (q/k norms `attn.ln_q` / `attn.ln_k`), so a
-module's `state_dict()` keys are canonical keys. Semantics of the issue-#21 fields follow transformers 5.24
+module's `state_dict()` keys are canonical keys. Semantics of the model-family fields follow transformers 5.24
 (modeling_llama, qwen2, qwen3, mistral, gemma2, gemma3); each function names the HF counterpart it matches.
 """
 from __future__ import annotations

@@ -103,7 +103,7 @@ def norm_of(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def family_items(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
-  """The model-family items (issue #21) of the module docstring: rotary.per_layer, attention.qk_norm(_eps),
+  """The model-family items of the module docstring: rotary.per_layer, attention.qk_norm(_eps),
   attention.softcap, attention.window, embedding.scale, logits.final_softcap, of a torch_impl GPT (a DeepSpeed
   engine's module too: only its spec, modules and own methods are used, no parameter values). seq_len: the rows' T."""
   cpu = torch.device("cpu")

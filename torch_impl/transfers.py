@@ -1,7 +1,7 @@
 """Host<->device bytes per optimizer step of a DeepSpeed engine under ZeRO-Offload, and CPU Adam's own time per step.
 
-The DeepSpeed side's counterpart of the JAX side's `placement.json` `bytes_per_step` (shared/SCHEMA.md of issue #22:
-`summary.json` key `transfers`). `TransferProbe` wraps, on the live engine's own objects (never DeepSpeed's classes),
+The DeepSpeed side's counterpart of the JAX side's `placement.json` `bytes_per_step` (`summary.json` key
+`transfers`). `TransferProbe` wraps, on the live engine's own objects (never DeepSpeed's classes),
 the methods through which DeepSpeed 0.19.8 moves offloaded tensors, and adds each call's bytes, read from the
 DeepSpeed buffer the call copies, to the step it runs in (`TransferProbe.step`, opened by
 `torch_impl.engine.DeepSpeedTrainer.step`). What each wrapped method copies (deepspeed/runtime/zero/...):

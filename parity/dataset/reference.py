@@ -1,5 +1,5 @@
 """The reading of the example arrays every side must implement, in NumPy: the attention mask from segment ids, and
-per-token loss weights for the two normalisations (issue #20 items 3 and 4). The sides compute the same in their
+per-token loss weights for the two normalisations. The sides compute the same in their
 framework; the tests use these as the reference.
 
 Loss weights: for every optimizer step the objective is  L = sum over the step's slots of w * ce,  ce the per-token

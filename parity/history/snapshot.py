@@ -67,7 +67,7 @@ class Snapshot:
 def machine_identity(run_dir: Path, data: dict) -> dict[str, str]:
   """The fields that say which machine wrote a run: host, cpu_model, cpu_count, machine, platform, backend, gpu.
 
-  report.json's `environment` (hostname and CPU model since issue #14) and each side's summary (`device`: the
+  report.json's `environment` (hostname and CPU model, in newer reports) and each side's summary (`device`: the
   backend) first; <run_dir>/environment.json (harness.doctor's block), when present, overrides them. Fields no
   source recorded are left out."""
   out: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""Which loss normalisation a DeepSpeed job implies (issue #20 item 4), as far as its config can tell.
+"""Which loss normalisation a DeepSpeed job implies, as far as its config can tell.
 
 A DeepSpeed JSON has no key for it. DeepSpeed divides the loss by gradient_accumulation_steps inside
 `engine.backward` and averages gradients over ranks, so what the optimizer sees depends on the loss the training

@@ -45,7 +45,7 @@ INPUTS_METADATA_KEY = "parity_diagnose_inputs"
 
 
 def forward_taps(spec: ModelSpec) -> list[str]:
-  """Canonical forward tap names in execution order (see the module docstring). The issue-#21 blocks add, where the
+  """Canonical forward tap names in execution order (see the module docstring). The model-family blocks add, where the
   spec has them: `attn.ln_q` / `attn.ln_k` (qk_norm: q/k after their norm, before rotary, (B, heads, T, hd)),
   `attn.scores_capped` (attn_softcap: the soft-capped scores, before the mask), `ln_1_post` / `ln_2_post`
   (post_norms: each branch's normed output, before its residual add) and `logits_capped` (final_softcap)."""

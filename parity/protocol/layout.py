@@ -56,23 +56,23 @@ kill as planted, not as one from outside or the OOM killer."""
 PLANTED_HANG = "[parity] planted hang"
 """What a worker writes to stderr when the fault injection hang_at_step stops it, so a hang is named as planted."""
 DATA_PLANT_KEYS = ("attention_mask_dropped", "positions_not_restarted", "labels_shifted_twice", "loss_on_prompt")
-"""Planted data bugs of the padded/packed layouts (issue #20 item 6, docs/data-examples.md "Planted bugs"), each
+"""Planted data bugs of the padded/packed layouts (docs/data-examples.md "Planted bugs"), each
 `true` or absent, applied by the side to its own inputs and model: attention_mask_dropped (the model gets no
 segment ids: causal attention over the whole row, across documents), positions_not_restarted (no positions: 0..T-1
 along the row), labels_shifted_twice (input t scored against token t + 2, with target t's weight), loss_on_prompt
 (every target inside its example carries the loss, prompt tokens included)."""
 OPTIMIZER_PLANT_KEYS = ("decay_biases",)
-"""Planted optimizer bugs (issue #21 item 4), `true` or absent, applied by the side to its own optimizer: decay_biases
+"""Planted optimizer bugs, `true` or absent, applied by the side to its own optimizer: decay_biases
 (every '*.bias' parameter joins the weight-decayed set: torch_impl.semantics.decay_groups_of, jax_impl.optim.
 decay_mask). Any layout; the semantics card names it at step 0."""
 PLANT_KEYS = DATA_PLANT_KEYS + OPTIMIZER_PLANT_KEYS
 """Every planted bug a side applies to its own inputs, model and optimizer (data and optimizer)."""
 PLACEMENT_PLANT_KEYS = ("placement_device",)
-"""Planted placement faults (issue #22), `true` or absent, JAX side only: placement_device compiles the step with every
+"""Planted placement faults, `true` or absent, JAX side only: placement_device compiles the step with every
 state group the plan offloads in device memory while the plan still names the host (jax_impl.step.Trainer.build), so
 the 'placement' check (parity.verdict.placement) FAILs naming the class. Nothing the side computes changes."""
 FSDP_PLANT_KEYS = ("fsdp_reduce_dtype_low", "fsdp_shard_unsynced")
-"""Planted FSDP2 bugs (issue #23 item 4), `true` or absent, fsdp side only (torch_impl.fsdp): fsdp_reduce_dtype_low
+"""Planted FSDP2 bugs, `true` or absent, fsdp side only (torch_impl.fsdp): fsdp_reduce_dtype_low
 lowers the gradient reduce dtype of MixedPrecisionPolicy to 16 bits (bfloat16; float16 in fp16 runs) where the
 correct policy reduces in float32, so the gradients are rounded before the reduce-scatter (`torch_impl.fsdp.policies`;
 the semantics card's dtypes.grads names it at step 0); fsdp_shard_unsynced leaves rank 1's shard of one param

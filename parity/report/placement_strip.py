@@ -1,4 +1,4 @@
-"""The copy schedule strip of report.html (issue #22): one bar per host<->device copy of a JAX side's compiled step,
+"""The copy schedule strip of report.html: one bar per host<->device copy of a JAX side's compiled step,
 from its start to its done position in the entry computation's schedule, coloured by direction, labelled with the
 tensor class and bytes. Plain inline SVG (no script, no stylesheet of its own); input: placement.json 'transfers'
 (parity.report.placement_view reads and checks it)."""

@@ -1,4 +1,4 @@
-"""Where each side's training state lives and what crosses between host and device memory per step (issue #22):
+"""Where each side's training state lives and what crosses between host and device memory per step:
 report.json 'placement' (`placement_section`, read from the run folder) and the blocks report.md and report.html
 render from it (`placement_blocks`; the schedule strip's SVG: parity.report.placement_strip).
 

@@ -42,7 +42,7 @@ The second term is how far Adam carries a gradient perturbation, derived per ele
 g_T is an RMS over the tensor, so on a tensor whose rows are the vocabulary (shape[0] == model.vocab_size: wte,
 an untied lm_head) it is diluted by the rows a run never feeds: n fed rows of V give g_T ~ sqrt(n / V) * g_row.
 The rounding noise of a fed row's element scales with that row's own sums (its tokens' input gradients, and the
-tied head's sum_n (p_nj - y_nj) h_n), not with rows that got nothing. Measured (issue #20, gpt2-tiny, V = 151,936,
+tied head's sum_n (p_nj - y_nj) h_n), not with rows that got nothing. Measured (gpt2-tiny, V = 151,936,
 byte ids, 3 steps): g_T 1.5e-4 vs the fed row's 1.9e-3, and the worst element (|g| 3e-7 in row 79) needed kappa
 3.4e-6 against g_T but 2.6e-7 against its row. So on such tensors the scale is g_i = max(g_T, g_row_i), g_row_i
 the larger side's RMS of sqrt(v_hat) over element i's row: a fed row's own scale, never below g_T (a vocabulary

@@ -136,7 +136,7 @@ def repeat_check(kind: str, side: str, first: Sequence[dict], again: Sequence[di
   label = f"{side} {kind}"
   reason = ("Same side, same inputs, same machine: every recorded field must be bit-identical "
             + ("(CPU kernels are deterministic; GPU kernels need not be, so this does not gate the verdict)."
-               if kind == "determinism" else "after restoring a checkpoint in a new process (issue #5)."))
+               if kind == "determinism" else "after restoring a checkpoint in a new process."))
   if not steps:
     return Check(name=label, metric=kind, sides=(side, f"{side}#{kind}"), value=float("nan"), tolerance=0.0,
                  passed=False, detail=f"the {kind} run recorded no step from {from_step} on", reason=reason,

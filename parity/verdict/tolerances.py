@@ -27,7 +27,7 @@ _FP32 = {
         "erf: 8.3e-5 at h.0.mlp.act).")),
     "loss": Tolerance(1e-5, 0.0, (
         "Per-step training loss, nats. Independent fp32 stacks with every setting matched agree to "
-        "<= 4.3e-6 over 100 steps (shared/NUMERICS.md, 3.5 M params; re-measured by this project, see "
+        "<= 4.3e-6 over 100 steps (docs/numerics.md, 3.5 M params; re-measured by this project, see "
         "benchmarks/results). 1e-5 leaves ~2x headroom and is still 20x below the smallest "
         "mismatch we plant (LayerNorm eps 1e-5 vs 1e-6 on one side, gpt2-tiny: |Δloss| 2.0e-4 at step 0, "
         "1.1e-3 by step 3; measured 2026-12-02).")),
@@ -126,7 +126,7 @@ _BF16 = {
         "gpt2-small-cpu); two sides each that far from exact differ by up to their sum, ~1.2e-2; 2x headroom.")),
     "loss": Tolerance(2e-2, 0.0, (
         "The bf16-vs-fp32 spread inside one framework: ~5e-4 in calm phases, up to 1.2e-2 in early "
-        "high-gradient steps (shared/NUMERICS.md). It holds between correct sides on stable runs (gpt2-tiny, "
+        "high-gradient steps (docs/numerics.md). It holds between correct sides on stable runs (gpt2-tiny, "
         "30 steps: <= 6e-4) but not through a loss spike, which amplifies bf16 rounding: gpt2-small-cpu "
         "(200 steps, spike near step 24) put correct sides 0.098 (DeepSpeed~torch) to 0.44 (JAX~DeepSpeed) "
         "apart, and one side 0.075 from its own reduction-order rerun. So the noise envelope decides bf16 "

@@ -1,0 +1,109 @@
+"""The repository stands alone: its docs and code point at nothing outside it.
+
+README.md, docs/, the packages (parity/, jax_impl/, torch_impl/) and the Markdown under benchmarks/ must not send a
+reader to the folder around a checkout (`../shared`, `shared/NUMERICS.md`, ...) or to issue numbers of a tracker
+(`issue #31`, `issue 31`, `#31`, `pre-#18`): facts they need live in the repository (docs/numerics.md,
+docs/install.md), and the real DeepSpeed configs the port tests read are in tests/data/realworld/ds_configs with
+their sources (SOURCES.md there). Upstream pull requests (`openxla/xla PR #37979`) and CSS colours (`color:#555`)
+are not issue references.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REALWORLD = ROOT / "tests" / "data" / "realworld" / "ds_configs"
+TEXT_SUFFIXES = {".md", ".py", ".txt", ".toml", ".json", ".html", ".css", ".js", ".sh", ".yaml", ".yml", ".cfg"}
+
+OUTSIDE = [
+    ("a path outside the repository", re.compile(r"\.\./shared\b")),
+    ("a workspace note", re.compile(r"(?<![\w.-])shared/(?:NUMERICS|GPU|TPU|DESIGN|STYLE|SCHEMA)\.md|"
+                                    r"(?<![\w.-])shared/realworld\b")),
+    ("an issue reference", re.compile(r"\bissues?[ -]?#?\d+\b", re.IGNORECASE)),
+    # '#31', 'pre-#18', '(#20)': not a CSS colour (':#555', '"#555"'), an anchor ('##'), an entity ('&#38;') or an
+    # upstream pull request ('PR #37979', 'PRs #38937, #38939': five digits, and the prefix)
+    ("an issue reference", re.compile(r"(?<![\w&#/:\"'=])(?<!PR )(?<!PRs )#\d{1,3}\b")),
+]
+
+
+def scanned_files() -> list[Path]:
+  """README.md, every text file under docs/ and the packages, and every Markdown file under benchmarks/."""
+  files = [ROOT / "README.md"]
+  for top in ("docs", "parity", "jax_impl", "torch_impl"):
+    files += [p for p in (ROOT / top).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+              and "__pycache__" not in p.parts]
+  files += list((ROOT / "benchmarks").rglob("*.md"))
+  return sorted(files)
+
+
+def offences(text: str) -> list[tuple[int, str, str]]:
+  """(line number, what, the match) of every reference to something outside the repository in `text`."""
+  out = []
+  for n, line in enumerate(text.splitlines(), 1):
+    for what, rx in OUTSIDE:
+      out += [(n, what, m.group(0)) for m in rx.finditer(line)]
+  return out
+
+
+def test_docs_and_code_point_at_nothing_outside_the_repository():
+  files = scanned_files()
+  assert len(files) > 100 and ROOT / "docs" / "numerics.md" in files
+  bad = [f"{f.relative_to(ROOT).as_posix()}:{n}: {what}: {hit!r}"
+         for f in files for n, what, hit in offences(f.read_text(errors="replace"))]
+  assert not bad, "references outside the repository:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("line", [
+    "see ../shared/NUMERICS.md", "(shared/NUMERICS.md)", "configs in `../shared/realworld`", "shared/GPU.md",
+    "the GPU check issue #4 still owes", "issue 31 asks", "Issue #20 item 6:", "issues #22 and #23", "(#31)",
+    "a pre-#18 report", "one per issue-#21 family", "see #7.",
+])
+def test_a_planted_reference_is_caught(line):
+  assert offences(line), line
+
+
+@pytest.mark.parametrize("line", [
+    "tr.fail td{background:#fff1f1} tr.info td{color:#555}", '<line stroke="#555"/>', "&#38;", "## 2. Steps",
+    "openxla/xla PR #37979", "jax-ml/jax PRs #38937 and #38939", "sglang PR #35641", "docs/numerics.md",
+    "tests/data/realworld/ds_configs", "a tissue 3 cm", "[link](#section-2)",
+])
+def test_benign_text_is_not_flagged(line):
+  assert not offences(line), offences(line)
+
+
+def _sources() -> list[dict[str, str]]:
+  rows = []
+  for line in (REALWORLD / "SOURCES.md").read_text().splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) == 4 and cells[0].endswith(".json"):
+      rows.append(dict(zip(("file", "repo", "path", "commit"), cells)))
+  return rows
+
+
+def test_every_real_config_is_in_the_repository_with_its_source():
+  """26 configs, each a JSON document, each with its repository, path and a full commit hash in SOURCES.md."""
+  files = sorted(p.name for p in REALWORLD.glob("*.json"))
+  rows = _sources()
+  assert len(files) == 26 and sorted(r["file"] for r in rows) == files
+  for r in rows:
+    assert re.fullmatch(r"[0-9a-f]{40}", r["commit"]), r
+    assert r["file"] == r["repo"].replace("/", "__") + "__" + r["path"].replace("/", "__"), r
+    assert isinstance(json.loads((REALWORLD / r["file"]).read_text()), dict), r["file"]
+
+
+def test_the_tests_read_the_in_repository_configs_without_an_environment_variable():
+  """PARITY_REALWORLD is an override only: every test module that reads it defaults to tests/data/realworld."""
+  default = 'os.environ.get("PARITY_REALWORLD") or Path(__file__).parent / "data" / "realworld" / "ds_configs"'
+  readers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+             if p.name != Path(__file__).name and 'environ.get("PARITY_REALWORLD"' in p.read_text()]
+  assert len(readers) >= 4, readers
+  for p in readers:
+    assert default in p.read_text(), f"{p.name} reads PARITY_REALWORLD without the in-repository default"
+  from tests.test_migrate import REAL, REAL_FILES
+  if not os.environ.get("PARITY_REALWORLD"):
+    assert REAL.resolve() == REALWORLD and len(REAL_FILES) == 26
