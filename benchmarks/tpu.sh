@@ -3,13 +3,15 @@
 # (benchmarks/tpu_parts/env.sh), then runs one part and tars its folder into $OUT (default
 # benchmarks/results/tpu-<date>). Parts: recon (doctor, numerics probe, a few compares with their run folders), matrix
 # (benchmarks/tpu_parts/matrix.py: the family x precision x plan grid of `parity compare --sides jax,torch`, the
-# plants, and a JAX run folder for a cross-machine join). Each part stays under BUDGET_S seconds (default 480).
+# plants, and a JAX run folder for a cross-machine join; `matrix --part fp32 --part join`, `--part bf16`,
+# `--part plants`). Each part ends within BUDGET_S seconds (default 480) of this script's start, install included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-matrix}
 shift || true
 export OUT=${OUT:-benchmarks/results/tpu-$(date -u +%Y-%m-%d)}
 mkdir -p "$OUT"
+export TPU_SH_T0=${TPU_SH_T0:-$(date +%s)}
 source benchmarks/tpu_parts/env.sh
 case "$PART" in
   recon) source benchmarks/tpu_parts/recon.sh ;;

@@ -166,13 +166,13 @@ def main() -> int:
                   help="repeatable; default: fp32, join")
   ap.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 480)),
                   help="seconds for the whole part (default BUDGET_S or 480)")
-  ap.add_argument("--jobs", type=int, default=3, help="compares at once (default 3)")
+  ap.add_argument("--jobs", type=int, default=4, help="compares at once (default 4)")
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--limit", type=float, default=300, help="seconds one compare may take, chip wait included")
   ap.add_argument("--only", default="", help="comma-separated cell names (a CPU rehearsal)")
   ap.add_argument("--request", default="runs/join-A/request.json", help="the carried request for the join part")
   a = ap.parse_args()
-  deadline = time.time() + a.budget
+  deadline = float(os.environ.get("TPU_SH_T0") or time.time()) + a.budget  # from benchmarks/tpu.sh's start
   root = Path(a.out) / "matrix"
   root.mkdir(parents=True, exist_ok=True)
   lock = threading.Lock()
@@ -182,6 +182,10 @@ def main() -> int:
       f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
     print(line, flush=True)
 
+  # the persistent compilation cache: a rerun of a cell (its noise envelope, a plant of the same model) reuses the
+  # compiled step instead of compiling again on the chip; the executables are the same, so are the numbers
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "parity-jax-cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   parts = a.part or ["fp32", "join"]
   if "probe" in parts:
     probe = chip_open_probe(root, log)
@@ -202,7 +206,7 @@ def main() -> int:
     keep = set(a.only.split(","))
     cells = [c for c in cells if c[0] in keep]
   log(f"{len(cells)} compares, {a.jobs} at a time, budget {a.budget:.0f} s; TPU_PREMAPPED_BUFFER_SIZE="
-      f"{os.environ.get('TPU_PREMAPPED_BUFFER_SIZE')}")
+      f"{os.environ.get('TPU_PREMAPPED_BUFFER_SIZE')}, JAX_COMPILATION_CACHE_DIR={os.environ['JAX_COMPILATION_CACHE_DIR']}")
   records = []
   with cf.ThreadPoolExecutor(a.jobs) as pool:
     futs = [pool.submit(run_cell, n, args, root, deadline, a.limit, log) for n, args in cells]
