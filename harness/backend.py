@@ -68,6 +68,8 @@ def probe_devices(frameworks: Sequence[str]) -> dict[str, dict[str, object]]:
 
 
 def _jax_problem(p: Mapping[str, object], versions: Mapping[str, str | None]) -> str | None:
+  if p.get("installed") is False:  # not installed: parity.installed refuses or leaves out its sides first
+    return None
   if "error" in p:
     return f"the jax probe failed ({p['error']}); `parity doctor` shows more"
   if p.get("backend") in GPU_BACKENDS:
@@ -84,6 +86,8 @@ def _jax_problem(p: Mapping[str, object], versions: Mapping[str, str | None]) ->
 
 
 def _torch_problem(p: Mapping[str, object]) -> str | None:
+  if p.get("installed") is False:
+    return None
   if "error" in p:
     return f"the torch probe failed ({p['error']}); `parity doctor` shows more"
   if p.get("cuda_available"):

@@ -23,7 +23,7 @@ from typing import Mapping
 from harness import launch
 from harness.env import jax_pool_choice, side_spec, thread_environ
 from parity import environment as env
-from parity import sockets
+from parity import installed, sockets
 from parity.errors import SpecError
 from parity.numerics_flags import numerics_flags
 from parity.sizing import host_limits
@@ -72,9 +72,15 @@ def probe_frameworks(frameworks: tuple[str, ...] = ("jax", "torch"), *, bandwidt
     bandwidth: time the copies (jax: device <-> pinned_host; torch: pinned/pageable <-> CUDA device).
     build: let the torch probe build DeepSpeed's CPU Adam op when it is missing (timeout BUILD_TIMEOUT_S).
     devices_only: versions and devices only (the CPU-fallback check): no op check, no bandwidth.
+  A framework that is not installed here is not probed: its entry is parity.installed.framework_record's
+  ({'installed': False, 'missing', 'install', 'sides'}), not an error.
   """
   out = {}
   for fw in frameworks:
+    missing = installed.framework_record(fw)  # not installed (a JAX-only install): no probe, said so
+    if missing is not None:
+      out[fw] = missing
+      continue
     args = ["--devices-only"] if devices_only and fw == "torch" else []
     if bandwidth and not devices_only:
       args.append("--bandwidth")
@@ -146,7 +152,8 @@ def _inferred_frameworks() -> dict[str, dict[str, object]]:
   jax = ({"backend": "cpu", "how": why} if tpu is None else
          {"backend": None, "how": f"not probed: {tpu}, so JAX may run on a TPU (starting it here would hold the chip "
                                   "~15 s); the JAX side's summary.json names the device it ran on"})
-  return {"jax": jax, "torch": {"cuda_available": False, "how": why}}
+  torch = {"cuda_available": False, "how": why}
+  return {"jax": installed.framework_record("jax") or jax, "torch": installed.framework_record("torch") or torch}
 
 
 def environment_block(quick: bool = True, frameworks: Mapping[str, Mapping] | None = None, *,

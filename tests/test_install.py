@@ -22,8 +22,20 @@ def _project() -> dict:
 
 
 def _requirements(extra: str | None = None) -> list[Requirement]:
+  """The requirements of the base install (extra None) or of `extra`, its self-references (`parity[all]`) expanded
+  to the extras they name (not the base)."""
   p = _project()
-  return [Requirement(r) for r in (p["dependencies"] if extra is None else p["optional-dependencies"][extra])]
+  out = []
+  for r in map(Requirement, p["dependencies"] if extra is None else p["optional-dependencies"][extra]):
+    if canonicalize_name(r.name) == "parity":
+      out += [x for e in sorted(r.extras) for x in _requirements(e)]
+    else:
+      out.append(r)
+  return out
+
+
+def _names(reqs: list[Requirement]) -> set[str]:
+  return {canonicalize_name(r.name) for r in reqs}
 
 
 def _pins() -> dict[str, Version]:
@@ -39,7 +51,7 @@ def _pins() -> dict[str, Version]:
 
 def test_frameworks_are_open_ranges_so_a_node_keeps_its_builds():
   """No == and no upper bound on the frameworks: pip keeps any installed release above the lower bound."""
-  reqs = {canonicalize_name(r.name): r for r in _requirements()}
+  reqs = {canonicalize_name(r.name): r for r in _requirements("all")}
   for name in FRAMEWORKS:
     r = reqs[canonicalize_name(name)]
     ops = {s.operator for s in r.specifier}
@@ -50,7 +62,7 @@ def test_frameworks_are_open_ranges_so_a_node_keeps_its_builds():
 
 def test_every_requirement_is_pinned_and_the_pin_is_in_range():
   pins = _pins()
-  for r in _requirements() + _requirements("dev"):
+  for r in _requirements() + [r for e in _project()["optional-dependencies"] for r in _requirements(e)]:
     name = canonicalize_name(r.name)
     assert name in pins, f"constraints.txt lacks {r.name}, a requirement of pyproject.toml"
     assert r.specifier.contains(pins[name], prereleases=True), f"{r.name}=={pins[name]} is outside {r}"
@@ -73,9 +85,29 @@ def test_this_environment_is_the_measured_one():
 
 
 def test_cuda_extras_bring_the_jax_plugin():
+  """Each accelerator extra is jax's own extra (the plugin pinned to the installed jax) plus every side, as
+  `pip install -e '.[cuda]'` installed before the frameworks became extras."""
   for extra, want in (("cuda", "cuda13"), ("cuda12", "cuda12"), ("cuda-local", "cuda13-local")):
-    (r,) = _requirements(extra)
+    (r,) = [r for r in _requirements(extra) if r.extras]
     assert r.name == "jax" and r.extras == {want}, (extra, str(r))
+    assert _names(_requirements(extra)) >= _names(_requirements("all")), extra
+
+
+def test_the_base_install_is_framework_free_and_each_extra_brings_its_own():
+  """`pip install parity` installs no framework; `parity[jax]` no torch or deepspeed (a TPU VM, a JAX-only user);
+  `parity[deepspeed]` brings torch; `all` is the three; `dev` is `all` plus the test tools."""
+  frameworks = {canonicalize_name(n) for n in FRAMEWORKS}
+  assert not _names(_requirements()) & frameworks
+  assert _names(_requirements("jax")) == {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint"}
+  assert _names(_requirements("torch")) == {"torch"}
+  assert {"torch", "deepspeed", "py-cpuinfo", "ninja"} <= _names(_requirements("deepspeed"))
+  assert not _names(_requirements("deepspeed")) & {"jax", "jaxlib", "flax"}
+  assert _names(_requirements("all")) == (_names(_requirements("jax")) | _names(_requirements("torch"))
+                                          | _names(_requirements("deepspeed")))
+  assert _names(_requirements("dev")) >= _names(_requirements("all")) | {"pytest", "pytest-xdist"}
+  # the install lines the refusals print name extras that exist (parity/installed.py)
+  from parity import installed
+  assert set(installed.EXTRAS.values()) <= set(_project()["optional-dependencies"])
 
 
 @pytest.mark.parametrize("path", ["README.md", ".ci/run"])

@@ -31,7 +31,8 @@ def register(sub) -> None:
                                  "DeepSpeed's CPU Adam op is built and loads, the host <-> device link, a TPU's "
                                  "host-buffer and numerics settings, whether sockets are allowed (DeepSpeed and "
                                  "torch.distributed need them), CPU/NUMA and GPU topology. Each "
-                                 "framework is probed in its own process. Exit 0: every probe answered; 1: one "
+                                 "framework is probed in its own process (one not installed is said so, with the "
+                                 "extra that installs it). Exit 0: every probe answered; 1: one "
                                  "failed (shown); 2: bad input.")
   p.add_argument("--json", metavar="FILE", help="also write the block as JSON to FILE ('-': stdout instead of the "
                                                 "table; default: table only)")
@@ -104,11 +105,15 @@ def rows(block: dict) -> list[tuple[str, str]]:
           if git else "not a checkout"),
          ("packages", ", ".join(f"{k} {v}" for k, v in pk.items() if v)),
          ("cuda driver", block.get("cuda_driver") or "none visible")]
-  if "error" in jx:
+  if jx.get("installed") is False:  # parity.installed.framework_record: not installed, not probed
+    out.append(("jax", _not_installed(jx)))
+  elif "error" in jx:
     out.append(("jax", f"PROBE FAILED: {jx['error']}"))
   else:
     out += jax_rows(jx)  # chip, memory kinds, host link (the step round trip first), a TPU's settings
-  if "error" in tc:
+  if tc.get("installed") is False:
+    out.append(("torch", _not_installed(tc)))
+  elif "error" in tc:
     out.append(("torch", f"PROBE FAILED: {tc['error']}"))
   else:
     devs = ", ".join(f"cuda:{d['index']} {d['name']} ({d['memory_bytes'] / 2**30:.0f} GiB, sm {d['capability']})"
@@ -117,7 +122,9 @@ def rows(block: dict) -> list[tuple[str, str]]:
     out += [("torch", f"{tc.get('torch')} (CUDA build: {tc.get('built_for_cuda') or 'none, CPU-only'}); CUDA "
                       f"available: {tc.get('cuda_available')}; devices: {devs}; CPU {tc.get('cpu_capability')}, "
                       f"{tc.get('threads')} threads"),
-            ("deepspeed", f"{tc.get('deepspeed')}, accelerator {tc.get('deepspeed_accelerator')}"),
+            ("deepspeed", f"{tc.get('deepspeed')}, accelerator {tc.get('deepspeed_accelerator')}"
+             if "deepspeed" not in tc or tc["deepspeed"] else
+             "not installed: the deepspeed side cannot run here; pip install 'parity[deepspeed]'"),
             ("DeepSpeed CPU Adam op", f"{ca.get('state', 'not checked')}: {ca.get('detail', '')}"),
             ("torch copy bandwidth", _fmt_bw(tc.get("bandwidth"), ("host_to_device_pinned", "device_to_host_pinned",
                                                                    "host_to_device_pageable",
@@ -129,6 +136,14 @@ def rows(block: dict) -> list[tuple[str, str]]:
   if gpus and gpus.get("topology"):
     out.append(("gpu topology", gpus["topology"]))
   return out
+
+
+def _not_installed(rec: dict) -> str:
+  """The row of a framework that is not installed here (parity.installed.framework_record)."""
+  sides = rec.get("sides") or []
+  also = " (the deepspeed side: pip install 'parity[deepspeed]')" if "deepspeed" in sides else ""
+  return (f"not installed ({rec.get('missing')} missing): the {', '.join(sides)} side(s) cannot run here; "
+          f"{rec.get('install')}{also}")
 
 
 def _gib(n) -> str:

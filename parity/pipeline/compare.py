@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from harness import backend, doctor, lifetime, runner
-from parity import sockets
+from parity import installed, sockets
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
@@ -190,7 +190,7 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
   post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
-  show_not_run(list(not_run.not_run.values()))  # one line per side left out or not run (parity.sockets)
+  show_not_run(list(not_run.not_run.values()))  # one line per side left out or not run (parity.installed, .sockets)
   with lifetime.stop_signals():
     folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
     lifetime.on_disk(f"no report was written; {folder.path} holds the run's inputs only")
@@ -286,17 +286,24 @@ def _report_on_disk(report: Report) -> str:
 
 
 def socket_plan(run: ResolvedRun, options: RunOptions) -> tuple[ResolvedRun, sockets.SidePlan]:
-  """The run with the sides this machine can start, where it refuses sockets (parity.sockets.loopback_refusal, once,
-  here, before anything starts): a side the user did not name that needs them (DeepSpeed, FSDP2) is left out of the
-  run; a named one stays, to be recorded as not run (the verdict then fails: exit 1). Returns (the run, the
-  SidePlan). Raises SpecError (exit 2): several ranks per side, or --equivalence ranks, where sockets are refused."""
+  """The run with the sides this machine can start, decided once, here, before anything starts.
+
+  First the frameworks (parity.installed.plan_sides): a side the user named whose framework is not installed is
+  refused (SpecError, exit 2, naming the extra: "side 'torch' needs PyTorch, which is not installed here: pip install
+  'parity[torch]'"); one they did not name is left out with one line. Then sockets, where this machine refuses them
+  (parity.sockets.loopback_refusal): a side the user did not name that needs them (DeepSpeed, FSDP2) is left out of
+  the run; a named one stays, to be recorded as not run (the verdict then fails: exit 1). Returns (the run, the
+  SidePlan whose not_run holds the lines of both). Raises SpecError (exit 2): a named side not installed, no side
+  left, several ranks per side or --equivalence ranks where sockets are refused."""
+  have = installed.plan_sides(run.spec.sides, named=run.sides_named)
   error = sockets.loopback_refusal()
   if error is not None and "ranks" in parse_equivalence(options.equivalence):
     raise SpecError(f"--equivalence ranks reruns each side on 2 ranks, which meet over sockets, and this machine "
                     f"refuses them ({sockets.PROBE}: {error}); leave 'ranks' out here, or run on a machine that "
                     "allows sockets")
-  plan = sockets.plan_sides(run.spec.sides, world=options.nproc * options.nnodes, named=run.sides_named,
+  plan = sockets.plan_sides(have.sides, world=options.nproc * options.nnodes, named=run.sides_named,
                             error=error)
+  plan = dataclasses.replace(plan, not_run={**have.not_run, **plan.not_run})
   if plan.sides == run.spec.sides:
     return run, plan
   return dataclasses.replace(run, spec=dataclasses.replace(run.spec, sides=plan.sides).validate()), plan
