@@ -10,9 +10,9 @@ from parity.dataset.layouts import ExampleBatches
 
 __all__ = ["data_card", "CARD_FIELDS"]
 
-CARD_FIELDS = ("source", "sha256", "formats", "tokenizer", "tokenizer_sha256", "chat_masking", "vocab_size", "layout",
-               "examples", "examples_seen", "pieces", "examples_per_step", "length_min", "length_median",
-               "length_max", "tokens_per_step", "padding_fraction", "loss_tokens_per_step", "loss_tokens_total",
+CARD_FIELDS = ("source", "sha256", "formats", "tokenizer", "tokenizer_sha256", "chat_masking", "chat_template",
+               "vocab_size", "layout", "examples", "examples_seen", "pieces", "examples_per_step", "length_min",
+               "length_median", "length_max", "tokens_per_step", "padding_fraction", "loss_tokens_per_step", "loss_tokens_total",
                "truncation")
 
 
@@ -25,6 +25,9 @@ def data_card(examples: ExampleSet, batches: ExampleBatches) -> dict:
     formats: record format -> number of records (parity.dataset.examples.FORMATS).
     tokenizer: the tokenizer folder, or None (pre-tokenized / byte-level). tokenizer_sha256: hex sha256 of its
       tokenizer.json, or None. chat_masking: 'generation' / 'prefix-diff' for chat records, else None.
+      chat_template: the file whose chat template rendered the chat and Alpaca (instruction) records
+      (chat_template.jinja or tokenizer_config.json), or None: none was rendered by one (Alpaca records then get
+      the built-in Stanford Alpaca prompt, parity.dataset.examples.ALPACA_PROMPT).
     vocab_size: ids, the vocabulary every id was checked against.
     layout: 'padded' or 'packed'.
     examples: examples read (records). examples_seen: distinct examples at least one step trains on (fewer than
@@ -44,7 +47,7 @@ def data_card(examples: ExampleSet, batches: ExampleBatches) -> dict:
   card = {
       "source": examples.source, "sha256": examples.sha256, "formats": dict(examples.formats),
       "tokenizer": examples.tokenizer, "tokenizer_sha256": examples.tokenizer_sha256,
-      "chat_masking": examples.chat_masking, "vocab_size": int(examples.vocab_size), "layout": batches.layout,
+      "chat_masking": examples.chat_masking, "chat_template": examples.chat_template, "vocab_size": int(examples.vocab_size), "layout": batches.layout,
       "examples": len(examples.examples), "examples_seen": len(seen), "pieces": len(batches.pieces),
       "examples_per_step": int(batches.examples_per_step), "length_min": int(lengths.min()),
       "length_median": float(np.median(lengths)), "length_max": int(lengths.max()),
