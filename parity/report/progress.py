@@ -91,13 +91,14 @@ def progress_display(enabled: bool, spec, notes: Sequence[str] = ()):
 
   On a terminal: one rich progress bar per side, whose label shows the phase outside the steps (a DeepSpeed op
   build). In a log file: a plain line at the start and at every quarter of the steps. `notes` are printed first
-  (to stderr), e.g. the values a DeepSpeed config port filled in.
+  (to stderr) whether or not `enabled` (--no-progress hides the bar, not them: docs/migration.md promises the
+  "filled in" lines), e.g. the values a DeepSpeed config port filled in and what truncation cut.
   """
+  for line in notes:
+    print(f"parity compare: {line}", file=sys.stderr, flush=True)
   if not enabled:
     yield None
     return
-  for line in notes:
-    print(f"parity compare: {line}", file=sys.stderr)
   from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
   if not Console().is_terminal:  # a log file: plain lines at start and every quarter of the steps
