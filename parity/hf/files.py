@@ -168,7 +168,12 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
     raise HFFormatError(str(exc)) from None
   if not isinstance(cfg, dict):
     raise HFFormatError(f"{cfg_path}: the top level must be an object; got {type(cfg).__name__}")
-  family, spec, notes = parse_hf_config(cfg)
+  try:
+    family, spec, notes = parse_hf_config(cfg)
+  except HFFormatError as exc:  # its messages say "config.json": name the file read
+    msg = str(exc)
+    raise HFFormatError(str(cfg_path) + msg.removeprefix("config.json") if msg.startswith("config.json")
+                        else f"{cfg_path}: {msg}") from None
   kind, files = hf_weight_files(folder)
   if kind == "bin":
     if bin_reader is None:
