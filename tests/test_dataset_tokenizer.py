@@ -227,3 +227,25 @@ def test_chat_template_jinja_wins_over_tokenizer_config_as_in_transformers(tmp_p
   tok = load_tokenizer(folder)
   assert tok.chat_template == CHATML and tok.chat_template_source == folder / "chat_template.jinja"
   assert tok.chat(CHAT)[0].tolist() == list(hf.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"])
+
+
+def test_an_eos_token_missing_from_the_vocabulary_is_added_as_transformers_adds_it(tmp_path, folders):
+  """transformers (5.x from_pretrained) adds a special token tokenizer_config.json names but tokenizer.json lacks, as
+  a new id after the vocabulary; parity appended no EOS at all, silently. It now does what transformers does and
+  says so (the tokenizer's notes, the data card's tokenizer_notes, the data notes printed before the run)."""
+  transformers = pytest.importorskip("transformers")
+  from parity.report.progress import data_notes
+  folder = tmp_path / "eosless"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_bytes((folders["none"] / "tokenizer.json").read_bytes())
+  (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|endoftext|>"}))
+  hf = transformers.AutoTokenizer.from_pretrained(folder)
+  tok = load_tokenizer(folder)
+  assert tok.eos_id == hf.eos_token_id == 320 and tok.vocab_size == len(hf) == 321
+  assert any("eos_token '<|endoftext|>'" in n and "tokenizer_config.json" in n and "id 320" in n for n in tok.notes)
+  s = _read(tmp_path, [{"text": "hello world"}], folder)
+  assert s.examples[0].ids[-1] == 320 and s.tokenizer_notes == tok.notes
+  assert any("<|endoftext|>" in line for line in data_notes({"card": {"tokenizer_notes": list(tok.notes)}}))
+  with pytest.raises(DataError, match="the tokenizer has 321 ids but model.vocab_size is 320"):
+    _read(tmp_path, [{"text": "hi"}], folder, vocab_size=320)
+  assert load_tokenizer(folders["none"]).notes == ()

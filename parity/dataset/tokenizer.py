@@ -40,6 +40,8 @@ GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
 message that holds one is refused)."""
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+ADDED_ORDER = ("bos_token", "eos_token", "unk_token", "pad_token")
+"""The order transformers (5.x, SPECIAL_TOKENS_ATTRIBUTES) adds special tokens the vocabulary lacks, each a new id."""
 
 
 def _token_str(value) -> str | None:
@@ -95,6 +97,8 @@ class HFTokenizer:
       or tokenizer_config.json), or None.
     special: bos_token / eos_token / pad_token / unk_token as strings, where the config names them.
     eos_id: id of eos_token, or None.
+    notes: what loading did beyond reading the files (special tokens the vocabulary lacked, added as transformers
+      adds them), each naming the file and the token.
   """
   folder: Path
   sha256: str
@@ -103,6 +107,7 @@ class HFTokenizer:
   special: dict
   eos_id: int | None
   chat_template_source: Path | None = None
+  notes: tuple[str, ...] = ()
   _tok: object = dataclasses.field(repr=False, default=None)
   _template: object = dataclasses.field(repr=False, default=None)
 
@@ -218,11 +223,28 @@ def load_tokenizer(folder: str | Path) -> HFTokenizer:
       raise DataError(f"{cfg_path}: not JSON ({exc}); fix or remove it") from None
   special = {k: s for k in SPECIAL_KEYS if (s := _token_str(config.get(k))) is not None}
   template, source = _chat_template(path.parent, config)
+  notes = _add_missing_specials(tok, special, cfg_path)
   eos = special.get("eos_token")
   return HFTokenizer(folder=path.parent, sha256=hashlib.sha256(blob).hexdigest(),
                      vocab_size=tok.get_vocab_size(with_added_tokens=True),
                      chat_template=template, chat_template_source=source, special=special,
-                     eos_id=None if eos is None else tok.token_to_id(eos), _tok=tok)
+                     eos_id=None if eos is None else tok.token_to_id(eos), notes=tuple(notes), _tok=tok)
+
+
+def _add_missing_specials(tok, special: dict, cfg_path: Path) -> list[str]:
+  """Adds each special token tokenizer_config.json names but tokenizer.json's vocabulary lacks as a new special id,
+  in transformers' order (ADDED_ORDER), as transformers' from_pretrained does (so the ids, the EOS appended and the
+  vocabulary size agree with it); one note per token added. Before, a missing eos_token meant no EOS, silently."""
+  from tokenizers import AddedToken  # noqa: PLC0415 (load_tokenizer has checked the package)
+  notes = []
+  for key in ADDED_ORDER:
+    s = special.get(key)
+    if s is None or tok.token_to_id(s) is not None:
+      continue
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)])
+    notes.append(f"{cfg_path}: {key} {s!r} is not in {TOKENIZER_FILE}'s vocabulary; added as id "
+                 f"{tok.token_to_id(s)} as transformers adds it (the model's vocabulary must hold that id)")
+  return notes
 
 
 def _chat_template(folder: Path, config: dict) -> tuple[str | None, Path | None]:

@@ -314,7 +314,7 @@ def _windows(arch: str, family: str, c: _Config, n_layers: int, notes: list[str]
   hf_types = default if c.get("layer_types") is None else c.get("layer_types")
   if not isinstance(hf_types, list):
     raise c.bad("layer_types", hf_types, "a list of 'full_attention' / 'sliding_attention', one per layer")
-  if len(hf_types) != n_layers:  # transformers' validate_layer_type refuses it; a short all-sliding list slid every layer
+  if len(hf_types) != n_layers:  # transformers' validate_layer_type refuses it (a short all-sliding list slid all)
     raise HFFormatError(f"config.json ({arch}): layer_types has {len(hf_types)} entries but num_hidden_layers is "
                         f"{n_layers}; give one layer type per layer (transformers refuses this config too)")
   kinds = []
