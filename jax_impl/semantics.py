@@ -202,7 +202,8 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
   opt = optimizer_probe(trainer.tx, trainer.schedule, trainer.state.params, spec, train, scan)
   has_nu = lambda x: "nu" in getattr(x, "_fields", ())  # noqa: E731 (DeepSpeedOptState, ScaleByAdamState)
   moments = [x for x in jax.tree.leaves(trainer.state.opt_state, is_leaf=has_nu) if has_nu(x)]
-  nu = jax.tree.leaves(moments[0].nu) if moments else []
+  mu = [str(x.dtype) for m in moments for x in jax.tree.leaves(getattr(m, "mu", None))]
+  nu = [str(x.dtype) for m in moments for x in jax.tree.leaves(m.nu)]
   shift = step_lib.example_loss_kwargs({"segment_ids": None, "positions": None, "weights": None}, plants)
   precision = jax.config.jax_default_matmul_precision
   items = {
@@ -220,7 +221,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
       "clip.max_norm": float(train.grad_clip) if train.grad_clip > 0 else None,
       "lr.step0": sig(float(_host(trainer.schedule(_host(optim.step_count_of(trainer.state.opt_state))))), 6),
       "dtypes.params": str(jnp.dtype(model_lib.compute_dtype(train.precision))), "dtypes.master": master,
-      "dtypes.moments": str(nu[0].dtype) if nu else None, "dtypes.grads": master,
+      "dtypes.moments": card_lib.moments_dtype(mu, nu), "dtypes.grads": master,
       "matmul.precision": {"highest": "highest", "float32": "highest", "high": "high", "tensorfloat32": "high",
                            "bfloat16_3x": "high", "default": "medium", "bfloat16": "medium"}.get(
                                str(precision).lower(), f"default ({precision})"),

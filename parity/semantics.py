@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text", "sig", "GELU_PROBE_X", "GELU_FORMS", "classify_gelu",
            "classify_rotary", "rope_row", "window_of", "CAP_PROBE", "NAME_LISTS", "layers_text",
            "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION", "PRECISION_ENV",
-           "precision_settings", "precision_rows"]
+           "precision_settings", "precision_rows", "moments_dtype"]
 
 SEMANTICS_SCHEMA = "parity.semantics/1"
 
@@ -60,7 +60,8 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
   optimizer.bias_correction true | false | null
   clip.rule, clip.max_norm  'global-l2' | 'none', and its threshold
   lr.step0                  the learning rate the first update applies
-  dtypes.*                  params (the forward's), master weights, moments, gradients (the optimizer's input)
+  dtypes.*                  params (the forward's), master weights, moments, gradients (the optimizer's input);
+                            moments: 'first X, second Y' when Adam's two moments differ (moments_dtype)
                             (fsdp: the coarser of that and its gradient reduce dtype)
   matmul.precision          'highest' | 'high' (TF32) | 'medium'
   dropout                   the largest dropout probability of the model's modules (0.0: none)"""
@@ -175,6 +176,19 @@ def classify_reduction(y: float) -> str:
   """'mean' | 'sum' | 'other' of a loss whose value on REDUCTION_PROBE's logits 0 is y."""
   v, n = REDUCTION_PROBE
   return "mean" if abs(y - np.log(v)) < 1e-5 else "sum" if abs(y - n * np.log(v)) < 1e-4 else "other"
+
+def moments_dtype(first: Sequence[str], second: Sequence[str]) -> str | None:
+  """dtypes.moments of an Adam state from the dtypes of its first (mu / exp_avg) and second (nu / exp_avg_sq) moment
+  tensors: the one dtype when all agree ('float32'), else 'first X, second Y' (several dtypes in one moment: joined
+  by '/'), so a bfloat16 first moment beside a float32 second one differs from two float32 moments on the card.
+  None when there is no second moment (no Adam)."""
+  a, b = sorted(set(first)), sorted(set(second))
+  if not b:
+    return None
+  if a == b and len(a) == 1:
+    return a[0]
+  return f"first {'/'.join(a) or 'none'}, second {'/'.join(b)}"
+
 
 def sig(x: float, digits: int = 3) -> float:
   """x rounded to `digits` significant digits (a probe's inferred value, so both frameworks' float noise agrees)."""

@@ -529,3 +529,27 @@ def test_estimate_and_plan_keep_an_existing_json_file_unless_forced(tmp_path, ca
   assert "an empty entry" in capsys.readouterr().err
   assert main(["plan", "--preset", "gpt2-tiny", "--json", "-"]) == 2  # doctor's '-' is stdout; here, a file named '-'
   assert "--json -: this command prints its table to stdout" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- notes before the sides start
+@pytest.mark.parametrize("flags", [["--no-progress"], []])
+def test_filled_in_values_and_data_notes_show_with_and_without_progress(tmp_path, monkeypatch, capsys, flags):
+  """docs/migration.md: every value compare fills in is printed as `parity compare: filled in KEY = VALUE
+  (reason)`; --no-progress hid those lines and the data notes (truncation) with the bar. The sides are not run: the
+  stub stands in for them once the notes are out."""
+  def no_sides(*_, **__):
+    raise SystemExit(99)
+  monkeypatch.setattr("parity.pipeline.compare.runner.run_each_side", no_sides)
+  ds = tmp_path / "ds.json"
+  ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                            "zero_optimization": {"stage": 0}}))
+  data = tmp_path / "long.jsonl"
+  data.write_text("".join(json.dumps({"input_ids": list(range(1, 200))}) + "\n" for _ in range(8)))
+  with pytest.raises(SystemExit, match="99"):
+    main(["compare", "--preset", "gpt2-tiny", "--deepspeed-config", str(ds), "--data", str(data), "--set",
+          'train.layout="padded"', "--set", 'train.truncation="truncate"', "--sides", "jax,torch", "--out",
+          str(tmp_path / "r"), *flags])
+  err = capsys.readouterr().err
+  assert 'parity compare: filled in "auto" train_micro_batch_size_per_gpu = 4 (from the run spec)' in err, err
+  assert "parity compare: filled in gradient_clipping = 1.0" in err
+  assert "parity compare: data: 7 of 8 examples are longer than a row and were cut" in err

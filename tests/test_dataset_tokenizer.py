@@ -188,3 +188,64 @@ def test_the_assistant_mask_matches_transformers_apply_chat_template(folders):
   ids, mask, _ = load_tokenizer(folders["gen"]).chat(CHAT)
   assert ids.tolist() == list(out["input_ids"])
   assert mask.astype(int).tolist() == list(out["assistant_masks"])
+
+
+# ------------------------------------------------------------------ transformers 5.x: chat_template.jinja
+def _saved_by_transformers(root, raw, template, *, config_template=None):
+  """The tokenizer of `raw` saved by transformers' save_pretrained (which writes the template to
+  chat_template.jinja, not tokenizer_config.json); `config_template`: also put one in tokenizer_config.json."""
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(raw / "tokenizer.json"), bos_token="<s>",
+                                            eos_token="</s>", pad_token="<pad>")
+  hf.chat_template = template
+  hf.save_pretrained(root)
+  assert (root / "chat_template.jinja").is_file()
+  if config_template is not None:
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": config_template}))
+  return root, transformers.AutoTokenizer.from_pretrained(root)
+
+
+def test_a_template_in_chat_template_jinja_renders_as_transformers_does(tmp_path, folders):
+  folder, hf = _saved_by_transformers(tmp_path / "saved", folders["none"], CHATML)
+  assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
+  rows = [{"messages": CHAT}, {"messages": CHAT[1:3]}]
+  s = _read(tmp_path, rows, folder)
+  for row, ex in zip(rows, s.examples):
+    assert ex.ids.tolist() == list(hf.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
+  assert s.chat_template == str(folder / "chat_template.jinja")
+  # Alpaca records go through the template too, and the card says which template file rendered them
+  alpaca = _read(tmp_path, [{"instruction": "Summarise", "output": "They jump."}], folder)
+  assert alpaca.chat_template == str(folder / "chat_template.jinja") and alpaca.chat_masking == "prefix-diff"
+  assert _read(tmp_path, [{"instruction": "Summarise", "output": "They jump."}], folders["none"]).chat_template is None
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config_as_in_transformers(tmp_path, folders):
+  other = CHATML.replace("\\n", " ")
+  folder, hf = _saved_by_transformers(tmp_path / "both", folders["none"], CHATML, config_template=other)
+  assert hf.chat_template == CHATML  # transformers' rule: the .jinja file takes priority
+  tok = load_tokenizer(folder)
+  assert tok.chat_template == CHATML and tok.chat_template_source == folder / "chat_template.jinja"
+  assert tok.chat(CHAT)[0].tolist() == list(hf.apply_chat_template(CHAT, tokenize=True, return_dict=True)["input_ids"])
+
+
+def test_an_eos_token_missing_from_the_vocabulary_is_added_as_transformers_adds_it(tmp_path, folders):
+  """transformers (5.x from_pretrained) adds a special token tokenizer_config.json names but tokenizer.json lacks, as
+  a new id after the vocabulary; parity appended no EOS at all, silently. It now does what transformers does and
+  says so (the tokenizer's notes, the data card's tokenizer_notes, the data notes printed before the run)."""
+  transformers = pytest.importorskip("transformers")
+  from parity.report.progress import data_notes
+  folder = tmp_path / "eosless"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_bytes((folders["none"] / "tokenizer.json").read_bytes())
+  (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<|endoftext|>"}))
+  hf = transformers.AutoTokenizer.from_pretrained(folder)
+  tok = load_tokenizer(folder)
+  assert tok.eos_id == hf.eos_token_id == 320 and tok.vocab_size == len(hf) == 321
+  assert any("eos_token '<|endoftext|>'" in n and "tokenizer_config.json" in n and "id 320" in n for n in tok.notes)
+  s = _read(tmp_path, [{"text": "hello world"}], folder)
+  assert s.examples[0].ids[-1] == 320 and s.tokenizer_notes == tok.notes
+  assert any("<|endoftext|>" in line for line in data_notes({"card": {"tokenizer_notes": list(tok.notes)}}))
+  with pytest.raises(DataError, match="the tokenizer has 321 ids but model.vocab_size is 320"):
+    _read(tmp_path, [{"text": "hi"}], folder, vocab_size=320)
+  assert load_tokenizer(folders["none"]).notes == ()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 
 import numpy as np
@@ -575,3 +576,42 @@ def test_a_tensor_holding_nan_or_inf_is_refused_naming_it(tmp_path):
     _write_raw_safetensors(tmp_path / "model.safetensors", raw)
     with pytest.raises(hf.HFFormatError, match=f"tensor '{name}' holds 3 NaN/inf value"):
       hf.load_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("n_types", [4, 8])
+def test_layer_types_of_another_length_than_the_layers_is_refused_naming_both_and_the_file(tmp_path, n_types):
+  """transformers refuses it (Gemma3TextConfig's validate_layer_type: num_hidden_layers must equal the number of
+  layer_types); parity made every layer sliding when the short list was all sliding_attention."""
+  from parity.hf.files import load_hf_checkpoint
+  cfg = {**GEMMA3_TINY, "sliding_window": 16, "layer_types": ["sliding_attention"] * n_types}
+  with pytest.raises(hf.HFFormatError, match=f"layer_types has {n_types} entries but num_hidden_layers is 6"):
+    hf.parse_hf_config(cfg)
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(hf.HFFormatError, match=re.escape(str(tmp_path / "config.json")) + ".*layer_types has"):
+    load_hf_checkpoint(tmp_path)
+  transformers = pytest.importorskip("transformers")
+  with pytest.raises(Exception, match="must be equal to the number of `layer_types`"):
+    transformers.Gemma3TextConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+
+
+def test_an_absurd_layer_count_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+  """num_hidden_layers=10^9 was refused only after 258 s and 8.5 GB (a per-layer list of 10^9 layer types). The
+  limit is this host's memory against the float32 weights the checkpoint would load (the sizing code's parameter
+  count, per layer: cheap for any depth)."""
+  import time
+  from parity.hf.files import load_hf_checkpoint
+  from parity.sizing import host_limits
+  from parity.sizing.resources import _param_count
+  cfg = {**GEMMA3_TINY, "num_hidden_layers": 10**6}
+  params = _param_count(dataclasses.replace(hf.spec_from_hf_config(GEMMA3_TINY), n_layers=10**6, layer_types=()))
+  monkeypatch.setattr(host_limits, "host_memory", lambda: host_limits.HostMemory(4 * params - 1, None))
+  (tmp_path / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(hf.HFFormatError, match=re.escape(str(tmp_path / "config.json")) +
+                     f".*{params:,} parameters \\(num_hidden_layers=1,000,000, hidden_size=32\\).*this machine has"):
+    load_hf_checkpoint(tmp_path)
+  monkeypatch.undo()
+  (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 10**9}))
+  t0 = time.monotonic()
+  with pytest.raises(hf.HFFormatError, match="num_hidden_layers=1,000,000,000"):
+    load_hf_checkpoint(tmp_path)
+  assert time.monotonic() - t0 < 5

@@ -415,3 +415,43 @@ def test_the_gate_holds_each_side_against_the_first_card_only(tmp_path):
   with pytest.raises(CardDiffers, match="mlp.gelu_form jax=erf torch=tanh"):
     gate(tmp_path / "b", "jax", sides, req, _card("jax", **{"mlp.gelu_form": "erf"})) or gate(
         tmp_path / "b", "torch", sides, req, _card("torch"))
+
+
+# ------------------------------------------------------------------ dtypes.moments reads both Adam moments
+@pytest.mark.requires_jax
+def test_jax_card_reads_the_first_moment_dtype_too():
+  """optax's mu_dtype keeps the first moment in bfloat16 beside a float32 second moment: the card read nu only and
+  said 'float32', agreeing with a side whose moments are both float32."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax_impl.semantics import semantics_card
+  from jax_impl.step import Trainer, TrainState
+  from parity import weights
+  run = preset("gpt2-tiny")
+  t = Trainer.build(run, weights.init_params(run.model, run.train.seed))
+  assert semantics_card(t, frozenset())["items"]["dtypes.moments"] == "float32"
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  bf16_mu = jax.tree.map(lambda x: x._replace(mu=jax.tree.map(lambda m: m.astype(jnp.bfloat16), x.mu))
+                         if is_adam(x) else x, t.state.opt_state, is_leaf=is_adam)
+  assert any(is_adam(x) for x in jax.tree.leaves(t.state.opt_state, is_leaf=is_adam))
+  t.state = TrainState(params=t.state.params, opt_state=bf16_mu)
+  got = semantics_card(t, frozenset())["items"]["dtypes.moments"]
+  assert got == "first bfloat16, second float32" == card_lib.moments_dtype(["bfloat16"], ["float32"])
+  assert card_lib.diff_cards(_card("jax", **{"dtypes.moments": got}), _card("torch", **{"dtypes.moments": "float32"}))
+
+
+@pytest.mark.requires_torch
+def test_torch_adam_probe_reads_the_first_moment_dtype_too():
+  import torch
+  from torch_impl import semantics as ts
+
+  class Bf16FirstMoment(torch.optim.AdamW):  # keeps exp_avg in bfloat16 (as a low-memory Adam does)
+    def step(self, closure=None):
+      out = super().step(closure)
+      for st in self.state.values():
+        st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
+      return out
+  p = torch.nn.Parameter(torch.zeros(2))
+  assert ts.adam_form(torch.optim.AdamW([p], eps=1e-8), torch.float32, 1e-8)["moments"] == "float32"
+  assert ts.adam_form(Bf16FirstMoment([p], eps=1e-8), torch.float32, 1e-8)["moments"] == "first bfloat16, second float32"

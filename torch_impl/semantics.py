@@ -190,8 +190,9 @@ def adam_form(optimizer: torch.optim.Optimizer, dtype: torch.dtype, eps: float,
   betas = g0.get("betas", (0.0, 0.0))
   placement, bc = classify_adam(u, eps, eps, float(betas[0]), float(betas[1]), 1)
   state = probe.state.get(p, {})
-  sq = state.get("exp_avg_sq")
-  return {"eps_placement": placement, "bias_correction": bc, "moments": None if sq is None else _dtype(sq.dtype)}
+  first, sq = state.get("exp_avg"), state.get("exp_avg_sq")
+  return {"eps_placement": placement, "bias_correction": bc, "moments": card_lib.moments_dtype(
+      [] if first is None else [_dtype(first.dtype)], [] if sq is None else [_dtype(sq.dtype)])}
 
 
 def matmul_precision() -> str:

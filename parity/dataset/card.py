@@ -10,10 +10,10 @@ from parity.dataset.layouts import ExampleBatches
 
 __all__ = ["data_card", "CARD_FIELDS"]
 
-CARD_FIELDS = ("source", "sha256", "formats", "tokenizer", "tokenizer_sha256", "chat_masking", "vocab_size", "layout",
-               "examples", "examples_seen", "pieces", "examples_per_step", "length_min", "length_median",
-               "length_max", "tokens_per_step", "padding_fraction", "loss_tokens_per_step", "loss_tokens_total",
-               "truncation")
+CARD_FIELDS = ("source", "sha256", "formats", "tokenizer", "tokenizer_sha256", "tokenizer_notes", "chat_masking",
+               "chat_template", "vocab_size", "layout", "examples", "examples_seen", "pieces", "examples_per_step",
+               "length_min", "length_median", "length_max", "tokens_per_step", "padding_fraction",
+               "loss_tokens_per_step", "loss_tokens_total", "truncation")
 
 
 def data_card(examples: ExampleSet, batches: ExampleBatches) -> dict:
@@ -24,7 +24,12 @@ def data_card(examples: ExampleSet, batches: ExampleBatches) -> dict:
       its ids and loss flags).
     formats: record format -> number of records (parity.dataset.examples.FORMATS).
     tokenizer: the tokenizer folder, or None (pre-tokenized / byte-level). tokenizer_sha256: hex sha256 of its
-      tokenizer.json, or None. chat_masking: 'generation' / 'prefix-diff' for chat records, else None.
+      tokenizer.json, or None. tokenizer_notes: list of what loading the tokenizer did beyond reading its files (a
+      special token the vocabulary lacked, added as transformers adds it). chat_masking: 'generation' /
+      'prefix-diff' for chat records, else None.
+      chat_template: the file whose chat template rendered the chat and Alpaca (instruction) records
+      (chat_template.jinja or tokenizer_config.json), or None: none was rendered by one (Alpaca records then get
+      the built-in Stanford Alpaca prompt, parity.dataset.examples.ALPACA_PROMPT).
     vocab_size: ids, the vocabulary every id was checked against.
     layout: 'padded' or 'packed'.
     examples: examples read (records). examples_seen: distinct examples at least one step trains on (fewer than
@@ -44,7 +49,9 @@ def data_card(examples: ExampleSet, batches: ExampleBatches) -> dict:
   card = {
       "source": examples.source, "sha256": examples.sha256, "formats": dict(examples.formats),
       "tokenizer": examples.tokenizer, "tokenizer_sha256": examples.tokenizer_sha256,
-      "chat_masking": examples.chat_masking, "vocab_size": int(examples.vocab_size), "layout": batches.layout,
+      "tokenizer_notes": list(examples.tokenizer_notes),
+      "chat_masking": examples.chat_masking, "chat_template": examples.chat_template,
+      "vocab_size": int(examples.vocab_size), "layout": batches.layout,
       "examples": len(examples.examples), "examples_seen": len(seen), "pieces": len(batches.pieces),
       "examples_per_step": int(batches.examples_per_step), "length_min": int(lengths.min()),
       "length_median": float(np.median(lengths)), "length_max": int(lengths.max()),

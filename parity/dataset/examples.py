@@ -82,6 +82,9 @@ class ExampleSet:
     tokenizer: folder of the tokenizer used, or None (pre-tokenized, or a built-in byte-level set).
     tokenizer_sha256: hex sha256 of its tokenizer.json, or None.
     chat_masking: 'generation' / 'prefix-diff' when chat records were read (parity.dataset.tokenizer), else None.
+    chat_template: the file whose chat template rendered chat / Alpaca records (chat_template.jinja or
+      tokenizer_config.json), or None: no record went through a template (Alpaca records then use ALPACA_PROMPT).
+    tokenizer_notes: the tokenizer's notes (parity.dataset.tokenizer.HFTokenizer.notes), () without one.
   """
   examples: tuple[Example, ...]
   source: str
@@ -91,6 +94,8 @@ class ExampleSet:
   tokenizer: str | None = None
   tokenizer_sha256: str | None = None
   chat_masking: str | None = None
+  chat_template: str | None = None
+  tokenizer_notes: tuple[str, ...] = ()
 
 
 def _ids(rec: Record, key: str, value, flags: bool = False) -> np.ndarray:
@@ -318,4 +323,6 @@ def read_examples(path: str | Path, *, vocab_size: int | None = None, tokenizer:
                     formats=dict(formats), vocab_size=vocab,
                     tokenizer=None if tokenizer is None else str(tokenizer.folder),
                     tokenizer_sha256=None if tokenizer is None else tokenizer.sha256,
-                    chat_masking="/".join(sorted(methods)) or None)
+                    chat_masking="/".join(sorted(methods)) or None,
+                    chat_template=str(tokenizer.chat_template_source) if methods and tokenizer is not None else None,
+                    tokenizer_notes=() if tokenizer is None else tokenizer.notes)

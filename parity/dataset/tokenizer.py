@@ -1,5 +1,7 @@
-"""A local Hugging Face tokenizer, loaded offline: `tokenizer.json` (the `tokenizers` package) and the chat template
-and special tokens of `tokenizer_config.json` (rendered with jinja2, as transformers renders it).
+"""A local Hugging Face tokenizer, loaded offline: `tokenizer.json` (the `tokenizers` package), the special tokens of
+`tokenizer_config.json` and the chat template (rendered with jinja2, as transformers renders it), read where
+transformers reads it: `chat_template.jinja` (what transformers 5.x `save_pretrained` writes) and the templates of
+`additional_chat_templates/` take priority over a `chat_template` key of tokenizer_config.json (older versions).
 
 Assistant tokens of a chat get the loss by one of two methods, both giving character spans of the rendered text that
 are then mapped to tokens through the tokenizer's offsets (a token is an assistant token when its characters overlap
@@ -24,15 +26,22 @@ import numpy as np
 
 from parity.data import DataError
 
-__all__ = ["HFTokenizer", "load_tokenizer", "TOKENIZER_FILE", "CONFIG_FILE", "GEN_OPEN", "GEN_CLOSE"]
+__all__ = ["HFTokenizer", "load_tokenizer", "TOKENIZER_FILE", "CONFIG_FILE", "TEMPLATE_FILE", "TEMPLATE_DIR",
+           "GEN_OPEN", "GEN_CLOSE"]
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+"""The default chat template as its own file (transformers' CHAT_TEMPLATE_FILE)."""
+TEMPLATE_DIR = "additional_chat_templates"
+"""Named templates, one NAME.jinja each (transformers' CHAT_TEMPLATE_DIR)."""
 GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
 """Private-use characters the `generation` tag wraps its text in while rendering; removed from the final text (a
 message that holds one is refused)."""
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+ADDED_ORDER = ("bos_token", "eos_token", "unk_token", "pad_token")
+"""The order transformers (5.x, SPECIAL_TOKENS_ATTRIBUTES) adds special tokens the vocabulary lacks, each a new id."""
 
 
 def _token_str(value) -> str | None:
@@ -84,8 +93,12 @@ class HFTokenizer:
     sha256: hex sha256 of tokenizer.json's bytes (the data card's tokenizer hash).
     vocab_size: ids the tokenizer can produce (added tokens included).
     chat_template: the template text, or None.
+    chat_template_source: the file it was read from (chat_template.jinja, additional_chat_templates/default.jinja
+      or tokenizer_config.json), or None.
     special: bos_token / eos_token / pad_token / unk_token as strings, where the config names them.
     eos_id: id of eos_token, or None.
+    notes: what loading did beyond reading the files (special tokens the vocabulary lacked, added as transformers
+      adds them), each naming the file and the token.
   """
   folder: Path
   sha256: str
@@ -93,6 +106,8 @@ class HFTokenizer:
   chat_template: str | None
   special: dict
   eos_id: int | None
+  chat_template_source: Path | None = None
+  notes: tuple[str, ...] = ()
   _tok: object = dataclasses.field(repr=False, default=None)
   _template: object = dataclasses.field(repr=False, default=None)
 
@@ -112,14 +127,16 @@ class HFTokenizer:
     """The chat template rendered on `messages` (generation markers left in). Raises DataError: no template, or
     the template raises (its message is given)."""
     if self.chat_template is None:
-      raise DataError(f"{self.folder / CONFIG_FILE}: no chat_template, which chat data (messages / conversations) "
-                      "needs; use a tokenizer folder whose tokenizer_config.json has one, or give prompt/completion")
+      raise DataError(f"{self.folder / CONFIG_FILE}: no chat_template, and no {TEMPLATE_FILE} (nor a default "
+                      f"{TEMPLATE_DIR}/default.jinja) beside it, which chat data (messages / conversations) needs; use "
+                      "a tokenizer folder that has one, or give prompt/completion")
     if self._template is None:
       self._template = _environment().from_string(self.chat_template)
     try:
       return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
     except Exception as exc:  # jinja2 TemplateError, or an error inside the template's own logic
-      raise DataError(f"{self.folder / CONFIG_FILE}: the chat template failed on these messages: {exc}") from None
+      raise DataError(f"{self.chat_template_source or self.folder}: the chat template failed on these messages: "
+                      f"{exc}") from None
 
   def chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
     """(ids int64 (n,), assistant bool (n,), method) of a rendered chat; method 'generation' or 'prefix-diff'
@@ -147,9 +164,9 @@ class HFTokenizer:
       before = self.render(messages[:i], add_generation_prompt=True)
       upto = self.render(messages[:i + 1])
       if not (upto.startswith(before) and full.startswith(upto)):
-        raise DataError(f"{self.folder / CONFIG_FILE}: the chat template's rendering of the first {i} messages (with "
-                        f"the generation prompt) is not a prefix of its rendering of the first {i + 1}, so the "
-                        "assistant's tokens cannot be found by prefix difference; use a template with "
+        raise DataError(f"{self.chat_template_source or self.folder}: the chat template's rendering of the first "
+                        f"{i} messages (with the generation prompt) is not a prefix of its rendering of the first "
+                        f"{i + 1}, so the assistant's tokens cannot be found by prefix difference; use a template with "
                         "{% generation %} tags, or pre-tokenize the data (input_ids + labels)")
       spans.append((len(before), len(upto)))
     return full, spans
@@ -205,11 +222,51 @@ def load_tokenizer(folder: str | Path) -> HFTokenizer:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
       raise DataError(f"{cfg_path}: not JSON ({exc}); fix or remove it") from None
   special = {k: s for k in SPECIAL_KEYS if (s := _token_str(config.get(k))) is not None}
-  template = config.get("chat_template")
-  if isinstance(template, list):  # several named templates: transformers takes the one named 'default'
-    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  template, source = _chat_template(path.parent, config)
+  notes = _add_missing_specials(tok, special, cfg_path)
   eos = special.get("eos_token")
   return HFTokenizer(folder=path.parent, sha256=hashlib.sha256(blob).hexdigest(),
                      vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                     chat_template=template if isinstance(template, str) else None, special=special,
-                     eos_id=None if eos is None else tok.token_to_id(eos), _tok=tok)
+                     chat_template=template, chat_template_source=source, special=special,
+                     eos_id=None if eos is None else tok.token_to_id(eos), notes=tuple(notes), _tok=tok)
+
+
+def _add_missing_specials(tok, special: dict, cfg_path: Path) -> list[str]:
+  """Adds each special token tokenizer_config.json names but tokenizer.json's vocabulary lacks as a new special id,
+  in transformers' order (ADDED_ORDER), as transformers' from_pretrained does (so the ids, the EOS appended and the
+  vocabulary size agree with it); one note per token added. Before, a missing eos_token meant no EOS, silently."""
+  from tokenizers import AddedToken  # noqa: PLC0415 (load_tokenizer has checked the package)
+  notes = []
+  for key in ADDED_ORDER:
+    s = special.get(key)
+    if s is None or tok.token_to_id(s) is not None:
+      continue
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)])
+    notes.append(f"{cfg_path}: {key} {s!r} is not in {TOKENIZER_FILE}'s vocabulary; added as id "
+                 f"{tok.token_to_id(s)} as transformers adds it (the model's vocabulary must hold that id)")
+  return notes
+
+
+def _chat_template(folder: Path, config: dict) -> tuple[str | None, Path | None]:
+  """(template, the file it came from) as transformers' `from_pretrained` picks it (tokenization_utils_base,
+  transformers 5.x): template files (chat_template.jinja as 'default', additional_chat_templates/NAME.jinja) take
+  priority over tokenizer_config.json's `chat_template`; of several named templates the one named 'default' (none:
+  no template, as transformers' apply_chat_template refuses to choose). (None, None) when there is none."""
+  files = {}
+  if (folder / TEMPLATE_FILE).is_file():
+    files["default"] = folder / TEMPLATE_FILE
+  if (folder / TEMPLATE_DIR).is_dir():
+    for f in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
+      files.setdefault(f.name.removesuffix(".jinja"), f)
+  if files:
+    chosen = files.get("default")
+    if chosen is None:
+      return None, None
+    try:
+      return chosen.read_text(encoding="utf-8"), chosen
+    except (OSError, UnicodeDecodeError) as exc:
+      raise DataError(f"{chosen}: cannot be read as a UTF-8 chat template ({exc})") from None
+  template = config.get("chat_template")
+  if isinstance(template, list):  # several named templates: transformers takes the one named 'default'
+    template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+  return (template, folder / CONFIG_FILE) if isinstance(template, str) else (None, None)

@@ -109,6 +109,22 @@ class _Config(dict):
   def __init__(self, arch: str, defaults: Mapping[str, Any], given: Mapping[str, Any]):
     super().__init__({**defaults, **given})
     self.arch, self.given = arch, set(given)
+    self.max_params, self.limit_why = None, ""
+
+  def check_size(self, spec: ModelSpec, layers_key: str, width_key: str) -> None:
+    """Refuses a model of more than max_params parameters, from the sizing code's per-layer count (cheap for any
+    depth; `spec` need not hold its per-layer fields yet)."""
+    if self.max_params is None:
+      return
+    from parity.sizing.resources import _param_count  # noqa: PLC0415 (parity.sizing imports more than a parse needs)
+    try:
+      params = _param_count(spec)
+    except Exception:  # noqa: BLE001 (a shape the spec's validation refuses, with its own message)
+      return
+    if params > self.max_params:
+      raise HFFormatError(f"config.json ({self.arch}): describes a model of {params:,} parameters ({layers_key}="
+                          f"{spec.n_layers:,}, {width_key}={spec.d_model:,}), more than {self.max_params:,}"
+                          f"{self.limit_why}; check the config's sizes")
 
   def bad(self, key: str, value: Any, expected: str) -> HFFormatError:
     """The refusal of `key`'s value (`key` may be dotted into a nested block)."""
@@ -158,11 +174,14 @@ class _Config(dict):
 # ----------------------------------------------------------------------------- config.json -> ModelSpec
 
 
-def parse_hf_config(config: Mapping[str, Any]) -> tuple[str, ModelSpec, list[str]]:
+def parse_hf_config(config: Mapping[str, Any], *, max_params: int | None = None,
+                    limit_why: str = "") -> tuple[str, ModelSpec, list[str]]:
   """Reads an HF config.json dict exactly into a ModelSpec.
 
   Args:
     config: the parsed config.json of one of `ARCHITECTURES` (keys it omits take the HF config class's default).
+    max_params: refuse a model of more parameters (counted per layer, parity.sizing.resources, before anything per
+      layer is built: num_hidden_layers=10^9 took 258 s and 8.5 GB to refuse), saying `limit_why`; None: no limit.
   Returns:
     (family, spec, notes): family, a value of `ARCHITECTURES` ('gpt2' names tensors the GPT-2 way, every other
     family the LLaMA way), the validated spec, and human-readable notes on config keys that were accepted but
@@ -184,6 +203,7 @@ def parse_hf_config(config: Mapping[str, Any]) -> tuple[str, ModelSpec, list[str
   family = ARCHITECTURES[arch]
   notes: list[str] = []
   c = _Config(arch, _HF_DEFAULTS[arch], config)
+  c.max_params, c.limit_why = max_params, limit_why
   spec = _parse_gpt2(c, notes) if family == "gpt2" else _parse_decoder(arch, family, c, notes)
   try:
     return family, spec.validate(), notes
@@ -226,12 +246,14 @@ def _parse_gpt2(c: _Config, notes: list[str]) -> ModelSpec:
     raise _refuse(arch, "add_cross_attention", True, "cross-attention layers are not part of a decoder-only GPT")
   if c.bool("reorder_and_upcast_attn"):
     notes.append("reorder_and_upcast_attn=true only changes fp16/bf16 rounding; fp32 attention is the same")
-  return ModelSpec(
+  spec = ModelSpec(
       vocab_size=c.int("vocab_size"), d_model=c.int("n_embd"), n_layers=c.int("n_layer"),
       n_heads=c.int("n_head"), n_kv_heads=None, d_ff=c.int("n_inner", none=True),
       max_seq_len=c.int("n_positions"), norm="layernorm", norm_eps=c.num("layer_norm_epsilon"), mlp="gelu",
       gelu_approximate=approx[act], position="learned", bias=True, tie_embeddings=c.bool("tie_word_embeddings"),
       attn_scale=None if c.bool("scale_attn_weights") else 1.0, init_std=c.num("initializer_range", strict=False))
+  c.check_size(spec, "n_layer", "n_embd")
+  return spec
 
 
 def _parse_decoder(arch: str, family: str, c: _Config, notes: list[str]) -> ModelSpec:
@@ -257,10 +279,11 @@ def _parse_decoder(arch: str, family: str, c: _Config, notes: list[str]) -> Mode
       init_std=c.num("initializer_range", strict=False), qk_norm=family in ("qwen3", "gemma3"))
   kw.update(_mlp(arch, family, c))
   kw.update(_biases(family, c))
-  kw.update(_windows(arch, family, c, kw["n_layers"], notes))
-  kw.update(_rope(arch, c, kw["layer_types"] or (("sliding",) if kw["sliding_window"] is not None else ())))
   if gemma:
     kw.update(_gemma(arch, family, c))
+  c.check_size(ModelSpec(**kw), "num_hidden_layers", "hidden_size")  # before the per-layer lists of _windows
+  kw.update(_windows(arch, family, c, kw["n_layers"], notes))
+  kw.update(_rope(arch, c, kw["layer_types"] or (("sliding",) if kw["sliding_window"] is not None else ())))
   return ModelSpec(**kw)
 
 
@@ -314,6 +337,9 @@ def _windows(arch: str, family: str, c: _Config, n_layers: int, notes: list[str]
   hf_types = default if c.get("layer_types") is None else c.get("layer_types")
   if not isinstance(hf_types, list):
     raise c.bad("layer_types", hf_types, "a list of 'full_attention' / 'sliding_attention', one per layer")
+  if len(hf_types) != n_layers:  # transformers' validate_layer_type refuses it (a short all-sliding list slid all)
+    raise HFFormatError(f"config.json ({arch}): layer_types has {len(hf_types)} entries but num_hidden_layers is "
+                        f"{n_layers}; give one layer type per layer (transformers refuses this config too)")
   kinds = []
   for t in hf_types:
     if t not in ("full_attention", "sliding_attention"):

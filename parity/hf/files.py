@@ -146,6 +146,18 @@ class HFCheckpoint:
   """Accepted config keys without a spec field, dropped buffers, conversions done."""
 
 
+def _host_param_limit() -> tuple[int | None, str]:
+  """(the most parameters whose float32 weights, what HFCheckpoint.params holds, fit in the memory this process may
+  use now (parity.sizing.host_limits.host_memory: MemAvailable, the cgroup's headroom), why); (None, "") when
+  neither is known."""
+  from parity.sizing import host_limits  # noqa: PLC0415
+  avail = host_limits.host_memory().available_bytes
+  if avail is None:
+    return None, ""
+  return avail // 4, (f": its float32 weights would not fit in the {avail / 1e9:,.1f} GB of memory this machine has "
+                      "available (MemAvailable / the cgroup's headroom)")
+
+
 def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
   """Reads an HF checkpoint folder (config.json + safetensors or pytorch_model.bin).
 
@@ -168,7 +180,13 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
     raise HFFormatError(str(exc)) from None
   if not isinstance(cfg, dict):
     raise HFFormatError(f"{cfg_path}: the top level must be an object; got {type(cfg).__name__}")
-  family, spec, notes = parse_hf_config(cfg)
+  limit, why = _host_param_limit()
+  try:
+    family, spec, notes = parse_hf_config(cfg, max_params=limit, limit_why=why)
+  except HFFormatError as exc:  # its messages say "config.json": name the file read
+    msg = str(exc)
+    raise HFFormatError(str(cfg_path) + msg.removeprefix("config.json") if msg.startswith("config.json")
+                        else f"{cfg_path}: {msg}") from None
   kind, files = hf_weight_files(folder)
   if kind == "bin":
     if bin_reader is None:

@@ -125,6 +125,8 @@ def data_card_rows(d: dict) -> list[list]:
   rows = [[k, card[k]] for k in ("source", "sha256", "tokenizer", "tokenizer_sha256", "layout", "examples",
                                  "examples_seen", "examples_per_step", "length_min", "length_median", "length_max",
                                  "tokens_per_step")]
+  if "chat_template" in card and ((card.get("formats") or {}).get("instruction") or card.get("chat_masking")):
+    rows.append(["chat_template", card.get("chat_template") or "none: Alpaca records got the built-in Alpaca prompt"])
   pad = card["padding_fraction"]  # card.json keeps the exact fraction; the page shows it as a percentage
   rows.append(["padding_fraction", f"{pad:.4f} ({pad:.1%})" if isinstance(pad, (int, float)) else pad])
   return rows + [["loss_normalization", data.get("loss_normalization")],

@@ -40,14 +40,16 @@ def rerun_line(spec, noise: bool | None, determinism_steps: int, resume_at: int 
 def data_notes(data_info: dict | None) -> list[str]:
   """Lines about the data a user should see before the sides start, not only in the report's data card: examples
   that 'truncate' cut to a row (newcomer, 2026-12-02: 329 of 512 examples cut, 48,972 tokens dropped, said only in
-  the card). [] for a stream run or when nothing was cut."""
+  the card), and the tokenizer's notes (a special token the vocabulary lacked, added as transformers adds it).
+  [] for a stream run or when there is nothing to say."""
   card = (data_info or {}).get("card") if isinstance(data_info, dict) else None
+  told = [f"data: {n}" for n in (card or {}).get("tokenizer_notes") or []] if isinstance(card, dict) else []
   cut = (card or {}).get("truncation") if isinstance(card, dict) else None
   if not isinstance(cut, dict) or not cut.get("examples_cut") or cut.get("mode") != "truncate":
-    return []
+    return told
   total = card.get("examples")
   of = f" of {total:,}" if isinstance(total, int) else ""
-  return [f"data: {cut['examples_cut']:,}{of} examples are longer than a row and were "
+  return told + [f"data: {cut['examples_cut']:,}{of} examples are longer than a row and were "
           f"cut (train.truncation=truncate): {cut.get('tokens_dropped', 0):,} tokens dropped, "
           f"{cut.get('loss_tokens_dropped', 0):,} of them with loss; --set train.truncation=split keeps them as more "
           "pieces, a longer train.seq_len as longer rows"]
@@ -91,13 +93,14 @@ def progress_display(enabled: bool, spec, notes: Sequence[str] = ()):
 
   On a terminal: one rich progress bar per side, whose label shows the phase outside the steps (a DeepSpeed op
   build). In a log file: a plain line at the start and at every quarter of the steps. `notes` are printed first
-  (to stderr), e.g. the values a DeepSpeed config port filled in.
+  (to stderr) whether or not `enabled` (--no-progress hides the bar, not them: docs/migration.md promises the
+  "filled in" lines), e.g. the values a DeepSpeed config port filled in and what truncation cut.
   """
+  for line in notes:
+    print(f"parity compare: {line}", file=sys.stderr, flush=True)
   if not enabled:
     yield None
     return
-  for line in notes:
-    print(f"parity compare: {line}", file=sys.stderr)
   from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
   if not Console().is_terminal:  # a log file: plain lines at start and every quarter of the steps
