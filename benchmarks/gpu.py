@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_parts import report, sizing  # noqa: E402
 from benchmarks.gpu_parts.common import (classify_failure, flops_per_token, host_memory_bytes, peak_flops,  # noqa: E402
                                          sizing_modules, tail, write_json, write_spec)
-from harness.launch import LaunchTimeout, run_module, worker_env
-from harness import lifetime
+from harness.launch import LaunchTimeout, run_module, worker_env  # noqa: E402
+from harness import lifetime  # noqa: E402
 
 PARTS = ("raw", "train", "largest")
 SIDES = {"jax": "jax_train", "deepspeed": "ds_train"}
@@ -325,7 +325,7 @@ def run_side(suite: Suite, side: str, configs: dict, deadline: float) -> None:
       part_train(suite, side, configs)
     if "largest" in suite.args.parts:
       part_largest(suite, side)
-  except Exception as exc:  # noqa: BLE001 - the suite must still write what it has
+  except Exception as exc:  # the suite must still write what it has
     import traceback
     suite.records[f"driver_{side}"] = {"ok": False, "failure": "error", "detail": f"{type(exc).__name__}: {exc}",
                                        "stderr_tail": tail(traceback.format_exc())}

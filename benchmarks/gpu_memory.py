@@ -148,7 +148,8 @@ def markdown(results: list[dict], header: dict) -> str:
                f"{_gib(ma.get('temp_size_in_bytes'))} | {_gib(ma.get('argument_size_in_bytes'))} | "
                f"{_gib(ma.get('host_argument_size_in_bytes'))} | {_gib(kinds.get('device', 0))} | {_gib(host)} | "
                f"{r['median_step_s']:.3f} | {r['compile_s']:.1f} |")
-  out += ["", "The predicted peak is `parity.sizing.memory.peak_device_bytes` (resident device state + max(forward/backward "
+  out += ["", "The predicted peak is `parity.sizing.memory.peak_device_bytes` (resident device state + "
+              "max(forward/backward "
           "phase: activations and fetched or cast params, update phase: fetched state and the streamed update's "
           "new stacks)); the allocator peak is the process's "
           "`memory_stats()['peak_bytes_in_use']` after compile and the timed steps (one process per plan)."]

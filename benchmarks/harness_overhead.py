@@ -92,8 +92,8 @@ def main() -> int:
         f"{args.repeats} runs each: on {offload['on']}, off {offload['off']})", "",
         "| side | status | tokens/s | init s | compile s | train s | peak RSS MiB |", "|---|---|---|---|---|---|---|"]
   for n, s in sides.items():
-    md.append(f"| {n} | {s['status']} | {s['tokens_per_s'] or 0:,.0f} | {s['init_s'] or 0:.1f} | {s['compile_s'] or 0:.2f} "
-              f"| {s['train_s'] or 0:.1f} | {(s['peak_host_rss_bytes'] or 0) / 2**20:.0f} |")
+    md.append(f"| {n} | {s['status']} | {s['tokens_per_s'] or 0:,.0f} | {s['init_s'] or 0:.1f} | "
+              f"{s['compile_s'] or 0:.2f} | {s['train_s'] or 0:.1f} | {(s['peak_host_rss_bytes'] or 0) / 2**20:.0f} |")
   md += ["", "Max |Δloss| per pair: " + ", ".join(f"{k}: {v:.2e}" for k, v in loss_pairs.items())]
   (out / f"{stem}.md").write_text("\n".join(md) + "\n")
   print("\n".join(md))

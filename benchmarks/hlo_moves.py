@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jax_impl import hlo_transfers as ht  # noqa: E402  (plain text, no jax)
+from jax_impl import hlo_transfers as ht  # (plain text, no jax)
 
 __all__ = ["transfers", "summary", "trim", "TRIM_STEPS"]
 
@@ -37,7 +37,7 @@ def _moved_operand(mod: ht.Module, comp: ht.Computation, ins: ht.Instr, op: str)
   if ins.opcode == "fusion-start":
     shapes = {o: comp.by_name[o].shape if o in comp.by_name else "" for o in ins.operands}
     if op == "dynamic-update-slice":
-      device = [o for o in ins.operands if not ht.memory_space(shapes[o]) in ht.HOST_SPACES
+      device = [o for o in ins.operands if ht.memory_space(shapes[o]) not in ht.HOST_SPACES
                 and ht.shape_bytes(shapes[o]) > 4]
       return device[0] if device else ins.operands[0]
     host = [o for o in ins.operands if ht.memory_space(shapes[o]) in ht.HOST_SPACES]

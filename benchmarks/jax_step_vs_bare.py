@@ -48,8 +48,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from parity.environment import cpu_model  # noqa: E402
-from parity import weights
-from parity.presets import preset
+from parity import weights  # noqa: E402
+from parity.presets import preset  # noqa: E402
 
 
 def _pin_threads(n: int) -> list[int]:

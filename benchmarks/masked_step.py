@@ -46,8 +46,8 @@ from parity.dataset.reference import token_weights  # noqa: E402
 from parity.environment import cpu_model, load_1min, package_versions  # noqa: E402
 from parity.spec import ModelSpec  # noqa: E402
 from parity.weights import init_params  # noqa: E402
-from jax_impl import model as jm, layout
-from torch_impl.model import build_model, lm_loss
+from jax_impl import model as jm, layout  # noqa: E402
+from torch_impl.model import build_model, lm_loss  # noqa: E402
 
 LLAMA_KW = dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, tie_embeddings=False, norm_eps=1e-6)
 SHAPES: dict[str, tuple[ModelSpec, int, int]] = {

@@ -104,7 +104,8 @@ def one_precision(preset: str, steps: int, precision: str, tmp: Path, window: in
   main = {s: _side(run_dir / s) for s in d["sides"]}
   noise = {s: _noise(main[s], _side(run_dir / "noise" / s), init, spec) for s in main
            if (run_dir / "noise" / s / "steps.jsonl").exists()}
-  out = {"verdict": d["verdict"]["message"], "run_factor": (d.get("noise_envelope") or {}).get("rule", {}).get("factor"),
+  out = {"verdict": d["verdict"]["message"],
+         "run_factor": (d.get("noise_envelope") or {}).get("rule", {}).get("factor"),
          "rule": dataclasses.asdict(envelope_rule(precision)),
          "envelopes": {s: {"loss_max": max(e["loss"].values()),
                            "loss_rms_per_window": [w[2] for w in windowed_rms(

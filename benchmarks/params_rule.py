@@ -47,17 +47,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parity  # noqa: E402
-import parity.spec  # noqa: E402
-from parity import weights  # noqa: E402
-from parity.verdict.envelope import envelope_params_check  # noqa: E402
-from parity.numerics.adam import noise_scale  # noqa: E402
-from parity.verdict.params import param_checks, param_ratios  # noqa: E402
-from parity.protocol import FINAL_MOMENTS, read_moments, read_steps  # noqa: E402
-from parity.spec import RunSpec, from_dict  # noqa: E402
-from parity.verdict.tolerances import envelope_rule, tolerance  # noqa: E402
-from parity.weights import zero_grad_slices  # noqa: E402
-from parity.data import load_corpus  # noqa: E402
+import parity
+import parity.spec
+from parity import weights
+from parity.verdict.envelope import envelope_params_check
+from parity.numerics.adam import noise_scale
+from parity.verdict.params import param_checks, param_ratios
+from parity.protocol import FINAL_MOMENTS, read_moments, read_steps
+from parity.spec import RunSpec, from_dict
+from parity.verdict.tolerances import envelope_rule, tolerance
+from parity.weights import zero_grad_slices
+from parity.data import load_corpus
 
 SCHEDULES = ("WarmupCosineLR", "Constant", "WarmupLR", "WarmupDecayLR", "LRRangeTest")
 BUGS = (("torch:train.weight_decay=0.0", "weight decay off"), ("torch:train.grad_clip=0.5", "grad_clip 0.5 vs 1.0"),
@@ -218,7 +218,8 @@ def grid(quick: bool) -> list[tuple[str, list[str], list[str], list[str]]]:
     cells.append((f"ok-ds-zero{stage}-Constant-6e-3-1e-6", ['train.lr_schedule="Constant"', "train.lr=6e-3",
                   "train.eps=1e-6", f"deepspeed.zero_stage={stage}", 'deepspeed.offload_optimizer="none"'], [],
                   ["jax", "deepspeed"]))
-  cells.append(("ok-ds-Constant-6e-4-1e-8", ['train.lr_schedule="Constant"', "train.lr=6e-4"], [], ["jax", "deepspeed"]))
+  cells.append(("ok-ds-Constant-6e-4-1e-8", ['train.lr_schedule="Constant"', "train.lr=6e-4"], [],
+                ["jax", "deepspeed"]))
   for pert, label in BUGS:
     cells.append((f"bug-{label}", ['train.lr_schedule="Constant"'], [pert], ["jax", "torch"]))
   return cells
@@ -440,7 +441,8 @@ def write_grid(args, rows: list[dict], argv, load0: tuple) -> int:
   bugs = [r for r in rows if r["cell"].startswith("bug-")]
   summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-             "versions": {"jax": jax.__version__, "torch": torch.__version__, "deepspeed": sys.modules["deepspeed"].__version__},
+             "versions": {"jax": jax.__version__, "torch": torch.__version__,
+                          "deepspeed": sys.modules["deepspeed"].__version__},
              "command": " ".join(["benchmarks/params_rule.py", *(argv if argv is not None else sys.argv[1:])]),
              "kappa": tolerance("fp32", "params_grad_noise").rtol, "cpus": os.cpu_count(),
              "load_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
@@ -456,8 +458,9 @@ def write_grid(args, rows: list[dict], argv, load0: tuple) -> int:
            f"the start, {summary['load_start_end'][1]} at the end. Command: `.venv/bin/python {summary['command']}`",
            "",
            f"Correct pairs: {len(ok)} cells, false alarms old rule {summary['false_alarms_old']}, new rule "
-           f"{summary['false_alarms_new']}; largest kappa needed by a correct pair {summary['max_kappa_needed_correct']:.3g}. "
-           f"Planted bugs failing the verdict: {summary['bugs_caught_new']} of {len(bugs)}.", "",
+           f"{summary['false_alarms_new']}; largest kappa needed by a correct pair "
+           f"{summary['max_kappa_needed_correct']:.3g}. Planted bugs failing the verdict: {summary['bugs_caught_new']} "
+           f"of {len(bugs)}.", "",
            "| cell | sides | verdict | old params | new params | kappa needed | kappa needed (g_T) | moments gap | "
            "max Δloss | worst other check (value/tol) | memory pred/meas | batches | failing checks |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -469,7 +472,8 @@ def write_grid(args, rows: list[dict], argv, load0: tuple) -> int:
                  f"{r.get('moments_gap', float('nan')):.2g} ({r.get('noise_withheld', 0)} withheld) | "
                  f"{r.get('max_loss_diff', float('nan')):.2g} | {other[0].split(' ')[0]} {other[1]:.2g} | "
                  f"{'-' if not mem else f'{mem[0]:.3g}-{mem[1]:.3g}'} | "
-                 f"{r.get('batches_dtype', '?')} max {r.get('batches_max_id', '?')} | {', '.join(r['failing']) or '-'} |")
+                 f"{r.get('batches_dtype', '?')} max {r.get('batches_max_id', '?')} | {', '.join(r['failing']) or '-'} "
+                 "|")
   Path(args.out + ".md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines[:5]))
   return 0

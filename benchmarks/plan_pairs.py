@@ -40,8 +40,10 @@ def gpu_name() -> str | None:
 def markdown(result: dict) -> list[str]:
   """The .md lines of one result (the .json's dict)."""
   md = [f"# Plan pairs under `parity compare` — {result['date']}", "",
-        f"{result['machine']['platform']}, {result['machine']['cpu_count']} CPUs, {result['machine']['gpu'] or 'no GPU'}. Preset `{result['preset']}`, {result['steps']} steps, "
-        f"sides {result['sides']}, {result['nproc']} rank(s) per side. Versions: " + ", ".join(f"{k} {v}" for k, v in result['versions'].items()), "",
+        f"{result['machine']['platform']}, {result['machine']['cpu_count']} CPUs, "
+        f"{result['machine']['gpu'] or 'no GPU'}. Preset `{result['preset']}`, {result['steps']} steps, sides "
+        f"{result['sides']}, {result['nproc']} rank(s) per side. Versions: "
+        + ", ".join(f"{k} {v}" for k, v in result['versions'].items()), "",
         "| plan | exit | max abs loss diff | step s (per side) | JAX state memory kinds | predicted = measured bytes |",
         "|---|---|---|---|---|---|"]
   for r in result['rows']:
@@ -103,7 +105,8 @@ def main() -> int:
   first = next((tmp / r["plan"] / "report.json" for r in rows if (tmp / r["plan"] / "report.json").exists()), None)
   versions = json.loads(first.read_text())["environment"]["versions"] if first is not None else {}
   gpu = gpu_name()
-  result = {"date": dt.date.today().isoformat(), "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+  result = {"date": dt.date.today().isoformat(),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
             "gpu": gpu}, "versions": versions, "preset": args.preset, "steps": args.steps, "sides": args.sides,
             "nproc": args.nproc, "rows": rows}
   out = Path(args.results)

@@ -50,7 +50,8 @@ from typing import IO, Iterator
 from parity import phase
 
 __all__ = ["PARENT_PID_ENV", "PARENT_FD_ENV", "DEADLINE_ENV", "DEADLINE_GRACE_S", "spawn", "workers_started",
-           "kill_tree", "release", "watch_parent", "LAUNCHED_ENV", "StopState", "stop_signals", "activity", "stop_state", "check_stop",
+           "kill_tree", "release", "watch_parent", "LAUNCHED_ENV", "StopState", "stop_signals", "activity",
+           "stop_state", "check_stop",
            "take_stop", "on_disk"]
 
 PARENT_PID_ENV, PARENT_FD_ENV, DEADLINE_ENV = "PARITY_PARENT_PID", "PARITY_PARENT_FD", "PARITY_DEADLINE"
@@ -58,9 +59,9 @@ LAUNCHED_ENV = "PARITY_BIND_TO_LAUNCHER"
 """Set ('1') on an engine launcher parity starts (torchrun, DeepSpeed's runner), and inherited by the ranks it
 starts: a rank, which has no PARENT_PID_ENV of its own (the launcher's watch_parent removed it), then dies with its
 launcher (PR_SET_PDEATHSIG with SIGKILL, which a stopped or blocked rank cannot hold off; harness.ranks also kills
-any rank still alive once the launcher has ended). torchrun starts each rank in a session of its own, so killing the launcher's process
-group does not reach them: without this a launcher killed by SIGKILL left its FSDP2 ranks training, and writing into
-a run folder whose report was already written (breaker, 2026-12-04)."""
+any rank still alive once the launcher has ended). torchrun starts each rank in a session of its own, so killing the
+launcher's process group does not reach them: without this a launcher killed by SIGKILL left its FSDP2 ranks
+training, and writing into a run folder whose report was already written (breaker, 2026-12-04)."""
 DEADLINE_GRACE_S = 30.0
 """The worker's own deadline is this much later than the harness's timeout, so that while the harness is
 alive its timeout (which writes the 'timeout' summary) always fires first; 30 s covers a harness poll

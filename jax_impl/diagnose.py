@@ -23,19 +23,19 @@ from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
-import flax  # noqa: E402  (after the environment above)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import flax  # (after the environment above)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-from jax_impl import model as model_lib  # noqa: E402
-from jax_impl import layers, layout, loss_scaling  # noqa: E402
-from jax_impl import optim  # noqa: E402
-from jax_impl.step import accumulate_grads, example_batch, example_loss_kwargs  # noqa: E402  (sets fp32 matmuls)
-from parity.protocol import diagnose as dg  # noqa: E402
-from parity.protocol.side import SideIO, main_guard  # noqa: E402
-from parity.weights import master_weights, param_shapes  # noqa: E402
+from jax_impl import model as model_lib
+from jax_impl import layers, layout, loss_scaling
+from jax_impl import optim
+from jax_impl.step import accumulate_grads, example_batch, example_loss_kwargs  # (sets fp32 matmuls)
+from parity.protocol import diagnose as dg
+from parity.protocol.side import SideIO, main_guard
+from parity.weights import master_weights, param_shapes
 
 
 def _with_schedule_count(opt_state, count: int):

@@ -273,7 +273,8 @@ def _start_kind(mod: Module, ins: Instr) -> tuple[str, list[str], str] | None:
 def _wrapped_move(mod: Module, ins: Instr) -> str | None:
   """'dynamic-slice' | 'dynamic-update-slice' when a `fusion-start` wraps one (XLA:GPU's asynchronous form of the
   host-offload slices: `calls=%wrapped_dynamic-slice_computation...`, whose root is the op), else None. The callee's
-  root (through copies and bitcasts) decides; where the module text lacks the callee (a trimmed fixture) its name does."""
+  root (through copies and bitcasts) decides; where the module text lacks the callee (a trimmed fixture) its name
+  does."""
   callee_name = ins.called("calls") or ""
   callee = mod.computations.get(callee_name)
   root = next((i for i in callee.instrs if i.root), None) if callee else None

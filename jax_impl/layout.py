@@ -17,7 +17,8 @@ import numpy as np
 from parity.spec import ModelSpec
 from parity.weights import check_names_and_shapes, param_shapes
 
-__all__ = ["TRANSPOSED", "LAYERS", "NORM_MODULES", "Params", "flax_path", "tree_from_canonical", "stack_layers", "unstack_layers",
+__all__ = ["TRANSPOSED", "LAYERS", "NORM_MODULES", "Params", "flax_path", "tree_from_canonical", "stack_layers",
+           "unstack_layers",
            "to_flax", "from_flax"]
 
 Params = dict[str, Any]

@@ -43,7 +43,8 @@ from parity.sizing.memory_jax import shard_axis
 from parity.spec import JaxPlan
 
 __all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "state_memory_kinds",
-           "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers", "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
+           "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers", "DATA_AXIS",
+           "DEVICE_KIND", "LAYERS"]
 
 DATA_AXIS = "data"
 DEVICE_KIND = "device"

@@ -287,7 +287,8 @@ def _table(values: list[float]) -> optax.Schedule:
 
 
 def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = False,
-                   stats: GlobalStats | None = None, plants: frozenset = frozenset()) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   stats: GlobalStats | None = None,
+                   plants: frozenset = frozenset()) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Builds the DeepSpeed-equivalent optimizer for this model and training spec.
 
   Every transform but the clip and the fp16 overflow check is elementwise (Lamb: per tensor), so with `stats`
@@ -369,7 +370,8 @@ def adam_second_moment(opt_state: Any, train: TrainSpec) -> tuple[Any, jax.Array
 
   Raises:
     KeyError: the run's optimizer is not an Adam (Lamb's update is trust-ratio scaled and SGD keeps no second
-      moment, so the per-element Adam rule of parity.verdict.params.param_checks does not hold; it falls back per tensor).
+      moment, so the per-element Adam rule of parity.verdict.params.param_checks does not hold; it falls back per
+      tensor).
   """
   if train.optimizer not in ("adam", "adamw"):
     raise KeyError(f"train.optimizer {train.optimizer!r} keeps no Adam second moment the params rule can use")

@@ -138,7 +138,7 @@ def memory_split(stats: dict[str, int], args: Sequence[tuple[int, int]], backend
   The note says what the backend counts, from the numbers: on CPU whether argument_bytes equals the bytes of every
   entry argument, host-resident ones included (`args`: the entry buffers, (bytes, memory space)).
   """
-  g = lambda k: int(stats.get(k, 0))  # noqa: E731
+  g = lambda k: int(stats.get(k, 0))
   device = {"argument_bytes": g("argument_size_in_bytes"), "output_bytes": g("output_size_in_bytes"),
             "temp_bytes": g("temp_size_in_bytes"), "alias_bytes": g("alias_size_in_bytes"),
             "generated_code_bytes": g("generated_code_size_in_bytes"), "peak_bytes": g("peak_memory_in_bytes")}

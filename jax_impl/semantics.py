@@ -86,7 +86,7 @@ def family_items(spec: Any, params: Any, seq_len: int) -> dict[str, Any]:
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   qk = (card_lib.norm_probe(lambda x: _norm_apply(spec, x, heads=True), spec.head_dim)
         if any("'ln_q'" in p for p in paths) else None)
-  cap = lambda c: None if c is None else sig(float(layers.softcap(  # noqa: E731
+  cap = lambda c: None if c is None else sig(float(layers.softcap(
       jnp.full((1,), card_lib.CAP_PROBE, jnp.float32), c)[0]), 6)
   scale = 1.0 if spec.embed_scale == 1.0 else float(layers.embed_scale(jnp.ones((1, 1, 1), jnp.float32),
                                                                        spec.embed_scale)[0, 0, 0])
@@ -117,7 +117,7 @@ def _tiny(params: Any) -> Any:
 def _at_count(opt_state: Any, count: int) -> Any:
   """The optimizer state with every update count (DeepSpeedOptState, optax's ScaleByAdamState and
   ScaleByScheduleState: each state tuple with a `count`) set to `count`."""
-  is_opt = lambda x: "count" in getattr(x, "_fields", ())  # noqa: E731
+  is_opt = lambda x: "count" in getattr(x, "_fields", ())
   return jax.tree.map(lambda x: x._replace(count=jnp.asarray(count, x.count.dtype)) if is_opt(x) else x,
                       opt_state, is_leaf=is_opt)
 
@@ -200,7 +200,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
   master = str(leaves[0].dtype)
   norm = card_lib.norm_probe(lambda x: _norm_apply(spec, x), spec.d_model)
   opt = optimizer_probe(trainer.tx, trainer.schedule, trainer.state.params, spec, train, scan)
-  has_nu = lambda x: "nu" in getattr(x, "_fields", ())  # noqa: E731 (DeepSpeedOptState, ScaleByAdamState)
+  has_nu = lambda x: "nu" in getattr(x, "_fields", ())  # (DeepSpeedOptState, ScaleByAdamState)
   moments = [x for x in jax.tree.leaves(trainer.state.opt_state, is_leaf=has_nu) if has_nu(x)]
   mu = [str(x.dtype) for m in moments for x in jax.tree.leaves(getattr(m, "mu", None))]
   nu = [str(x.dtype) for m in moments for x in jax.tree.leaves(m.nu)]

@@ -1,6 +1,7 @@
 """JAX side of a comparison: `python -m jax_impl.worker run_dir/request.json --side jax`.
 
-The loop is `parity.protocol.loop.run_train`; the side it drives is `jax_impl.side.JaxSide` (over `jax_impl.step.Trainer`).
+The loop is `parity.protocol.loop.run_train`; the side it drives is `jax_impl.side.JaxSide` (over
+`jax_impl.step.Trainer`).
 This module is the adapter: the environment jax reads at start-up (device count, no preallocation), then the loop.
 It writes steps.jsonl, summary.json, final.safetensors and final_moments.safetensors (Adam's sqrt(v_hat)). Exit
 codes: 0 ok, 3 non-finite loss or grad norm (status 'nan'), 1 crash (status 'crashed', written by `main_guard`).

@@ -26,5 +26,6 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'parity' has no attribute {name!r}")
 
 
-__all__ = ["compare", "run_comparison", "RunOptions", "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec", "SpecError", "DataError",
+__all__ = ["compare", "run_comparison", "RunOptions", "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "RunSpec",
+           "SpecError", "DataError",
            "PRESETS", "preset"]

@@ -179,7 +179,7 @@ def _yaml_load_unique(text: str, source: str) -> Any:
     return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
 
   UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
-  return yaml.load(text, Loader=UniqueKeys)  # noqa: S506 - a SafeLoader subclass
+  return yaml.load(text, Loader=UniqueKeys)  # a SafeLoader subclass
 
 
 _BIG_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+(?![\w.])")

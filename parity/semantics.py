@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text", "sig", "GELU_PROBE_X", "GELU_FORMS", "classify_gelu",
+__all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text", "sig", "GELU_PROBE_X", "GELU_FORMS",
+           "classify_gelu",
            "classify_rotary", "rope_row", "window_of", "CAP_PROBE", "NAME_LISTS", "layers_text",
            "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION", "PRECISION_ENV",
            "precision_settings", "precision_rows", "moments_dtype"]

@@ -25,7 +25,8 @@ from parity.side_plans import REMAT_POLICIES, DeepSpeedPlan, FsdpPlan, JaxPlan
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError", "SIDES",
     "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX", "without_layout_defaults", "LAYOUT_DEFAULTS",
-    "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES", "REMAT_POLICIES", "LATER_FIELDS", "without_later_defaults", "with_later_defaults",
+    "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES", "REMAT_POLICIES", "LATER_FIELDS", "without_later_defaults",
+    "with_later_defaults",
 ]
 
 MAX_SEQ_LEN = 1 << 17
@@ -206,7 +207,8 @@ class TrainSpec:
   cos_min_ratio: float = 0.1
   """Final LR as a fraction of lr (WarmupCosineLR cos_min_ratio)."""
   lr_schedule: str = "WarmupCosineLR"
-  """DeepSpeed scheduler type: WarmupCosineLR, WarmupLR, WarmupDecayLR, LRRangeTest or Constant (parity.numerics.schedule)."""
+  """DeepSpeed scheduler type: WarmupCosineLR, WarmupLR, WarmupDecayLR, LRRangeTest or Constant
+  (parity.numerics.schedule)."""
   lr_schedule_params: dict | None = None
   """Scheduler params under DeepSpeed's names (e.g. from a ported config); None: WarmupCosineLR from
   warmup_steps / warmup_min_ratio / cos_min_ratio with linear warmup over `steps`."""
@@ -267,7 +269,8 @@ class TrainSpec:
   """'tokens': the step's summed token losses over its loss tokens (every micro batch and rank); 'micro_mean': the
   mean of micro-batch means. On 'stream' both are the same (every micro batch has T * M loss tokens)."""
   truncation: Literal["truncate", "split"] = "truncate"
-  """An example longer than seq_len + 1 tokens is truncated, or split into pieces ('split'); counted in the data card."""
+  """An example longer than seq_len + 1 tokens is truncated, or split into pieces ('split'); counted in the data
+  card."""
   examples_per_step: int | None = None
   """Examples (pieces) per optimizer step, padded/packed; None: the layout's default (parity.dataset.layouts)."""
 
@@ -356,7 +359,8 @@ class RunSpec:
 
   def validate(self) -> "RunSpec":
     """Checks every section (model, train against the model, deepspeed, jax, fsdp) and the run-level rules (micro batch
-    divisible by jax.data_parallel, Lamb without scan_layers, timeout, sides). Returns self. Raises SpecError naming the key and the value."""
+    divisible by jax.data_parallel, Lamb without scan_layers, timeout, sides). Returns self. Raises SpecError naming
+    the key and the value."""
     check_section_numbers(self, "")
     self.model.validate()
     self.train.validate(self.model)

@@ -34,7 +34,8 @@ import numpy as np
 from parity.inputs import InputError, safetensors_header
 from parity.spec import ModelSpec, to_dict
 
-__all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices", "round_to_bfloat16", "master_weights",
+__all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices",
+           "round_to_bfloat16", "master_weights",
            "RESIDUAL_PROJECTIONS",
            "SPEC_METADATA_KEY", "spec_metadata"]
 
@@ -96,8 +97,8 @@ def init_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
 
   Weight matrices and embeddings ~ N(0, init_std); residual projections
   (`attn.proj.weight`, `mlp.proj.weight`) ~ N(0, init_std / sqrt(2 * n_layers));
-  biases 0; norm scales 1 (their weights 0 under norm_plus_one, whose scale is 1 + weight). Draws happen in canonical-name order from one
-  `np.random.default_rng(seed)`, so the result depends only on (spec, seed).
+  biases 0; norm scales 1 (their weights 0 under norm_plus_one, whose scale is 1 + weight). Draws happen in
+  canonical-name order from one `np.random.default_rng(seed)`, so the result depends only on (spec, seed).
 
   References: Radford et al. 2019 (GPT-2), section 2.3; nanoGPT `model.py _init_weights`.
   """
@@ -224,7 +225,8 @@ def load(path: str | Path, spec: ModelSpec | None = None) -> dict[str, np.ndarra
 
 def check_names_and_shapes(params: dict[str, np.ndarray], spec: ModelSpec, *, source: str) -> None:
   """Checks canonical params against the model spec: every expected tensor present, none extra, each shape as
-  param_shapes(spec) gives it. Raises InputError (bad input, a ValueError) naming `source`, the missing/extra names and the wrong shapes."""
+  param_shapes(spec) gives it. Raises InputError (bad input, a ValueError) naming `source`, the missing/extra names and
+  the wrong shapes."""
   expected = param_shapes(spec)
   missing = [k for k in expected if k not in params]
   extra = [k for k in params if k not in expected]

@@ -85,7 +85,8 @@ def test_d_head_decouples_heads_from_width_and_defaults_keep_the_hash():
   with pytest.raises(SpecError, match="divisible"):
     ModelSpec(d_model=64, n_heads=3, **ROPE).validate()
   assert without_later_defaults({"model": {"qkv_bias": None, "qk_norm": True, "d_model": 8}})["model"] == {
-      "qk_norm": True, "d_model": 8}  # FAMILY_DEFAULTS at their defaults leave the hashed spec (parity.spec.LATER_FIELDS)
+      "qk_norm": True, "d_model": 8}  # FAMILY_DEFAULTS at their defaults leave the hashed spec
+                                      # (parity.spec.LATER_FIELDS)
   assert config_hash(RunSpec()) == "93d0bb43e4a32bcc"  # the default run's hash from before the fields existed
   assert ModelSpec(bias=True, qkv_bias=True, out_bias=False).linear_bias("out") is False
   assert ModelSpec(bias=True).linear_bias("mlp") is True

@@ -74,7 +74,7 @@ def test_recorded_chip_steps_over_the_cpu_table():
   """The recorded run the rule is for: gemma3-tiny's JAX side on the chip differs from torch on the CPU by 1.9e-5 at
   step 0 (its tanh-GELU), over the 1e-5 table."""
   read = lambda side: [json.loads(x) for x in (DATA / "gemma3-fp32" / side / "steps.jsonl").read_text().splitlines()
-                       if x.strip()]  # noqa: E731
+                       if x.strip()]
   c = series_check("loss", "jax", read("jax"), "torch", read("torch"), "fp32")
   assert not c.passed and 1e-5 < c.value < 3e-5 and c.first_failing_step == 0
 

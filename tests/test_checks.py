@@ -11,7 +11,7 @@ from parity.presets import PRESETS
 
 
 def _recs(losses, **extra):
-  return [{"step": i, "loss": l, "grad_norm": 1.0, "lr": 1e-3, **extra} for i, l in enumerate(losses)]
+  return [{"step": i, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, **extra} for i, loss in enumerate(losses)]
 
 
 def test_series_within_and_beyond_tolerance():
@@ -65,7 +65,8 @@ def test_param_check_relative_to_movement_and_zero_grad_rule():
 
 def test_verdict_names_first_failing_step_and_metric():
   spec = PRESETS["gpt2-tiny"]
-  spec = type(spec)(model=spec.model, train=type(spec.train)(**{**{f: getattr(spec.train, f) for f in spec.train.__slots__}, "steps": 3}))
+  spec = type(spec)(model=spec.model,
+                    train=type(spec.train)(**{**{f: getattr(spec.train, f) for f in spec.train.__slots__}, "steps": 3}))
   init = _params(spec.model, 0)
   ok = {"status": "ok", "steps": _recs([5.0, 4.0, 3.0]), "final": None}
   bad = {"status": "ok", "steps": _recs([5.0, 4.5, 3.0]), "final": None}
@@ -166,7 +167,8 @@ def test_fp16_pairs_compare_loss_scale_and_skipped_exactly():
   spec = PRESETS["gpt2-tiny"]
   import dataclasses as dc
   spec = dc.replace(spec, train=dc.replace(spec.train, precision="fp16", steps=3))
-  a = [{"step": i, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "loss_scale": 65536.0, "skipped": False} for i in range(3)]
+  a = [{"step": i, "loss": 5.0, "grad_norm": 1.0, "lr": 1e-3, "loss_scale": 65536.0,
+        "skipped": False} for i in range(3)]
   b = [dict(r) for r in a]
   b[2]["loss_scale"] = 32768.0
   checks, _ = compare_sides({"jax": {"status": "ok", "steps": a, "final": None},

@@ -16,8 +16,8 @@ from harness import chip
 
 pytestmark = pytest.mark.process  # each test but the first starts a holder process
 
-TPU = lambda: "/dev/accel0 present"  # noqa: E731 - a TPU VM, as harness.doctor.tpu_evidence says it
-NO_TPU = lambda: None  # noqa: E731
+TPU = lambda: "/dev/accel0 present"  # a TPU VM, as harness.doctor.tpu_evidence says it
+NO_TPU = lambda: None
 
 
 @pytest.mark.parametrize("side, env, evidence, expected", [

@@ -184,8 +184,10 @@ def test_cli_wiring_and_printing_left_the_domain_modules():
 
 # ----------------------------------------------------------------------------- issue 18 item 9: paths the user gives
 PATH_ARGUMENTS = {
-    "compare": {"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline", "request"},
-    "report": {"run_dirs", "out"}, "check": {"new", "baseline"}, "join": {"run_dirs", "out"}, "diagnose": {"config", "hf_model", "out"},
+    "compare": {"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline",
+                "request"},
+    "report": {"run_dirs", "out"}, "check": {"new", "baseline"}, "join": {"run_dirs", "out"},
+    "diagnose": {"config", "hf_model", "out"},
     "estimate": {"config", "json"}, "plan": {"config", "json"}, "presets": set(),
     "port": {"config", "output", "report_json", "report_md"}, "convert-weights": {"src", "dst", "spec"},
     "build-ops": set(), "doctor": {"json"},
@@ -426,7 +428,8 @@ def test_bad_files_and_flag_values_are_still_bad_input(tmp_path):
   from parity.presets import PRESETS
   small = PRESETS["gpt2-tiny"].model
   weights.save(weights.init_params(small, seed=0), tmp_path / "w.safetensors")
-  bigger = json.dumps({**__import__("parity.spec", fromlist=["to_dict"]).to_dict(small), "n_layers": small.n_layers + 1})
+  bigger = json.dumps({**__import__("parity.spec", fromlist=["to_dict"]).to_dict(small),
+                       "n_layers": small.n_layers + 1})
   (tmp_path / "spec.json").write_text(bigger)
   for argv, said in [
       (["compare", "--preset", "gpt2-tiny", "--config", str(tmp_path / "missing.yaml")], "missing.yaml"),

@@ -38,7 +38,7 @@ def _objective(b, normalization="tokens", world=1, mask=None, positions=None):
   """Per-step objective sum(w * ce) (steps,), optionally with a planted mask or positions."""
   w = token_weights(b.loss_mask, normalization, world)
   steps, a, rows, t = b.loss_mask.shape
-  flat = lambda x: x.reshape(steps * a * rows, *x.shape[3:])  # noqa: E731
+  flat = lambda x: x.reshape(steps * a * rows, *x.shape[3:])
   m = attention_mask(flat(b.segment_ids)) if mask is None else mask(flat(b.segment_ids))
   ce = _ce(_params(), flat(b.tokens), m, flat(b.positions) if positions is None else positions(flat(b.positions)))
   return (w * ce.reshape(b.loss_mask.shape)).sum(axis=(1, 2, 3))

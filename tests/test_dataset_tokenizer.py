@@ -16,7 +16,7 @@ from parity.dataset.tokenizer import load_tokenizer
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHATML_GEN = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"

@@ -113,11 +113,12 @@ ENTRY %main (a: f32[8], n: s32[]) -> f32[8] {
   %h = f32[8]{0:S(5)} copy(%a)
   ROOT %r = f32[8]{0:S(5)} copy(%cd)
 }
-"""
+"""  # noqa: E501 - verbatim HLO text, as XLA prints it
 
 
 def test_each_form_is_read_with_its_direction_bytes_and_trip_count():
-  got = [(m["name"], m["direction"], m["bytes"], m["per_step"], m["window"], m["operand"]) for m in transfers(SYNTHETIC)]
+  got = [(m["name"], m["direction"], m["bytes"], m["per_step"], m["window"],
+          m["operand"]) for m in transfers(SYNTHETIC)]
   assert got == [("ds", "host_to_device", 32, 3, 1, "a"), ("us", "device_to_host", 32, 3, 0, "dd"),
                  ("cs", "host_to_device", 32, 1, 1, "a"), ("ns", "host_to_device", 4, 1, 1, "n"),
                  ("h", "host_to_host", 32, 1, None, "a"), ("r", "device_to_host", 32, 1, None, "cd")]

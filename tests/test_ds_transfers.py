@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from parity import weights  # noqa: E402
-from parity.presets import preset  # noqa: E402
-from parity.sizing import plans  # noqa: E402
+from parity import weights
+from parity.presets import preset
+from parity.sizing import plans
 
 pytestmark = [pytest.mark.requires_deepspeed, pytest.mark.process]  # deepspeed.initialize starts op-build probes
 STEPS, GAS = 3, 2

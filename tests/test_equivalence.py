@@ -111,7 +111,7 @@ def test_the_packing_rerun_lays_out_the_same_examples_padded(packed_run):
   assert main_seg.max() >= 2 and pad_seg.max() == 1  # several examples per row, then one per row
   e = train["examples_per_step"]
   assert ((pad_seg.max(axis=-1) > 0).sum(axis=(1, 2)) == e).all()  # every step: E rows hold one example each
-  per_step = lambda d: np.load(d / "loss_mask.npy").sum(axis=(1, 2, 3)).tolist()  # noqa: E731
+  per_step = lambda d: np.load(d / "loss_mask.npy").sum(axis=(1, 2, 3)).tolist()
   assert per_step(run) == per_step(sub) == prep["loss_tokens_per_step"]
   # the same tokens carry the loss in each step: the multiset of (target id) over loss slots is equal
   for s in range(spec.train.steps):

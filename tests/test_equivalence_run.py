@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.process, requires_torch]
 def _compare(out: Path, data: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
   p = subprocess.run([sys.executable, "-m", "parity.cli", "compare", "--preset", "sft-tiny", "--data", str(data),
                       "--set", "train.layout=packed", "--set", "train.seq_len=64", "--set", "train.eval_every=0",
-                      "--set", "train.warmup_steps=1", "--set", "model.n_layers=1", "--steps", "3", "--determinism-steps", "0", "--out", str(out), "--no-progress", *args],
+                      "--set", "train.warmup_steps=1", "--set", "model.n_layers=1", "--steps", "3",
+                      "--determinism-steps", "0", "--out", str(out), "--no-progress", *args],
                      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert (out / "report.json").exists(), p.stdout[-3000:] + p.stderr[-3000:]
   return p, json.loads((out / "report.json").read_text())
@@ -58,7 +59,8 @@ def test_tokens_holds_every_equivalence_to_fp32_rounding_on_both_sides(tokens_ru
                                            "equivalence packing torch"]
   assert all(c["gating"] and c["passed"] and c["value"] <= 1e-5 for c in eq)
   sec = rep["equivalence"]
-  assert sec["ga"]["rerun"]["changed"]["grad_accum_steps"] == 1 and sec["packing"]["rerun"]["changed"]["layout"] == "padded"
+  assert sec["ga"]["rerun"]["changed"]["grad_accum_steps"] == 1
+  assert sec["packing"]["rerun"]["changed"]["layout"] == "padded"
   assert sec["ga"]["loss_tokens_per_step"] == sec["packing"]["loss_tokens_per_step"]  # the same loss tokens
   assert "## Equivalence" in (out / "report.md").read_text()
   assert 'id="equivalence"' in (out / "report.html").read_text()

@@ -65,7 +65,7 @@ def test_resident_state_is_4_4_8_bytes_per_padded_shard_element(world, offload):
 def test_optimizer_state_follows_the_optimizer():
   run = preset("gpt2-tiny")
   n = memory.param_count(run.model)
-  moments = lambda **t: memory.fsdp_state_bytes(  # noqa: E731
+  moments = lambda **t: memory.fsdp_state_bytes(
       run.model, dataclasses.replace(run.train, **t), run.fsdp)["optimizer_moments"]["device"]
   assert moments(optimizer="adamw") == moments(optimizer="adam") == moments(optimizer="lamb") == 8 * n
   assert moments(optimizer="sgd", momentum=0.9) == 4 * n and moments(optimizer="sgd", momentum=0.0) == 0
@@ -96,7 +96,7 @@ def test_in_step_gathered_units_and_backward_buffers():
 
 def test_activations_and_batch_are_this_ranks_share_of_the_micro_batch():
   run = preset("gpt2-tiny")  # micro batch 4
-  acts = lambda w: sum(r.bytes for r in memory.estimate(run, ranks=w, sides=("fsdp",))  # noqa: E731
+  acts = lambda w: sum(r.bytes for r in memory.estimate(run, ranks=w, sides=("fsdp",))
                        if r.category == "activations" and not r.note.startswith("in-step"))
   torch_acts = sum(r.bytes for r in memory.estimate(run, sides=("torch",))
                    if r.category == "activations" and not r.note.startswith("in-step"))

@@ -118,7 +118,8 @@ def test_the_pair_passes_on_one_rank_and_on_two_ranks(tmp_path, plan):
 @pytest.mark.slow
 @pytest.mark.requires_torch
 @pytest.mark.parametrize("key,built", [("activation_offload", "save_on_cpu"),
-                                       ("activation_checkpointing", "torch.utils.checkpoint (non-reentrant), every block")])
+                                       ("activation_checkpointing",
+                                        "torch.utils.checkpoint (non-reentrant), every block")])
 def test_activation_offload_and_checkpointing_change_no_number(tmp_path, key, built):
   """fsdp.activation_offload (torch.autograd.graph.save_on_cpu around each forward) keeps what the backward needs in
   host memory and recomputes nothing; fsdp.activation_checkpointing keeps each block's input and recomputes the block
@@ -199,10 +200,12 @@ def test_the_engine_line_names_each_engines_fastest_fitting_pair_and_what_it_lea
   sides = ("deepspeed", "jax", "fsdp")
   _, one = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=1, sides=sides)
   line = plans.engine_choice(one, "1 x H100")
-  assert line.startswith("engine, each by its own side's estimated step time (a row's step is its slowest side's): stay on PyTorch (FSDP2 zero3-offload-all, ")
+  assert line.startswith("engine, each by its own side's estimated step time (a row's step is its slowest side's): "
+                         "stay on PyTorch (FSDP2 zero3-offload-all, ")
   assert "JAX's fastest that fits is scan-offload" in line and "leaves out its optimizer step on the CPU" in line
   _, eight = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=8, sides=sides)
-  assert plans.engine_choice(eight, "8 x H100").startswith("engine, each by its own side's estimated step time (a row's step is its slowest side's): either (JAX zero3, ")
+  assert plans.engine_choice(eight, "8 x H100").startswith(
+      "engine, each by its own side's estimated step time (a row's step is its slowest side's): either (JAX zero3, ")
   _, tiny = plans.choose_plan(m, t, plans.custom_hardware(plans.HARDWARE["H100"], device_gib=4), sides=sides)
   assert plans.engine_choice(tiny, "1 x 4 GiB") == "engine: neither JAX nor FSDP2 fits 1 x 4 GiB with any pair"
   _, no_fsdp = plans.choose_plan(m, t, plans.HARDWARE["H100"], sides=("deepspeed", "jax"))
@@ -247,4 +250,5 @@ def test_a_remat_pair_passes_with_its_fsdp2_plan(tmp_path):
   assert run.passed, [_why(tmp_path / "r", s, run.checks) for s in SIDES]
   rep = json.loads((tmp_path / "r" / "report.json").read_text())
   assert rep["plan"]["name"] == "scan-offload-remat" and rep["run"]["fsdp"]["activation_checkpointing"] is True
-  assert "every block recomputed in the backward (activation checkpointing)" in (tmp_path / "r" / "report.md").read_text()
+  report_md = (tmp_path / "r" / "report.md").read_text()
+  assert "every block recomputed in the backward (activation checkpointing)" in report_md

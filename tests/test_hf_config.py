@@ -342,7 +342,8 @@ def test_llama_qkv_rows_are_q_then_k_then_v():
 
 def test_unprefixed_gpt2_names_and_old_buffers_are_accepted():
   family, spec = _spec(GPT2_TINY)
-  tensors = {k.removeprefix("transformer."): v for k, v in hf.canonical_to_hf(weights.init_params(spec, 0), spec).items()}
+  tensors = {k.removeprefix("transformer."): v for k,
+             v in hf.canonical_to_hf(weights.init_params(spec, 0), spec).items()}
   tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 16, 16), dtype=bool))
   tensors["h.0.attn.masked_bias"] = np.array(-1e4, dtype=np.float32)
   tensors["lm_head.weight"] = tensors["wte.weight"].copy()  # tied and stored: must equal the embedding

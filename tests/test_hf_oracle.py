@@ -179,7 +179,8 @@ def _check_logits(label: str, case: Case, runs: dict[int, tuple[np.ndarray, np.n
     hf_err = float(np.max(np.abs(ref32 - ref64)))
     lines.append(f"T={t}: vs hf64 {vs64[t]:.2e}, vs hf32 {vs32[t]:.2e} (hf32 vs hf64 {hf_err:.2e}, "
                  f"max|logit| {np.abs(ref64).max():.1f})")
-    assert vs32[t] <= atol + hf_err, f"{label} T={t}: max diff vs transformers fp32 {vs32[t]:.3e} >= tol {atol + hf_err:.3e}"
+    assert vs32[t] <= atol + hf_err, \
+        f"{label} T={t}: max diff vs transformers fp32 {vs32[t]:.3e} >= tol {atol + hf_err:.3e}"
   print(f"\n{label}: max vs hf64 {max(vs64.values()):.3e}, vs hf32 {max(vs32.values()):.3e}\n  " + "\n  ".join(lines))
   worst = max(vs64.values())
   assert worst <= atol, f"{label}: logits max diff vs transformers fp64 {worst:.3e} >= tol {atol}"

@@ -403,7 +403,8 @@ def test_set_and_perturb_values_go_through_the_same_parser_rules():
     parse_perturb([f"jax:train.lr_schedule_params={deep}"], ["jax", "torch"])
   with pytest.raises(SpecError, match="value is nan"):
     parse_perturb(["jax:train.lr=NaN"], ["jax", "torch"])
-  assert parse_perturb(["jax:train.lr_schedule=Constant"], ["jax", "torch"]) == {"jax": {"train.lr_schedule": "Constant"}}
+  assert parse_perturb(["jax:train.lr_schedule=Constant"],
+                       ["jax", "torch"]) == {"jax": {"train.lr_schedule": "Constant"}}
 
 
 # ----------------------------------------------------------------------------- YAML aliases, empty and non-finite

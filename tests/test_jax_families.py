@@ -129,8 +129,8 @@ def test_scanned_layers_equal_unrolled_on_mixed_layer_kinds(dtype):
   want = logits(spec, c, tok[:, :-1], dtype=dtype)
   _close(logits(spec, c, tok[:, :-1], scan=True, dtype=dtype), want, rtol, "logits")
   swapped = dataclasses.replace(spec, layer_types=("full", "sliding", "sliding"))  # one kind moved: far apart
-  assert dtype != jnp.float32 or float(np.abs(logits(swapped, c, tok[:, :-1], scan=True, dtype=dtype) - want).max()) > 1e-2 * np.abs(
-      want).max()
+  assert dtype != jnp.float32 or float(np.abs(logits(swapped, c, tok[:, :-1], scan=True, dtype=dtype) - want).max()) \
+      > 1e-2 * np.abs(want).max()
   l0, g0 = loss_and_grads(spec, c, tok, dtype=dtype)
   l1, g1 = loss_and_grads(spec, c, tok, scan=True, dtype=dtype, remat="full")
   assert abs(l1 - l0) <= rtol * abs(l0)

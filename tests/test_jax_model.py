@@ -288,7 +288,7 @@ def bf16_forward_gap(name: str) -> tuple[float, float, float]:
   with torch.no_grad():
     ref = model(torch.from_numpy(tok.astype(np.int64))).double().numpy()
     torch_bf16 = model.to(torch.bfloat16)(torch.from_numpy(tok.astype(np.int64))).double().numpy()
-  rms = lambda d: float(np.sqrt(np.mean(d ** 2)))  # noqa: E731
+  rms = lambda d: float(np.sqrt(np.mean(d ** 2)))
   return rms(jax_bf16 - torch_bf16), rms(torch_bf16 - ref), rms(ref)
 
 

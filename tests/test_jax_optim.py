@@ -14,7 +14,6 @@ from parity.spec import ModelSpec, TrainSpec  # noqa: E402
 from parity.weights import decays, init_params, param_shapes  # noqa: E402
 
 from jax_impl import layout  # noqa: E402
-from jax_impl import model as M  # noqa: E402
 from jax_impl import optim  # noqa: E402
 
 SPEC = ModelSpec(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)

@@ -233,7 +233,8 @@ def test_a_request_rebuilds_its_run_and_copies_its_inputs(tmp_path):
   assert json.loads((b / "request.json").read_text())["examples"] == req["examples"]
   cfg = tmp_path / "ds.json"
   cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}))
+                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                             "zero_optimization": {"stage": 2}}))
   c = _prepared(tmp_path / "C", resolve_run("gpt2-tiny", deepspeed_config=cfg, steps=2, sides=["jax"]))
   d = _prepared(tmp_path / "D", resolve_request(c, sides=["deepspeed"]))
   for name in ("deepspeed_config.given.json", "deepspeed_config.resolved.json", "batches.npy"):
@@ -259,7 +260,8 @@ def _source(label: str, run: dict, *, noise=None, sha="1" * 64):
   from parity.report.build import Report
   from parity.spec import RunSpec
   from parity.fields import from_dict
-  data = {"sides": {s: {"status": "ok"} for s in run["sides"]}, "noise_envelope": noise, "determinism": {}, "resume": {},
+  data = {"sides": {s: {"status": "ok"} for s in run["sides"]}, "noise_envelope": noise, "determinism": {},
+          "resume": {},
           "equivalence": {}, "artifacts": {n: {"sha256": sha} for n in ("batches.npy", "init.safetensors")}}
   return Source(label=label, path=Path(f"/x/{label}"), report=Report(data=data, run_dir=Path(f"/x/{label}")),
                 request={"run": run, "data": {"sha256": "d"}}, spec=from_dict(RunSpec, run), environment=None)
@@ -280,7 +282,8 @@ def test_another_spec_and_other_reruns_are_refused_naming_the_key():
   with pytest.raises(InputError, match="init.safetensors differs"):
     check_same_request(a, _source("B", {**run, "sides": ["jax"]}, sha="2" * 64))
   with pytest.raises(InputError, match="--noise-envelope off vs on"):
-    check_reruns([_source("A", {**run, "sides": ["torch"]}, noise={"sides": {}}), _source("B", {**run, "sides": ["jax"]})])
+    check_reruns([_source("A", {**run, "sides": ["torch"]}, noise={"sides": {}}),
+                  _source("B", {**run, "sides": ["jax"]})])
   crashed = _source("B", {**run, "sides": ["jax"]})
   crashed.report.data["sides"]["jax"]["status"] = "crashed"  # reran nothing: its failed side decides the verdict
   check_reruns([_source("A", {**run, "sides": ["torch"]}, noise={"sides": {}}), crashed])

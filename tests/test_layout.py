@@ -133,12 +133,13 @@ RULES: dict[str, Rule] = {
   "parity.diagnose": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.sizing parity.verdict harness",
                            "numpy safetensors", FRAMEWORKS),
   "parity.report": _rule(f"{_PARITY} parity.hf parity.pipeline parity.protocol parity.sizing parity.verdict harness",
-                         "numpy matplotlib rich wandb mlflow tensorboard tensorboardX", FRAMEWORKS | {"parity.history"}),
+                         "numpy matplotlib rich wandb mlflow tensorboard tensorboardX",
+                         FRAMEWORKS | {"parity.history"}),
   "parity.history": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.report parity.verdict harness", "numpy",
                           FRAMEWORKS | {"rich"}),
   "parity.dataset": _rule(_PARITY, "numpy tokenizers jinja2 pyarrow", FRAMEWORKS | {"harness"}),
-  "parity.cli": _rule(f"{_PARITY} parity.diagnose parity.hf parity.history parity.migrate parity.pipeline parity.report "
-                      "parity.sizing harness", "rich", FRAMEWORKS),
+  "parity.cli": _rule(f"{_PARITY} parity.diagnose parity.hf parity.history parity.migrate parity.pipeline "
+                      "parity.report parity.sizing harness", "rich", FRAMEWORKS),
   "harness": _rule(f"{_PARITY} parity.protocol", "numpy", FRAMEWORKS | {"parity.pipeline", "jax_impl", "torch_impl"}),
   "jax_impl": _rule(f"{_PARITY} parity.protocol parity.sizing.memory_jax",
                     "numpy safetensors ml_dtypes " + " ".join(sorted(JAX)), TORCH | {"torch_impl", "harness"}),

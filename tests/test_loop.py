@@ -295,7 +295,8 @@ def test_resume_continues_at_the_checkpoints_step_plus_one(tmp_path, full):
   assert records(stop.steps) == records(full.steps[:3]) and stop.summary["stopped_after_step"] == 2
   assert stop.summary["checkpoint"]["step"] == 2 and stop.fake.calls[-2:] == ["save 2", "close"]
   meta = json.loads((stop.out / "checkpoint" / CHECKPOINT_META).read_text())
-  assert (meta["side"], meta["step"], meta["format"], meta["versions"]["numpy"]) == (SIDE, 2, "fake npz", np.__version__)
+  assert (meta["side"], meta["step"], meta["format"], meta["versions"]["numpy"]) \
+      == (SIDE, 2, "fake npz", np.__version__)
   assert resume.fake.calls[:2] == ["build", "restore 2"]
   assert [r["step"] for r in resume.steps] == [3, 4, 5] and records(resume.steps) == records(full.steps[3:])
   assert resume.summary["resumed_from_step"] == 2 and resume.summary["steps_completed"] == STEPS
@@ -369,7 +370,8 @@ def test_a_base_exception_of_a_library_is_a_crash_with_its_cause_in_one_line(tmp
 
   ran = train(make_run(tmp_path / "r"), Failing())
   assert ran.code == EXIT_CRASHED and ran.summary["status"] == "crashed"
-  assert ran.summary["error"] == "CheckpointException: CheckpointException ranks:dict_keys([0]) ... EOFError: Ran out of input"
+  assert ran.summary["error"] == ("CheckpointException: CheckpointException ranks:dict_keys([0]) ... "
+                                  "EOFError: Ran out of input")
 
   class Interrupted(FakeSide):
     def step(self, batch, **kw):

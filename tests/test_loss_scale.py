@@ -303,7 +303,8 @@ def _run_fp16(tmp_path, *, steps: int, overrides: list[str], forced: list[int]) 
 
 
 def _check_scaling(spec, records: dict[str, list], overflows: list[bool]) -> None:
-  """Every side: skipped == overflows, scales == parity.numerics.loss_scale's prediction, lr frozen on skips, losses close."""
+  """Every side: skipped == overflows, scales == parity.numerics.loss_scale's prediction, lr frozen on skips, losses
+  close."""
   from parity.numerics import schedule
   want_scales = predict_scales(spec.train, overflows)
   applied = [sum(not o for o in overflows[:k]) for k in range(len(overflows))]

@@ -7,7 +7,6 @@ import copy
 import json
 from pathlib import Path
 
-import pytest
 
 from parity.protocol.memory_figures import (ALLOCATOR_PEAK, COMPILED_ANALYSIS, RUNTIME_MAPPING_MIN_BYTES,
                                             XLA_PEAK_FIELD, XLA_SUM_FIELDS, choose_peak, compiled_peak_bytes,

@@ -57,14 +57,18 @@ EXPECTED = {
     "microsoft__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_cpu_offload_config.json": "ported",
     "microsoft__DeepSpeedExamples__cifar__ds_config.json": "zero_optimization.stage",  # fp16 at stage 0 (issue 18)
     "microsoft__DeepSpeedExamples__training__MoQ__test.json": "quantize_training",
-    "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json": "optimizer.type",  # removed in 0.19.8
-    "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_lamb__nccl__deepspeed_bsz64k_onebitlamb_config_seq128_nccl.json": "optimizer.type",  # removed in 0.19.8
-    "microsoft__DeepSpeedExamples__training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json": "progressive_layer_drop",
+    "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json":
+        "optimizer.type",  # removed in 0.19.8
+    "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_lamb__nccl__deepspeed_bsz64k_onebitlamb_config_seq128_nccl.json":
+        "optimizer.type",  # removed in 0.19.8
+    "microsoft__DeepSpeedExamples__training__bing_bert__deepspeed_bsz4k_progressive_layer_drop_config_seq128.json":
+        "progressive_layer_drop",
     "microsoft__DeepSpeedExamples__training__imagenet__config__ds_fp16_z1_config.json": "ported",
     "microsoft__DeepSpeedExamples__training__pipeline_parallelism__ds_config.json": "ported",
     "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_bs8_zero2_offload.json":
         "zero_optimization.cpu_offload",  # client optimizer + offload: DeepSpeed raises
-    "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_scheduler.json": "optimizer.params.max_grad_norm",
+    "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_scheduler.json":
+        "optimizer.params.max_grad_norm",
     "microsoft__Megatron-DeepSpeed__examples_deepspeed__universal_checkpointing__ds_config.json": "ported",
 }
 
@@ -146,8 +150,8 @@ def test_golden_reports(name):
 # --------------------------------------------------------------------------- reading
 
 def test_trailing_comma_and_comment(tmp_path):
-  p = _write(tmp_path, '{\n  // batch\n  "train_batch_size": 8, # hash comment\n  "train_micro_batch_size_per_gpu": 8,\n'
-                       '  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,},},\n}\n')
+  p = _write(tmp_path, '{\n  // batch\n  "train_batch_size": 8, # hash comment\n  "train_micro_batch_size_per_gpu": '
+                       '8,\n  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,},},\n}\n')
   assert _port(read_deepspeed_config(p)).ported is not None
 
 
@@ -383,7 +387,8 @@ def test_to_run_spec():
               "bf16": {"enabled": True}}).ported
   spec = to_run_spec(ok, base)
   # compare runs base.train.steps; the schedule keeps its own length (total_num_steps 30)
-  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) == (base.train.steps, 3e-4, 0.95, "bf16")
+  assert (spec.train.steps, spec.train.lr, spec.train.beta2, spec.train.precision) \
+      == (base.train.steps, 3e-4, 0.95, "bf16")
   assert spec.train.lr_schedule == "WarmupCosineLR" and spec.train.lr_schedule_params["total_num_steps"] == 30
   assert spec.train.grad_accum_steps == 2 and spec.train.micro_batch_size == 4
   warm = to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
@@ -416,7 +421,8 @@ def test_cli_exit_codes_and_reports(tmp_path, capsys):
 def test_ported_yaml_runs_as_a_compare_config(tmp_path):
   """`parity port -o run.yaml` writes what `parity compare --config run.yaml` runs."""
   from parity.pipeline.resolve import resolve
-  src = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.05}},
+  src = _write(tmp_path,
+               json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.05}},
                                      "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}))
   out = tmp_path / "run.yaml"
   assert cli.main([str(src), "--quiet", "-o", str(out)]) == 0
@@ -425,7 +431,7 @@ def test_ported_yaml_runs_as_a_compare_config(tmp_path):
   assert spec.model == PRESETS["gpt2-tiny"].model
 
 
-# --------------------------------------------------------------------------- issue 18: the port says what DeepSpeed does
+# ----------------------------------------------------------------------- issue 18: the port says what DeepSpeed does
 
 FP16 = {"enabled": True, "hysteresis": 2, "loss_scale_window": 4}
 
@@ -454,7 +460,8 @@ def test_reverse_refuses_fp16_at_stage0():
   p = _port({**BASE, "fp16": FP16, "zero_optimization": {"stage": 1}}).ported.to_dict()
   p["jax"]["zero_stage"] = 0
   _, report = to_deepspeed(p)
-  assert not report.ported and "jax.zero_stage 0" in report.errors[0] and "never multiplies the loss" in report.errors[0]
+  assert not report.ported
+  assert "jax.zero_stage 0" in report.errors[0] and "never multiplies the loss" in report.errors[0]
 
 
 def test_not_runnable_lists_every_reason_compare_refuses_with_how_to_run_it():

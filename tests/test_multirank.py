@@ -346,7 +346,7 @@ def test_terminal_summary_says_how_many_ranks_each_side_ran():
   import types
   from rich.console import Console
   from parity.cli.compare import print_summary
-  side = lambda n: {"status": "ok", "series": {"loss": [5.46, 5.15]},  # noqa: E731
+  side = lambda n: {"status": "ok", "series": {"loss": [5.46, 5.15]},
                     "summary": {"steps_completed": 2, **({"nproc": n} if n > 1 else {})}}
   report = types.SimpleNamespace(run_dir=Path("runs/x"), checks=[], passed=True, post=None,
                                  data={"sides": {"jax": side(2), "torch": side(2)}, "checks": [],

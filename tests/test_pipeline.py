@@ -154,7 +154,8 @@ def test_run_each_side_is_the_one_interrupt_loop():
   assert seen == ["a", "b"] and isinstance(exc, KeyboardInterrupt)
   assert [r.status for r in runs.values()] == ["ok", "killed", "not_run"]
   assert runs["c"].error == "not started: the diagnose was interrupted (Ctrl-C)"
-  for path in ("parity/pipeline/compare.py", "parity/diagnose/driver.py"):  # both drivers use it; neither has its own loop
+  # both drivers use it; neither has its own loop
+  for path in ("parity/pipeline/compare.py", "parity/diagnose/driver.py"):
     src = (ROOT / path).read_text()
     assert "run_each_side(" in src and "except KeyboardInterrupt" not in src, path
 
@@ -193,7 +194,8 @@ def _functions(path: Path):
       yield node.name, node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
 
 
-PIPELINE_FILES = ["parity/pipeline/compare.py", "parity/pipeline/reruns.py", "parity/pipeline/collect.py", "parity/report/build.py", "parity/pipeline/folder.py",
+PIPELINE_FILES = ["parity/pipeline/compare.py", "parity/pipeline/reruns.py", "parity/pipeline/collect.py",
+                  "parity/report/build.py", "parity/pipeline/folder.py",
                   "parity/diagnose/__init__.py", "parity/diagnose/driver.py", "parity/protocol/__init__.py",
                   "parity/protocol/layout.py", "parity/protocol/control.py", "parity/protocol/side.py",
                   "parity/protocol/workers.py", "parity/protocol/loop.py", "parity/protocol/diagnose.py",

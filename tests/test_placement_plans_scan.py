@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("jax")
 
-from parity.verdict.placement import placement_check  # noqa: E402
+from parity.verdict.placement import placement_check
 
-from placement_cases import GROUPS, assert_placement, assert_residual_moves, compile_records  # noqa: E402
+from placement_cases import GROUPS, assert_placement, assert_residual_moves, compile_records
 
 NAMES = sorted(GROUPS[1])
 

@@ -63,7 +63,8 @@ def test_a_cpu_placement_without_transfers_gives_its_classes_bytes_and_why_no_sc
     row = _md_row(md, cls, role, plan, "device")
     assert f"| {nbytes} | 0 B |" in row and "MISMATCH" not in row
   for role in ("argument", "result"):  # the plan's pinned_host, S(5) in the entry layout
-    assert _md_row(md, "opt_state", role) == f"| opt_state | {role} | host | host | 33 / 33 | 942.0 KiB | 942.0 KiB | as planned |"
+    assert _md_row(md, "opt_state",
+                   role) == f"| opt_state | {role} | host | host | 33 / 33 | 942.0 KiB | 942.0 KiB | as planned |"
   assert _md_row(md, "params", "argument").endswith("| as planned |")
   assert _md_row(md, "argument_bytes") == "| argument_bytes | 475.0 KiB | 942.0 KiB |"
   assert _md_row(md, "generated_code_bytes") == "| generated_code_bytes | 0 B | n/a |"
@@ -91,7 +92,8 @@ def test_a_gpu_placement_draws_one_bar_per_copy_from_start_to_done(tmp_path):
   # report.md: the copies as a table instead, by start
   assert _md_row(md, "0", "opt_state/mu/h/0/attn/qkv/kernel", "opt_state", "h2d") == (
       "| 0 | opt_state/mu/h/0/attn/qkv/kernel | opt_state | h2d | 1.0 MiB (1,048,576 B) | 12 | 40 | 27 | 123456789 |")
-  assert _md_row(md, "2", "opt_state/mu/h/0/attn/qkv/kernel", "opt_state", "d2h").endswith("| 60 | 90 | 29 | not measured |")
+  assert _md_row(md, "2", "opt_state/mu/h/0/attn/qkv/kernel", "opt_state", "d2h").endswith(
+      "| 60 | 90 | 29 | not measured |")
   row = _md_row(md, "jax", "jax/placement.json", "2.4 MiB (2,537,472 B)", "1.9 MiB (2,013,184 B)")
   assert "3 copies in the compiled step (2 h2d, 1 d2h, 2.5 MiB)" in row and "opt_state argument 942.0 KiB" in row
   # a compiled space other than the plan that placement.json does not call a mismatch: said, not marked
@@ -129,7 +131,8 @@ def test_deepspeed_transfers_and_the_torch_baseline_sit_beside_the_jax_bytes(tmp
   assert row.endswith("| 0.0012 / 0.0015 / 0.0031 (n=8) |")
   assert _md_row(md, "torch", "torch/summary.json state_bytes_by_memory_kind", "0 B", "0 B")
   assert "DeepSpeed: gradients are copied per micro batch" in md and "0.0012 / 0.0015 / 0.0031 (n=8)" in html
-  order = [line.split(" | ")[0] for line in md.splitlines() if line.startswith(("| jax |", "| torch |", "| deepspeed |"))]
+  order = [line.split(" | ")[0] for line in md.splitlines()
+           if line.startswith(("| jax |", "| torch |", "| deepspeed |"))]
   assert order == ["| jax", "| torch", "| deepspeed"]
   # a DeepSpeed side without offload: nothing moves, and no CPU Adam time is claimed
   none = {"bytes_per_step": {"h2d": 0, "d2h": 0}, "items": [], "source": "DeepSpeed config"}

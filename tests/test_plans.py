@@ -89,7 +89,8 @@ def test_planner_70b_on_8_devices_needs_fsdp_offload_scan_and_remat():
   # Both sides process the same global batch (micro batch per device), so a pair without remat on either
   # side has the same compute on both; DeepSpeed's PCIe traffic is its partition, 1/8 of the model.
   n = memory.param_count(MODEL_PRESETS["llama-70b"])
-  runs = {"deepspeed": RunSpec(model=MODEL_PRESETS["llama-70b"], train=train, deepspeed=plans.PLANS["scan-offload"].deepspeed),
+  runs = {"deepspeed": RunSpec(model=MODEL_PRESETS["llama-70b"], train=train,
+                               deepspeed=plans.PLANS["scan-offload"].deepspeed),
           "jax": RunSpec(model=MODEL_PRESETS["llama-70b"], train=dataclasses.replace(train, micro_batch_size=8),
                          jax=dataclasses.replace(plans.PLANS["scan-offload"].jax, data_parallel=8))}
   rows = [r for s, run in runs.items() for r in memory.estimate(run, ranks=8, sides=(s,))]
@@ -97,7 +98,8 @@ def test_planner_70b_on_8_devices_needs_fsdp_offload_scan_and_remat():
   ds = plans.step_time(runs["deepspeed"], "deepspeed", hw, rows, ranks=8)
   jx = plans.step_time(runs["jax"], "jax", hw, rows, ranks=8)
   assert ds[1] == pytest.approx(jx[1], rel=1e-12)
-  assert ds[2] * hw.host_link_bytes_per_s == pytest.approx(2 * 2 * 2 * math.ceil(n / 8))  # (opt + param) x in/out x bf16
+  # (opt + param) x in/out x bf16
+  assert ds[2] * hw.host_link_bytes_per_s == pytest.approx(2 * 2 * 2 * math.ceil(n / 8))
 
 
 def test_planner_both_sides_fit_on_h200_without_streaming():

@@ -1,5 +1,5 @@
-"""`parity report RUN_DIR...` (parity/cli/report.py, parity/history/comparison.py): the comparison page over several real
-runs, re-rendering one finished run, and folders that are not finished runs. The runs are test_gate.real_runs():
+"""`parity report RUN_DIR...` (parity/cli/report.py, parity/history/comparison.py): the comparison page over several
+real runs, re-rendering one finished run, and folders that are not finished runs. The runs are test_gate.real_runs():
 three gpt2-tiny runs (a baseline, a rerun, train.lr 1.1e-3), built once per session."""
 from __future__ import annotations
 

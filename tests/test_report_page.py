@@ -244,7 +244,7 @@ def _envelope(d: dict, a: str, b: str, value: float, bound: float) -> dict:
 
 def test_memory_bars_carry_the_same_categories_on_every_side_and_say_what_is_not_measured():
   """Issue #18 item 6: JAX was one 'state' bar with no gradients or activations, the others had them."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import side_table
   from parity.report import plots
   d = _synthetic()
   rows = [r for r in d["memory"]["predicted_vs_measured"] if r["category"] != "peak_rss"]
@@ -290,7 +290,7 @@ def test_the_terminal_gives_jax_bytes_and_the_throughput_caveat():
 
 def test_a_checkpoint_run_is_titled_by_the_checkpoint_on_every_page(tmp_path):
   """Issue #18 item 7: an --hf-model LLaMA run was titled 'gpt2-tiny' in report.html, report.md and card.json."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import cells, headline
   from parity.report.build import checkpoint_record
   from parity.report.card import make_card
   from parity.report.markdown import report_markdown
@@ -316,7 +316,7 @@ def test_a_checkpoint_run_is_titled_by_the_checkpoint_on_every_page(tmp_path):
 
 def test_a_bf16_pass_quotes_the_envelope_bound_that_decided():
   """Issue #18 item 7: the bf16 PASS sentence quoted the per-step loss bound 0.02, which does not gate."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import headline
   d = _synthetic("bf16")
   d["checks"] += [_envelope(d, "jax", "torch", 1.1e-4, 1.88e-3), _envelope(d, "jax", "deepspeed", 7.5e-5, 1.6e-3)]
   sentence = headline.verdict_parts(d)[1]
@@ -329,7 +329,7 @@ def test_a_bf16_pass_quotes_the_envelope_bound_that_decided():
 
 def test_the_params_label_says_what_its_value_is_under_each_rule():
   """Issue #18 item 7: under the per-tensor rule the params value is a ratio, labelled 'element abs Δ'."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import check_table
   d = _synthetic("bf16")
   tols = d["tolerances"]["bf16"]
   fallback = {"name": "params jax~torch", "metric": "params", "sides": ["jax", "torch"], "value": 0.171,
@@ -342,14 +342,15 @@ def test_the_params_label_says_what_its_value_is_under_each_rule():
   d["checks"] += [fallback]
   row = next(r for r in check_table.check_rows(d) if r["metric"] == "params")
   assert "ratio" in row["measure"] and "element" not in row["measure"] and row["measure"] == check_table.RATIO_LABEL
-  assert check_table.tolerance_text(fallback, tols).startswith("0.5 (ratio bound") and "Adam" not in check_table.tolerance_text(fallback, tols)
+  assert check_table.tolerance_text(fallback, tols).startswith("0.5 (ratio bound")
+  assert "Adam" not in check_table.tolerance_text(fallback, tols)
   assert check_table.measure_label(adam) == "worst tensor: element abs Δ"
   assert "Adam noise term" in check_table.tolerance_text(adam, _synthetic()["tolerances"]["fp32"])
 
 
 def test_the_lr_source_names_the_schedule_that_ran_and_updates_say_why_steps_were_not_counted():
   """Issue #18 item 7: a WarmupLR run's lr source named WarmupCosineLR; 'updates 198 of 200' gave no reason."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import check_table
   d = _synthetic(overrides=["train.lr_schedule=WarmupLR", 'train.lr_schedule_params={"warmup_min_lr": 0.0, '
                             '"warmup_max_lr": 1e-3, "warmup_num_steps": 3}'])
   rows = check_table.check_rows(d)
@@ -369,14 +370,16 @@ def test_the_lr_source_names_the_schedule_that_ran_and_updates_say_why_steps_wer
 def test_details_say_what_their_figures_are_and_a_mended_write_error_is_not_repeated(tmp_path):
   """Read as a reviewer: a grad_norm/lr figure is the step nearest its relative bound, not the max; all-zero
   differences say so; 'over 1 steps'; a re-render that wrote the page does not say the page could not be written."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import check_table, headline, setup_table
   from parity.report.page import report_figures
   assert check_table.plain_detail("max |Δgrad_norm| = 4.77e-07 at step 3 (tolerance 0.00118) over 6 steps") == \
       "|Δgrad_norm| = 4.77e-07 at step 3, the step nearest its tolerance (0.00118 there), over 6 steps"
-  assert check_table.plain_detail("max |Δlr| = 0 at step 0 (tolerance 0) over 6 steps") == "|Δlr| = 0 on every step compared (6 steps)"
+  assert check_table.plain_detail("max |Δlr| = 0 at step 0 (tolerance 0) over 6 steps") == \
+      "|Δlr| = 0 on every step compared (6 steps)"
   assert check_table.plain_detail("max |Δval_loss| = 0 at step 3 (tolerance 1e-05) over 1 steps") == \
       "|Δval_loss| = 0 on every step compared (1 step)"
-  assert check_table.plain_detail("max |Δloss| = 1e-06 at step 2 (tolerance 1e-05) over 1 steps").endswith("over 1 step")
+  assert check_table.plain_detail("max |Δloss| = 1e-06 at step 2 (tolerance 1e-05) over 1 steps").endswith(
+      "over 1 step")
   d = _synthetic()
   d["write_errors"] = [{"file": str(tmp_path / "report.html"), "error": "No space left on device"},
                        {"file": str(tmp_path / "*.png"), "error": "No space left on device"},
@@ -386,12 +389,14 @@ def test_details_say_what_their_figures_are_and_a_mended_write_error_is_not_repe
   (tmp_path / "loss.png").write_bytes(b"png")
   (tmp_path / "metrics.jsonl").write_text("an older file: a re-render does not write it")
   assert [e["file"] for e in headline.open_write_errors(d, tmp_path)] == [str(tmp_path / "metrics.jsonl")]
-  assert check_table.plain_detail("worst window steps 0-5: rms |Δgrad_norm| 0.000243 vs envelope rms 0.000966").startswith(
+  assert check_table.plain_detail(
+      "worst window steps 0-5: rms |Δgrad_norm| 0.000243 vs envelope rms 0.000966").startswith(
       "worst window steps 0-5: rms rel. |Δgrad_norm| 0.000243")  # the grad_norm envelope is relative
   d["environment"]["git"] = {"rev": "b" * 40, "dirty": False}  # committed while the sides ran: both revisions named
   rev = dict(setup_table.environment_rows(d, {"git": {"commit": "a" * 40}}))["project git revision"]
   assert rev.startswith("bbbbbbbbbbbb (clean) when the report was written; the sides started at aaaaaaaaaaaa")
-  assert dict(setup_table.environment_rows(d, {"git": {"commit": "b" * 40}}))["project git revision"] == "bbbbbbbbbbbb (clean)"
+  rows = dict(setup_table.environment_rows(d, {"git": {"commit": "b" * 40}}))
+  assert rows["project git revision"] == "bbbbbbbbbbbb (clean)"
   bf16 = _synthetic("bf16")  # the per-step loss bound drawn on the delta plot is named as not gating
   fig = dict((k, f) for k, _, f in report_figures(bf16))["delta"]
   assert any("reported only" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
@@ -401,7 +406,7 @@ def test_throughput_uses_one_warmup_rule_and_tokens_per_s_is_tokens_over_that_me
   """Issue #18 (reportfix 1): report.md said median 0.005065 s/step beside 28,831 tokens/s (= 128 / 0.00444, the
   summary's median, which left out two steps while the report left out one); the card paired them the same way."""
   from parity.protocol.layout import step_time_median, warm_step_times, warmup_steps_left_out
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import side_table
   from parity.report.build import Report
   from parity.report.card import make_card
   from parity.report.markdown import report_markdown
@@ -443,7 +448,7 @@ def _stopped(d: dict, side: str, n: int, status: str, error: str, traceback: str
   s["series"] = {k: v[:n] if isinstance(v, list) else v for k, v in s["series"].items()}
   s["summary"].update(steps_completed=n, error=error, traceback=traceback)
   other = next(x for x in d["sides"] if x != side)
-  recs = lambda x: [{"step": i, "lr": lr} for i, lr in enumerate(d["sides"][x]["series"]["lr"])]  # noqa: E731
+  recs = lambda x: [{"step": i, "lr": lr} for i, lr in enumerate(d["sides"][x]["series"]["lr"])]
   total = d["run"]["train"]["steps"]
   comp = completion_check(other, "ok", total, side, status, n, total).to_json()
   upd = updates_check(other, recs(other), side, recs(side), total).to_json()
@@ -458,7 +463,7 @@ def _stopped(d: dict, side: str, n: int, status: str, error: str, traceback: str
 def test_a_killed_side_is_blamed_for_no_update_not_the_configured_steps():
   """Issue #18 (reportfix 2): kill -9 of JAX after step 1 of 4 read 'lr was 0 on all 1 steps ... run more steps
   than the warmup (train.steps > 2 ...)', advice for a run configured too short, not for a side that stopped."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import headline
   from parity.verdict.steps import updates_check
   d = _stopped(_synthetic(steps=4, sides=("jax", "torch")), "jax", 1, "killed",
                "worker killed by signal SIGKILL (SIGKILL: killed from outside, or by the kernel's OOM killer)")
@@ -475,11 +480,11 @@ def test_a_killed_side_is_blamed_for_no_update_not_the_configured_steps():
 def test_a_crashed_side_names_its_error_in_the_verdict():
   """Issue #18 (reportfix 2): a full disk read 'FAIL: torch stopped after 4 of 4 steps (crashed)'; the cause was in
   the side's summary only."""
-  from parity.report import cells, check_table, headline, setup_table, side_table
+  from parity.report import headline
   tb = ('Traceback (most recent call last):\n  File "/r/parity/protocol/side.py", line 273, in finish\n'
         '    weights.save(final_params, self.out / "final.safetensors",\n'
-        '  File "/r/parity/weights.py", line 192, in save\n    save_file({k: v for k, v in params.items()}, str(path),\n'
-        '  File "/v/safetensors/numpy.py", line 93, in save_file\n    serialize_file(\n')
+        '  File "/r/parity/weights.py", line 192, in save\n    save_file({k: v for k, v in params.items()}, '
+        'str(path),\n  File "/v/safetensors/numpy.py", line 93, in save_file\n    serialize_file(\n')
   err = "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)"
   d = _stopped(_synthetic(steps=4, sides=("jax", "torch")), "torch", 4, "crashed", err, tb)
   assert headline.verdict_sentence(d) == ("FAIL: torch stopped after 4 of 4 steps (crashed writing final.safetensors: "
@@ -487,7 +492,8 @@ def test_a_crashed_side_names_its_error_in_the_verdict():
   moments_tb = tb.replace('final_params, self.out / "final.safetensors",', "flat, self.out / FINAL_MOMENTS, m)")
   assert headline.error_clause({"error": err, "traceback": moments_tb}) == (
       "writing final_moments.safetensors: No space left on device")
-  assert headline.error_clause({"error": "ValueError: shapes (3,) and (4,) differ"}) == "ValueError: shapes (3,) and (4,) differ"
+  assert headline.error_clause({"error": "ValueError: shapes (3,) and (4,) differ"}) == \
+      "ValueError: shapes (3,) and (4,) differ"
   assert headline.error_clause({"error": None}) == ""
 
 
@@ -522,7 +528,7 @@ def test_the_terminal_says_each_perturbation_and_whether_it_was_applied():
   from parity.cli.compare import print_summary
   from parity.report.build import Report
   d = _synthetic(sides=("jax", "deepspeed"))
-  ran = lambda v, where: {"value": v, "from": where}  # noqa: E731
+  ran = lambda v, where: {"value": v, "from": where}
   d["perturbations"] = [
       {"side": "deepspeed", "key": "train.lr", "value": 0.002, "applies": {"optimizer.params.lr": 0.002},
        "deepspeed_config": [], "ran": {"jax": ran(0.001, "its steps"), "deepspeed": ran(0.001, "its steps")},

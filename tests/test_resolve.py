@@ -144,5 +144,6 @@ def test_fsdp_overrides_without_the_fsdp_side_are_refused_by_compare_not_by_esti
     parity.compare("gpt2-tiny", sides=["jax", "torch"], overrides={"fsdp.activation_offload": True},
                    out=tmp_path / "api")
   assert cli_main(["estimate", "--preset", "gpt2-tiny", "--set", "fsdp.offload=true"]) == 0
-  assert cli_main(["diagnose", "--preset", "gpt2-tiny", "--set", "fsdp.offload=true", "--out", str(tmp_path / "d")]) == 2
+  assert cli_main(["diagnose", "--preset", "gpt2-tiny", "--set", "fsdp.offload=true", "--out",
+                   str(tmp_path / "d")]) == 2
   assert "`parity diagnose` has no fsdp side" in capsys.readouterr().err and not (tmp_path / "d").exists()

@@ -91,7 +91,7 @@ def test_side_outputs_of_another_run_or_incomplete_are_not_ok(tmp_path):
   recs = [{"step": i, "loss": 1.0, "grad_norm": 1.0, "lr": 0.0} for i in range(4)]
   (side / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
   weights.save(weights.load(tmp_path / "r" / "init.safetensors"), side / "final.safetensors")
-  ok = lambda **s: SideRun("jax", "ok", 0, 1.0, None, {"status": "ok", **s})  # noqa: E731
+  ok = lambda **s: SideRun("jax", "ok", 0, 1.0, None, {"status": "ok", **s})
   steps, final = side_outputs(side, ok(run_id=rid), rid, expected_steps=4)
   assert len(steps) == 4 and final is not None
   sr = ok(run_id="f" * 32)

@@ -32,8 +32,8 @@ def test_diff_names_each_item_and_both_values_and_ignores_info():
   assert diffs == [("mlp.gelu_form", "tanh", "erf")]
   assert card_lib.diff_text("jax", "deepspeed", diffs) == "semantics: mlp.gelu_form jax=tanh deepspeed=erf"
   c = _card("torch", **{"optimizer.decay_set": ["a", "b", "x.bias"]})
-  assert "optimizer.decay_set jax=2 names (none the other lacks) torch=3 names (1 the other lacks: x.bias)" in card_lib.diff_text(
-      "jax", "torch", card_lib.diff_cards(a, c))
+  assert ("optimizer.decay_set jax=2 names (none the other lacks) torch=3 names (1 the other lacks: x.bias)"
+          in card_lib.diff_text("jax", "torch", card_lib.diff_cards(a, c)))
   with pytest.raises(ValueError, match="not in parity.semantics.DIFFED"):
     card_lib.make_card("jax", "r", {"mlp.gelu": "tanh"}, {})
 
@@ -183,7 +183,8 @@ def test_jax_optimizer_probe_reads_eps_inside_and_no_bias_correction():
   plain = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(t.schedule))
   assert js.optimizer_probe(plain, t.schedule, t.state.params, run.model, run.train, False)["clip_rule"] == "other"
   no_bc = optax.chain(optim.clip_by_global_norm_deepspeed(1.0), optim.optimizer_update(
-      {"type": "adamw", "params": {"betas": [run.train.beta1, run.train.beta2], "eps": run.train.eps, "weight_decay": 0.1,
+      {"type": "adamw",
+       "params": {"betas": [run.train.beta1, run.train.beta2], "eps": run.train.eps, "weight_decay": 0.1,
                                    "bias_correction": False}}, t.schedule, mask=None))
   got = js.optimizer_probe(no_bc, t.schedule, t.state.params, run.model, run.train, False)
   assert got["eps_placement"] == "outside" and got["bias_correction"] is False
@@ -216,7 +217,7 @@ def test_torch_probes_detect_wrong_objects():
   from torch_impl.model import micro_loss
   dev = torch.device("cpu")
   assert ts.label_shift(lambda f, x: micro_loss(f, x, dev), train) == 1
-  twice = lambda f, x: micro_loss(f, x, dev, ts._stand_in_arrays(x.shape[1] - 1),  # noqa: E731
+  twice = lambda f, x: micro_loss(f, x, dev, ts._stand_in_arrays(x.shape[1] - 1),
                                   plants=frozenset({"labels_shifted_twice"}))
   assert ts.label_shift(twice, train) == 2
   p = torch.nn.Parameter(torch.zeros(1))
@@ -254,7 +255,8 @@ GRID = [(p, None, None, []) for p in ("gpt2-tiny", "gpt2-small-cpu", "gpt2-mini"
     ("gpt2-tiny", None, None, LLAMA), ("gpt2-tiny", None, None, ['train.optimizer="adam"']),
     ("gpt2-tiny", None, None, ['train.optimizer="sgd"'])] + [
     ("gpt2-tiny", plan, None, []) for plan in ("zero0", "zero1", "zero2-offload", "zero3", "zero3-offload-all",
-                                               "scan-offload", "zero2-offload-scan", "act-offload", "zero3-act-offload")] + [
+                                               "scan-offload", "zero2-offload-scan", "act-offload",
+                                               "zero3-act-offload")] + [
     (family, None, prec, []) for family in FAMILIES for prec in (None, "bf16")] + [
     ("gemma3-tiny", "zero3", None, []), ("gemma3-tiny", "scan-offload", None, [])]
 

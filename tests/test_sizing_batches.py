@@ -52,7 +52,7 @@ def test_padded_rows_count_each_sides_mask_dtypes_and_the_attention_mask():
       memory.estimate(_stream(run), sides=("torch",)), "torch")
   assert grow == torch_masks.bytes + m * t * t
   # the batch is no model state: the comparison with DeepSpeed's estimator keeps its scope
-  rel = lambda r: memory.estimate_json(r)["deepspeed_estimator"]["relation"]  # noqa: E731
+  rel = lambda r: memory.estimate_json(r)["deepspeed_estimator"]["relation"]
   assert rel(run) == rel(_stream(run))
   assert memory.totals(memory.estimate(run), "jax") == memory.totals(memory.estimate(_stream(run)), "jax")
 

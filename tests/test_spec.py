@@ -152,5 +152,5 @@ def test_null_for_a_field_that_takes_no_null_is_refused_naming_it(key):
 def test_eval_cadence_and_batches_out_of_range_are_refused(key, value):
   """eval_every=-1 ran with no validation loss and eval_batches=0 evaluated one batch while config.json said 0
   (breaker): both are refused by key."""
-  with pytest.raises(SpecError, match=rf"train.eval_every must be >= 0 .* got"):
+  with pytest.raises(SpecError, match=r"train.eval_every must be >= 0 .* got"):
     TrainSpec(**{key: value}).validate()

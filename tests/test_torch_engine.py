@@ -278,7 +278,8 @@ def test_worker_writes_records_summary_and_final_weights(gpt2_runs, side):
   assert summary["device"] == "cpu" and summary["peak_device_bytes"] is None
   th = summary["threads"]  # what the worker ran with: the conftest's choice (harness.env), torch's own count
   assert th["torch_num_threads"] == int(th["OMP_NUM_THREADS"]) and th["torch_interop_threads"] >= 1
-  assert th["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY") and th["set_by"] and th["reason"]  # None: unset (idle)
+  # None: unset (idle)
+  assert th["OMP_WAIT_POLICY"] == os.environ.get("OMP_WAIT_POLICY") and th["set_by"] and th["reason"]
   assert set(final) == set(weights.param_shapes(run.model))
   weights.check_names_and_shapes(final, run.model, source=side)
   n = weights.n_params(run.model)

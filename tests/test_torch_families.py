@@ -24,8 +24,8 @@ from parity.protocol import diagnose as dg  # noqa: E402
 from parity.spec import ModelSpec  # noqa: E402
 from parity.weights import decays, init_params, param_shapes  # noqa: E402
 from torch_impl import layers  # noqa: E402
-from torch_impl.model import (RMSNorm, TapRecorder, build_model, decay_groups, load_canonical, rope_tables,  # noqa: E402
-                              softcap, to_canonical)
+from torch_impl.model import (RMSNorm, TapRecorder, build_model, decay_groups, load_canonical,  # noqa: E402
+                              rope_tables, softcap, to_canonical)
 
 pytestmark = pytest.mark.requires_torch
 
@@ -38,7 +38,8 @@ MISTRAL = dataclasses.replace(LLAMA, sliding_window=4)
 GEMMA2 = dataclasses.replace(LLAMA, mlp="geglu", norm_plus_one=True, embed_scale=math.sqrt(32), post_norms=True,
                              d_head=12, attn_scale=24 ** -0.5, attn_softcap=2.0, final_softcap=3.0, sliding_window=4,
                              layer_types=("sliding", "full"), tie_embeddings=True)
-EVERYTHING = dataclasses.replace(GEMMA2, qk_norm=True, qkv_bias=True, out_bias=True, mlp_bias=True, rope_local_theta=50.0,
+EVERYTHING = dataclasses.replace(GEMMA2, qk_norm=True, qkv_bias=True, out_bias=True, mlp_bias=True,
+                                 rope_local_theta=50.0,
                                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
 

@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from parity.sizing import memory  # noqa: E402
+from parity.sizing import memory
 
-from parity.sizing import plans  # noqa: E402
-from parity.protocol import read_steps, read_summary  # noqa: E402
-from parity.spec import RunSpec  # noqa: E402
-from parity.verdict.tolerances import tolerance  # noqa: E402
-from test_torch_engine import make_run_dir, run_worker, tiny_run  # noqa: E402
+from parity.sizing import plans
+from parity.protocol import read_steps, read_summary
+from parity.spec import RunSpec
+from parity.verdict.tolerances import tolerance
+from test_torch_engine import make_run_dir, run_worker, tiny_run
 
 pytestmark = [pytest.mark.requires_deepspeed, pytest.mark.slow]
 LOSS_ATOL_FP32 = tolerance("fp32", "loss").atol

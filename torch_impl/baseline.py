@@ -379,7 +379,8 @@ class TorchTrainer:
     """Adam's bias-corrected per-element gradient RMS sqrt(exp_avg_sq / (1 - beta2^step)), canonical, float32.
 
     Zeros for a param no update has touched yet. Raises KeyError when the optimizer is not an Adam (Lamb, SGD: the
-    params rule's per-element Adam bound does not hold for them; parity.verdict.params.param_checks falls back per tensor).
+    params rule's per-element Adam bound does not hold for them; parity.verdict.params.param_checks falls back per
+    tensor).
     """
     return adam_grad_rms(self.run, self.model, self.optimizer)
 

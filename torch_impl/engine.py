@@ -1,8 +1,8 @@
 """The DeepSpeed side: engine and one training step (environment: torch_impl.distributed; config from the spec:
 torch_impl.ds_config; both re-exported here).
 
-The engine is built from a `parity.spec.RunSpec` (or a user's resolved DeepSpeed config, checked against the spec): `ds_config` maps the
-spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.numerics.schedule`,
+The engine is built from a `parity.spec.RunSpec` (or a user's resolved DeepSpeed config, checked against the spec):
+`ds_config` maps the spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.numerics.schedule`,
 gradient clipping, ZeRO stage and offload, bf16), the weight-decay mask comes
 from `parity.weights.decays` as two param groups, and `build_engine` checks
 that DeepSpeed really built the optimizer the plan asks for (DeepSpeedCPUAdam
@@ -153,9 +153,11 @@ def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> 
                     f"{info['optimizer']}")
   elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != _OFFLOADED[run.train.optimizer]
                                                            or not info["cpu_offload"]):
-    problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
+    problems.append(f"offload_optimizer=cpu but the optimizer is {info['optimizer']} "
+                    f"(cpu_offload={info['cpu_offload']})")
   if plan.offload_optimizer == "none" and (info["optimizer"] == "DeepSpeedCPUAdam" or info["cpu_offload"]):
-    problems.append(f"offload_optimizer=none but the optimizer is {info['optimizer']} (cpu_offload={info['cpu_offload']})")
+    problems.append(f"offload_optimizer=none but the optimizer is {info['optimizer']} "
+                    f"(cpu_offload={info['cpu_offload']})")
   if info["offload_param"] != (plan.offload_param == "cpu"):
     problems.append(f"offload_param built {info['offload_param']}, planned {plan.offload_param}")
   if info["partitioned_params"] != (plan.zero_stage == 3):
@@ -474,7 +476,8 @@ class DeepSpeedTrainer:
   def canonical_moments(self) -> dict[str, np.ndarray]:
     """Adam's bias-corrected per-element gradient RMS, canonical, float32 (`final_moments`). A ZeRO collective."""
     if self.run.train.optimizer not in ("adam", "adamw"):
-      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule can use")
+      raise KeyError(f"train.optimizer {self.run.train.optimizer!r} keeps no Adam second moment the params rule "
+                     "can use")
     return final_moments(self.engine, float(schedule.adam_beta2(self.run.train)))
 
   def state_bytes(self) -> memory.StateBytes:

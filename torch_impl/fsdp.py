@@ -192,7 +192,7 @@ def fsdp_settings(model: torch.nn.Module) -> dict[str, Any]:
   compute (param) dtype, the gradient reduce dtype, host offload and pinning, each as the sorted set of values over
   the params (one value when uniform), and the number of sharded modules."""
   from torch.distributed.fsdp import FSDPModule, fully_shard
-  dt = lambda d: str(d).replace("torch.", "")  # noqa: E731
+  dt = lambda d: str(d).replace("torch.", "")
   seen: dict[str, set] = {"param_dtype": set(), "reduce_dtype": set(), "offload_to_cpu": set(), "pin_memory": set()}
   modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
   for m in modules:
@@ -203,7 +203,7 @@ def fsdp_settings(model: torch.nn.Module) -> dict[str, Any]:
         seen["reduce_dtype"].add(dt(reduce))
         seen["offload_to_cpu"].add(bool(fp.offload_to_cpu))
         seen["pin_memory"].add(bool(fp.pin_memory))
-  one = lambda s: next(iter(s)) if len(s) == 1 else sorted(s)  # noqa: E731
+  one = lambda s: next(iter(s)) if len(s) == 1 else sorted(s)
   return {**{k: one(v) for k, v in seen.items()}, "sharded_modules": len(modules)}
 
 

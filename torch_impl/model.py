@@ -280,7 +280,8 @@ def load_canonical(model: GPT, params: dict[str, np.ndarray]) -> None:
   if missing:
     problems.append(f"missing {missing}")
   if extra:
-    problems.append(f"unexpected {extra}" + (" (tie_embeddings=True has no lm_head)" if "lm_head.weight" in extra else ""))
+    problems.append(f"unexpected {extra}"
+                    + (" (tie_embeddings=True has no lm_head)" if "lm_head.weight" in extra else ""))
   if wrong:
     problems.append(f"wrong shape {wrong}")
   if problems:

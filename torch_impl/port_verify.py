@@ -147,7 +147,7 @@ def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
       engine = initialize(model, groups, dict(cfg, steps_per_print=10 ** 9), t)
       out[name] = {"accepted": True, "error": None, "optimizer": type(engine.optimizer).__name__}
       engine.destroy()
-    except Exception as e:  # noqa: BLE001  the answer: DeepSpeed refused this config
+    except Exception as e:  # the answer: DeepSpeed refused this config
       msg = str(e).strip().splitlines()
       out[name] = {"accepted": False, "error": f"{type(e).__name__}: {msg[0] if msg else ''}"}
   return out

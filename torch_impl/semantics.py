@@ -114,7 +114,7 @@ def family_items(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
             for m in model._masks(seq_len, None, torch.float32, cpu)]
   ln_q = getattr(model.h[0].attn, "ln_q", None)
   qk = norm_of(ln_q) if ln_q is not None else None
-  cap = lambda c: None if c is None else sig(float(softcap(  # noqa: E731
+  cap = lambda c: None if c is None else sig(float(softcap(
       torch.full((1,), card_lib.CAP_PROBE, dtype=torch.float32), c)[0]), 6)
   table = types.SimpleNamespace(spec=model.spec, wte=lambda t: torch.ones(*t.shape, 1),
                                 wpe=lambda p: torch.zeros(*p.shape, 1))

@@ -1,6 +1,6 @@
 """The PyTorch sides of the one loop: `TorchSide`, `parity.protocol.loop.Side` over the DeepSpeed engine
-(`torch_impl.engine.DeepSpeedTrainer`, side 'deepspeed') or the plain-torch baseline (`torch_impl.baseline.TorchTrainer`,
-side 'torch'). `torch_impl.worker` runs it (`run_train(io, TorchSide())`).
+(`torch_impl.engine.DeepSpeedTrainer`, side 'deepspeed') or the plain-torch baseline
+(`torch_impl.baseline.TorchTrainer`, side 'torch'). `torch_impl.worker` runs it (`run_train(io, TorchSide())`).
 """
 from __future__ import annotations
 

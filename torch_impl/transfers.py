@@ -198,7 +198,8 @@ class TransferProbe:
                        "(async_inplace_copy_grad_to_fp32_buffer_from_gpu; copy_grads_in_partition)",
                        lambda: sum(pos[3] * opt.single_partition_of_fp32_groups[pos[0]].element_size()
                                    for pos in opt.grad_position.values()))
-    params = self._item("z12.params.h2d", f"updated params ({_dtype(opt.param_buffer_of_bit16_for_cpu_offload_groups[0])}"
+    params = self._item("z12.params.h2d", "updated params "
+                                          f"({_dtype(opt.param_buffer_of_bit16_for_cpu_offload_groups[0])}"
                         " partition)", "h2d", "engine.optimizer.param_buffer_of_bit16_for_cpu_offload_groups[i] -> "
                         "parallel_partitioned_bit16_groups[i][rank] (step)",
                         lambda: sum(_nbytes(b) for b in opt.param_buffer_of_bit16_for_cpu_offload_groups))
@@ -252,7 +253,7 @@ class TransferProbe:
       label = f"updated params ({_dtype(fp16[0])}, fp16_partitioned_groups_flat)"
       source = "engine.optimizer.fp32_partitioned_groups_flat[i] -> fp16_partitioned_groups_flat[i] " \
                "(_reassign_or_swap_out_partitioned_parameters)"
-      one_pass = lambda: sum(_nbytes(t) for t in opt.fp16_partitioned_groups_flat if t is not None)  # noqa: E731
+      one_pass = lambda: sum(_nbytes(t) for t in opt.fp16_partitioned_groups_flat if t is not None)
       keys = {d: self._item(f"z3.params.{d}", label, d, source, one_pass) for d in ("h2d", "d2h")}
 
       def reassigned(sub_group_id, *_a, **_k):

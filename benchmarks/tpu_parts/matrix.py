@@ -33,7 +33,8 @@ JT = ("--sides", "jax,torch")
 
 # Plants with JAX on the chip and PyTorch on the host CPU as the clean reference: the planted bugs of the CPU plant
 # tests, one per kind. Each must FAIL, or be stopped at step 0 by the semantics card. (name, args)
-PLANT_DATA = ("--preset", "sft-tiny", "--set", "train.seq_len=48", "--set", "train.eval_every=0", "--data", "@PLANT_JSONL")
+PLANT_DATA = ("--preset", "sft-tiny", "--set", "train.seq_len=48", "--set", "train.eval_every=0",
+              "--data", "@PLANT_JSONL")
 PLANTS = (
   ("plant-lr", ("--preset", "gpt2-tiny", *JT, "--steps", "6", "--perturb", "jax:train.lr=0.002")),
   ("plant-adam-eps", ("--preset", "gpt2-tiny", *JT, "--steps", "6", "--perturb", "jax:train.eps=1e-6")),
@@ -143,7 +144,8 @@ def prune(root: Path, whole: set[str]) -> None:
 def chip_open_probe(root: Path, log) -> dict:
   """Seconds to open the chip (`jax.devices()` in a fresh process), with the runtime's default host buffer and
   with a 256 MiB one (TPU_PREMAPPED_BUFFER_SIZE)."""
-  code = "import time; t = time.time(); import jax; d = jax.devices(); print(round(time.time() - t, 2), d[0].device_kind)"
+  code = ("import time; t = time.time(); import jax; d = jax.devices(); "
+          "print(round(time.time() - t, 2), d[0].device_kind)")
   out = {}
   for label, extra in (("default", {}), ("premapped_256MiB", {"TPU_PREMAPPED_BUFFER_SIZE": str(256 << 20)})):
     t0 = time.time()
@@ -206,7 +208,8 @@ def main() -> int:
     keep = set(a.only.split(","))
     cells = [c for c in cells if c[0] in keep]
   log(f"{len(cells)} compares, {a.jobs} at a time, budget {a.budget:.0f} s; TPU_PREMAPPED_BUFFER_SIZE="
-      f"{os.environ.get('TPU_PREMAPPED_BUFFER_SIZE')}, JAX_COMPILATION_CACHE_DIR={os.environ['JAX_COMPILATION_CACHE_DIR']}")
+      f"{os.environ.get('TPU_PREMAPPED_BUFFER_SIZE')}, "
+      f"JAX_COMPILATION_CACHE_DIR={os.environ['JAX_COMPILATION_CACHE_DIR']}")
   records = []
   with cf.ThreadPoolExecutor(a.jobs) as pool:
     futs = [pool.submit(run_cell, n, args, root, deadline, a.limit, log) for n, args in cells]

@@ -18,7 +18,8 @@
 Exit codes: 0 parity holds / success, 1 parity does not hold (or a command could not finish), 2 bad input (a
 parity.errors.ParityInputError, or an OS error on a path the user gave: BAD_INPUT_TYPES, _os_error), 130 interrupted.
 Every error is one line `parity COMMAND: error: ...` on stderr (main); a bug (any other exception, a plain ValueError
-included) prints one line `parity COMMAND: internal error: ...` and saves the traceback to a file, exit 1. Each subcommand module has `register(subparsers)`, which sets its handler.
+included) prints one line `parity COMMAND: internal error: ...` and saves the traceback to a file, exit 1. Each
+subcommand module has `register(subparsers)`, which sets its handler.
 """
 from __future__ import annotations
 

@@ -106,7 +106,8 @@ def check_json_target(path: str | None, force: bool, *, dash_is_stdout: bool = F
                     "pick another path" + (" ('-' writes to stdout)" if dash_is_stdout else ""))
 
 
-PATH_ARGS = frozenset({"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline", "run_dirs",
+PATH_ARGS = frozenset({"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline",
+                       "run_dirs",
                        "new", "json", "output", "report_json", "report_md", "src", "dst", "spec", "request"})
 """The `dest` of every argument, on any command, that names a file or folder (tests/test_cli.py lists them per
 command). Each is checked before the command runs (`bad_path_arg`), and an OS error on it is bad input

@@ -121,8 +121,8 @@ def _add_run_flags(p) -> None:
 def _add_rank_flags(p) -> None:
   """--nproc, --nnodes, --node-rank, --coordinator, --hostfile (docs/multirank.md: the commands they become)."""
   p.add_argument("--nproc", type=count_arg, default=1, metavar="N",
-                 help="ranks per side on this host: torchrun for deepspeed/torch (DDP)/fsdp (FSDP2), N JAX processes under "
-                      "jax.distributed; the global batch stays the 1-rank run's (default 1)")
+                 help="ranks per side on this host: torchrun for deepspeed/torch (DDP)/fsdp (FSDP2), N JAX processes "
+                      "under jax.distributed; the global batch stays the 1-rank run's (default 1)")
   p.add_argument("--nnodes", type=count_arg, default=1, help="hosts in the job (torchrun --nnodes; default 1)")
   p.add_argument("--node-rank", type=int, default=0, help="this host's index (torchrun --node-rank; default 0)")
   p.add_argument("--coordinator", metavar="HOST:PORT",

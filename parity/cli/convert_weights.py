@@ -17,10 +17,11 @@ def register(sub) -> None:
   p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax",
                      description="Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
                                  "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                 "GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM), canonical safetensors (with the ModelSpec as "
-                                 "metadata) and an orbax checkpoint of the Flax params. Exit 0; 1 when the output "
-                                 "could not be written (nothing replaced); 2 on bad input.")
-  p.add_argument("src", help="HF folder (config.json + safetensors or pytorch_model.bin), .safetensors, or orbax folder")
+                                 "GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM), canonical safetensors (with "
+                                 "the ModelSpec as metadata) and an orbax checkpoint of the Flax params. Exit 0; 1 "
+                                 "when the output could not be written (nothing replaced); 2 on bad input.")
+  p.add_argument("src",
+                 help="HF folder (config.json + safetensors or pytorch_model.bin), .safetensors, or orbax folder")
   p.add_argument("dst", help="output: a .safetensors file (canonical) or a folder (--to hf|orbax)")
   p.add_argument("--from", dest="src_format", choices=FORMATS, help="source format (default: inferred from SRC)")
   p.add_argument("--to", dest="dst_format", choices=FORMATS, help="output format (default: inferred from DST)")

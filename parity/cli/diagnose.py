@@ -13,7 +13,8 @@ __all__ = ["register"]
 
 def register(sub) -> None:
   """Adds `diagnose` to the subparsers `sub`."""
-  p = sub.add_parser("diagnose", help="one step on identical weights and batch: the first tensor where two sides differ",
+  p = sub.add_parser("diagnose",
+                     help="one step on identical weights and batch: the first tensor where two sides differ",
                      description="Runs one training step of two sides on the same initial weights and batch, "
                                  "records every forward intermediate, gradient and the first update, and names "
                                  "the first tensor that breaks tolerance (docs/diagnose.md). Exit 0: no tensor "
@@ -21,7 +22,8 @@ def register(sub) -> None:
   add_run_source(p, set_example="--set model.n_layers=2")
   p.add_argument("--hf-model", metavar="DIR", help="a local Hugging Face checkpoint folder (model spec and weights; "
                                                    "default: seeded initial weights)")
-  p.add_argument("--step", type=int, default=0, help="batch (batches.npy[STEP]) and lr position to diagnose (default 0)")
+  p.add_argument("--step", type=int, default=0,
+                 help="batch (batches.npy[STEP]) and lr position to diagnose (default 0)")
   p.add_argument("--sides", default="jax,torch", help="reference,candidate (default jax,torch)")
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
                  help="change one side on purpose, e.g. jax:model.norm_eps=1e-6 (default: none)")

@@ -26,12 +26,12 @@ def register(sub) -> None:
   p = sub.add_parser("report", help="re-render a finished run, or compare several runs on one page",
                      description="One RUN_DIR: re-renders report.html, report.md with its PNGs and card.json from the "
                                  "run's files (nothing is re-run; report.json is left as it is) and prints the "
-                                 "summary; exit 0/1: the run's verdict (1 also when a file could not be written: the lines "
-                                 "say which, or when the run is UNVERIFIED: every check is recomputed from the run's "
-                                 "records first and must match report.json). Several RUN_DIRs (or -o): writes "
+                                 "summary; exit 0/1: the run's verdict (1 also when a file could not be written: the "
+                                 "lines say which, or when the run is UNVERIFIED: every check is recomputed from the "
+                                 "run's records first and must match report.json). Several RUN_DIRs (or -o): writes "
                                  "comparison.html and comparison.md (key figures per run, one plot per metric across "
-                                 "runs); exit 0, or 1 when a run is UNVERIFIED (its files changed since its verdict, or its "
-                                 "checks do not recompute). Exit 2: a folder "
+                                 "runs); exit 0, or 1 when a run is UNVERIFIED (its files changed since its verdict, "
+                                 "or its checks do not recompute). Exit 2: a folder "
                                  "is not a finished run (the message says what is missing).")
   p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders written by `parity compare`")
   p.add_argument("-o", "--out", metavar="DIR",

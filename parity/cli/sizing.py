@@ -1,7 +1,8 @@
-"""`parity estimate`, `parity plan` and `parity presets`: the run through parity.pipeline.resolve.resolve_run, the tables.
+"""`parity estimate`, `parity plan` and `parity presets`: the run through parity.pipeline.resolve.resolve_run, the
+tables.
 
-The numbers come from parity.sizing.memory (estimate_json, totals, step_rows) and parity.sizing.plans (choose_plan, explain,
-ranking_json); this module only parses options and prints.
+The numbers come from parity.sizing.memory (estimate_json, totals, step_rows) and parity.sizing.plans (choose_plan,
+explain, ranking_json); this module only parses options and prints.
 """
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ def register(sub) -> None:
                                       "with DeepSpeed's own estimator figures",
                      description="Estimates the bytes of params, gradients, fp32 master, optimizer moments and "
                                  "activations per rank, on the device and on the host, for the DeepSpeed, the JAX "
-                                 "and the FSDP2 side of a run, next to DeepSpeed's own estimate_zero*_model_states_mem_needs "
-                                 "(docs/plans.md). Exit 0, or 2 on bad input.")
+                                 "and the FSDP2 side of a run, next to DeepSpeed's own "
+                                 "estimate_zero*_model_states_mem_needs (docs/plans.md). Exit 0, or 2 on bad input.")
   _add_run_source(p, DEFAULT_PRESET)
-  p.add_argument("--plan", help="a plan pair of `parity plan` (parity.sizing.plans.PLANS) (default: the run's own plans)")
+  p.add_argument("--plan", help="a plan pair of `parity plan` (parity.sizing.plans.PLANS) (default: the run's own "
+                                "plans)")
   p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed and the FSDP2 side")
   p.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON (default: none)")
   p.add_argument("--force", action="store_true", help="let --json FILE replace an existing file (default off: an "
@@ -255,8 +257,9 @@ def run_plan(args: argparse.Namespace) -> int:
   table = Table(title=f"{memory.param_count(run.model):,} params, {run.train.tokens_per_step:,} tokens/step per "
                       f"device, {run.train.precision}, on {args.devices} x {hw.name}: {plan_header(inputs)}")
   # fits the terminal's width: short stacked headers, one column per side (device / host), plan names whole
+  # a unit that shows them
   tu = next(((n, f) for n, f in (("s", 1), ("ms", 1e3), ("µs", 1e6)) if max(
-      (c.step_s for c in ranked if math.isfinite(c.step_s)), default=1) * f >= 1), ("µs", 1e6))  # a unit that shows them
+      (c.step_s for c in ranked if math.isfinite(c.step_s)), default=1) * f >= 1), ("µs", 1e6))
   t = lambda x: "-" if not math.isfinite(x) else f"{x * tu[1]:.3f}"
   for col in ("plan", f"step\n{tu[0]}", f"compute\n{tu[0]}", f"transfer\n{tu[0]}",
               *(f"{s} {unit[0]}\ndevice/host" for s in sides), "fits"):

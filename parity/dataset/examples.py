@@ -100,7 +100,7 @@ class ExampleSet:
 
 def _ids(rec: Record, key: str, value, flags: bool = False) -> np.ndarray:
   """`value` as int64 (n,): a list of integers (`flags`: JSON true/false too, for masks)."""
-  ok = lambda v: isinstance(v, int) and (flags or not isinstance(v, bool))  # noqa: E731
+  ok = lambda v: isinstance(v, int) and (flags or not isinstance(v, bool))
   if not isinstance(value, (list, tuple)) or not all(ok(v) for v in value):
     bad = next((v for v in value if not ok(v)), None) if isinstance(value, (list, tuple)) else None
     raise DataError(f"{rec.where}: `{key}` must be a list of integers; got {type(value).__name__}"

@@ -131,7 +131,7 @@ def _json(path: Path) -> Iterator[Record]:
 
 def _parquet(path: Path) -> Iterator[Record]:
   try:  # optional: only Parquet needs it, and it is a large install
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq
   except ImportError:
     raise DataError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip install pyarrow, or "
                     "convert the file to JSONL ({\"input_ids\": [...]} per line)") from None

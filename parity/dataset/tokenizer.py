@@ -55,10 +55,10 @@ def _environment():
   """The jinja2 sandbox transformers renders chat templates in (trim_blocks, lstrip_blocks, loopcontrols, the
   `generation` tag, raise_exception, tojson without ASCII escaping)."""
   try:  # optional: only chat data needs it
-    import jinja2  # noqa: PLC0415
-    from jinja2 import nodes  # noqa: PLC0415
-    from jinja2.ext import Extension  # noqa: PLC0415
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
   except ImportError:
     raise DataError("chat data (messages / conversations) needs jinja2 to render the tokenizer's chat template: "
                     "pip install jinja2") from None
@@ -205,7 +205,7 @@ def load_tokenizer(folder: str | Path) -> HFTokenizer:
     raise DataError(f"tokenizer {str(folder)!r} {what}; give the folder of a Hugging Face tokenizer (the one "
                     f"holding {TOKENIZER_FILE}, e.g. the --hf-model checkpoint's)")
   try:  # optional: only text data needs it
-    from tokenizers import Tokenizer  # noqa: PLC0415
+    from tokenizers import Tokenizer
   except ImportError:
     raise DataError(f"{path}: text examples need the `tokenizers` package to tokenize: pip install tokenizers "
                     "(or give pre-tokenized input_ids)") from None

@@ -32,9 +32,10 @@ Planted bugs for testing the tool (`--plant SIDE:KIND`, request key `diagnose_pl
 `transpose=<canonical square weight>` (transposed when that side loads it), `decay_all` (weight decay
 on every tensor, norms and biases included). Numeric settings go through `--perturb` as in compare.
 
-Layout: `parity.diagnose.inputs` (the `--plant` items, the lr position), `parity.diagnose.compare` (the per-kind rules and the tensor comparison),
-`parity.diagnose.driver` (the driver `diagnose` and its DiagnoseResult); the request and files a worker reads and
-writes, and the workers' loop, are `parity.protocol.diagnose`. This package only re-exports them.
+Layout: `parity.diagnose.inputs` (the `--plant` items, the lr position), `parity.diagnose.compare` (the per-kind rules
+and the tensor comparison), `parity.diagnose.driver` (the driver `diagnose` and its DiagnoseResult); the request and
+files a worker reads and writes, and the workers' loop, are `parity.protocol.diagnose`. This package only re-exports
+them.
 """
 from parity.diagnose.compare import (PRECISION_RULE, RULES, UNIT_ROUNDOFF, PrecisionDiff, PrecisionRule, Rule,
                                      TensorDiff, compare_outputs, compare_precision, compare_tensor, precision_errors)

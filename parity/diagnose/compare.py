@@ -168,7 +168,8 @@ def compare_tensor(name: str, ref: np.ndarray, cand: np.ndarray, *, init: np.nda
   max_abs = float(np.max(diff, initial=0.0))
   passed = bool(np.all(diff <= allowed))
   rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-  return TensorDiff(name, kind, tuple(a.shape), max_abs, rel, scale, float(allowed.reshape(-1)[flat]) if a.size else 0.0,
+  return TensorDiff(name, kind, tuple(a.shape), max_abs, rel, scale,
+                    float(allowed.reshape(-1)[flat]) if a.size else 0.0,
                     idx, float(a.reshape(-1)[flat]) if a.size else None, float(b.reshape(-1)[flat]) if b.size else None,
                     passed, worst_abs_err=float(diff.reshape(-1)[flat]) if a.size else 0.0, note=note)
 

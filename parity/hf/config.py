@@ -241,7 +241,8 @@ def _parse_gpt2(c: _Config, notes: list[str]) -> ModelSpec:
   if act not in approx:
     raise _refuse(arch, "activation_function", act, "only gelu_new, gelu_pytorch_tanh (tanh GELU) and gelu (erf)")
   if c.bool("scale_attn_by_inverse_layer_idx"):
-    raise _refuse(arch, "scale_attn_by_inverse_layer_idx", True, "a per-layer 1/(layer+1) score scale has no spec field")
+    raise _refuse(arch, "scale_attn_by_inverse_layer_idx", True,
+                  "a per-layer 1/(layer+1) score scale has no spec field")
   if c.bool("add_cross_attention"):
     raise _refuse(arch, "add_cross_attention", True, "cross-attention layers are not part of a decoder-only GPT")
   if c.bool("reorder_and_upcast_attn"):

@@ -190,7 +190,8 @@ def looks_like(path: Path, fmt: str) -> bool:
     return (path / "config.json").is_file() and weights_file and not any(
         e.is_dir() and not e.name.startswith(".") for e in entries)
   return (path / "params").is_dir() and (path / "model_spec").is_dir() and all(
-      e.name in ("params", "model_spec", "commit_success.txt") or e.name.startswith(("_", ".")) or e.name.endswith(".json")
+      e.name in ("params", "model_spec",
+                 "commit_success.txt") or e.name.startswith(("_", ".")) or e.name.endswith(".json")
       for e in entries)
 
 

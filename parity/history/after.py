@@ -60,7 +60,7 @@ class PostRun:
         t = open_tracker(kind, target, Path(report.run_dir).name)
         n = mirror_run(report.run_dir, [t], sides=list(report.data["sides"]))
         out.messages.append(f"tracker {kind}:{target}: {n} step records mirrored")
-      except Exception as exc:  # noqa: BLE001  a tracker's own failure must not lose the run's result
+      except Exception as exc:  # a tracker's own failure must not lose the run's result
         out.messages.append(f"tracker {kind}:{target} failed: {type(exc).__name__}: {str(exc)[:200]}")
     return out
 

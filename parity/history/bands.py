@@ -99,7 +99,7 @@ def flag_changes(new: Snapshot, base: Snapshot) -> list[str]:
   nf, bf = new.numerics_flags, base.numerics_flags
   if nf is None or bf is None:
     return []
-  show = lambda v: "unset" if v is None else repr(v)  # noqa: E731
+  show = lambda v: "unset" if v is None else repr(v)
   return [f"{k} {show(bf.get(k))} -> {show(nf.get(k))}" for k in sorted(set(nf) & set(bf)) if nf[k] != bf[k]]
 
 

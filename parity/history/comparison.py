@@ -425,7 +425,7 @@ def _write_comparison_files(runs: Sequence[RunFigures], out: Path, created: list
   for key, caption, fig in comparison_figures(runs):
     figures[key] = (to_svg(fig, salt=key, close=False), caption)
     name = f"comparison-{key}.png"
-    _atomic(out / name, lambda p, b=to_png(fig): p.write_bytes(b))
+    _atomic(out / name, lambda p, b=to_png(fig): p.write_bytes(b))  # noqa: B008 - the PNG is drawn once, here
     plots[key] = (name, caption)
     written[f"plot:{key}"] = out / name
   _atomic(out / "comparison.md", lambda p: p.write_text(comparison_markdown(runs, plots), encoding="utf-8"))

@@ -34,9 +34,9 @@ from parity.migrate._ctx import MISSING, Ctx
 
 __all__ = ["check_deepspeed_accepts", "MSG_CLIENT_OFFLOAD", "MSG_UNTESTED"]
 
-MSG_CLIENT_OFFLOAD = ("You are using ZeRO-Offload with a client provided optimizer (...) which in most cases will yield "
-                      "poor performance. Please either use deepspeed.ops.adam.DeepSpeedCPUAdam or set an optimizer in "
-                      "your ds-config ... you can also set <\"zero_force_ds_cpu_optimizer\": false>")
+MSG_CLIENT_OFFLOAD = ("You are using ZeRO-Offload with a client provided optimizer (...) which in most cases will "
+                      "yield poor performance. Please either use deepspeed.ops.adam.DeepSpeedCPUAdam or set an "
+                      "optimizer in your ds-config ... you can also set <\"zero_force_ds_cpu_optimizer\": false>")
 """DeepSpeed 0.19.8 engine._configure_optimizer, ZeRORuntimeException (abridged)."""
 MSG_UNTESTED = ("You are using an untested ZeRO Optimizer. Please add <\"zero_allow_untested_optimizer\": true> in the "
                 "configuration file to use it.")
@@ -87,5 +87,6 @@ def check_deepspeed_accepts(ctx: Ctx) -> None:
                f"fails (torch device_mesh AssertionError) unless the world size is a multiple of autotp_size. Fix: "
                f"run on a multiple of {tp} ranks (--world-size) or set autotp_size to 1.", deepspeed=True)
   if ctx.get("zero_force_ds_cpu_optimizer") not in (MISSING, True, False):
-    ctx.refuse("zero_force_ds_cpu_optimizer", f"zero_force_ds_cpu_optimizer: got {ctx.get('zero_force_ds_cpu_optimizer')!r}; "
+    ctx.refuse("zero_force_ds_cpu_optimizer", "zero_force_ds_cpu_optimizer: got "
+                                              f"{ctx.get('zero_force_ds_cpu_optimizer')!r}; "
                "DeepSpeed's config reads a boolean (pydantic). Use true or false.", deepspeed=True)

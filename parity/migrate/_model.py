@@ -86,7 +86,8 @@ class BatchCfg(BaseModel):
   def _product(self):
     if self.global_batch != self.micro * self.grad_accum * self.world:
       raise ValueError(f"batch.global_batch ({self.global_batch}) != micro * grad_accum * world "
-                       f"({self.micro} * {self.grad_accum} * {self.world} = {self.micro * self.grad_accum * self.world})")
+                       f"({self.micro} * {self.grad_accum} * {self.world} = "
+                       f"{self.micro * self.grad_accum * self.world})")
     return self
 
 

@@ -109,10 +109,12 @@ def _batch(ctx: Ctx) -> dict[str, Any] | None:
     pass
   elif tb is not None and mb is not None:
     gas = tb // mb // world
-    derived.append(("gradient_accumulation_steps", gas, f"train_batch_size // micro // world = {tb} // {mb} // {world}"))
+    derived.append(("gradient_accumulation_steps", gas,
+                    f"train_batch_size // micro // world = {tb} // {mb} // {world}"))
   elif tb is not None and gas is not None:
     mb = tb // world // gas
-    derived.append(("train_micro_batch_size_per_gpu", mb, f"train_batch_size // world // GAS = {tb} // {world} // {gas}"))
+    derived.append(("train_micro_batch_size_per_gpu", mb,
+                    f"train_batch_size // world // GAS = {tb} // {world} // {gas}"))
   elif mb is not None and gas is not None:
     tb = mb * gas * world
     derived.append(("train_batch_size", tb, f"micro * GAS * world = {mb} * {gas} * {world}"))
@@ -191,7 +193,8 @@ def _fp16(ctx: Ctx) -> tuple[bool, dict[str, Any] | None]:
 def _bf16(ctx: Ctx) -> tuple[bool, bool]:
   key = "bf16" if ctx.has("bf16") else ("bfloat16" if ctx.has("bfloat16") else None)
   if ctx.has("bf16") and ctx.has("bfloat16"):
-    ctx.mark("bfloat16", "not_needed", None, "ignored: DeepSpeed reads the legacy 'bfloat16' only when 'bf16' is absent")
+    ctx.mark("bfloat16", "not_needed", None,
+             "ignored: DeepSpeed reads the legacy 'bfloat16' only when 'bf16' is absent")
   if key is None:
     return False, True
   if key == "bfloat16":
@@ -212,7 +215,8 @@ def _bf16(ctx: Ctx) -> tuple[bool, bool]:
   check = ctx.boolean(f"{key}.check_grad_overflow", True)
   if _unresolved_precision(ctx, key):
     return False, True
-  ctx.mark(f"{key}.enabled", "mapped", "precision.compute_dtype", "true -> bf16 compute, fp32 master" if on else "false")
+  ctx.mark(f"{key}.enabled", "mapped", "precision.compute_dtype",
+           "true -> bf16 compute, fp32 master" if on else "false")
   if not on:
     ctx.mark(key, "not_needed", None, "bf16 disabled", overwrite=False)
     return False, True
@@ -323,7 +327,8 @@ def _misc(ctx: Ctx) -> None:
       ctx.mark(key, "not_needed", None, _NOT_NEEDED_TOP[key])
     elif key in _UNSUPPORTED_TOP:
       node = ctx.get(key)
-      if key == "tensor_parallel" and isinstance(node, dict) and node.get("autotp_size", 1) in (0, 1) and len(node) == 1:
+      if key == "tensor_parallel" and isinstance(node, dict) and node.get("autotp_size", 1) in (0, 1) \
+          and len(node) == 1:
         ctx.mark(key, "not_needed", None, "autotp_size <= 1: no tensor parallelism")
       else:
         ctx.refuse(key, f"{key}: {_UNSUPPORTED_TOP[key]} is not in the JAX plan (one data axis). Remove the section "

@@ -126,7 +126,8 @@ def _adam(ctx: Ctx, lname: str, offload: str | None, onebit: str | None) -> dict
     ctx.warn("optimizer.type AdamW ignores adam_w_mode=false: DeepSpeed's engine forces AdamW for type AdamW.")
   _mark_params(ctx, {
       "lr": "learning rate", "betas": "Adam (beta1, beta2)", "eps": "added to sqrt(v_hat)",
-      "weight_decay": f"{rule}, {DECAY_MASK}. {HF_SECTION_MASK}", "bias_correction": "bias-corrected moments (false: raw m / (sqrt(v) + eps))",
+      "weight_decay": f"{rule}, {DECAY_MASK}. {HF_SECTION_MASK}",
+      "bias_correction": "bias-corrected moments (false: raw m / (sqrt(v) + eps))",
   }, {
       "adam_w_mode": f"selects the update rule -> optimizer.type {kind!r} ({rule})",
       "torch_adam": f"selects the class ({impl}); the JAX update is the same formula",
@@ -176,7 +177,8 @@ def _sgd(ctx: Ctx) -> dict[str, Any] | None:
        "nesterov": ctx.boolean("optimizer.params.nesterov", False)}
   if p["nesterov"] and (not p["momentum"] or p["dampening"]):
     ctx.refuse("optimizer.params.nesterov", "optimizer.params.nesterov: torch.optim.SGD raises 'Nesterov momentum "
-               f"requires a momentum and zero dampening'; got momentum={p['momentum']}, dampening={p['dampening']}.", deepspeed=True)
+               f"requires a momentum and zero dampening'; got momentum={p['momentum']}, dampening={p['dampening']}.",
+               deepspeed=True)
   if ctx.get("optimizer.params.maximize") is True:
     ctx.refuse("optimizer.params.maximize", "optimizer.params.maximize: true is not supported by the port.")
   for k in ("lr", "weight_decay"):
@@ -248,7 +250,8 @@ def port_optimizer(ctx: Ctx, offload: str | None) -> dict[str, Any] | None:
                "Adam, AdamW, Lamb, SGD and the 1-bit/0-1 variants. Use one of those or port by hand.")
     return None
   ctx.refuse("optimizer.type", f"optimizer.type {name!r}: DeepSpeed asserts '{name} is not a supported DeepSpeed "
-             "Optimizer' (neither a DeepSpeed optimizer nor in torch.optim; names are case-sensitive there).", deepspeed=True)
+             "Optimizer' (neither a DeepSpeed optimizer nor in torch.optim; names are case-sensitive there).",
+             deepspeed=True)
   return None
 
 
@@ -303,7 +306,8 @@ def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any]
                  "DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest.")
     else:
       ctx.refuse("scheduler.type", f"scheduler.type {name!r}: DeepSpeed asserts 'DeepSpeed does not recognize LR "
-                 f"scheduler {name}'. Known: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.", deepspeed=True)
+                 f"scheduler {name}'. Known: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest.",
+                 deepspeed=True)
     return None
   ctx.mark("scheduler.type", "mapped", "scheduler.type", f"{name}: value at every step equals DeepSpeed's, incl. "
            "step 0 (scheduler iteration -1) and no advance on a skipped step")

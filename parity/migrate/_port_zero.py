@@ -113,7 +113,8 @@ def port_zero(ctx: Ctx) -> tuple[dict[str, Any], dict[str, Any]] | None:
     return None
   for k, msg in _REMOVED.items():
     if k in z:
-      ctx.refuse(f"zero_optimization.{k}", f"zero_optimization.{k}: DeepSpeed 0.19.8 raises '{msg}'. Remove it.", deepspeed=True)
+      ctx.refuse(f"zero_optimization.{k}", f"zero_optimization.{k}: DeepSpeed 0.19.8 raises '{msg}'. Remove it.",
+                 deepspeed=True)
   ctx.unknown_keys("zero_optimization", sorted(_KNOWN | set(_REMOVED)), why="DeepSpeedZeroConfig has extra='forbid'")
   stage = ctx.num("zero_optimization.stage", 0, integer=True, ge=0, le=3)
   stage = 0 if stage is None else stage
@@ -151,7 +152,8 @@ def _deprecated_offload_flags(ctx: Ctx) -> None:
   if ctx.get("zero_optimization.cpu_offload") is True:
     if ctx.has("zero_optimization.offload_optimizer"):
       ctx.refuse("zero_optimization.cpu_offload", "zero_optimization.cpu_offload with offload_optimizer: DeepSpeed "
-                 "asserts 'Cannot provide deprecated parameter and replacing parameter together'. Keep one.", deepspeed=True)
+                 "asserts 'Cannot provide deprecated parameter and replacing parameter together'. Keep one.",
+                 deepspeed=True)
     ctx.warn("zero_optimization.cpu_offload is deprecated; DeepSpeed warns 'use offload_optimizer instead' and reads "
              "it as offload_optimizer.device=cpu (pinned).")
     ctx.cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

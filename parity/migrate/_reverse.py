@@ -322,8 +322,8 @@ def _optimizer_fields(o: Any) -> dict[str, Any]:
 def _jax_plan(ported: PortedConfig, base: RunSpec, ds: Any) -> Any:
   """The JaxPlan of a ported config: its memory kinds and remat, sharded at the config's ZeRO stage.
 
-  Where a parity.sizing.plans.PLANS pair has exactly this DeepSpeed plan and these memory kinds, its JaxPlan runs (so the
-  report names the pair: a ZeRO-3 config runs the `zero3` pair, jax.zero_stage 3 on one device); otherwise
+  Where a parity.sizing.plans.PLANS pair has exactly this DeepSpeed plan and these memory kinds, its JaxPlan runs (so
+  the report names the pair: a ZeRO-3 config runs the `zero3` pair, jax.zero_stage 3 on one device); otherwise
   jax.zero_stage is the config's stage.
   """
   j = ported.jax

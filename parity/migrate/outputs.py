@@ -1,5 +1,5 @@
-"""Where `parity port` may write: outputs that destroy nothing (`check_outputs`: only the file port wrote there, unedited,
-is replaced without --force), written whole or not at all, with a record of what was written (`write_output`).
+"""Where `parity port` may write: outputs that destroy nothing (`check_outputs`: only the file port wrote there,
+unedited, is replaced without --force), written whole or not at all, with a record of what was written (`write_output`).
 The command itself is parity/cli/port.py."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from parity.migrate._read import PortError
 __all__ = ["OURS", "RECORD_SUFFIX", "check_outputs", "write_output", "record_path"]
 
 
-OURS = ("schema: parity.ported/1", '"schema": "parity.ported/1"', "schema: parity.ported/2", '"schema": "parity.ported/2"',
+OURS = ("schema: parity.ported/1", '"schema": "parity.ported/1"', "schema: parity.ported/2",
+        '"schema": "parity.ported/2"',
         '"schema": "parity.migration/1"',
         "# Migration report:")
 """Text a ported config or report starts with (or holds in its first 4 KiB): named in the refusal of such a file that

@@ -60,7 +60,8 @@ class VerifyOutcome:
   lr_max_rel: float
   beta1_max_rel: float
   params_max_ulp_ratio: float | None
-  """max |p_ds - p_jax| / the fp32 bound (see module doc); <= 1 passes. None when DeepSpeed could not run the optimizer."""
+  """max |p_ds - p_jax| / the fp32 bound (see module doc); <= 1 passes. None when DeepSpeed could not run the
+  optimizer."""
   params_vs_reference_ratio: float
   """Same ratio for the JAX params against parity's float64 numpy transcription of DeepSpeed's update."""
   mode: str

@@ -61,8 +61,8 @@ def element_scores(d: np.ndarray, moved: float, bound: float, name: str, ma, mb,
                          lr_sum: float, kappa: float, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(|a_i - b_i| / allowed_i, allowed_i) over the masked elements of one tensor, for the per-element Adam rule
   allowed_i = bound·moved + min(2·lr_sum, kappa·g_i·S_i): g_i the gradient scale of `noise_scale` (g_T, or on a
-  vocabulary-row tensor max(g_T, g_row)), S_i the larger side's Σ_t lr_t/(sqrt(v_hat_t)+eps) (derivation: this module's docstring
-  and that of parity.verdict.params). An element with allowed 0 scores 0 when equal, inf otherwise."""
+  vocabulary-row tensor max(g_T, g_row)), S_i the larger side's Σ_t lr_t/(sqrt(v_hat_t)+eps) (derivation: this module's
+  docstring and that of parity.verdict.params). An element with allowed 0 scores 0 when equal, inf otherwise."""
   g = noise_scale(name, ma, mb, mask, vocab_size)
   sens = np.maximum(ma["sensitivity"][name], mb["sensitivity"][name]).astype(np.float64)[mask]
   allowed = bound * moved + np.minimum(2.0 * lr_sum, kappa * g * sens)
@@ -81,9 +81,9 @@ def adam_step_sum(lrs, beta1: float, beta2: float) -> float:
       |m_hat_t| / sqrt(v_hat_t) <= c_t = sqrt(sum_k a_k^2 / b_k) * sqrt(1 - beta2^t) / (1 - beta1^t),
 
   equality for g_k proportional to a_k / b_k. c_1 = 1 and c_t grows with t toward its limit (for (0.9, 0.95) at most
-  1.17; for (0.9, 0.999) 1.16 at step 20, 3.1 at step 200, 7.3 in the limit). Kingma & Ba (2015, sec. 2.1) quote |step| <= lr for
-  (1 - beta1) <= sqrt(1 - beta2) and lr (1 - beta1)/sqrt(1 - beta2) otherwise, for a gradient at one step only; this is
-  the bound over every gradient sequence, which the zero-gradient slices (rounding noise, any sign) need.
+  1.17; for (0.9, 0.999) 1.16 at step 20, 3.1 at step 200, 7.3 in the limit). Kingma & Ba (2015, sec. 2.1) quote |step|
+  <= lr for (1 - beta1) <= sqrt(1 - beta2) and lr (1 - beta1)/sqrt(1 - beta2) otherwise, for a gradient at one step
+  only; this is the bound over every gradient sequence, which the zero-gradient slices (rounding noise, any sign) need.
 
   Args:
     lrs: the learning rate of each update applied, in order (skipped fp16 steps left out: t counts updates).
@@ -106,7 +106,8 @@ def adam_step_sum(lrs, beta1: float, beta2: float) -> float:
 
 class AdamSensitivity:
   """Per element, S_i = sum over Adam updates t of lr_t / (sqrt(v_hat_t,i) + eps): how far rounding noise in that
-  element's gradient can move its parameter (the params rule, parity.verdict.params.param_checks). Numpy only; every side feeds it.
+  element's gradient can move its parameter (the params rule, parity.verdict.params.param_checks). Numpy only; every
+  side feeds it.
   Cost: per update, one host copy of sqrt(v_hat) and one float64 pass over the params (gpt2-tiny: ~1 ms; a model
   of P params: ~8 P bytes of host memory and O(P) work per step, beside the step itself).
 

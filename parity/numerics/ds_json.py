@@ -155,7 +155,7 @@ def config_value(config: Any, key: str) -> tuple[bool, Any]:
   if not isinstance(config, dict):
     return False, None
   if key == "train.precision":
-    on = lambda sec: isinstance(config.get(sec), dict) and config[sec].get("enabled") is True  # noqa: E731
+    on = lambda sec: isinstance(config.get(sec), dict) and config[sec].get("enabled") is True
     return True, "fp16" if on("fp16") else "bf16" if on("bf16") else "fp32"
   if key not in TRAIN_KEY_PATHS:
     return False, None

@@ -200,7 +200,8 @@ def scheduler_params(train) -> tuple[str, dict[str, Any]]:
     given = dict(train.lr_schedule_params or {})
   unknown = sorted(set(given) - set(SCHEDULER_DEFAULTS[kind]))
   if unknown:
-    raise SpecError(f"train.lr_schedule_params: {unknown} are not {kind} params; expected {sorted(SCHEDULER_DEFAULTS[kind])}")
+    raise SpecError(f"train.lr_schedule_params: {unknown} are not {kind} params; expected "
+                    f"{sorted(SCHEDULER_DEFAULTS[kind])}")
   params = {**SCHEDULER_DEFAULTS[kind], **given}
   if kind == "WarmupLR" and params["warmup_max_lr"] is None:
     params["warmup_max_lr"] = train.lr  # DeepSpeed takes it from the optimizer lr

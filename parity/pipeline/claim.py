@@ -1,5 +1,5 @@
-"""The run folder's claim: fresh, locked while a run writes it, never reused (`claim_run_dir`); parity.pipeline.folder re-exports
-these names."""
+"""The run folder's claim: fresh, locked while a run writes it, never reused (`claim_run_dir`); parity.pipeline.folder
+re-exports these names."""
 from __future__ import annotations
 
 import contextlib

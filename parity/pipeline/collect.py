@@ -21,8 +21,8 @@ def collect_sides(run_dir: Path, side_runs: dict[str, SideRun], run_id: str | No
   Returns:
     {side: {'status': str, 'steps': [StepRecord], 'final': {name: float32 array} | None,
     'moments': parity.protocol.read_moments output | None, 'semantics': the side's card of this run (run_dir/<side>/
-    semantics.json, parity.protocol.semantics.read_card) | None, 'placement': `placement_entry`, 'device': summary.json's
-    device name | None}}: what
+    semantics.json, parity.protocol.semantics.read_card) | None, 'placement': `placement_entry`, 'device':
+    summary.json's device name | None}}: what
     parity.verdict.sides.compare_sides takes.
   """
   data = {}

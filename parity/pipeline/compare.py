@@ -1,10 +1,10 @@
 """`parity.compare(...)`: one comparison from Python, returning the Report.
 
-The pipeline, top to bottom (`run_comparison`): resolve (parity.pipeline.resolve) -> prepare the run folder (parity.pipeline.folder) ->
-run the sides (harness.runner) -> collect (parity.pipeline.collect) -> compare (parity.verdict.sides) -> reruns (parity.pipeline.reruns) ->
-build the report -> write it (parity.report). `compare` is its keyword form for notebooks: its keywords are
-resolve_run's parameters (what is run) and RunOptions' fields (how it runs, listed and documented once, there); the
-CLI builds the same two (parity.cli.compare).
+The pipeline, top to bottom (`run_comparison`): resolve (parity.pipeline.resolve) -> prepare the run folder
+(parity.pipeline.folder) -> run the sides (harness.runner) -> collect (parity.pipeline.collect) -> compare
+(parity.verdict.sides) -> reruns (parity.pipeline.reruns) -> build the report -> write it (parity.report). `compare` is
+its keyword form for notebooks: its keywords are resolve_run's parameters (what is run) and RunOptions' fields (how it
+runs, listed and documented once, there); the CLI builds the same two (parity.cli.compare).
 """
 from __future__ import annotations
 

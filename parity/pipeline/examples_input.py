@@ -94,11 +94,11 @@ def write_example_inputs(run_dir: Path, spec: RunSpec, write_new: Callable[[Path
   train, val = _lay_out(examples, spec, world)
   write_new(run_dir / "batches.npy", lambda f: np.save(f, train.tokens))
   for name, file in EXAMPLE_ARRAYS.items():
-    write_new(run_dir / file, lambda f, a=getattr(train, name): np.save(f, a))
+    write_new(run_dir / file, lambda f, a=getattr(train, name): np.save(f, a))  # noqa: B008 - binds this array
   if val is not None:
     write_new(run_dir / "val_batches.npy", lambda f: np.save(f, val.tokens[:, 0]))
     for name, file in VAL_ARRAYS.items():
-      write_new(run_dir / file, lambda f, a=getattr(val, name): np.save(f, a[:, 0]))
+      write_new(run_dir / file, lambda f, a=getattr(val, name): np.save(f, a[:, 0]))  # noqa: B008 - binds this array
   card = data_card(examples, train)
   info = {"source": examples.source, "sha256": examples.sha256, "examples": len(examples.examples),
           "val_examples": 0 if val is None else int(len({p.example for p in val.pieces})),

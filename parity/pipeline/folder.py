@@ -17,7 +17,7 @@ from parity import weights
 from parity.data import Corpus, batch_dtype, load_corpus, make_batches
 from parity.protocol.layout import DEBUG_KEYS, REQUEST_SCHEMA, parse_debug_value
 from parity.protocol.semantics import TRAIN_ANYWAY_KEY
-from parity.pipeline.claim import RUN_INPUTS, RunFolderError, RunIOError, claim_run_dir
+from parity.pipeline.claim import RUN_INPUTS, RunFolder, RunFolderError, RunIOError, claim_run_dir
 from parity.pipeline.perturb import PerturbPlan, plan_perturbations
 from parity.pipeline.examples_input import EXAMPLE_ARRAYS, write_example_inputs
 from parity.pipeline.plants import check_plants_on_data
@@ -182,7 +182,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
     {'request': ..., 'corpus': {source, sha256, tokens}, 'prepare_s': seconds}.
   Raises:
     DataError: the corpus is missing or too small.
-    SpecError: the corpus needs a larger vocabulary than the model has (`check_vocab`); a perturbation changes nothing its side
+    SpecError: the corpus needs a larger vocabulary than the model has (`check_vocab`); a perturbation changes nothing
+    its side
       trains or cannot reach the DeepSpeed side's config (plan_perturbations); RunFolderError: an input file of an
       earlier run is in the folder.
     RunIOError: a file could not be written (disk full, read-only folder); the message names it.
@@ -385,8 +386,8 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
                     command: str | None = None, train_anyway_on_card_diff: bool = False) -> PreparedRun:
   """Claims the run folder of a resolved run (parity.pipeline.resolve.ResolvedRun) and writes its inputs.
 
-  Sizes that cannot fit are refused before any folder or array exists (parity.sizing.resources.check_resources); then the
-  folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
+  Sizes that cannot fit are refused before any folder or array exists (parity.sizing.resources.check_resources); then
+  the folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
   (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back. The
   perturbations are decided first (`parity.pipeline.perturb.plan_perturbations`): one that cannot reach its side is
   refused before any folder exists. train_anyway_on_card_diff: recorded in request.json (`prepare_run_dir`).

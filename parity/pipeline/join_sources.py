@@ -137,7 +137,7 @@ def check_same_request(first: Source, other: Source) -> None:
     a, b = first.recorded(name), other.recorded(name)
     if a == b or (name == "init.safetensors" and a and b and _same_tensors(first, other)):
       continue
-    show = lambda h: f"{h[:12]}.." if h else "absent"  # noqa: E731
+    show = lambda h: f"{h[:12]}.." if h else "absent"
     raise InputError(f"{other.path / name} differs from {first.path / name} (sha256 {show(b)} vs {show(a)}): the two "
                      f"runs {_WHAT.get(name, 'did not lay out the same examples')}; {fix}")
   da, db = (s.request.get("data") or {} for s in (first, other))

@@ -125,7 +125,8 @@ def _window_reason(spec: RunSpec, key: str, value: Any) -> str:
     return (f"it gives the layer kinds the run already has ({', '.join(m.layer_kinds)}; [] means every layer "
             "'sliding' when model.sliding_window is set, else 'full')")
   return (f"with it the {new.layer_kinds.count('sliding')} 'sliding' layer(s) of {m.n_layers} have a window of "
-          f"{new.sliding_window}, at least train.seq_len ({t.seq_len}): every key of a row stays visible, as without it")
+          f"{new.sliding_window}, at least train.seq_len ({t.seq_len}): every key of a row stays visible, as without "
+          "it")
 
 
 def side_fields(spec: RunSpec, kv: Mapping[str, Any]) -> dict[str, Any]:

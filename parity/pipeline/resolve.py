@@ -45,7 +45,8 @@ from parity import hf, weights
 from parity.sizing import plans
 from parity.sizing.plans import DEFAULT_PLAN, plan_of
 
-__all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file", "check_fsdp_overrides_are_read"]
+__all__ = ["ResolvedRun", "resolve_run", "resolve", "overrides_mapping", "load_config_file",
+           "check_fsdp_overrides_are_read"]
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -76,8 +77,8 @@ def _merge(base: dict, top: Mapping) -> dict:
 def resolve(preset_name: str | None = None, *, config: str | Path | Mapping | None = None,
             overrides: Mapping[str, Any] | Sequence[str] = (), steps: int | None = None,
             sides: Sequence[str] | None = None, data: str | None = None) -> RunSpec:
-  """The RunSpec of `parity.pipeline.resolve.resolve_run` for a preset, config, flags and overrides (no checkpoint, plan or
-  DeepSpeed config): a shorthand for tests and benchmarks.
+  """The RunSpec of `parity.pipeline.resolve.resolve_run` for a preset, config, flags and overrides (no checkpoint,
+  plan or DeepSpeed config): a shorthand for tests and benchmarks.
 
   Raises:
     SpecError: unknown preset or key, a value of the wrong type or out of range.

@@ -24,7 +24,8 @@ from parity.protocol.loop import Side, SideSummary, run_train
 from parity.protocol.side import SideIO, check_batch_shapes, main_guard, peak_rss_bytes
 from parity.protocol.workers import DIAGNOSE_WORKERS, SIDE_WORKERS, WORKERS, worker_module, workers_for
 
-__all__ = ["SideIO", "Side", "SideSummary", "run_train", "SIDE_WORKERS", "DIAGNOSE_WORKERS", "WORKERS", "worker_module", "workers_for", "REQUEST_SCHEMA",
+__all__ = ["SideIO", "Side", "SideSummary", "run_train", "SIDE_WORKERS", "DIAGNOSE_WORKERS", "WORKERS", "worker_module",
+           "workers_for", "REQUEST_SCHEMA",
            "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "STEP_LIST_KEYS", "parse_debug_value", "read_steps",
            "read_summary", "CONTROL_KEYS", "STATE_LAYOUT_KEYS", "RunControl", "ControlError", "derive_request",
            "parse_control", "check_resume", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",

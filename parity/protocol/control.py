@@ -130,7 +130,8 @@ def derive_request(run_dir: str | Path, sub_dir: str | Path, *, batches: str | N
   run_dir = Path(run_dir)
   parent = run_dir / "request.json"
   if not parent.is_file():
-    raise FileNotFoundError(f"{parent} not found; prepare the run folder first (parity.pipeline.folder.prepare_run_dir)")
+    raise FileNotFoundError(f"{parent} not found; prepare the run folder first "
+                            "(parity.pipeline.folder.prepare_run_dir)")
   sub = Path(sub_dir)
   _check_control_keys(run_dir, sub, keys)
   request = {k: v for k, v in json.loads(parent.read_text()).items() if k not in CONTROL_KEYS}

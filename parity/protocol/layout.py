@@ -143,7 +143,7 @@ def loss_tokens_per_s(times: Sequence[Any], loss_tokens: Sequence[Any] | None) -
   """
   if loss_tokens is None or len(loss_tokens) < len(times):
     return None
-  num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+  num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
   pairs = [(float(t), n) for t, n in zip(times, loss_tokens) if num(t)]
   warm = pairs[warmup_steps_left_out(len(pairs)):]
   if not warm or not all(num(n) for _, n in warm):

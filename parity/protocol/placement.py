@@ -15,7 +15,8 @@ from typing import Any
 from parity.protocol.workers import SIDE_WORKERS
 
 __all__ = ["PLACEMENT_FILE", "PLACEMENT_SCHEMA", "PLACEMENT_WORKER", "writes_placement", "read_placement",
-           "write_placement", "BOOKKEEPING_BYTES", "BOOKKEEPING_TOTAL_BYTES", "split_host_compute", "host_ops_of", "host_compute_mismatch", "judged_mismatches"]
+           "write_placement", "BOOKKEEPING_BYTES", "BOOKKEEPING_TOTAL_BYTES", "split_host_compute", "host_ops_of",
+           "host_compute_mismatch", "judged_mismatches"]
 
 PLACEMENT_FILE = "placement.json"
 """In run_dir/<side>/: the compiled step's placement (jax_impl.placement.placement_record)."""

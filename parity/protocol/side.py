@@ -37,8 +37,8 @@ from parity.protocol.workers import SIDE_WORKERS
 from parity.overrides import apply_overrides
 from parity.spec import RunSpec, TrainSpec, config_hash, from_dict, to_dict, without_layout_defaults
 
-__all__ = ["SideIO", "main_guard", "exit_now", "check_batch_shapes", "check_batch_dtype", "peak_rss_bytes", "ExampleArrays",
-           "check_example_arrays"]
+__all__ = ["SideIO", "main_guard", "exit_now", "check_batch_shapes", "check_batch_dtype", "peak_rss_bytes",
+           "ExampleArrays", "check_example_arrays"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,8 +49,8 @@ SIDE_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors", "final_mom
 RERUN_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors")
 """The files a verdict rests on (the inputs both sides read, each side's outputs the checks read or the report
 renders: placement.json of a JAX side, parity.report.placement_view; and the outputs of
-the noise/determinism/resume reruns their checks read, in noise/, repeat/ and resume/<side>/); report.json records their sha256 and
-size at write time so that `parity report` can say which changed since the run."""
+the noise/determinism/resume reruns their checks read, in noise/, repeat/ and resume/<side>/); report.json records
+their sha256 and size at write time so that `parity report` can say which changed since the run."""
 SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")
 
 
@@ -170,7 +170,8 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
   """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
 
   Args:
-    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus (parity.pipeline.folder.PreparedRun.data_info).
+    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus
+    (parity.pipeline.folder.PreparedRun.data_info).
     side_runs: side -> harness.runner.SideRun; side_steps: side -> StepRecords.
     checks, params_table, verdict: parity.verdict.sides.compare_sides + reruns' checks, and their verdict.
     wall_s: seconds from the call to now; prepare_s: seconds writing the inputs.

@@ -22,8 +22,9 @@ CARD_SCHEMA = "parity.card/1"
               deepspeed_config_files {given, resolved: {file (in the run folder), sha256}}, tokens (which tokens ran),
               checkpoint_tokenizer_used (false with a checkpoint), perturbations [{side, key, value, applied}],
               config_hash, data_sha256, data_card (padded/packed runs only: parity.dataset.card.data_card of the
-              examples, with the run's layout and loss normalization in report.json 'data'), model {name (parity.report.headline.model_label: the checkpoint, its
-              family and parameter count), n_layers, d_model, n_heads, seq_len},
+              examples, with the run's layout and loss normalization in report.json 'data'), model {name
+              (parity.report.headline.model_label: the checkpoint, its family and parameter count), n_layers, d_model,
+              n_heads, seq_len},
               config {dotted key: value}: what the regression gate's configuration gate compares
               (parity.report.runconfig.gate_config: the resolved spec, nproc, perturbations, input digests)}
   command, git {rev, dirty} | null, versions {package: version}, backend {side: cpu|gpu|...}

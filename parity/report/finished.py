@@ -52,7 +52,8 @@ RENDER_RECORD = ".parity-rendered.json"
 re-render wrote, so the next one can tell a file a user edited from its own."""
 WRITE_SLACK_S = 30.0
 """Seconds after report.json within which `parity compare` writes its other report files (report.md comes right
-after report.json; a busy machine can take seconds): a file changed later than that, with no re-render record, was changed by someone else."""
+after report.json; a busy machine can take seconds): a file changed later than that, with no re-render record, was
+changed by someone else."""
 
 
 def _sha256(path: Path) -> str:

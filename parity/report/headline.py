@@ -22,11 +22,11 @@ def _model_facts(d: dict) -> tuple[str | None, int | None]:
   """(HF family of the run's model or None, its trainable parameter count or None) from report.json's run.model."""
   try:
     spec = from_dict(ModelSpec, d["run"]["model"])
-  except Exception:  # noqa: BLE001  an older or edited report: the title keeps what it can
+  except Exception:  # an older or edited report: the title keeps what it can
     return None, None
   try:
     family = family_of_spec(spec)
-  except Exception:  # noqa: BLE001  a layout no HF family has (HFFormatError)
+  except Exception:  # a layout no HF family has (HFFormatError)
     family = None
   return family, n_params(spec)
 
@@ -82,8 +82,8 @@ _OS_ERRORS = sorted({os.strerror(i) for i in range(1, 134)} - {"Unknown error"},
 def error_clause(summ: dict) -> str:
   """A side's error in one short clause, from its summary's error and traceback (parity.protocol.side.SideIO.fail):
   'writing final.safetensors: No space left on device' (the file a parity frame of the traceback was writing, and
-  the OS error the message ends in), else the message's first line without a trailing '(...)' (at most 160 characters); '' when
-  the summary holds no error."""
+  the OS error the message ends in), else the message's first line without a trailing '(...)' (at most 160 characters);
+  '' when the summary holds no error."""
   err = str(summ.get("error") or "").strip().splitlines()[0] if summ.get("error") else ""
   if not err:
     return ""

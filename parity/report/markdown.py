@@ -87,10 +87,11 @@ def _self_sections(d: dict) -> list[str]:
   if env:
     r = env["rule"]
     n = d["run"]["train"]["steps"]
-    short = f" (this run's {n} steps make one shorter window)" if isinstance(r.get("window"), int) and n < r["window"] else ""
+    short = f" (this run's {n} steps make one shorter window)" if isinstance(r.get("window"), int) \
+        and n < r["window"] else ""
     out += ["", "## Noise envelope", "", f"{env['method'][0].upper()}{env['method'][1:]}. Each pair passes when, in "
-            f"every window of {r['window']} steps{short}, rms Δloss ≤ {r['factor']:g} × rms(envelope of the noisier side) "
-            f"+ {r['floor']:g} nats. {r['reason']}", ""]
+            f"every window of {r['window']} steps{short}, rms Δloss ≤ {r['factor']:g} × rms(envelope of the noisier "
+            f"side) + {r['floor']:g} nats. {r['reason']}", ""]
     rows = []
     for side, run in env["runs"].items():
       e = env["sides"].get(side, {})

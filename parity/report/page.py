@@ -43,7 +43,8 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
   t = headline.run_title(d)
   prec = d["run"]["train"]["precision"]
   sides = {(n if s["status"] == "ok" else n): {**s["series"], "status": s["status"]} for n, s in d["sides"].items()}
-  yield "loss", "Training loss of every side (markers without a line: held-out loss at its steps).", P.loss_figure(sides, title=f"training loss · {t}")
+  yield "loss", "Training loss of every side (markers without a line: held-out loss at its steps).", \
+      P.loss_figure(sides, title=f"training loss · {t}")
   if len(d["sides"]) > 1:
     loss_checks = [c for c in d["checks"] if c["metric"] == "loss"]
     tol = max((c["tolerance"] for c in loss_checks if isinstance(c["tolerance"], (int, float)) and c["tolerance"]),
@@ -70,7 +71,8 @@ def report_figures(d: dict) -> Iterator[tuple[str, str, Any]]:
                                       [sc for sc, k in zip(s["series"]["loss_scale"], s["series"]["skipped"]) if k])
                for n, s in d["sides"].items() if any(s["series"]["skipped"])}
     per_side = ", ".join(f"{n} {sum(bool(k) for k in s['series']['skipped'])}" for n, s in d["sides"].items())
-    yield "loss_scale", f"Dynamic loss scale (fp16); shaded bands and markers: steps skipped for overflow, per side: {per_side}.", \
+    yield "loss_scale", ("Dynamic loss scale (fp16); shaded bands and markers: steps skipped for overflow, per side: "
+                         f"{per_side}."), \
         P.line_figure(_series_of(d, "loss_scale"), title=f"loss scale · {t}", ylabel="loss scale", log=True,
                       points=skipped, note=f"skipped steps per side: {per_side}",
                       vlines={"step skipped for overflow": sorted({x for pts in skipped.values() for x in pts[0]})})
@@ -113,7 +115,8 @@ def _result(r: dict) -> str:
 def _metrics_html(d: dict) -> str:
   """One row per metric, its worst pair: what a reviewer reads first."""
   rows = check_table.metric_rows(d)
-  return H.table(["metric", "value is", "worst pair (or side)", "value", "tolerance", "where the tolerance comes from", "result",
+  return H.table(["metric", "value is", "worst pair (or side)", "value", "tolerance", "where the tolerance comes from",
+                  "result",
                   "first failing step"],
                  [[r["metric"], r["measure"], r["worst"], r["value"], r["tolerance"], _source(r["source"]),
                    _result(r), r["first_failing_step"]] for r in rows],
@@ -232,7 +235,7 @@ def report_html(d: dict, figures: dict[str, tuple[str, str]], run_dir: Path) -> 
   """The page. d: report.json data; figures: key -> (svg text, caption) from report_figures; run_dir: for
   migration.json and environment.json beside report.json."""
   kind, sentence, sub = headline.verdict_parts(d)
-  fig = lambda k: H.figure(figures[k][0], figures[k][1], key=k) if k in figures else ""  # noqa: E731
+  fig = lambda k: H.figure(figures[k][0], figures[k][1], key=k) if k in figures else ""
   body = [f"<h1>parity report · {H.esc(headline.run_title(d))}</h1>", H.banner(kind, sentence, sub)]
   errors = headline.open_write_errors(d, run_dir)
   if errors:

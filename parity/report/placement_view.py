@@ -347,8 +347,9 @@ def _jax_blocks(side: str, e: dict) -> list[tuple]:
 
 def placement_blocks(d: dict) -> list[tuple]:
   """What report.md and report.html show of report.json 'placement', medium-neutral: ('p', text), ('h3', text),
-  ('warn', text: a mismatch no table row shows), ('table', headers, rows, mismatch flags), ('strip', side, placement) (the copy schedule: an SVG in report.html, a
-  table of the copies in report.md). [] when the report has no 'placement' section (written before it existed)."""
+  ('warn', text: a mismatch no table row shows), ('table', headers, rows, mismatch flags), ('strip', side, placement)
+  (the copy schedule: an SVG in report.html, a table of the copies in report.md). [] when the report has no 'placement'
+  section (written before it existed)."""
   sec = d.get("placement")
   if not isinstance(sec, dict) or not isinstance(sec.get("sides"), dict):
     return []

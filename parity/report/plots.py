@@ -22,8 +22,8 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 __all__ = ["STYLES", "quiet", "wrap_title", "to_svg", "to_png", "line_figure", "loss_figure", "delta_figure",
            "memory_figure", "throughput_figure", "across_runs_figure", "coincide", "finite"]

@@ -73,7 +73,8 @@ class Recomputed:
 
 
 def check_from_json(d: dict):
-  """A parity.verdict.check.Check back from its to_json form (non-finite value/tolerance were stored as None or text)."""
+  """A parity.verdict.check.Check back from its to_json form (non-finite value/tolerance were stored as None or
+  text)."""
   fields = {f.name for f in dataclasses.fields(Check)}
   kw = {k: v for k, v in d.items() if k in fields}
   for k in ("value", "tolerance"):
@@ -240,7 +241,8 @@ def _repeats(ctx, d: dict, interrupted: bool) -> tuple[list, dict, dict]:
   for side in sides if prefix > 0 or resume_at is not None else ():
     sr = _side_run(ctx.run_dir / REPEAT_DIR / side, side)
     if prefix > 0:
-      dets.append(c := determinism_outcome(ctx, side, prefix, read_steps(ctx.run_dir / REPEAT_DIR / side / "steps.jsonl")))
+      dets.append(c := determinism_outcome(ctx, side, prefix,
+                                           read_steps(ctx.run_dir / REPEAT_DIR / side / "steps.jsonl")))
       dsec[side] = determinism_section(c, prefix, sr)
     if resume_at is None:
       continue
@@ -296,7 +298,8 @@ def recompute(report) -> Recomputed:
   every = checks + backend_checks + noise_checks + repeat_checks + eq_checks + stopped
   v = verdict_json(verdict(every, {s: sr.status for s, sr in runs.items()}), interrupted)
   series = {s: _json(series_json(x["steps"])) for s, x in data.items()}
-  return Recomputed(checks=_json([c.to_json() for c in every]), params_table=_json(params_table_json(table)), verdict=_json(v),
+  return Recomputed(checks=_json([c.to_json() for c in every]), params_table=_json(params_table_json(table)),
+                    verdict=_json(v),
                     statuses={s: sr.status for s, sr in runs.items()},
                     series=series, rendered=_rendered(rd, request, d, runs, series, run_id),
                     sections={"noise_envelope": _json(noise_sec), "determinism": _json(dsec), "resume": _json(rsec),

@@ -13,7 +13,8 @@ from typing import Any
 from parity.report.build import EXAMPLE_ARTIFACTS
 from parity.spec import with_later_defaults
 
-__all__ = ["flatten", "config_diff", "run_as_compared", "launch_config", "gate_config", "proven_deterministic", "final_digests",
+__all__ = ["flatten", "config_diff", "run_as_compared", "launch_config", "gate_config", "proven_deterministic",
+           "final_digests",
            "tensor_digest", "thread_settings", "VOLATILE_KEYS", "INPUT_FILES", "THREAD_KEYS"]
 
 VOLATILE_KEYS = ("data.path", "timeout_s", "sides")
@@ -85,8 +86,9 @@ def gate_config(d: dict, run_dir: str | Path | None) -> dict[str, Any]:
   """What the configuration gate compares of report.json data `d`: the resolved run spec as dotted keys (less
   VOLATILE_KEYS), how it was launched (`launch_config`: nproc, perturb.<side>.<key>) and a digest (hex) of each
   input file as `input.<file>` (INPUT_FILES), and of a --deepspeed-config run's DeepSpeed JSON (given and
-  resolved copies, report.json deepspeed_files) as `input.deepspeed_config.<given|resolved>`. What is read from `run_dir` (launch.json, request.json,
-  init.safetensors) is skipped when it is None; a file that cannot be read adds no key."""
+  resolved copies, report.json deepspeed_files) as `input.deepspeed_config.<given|resolved>`. What is read from
+  `run_dir` (launch.json, request.json, init.safetensors) is skipped when it is None; a file that cannot be read adds
+  no key."""
   out = {k: v for k, v in flatten(run_as_compared(d["run"])).items() if k not in VOLATILE_KEYS}
   arts = d.get("artifacts") if isinstance(d.get("artifacts"), dict) else {}
   for f in INPUT_FILES:

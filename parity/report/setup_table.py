@@ -81,7 +81,8 @@ def environment_rows(d: dict, extra: dict | None = None) -> list[tuple[str, str]
   rows = [("date (UTC)", d.get("created_utc", "n/a")),
           ("command", (d.get("run_folder") or {}).get("command") or "n/a"),
           ("project git revision", (f"{git['rev'][:12]}" + (" (uncommitted changes)" if git.get("dirty") else
-                                                             " (clean)")) if git.get("rev") else "n/a (not a git checkout)"),
+                                                             " (clean)")) if git.get("rev")
+                                    else "n/a (not a git checkout)"),
           ("config hash", d.get("config_hash", "n/a")),
           ("Python / OS", f"{e.get('python', 'n/a')} / {e.get('platform', 'n/a')}"),
           ("CPU", f"{e.get('cpu_model') or e.get('machine') or 'n/a'}, {e.get('cpu_count', 'n/a')} CPUs"),

@@ -88,7 +88,7 @@ def warmup_phrase(d: dict) -> str:
   timed = {n: len([t for t in s["series"].get("step_time_s") or [] if isinstance(t, (int, float))])
            for n, s in d["sides"].items()}
   left = {n: ("none" if k == 0 else warmup_steps_left_out(k)) for n, k in timed.items()}
-  say = lambda k: ("no step timed" if k == "none" else "no step left out (one step ran)" if k == 0 else  # noqa: E731
+  say = lambda k: ("no step timed" if k == "none" else "no step left out (one step ran)" if k == 0 else
                    f"the first {'step' if k == 1 else f'{k} steps'} left out as warmup")
   if len(set(left.values())) <= 1:
     return say(next(iter(left.values()), 0))
@@ -194,7 +194,7 @@ def memory_rows(d: dict) -> list[dict[str, Any]]:
     return stored
   try:
     return predicted_vs_measured(d)
-  except Exception:  # noqa: BLE001  an edited report: draw what it holds
+  except Exception:  # an edited report: draw what it holds
     return stored
 
 
@@ -230,16 +230,17 @@ def rank_table(s: dict) -> tuple[list[str], list[list[str]]] | None:
   if not ranks:
     return None
   cols = list(dict.fromkeys(k for r in ranks for k in r))
-  cell = lambda k, v: fmt_bytes(v) if "bytes" in k and isinstance(v, (int, float)) else (  # noqa: E731
+  cell = lambda k, v: fmt_bytes(v) if "bytes" in k and isinstance(v, (int, float)) else (
       compact(v) if isinstance(v, (dict, list)) else fmt(v))
   # a *_bytes column's cells say their unit (fmt_bytes: KiB/MiB/GiB), so its header drops "bytes"
-  head = lambda c: c.removesuffix("_bytes").replace("_", " ")  # noqa: E731
+  head = lambda c: c.removesuffix("_bytes").replace("_", " ")
   return [head(c) for c in cols], [[cell(k, r.get(k)) for k in cols] for r in ranks]
 
 
 def throughput_rows(d: dict) -> list[dict[str, Any]]:
   """Per side: backend, repeats (steps timed after the warmup, step_times), step time min / median / max (s), tokens/s,
-  loss tokens/s ('n/a' on stream), machine load (1-minute average) at the side's start and end, op build seconds (kept out of init)."""
+  loss tokens/s ('n/a' on stream), machine load (1-minute average) at the side's start and end, op build seconds (kept
+  out of init)."""
   rows = []
   for name, s in d["sides"].items():
     ts, summ = step_times(s), s.get("summary") or {}

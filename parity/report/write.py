@@ -113,20 +113,20 @@ def write_all(report: Report) -> dict[str, Path]:
     written.update({f"plot:{k}": rd / f for k, f in _plot_files(figures)})
   except OSError as exc:
     errors.append({"file": str(rd / "*.png"), "error": exc.strerror or str(exc)})
-  except Exception as exc:  # noqa: BLE001  a figure that cannot be drawn must not lose the report
+  except Exception as exc:  # a figure that cannot be drawn must not lose the report
     errors.append({"file": str(rd / "*.png"), "error": f"could not draw: {type(exc).__name__}: {exc}"})
   for key, name, write in (("html", "report.html", lambda p: write_html(report, p, figures)),
                            ("card", "card.json", lambda p: write_card(report, p))):
     try:
       attempt(key, rd / name, write)
-    except Exception as exc:  # noqa: BLE001  (OSError is handled by attempt)
+    except Exception as exc:  # (OSError is handled by attempt)
       errors.append({"file": str(rd / name), "error": f"could not render: {type(exc).__name__}: {exc}"})
   for _ in range(2):  # report.json records the errors of every file written before it, itself included on retry
     report.data["write_errors"] = list(errors)
     json_ok = attempt("json", rd / "report.json", lambda p: p.write_text(json.dumps(report.data, indent=2)))
     try:
       md_ok = attempt("md", rd / "report.md", lambda p: write_markdown(report, p))
-    except Exception as exc:  # noqa: BLE001  a rendering bug: report.json is written; say so, no fallback folder
+    except Exception as exc:  # a rendering bug: report.json is written; say so, no fallback folder
       errors.append({"file": str(rd / "report.md"), "error": f"could not render: {type(exc).__name__}: {exc}"})
       md_ok = True
     if json_ok and md_ok:

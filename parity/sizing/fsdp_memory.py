@@ -31,8 +31,9 @@ final norm, an untied head): 1 + n_layers FSDP units. Sources, torch 2.13 `torch
     batches before the last skip the reduce-scatter and accumulate every unit's unsharded gradient in the reduce
     dtype (`FSDPParam.to_accumulated_grad_if_needed`): 4 x the padded whole model;
   * activations and the batch: as the plain-torch side's (`parity.sizing.memory._activation_rows`: no remat, or
-    'full' under fsdp.activation_checkpointing), of this rank's micro_batch_size / world sequences; under fsdp.activation_offload (`torch.autograd.graph.
-    save_on_cpu`) the saved activations are host rows (the float32 logits gradient stays an in-step device row).
+    'full' under fsdp.activation_checkpointing), of this rank's micro_batch_size / world sequences; under
+    fsdp.activation_offload (`torch.autograd.graph. save_on_cpu`) the saved activations are host rows (the float32
+    logits gradient stays an in-step device row).
 Not modelled: the device copy of an offloaded shard made for its all-gather input (one unit's 4·shard at a time),
 the caching allocator's rounding. torch_impl.memory measures the resident rows (params, gradients, moments).
 """

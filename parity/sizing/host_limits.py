@@ -344,7 +344,7 @@ def deepspeed_pinned_blocks(run: RunSpec, ranks: int = 1) -> list[tuple[str, int
   """
   p, t = run.deepspeed, run.train
   e = 4 if t.precision == "fp32" else 2
-  part = lambda n: math.ceil(n / ranks)  # noqa: E731
+  part = lambda n: math.ceil(n / ranks)
   groups, out = _groups(run), []
   if p.zero_stage in (1, 2) and p.offload_optimizer == "cpu":
     for i, g in enumerate(groups):

@@ -36,7 +36,8 @@ def _jax_rows_compared(run: RunSpec, summ: dict[str, Any]) -> list[dict[str, Any
   while the step runs, by `estimate`. Measured: the live state bytes of
   a group's memory kind, where that kind holds the group alone (summary 'state_memory_kinds'); when params and
   opt_state share a kind, their total is one measured 'state' row (predicted None: the predicted bar already has
-  both; ratio: against their sum) and neither category is measured alone. master_params and buffers: 0 (the JAX state holds no such arrays).
+  both; ratio: against their sum) and neither category is measured alone. master_params and buffers: 0 (the JAX state
+  holds no such arrays).
   Gradients and activations live inside the jitted step: not measured (None)."""
   pred = totals(estimate(run, sides=("jax",)), "jax")
   for group, cat in JAX_GROUPS.items():
@@ -89,7 +90,7 @@ def predicted_vs_measured(report_json: dict[str, Any] | str) -> list[dict[str, A
       ranks = int(summ.get("nproc") or 1) if side == "fsdp" else 1  # FSDP2 shards over its ranks (rank 0's figures)
       pred = totals(estimate(run, ranks=ranks, sides=(side,)), side)
       meas = summ.get("state_bytes_by_category") or {}
-      order = lambda c: (CATEGORIES.index(c) if c in CATEGORIES else len(CATEGORIES), c)  # noqa: E731  as JAX's
+      order = lambda c: (CATEGORIES.index(c) if c in CATEGORIES else len(CATEGORIES), c)  # as JAX's
       for cat in sorted(set(CATEGORIES) | set(meas), key=order):
         for kind in KINDS:
           rows.append(_row(side, cat, kind, pred.get(cat, {}).get(kind), (meas.get(cat) or {}).get(kind)))

@@ -28,8 +28,8 @@ from parity.weights import n_params, param_shapes
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
            "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
-           "model_preset_train", "estimate_json", "ESTIMATE_SIDES", "estimator_relation", "step_rows", "DS_BUFFER_FACTOR",
-           "fsdp_rows", "fsdp_state_bytes", "fsdp_peak_bytes"]
+           "model_preset_train", "estimate_json", "ESTIMATE_SIDES", "estimator_relation", "step_rows",
+           "DS_BUFFER_FACTOR", "fsdp_rows", "fsdp_state_bytes", "fsdp_peak_bytes"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
@@ -169,7 +169,8 @@ def _jax_rows(run: RunSpec) -> list[Row]:
   if p.offload_opt_state:
     rows.append(Row("jax", "optimizer_moments", "device",
                     2 * FP32 * window("optimizer_moments") if p.scan_layers else mom,
-                    "in-step (update: fetched, non-layer + 2 layers)" if p.scan_layers else "in-step (update: fetched, all)"))
+                    "in-step (update: fetched, non-layer + 2 layers)" if p.scan_layers
+                    else "in-step (update: fetched, all)"))
   if streamed:
     rows.append(Row("jax", "params", _kind(p.offload_params), FP32 * math.ceil(layers / shard["params"]),
                     "in-step (update: new layer stack)"))
@@ -274,8 +275,9 @@ def peak_host_bytes(rows: Iterable[Row], side: str) -> int:
 # ----------------------------------------------------------------------------- what `parity estimate` shows
 
 def model_preset_train(model: ModelSpec) -> TrainSpec:
-  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS; parity.pipeline.resolve.resolve_run(model=...)):
-  micro batch 1, seq_len min(2048, max_seq_len), bf16 (how such models are trained); other fields TrainSpec's."""
+  """Training defaults for a model-size preset (parity.hf.MODEL_PRESETS;
+  parity.pipeline.resolve.resolve_run(model=...)): micro batch 1, seq_len min(2048, max_seq_len), bf16 (how such models
+  are trained); other fields TrainSpec's."""
   return TrainSpec(micro_batch_size=1, seq_len=min(2048, model.max_seq_len), precision="bf16")
 
 
@@ -373,8 +375,9 @@ def step_rows(rows: Iterable[Row], sides: Iterable[str] = ("deepspeed", "jax")) 
 def fsdp_rows(run: RunSpec, world: int = 1) -> list[Row]:
   """Rows (side 'fsdp') of rank 0 of `world` ranks: parity.sizing.fsdp_memory.fsdp_state_rows (resident state and
   in-step gathered params and gradient buffers), the activations as the plain-torch side's (`_activation_rows`, no
-  remat, or 'full' under fsdp.activation_checkpointing; micro_batch_size / world sequences; under fsdp.activation_offload, `save_on_cpu`, the saved activations
-  are host rows and the float32 logits gradient stays an in-step device row) and the batch.
+  remat, or 'full' under fsdp.activation_checkpointing; micro_batch_size / world sequences; under
+  fsdp.activation_offload, `save_on_cpu`, the saved activations are host rows and the float32 logits gradient stays an
+  in-step device row) and the batch.
   Raises:
     ValueError: world < 1.
   """

@@ -23,8 +23,10 @@ from parity.sizing.cost import GB, GiB, HARDWARE, Hardware, step_time
 from parity.sizing.batches import counted_tokens_per_s
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
-__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "fsdp_missing_reason", "apply_plan", "with_plan", "plan_of", "Hardware", "HARDWARE", "Candidate",
-           "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs", "ranking_json"]
+__all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "fsdp_missing_reason", "apply_plan", "with_plan", "plan_of", "Hardware",
+           "HARDWARE", "Candidate",
+           "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs",
+           "ranking_json"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,7 +84,8 @@ PLANS: dict[str, Plan] = {
                                "default pair; JAX streams the Adam moments through the update one layer at a time"),
     "act-offload": Plan(DeepSpeedPlan(activation_checkpointing=True), JaxPlan(remat="offload_dots_no_batch"),
                         "JAX keeps weight-matmul outputs in host memory; DeepSpeed recomputes each block"),
-    "zero3-act-offload": Plan(DeepSpeedPlan(zero_stage=3, **_OFF, activation_checkpointing=True, cpu_checkpointing=True),
+    "zero3-act-offload": Plan(DeepSpeedPlan(zero_stage=3, **_OFF, activation_checkpointing=True,
+                                            cpu_checkpointing=True),
                               JaxPlan(offload_opt_state=False, zero_stage=3, remat="offload_names"),
                               "ZeRO-3 state on the device, saved activations in host memory: DeepSpeed "
                               "cpu_checkpointing (block inputs; blocks recomputed), JAX remat offload_names (the "
@@ -306,19 +309,22 @@ def engine_choice(ranked: list[Candidate], hw_name: str) -> str | None:
     fitting = [c for c in ranked if c.side_step_s and side in c.side_step_s and c.side_fits(side)]
     best[side] = min(fitting, key=lambda c: c.side_step_s[side], default=None)
   j, f = best["jax"], best["fsdp"]
-  say = lambda side, c: f"{c.name}, {c.side_step_s[side] * 1e3:.1f} ms/step"  # noqa: E731
+  say = lambda side, c: f"{c.name}, {c.side_step_s[side] * 1e3:.1f} ms/step"
   caveat = ("; the FSDP2 figure leaves out its optimizer step on the CPU (CPUOffloadPolicy), which this model does "
             "not cost: measure it (`parity compare --plan " + f.name + " --sides jax,fsdp`) before choosing"
             if f is not None and PLANS[f.name].fsdp is not None and PLANS[f.name].fsdp.offload else "")
   if j is None and f is None:
     return f"engine: neither JAX nor FSDP2 fits {hw_name} with any pair"
   if j is None or (f is not None and f.side_step_s["fsdp"] < j.side_step_s["jax"]):
-    return (f"engine, each by its own side's estimated step time (a row's step is its slowest side's): stay on PyTorch (FSDP2 {say('fsdp', f)}): "
+    return ("engine, each by its own side's estimated step time (a row's step is its slowest side's): stay on PyTorch "
+            f"(FSDP2 {say('fsdp', f)}): "
             + ("no JAX plan fits" if j is None else f"JAX's fastest that fits is {say('jax', j)}") + caveat)
   if f is None or j.side_step_s["jax"] < f.side_step_s["fsdp"]:
-    return (f"engine, each by its own side's estimated step time (a row's step is its slowest side's): JAX ({say('jax', j)}): "
+    return ("engine, each by its own side's estimated step time (a row's step is its slowest side's): JAX "
+            f"({say('jax', j)}): "
             + ("no FSDP2 plan fits" if f is None else f"FSDP2's fastest that fits is {say('fsdp', f)}") + caveat)
-  return (f"engine, each by its own side's estimated step time (a row's step is its slowest side's): either (JAX {say('jax', j)}; FSDP2 {say('fsdp', f)}): the same"
+  return ("engine, each by its own side's estimated step time (a row's step is its slowest side's): either (JAX "
+          f"{say('jax', j)}; FSDP2 {say('fsdp', f)}): the same"
           + caveat)
 
 
@@ -388,7 +394,8 @@ def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None
           "grad_accum_steps": train.grad_accum_steps, "padding_fraction": padding_fraction}
 
 
-def ranking_json(best: Candidate | None, ranked: list[Candidate], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
+def ranking_json(best: Candidate | None, ranked: list[Candidate],
+                 inputs: dict[str, Any] | None = None) -> dict[str, Any]:
   """JSON-ready ranking of `choose_plan`: {'inputs': `plan_inputs` (when given), 'choice': name or None, 'ranked':
   [Candidate fields + 'fits', and with inputs 'tokens_per_s' (every position of the global step / step_s) and
   'non_padding_tokens_per_s' (parity.sizing.batches.counted_tokens_per_s at inputs' padding_fraction)]}; an infinite

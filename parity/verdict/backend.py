@@ -93,7 +93,8 @@ def backend_pair_check(metric: str, a_side: str, a: Sequence[dict], b_side: str,
                    "\n\n")[0].replace("\n", " "))
 
 
-SHIFT_TOLERANCE = {"loss": "backend_shift", "val_loss": "backend_shift_val_loss", "grad_norm": "backend_shift_grad_norm"}
+SHIFT_TOLERANCE = {"loss": "backend_shift", "val_loss": "backend_shift_val_loss",
+                   "grad_norm": "backend_shift_grad_norm"}
 """Per BACKEND_METRICS, the tolerance entry bounding the shift itself: each metric whose pair bound takes the shift
 has its shift bounded, so no metric can grant itself an accelerator-only error."""
 

@@ -77,7 +77,8 @@ def envelope_check(a_side: str, a: Sequence[dict], b_side: str, b: Sequence[dict
     A '<metric>_envelope' Check, or None when neither side has an envelope or no step is shared. Per
     window k, value = rms_k|Δ| (relative for grad_norm) and tolerance = factor · max(rms_k(envelope_a),
     rms_k(envelope_b)) + floor (rule.grad_norm_floor for grad_norm) at the worst window (largest ratio);
-    first_failing_step is the first step of the first window over its bound. Skipped steps (fp16 overflow) are left out when both sides skipped them.
+    first_failing_step is the first step of the first window over its bound. Skipped steps (fp16 overflow) are left out
+    when both sides skipped them.
   """
   name, kind = f"{metric}_envelope {a_side}~{b_side}", f"{metric}_envelope"
   relative = metric == "grad_norm"  # norms span orders of magnitude over a run: compare relative differences

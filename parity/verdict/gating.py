@@ -46,7 +46,8 @@ def mark_backend_decided(checks: Iterable[Check], decides: set) -> None:
   for c in checks:
     if c.metric in BACKEND_DECIDES and (c.metric, *c.sides) in decides and c.gating:
       c.gating = False
-      c.detail += " (reported only: the sides ran on different backends; the table plus the measured backend shift decides)"
+      c.detail += (" (reported only: the sides ran on different backends; the table plus the measured backend shift "
+                   "decides)")
 
 
 def mark_envelope_decided(checks: Iterable[Check], decides: set, precision: str) -> None:

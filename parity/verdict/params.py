@@ -23,11 +23,12 @@ The second term is how far Adam carries a gradient perturbation, derived per ele
    orders and blockings, so the rounding of g_i differs by ~u * sqrt(L) of the scale of its partial sums (u =
    2^-24). That scale is not |g_i|: an element can be 270x below its tensor's RMS through cancellation while its
    partial sums are not, and a bound from its own ulp(g_i) * sqrt(L) (~u * sqrt(L) * sum lr: 2.4e-9 at the
-   gpt2-small-cpu drift element, L = 512) is 600x below the gap measured there (1.55e-6 over the dynamics term). It is the tensor's gradient scale g_i = g_T (the larger side's RMS over T of the
-   final sqrt(v_hat); on a vocabulary-row tensor max(g_T, g_row_i), below). From step 2 on, g_i also answers the
-   parameter differences the earlier steps left (drift; among them the up-to-2·lr steps of item 2 on
-   rounding-level elements). So delta = kappa * g_i, kappa = params_grad_noise.rtol: rounding (<= u * sqrt(L);
-   measured 6.8e-8 on the grids) plus drift (measured 3.3e-6), 1e-5 (the entry's reason gives the cells).
+   gpt2-small-cpu drift element, L = 512) is 600x below the gap measured there (1.55e-6 over the dynamics term). It is
+   the tensor's gradient scale g_i = g_T (the larger side's RMS over T of the final sqrt(v_hat); on a vocabulary-row
+   tensor max(g_T, g_row_i), below). From step 2 on, g_i also answers the parameter differences the earlier steps left
+   (drift; among them the up-to-2·lr steps of item 2 on rounding-level elements). So delta = kappa * g_i, kappa =
+   params_grad_noise.rtol: rounding (<= u * sqrt(L); measured 6.8e-8 on the grids) plus drift (measured 3.3e-6), 1e-5
+   (the entry's reason gives the cells).
 4. The premise. Items 1-3 assume both sides fed Adam the same gradients up to delta. A bug that scales every
    gradient of a side by one factor c (a clipping threshold 0.5 vs 1.0 with clipping active, a loss scaled on one
    side) moves m_hat and sqrt(v_hat) by c and so the update only through eps: u = lr * m_hat / (sqrt(v_hat) + eps
@@ -158,9 +159,9 @@ def _params_check(a_side: str, b_side: str, table: list[dict], at: dict[str, tup
   name, (at_d, at_allowed) = worst["tensor"], at[worst["tensor"]]
   if rule.adam:
     detail = (f"worst tensor {name}: element |Δ| = {at_d:.3g} vs allowed {at_allowed:.3g} "
-              f"({worst['score']:.3g}x; {tol.rtol:g}·moved {worst['max_abs_moved']:.3g} + min(2·Σc_t·lr_t, {rule.kappa:g}"
-              f"·g·S_i)); tensor max |Δ| {worst['max_abs_diff']:.3g}; {over}; rule: Adam per element (moments of "
-              "both sides)")
+              f"({worst['score']:.3g}x; {tol.rtol:g}·moved {worst['max_abs_moved']:.3g} + min(2·Σc_t·lr_t, "
+              f"{rule.kappa:g}·g·S_i)); tensor max |Δ| {worst['max_abs_diff']:.3g}; {over}; rule: Adam per element "
+              "(moments of both sides)")
     withheld = [t for t in table if t.get("noise_withheld")]
     if withheld:
       w = max(withheld, key=lambda t: t["moments_gap"])

@@ -15,9 +15,9 @@ from parity.verdict.check import Check
 __all__ = ["placement_check", "PLACEMENT_REASON", "mismatch_text"]
 
 PLACEMENT_REASON = ("the compiled step must keep each tensor class (params, optimizer state, batch, metrics, the remat "
-                    "policy's residuals) in the memory space its JaxPlan names, and compute on the device: read from the "
-                    "executable's entry layout (host memory spaces S(5)/S(6)), its jaxpr and, on GPU and TPU, its HLO "
-                    "copies and ops (docs/plans.md 'Placement from the compiled step'); any difference FAILs, but "
+                    "policy's residuals) in the memory space its JaxPlan names, and compute on the device: read from "
+                    "the executable's entry layout (host memory spaces S(5)/S(6)), its jaxpr and, on GPU and TPU, its "
+                    "HLO copies and ops (docs/plans.md 'Placement from the compiled step'); any difference FAILs, but "
                     "scalar ops of at most 8 bytes that XLA keeps in host memory are listed only "
                     "(parity.protocol.placement.BOOKKEEPING_BYTES)")
 FINISHED = ("ok", "nan")

@@ -20,7 +20,9 @@ __all__ = ["compare_sides", "Verdict", "verdict", "METRIC_ORDER", "semantics_che
 SEMANTICS_REASON = ("the semantics cards (parity.protocol.semantics: what each side's step runs, read from its own "
                     "objects before step 1) must agree item for item; any difference changes the math")
 
-METRIC_ORDER = {m: i for i, m in enumerate(("semantics", "placement", "completed", "updates", "skipped", "loss_scale", *SERIES_METRICS, "loss_envelope",
+METRIC_ORDER = {m: i for i,
+                m in enumerate(("semantics", "placement", "completed", "updates", "skipped", "loss_scale",
+                                *SERIES_METRICS, "loss_envelope",
                                             "grad_norm_envelope", "val_loss_envelope", "params", "params_envelope",
                                             "params_zero_grad", "noise_rerun", "resume", "determinism"))}
 """Which of two checks failing at the same step is named first in the verdict (earlier here: named first)."""

@@ -11,7 +11,8 @@ import numpy as np
 from parity.verdict.check import Check
 from parity.verdict.tolerances import tolerance
 
-__all__ = ["SERIES_METRICS", "FP16_SERIES", "BITWISE_KEYS", "series_check", "completion_check", "updates_check", "repeat_check",
+__all__ = ["SERIES_METRICS", "FP16_SERIES", "BITWISE_KEYS", "series_check", "completion_check", "updates_check",
+           "repeat_check",
            "relative_diff", "steps_by_index"]
 
 SERIES_METRICS = ("loss", "grad_norm", "lr", "val_loss")

@@ -2,8 +2,8 @@
 
 A check passes when |a - b| <= atol + rtol * |reference| elementwise (per step
 for series, per tensor for params); for `logits` rtol multiplies max |reference| over
-the tensor (the scale of the logits), as `parity diagnose` applies it to every forward tensor. Never relax an entry to make a run pass:
-an entry changes only with a new measurement, recorded in its reason.
+the tensor (the scale of the logits), as `parity diagnose` applies it to every forward tensor. Never relax an entry to
+make a run pass: an entry changes only with a new measurement, recorded in its reason.
 """
 from __future__ import annotations
 
@@ -80,9 +80,10 @@ _FP32 = {
         "(parity.verdict.backend). Measured on a TPU v5e against the host CPU, JAX with matmul precision 'highest': "
         "1.38e-5 over 30 steps (gpt2-tiny, zero2-offload) and 1.86e-5 over 8 (gemma3-tiny, scan-offload: the chip's "
         "tanh-GELU, its tanh 7e-5 relative, tests/data/tpu_v5e/numerics.json); "
-        "benchmarks/results/2026-12-05-tpu-v5e-verdict.md. 2e-4 leaves ~11x over the worst. A matmul in one bf16 pass (TPU's default fp32 precision) errs 2.3e-3 "
-        "relative where 'highest' errs 1.1e-7 on the same product (numerics.json): a side computing fp32 that "
-        "way moves the loss by orders of magnitude more than the transcendentals do.")),
+        "benchmarks/results/2026-12-05-tpu-v5e-verdict.md. 2e-4 leaves ~11x over the worst. A matmul in one bf16 pass "
+        "(TPU's default fp32 precision) errs 2.3e-3 relative where 'highest' errs 1.1e-7 on the same product "
+        "(numerics.json): a side computing fp32 that way moves the loss by orders of magnitude more than the "
+        "transcendentals do.")),
     "backend_shift_val_loss": Tolerance(2e-4, 0.0, (
         "|val_loss - val_loss of the same run on the host CPU| of an accelerator side, nats: the training loss's "
         "bound (backend_shift), the same arithmetic on held-out batches (measured on the TPU v5e: the pair's "
@@ -141,22 +142,22 @@ _BF16 = {
         "1.2x apart, so under the envelope this is reported only.")),
     "params_zero_grad": _FP32["params_zero_grad"],
     "params_grad_noise": Tolerance(0.0, _scaled_kappa("bf16"), (
-        "kappa of the per-element Adam term of the bf16 params envelope (parity.verdict.envelope.envelope_params_check): "
-        "fp32's 1e-6 scaled by the unit roundoff, 1e-6 * 2^-8 / 2^-24 = 0.066. Measured (gpt2-tiny, 8 steps, "
-        "benchmarks/results/params_rule_envelope.md): correct jax~torch and jax~deepspeed pairs need at most 0.0097 "
-        "(Constant lr 1e-4; an earlier run 0.021), so 0.066 leaves 3x over the worst; the per-tensor envelope "
-        "false-FAILed 3 of the 4 Constant-lr cells, this rule none. Planted bugs (default schedule) fail or pass "
-        "the verdict exactly as before: LayerNorm eps 1e-6 and lr +5% fail (grad-norm envelope; lr, loss, grad-norm "
-        "envelopes), weight decay off and the GELU form pass (below bf16 noise, see the envelope rule). The price: "
-        "lr +5% needs 0.056, so params alone no longer flag it; LayerNorm eps 1e-6 with Constant lr needs 0.016 "
-        "and passes, as the envelope rule says such fp32-size bugs do in bf16.")),
+        "kappa of the per-element Adam term of the bf16 params envelope "
+        "(parity.verdict.envelope.envelope_params_check): fp32's 1e-6 scaled by the unit roundoff, 1e-6 * 2^-8 / 2^-24 "
+        "= 0.066. Measured (gpt2-tiny, 8 steps, benchmarks/results/params_rule_envelope.md): correct jax~torch and "
+        "jax~deepspeed pairs need at most 0.0097 (Constant lr 1e-4; an earlier run 0.021), so 0.066 leaves 3x over the "
+        "worst; the per-tensor envelope false-FAILed 3 of the 4 Constant-lr cells, this rule none. Planted bugs "
+        "(default schedule) fail or pass the verdict exactly as before: LayerNorm eps 1e-6 and lr +5% fail (grad-norm "
+        "envelope; lr, loss, grad-norm envelopes), weight decay off and the GELU form pass (below bf16 noise, see the "
+        "envelope rule). The price: lr +5% needs 0.056, so params alone no longer flag it; LayerNorm eps 1e-6 with "
+        "Constant lr needs 0.016 and passes, as the envelope rule says such fp32-size bugs do in bf16.")),
 }
 
 _LOSS_SCALE = {
     "loss_scale": Tolerance(0.0, 0.0, (
-        "fp16 loss scale used by each step: both sides run DeepSpeed's DynamicLossScaler (parity/numerics/loss_scale.py, "
-        "property-tested against DeepSpeed's class), a power of two moved by the same overflow decisions, so it "
-        "must be equal; a difference is a loss-scaler setting or overflow-detection bug.")),
+        "fp16 loss scale used by each step: both sides run DeepSpeed's DynamicLossScaler "
+        "(parity/numerics/loss_scale.py, property-tested against DeepSpeed's class), a power of two moved by the same "
+        "overflow decisions, so it must be equal; a difference is a loss-scaler setting or overflow-detection bug.")),
     "skipped": Tolerance(0.0, 0.0, "Whether each fp16 step was skipped for overflow: must be the same step on "
                          "every side (tests/test_loss_scale.py forces and provokes overflows)."),
 }
@@ -179,14 +180,14 @@ _FP16 = {
         "Per tensor, max |a - b| / distance moved: measured <= 0.0225 (gpt2-tiny, 200 steps); 4x.")),
     "params_zero_grad": _FP32["params_zero_grad"],
     "params_grad_noise": Tolerance(0.0, 0.08, (
-        "kappa of the per-element Adam term of the fp16 params envelope (parity.verdict.envelope.envelope_params_check). "
-        "fp32's 1e-6 scaled by the unit roundoff gives 8.2e-3 (1e-6 * 2^-11 / 2^-24), but a correct jax~torch pair "
-        "(gpt2-tiny, Constant lr 1e-3, 8 steps) needs 0.026 (53 u) at h.0.mlp.fc.weight, an element with an "
-        "ordinary gradient: fp16 gradients of the two frameworks differ per element by more than rounding (its "
-        "narrow range: contributions under 2^-24 of the loss scale flush to zero where each side casts; the "
-        "grad_norm entry measured 1.3e-2 relative jax~torch). 0.08 leaves 3x. Grid (8 steps, "
-        "benchmarks/results/params_rule_envelope.md): Constant lr 1e-4 needs 1.6e-3, jax~deepspeed 1e-3 0.012; the "
-        "per-tensor envelope false-FAILed all 4 Constant cells, this rule 1 (lr 6e-3, 0.092, whose grad-norm "
+        "kappa of the per-element Adam term of the fp16 params envelope "
+        "(parity.verdict.envelope.envelope_params_check). fp32's 1e-6 scaled by the unit roundoff gives 8.2e-3 (1e-6 * "
+        "2^-11 / 2^-24), but a correct jax~torch pair (gpt2-tiny, Constant lr 1e-3, 8 steps) needs 0.026 (53 u) at "
+        "h.0.mlp.fc.weight, an element with an ordinary gradient: fp16 gradients of the two frameworks differ per "
+        "element by more than rounding (its narrow range: contributions under 2^-24 of the loss scale flush to zero "
+        "where each side casts; the grad_norm entry measured 1.3e-2 relative jax~torch). 0.08 leaves 3x. Grid (8 "
+        "steps, benchmarks/results/params_rule_envelope.md): Constant lr 1e-4 needs 1.6e-3, jax~deepspeed 1e-3 0.012; "
+        "the per-tensor envelope false-FAILed all 4 Constant cells, this rule 1 (lr 6e-3, 0.092, whose grad-norm "
         "envelope fails too). Planted bugs (default schedule) as before: lr +5% (needs 0.73) and LayerNorm eps 1e-6 "
         "(0.012; grad-norm envelope) fail, weight decay off and GELU pass.")),
     **_LOSS_SCALE,
