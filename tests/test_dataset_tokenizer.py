@@ -212,7 +212,8 @@ def test_a_template_in_chat_template_jinja_renders_as_transformers_does(tmp_path
   rows = [{"messages": CHAT}, {"messages": CHAT[1:3]}]
   s = _read(tmp_path, rows, folder)
   for row, ex in zip(rows, s.examples):
-    assert ex.ids.tolist() == list(hf.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
+    want = hf.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"]
+    assert ex.ids.tolist() == list(want)
   assert s.chat_template == str(folder / "chat_template.jinja")
   # Alpaca records go through the template too, and the card says which template file rendered them
   alpaca = _read(tmp_path, [{"instruction": "Summarise", "output": "They jump."}], folder)

@@ -433,7 +433,7 @@ def test_jax_card_reads_the_first_moment_dtype_too():
   run = preset("gpt2-tiny")
   t = Trainer.build(run, weights.init_params(run.model, run.train.seed))
   assert semantics_card(t, frozenset())["items"]["dtypes.moments"] == "float32"
-  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
   bf16_mu = jax.tree.map(lambda x: x._replace(mu=jax.tree.map(lambda m: m.astype(jnp.bfloat16), x.mu))
                          if is_adam(x) else x, t.state.opt_state, is_leaf=is_adam)
   assert any(is_adam(x) for x in jax.tree.leaves(t.state.opt_state, is_leaf=is_adam))
@@ -456,4 +456,5 @@ def test_torch_adam_probe_reads_the_first_moment_dtype_too():
       return out
   p = torch.nn.Parameter(torch.zeros(2))
   assert ts.adam_form(torch.optim.AdamW([p], eps=1e-8), torch.float32, 1e-8)["moments"] == "float32"
-  assert ts.adam_form(Bf16FirstMoment([p], eps=1e-8), torch.float32, 1e-8)["moments"] == "first bfloat16, second float32"
+  moments = ts.adam_form(Bf16FirstMoment([p], eps=1e-8), torch.float32, 1e-8)["moments"]
+  assert moments == "first bfloat16, second float32"

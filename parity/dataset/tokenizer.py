@@ -235,7 +235,7 @@ def _add_missing_specials(tok, special: dict, cfg_path: Path) -> list[str]:
   """Adds each special token tokenizer_config.json names but tokenizer.json's vocabulary lacks as a new special id,
   in transformers' order (ADDED_ORDER), as transformers' from_pretrained does (so the ids, the EOS appended and the
   vocabulary size agree with it); one note per token added. Before, a missing eos_token meant no EOS, silently."""
-  from tokenizers import AddedToken  # noqa: PLC0415 (load_tokenizer has checked the package)
+  from tokenizers import AddedToken
   notes = []
   for key in ADDED_ORDER:
     s = special.get(key)

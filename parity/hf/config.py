@@ -116,10 +116,10 @@ class _Config(dict):
     depth; `spec` need not hold its per-layer fields yet)."""
     if self.max_params is None:
       return
-    from parity.sizing.resources import _param_count  # noqa: PLC0415 (parity.sizing imports more than a parse needs)
+    from parity.sizing.resources import _param_count
     try:
       params = _param_count(spec)
-    except Exception:  # noqa: BLE001 (a shape the spec's validation refuses, with its own message)
+    except Exception:
       return
     if params > self.max_params:
       raise HFFormatError(f"config.json ({self.arch}): describes a model of {params:,} parameters ({layers_key}="

@@ -150,7 +150,7 @@ def _host_param_limit() -> tuple[int | None, str]:
   """(the most parameters whose float32 weights, what HFCheckpoint.params holds, fit in the memory this process may
   use now (parity.sizing.host_limits.host_memory: MemAvailable, the cgroup's headroom), why); (None, "") when
   neither is known."""
-  from parity.sizing import host_limits  # noqa: PLC0415
+  from parity.sizing import host_limits
   avail = host_limits.host_memory().available_bytes
   if avail is None:
     return None, ""
