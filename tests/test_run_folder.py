@@ -136,6 +136,24 @@ def test_concurrent_claims_exactly_one_wins(tmp_path):
 
 
 @pytest.mark.process
+def test_a_lock_being_written_by_a_live_run_is_in_use_and_a_dead_one_s_is_cleared(tmp_path):
+  """The moment between a racer writing `.parity.lock.<pid>.<id>` and linking it: the folder is in use by that pid
+  (was: 'holds files that are not a parity run'); a dead racer's file is parity's leftover, removed."""
+  x = tmp_path / "X"
+  x.mkdir()
+  (x / f"{LOCK_NAME}.{os.getpid()}.0123abcd").write_text("{}")
+  with pytest.raises(RunFolderError, match=rf"in use by a run that started at the same moment \(pid {os.getpid()}"):
+    claim_run_dir(x)
+  (x / f"{LOCK_NAME}.{os.getpid()}.0123abcd").unlink()
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  (x / f"{LOCK_NAME}.{dead.pid}.0123abcd").write_text("{}")
+  claim = claim_run_dir(x)
+  assert sorted(p.name for p in x.iterdir()) == [LOCK_NAME]
+  claim.release()
+
+
+@pytest.mark.process
 def test_stale_lock_is_reported_and_taken_over_safely(tmp_path):
   x = tmp_path / "X"
   x.mkdir()

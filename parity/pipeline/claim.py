@@ -7,6 +7,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
+import re
 import socket
 import sys
 import uuid
@@ -180,7 +181,16 @@ def _vacate(path: Path, force: bool) -> tuple[Path | None, dict[str, Any] | None
     raise RunFolderError(f"--out {path}: in use by {who}: {_describe_lock(lock)}; wait for it to finish or choose "
                          f"another --out" + ("" if lock["alive"] else f" (remove {path / LOCK_NAME} if that run "
                                                                       "is gone)"))
+  racers = _claiming(path)
+  if racers["alive"]:  # another run is between writing its lock and linking it: it started at the same moment
+    raise RunFolderError(f"--out {path}: in use by a run that started at the same moment (pid {racers['alive'][0]}, "
+                         "claiming the folder); choose another --out")
+  for name in racers["dead"]:  # parity's own leftover, never the user's
+    with contextlib.suppress(OSError):
+      (path / name).unlink()
   others = [p.name for p in path.iterdir() if p.name != LOCK_NAME]
+  if lock is None and not others:
+    return moved_to, stale
   if lock is not None and not others:
     stale = lock  # a run that died before writing anything: nothing to keep, take the folder over
   elif not _is_run_folder(path):
@@ -223,6 +233,25 @@ def _make_folders(path: Path) -> list[Path]:
       raise RunIOError(exc.errno, f"--out {path}: cannot create {folder} ({exc.strerror}); nothing was written: "
                                   "choose a writable place with free space") from None
   return created
+
+
+def _claiming(path: Path) -> dict[str, list]:
+  """The lock files other runs are writing in `path` (`.parity.lock.<pid>.<id>`, before their atomic link): 'alive'
+  the pids still running, 'dead' the file names a run left when it died mid-claim (not the user's files)."""
+  out: dict[str, list] = {"alive": [], "dead": []}
+  for p in path.iterdir():
+    m = re.fullmatch(re.escape(LOCK_NAME) + r"\.(\d+)\.[0-9a-f]{8}", p.name)
+    if m is None:
+      continue
+    pid = int(m.group(1))
+    try:
+      os.kill(pid, 0)
+      out["alive"].append(pid)
+    except ProcessLookupError:
+      out["dead"].append(p.name)
+    except PermissionError:  # another user's live process
+      out["alive"].append(pid)
+  return out
 
 
 def claim_run_dir(run_dir: str | Path, *, force: bool = False, command: str | None = None) -> RunFolder:
