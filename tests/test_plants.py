@@ -25,6 +25,7 @@ from conftest import requires_deepspeed, requires_jax, requires_torch
 from parity.dataset.examples import Example
 from parity.dataset.layouts import build_batches
 from parity.dataset.reference import in_example_targets, token_weights
+from parity.dataset.demo import short_prompt_jsonl
 from parity.pipeline.folder import parse_perturb
 from parity.pipeline.perturb import plan_perturbations
 from parity.pipeline.plants import check_plants_on_data, data_reason, normalization_reason
@@ -191,15 +192,7 @@ SMALL = ("--preset", "sft-tiny", "--set", "train.seq_len=48", "--set", "train.ev
 
 def _jsonl(folder: Path) -> Path:
   """Pre-tokenized examples of 6..40 tokens, each with a prompt of 1..n/2 tokens without loss (-100 labels)."""
-  rng = np.random.default_rng(3)
-  lines = []
-  for n in rng.integers(6, 40, 120):
-    ids = rng.integers(0, 256, int(n)).tolist()
-    p = int(rng.integers(1, n // 2))
-    lines.append(json.dumps({"input_ids": ids, "labels": [-100] * p + ids[p:]}))
-  path = folder / "short.jsonl"
-  path.write_text("\n".join(lines) + "\n")
-  return path
+  return short_prompt_jsonl(folder / "short.jsonl")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -61,18 +61,9 @@ KEEP = (".json", ".jsonl", ".txt", ".md")  # what comes back of a run folder (th
 
 
 def plant_jsonl(folder: Path) -> Path:
-  """Pre-tokenized examples of 6..40 tokens, each with a prompt of 1..n/2 tokens without loss (-100 labels): rows
-  of 48 then hold prompts, completions and, packed, several examples (the data of the CPU plant tests)."""
-  import numpy as np
-  rng = np.random.default_rng(3)
-  lines = []
-  for n in rng.integers(6, 40, 120):
-    ids = rng.integers(0, 256, int(n)).tolist()
-    p = int(rng.integers(1, n // 2))
-    lines.append(json.dumps({"input_ids": ids, "labels": [-100] * p + ids[p:]}))
-  path = folder / "plant-data.jsonl"
-  path.write_text("\n".join(lines) + "\n")
-  return path
+  """The data of the CPU plant tests (parity.dataset.demo.short_prompt_jsonl)."""
+  from parity.dataset.demo import short_prompt_jsonl
+  return short_prompt_jsonl(folder / "plant-data.jsonl")
 
 
 def grid(precision: str, steps: int) -> list[tuple[str, tuple[str, ...]]]:

@@ -21,7 +21,7 @@ import numpy as np
 from parity.data import DataError
 from parity.dataset.examples import Example, ExampleSet
 
-__all__ = ["sft_demo", "PAD_ID", "EOS_ID", "DEMO_VOCAB", "DEMO_MODULES", "demo_pairs"]
+__all__ = ["sft_demo", "PAD_ID", "EOS_ID", "DEMO_VOCAB", "DEMO_MODULES", "demo_pairs", "short_prompt_jsonl"]
 
 PAD_ID = 256
 EOS_ID = 257
@@ -93,3 +93,20 @@ def sft_demo(max_examples: int = 512, max_tokens: int = 512) -> ExampleSet:
   version = sysconfig.get_python_version()
   return ExampleSet(examples=tuple(examples), source=f"sft-demo (stdlib of Python {version})", sha256=h.hexdigest(),
                     formats={"prompt": len(examples)}, vocab_size=DEMO_VOCAB)
+
+
+def short_prompt_jsonl(path: str | Path, n: int = 120, seed: int = 3) -> Path:
+  """Writes `n` pre-tokenized records of 6..40 random byte ids to `path` (JSONL: input_ids, labels), each with a
+  prompt of 1..len/2 tokens without loss (-100 labels): rows of 48 then hold prompts, completions and, packed,
+  several examples, which every planted data bug acts on (the data of the plant tests and benchmarks/tpu.sh's plant
+  table). Returns the path."""
+  import json
+  rng = np.random.default_rng(seed)
+  lines = []
+  for size in rng.integers(6, 40, n):
+    ids = rng.integers(0, 256, int(size)).tolist()
+    prompt = int(rng.integers(1, size // 2))
+    lines.append(json.dumps({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}))
+  path = Path(path)
+  path.write_text("\n".join(lines) + "\n")
+  return path
