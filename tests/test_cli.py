@@ -556,3 +556,13 @@ def test_filled_in_values_and_data_notes_show_with_and_without_progress(tmp_path
   assert 'parity compare: filled in "auto" train_micro_batch_size_per_gpu = 4 (from the run spec)' in err, err
   assert "parity compare: filled in gradient_clipping = 1.0" in err
   assert "parity compare: data: 7 of 8 examples are longer than a row and were cut" in err
+
+
+def test_the_rerun_line_says_what_the_determinism_rerun_guards_against_and_how_to_skip_it():
+  from parity.presets import preset
+  from parity.report.progress import rerun_line
+  spec = preset("gpt2-tiny")
+  line = rerun_line(spec, None, 4, None)
+  assert "determinism (first 4 steps per side in a new process" in line
+  assert "makes any verdict on it chance" in line and "--determinism-steps 0 skips it" in line
+  assert rerun_line(spec, False, 0, None) is None

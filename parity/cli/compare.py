@@ -261,7 +261,10 @@ def _print_checks(report, con) -> None:
   con.print(c)
   det = report.data.get("determinism") or {}
   if det:
-    con.print("determinism (first steps rerun in a new process): " + ", ".join(
-        f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items()))
+    con.print("determinism (first steps rerun in a new process; a side that does not repeat itself makes its "
+              "verdict chance): " + ", ".join(
+                  f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items())
+              + ("" if all(x["deterministic"] for x in det.values()) else
+                 " (--determinism-steps 0 skips this rerun)"), soft_wrap=True)
   for line in equivalence_lines(report.data):  # --equivalence: one line per kind and side
     con.print(line, soft_wrap=True, markup=False)

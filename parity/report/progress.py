@@ -22,7 +22,9 @@ def rerun_parts(spec, noise: bool | None, determinism_steps: int, resume_at: int
   noise_on = noise if noise is not None else t.precision in ("bf16", "fp16")
   parts = [("noise envelope", f"{t.steps} steps per side, batch rows reversed")] if noise_on else []
   if determinism_steps:
-    parts.append(("determinism", f"first {min(determinism_steps, t.steps)} steps per side in a new process"))
+    parts.append(("determinism", f"first {min(determinism_steps, t.steps)} steps per side in a new process: a side "
+                  "that does not repeat itself bit for bit makes any verdict on it chance; --determinism-steps 0 "
+                  "skips it"))
   if resume_at is not None:
     parts.append(("resume", f"from step {resume_at}"))
   parts += [(f"equivalence {k}", f"{t.steps} steps per side") for k in equivalence]
