@@ -566,3 +566,18 @@ def test_the_rerun_line_says_what_the_determinism_rerun_guards_against_and_how_t
   assert "determinism (first 4 steps per side in a new process" in line
   assert "makes any verdict on it chance" in line and "--determinism-steps 0 skips it" in line
   assert rerun_line(spec, False, 0, None) is None
+
+
+def test_plan_names_the_device_as_given_and_gives_each_side_its_choice(capsys):
+  """--device-memory 80GB is named as typed (not as 74.5 GiB of an H100), and DeepSpeed's own best pair is said
+  beside the pair's choice (the pair's step is its slowest side's, so the JAX-led choice is not DeepSpeed's)."""
+  import re
+  rc = main(["plan", "--model", "llama-3.1-8b", "--device-memory", "80GB"])
+  out = re.sub(r"\s+", " ", capsys.readouterr().out)
+  assert rc == 0
+  assert "H100 with 80GB of device memory" in out
+  m = re.search(r"each side alone, by its own estimated step time: deepspeed: (\S+) \(([\d,.]+) ms/step\); "
+                r"jax: (\S+) \(([\d,.]+) ms/step\)", out)
+  assert m, out[-1500:]
+  assert m.group(1) == "zero2-offload" and m.group(3) == "scan-offload"
+  assert float(m.group(2).replace(",", "")) < float(m.group(4).replace(",", ""))

@@ -7,6 +7,7 @@ explain, ranking_json); this module only parses options and prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -246,9 +247,7 @@ def run_plan(args: argparse.Namespace) -> int:
   check_json_target(args.json, args.force)
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
   pool_gib = host_limits.xla_pool_setting(os.environ)  # a bad value: SpecError naming the variable (exit 2)
-  hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory,
-                             host_gib=host_gib(args.host_memory, args.devices), bandwidth_gbs=args.bandwidth,
-                             peak_tflops=args.peak_tflops)
+  hw = _plan_hardware(args)
   best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu,
                                    xla_pool_gib=pool_gib, pin_memory=args.pin_memory)
   inputs = plans.plan_inputs(hw, run.train, devices=args.devices, sides=sides, mfu=args.mfu,
@@ -281,6 +280,9 @@ def run_plan(args: argparse.Namespace) -> int:
               + (f", {tput['non_padding_tokens_per_s']:,.0f} of them real positions (padding fraction "
                  f"{args.padding_fraction:g}: padding costs the FLOPs of a real position)"
                  if args.padding_fraction else ""), highlight=False)
+  per_side = plans.side_choices(ranked)
+  if per_side:
+    con.print(per_side, highlight=False)
   engine = plans.engine_choice(ranked, f"{args.devices} x {hw.name}")
   if engine:
     con.print(engine, highlight=False)
@@ -295,6 +297,18 @@ def run_plan(args: argparse.Namespace) -> int:
                             "host_limits": {"xla_pool_env": host_limits.XLA_POOL_ENV, "xla_pool_user_gib": pool_gib,
                                             "pin_memory": args.pin_memory}})
   return EXIT_OK if best else EXIT_FAIL
+
+
+def _plan_hardware(args: argparse.Namespace):
+  """--hardware with the figures given replaced (plans.custom_hardware), named as the user gave the device memory:
+  their memory, the preset's compute and link ('H100 with 80GB of device memory')."""
+  hw = plans.custom_hardware(plans.HARDWARE[args.hardware], device_gib=args.device_memory,
+                             host_gib=host_gib(args.host_memory, args.devices), bandwidth_gbs=args.bandwidth,
+                             peak_tflops=args.peak_tflops)
+  if args.device_memory is not None:
+    given = getattr(args.device_memory, "given", "") or f"{args.device_memory:g} GiB"
+    hw = dataclasses.replace(hw, name=f"{args.hardware} with {given} of device memory (--device-memory)")
+  return hw
 
 
 def host_lines(best, user_gib: int | None, host_bytes: int) -> list[str]:
@@ -323,6 +337,11 @@ def host_lines(best, user_gib: int | None, host_bytes: int) -> list[str]:
 _SIZE_UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "tib": 2**40, "tb": 10**12, "mib": 2**20, "mb": 10**6}
 
 
+class Size(float):
+  """A size flag's value in GiB that remembers how the user wrote it (`given`: '80GB'), for output naming it."""
+  given: str = ""
+
+
 def size_gib(text: str) -> float:
   """A memory size flag's value in GiB (argparse `type`): a bare number is GiB; a suffix GB/TB/MB is decimal, GiB/TiB/
   MiB binary ('80GB' -> 74.5). A non-finite or non-positive figure is returned as is: the CLI's number rule and
@@ -332,7 +351,9 @@ def size_gib(text: str) -> float:
   unit = m.group(2).lower() if m else None
   if m is None or unit not in _SIZE_UNITS:
     raise argparse.ArgumentTypeError(f"{text!r}: give GiB as a number (80) or a size with a unit (80GB, 80GiB, 1TB)")
-  return float(m.group(1)) * _SIZE_UNITS[unit] / 2**30
+  size = Size(float(m.group(1)) * _SIZE_UNITS[unit] / 2**30)
+  size.given = str(text).strip() + ("" if unit else " GiB")
+  return size
 
 
 def host_size(text: str) -> float | str:

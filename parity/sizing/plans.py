@@ -296,6 +296,22 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
   return best, out
 
 
+def side_choices(ranked: list[Candidate]) -> str | None:
+  """Each side's own choice: the fastest pair that fits that side alone, by its own estimated step time (a row's
+  step and the pair's choice are its slowest side's, so one side's best can be another pair). None when no pair was
+  costed per side."""
+  sides = sorted({s for c in ranked if c.side_step_s for s in c.side_step_s})
+  if not sides:
+    return None
+  out = []
+  for side in sides:
+    fitting = [c for c in ranked if c.side_step_s and side in c.side_step_s and c.side_fits(side)]
+    best = min(fitting, key=lambda c: c.side_step_s[side], default=None)
+    out.append(f"{side}: no plan fits" if best is None else
+               f"{side}: {best.name} ({best.side_step_s[side] * 1e3:,.1f} ms/step)")
+  return "each side alone, by its own estimated step time: " + "; ".join(out)
+
+
 def engine_choice(ranked: list[Candidate], hw_name: str) -> str | None:
   """With both a JAX and an FSDP2 side costed: which engine trains faster by this model, each by its fastest pair
   that fits it alone (`Candidate.side_fits`, its own step time); None without both sides. "stay on PyTorch" when
