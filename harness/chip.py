@@ -18,21 +18,28 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 from harness import lifetime
 
-__all__ = ["LOCK_ENV", "LOCK_PATH", "ChipWaitInterrupted", "holds_chip", "chip_turn", "busy_hint"]
+__all__ = ["LOCK_ENV", "LOCK_PATH", "ChipWaitInterrupted", "ChipLockError", "holds_chip", "chip_turn", "busy_hint"]
 
 LOCK_ENV = "PARITY_CHIP_LOCK"  # another lock file (tests; a machine whose /tmp is not shared by its users)
 LOCK_PATH = Path("/tmp/parity-tpu.lock")  # /tmp, not $TMPDIR: the chip is the machine's, as libtpu's own lock file
 POLL_S = 0.2
 JAX_SIDES = ("jax",)  # sides whose worker opens JAX's default backend
 # what the TPU runtime says when another process holds the chip (its wording has changed across libtpu versions)
-_BUSY = re.compile(r"TPU is already in use(?: by process with pid (\d+))?|libtpu_lockfile|multi-process lockfile|"
-                   r"libtpu\.so already in use", re.IGNORECASE)
+_BUSY = re.compile(r"TPU is already in use(?: by process with pid (\d+))?|multi-process lockfile|"
+                   r"libtpu\.so already in use|/dev/(?:accel|vfio/)\d+\S*: Device or resource busy", re.IGNORECASE)
+_HELD: list[int] = []  # lock fds this process holds: a nested turn (one process, one chip) does not wait on itself
+
+
+class ChipLockError(OSError):
+  """The chip lock file cannot be used (a folder, a symlink, another program's file, no permission); `str` names it
+  and the fix."""
 
 
 class ChipWaitInterrupted(KeyboardInterrupt):
@@ -65,6 +72,30 @@ def _lock_path(env: dict[str, str]) -> Path:
   return Path(env.get(LOCK_ENV) or os.environ.get(LOCK_ENV) or LOCK_PATH)
 
 
+def _open_lock(path: Path) -> int:
+  """The lock file's descriptor: created (mode 0666, so every user of the machine can take it) or an existing parity
+  lock, never through a symlink and never another program's file. Raises ChipLockError naming the path."""
+  fix = f"point {LOCK_ENV} at a file parity may create, or remove {path} if no parity run holds it"
+  try:
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+      with contextlib.suppress(OSError):  # a umask must not lock the next user out
+        os.fchmod(fd, 0o666)
+      return fd
+    except FileExistsError:
+      fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+  except OSError as exc:
+    raise ChipLockError(f"the TPU lock file {path} cannot be opened ({exc.strerror or exc}): {fix}") from None
+  st = os.fstat(fd)
+  text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() if stat.S_ISREG(st.st_mode) else None
+  ok = text == "" or (text is not None and re.fullmatch(r'\{"pid": \d+, "side": .*\}', text) is not None)
+  if not ok:
+    os.close(fd)
+    raise ChipLockError(f"the TPU lock file {path} is not a parity chip lock (a "
+                        f"{'file with other content' if text is not None else 'special file'}): {fix}")
+  return fd
+
+
 def _holder(fd: int) -> str:
   """Who holds the lock, from what the holder wrote in the file ('parity pid N (side jax of runs/x)')."""
   try:
@@ -94,11 +125,12 @@ def chip_turn(side: str, run: str, env: dict[str, str], *,
   if not holds_chip(side, env, evidence):
     yield 0.0
     return
+  if _HELD:  # this process already holds the chip
+    yield 0.0
+    return
   path = _lock_path(env)
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+  fd = _open_lock(path)
   try:
-    with contextlib.suppress(OSError):  # another user's umask must not lock the next user out
-      os.fchmod(fd, 0o666)
     t0, said, holder = time.time(), False, ""
     while True:
       try:
@@ -116,6 +148,7 @@ def chip_turn(side: str, run: str, env: dict[str, str], *,
       except KeyboardInterrupt:
         raise ChipWaitInterrupted(holder) from None
     waited = time.time() - t0
+    _HELD.append(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "side": side, "run": run}).encode(), 0)
     if said and on_wait is not None:
@@ -123,6 +156,7 @@ def chip_turn(side: str, run: str, env: dict[str, str], *,
     try:
       yield waited
     finally:
+      _HELD.remove(fd)
       with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
       fcntl.flock(fd, fcntl.LOCK_UN)

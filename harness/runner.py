@@ -121,11 +121,16 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   waiting = (lambda line: on_progress(side, 0, line)) if on_progress is not None else None
   try:
     with chip.chip_turn(side, str(run_dir), full_env, on_wait=waiting):  # one side at a time on a TPU chip
-      t0 = time.time()  # the limit starts once the side has the chip
+      t0 = time.time()  # the limit starts once the side has the chip, and so does the worker's own clock
+      full_env[LAUNCH_ENV] = repr(t0)
       world = ranks.world_size(launch)
       if world > 1:
         return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)
       return _run_one(side, cmd, out, full_env, timeout_s, on_progress, t0)
+  except chip.ChipLockError as exc:
+    summary = _harness_summary(side, "not_run", f"not started: {exc}", out, None)
+    _write_summary(out, summary)
+    return not_run(side, summary["error"])
   except chip.ChipWaitInterrupted as exc:
     _write_summary(out, _harness_summary(side, "killed", f"interrupted ({_signal_words()}) while waiting for the "
                                          f"TPU, which {exc.holder} held: the side never started", out, None))

@@ -4,6 +4,7 @@ by `harness.doctor.tpu_evidence`; the lock file is a test's own (PARITY_CHIP_LOC
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -129,10 +130,12 @@ def test_a_stop_while_waiting_leaves_a_summary(tmp_path, monkeypatch):
   ("jaxlib.xla_extension.XlaRuntimeError: ABORTED: The TPU is already in use by process with pid 4242. Not "
    "attempting to load libtpu.so in this process.", "process 4242"),
   ("RuntimeError: Unable to initialize backend 'tpu': ... libtpu multi-process lockfile ...", "another process"),
+  ("Unable to initialize backend 'tpu': open(/dev/accel0): Device or resource busy", "another process"),
 ])
 def test_a_chip_held_outside_parity_is_named(text, who):
   assert chip.busy_hint(text).startswith(f"the TPU was held by {who}, not a parity side")
   assert chip.busy_hint("ValueError: shapes (3,) and (4,) not aligned") is None
+  assert chip.busy_hint("could not open /tmp/libtpu_lockfile: Permission denied") is None  # not "in use"
 
 
 def test_run_side_names_a_chip_held_outside_parity(tmp_path):
@@ -143,3 +146,36 @@ def test_run_side_names_a_chip_held_outside_parity(tmp_path):
   assert sr.status == "crashed"
   assert sr.error.startswith("the TPU was held by process 7, not a parity side")
   assert json.loads((tmp_path / "torch" / "summary.json").read_text())["error"] == sr.error
+
+
+def test_the_lock_never_follows_a_symlink_or_takes_over_another_file(tmp_path):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("data")
+  victim.chmod(0o600)
+  (tmp_path / "link.lock").symlink_to(victim)
+  for path in (tmp_path / "link.lock", victim, tmp_path):  # a symlink, another program's file, a folder
+    why = rf"the TPU lock file {re.escape(str(path))} (cannot be opened|is not a parity)"
+    with pytest.raises(chip.ChipLockError, match=why):
+      with chip.chip_turn("jax", "r", {chip.LOCK_ENV: str(path)}, evidence=TPU):
+        pass
+  assert victim.read_text() == "data" and (victim.stat().st_mode & 0o777) == 0o600
+
+
+def test_an_unusable_lock_leaves_the_side_not_run_with_a_summary(tmp_path, monkeypatch):
+  import harness.doctor
+  from harness.runner import run_side
+  monkeypatch.setattr(harness.doctor, "tpu_evidence", TPU)
+  (tmp_path / "request.json").write_text("{}")
+  sr = run_side(tmp_path, "jax", timeout_s=3, module="never_started",
+                env={chip.LOCK_ENV: str(tmp_path / "missing" / "chip.lock")})
+  assert sr.status == "not_run" and "the TPU lock file" in sr.error and chip.LOCK_ENV in sr.error
+  assert json.loads((tmp_path / "jax" / "summary.json").read_text())["status"] == "not_run"
+
+
+def test_a_nested_turn_in_the_holding_process_does_not_wait_on_itself(tmp_path):
+  env = {chip.LOCK_ENV: str(tmp_path / "chip.lock")}
+  with chip.chip_turn("jax", "outer", env, evidence=TPU):
+    t0 = time.time()
+    with chip.chip_turn("jax", "inner", env, evidence=TPU) as waited:
+      assert waited == 0.0
+    assert time.time() - t0 < 1.0

@@ -165,6 +165,8 @@ def main() -> int:
   ap.add_argument("--only", default="", help="comma-separated cell names (a CPU rehearsal)")
   ap.add_argument("--request", default="runs/join-A/request.json", help="the carried request for the join part")
   a = ap.parse_args()
+  if a.jobs < 1:
+    ap.error(f"--jobs {a.jobs}: at least 1")
   deadline = float(os.environ.get("TPU_SH_T0") or time.time()) + a.budget  # from benchmarks/tpu.sh's start
   root = Path(a.out) / "matrix"
   root.mkdir(parents=True, exist_ok=True)
@@ -197,6 +199,10 @@ def main() -> int:
       cells += join_cells(Path(a.request))
   if a.only:
     keep = set(a.only.split(","))
+    unknown = sorted(keep - {c[0] for c in cells})
+    if unknown:
+      ap.error(f"--only {','.join(unknown)}: no such cell in --part {' '.join(parts)} (names: "
+               f"{', '.join(c[0] for c in cells[:4])}, ...)")
     cells = [c for c in cells if c[0] in keep]
   log(f"{len(cells)} compares, {a.jobs} at a time, budget {a.budget:.0f} s; TPU_PREMAPPED_BUFFER_SIZE="
       f"{os.environ.get('TPU_PREMAPPED_BUFFER_SIZE')}, "

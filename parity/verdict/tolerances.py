@@ -80,7 +80,10 @@ _FP32 = {
         "(parity.verdict.backend). Measured on a TPU v5e against the host CPU, JAX with matmul precision 'highest': "
         "1.38e-5 over 30 steps (gpt2-tiny, zero2-offload) and 1.86e-5 over 8 (gemma3-tiny, scan-offload: the chip's "
         "tanh-GELU, its tanh 7e-5 relative, tests/data/tpu_v5e/numerics.json); "
-        "benchmarks/results/2026-12-05-tpu-v5e-verdict.md. 2e-4 leaves ~11x over the worst. A matmul in one bf16 pass "
+        "benchmarks/results/2026-12-05-tpu-v5e-verdict.md. Over the grid of 5 families x 3 offload plans (16 steps) "
+        "and 14 plants: <= 3.8e-5 (mistral-tiny), 2.1e-5 over the 200-step default "
+        "(benchmarks/results/2026-12-06-tpu-v5e-matrix.md). 2e-4 leaves ~5x over the worst, for the drift of longer "
+        "runs; an error only the accelerator makes is bounded by this alone. A matmul in one bf16 pass "
         "(TPU's default fp32 precision) errs 2.3e-3 relative where 'highest' errs 1.1e-7 on the same product "
         "(numerics.json): a side computing fp32 that way moves the loss by orders of magnitude more than the "
         "transcendentals do.")),
