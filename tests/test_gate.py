@@ -805,3 +805,30 @@ def test_a_runs_numerics_flags_come_from_environment_json_and_the_semantics_card
                                                                "items": {"matmul.precision": "highest"}}))
   assert run_flags(tmp_path, ["jax", "torch"]) == {"JAX_REMAT3": "1", "XLA_FLAGS --x": None,
                                                    "jax matmul.precision": "highest"}
+
+
+def test_a_passing_gate_prints_its_outcome_and_counts_and_the_table_only_with_verbose(capsys):
+  """`parity check` of a finished run against itself passes: the outcome and one counts line naming --verbose, no
+  table; --verbose prints the table; `parity compare --baseline` names its gate.md (a FAIL prints all: above)."""
+  import io
+  from types import SimpleNamespace
+  from rich.console import Console
+  from parity.cli import main
+  from parity.cli.compare import _print_post
+  from parity.history.gate import check_against
+  from parity.history.snapshot import load_baseline, snapshot_from_report
+  from parity.report.finished import load_finished
+  run = str(Path(__file__).parent / "data" / "tpu_v5e" / "join" / "A")
+  assert main(["check", run, run]) == 0
+  out = capsys.readouterr().out
+  assert "GATE PASS" in out and "regression gate" not in out and len(out.strip().splitlines()) <= 3
+  assert "gate PASS: 12 checks within their bounds" in out and "--verbose" in out
+  assert main(["check", run, run, "--verbose"]) == 0
+  out = capsys.readouterr().out
+  assert "regression gate" in out and "GATE PASS" in out and len(out.strip().splitlines()) > 12
+  gate = check_against(snapshot_from_report(load_finished(Path(run))), load_baseline(run))
+  buf = io.StringIO()
+  post = SimpleNamespace(gate=gate, gate_files={"md": Path("runs/x/gate.md")}, messages=[])
+  _print_post(SimpleNamespace(post=post), Console(file=buf, width=300, color_system=None))
+  assert "the table and notes: runs/x/gate.md or --verbose" in buf.getvalue()
+  assert "regression gate" not in buf.getvalue()

@@ -628,3 +628,19 @@ def test_to_deepspeed_says_which_activation_keys_it_wrote_as_defaults():
   _, report = to_deepspeed(p)
   assert not any("partition_activations" in w for w in report.warnings)
   assert any("contiguous_memory_optimization" in w and "default (false)" in w for w in report.warnings)
+
+
+def test_a_port_prints_its_outcome_before_the_key_table_and_a_refusal_prints_the_table(tmp_path, capsys):
+  """A ported config: 'parity port: ported <src>: N keys (...)' is the first line, the key table after it; a refused
+  one still prints the whole table and every reason."""
+  src = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+  assert cli.main([str(src), "-o", str(tmp_path / "o.yaml")]) == 0
+  err = capsys.readouterr().err
+  first = err.strip().splitlines()[0]
+  assert first.startswith(f"parity port: ported {src}: ") and "mapped" in first and "key table follows" in first
+  assert err.index("mapped") < err.index("parity port: wrote")
+  assert "optimizer.params.lr" in err.split(first, 1)[1]  # the table still comes, after the outcome
+  bad = _write(tmp_path, json.dumps({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+  assert cli.main([str(bad)]) == 2
+  err = capsys.readouterr().err
+  assert "parity port: ported" not in err and "optimizer.params.lr" in err and "pass --lr" in err

@@ -621,3 +621,29 @@ def test_data_notes_tell_the_terminal_what_truncation_cut_and_stay_quiet_otherwi
   assert data_notes({"card": {**card, "truncation": {**card["truncation"], "examples_cut": 0}}}) == []
   assert data_notes({"card": {**card, "truncation": {**card["truncation"], "mode": "split"}}}) == []
   assert data_notes({"source": "stream"}) == [] and data_notes(None) == []
+
+
+def test_environment_section_shows_one_readable_row_per_setting_not_json(tmp_path):
+  """report.html's Environment table: worker threads, host limits and numerics flags one row per setting ('KEY =
+  value (set by X: reason)'), no JSON blob; the raw block stays in environment.json (a re-render of a finished
+  run folder, tests/data/tpu_v5e/join/A)."""
+  import contextlib
+  import html
+  import io
+  import shutil
+
+  from parity.cli import main
+  run = tmp_path / "A"
+  shutil.copytree(Path(__file__).parent / "data" / "tpu_v5e" / "join" / "A", run)
+  with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    assert main(["report", str(run)]) == 0
+  page = (run / "report.html").read_text()
+  start = page.index(">Environment<")
+  section = html.unescape(page[start:page.index("</table>", start)])
+  assert '{"' not in section and "[{" not in section
+  cells = re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td>", section)
+  assert next(v for k, v in cells if k == "worker threads").startswith("OMP_NUM_THREADS = 2 (set by parity: 2 thread")
+  assert "JAX_REMAT3 = unset (the framework's default)" in [v for k, v in cells if k == "numerics flag"]
+  assert any(v.startswith("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB = 64 GiB (set by default") for k, v in cells
+             if k == "host limit")
+  assert json.loads((run / "environment.json").read_text())["worker_threads"]["values"] == {"OMP_NUM_THREADS": "2"}

@@ -113,6 +113,9 @@ def _add_run_flags(p) -> None:
                  help="regression gate: check this run against a finished run folder or its card.json, metric by "
                       "metric (docs/report-compare.md); exit 1 when one moved outside its gate, the table says "
                       "which (default: no gate)")
+  p.add_argument("-v", "--verbose", action="store_true",
+                 help="with --baseline, print the gate's whole table and notes when it passes too (default off: a "
+                      "pass prints its outcome, its counts and where gate.md is; a FAIL always prints the table)")
   p.add_argument("--tracker", action="append", default=[], metavar="KIND:TARGET",
                  help="mirror each side's per-step records after the run to tensorboard:DIR, wandb:PROJECT or "
                       "mlflow:EXPERIMENT (the package must be installed; default: none)")
@@ -138,7 +141,7 @@ def run_compare(args: argparse.Namespace) -> int:
   started = time.time()
   report = run_comparison(resolved_run(args), run_options(args, started_s=started))
   print_summary(report, console())
-  _print_post(report, console())
+  _print_post(report, console(), verbose=getattr(args, "verbose", False))
   return report.exit_code
 
 
@@ -175,14 +178,16 @@ def run_options(args: argparse.Namespace, *, started_s: float | None = None) -> 
                     started_s=started_s)
 
 
-def _print_post(report, con) -> None:
-  """The --baseline gate's table and the --tracker lines (parity.history.after.PostRunResult), when asked for."""
+def _print_post(report, con, verbose: bool = False) -> None:
+  """The --baseline gate (its table when it failed or with --verbose; else the outcome, its counts and gate.md) and
+  the --tracker lines (parity.history.after.PostRunResult), when asked for."""
   post = getattr(report, "post", None)
   if post is None:
     return
   if post.gate is not None:
-    print_gate(post.gate, con)
-    if post.gate_files:
+    table = (post.gate_files or {}).get("md")
+    print_gate(post.gate, con, verbose=verbose, table=table)
+    if post.gate_files and (verbose or not post.gate.passed):
       con.print(f"gate: {post.gate_files['md']} (also gate.json)")
   for m in post.messages:
     con.print(m, soft_wrap=True)

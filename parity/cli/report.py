@@ -52,6 +52,9 @@ def register(sub) -> None:
                                  "2 when a folder is not a finished run or the card is unreadable.")
   p.add_argument("new", metavar="NEW", help="the finished run folder to check")
   p.add_argument("baseline", metavar="BASELINE", help="the baseline: a finished run folder or its card.json")
+  p.add_argument("-v", "--verbose", action="store_true",
+                 help="print the gate's whole table and notes when it passes too (default off: a pass prints its "
+                      "outcome and counts; a FAIL always prints the table)")
   p.set_defaults(handler=run_check)
 
 
@@ -112,5 +115,5 @@ def run_check(args: argparse.Namespace) -> int:
   if problems:
     raise InputError(f"NEW {args.new} cannot be checked: {'; '.join(problems)}")
   result = check_against(snapshot_from_report(report), load_baseline(args.baseline, flag="BASELINE"))
-  print_gate(result, console())
+  print_gate(result, console(), verbose=getattr(args, "verbose", False))
   return result.exit_code

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from parity.protocol.layout import DEBUG_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
-from parity.report.cells import compact, fmt, fmt_bytes
+from parity.report.cells import fmt, fmt_bytes
+from parity.report.env_rows import block_rows, readable
 from parity.report.side_table import backend, state_by_kind
 
 __all__ = ["plan_rows", "environment_rows", "doctor_rows", "PERTURB_HEADERS", "perturbation_rows",
@@ -101,8 +102,9 @@ def environment_rows(d: dict, extra: dict | None = None) -> list[tuple[str, str]
 
 def doctor_rows(env: dict) -> list[tuple[str, str]]:
   """(label, text) rows of environment.json (harness doctor block, schema parity.environment/1): host fields one
-  per row, installed packages on one row, git commit/branch/dirty, CUDA driver, GPUs, each framework's backend;
-  any other key compactly."""
+  per row, installed packages on one row, git commit/branch/dirty, CUDA driver, GPUs, each framework's backend,
+  one row per worker-thread variable, host limit and numerics flag (parity.report.env_rows); any other key as
+  readable text, never JSON (the raw blocks stay in environment.json)."""
   rows: list[tuple[str, str]] = []
   for key, val in env.items():
     if key in ("schema", "run_id", "quick"):
@@ -111,7 +113,7 @@ def doctor_rows(env: dict) -> list[tuple[str, str]]:
       for k, v in val.items():
         rows.append((f"host {k.replace('_', ' ')}", fmt_bytes(v) if k.endswith("_bytes") else
                      (", ".join(map(str, v)) if isinstance(v, list) and all(not isinstance(x, dict) for x in v)
-                      else v if isinstance(v, str) else compact(v))))
+                      else v if isinstance(v, str) else readable(v))))
     elif key == "packages" and isinstance(val, dict):
       rows.append(("packages", ", ".join(f"{k} {v}" for k, v in val.items() if v) or "n/a"))
     elif key == "git" and isinstance(val, dict):
@@ -121,9 +123,9 @@ def doctor_rows(env: dict) -> list[tuple[str, str]]:
       rows.append(("git (environment.json)", f"{rev} on {val.get('branch', '?')} ({state}{extra})"))
     elif key == "frameworks" and isinstance(val, dict):
       for fw, info in val.items():
-        rows.append((f"{fw} backend", info if isinstance(info, str) else compact(info)))
-    else:
-      rows.append((key.replace("_", " "), "none" if val is None else val if isinstance(val, str) else compact(val)))
+        rows.append((f"{fw} backend", info if isinstance(info, str) else readable(info)))
+    else:  # worker threads, host limits, numerics flags: one row per setting (parity.report.env_rows)
+      rows += block_rows(key, val)
   return rows
 
 
