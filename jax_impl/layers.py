@@ -22,7 +22,7 @@ import numpy as np
 from parity import architecture
 from parity.spec import ModelSpec
 
-from jax_impl.layout import NORM_MODULES
+from jax_impl.param_names import NORM_MODULES
 
 __all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation", "softcap",
            "embed_scale"]

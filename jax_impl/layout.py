@@ -17,23 +17,18 @@ import numpy as np
 from parity.spec import ModelSpec
 from parity.weights import check_names_and_shapes, param_shapes
 
+from jax_impl.param_names import LAYERS, NORM_MODULES, Params  # kept here too; they live below the model
+
 __all__ = ["TRANSPOSED", "LAYERS", "NORM_MODULES", "Params", "flax_path", "tree_from_canonical", "stack_layers",
            "unstack_layers",
            "to_flax", "from_flax"]
-
-Params = dict[str, Any]
 
 TRANSPOSED = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.gate.weight",
               "mlp.up.weight", "mlp.proj.weight", "lm_head.weight")
 """Canonical names (suffixes) of linear weights: [out, in] canonically, Flax `kernel` [in, out]."""
 
-LAYERS = "h"
-"""Module name of the layer-stacked blocks when scan_layers (params leaves carry a leading layer axis)."""
-
 _EMBEDDINGS = ("wte", "wpe")
-NORM_MODULES = ("ln_1", "ln_2", "ln_f", "ln_q", "ln_k", "ln_1_post", "ln_2_post")
-"""Flax module names of the norms (their `weight` is `scale`): the pre-norms, the final norm, the per-head q/k norms
-inside `attn` (qk_norm) and the branch-output norms (post_norms)."""
+
 
 def flax_path(name: str) -> tuple[tuple[str, ...], bool]:
   """Canonical name -> (path in the Flax params tree, transposed?).

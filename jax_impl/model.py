@@ -53,7 +53,7 @@ from jax_impl import remat as remat_lib
 from jax_impl.attention import Attention, attention_mask, kind_rope, uniform_kind
 from jax_impl.layers import (_SUB_OUT, TAPS, Dtype, Norm, _add, _dense, _opmath, _tap, embed_scale, mlp_activation,
                              rope_at, softcap)
-from jax_impl.layout import LAYERS, Params
+from jax_impl.param_names import LAYERS, Params
 
 __all__ = ["GPT", "loss_fn", "loss_and_taps", "compute_dtype", "cast_params", "attention_mask"]
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 import shlex
 from typing import Mapping
 
-from parity.sizing.host_limits import XLA_POOL_ENV
+__all__ = ["XLA_POOL_ENV", "XLA_FLAG_NAMES", "ENV_NAMES", "SIDE_KEYS", "parse_xla_flags", "numerics_flags",
+           "flag_values"]
 
-__all__ = ["XLA_FLAG_NAMES", "ENV_NAMES", "SIDE_KEYS", "parse_xla_flags", "numerics_flags", "flag_values"]
-
+XLA_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""XLA's pinned-host pool size per GPU, whole GiB (the unit is 1 << 30 bytes despite the name's 'GB'); defined here,
+at the bottom, and used by parity.sizing.host_limits (the contract's top-level modules never import parity.sizing)."""
 XLA_FLAG_NAMES = ("xla_gpu_enable_pipelined_host_offloading", "xla_gpu_enable_latency_hiding_scheduler")
 """XLA_FLAGS entries recorded (and compared) by name."""
 ENV_NAMES = ("JAX_REMAT3", "JAX_DEFAULT_MATMUL_PRECISION", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", XLA_POOL_ENV)

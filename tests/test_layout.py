@@ -1,6 +1,7 @@
-"""The package layout as docs/architecture.md draws it: no import cycles inside parity/, counting function-local
-imports (a local import that closes a circle only hides it), and every module of parity/, harness/, jax_impl/ and
-torch_impl/ imports only what its row of the import table allows (RULES; the doc's table is checked against it)."""
+"""The package layout as docs/architecture.md draws it: no import cycles among the modules of parity/, harness/,
+jax_impl/ and torch_impl/ (within a package or across them), counting function-local imports (a local import that
+closes a circle only hides it), and every module of those packages imports only what its row of the import table
+allows (RULES; the doc's table is checked against it)."""
 from __future__ import annotations
 
 import ast
@@ -13,17 +14,11 @@ from typing import Iterable
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _modules() -> dict[str, Path]:
-  out = {}
-  for p in (ROOT / "parity").rglob("*.py"):
-    rel = p.relative_to(ROOT).with_suffix("")
-    out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
-  return out
-
-
-def _graph() -> dict[str, set[str]]:
-  """module -> the parity modules it imports anywhere in its body (top level or inside functions)."""
-  mods = _modules()
+def _graph(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+  """module -> the project's modules it imports anywhere in its body (top level or inside functions), over every
+  package of OWN (or `sources`: dotted name -> module text). A top-level package face (`parity`, `torch_impl`) is no
+  target: `from parity import spec` names parity.spec, and the face's own lazy imports are its business."""
+  mods = sources if sources is not None else {m: p.read_text() for m, p in own_modules().items()}
 
   def owner(name: str) -> str:
     while name and name not in mods:
@@ -31,8 +26,8 @@ def _graph() -> dict[str, set[str]]:
     return name
 
   graph: dict[str, set[str]] = {m: set() for m in mods}
-  for m, path in mods.items():
-    for node in ast.walk(ast.parse(path.read_text())):
+  for m, text in mods.items():
+    for node in ast.walk(ast.parse(text)):
       if isinstance(node, ast.Import):
         targets = [a.name for a in node.names]
       elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -40,8 +35,8 @@ def _graph() -> dict[str, set[str]]:
       else:
         continue
       for t in targets:
-        o = owner(t) if t.startswith("parity") else ""
-        if o and o not in ("parity", m) and not m.startswith(o + "."):
+        o = owner(t) if t.split(".")[0] in OWN else ""
+        if o and o not in (*OWN, m) and not m.startswith(o + "."):
           graph[m].add(o)
   return graph
 
@@ -71,7 +66,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
-def test_no_import_cycles_in_parity():
+def test_no_import_cycles_in_the_project():
   cycle = _cycle(_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -81,6 +76,19 @@ def test_the_cycle_finder_finds_a_planted_cycle():
   cycle = _cycle(graph)
   assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"a", "b", "c"}
   assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_cycle_check_sees_planted_circles_in_any_package():
+  """Module texts through the same graph builder: a circle inside jax_impl closed by a function-local import, and one
+  across packages (harness -> parity -> harness) are found; the same modules without the closing import are not."""
+  texts = {"jax_impl.model": "from jax_impl.layers import Dense\n", "jax_impl.layers": "from jax_impl import layout\n",
+           "jax_impl.layout": "import jax\ndef to_flax():\n  from jax_impl.model import GPT\n", "jax_impl": ""}
+  cycle = _cycle(_graph(texts))
+  assert cycle is not None and set(cycle) == {"jax_impl.model", "jax_impl.layers", "jax_impl.layout"}, cycle
+  assert _cycle(_graph({**texts, "jax_impl.layout": "import jax\n"})) is None
+  across = {"harness.env": "from parity.sizing import host_limits\n", "parity.sizing.host_limits": "import harness.env",
+            "parity.sizing": "", "parity": "", "harness": ""}
+  assert set(_cycle(_graph(across)) or ()) == {"harness.env", "parity.sizing.host_limits"}
 
 
 def test_lower_layers_do_not_import_higher_ones():
@@ -121,15 +129,20 @@ def _rule(own: str, third: str = "", never: frozenset[str] | str = frozenset()) 
 _PARITY = "parity parity.numerics"
 RULES: dict[str, Rule] = {
   "parity (package)": _rule("parity parity.pipeline", "", FRAMEWORKS | {"harness"}),
+  # `python -m parity` is the CLI's entry point
+  "parity (main)": _rule("parity.cli", "", FRAMEWORKS | {"harness"}),
   "parity": _rule(_PARITY, "numpy safetensors pydantic yaml hjson", FRAMEWORKS | {"harness"}),
   "parity.numerics": _rule("parity", "numpy", FRAMEWORKS | {"harness"}),
-  "parity.verdict": _rule(_PARITY, "numpy", FRAMEWORKS | {"harness"}),
+  # the placement check judges placement.json by the contract's own split of its host-compute ops
+  "parity.verdict": _rule(f"{_PARITY} parity.protocol.placement", "numpy", FRAMEWORKS | {"harness"}),
   "parity.sizing": _rule(_PARITY, "numpy", FRAMEWORKS | {"harness"}),
-  "parity.protocol": _rule(_PARITY, "numpy safetensors", FRAMEWORKS | {"harness"}),
+  # the side's batch check computes the loss weights the NumPy reference does (framework-free)
+  "parity.protocol": _rule(f"{_PARITY} parity.dataset.reference", "numpy safetensors", FRAMEWORKS | {"harness"}),
   "parity.hf": _rule(f"{_PARITY} parity.sizing harness", "numpy safetensors", FRAMEWORKS),
   "parity.migrate": _rule(f"{_PARITY} parity.protocol parity.sizing harness", "numpy pydantic yaml hjson", FRAMEWORKS),
-  "parity.pipeline": _rule(f"{_PARITY} parity.hf parity.migrate parity.protocol parity.report parity.sizing "
-                           "parity.verdict harness", "numpy safetensors", FRAMEWORKS),
+  # dataset: a run's example inputs are built here; history: compare runs the after-report step (--baseline, --tracker)
+  "parity.pipeline": _rule(f"{_PARITY} parity.dataset parity.hf parity.history parity.migrate parity.protocol "
+                           "parity.report parity.sizing parity.verdict harness", "numpy safetensors", FRAMEWORKS),
   "parity.diagnose": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.sizing parity.verdict harness",
                            "numpy safetensors", FRAMEWORKS),
   "parity.report": _rule(f"{_PARITY} parity.hf parity.pipeline parity.protocol parity.sizing parity.verdict harness",
@@ -140,8 +153,11 @@ RULES: dict[str, Rule] = {
   "parity.dataset": _rule(_PARITY, "numpy tokenizers jinja2 pyarrow", FRAMEWORKS | {"harness"}),
   "parity.cli": _rule(f"{_PARITY} parity.diagnose parity.hf parity.history parity.migrate parity.pipeline "
                       "parity.report parity.sizing harness", "rich", FRAMEWORKS),
-  "harness": _rule(f"{_PARITY} parity.protocol", "numpy", FRAMEWORKS | {"parity.pipeline", "jax_impl", "torch_impl"}),
-  "jax_impl": _rule(f"{_PARITY} parity.protocol parity.sizing.memory_jax",
+  # host_limits: the XLA pinned-host pool the workers' environment gets (env) and the doctor reports
+  "harness": _rule(f"{_PARITY} parity.protocol parity.sizing.host_limits", "numpy",
+                   FRAMEWORKS | {"parity.pipeline", "jax_impl", "torch_impl"}),
+  # hf: the convert worker maps HF checkpoints to Flax params
+  "jax_impl": _rule(f"{_PARITY} parity.hf parity.protocol parity.sizing.memory_jax",
                     "numpy safetensors ml_dtypes " + " ".join(sorted(JAX)), TORCH | {"torch_impl", "harness"}),
   "torch_impl": _rule(f"{_PARITY} parity.protocol", "numpy safetensors " + " ".join(sorted(TORCH)),
                       JAX | {"jax_impl", "harness"}),
@@ -209,8 +225,17 @@ def unit_of(name: str) -> str:
 
 
 def rule_key(module: str) -> str:
-  """The RULES row that governs `module` (the package face `parity` has its own row)."""
-  return "parity (package)" if module == "parity" else unit_of(module)
+  """The RULES row that governs `module` (the package face `parity` and `python -m parity` have their own rows)."""
+  return {"parity": "parity (package)", "parity.__main__": "parity (main)"}.get(module) or unit_of(module)
+
+
+def _allows(u: str, name: str) -> bool:
+  """Whether the own-unit `u` of a row covers the module `name`: a unit ('parity', 'parity.protocol', 'harness')
+  covers exactly the modules of that unit (so 'parity' is parity's top-level modules, never a 'parity.<sub>'); a
+  single module ('parity.sizing.memory_jax') covers itself and, were it a package, what lies under it."""
+  if unit_of(u) == u:
+    return unit_of(name) == u
+  return name == u or name.startswith(u + ".")
 
 
 def violations(module: str, imports: Iterable[Import], rules: dict[str, Rule] = RULES) -> list[str]:
@@ -228,7 +253,7 @@ def violations(module: str, imports: Iterable[Import], rules: dict[str, Rule] = 
     if banned:
       out.append(f"{where}: never {banned[0]}")
     elif top in OWN:
-      if unit != home and not any(imp.name == u or imp.name.startswith(u + ".") or unit == u for u in rule.own):
+      if unit != home and not any(_allows(u, imp.name) for u in rule.own):
         out.append(f"{where}: {rule_key(module)} may import {sorted(rule.own)} of the project")
     elif top not in rule.third:
       out.append(f"{where}: {rule_key(module)} may import {sorted(rule.third)} besides the standard library")
@@ -293,6 +318,28 @@ def test_the_checker_catches_planted_wrong_imports():
   assert "jax_impl.step:2 imports torch_impl: never torch_impl" in found["jax_impl.step"][0]
 
 
+def test_a_row_allowing_parity_allows_only_its_top_level_modules():
+  """The unit `parity` is parity's top-level modules, never every `parity.<sub>` under it; a subpackage unit allows
+  its whole subpackage, a single-module entry that module only. Planted texts through imports_of and violations."""
+  mods = {"parity.spec", "parity.pipeline.compare", "parity.sizing.plans", "parity.sizing.host_limits",
+          "parity.numerics.schedule", "harness.runner", "parity.protocol.side"}
+  planted = {
+    "parity.report.write": ("import os\nfrom parity import spec\nfrom parity.numerics import schedule\n", 0),
+    "parity.spec": ("from parity.pipeline import compare\nfrom harness import runner\n", 2),
+    "parity.weights": ("import numpy\ndef f():\n  import jax\n", 1),
+    "parity.verdict.sides": ("from parity.sizing import plans\nfrom parity.protocol import side\n", 2),
+    "harness.env": ("from parity.sizing import host_limits\nfrom parity.sizing import plans\n", 1),
+    "parity.numerics.schedule": ("from parity import spec\nfrom parity.protocol import side\n", 1),
+  }
+  found = {m: violations(m, imports_of(text, m, mods)) for m, (text, _) in planted.items()}
+  assert {m: len(v) for m, v in found.items()} == {m: n for m, (_, n) in planted.items()}, found
+  assert "parity.spec:1 imports parity.pipeline.compare: parity may import" in found["parity.spec"][0]
+  assert "parity.spec:2 imports harness.runner: never harness" in found["parity.spec"][1]
+  assert "parity.weights:3 (function-local) imports jax: never jax" in found["parity.weights"][0]
+  assert "imports parity.sizing.plans" in found["harness.env"][0]
+  assert violations("parity.__main__", imports_of("from parity.cli import main\n", "parity.__main__")) == []
+
+
 def _doc_table() -> dict[str, tuple[set[str], set[str]]]:
   """docs/architecture.md's import table: row key -> (the backticked names of 'may import' before 'never', after)."""
   text = (ROOT / "docs" / "architecture.md").read_text()
@@ -303,7 +350,8 @@ def _doc_table() -> dict[str, tuple[set[str], set[str]]]:
     if len(cells) != 3 or not cells[0].startswith("`"):
       continue
     key = cells[0].strip("`").rstrip("/").replace("/", ".")
-    key = {"parity.__init__.py": "parity (package)", "parity.*.py": "parity"}.get(key, key)
+    key = {"parity.__init__.py": "parity (package)", "parity.__main__.py": "parity (main)",
+           "parity.*.py": "parity"}.get(key, key)
     may, _, never = cells[2].partition("never")
     rows[key] = (set(re.findall(r"`([^`]+)`", may)), set(re.findall(r"`([^`]+)`", never)))
   return rows

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from parity.errors import SpecError
+from parity.numerics_flags import XLA_POOL_ENV  # XLA's pinned-host pool size per GPU, whole GiB: re-exported
 from parity.sizing import memory
 from parity.spec import RunSpec
 from parity.weights import decays, param_shapes
@@ -47,8 +48,6 @@ __all__ = ["XLA_POOL_ENV", "XLA_POOL_DEFAULT_GIB", "POOL_HEADROOM", "POOL_STEP_G
            "deepspeed_pinned_blocks", "PinnedCost", "deepspeed_pinned_cost"]
 
 GiB = 2**30
-XLA_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-"""XLA's pinned-host pool size per GPU, whole GiB (the unit is 1 << 30 bytes despite the name's 'GB')."""
 XLA_POOL_DEFAULT_GIB = 64
 """The pool without the variable (openxla/xla gpu_helpers.cc)."""
 XLA_POOL_MAX_GIB = (2**63 - 1) >> 30
