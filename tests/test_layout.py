@@ -350,8 +350,8 @@ def _doc_table() -> dict[str, tuple[set[str], set[str]]]:
     if len(cells) != 3 or not cells[0].startswith("`"):
       continue
     key = cells[0].strip("`").rstrip("/").replace("/", ".")
-    key = {"parity.__init__.py": "parity (package)", "parity.__main__.py": "parity (main)",
-           "parity.*.py": "parity"}.get(key, key)
+    top_rows = {"__init__.py": "parity (package)", "__main__.py": "parity (main)", "*.py": "parity"}
+    key = top_rows.get(key.removeprefix("parity."), key) if key.startswith("parity.") else key
     may, _, never = cells[2].partition("never")
     rows[key] = (set(re.findall(r"`([^`]+)`", may)), set(re.findall(r"`([^`]+)`", never)))
   return rows

@@ -644,3 +644,16 @@ def test_a_port_prints_its_outcome_before_the_key_table_and_a_refusal_prints_the
   assert cli.main([str(bad)]) == 2
   err = capsys.readouterr().err
   assert "parity port: ported" not in err and "optimizer.params.lr" in err and "pass --lr" in err
+
+
+def test_port_makes_the_folders_of_its_outputs(tmp_path, capsys):
+  """-o / --report-md into a folder that does not exist yet: made, as `compare --out` makes its folder (was: exit 1,
+  'cannot write ... (No such file or directory)' after the whole table)."""
+  cfg = tmp_path / "ds.json"
+  cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}))
+  out = tmp_path / "new" / "deeper"
+  from parity.cli import main
+  rc = main(["port", str(cfg), "-o", str(out / "jax_run.yaml"), "--report-md", str(out / "migration.md"), "--quiet"])
+  assert rc == 0, capsys.readouterr()
+  assert (out / "jax_run.yaml").is_file() and (out / "migration.md").is_file()
