@@ -246,8 +246,9 @@ def run_plan(args: argparse.Namespace) -> int:
   sides = _plan_sides(args.sides)
   check_json_target(args.json, args.force)
   run = _resolve(args, default_model="llama-7b", grad_accum=args.grad_accum)
-  pool_gib = host_limits.xla_pool_setting(os.environ)  # a bad value: SpecError naming the variable (exit 2)
   hw = _plan_hardware(args)
+  # XLA's GPU pinned-host pool variable: read on a GPU only (a bad value: SpecError naming it, exit 2); a TPU has none
+  pool_gib = host_limits.xla_pool_setting(os.environ) if hw.kind == "gpu" else None
   best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu,
                                    xla_pool_gib=pool_gib, pin_memory=args.pin_memory)
   inputs = plans.plan_inputs(hw, run.train, devices=args.devices, sides=sides, mfu=args.mfu,
@@ -272,7 +273,21 @@ def run_plan(args: argparse.Namespace) -> int:
                     if costed else "-" for s in sides), mark if costed else "not costed")
   con = console()
   con.print(table)
-  con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}" if best else
+  _plan_notes(con, args, hw, best, ranked, inputs, pool_gib)
+  if args.json:
+    pool_env = host_limits.XLA_POOL_ENV if hw.kind == "gpu" else None  # TPU: no such variable
+    _write_json(args.json, {**plans.ranking_json(best, ranked, inputs),
+                            "host_limits": {"hardware_kind": hw.kind, "xla_pool_env": pool_env,
+                                            "xla_pool_user_gib": pool_gib, "pin_memory": args.pin_memory}})
+  return EXIT_OK if best else EXIT_FAIL
+
+
+def _plan_notes(con, args: argparse.Namespace, hw, best, ranked, inputs: dict, pool_gib: int | None) -> None:
+  """The lines under `parity plan`'s table: the choice (and, when it keeps nothing on the host, that it needs no
+  offload), its throughput, each side's and the engine's choice, the host limits, why cheaper pairs do not fit."""
+  no_offload = best is not None and math.isfinite(best.step_s) and not any(best.host_bytes.values())
+  con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}"
+            + (f"; it needs no offload on {hw.name}, and no offload pair is faster" if no_offload else "") if best else
             "[red]no plan fits[/red] (exit 1): more devices, a smaller micro batch or sequence, or more memory")
   if best is not None:
     tput = next(r for r in plans.ranking_json(best, ranked, inputs)["ranked"] if r["name"] == best.name)
@@ -286,17 +301,12 @@ def run_plan(args: argparse.Namespace) -> int:
   engine = plans.engine_choice(ranked, f"{args.devices} x {hw.name}")
   if engine:
     con.print(engine, highlight=False)
-  for line in host_lines(best, pool_gib, inputs["host_bytes_per_device"]):
+  for line in host_lines(best, pool_gib, inputs["host_bytes_per_device"], kind=hw.kind):
     con.print(line, highlight=False)
   for line in plans.explain(best, ranked):
     con.print("  " + line)
   for why, names in plans.uncosted(ranked).items():
     con.print(f"  not costed: {', '.join(names)}: {why}", highlight=False)
-  if args.json:
-    _write_json(args.json, {**plans.ranking_json(best, ranked, inputs),
-                            "host_limits": {"xla_pool_env": host_limits.XLA_POOL_ENV, "xla_pool_user_gib": pool_gib,
-                                            "pin_memory": args.pin_memory}})
-  return EXIT_OK if best else EXIT_FAIL
 
 
 def _plan_hardware(args: argparse.Namespace):
@@ -311,14 +321,21 @@ def _plan_hardware(args: argparse.Namespace):
   return hw
 
 
-def host_lines(best, user_gib: int | None, host_bytes: int) -> list[str]:
-  """The chosen plan's host limits as `parity plan` prints them: the JAX side's pinned-host requirement and the pool
-  setting it will use (PoolDecision.statement) against `host_bytes` per device, DeepSpeed's pinned rounding (with
+def host_lines(best, user_gib: int | None, host_bytes: int, kind: str = "gpu") -> list[str]:
+  """The chosen plan's host limits as `parity plan` prints them: on a GPU the JAX side's pinned-host requirement and
+  the pool setting it will use (PoolDecision.statement) against `host_bytes` per device; on a TPU (`kind`) its host
+  bytes against host memory alone (XLA's GPU pool does not exist there); DeepSpeed's pinned rounding (with
   --pin-memory)."""
   if best is None:
     return []
   out = []
-  if best.jax_pool:
+  if kind != "gpu":
+    if "jax" in best.host_bytes:
+      need = best.host_bytes["jax"]
+      keeps = f"keeps {human_bytes(need)} per device in host memory, within" if need else "keeps nothing on the host of"
+      out.append(f"host memory of {best.name}: the JAX side {keeps} the {host_bytes / 2**30:,.0f} GiB host memory "
+                 "per device; a TPU has no pinned-host pool limit of its own, so host memory is the only bound")
+  elif best.jax_pool:
     gib = best.jax_pool["gib"]
     fits = (f"; the {gib} GiB pool, one per GPU, fits the {host_bytes / 2**30:,.0f} GiB host memory per device"
             if gib * 2**30 <= host_bytes else "")

@@ -28,13 +28,15 @@ class Hardware:
   device_bytes: int
   """Accelerator memory, bytes."""
   peak_flops: float
-  """Dense bf16/fp16 tensor-core peak, FLOP/s (no sparsity)."""
+  """Dense bf16/fp16 peak (GPU tensor cores, TPU MXUs), FLOP/s (no sparsity)."""
   host_link_bytes_per_s: float
   """Host <-> device bandwidth per direction, bytes/s (PCIe, or NVLink-C2C on GH200)."""
   host_bytes: int
   """Host memory of a typical node, bytes (override with --host-memory)."""
   peak_flops_fp32: float = 0.0
   """fp32 peak without TF32, FLOP/s: what an fp32 run gets (JAX matmul precision 'highest', torch TF32 off)."""
+  kind: str = "gpu"
+  """'gpu' or 'tpu': XLA's GPU pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) applies to 'gpu' only."""
 
   def peak(self, precision: str) -> float:
     """FLOP/s for a run at this precision (fp32: peak_flops_fp32 when known, else the bf16 peak)."""
@@ -51,6 +53,23 @@ HARDWARE: dict[str, Hardware] = {
     "H100": Hardware("H100", 80 * GiB, 989e12, 64 * GB, 512 * GiB, 67e12),
     "H200": Hardware("H200", 141 * GB, 989e12, 64 * GB, 1024 * GiB, 67e12),
     "GH200": Hardware("GH200", 96 * GiB, 989e12, 450 * GB, 480 * GB, 67e12),
+    # Google Cloud TPU pages (docs.cloud.google.com/tpu/docs/v5e, /v5p, /v6e): bf16 peak per chip v5e 197, v5p 459,
+    # v6e 918 TFLOP/s; HBM per chip "16 GB", "95 GB", "32 GB", read as GiB: the v5e measured here
+    # (tests/data/tpu_v5e/doctor.json, accelerator.bytes_limit 16,909,336,064 = 15.75 GiB usable) has more than
+    # 16 GB, and the planner's 10% reserve leaves 14.4 GiB of it.
+    # fp32: no data sheet gives an fp32 matmul peak; the MXUs multiply bf16 only, and an fp32 matmul at precision
+    # 'highest' (what parity's JAX step sets for fp32) runs as 6 bf16 passes (XLA's BF16_BF16_F32_X6 dot algorithm;
+    # 'high' is 3). Assumed, not measured: fp32 peak = bf16 peak / 6.
+    # Host link: the in-step round trip measured on the v5e, 13.1 GB/s (doctor.json
+    # frameworks.jax.bandwidth.step_round_trip: donated pinned_host buffers reused by a jitted step); the standalone
+    # device_to_pinned_host 0.88 GB/s times fresh pinned allocations, not what a step sees. v5p and v6e reuse the
+    # v5e's 13.1 GB/s as an assumption until measured.
+    # Host memory per chip: v5e measured 45 GiB on a 1-chip VM (doctor.json host.mem_total_bytes; the ct5lp-hightpu-1t
+    # machine type lists 48 GB); v5p from its VM, 448 GB for 4 chips (112 GB per chip); v6e from its pod table,
+    # 1536 GiB DRAM per 8-chip host (192 GiB per chip). v5p and v6e are the documented figures, not measured.
+    "TPU-v5e": Hardware("TPU-v5e", 16 * GiB, 197e12, 13.1 * GB, 48318382080, 197e12 / 6, kind="tpu"),
+    "TPU-v5p": Hardware("TPU-v5p", 95 * GiB, 459e12, 13.1 * GB, 112 * GB, 459e12 / 6, kind="tpu"),
+    "TPU-v6e": Hardware("TPU-v6e", 32 * GiB, 918e12, 13.1 * GB, 192 * GiB, 918e12 / 6, kind="tpu"),
 }
 """Accelerator presets of `parity plan --hardware`."""
 

@@ -173,16 +173,18 @@ class Candidate:
 
 
 def _host_limits(runs: dict[str, RunSpec], hosts: dict[str, int], host_bytes: int, *, ranks: int,
-                 pool_user_gib: int | None, pin_memory: bool) -> tuple[dict | None, dict | None, list[str]]:
-  """(jax_pool, deepspeed_pinned, problems) of one pair (`Candidate`): the JAX side's pool by the shared rule
-  (host_limits.pool_decision: it must hold the need and fit the host), DeepSpeed's pinned rounding added to `hosts`
+                 pool_user_gib: int | None, pin_memory: bool,
+                 kind: str = "gpu") -> tuple[dict | None, dict | None, list[str]]:
+  """(jax_pool, deepspeed_pinned, problems) of one pair (`Candidate`): on a GPU (`kind`) the JAX side's pool by the
+  shared rule (host_limits.pool_decision: it must hold the need and fit the host); a TPU has no such pool (its host
+  need is bounded by host memory only, `_candidate`'s host problem). DeepSpeed's pinned rounding added to `hosts`
   in place when pin_memory is on."""
   pool, pinned, problems = None, None, []
   if "deepspeed" in runs and pin_memory:
     cost = host_limits.deepspeed_pinned_cost(runs["deepspeed"], ranks)
     hosts["deepspeed"] += cost.extra_bytes
     pinned = {"requested_bytes": cost.requested_bytes, "pinned_bytes": cost.pinned_bytes}
-  if "jax" in runs:
+  if "jax" in runs and kind == "gpu":
     need = host_limits.jax_pinned_need_bytes(runs["jax"])
     if need:
       decision = host_limits.pool_decision(need, pool_user_gib)
@@ -202,7 +204,7 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
   peaks = {s: memory.peak_device_bytes(rows, s) for s in sides}
   hosts = {s: memory.peak_host_bytes(rows, s) for s in sides}
   pool, pinned, pool_problems = _host_limits(runs, hosts, host_bytes, ranks=ranks, pool_user_gib=pool_user_gib,
-                                             pin_memory=pin_memory)
+                                             pin_memory=pin_memory, kind=hw.kind)
   problems = [f"{s} needs {peaks[s] / GiB:.1f} GiB on the device > {usable / GiB:.1f} GiB usable"
               for s in sides if peaks[s] > usable]
   problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
@@ -244,7 +246,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
                 reserve: float = 0.1, xla_pool_gib: int | None = None,
                 pin_memory: bool = False) -> tuple[Candidate | None, list[Candidate]]:
-  """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first).
+  """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first; equal
+  step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster).
 
   Args:
     model, train: what is trained; train.micro_batch_size is per device on both sides (DeepSpeed's
@@ -259,10 +262,11 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       ranked last, saying so.
     mfu: assumed model-FLOPs utilisation of the peak.
     reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
-    xla_pool_gib: the user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (host_limits.xla_pool_setting; None: unset). Every
-      HARDWARE target is a GPU, so each JAX plan that pins host memory gets a pool by the shared rule
+    xla_pool_gib: the user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (host_limits.xla_pool_setting; None: unset). On a
+      GPU (hw.kind 'gpu') each JAX plan that pins host memory gets a pool by the shared rule
       (host_limits.pool_decision, `Candidate.jax_pool`); a user's pool below the need, or a pool above the host
-      memory per device, is a problem (the pair does not fit).
+      memory per device, is a problem (the pair does not fit). On a TPU the rule does not exist: ignored, and the
+      host need is bounded by host memory only.
     pin_memory: cost DeepSpeed's offload with pin_memory true: its pinned buffers rounded as torch pins them
       (host_limits.deepspeed_pinned_cost); parity's own DeepSpeed configs are unpinned (parity.numerics.ds_json).
   Raises:
@@ -291,8 +295,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       continue
     out.append(_candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices,
                           pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
-  out.sort(key=lambda c: c.step_s)
-  best = next((c for c in out if c.fits), None)
+  out.sort(key=lambda c: (c.step_s, c.transfer_s))  # equally fast: the pair moving less over the host link first
+  best = next((c for c in out if c.fits), None)  # (a no-offload pair before any offload pair at the same step time)
   return best, out
 
 

@@ -1,0 +1,97 @@
+"""`parity plan` on TPUs: the TPU-v5e/v5p/v6e presets, no XLA GPU pinned-host pool rule there, the no-offload choice
+when the model fits on the device. Memory and time models only: nothing is built, no accelerator is needed."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from parity.hf import MODEL_PRESETS
+from parity.sizing import host_limits as hl
+from parity.sizing import plans
+from parity.spec import TrainSpec
+
+GiB, GB = 2**30, 10**9
+TRAIN = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
+DOCTOR = Path(__file__).parent / "data" / "tpu_v5e" / "doctor.json"
+
+
+@pytest.mark.parametrize("name,hbm,bf16,host", [("TPU-v5e", 16 * GiB, 197e12, 45 * GiB),
+                                                ("TPU-v5p", 95 * GiB, 459e12, 112 * GB),
+                                                ("TPU-v6e", 32 * GiB, 918e12, 192 * GiB)])
+def test_the_tpu_presets_figures(name, hbm, bf16, host):
+  hw = plans.HARDWARE[name]
+  assert (hw.name, hw.kind, hw.device_bytes, hw.peak_flops, hw.host_bytes) == (name, "tpu", hbm, bf16, host)
+  assert hw.host_link_bytes_per_s == 13.1 * GB  # the v5e's in-step round trip; v5p/v6e assume it
+  assert hw.peak("fp32") == pytest.approx(bf16 / 6) and hw.peak("bf16") == bf16  # fp32 as 6 bf16 passes (assumed)
+  assert plans.HARDWARE["H100"].kind == "gpu"
+
+
+def test_the_v5e_preset_is_the_measured_machine():
+  """The link and host figures are doctor.json's; the measured usable HBM (bytes_limit) is within the 16 GiB."""
+  doctor = json.loads(DOCTOR.read_text())
+  hw = plans.HARDWARE["TPU-v5e"]
+  assert hw.host_bytes == doctor["host"]["mem_total_bytes"]
+  assert hw.host_link_bytes_per_s == doctor["frameworks"]["jax"]["bandwidth"]["step_round_trip"]["gb_per_s"] * GB
+  limit = doctor["frameworks"]["jax"]["accelerator"]["bytes_limit"]
+  assert hw.device_bytes * 0.9 < limit <= hw.device_bytes
+
+
+def test_no_gpu_pool_rule_on_a_tpu():
+  """scan-offload pins 147.7 GiB per device (> XLA's 64 GiB GPU default): on an H100 with 150 GiB host its 160 GiB
+  pool does not fit, and a user's 100 GiB pool refuses it; on a TPU neither applies, the host memory alone bounds it."""
+  model = MODEL_PRESETS["llama-7b"]
+  for pool in (None, 100):
+    _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=150 * GiB, xla_pool_gib=pool)
+    scan = {c.name: c for c in ranked}["scan-offload"]
+    assert not scan.fits and scan.jax_pool is not None and any(hl.XLA_POOL_ENV in p for p in scan.problems)
+    best, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["TPU-v5p"], host_bytes=150 * GiB,
+                                     xla_pool_gib=pool)
+    scan = {c.name: c for c in ranked}["scan-offload"]
+    assert scan.host_bytes["jax"] > 64 * GiB and scan.fits and scan.jax_pool is None
+    assert best is not None and all(c.jax_pool is None for c in ranked)
+  _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["TPU-v5p"], host_bytes=100 * GiB)
+  scan = {c.name: c for c in ranked}["scan-offload"]  # too little host memory: the host bound, not a pool
+  assert "jax needs 147.7 GiB of host memory > 100.0 GiB" in scan.problems
+  assert not any("pool" in p or hl.XLA_POOL_ENV in p for p in scan.problems)
+
+
+def test_a_small_model_on_a_tpu_chooses_no_offload():
+  train = TrainSpec(micro_batch_size=8, seq_len=1024, precision="bf16")
+  best, ranked = plans.choose_plan(MODEL_PRESETS["gpt2-124m"], train, plans.HARDWARE["TPU-v5e"])
+  assert best is not None and best.transfer_s == 0.0 and not any(best.host_bytes.values())
+  assert best.step_s <= min(c.step_s for c in ranked if c.fits)
+
+
+def test_equal_step_times_prefer_the_pair_without_offload():
+  """With the transfers hidden under compute (a link this fast), offload pairs cost the same step as the no-offload
+  ones: the ranking puts the pair moving fewer host bytes first, so on 4 devices with 9.2 GiB usable (zero0-2 do not
+  fit, zero3 and zero3-offload-all do, at the same step) the choice is zero3."""
+  train = TrainSpec(micro_batch_size=8, seq_len=1024, precision="bf16")
+  hw = dataclasses.replace(plans.HARDWARE["TPU-v6e"], device_bytes=int(9.2 / 0.9 * GiB), host_link_bytes_per_s=1e18)
+  best, ranked = plans.choose_plan(MODEL_PRESETS["gpt2-124m"], train, hw, devices=4)
+  assert [(c.step_s, c.transfer_s) for c in ranked] == sorted((c.step_s, c.transfer_s) for c in ranked)
+  tied = {c.name: c for c in ranked if c.step_s == best.step_s}
+  assert {"zero3", "zero3-offload-all", "zero2-offload"} <= set(tied) and tied["zero3-offload-all"].fits
+  assert best.name == "zero3" and best.transfer_s == 0.0
+
+
+def test_parity_plan_on_a_tpu(capsys, monkeypatch, tmp_path):
+  from parity.cli import main
+  monkeypatch.setenv(hl.XLA_POOL_ENV, "lots")  # a GPU-only variable: not read on a TPU (a GPU exits 2)
+  out = tmp_path / "p.json"
+  assert main(["plan", "--hardware", "TPU-v5e", "--model", "gpt2-124m", "--json", str(out)]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert "on 1 x TPU-v5e" in text and "16.0 GiB device memory" in text and "peak 197.0 TFLOP/s (bf16)" in text
+  assert "choice: zero0" in text and "needs no offload on TPU-v5e" in text
+  assert "a TPU has no pinned-host pool limit of its own" in text and hl.XLA_POOL_ENV not in text
+  data = json.loads(out.read_text())
+  assert data["choice"] == "zero0" and data["host_limits"]["hardware_kind"] == "tpu"
+  assert data["host_limits"]["xla_pool_env"] is None
+  monkeypatch.delenv(hl.XLA_POOL_ENV)
+  assert main(["plan", "--hardware", "TPU-v5p", "--model", "llama-7b", "--host-memory", "512"]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert "choice: zero2-offload-scan" in text and hl.XLA_POOL_ENV not in text
+  assert "the JAX side keeps" in text and "host memory is the only bound" in text
