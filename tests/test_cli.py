@@ -152,7 +152,16 @@ def test_port_never_shows_a_refused_key_as_mapped(tmp_path, capsys):
       assert entries[key]["fate"] == "unsupported", (key, entries[key])
 
 
-def test_port_output_write_failure_is_one_line_exit_1(tmp_path, capsys):
+def test_port_output_write_failure_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+  """A write that fails for the machine's state (a full disk), not the path the user gave: exit 1, one line. (A
+  missing folder is made: tests/test_migrate.py::test_port_makes_the_folders_of_its_outputs.)"""
+  import errno
+  from parity.migrate import outputs
+
+  def full(p, data):
+    raise OSError(errno.ENOSPC, "No space left on device", str(p))
+
+  monkeypatch.setattr(outputs, "_replace", full)
   src = tmp_path / "ds.json"
   src.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW",
                                                                                 "params": {"lr": 1e-3}}}))

@@ -195,14 +195,13 @@ def _port_args(args: argparse.Namespace) -> str:
 
 def _show(args: argparse.Namespace, report) -> None:
   """A port that went through: its outcome line first ('parity port: ported 35 keys: 30 mapped, 5 not_needed'), then
-  the key table (--quiet: none); a refusal: the table as before, its reasons after it (_refusal)."""
-  if report.ported:
+  the key table (--quiet: neither); a refusal: the table as before, its reasons after it (_refusal)."""
+  if report.ported and not args.quiet:
     fates = {}
     for e in report.entries.values():
       fates[e.fate] = fates.get(e.fate, 0) + 1
     print(f"parity port: ported {report.source}: {len(report.entries)} keys ("
-          + ", ".join(f"{n} {f}" for f, n in fates.items()) + ")"
-          + ("; the key table follows" if not args.quiet else ""), file=sys.stderr)
+          + ", ".join(f"{n} {f}" for f, n in fates.items()) + "); the key table follows", file=sys.stderr)
   if not args.quiet:
     print_port_table(report, console(stderr=True))
 

@@ -108,7 +108,10 @@ def write_output(path: str | None, text: str) -> None:
     sys.stdout.write(text)
     return
   data = text.encode("utf-8")
-  Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `compare --out` makes its folder
+  try:  # as `compare --out` makes its folder; a file in the way is left to the write, which names it
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+  except (FileExistsError, NotADirectoryError):
+    pass
   _replace(Path(path), data)
   _replace(record_path(path), (json.dumps({"written_by": _WRITER, "sha256": _sha256(data)}) + "\n").encode())
 
