@@ -183,9 +183,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   Raises:
     DataError: the corpus is missing or too small.
     SpecError: the corpus needs a larger vocabulary than the model has (`check_vocab`); a perturbation changes nothing
-    its side
-      trains or cannot reach the DeepSpeed side's config (plan_perturbations); RunFolderError: an input file of an
-      earlier run is in the folder.
+      its side trains or cannot reach the DeepSpeed side's config (plan_perturbations).
+    RunFolderError: an input file of an earlier run is in the folder.
     RunIOError: a file could not be written (disk full, read-only folder); the message names it.
   """
   t0 = time.time()

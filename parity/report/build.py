@@ -170,8 +170,7 @@ def build_report(*, spec: RunSpec, preset_name: str, run_dir: Path, data_info: d
   """Assembles report.json (schema in parity.report), the one place its data is made: nothing is patched afterwards.
 
   Args:
-    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus
-    (parity.pipeline.folder.PreparedRun.data_info).
+    spec, preset_name, run_dir, data_info: the run, its name, folder and corpus (PreparedRun.data_info).
     side_runs: side -> harness.runner.SideRun; side_steps: side -> StepRecords.
     checks, params_table, verdict: parity.verdict.sides.compare_sides + reruns' checks, and their verdict.
     wall_s: seconds from the call to now; prepare_s: seconds writing the inputs.
