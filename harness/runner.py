@@ -114,15 +114,14 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
                    "writable with free space")
   worker = module or worker_module(side, job)
   cmd = [python, "-m", "harness.boot", worker, str(run_dir / "request.json"), "--side", side]
-  full_env = worker_env({**(env or {}), LAUNCH_ENV: repr(time.time()),
-                         phase.PHASE_ENV: str(out / phase.PHASE_FILE)}, python,
+  full_env = worker_env({**(env or {}), phase.PHASE_ENV: str(out / phase.PHASE_FILE)}, python,
                         ranks=int(launch["nproc"]))  # the ranks on this host share its CPUs
   _host_pool(full_env, run_dir, side)
   waiting = (lambda line: on_progress(side, 0, line)) if on_progress is not None else None
   try:
     with chip.chip_turn(side, str(run_dir), full_env, on_wait=waiting):  # one side at a time on a TPU chip
       t0 = time.time()  # the limit starts once the side has the chip, and so does the worker's own clock
-      full_env[LAUNCH_ENV] = repr(t0)
+      full_env[LAUNCH_ENV] = repr(t0)  # stamped here, after any wait, not when the environment was built
       world = ranks.world_size(launch)
       if world > 1:
         return _run_ranks(side, cmd, launch, out, full_env, timeout_s, on_progress, t0)

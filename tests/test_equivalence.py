@@ -17,20 +17,14 @@ from parity.pipeline.equivalence_inputs import EquivalenceInputError, prepare_eq
 from parity.pipeline.folder import prepare_run_dir
 from parity.presets import preset
 from parity.report.equivalence_view import equivalence_lines, equivalence_rows
+from parity.dataset.demo import short_prompt_jsonl
 from parity.report.read import check_contradictions
 from parity.overrides import apply_overrides
 from parity.verdict.sides import verdict
 
 
 def _short_examples(path, n=120, seed=3):
-  rng = np.random.default_rng(seed)
-  lines = []
-  for length in rng.integers(8, 60, n):
-    ids = rng.integers(0, 256, int(length)).tolist()
-    prompt = int(rng.integers(1, length // 2))
-    lines.append(json.dumps({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}))
-  path.write_text("\n".join(lines) + "\n")
-  return path
+  return short_prompt_jsonl(path, n, seed, lengths=(8, 60))
 
 
 def _spec(tmp_path, **overrides):

@@ -90,15 +90,15 @@ def summarize(folder: Path) -> dict:
     return {"verdict": None}
   checks = rep.get("checks") or []
   verdict = rep.get("verdict") or {}
-  failed = [c.get("name") for c in checks if not c.get("passed", True)]
-  gating_failed = [n for c, n in zip([c for c in checks if not c.get("passed", True)], failed) if c.get("gating")]
+  failed = [c for c in checks if not c.get("passed", True)]
+  gating_failed = [c.get("name") for c in failed if c.get("gating")]
   pick = {c.get("name"): [c.get("value"), c.get("tolerance")] for c in checks
           if any(k in str(c.get("name")) for k in ("backend", "envelope", "semantics", "placement"))}
   jax = (rep.get("sides") or {}).get("jax") or {}
   summ = jax.get("summary") or {}
   return {"verdict": "PASS" if verdict.get("passed") else "FAIL", "message": str(verdict.get("message"))[:400],
           "first_failure": verdict.get("first_failure"), "gating_failed": gating_failed,
-          "reported_only_over": [n for n in failed if n not in gating_failed], "checks": pick,
+          "reported_only_over": [c.get("name") for c in failed if not c.get("gating")], "checks": pick,
           "jax_device": summ.get("device") or summ.get("device_kind"), "jax_status": jax.get("status")}
 
 

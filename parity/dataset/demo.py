@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import sysconfig
 from pathlib import Path
 
@@ -95,15 +96,14 @@ def sft_demo(max_examples: int = 512, max_tokens: int = 512) -> ExampleSet:
                     formats={"prompt": len(examples)}, vocab_size=DEMO_VOCAB)
 
 
-def short_prompt_jsonl(path: str | Path, n: int = 120, seed: int = 3) -> Path:
-  """Writes `n` pre-tokenized records of 6..40 random byte ids to `path` (JSONL: input_ids, labels), each with a
-  prompt of 1..len/2 tokens without loss (-100 labels): rows of 48 then hold prompts, completions and, packed,
-  several examples, which every planted data bug acts on (the data of the plant tests and benchmarks/tpu.sh's plant
-  table). Returns the path."""
-  import json
+def short_prompt_jsonl(path: str | Path, n: int = 120, seed: int = 3, lengths: tuple[int, int] = (6, 40)) -> Path:
+  """Writes `n` pre-tokenized records of `lengths` (low inclusive, high exclusive; default 6..39) random byte ids to
+  `path` (JSONL: input_ids, labels), each with a prompt of 1..len/2 tokens without loss (-100 labels): rows of 48
+  then hold prompts, completions and, packed, several examples, which every planted data bug acts on (the data of
+  the plant tests, the equivalence tests and benchmarks/tpu.sh's plant table). Returns the path."""
   rng = np.random.default_rng(seed)
   lines = []
-  for size in rng.integers(6, 40, n):
+  for size in rng.integers(*lengths, n):
     ids = rng.integers(0, 256, int(size)).tolist()
     prompt = int(rng.integers(1, size // 2))
     lines.append(json.dumps({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]}))

@@ -244,13 +244,10 @@ def _claiming(path: Path) -> dict[str, list]:
     if m is None:
       continue
     pid = int(m.group(1))
-    try:
-      os.kill(pid, 0)
+    if _proc_start(pid) is not None:  # alive, as read_lock tells a lock's process
       out["alive"].append(pid)
-    except ProcessLookupError:
+    else:
       out["dead"].append(p.name)
-    except PermissionError:  # another user's live process
-      out["alive"].append(pid)
   return out
 
 
