@@ -28,6 +28,7 @@ program, and the jaxpr is where CPU shows them (`remat.device_puts_in_jaxpr`).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -38,12 +39,37 @@ from parity.spec import RunSpec
 from jax_impl import optim
 from jax_impl.offload import DEVICE_KIND, LAYERS, Placement
 
-__all__ = ["streams_update", "scalars_to_device", "streamed_update"]
+__all__ = ["StreamOptions", "OPTIONS", "streams_update", "scalars_to_device", "streamed_update"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+  """How the layer-streamed update is laid out for the compiler (never what it computes: every option gives the
+  same numbers, tests/test_jax_stream_options.py). The defaults are the layout measured best on a TPU v5e
+  (benchmarks/tpu_parts/offload.py); the others stay so that the benchmark can measure them again.
+
+  Attributes:
+    enabled: stream the update when the plan allows it (`streams_update`); False updates the whole tree at once
+      (every offloaded moment comes to the device together: the layout that saves no device memory).
+    unroll: the layer scan's unroll factor (`jax.lax.scan(unroll=)`): with 2 or more, one loop iteration holds
+      several layers, so XLA's scheduler can bring the next layer's slices in while the current one is updated and
+      sent back; 0 unrolls every layer.
+    in_place: carry the host stacks through the scan and write each updated layer back into them
+      (`dynamic_update_index_in_dim`) instead of stacking new outputs beside the donated old ones: the host then
+      holds one copy of the offloaded state instead of two at the end of the update.
+  """
+  enabled: bool = True
+  unroll: int = 1
+  in_place: bool = False
+
+
+OPTIONS = StreamOptions()
+"""The layout the Trainer builds with (a benchmark may replace it before building a Trainer)."""
 
 
 def streams_update(run: RunSpec) -> bool:
   """Whether the step updates the state layer by layer: scan_layers with params or optimizer state offloaded."""
-  return run.jax.scan_layers and (run.jax.offload_params or run.jax.offload_opt_state)
+  return OPTIONS.enabled and run.jax.scan_layers and (run.jax.offload_params or run.jax.offload_opt_state)
 
 
 def _map_param_trees(opt_state: Any, treedef: Any, fn: Callable[[Any], Any],
@@ -104,8 +130,8 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
   _map_param_trees(opt_state, full_def, lambda t: moments.append(t[LAYERS]))
 
-  def body(_: None, xs: tuple[Any, Any, list[Any]]) -> tuple[None, tuple[Any, list[Any]]]:
-    g_l, p_l, m_l = xs
+  def update_layer(g_l: Any, p_l: Any, m_l: list[Any]) -> tuple[Any, list[Any]]:
+    """One layer: its slices to the device, the chain's update, the results back to their home memory."""
     p_l = to_device(p_l, params_host)
     slices = iter([to_device(m, opt_host) for m in m_l])
     state_l = _map_param_trees(opt_state, full_def, lambda _t: {LAYERS: next(slices)})
@@ -113,13 +139,33 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     new_p_l = optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS]
     new_m_l: list[Any] = []
     _map_param_trees(new_state_l, layer_def, lambda t: new_m_l.append(t[LAYERS]))
-    return None, (to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l])
+    return to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l]
 
-  # The new stacks are the scan's outputs, so they are new buffers beside the donated old ones until the
-  # scan ends (parity.sizing.memory counts them). Carrying the stacks and writing each layer back in place
-  # (dynamic_update_slice) was tried: XLA then fuses one stack's update with reads of another's slice and
-  # copies every stack twice per iteration to keep those reads valid (CPU, jax 0.10.2), which is worse.
-  _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments))
+  opts = OPTIONS
+  n_layers = jax.tree.leaves(params[LAYERS])[0].shape[0]
+  unroll = n_layers if opts.unroll == 0 else max(1, opts.unroll)
+  if opts.in_place:
+    new_layers, new_moments = _in_place_scan(update_layer, grads[LAYERS], params[LAYERS], moments, n_layers, unroll)
+  else:
+    # The new stacks are the scan's outputs, so they are new buffers beside the donated old ones until the scan
+    # ends (parity.sizing.memory counts them); `in_place` writes each layer back into the carried stacks instead.
+    body = lambda _, xs: (None, update_layer(*xs))
+    _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments), unroll=unroll)
   stacked = iter(new_moments)
   new_state = _map_param_trees(new_rest_state, rest_def, lambda t: {**t, LAYERS: next(stacked)})
   return {**new_rest_params, LAYERS: new_layers}, new_state
+
+
+def _in_place_scan(update_layer: Callable, grads_l: Any, params_l: Any, moments: list[Any], n_layers: int,
+                   unroll: int) -> tuple[Any, list[Any]]:
+  """The layer loop with the param and moment stacks carried and each updated layer written back at its index."""
+  index = lambda tree, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+  put = lambda tree, new, i: jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+
+  def body(carry: tuple[Any, list[Any]], i: jax.Array) -> tuple[tuple[Any, list[Any]], None]:
+    p_stack, m_stacks = carry
+    new_p, new_m = update_layer(index(grads_l, i), index(p_stack, i), [index(m, i) for m in m_stacks])
+    return (put(p_stack, new_p, i), [put(m, n, i) for m, n in zip(m_stacks, new_m)]), None
+
+  (new_layers, new_moments), _ = jax.lax.scan(body, (params_l, moments), jax.numpy.arange(n_layers), unroll=unroll)
+  return new_layers, new_moments
