@@ -64,7 +64,7 @@ VARIANTS = (
     ("opt-stream-unroll-2", dict(), dict(unroll=2)),
     ("opt-stream-unpinned", dict(host_memory_kind="unpinned_host"), {}),
 )
-FLAG_VARIANTS = ("no-offload", "opt-stream", "opt-stream-unroll-all", "params+opt-stream")
+FLAG_VARIANTS = ("no-offload", "opt-stream", "opt-whole-tree", "params+opt-stream", "opt-stream-unroll-all")
 GRAD_ACCUM = (1, 8)
 
 
