@@ -58,6 +58,7 @@ class TrainState(NamedTuple):
   """Everything a training step reads and replaces. Groups are placed independently."""
   params: Any  # Flax params pytree, float32 master weights
   opt_state: Any  # optax state of jax_impl.optim.make_optimizer (moments float32, counts int32)
+  pending: Any = None  # jax_impl.stream.Pending of a deferred update (StreamOptions.deferred), else None
 
 
 def make_mesh(devices: list[jax.Device] | None = None, data_parallel: int = 1) -> Mesh:

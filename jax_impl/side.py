@@ -134,6 +134,7 @@ class JaxSide(Side):
     import jax  # after force_host_devices
     from jax_impl import checkpoint
     with jax.transfer_guard("allow"):  # orbax reads the state to host memory
+      self.trainer.settle()  # a deferred update still pending is part of the steps taken
       return checkpoint.save_train_state(folder, self.trainer.state)
 
   def versions(self) -> dict[str, str]:

@@ -29,9 +29,10 @@ program, and the jaxpr is where CPU shows them (`remat.device_puts_in_jaxpr`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from parity.spec import RunSpec
@@ -39,7 +40,8 @@ from parity.spec import RunSpec
 from jax_impl import optim
 from jax_impl.offload import DEVICE_KIND, LAYERS, Placement
 
-__all__ = ["StreamOptions", "OPTIONS", "streams_update", "scalars_to_device", "streamed_update"]
+__all__ = ["StreamOptions", "OPTIONS", "Pending", "streams_update", "defers_update", "scalars_to_device",
+           "streamed_update"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +59,17 @@ class StreamOptions:
     in_place: carry the host stacks through the scan and write each updated layer back into them
       (`dynamic_update_index_in_dim`) instead of stacking new outputs beside the donated old ones: the host then
       holds one copy of the offloaded state instead of two at the end of the update.
+    deferred: apply each step's update at the start of the next step instead of at its end (fp32/bf16, optimizer
+      state offloaded, params on the device). The step computes the gradient and hands it on as `Pending`; the next
+      step applies it layer by layer before its forward pass, and the moments it sends back to the host then have
+      the whole forward and backward pass to travel in: nothing of this step waits for them. The arithmetic is the
+      same update on the same gradient, norm and learning rate; `jax_impl.step.Trainer.settle` applies a pending
+      update before anything reads the state (params, moments, eval, checkpoint).
   """
   enabled: bool = True
   unroll: int = 1
   in_place: bool = False
+  deferred: bool = False
 
 
 OPTIONS = StreamOptions()
@@ -70,6 +79,22 @@ OPTIONS = StreamOptions()
 def streams_update(run: RunSpec) -> bool:
   """Whether the step updates the state layer by layer: scan_layers with params or optimizer state offloaded."""
   return OPTIONS.enabled and run.jax.scan_layers and (run.jax.offload_params or run.jax.offload_opt_state)
+
+
+def defers_update(run: RunSpec) -> bool:
+  """Whether the step hands its update on to the next step (`StreamOptions.deferred`): a streamed update of
+  offloaded optimizer state with the params on the device, outside fp16 (whose loss scale the next forward pass
+  needs already updated)."""
+  return (OPTIONS.deferred and streams_update(run) and run.jax.offload_opt_state and not run.jax.offload_params
+          and run.train.precision != "fp16")
+
+
+class Pending(NamedTuple):
+  """A step's update not yet applied (`StreamOptions.deferred`): its gradient, the stats the clip uses, and
+  whether there is one (false before the first step and after `Trainer.settle`)."""
+  grads: Any  # float32 pytree like the params, device memory
+  grad_norm: jax.Array  # float32 scalar, pre-clip global norm of `grads`
+  valid: jax.Array  # bool scalar
 
 
 def _map_param_trees(opt_state: Any, treedef: Any, fn: Callable[[Any], Any],
@@ -94,7 +119,8 @@ def scalars_to_device(placement: Placement, opt_state: Any, params: Any) -> Any:
 
 
 def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: Any, params: Any,
-                    plants: frozenset = frozenset()) -> tuple[Any, Any]:
+                    plants: frozenset = frozenset(), stats: optim.GlobalStats | None = None,
+                    apply: jax.Array | None = None) -> tuple[Any, Any]:
   """One optimizer update, the layer subtree streamed through device memory one layer at a time.
 
   Args:
@@ -105,6 +131,10 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
       device memory (`scalars_to_device`).
     params: the fp32 master params (scan layout), in their between-steps memory kind.
     plants: this side's planted bugs (`optim.make_optimizer`: 'decay_biases'), as the Trainer's own chain has them.
+    stats: the whole gradient's stats when already computed (a deferred update carries the ones of its step);
+      None computes them here.
+    apply: bool scalar or None; false keeps every param and state value as it was (a deferred update with none
+      pending), selected on the device before anything goes back to the host.
   Returns:
     (new params, new opt_state) in the same layout; the `LAYERS` subtree of each group is in that
     group's between-steps memory space, the rest in device memory (the jit's out shardings place it).
@@ -118,14 +148,17 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   to_device = lambda tree, host: _move(tree, jax.memory.Space.Device) if host else tree
   to_home = lambda tree, host: _move(tree, jax.memory.Space.Host) if host else tree
 
-  stats = optim.global_stats(run.train, grads, opt_state)
+  stats = optim.global_stats(run.train, grads, opt_state) if stats is None else stats
+  keep = (lambda new, old: new) if apply is None else (
+      lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old))
   tx, _ = optim.make_optimizer(run.model, run.train, scan_layers=True, stats=stats, plants=plants)
 
   # The non-layer params (embeddings, final norm) and their moments: one sub-tree update on the device.
   rest_params = to_device(rest_of(params), params_host)
   rest_state = _map_param_trees(opt_state, full_def, lambda t: to_device(rest_of(t), opt_host))
   updates, new_rest_state = tx.update(rest_of(grads), rest_state, rest_params)
-  new_rest_params = optax.apply_updates(rest_params, updates)
+  new_rest_params = keep(optax.apply_updates(rest_params, updates), rest_params)
+  new_rest_state = keep(new_rest_state, rest_state)
 
   moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
   _map_param_trees(opt_state, full_def, lambda t: moments.append(t[LAYERS]))
@@ -136,9 +169,12 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     slices = iter([to_device(m, opt_host) for m in m_l])
     state_l = _map_param_trees(opt_state, full_def, lambda _t: {LAYERS: next(slices)})
     upd_l, new_state_l = tx.update({LAYERS: g_l}, state_l, {LAYERS: p_l})
-    new_p_l = optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS]
+    new_p_l = keep(optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS], p_l)
     new_m_l: list[Any] = []
     _map_param_trees(new_state_l, layer_def, lambda t: new_m_l.append(t[LAYERS]))
+    old_m_l: list[Any] = []
+    _map_param_trees(state_l, layer_def, lambda t: old_m_l.append(t[LAYERS]))
+    new_m_l = [keep(n, o) for n, o in zip(new_m_l, old_m_l)]
     return to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l]
 
   opts = OPTIONS

@@ -112,13 +112,13 @@ def markdown(result: dict) -> str:
     lines.append(f"| {k} | {_f(r.get('gb_per_s'), '{:.2f}')} | {_f(r.get('seconds'), '{:.4f}')} "
                  f"{r.get('error', '')[:120]} |")
   lines += ["", "## Offload on/off in fp32 (tiny llama, same init and batches)", "",
-            "| variant | remat | bitwise | max abs param diff | max abs moment diff | losses equal |",
-            "|---|---|---|---|---|---|"]
+            "| variant | remat | against | bitwise | max abs param diff | max abs moment diff | losses equal |",
+            "|---|---|---|---|---|---|---|"]
   for r in ch.get("equality", {}).get("rows", []):
     if "error" in r:
-      lines.append(f"| {r['variant']} | {r['remat']} | error: {r['error'][:160]} | | | |")
+      lines.append(f"| {r['variant']} | {r['remat']} | {r.get('reference')} | error: {r['error'][:160]} | | | |")
     else:
-      lines.append(f"| {r['variant']} | {r['remat']} | {r['bitwise']} | {r['max_abs_param_diff']:.3g} | "
+      lines.append(f"| {r['variant']} | {r['remat']} | {r['reference']} | {r['bitwise']} | {r['max_abs_param_diff']:.3g} | "
                    f"{r['max_abs_moment_diff']:.3g} | {r['loss_equal']} |")
   lines.append("")
   for key, title in (("timing", "Step timing, default XLA flags"), ("flags", "Step timing, host-offload flags")):
