@@ -118,7 +118,8 @@ def markdown(result: dict) -> str:
     if "error" in r:
       lines.append(f"| {r['variant']} | {r['remat']} | {r.get('reference')} | error: {r['error'][:160]} | | | |")
     else:
-      lines.append(f"| {r['variant']} | {r['remat']} | {r['reference']} | {r['bitwise']} | {r['max_abs_param_diff']:.3g} | "
+      lines.append(f"| {r['variant']} | {r['remat']} | {r['reference']} | {r['bitwise']} | "
+                   f"{r['max_abs_param_diff']:.3g} | "
                    f"{r['max_abs_moment_diff']:.3g} | {r['loss_equal']} |")
   lines.append("")
   for key, title in (("timing", "Step timing, default XLA flags"), ("flags", "Step timing, host-offload flags")):
