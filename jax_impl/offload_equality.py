@@ -73,10 +73,11 @@ def _adam_moments(opt_state: Any) -> tuple[Any, Any]:
   return found[0].mu, found[0].nu
 
 
-def _train(plan: JaxPlan, model: ModelSpec, train: TrainSpec, batches: np.ndarray) -> dict[str, np.ndarray]:
+def _train(plan: JaxPlan, model: ModelSpec, train: TrainSpec, batches: np.ndarray,
+           plants: frozenset = frozenset()) -> dict[str, np.ndarray]:
   """The canonical params, mu and nu (keys 'params/NAME', 'mu/NAME', 'nu/NAME') after training `batches`."""
   run = RunSpec(model=model, train=train, jax=plan)
-  t = Trainer.build(run, init_params(model, train.seed))
+  t = Trainer.build(run, init_params(model, train.seed), plants=plants)
   t.compile(batches.shape[1:], None)
   for batch in batches:
     t.step(batch)
@@ -97,8 +98,8 @@ def _max_diff(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray], prefixes
   return worst
 
 
-def offload_equality(plans: Mapping[str, JaxPlan], steps: int = 3, *,
-                     model: ModelSpec = MODEL, train: TrainSpec = TRAIN, seed: int = 0) -> list[dict[str, Any]]:
+def offload_equality(plans: Mapping[str, JaxPlan], steps: int = 3, *, model: ModelSpec = MODEL,
+                     train: TrainSpec = TRAIN, seed: int = 0, plants: frozenset = frozenset()) -> list[dict[str, Any]]:
   """Trains each offload plan and its `reference_plan` for `steps` fp32 steps on the same batches and compares.
 
   Args:
@@ -106,6 +107,8 @@ def offload_equality(plans: Mapping[str, JaxPlan], steps: int = 3, *,
     steps: optimizer steps (train.steps is set to it).
     model, train: the run (train.precision must be fp32: the comparison is of one arithmetic, not of roundings).
     seed: the token batches' seed.
+    plants: planted bugs (parity.protocol.layout.SIDE_PLANT_KEYS) for the offloaded runs only, never the references:
+      a positive control (e.g. 'offload_residual_stale' on an offload remat plan must come back not bitwise).
   Returns:
     One dict per plan: plan (name), reference (the reference plan's fields that differ, 'field=value' joined by
     ', '), max_abs_param_diff and max_abs_moment_diff (float: the largest |offloaded - reference| over every param /
@@ -129,7 +132,7 @@ def offload_equality(plans: Mapping[str, JaxPlan], steps: int = 3, *,
     ref = reference_plan(plan)
     if ref not in refs:
       refs[ref] = _train(ref, model, train, batches)
-    got = _train(plan, model, train, batches)
+    got = _train(plan, model, train, batches, plants)
     dp, wp = _max_diff(got, refs[ref], ("params/",))
     dm, wm = _max_diff(got, refs[ref], ("mu/", "nu/"))
     differs = [f"{f.name}={getattr(ref, f.name)}" for f in dataclasses.fields(JaxPlan)
