@@ -48,6 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.spec import ModelSpec
 
 from jax_impl import remat as remat_lib
+from jax_impl import residual_plant
 # The layers (torch rounding points, diagnose taps: jax_impl.layers), attention (jax_impl.attention) and the
 # canonical <-> Flax layout (jax_impl.layout) are imported from their own modules.
 from jax_impl.attention import Attention, attention_mask, kind_rope, uniform_kind
@@ -79,6 +80,8 @@ class Mlp(nn.Module):
   Gemma); biases where spec.linear_bias("mlp")."""
   spec: ModelSpec
   dtype: Dtype = jnp.float32
+  stale_residual: bool = False
+  """The planted stale residual: proj's weight gradient reads mlp_hidden one row off (`jax_impl.residual_plant`)."""
 
   @nn.compact
   def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -99,7 +102,10 @@ class Mlp(nn.Module):
     _tap(self, "act", lambda: hid_btf)
     hid_btf = checkpoint_name(hid_btf, "mlp_hidden")
     proj_std = s.init_std / np.sqrt(2 * s.n_layers)
-    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std, bias=bias)(hid_btf)
+    proj = _dense(s.d_model, s, self.dtype, "proj", std=proj_std, bias=bias)
+    y_btd = proj(hid_btf)
+    if self.stale_residual:
+      y_btd = residual_plant.stale_weight_grad(proj, hid_btf, y_btd)
     _tap(self, "out", lambda: y_btd)
     return y_btd
 
@@ -117,6 +123,8 @@ class Block(nn.Module):
   scanned: bool = False
   causal: bool = True
   """See `Attention.causal` (diagnose plant only)."""
+  stale_residual: bool = False
+  """See `Mlp.stale_residual` (the planted stale residual only)."""
 
   @nn.compact
   def __call__(self, x_btd: jax.Array, _: Any = None, mask_bts: jax.Array | None = None,
@@ -133,7 +141,7 @@ class Block(nn.Module):
       a_btd = Norm(s, self.dtype, name="ln_1_post")(a_btd)
     x_btd = _add(x_btd, a_btd, self.dtype)
     _tap(self, "resid_mid", lambda: x_btd)
-    m_btd = Mlp(s, self.dtype, name="mlp")(Norm(s, self.dtype, name="ln_2")(x_btd))
+    m_btd = Mlp(s, self.dtype, self.stale_residual, name="mlp")(Norm(s, self.dtype, name="ln_2")(x_btd))
     if s.post_norms:
       m_btd = Norm(s, self.dtype, name="ln_2_post")(m_btd)
     x_btd = _add(x_btd, m_btd, self.dtype)
@@ -174,6 +182,8 @@ class GPT(nn.Module):
       JaxPlan.offload_params).
     host_memory_kind: host memory kind for the offload remat policies.
     causal: see `Attention.causal`; False only as a `parity diagnose` plant.
+    stale_residual: the planted stale residual (`jax_impl.residual_plant`): each block's MLP down projection takes
+      its weight gradient from a wrong saved residual; the forward values unchanged.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
@@ -182,6 +192,7 @@ class GPT(nn.Module):
   layer_to_device: bool = False
   host_memory_kind: str = "pinned_host"
   causal: bool = True
+  stale_residual: bool = False
 
   def _remat_name(self) -> str:
     if isinstance(self.remat, bool):
@@ -204,12 +215,12 @@ class GPT(nn.Module):
     if not self.scan_layers:
       for i in range(s.n_layers):
         args = ((None,) + extra if extra else ()) + ((kinds[i],) if mixed else ())
-        x_btd = block(s, self.dtype, False, self.causal, name=f"h_{i}")(x_btd, *args)
+        x_btd = block(s, self.dtype, False, self.causal, self.stale_residual, name=f"h_{i}")(x_btd, *args)
       return x_btd
     # (None, mask, rope[, local]): the same for every layer; the kinds, one per layer
     kw = {"in_axes": (nn.broadcast,) * (1 + len(extra)) + ((0,) if mixed else ())} if extra else {}
     scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers, **kw)
-    x_btd, _ = scanned(s, self.dtype, True, self.causal, name=LAYERS)(
+    x_btd, _ = scanned(s, self.dtype, True, self.causal, self.stale_residual, name=LAYERS)(
         x_btd, None, *extra, *((jnp.asarray(kinds),) if mixed else ()))
     return x_btd
 
@@ -274,7 +285,7 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
             remat: str | bool = False, scan_layers: bool = False, layer_to_device: bool = False,
             host_memory_kind: str = "pinned_host", causal: bool = True, segment_ids_bt: jax.Array | None = None,
             positions_bt: jax.Array | None = None, weights_bt: jax.Array | None = None,
-            label_shift: int = 1) -> jax.Array:
+            label_shift: int = 1, stale_residual: bool = False) -> jax.Array:
   """Next-token cross-entropy, nats, float32: the mean over all targets, or the weighted sum.
 
   Args:
@@ -291,17 +302,23 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
     With none of the three (the `stream` layout) the traced computation is exactly the one without them.
     label_shift: 1 (always, in training). 2 only as the planted bug "labels shifted twice":
       input t is scored against token t + 2; the last input has no target then (its weight is dropped).
+    stale_residual: True only as the planted bug 'offload_residual_stale' (`jax_impl.residual_plant`), under an
+      offload remat policy (jax_impl.remat.OFFLOAD_POLICIES): the loss is the same, the MLP weight gradients wrong.
   Returns:
     Scalar float32: without weights, the mean over all B * T targets of -log p(target); with weights,
     sum over (B, T) of weights * -log p(target).
   Raises:
-    ValueError: weights_bt is not (B, T), or label_shift is not in [1, T] (trace time); see `GPT.__call__`.
+    ValueError: weights_bt is not (B, T), label_shift is not in [1, T], or stale_residual without an offload remat
+      policy (trace time); see `GPT.__call__`.
   """
+  if stale_residual and remat not in remat_lib.OFFLOAD_POLICIES:
+    raise ValueError(f"the planted stale residual reads an offloaded residual: it needs an offload remat policy "
+                     f"({', '.join(remat_lib.OFFLOAD_POLICIES)}); got remat={remat!r}")
   if not 1 <= label_shift < tokens_btp1.shape[1]:
     raise ValueError(f"label_shift={label_shift} must be in [1, {tokens_btp1.shape[1] - 1}] (1 in training)")
   tokens = tokens_btp1.astype(jnp.int32)
   inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
-  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind, causal)
+  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind, causal, stale_residual)
   logits_btv = model.apply({"params": params}, inputs_bt, *_example_args(segment_ids_bt, positions_bt)
                            ).astype(jnp.float32)
   if label_shift != 1:  # the plant: targets one further ahead, the inputs that still have one

@@ -30,7 +30,7 @@ import jax
 
 from parity.spec import REMAT_POLICIES
 
-__all__ = ["RESIDUAL_NAMES", "OFFLOAD_POLICIES", "policy", "device_puts_in_jaxpr"]
+__all__ = ["RESIDUAL_NAMES", "OFFLOAD_POLICIES", "DEVICE_COUNTERPART", "policy", "device_puts_in_jaxpr"]
 
 RESIDUAL_NAMES = ("attn_in", "qkv", "attn_out", "mlp_in", "mlp_hidden")
 """checkpoint_name tags in each block: ln_1 output (qkv matmul input), qkv projection output
@@ -39,6 +39,10 @@ MLP hidden (proj matmul input, after the nonlinearity)."""
 
 OFFLOAD_POLICIES = ("offload_dots_no_batch", "offload_names")
 """Policies that put saved residuals in host memory."""
+DEVICE_COUNTERPART = {"offload_dots_no_batch": "save_dots_no_batch", "offload_names": "save_names"}
+"""Each offload policy's twin that saves the same residuals in device memory (jax_impl.offload_equality compares
+the two). 'save_names' (save_only_these_names(RESIDUAL_NAMES)) is internal: `policy` knows it, jax.remat does not
+take it (a plan saving every named residual on the device is 'none' to a user: it saves those and more)."""
 
 DEVICE_KIND = "device"
 
@@ -62,6 +66,7 @@ def policy(name: str, host_kind: str = "pinned_host") -> Callable | None:
       "offload_names": lambda: cp.save_and_offload_only_these_names(
           names_which_can_be_saved=(), names_which_can_be_offloaded=RESIDUAL_NAMES,
           offload_src=DEVICE_KIND, offload_dst=host_kind),
+      "save_names": lambda: cp.save_only_these_names(*RESIDUAL_NAMES),  # DEVICE_COUNTERPART only
   }
   if name not in table:
     raise ValueError(f"jax.remat must be one of {', '.join(REMAT_POLICIES)}; got {name!r}")

@@ -40,6 +40,7 @@ from jax_impl import optim
 from jax_impl import loss_scaling
 from jax_impl import offload as offload_lib
 from jax_impl import remat as remat_lib
+from jax_impl import residual_plant
 from jax_impl import stream as stream_lib
 from jax_impl.offload import Placement, TrainState, make_placement
 from parity.numerics.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
@@ -201,7 +202,8 @@ def _model_loss(run: RunSpec, placement: Placement, remat: bool = True,
   plan = run.jax
   layer_to_device = plan.scan_layers and placement.kind("params") != "device"
   kw = dict(dtype=model_lib.compute_dtype(run.train.precision), remat=plan.remat if remat else "none",
-            scan_layers=plan.scan_layers, layer_to_device=layer_to_device, host_memory_kind=plan.host_memory_kind)
+            scan_layers=plan.scan_layers, layer_to_device=layer_to_device, host_memory_kind=plan.host_memory_kind,
+            stale_residual=remat and residual_plant.STALE_RESIDUAL in plants)  # planted: jax_impl.residual_plant
   cast = lambda p: model_lib.cast_params(p, kw["dtype"])  # DeepSpeed's layout: the whole module in bf16/fp16
   if layer_to_device:  # the host-resident layer stack is cast per layer on the device, in the scan body (model)
     cast_rest = lambda p: {k: (v if k == layout.LAYERS else cast(v)) for k, v in p.items()}

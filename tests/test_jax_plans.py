@@ -275,6 +275,43 @@ def test_predicted_state_bytes_equal_the_live_arrays(offloaded, name):
   assert jax_state_bytes(t.run) == offload.bytes_by_memory_kind(t.state, dev)
 
 
+# ----------------------------------------------------------------------------- offload changes no value
+
+
+def test_each_offload_plan_has_a_device_twin_differing_only_in_memory():
+  from jax_impl.offload_equality import offload_plans, reference_plan
+  from parity.sizing.plans import PLANS
+  plans = offload_plans({n: p.jax for n, p in PLANS.items()})
+  assert {p.scan_layers for p in plans.values()} == {False, True}
+  for option in ("offload_opt_state", "offload_params"):
+    assert {p.scan_layers for p in plans.values() if getattr(p, option)} == {False, True}, option
+  assert {(p.remat, p.scan_layers) for p in plans.values() if p.remat in remat.OFFLOAD_POLICIES} == {
+      (r, s) for r in remat.OFFLOAD_POLICIES for s in (False, True)}
+  assert "zero0" not in plans and "zero3-fsdp4" not in plans  # nothing offloaded; four devices
+  twin = reference_plan(PLANS["zero3-act-offload"].jax)
+  assert (twin.remat, twin.offload_opt_state, twin.offload_params, twin.zero_stage) == ("save_names", False, False, 3)
+  assert reference_plan(PLANS["act-offload"].jax).remat == "save_dots_no_batch"
+
+
+@pytest.mark.slow
+def test_every_offload_plan_trains_bitwise_like_its_device_twin():
+  """Every offload plan of PLANS, with and without scan_layers (jax_impl.offload_equality.offload_plans: 12 on one
+  device), against the same plan with everything in device memory and the offload remat policy's device twin: after
+  3 fp32 steps the params and Adam's mu and nu are bitwise equal (on CPU the moves lower to nothing, so this holds
+  the offload's program structure, the streamed update and the per-layer moves, to the same arithmetic; an
+  accelerator runs the same call with real moves). The positive control: the planted stale residual on the two
+  offload remat policies comes back far from bitwise, so the comparison can fail."""
+  from jax_impl.offload_equality import offload_equality, offload_plans
+  from parity.sizing.plans import PLANS
+  plans = offload_plans({n: p.jax for n, p in PLANS.items()})
+  rows = offload_equality(plans, 3)
+  assert [r["plan"] for r in rows] == list(plans)
+  assert all(r["bitwise"] for r in rows), [r for r in rows if not r["bitwise"]]
+  act = {n: p for n, p in plans.items() if p.remat in remat.OFFLOAD_POLICIES and p.scan_layers}
+  for r in offload_equality(act, 3, plants=frozenset({"offload_residual_stale"})):
+    assert not r["bitwise"] and r["max_abs_param_diff"] > 1e-4 and "mlp.proj.weight" in r["worst_param"], r
+
+
 # ----------------------------------------------------------------------------- worker device count
 
 

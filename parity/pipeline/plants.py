@@ -21,6 +21,10 @@ The physics, per plant (right padding, one causal attention per row):
                            run (`fsdp_reason`).
   fsdp_shard_unsynced      (an FSDP2 plant, fsdp side only) rank 1's shard of one param not updated: needs a rank 1
                            (--nproc 2 or more: parity.pipeline.compare, which knows the ranks).
+  offload_residual_stale   (an activation-offload plant, JAX side only: OFFLOAD_PLANT_KEYS) the MLP down projection's
+                           weight gradient read from a wrong saved residual: shows only when the plan offloads residuals
+                           (jax.remat offload_names / offload_dots_no_batch) and a micro batch holds two token rows
+                           or more (`offload_reason`).
 A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
 cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
 both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
@@ -34,13 +38,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from parity.dataset.reference import in_example_targets, token_weights
-from parity.protocol.layout import FSDP_PLANT_KEYS, PLACEMENT_PLANT_KEYS, PLANT_KEYS
+from parity.numerics.ds_json import OFFLOAD_REMAT
+from parity.protocol.layout import FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS, PLACEMENT_PLANT_KEYS, PLANT_KEYS
 from parity.protocol.placement import writes_placement
 from parity.weights import param_shapes
 from parity.spec import RunSpec, SpecError
 
 __all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "placement_reason",
-           "fsdp_reason", "check_plants", "check_plants_on_data"]
+           "fsdp_reason", "offload_reason", "check_plants", "check_plants_on_data"]
 
 
 def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | None:
@@ -148,16 +153,44 @@ def fsdp_reason(side: str, key: str) -> str | None:
   return None
 
 
+def offload_reason(spec: RunSpec, side: str, key: str) -> str | None:
+  """Why the planted activation-offload bug `key` (OFFLOAD_PLANT_KEYS) on `side` cannot show, or None: only the JAX
+  side saves its residuals through a jax.checkpoint policy, the bug class lives in offloaded residuals (a plan that
+  keeps them in device memory has none to read stale), and a one-token micro batch has no other row to read."""
+  if side != "jax":
+    return (f"{key} is a planted activation-offload bug: only the JAX side keeps backward residuals through a "
+            f"jax.checkpoint offload policy; plant it as --perturb jax:{key}=true")
+  if spec.jax.remat not in OFFLOAD_REMAT:
+    return (f"the run's jax.remat is {spec.jax.remat!r}: no residual is offloaded to host memory, so there is no "
+            "offloaded residual to read stale; plant it on a plan that offloads residuals, e.g. --set "
+            "jax.remat=offload_names (or --plan act-offload / zero3-act-offload)")
+  if spec.train.micro_batch_size * spec.train.seq_len < 2:
+    return "a micro batch holds one token: there is no other row of the saved residual to read in its place"
+  return None
+
+
+def _reason(spec: RunSpec, side: str, key: str, kv: Mapping[str, Any]) -> str | None:
+  """The reason of the check that owns plant `key` (`spec_reason`, `fsdp_reason`, `offload_reason`,
+  `placement_reason`)."""
+  if key in PLANT_KEYS:
+    return spec_reason(spec, key, kv)
+  if key in FSDP_PLANT_KEYS:
+    return fsdp_reason(side, key)
+  if key in OFFLOAD_PLANT_KEYS:
+    return offload_reason(spec, side, key)
+  return placement_reason(spec, side)
+
+
 def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None) -> None:
-  """Refuses a plant `spec_reason`, `placement_reason` or `fsdp_reason` names (SpecError '--perturb SIDE:KEY=true
-  changes nothing ...: reason'), and a perturbation given alike to every side of spec.sides (`every_side_reason`)."""
+  """Refuses a plant `spec_reason`, `placement_reason`, `fsdp_reason` or `offload_reason` names (SpecError
+  '--perturb SIDE:KEY=true changes nothing ...: reason'), and a perturbation given alike to every side of spec.sides
+  (`every_side_reason`)."""
   alike = every_side_reason(spec.sides, perturb)
   if alike is not None:
     raise SpecError(alike)
   for side, kv in (perturb or {}).items():
-    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS):
-      reason = (spec_reason(spec, key, kv) if key in PLANT_KEYS else fsdp_reason(side, key)
-                if key in FSDP_PLANT_KEYS else placement_reason(spec, side))
+    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS):
+      reason = _reason(spec, side, key, kv)
       if reason is not None:
         _refuse(side, key, reason)
 

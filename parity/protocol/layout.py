@@ -40,7 +40,8 @@ import numpy as np
 from parity import weights
 
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "DATA_PLANT_KEYS",
-           "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "FSDP_PLANT_KEYS", "STEP_LIST_KEYS",
+           "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "FSDP_PLANT_KEYS", "OFFLOAD_PLANT_KEYS", "SIDE_PLANT_KEYS",
+           "STEP_LIST_KEYS",
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
            "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
@@ -78,13 +79,21 @@ correct policy reduces in float32, so the gradients are rounded before the reduc
 the semantics card's dtypes.grads names it at step 0); fsdp_shard_unsynced leaves rank 1's shard of one param
 (h.0.attn.qkv.weight) at its pre-step value after every optimizer step, its update never written back, so the ranks'
 shards no longer make the single-rank model (`FsdpTrainer.step`; needs --nproc 2 or more)."""
+OFFLOAD_PLANT_KEYS = ("offload_residual_stale",)
+"""Planted activation-offload bugs, `true` or absent, JAX side only, on a plan whose remat policy offloads residuals
+(jax.remat offload_names / offload_dots_no_batch): offload_residual_stale makes each block's MLP down projection
+take its weight gradient from a wrong saved residual (`mlp_hidden` one token row off: jax_impl.residual_plant), as
+a backward pass reading a stale offloaded buffer would. The forward values and the loss are unchanged; only the
+gradients are wrong, so the gradient and params checks must catch it (docs/plans.md "The planted stale residual")."""
+SIDE_PLANT_KEYS = PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS
+"""Every planted bug a side can carry (each takes `true`): `parity.protocol.side.SideIO.plants`."""
 DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps",
-              "fault_rank") + PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS
+              "fault_rank") + SIDE_PLANT_KEYS
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
 the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would.
 `fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md).
-PLANT_KEYS, PLACEMENT_PLANT_KEYS and FSDP_PLANT_KEYS take `true`."""
+SIDE_PLANT_KEYS (PLANT_KEYS, PLACEMENT_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS) take `true`."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
 
@@ -159,7 +168,7 @@ def parse_debug_value(key: str, value: Any) -> int | bool | tuple[int, ...]:
   Raises:
     ValueError: naming the key and what it takes.
   """
-  if key in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS:
+  if key in SIDE_PLANT_KEYS:
     if value is not True:
       raise ValueError(f"{key} is a planted bug: it takes true (leave it out for a correct side); got {value!r}")
     return True

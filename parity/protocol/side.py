@@ -30,8 +30,8 @@ from parity.numerics import schedule
 from parity.protocol.control import RunControl, parse_control
 from parity.protocol.ranks import rank_env, rank_stderr, write_rank_record
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, CHECKPOINT_SCHEMA, DEBUG_KEYS, FINAL_MOMENTS,
-                                    FSDP_PLANT_KEYS, LAUNCH_ENV, PLACEMENT_PLANT_KEYS, PLANT_KEYS, PLANTED_HANG,
-                                    PLANTED_KILL, REQUEST_SCHEMA, SUMMARY_SCHEMA, parse_debug_value, loss_tokens_per_s,
+                                    LAUNCH_ENV, PLANTED_HANG, PLANTED_KILL, SIDE_PLANT_KEYS, REQUEST_SCHEMA,
+                                    SUMMARY_SCHEMA, parse_debug_value, loss_tokens_per_s,
                                     step_time_median, tokens_per_s)
 from parity.protocol.workers import SIDE_WORKERS
 from parity.overrides import apply_overrides
@@ -150,10 +150,10 @@ class SideIO:
     self.out.mkdir(parents=True, exist_ok=True)
     perturb = dict(self.request.get("perturb", {}).get(side, {}))
     self.debug = {k: parse_debug_value(k, perturb.pop(k)) for k in DEBUG_KEYS if k in perturb}
-    self.plants = frozenset(k for k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS if self.debug.get(k))
+    self.plants = frozenset(k for k in SIDE_PLANT_KEYS if self.debug.get(k))
     """This side's planted bugs (PLANT_KEYS: its step applies them to its own inputs and model; PLACEMENT_PLANT_KEYS:
     the JAX side compiles its step against another placement than the plan's; FSDP_PLANT_KEYS: the FSDP2 side's
-    reduce dtype or one rank's shard)."""
+    reduce dtype or one rank's shard; OFFLOAD_PLANT_KEYS: the JAX side's backward reads a wrong saved residual)."""
     base = from_dict(RunSpec, self.request["run"])
     self.run = apply_overrides(base, perturb) if perturb else base
     self.perturbed = perturb

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from parity.protocol.layout import DEBUG_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.layout import DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
 from parity.report.cells import fmt, fmt_bytes
 from parity.report.env_rows import block_rows, readable
 from parity.report.side_table import backend, state_by_kind
@@ -174,6 +174,9 @@ def perturbation_lines(d: dict) -> list[str]:
       out.append(f"planted bug {r[0]} (the side applies it to its own optimizer's decay set: the semantics card)")
     elif p.get("key") in PLANT_KEYS:
       out.append(f"planted bug {r[0]} (the side applies it to its own inputs and model: docs/data-examples.md)")
+    elif p.get("key") in OFFLOAD_PLANT_KEYS:
+      out.append(f"planted bug {r[0]} (the side's backward pass reads a wrong saved residual, its forward unchanged: "
+                 "docs/plans.md)")
     elif p.get("key") in DEBUG_KEYS:
       out.append(f"planted fault {r[0]} (debug: no spec value to apply)")
     else:
