@@ -41,6 +41,7 @@ from parity.protocol.layout import read_steps
 from parity.report import Report, build_report, write_all
 from parity.report.reverify import Unverifiable, check_from_json, recompute
 from parity.report.side_table import backend
+from parity.sides import side_record
 from parity.spec import RunSpec, config_hash, to_dict
 from parity.verdict.sides import verdict
 
@@ -50,8 +51,6 @@ RERUN_SECTIONS = ("noise_envelope", "determinism", "resume", "equivalence", "bac
 """report.json's rerun sections: each folder's, merged per side, tell the verification which reruns to recompute."""
 SOURCE_FILES = ("request.json", "report.json", "card.json", ENVIRONMENT_FILE)
 """Each joined folder's own records, kept in <joined>/sources/<label>/."""
-_FRAMEWORK = {"jax": "jax"}
-"""Side -> the framework environment.json probes for it (every other side is torch)."""
 
 
 def join_runs(paths: Sequence[str | Path], *, out: str | Path | None = None, force: bool = False,
@@ -227,7 +226,7 @@ def _environment(sources: Sequence[Source], record: dict) -> dict[str, Any]:
   for src in sources:
     probes = (src.environment or {}).get("frameworks") or {}
     for side in src.sides:
-      fw = _FRAMEWORK.get(side, "torch")
+      fw = side_record(side).framework  # the framework environment.json probes for it
       if fw in probes:
         frameworks.setdefault(fw, probes[fw])
   hosts = {}

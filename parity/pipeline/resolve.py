@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.presets import DEFAULT_PRESET, preset
 from parity.overrides import apply_overrides, get_dotted, parse_overrides
+from parity.sides import side_record
 from parity.spec import from_dict, RunSpec, SpecError, to_dict
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.data import DataError
@@ -381,7 +382,7 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
     raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
   run = apply_overrides(spec, user) if user else spec
   best, ranked = plans.choose_plan(run.model, run.train, plans.HARDWARE[hardware], sides=tuple(
-      s for s in run.sides if s in ("jax", "deepspeed", "fsdp")) or ("jax",))
+      s for s in run.sides if side_record(s).plan) or ("jax",))  # the sides with a plan: a pair has one for each
   if best is None:
     raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
   return plans.PLANS[best.name], {"name": best.name, "chosen_by": f"planner ({hardware})",
