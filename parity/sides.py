@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from parity.errors import SpecError
 
 __all__ = ["SideRecord", "Framework", "FRAMEWORKS", "JOBS", "register_side", "unregister_side", "side_record",
-           "find_side", "all_sides", "side_names", "load_ref"]
+           "find_side", "all_sides", "side_names", "reads_plan", "load_ref"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +194,12 @@ def all_sides() -> tuple[SideRecord, ...]:
 def side_names() -> tuple[str, ...]:
   """Every registered side's name, in registration order."""
   return tuple(_REGISTRY)
+
+
+def reads_plan(sides: Iterable[str], section: str) -> bool:
+  """Whether one of `sides` runs the plan in RunSpec section `section` (its record's `plan`; a name no side is
+  registered under reads none)."""
+  return any(getattr(find_side(s), "plan", None) == section for s in sides)
 
 
 def load_ref(ref: str) -> Any:

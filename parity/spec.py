@@ -21,7 +21,7 @@ from parity.example_fields import (EXAMPLE_SUFFIXES, LAYOUT_DEFAULTS, SFT_DEMO, 
                                    validate_layout, without_layout_defaults)
 from parity.numerics import schedule
 from parity.side_plans import REMAT_POLICIES, DeepSpeedPlan, FsdpPlan, JaxPlan
-from parity.sides import find_side, side_names
+from parity.sides import reads_plan, side_names
 
 __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError",
@@ -356,7 +356,7 @@ class RunSpec:
 
   def reads_plan(self, section: str) -> bool:
     """Whether one of this run's sides runs the plan in RunSpec section `section` (its record's `plan`)."""
-    return any(getattr(find_side(s), "plan", None) == section for s in self.sides)
+    return reads_plan(self.sides, section)
 
   def validate(self) -> "RunSpec":
     """Checks every section (model, train against the model, deepspeed, jax, fsdp) and the run-level rules (micro batch

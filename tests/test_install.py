@@ -106,8 +106,8 @@ def test_the_base_install_is_framework_free_and_each_extra_brings_its_own():
                                           | _names(_requirements("deepspeed")))
   assert _names(_requirements("dev")) >= _names(_requirements("all")) | {"pytest", "pytest-xdist"}
   # the install lines the refusals print name extras that exist (parity/installed.py, from the side records)
-  from parity.sides import FRAMEWORKS, all_sides
-  extras = {r.extra for r in all_sides() if r.extra} | {f.extra for f in FRAMEWORKS.values()}
+  from parity import sides
+  extras = {r.extra for r in sides.all_sides() if r.extra} | {f.extra for f in sides.FRAMEWORKS.values()}
   assert extras <= set(_project()["optional-dependencies"])
 
 
