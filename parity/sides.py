@@ -8,7 +8,7 @@ from the record (`side_record(name)`), never by comparing the side's name with a
   which worker runs it, per job      `workers` (parity.protocol.workers)
   what must be installed             `modules`, `extra`, `module_notes` (parity.installed)
   what its plan is and reads as      `plan` (the RunSpec section), `plan_label`, `plan_text` (parity.report.setup_table)
-  what the sizing model predicts     `memory_rows`, `estimated` (parity.sizing.memory, --plan auto, `parity estimate`)
+  what the sizing model predicts     `memory_rows` (parity.sizing.memory.estimate), `estimated` (`parity estimate`)
   what a checkpoint must share       `state_layout` (parity.protocol.control)
   what history compares              `records_threads` (parity.history.bands)
   whether it takes the TPU chip      `opens_chip` (harness.chip)
@@ -83,7 +83,8 @@ class SideRecord:
       for no plan row.
     memory_rows: 'module:function' taking (run: RunSpec, ranks: int) and returning its predicted
       parity.sizing.memory.Row list (per rank, its batch rows included), or None: no memory model.
-    estimated: `parity estimate` and `--plan auto` cost it (needs memory_rows).
+    estimated: `parity estimate` prints its column (needs memory_rows). `--plan auto` costs the sides with a `plan`,
+      the sections the plan pairs of parity.sizing.plans set.
     state_layout: the plan fields a checkpoint must share with the run resuming it; None: the whole plan; ():
       none (parity.protocol.control.check_resume).
     records_threads: its worker records its thread settings in every summary (parity.history.bands).
@@ -152,14 +153,17 @@ _REGISTRY: dict[str, SideRecord] = {}
 
 
 def register_side(record: SideRecord) -> SideRecord:
-  """Adds `record` to the registry and returns it (registering the same facts again is a no-op).
+  """Adds `record` to the registry and returns it (registering the same facts again is a no-op: the record
+  registered first is returned).
 
   Raises:
     ValueError: another record under the same name (unregister_side it first).
   """
   old = _REGISTRY.get(record.name)
-  if old is not None and not old.same_as(record):
-    raise ValueError(f"side {record.name!r} is registered already with other facts; unregister_side it first")
+  if old is not None:
+    if not old.same_as(record):
+      raise ValueError(f"side {record.name!r} is registered already with other facts; unregister_side it first")
+    return old
   _REGISTRY[record.name] = record
   return record
 
