@@ -4,10 +4,13 @@ A side is a `SideRecord` passed to `register_side`; every place that needs to kn
 from the record (`side_record(name)`), never by comparing the side's name with a string:
 
   which launcher starts its ranks    `framework` ('jax': the harness starts them for jax.distributed; 'torch':
-                                     torchrun) and `hostfile_launcher` (harness.ranks)
+                                     torchrun) and `hostfile_launcher` (harness.ranks); the framework also says
+                                     which doctor probe sees its devices (harness.backend) and how the sizing
+                                     model holds its batch (parity.sizing.batches)
   which worker runs it, per job      `workers` (parity.protocol.workers)
   what must be installed             `modules`, `extra`, `module_notes` (parity.installed)
-  what its plan is and reads as      `plan` (the RunSpec section), `plan_label`, `plan_text` (parity.report.setup_table)
+  what its plan is and reads as      `plan` (the RunSpec section: RunSpec.reads_plan), `plan_label`, `plan_text`
+                                     (parity.report.setup_table)
   what the sizing model predicts     `memory_rows` (parity.sizing.memory.estimate), `estimated` (`parity estimate`)
   what a checkpoint must share       `state_layout` (parity.protocol.control)
   what history compares              `records_threads` (parity.history.bands)

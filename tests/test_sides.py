@@ -64,6 +64,9 @@ def test_the_four_sides_are_registered_with_their_facts():
       assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), (r.name, module)
     for ref in filter(None, (r.memory_rows, r.plan_text)):
       assert callable(sides.load_ref(ref)), (r.name, ref)
+    # a reference is resolved by its one caller, inside that caller's package: the import table is kept
+    assert (r.memory_rows or "parity.sizing.").startswith("parity.sizing.")
+    assert (r.plan_text or "parity.report.").startswith("parity.report.")
   with pytest.raises(SpecError, match="unknown side 'nope'; the sides are deepspeed, jax, torch, fsdp"):
     side_record("nope")
   assert sides.find_side("nope") is None
