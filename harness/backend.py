@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 from harness import doctor
 from parity import environment
-from parity.protocol.workers import WORKERS
+from parity.sides import side_record
 from parity.spec import SpecError
 
 __all__ = ["ALLOW_CPU_ENV", "CpuFallbackError", "cuda_present", "frameworks_for", "probe_devices",
@@ -51,15 +51,9 @@ def cuda_present() -> str | None:
 
 
 def frameworks_for(sides: Sequence[str]) -> tuple[str, ...]:
-  """The frameworks (keys of harness.doctor.PROBES) the training workers of `sides` import, from the worker
-  registry: a jax_impl worker needs jax, a torch_impl worker torch."""
-  need = []
-  for side in sides:
-    module = WORKERS.get((side, "train"), "")
-    fw = {"jax_impl": "jax", "torch_impl": "torch"}.get(module.split(".")[0])
-    if fw and fw not in need:
-      need.append(fw)
-  return tuple(need)
+  """The frameworks (keys of harness.doctor.PROBES) the training workers of `sides` import: each side record's
+  `framework` (parity.sides), in the sides' order, each once."""
+  return tuple(dict.fromkeys(side_record(side).framework for side in sides))
 
 
 def probe_devices(frameworks: Sequence[str]) -> dict[str, dict[str, object]]:

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from harness import lifetime
+from parity.sides import side_record
 
 __all__ = ["LOCK_ENV", "LOCK_PATH", "ChipWaitInterrupted", "ChipLockError", "holds_chip", "chip_turn", "busy_hint"]
 
 LOCK_ENV = "PARITY_CHIP_LOCK"  # another lock file (tests; a machine whose /tmp is not shared by its users)
 LOCK_PATH = Path("/tmp/parity-tpu.lock")  # /tmp, not $TMPDIR: the chip is the machine's, as libtpu's own lock file
 POLL_S = 0.2
-JAX_SIDES = ("jax",)  # sides whose worker opens JAX's default backend
 # what the TPU runtime says when another process holds the chip (its wording has changed across libtpu versions)
 _BUSY = re.compile(r"TPU is already in use(?: by process with pid (\d+))?|multi-process lockfile|"
                    r"libtpu\.so already in use|/dev/(?:accel|vfio/)\d+\S*: Device or resource busy", re.IGNORECASE)
@@ -58,7 +58,7 @@ def holds_chip(side: str, env: dict[str, str], evidence: Callable[[], str | None
     env: the worker's full environment (JAX_PLATFORMS there decides: 'cpu' keeps JAX off the chip).
     evidence: `harness.doctor.tpu_evidence` (or a test's stand-in): why this machine is a TPU VM, or None.
   """
-  if side not in JAX_SIDES:
+  if not side_record(side).opens_chip:  # its worker never opens JAX's default backend
     return False
   platforms = env.get("JAX_PLATFORMS", "").strip().lower()
   if platforms and "tpu" not in platforms.split(","):

@@ -26,6 +26,7 @@ from parity import environment as env
 from parity import installed, sockets
 from parity.errors import SpecError
 from parity.numerics_flags import numerics_flags
+from parity.sides import side_record
 from parity.sizing import host_limits
 from parity.spec import to_dict
 
@@ -218,8 +219,9 @@ def run_environment(devices: Mapping[str, object] | None, spec=None,
                                                                                   frameworks=devices["frameworks"])
   if devices is not None:
     block.update(cpu_fallback=devices["cpu_fallback"], allowed_cpu=devices["allowed_cpu"])
-  if spec is not None and "jax" in spec.sides:
-    choice = jax_pool_choice(os.environ, side_spec({"run": to_dict(spec), "perturb": dict(perturb or {})}, "jax"))
-    block["host_pool"] = {"jax": choice}
+  jax_side = next((s for s in spec.sides if side_record(s).framework == "jax"), None) if spec is not None else None
+  if jax_side is not None:
+    choice = jax_pool_choice(os.environ, side_spec({"run": to_dict(spec), "perturb": dict(perturb or {})}, jax_side))
+    block["host_pool"] = {jax_side: choice}
     block["numerics_flags"] = numerics_flags(os.environ, pool=choice)
   return block

@@ -1,13 +1,14 @@
-"""A side with several ranks (`parity compare --nproc N`): the engines' own launchers, watched as one side.
+"""A side with several ranks (`parity compare --nproc N`): the engines' own launchers, watched as one side. Which
+launcher starts a side is its record's (parity.sides, `SideRecord.launcher`, from its framework):
 
-  deepspeed, torch,  `torchrun` (torch.distributed.run) starts the N ranks: one host `--standalone` (a free port on
-  fsdp               localhost), several hosts `--nnodes K --node-rank R --master-addr H --master-port P`. The
-                     DeepSpeed side with a hostfile goes through DeepSpeed's own launcher instead
-                     (`deepspeed --hostfile F --master_addr H --master_port P --module ...`). Each rank reads RANK /
-                     WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the launcher; on CPU gloo, on CUDA nccl
-                     (fsdp: gloo for its CPU tensors too, torch_impl.fsdp.device_mesh).
-  jax                JAX's multi-controller runtime has no launcher: the harness starts the N processes itself, each
-                     with RANK, WORLD_SIZE and PARITY_COORDINATOR (host:port), and each calls
+  torchrun           (framework 'torch': deepspeed, torch, fsdp) torch.distributed.run starts the N ranks: one host
+                     `--standalone` (a free port on localhost), several hosts `--nnodes K --node-rank R --master-addr
+                     H --master-port P`. A side whose record names a hostfile_launcher (DeepSpeed) goes through it
+                     with a hostfile instead (`deepspeed --hostfile F --master_addr H --master_port P --module ...`).
+                     Each rank reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the launcher; on
+                     CPU gloo, on CUDA nccl (fsdp: gloo for its CPU tensors too, torch_impl.fsdp.device_mesh).
+  jax.distributed    (framework 'jax': jax) JAX's multi-controller runtime has no launcher: the harness starts the N
+                     processes itself, each with RANK, WORLD_SIZE and PARITY_COORDINATOR (host:port), and each calls
                      `jax.distributed.initialize(coordinator, num_processes, process_id)` (jax_impl/distributed.py).
 
 The launcher (torchrun) or every JAX rank is started by `harness.lifetime.spawn` (own session, bound to this
@@ -33,6 +34,7 @@ from harness import lifetime
 from parity import phase
 from parity.protocol.layout import PLANTED_HANG, PLANTED_KILL, count_lines, tail_text
 from parity.protocol.ranks import COORDINATOR_ENV, rank_file, read_rank_records, rank_stderr
+from parity.sides import side_record
 
 __all__ = ["world_size", "torch_command", "jax_rank_envs", "launch_side", "fold_ranks", "Launched"]
 
@@ -65,14 +67,15 @@ def torch_command(python: str, side: str, worker: str, request: str, launch: dic
     python: interpreter; worker: the side's worker module; request: run_dir/request.json.
     launch: parity.protocol.ranks.read_launch's fields (nproc, nnodes, node_rank, coordinator, hostfile).
   Returns:
-    [python, -m, harness.boot, torch.distributed.run, ...] (or deepspeed.launcher.runner with a hostfile for the
-    DeepSpeed side), ending in `-m harness.boot WORKER REQUEST --side SIDE`: each rank goes through harness.boot, which
-    binds it to the launcher (harness.lifetime.LAUNCHED_ENV).
+    [python, -m, harness.boot, torch.distributed.run, ...] (or, with a hostfile, the side record's
+    hostfile_launcher: deepspeed.launcher.runner for the DeepSpeed side), ending in `-m harness.boot WORKER REQUEST
+    --side SIDE`: each rank goes through harness.boot, which binds it to the launcher (harness.lifetime.LAUNCHED_ENV).
   """
   tail = ["harness.boot", worker, request, "--side", side]  # each rank bound to the launcher (lifetime.LAUNCHED_ENV)
   boot = [python, "-m", "harness.boot"]
-  if side == "deepspeed" and launch.get("hostfile"):
-    cmd = boot + ["deepspeed.launcher.runner", "--hostfile", str(launch["hostfile"]),
+  hostfile_launcher = side_record(side).hostfile_launcher  # DeepSpeed's own launcher, for a hostfile
+  if hostfile_launcher and launch.get("hostfile"):
+    cmd = boot + [hostfile_launcher, "--hostfile", str(launch["hostfile"]),
                   "--num_gpus", str(launch["nproc"])]
     if launch.get("coordinator"):
       host, port = _host_port(launch["coordinator"])
@@ -134,7 +137,7 @@ def launch_side(side: str, cmd: list[str], launch: dict, *, out: Path, env: dict
   """
   t0 = time.time()
   with open(out / "stdout.log", "ab") as so, open(out / "stderr.log", "ab") as se:
-    if side != "jax":
+    if side_record(side).launcher == "torchrun":  # else jax.distributed: the harness starts every rank itself
       python, worker, request = cmd[0], cmd[3], cmd[4]
       argv = torch_command(python, side, worker, request, launch)
       # the ranks build DeepSpeed ops without moving the launcher's own deadline (phase.extend_deadline is

@@ -27,6 +27,7 @@ from harness.env import host_pool_environ, side_spec, worker_env
 from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
 from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
+from parity.sides import side_record
 
 __all__ = ["SideRun", "run_side", "run_each_side", "not_run", "build_ops", "STATUSES"]
 
@@ -138,8 +139,9 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
 
 def _host_pool(env: dict[str, str], run_dir: Path, side: str) -> None:
   """The JAX worker's pinned-host pool, set in `env` before JAX starts (harness.env.host_pool_environ, from
-  run_dir/request.json); nothing for another side, or a request that is no run (a test's fake worker)."""
-  if side != "jax":
+  run_dir/request.json); nothing for a side of another framework (its record's), or a request that is no run (a
+  test's fake worker)."""
+  if side_record(side).framework != "jax":
     return
   try:
     spec = side_spec(json.loads((run_dir / "request.json").read_text()), side)

@@ -20,11 +20,14 @@ shapes as int32, and torch.manual_seed refuses seeds past 64 bits; 2^31 - 1 cove
 
 
 def check_numbers(run: Any) -> Any:
-  """The numeric rule of `check_section_numbers` over a RunSpec and each of its sections (model, train, jax,
-  deepspeed, fsdp); no cross-field checks. Returns `run`. Raises SpecError naming `section.field` and the value."""
+  """The numeric rule of `check_section_numbers` over a RunSpec and each of its sections (every field holding a spec
+  dataclass, in field order: model, train, then the sides' plans); no cross-field checks. Returns `run`. Raises
+  SpecError naming `section.field` and the value."""
   check_section_numbers(run, "")
-  for name in ("model", "train", "jax", "deepspeed", "fsdp"):
-    check_section_numbers(getattr(run, name), name)
+  for f in dataclasses.fields(run):
+    section = getattr(run, f.name)
+    if dataclasses.is_dataclass(section):
+      check_section_numbers(section, f.name)
   return run
 
 

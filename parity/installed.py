@@ -16,18 +16,15 @@ import importlib.util
 from collections.abc import Callable, Sequence
 
 from parity.errors import SpecError
+from parity.sides import FRAMEWORKS, all_sides, find_side
 from parity.sockets import SidePlan
 
-__all__ = ["MODULES", "NAMES", "EXTRAS", "installed", "missing_module", "install_line", "refusal",
-           "not_installed_line", "plan_sides", "framework_record"]
+__all__ = ["NAMES", "installed", "missing_module", "install_line", "refusal", "not_installed_line", "plan_sides",
+           "framework_record"]
 
-MODULES = {"jax": ("jax", "flax", "optax"), "torch": ("torch",), "fsdp": ("torch",),
-           "deepspeed": ("torch", "deepspeed")}
-"""side -> the top-level modules its training worker imports (jax_impl/, torch_impl/), in the order checked."""
 NAMES = {"jax": "JAX", "flax": "Flax", "optax": "Optax", "torch": "PyTorch", "deepspeed": "DeepSpeed"}
-"""module -> the framework's name in messages."""
-EXTRAS = {"jax": "jax", "torch": "torch", "fsdp": "torch", "deepspeed": "deepspeed"}
-"""side -> the extra that installs its framework (`pip install 'parity[EXTRA]'`)."""
+"""module -> the framework's name in messages. Which modules a side's training worker imports, and the extra that
+installs them, are its record's `modules` and `extra` (parity.sides)."""
 
 
 def installed(module: str) -> bool:
@@ -39,23 +36,37 @@ def installed(module: str) -> bool:
 
 
 def missing_module(side: str, have: Callable[[str], bool] | None = None) -> str | None:
-  """The first module `side` needs that is not installed (MODULES), or None (also for a side not in MODULES).
-  have: module -> installed? (None: `installed`, looked up at the call, so a test may replace it)."""
+  """The first module `side` needs that is not installed (its record's `modules`, in order), or None (also for a
+  side not registered). have: module -> installed? (None: `installed`, looked up at the call, so a test may replace
+  it)."""
+  record = find_side(side)
+  return _first_missing(record.modules if record is not None else (), have)
+
+
+def _first_missing(modules: Sequence[str], have: Callable[[str], bool] | None) -> str | None:
   have = have or installed
-  return next((m for m in MODULES.get(side, ()) if not have(m)), None)
+  return next((m for m in modules if not have(m)), None)
+
+
+def _install(extra: str | None) -> str:
+  return f"pip install 'parity[{extra}]'" if extra else "pip install parity"
 
 
 def install_line(side: str) -> str:
-  """"pip install 'parity[torch]'": what installs the framework of `side`."""
-  return f"pip install 'parity[{EXTRAS.get(side, 'all')}]'"
+  """"pip install 'parity[torch]'": what installs the framework of `side` (its record's `extra`; 'all' for a side
+  not registered)."""
+  record = find_side(side)
+  return _install(record.extra if record is not None else "all")
 
 
 def refusal(side: str, module: str) -> str:
   """The words for a named side whose framework is missing: "side 'torch' needs PyTorch, which is not installed
-  here: pip install 'parity[torch]'"."""
+  here: pip install 'parity[torch]'" (with the record's note on the module: "PyTorch (FSDP2 is part of it)")."""
   what = NAMES.get(module, module)
-  if side == "fsdp" and module == "torch":
-    what = "PyTorch (FSDP2 is part of it)"
+  record = find_side(side)
+  note = record.module_notes.get(module) if record is not None else None
+  if note:
+    what = f"{what} ({note})"
   return f"side '{side}' needs {what}, which is not installed here: {install_line(side)}"
 
 
@@ -94,9 +105,12 @@ def plan_sides(sides: Sequence[str], *, named: bool, have: Callable[[str], bool]
 
 def framework_record(framework: str, have: Callable[[str], bool] | None = None) -> dict[str, object] | None:
   """None when `framework` ('jax' or 'torch', harness.doctor.PROBES' keys) is installed; else the record the
-  environment block keeps for it instead of a probe: {'installed': False, 'missing', 'install', 'sides'}."""
-  module = missing_module(framework, have)
+  environment block keeps for it instead of a probe: {'installed': False, 'missing', 'install', 'sides'}: the
+  framework's modules and extra are parity.sides.FRAMEWORKS', `sides` every registered side needing the module."""
+  fw = FRAMEWORKS[framework]
+  module = _first_missing(fw.modules, have)
   if module is None:
     return None
-  sides = [s for s in MODULES if module in MODULES[s]]
-  return {"installed": False, "missing": module, "install": install_line(framework), "sides": sides}
+  needing = [r for r in all_sides() if module in r.modules]  # those needing nothing more first (torch, then deepspeed)
+  sides = [r.name for r in sorted(needing, key=lambda r: len(r.modules))]
+  return {"installed": False, "missing": module, "install": _install(fw.extra), "sides": sides}

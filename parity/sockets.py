@@ -18,17 +18,13 @@ import socket
 from typing import Sequence
 
 from parity.errors import SpecError
+from parity.sides import all_sides, find_side
 
-__all__ = ["PROBE", "NEEDS", "loopback_refusal", "sockets_record", "meaning", "needs_sockets", "not_run_line",
+__all__ = ["PROBE", "loopback_refusal", "sockets_record", "meaning", "needs_sockets", "not_run_line",
            "SidePlan", "plan_sides"]
 
 PROBE = "loopback TCP bind"
 """What `loopback_refusal` tries: a TCP socket bound to 127.0.0.1:0 (any free port)."""
-NEEDS = {"deepspeed": "DeepSpeed's init (deepspeed.init_distributed: a torch.distributed group, even on one rank)",
-         "fsdp": "FSDP2's process group (torch.distributed, even on one rank)"}
-"""side -> what needs sockets on one rank; the other sides need them only with several ranks (`needs_sockets`)."""
-_MULTI = {"jax": "jax.distributed's coordinator", "torch": "torchrun's rendezvous and torch.distributed"}
-_SHORT = {"deepspeed": "DeepSpeed's init", "fsdp": "FSDP2's process group"}
 
 
 def loopback_refusal() -> str | None:
@@ -62,15 +58,25 @@ def sockets_record() -> dict[str, object]:
 
 
 def needs_sockets(side: str, world: int = 1) -> str | None:
-  """What of `side` needs sockets with `world` ranks in all (words), or None when it opens none."""
-  if side in NEEDS:
-    return NEEDS[side]
-  return _MULTI.get(side, "its process group") if world > 1 else None
+  """What of `side` needs sockets with `world` ranks in all (words), or None when it opens none: its record's
+  `sockets` (on any number of ranks), else with several ranks its framework's launcher and process group."""
+  record = find_side(side)
+  if record is not None and record.sockets:
+    return record.sockets
+  if world <= 1:
+    return None
+  return record.multi_rank_sockets if record is not None else "its process group"
+
+
+def _short(side: str) -> str:
+  """The side's socket need in a sentence ("DeepSpeed's init"): its record's `sockets_short`, else its name."""
+  record = find_side(side)
+  return (record.sockets_short if record is not None else "") or side
 
 
 def not_run_line(side: str, error: str) -> str:
   """The one line said (and recorded) for a side left out because sockets are refused."""
-  return (f"{side}: not run: this machine refuses sockets ({PROBE}: {error}), which {_SHORT.get(side, side)} "
+  return (f"{side}: not run: this machine refuses sockets ({PROBE}: {error}), which {_short(side)} "
           "needs; the other sides run. Run it on a machine that allows them and join the folders with `parity join`")
 
 
@@ -109,7 +115,8 @@ def plan_sides(sides: Sequence[str], *, world: int, named: bool, error: str | No
                     f"({PROBE}: {error}); run with one rank here, or on a machine that allows sockets")
   out = {s: not_run_line(s, error) for s in sides if needs_sockets(s, 1)}
   if len(out) == len(sides):
+    free = [r.name for r in all_sides() if not r.sockets]  # the sides that open none on one rank
     raise SpecError(f"sides {','.join(sides)}: none can run here: this machine refuses sockets ({PROBE}: {error}), "
-                    f"which {' and '.join(_SHORT.get(s, s) for s in sides)} need; add jax or torch "
-                    "(--sides jax,torch), or run on a machine that allows sockets")
+                    f"which {' and '.join(_short(s) for s in sides)} need; add {' or '.join(free)} "
+                    f"(--sides {','.join(free)}), or run on a machine that allows sockets")
   return SidePlan(sides if named else tuple(s for s in sides if s not in out), out, named)

@@ -21,9 +21,10 @@ from parity.example_fields import (EXAMPLE_SUFFIXES, LAYOUT_DEFAULTS, SFT_DEMO, 
                                    validate_layout, without_layout_defaults)
 from parity.numerics import schedule
 from parity.side_plans import REMAT_POLICIES, DeepSpeedPlan, FsdpPlan, JaxPlan
+from parity.sides import reads_plan, side_names
 
 __all__ = [
-    "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError", "SIDES",
+    "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError",
     "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX", "without_layout_defaults", "LAYOUT_DEFAULTS",
     "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES", "REMAT_POLICIES", "LATER_FIELDS", "without_later_defaults",
     "with_later_defaults",
@@ -335,10 +336,6 @@ class TrainSpec:
     return self
 
 
-SIDES = ("jax", "deepspeed", "torch", "fsdp")
-"""Every side a run can name (`RunSpec.sides`): its worker is parity.protocol.workers.WORKERS[(side, 'train')]."""
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class RunSpec:
   """Everything one comparison needs, resolved."""
@@ -357,6 +354,10 @@ class RunSpec:
   timeout_s: float = 1800.0
   """Wall-clock limit of one side, seconds; a side past it is killed and reported as 'timeout'."""
 
+  def reads_plan(self, section: str) -> bool:
+    """Whether one of this run's sides runs the plan in RunSpec section `section` (its record's `plan`)."""
+    return reads_plan(self.sides, section)
+
   def validate(self) -> "RunSpec":
     """Checks every section (model, train against the model, deepspeed, jax, fsdp) and the run-level rules (micro batch
     divisible by jax.data_parallel, Lamb without scan_layers, timeout, sides). Returns self. Raises SpecError naming
@@ -371,12 +372,12 @@ class RunSpec:
     if self.train.micro_batch_size % self.jax.data_parallel:
       raise SpecError(f"train.micro_batch_size ({self.train.micro_batch_size}) must be divisible by "
                       f"jax.data_parallel ({self.jax.data_parallel}): the micro batch is split over the data axis")
-    if self.train.optimizer == "lamb" and self.jax.scan_layers and "jax" in self.sides:
+    if self.train.optimizer == "lamb" and self.jax.scan_layers and self.reads_plan("jax"):
       raise SpecError("train.optimizer 'lamb' with jax.scan_layers=true: Lamb's trust ratio is per tensor and a "
                       "layer-stacked tensor holds every layer's; set jax.scan_layers=false (or another optimizer)")
     if not self.timeout_s > 0:
       raise SpecError(f"timeout_s must be > 0 seconds; got {self.timeout_s}")
-    known = set(SIDES)
+    known = set(side_names())  # every registered side (parity.sides)
     bad = [s for s in self.sides if s not in known]
     if bad or not self.sides:
       raise SpecError(f"sides must be a non-empty subset of {sorted(known)}; got {list(self.sides)}")

@@ -105,9 +105,10 @@ def test_the_base_install_is_framework_free_and_each_extra_brings_its_own():
   assert _names(_requirements("all")) == (_names(_requirements("jax")) | _names(_requirements("torch"))
                                           | _names(_requirements("deepspeed")))
   assert _names(_requirements("dev")) >= _names(_requirements("all")) | {"pytest", "pytest-xdist"}
-  # the install lines the refusals print name extras that exist (parity/installed.py)
-  from parity import installed
-  assert set(installed.EXTRAS.values()) <= set(_project()["optional-dependencies"])
+  # the install lines the refusals print name extras that exist (parity/installed.py, from the side records)
+  from parity import sides
+  extras = {r.extra for r in sides.all_sides() if r.extra} | {f.extra for f in sides.FRAMEWORKS.values()}
+  assert extras <= set(_project()["optional-dependencies"])
 
 
 @pytest.mark.parametrize("path", ["README.md", ".ci/run"])

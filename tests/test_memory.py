@@ -216,10 +216,10 @@ def test_estimate_prints_a_tiny_model_in_a_unit_that_shows_it(capsys):
   out = capsys.readouterr().out
   table, below = out.split("DeepSpeed's own")
   assert "(MiB per rank)" in _flat(table) and "GiB" not in table
-  rows = memory.estimate(preset("gpt2-tiny"), sides=memory.ESTIMATE_SIDES)
-  tot = {s: memory.totals(rows, s) for s in memory.ESTIMATE_SIDES}
+  rows = memory.estimate(preset("gpt2-tiny"), sides=memory.estimate_sides())
+  tot = {s: memory.totals(rows, s) for s in memory.estimate_sides()}
   for cat in memory.CATEGORIES:
-    want = [tot[s][cat][k] for s in memory.ESTIMATE_SIDES for k in memory.KINDS]
+    want = [tot[s][cat][k] for s in memory.estimate_sides() for k in memory.KINDS]
     assert _cells(table, cat) == [f"{b / 2**20:,.3f}" for b in want], cat
   assert all(c not in ("0.000", "0") for c in _cells(table, "peak device / host")[:5])  # fsdp host: 0, no offload
   assert "0.000 GiB" not in below and " KiB" in below and " MiB" in below  # DeepSpeed's figures in their own unit

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from torch_impl.trainer import Trainer
+
 __all__ = ["save", "restore", "DEEPSPEED_DIR", "TORCH_FILE"]
 
 DEEPSPEED_DIR = "deepspeed"
@@ -58,7 +60,7 @@ def _load_scaler(trainer, state: dict[str, Any] | None, where: Path) -> None:
     scaler.load_state_dict(state)
 
 
-def save(trainer, folder: str | Path, step: int) -> dict[str, Any]:
+def save(trainer: Trainer, folder: str | Path, step: int) -> dict[str, Any]:
   """Writes the trainer's complete training state after optimizer step `step` into `folder`.
 
   Args:
@@ -87,7 +89,7 @@ def save(trainer, folder: str | Path, step: int) -> dict[str, Any]:
                    f"{getattr(trainer, 'side', None)!r}")
 
 
-def restore(trainer, folder: str | Path, meta: dict[str, Any]) -> None:
+def restore(trainer: Trainer, folder: str | Path, meta: dict[str, Any]) -> None:
   """Restores a state written by `save` into a freshly built trainer of the same run.
 
   Args:

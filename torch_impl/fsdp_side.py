@@ -5,7 +5,7 @@ FsdpSide())`).
 A checkpoint folder (run_dir/fsdp/checkpoint/, `SideIO.save_checkpoint` creates it and writes meta.json) holds
   dcp/              `dcp.save` of {'model', 'optim'}: the sharded model and optimizer state dicts of
                     `torch.distributed.checkpoint.state_dict.get_state_dict` (each rank writes its shards; DCP loads
-                    them into any sharding, so a resume need not share the plan: STATE_LAYOUT_KEYS['fsdp'] is ())
+                    them into any sharding, so a resume need not share the plan: its record's state_layout is ())
   fsdp_trainer.pt   torch.save (rank 0) of parity_step, step_index (the schedule position), the fp16 loss scaler's
                     state_dict (or None) and the torch RNG state
 Restoring builds the trainer from the initial weights, then `dcp.load`s into its state dicts and `set_state_dict`s

@@ -43,6 +43,7 @@ from parity import semantics as card_lib
 from parity.semantics import sig
 from torch_impl.layers import _apply_rope, softcap
 from torch_impl.model import decay_groups, micro_loss
+from torch_impl.trainer import Trainer
 
 __all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "family_items", "label_shift",
            "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
@@ -254,7 +255,7 @@ def _lower(reduce: str | list[str], master: str) -> str:
   return max(names, key=lambda n: torch.finfo(getattr(torch, n)).eps)  # the largest eps: the coarsest
 
 
-def semantics_card(trainer, side: str, plants: frozenset) -> dict[str, Any]:
+def semantics_card(trainer: Trainer, side: str, plants: frozenset) -> dict[str, Any]:
   """{'items', 'info'} of a built DeepSpeedTrainer (side 'deepspeed'), TorchTrainer ('torch') or FsdpTrainer ('fsdp':
   the FSDP2 param and reduce dtypes, offload and mesh are info, not diffed: the other sides have no such items)."""
   run = trainer.run

@@ -1,6 +1,7 @@
-"""The PyTorch sides of the one loop: `TorchSide`, `parity.protocol.loop.Side` over the DeepSpeed engine
-(`torch_impl.engine.DeepSpeedTrainer`, side 'deepspeed') or the plain-torch baseline
-(`torch_impl.baseline.TorchTrainer`, side 'torch'). `torch_impl.worker` runs it (`run_train(io, TorchSide())`).
+"""The PyTorch sides of the one loop: `TorchSide`, `parity.protocol.loop.Side` over a trainer (the protocol
+`torch_impl.trainer.Trainer`): the DeepSpeed engine (`torch_impl.engine.DeepSpeedTrainer`, side 'deepspeed') or the
+plain-torch baseline (`torch_impl.baseline.TorchTrainer`, side 'torch'). `torch_impl.worker` runs it
+(`run_train(io, TorchSide())`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch_impl.baseline import TorchTrainer
 from torch_impl.distributed import leave_process_group, world_mean
 from torch_impl.engine import DeepSpeedTrainer
 from torch_impl.semantics import semantics_card
+from torch_impl.trainer import Trainer
 
 __all__ = ["TorchSide"]
 
@@ -37,8 +39,12 @@ def _determinism(seed: int) -> None:
 
 
 class TorchSide(Side):
-  """`parity.protocol.loop.Side` over `DeepSpeedTrainer` or `TorchTrainer` (picked by `io.side`); eager (no compile),
-  this rank's rows of each batch as host arrays (Side.rank_batch)."""
+  """`parity.protocol.loop.Side` over a `torch_impl.trainer.Trainer`: `DeepSpeedTrainer` or `TorchTrainer` (picked by
+  `io.side`; FsdpSide builds an FsdpTrainer); eager (no compile), this rank's rows of each batch as host arrays
+  (Side.rank_batch)."""
+
+  trainer: Trainer
+  """The side's built model and optimizer: every method here but `build` goes through the Trainer protocol."""
 
   def build(self, io: SideIO) -> None:
     """Seeds and makes torch deterministic, then builds the side's trainer from the initial weights.

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from parity.cli._common import EXIT_FAIL, EXIT_OK, check_json_target, console
+from parity import installed
 from parity.errors import SpecError
 from harness import doctor
 from parity.cli.doctor_jax import jax_rows, pool_text_tpu, sockets_row
@@ -141,7 +142,8 @@ def rows(block: dict) -> list[tuple[str, str]]:
 def _not_installed(rec: dict) -> str:
   """The row of a framework that is not installed here (parity.installed.framework_record)."""
   sides = rec.get("sides") or []
-  also = " (the deepspeed side: pip install 'parity[deepspeed]')" if "deepspeed" in sides else ""
+  own = [f"the {s} side: {installed.install_line(s)}" for s in sides if installed.install_line(s) != rec.get("install")]
+  also = f" ({'; '.join(own)})" if own else ""  # a side whose extra is its own (deepspeed)
   return (f"not installed ({rec.get('missing')} missing): the {', '.join(sides)} side(s) cannot run here; "
           f"{rec.get('install')}{also}")
 

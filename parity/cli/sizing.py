@@ -176,7 +176,7 @@ def run_estimate(args: argparse.Namespace) -> int:
   check_json_target(args.json, args.force)
   run = _resolve(args, default_model=None, plan=args.plan)
   out = memory.estimate_json(run, args.ranks)
-  sides = memory.ESTIMATE_SIDES
+  sides = memory.estimate_sides()
   rows = memory.estimate(run, ranks=args.ranks, sides=sides)
   t = run.train
   tot = {s: memory.totals(rows, s) for s in sides}

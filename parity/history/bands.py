@@ -8,10 +8,11 @@ from parity.history.gates import GATES, Band
 from parity.history.snapshot import Snapshot
 from parity.inputs import InputError
 from parity.report.runconfig import THREAD_KEYS
+from parity.sides import find_side
 from parity.verdict.tolerances import TOLERANCES
 
 __all__ = ["looser_precision", "machine_notes", "version_notes", "thread_notes", "side_bands", "thread_difference",
-           "pair_bitwise", "THREAD_RECORDING_SIDES", "flag_changes", "flag_notes"]
+           "pair_bitwise", "records_threads", "flag_changes", "flag_notes"]
 
 
 def looser_precision(a: str, b: str) -> str:
@@ -117,11 +118,13 @@ def flag_notes(new: Snapshot, base: Snapshot) -> list[str]:
   return [f"same numerics flags ({', '.join(set_) or 'none set'})"]
 
 
-THREAD_RECORDING_SIDES = ("deepspeed", "torch", "fsdp")
-"""Sides whose worker records its thread settings in every summary (torch_impl.doctor.thread_settings): such a side
-without a record is a run written before it was kept, and its thread count (torch's summation order) is unknown.
-The jax side records none: XLA's CPU pool follows the CPU count, which the machine identity compares; a jax record
-(XLA_FLAGS) is compared where a run has one."""
+def records_threads(side: str) -> bool:
+  """Whether `side`'s worker records its thread settings in every summary (its record's `records_threads`; the torch
+  sides: torch_impl.doctor.thread_settings): such a side without a record is a run written before it was kept, and
+  its thread count (torch's summation order) is unknown. The jax side records none: XLA's CPU pool follows the CPU
+  count, which the machine identity compares; a jax record (XLA_FLAGS) is compared where a run has one."""
+  record = find_side(side)
+  return record is not None and record.records_threads
 
 
 def thread_difference(side: str, new: Snapshot, base: Snapshot) -> str:
@@ -142,9 +145,9 @@ def _thread_missing(side: str, new: Snapshot, base: Snapshot) -> str:
 
 def _thread_changes(side: str, new: Snapshot, base: Snapshot) -> list[str] | None:
   """Each thread setting of `side` that differs (_thread_change text; [] when equal), None when unknown: one run
-  has no record of a side in THREAD_RECORDING_SIDES, or only one run has a record of another side."""
+  has no record of a side that `records_threads`, or only one run has a record of another side."""
   nt, bt = ((s.threads or {}).get(side) for s in (new, base))
-  if nt is None and bt is None and side not in THREAD_RECORDING_SIDES:
+  if nt is None and bt is None and not records_threads(side):
     return []
   if nt is None or bt is None:
     return None

@@ -41,6 +41,7 @@ from parity.protocol.layout import read_steps
 from parity.report import Report, build_report, write_all
 from parity.report.reverify import Unverifiable, check_from_json, recompute
 from parity.report.side_table import backend
+from parity.sides import reads_plan, side_record
 from parity.spec import RunSpec, config_hash, to_dict
 from parity.verdict.sides import verdict
 
@@ -50,8 +51,6 @@ RERUN_SECTIONS = ("noise_envelope", "determinism", "resume", "equivalence", "bac
 """report.json's rerun sections: each folder's, merged per side, tell the verification which reruns to recompute."""
 SOURCE_FILES = ("request.json", "report.json", "card.json", ENVIRONMENT_FILE)
 """Each joined folder's own records, kept in <joined>/sources/<label>/."""
-_FRAMEWORK = {"jax": "jax"}
-"""Side -> the framework environment.json probes for it (every other side is torch)."""
 
 
 def join_runs(paths: Sequence[str | Path], *, out: str | Path | None = None, force: bool = False,
@@ -157,7 +156,7 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
 def _fill(folder: Path, sources: Sequence[Source], spec: RunSpec, record: dict) -> None:
   """Writes every file of the joined folder but the report (the module docstring). Raises OSError."""
   first = sources[0]
-  ds_src = next((s for s in sources if "deepspeed" in s.sides), first)
+  ds_src = next((s for s in sources if reads_plan(s.sides, "deepspeed")), first)  # the DeepSpeed config's side
   for name in JOINED_FILES:
     if (first.path / name).is_file():
       _link_or_copy(first.path / name, folder / name)
@@ -208,7 +207,7 @@ def _request(sources: Sequence[Source], spec: RunSpec, record: dict) -> dict[str
   """The joined request.json: the first folder's, with every side, each side's perturbations from its own folder,
   the DeepSpeed side's DeepSpeed config, run_id null and the join record."""
   first = sources[0]
-  ds_src = next((s for s in sources if "deepspeed" in s.sides), first)
+  ds_src = next((s for s in sources if reads_plan(s.sides, "deepspeed")), first)  # the DeepSpeed config's side
   req = {k: v for k, v in first.request.items() if k != "request_from"}
   req.update(run_id=None, run=to_dict(spec), config_hash=config_hash(spec),
              perturb={side: kv for s in sources for side, kv in (s.request.get("perturb") or {}).items()
@@ -227,7 +226,7 @@ def _environment(sources: Sequence[Source], record: dict) -> dict[str, Any]:
   for src in sources:
     probes = (src.environment or {}).get("frameworks") or {}
     for side in src.sides:
-      fw = _FRAMEWORK.get(side, "torch")
+      fw = side_record(side).framework  # the framework environment.json probes for it
       if fw in probes:
         frameworks.setdefault(fw, probes[fw])
   hosts = {}

@@ -31,6 +31,7 @@ from parity.numerics import schedule
 from parity.numerics.ds_json import deepspeed_json, fp16_config
 from parity.protocol.layout import DEBUG_KEYS
 from parity.overrides import apply_overrides, get_dotted
+from parity.sides import reads_plan
 from parity.spec import RunSpec, SpecError, to_dict
 from parity.migrate._reverse import port_for_compare
 from parity.pipeline.plants import check_plants
@@ -213,7 +214,7 @@ def _plan(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None, deepsp
         records.append({"side": side, "key": key, "value": value, "applies": own, "deepspeed_config": None,
                         "note": _note(own, key)})
     out[side] = {**fields, **{k: v for k, v in kv.items() if k in DEBUG_KEYS}}
-    if side == "deepspeed" and ds_cfg is not None and fields:
+    if reads_plan((side,), "deepspeed") and ds_cfg is not None and fields:  # the side the DeepSpeed config is for
       ds_cfg, changes = apply_to_config(spec, fields, ds_cfg, source=source)
       for r in records:
         if r["side"] == side:

@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.presets import DEFAULT_PRESET, preset
 from parity.overrides import apply_overrides, get_dotted, parse_overrides
+from parity.sides import reads_plan, side_record
 from parity.spec import from_dict, RunSpec, SpecError, to_dict
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.data import DataError
@@ -167,7 +168,7 @@ def check_fsdp_overrides_are_read(spec: RunSpec, over: Mapping[str, Any], comman
   if keys and command == "diagnose":
     raise SpecError(f"--set {keys[0]}: the fsdp section is the FSDP2 side's plan, and `parity diagnose` has no fsdp "
                     "side (its sides are jax, deepspeed, torch); leave the fsdp keys out")
-  if keys and "fsdp" not in spec.sides:
+  if keys and not spec.reads_plan("fsdp"):
     raise SpecError(f"--set {keys[0]}: the fsdp section is the FSDP2 side's plan, and this run's sides "
                     f"({','.join(spec.sides)}) do not include fsdp; add it (--sides {','.join(spec.sides)},fsdp) "
                     "or leave the fsdp keys out")
@@ -275,7 +276,7 @@ def _plan_record(spec: RunSpec, plan_choice: dict | None, over: Mapping[str, Any
     if on_top:
       plan_choice["overrides"] = [f"{k}={json.dumps(v)}" for k, v in on_top.items()]
   pair = plans.PLANS.get((record or {}).get("name"))
-  if pair is not None and pair.fsdp is None and "fsdp" in spec.sides:  # the pair says nothing of the fsdp side
+  if pair is not None and pair.fsdp is None and spec.reads_plan("fsdp"):  # the pair says nothing of the fsdp side
     record = {**record, "fsdp": f"{plans.fsdp_missing_reason(pair)}: the fsdp side runs the run's own fsdp plan"}
   return record
 
@@ -371,7 +372,7 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
     if plan not in plans.PLANS:
       raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
     pair = plans.PLANS[plan]
-    if pair.fsdp is None and "fsdp" in sides:  # the pair would say nothing of the fsdp side (breaker, 2026-12-04)
+    if pair.fsdp is None and reads_plan(sides, "fsdp"):  # the pair says nothing of it (breaker, 2026-12-04)
       with_fsdp = ", ".join(n for n, p in plans.PLANS.items() if p.fsdp is not None)
       raise SpecError(f"--plan {plan}: {plans.fsdp_missing_reason(pair)}, and the sides include fsdp; name a pair "
                       f"that has one ({with_fsdp}), or leave --plan out (the fsdp side then runs its own fsdp "
@@ -381,7 +382,7 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
     raise SpecError(f"--hardware {hardware!r} is not a preset; known: {', '.join(plans.HARDWARE)}")
   run = apply_overrides(spec, user) if user else spec
   best, ranked = plans.choose_plan(run.model, run.train, plans.HARDWARE[hardware], sides=tuple(
-      s for s in run.sides if s in ("jax", "deepspeed", "fsdp")) or ("jax",))
+      s for s in run.sides if side_record(s).plan) or ("jax",))  # the sides with a plan: a pair has one for each
   if best is None:
     raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
   return plans.PLANS[best.name], {"name": best.name, "chosen_by": f"planner ({hardware})",

@@ -29,20 +29,15 @@ from typing import Any
 from parity.protocol.layout import (CHECKPOINT_DIR, CHECKPOINT_META, REQUEST_SCHEMA,  # noqa: F401 (the doctest)
                                     read_checkpoint_meta, read_summary)
 from parity.protocol.ranks import LAUNCH_FILE
+from parity.sides import find_side
 from parity.spec import RunSpec, to_dict
 
-__all__ = ["CONTROL_KEYS", "STATE_LAYOUT_KEYS", "ControlError", "RunControl", "derive_request", "parse_control",
-           "check_resume"]
+__all__ = ["CONTROL_KEYS", "ControlError", "RunControl", "derive_request", "parse_control", "check_resume"]
 
 CONTROL_KEYS = ("stop_after_step", "save_checkpoint_at_step", "resume_from")
 """Optional top-level request keys that cut a run short, checkpoint it, or resume it (module docstring)."""
 _INPUT_KEYS = ("init_weights", "batches", "val_batches")
 """Request keys naming input files relative to the folder holding request.json."""
-STATE_LAYOUT_KEYS = {"jax": ("scan_layers",), "deepspeed": None, "torch": (), "fsdp": ()}
-"""Per side, the plan fields (of RunSpec.jax / RunSpec.deepspeed) a checkpoint must share with the run resuming
-it: JAX restores into this run's shardings and memory kinds, so only the params layout (scan_layers) matters;
-a DeepSpeed checkpoint is ZeRO-partitioned, so the whole `deepspeed` plan must match (None); torch has no plan;
-FSDP2's DCP checkpoint is loaded into whatever sharding and offload the resuming run has (none of `fsdp` must match)."""
 
 
 class ControlError(ValueError):
@@ -238,7 +233,8 @@ def check_resume(request: dict[str, Any], request_path: Path, side: str,
 
   Raises:
     ControlError: not a string; no checkpoint there (or no meta.json); a checkpoint of another side; or one saved by
-      a run whose model/train spec, state layout (STATE_LAYOUT_KEYS) or data differ from this one (each key named).
+      a run whose model/train spec, state layout (the side record's state_layout) or data differ from this one (each
+      key named).
   """
   raw = request.get("resume_from")
   if raw is None:
@@ -261,7 +257,8 @@ def check_resume(request: dict[str, Any], request_path: Path, side: str,
   mine, theirs = to_dict(run), meta["run"]
   diffs = _diff_keys(mine["model"], theirs.get("model"), "model") + \
       _diff_keys(mine["train"], theirs.get("train"), "train")
-  plan, layout = {"jax": "jax", "deepspeed": "deepspeed"}.get(side), STATE_LAYOUT_KEYS.get(side, ())
+  record = find_side(side)  # the plan fields a checkpoint must share: its record's state_layout (parity.sides)
+  plan, layout = (record.plan, record.state_layout) if record is not None else (None, ())
   if plan is not None:
     keys = mine[plan].keys() if layout is None else layout
     diffs += _diff_keys({k: mine[plan].get(k) for k in keys},

@@ -475,7 +475,7 @@ def main_guard(side_main: Callable[[SideIO], int], argv: list[str] | None = None
   import argparse
   ap = argparse.ArgumentParser(description="parity worker: runs one side of a comparison")
   ap.add_argument("request", help="run_dir/request.json")
-  ap.add_argument("--side", required=True, choices=sorted(SIDE_WORKERS))
+  ap.add_argument("--side", required=True, choices=sorted(SIDE_WORKERS))  # every registered side (parity.sides)
   args = ap.parse_args(argv)
   io = SideIO(args.request, args.side)
   try:

@@ -1,4 +1,4 @@
-"""The one registry of worker modules: which module runs which side for which job.
+"""The worker modules: which module runs which side for which job, read from the sides' records (parity.sides).
 
 Every process that runs framework code is `python -m harness.boot <module> ...` started by `harness` (the only
 place that launches processes), and the module comes from here:
@@ -8,24 +8,40 @@ place that launches processes), and the module comes from here:
   job 'port_verify'  a ported DeepSpeed config's optimizer run N steps (`parity port --verify`):
                      `<module> REQUEST.json OUT.npz`
 
-Adding a side means adding its rows here (docs/architecture.md).
+A side's modules are its record's `workers` (docs/adding-a-side.md); the tables below are views of the registry, so
+a side registered later is in them.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
+from parity.sides import JOBS, all_sides
+
 __all__ = ["WORKERS", "JOBS", "worker_module", "workers_for", "SIDE_WORKERS", "DIAGNOSE_WORKERS"]
 
-JOBS = ("train", "diagnose", "port_verify")
-WORKERS: dict[tuple[str, str], str] = {
-    ("jax", "train"): "jax_impl.worker",
-    ("deepspeed", "train"): "torch_impl.worker",
-    ("torch", "train"): "torch_impl.worker",
-    ("fsdp", "train"): "torch_impl.fsdp_worker",
-    ("jax", "diagnose"): "jax_impl.diagnose",
-    ("torch", "diagnose"): "torch_impl.diagnose",  # DeepSpeed runs the torch model: it is diagnosed as 'torch'
-    ("jax", "port_verify"): "jax_impl.port_verify",
-    ("deepspeed", "port_verify"): "torch_impl.port_verify",
-}
-"""(side, job) -> the worker module (dotted, run with `python -m`)."""
+
+def _pairs() -> dict[tuple[str, str], str]:
+  """(side, job) -> module over every registered side, jobs in JOBS order within a side."""
+  return {(r.name, job): r.workers[job] for r in all_sides() for job in JOBS if job in r.workers}
+
+
+class _RegistryView(Mapping):
+  """A read-only mapping computed from the side registry at each use (`build`: () -> dict)."""
+
+  def __init__(self, build):
+    self._build = build
+
+  def __getitem__(self, key):
+    return self._build()[key]
+
+  def __iter__(self) -> Iterator:
+    return iter(self._build())
+
+  def __len__(self) -> int:
+    return len(self._build())
+
+  def __repr__(self) -> str:
+    return repr(self._build())
 
 
 def workers_for(job: str) -> dict[str, str]:
@@ -36,7 +52,7 @@ def workers_for(job: str) -> dict[str, str]:
   """
   if job not in JOBS:
     raise ValueError(f"unknown worker job {job!r}; the jobs are {', '.join(JOBS)}")
-  return {side: module for (side, j), module in WORKERS.items() if j == job}
+  return {r.name: r.workers[job] for r in all_sides() if job in r.workers}
 
 
 def worker_module(side: str, job: str = "train") -> str:
@@ -51,7 +67,9 @@ def worker_module(side: str, job: str = "train") -> str:
   return sides[side]
 
 
-SIDE_WORKERS = workers_for("train")
+WORKERS: Mapping[tuple[str, str], str] = _RegistryView(_pairs)
+"""(side, job) -> the worker module (dotted, run with `python -m`)."""
+SIDE_WORKERS: Mapping[str, str] = _RegistryView(lambda: workers_for("train"))
 """Side name -> the module running that side of a comparison (job 'train')."""
-DIAGNOSE_WORKERS = workers_for("diagnose")
+DIAGNOSE_WORKERS: Mapping[str, str] = _RegistryView(lambda: workers_for("diagnose"))
 """Side name -> the module running `parity diagnose` for that side (job 'diagnose')."""

@@ -9,9 +9,10 @@ from parity.protocol.layout import DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLA
 from parity.report.cells import fmt, fmt_bytes
 from parity.report.env_rows import block_rows, readable
 from parity.report.side_table import backend, state_by_kind
+from parity.sides import all_sides, load_ref
 
-__all__ = ["plan_rows", "environment_rows", "doctor_rows", "PERTURB_HEADERS", "perturbation_rows",
-           "perturbation_lines", "inputs_lines"]
+__all__ = ["plan_rows", "deepspeed_plan_text", "jax_plan_text", "fsdp_plan_text", "environment_rows", "doctor_rows",
+           "PERTURB_HEADERS", "perturbation_rows", "perturbation_lines", "inputs_lines"]
 
 
 def plan_rows(d: dict) -> list[tuple[str, str]]:
@@ -29,28 +30,10 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
                  + (f"; {plan['fsdp']}" if isinstance(plan.get("fsdp"), str) else "")))
   else:
     rows.append(("plan pair", "none: the sides' own plans match no named pair"))
-  j, ds = d["run"]["jax"], d["run"]["deepspeed"]
-  if "deepspeed" in d["sides"]:  # a plan no side ran is not shown as if it had (design review, 2026-12-02)
-    ckpt = ("activation checkpointing" + (" with cpu_checkpointing (block inputs on the host)"
-                                          if ds.get("cpu_checkpointing") else "")
-            if ds.get("activation_checkpointing") else "no activation checkpointing")
-    rows.append(("DeepSpeed plan", f"ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, "
-                                   f"offload_param {ds.get('offload_param')}, {ckpt}"))
-  if "jax" in d["sides"]:
-    rows.append(("JAX plan", f"offload_opt_state {j.get('offload_opt_state')}, "
-                             f"offload_params {j.get('offload_params')}, remat {j.get('remat')}, "
-                             f"scan_layers {j.get('scan_layers')}, zero_stage "
-                             f"{j.get('zero_stage')}, data_parallel {j.get('data_parallel', 1)}"))
-  f = d["run"].get("fsdp")
-  if "fsdp" in d["sides"] and isinstance(f, dict):
-    rows.append(("FSDP2 plan", "fully_shard on every block and the root, "
-                               + ("CPUOffloadPolicy (params, gradients and optimizer state on the host, "
-                                  f"{_fsdp_pinning(d, f)})" if f.get("offload") else "no offload")
-                               + f", reshard_after_forward {f.get('reshard_after_forward')}"
-                               + (", activations saved for the backward in host memory (save_on_cpu)"
-                                  if f.get("activation_offload") else "")
-                               + (", every block recomputed in the backward (activation checkpointing)"
-                                  if f.get("activation_checkpointing") else "")))
+  for record in all_sides():  # a plan no side ran is not shown as if it had (design review, 2026-12-02)
+    text = load_ref(record.plan_text)(d) if record.name in d["sides"] and record.plan_text else None
+    if text is not None:
+      rows.append((record.plan_label, text))
   for name, s in d["sides"].items():
     summ = s.get("summary") or {}
     if summ.get("state_memory_kinds"):
@@ -60,6 +43,39 @@ def plan_rows(d: dict) -> list[tuple[str, str]]:
           f"{cat} " + " + ".join(f"{fmt_bytes(b)} {k}" for k, b in kinds.items() if b)
           for cat, kinds in summ["state_bytes_by_category"].items() if any(kinds.values()))))
   return rows
+
+
+def deepspeed_plan_text(d: dict) -> str:
+  """The DeepSpeed side's plan row (its record's plan_text): ZeRO stage, offloads, activation checkpointing."""
+  ds = d["run"]["deepspeed"]
+  ckpt = ("activation checkpointing" + (" with cpu_checkpointing (block inputs on the host)"
+                                        if ds.get("cpu_checkpointing") else "")
+          if ds.get("activation_checkpointing") else "no activation checkpointing")
+  return (f"ZeRO-{ds['zero_stage']}, offload_optimizer {ds.get('offload_optimizer')}, "
+          f"offload_param {ds.get('offload_param')}, {ckpt}")
+
+
+def jax_plan_text(d: dict) -> str:
+  """The JAX side's plan row (its record's plan_text): offloads, remat, scan_layers, ZeRO stage, data axis."""
+  j = d["run"]["jax"]
+  return (f"offload_opt_state {j.get('offload_opt_state')}, offload_params {j.get('offload_params')}, remat "
+          f"{j.get('remat')}, scan_layers {j.get('scan_layers')}, zero_stage {j.get('zero_stage')}, data_parallel "
+          f"{j.get('data_parallel', 1)}")
+
+
+def fsdp_plan_text(d: dict) -> str | None:
+  """The FSDP2 side's plan row (its record's plan_text), or None for a report written before the fsdp section."""
+  f = d["run"].get("fsdp")
+  if not isinstance(f, dict):
+    return None
+  return ("fully_shard on every block and the root, "
+          + ("CPUOffloadPolicy (params, gradients and optimizer state on the host, "
+             f"{_fsdp_pinning(d, f)})" if f.get("offload") else "no offload")
+          + f", reshard_after_forward {f.get('reshard_after_forward')}"
+          + (", activations saved for the backward in host memory (save_on_cpu)"
+             if f.get("activation_offload") else "")
+          + (", every block recomputed in the backward (activation checkpointing)"
+             if f.get("activation_checkpointing") else ""))
 
 
 def _fsdp_pinning(d: dict, plan: dict) -> str:

@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from parity.data import batch_dtype
+from parity.sides import side_record
 from parity.spec import RunSpec
 
 __all__ = ["BATCH_NOTE", "is_batch_row", "MASK_DTYPES", "TORCH_INPUT_DTYPES", "has_masks", "token_bytes",
@@ -67,34 +68,32 @@ def step_input_rows(run: RunSpec, side: str, ranks: int = 1) -> list[tuple[str, 
   """The device bytes of a side's batch during a step, as (category, phase note, bytes, what) per rank / device.
 
   Args:
-    run: the run; its train.layout says whether masks exist. side: 'jax', 'torch', 'deepspeed' or 'fsdp'.
-    ranks: devices of the JAX data axis, or the FSDP2 side's ranks (the rows split over them); the torch and
-      DeepSpeed sides take micro_batch_size per rank, as their activation rows do.
+    run: the run; its train.layout says whether masks exist. side: a registered side; its record's framework
+      says how its batch lives (jax: the whole step's; torch: one micro batch's).
+    ranks: the devices or ranks the micro batch's rows split over: the JAX data axis, the FSDP2 side's ranks; 1 for
+      the torch and DeepSpeed sides, which take micro_batch_size per rank, as their activation rows do.
   Returns:
     Tuples for parity.sizing.memory.Row: ('buffers', 'in-step (batch...)', ...) for the step's inputs (JAX: the
     whole step's, alive through it; torch: one micro batch's, in the forward/backward) and ('activations',
     'in-step (forward/backward...)', ...) for the attention mask, 1 byte per (query, key) pair.
   Raises:
-    ValueError: an unknown side.
+    SpecError: an unknown side.
   """
   t = run.train
-  if side == "jax":
-    m = math.ceil(t.micro_batch_size / ranks)
+  m = math.ceil(t.micro_batch_size / ranks)
+  if side_record(side).framework == "jax":
     dt = batch_dtype(run.model.vocab_size)
     out = [("buffers", f"in-step (batch: token ids {dt.name} (A, M, T + 1), the whole step)",
             t.grad_accum_steps * m * (t.seq_len + 1) * dt.itemsize, "tokens")]
     if has_masks(run):
       out.append(("buffers", "in-step (batch: segment ids int32, positions int32, weights float32 (A, M, T))",
                   _mask_bytes(run, t.grad_accum_steps * m, MASK_DTYPES), "masks"))
-  elif side in ("torch", "deepspeed", "fsdp"):
-    m = math.ceil(t.micro_batch_size / ranks) if side == "fsdp" else t.micro_batch_size  # fsdp: split over ranks
+  else:
     out = [("buffers", "in-step (forward/backward: batch: token ids int64 (M, T + 1), one micro batch)",
             m * (t.seq_len + 1) * TORCH_INPUT_DTYPES["tokens"].itemsize, "tokens")]
     if has_masks(run):
       out.append(("buffers", "in-step (forward/backward: batch: segment ids int64, positions int64, weights "
                              "float32 (M, T))", _mask_bytes(run, m, TORCH_INPUT_DTYPES), "masks"))
-  else:
-    raise ValueError(f"unknown side {side!r}; expected deepspeed, jax, torch or fsdp")
   if has_masks(run):
     out.append(("activations", "in-step (forward/backward: attention mask bool (M, T, S), kept for the backward)",
                 m * t.seq_len * t.seq_len, "attention_mask"))

@@ -22,14 +22,16 @@ from parity.sizing.activations import FP32, activation_bytes, block_activation_b
 from parity.sizing.batches import is_batch_row, step_input_rows
 from parity.sizing.ds_estimator import ds_estimate_table, ds_zero2_model_states, ds_zero3_model_states
 from parity.sizing.fsdp_memory import fsdp_state_rows
+from parity.sides import all_sides, find_side, load_ref, side_record
 from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
            "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
-           "model_preset_train", "estimate_json", "ESTIMATE_SIDES", "estimator_relation", "step_rows",
-           "DS_BUFFER_FACTOR", "fsdp_rows", "fsdp_state_bytes", "fsdp_peak_bytes"]
+           "model_preset_train", "estimate_json", "estimate_sides", "estimator_relation", "step_rows",
+           "DS_BUFFER_FACTOR", "deepspeed_rows", "jax_rows", "torch_rows", "fsdp_rows", "fsdp_state_bytes",
+           "fsdp_peak_bytes"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
 """Categories of the per-category model; torch_impl.memory measures all but activations."""
@@ -187,8 +189,8 @@ def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int, host_chec
   t = run.train
   elem = FP32 if t.precision == "fp32" else 2
   micro = math.ceil(t.micro_batch_size / ranks)
-  dev, host = activation_bytes(run.model, micro, t.seq_len, elem, policy, kv_repeated=side != "jax",
-                               host_checkpoints=host_checkpoints)
+  dev, host = activation_bytes(run.model, micro, t.seq_len, elem, policy,
+                               kv_repeated=side_record(side).framework == "torch", host_checkpoints=host_checkpoints)
   note = f"remat {policy}, checkpoints on the host" if host_checkpoints else f"remat {policy}"
   rows = [Row(side, "activations", "device", dev, note),
           Row(side, "activations", "device", logits_bytes(run.model, micro, t.seq_len, elem)[1],
@@ -200,37 +202,58 @@ def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int, host_chec
 
 
 def estimate(run: RunSpec, *, ranks: int = 1, sides: Iterable[str] = ("deepspeed", "jax")) -> list[Row]:
-  """Predicted bytes per (side, category, kind), per rank / device.
+  """Predicted bytes per (side, category, kind), per rank / device: each side's record's `memory_rows`
+  (parity.sides): `deepspeed_rows`, `jax_rows`, `torch_rows` (plain AdamW, fp32, no sharding), `fsdp_rows` (FSDP2,
+  parity.sizing.fsdp_memory, rank 0 of `ranks`).
 
   Args:
     run: model, train and both plans.
     ranks: data-parallel ranks of the DeepSpeed and the FSDP2 side (the JAX side uses run.jax.data_parallel).
-    sides: which sides to estimate ('deepspeed', 'jax', 'torch': plain AdamW, fp32, no sharding; 'fsdp': FSDP2,
-      fsdp_rows (parity.sizing.fsdp_memory), rank 0 of `ranks`, its batch rows included).
+    sides: which sides to estimate.
   Returns:
     Rows; rows noted 'in-step' exist only while the step runs: transient copies of offloaded state, and the batch
     (token ids in their stored dtype, the mask arrays and attention mask of a padded/packed run:
     parity.sizing.batches.step_input_rows).
+  Raises:
+    ValueError: a side without a memory model (the message names the sides with one).
   """
   rows: list[Row] = []
   for side in sides:
-    if side == "deepspeed":
-      rows += _deepspeed_rows(run, ranks)
-    elif side == "jax":
-      rows += _jax_rows(run)
-    elif side == "torch":
-      n = param_count(run.model)
-      rows += [Row("torch", "params", "device", FP32 * n), Row("torch", "gradients", "device", FP32 * n),
-               Row("torch", "optimizer_moments", "device", 2 * FP32 * n)]
-      rows += _activation_rows("torch", run, "none", ranks=1)
-    elif side == "fsdp":
-      rows += fsdp_rows(run, ranks)
-      continue
-    else:
-      raise ValueError(f"unknown side {side!r}; expected deepspeed, jax, torch or fsdp")
-    rows += [Row(side, cat, "device", b, note) for cat, note, b, _ in
-             step_input_rows(run, side, run.jax.data_parallel if side == "jax" else 1)]
+    record = find_side(side)
+    if record is None or record.memory_rows is None:
+      known = [r.name for r in all_sides() if r.memory_rows is not None]
+      raise ValueError(f"unknown side {side!r}; expected {', '.join(known[:-1])} or {known[-1]}")
+    rows += load_ref(record.memory_rows)(run, ranks)
   return rows
+
+
+def deepspeed_rows(run: RunSpec, ranks: int = 1) -> list[Row]:
+  """The DeepSpeed side's rows (`estimate`): ZeRO state, activations and one micro batch per rank."""
+  return _deepspeed_rows(run, ranks) + _batch_rows("deepspeed", run, 1)
+
+
+def jax_rows(run: RunSpec, ranks: int = 1) -> list[Row]:
+  """The JAX side's rows per device (`estimate`; its devices are run.jax.data_parallel, not `ranks`)."""
+  return _jax_rows(run) + _batch_rows("jax", run, run.jax.data_parallel)
+
+
+def torch_rows(run: RunSpec, ranks: int = 1) -> list[Row]:
+  """The plain-torch side's rows (`estimate`): plain AdamW, fp32, no sharding, one micro batch."""
+  n = param_count(run.model)
+  rows = [Row("torch", "params", "device", FP32 * n), Row("torch", "gradients", "device", FP32 * n),
+          Row("torch", "optimizer_moments", "device", 2 * FP32 * n)]
+  return rows + _activation_rows("torch", run, "none", ranks=1) + _batch_rows("torch", run, 1)
+
+
+def _batch_rows(side: str, run: RunSpec, ranks: int) -> list[Row]:
+  """The side's batch during a step as device rows (parity.sizing.batches.step_input_rows)."""
+  return [Row(side, cat, "device", b, note) for cat, note, b, _ in step_input_rows(run, side, ranks)]
+
+
+def estimate_sides() -> tuple[str, ...]:
+  """The sides `parity estimate` prints, in its column order: every registered side whose record is `estimated`
+  (deepspeed, jax, fsdp; fsdp: FSDP2 on `ranks` ranks, parity.sizing.fsdp_memory)."""
+  return tuple(r.name for r in all_sides() if r.estimated)
 
 
 def totals(rows: Iterable[Row], side: str) -> dict[str, dict[str, int]]:
@@ -337,19 +360,16 @@ def estimator_relation(rows: Iterable[Row], ds: dict[str, Any], ranks: int) -> d
                    for r in sorted(states, key=lambda r: -r.bytes) if r.bytes]}
 
 
-ESTIMATE_SIDES = ("deepspeed", "jax", "fsdp")
-"""The sides `parity estimate` prints, in its column order (fsdp: FSDP2 on `ranks` ranks, parity.sizing.fsdp_memory)."""
-
-
 def estimate_json(run: RunSpec, ranks: int = 1) -> dict[str, Any]:
-  """Everything `parity estimate` prints, JSON-ready: rows (ESTIMATE_SIDES), peaks, and DeepSpeed's own estimator
+  """Everything `parity estimate` prints, JSON-ready: rows (`estimate_sides`), peaks, and DeepSpeed's own estimator
   figures with how this model's DeepSpeed figures relate to them (`estimator_relation`)."""
-  rows = estimate(run, ranks=ranks, sides=ESTIMATE_SIDES)
+  sides = estimate_sides()
+  rows = estimate(run, ranks=ranks, sides=sides)
   ds = _ds_formula(run, ranks)
   return {"total_params": param_count(run.model), "largest_layer_params": largest_layer_params(run.model),
           "ranks": ranks, "rows": [dataclasses.asdict(r) for r in rows],
-          "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in ESTIMATE_SIDES},
-          "peak_host_bytes": {s: peak_host_bytes(rows, s) for s in ESTIMATE_SIDES},
+          "peak_device_bytes": {s: peak_device_bytes(rows, s) for s in sides},
+          "peak_host_bytes": {s: peak_host_bytes(rows, s) for s in sides},
           "deepspeed_estimator": {**ds, "additional_buffer_factor": DS_BUFFER_FACTOR,
                                   "relation": estimator_relation(rows, ds, ranks)}}
 
@@ -387,7 +407,7 @@ def fsdp_rows(run: RunSpec, world: int = 1) -> list[Row]:
     acts = [Row("fsdp", r.category, "host", r.bytes, "saved for the backward in host memory (save_on_cpu)")
             if r.category == "activations" and r.kind == "device" and not r.note.startswith("in-step") else r
             for r in acts]
-  return rows + acts + [Row("fsdp", cat, "device", b, note) for cat, note, b, _ in step_input_rows(run, "fsdp", world)]
+  return rows + acts + _batch_rows("fsdp", run, world)
 
 
 def _fsdp_run(model: ModelSpec, train: TrainSpec, plan) -> RunSpec:

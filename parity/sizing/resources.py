@@ -159,7 +159,7 @@ def check_host_pool(spec, *, available: int | None, gpu: bool | None = None,
     SpecError: a bad variable value (host_limits.xla_pool_setting). InputError: the pool does not work, naming the
       variable, the need, the pool and the fix.
   """
-  if "jax" not in spec.sides or not (cuda_evidence() is not None if gpu is None else gpu):
+  if not spec.reads_plan("jax") or not (cuda_evidence() is not None if gpu is None else gpu):
     return None
   decision = host_limits.jax_pool(spec, environ)
   if not decision.need_bytes:
