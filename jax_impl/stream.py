@@ -65,11 +65,15 @@ class StreamOptions:
       the whole forward and backward pass to travel in: nothing of this step waits for them. The arithmetic is the
       same update on the same gradient, norm and learning rate; `jax_impl.step.Trainer.settle` applies a pending
       update before anything reads the state (params, moments, eval, checkpoint).
+    home_after_loop: keep each updated layer in device memory until the layer loop ends and send the stacks home
+      in one copy after it (instead of one copy per layer inside the loop, which the loop waits for): the copy can
+      then run beside whatever the step does next, at the cost of holding the new stacks on the device meanwhile.
   """
   enabled: bool = True
   unroll: int = 1
   in_place: bool = False
   deferred: bool = False
+  home_after_loop: bool = False
 
 
 OPTIONS = StreamOptions()
@@ -175,6 +179,8 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     old_m_l: list[Any] = []
     _map_param_trees(state_l, layer_def, lambda t: old_m_l.append(t[LAYERS]))
     new_m_l = [keep(n, o) for n, o in zip(new_m_l, old_m_l)]
+    if OPTIONS.home_after_loop:
+      return new_p_l, new_m_l
     return to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l]
 
   opts = OPTIONS
@@ -187,6 +193,8 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     # ends (parity.sizing.memory counts them); `in_place` writes each layer back into the carried stacks instead.
     body = lambda _, xs: (None, update_layer(*xs))
     _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments), unroll=unroll)
+    if opts.home_after_loop:
+      new_layers, new_moments = to_home(new_layers, params_host), [to_home(m, opt_host) for m in new_moments]
   stacked = iter(new_moments)
   new_state = _map_param_trees(new_rest_state, rest_def, lambda t: {**t, LAYERS: next(stacked)})
   return {**new_rest_params, LAYERS: new_layers}, new_state

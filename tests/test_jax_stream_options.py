@@ -33,8 +33,9 @@ def _final_state(plan: JaxPlan, options: stream.StreamOptions, monkeypatch) -> t
 @pytest.mark.parametrize("plan", [JaxPlan(scan_layers=True), JaxPlan(scan_layers=True, offload_params=True)],
                          ids=["opt-offload", "params-and-opt-offload"])
 @pytest.mark.parametrize("options", [stream.StreamOptions(unroll=2), stream.StreamOptions(unroll=0),
-                                     stream.StreamOptions(in_place=True), stream.StreamOptions(enabled=False)],
-                         ids=["unroll2", "unroll-all", "in-place", "whole-tree"])
+                                     stream.StreamOptions(in_place=True), stream.StreamOptions(enabled=False),
+                                     stream.StreamOptions(home_after_loop=True)],
+                         ids=["unroll2", "unroll-all", "in-place", "whole-tree", "home-after-loop"])
 def test_every_layout_gives_the_default_numbers_bitwise(plan, options, monkeypatch):
   want_p, want_m = _final_state(plan, stream.StreamOptions(), monkeypatch)
   got_p, got_m = _final_state(plan, options, monkeypatch)

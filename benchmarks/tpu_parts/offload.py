@@ -57,6 +57,7 @@ the all-gather pipelining flag, which has no collective to act on with one chip.
 VARIANTS = (
     ("no-offload", dict(offload_opt_state=False), {}),
     ("opt-deferred", dict(), dict(deferred=True)),
+    ("opt-deferred-home-after", dict(), dict(deferred=True, home_after_loop=True)),
     ("opt-stream", dict(), {}),
     ("opt-stream-unroll-all", dict(), dict(unroll=0)),
     ("opt-whole-tree", dict(), dict(enabled=False)),
@@ -99,7 +100,6 @@ def _median_time(fn, reps: int) -> float:
 def child_rates(args) -> dict:
   """In-step copy rates between pinned_host and the device, GB/s (10^9 B), for a buffer the size of args.mib."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   dev = jax.devices()[0]
   n = args.mib * 2**20 // 4
@@ -107,15 +107,29 @@ def child_rates(args) -> dict:
   on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
   x_host = jax.device_put(np.ones(n, np.float32), host)
   x_dev = jax.device_put(np.ones(n, np.float32), on_dev)
-  h2d = jax.jit(lambda x: jnp.sum(jax.device_put(x, jax.memory.Space.Device)), out_shardings=on_dev)
-  d2h = jax.jit(lambda x: x * 2.0, out_shardings=host)
-  both = jax.jit(lambda x: x * 2.0, in_shardings=host, out_shardings=host)
+  # Each program writes into a donated buffer of its own output's memory, as a train step with donated offloaded state
+  # does: a fresh pinned_host output each call would time the host allocator (~0.5 GB/s), not the link.
+  h2d = jax.jit(lambda x, d: d + jax.device_put(x, jax.memory.Space.Device), out_shardings=on_dev, donate_argnums=1)
+  d2h = jax.jit(lambda d, h: d * 2.0, out_shardings=host, donate_argnums=1, keep_unused=True)
+  both = jax.jit(lambda x: x * 2.0, in_shardings=host, out_shardings=host, donate_argnums=0)
   nbytes = n * 4
   out = {"bytes": nbytes, "device": dev.device_kind, "backend": jax.default_backend()}
-  for name, fn, moved in (("h2d", lambda: h2d(x_host), nbytes), ("d2h", lambda: d2h(x_dev), nbytes),
-                          ("both", lambda: both(x_host), 2 * nbytes)):
+  bufs = {"dev": jax.device_put(np.zeros(n, np.float32), on_dev), "host": jax.device_put(np.zeros(n, np.float32), host),
+          "both": x_host}
+
+  def step(name):
+    if name == "h2d":
+      bufs["dev"] = h2d(x_host, bufs["dev"])
+      return bufs["dev"]
+    if name == "d2h":
+      bufs["host"] = d2h(x_dev, bufs["host"])
+      return bufs["host"]
+    bufs["both"] = both(bufs["both"])
+    return bufs["both"]
+
+  for name, moved in (("h2d", nbytes), ("d2h", nbytes), ("both", 2 * nbytes)):
     try:
-      s = _median_time(fn, args.reps)
+      s = _median_time(lambda: step(name), args.reps)
       out[name] = {"seconds": s, "gb_per_s": moved / s / 1e9, "bytes_moved": moved}
     except Exception as e:  # a layout the backend refuses is a finding, not a crash
       out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -313,6 +327,10 @@ def drive(args) -> int:
   plan = [("rates", "rates", [], {}, 0.09), ("equality", "equality", [], {}, 0.14),
           ("timing", "timing", [], {}, 0.6), ("flags", "timing", ["--variants", ",".join(FLAG_VARIANTS)],
                                               flags_env, 1.0)]
+  if args.only:
+    plan = [p for p in plan if p[0] in args.only.split(",")]
+  if args.variants:  # the timing child's variants (the flags child keeps its own)
+    plan = [(n, c, x + ["--variants", args.variants] if n == "timing" else x, e, s) for n, c, x, e, s in plan]
   for name, child, extra, env_add, share in plan:
     timeout = max(20.0, left() * share) if share < 1.0 else left() - 5
     if timeout < 20:
@@ -336,6 +354,7 @@ def parse_args(argv=None):
   ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
   ap.add_argument("--json", help=argparse.SUPPRESS)
   ap.add_argument("--variants", help="timing: comma-separated variant names (default: all, in priority order)")
+  ap.add_argument("--only", help="driver: comma-separated children to run (rates, equality, timing, flags)")
   ap.add_argument("--mib", type=int, default=None)
   ap.add_argument("--reps", type=int, default=None)
   ap.add_argument("--steps", type=int, default=None)
