@@ -51,7 +51,10 @@ def compile_probe(compile_fn: Callable[[int], dict[str, Any]], n_layers: int, by
   peak = compiled_device_peak(got.pop("memory_analysis", None))
   limit = None if bytes_limit is None else int(bytes_limit * usable_fraction)
   over = limit is not None and peak["peak_bytes"] is not None and peak["peak_bytes"] > limit
-  detail = (f"does not fit: compiled device peak {_size(peak['peak_bytes'])} > {_size(limit)}" if over else "fits" + ("" if limit is not None else " (no device limit known: compiled, not checked)"))
+  if over:
+    detail = f"does not fit: compiled device peak {_size(peak['peak_bytes'])} > {_size(limit)}"
+  else:
+    detail = "fits" + ("" if limit is not None else " (no device limit known: compiled, not checked)")
   return {"status": "oom" if over else "ok", "fits": not over, "compile_s": took, **peak, "limit_bytes": limit,
           "detail": detail, **got}
 
