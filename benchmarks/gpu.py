@@ -128,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--largest-budget-s", type=float, default=240.0,
                   help="grid flow: seconds for the largest-model search and its confirming runs (default 240)")
   ap.add_argument("--bytes-limit", type=int, help="grid flow: device bytes a compile must fit (default: the chip's)")
+  ap.add_argument("--raw-mib", type=int, help="MiB per bandwidth copy in the raw parts (default 1024; --tiny 8)")
   return ap
 
 
@@ -141,6 +142,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.micro_tokens = args.micro_tokens or (64 if tiny else sizing.GRID_MICRO_TOKENS)
   # per-part limits: tiny runs take seconds each on a CPU; the GPU figures leave room for the ~8 minute total
   args.mib, args.matmul_n, args.reps = (8, 256, 3) if tiny else (1024, 8192, 5)
+  args.mib = args.raw_mib or args.mib
   args.part_timeout_s, args.train_timeout_s, args.probe_timeout_s = (60, 90, 90) if tiny else (90, 150, 150)
   args.op_build_timeout_s, args.min_part_s = (240, 5) if tiny else (240, 20)
   args.parts = _csv(ap, "--parts", args.parts, PARTS)
@@ -148,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.jax_plans = _csv(ap, "--jax-plans", args.jax_plans, plans)
   args.largest_plans = _csv(ap, "--largest-plans", args.largest_plans, plans)
   args.grad_accum = _csv(ap, "--grad-accum", args.grad_accum or ("1,2" if tiny else "1,8"), number=True)
-  for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s"):
+  for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:
       ap.error(f"--{key.replace('_', '-')} must be > 0; got {getattr(args, key)}")
   return args

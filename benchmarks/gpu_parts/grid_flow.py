@@ -58,7 +58,7 @@ def grid_start(suite: Suite, base) -> tuple[int, list[str]]:
   """The grid's depth by the memory model (tiny: the preset's)."""
   a = suite.args
   if suite.tiny:
-    return base.model.n_layers, ["tiny CPU check: the preset's depth"]
+    return base.model.n_layers, []
   dev = suite.device
   hw = sizing.hardware(dev["memory_total_bytes"], dev["host_available_bytes"], dev.get("name"), dev.get("kind"))
   return sizing.grid_depth(base, tuple(a.jax_plans), a.micro_tokens, max(a.grad_accum), hw,
@@ -91,7 +91,9 @@ def grid_depth_choice(found: dict[str, Any], start: int, why: list[str]) -> tupl
     return g["depth"], f"compiled: every grid plan fits at {g['depth']} layers ({g.get('stopped')})"
   if g:
     return start, f"the memory model's ({start} layers): the compiled check found none ({g.get('stopped')})"
-  return start, f"the memory model's ({start} layers): not checked by compiling; " + "; ".join(why[:1])
+  if not why:
+    return start, "the preset's (tiny CPU check: not checked by compiling)"
+  return start, f"the memory model's ({start} layers): not checked by compiling"
 
 
 def part_train(suite: Suite, share: dict[str, float], base, depth: int) -> None:
@@ -130,7 +132,7 @@ def part_confirm(suite: Suite, base, found: dict[str, Any]) -> None:
   """Runs each plan's largest compiled depth for 2 steps, one process each, with the time left shared out."""
   a, dev = suite.args, suite.device
   plans = [p for p in a.largest_plans if (found.get("largest") or {}).get(p, {}).get("largest_ok")]
-  kind = "tpu" if dev.get("kind") == "tpu" else "gpu"
+  kind = dev.get("kind") or "cpu"
   for i, plan in enumerate(plans):
     n = found["largest"][plan]["largest_ok"]
     name = f"confirm_{plan}_{n}"

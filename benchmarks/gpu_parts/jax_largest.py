@@ -114,7 +114,7 @@ def grid_search(a, base, limit: int | None, budget: Budget, save) -> dict[str, A
 def largest_search(a, base, plan: str, limit: int | None, budget: Budget, until: float, save,
                    out: dict[str, Any]) -> None:
   """One plan's largest depth by compiling (doubling from the memory model's prediction, then bisection)."""
-  kind = "tpu" if a.kind == "tpu" else "gpu"
+  kind = a.kind
   start = max(1, sizing.predicted_largest(base, "jax", limit, a.host_bytes, plan=plan, kind=kind)) if limit else \
       base.model.n_layers
   out.update(plan=plan, start=start, probes=[], start_why=(
@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   ap.add_argument("--budget-s", type=float, default=150.0)
   ap.add_argument("--bytes-limit", type=int, help="device bytes (default: memory_stats bytes_limit)")
   ap.add_argument("--host-bytes", type=int, required=True, help="host memory a training process may use")
-  ap.add_argument("--kind", default="tpu", help="tpu (no pinned pool) or gpu (XLA's pinned pool rule)")
+  ap.add_argument("--kind", default="tpu", help="the device: gpu (XLA's pinned-pool rule applies), tpu or cpu")
   ap.add_argument("--max-probes", type=int, default=6, help="per plan")
   ap.add_argument("--min-probe-s", type=float, default=5.0, help="time a compile is assumed to take at first")
   ap.add_argument("--grid-plans", default="", help="the train grid's plans: find its depth first")
