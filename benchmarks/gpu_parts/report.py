@@ -82,8 +82,10 @@ def _header(data: dict) -> list[str]:
          (", ".join(f"`{k}={v}`" for k, v in h["env"].items()) or "none set") + ".", ""]
   if h.get("sockets") and not h["sockets"].get("allowed"):
     out += [f"Sockets: {h['sockets']['means']}", ""]
-  if data.get("not_run"):
-    out += ["Not run on this machine: " + "; ".join(f"**{k}** — {v}" for k, v in data["not_run"].items()), ""]
+  skipped = {**{k: r["not_run"] for k, r in data["records"].items() if isinstance(r, dict) and r.get("not_run")},
+             **(data.get("not_run") or {})}
+  if skipped:
+    out += ["Parts not run: " + "; ".join(f"**{k}** — {v}" for k, v in skipped.items()), ""]
   if dev.get("nvidia_smi"):
     out += ["```", dev["nvidia_smi"].rstrip(), "```", ""]
   return out

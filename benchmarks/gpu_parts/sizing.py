@@ -143,8 +143,8 @@ probe past the host's memory meets the OOM killer, on a node without swap."""
 def jax_pool(run, environ=None, kind: str = "gpu"):
   """The JAX side's pinned-host pool for `run` by the planner's rule (parity.sizing.host_limits.jax_pool: the memory
   model's pinned bytes per device, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB kept when the user set it): (env for the part's
-  process, the decision's JSON); ({}, None) on a TPU or the CPU (`kind` other than 'gpu': no such pool). Raises SpecError for a bad value
-  of the variable."""
+  process, the decision's JSON); ({}, None) on a TPU or the CPU (`kind` other than 'gpu': no such pool). Raises
+  SpecError for a bad value of the variable."""
   import os
   if kind != "gpu":
     return {}, None
