@@ -112,7 +112,9 @@ def train_configs(suite: Suite) -> tuple[dict, dict]:
             "why": ["tiny CPU mode: gpt2-tiny at its preset micro batch; nothing needs offload on a CPU, so the "
                     "fixed size and the offload-cost size are the same run"]}
   else:
-    fx = sizing.fixed_size(suite.device["memory_total_bytes"], suite.device["host_available_bytes"])
+    dev = suite.device
+    fx = sizing.fixed_size(dev["memory_total_bytes"], dev["host_available_bytes"], device_name=dev.get("name"),
+                           kind=kind(suite))
     base, info = fx.pop("run"), fx
     info["model"] = sizing.FIXED_MODEL
   if info.get("micro_fixed") is None:
@@ -211,7 +213,7 @@ def part_largest(suite: Suite, side: str) -> None:
   if suite.tiny:
     start, why = base.model.n_layers, "tiny: the preset's depth"
   else:
-    start = max(1, sizing.predicted_largest(base, side, dev, host))
+    start = max(1, sizing.predicted_largest(base, side, dev, host, kind=kind(suite)))
     why = f"the memory model's largest n_layers ({sizing.PROBE_PLANS[side]}, micro batch 1)"
 
   def probe(n: int) -> dict:

@@ -81,16 +81,15 @@ def hardware(device_bytes: int, host_bytes: int, device_name: str | None = None,
   return plans.custom_hardware(plans.HARDWARE[name], device_gib=device_bytes / 2**30, host_gib=host_bytes / 2**30)
 
 
-def _hardware(device_bytes: int, host_bytes: int):
-  return hardware(device_bytes, host_bytes)
 
-
-def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128) -> dict[str, Any]:
+def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128, device_name: str | None = None,
+               kind: str = "gpu") -> dict[str, Any]:
   """The fixed GPT, its needs-offload micro batch and its offload-cost micro batch, with the reasons.
 
   Args:
-    device_bytes: accelerator memory (nvidia-smi memory.total).
+    device_bytes: accelerator memory (nvidia-smi memory.total; a TPU's bytes_limit).
     host_bytes: host memory the runs may use (MemAvailable).
+    device_name, kind: the device (`hardware`: a TPU is sized with its preset and no GPU pinned pool).
   Returns:
     {'run': RunSpec at micro batch 1, 'micro_fixed', 'micro_cost' (None when none found), 'why': [lines],
      'ranking_at_fixed': plans.ranking_json}.
@@ -98,7 +97,7 @@ def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128) -> dict
   _, plans = sizing_modules()
   run = fixed_run()
   model, train = run.model, run.train
-  hw = _hardware(device_bytes, host_bytes)
+  hw = hardware(device_bytes, host_bytes, device_name, kind)
   cost, fixed, why, ranking = None, None, [], None
   sides = ("jax", "deepspeed")
   for micro in range(1, max_micro + 1):
