@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--largest-budget-s", type=float, default=240.0,
                   help="grid flow: seconds for the largest-model search and its confirming runs (default 240)")
   ap.add_argument("--bytes-limit", type=int, help="grid flow: device bytes a compile must fit (default: the chip's)")
+  ap.add_argument("--largest-fit-by", default="sum", choices=("sum", "xla", "compile"),
+                  help="grid flow: a compiled depth fits when its argument+output+temp-alias (sum, default), XLA's "
+                       "peak_memory_in_bytes (xla), or nothing but XLA's acceptance (compile) is within the limit")
   ap.add_argument("--raw-mib", type=int, help="MiB per bandwidth copy in the raw parts (default 1024; --tiny 8)")
   return ap
 
@@ -183,8 +186,6 @@ def run_flow(suite: Suite) -> None:
   dev = suite.device
   say(f"{'tiny CPU check' if args.tiny else 'full run'}: {args.flow} flow, parts {','.join(args.parts)}, budget "
       f"{args.budget_s:.0f} s, device {dev.get('name') or 'none (CPU)'} ({dev.get('kind')}), out {suite.out}")
-  for family, why in suite.not_run.items():
-    say(f"{family}: {why}")
   if args.flow == "grid":
     grid_flow.run_grid_flow(suite)
     return

@@ -258,7 +258,11 @@ def test_compile_probe_classifies_refusals_and_peaks():
   assert over["status"] == "oom" and "5010" not in over["detail"] and "> " in over["detail"]
   assert compile_probe(_fake_compile(10, refuse=False), 50, bytes_limit=6_000, usable_fraction=0.8)["status"] == "oom"
   no_limit = compile_probe(_fake_compile(10, refuse=False), 50, bytes_limit=None)
-  assert no_limit["status"] == "ok" and "not checked" in no_limit["detail"]
+  assert no_limit["status"] == "ok" and "no device limit known" in no_limit["detail"]
+  by_xla = compile_probe(_fake_compile(10, refuse=False), 50, bytes_limit=4_000, fit_by="xla")  # XLA's peak: 7
+  assert by_xla["status"] == "ok" and by_xla["peak_bytes"] == 5010  # the sum is still recorded
+  assert compile_probe(_fake_compile(10, refuse=False), 50, 4_000, fit_by="compile")["status"] == "ok"
+  assert compile_probe(_fake_compile(10), 11, 10**9, fit_by="compile")["status"] == "oom"  # XLA's refusal decides
 
   def broken(n):
     raise ValueError("a tracing bug")

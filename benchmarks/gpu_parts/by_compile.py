@@ -20,6 +20,10 @@ from benchmarks.gpu_parts.common import classify_failure, compiled_device_peak, 
 
 HUNG = "hung (timed out; XLA failure handler?)"
 OOM_AT_RUN = "oom at run"
+FIT_BY = {"sum": "peak_bytes", "xla": "xla_peak_bytes", "compile": None}
+"""What a compiled probe's fit is judged by (--fit-by): the device peak argument + output + temp - alias (the
+default), XLA's own peak_memory_in_bytes, or nothing past XLA's acceptance of the program (on a TPU its compiler
+refuses a program that does not fit; on a GPU it does not, so 'compile' there accepts every depth)."""
 COMPILE_OOM = ("RESOURCE_EXHAUSTED", "Ran out of memory in memory space")
 """What XLA says when a program does not fit the device (on a TPU at compile time)."""
 
@@ -34,11 +38,11 @@ def classify_compile_error(text: str) -> str:
 
 
 def compile_probe(compile_fn: Callable[[int], dict[str, Any]], n_layers: int, bytes_limit: int | None,
-                  usable_fraction: float = 1.0) -> dict[str, Any]:
+                  usable_fraction: float = 1.0, fit_by: str = "sum") -> dict[str, Any]:
   """One depth compiled: `compile_fn(n_layers)` -> {'memory_analysis': the executable's fields, ...extra} (raises
-  when XLA refuses it). Returns the probe record: status 'ok' (compiled, device peak <= bytes_limit x
-  usable_fraction, or no limit known), 'oom' (refused for memory, or the compiled peak over the limit) or 'error';
-  fits (bool, None for an error), compile_s, the peaks (common.compiled_device_peak), detail, and the extra."""
+  when XLA refuses it). Returns the probe record: status 'ok' (compiled, its FIT_BY[fit_by] peak <= bytes_limit x
+  usable_fraction, or no limit known), 'oom' (refused for memory, or that peak over the limit) or 'error'; fits
+  (bool, None for an error), compile_s, the peaks (common.compiled_device_peak), detail, and the extra."""
   t0 = time.perf_counter()
   try:
     got = dict(compile_fn(n_layers))
@@ -50,11 +54,14 @@ def compile_probe(compile_fn: Callable[[int], dict[str, Any]], n_layers: int, by
   took = time.perf_counter() - t0
   peak = compiled_device_peak(got.pop("memory_analysis", None))
   limit = None if bytes_limit is None else int(bytes_limit * usable_fraction)
-  over = limit is not None and peak["peak_bytes"] is not None and peak["peak_bytes"] > limit
+  key = FIT_BY[fit_by]
+  judged = peak.get(key) if key else None
+  over = limit is not None and judged is not None and judged > limit
   if over:
-    detail = f"does not fit: compiled device peak {_size(peak['peak_bytes'])} > {_size(limit)}"
+    detail = f"does not fit: compiled device peak ({fit_by}) {_size(judged)} > {_size(limit)}"
   else:
-    detail = "fits" + ("" if limit is not None else " (no device limit known: compiled, not checked)")
+    detail = "fits" + ("" if limit is not None and key else " (compiled; no peak checked: " + (
+        "no device limit known)" if limit is None else "--fit-by compile)"))
   return {"status": "oom" if over else "ok", "fits": not over, "compile_s": took, **peak, "limit_bytes": limit,
           "detail": detail, **got}
 

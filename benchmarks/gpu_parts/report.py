@@ -93,6 +93,8 @@ def _header(data: dict) -> list[str]:
 
 def _raw(data: dict) -> list[str]:
   rec = data["records"]
+  if "torch_raw" not in rec and "jax_raw" not in rec:
+    return []
   out = ["## Host <-> device bandwidth", "", "| stack | path | GB/s median | GB/s best | bytes |",
          "|---|---|---|---|---|"]
   for name in ("torch_raw", "jax_raw"):

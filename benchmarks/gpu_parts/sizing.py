@@ -232,7 +232,7 @@ def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int
   return lo, why
 
 
-def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s: float,
+def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s,
                    resolution: float = 0.125) -> dict[str, Any]:
   """Doubling then bisection over n_layers: the largest depth whose probe trains.
 
@@ -241,7 +241,8 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
       (refused before it starts: the memory model's host bytes exceed what the node has) bound the search from
       above, 'timeout' and 'error' end it (the answer is then a lower bound).
     start: the first depth (the memory model's prediction), doubled while probes succeed.
-    max_probes: probes at most; time_left: () -> seconds left; min_probe_s: no probe starts with less left.
+    max_probes: probes at most; time_left: () -> seconds left; min_probe_s: no probe starts with less left (a
+      number, or () -> seconds: e.g. the last probe's time).
     resolution: bisection stops when hi - lo <= max(1, resolution * lo).
   Returns:
     {'largest_ok': lo (0: none trained), 'smallest_failed': hi or None, 'complete': bool, 'stopped': why,
@@ -254,8 +255,11 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
     probes.append({"n_layers": k, **res})
     return res["status"]
 
+  def need() -> float:
+    return min_probe_s() if callable(min_probe_s) else min_probe_s
+
   def can() -> bool:
-    return len(probes) < max_probes and time_left() >= min_probe_s
+    return len(probes) < max_probes and time_left() >= need()
 
   while hi is None and can():
     status = run(n)
@@ -278,6 +282,6 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
   complete = not stopped and hi is not None and hi - lo <= max(1, int(resolution * lo))
   if not complete and not stopped:
     stopped = (f"probe cap ({max_probes}) reached" if len(probes) >= max_probes else
-               f"time budget spent ({time_left():.0f} s left < {min_probe_s:.0f} s per probe)")
+               f"time budget spent ({time_left():.0f} s left < {need():.0f} s per probe)")
   return {"largest_ok": lo, "smallest_failed": hi, "complete": complete, "stopped": stopped or "bracket closed",
           "probes": probes}
