@@ -68,6 +68,11 @@ def device_info(suite: Suite) -> dict:
     suite.records["jax_device"] = rec
     if rec.get("ok"):
       dev.update(devmod.device_from_jax_probe(rec["result"]), probe_open_s=rec["result"].get("open_s"))
+    if dev.get("kind") == "tpu" and not dev.get("memory_total_bytes"):  # the runtime gave no bytes_limit
+      hw = sizing.hardware(1, 1, dev.get("name"), "tpu")
+      preset = sizing.sizing_modules()[1].HARDWARE[hw.name]
+      dev.update(memory_total_bytes=preset.device_bytes, memory_source=f"the planner's {hw.name} preset "
+                                                                        "(memory_stats gave no bytes_limit)")
   if args.device_gib:
     dev.update(memory_total_bytes=int(args.device_gib * 2**30), memory_source="--device-gib")
   return {**dev, **devmod.host_facts(args.host_gib)}

@@ -10,9 +10,9 @@ In order, each part a process of its own (one at a time holds the chip), each wi
            compiled device peak, bytes moved; then the offload figures (grid.summary)
   confirm  the largest depth of each plan run for 2 steps in a process of its own (by_compile.confirm_run: a timeout
            is HUNG, an allocation failure OOM_AT_RUN); not started when the memory model's host bytes exceed the host
-Budget shares (`shares`): the largest-model search gets min(--largest-budget-s, 55 %) of what is left when the flow
-starts, 65 % of it for compiling and 35 % for confirming; the train grid 35 %; raw the rest. A part may use time an
-earlier part left over, never the later parts' shares.
+Budget shares (`shares`, SHARES): the largest-model search gets min(--largest-budget-s, 55 %) of what is left when
+the flow starts, 65 % of it for compiling and 35 % for confirming; the train grid 33 %; raw the rest (12 % or more).
+A part may use time an earlier part left over, never the later parts' shares.
 """
 from __future__ import annotations
 
@@ -20,21 +20,28 @@ from typing import Any
 
 from benchmarks.gpu_parts import by_compile, grid, sizing
 from benchmarks.gpu_parts.common import flops_per_token, peak_flops, write_spec
-from benchmarks.gpu_parts.suite import Suite, not_run, reserve_timeout, run_part, say
+from benchmarks.gpu_parts.suite import Suite, chip, not_run, reserve_timeout, run_part, say
 
 EXIT_MARGIN_S = 20.0
 """Seconds a searching part keeps between its own budget and its process's limit: the import and the chip's opening
 (~4-15 s on a TPU VM) come before its clock starts, and the last JSON write after."""
 
 
+SHARES = {"raw": 0.12, "train": 0.33, "largest": 0.55, "compile_of_largest": 0.65, "grid_check": 0.15}
+"""Fractions of the budget left when the flow starts: raw (jax_raw: ~11 s to open a TPU chip, then its copies and
+matmuls), the train grid, the largest-model search (at most --largest-budget-s; 65 % of it compiling, the rest
+confirming), and, when the search is not asked for, the compile part's check of the grid's depth."""
+
+
 def shares(suite: Suite) -> dict[str, float]:
-  """Seconds of the budget left now that each later part keeps (module docstring)."""
+  """Seconds of the budget left now that each later part keeps (module docstring, SHARES)."""
   a, total = suite.args, suite.left()
   parts = a.parts
-  largest = min(a.largest_budget_s, 0.55 * total) if "largest" in parts else 0.0
-  train = 0.35 * total if "train" in parts else 0.0
-  compile_ = 0.65 * largest if largest else (min(60.0, 0.15 * total) if "train" in parts else 0.0)
-  return {"compile": compile_, "train": train, "confirm": largest - 0.65 * largest if largest else 0.0}
+  largest = min(a.largest_budget_s, SHARES["largest"] * total) if "largest" in parts else 0.0
+  train = SHARES["train"] * total if "train" in parts else 0.0
+  compile_ = SHARES["compile_of_largest"] * largest if largest else (
+      SHARES["grid_check"] * total if "train" in parts else 0.0)
+  return {"compile": compile_, "train": train, "confirm": largest - compile_ if largest else 0.0}
 
 
 def base_run(suite: Suite):
@@ -149,8 +156,9 @@ def part_confirm(suite: Suite, base, found: dict[str, Any]) -> None:
     spec = write_spec(run, suite.out / "parts" / f"{name}.spec.json")
     path = suite.out / "parts" / f"{name}.json"
     say(f"{name}: start (timeout {timeout:.0f} s)")
-    res = by_compile.confirm_run("benchmarks.gpu_parts.jax_train", ["--spec", str(spec), "--json", str(path),
-                                 "--steps", "2", "--warmup", "0", "--fast-init"], path, timeout)
+    with chip(suite, "jax_train"):
+      res = by_compile.confirm_run("benchmarks.gpu_parts.jax_train", ["--spec", str(spec), "--json", str(path),
+                                   "--steps", "2", "--warmup", "0", "--fast-init"], path, timeout)
     rec = {"ok": res["status"] == "ok", "plan": plan, "n_layers": n, **res}
     if not rec["ok"]:
       rec.update(failure=res["status"])

@@ -61,15 +61,19 @@ def not_run(name: str, reason: str) -> dict:
   return {"ok": None, "not_run": reason}
 
 
+def chip(suite: Suite, module: str, env: dict | None = None):
+  """The machine's chip lock for a part that opens JAX's backend (harness.chip.chip_turn: taken on a TPU VM only,
+  where one process at a time may hold the chip; elsewhere it does nothing)."""
+  from contextlib import nullcontext
+  if module.rsplit(".", 1)[-1] not in CHIP_MODULES:
+    return nullcontext()
+  from harness.chip import chip_turn
+  return chip_turn("jax", str(suite.out), {**os.environ, **(env or {})}, on_wait=lambda line: line and say(line))
+
+
 def _launch(suite: Suite, module: str, args: list[str], timeout: float, env: dict | None):
   """(returncode or None on timeout, output text) of one part, holding the chip lock on a TPU."""
-  from contextlib import nullcontext
-  turn = nullcontext()
-  if suite.tpu and module in CHIP_MODULES:
-    from harness.chip import chip_turn
-    turn = chip_turn("jax", str(suite.out), {**os.environ, **(env or {})},
-                     on_wait=lambda line: line and say(line))
-  with turn:
+  with chip(suite, module, env):
     try:
       fin = run_module(f"benchmarks.gpu_parts.{module}", args, timeout_s=timeout, env=env)
       return fin.returncode, fin.stdout + fin.stderr
