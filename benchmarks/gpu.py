@@ -130,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--grad-accum", help="grid flow: gradient accumulations per plan (default 1,8; --tiny 1,2)")
   ap.add_argument("--micro-tokens", type=int, help="grid flow: tokens per micro batch (default 4096; --tiny 64)")
   ap.add_argument("--largest-plans", default=",".join(sizing.LARGEST_PLANS), help="grid flow: plans to size")
+  ap.add_argument("--model", default=sizing.FIXED_MODEL,
+                  help="grid flow: the model whose width and sequence are timed and searched (a parity.hf."
+                       f"MODEL_PRESETS or parity.presets.PRESETS name; default {sizing.FIXED_MODEL}; the flow picks "
+                       "its depth)")
   ap.add_argument("--largest-budget-s", type=float, default=240.0,
                   help="grid flow: seconds for the largest-model search and its confirming runs (default 240)")
   ap.add_argument("--bytes-limit", type=int, help="grid flow: device bytes a compile must fit (default: the chip's)")
@@ -158,6 +162,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.jax_plans = _csv(ap, "--jax-plans", args.jax_plans, plans)
   args.largest_plans = _csv(ap, "--largest-plans", args.largest_plans, plans)
   args.grad_accum = _csv(ap, "--grad-accum", args.grad_accum or ("1,2" if tiny else "1,8"), number=True)
+  try:
+    seq = sizing.fixed_run(args.model).train.seq_len
+  except KeyError as exc:
+    ap.error(f"--model: {exc.args[0]}")
+  if not tiny and (args.micro_tokens % seq or args.micro_tokens < seq):
+    ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {args.model}'s sequence length {seq}")
   for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:
       ap.error(f"--{key.replace('_', '-')} must be > 0; got {getattr(args, key)}")

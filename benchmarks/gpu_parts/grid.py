@@ -34,8 +34,10 @@ def offloads(plan: str) -> bool:
 
 
 def in_step_rate(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
-  """{'gbs', 'source'} of the in-step host<->device rate from jax_raw's record (its donated round trip), else None."""
-  bw = ((raw or {}).get("result") or {}).get("bandwidth") or {}
+  """{'gbs', 'source'} of the in-step host<->device rate from jax_raw's record (its donated round trip; from what the
+  part wrote before it was stopped, when it was), else None."""
+  raw = raw or {}
+  bw = (raw.get("result") or raw.get("partial") or {}).get("bandwidth") or {}
   trip = bw.get("jit_round_trip_donated")
   if not trip or not trip.get("median_gbs"):
     return None

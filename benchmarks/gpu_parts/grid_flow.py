@@ -45,7 +45,8 @@ def shares(suite: Suite) -> dict[str, float]:
 
 
 def base_run(suite: Suite):
-  return sizing.tiny_run() if suite.tiny else sizing.fixed_run()
+  """The grid's model at micro batch 1: --model (default gpt2-1.5b's width and sequence); --tiny gpt2-tiny."""
+  return sizing.tiny_run() if suite.tiny else sizing.fixed_run(suite.args.model)
 
 
 def part_raw(suite: Suite, share: dict[str, float]) -> None:
@@ -67,7 +68,8 @@ def grid_start(suite: Suite, base) -> tuple[int, list[str]]:
   if suite.tiny:
     return base.model.n_layers, []
   dev = suite.device
-  hw = sizing.hardware(dev["memory_total_bytes"], dev["host_available_bytes"], dev.get("name"), dev.get("kind"))
+  limit = min(dev["memory_total_bytes"], a.bytes_limit or dev["memory_total_bytes"])  # --bytes-limit: a smaller one
+  hw = sizing.hardware(limit, dev["host_available_bytes"], dev.get("name"), dev.get("kind"))
   return sizing.grid_depth(base, tuple(a.jax_plans), a.micro_tokens, max(a.grad_accum), hw,
                            dev["host_available_bytes"])
 
@@ -92,10 +94,16 @@ def part_compile(suite: Suite, share: dict[str, float], base, start: int) -> dic
 
 
 def grid_depth_choice(found: dict[str, Any], start: int, why: list[str]) -> tuple[int, str]:
-  """(depth, how) of the train grid: the compiled check's depth, else the memory model's."""
+  """(depth, how) of the train grid: the compiled check's depth; where it found none, half the smallest depth it saw
+  refused (its bisection's next point, unchecked); without a check, the memory model's."""
   g = found.get("grid") or {}
   if g.get("depth"):
     return g["depth"], f"compiled: every grid plan fits at {g['depth']} layers ({g.get('stopped')})"
+  refused = [p["n_layers"] for p in g.get("probes", []) if p.get("status") == "oom"]
+  if refused and min(refused) > 1:
+    n = min(refused) // 2
+    return n, (f"unchecked: half of {min(refused)} layers, the smallest the compiled check refused (it found no "
+               f"depth that fits: {g.get('stopped')}); the memory model's was {start}")
   if g:
     return start, f"the memory model's ({start} layers): the compiled check found none ({g.get('stopped')})"
   if not why:

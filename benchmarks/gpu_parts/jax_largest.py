@@ -16,9 +16,10 @@ peak (memory_analysis: argument + output + temp - alias) over the device's bytes
     (sizing.search_largest), at micro batch 1; a depth whose predicted host bytes (memory model + the fp32 copies a
     training process holds while it builds) exceed --host-bytes is not compiled ('host-limit'): the answer must be
     trainable here, and the run that confirms it (by_compile.confirm_run, started by the driver) needs the host.
-The budget is shared out as the part goes (the grid first, then each plan an equal share of what is left), a probe
-is not started when the last compile's time is not left, and OUT is rewritten after every probe, so a part killed
-at its timeout still leaves what it found. Never imports torch.
+The budget is shared out as the part goes (the grid check at most 40 %, then each plan an equal share of what is
+left, at least one compile's time while the budget lasts), a probe is not started when the last compile's time is
+not left, and OUT is rewritten after every probe, so a part killed at its timeout still leaves what it found. Never
+imports torch.
 """
 from __future__ import annotations
 
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
   if a.grid_plans and a.grid_start > 0:
     res["grid"] = grid_search(a, base, limit, budget, save)
   plans = [p for p in a.plans.split(",") if p]
-  for i, plan in enumerate(plans):
-    until = time.monotonic() + (budget.deadline - time.monotonic()) / (len(plans) - i)
+  for i, plan in enumerate(plans):  # an equal share of what is left, at least one compile while the budget lasts
+    now = time.monotonic()
+    until = now + max((budget.deadline - now) / (len(plans) - i), budget.per_probe())
     res["largest"][plan] = {}
     largest_search(a, base, plan, limit, budget, until, save, res["largest"][plan])
   res["complete"] = True

@@ -58,11 +58,19 @@ def with_plan(run, plan: str, *, micro_batch: int | None = None, n_layers: int |
   return dataclasses.replace(run, jax=dataclasses.replace(run.jax, scan_layers=True)).validate()
 
 
-def fixed_run():
-  """The fixed GPT at micro batch 1: FIXED_MODEL, seq_len its max_seq_len, bf16, both sides."""
-  model = MODEL_PRESETS[FIXED_MODEL]
-  train = TrainSpec(micro_batch_size=1, seq_len=model.max_seq_len, precision="bf16", warmup_steps=1)
-  return RunSpec(model=model, train=train, sides=("jax", "deepspeed"))
+def fixed_run(name: str = FIXED_MODEL):
+  """The fixed GPT at micro batch 1: FIXED_MODEL (or `name`: a parity.hf.MODEL_PRESETS model at its max_seq_len, or
+  a parity.presets.PRESETS run at its seq_len), bf16, both sides. Raises KeyError naming the known models."""
+  if name in MODEL_PRESETS:
+    model = MODEL_PRESETS[name]
+    train = TrainSpec(micro_batch_size=1, seq_len=model.max_seq_len, precision="bf16", warmup_steps=1)
+    return RunSpec(model=model, train=train, sides=("jax", "deepspeed"))
+  if name in PRESETS:
+    run = PRESETS[name]
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, precision="bf16", micro_batch_size=1),
+                               sides=("jax", "deepspeed"))
+  raise KeyError(f"model {name!r}: not in parity.hf.MODEL_PRESETS ({', '.join(MODEL_PRESETS)}) nor "
+                 f"parity.presets.PRESETS ({', '.join(PRESETS)})")
 
 
 TPU_PRESETS = (("v5 lite", "TPU-v5e"), ("v5e", "TPU-v5e"), ("v6 lite", "TPU-v6e"), ("v6e", "TPU-v6e"),
