@@ -444,3 +444,50 @@ def test_tiny_grid_flow_runs_every_part_on_cpu(tmp_path):
   md = (tmp_path / "gpu.md").read_text()
   for heading in ("Train grid", "Offload cost and overlap (grid)", "Largest model by compiling", "Parts not run"):
     assert heading in md
+
+
+def _driver():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("gpu_driver", ROOT / "benchmarks" / "gpu.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--grad-accum", "1,x"], "--grad-accum '1,x': whole numbers > 0"),
+    (["--jax-plans", "zero0,zero9"], "--jax-plans 'zero0,zero9': unknown zero9"),
+    (["--largest-plans", ""], "--largest-plans '': give at least one value"),
+    (["--model", "gpt5"], "--model: model 'gpt5': not in parity.hf.MODEL_PRESETS"),
+    (["--micro-tokens", "1000"], "--micro-tokens 1000: must be a multiple of --model gpt2-1.5b's sequence length 1024"),
+    (["--raw-mib", "-1"], "--mib must be > 0"),
+])
+def test_bad_options_exit_2_naming_the_option(argv, words, capsys):
+  with pytest.raises(SystemExit) as exc:
+    _driver().parse_args(argv)
+  assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_options_take_the_grid_defaults():
+  args = _driver().parse_args([])
+  assert (args.jax_plans, args.grad_accum, args.micro_tokens) == (["zero0", "zero2-offload-scan"], [1, 8], 4096)
+  assert args.largest_plans == ["zero0", "zero2-offload-scan", "scan-offload"] and args.largest_budget_s == 240
+  assert (args.flow, args.largest_fit_by, args.model) == ("auto", "sum", "gpt2-1.5b")
+  tiny = _driver().parse_args(["--tiny", "--model", "gpt2-124m", "--raw-mib", "4"])
+  assert (tiny.grad_accum, tiny.micro_tokens, tiny.mib) == ([1, 2], 64, 4)
+
+
+def test_the_grid_depth_is_the_compiled_checks_or_an_honest_fallback():
+  from benchmarks.gpu_parts.grid_flow import grid_depth_choice
+  checked = {"grid": {"depth": 9, "stopped": "the prediction fits", "probes": []}}
+  assert grid_depth_choice(checked, 11, ["model"]) == (9, "compiled: every grid plan fits at 9 layers (the "
+                                                           "prediction fits)")
+  refused = {"grid": {"depth": 0, "stopped": "probe cap or time reached",
+                      "probes": [{"n_layers": 11, "status": "oom"}]}}
+  depth, how = grid_depth_choice(refused, 11, ["model"])
+  assert depth == 5 and how.startswith("unchecked: half of 11 layers")
+  assert grid_depth_choice({}, 11, ["model"]) == (11, "the memory model's (11 layers): not checked by compiling")
+  assert grid_depth_choice({}, 2, [])[1].startswith("the preset's")
+  from benchmarks.gpu_parts import grid
+  partial = {"ok": False, "partial": {"bandwidth": {"kind": "x", "jit_round_trip_donated": {"median_gbs": 9.0}}}}
+  assert grid.in_step_rate(partial)["gbs"] == 9.0  # the part overran in its matmuls: its bandwidth is kept
