@@ -423,7 +423,7 @@ def test_tiny_grid_flow_runs_every_part_on_cpu(tmp_path):
   """The TPU flow on the CPU: jax_raw's in-step rate, the largest model by compiling and its confirming run, the
   plan x accumulation grid and its offload figures, DeepSpeed recorded as not run; JSON and Markdown written."""
   proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--flow", "grid",
-                         "--largest-plans", "zero2-offload-scan", "--out", str(tmp_path)],
+                         "--largest-plans", "zero2-offload-scan", "--budget-s", "600", "--out", str(tmp_path)],
                         capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   data = json.loads((tmp_path / "gpu.json").read_text())

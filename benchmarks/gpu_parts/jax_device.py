@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
   from jax_impl.doctor import probe
   res = {**probe(bandwidth=False), "libtpu": package_version("libtpu", "libtpu-nightly"), "open_s": opened,
          "part": "jax_device"}
-  write_json(args.json, res)
+  write_json(args.json, {**res, "complete": True})
   return 0
 
 

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
   else:
     res = measure(run, args.steps, args.warmup, args.fast_init)
   res["versions"] = {"jax": jax.__version__}
-  write_json(args.json, res)
+  write_json(args.json, {**res, "complete": True})
   return 0
 
 
