@@ -310,6 +310,9 @@ def test_confirm_run_names_a_hung_child_an_oom_and_a_success(tmp_path):
   ok = confirm_run("timeit", ["-n", "1", "-r", "1", f"open({str(out)!r}, 'w').write('{{\"median_s\": 1}}')"], out,
                    timeout_s=60.0)
   assert ok["status"] == "ok" and ok["result"] == {"median_s": 1}
+  slow_exit = confirm_run("timeit", ["-n", "1", "-r", "1", f"open({str(out)!r}, 'w').write('{{\"complete\": true}}'"
+                                     "); import time; time.sleep(60)"], out, timeout_s=3.0)
+  assert slow_exit["status"] == "ok" and "after writing its result" in slow_exit["detail"]
 
 
 @requires_jax

@@ -94,6 +94,15 @@ def fit_down(probe: Callable[[int], dict[str, Any]], start: int, *, max_probes: 
   return {"depth": lo, "probes": probes, "stopped": stopped}
 
 
+def _complete(path: Path) -> dict[str, Any] | None:
+  """The part's JSON at `path` when it is its final write ('complete'), else None."""
+  try:
+    data = json.loads(Path(path).read_text())
+  except (OSError, ValueError):
+    return None
+  return data if data.get("complete") else None
+
+
 def confirm_run(module: str, args: list[str], json_path: Path, timeout_s: float,
                 env: dict[str, str] | None = None) -> dict[str, Any]:
   """Runs `python -m module args` (harness.launch: bound to this process, its tree killed at the timeout) and names
@@ -104,6 +113,10 @@ def confirm_run(module: str, args: list[str], json_path: Path, timeout_s: float,
   try:
     fin = run_module(module, args, timeout_s=timeout_s, env=env)
   except LaunchTimeout as exc:
+    done = _complete(json_path)
+    if done is not None:  # it wrote its whole result; only its exit overran
+      return {"status": "ok", "wall_s": time.monotonic() - t0, "detail": f"ran (stopped at its {timeout_s:.0f} s "
+              "limit after writing its result)", "stderr_tail": tail(exc.stderr_tail), "result": done}
     return {"status": HUNG, "wall_s": time.monotonic() - t0, "detail": f"killed after {timeout_s:.0f} s",
             "stderr_tail": tail(exc.stderr_tail)}
   text = fin.stdout + fin.stderr
