@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_parts import device as devmod, fixed_flow, grid_flow, report, sizing  # noqa: E402
-from benchmarks.gpu_parts.common import write_json  # noqa: E402
+from benchmarks.gpu_parts.common import tail, write_json  # noqa: E402
 from benchmarks.gpu_parts.suite import Suite, run_part, say  # noqa: E402
 from harness import lifetime  # noqa: E402
 from parity import sockets  # noqa: E402
@@ -163,11 +163,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.largest_plans = _csv(ap, "--largest-plans", args.largest_plans, plans)
   args.grad_accum = _csv(ap, "--grad-accum", args.grad_accum or ("1,2" if tiny else "1,8"), number=True)
   try:
-    seq = sizing.fixed_run(args.model).train.seq_len
+    seq = (sizing.tiny_run() if tiny else sizing.fixed_run(args.model)).train.seq_len
   except KeyError as exc:
     ap.error(f"--model: {exc.args[0]}")
-  if not tiny and (args.micro_tokens % seq or args.micro_tokens < seq):
-    ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {args.model}'s sequence length {seq}")
+  if args.micro_tokens % seq or args.micro_tokens < seq:
+    model = "gpt2-tiny (--tiny)" if tiny else args.model
+    ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {model}'s sequence length {seq}")
   for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:
       ap.error(f"--{key.replace('_', '-')} must be > 0; got {getattr(args, key)}")
@@ -231,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     suite.records["interrupted"] = {"ok": False, "failure": "interrupted", "detail": "Ctrl-C / SIGINT"}
     if suite.op_build is not None and suite.op_build.poll() is None:
       lifetime.kill_tree(suite.op_build.pid)
+  except Exception as exc:  # a fault of the driver's own code: recorded, and the files are still written
+    import traceback
+    suite.records["driver"] = {"ok": False, "failure": "error", "detail": f"{type(exc).__name__}: {exc}",
+                               "stderr_tail": tail(traceback.format_exc())}
+    say(f"driver error {type(exc).__name__}: {exc}")
   offload = fixed_flow.offload_summary(suite) if "train" in args.parts and args.flow == "fixed" else {}
   data = {"header": header(args, suite.device), "device": suite.device, "records": suite.records, "offload": offload,
           "sides_concurrent": args.tiny and args.flow == "fixed", "not_run": suite.not_run,
