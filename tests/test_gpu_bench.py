@@ -209,29 +209,51 @@ def test_tpu_peaks_come_from_the_data_sheets():
   assert peak_flops("NVIDIA H200", "int8") is None and peak_flops("NVIDIA H200", "bf16") == 989.4e12
 
 
-def test_tpu_sizing_has_no_gpu_pinned_pool():
+def test_tpu_sizing_has_no_gpu_pinned_pool_but_the_premapped_region(monkeypatch):
   """A JAX plan whose pinned bytes exceed a small host is refused on a GPU by XLA's pool rule (the pool can grow to
-  64 GiB) and not on a TPU, where only the host's memory bounds it (parity.sizing.plans._host_limits)."""
+  64 GiB) and not on a TPU (parity.sizing.plans._host_limits); there its pinned_host bytes come from the runtime's
+  premapped region (4 GiB unless TPU_PREMAPPED_BUFFER_SIZE says otherwise), which bounds them instead."""
   from benchmarks.gpu_parts import sizing
-  run = sizing.with_plan(sizing.fixed_run(), "scan-offload", micro_batch=1, n_layers=4)
+  from parity.sizing import host_limits
+  monkeypatch.delenv("TPU_PREMAPPED_BUFFER_SIZE", raising=False)
+  run = sizing.with_plan(sizing.fixed_run(), "scan-offload", micro_batch=1, n_layers=3)
   host = 40 * 2**30
   gpu_ok, gpu_why = sizing.predicted_fits(run, "jax", None, host, "gpu")
   tpu_ok, tpu_why = sizing.predicted_fits(run, "jax", None, host, "tpu")
   assert not gpu_ok and "pool" in gpu_why and tpu_ok and "pool" not in tpu_why
   assert sizing.jax_pool(run, {}, kind="tpu") == ({}, None)
+  assert sizing.tpu_premapped({}) == (4_294_967_296, "TPU_PREMAPPED_BUFFER_SIZE unset: the runtime's default")
+  deep = sizing.with_plan(sizing.fixed_run(), "scan-offload", micro_batch=1, n_layers=12)
+  need = host_limits.jax_pinned_need_bytes(deep)
+  assert need * host_limits.POOL_HEADROOM > 4 * 2**30  # past the default region, well within the host
+  ok, why = sizing.predicted_fits(deep, "jax", None, host, "tpu")
+  assert not ok and "premapped region" in why and sizing.premapped_problem(deep, {"TPU_PREMAPPED_BUFFER_SIZE":
+                                                                                str(32 << 30)}) is None
+  monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", str(32 << 30))
+  assert sizing.predicted_fits(deep, "jax", None, host, "tpu")[0]
+  assert not sizing.predicted_fits(deep, "jax", None, 36 * 2**30, "tpu")[0]  # the 32 GiB region is host memory too
+
+
+def test_tpu_grid_depth_fits_device_host_and_premapped_region(monkeypatch):
+  from benchmarks.gpu_parts import sizing
+  monkeypatch.delenv("TPU_PREMAPPED_BUFFER_SIZE", raising=False)
+  host = 42 * 2**30
   hw = sizing.hardware(16_909_336_064, host, "TPU v5 lite", "tpu")
-  depth, why = sizing.grid_depth(sizing.fixed_run(), sizing.GRID_PLANS, 4096, 8, hw, host)
-  assert depth > 0 and "every plan fits" in why[0]
+  base = sizing.fixed_run()
+  depth, why = sizing.grid_depth(base, sizing.GRID_PLANS, 4096, 8, hw, host)
+  assert depth > 0 and "every plan fits" in why[0] and "premapped region: 4.00 GiB" in why[-1]
   memory, _ = sizing.sizing_modules()
-  for plan, n in ((p, d) for p in sizing.GRID_PLANS for d in (depth, depth + 1)):
-    rows = memory.estimate(sizing.grid_run(sizing.fixed_run(), plan, 4096, 8, n), sides=("jax",))
-    if n == depth:  # the grid's depth fits every plan; one more layer does not fit at least one
-      assert memory.peak_device_bytes(rows, "jax") <= hw.device_bytes * (1 - sizing.RESERVE), plan
-  deeper = [memory.peak_device_bytes(memory.estimate(sizing.grid_run(sizing.fixed_run(), p, 4096, 8, depth + 1),
-                                                     sides=("jax",)), "jax") for p in sizing.GRID_PLANS]
-  assert max(deeper) > hw.device_bytes * (1 - sizing.RESERVE)
+  usable = hw.device_bytes * (1 - sizing.RESERVE)
+
+  def fits(n):
+    runs = [sizing.grid_run(base, p, 4096, 8, n) for p in sizing.GRID_PLANS]
+    dev = max(memory.peak_device_bytes(memory.estimate(r, sides=("jax",)), "jax") for r in runs)
+    return dev <= usable and not any(sizing.premapped_problem(r) for r in runs)
+  assert fits(depth) and not fits(depth + 1)  # the deepest that fits
+  monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", str(16 << 30))
+  assert sizing.grid_depth(base, sizing.GRID_PLANS, 4096, 8, hw, host)[0] > depth  # then the device bounds it
   with pytest.raises(ValueError, match="multiple of the sequence length 1024"):
-    sizing.grid_run(sizing.fixed_run(), "zero0", 1000, 1)
+    sizing.grid_run(base, "zero0", 1000, 1)
 
 
 # ----------------------------------------------------------------------------- largest by compiling

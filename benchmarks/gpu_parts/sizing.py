@@ -163,18 +163,57 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
                    kind: str = "gpu") -> tuple[bool, str]:
   """(fits, why) of one side's probe run by the memory model: peak device <= usable (unchecked when device_bytes is
   None), peak host + BUILD_COPIES fp32 weight copies <= host_bytes and, for the JAX side on a GPU (`kind`), its
-  pinned-host pool by the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit)."""
+  pinned-host pool by the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit); on
+  a TPU its pinned-host bytes within the runtime's premapped region (`premapped_problem`), the region counted in the
+  host bytes whether the state fills it or not."""
   memory, _ = sizing_modules()
   rows = memory.estimate(run, sides=(side,))
   dev = memory.peak_device_bytes(rows, side)
-  host = memory.peak_host_bytes(rows, side) + BUILD_COPIES * 4 * memory.param_count(run.model)
+  state = memory.peak_host_bytes(rows, side)
+  if side == "jax" and kind == "tpu":  # the premapped region is pinned at the chip's opening, used or not
+    state = max(state, tpu_premapped()[0])
+  host = state + BUILD_COPIES * 4 * memory.param_count(run.model)
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
   gpu_pool = side == "jax" and kind == "gpu"
   pool = host_limits.pool_problem(host_limits.jax_pool(run), host_bytes) if gpu_pool else None
+  if side == "jax" and kind == "tpu":
+    pool = premapped_problem(run)
   ok = dev <= usable and host <= host_bytes and pool is None
   why = (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB with "
          f"{BUILD_COPIES} fp32 build copies (available {host_bytes / 2**30:.1f})")
   return ok, why + (f"; {pool}" if pool else "")
+
+
+TPU_PREMAPPED_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
+TPU_PREMAPPED_DEFAULT = 4_294_967_296
+"""The TPU runtime's premapped, pinned host region, bytes, where TPU_PREMAPPED_BUFFER_SIZE is unset (the Cloud TPU
+performance guide, "Memory management tuning": default 4,294,967,296; a program whose allocations the region cannot
+serve fails with RESOURCE_EXHAUSTED "Allocating buffer from premapped region failed"). On a TPU `pinned_host` arrays
+come from it (docs/install.md, the doctor's "tpu host buffers" row): the TPU's bound on a plan's pinned host bytes,
+where a GPU has XLA's pool. A larger region costs time each time a process opens the chip (the runtime maps and pins
+it: ~11 s for the default on a v5e, 3.5 s for 256 MiB)."""
+
+
+def tpu_premapped(environ=None) -> tuple[int, str]:
+  """(bytes, source) of the TPU's premapped region: TPU_PREMAPPED_BUFFER_SIZE when it is a whole number > 0, else
+  the runtime's default."""
+  import os
+  raw = (os.environ if environ is None else environ).get(TPU_PREMAPPED_ENV, "").strip()
+  if raw.isdigit() and int(raw) > 0:
+    return int(raw), f"{TPU_PREMAPPED_ENV}={raw}"
+  return TPU_PREMAPPED_DEFAULT, f"{TPU_PREMAPPED_ENV} unset: the runtime's default"
+
+
+def premapped_problem(run, environ=None) -> str | None:
+  """Why `run`'s JAX side does not fit a TPU's premapped region (None when it does): its pinned-host bytes
+  (host_limits.jax_pinned_need_bytes: 0 under unpinned_host) times the pool rule's headroom
+  (host_limits.POOL_HEADROOM: chunk rounding, buffers the memory model does not list) exceed the region."""
+  need = host_limits.jax_pinned_need_bytes(run)
+  limit, source = tpu_premapped(environ)
+  if not need or need * host_limits.POOL_HEADROOM <= limit:
+    return None
+  return (f"jax needs {need / 2**30:.2f} GiB pinned host (x{host_limits.POOL_HEADROOM:g} headroom) > the "
+          f"{limit / 2**30:.2f} GiB premapped region a TPU's pinned_host arrays come from ({source})")
 
 
 def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096, *, plan: str | None = None,
@@ -215,7 +254,8 @@ def grid_run(base, plan: str, micro_tokens: int, grad_accum: int, n_layers: int 
 def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int, hw, host_bytes: int,
                cap: int = 1024) -> tuple[int, list[str]]:
   """(deepest n_layers in [1, cap] at which every plan of the grid fits the device and host by the memory model with
-  the planner's RESERVE, at the grid's micro batch and `grad_accum`, 0 when none; the lines saying so)."""
+  the planner's RESERVE, at the grid's micro batch and `grad_accum` (on a TPU, its pinned host bytes also within the
+  premapped region: `premapped_problem`), 0 when none; the lines saying so)."""
   memory, _ = sizing_modules()
   usable = hw.device_bytes * (1 - RESERVE)
 
@@ -227,6 +267,8 @@ def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int
     return out
 
   def fits(n: int) -> bool:
+    if hw.kind == "tpu" and any(premapped_problem(grid_run(base, p, micro_tokens, grad_accum, n)) for p in plans_):
+      return False
     return all(d <= usable and h <= host_bytes for d, h in peaks(n).values())
   lo, hi = 0, cap + 1
   while hi - lo > 1:
@@ -237,6 +279,9 @@ def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int
          f"{usable / 2**30:.1f} GiB usable ({hw.name}, {1 - RESERVE:.0%} of {hw.device_bytes / 2**30:.2f} GiB)"]
   if lo:
     why += [f"  {p}: device {d / 2**30:.2f} GiB, host {h / 2**30:.2f} GiB" for p, (d, h) in peaks(lo).items()]
+  if hw.kind == "tpu":
+    limit, source = tpu_premapped()
+    why.append(f"  pinned host within the TPU's premapped region: {limit / 2**30:.2f} GiB ({source})")
   return lo, why
 
 

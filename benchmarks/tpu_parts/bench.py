@@ -8,9 +8,11 @@ compiling, confirmed by 2-step runs; the JAX plans x gradient accumulation grid)
 recorded as not run (torch is a CPU build there, and the VM refuses sockets). Set here, where unset:
   * JAX_COMPILATION_CACHE_DIR: a fresh folder for this run (removed at the end), so a train or confirming run reuses
     the executable the compile part made for the same program; the compile part's own compile times stay real.
-  * TPU_PREMAPPED_BUFFER_SIZE only with --premapped-mib (the runtime maps and pins it each time a process opens the
-    chip: 256 MiB opened it in 3.5 s against 10.9 s with the default, benchmarks/results/2026-12-06-tpu-v5e-matrix.md;
-    not the default here, as its effect on multi-GiB offloaded state is not measured).
+  * TPU_PREMAPPED_BUFFER_SIZE only with --premapped-mib: the pinned host region a TPU's pinned_host arrays come from
+    (4 GiB by default; gpu.py sizes every offload plan within it, sizing.premapped_problem). The runtime maps and
+    pins it each time a process opens the chip (256 MiB opened it in 3.5 s against 10.9 s for the default,
+    benchmarks/results/2026-12-06-tpu-v5e-matrix.md), so a larger one, which lets offload hold larger models, makes
+    every part slower to start.
 Writes OUT/bench/ (gpu.json, gpu.md, parts/, logs/) and OUT/bench.tgz. Exit status: gpu.py's (1 when it was
 stopped at the budget). Also runs on a CPU machine (`--tiny` among the options), which is how it is tested.
 """
