@@ -423,6 +423,7 @@ def test_bench_refuses_a_budget_the_install_spent_and_passes_options_on(tmp_path
   a, rest = bench.parse(["--out", str(tmp_path), "--premapped-mib", "256", "--largest-budget-s", "120"])
   cmd = bench.command(a, rest, 300.0)
   assert cmd[-2:] == ["--largest-budget-s", "120"] and cmd[cmd.index("--budget-s") + 1] == "300"
+  assert cmd[cmd.index("--raw-mib") + 1] == "32"  # the pinned copies must fit a 256 MiB region
   env = bench.environment(a, str(tmp_path / "cache"))
   assert env["TPU_PREMAPPED_BUFFER_SIZE"] == str(256 << 20) and env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]
 

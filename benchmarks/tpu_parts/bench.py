@@ -63,8 +63,9 @@ def environment(a: argparse.Namespace, cache: str) -> dict[str, str]:
 def command(a: argparse.Namespace, rest: list[str], budget: float) -> list[str]:
   """gpu.py's command line: the TPU defaults, then the caller's options (which win: argparse keeps the last)."""
   out = Path(a.out) / "bench"
+  mib = min(RAW_MIB, max(1, a.premapped_mib // 8)) if a.premapped_mib else RAW_MIB  # the copies use the region
   return [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), "--budget-s", f"{budget:.0f}",
-          "--raw-mib", str(RAW_MIB), *rest]
+          "--raw-mib", str(mib), *rest]
 
 
 def stop(proc: subprocess.Popen) -> None:
