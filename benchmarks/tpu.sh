@@ -4,7 +4,9 @@
 # benchmarks/results/tpu-<date>). Parts: recon (doctor, numerics probe, a few compares with their run folders), matrix
 # (benchmarks/tpu_parts/matrix.py: the family x precision x plan grid of `parity compare --sides jax,torch`, the
 # plants, and a JAX run folder for a cross-machine join; `matrix --part fp32 --part join`, `--part bf16`,
-# `--part plants`). Each part ends within BUDGET_S seconds (default 480) of this script's start, install included.
+# `--part plants`), bench (benchmarks/tpu_parts/bench.py: benchmarks/gpu.py's suite on the chip, bench.tgz; BUDGET_S
+# 420 by default there, options after the part go to it and to gpu.py). Each part ends within BUDGET_S seconds
+# (default 480) of this script's start, install included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-matrix}

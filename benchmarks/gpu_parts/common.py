@@ -26,6 +26,11 @@ from parity.spec import RunSpec, from_dict, to_dict  # noqa: E402
 
 GB = 10**9
 
+def _tpu(bf16: float, int8: float) -> dict[str, float]:
+  """A TPU's row of PEAK_FLOPS from its bf16 and int8 data-sheet peaks (fp32 and tf32 derived: the comment there)."""
+  return {"bf16": bf16, "int8": int8, "tf32": bf16 / 3, "fp32": bf16 / 6}
+
+
 # Dense (no sparsity) peak FLOP/s per device, from NVIDIA's data sheets: H100 (SXM5 / PCIe / NVL) and H200 (SXM /
 # NVL) Tensor Core BF16 989.4 / 756 / 835 / 989.4 / 835 TFLOP/s, TF32 494.7 / 378 / 417.5 / 494.7 / 417.5, plain
 # FP32 (CUDA cores) 66.9 / 51.2 / 60 / 66.9 / 60. The data sheets print twice these tensor figures "with sparsity".
@@ -37,18 +42,51 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("H100 NVL", {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
     ("H100", {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
     ("A100", {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    # Google Cloud TPU pages (cloud.google.com/tpu/docs/v5e, /v5p, /v6e), peak per chip: v5e bf16 197 TFLOP/s, int8
+    # 394 TOP/s; v5p bf16 459, int8 918; v6e (Trillium) bf16 918, int8 1836 (the planner's presets,
+    # parity.sizing.cost.HARDWARE, hold the same bf16 figures). The MXUs multiply bf16 only: an fp32 matmul at
+    # precision 'highest' runs as 6 bf16 passes and 'high' (JAX's 'tensorfloat32') as 3 (XLA's BF16_BF16_F32_X6 /
+    # _X3 dot algorithms), so 'fp32' and 'tf32' here are bf16 / 6 and bf16 / 3: derived, not printed in a data
+    # sheet (a v5e measured 31 TFLOP/s at 'highest' and 164 in bf16, 8192^3). device_kind names: 'TPU v5 lite'
+    # (v5e), 'TPU v5' / 'TPU v5p' (v5p), 'TPU v6 lite' / 'TPU v6e' (v6e); the lite names come first.
+    ("TPU v5 lite", _tpu(197e12, 394e12)),
+    ("TPU v5e", _tpu(197e12, 394e12)),
+    ("TPU v6 lite", _tpu(918e12, 1836e12)),
+    ("TPU v6e", _tpu(918e12, 1836e12)),
+    ("TPU v5p", _tpu(459e12, 918e12)),
+    ("TPU v5", _tpu(459e12, 918e12)),
 ]
 
-OOM_PATTERNS = ("RESOURCE_EXHAUSTED", "out of memory", "OutOfMemoryError", "Out of memory", "CUDA error: out of",
-                "cudaErrorMemoryAllocation", "MemoryError", "Cannot allocate memory", "std::bad_alloc")
-"""stderr text of an allocation failure: XLA (RESOURCE_EXHAUSTED), torch/CUDA, numpy/Python, the C++ runtime."""
+OOM_PATTERNS = ("RESOURCE_EXHAUSTED", "Ran out of memory in memory space", "out of memory", "OutOfMemoryError",
+                "Out of memory", "CUDA error: out of", "cudaErrorMemoryAllocation", "MemoryError",
+                "Cannot allocate memory", "std::bad_alloc")
+"""stderr text of an allocation failure: XLA (RESOURCE_EXHAUSTED; the TPU compiler's 'Ran out of memory in memory
+space hbm'), torch/CUDA, numpy/Python, the C++ runtime."""
+
+DEVICE_PEAK_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes")
+
+
+def compiled_device_peak(memory_analysis: dict | None) -> dict[str, Any]:
+  """The compiled step's device memory from its `memory_analysis()` fields (jax_impl.step.Trainer.memory_analysis):
+  'peak_bytes' = argument + output + temp - alias (device memory only: the host_* fields are the host's; alias =
+  output bytes that reuse a donated argument's buffer), 'xla_peak_bytes' = XLA's own `peak_memory_in_bytes` where
+  it gives one (its heap simulation; on the TPU fixtures below the temp size alone), 'host_bytes' = the host_*
+  argument + output + temp - alias. None where a field is missing (no analysis)."""
+  ma = memory_analysis or {}
+  vals = [ma.get(k) for k in DEVICE_PEAK_FIELDS]
+  host = [ma.get("host_" + k) for k in DEVICE_PEAK_FIELDS]
+  arg, out, temp, alias = vals
+  return {"peak_bytes": arg + out + temp - alias if None not in vals else None,
+          "xla_peak_bytes": ma.get("peak_memory_in_bytes"),
+          "host_bytes": host[0] + host[1] + host[2] - host[3] if None not in host else None}
 
 
 def peak_flops(device_name: str | None, dtype: str) -> float | None:
-  """Peak FLOP/s of `device_name` (e.g. 'NVIDIA H200') for dtype 'bf16', 'tf32' or 'fp32'; None when unknown (CPU)."""
+  """Peak FLOP/s of `device_name` (e.g. 'NVIDIA H200', 'TPU v5 lite') for dtype 'bf16', 'tf32', 'fp32' (TPUs also
+  'int8'); None when unknown (CPU, a dtype the table lacks)."""
   for key, table in PEAK_FLOPS:
     if device_name and key.lower() in device_name.lower():
-      return table[dtype]
+      return table.get(dtype)
   return None
 
 

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
   import deepspeed
   import torch
   res["versions"] = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-  write_json(args.json, res)
+  write_json(args.json, {**res, "complete": True})
   return 0
 
 

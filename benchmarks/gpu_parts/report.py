@@ -1,4 +1,5 @@
-"""Markdown of the GPU benchmark's JSON (benchmarks/gpu.py writes both). No jax, no torch."""
+"""Markdown of the accelerator benchmark's JSON (benchmarks/gpu.py writes both; the grid flow's sections:
+report_grid.py). No jax, no torch."""
 from __future__ import annotations
 
 from typing import Any
@@ -40,8 +41,13 @@ def _link(link: dict | None) -> str:
 
 
 def failed_parts(data: dict) -> list[str]:
-  """Records that failed (a part's process, or a largest-model search stopped by a probe error)."""
+  """Records that failed (a part's process, a confirming run, or a largest-model search stopped by a probe error); a
+  part this machine cannot run (ok None, 'not_run') is not a failure."""
   out = [name for name, r in data["records"].items() if isinstance(r, dict) and r.get("ok") is False]
+  lg = (data["records"].get("jax_largest") or {})
+  found = lg.get("result") or lg.get("partial") or {}
+  if any(p.get("status") == "error" for r in (found.get("largest") or {}).values() for p in r.get("probes", [])):
+    out.append("jax_largest probes")
   if "sizing" in data["records"] and data["records"]["sizing"].get("micro_fixed") is None:
     out.append("sizing")  # no fixed size: the train part ran nothing
   out += [name for name, r in data["records"].items() if name.startswith("largest_")
@@ -49,17 +55,37 @@ def failed_parts(data: dict) -> list[str]:
   return out
 
 
+def _device_line(dev: dict) -> str:
+  if dev.get("name") is None:
+    return "Device: none (CPU)" + (f"; looked like a TPU VM ({dev['tpu_evidence']}) but the chip could not be read"
+                                   if dev.get("tpu_evidence") else "") + "."
+  kinds = f"; memory kinds {', '.join(dev['memory_kinds'])}" if dev.get("memory_kinds") else ""
+  opened = f"; opening it took {dev['probe_open_s']:.1f} s" if dev.get("probe_open_s") else ""
+  return (f"Device: **{dev['name']}** ({dev.get('kind')}) x {dev.get('count') or 1}, "
+          f"{_bytes(dev.get('memory_total_bytes'))} each ({dev.get('memory_source')}){kinds}{opened}.")
+
+
 def _header(data: dict) -> list[str]:
   h, dev = data["header"], data["device"]
   cpu = dev.get("name") is None
-  out = [f"# GPU benchmark — {h['date']} — {dev.get('name') or 'CPU (tiny check: no accelerator)'}", "",
-         f"Mode: **{h['mode']}**{' — every figure below is a CPU/tiny figure, not a GPU one' if cpu else ''}"
+  title = "TPU" if dev.get("kind") == "tpu" else "GPU"
+  out = [f"# {title} benchmark — {h['date']} — {dev.get('name') or 'CPU (tiny check: no accelerator)'}", "",
+         f"Mode: **{h['mode']}**, {h.get('flow', 'fixed')} flow"
+         f"{' — every figure below is a CPU/tiny figure, not a GPU one' if cpu else ''}"
          f"{' (the two sides ran at the same time)' if data.get('sides_concurrent') else ''}. "
-         f"{h['machine']}, Python {h['python']}; host memory {_bytes(dev.get('host_total_bytes'))} "
-         f"({_bytes(dev.get('host_available_bytes'))} available); suite wall time {data['suite_wall_s']:.0f} s.", "",
+         f"{h['machine']} ({dev.get('cpu_usable')} usable), Python {h['python']}; host memory "
+         f"{_bytes(dev.get('host_total_bytes'))} ({_bytes(dev.get('host_available_bytes'))} available); suite wall "
+         f"time {data['suite_wall_s']:.0f} s.", "", _device_line(dev), "",
          "Versions: " + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + ". Not installed: " +
          (", ".join(k for k, v in h["versions"].items() if not v) or "none") + ".", "",
-         "Environment: " + (", ".join(f"`{k}={v}`" for k, v in h["env"].items()) or "none set") + ".", ""]
+         "Environment (XLA and libtpu flags, the TPU runtime's settings, JAX's): " +
+         (", ".join(f"`{k}={v}`" for k, v in h["env"].items()) or "none set") + ".", ""]
+  if h.get("sockets") and not h["sockets"].get("allowed"):
+    out += [f"Sockets: {h['sockets']['means']}", ""]
+  skipped = {**{k: r["not_run"] for k, r in data["records"].items() if isinstance(r, dict) and r.get("not_run")},
+             **(data.get("not_run") or {})}
+  if skipped:
+    out += ["Parts not run: " + "; ".join(f"**{k}** — {v}" for k, v in skipped.items()), ""]
   if dev.get("nvidia_smi"):
     out += ["```", dev["nvidia_smi"].rstrip(), "```", ""]
   return out
@@ -67,11 +93,16 @@ def _header(data: dict) -> list[str]:
 
 def _raw(data: dict) -> list[str]:
   rec = data["records"]
+  if "torch_raw" not in rec and "jax_raw" not in rec:
+    return []
   out = ["## Host <-> device bandwidth", "", "| stack | path | GB/s median | GB/s best | bytes |",
          "|---|---|---|---|---|"]
   for name in ("torch_raw", "jax_raw"):
     r = rec.get(name)
     if not r:
+      continue
+    if r.get("not_run"):
+      out.append(f"| {name} | {r['not_run']} | | | |")
       continue
     if not r.get("ok"):
       out.append(f"| {name} | failed: {r.get('failure')} ({r.get('detail')}) | | | |")
@@ -109,6 +140,9 @@ def _train(data: dict) -> list[str]:
     if "same_as" in r:
       out.append(f"| {name} | same run as {r['same_as']} | | | | | | | |")
       continue
+    if r.get("not_run"):
+      out.append(f"| {name} | {r['not_run']} | | | | | | | |")
+      continue
     c = r.get("config", {})
     if not r.get("ok"):
       out.append(f"| {name} | {c.get('plan')} | {c.get('micro_batch')} x {c.get('seq_len')} | failed: "
@@ -135,8 +169,8 @@ def _offload(data: dict) -> list[str]:
          "| side | tokens/s offload | tokens/s none | kept | bytes moved / step | their time at the measured "
          "bandwidth | step time offload - none | hidden | link h2d / d2h |", "|---|---|---|---|---|---|---|---|---|"]
   for side, o in off.items():
-    if "error" in o:
-      out.append(f"| {side} | {o['error']} | | | | | | | |")
+    if "error" in o or "not_run" in o:
+      out.append(f"| {side} | {o.get('error') or o['not_run']} | | | | | | | |")
       continue
     out.append(f"| {side} | {o['tokens_per_s_offload']:.4g} | {o['tokens_per_s_none']:.4g} | {o['kept']:.1%} | "
                f"{_bytes(o['moved_bytes_per_step'])} ({o['moved_source']}) | {_num(o['transfer_s_at_measured_bw'])} s"
@@ -149,7 +183,8 @@ def _offload(data: dict) -> list[str]:
 
 def _largest(data: dict) -> list[str]:
   rec = data["records"]
-  rows = [(s, rec[f"largest_{s}"]) for s in ("jax", "deepspeed") if f"largest_{s}" in rec]
+  rows = [(s, rec[f"largest_{s}"]) for s in ("jax", "deepspeed") if f"largest_{s}" in rec
+          and not rec[f"largest_{s}"].get("not_run")]
   if not rows:
     return []
   out = ["## Largest model each side trains", "",
@@ -170,10 +205,10 @@ def _largest(data: dict) -> list[str]:
 def _failures(data: dict) -> list[str]:
   failed = failed_parts(data)
   if not failed:
-    return ["All parts ran."]
+    return ["Every part that can run on this machine ran." if data.get("not_run") else "All parts ran."]
   out = ["## Failed parts", ""]
   for name in failed:
-    r = data["records"][name]
+    r = data["records"].get(name) or data["records"]["jax_largest"]
     if name == "sizing":
       out += ["**sizing**: no micro batch needs offload and fits with it: " + " ".join(r.get("why", [])), ""]
       continue
@@ -185,4 +220,6 @@ def _failures(data: dict) -> list[str]:
 
 def markdown(data: dict) -> str:
   """The report: header (date, machine, versions, nvidia-smi), bandwidth, matmul, fixed size, offload, largest."""
-  return "\n".join(_header(data) + _raw(data) + _train(data) + _largest(data) + _failures(data)) + "\n"
+  from benchmarks.gpu_parts import report_grid
+  return "\n".join(_header(data) + _raw(data) + _train(data) + report_grid.sections(data) + _largest(data) +
+                   _failures(data)) + "\n"

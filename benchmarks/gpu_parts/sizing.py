@@ -9,7 +9,12 @@
     batch 1) and the memory model's prediction of the largest n_layers, the doubling's start.
   * `jax_pool`: the JAX side's pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) by the planner's rule
     (parity.sizing.host_limits), set in each JAX part's environment and checked against the host in
-    `predicted_fits`.
+    `predicted_fits`. A GPU's rule only: a TPU has no such pool (its pinned host memory is bounded by the host's,
+    as the planner treats a `Hardware` of kind 'tpu', parity.sizing.plans._host_limits).
+  * `hardware`: the planner's `Hardware` for the device the suite runs on (a TPU's preset by its device_kind, an
+    H200's figures elsewhere) with the measured device and host memory.
+  * `grid_run` / `grid_depth`: the JAX plan x gradient-accumulation grid of the TPU flow: one width, micro batch x
+    seq = --micro-tokens, and the deepest model every plan of the grid fits by the memory model.
 """
 from __future__ import annotations
 
@@ -53,24 +58,46 @@ def with_plan(run, plan: str, *, micro_batch: int | None = None, n_layers: int |
   return dataclasses.replace(run, jax=dataclasses.replace(run.jax, scan_layers=True)).validate()
 
 
-def fixed_run():
-  """The fixed GPT at micro batch 1: FIXED_MODEL, seq_len its max_seq_len, bf16, both sides."""
-  model = MODEL_PRESETS[FIXED_MODEL]
-  train = TrainSpec(micro_batch_size=1, seq_len=model.max_seq_len, precision="bf16", warmup_steps=1)
-  return RunSpec(model=model, train=train, sides=("jax", "deepspeed"))
+def fixed_run(name: str = FIXED_MODEL):
+  """The fixed GPT at micro batch 1: FIXED_MODEL (or `name`: a parity.hf.MODEL_PRESETS model at its max_seq_len, or
+  a parity.presets.PRESETS run at its seq_len), bf16, both sides. Raises KeyError naming the known models."""
+  if name in MODEL_PRESETS:
+    model = MODEL_PRESETS[name]
+    train = TrainSpec(micro_batch_size=1, seq_len=model.max_seq_len, precision="bf16", warmup_steps=1)
+    return RunSpec(model=model, train=train, sides=("jax", "deepspeed"))
+  if name in PRESETS:
+    run = PRESETS[name]
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, precision="bf16", micro_batch_size=1),
+                               sides=("jax", "deepspeed"))
+  raise KeyError(f"model {name!r}: not in parity.hf.MODEL_PRESETS ({', '.join(MODEL_PRESETS)}) nor "
+                 f"parity.presets.PRESETS ({', '.join(PRESETS)})")
 
 
-def _hardware(device_bytes: int, host_bytes: int):
+TPU_PRESETS = (("v5 lite", "TPU-v5e"), ("v5e", "TPU-v5e"), ("v6 lite", "TPU-v6e"), ("v6e", "TPU-v6e"),
+               ("v5p", "TPU-v5p"), ("v5", "TPU-v5p"))
+"""device_kind (lower case) fragment -> the planner's TPU preset (parity.sizing.cost.HARDWARE), lite names first."""
+
+
+def hardware(device_bytes: int, host_bytes: int, device_name: str | None = None, kind: str = "gpu"):
+  """The planner's Hardware for this device with its measured memory: a TPU's preset by device_kind (v5e where the
+  name is unknown: kind 'tpu' is what matters, no GPU pinned pool), else the H200's (a GPU's link and peak)."""
   _, plans = sizing_modules()
-  return plans.custom_hardware(plans.HARDWARE["H200"], device_gib=device_bytes / 2**30, host_gib=host_bytes / 2**30)
+  name = "H200"
+  if kind == "tpu":
+    low = (device_name or "").lower()
+    name = next((preset for frag, preset in TPU_PRESETS if frag in low), "TPU-v5e")
+  return plans.custom_hardware(plans.HARDWARE[name], device_gib=device_bytes / 2**30, host_gib=host_bytes / 2**30)
 
 
-def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128) -> dict[str, Any]:
+
+def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128, device_name: str | None = None,
+               kind: str = "gpu") -> dict[str, Any]:
   """The fixed GPT, its needs-offload micro batch and its offload-cost micro batch, with the reasons.
 
   Args:
-    device_bytes: accelerator memory (nvidia-smi memory.total).
+    device_bytes: accelerator memory (nvidia-smi memory.total; a TPU's bytes_limit).
     host_bytes: host memory the runs may use (MemAvailable).
+    device_name, kind: the device (`hardware`: a TPU is sized with its preset and no GPU pinned pool).
   Returns:
     {'run': RunSpec at micro batch 1, 'micro_fixed', 'micro_cost' (None when none found), 'why': [lines],
      'ranking_at_fixed': plans.ranking_json}.
@@ -78,7 +105,7 @@ def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128) -> dict
   _, plans = sizing_modules()
   run = fixed_run()
   model, train = run.model, run.train
-  hw = _hardware(device_bytes, host_bytes)
+  hw = hardware(device_bytes, host_bytes, device_name, kind)
   cost, fixed, why, ranking = None, None, [], None
   sides = ("jax", "deepspeed")
   for micro in range(1, max_micro + 1):
@@ -120,44 +147,145 @@ framework's own layout (the stacked flax tree / the torch module) before placeme
 probe past the host's memory meets the OOM killer, on a node without swap."""
 
 
-def jax_pool(run, environ=None):
+def jax_pool(run, environ=None, kind: str = "gpu"):
   """The JAX side's pinned-host pool for `run` by the planner's rule (parity.sizing.host_limits.jax_pool: the memory
   model's pinned bytes per device, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB kept when the user set it): (env for the part's
-  process, the decision's JSON). Raises SpecError for a bad value of the variable."""
+  process, the decision's JSON); ({}, None) on a TPU or the CPU (`kind` other than 'gpu': no such pool). Raises
+  SpecError for a bad value of the variable."""
   import os
+  if kind != "gpu":
+    return {}, None
   decision = host_limits.jax_pool(run, os.environ if environ is None else environ)
   return decision.env(), decision.to_json()
 
 
-def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int) -> tuple[bool, str]:
+def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
+                   kind: str = "gpu") -> tuple[bool, str]:
   """(fits, why) of one side's probe run by the memory model: peak device <= usable (unchecked when device_bytes is
-  None), peak host + BUILD_COPIES fp32 weight copies <= host_bytes and, for the JAX side, its pinned-host pool by
-  the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit)."""
+  None), peak host + BUILD_COPIES fp32 weight copies <= host_bytes and, for the JAX side on a GPU (`kind`), its
+  pinned-host pool by the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit); on
+  a TPU its pinned-host bytes within the runtime's premapped region (`premapped_problem`), the region counted in the
+  host bytes whether the state fills it or not."""
   memory, _ = sizing_modules()
   rows = memory.estimate(run, sides=(side,))
   dev = memory.peak_device_bytes(rows, side)
-  host = memory.peak_host_bytes(rows, side) + BUILD_COPIES * 4 * memory.param_count(run.model)
+  state = memory.peak_host_bytes(rows, side)
+  if side == "jax" and kind == "tpu":  # the premapped region is pinned at the chip's opening, used or not
+    state = max(state, tpu_premapped()[0])
+  host = state + BUILD_COPIES * 4 * memory.param_count(run.model)
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
-  pool = host_limits.pool_problem(host_limits.jax_pool(run), host_bytes) if side == "jax" else None
+  gpu_pool = side == "jax" and kind == "gpu"
+  pool = host_limits.pool_problem(host_limits.jax_pool(run), host_bytes) if gpu_pool else None
+  if side == "jax" and kind == "tpu":
+    pool = premapped_problem(run)
   ok = dev <= usable and host <= host_bytes and pool is None
   why = (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB with "
          f"{BUILD_COPIES} fp32 build copies (available {host_bytes / 2**30:.1f})")
   return ok, why + (f"; {pool}" if pool else "")
 
 
-def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096) -> int:
-  """Largest n_layers in [1, cap] whose probe run fits by the memory model (0: none), by bisection."""
+TPU_PREMAPPED_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
+TPU_PREMAPPED_DEFAULT = 4_294_967_296
+"""The TPU runtime's premapped, pinned host region, bytes, where TPU_PREMAPPED_BUFFER_SIZE is unset (the Cloud TPU
+performance guide, "Memory management tuning": default 4,294,967,296; a program whose allocations the region cannot
+serve fails with RESOURCE_EXHAUSTED "Allocating buffer from premapped region failed"). On a TPU `pinned_host` arrays
+come from it (docs/install.md, the doctor's "tpu host buffers" row): the TPU's bound on a plan's pinned host bytes,
+where a GPU has XLA's pool. A larger region costs time each time a process opens the chip (the runtime maps and pins
+it: ~11 s for the default on a v5e, 3.5 s for 256 MiB)."""
+
+
+def tpu_premapped(environ=None) -> tuple[int, str]:
+  """(bytes, source) of the TPU's premapped region: TPU_PREMAPPED_BUFFER_SIZE when it is a whole number > 0, else
+  the runtime's default."""
+  import os
+  raw = (os.environ if environ is None else environ).get(TPU_PREMAPPED_ENV, "").strip()
+  if raw.isdigit() and int(raw) > 0:
+    return int(raw), f"{TPU_PREMAPPED_ENV}={raw}"
+  return TPU_PREMAPPED_DEFAULT, f"{TPU_PREMAPPED_ENV} unset: the runtime's default"
+
+
+def premapped_problem(run, environ=None) -> str | None:
+  """Why `run`'s JAX side does not fit a TPU's premapped region (None when it does): its pinned-host bytes
+  (host_limits.jax_pinned_need_bytes: 0 under unpinned_host) times the pool rule's headroom
+  (host_limits.POOL_HEADROOM: chunk rounding, buffers the memory model does not list) exceed the region."""
+  need = host_limits.jax_pinned_need_bytes(run)
+  limit, source = tpu_premapped(environ)
+  if not need or need * host_limits.POOL_HEADROOM <= limit:
+    return None
+  return (f"jax needs {need / 2**30:.2f} GiB pinned host (x{host_limits.POOL_HEADROOM:g} headroom) > the "
+          f"{limit / 2**30:.2f} GiB premapped region a TPU's pinned_host arrays come from ({source})")
+
+
+def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096, *, plan: str | None = None,
+                      kind: str = "gpu") -> int:
+  """Largest n_layers in [1, cap] whose probe run (`plan`: that plan at micro batch 1; default the side's
+  PROBE_PLANS pair) fits by the memory model (0: none), by bisection."""
   lo, hi = 0, cap + 1
   while hi - lo > 1:
     mid = (lo + hi) // 2
-    if predicted_fits(probe_run(base, side, mid), side, device_bytes, host_bytes)[0]:
+    run = probe_run(base, side, mid) if plan is None else with_plan(base, plan, micro_batch=1, n_layers=mid)
+    if predicted_fits(run, side, device_bytes, host_bytes, kind)[0]:
       lo = mid
     else:
       hi = mid
   return lo
 
 
-def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s: float,
+GRID_PLANS = ("zero0", "zero2-offload-scan")
+"""The TPU flow's default JAX plans to time: nothing offloaded, and the Adam moments in host memory streamed through
+the update a layer at a time (both scan over layers)."""
+GRID_GRAD_ACCUM = (1, 8)
+GRID_MICRO_TOKENS = 4096
+"""Tokens per micro batch of the grid: 4k tokens a step at gradient accumulation 1, 32k at 8."""
+LARGEST_PLANS = ("zero0", "zero2-offload-scan", "scan-offload")
+"""The TPU flow's largest-model plans: none offloaded, the moments offloaded, params and moments offloaded."""
+
+
+def grid_run(base, plan: str, micro_tokens: int, grad_accum: int, n_layers: int | None = None):
+  """`base` under `plan` (scanning over layers) at micro batch micro_tokens / seq_len and `grad_accum` micro batches.
+  Raises ValueError when micro_tokens is not a multiple of the sequence length."""
+  seq = base.train.seq_len
+  if micro_tokens % seq or micro_tokens < seq:
+    raise ValueError(f"--micro-tokens {micro_tokens}: must be a multiple of the sequence length {seq}")
+  run = with_plan(base, plan, micro_batch=micro_tokens // seq, n_layers=n_layers)
+  return dataclasses.replace(run, train=dataclasses.replace(run.train, grad_accum_steps=grad_accum)).validate()
+
+
+def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int, hw, host_bytes: int,
+               cap: int = 1024) -> tuple[int, list[str]]:
+  """(deepest n_layers in [1, cap] at which every plan of the grid fits the device and host by the memory model with
+  the planner's RESERVE, at the grid's micro batch and `grad_accum` (on a TPU, its pinned host bytes also within the
+  premapped region: `premapped_problem`), 0 when none; the lines saying so)."""
+  memory, _ = sizing_modules()
+  usable = hw.device_bytes * (1 - RESERVE)
+
+  def peaks(n: int) -> dict[str, tuple[int, int]]:
+    out = {}
+    for plan in plans_:
+      rows = memory.estimate(grid_run(base, plan, micro_tokens, grad_accum, n), sides=("jax",))
+      out[plan] = (memory.peak_device_bytes(rows, "jax"), memory.peak_host_bytes(rows, "jax"))
+    return out
+
+  def fits(n: int) -> bool:
+    if hw.kind == "tpu" and any(premapped_problem(grid_run(base, p, micro_tokens, grad_accum, n)) for p in plans_):
+      return False
+    return all(d <= usable and h <= host_bytes for d, h in peaks(n).values())
+  lo, hi = 0, cap + 1
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  why = [f"grid depth by the memory model: {lo} layers of d_model {base.model.d_model}, micro batch "
+         f"{micro_tokens // base.train.seq_len} x seq {base.train.seq_len}, grad accum {grad_accum}: every plan fits "
+         f"{usable / 2**30:.1f} GiB usable ({hw.name}, {1 - RESERVE:.0%} of {hw.device_bytes / 2**30:.2f} GiB)"]
+  if lo:
+    why += [f"  {p}: device {d / 2**30:.2f} GiB, host {h / 2**30:.2f} GiB" for p, (d, h) in peaks(lo).items()]
+  if hw.kind == "tpu":
+    limit, source = tpu_premapped()
+    why.append(f"  pinned host within the TPU's premapped region: {limit / 2**30:.2f} GiB ({source})")
+  return lo, why
+
+
+def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s,
                    resolution: float = 0.125) -> dict[str, Any]:
   """Doubling then bisection over n_layers: the largest depth whose probe trains.
 
@@ -166,7 +294,8 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
       (refused before it starts: the memory model's host bytes exceed what the node has) bound the search from
       above, 'timeout' and 'error' end it (the answer is then a lower bound).
     start: the first depth (the memory model's prediction), doubled while probes succeed.
-    max_probes: probes at most; time_left: () -> seconds left; min_probe_s: no probe starts with less left.
+    max_probes: probes at most; time_left: () -> seconds left; min_probe_s: no probe starts with less left (a
+      number, or () -> seconds: e.g. the last probe's time).
     resolution: bisection stops when hi - lo <= max(1, resolution * lo).
   Returns:
     {'largest_ok': lo (0: none trained), 'smallest_failed': hi or None, 'complete': bool, 'stopped': why,
@@ -179,8 +308,11 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
     probes.append({"n_layers": k, **res})
     return res["status"]
 
+  def need() -> float:
+    return min_probe_s() if callable(min_probe_s) else min_probe_s
+
   def can() -> bool:
-    return len(probes) < max_probes and time_left() >= min_probe_s
+    return len(probes) < max_probes and time_left() >= need()
 
   while hi is None and can():
     status = run(n)
@@ -203,6 +335,6 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
   complete = not stopped and hi is not None and hi - lo <= max(1, int(resolution * lo))
   if not complete and not stopped:
     stopped = (f"probe cap ({max_probes}) reached" if len(probes) >= max_probes else
-               f"time budget spent ({time_left():.0f} s left < {min_probe_s:.0f} s per probe)")
+               f"time budget spent ({time_left():.0f} s left < {need():.0f} s per probe)")
   return {"largest_ok": lo, "smallest_failed": hi, "complete": complete, "stopped": stopped or "bracket closed",
           "probes": probes}

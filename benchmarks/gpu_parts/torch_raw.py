@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
          "bandwidth": bandwidth(args.mib, args.reps)}
   res["matmul"] = matmul(args.n, args.reps)
   res["wall_s"] = time.perf_counter() - t0
-  write_json(args.json, res)
+  write_json(args.json, {**res, "complete": True})
   return 0
 
 

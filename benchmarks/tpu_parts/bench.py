@@ -1,0 +1,125 @@
+"""The accelerator benchmark suite on a TPU VM: benchmarks/gpu.py with TPU defaults, within one budget, tarred.
+
+Run by `benchmarks/tpu.sh bench [--budget-s 420] [--premapped-mib N] [gpu.py options...]` after its install. The
+budget counts from benchmarks/tpu.sh's start (TPU_SH_T0: the install is inside it); gpu.py gets what is left less
+TAR_MARGIN_S and is stopped (its process tree killed) if it overruns by GRACE_S. gpu.py's own defaults on a TPU:
+the grid flow (device named by one short process that opens the chip; jax_raw; the largest model per plan by
+compiling, confirmed by 2-step runs; the JAX plans x gradient accumulation grid); torch_raw and DeepSpeed are
+recorded as not run (torch is a CPU build there, and the VM refuses sockets). Set here, where unset:
+  * JAX_COMPILATION_CACHE_DIR: a fresh folder for this run (removed at the end), so a train or confirming run reuses
+    the executable the compile part made for the same program; the compile part's own compile times stay real.
+  * TPU_PREMAPPED_BUFFER_SIZE only with --premapped-mib: the pinned host region a TPU's pinned_host arrays come from
+    (4 GiB by default; gpu.py sizes every offload plan within it, sizing.premapped_problem). The runtime maps and
+    pins it each time a process opens the chip (256 MiB opened it in 3.5 s against 10.9 s for the default,
+    benchmarks/results/2026-12-06-tpu-v5e-matrix.md), so a larger one, which lets offload hold larger models, makes
+    every part slower to start.
+Writes OUT/bench/ (gpu.json, gpu.md, parts/, logs/) and OUT/bench.tgz. Exit status: gpu.py's (1 when it was
+stopped at the budget). Also runs on a CPU machine (`--tiny` among the options), which is how it is tested.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TAR_MARGIN_S = 15.0
+"""Seconds kept after gpu.py for the tar and the shell's last lines."""
+GRACE_S = 30.0
+"""Seconds past its budget gpu.py may take (it writes its files after its last part) before it is stopped."""
+STOP_WAIT_S = 10.0
+"""Seconds gpu.py gets after SIGINT to write its files before SIGKILL."""
+RAW_MIB = 256
+"""MiB per bandwidth copy on the TPU: a standalone device -> pinned_host put runs at ~0.9 GB/s there, so 1 GiB copies
+would take ~8 s of the raw part's share for one figure."""
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S") or 420),
+                  help="seconds for the whole command from tpu.sh's start, install included (default BUDGET_S or 420)")
+  ap.add_argument("--premapped-mib", type=int, help="TPU_PREMAPPED_BUFFER_SIZE in MiB (default: the runtime's)")
+  return ap.parse_known_args(argv)
+
+
+def environment(a: argparse.Namespace, cache: str) -> dict[str, str]:
+  """gpu.py's environment: this one, plus the compilation cache and the premapped buffer (module docstring)."""
+  env = dict(os.environ)
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+  env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  if a.premapped_mib:
+    env["TPU_PREMAPPED_BUFFER_SIZE"] = str(a.premapped_mib << 20)
+  return env
+
+
+def command(a: argparse.Namespace, rest: list[str], budget: float) -> list[str]:
+  """gpu.py's command line: the TPU defaults, then the caller's options (which win: argparse keeps the last)."""
+  out = Path(a.out) / "bench"
+  mib = min(RAW_MIB, max(1, a.premapped_mib // 8)) if a.premapped_mib else RAW_MIB  # the copies use the region
+  return [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--out", str(out), "--budget-s", f"{budget:.0f}",
+          "--raw-mib", str(mib), *rest]
+
+
+def stop(proc: subprocess.Popen) -> None:
+  """SIGINT first (gpu.py then kills its running part and writes what it has), SIGKILL STOP_WAIT_S later."""
+  for sig, wait in ((signal.SIGINT, STOP_WAIT_S), (signal.SIGKILL, None)):
+    try:
+      os.killpg(proc.pid, sig)
+      proc.wait(timeout=wait)
+      return
+    except subprocess.TimeoutExpired:
+      continue
+    except ProcessLookupError:
+      return
+
+
+def run(cmd: list[str], env: dict[str, str], limit: float) -> int:
+  """Runs gpu.py in a session of its own (its parts are bound to it: harness.lifetime); past `limit` seconds it is
+  stopped (status 1)."""
+  proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), start_new_session=True)
+  try:
+    return proc.wait(timeout=limit)
+  except subprocess.TimeoutExpired:
+    print(f"[bench] gpu.py still running after {limit:.0f} s: stopping it", flush=True)
+    stop(proc)
+    return 1
+  except KeyboardInterrupt:
+    stop(proc)
+    raise
+
+
+def main(argv: list[str] | None = None) -> int:
+  a, rest = parse(argv)
+  t0 = float(os.environ.get("TPU_SH_T0") or time.time())
+  budget = a.budget_s - (time.time() - t0) - TAR_MARGIN_S
+  if budget < 60:
+    print(f"[bench] {budget:.0f} s left of --budget-s {a.budget_s:.0f} after the install: too little to measure; "
+          "give a larger --budget-s (or BUDGET_S)", file=sys.stderr)
+    return 2
+  Path(a.out).mkdir(parents=True, exist_ok=True)
+  cache = tempfile.mkdtemp(prefix="parity-bench-jax-cache-")
+  try:
+    cmd = command(a, rest, budget)
+    print(f"[bench] {' '.join(cmd[1:])}", flush=True)
+    status = run(cmd, environment(a, cache), budget + GRACE_S)
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
+  folder = Path(a.out) / "bench"
+  if folder.is_dir():
+    with tarfile.open(Path(a.out) / "bench.tgz", "w:gz") as tar:
+      tar.add(folder, arcname="bench")
+    print(f"[bench] {Path(a.out) / 'bench.tgz'} ({os.path.getsize(Path(a.out) / 'bench.tgz') / 1e6:.2f} MB), "
+          f"{time.time() - t0:.0f} s since tpu.sh started; gpu.py exit {status}", flush=True)
+  return status
+
+
+if __name__ == "__main__":
+  sys.exit(main())
