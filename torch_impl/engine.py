@@ -39,7 +39,7 @@ import torch
 
 from parity.numerics import schedule
 from parity.spec import RunSpec
-from parity.weights import param_shapes
+from parity.weights import decays, param_shapes
 from torch_impl import memory
 from torch_impl.transfers import TransferProbe
 from torch_impl.distributed import setup_distributed
@@ -139,17 +139,17 @@ _OFFLOADED = {"adamw": "DeepSpeedCPUAdam", "adam": "DeepSpeedCPUAdam", "lamb": "
 """Optimizer class DeepSpeed runs under offload_optimizer: cpu, per train.optimizer."""
 
 
-def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> list[str]:
-  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the
-  optimizer is the client torch.optim.AdamW (`client_optimizer`), which offload keeps (no DeepSpeedCPUAdam)."""
+def _zero_problems(info: dict[str, Any], run: RunSpec, client: str | None = None) -> list[str]:
+  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the class
+  name of the client optimizer the config runs with (`client_class`), None when it has an optimizer section."""
   plan, problems = run.deepspeed, []
   if info["zero_stage"] != plan.zero_stage:
     problems.append(f"zero stage {info['zero_stage']} != planned {plan.zero_stage}")
   wrapper = ZERO_WRAPPERS[plan.zero_stage]
   if wrapper is not None and info["wrapper"] != wrapper:
     problems.append(f"stage {plan.zero_stage} should wrap the optimizer in {wrapper}; got {info['wrapper']}")
-  if client and info["optimizer"] != "AdamW":
-    problems.append(f"the config has no optimizer section, so the client torch.optim.AdamW should run; got "
+  if client and info["optimizer"] != client:
+    problems.append(f"the config has no optimizer section, so the client {client} should run; got "
                     f"{info['optimizer']}")
   elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != _OFFLOADED[run.train.optimizer]
                                                            or not info["cpu_offload"]):
@@ -174,8 +174,31 @@ def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> 
   return problems
 
 
-def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
-  """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage or offload the plan asks for."""
+def decay_problems(engine, run: RunSpec, plants: frozenset = frozenset()) -> list[str]:
+  """The difference between the tensors DeepSpeed's optimizer decays (its param groups with weight_decay > 0, read
+  back through the ZeRO wrapper's module params) and the ones train.decay_mask names (with the 'decay_biases' plant:
+  and every bias), as one message per side that has extra names; [] when they agree."""
+  from torch_impl.semantics import decay_set
+  wrapper = engine.optimizer
+  bit16 = getattr(wrapper, "bit16_groups", None) or getattr(wrapper, "fp16_groups", None)
+  names = {id(p): n for n, p in engine.module.named_parameters()}
+  built, wd = decay_set(_basic_optimizer(engine).param_groups, names, bit16)
+  t = run.train
+  want = sorted(n for n in names.values() if t.weight_decay > 0 and (
+      decays(n, t.decay_mask) or ("decay_biases" in plants and n.endswith(".bias"))))
+  mask, out = f"train.decay_mask {t.decay_mask!r}", []
+  for extra, text in ((sorted(set(built) - set(want)), f"decayed by DeepSpeed but not by {mask}"),
+                      (sorted(set(want) - set(built)), f"decayed by {mask} but not by DeepSpeed")):
+    if extra:
+      out.append(f"{len(extra)} tensor(s) {text}: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
+  if built and wd != t.weight_decay:
+    out.append(f"the decayed group's weight_decay is {wd}, train.weight_decay {t.weight_decay}")
+  return out
+
+
+def _check_engine(engine, run: RunSpec, client: str | None = None, plants: frozenset = frozenset()) -> None:
+  """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage, offload or decay set the plan asks
+  for."""
   info = optimizer_classes(engine)
   problems = _zero_problems(info, run, client)
   if info["adamw_mode"] is not None and info["adamw_mode"] != (run.train.optimizer == "adamw"):
@@ -184,8 +207,7 @@ def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
   planned = schedule.deepspeed_scheduler(run.train)
   if info["scheduler"] != (planned["type"] if planned else None):
     problems.append(f"scheduler is {info['scheduler']}, expected {planned['type'] if planned else None}")
-  if sorted(info["group_weight_decay"]) != sorted([0.0, run.train.weight_decay]):
-    problems.append(f"param-group weight decays {info['group_weight_decay']} != [{run.train.weight_decay}, 0.0]")
+  problems += decay_problems(engine, run, plants)
   if problems:
     raise RuntimeError("DeepSpeed built a different training setup than planned: " + "; ".join(problems))
 
@@ -260,25 +282,49 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   model = build_model(run.model, params)
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)
-  groups = decay_groups_of(model, run.train.weight_decay, plants)
+  groups = decay_groups_of(model, run.train.weight_decay, plants, run.train.decay_mask)
   engine = initialize(model, groups, config, run.train)
-  _check_engine(engine, run, client=not has_optimizer_section(config))
+  _check_engine(engine, run, client=client_class(config), plants=plants)
   return engine
 
 
-def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
-  """The optimizer a training script (the HF Trainer) passes to deepspeed.initialize for a config without an
-  optimizer section: torch.optim.AdamW with the run's lr, betas and eps; each param group keeps its own
-  weight_decay (`decay_groups`). DeepSpeed then refuses it under offload_optimizer unless the config sets
-  zero_force_ds_cpu_optimizer: false (engine._configure_optimizer), as parity.migrate does beforehand."""
-  return build_optimizer(groups, train, lr=train.lr)
+def client_class(config: dict[str, Any]) -> str | None:
+  """The class of the client optimizer a config without an optimizer section runs with (None: it has one).
+
+  Under offload_optimizer cpu/nvme with zero_force_ds_cpu_optimizer not false, DeepSpeedCPUAdam: the only client
+  DeepSpeed accepts there (engine._configure_optimizer raises ZeRORuntimeException for any other), and what every
+  stack that runs such a config passes (parity.migrate._stack: Accelerate swaps the Trainer's torch AdamW for
+  DeepSpeedCPUAdam, Megatron's --cpu-optimizer builds one); a bare script passing torch AdamW is refused by the
+  port beforehand. Otherwise the HF Trainer's torch.optim.AdamW ('AdamW')."""
+  if has_optimizer_section(config):
+    return None
+  zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+  off = (zero.get("offload_optimizer") or {}).get("device", "none") if isinstance(zero, dict) else "none"
+  forced = config.get("zero_force_ds_cpu_optimizer", True) is not False
+  return "DeepSpeedCPUAdam" if off in ("cpu", "nvme") and forced else "AdamW"
+
+
+def client_optimizer(groups: list[dict[str, Any]], train, config: dict[str, Any] | None = None
+                     ) -> torch.optim.Optimizer:
+  """The optimizer a training stack passes to deepspeed.initialize for a config without an optimizer section:
+  torch.optim.AdamW with the run's lr, betas and eps, each param group keeping its own weight_decay (the HF
+  Trainer's `create_optimizer`); where `client_class` says DeepSpeedCPUAdam, that AdamW's param groups handed to
+  DeepSpeedCPUAdam with the AdamW's lr and weight_decay, as accelerate 1.16.0 `map_pytorch_optim_to_deepspeed`
+  does (adamw_mode true for AdamW, false for Adam; each group keeps its own betas, eps and weight_decay: torch's
+  add_param_group only fills a group's missing keys)."""
+  opt = build_optimizer(groups, train, lr=train.lr)
+  if config is None or client_class(config) != "DeepSpeedCPUAdam":
+    return opt
+  from deepspeed.ops.adam import DeepSpeedCPUAdam  # deepspeed: after setup_distributed set DS_ACCELERATOR
+  return DeepSpeedCPUAdam(opt.param_groups, lr=opt.defaults["lr"], weight_decay=opt.defaults["weight_decay"],
+                          adamw_mode=isinstance(opt, torch.optim.AdamW))
 
 
 def initialize(model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any], train):
   """`deepspeed.initialize` as `parity compare` runs a config: the config's optimizer when it has a section, else the
   client optimizer (`client_optimizer`). Returns the engine; raises whatever DeepSpeed raises for the config."""
   import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
-  client = None if has_optimizer_section(config) else client_optimizer(groups, train)
+  client = None if has_optimizer_section(config) else client_optimizer(groups, train, config)
   engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client, config=config)
   return engine
 

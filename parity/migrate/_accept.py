@@ -31,6 +31,7 @@ from __future__ import annotations
 
 
 from parity.migrate._ctx import MISSING, Ctx
+from parity.migrate._stack import StackModel
 
 __all__ = ["check_deepspeed_accepts", "MSG_CLIENT_OFFLOAD", "MSG_UNTESTED"]
 
@@ -47,16 +48,13 @@ ZERO_SUPPORTED = {"adam", "adamw", "adagrad", "lion"}
 client torch.optim.AdamW is too. Lamb (FusedLamb), the Mu* optimizers and other torch.optim classes are not."""
 
 
-def _client(ctx: Ctx) -> bool:
-  opt = ctx.get("optimizer")
-  return not (isinstance(opt, dict) and "type" in opt)
-
-
-def check_deepspeed_accepts(ctx: Ctx) -> None:
-  """Refuses (deepspeed=True) what deepspeed.initialize would refuse and the key-by-key port does not see.
+def check_deepspeed_accepts(ctx: Ctx, model: StackModel) -> None:
+  """Refuses (deepspeed=True) what deepspeed.initialize would refuse, under the training stack `model`, and the
+  key-by-key port does not see.
 
   Args:
     ctx: the port in progress; reads ctx.cfg ("auto" resolved, deprecated offload forms rewritten).
+    model: the stack's model (parity.migrate._stack): whether it hands DeepSpeed a client optimizer, and which.
   """
   zero = ctx.get("zero_optimization")
   zero = zero if isinstance(zero, dict) else ({"stage": int(zero)} if isinstance(zero, bool) else {})
@@ -64,17 +62,18 @@ def check_deepspeed_accepts(ctx: Ctx) -> None:
   off_dev = off.get("device") if isinstance(off, dict) else None
   stage = zero.get("stage", 0)
   stage = stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
-  if _client(ctx) and off_dev in ("cpu", "nvme") and ctx.get("zero_force_ds_cpu_optimizer") is not False:
+  if model.refusal and off_dev in ("cpu", "nvme"):
     written = [k for k in ("zero_force_ds_cpu_optimizer", "zero_optimization.offload_optimizer.device",
                            "zero_optimization.cpu_offload") if k in ctx.leaves]  # the key as the user wrote it
     key = written[0] if written else "zero_optimization.offload_optimizer"
     ctx.refuse(key, f"{key}: offload_optimizer.device {off_dev!r} with a client optimizer (the config has no "
                f"optimizer section) and zero_force_ds_cpu_optimizer not false: DeepSpeed 0.19.8 raises "
-               f"ZeRORuntimeException at deepspeed.initialize: '{MSG_CLIENT_OFFLOAD}'. Fix: add an optimizer "
-               "section (e.g. {\"type\": \"AdamW\", \"params\": {...}}: DeepSpeedCPUAdam runs it), or set "
-               "\"zero_force_ds_cpu_optimizer\": false to keep the client torch.optim.AdamW.", deepspeed=True)
+               f"ZeRORuntimeException at deepspeed.initialize: '{MSG_CLIENT_OFFLOAD}'. Fix: add an optimizer section "
+               "(e.g. {\"type\": \"AdamW\", \"params\": {...}}: DeepSpeedCPUAdam runs it), or set "
+               "\"zero_force_ds_cpu_optimizer\": false to keep the client torch.optim.AdamW. Why it is a client "
+               f"torch.optim.AdamW: {model.refusal}.", deepspeed=True)
   name = ctx.get("optimizer.type")
-  if stage >= 1 and isinstance(name, str) and name.lower() not in ZERO_SUPPORTED and \
+  if stage >= 1 and isinstance(name, str) and name.lower() not in ZERO_SUPPORTED and not model.client and \
       ctx.get("zero_allow_untested_optimizer") is not True and not ctx.report.deepspeed_refusals:
     ctx.refuse("optimizer.type", f"optimizer.type {name!r} under ZeRO stage {stage}: its class is not one DeepSpeed "
                f"tested with ZeRO, and DeepSpeed 0.19.8 asserts at deepspeed.initialize: '{MSG_UNTESTED}'. Fix: set "
