@@ -158,8 +158,33 @@ def _has_auto(node: Any) -> bool:
   return node == "auto"
 
 
+_SCHEDULE = {
+    "hf-trainer": "the Trainer's own lr scheduler (TrainingArguments.lr_scheduler_type, default 'linear' with its "
+                  "warmup)",
+    "accelerate": "the script's lr scheduler",
+    "megatron": "Megatron's OptimizerParamScheduler (--lr-decay-style, --lr-warmup-*)",
+}
+
+
+def _schedule_note(stack: str, scheduler: bool) -> tuple[str, ...]:
+  if scheduler or stack not in _SCHEDULE:
+    return ()
+  return (f"no scheduler section: under {stack} {_SCHEDULE[stack]} sets the lr, which the config does not show; the "
+          "port keeps the optimizer's lr constant (a constant schedule there, e.g. lr_scheduler_type='constant'); "
+          "write the schedule as a scheduler section to port another",)
+
+
 def stack_model(stack: str, chosen_by: str, *, section: str | None, offload: str | None, legacy_offload: bool,
-                forced: bool) -> StackModel:
+                forced: bool, scheduler: bool = True) -> StackModel:
+  """The StackModel of `stack` for a config (`scheduler`: it has a scheduler section; without one the stack's own
+  scheduler runs, a note says so)."""
+  model = _stack_model(stack, chosen_by, section=section, offload=offload, legacy_offload=legacy_offload,
+                       forced=forced)
+  return dataclasses.replace(model, notes=model.notes + _schedule_note(stack, scheduler))
+
+
+def _stack_model(stack: str, chosen_by: str, *, section: str | None, offload: str | None, legacy_offload: bool,
+                 forced: bool) -> StackModel:
   """The StackModel of `stack` for a config.
 
   Args:
@@ -261,7 +286,8 @@ def apply_stack(ctx: Any, stack: str, chosen_by: str, optimizer: dict[str, Any] 
     section = optimizer["impl"] if optimizer else str(opt["type"])
   model = stack_model(stack, chosen_by, section=section, offload=offload,
                       legacy_offload=ctx.get("zero_optimization.cpu_offload") is True,
-                      forced=ctx.get("zero_force_ds_cpu_optimizer") is not False)
+                      forced=ctx.get("zero_force_ds_cpu_optimizer") is not False,
+                      scheduler=isinstance(ctx.get("scheduler"), dict) and "type" in ctx.get("scheduler"))
   ctx.report.stack = model.to_dict()
   for note in model.notes:
     ctx.warn(note)
