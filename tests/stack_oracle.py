@@ -58,8 +58,11 @@ def _groups(opt, names: dict[int, str]) -> list[dict]:
 def _built(engine, names: dict[int, str]) -> dict:
   opt = engine.optimizer
   basic = getattr(opt, "optimizer", opt)
-  return {"wrapper": type(opt).__name__, "optimizer": type(basic).__name__,
-          "adamw_mode": getattr(basic, "adam_w_mode", None), "groups": _groups(opt, names)}
+  mode = getattr(basic, "adam_w_mode", None)  # DeepSpeed's Adams; torch's say it in their groups
+  if mode is None and "decoupled_weight_decay" in basic.param_groups[0]:
+    mode = bool(basic.param_groups[0]["decoupled_weight_decay"])
+  return {"wrapper": type(opt).__name__, "optimizer": type(basic).__name__, "adamw_mode": mode,
+          "groups": _groups(opt, names)}
 
 
 def hf_case(config: dict, t: dict, tmp: Path) -> tuple[dict, np.ndarray, Path]:
