@@ -170,8 +170,8 @@ def _schedule_note(stack: str, scheduler: bool) -> tuple[str, ...]:
   if scheduler or stack not in _SCHEDULE:
     return ()
   return (f"no scheduler section: under {stack} {_SCHEDULE[stack]} sets the lr, which the config does not show; the "
-          "port keeps the optimizer's lr constant (a constant schedule there, e.g. lr_scheduler_type='constant'); "
-          "write the schedule as a scheduler section to port another",)
+          "port keeps the optimizer's lr constant (the job's, where that scheduler is a constant one); write the "
+          "schedule as a scheduler section to port another",)
 
 
 def stack_model(stack: str, chosen_by: str, *, section: str | None, offload: str | None, legacy_offload: bool,
