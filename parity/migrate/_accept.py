@@ -15,17 +15,20 @@ and records it in `Report.deepspeed_refusals` (those that the key-by-key port fi
       optimizers); Lamb without dynamic loss scaling                   -> _port_optim
     _configure_basic_optimizer: optimizer.params.max_grad_norm; a param the optimizer class does not take
       (TypeError); scheduler type / params (lr_schedules)               -> _port_optim
-    _configure_optimizer: a client optimizer (no optimizer section) under offload_optimizer cpu/nvme unless
-      zero_force_ds_cpu_optimizer is false (ZeRORuntimeException)       -> here, MSG_CLIENT_OFFLOAD
+    _configure_optimizer: a client torch optimizer (no optimizer section, and a stack that passes one) under
+      offload_optimizer cpu/nvme unless zero_force_ds_cpu_optimizer is false (ZeRORuntimeException) -> here,
+      MSG_CLIENT_OFFLOAD
     _do_optimizer_sanity_check: ZeRO (stage >= 1) with an optimizer outside ZERO_SUPPORTED_OPTIMIZERS unless
       zero_allow_untested_optimizer is true                             -> here, MSG_UNTESTED
     AutoTP: tensor_parallel.autotp_size > 1 needs a world size that is a multiple of it (device mesh) -> here
   Device-dependent refusals ("Type fp16 is not supported on your device", CUDA-only FusedLamb) are not config
   properties: `parity compare` lifts the CPU fp16 one (torch_impl.engine._allow_fp16_on_cpu).
 
-A config without an optimizer section runs with a client optimizer, as the HF Trainer and `parity compare` run it
-(torch.optim.AdamW, torch_impl.engine.client_optimizer). tests/test_port_acceptance.py asks the installed DeepSpeed
-about every real-world config and a set of edge configs and checks this module agrees.
+A config without an optimizer section runs with the client optimizer its training stack hands DeepSpeed
+(parity.migrate._stack: the script's torch.optim.AdamW under a bare deepspeed.initialize, DeepSpeedCPUAdam under offload
+where Accelerate or Megatron passes one; torch_impl.engine.client_optimizer). tests/test_port_acceptance.py asks the
+installed DeepSpeed, with that client, about every real-world config and a set of edge configs and checks this module
+agrees.
 """
 from __future__ import annotations
 
