@@ -5,8 +5,8 @@ port's decision "DeepSpeed would refuse this" (`Report.deepspeed_refusals`) is c
 DeepSpeed itself: one subprocess, started through harness.launch, runs `deepspeed.initialize` on every resolved config
 the way `parity compare` runs it (torch_impl.port_verify.accepts: CPU, one gloo rank, a tiny model, the client
 optimizer of the config's training stack when it has no optimizer section: the script's torch.optim.AdamW under a bare
-deepspeed.initialize, DeepSpeedCPUAdam under offload where Accelerate or Megatron hands one over, parity.migrate._stack).
-The pure-Python tests below run without DeepSpeed.
+deepspeed.initialize, DeepSpeedCPUAdam under offload where Accelerate or Megatron hands one over:
+parity.migrate._stack). The pure-Python tests below run without DeepSpeed.
 """
 from __future__ import annotations
 
