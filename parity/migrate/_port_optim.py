@@ -182,15 +182,23 @@ def _sgd(ctx: Ctx) -> dict[str, Any] | None:
   return {"type": "sgd", "impl": "torch.optim.SGD", "params": p}
 
 
+def _other_keys(ctx: Ctx) -> None:
+  """Marks the optimizer section's keys besides type and params, which DeepSpeed does not read."""
+  for k in ctx.get("optimizer"):
+    if k not in ("type", "params"):
+      why = ("legacy fused fp16 optimizer switch; no effect on the math" if k == "legacy_fusion"
+             else "DeepSpeed reads only optimizer.type and optimizer.params")
+      ctx.mark(f"optimizer.{k}", "not_needed", None, why)
+
+
 def port_optimizer(ctx: Ctx, offload: str | None, *, ignored: str | None = None) -> dict[str, Any] | None:
   """Returns the ported optimizer dict, or None after refusing. `ignored`: why the stack never lets DeepSpeed read
   the optimizer section (Megatron passes its own optimizer): its keys are marked not_needed and the client optimizer
   is ported from the flags."""
-  if not ctx.has("optimizer"):
-    return _from_flags(ctx, "the config has no optimizer section")
-  if ignored is not None:
-    ctx.mark("optimizer", "not_needed", None, ignored)
-    return _from_flags(ctx, "the stack passes its own optimizer")
+  if not ctx.has("optimizer") or ignored is not None:
+    ctx.mark("optimizer", "not_needed", None, ignored or "")  # no leaf without a section: marks nothing then
+    return _from_flags(ctx, "the stack passes its own optimizer" if ctx.has("optimizer") else
+                       "the config has no optimizer section")
   name = ctx.get("optimizer.type")
   if not isinstance(ctx.get("optimizer"), dict):
     ctx.refuse("optimizer", f"optimizer: got {ctx.get('optimizer')!r}; expected an object with type and params.")
@@ -198,11 +206,7 @@ def port_optimizer(ctx: Ctx, offload: str | None, *, ignored: str | None = None)
   if name is MISSING:
     ctx.mark("optimizer", "not_needed", None, "ignored by DeepSpeed: the optimizer section has no type")
     return _from_flags(ctx, "the optimizer section has no type")
-  for k in ctx.get("optimizer"):
-    if k not in ("type", "params"):
-      why = ("legacy fused fp16 optimizer switch; no effect on the math" if k == "legacy_fusion"
-             else "DeepSpeed reads only optimizer.type and optimizer.params")
-      ctx.mark(f"optimizer.{k}", "not_needed", None, why)
+  _other_keys(ctx)
   if not isinstance(name, str):
     ctx.refuse("optimizer.type", f"optimizer.type: got {name!r}; expected a name such as \"AdamW\".")
     return None
