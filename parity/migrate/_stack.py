@@ -62,7 +62,10 @@ SOURCES: dict[str, tuple[str, ...]] = {
     ),
     "accelerate": (
         "accelerate (16cb6eb8) examples/by_feature/deepspeed_with_config_support.py: 2 groups, no_decay = ['bias', "
-        "'LayerNorm.weight']; torch.optim.AdamW without an optimizer section, DummyOptim(groups) with one",
+        "'LayerNorm.weight']; torch.optim.AdamW without an optimizer section, DummyOptim(groups) with one. The groups "
+        "are the script's: the model takes the HF Trainer's rule (no decay on biases and norm weights); the example's "
+        "own names match BERT-style 'LayerNorm.weight' only, so on GPT-2 or Llama names it decays the norm weights "
+        "too",
         _DUMMY, _SWAP,
     ),
     "megatron": (
@@ -225,7 +228,8 @@ def _hf(common: dict[str, Any], stack: str, section: str | None, offload: str | 
   trainer = stack == "hf-trainer"
   who = "the Trainer" if trainer else "the script"
   mask = "all" if trainer and section else "no_bias_norm"
-  groups = (f"{who}'s " + _GROUPS["no_bias_norm"]) if mask == "no_bias_norm" else (
+  groups = (f"{who}'s " + _GROUPS["no_bias_norm"] + ("" if trainer else ", the HF Trainer's rule")) \
+      if mask == "no_bias_norm" else (
       "one group: every trainable parameter (transformers' model_parameters)")
   fill = "the Trainer's arguments" if trainer else "the script (DummyOptim: lr, weight_decay)"
   if section:
