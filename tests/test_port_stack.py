@@ -198,3 +198,13 @@ def test_compare_refuses_stack_without_a_deepspeed_config():
   from parity.pipeline.resolve import resolve_run
   with pytest.raises(SpecError, match="--stack megatron: it says which training stack runs a DeepSpeed config"):
     resolve_run("gpt2-tiny", stack="megatron")
+
+
+def test_a_ported_file_runs_its_stacks_mask_with_compare_config(tmp_path):
+  """`parity compare --config ported.yaml` runs the mask the port recorded (optimizer.decay_mask)."""
+  from parity.pipeline.resolve import resolve_run
+  r = _port({**B, "zero_optimization": {"stage": 2, "offload_optimizer": OFF}}, stack="hf-trainer", **CLIENT)
+  path = tmp_path / "ported.yaml"
+  path.write_text(r.ported.dumps("yaml"))
+  assert "decay_mask: no_bias_norm" in path.read_text()
+  assert resolve_run("gpt2-tiny", config=path).spec.train.decay_mask == "no_bias_norm"
