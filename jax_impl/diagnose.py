@@ -17,9 +17,9 @@ Plants of this side (request `diagnose_plants`) are applied here: `no_causal_mas
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported
 
@@ -35,7 +35,7 @@ from jax_impl import optim
 from jax_impl.step import accumulate_grads, example_batch, example_loss_kwargs  # (sets fp32 matmuls)
 from parity.protocol import diagnose as dg
 from parity.protocol.side import SideIO, main_guard
-from parity.weights import master_weights, param_shapes
+from parity.weights import master_weights
 
 
 def _with_schedule_count(opt_state, count: int):
@@ -43,12 +43,6 @@ def _with_schedule_count(opt_state, count: int):
   is_sched = lambda x: isinstance(x, optax.ScaleByScheduleState)
   return jax.tree.map(lambda s: s._replace(count=jnp.asarray(count, s.count.dtype)) if is_sched(s) else s,
                       opt_state, is_leaf=is_sched)
-
-
-def _decay_all_mask(spec, scan_layers: bool = False):
-  """Plant `decay_all`: a decay mask with every tensor decayed (norm scales, biases, embeddings)."""
-  every = {n: True for n in param_shapes(spec)}
-  return layout.tree_from_canonical(every, n_layers=spec.n_layers if scan_layers else None)
 
 
 def _where_params(names, prefix: str, what: str) -> dict[str, str]:
@@ -123,10 +117,7 @@ def _one_step(spec, train, canonical, batch, req, causal: bool, arrays=None):
 
 def _optimizer(spec, train, decay_all: bool):
   """optim.make_optimizer's (tx, schedule); under the `decay_all` plant with every tensor decayed."""
-  if decay_all:
-    with mock.patch.object(optim, "decay_mask", _decay_all_mask):
-      return optim.make_optimizer(spec, train)
-  return optim.make_optimizer(spec, train)
+  return optim.make_optimizer(spec, dataclasses.replace(train, decay_mask="all") if decay_all else train)
 
 
 def _outputs(spec, taps, loss_val, grads, new_params) -> tuple[dict, dict[str, str]]:

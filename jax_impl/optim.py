@@ -11,7 +11,7 @@ Mapping to DeepSpeed (ZeRO-1/2, DeepSpeedCPUAdam in adamw_mode, WarmupCosineLR):
   * clipping: g * (1 / max(1, (||g|| + 1e-6) / clip)), skipped when clip == 0
     (`DeepSpeedZeroOptimizer.unscale_and_clip_grads`);
   * AdamW: p <- p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps); optax and DeepSpeed agree
-    to rounding (docs/numerics.md); weight decay only where `parity.weights.decays(name)`;
+    to rounding (docs/numerics.md); weight decay only where `parity.weights.decays(name, train.decay_mask)`;
   * learning rate: optimizer step k (0-based, = optax's update count) uses
     `parity.numerics.schedule.train_lr(train, k)`: 0 at steps 0 and 1, then linear warmup and cosine.
 
@@ -130,13 +130,15 @@ def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
   return _table([schedule_ref.train_lr(train, k) for k in range(n)])
 
 
-def decay_mask(spec: ModelSpec, scan_layers: bool = False, plants: frozenset = frozenset()) -> dict[str, Any]:
-  """Flax-layout pytree of bools: True where AdamW weight decay applies (`parity.weights.decays`).
+def decay_mask(spec: ModelSpec, scan_layers: bool = False, plants: frozenset = frozenset(),
+               mask: str = "matrices") -> dict[str, Any]:
+  """Flax-layout pytree of bools: True where AdamW weight decay applies (`parity.weights.decays` under `mask`,
+  train.decay_mask).
 
   With `scan_layers`, one bool per stacked block tensor (the same for every layer). `plants`: with the planted bug
   'decay_biases' (parity.protocol.layout.PLANT_KEYS) every '*.bias' is decayed too.
   """
-  values = {name: decays(name) or ("decay_biases" in plants and name.endswith(".bias"))
+  values = {name: decays(name, mask) or ("decay_biases" in plants and name.endswith(".bias"))
             for name in param_shapes(spec)}
   return tree_from_canonical(values, n_layers=spec.n_layers if scan_layers else None)
 
@@ -313,7 +315,7 @@ def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = Fal
     raise ValueError("train.optimizer 'lamb' with jax.scan_layers: Lamb's trust ratio is per tensor and a "
                      "layer-stacked tensor holds every layer's; set jax.scan_layers=false")
   schedule = warmup_cosine_schedule(train)
-  full_mask = decay_mask(spec, scan_layers, plants)
+  full_mask = decay_mask(spec, scan_layers, plants, train.decay_mask)
   b1_fn = b2 = None
   if schedule_ref.cycles_momentum(train):
     n = max(train.steps, train.warmup_steps, 2) + 2

@@ -27,8 +27,14 @@ __all__ = [
     "ModelSpec", "TrainSpec", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "RunSpec", "SpecError",
     "to_dict", "from_dict", "config_hash", "check_numbers", "INT_MAX", "without_layout_defaults", "LAYOUT_DEFAULTS",
     "is_example_data", "SFT_DEMO", "EXAMPLE_SUFFIXES", "REMAT_POLICIES", "LATER_FIELDS", "without_later_defaults",
-    "with_later_defaults",
+    "with_later_defaults", "DECAY_MASKS",
 ]
+
+DECAY_MASKS = ("matrices", "no_bias_norm", "all")
+"""train.decay_mask values: the tensors weight decay applies to (parity.weights.decays). 'matrices': parity's own
+mask, the weight matrices only; 'no_bias_norm': every tensor but biases and norm scales (the HF Trainer's and Megatron's
+two param groups; embeddings decayed); 'all': every tensor (one param group, as DeepSpeed builds an optimizer over
+model.parameters()). A ported DeepSpeed config names the one its training stack runs (parity.migrate._stack)."""
 
 MAX_SEQ_LEN = 1 << 17
 """Largest model.max_seq_len accepted (128 Ki tokens); a typo like 1e9 would otherwise allocate the table."""
@@ -221,6 +227,10 @@ class TrainSpec:
   """Adam epsilon, added to sqrt(v_hat) (optax eps; eps_root stays 0)."""
   weight_decay: float = 0.1
   """Decoupled (AdamW) weight decay; applied as p -= lr * wd * p on decayed tensors only."""
+  decay_mask: Literal["matrices", "no_bias_norm", "all"] = "matrices"
+  """Which tensors are decayed (DECAY_MASKS, parity.weights.decays): 'matrices' (parity's default: the weight
+  matrices), 'no_bias_norm' (all but biases and norm scales: the HF Trainer's / Megatron's groups) or 'all' (one
+  group). Every side builds its decay set from it; `parity port` sets it to what the config's training stack runs."""
   grad_clip: float = 1.0
   """Max global L2 norm of the gradient; 0 disables clipping (DeepSpeed gradient_clipping)."""
   optimizer: Literal["adamw", "adam", "lamb", "sgd"] = "adamw"
@@ -292,6 +302,8 @@ class TrainSpec:
     for name in ("beta1", "beta2"):
       if not 0 <= getattr(self, name) < 1:
         raise SpecError(f"train.{name} must be in [0, 1); got {getattr(self, name)}")
+    if self.decay_mask not in DECAY_MASKS:
+      raise SpecError(f"train.decay_mask {self.decay_mask!r}: expected one of {', '.join(DECAY_MASKS)}")
     if self.weight_decay < 0 or self.grad_clip < 0 or self.eps <= 0:
       raise SpecError("train.weight_decay and train.grad_clip must be >= 0 and train.eps > 0")
     for name in ("warmup_min_ratio", "cos_min_ratio"):
@@ -392,6 +404,7 @@ LATER_FIELDS: tuple[tuple[str, dict, bool], ...] = (
     ("fsdp", {"activation_checkpointing": False}, False),  # FSDP2 remat pairs; before the whole section
     ("fsdp", {k: v for k, v in to_dict(FsdpPlan()).items() if k != "activation_checkpointing"}, True),  # the FSDP2 side
     ("deepspeed", {"cpu_checkpointing": False}, False),  # zero3-act-offload
+    ("train", {"decay_mask": "matrices"}, False),  # the training stack's decay mask (parity port --stack)
 )
 """Fields added after runs, baselines and checkpoints were written, with their defaults: (section, field -> default,
 whole). A field that holds its default is left out (`without_later_defaults`), so an earlier run and one written since

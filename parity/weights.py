@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.inputs import InputError, safetensors_header
-from parity.spec import ModelSpec, to_dict
+from parity.spec import DECAY_MASKS, ModelSpec, to_dict
 
 __all__ = ["param_shapes", "init_params", "decays", "save", "load", "check_names_and_shapes", "zero_grad_slices",
            "round_to_bfloat16", "master_weights",
@@ -118,17 +118,28 @@ def init_params(spec: ModelSpec, seed: int) -> dict[str, np.ndarray]:
   return out
 
 
-def decays(name: str) -> bool:
-  """True when AdamW weight decay applies to this canonical tensor.
+def decays(name: str, mask: str = "matrices") -> bool:
+  """True when AdamW weight decay applies to this canonical tensor under the decay mask `mask`
+  (parity.spec.DECAY_MASKS, train.decay_mask):
 
-  Decayed: weight matrices of linear layers (qkv, proj, fc, gate, up, lm_head).
-  Not decayed: biases, norm scales, token and position embeddings (`wte`, `wpe`;
-  with tied embeddings the head is `wte` and is therefore not decayed).
+  'matrices' (parity's own): the weight matrices of linear layers (qkv, proj, fc, gate, up, lm_head); not biases,
+    norm scales, token and position embeddings (`wte`, `wpe`; with tied embeddings the head is `wte` and is
+    therefore not decayed).
+  'no_bias_norm' (the HF Trainer's and Megatron's two groups): every tensor but biases and norm scales, so the
+    embeddings too (transformers `Trainer.get_decay_parameter_names`: no nn.LayerNorm and no name matching bias /
+    layernorm / rmsnorm / norm; Megatron `get_param_groups`: no '.bias' and no 1-D tensor).
+  'all' (one param group: an optimizer DeepSpeed builds over `model.parameters()`): every tensor.
   Every side builds its decay mask / param groups from this one function.
   """
-  if name.endswith(".bias") or name.startswith(("wte.", "wpe.", "ln_f.")) or ".ln_" in name:
+  if mask == "all":
+    return True
+  if name.endswith(".bias") or name.startswith("ln_f.") or ".ln_" in name:
     return False
-  return True
+  if mask == "no_bias_norm":
+    return True
+  if mask != "matrices":
+    raise ValueError(f"decay mask {mask!r}: expected one of {', '.join(DECAY_MASKS)}")
+  return not name.startswith(("wte.", "wpe."))
 
 
 def zero_grad_slices(spec: ModelSpec) -> dict[str, tuple[int, int]]:

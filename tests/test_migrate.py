@@ -42,16 +42,16 @@ EXPECTED = {
     "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z0_config.json": "ported",
     "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z2_autotp_config.json": "tensor_parallel",
     "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z2_offload_config.json":
-        "zero_optimization.offload_optimizer.device",  # client optimizer + offload: DeepSpeed raises
+        "ported",  # hf-trainer: Accelerate swaps in DeepSpeedCPUAdam
     "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z3_offload_config.json":
-        "zero_optimization.offload_optimizer.device",  # client optimizer + offload: DeepSpeed raises
+        "ported",  # hf-trainer: Accelerate swaps in DeepSpeedCPUAdam
     "huggingface__accelerate__examples__alst_ulysses_sequence_parallelism__sp-alst.ds-config.json": "ported",
     "huggingface__accelerate__examples__deepspeed_config_templates__zero_stage1_config.json": "ported",
     "huggingface__accelerate__tests__deepspeed__ds_config_zero3_model_only.json": "ported",
     "huggingface__transformers__tests__deepspeed__ds_config_zero2.json": "ported",
     "huggingface__transformers__tests__deepspeed__ds_config_zero3.json": "ported",
     "lm-sys__FastChat__playground__deepspeed_config_s2.json":
-        "zero_optimization.offload_optimizer.device",  # client optimizer + offload: DeepSpeed raises
+        "ported",  # hf-trainer: Accelerate swaps in DeepSpeedCPUAdam
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json":
         "zero_optimization.stage3_param_persitence_threshold",
     "microsoft__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_cpu_offload_config.json": "ported",
@@ -66,7 +66,7 @@ EXPECTED = {
     "microsoft__DeepSpeedExamples__training__imagenet__config__ds_fp16_z1_config.json": "ported",
     "microsoft__DeepSpeedExamples__training__pipeline_parallelism__ds_config.json": "ported",
     "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_bs8_zero2_offload.json":
-        "zero_optimization.cpu_offload",  # client optimizer + offload: DeepSpeed raises
+        "zero_optimization.cpu_offload",  # default stack deepspeed: a client torch AdamW + offload, DeepSpeed raises
     "microsoft__DeepSpeed__tests__model__Megatron_GPT2__ds_config_func_scheduler.json":
         "optimizer.params.max_grad_norm",
     "microsoft__Megatron-DeepSpeed__examples_deepspeed__universal_checkpointing__ds_config.json": "ported",
@@ -547,17 +547,20 @@ def test_to_deepspeed_keeps_what_the_jax_plan_does_not_model():
   assert back.deepspeed_only == first.deepspeed_only
 
 
-def test_weight_decay_mask_and_the_hf_trainers_are_in_the_report():
-  """Item 5: the mask a port assumes (transformers 5.24: one group with an optimizer section, create_optimizer
-  exempts biases and norms only)."""
+def test_weight_decay_mask_is_the_training_stacks_in_the_report():
+  """The mask a port records is its stack's (parity.migrate._stack): a bare deepspeed.initialize decays every tensor
+  (one group), the HF Trainer's client optimizer all but biases and norm weights (transformers 5.24.0)."""
   r = _port({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}})
   why = r.report.entries["optimizer.params.weight_decay"].reason
-  assert "no decay on biases, norm scales and the token/position embeddings" in why
-  assert "one group" in why and "decays every tensor" in why
+  assert "on every tensor, biases, norm scales and embeddings included (train.decay_mask all)" in why
+  assert "one group: model.parameters()" in why and r.ported.optimizer.decay_mask == "all"
+  assert r.report.stack["stack"] == "deepspeed" and r.report.stack["chosen_by"].startswith("default: no")
   client = _port({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4}, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.1)
+                 eps=1e-8, weight_decay=0.1, stack="hf-trainer")
   implied = [i for i in client.report.implied if i["key"] == "optimizer"][0]["reason"]
-  assert "no decay on biases" in implied and "also decays the embeddings" in implied
+  assert "the Trainer's 2 groups (no decay on biases and norm weights; the embeddings decayed)" in implied
+  assert client.ported.optimizer.decay_mask == "no_bias_norm"
+  assert client.ported.optimizer.impl == "client torch.optim.AdamW (hf-trainer)"
 
 
 def test_bf16_section_with_loss_scale_keys_names_the_fix():

@@ -59,7 +59,8 @@ VALUES = {
     "train.nesterov": True, "train.lamb_max_coeff": 5.0, "train.lamb_min_coeff": 0.05, "train.eps_inside_sqrt": True,
     "train.loss_normalization": "micro_mean", "model.rope_scaling": {"rope_type": "linear", "factor": 2.0},
     "model.rope_local_theta": 50.0, "model.attn_softcap": 5.0, "model.final_softcap": 3.0, "model.sliding_window": 8,
-    "model.layer_types": ["full", "sliding"], "model.embed_scale": 8.0, "model.norm_plus_one": True}
+    "model.layer_types": ["full", "sliding"], "model.embed_scale": 8.0, "model.norm_plus_one": True,
+    "train.decay_mask": "no_bias_norm"}
 """A value for every perturbable key that differs from its HOME run's."""
 REFUSED_ON_ADAMW = {k for k, v in HOME.items() if v not in ("adamw", "gemma")}
 """On the plain AdamW fp32 GPT-2 run these keys change nothing (loss scaling is fp16 only, SGD/Lamb fields, rotary
@@ -73,9 +74,10 @@ REFUSED_WITH_CONFIG = {
 change nothing and lr_schedule alone is not a valid schedule (every side); on the DeepSpeed side a change of a
 section's type is refused."""
 REFUSED_ON_EVERY_SIDE_WITH_CONFIG = {k for k in REFUSED_WITH_CONFIG if k != "train.optimizer"}
-NOT_IN_CONFIG = {"train.loss_normalization"}
-"""Train keys no DeepSpeed config holds: parity applies them on every side (the loss weights it hands the step),
-so, like model keys, they reach the DeepSpeed side through its spec and leave its config as it is."""
+NOT_IN_CONFIG = {"train.loss_normalization", "train.decay_mask"}
+"""Train keys no DeepSpeed config holds: parity applies them on every side (the loss weights it hands the step, the
+param groups the training stack passes), so, like model keys, they reach the DeepSpeed side through its spec and
+leave its config as it is."""
 
 
 def test_every_key_has_a_value_and_a_home():

@@ -4,7 +4,9 @@ For every real-world config (tests/data/realworld/ds_configs) and a set of craft
 port's decision "DeepSpeed would refuse this" (`Report.deepspeed_refusals`) is checked against the installed
 DeepSpeed itself: one subprocess, started through harness.launch, runs `deepspeed.initialize` on every resolved config
 the way `parity compare` runs it (torch_impl.port_verify.accepts: CPU, one gloo rank, a tiny model, the client
-torch.optim.AdamW when the config has no optimizer section). The pure-Python tests below run without DeepSpeed.
+optimizer of the config's training stack when it has no optimizer section: the script's torch.optim.AdamW under a bare
+deepspeed.initialize, DeepSpeedCPUAdam under offload where Accelerate or Megatron hands one over:
+parity.migrate._stack). The pure-Python tests below run without DeepSpeed.
 """
 from __future__ import annotations
 
@@ -62,12 +64,24 @@ CRAFTED = {
 }
 
 
+STACKED = {
+    "offload_client_hf_trainer": ("hf-trainer", CRAFTED["offload_client_default"]),
+    "offload_stage3_client_hf_trainer": ("hf-trainer", CRAFTED["offload_stage3_client"]),
+    "legacy_cpu_offload_client_hf_trainer": ("hf-trainer", CRAFTED["legacy_cpu_offload_client"]),
+    "legacy_cpu_offload_client_megatron": ("megatron", CRAFTED["legacy_cpu_offload_client"]),
+    "offload_with_optimizer_megatron": ("megatron", CRAFTED["offload_with_optimizer"]),
+}
+"""Crafted configs under another training stack than the default (parity.migrate._stack): the client optimizer the
+stack hands DeepSpeed decides whether it accepts them."""
+
+
 def _port(raw, flags):
   return port_config(json.loads(json.dumps(raw)), flags, source="crafted")
 
 
 def _cases() -> dict[str, tuple[dict, Flags]]:
   cases = {f"crafted:{k}": (v, CLIENT) for k, v in CRAFTED.items()}
+  cases.update({f"crafted:{k}": (v, dataclasses.replace(CLIENT, stack=st)) for k, (st, v) in STACKED.items()})
   for path in REAL_FILES:  # world size 1: the oracle is one rank
     cases[f"real:{path.name}"] = (read_deepspeed_config(path), dataclasses.replace(flags_for(
         read_deepspeed_config(path)), world_size=1))
@@ -79,8 +93,10 @@ def oracle(tmp_path_factory):
   """{case: {"accepted", "error"}} from the installed DeepSpeed, all cases in one subprocess."""
   from harness.launch import run_module
   tmp = tmp_path_factory.mktemp("oracle")
-  configs = {name: _port(raw, flags).ds_config for name, (raw, flags) in _cases().items()}
-  (tmp / "req.json").write_text(json.dumps({"configs": configs, "train": {
+  ported = {name: _port(raw, flags) for name, (raw, flags) in _cases().items()}
+  configs = {name: r.ds_config for name, r in ported.items()}
+  clients = {name: r.stack.optimizer_class if r.stack.client else None for name, r in ported.items()}
+  (tmp / "req.json").write_text(json.dumps({"configs": configs, "clients": clients, "train": {
       "lr": CLIENT.lr, "beta1": CLIENT.betas[0], "beta2": CLIENT.betas[1], "eps": CLIENT.eps,
       "weight_decay": CLIENT.weight_decay}}))
   proc = run_module("torch_impl.port_verify", ["--accepts", str(tmp / "req.json"), str(tmp / "out.json")],

@@ -246,6 +246,26 @@ def test_torch_decay_set_reads_the_optimizer_groups_and_the_plant():
   assert good["optimizer.eps_placement"] == "outside" and good["optimizer.bias_correction"] is True
 
 
+@pytest.mark.requires_jax
+@pytest.mark.requires_torch
+@pytest.mark.parametrize("mask", ("matrices", "no_bias_norm", "all"))
+def test_every_side_decays_what_train_decay_mask_names(mask):
+  """train.decay_mask (a port's training stack, parity.migrate._stack) reaches the optimizer each side builds: the
+  JAX chain and the torch param groups decay exactly parity.weights.decays(name, mask) (scan_layers too)."""
+  from jax_impl.semantics import semantics_card as jax_card
+  from jax_impl.step import Trainer
+  from torch_impl import semantics as ts
+  from torch_impl.baseline import TorchTrainer
+  from parity import weights
+  run = apply_overrides(preset("gpt2-tiny"), {"train.decay_mask": mask})
+  init = weights.init_params(run.model, run.train.seed)
+  want = sorted(n for n in weights.param_shapes(run.model) if weights.decays(n, mask))
+  assert ts.semantics_card(TorchTrainer(run, init), "torch", frozenset())["items"]["optimizer.decay_set"] == want
+  for scan in (False, True):
+    r = apply_overrides(run, {"jax.scan_layers": scan})
+    assert jax_card(Trainer.build(r, init), frozenset())["items"]["optimizer.decay_set"] == want, scan
+
+
 FAMILIES = ("llama3-tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "mistral-tiny")
 """The issue-#21 family run presets (parity.presets)."""
 LLAMA = ['model.norm="rmsnorm"', 'model.mlp="swiglu"', 'model.position="rope"', "model.bias=false",

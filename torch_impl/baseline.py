@@ -226,7 +226,7 @@ class TorchTrainer:
     self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
     # bf16/fp16: the fp32 masters start rounded to the compute dtype, as DeepSpeed's do
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
-    self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants), t)
+    self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants, t.decay_mask), t)
     self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
     self.step_index = 0
     """Optimizer updates applied = the LR schedule position (skipped fp16 steps do not count)."""

@@ -3,10 +3,10 @@ torch_impl.ds_config; both re-exported here).
 
 The engine is built from a `parity.spec.RunSpec` (or a user's resolved DeepSpeed config, checked against the spec):
 `ds_config` maps the spec to a DeepSpeed config dict (AdamW, the LR scheduler of `parity.numerics.schedule`,
-gradient clipping, ZeRO stage and offload, bf16), the weight-decay mask comes
-from `parity.weights.decays` as two param groups, and `build_engine` checks
-that DeepSpeed really built the optimizer the plan asks for (DeepSpeedCPUAdam
-in AdamW mode under `offload_optimizer: cpu`).
+gradient clipping, ZeRO stage and offload, bf16), the param groups come from `parity.weights.decays` under
+train.decay_mask (the training stack's; a config without an optimizer section gets the stack's client optimizer,
+torch_impl.stack), and `build_engine` checks that DeepSpeed really built the optimizer the plan asks for
+(DeepSpeedCPUAdam in AdamW mode under `offload_optimizer: cpu`) and decays exactly the tensors the mask names.
 
 DeepSpeed semantics this module relies on (deepspeed 0.19.8):
   * `engine.backward(loss)` divides the loss by gradient_accumulation_steps
@@ -46,7 +46,7 @@ from torch_impl.distributed import setup_distributed
 from torch_impl.ds_config import MSG_FP16_STAGE0, ds_config, has_optimizer_section, per_rank_config
 from torch_impl.model import build_model, micro_loss
 from torch_impl.semantics import decay_groups_of
-from torch_impl.baseline import build_optimizer  # the one torch builder of the optimizer
+from torch_impl.stack import client_class, client_optimizer, decay_problems
 from parity.protocol.ranks import rank_env
 
 __all__ = ["build_engine", "torch_step", "eval_loss", "final_fp32_params", "optimizer_classes", "optimizer_hyperparams",
@@ -139,17 +139,17 @@ _OFFLOADED = {"adamw": "DeepSpeedCPUAdam", "adam": "DeepSpeedCPUAdam", "lamb": "
 """Optimizer class DeepSpeed runs under offload_optimizer: cpu, per train.optimizer."""
 
 
-def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> list[str]:
-  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the
-  optimizer is the client torch.optim.AdamW (`client_optimizer`), which offload keeps (no DeepSpeedCPUAdam)."""
+def _zero_problems(info: dict[str, Any], run: RunSpec, client: str | None = None) -> list[str]:
+  """Differences between the ZeRO stage / offload / checkpointing DeepSpeed built and the plan. `client`: the class
+  name of the client optimizer the config runs with (`client_class`), None when it has an optimizer section."""
   plan, problems = run.deepspeed, []
   if info["zero_stage"] != plan.zero_stage:
     problems.append(f"zero stage {info['zero_stage']} != planned {plan.zero_stage}")
   wrapper = ZERO_WRAPPERS[plan.zero_stage]
   if wrapper is not None and info["wrapper"] != wrapper:
     problems.append(f"stage {plan.zero_stage} should wrap the optimizer in {wrapper}; got {info['wrapper']}")
-  if client and info["optimizer"] != "AdamW":
-    problems.append(f"the config has no optimizer section, so the client torch.optim.AdamW should run; got "
+  if client and info["optimizer"] != client:
+    problems.append(f"the config has no optimizer section, so the client {client} should run; got "
                     f"{info['optimizer']}")
   elif plan.offload_optimizer == "cpu" and not client and (info["optimizer"] != _OFFLOADED[run.train.optimizer]
                                                            or not info["cpu_offload"]):
@@ -174,8 +174,9 @@ def _zero_problems(info: dict[str, Any], run: RunSpec, client: bool = False) -> 
   return problems
 
 
-def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
-  """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage or offload the plan asks for."""
+def _check_engine(engine, run: RunSpec, client: str | None = None, plants: frozenset = frozenset()) -> None:
+  """Raises RuntimeError when DeepSpeed did not build the optimizer, ZeRO stage, offload or decay set the plan asks
+  for."""
   info = optimizer_classes(engine)
   problems = _zero_problems(info, run, client)
   if info["adamw_mode"] is not None and info["adamw_mode"] != (run.train.optimizer == "adamw"):
@@ -184,8 +185,7 @@ def _check_engine(engine, run: RunSpec, client: bool = False) -> None:
   planned = schedule.deepspeed_scheduler(run.train)
   if info["scheduler"] != (planned["type"] if planned else None):
     problems.append(f"scheduler is {info['scheduler']}, expected {planned['type'] if planned else None}")
-  if sorted(info["group_weight_decay"]) != sorted([0.0, run.train.weight_decay]):
-    problems.append(f"param-group weight decays {info['group_weight_decay']} != [{run.train.weight_decay}, 0.0]")
+  problems += decay_problems(engine, run, plants)
   if problems:
     raise RuntimeError("DeepSpeed built a different training setup than planned: " + "; ".join(problems))
 
@@ -260,25 +260,17 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
   model = build_model(run.model, params)
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)
-  groups = decay_groups_of(model, run.train.weight_decay, plants)
+  groups = decay_groups_of(model, run.train.weight_decay, plants, run.train.decay_mask)
   engine = initialize(model, groups, config, run.train)
-  _check_engine(engine, run, client=not has_optimizer_section(config))
+  _check_engine(engine, run, client=client_class(config), plants=plants)
   return engine
-
-
-def client_optimizer(groups: list[dict[str, Any]], train) -> torch.optim.Optimizer:
-  """The optimizer a training script (the HF Trainer) passes to deepspeed.initialize for a config without an
-  optimizer section: torch.optim.AdamW with the run's lr, betas and eps; each param group keeps its own
-  weight_decay (`decay_groups`). DeepSpeed then refuses it under offload_optimizer unless the config sets
-  zero_force_ds_cpu_optimizer: false (engine._configure_optimizer), as parity.migrate does beforehand."""
-  return build_optimizer(groups, train, lr=train.lr)
 
 
 def initialize(model: torch.nn.Module, groups: list[dict[str, Any]], config: dict[str, Any], train):
   """`deepspeed.initialize` as `parity compare` runs a config: the config's optimizer when it has a section, else the
   client optimizer (`client_optimizer`). Returns the engine; raises whatever DeepSpeed raises for the config."""
   import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
-  client = None if has_optimizer_section(config) else client_optimizer(groups, train)
+  client = None if has_optimizer_section(config) else client_optimizer(groups, train, config)
   engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client, config=config)
   return engine
 

@@ -232,7 +232,7 @@ class FsdpTrainer:
     _shard(self.model, self.mesh, self.fsdp_kwargs)
     if run.fsdp.activation_checkpointing:
       self.model.checkpoint = recompute_block
-    self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants), t)
+    self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants, t.decay_mask), t)
     g0 = self.optimizer.param_groups[0]
     if g0.get("foreach") or g0.get("fused"):
       raise RuntimeError(f"the FSDP2 side runs the {OPTIMIZER_IMPL} optimizer; got foreach={g0.get('foreach')} "

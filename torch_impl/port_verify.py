@@ -29,6 +29,7 @@ import torch
 
 from torch_impl.engine import setup_distributed  # the workers' environment: DS_ACCELERATOR, ninja, ops dir
 from torch_impl.engine import _allow_fp16_on_cpu, initialize
+from torch_impl.baseline import build_optimizer
 from parity.spec import TrainSpec
 
 
@@ -124,14 +125,17 @@ def run_schedule(req: dict, why: str) -> dict:
           "note": f"DeepSpeed's {cfg.get('scheduler', {}).get('type', 'no')} scheduler class alone; {why}"}
 
 
-def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
+def accepts(configs: dict[str, dict], train: dict, clients: dict[str, str | None] | None = None) -> dict[str, dict]:
   """Asks the installed DeepSpeed whether it accepts each config, as `parity compare` would run it.
 
   Per config: `deepspeed.initialize` on a tiny model (two Linear layers, decay/no-decay groups) through
-  torch_impl.engine.initialize (the client torch.optim.AdamW when the config has no optimizer section), fp16 allowed
+  torch_impl.engine.initialize (the stack's client optimizer when the config has no optimizer section), fp16 allowed
   on a CPU as compare allows it. Args: configs {name: resolved DeepSpeed config}; train {lr, beta1, beta2, eps,
-  weight_decay}: TrainSpec fields over its defaults (the client optimizer is the run's, parity.spec.TrainSpec).
-  Returns {name: {"accepted": bool, "error": "Type: first line" or None}}.
+  weight_decay}: TrainSpec fields over its defaults (the client optimizer is the run's, parity.spec.TrainSpec);
+  clients {name: the class the config's training stack hands DeepSpeed (parity.migrate._stack: 'torch.optim.AdamW'
+  for the script of a bare deepspeed.initialize, 'DeepSpeedCPUAdam' where Accelerate or Megatron passes one), or
+  None}: a torch AdamW is passed as it is, whatever the offload (engine.client_optimizer would pass what an accepting
+  stack passes). Returns {name: {"accepted": bool, "error": "Type: first line" or None}}.
   """
   import dataclasses
   setup_distributed()
@@ -144,7 +148,13 @@ def accepts(configs: dict[str, dict], train: dict) -> dict[str, dict]:
               {"params": [m.bias for m in model], "weight_decay": 0.0}]
     try:
       _allow_fp16_on_cpu(cfg)
-      engine = initialize(model, groups, dict(cfg, steps_per_print=10 ** 9), t)
+      cfg = dict(cfg, steps_per_print=10 ** 9)
+      if (clients or {}).get(name) in ("torch.optim.AdamW", "FusedAdam"):  # FusedAdam: CUDA; torch AdamW stands in
+        import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
+        engine = deepspeed.initialize(model=model, model_parameters=groups, config=cfg,
+                                      optimizer=build_optimizer(groups, t, lr=t.lr))[0]
+      else:
+        engine = initialize(model, groups, cfg, t)
       out[name] = {"accepted": True, "error": None, "optimizer": type(engine.optimizer).__name__}
       engine.destroy()
     except Exception as e:  # the answer: DeepSpeed refused this config
@@ -159,7 +169,7 @@ def main(argv: list[str]) -> int:
   if argv and argv[0] == "--accepts":
     req = json.loads(open(argv[1]).read())
     with open(argv[2], "w") as f:
-      json.dump(accepts(req["configs"], req["train"]), f)
+      json.dump(accepts(req["configs"], req["train"], req.get("clients")), f)
     return 0
   req_path, out_path = argv
   with open(req_path) as f:

@@ -41,18 +41,24 @@ from parity.numerics import schedule
 from parity.numerics.adam import classify_adam
 from parity import semantics as card_lib
 from parity.semantics import sig
+from parity.weights import decays
 from torch_impl.layers import _apply_rope, softcap
-from torch_impl.model import decay_groups, micro_loss
+from torch_impl.model import micro_loss
 from torch_impl.trainer import Trainer
 
 __all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "family_items", "label_shift",
            "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
 
 
-def decay_groups_of(model: torch.nn.Module, weight_decay: float, plants: frozenset = frozenset()) -> list[dict]:
-  """`torch_impl.model.decay_groups`, with the planted bug 'decay_biases' (parity.protocol.layout.PLANT_KEYS):
-  every '*.bias' moved into the decayed group (the group made when there was none)."""
-  groups = decay_groups(model, weight_decay)
+def decay_groups_of(model: torch.nn.Module, weight_decay: float, plants: frozenset = frozenset(),
+                    mask: str = "matrices") -> list[dict]:
+  """The param groups of `parity.weights.decays` under `mask` (train.decay_mask; 'matrices' is
+  `torch_impl.model.decay_groups`): [decayed with weight_decay, the rest with 0.0], empty groups dropped, so 'all'
+  is one group over every parameter. With the planted bug 'decay_biases' (parity.protocol.layout.PLANT_KEYS): every
+  '*.bias' moved into the decayed group (the group made when there was none)."""
+  named = list(model.named_parameters())
+  groups = [g for g in ({"params": [p for n, p in named if decays(n, mask)], "weight_decay": float(weight_decay)},
+                        {"params": [p for n, p in named if not decays(n, mask)], "weight_decay": 0.0}) if g["params"]]
   if "decay_biases" not in plants:
     return groups
   names = {id(p): n for n, p in model.named_parameters()}

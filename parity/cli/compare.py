@@ -11,6 +11,7 @@ from parity.cli._common import add_allow_large, add_run_source, console, count_a
 from parity.pipeline.compare import OPTION_FIELDS, RunOptions, run_comparison
 from parity.pipeline.request_source import CONFLICTING_FLAGS, resolve_request
 from parity.pipeline.resolve import ResolvedRun, resolve_run
+from parity.cli.port import add_stack_argument
 from parity.spec import SpecError
 from parity.overrides import parse_overrides
 from parity.cli.gate_table import print_gate
@@ -63,6 +64,7 @@ def _add_source_flags(p) -> None:
   p.add_argument("--deepspeed-config", metavar="FILE",
                  help="a DeepSpeed JSON config: the DeepSpeed side runs it as is ('auto' filled from the run spec), "
                       "the JAX and torch sides run its port; see `parity port` (default: none)")
+  add_stack_argument(p)
   p.add_argument("--request", metavar="FILE",
                  help="run exactly the run of an earlier folder's request.json (its spec; its batches, initial "
                       "weights and example arrays copied from that folder), with the --sides given: the other half "
@@ -160,7 +162,7 @@ def resolved_run(args: argparse.Namespace) -> ResolvedRun:
   return resolve_run(args.preset, config=args.config, overrides=parse_overrides(args.overrides), steps=args.steps,
                      sides=args.sides.split(",") if args.sides else None, data=args.data, hf_model=args.hf_model,
                      deepspeed_config=args.deepspeed_config, plan=args.plan, hardware=args.hardware,
-                     tokenizer=getattr(args, "tokenizer", None))
+                     tokenizer=getattr(args, "tokenizer", None), stack=getattr(args, "stack", None))
 
 
 _FLAG_OF = {"timeout_s": "timeout", "trackers": "tracker"}

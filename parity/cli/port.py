@@ -13,6 +13,7 @@ from parity.cli._common import EXIT_FAIL, EXIT_OK, Failure, console
 from parity.migrate._ctx import Flags
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.migrate._port import port_config
+from parity.migrate._stack import STACKS
 from parity.migrate._reverse import to_deepspeed, load_ported
 from parity.migrate.outputs import check_outputs, write_output
 from parity.migrate.verify import DEFAULT_TIMEOUT_S, VerifyTimeout, verify
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   x.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16.enabled=true")
   x.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="fp16 and bf16 disabled")
   g.add_argument("--hidden-size", type=int, help="model width for the bucket-size \"auto\"s (default: none)")
+  add_stack_argument(parser)
   v = parser.add_argument_group("verification")
   v.add_argument("--verify", action="store_true", help="run DeepSpeed's scheduler and optimizer and the ported "
                  "optax ones side by side (two subprocesses) and compare (default off)")
@@ -87,11 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                   "(default off)")
 
 
+def add_stack_argument(parser: argparse.ArgumentParser) -> None:
+  """--stack (port and compare --deepspeed-config): the training stack around deepspeed.initialize."""
+  parser.add_argument("--stack", choices=STACKS, default=None, help="the training stack that runs the config, which "
+                      "decides the optimizer class, param groups and decay mask the job gets (docs/migration.md, "
+                      "'Training stacks'); default: hf-trainer when the config has \"auto\" values, else deepspeed "
+                      "(a bare deepspeed.initialize)")
+
+
 def _flags(args: argparse.Namespace):
   return Flags(micro_batch=args.micro_batch, grad_accum=args.grad_accum, world_size=args.world_size, lr=args.lr,
                betas=args.betas, eps=args.eps, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
                total_steps=args.total_steps, max_grad_norm=args.max_grad_norm, precision=args.precision,
-               hidden_size=args.hidden_size)
+               hidden_size=args.hidden_size, stack=args.stack)
 
 
 def _fmt(path: str | None) -> str:
@@ -190,6 +200,7 @@ def _port_args(args: argparse.Namespace) -> str:
                          if getattr(args, k) is not None]
   out += [f"--betas {args.betas[0]},{args.betas[1]}"] if args.betas else []
   out += [f"--{args.precision}"] if args.precision else []
+  out += [f"--stack {args.stack}"] if getattr(args, "stack", None) else []
   return " ".join(out)
 
 
@@ -222,6 +233,11 @@ def print_port_table(report, con) -> None:
     val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")
     t.add_row(escape(e.key), escape(val), f"[{colour[e.fate]}]{e.fate}[/]", escape(e.target or ""), escape(e.reason))
   con.print(t)
+  st = report.stack
+  if st is not None:
+    refusal = f"; the stack refuses it: {escape(st['refusal'])}" if st["refusal"] else ""
+    con.print(f"[yellow]stack[/] {escape(st['stack'])} ({escape(st['chosen_by'])}): {escape(st['summary'])}; decay "
+              f"mask {st['decay_mask']}{refusal}")
   for i in report.implied:
     con.print(f"[yellow]implied[/] {escape(i['key'])} = {escape(json.dumps(i['value']))}: {escape(i['reason'])}")
   for w in report.warnings:

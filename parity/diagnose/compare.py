@@ -398,7 +398,7 @@ def _adam_residual(g: np.ndarray | None, got: np.ndarray, p0: np.ndarray, param:
   if g is None:
     return math.inf
   upd = RULES["update"]
-  want = adamw_first_step(p0, g, lr, train, weights.decays(param), clip)
+  want = adamw_first_step(p0, g, lr, train, weights.decays(param, train.decay_mask), clip)
   moved = float(np.max(np.abs(want - np.asarray(p0, np.float64)), initial=0.0))
   allowed = upd.rtol * moved + upd.ulps * float(np.finfo(np.float32).eps) * float(np.max(np.abs(p0), initial=0.0))
   with np.errstate(invalid="ignore"):

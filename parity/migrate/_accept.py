@@ -15,22 +15,26 @@ and records it in `Report.deepspeed_refusals` (those that the key-by-key port fi
       optimizers); Lamb without dynamic loss scaling                   -> _port_optim
     _configure_basic_optimizer: optimizer.params.max_grad_norm; a param the optimizer class does not take
       (TypeError); scheduler type / params (lr_schedules)               -> _port_optim
-    _configure_optimizer: a client optimizer (no optimizer section) under offload_optimizer cpu/nvme unless
-      zero_force_ds_cpu_optimizer is false (ZeRORuntimeException)       -> here, MSG_CLIENT_OFFLOAD
+    _configure_optimizer: a client torch optimizer (no optimizer section, and a stack that passes one) under
+      offload_optimizer cpu/nvme unless zero_force_ds_cpu_optimizer is false (ZeRORuntimeException) -> here,
+      MSG_CLIENT_OFFLOAD
     _do_optimizer_sanity_check: ZeRO (stage >= 1) with an optimizer outside ZERO_SUPPORTED_OPTIMIZERS unless
       zero_allow_untested_optimizer is true                             -> here, MSG_UNTESTED
     AutoTP: tensor_parallel.autotp_size > 1 needs a world size that is a multiple of it (device mesh) -> here
   Device-dependent refusals ("Type fp16 is not supported on your device", CUDA-only FusedLamb) are not config
   properties: `parity compare` lifts the CPU fp16 one (torch_impl.engine._allow_fp16_on_cpu).
 
-A config without an optimizer section runs with a client optimizer, as the HF Trainer and `parity compare` run it
-(torch.optim.AdamW, torch_impl.engine.client_optimizer). tests/test_port_acceptance.py asks the installed DeepSpeed
-about every real-world config and a set of edge configs and checks this module agrees.
+A config without an optimizer section runs with the client optimizer its training stack hands DeepSpeed
+(parity.migrate._stack: the script's torch.optim.AdamW under a bare deepspeed.initialize, DeepSpeedCPUAdam under offload
+where Accelerate or Megatron passes one; torch_impl.engine.client_optimizer). tests/test_port_acceptance.py asks the
+installed DeepSpeed, with that client, about every real-world config and a set of edge configs and checks this module
+agrees.
 """
 from __future__ import annotations
 
 
 from parity.migrate._ctx import MISSING, Ctx
+from parity.migrate._stack import StackModel
 
 __all__ = ["check_deepspeed_accepts", "MSG_CLIENT_OFFLOAD", "MSG_UNTESTED"]
 
@@ -47,16 +51,13 @@ ZERO_SUPPORTED = {"adam", "adamw", "adagrad", "lion"}
 client torch.optim.AdamW is too. Lamb (FusedLamb), the Mu* optimizers and other torch.optim classes are not."""
 
 
-def _client(ctx: Ctx) -> bool:
-  opt = ctx.get("optimizer")
-  return not (isinstance(opt, dict) and "type" in opt)
-
-
-def check_deepspeed_accepts(ctx: Ctx) -> None:
-  """Refuses (deepspeed=True) what deepspeed.initialize would refuse and the key-by-key port does not see.
+def check_deepspeed_accepts(ctx: Ctx, model: StackModel) -> None:
+  """Refuses (deepspeed=True) what deepspeed.initialize would refuse, under the training stack `model`, and the
+  key-by-key port does not see.
 
   Args:
     ctx: the port in progress; reads ctx.cfg ("auto" resolved, deprecated offload forms rewritten).
+    model: the stack's model (parity.migrate._stack): whether it hands DeepSpeed a client optimizer, and which.
   """
   zero = ctx.get("zero_optimization")
   zero = zero if isinstance(zero, dict) else ({"stage": int(zero)} if isinstance(zero, bool) else {})
@@ -64,17 +65,18 @@ def check_deepspeed_accepts(ctx: Ctx) -> None:
   off_dev = off.get("device") if isinstance(off, dict) else None
   stage = zero.get("stage", 0)
   stage = stage if isinstance(stage, int) and not isinstance(stage, bool) else 0
-  if _client(ctx) and off_dev in ("cpu", "nvme") and ctx.get("zero_force_ds_cpu_optimizer") is not False:
+  if model.refusal and off_dev in ("cpu", "nvme"):
     written = [k for k in ("zero_force_ds_cpu_optimizer", "zero_optimization.offload_optimizer.device",
                            "zero_optimization.cpu_offload") if k in ctx.leaves]  # the key as the user wrote it
     key = written[0] if written else "zero_optimization.offload_optimizer"
     ctx.refuse(key, f"{key}: offload_optimizer.device {off_dev!r} with a client optimizer (the config has no "
                f"optimizer section) and zero_force_ds_cpu_optimizer not false: DeepSpeed 0.19.8 raises "
-               f"ZeRORuntimeException at deepspeed.initialize: '{MSG_CLIENT_OFFLOAD}'. Fix: add an optimizer "
-               "section (e.g. {\"type\": \"AdamW\", \"params\": {...}}: DeepSpeedCPUAdam runs it), or set "
-               "\"zero_force_ds_cpu_optimizer\": false to keep the client torch.optim.AdamW.", deepspeed=True)
+               f"ZeRORuntimeException at deepspeed.initialize: '{MSG_CLIENT_OFFLOAD}'. Fix: add an optimizer section "
+               "(e.g. {\"type\": \"AdamW\", \"params\": {...}}: DeepSpeedCPUAdam runs it), or set "
+               "\"zero_force_ds_cpu_optimizer\": false to keep the client torch.optim.AdamW. Why it is a client "
+               f"torch.optim.AdamW: {model.refusal}.", deepspeed=True)
   name = ctx.get("optimizer.type")
-  if stage >= 1 and isinstance(name, str) and name.lower() not in ZERO_SUPPORTED and \
+  if stage >= 1 and isinstance(name, str) and name.lower() not in ZERO_SUPPORTED and not model.client and \
       ctx.get("zero_allow_untested_optimizer") is not True and not ctx.report.deepspeed_refusals:
     ctx.refuse("optimizer.type", f"optimizer.type {name!r} under ZeRO stage {stage}: its class is not one DeepSpeed "
                f"tested with ZeRO, and DeepSpeed 0.19.8 asserts at deepspeed.initialize: '{MSG_UNTESTED}'. Fix: set "

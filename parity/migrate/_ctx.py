@@ -45,6 +45,9 @@ class Flags:
   """--fp16 / --bf16 / --fp32."""
   hidden_size: int | None = None
   """--hidden-size: model width, for the bucket-size "auto"s."""
+  stack: str | None = None
+  """--stack: the training stack that runs the config (parity.migrate._stack.STACKS); None: chosen from the config
+  (hf-trainer when it has "auto" values, else deepspeed)."""
 
 
 def _fmt(v: Any) -> str:

@@ -35,8 +35,13 @@ class OptimizerCfg(BaseModel):
   model_config = _STRICT
   type: Literal["adamw", "adam", "lamb", "sgd"]
   impl: str
-  """The DeepSpeed/torch class the source config builds (FusedAdam, DeepSpeedCPUAdam, torch.optim.AdamW, ...)."""
+  """The DeepSpeed/torch class the job runs (FusedAdam, DeepSpeedCPUAdam, torch.optim.AdamW, ...); 'client CLASS
+  (STACK)' when the training stack passes its own (parity.migrate._stack)."""
   params: dict[str, Any]
+  decay_mask: Literal["matrices", "no_bias_norm", "all"] = "matrices"
+  """The tensors the job decays (parity.spec.DECAY_MASKS), from its training stack's param groups: 'all' (one
+  group), 'no_bias_norm' (the HF Trainer's / Megatron's two groups) or 'matrices' (parity's own; what a port written
+  before the stack was modelled ran)."""
 
   @model_validator(mode="after")
   def _check_params(self):

@@ -12,7 +12,9 @@ from parity.migrate._loss_norm import loss_normalization
 from parity.migrate._model import PortedConfig
 from parity.migrate._port_optim import port_optimizer, port_scheduler
 from parity.migrate._port_zero import port_remat, port_zero
+from parity.migrate._read import PortError
 from parity.migrate._report import Report
+from parity.migrate._stack import STACKS, StackModel, apply_stack, choose_stack
 from parity.migrate._resolve import resolve_autos
 from parity.migrate._blockers import compare_blockers
 from parity.numerics.ds_json import ACTIVATION_CHECKPOINTING
@@ -29,6 +31,9 @@ _REMOVED_TOP = {  # DeepSpeed 0.19.8 runtime/config.py _REMOVED_TOP_LEVEL_CONFIG
     "graph_harvesting": "Graph harvesting has been removed", "curriculum_learning": "Legacy top-level "
     "'curriculum_learning' has been removed", "progressive_layer_drop": "Progressive Layer Dropping has been removed",
 }
+MEGATRON_IGNORES = ("not read: Megatron-DeepSpeed passes its own optimizer to deepspeed.initialize, and DeepSpeed "
+                    "0.19.8 runs a client optimizer as given (engine._configure_optimizer); the port takes it from "
+                    "--lr/--betas/--eps/--weight-decay (parity.migrate._stack)")
 _LOGGING = "monitoring/logging; no effect on the math (parity writes metrics.jsonl)"
 _NOT_NEEDED_TOP = {
     "steps_per_print": _LOGGING, "wall_clock_breakdown": _LOGGING, "memory_breakdown": _LOGGING,
@@ -74,6 +79,8 @@ class PortResult:
   report: Report
   ds_config: dict[str, Any]
   """The input with "auto" and legacy forms resolved: what DeepSpeed would run (used by --verify)."""
+  stack: StackModel | None = None
+  """The training stack's model (parity.migrate._stack): the optimizer class, groups and decay mask the job gets."""
 
   @property
   def exit_code(self) -> int:
@@ -363,7 +370,10 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
     PortResult; `.ported` is None when refused (`.report.errors` says why).
   """
   report = Report(source=source)
-  cfg, notes = resolve_autos(raw, flags, report)
+  if flags.stack is not None and flags.stack not in STACKS:
+    raise PortError(f"--stack {flags.stack!r}: expected one of {', '.join(STACKS)}", key="stack")
+  stack, chosen_by = choose_stack(raw, flags.stack)
+  cfg, notes = resolve_autos(raw, flags, report, stack)
   ctx = Ctx(raw, cfg, flags, report)
   _misc(ctx)
   batch = _batch(ctx)
@@ -371,10 +381,13 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
   clipping = _clipping(ctx)
   zero = port_zero(ctx)
   offload = "cpu" if zero and zero[0]["offload_opt_state"] else None
-  optimizer = port_optimizer(ctx, offload)
+  off_dev = (ctx.get("zero_optimization.offload_optimizer.device") if isinstance(ctx.get("zero_optimization"), dict)
+             else None)
+  optimizer = port_optimizer(ctx, offload, ignored=MEGATRON_IGNORES if stack == "megatron" else None)
+  optimizer, stack_of = apply_stack(ctx, stack, chosen_by, optimizer, off_dev if off_dev in ("cpu", "nvme") else None)
   scheduler = port_scheduler(ctx, optimizer)
   remat, remat_not_runnable = port_remat(ctx)
-  check_deepspeed_accepts(ctx)
+  check_deepspeed_accepts(ctx, stack_of)
   _fp16_at_stage0(ctx, precision, zero[0]["zero_stage"] if zero else 0)  # after DeepSpeed's own refusals
   for leaf, value in ctx.leaves.items():
     if leaf not in report.entries:
@@ -401,12 +414,13 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
       ported = PortedConfig.model_validate({**ported.to_dict(), "not_runnable_by_compare": blockers})
     except ValidationError as e:
       report.refuse(f"internal: the ported config is inconsistent: {e}")
-  return PortResult(ported, report, _ds_effective(ctx, batch))
+  return PortResult(ported, report, _ds_effective(ctx, batch, drop_optimizer=stack == "megatron"), stack_of)
 
 
-def _ds_effective(ctx: Ctx, batch: dict[str, Any] | None) -> dict[str, Any]:
-  """The resolved DeepSpeed config: autos filled, batch keys explicit, legacy zero forms rewritten."""
-  cfg = {k: v for k, v in ctx.cfg.items()}
+def _ds_effective(ctx: Ctx, batch: dict[str, Any] | None, drop_optimizer: bool = False) -> dict[str, Any]:
+  """The resolved DeepSpeed config: autos filled, batch keys explicit, legacy zero forms rewritten; with
+  `drop_optimizer` (Megatron: a client optimizer wins, DeepSpeed never reads the section) without the section."""
+  cfg = {k: v for k, v in ctx.cfg.items() if not (drop_optimizer and k == "optimizer")}
   if batch:
     cfg["train_batch_size"] = batch["global_batch"]
     cfg["train_micro_batch_size_per_gpu"] = batch["micro"]

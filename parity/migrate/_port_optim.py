@@ -14,14 +14,6 @@ MSG_MAX_GRAD_NORM = ("optimizer.params.max_grad_norm: DeepSpeed raises \"'max_gr
 _DS_OTHER = {"adagrad", "lion", "muadam", "muadamw", "musgd", "muon"}
 _TORCH_OPTIMS = {"Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "ASGD", "LBFGS", "NAdam", "RAdam",
                  "RMSprop", "Rprop", "SGD", "SparseAdam", "Muon"}
-DECAY_MASK = ("on the weight matrices only: no decay on biases, norm scales and the token/position embeddings "
-              "(parity.weights.decays, the mask every side of compare uses)")
-"""The weight-decay mask a port assumes (the model is parity's GPT)."""
-HF_SECTION_MASK = ("The HF Trainer differs: with an optimizer section it passes every parameter in one group "
-                   "(transformers 5.24 integrations/deepspeed.py, model_parameters), so DeepSpeed decays every tensor, "
-                   "biases, norms and embeddings included")
-HF_CLIENT_MASK = ("The HF Trainer differs: its create_optimizer (transformers 5.24 get_decay_parameter_names) "
-                  "exempts only biases and norm weights, so it also decays the embeddings")
 _IMPL_DETAIL = "implementation detail of the torch kernel; no effect on the update"
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "bias_correction": True}
 # 1-bit / 0-1 optimizers: DeepSpeed <= 0.16 signatures (removed from 0.19.8).
@@ -56,12 +48,10 @@ def _from_flags(ctx: Ctx, why: str) -> dict[str, Any] | None:
                                   ("--weight-decay", f.weight_decay)) if v is None]
   if missing:
     ctx.refuse(None, f"optimizer: {why}, so DeepSpeed uses the optimizer the training script passes to "
-               f"deepspeed.initialize. Pass {', '.join(missing)} to port it as AdamW (what the HF Trainer builds).")
+               f"deepspeed.initialize. Pass {', '.join(missing)} to port it as AdamW (what the HF Trainer and "
+               "Megatron build).")
     return None
   params = {"lr": f.lr, "betas": list(f.betas), "eps": f.eps, "weight_decay": f.weight_decay, "bias_correction": True}
-  ctx.implied("optimizer", {"type": "AdamW", "params": params},
-              f"{why}; the client optimizer is taken as torch.optim.AdamW from --lr/--betas/--eps/--weight-decay, "
-              f"weight decay {DECAY_MASK}. {HF_CLIENT_MASK}")
   return {"type": "adamw", "impl": "client torch.optim.AdamW (from flags)", "params": params}
 
 
@@ -126,7 +116,7 @@ def _adam(ctx: Ctx, lname: str, offload: str | None, onebit: str | None) -> dict
     ctx.warn("optimizer.type AdamW ignores adam_w_mode=false: DeepSpeed's engine forces AdamW for type AdamW.")
   _mark_params(ctx, {
       "lr": "learning rate", "betas": "Adam (beta1, beta2)", "eps": "added to sqrt(v_hat)",
-      "weight_decay": f"{rule}, {DECAY_MASK}. {HF_SECTION_MASK}",
+      "weight_decay": rule,
       "bias_correction": "bias-corrected moments (false: raw m / (sqrt(v) + eps))",
   }, {
       "adam_w_mode": f"selects the update rule -> optimizer.type {kind!r} ({rule})",
@@ -161,8 +151,7 @@ def _lamb(ctx: Ctx, onebit: str | None) -> dict[str, Any] | None:
                "loss scaling'; fp16.loss_scale must be 0.", deepspeed=True)
   ctx.warn("Lamb: DeepSpeed's FusedLamb is a CUDA kernel; `--verify` on a CPU machine checks the port against "
            "parity's transcription of fused_lamb_cuda_kernel.cu, not against DeepSpeed.")
-  _mark_params(ctx, {**{k: "FusedLamb argument" for k in p}, "weight_decay": f"FusedLamb argument; decay "
-                     f"{DECAY_MASK}. {HF_SECTION_MASK}"}, {"amsgrad": "false: plain Lamb"})
+  _mark_params(ctx, {k: "FusedLamb argument" for k in p}, {"amsgrad": "false: plain Lamb"})
   if None in p.values():
     return None
   return {"type": "lamb", "impl": onebit or "FusedLamb", "params": p}
@@ -184,8 +173,8 @@ def _sgd(ctx: Ctx) -> dict[str, Any] | None:
   for k in ("lr", "weight_decay"):
     if not ctx.has(f"optimizer.params.{k}"):
       ctx.implied(f"optimizer.params.{k}", p[k], "torch.optim.SGD default")
-  _mark_params(ctx, {**{k: "torch.optim.SGD argument" for k in p}, "weight_decay": f"torch.optim.SGD argument: L2 "
-                     f"decay added to the gradient, {DECAY_MASK}. {HF_SECTION_MASK}"},
+  _mark_params(ctx, {**{k: "torch.optim.SGD argument" for k in p}, "weight_decay": "torch.optim.SGD argument: L2 "
+                     "decay added to the gradient"},
                {"maximize": "false: minimise", "foreach": _IMPL_DETAIL, "differentiable": _IMPL_DETAIL,
                 "fused": _IMPL_DETAIL})
   if None in p.values():
@@ -193,10 +182,23 @@ def _sgd(ctx: Ctx) -> dict[str, Any] | None:
   return {"type": "sgd", "impl": "torch.optim.SGD", "params": p}
 
 
-def port_optimizer(ctx: Ctx, offload: str | None) -> dict[str, Any] | None:
-  """Returns the ported optimizer dict, or None after refusing."""
-  if not ctx.has("optimizer"):
-    return _from_flags(ctx, "the config has no optimizer section")
+def _other_keys(ctx: Ctx) -> None:
+  """Marks the optimizer section's keys besides type and params, which DeepSpeed does not read."""
+  for k in ctx.get("optimizer"):
+    if k not in ("type", "params"):
+      why = ("legacy fused fp16 optimizer switch; no effect on the math" if k == "legacy_fusion"
+             else "DeepSpeed reads only optimizer.type and optimizer.params")
+      ctx.mark(f"optimizer.{k}", "not_needed", None, why)
+
+
+def port_optimizer(ctx: Ctx, offload: str | None, *, ignored: str | None = None) -> dict[str, Any] | None:
+  """Returns the ported optimizer dict, or None after refusing. `ignored`: why the stack never lets DeepSpeed read
+  the optimizer section (Megatron passes its own optimizer): its keys are marked not_needed and the client optimizer
+  is ported from the flags."""
+  if not ctx.has("optimizer") or ignored is not None:
+    ctx.mark("optimizer", "not_needed", None, ignored or "")  # no leaf without a section: marks nothing then
+    return _from_flags(ctx, "the stack passes its own optimizer" if ctx.has("optimizer") else
+                       "the config has no optimizer section")
   name = ctx.get("optimizer.type")
   if not isinstance(ctx.get("optimizer"), dict):
     ctx.refuse("optimizer", f"optimizer: got {ctx.get('optimizer')!r}; expected an object with type and params.")
@@ -204,11 +206,7 @@ def port_optimizer(ctx: Ctx, offload: str | None) -> dict[str, Any] | None:
   if name is MISSING:
     ctx.mark("optimizer", "not_needed", None, "ignored by DeepSpeed: the optimizer section has no type")
     return _from_flags(ctx, "the optimizer section has no type")
-  for k in ctx.get("optimizer"):
-    if k not in ("type", "params"):
-      why = ("legacy fused fp16 optimizer switch; no effect on the math" if k == "legacy_fusion"
-             else "DeepSpeed reads only optimizer.type and optimizer.params")
-      ctx.mark(f"optimizer.{k}", "not_needed", None, why)
+  _other_keys(ctx)
   if not isinstance(name, str):
     ctx.refuse("optimizer.type", f"optimizer.type: got {name!r}; expected a name such as \"AdamW\".")
     return None

@@ -61,6 +61,9 @@ class Report:
   the rest are what the JAX port cannot express. Empty exactly when the installed DeepSpeed accepts the config
   (tests/test_port_acceptance.py asks it)."""
   direction: str = "deepspeed->jax"
+  stack: dict[str, Any] | None = None
+  """deepspeed->jax: the training stack's model (parity.migrate._stack.StackModel.to_dict: stack, chosen_by,
+  optimizer_class, built_by, groups, decay_mask, hyperparameters, loss_scaler, versions, sources, summary, ...)."""
   loss_normalization: dict[str, Any] | None = None
   """deepspeed->jax: the loss normalisation the job implies as far as the config tells
   (parity.migrate._loss_norm.loss_normalization: value, decided_by, same_loss, signals, why); None the other way."""
@@ -85,7 +88,7 @@ class Report:
 
   def to_dict(self) -> dict[str, Any]:
     """The report as JSON data (schema parity.migration/1): source, direction, status, errors, warnings, every
-    key's entry (value, fate, target, reason) and, for a DeepSpeed config, `loss_normalization`."""
+    key's entry (value, fate, target, reason) and, for a DeepSpeed config, `stack` and `loss_normalization`."""
     return {
         "schema": "parity.migration/1",
         "source": self.source,
@@ -98,6 +101,7 @@ class Report:
         "warnings": list(self.warnings),
         "implied": list(self.implied),
         "entries": [e.to_dict() for e in self.entries.values()],
+        **({"stack": self.stack} if self.stack is not None else {}),
         **({"loss_normalization": self.loss_normalization} if self.loss_normalization is not None else {}),
     }
 
@@ -111,6 +115,12 @@ class Report:
     out = [f"# Migration report: `{self.source}`", "", f"Status: **{d['status']}**", ""]
     if self.errors:
       out += ["## Refused", ""] + [f"- {e}" for e in self.errors] + [""]
+    st = self.stack
+    if st is not None:
+      out += ["## Training stack", "", f"`{st['stack']}` ({st['chosen_by']}; {st['versions']}): "
+              f"{_cell(st['summary'])}. Decay mask `{st['decay_mask']}`. Loss scaler: {st['loss_scaler']}.", ""]
+      out += [f"- {n}" for n in st["notes"]] + ([f"- the stack refuses it: {st['refusal']}"] if st["refusal"] else [])
+      out += [f"- source: {src}" for src in st["sources"]] + [""]
     out += ["## Keys", "", "| key | value | fate | target | reason |", "|---|---|---|---|---|"]
     for e in self.entries.values():
       val = json.dumps(e.value) + (f" → {json.dumps(e.resolved)}" if e.resolved is not None else "")

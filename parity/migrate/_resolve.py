@@ -70,23 +70,37 @@ def _same(a: Any, b: Any) -> bool:
   return a == b
 
 
-def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report) -> tuple[dict[str, Any], dict[str, str]]:
+def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
+                  stack: str = "hf-trainer") -> tuple[dict[str, Any], dict[str, str]]:
   """Replaces every "auto" with its value from `flags`.
 
+  Under the stacks that fill "auto" (hf-trainer, accelerate; parity.migrate._stack) a flag that contradicts an
+  explicit value is refused, as HF's fill_match does; under the others (deepspeed, megatron) nothing fills an
+  "auto", so one is refused naming the stack.
   Returns:
     (resolved config, {path: reason}) for the keys that were "auto". An "auto" that nothing resolves
     becomes UNRESOLVED and is reported as an error naming the key and the flag.
   """
   cfg = copy.deepcopy(raw)
   notes: dict[str, str] = {}
+  fills = stack in ("hf-trainer", "accelerate")
   for path, value in leaf_paths(raw):
     rule = AUTO_RULES.get(path)
+    if value == "auto" and not fills:
+      report.refuse(f"{path} is \"auto\", and under --stack {stack} nothing fills it (only the HF Trainer and "
+                    "Accelerate do); DeepSpeed would read the string and fail. Replace it with a value, or pass "
+                    "--stack hf-trainer.")
+      _set(cfg, path, UNRESOLVED)
+      continue
     if value != "auto":
-      if rule and path in _MATCHED and rule[0] and getattr(flags, rule[0]) is not None:
+      unread = stack == "megatron" and path.startswith("optimizer.")  # Megatron's own optimizer: the section is unread
+      if rule and path in _MATCHED and rule[0] and getattr(flags, rule[0]) is not None and not unread:
         want = rule[2](flags)
         if not _same(value, want):
-          report.refuse(f"{path} is {value!r} in the config but {rule[1]} gives {want!r}; the HF Trainer rejects "
-                        f"this mismatch. Set {path} to \"auto\" or drop the flag.")
+          why = ("the HF Trainer rejects this mismatch. Set {path} to \"auto\" or drop the flag" if fills else
+                 f"under --stack {stack} nothing fills the config from the flag, so it would be ignored. Drop the "
+                 "flag or change the value in the config")
+          report.refuse(f"{path} is {value!r} in the config but {rule[1]} gives {want!r}; {why.format(path=path)}.")
       continue
     if path == "train_batch_size":
       notes[path] = "\"auto\" -> micro * grad_accum * world (HF fills world_size * per_device_batch * grad_accum)"

@@ -195,11 +195,14 @@ def _target(key: str, p: PortedConfig, out: dict[str, Any]) -> tuple[str | None,
 def _optimizer_target(rest: str, p: PortedConfig, out: dict[str, Any]) -> tuple[str | None, str]:
   o = p.optimizer
   if o.impl.startswith(CLIENT):
-    return None, (f"client optimizer ({o.impl}): the source config had no optimizer section, so none is written; "
-                  "the training script passes it to deepspeed.initialize (the HF Trainer's AdamW, weight decay off "
-                  "for biases and norm weights). An optimizer section would decay every tensor")
+    return None, (f"client optimizer ({o.impl}): the source's training stack passes it to deepspeed.initialize "
+                  f"(decay mask {o.decay_mask}), so no optimizer section is written; under the HF Trainer an "
+                  "optimizer section would decay every tensor")
   if rest == "impl":
     return None, "implied by optimizer.type and optimizer.params written (informational here)"
+  if rest == "decay_mask":
+    return None, (f"{o.decay_mask}: the param groups the training stack passes, not a config key (parity port "
+                  "--stack says which stack; parity.migrate._stack)")
   if rest == "type":
     return "optimizer.type", "written to the DeepSpeed config"
   if rest == "params.bias_correction" and not has_dotted(out, "optimizer.params.bias_correction"):
@@ -310,7 +313,8 @@ def _optimizer_fields(o: Any) -> dict[str, Any]:
   """TrainSpec fields of a ported optimizer (parity.numerics.schedule.optimizer_of is the inverse); bias_correction
   false is refused before (compare_blockers)."""
   p = o.params
-  out: dict[str, Any] = {"optimizer": o.type, "lr": p["lr"], "weight_decay": p["weight_decay"]}
+  out: dict[str, Any] = {"optimizer": o.type, "lr": p["lr"], "weight_decay": p["weight_decay"],
+                         "decay_mask": o.decay_mask}
   if o.type == "sgd":
     return {**out, "momentum": p["momentum"], "dampening": p["dampening"], "nesterov": p["nesterov"]}
   out.update(beta1=p["betas"][0], beta2=p["betas"][1], eps=p["eps"])
@@ -357,7 +361,7 @@ def _fp16_fields(pr: Any, zero_stage: int) -> dict[str, Any]:
           "consecutive_hysteresis": ls.consecutive_hysteresis, "min_loss_scale": float(ls.min_scale)}
 
 
-def compare_flags(raw: dict[str, Any], base: RunSpec) -> Flags:
+def compare_flags(raw: dict[str, Any], base: RunSpec, stack: str | None = None) -> Flags:
   """Values for the "auto" (and missing) keys of a DeepSpeed config, taken from the run spec.
 
   Only keys that are "auto" or absent get a value, so an explicit setting in the user's config
@@ -372,7 +376,7 @@ def compare_flags(raw: dict[str, Any], base: RunSpec) -> Flags:
             "total_steps": t.steps, "max_grad_norm": t.grad_clip, "precision": t.precision,
             "hidden_size": base.model.d_model}
   wanted = {AUTO_RULES[p][0] for p in autos if p in AUTO_RULES and AUTO_RULES[p][0]}
-  if not isinstance(opt, dict) or "type" not in opt:
+  if not isinstance(opt, dict) or "type" not in opt or stack == "megatron":  # the stack's own optimizer
     wanted |= {"lr", "betas", "eps", "weight_decay"}
   if "train_micro_batch_size_per_gpu" not in raw and "train_batch_size" not in raw:
     wanted |= {"micro_batch"}
@@ -380,11 +384,12 @@ def compare_flags(raw: dict[str, Any], base: RunSpec) -> Flags:
     wanted |= {"grad_accum"}
   if raw.get("train_batch_size") == "auto":
     wanted |= {"micro_batch", "grad_accum"}
-  return Flags(world_size=1, **{k: values[k] for k in sorted(wanted)})
+  return Flags(world_size=1, stack=stack, **{k: values[k] for k in sorted(wanted)})
 
 
-def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = ""):
-  """Ports a DeepSpeed config for `parity compare --deepspeed-config`.
+def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = "", stack: str | None = None):
+  """Ports a DeepSpeed config for `parity compare --deepspeed-config`, under the training stack `stack`
+  (parity.migrate._stack; None: chosen from the config).
 
   Returns:
     (RunSpec for the JAX and torch sides, the resolved DeepSpeed config the DeepSpeed side runs
@@ -392,13 +397,14 @@ def port_for_compare(raw: dict[str, Any], base: RunSpec, *, source: str = ""):
   Raises:
     SpecError: the config is refused (the report's errors, naming the keys), or compare cannot run it.
   """
-  result = port_config(raw, compare_flags(raw, base), source=source)
+  result = port_config(raw, compare_flags(raw, base, stack), source=source)
   if result.ported is None:
     raise SpecError(f"{source or 'DeepSpeed config'}: refused: " + "; ".join(result.report.errors))
   spec = to_run_spec(result.ported, base)
   ds = {k: v for k, v in result.ds_config.items() if v is not None}
-  # A config without an optimizer section runs as the HF Trainer runs it: the DeepSpeed side passes a client
-  # torch.optim.AdamW (torch_impl.engine.client_optimizer) to deepspeed.initialize; the config is not amended, so
-  # DeepSpeed accepts or refuses exactly what it would (the port has already refused what it would refuse).
+  # A config without an optimizer section (or, under Megatron, whose section DeepSpeed never reads: the port drops
+  # it) runs as its stack runs it: the DeepSpeed side passes the client optimizer (torch_impl.engine.client_optimizer:
+  # DeepSpeedCPUAdam under offload, as Accelerate and Megatron pass it, else torch.optim.AdamW) over the param groups
+  # of train.decay_mask; the config is not otherwise amended, so DeepSpeed accepts or refuses exactly what it would.
   # The values the port filled in are shown before the run starts (parity.report.progress.run_notes).
   return spec, ds, result

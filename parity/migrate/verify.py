@@ -107,7 +107,11 @@ def verify_request(result: PortResult, steps: int, seed: int = 0) -> tuple[dict,
   ds.pop("data_types", None)
   ds_rev = {"optimizer": optimizer_section(result.ported)}  # written even for a client optimizer (the verify model)
   name = str(ds.get("optimizer", {}).get("type", "")).lower()
-  if "optimizer" not in ds or "type" not in ds["optimizer"]:
+  if ("optimizer" not in ds or "type" not in ds["optimizer"]) and "DeepSpeedCPUAdam" in ported["optimizer"]["impl"]:
+    ds["optimizer"] = ds_rev["optimizer"]  # an AdamW section under offload: DeepSpeed builds the same class
+    notes.append("no optimizer in the config: the training stack hands DeepSpeed a DeepSpeedCPUAdam from the flags "
+                 f"({ported['optimizer']['impl']}), verified as an AdamW section under the config's offload")
+  elif "optimizer" not in ds or "type" not in ds["optimizer"]:
     ds["optimizer"] = ds_rev["optimizer"]
     ds["optimizer"]["params"]["torch_adam"] = True
     ds["optimizer"]["params"].pop("bias_correction", None)

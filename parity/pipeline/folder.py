@@ -48,6 +48,7 @@ PERTURBABLE = frozenset({
     "train.precision", "train.loss_scale", "train.initial_scale_power", "train.loss_scale_window",
     "train.hysteresis", "train.consecutive_hysteresis", "train.min_loss_scale", "train.optimizer", "train.momentum",
     "train.dampening", "train.nesterov", "train.lamb_max_coeff", "train.lamb_min_coeff", "train.eps_inside_sqrt",
+    "train.decay_mask",
     "train.loss_normalization"})
 """Settings one side may change on its own: numerics only. Weights and batches are shared files, so keys that
 shape them (seeds, sizes, steps, layer layout, which tensors exist: biases, q/k and post norms, d_head) cannot differ
@@ -395,7 +396,9 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
   """
   folder = Path(out) if out is not None else default_run_dir(run.spec, run.preset)
   ds_cfg = dict(run.deepspeed_config) if run.deepspeed_config is not None and run.port is not None else None
-  plan = plan_perturbations(run.spec, perturb, ds_cfg, source=str(run.deepspeed_source or ""))  # before any file
+  stack = run.port.stack.stack if run.port is not None and run.port.stack is not None else None
+  plan = plan_perturbations(run.spec, perturb, ds_cfg, source=str(run.deepspeed_source or ""),
+                            stack=stack)  # before any file
   check_resources(run.spec, folder)
   claim = claim_run_dir(out if out is not None else folder, force=force, command=command)  # '' refused, not '.'
   try:

@@ -83,7 +83,8 @@ def trains(spec: RunSpec) -> dict[str, Any]:
      norm_plus_one},
      lr: the lr of each optimizer step (parity.numerics.schedule.train_lr), betas: (beta1, beta2) per step (None for
      SGD), optimizer: (type, its other params), grad_clip, precision, fp16: DeepSpeed's fp16 block (loss scaling),
-     loss_normalization (None on the stream layout, where 'tokens' and 'micro_mean' are the same loss)}.
+     loss_normalization (None on the stream layout, where 'tokens' and 'micro_mean' are the same loss),
+     decay_mask (None without weight decay)}.
   """
   t = spec.train
   opt = schedule.optimizer_of(t)
@@ -91,8 +92,8 @@ def trains(spec: RunSpec) -> dict[str, Any]:
   betas = [schedule.train_betas(t, k) for k in range(t.steps)] if "betas" in opt["params"] else None
   return {"model": _model_numerics(spec),
           "lr": [schedule.train_lr(t, k) for k in range(t.steps)], "betas": betas,
-          "optimizer": (opt["type"], params), "grad_clip": t.grad_clip, "precision": t.precision,
-          "fp16": fp16_config(t),
+          "optimizer": (opt["type"], params), "decay_mask": t.decay_mask if t.weight_decay > 0 else None,
+          "grad_clip": t.grad_clip, "precision": t.precision, "fp16": fp16_config(t),
           "loss_normalization": t.loss_normalization if t.layout != "stream" else None}
 
 
@@ -155,6 +156,8 @@ def no_effect_reason(spec: RunSpec, key: str, value: Any) -> str:
   if key == "train.loss_normalization" and t.layout == "stream":
     return ("on the stream layout every micro batch has the same number of loss tokens, so 'tokens' and "
             "'micro_mean' are the same loss; it differs on train.layout=padded or packed")
+  if key == "train.decay_mask" and t.weight_decay == 0:
+    return "train.weight_decay is 0, so no tensor is decayed whatever the mask"
   if key in LOSS_SCALE_KEYS and t.precision != "fp16":
     return f"loss scaling runs only in fp16, and train.precision is {t.precision!r}"
   if key in OPTIMIZER_ONLY and t.optimizer not in OPTIMIZER_ONLY[key]:
@@ -182,7 +185,8 @@ def no_effect_reason(spec: RunSpec, key: str, value: Any) -> str:
 
 
 def plan_perturbations(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None,
-                       deepspeed_config: Mapping[str, Any] | None = None, *, source: str = "") -> PerturbPlan:
+                       deepspeed_config: Mapping[str, Any] | None = None, *, source: str = "",
+                       stack: str | None = None) -> PerturbPlan:
   """Decides what each side runs for `perturb` (parity.pipeline.folder.parse_perturb's form), or refuses.
 
   Args:
@@ -190,6 +194,8 @@ def plan_perturbations(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] |
     perturb: side -> {key: value}, spec keys and DEBUG_KEYS; None or {} for none.
     deepspeed_config: the resolved DeepSpeed config the DeepSpeed side runs verbatim, or None.
     source: the DeepSpeed config file, for messages.
+    stack: the training stack the config was ported under (parity.migrate._stack), for the re-port that checks a
+      DeepSpeed-side change; None: chosen from the config.
   Returns:
     The PerturbPlan.
   Raises:
@@ -198,11 +204,11 @@ def plan_perturbations(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] |
       bug (PLANT_KEYS) that cannot have an effect on this spec (parity.pipeline.plants.spec_reason).
   """
   check_plants(spec, perturb)
-  return _plan(spec, perturb, deepspeed_config, source)
+  return _plan(spec, perturb, deepspeed_config, source, stack)
 
 
 def _plan(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None, deepspeed_config: Mapping[str, Any] | None,
-          source: str) -> PerturbPlan:
+          source: str, stack: str | None = None) -> PerturbPlan:
   out: dict[str, dict[str, Any]] = {}
   records: list[dict[str, Any]] = []
   ds_cfg = copy.deepcopy(dict(deepspeed_config)) if deepspeed_config is not None else None
@@ -215,7 +221,7 @@ def _plan(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None, deepsp
                         "note": _note(own, key)})
     out[side] = {**fields, **{k: v for k, v in kv.items() if k in DEBUG_KEYS}}
     if reads_plan((side,), "deepspeed") and ds_cfg is not None and fields:  # the side the DeepSpeed config is for
-      ds_cfg, changes = apply_to_config(spec, fields, ds_cfg, source=source)
+      ds_cfg, changes = apply_to_config(spec, fields, ds_cfg, source=source, stack=stack)
       for r in records:
         if r["side"] == side:
           r["deepspeed_config"] = [c for c in changes if set(c["for"]) & set(r["applies"])]
@@ -300,7 +306,7 @@ def _caused_by(spec: RunSpec, fields: Mapping[str, Any], path: str) -> list[str]
 
 
 def apply_to_config(spec: RunSpec, fields: Mapping[str, Any], config: Mapping[str, Any], *,
-                    source: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]]:
+                    source: str = "", stack: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
   """Writes one side's perturbed spec fields into the DeepSpeed config that side runs, and proves it took.
 
   Each leaf deepspeed_json builds differently with `fields` (`config_diff`) is set where the config has its section;
@@ -335,12 +341,14 @@ def apply_to_config(spec: RunSpec, fields: Mapping[str, Any], config: Mapping[st
       changes.append({"path": path, "was": had, "now": now, "for": _caused_by(spec, fields, path)})
   want = apply_overrides(spec, fields)
   try:
-    ported = port_for_compare(copy.deepcopy(out), want, source=where)[0]
+    ported = port_for_compare(copy.deepcopy(out), want, source=where, stack=stack)[0]
   except SpecError as exc:
     raise SpecError(f"--perturb deepspeed:{items}: {where} with the change written in is refused: "
                     f"{exc}") from None
   got, expect = trains(ported), trains(want)
-  bad = [k for k in expect if got[k] != expect[k]]
+  # the decay mask is no key of a config: it is the param groups the training stack passes, which the DeepSpeed side
+  # builds from its own spec (torch_impl.engine.build_engine), so the spec carries it, as it carries the loss weights
+  bad = [k for k in expect if got[k] != expect[k] and k != "decay_mask"]
   if bad:
     held = (f"with {', '.join(c['path'] for c in changes)} written in, the config still trains" if changes else
             "it has no section that holds it, so it still trains")

@@ -40,7 +40,7 @@ REQUEST_INPUTS = ("init.safetensors", "batches.npy", "val_batches.npy", *EXAMPLE
 always)."""
 CONFLICTING_FLAGS = {"preset": "--preset", "config": "--config", "overrides": "--set", "steps": "--steps",
                      "data": "--data", "hf_model": "--hf-model", "deepspeed_config": "--deepspeed-config",
-                     "plan": "--plan", "tokenizer": "--tokenizer"}
+                     "plan": "--plan", "tokenizer": "--tokenizer", "stack": "--stack"}
 """`parity compare` flags (dest -> flag) that say what is run: with --request the request says it, so each is
 refused."""
 DS_GIVEN = "deepspeed_config.given.json"

@@ -192,7 +192,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
                 sides: Sequence[str] | None = None, data: str | None = None, micro_batch: int | None = None,
                 seq_len: int | None = None, grad_accum: int | None = None, precision: str | None = None,
                 overrides: Mapping[str, Any] | Sequence[str] | None = None,
-                tokenizer: str | Path | None = None) -> ResolvedRun:
+                tokenizer: str | Path | None = None, stack: str | None = None) -> ResolvedRun:
   """Resolves one run from all its sources, in the order of this module's docstring.
 
   Args:
@@ -210,6 +210,8 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     micro_batch, seq_len, grad_accum, precision: train.micro_batch_size, seq_len, grad_accum_steps, precision.
     overrides: dotted overrides, a mapping {'train.lr': 3e-4} or strings ['train.lr=3e-4'].
     tokenizer: a folder with tokenizer.json for text example records (default: hf_model's folder).
+    stack: the training stack that runs `deepspeed_config` (parity.migrate._stack.STACKS; default: chosen from the
+      config, hf-trainer when it has "auto" values, else deepspeed); refused without a DeepSpeed config.
   Returns:
     The frozen ResolvedRun.
   Raises:
@@ -229,8 +231,11 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     spec = plans.with_plan(spec, pair)
   spec = apply_overrides(spec, user) if user else spec                           # 5, 6
   ds_cfg, port = None, None
+  if stack is not None and deepspeed_config is None:
+    raise SpecError(f"--stack {stack}: it says which training stack runs a DeepSpeed config, and this run has none; "
+                    "add --deepspeed-config FILE, or leave --stack out")
   if deepspeed_config is not None:                                                # 7
-    spec, ds_cfg, port = _port(deepspeed_config, spec, over)
+    spec, ds_cfg, port = _port(deepspeed_config, spec, over, stack)
   try:
     spec = _settle(spec).validate()
   except SpecError as exc:
@@ -397,9 +402,11 @@ def _plan_of(spec: RunSpec) -> dict | None:
   return {"name": matched, "chosen_by": "default" if matched == DEFAULT_PLAN else "the run's settings"}
 
 
-def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any]):
-  """Ports the DeepSpeed config against `spec`; refuses an override the config contradicts (both values named)."""
-  ported, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec, source=str(deepspeed_config))
+def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str | None = None):
+  """Ports the DeepSpeed config against `spec` under `stack`; refuses an override the config contradicts (both
+  values named)."""
+  ported, ds_cfg, port = port_for_compare(read_deepspeed_config(deepspeed_config), spec, source=str(deepspeed_config),
+                                          stack=stack)
   want, got = to_dict(spec), to_dict(ported)
   for key in over:
     mine, theirs = get_dotted(want, key), get_dotted(got, key)

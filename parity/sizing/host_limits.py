@@ -322,11 +322,11 @@ def torch_pinned_bytes(sizes: Iterable[int], round_threshold: int | None = None)
 
 
 def _groups(run: RunSpec) -> list[int]:
-  """Parameter counts of the DeepSpeed side's optimizer groups (torch_impl.model.decay_groups: decayed, then the
-  rest; empty groups dropped)."""
+  """Parameter counts of the DeepSpeed side's optimizer groups (torch_impl.semantics.decay_groups_of under
+  train.decay_mask: decayed, then the rest; empty groups dropped)."""
   shapes = param_shapes(run.model)
-  dec = sum(math.prod(s) for n, s in shapes.items() if decays(n))
-  rest = sum(math.prod(s) for n, s in shapes.items() if not decays(n))
+  dec = sum(math.prod(s) for n, s in shapes.items() if decays(n, run.train.decay_mask))
+  rest = sum(math.prod(s) for n, s in shapes.items() if not decays(n, run.train.decay_mask))
   return [g for g in (dec, rest) if g]
 
 
