@@ -37,6 +37,10 @@ class Hardware:
   """fp32 peak without TF32, FLOP/s: what an fp32 run gets (JAX matmul precision 'highest', torch TF32 off)."""
   kind: str = "gpu"
   """'gpu' or 'tpu': XLA's GPU pinned-host pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) applies to 'gpu' only."""
+  hidden_transfer: float = 1.0
+  """Share of the host<->device copy time that overlaps compute (1: a step takes max(compute, transfer); 0: compute
+  + transfer). GPU presets keep the planner's assumption of full overlap (not measured here); the TPU v5e measured
+  none for parity's JAX offload layouts (benchmarks/results/2026-12-06-tpu-v5e-offload.md: 0-5% hidden)."""
 
   def peak(self, precision: str) -> float:
     """FLOP/s for a run at this precision (fp32: peak_flops_fp32 when known, else the bf16 peak)."""
@@ -60,16 +64,19 @@ HARDWARE: dict[str, Hardware] = {
     # fp32: no data sheet gives an fp32 matmul peak; the MXUs multiply bf16 only, and an fp32 matmul at precision
     # 'highest' (what parity's JAX step sets for fp32) runs as 6 bf16 passes (XLA's BF16_BF16_F32_X6 dot algorithm;
     # 'high' is 3). Assumed, not measured: fp32 peak = bf16 peak / 6.
-    # Host link: the in-step round trip measured on the v5e, 13.1 GB/s (doctor.json
-    # frameworks.jax.bandwidth.step_round_trip: donated pinned_host buffers reused by a jitted step); the standalone
-    # device_to_pinned_host 0.88 GB/s times fresh pinned allocations, not what a step sees. v5p and v6e reuse the
-    # v5e's 13.1 GB/s as an assumption until measured.
+    # Host link: bytes moved both ways together per second inside a jitted step, measured on the v5e: 18.8 GB/s
+    # (benchmarks/results/2026-12-06-tpu-v5e-offload.md: a 512 MiB donated pinned_host buffer read and written by
+    # one program; one way alone 12.2 GB/s in, 13.5 GB/s out; a train step moving 4.34 GB of Adam moments added
+    # 220-241 ms, the same rate). The doctor's earlier 13.1 GB/s round trip used a smaller buffer; a fresh pinned
+    # output (0.44-0.88 GB/s) times the host allocator. v5p and v6e reuse the v5e's figure until measured.
     # Host memory per chip: v5e measured 45 GiB on a 1-chip VM (doctor.json host.mem_total_bytes; the ct5lp-hightpu-1t
     # machine type lists 48 GB); v5p from its VM, 448 GB for 4 chips (112 GB per chip); v6e from its pod table,
     # 1536 GiB DRAM per 8-chip host (192 GiB per chip). v5p and v6e are the documented figures, not measured.
-    "TPU-v5e": Hardware("TPU-v5e", 16 * GiB, 197e12, 13.1 * GB, 48318382080, 197e12 / 6, kind="tpu"),
-    "TPU-v5p": Hardware("TPU-v5p", 95 * GiB, 459e12, 13.1 * GB, 112 * GB, 459e12 / 6, kind="tpu"),
-    "TPU-v6e": Hardware("TPU-v6e", 32 * GiB, 918e12, 13.1 * GB, 192 * GiB, 918e12 / 6, kind="tpu"),
+    "TPU-v5e": Hardware("TPU-v5e", 16 * GiB, 197e12, 18.8 * GB, 48318382080, 197e12 / 6, kind="tpu",
+                        hidden_transfer=0.0),
+    "TPU-v5p": Hardware("TPU-v5p", 95 * GiB, 459e12, 18.8 * GB, 112 * GB, 459e12 / 6, kind="tpu", hidden_transfer=0.0),
+    "TPU-v6e": Hardware("TPU-v6e", 32 * GiB, 918e12, 18.8 * GB, 192 * GiB, 918e12 / 6, kind="tpu",
+                        hidden_transfer=0.0),
 }
 """Accelerator presets of `parity plan --hardware`."""
 
@@ -138,7 +145,8 @@ def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
               mfu: float = 0.4, ranks: int = 1) -> tuple[float, float, float]:
   """(step, compute, transfer) seconds of one optimizer step on one rank: compute = FLOPs / (peak · mfu) with
   the precision's peak (`Hardware.peak`),
-  transfer = bytes / bandwidth, step = max(compute, transfer) (transfers overlap compute)."""
+  transfer = bytes / bandwidth, step = max(compute, transfer, compute + (1 - h) * transfer) with h the hardware's
+  `hidden_transfer` (1: transfers overlap compute; 0: they add to it)."""
   t = run.train
   per = run.jax.data_parallel if side == "jax" else ranks if side == "fsdp" else 1  # jax, fsdp: global micro batch
   tokens = t.micro_batch_size * t.seq_len * t.grad_accum_steps / per
@@ -149,4 +157,4 @@ def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
                                                                                            policy))
   compute = flops / (hw.peak(t.precision) * mfu)
   transfer = transfer_bytes(run, side, rows, ranks) / hw.host_link_bytes_per_s
-  return max(compute, transfer), compute, transfer
+  return max(compute, transfer, compute + (1.0 - hw.hidden_transfer) * transfer), compute, transfer
