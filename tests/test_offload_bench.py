@@ -1,0 +1,71 @@
+"""benchmarks/tpu_parts/offload.py, the offload benchmark: its arithmetic on the records a TPU v5e gave, and its
+driver end to end on CPU (tiny mode: the figures are checks, not measurements)."""
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.tpu_parts import offload_report as rep
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "tpu_v5e" / "offload"
+
+
+def _recorded():
+  run2 = json.loads((DATA / "run2-micro2.json").read_text())
+  run3 = json.loads((DATA / "run3-rates-home-after.json").read_text())
+  return run2, run3
+
+
+def test_the_recorded_chip_runs_derive_the_published_figures():
+  run2, run3 = _recorded()
+  rate = run3["children"]["rates"]["both"]["gb_per_s"]
+  assert 18 < rate < 20  # donated buffers, both ways together
+  rows = {(r["variant"], r["grad_accum"]): r for r in rep.derive(run2["children"]["timing"]["rows"], rate)
+          if "median_s" in r}
+  stream = rows[("opt-stream", 16)]
+  base = rows[("no-offload", 16)]
+  assert stream["vs_no_offload"] == pytest.approx(base["median_s"] / stream["median_s"])
+  assert stream["vs_no_offload"] == pytest.approx(0.837, abs=0.005)
+  assert stream["transfer_s"] == pytest.approx(stream["entry_moved_bytes"] / (rate * 1e9))
+  assert stream["added_s"] == pytest.approx(stream["median_s"] - base["median_s"])
+  assert stream["hidden"] == 0.0  # added more than the transfer: clamped, never negative
+  assert stream["link_bound"] == 1.0 and stream["of_bound"] == pytest.approx(stream["vs_no_offload"])
+  assert stream["saved_fraction"] == pytest.approx((base["device_peak_bytes"] - stream["device_peak_bytes"])
+                                                   / stream["host_state_bytes"])
+  assert stream["host_state_bytes"] == 2168725516  # the two Adam moments of 271M params in pinned_host
+  small = rows[("opt-deferred", 2)]
+  assert small["link_bound"] == pytest.approx(rows[("no-offload", 2)]["median_s"] / small["transfer_s"])
+  # what the chip said: no layout hid more than a twentieth of its copy time
+  assert all(r["hidden"] < 0.05 for r in rows.values() if "hidden" in r)
+
+
+def test_the_tables_render_from_a_recorded_run():
+  run2, run3 = _recorded()
+  md = rep.markdown(run2)
+  assert "| opt-stream | 32768 | 22,389 |" in md and "TPU v5 lite" in md
+  assert "CompileTimeHostOffloadOutputLocationMismatch" in md  # unpinned_host refused by the compiler, recorded
+  assert "| both | 18.81 |" in rep.markdown(run3)
+  assert rep.peak_bf16("TPU v5 lite") == 197e12 and rep.peak_bf16("cpu") is None
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_the_driver_runs_rates_and_a_deferred_timing_on_cpu(tmp_path):
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_parts" / "offload.py"), "--tiny", "--out",
+                         str(tmp_path), "--only", "rates,timing", "--variants", "no-offload,opt-deferred",
+                         "--budget-s", "240", "--steps", "1", "--warmup", "1"],
+                        capture_output=True, text=True, timeout=400, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  data = json.loads((tmp_path / "offload" / "offload.json").read_text())
+  rates = data["children"]["rates"]
+  assert all(rates[k]["gb_per_s"] > 0 for k in ("h2d", "d2h", "both"))
+  rows = {(r["variant"], r["grad_accum"]): r for r in data["children"]["timing"]["rows"]}
+  assert set(rows) == {("no-offload", 2), ("no-offload", 16), ("opt-deferred", 2), ("opt-deferred", 16)}
+  assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows.values())
+  assert rows[("opt-deferred", 2)]["entry_moved_bytes"] > 0 == rows[("no-offload", 2)]["entry_moved_bytes"]
+  with tarfile.open(tmp_path / "offload.tgz") as tar:
+    assert {"offload/offload.json", "offload/offload.md"} <= set(tar.getnames())
