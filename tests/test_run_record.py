@@ -159,9 +159,10 @@ def test_the_three_places_a_plan_is_put_into_words_use_its_describe(tmp_path):
   from parity.report.setup_table import plan_rows
   from parity.spec import to_dict
   spec = preset("gpt2-tiny")
-  both = describe_plans(side_plans(spec, ("deepspeed", "jax")))
+  plans = side_plans(spec, ("deepspeed", "jax"))
+  both = describe_plans(plans)
   assert both == f"DeepSpeed {spec.deepspeed.describe()}; JAX {spec.jax.describe()}"
-  assert plan_label(spec).endswith(f"({both})")
+  assert plan_label(spec, plans).endswith(f"({both})")
   rec = RunRecord.of({"run": json.loads(json.dumps(to_dict(spec))), "sides": {s: {"status": "ok"} for s in spec.sides}})
   rows = dict(plan_rows(rec))
   assert rows["DeepSpeed plan"] == spec.deepspeed.describe() and rows["JAX plan"] == spec.jax.describe()
