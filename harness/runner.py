@@ -12,7 +12,6 @@ every side.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from harness import chip, lifetime, ranks
 from parity import phase
 from harness.env import host_pool_environ, side_spec, worker_env
 from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
+from parity.protocol.outputs import SideRun  # what a side left, as the harness saw it run (the report reads it too)
 from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
 from parity.sides import side_record
@@ -37,29 +37,6 @@ raised or exited non-zero; killed: ended by a signal (SIGKILL, e.g. the OOM kill
 timeout: still running at the limit, then killed; not_run: never started."""
 POLL_S = 0.1
 STDERR_TAIL_CHARS = 4000
-
-
-@dataclasses.dataclass
-class SideRun:
-  """What the harness observed of one side.
-
-  Attributes:
-    side: side name.
-    status: one of STATUSES.
-    returncode: process exit code (negative: killed by that signal); None if never started.
-    wall_s: seconds from spawn to exit, as seen by the harness.
-    peak_rss_bytes: the child's peak resident set size from wait4 (kernel accounting,
-      independent of what the worker reports).
-    summary: the worker's summary.json (written by the harness when the worker could not).
-    error: what went wrong, or None.
-  """
-  side: str
-  status: str
-  returncode: int | None
-  wall_s: float
-  peak_rss_bytes: int | None
-  summary: dict
-  error: str | None = None
 
 
 def _tail(path: Path, n: int = STDERR_TAIL_CHARS) -> str:

@@ -27,11 +27,11 @@ import numpy as np
 
 from harness.runner import SideRun, run_side
 from parity.protocol import derive_request, read_steps
+from parity.protocol.layout import BACKEND_DIR, NOISE_DIR, REPEAT_DIR, RESUME_DIR
 
 __all__ = ["NOISE_DIR", "REPEAT_DIR", "RESUME_DIR", "BACKEND_DIR", "CPU_ENV", "reversed_batches", "run_noise",
            "run_repeat", "run_resume", "run_backend"]
 
-NOISE_DIR, REPEAT_DIR, RESUME_DIR, BACKEND_DIR = "noise", "repeat", "resume", "backend"
 CPU_ENV = {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
 """The environment that puts a side on the host CPU: JAX's CPU backend only, no CUDA device for torch."""
 

@@ -9,20 +9,30 @@ from parity.data import DataError
 
 def compare(preset: str | None = None, **keywords):
   """Runs a comparison and returns its Report: `parity.pipeline.compare.compare` (its keywords: resolve_run's
-  parameters and RunOptions' fields; an unknown one raises TypeError naming it and the valid ones).
+  parameters and RunOptions' fields; an unknown one raises TypeError naming it and the valid ones), with the
+  history's after-report step (parity.history.after.PostRun: `baseline=`, `trackers=`).
 
   Imported on first use, like `run_comparison` and `RunOptions`: every worker imports parity.spec, and so this
   package, and must not load the pipeline, the harness and the report with it."""
+  from parity.history.after import PostRun
   from parity.pipeline.compare import compare as _compare
-  return _compare(preset, **keywords)
+  return _compare(preset, after=PostRun.for_options, **keywords)
+
+
+def run_comparison(run, options):
+  """Runs a resolved comparison (parity.pipeline.compare.run_comparison: `run` from resolve_run, `options` a
+  RunOptions) with the history's after-report step (the `baseline` gate and the `trackers`), and returns its
+  Report. Imported on first use (see `compare`)."""
+  from parity.history.after import PostRun
+  from parity.pipeline.compare import run_comparison as _run
+  return _run(run, options, after=PostRun.for_options)
 
 
 def __getattr__(name: str):
-  """`parity.run_comparison` and `parity.RunOptions` (parity.pipeline.compare), imported on first use (see
-  `compare`): the pipeline's resolved form."""
-  if name in ("run_comparison", "RunOptions"):
+  """`parity.RunOptions` (parity.pipeline.compare), imported on first use (see `compare`)."""
+  if name == "RunOptions":
     from parity.pipeline import compare as api
-    return getattr(api, name)
+    return api.RunOptions
   raise AttributeError(f"module 'parity' has no attribute {name!r}")
 
 

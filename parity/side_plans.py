@@ -11,8 +11,9 @@ from typing import Literal
 
 from parity.errors import SpecError
 from parity.fields import check_section_numbers
+from parity.sides import find_side, side_record
 
-__all__ = ["REMAT_POLICIES", "JaxPlan", "DeepSpeedPlan", "FsdpPlan"]
+__all__ = ["REMAT_POLICIES", "JaxPlan", "DeepSpeedPlan", "FsdpPlan", "side_plans", "describe_plans"]
 
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "offload_dots_no_batch", "offload_names")
@@ -57,6 +58,16 @@ class JaxPlan:
       raise SpecError(f"jax.data_parallel must be >= 1; got {self.data_parallel}")
     return self
 
+  def describe(self) -> str:
+    """What the plan sets, in a few words: 'offload_opt_state, scan_layers, remat full' (the host memory kind only
+    when it is not pinned_host); 'no offload' when it sets nothing."""
+    host = [k for k in ("offload_opt_state", "offload_params") if getattr(self, k)]
+    return ", ".join([*host, *([self.host_memory_kind] if host and self.host_memory_kind != "pinned_host" else []),
+                      *(["scan_layers"] if self.scan_layers else []),
+                      *([f"zero_stage {self.zero_stage}"] if self.zero_stage else []),
+                      *([f"remat {self.remat}"] if self.remat != "none" else []),
+                      *([f"data_parallel {self.data_parallel}"] if self.data_parallel > 1 else [])]) or "no offload"
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeepSpeedPlan:
@@ -99,6 +110,14 @@ class DeepSpeedPlan:
       raise SpecError("deepspeed.offload_optimizer requires zero_stage >= 1; got 0")
     return self
 
+  def describe(self) -> str:
+    """What the plan sets, in a few words: 'ZeRO-2, offload_optimizer cpu, activation checkpointing'."""
+    return ", ".join([f"ZeRO-{self.zero_stage}",
+                      *(f"{k} cpu" for k in ("offload_optimizer", "offload_param") if getattr(self, k) == "cpu"),
+                      *(["activation checkpointing" + (" with cpu_checkpointing (block inputs on the host)"
+                                                       if self.cpu_checkpointing else "")]
+                        if self.activation_checkpointing else [])])
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FsdpPlan:
@@ -137,3 +156,25 @@ class FsdpPlan:
                       "input only and recomputes the rest, save_on_cpu moves what is saved to the host; the side "
                       "runs one of them (the plans pair each with its own counterpart); set one to false")
     return self
+
+  def describe(self) -> str:
+    """What the plan sets, in a few words: 'CPU offload, reshard after forward, activation checkpointing' (every
+    block and the root are always sharded; pin_memory is how the offload is made, not what is placed)."""
+    return ", ".join(["CPU offload" if self.offload else "no offload",
+                      "reshard after forward" if self.reshard_after_forward else "no reshard after forward",
+                      *(["activations saved on the CPU"] if self.activation_offload else []),
+                      *(["activation checkpointing"] if self.activation_checkpointing else [])])
+
+
+def side_plans(run, sides=None) -> dict[str, JaxPlan | DeepSpeedPlan | FsdpPlan]:
+  """side -> its plan, for each side of `sides` (default: the run's) whose record names a plan section
+  (parity.sides: `SideRecord.plan`), in that order; run: a RunSpec."""
+  records = [find_side(s) for s in (run.sides if sides is None else sides)]
+  return {r.name: getattr(run, r.plan) for r in records if r is not None and r.plan}
+
+
+def describe_plans(plans) -> str:
+  """Each plan described once (its `describe`), named by its side's label (parity.sides): 'DeepSpeed ZeRO-2,
+  offload_optimizer cpu; JAX offload_opt_state'. plans: side -> plan (`side_plans`). The one wording the CLI's sizing
+  tables, the report's plan rows and the comparison page share."""
+  return "; ".join(f"{side_record(s).label} {p.describe()}" for s, p in plans.items())

@@ -82,8 +82,8 @@ class SideRecord:
     module_notes: module -> what to add to its name in a refusal ({'torch': 'FSDP2 is part of it'}).
     plan: the RunSpec section holding its plan ('jax', 'deepspeed', 'fsdp'), or None (no plan of its own).
     plan_label: the setup table's row name for its plan (default '<label> plan').
-    plan_text: 'module:function' taking the report dict (report.json) and returning the plan row's text, or None
-      for no plan row.
+    plan_text: 'module:function' taking the run (its report.json as a parity.report.run_record.RunRecord) and
+      returning the plan row's text (the built-in sides: their plan's own `describe`), or None for no plan row.
     memory_rows: 'module:function' taking (run: RunSpec, ranks: int) and returning its predicted
       parity.sizing.memory.Row list (per rank, its batch rows included), or None: no memory model.
     estimated: `parity estimate` prints its column (needs memory_rows). `--plan auto` costs the sides with a `plan`,

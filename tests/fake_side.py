@@ -190,8 +190,9 @@ def memory_rows(run, ranks: int = 1) -> list:
           Row(NAME, "optimizer_moments", "host", FLOAT64 * n, "float64 second moment (no first moment)")]
 
 
-def plan_text(d: dict) -> str:
-  """The fake's plan row in the report (its record's plan_text; `d` is report.json): what it runs, not a section."""
+def plan_text(run) -> str:
+  """The fake's plan row in the report (its record's plan_text; `run` is the report's RunRecord): what it runs, not a
+  section."""
   return "numpy on the host: float64 params and Adam second moments, no first moment, no sharding"
 
 

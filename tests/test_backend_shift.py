@@ -90,6 +90,7 @@ def test_the_cpu_rerun_runs_and_decides_the_pair(tmp_path):
   import sys
   from parity.pipeline.reruns import RerunContext, backend_reruns, backend_sides
   from parity.report.reverify import _collect, _spec
+  from parity.report.run_record import RunRecord
   from parity import weights
   out = tmp_path / "run"
   p = subprocess.run([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--steps", "3",
@@ -98,8 +99,8 @@ def test_the_cpu_rerun_runs_and_decides_the_pair(tmp_path):
   assert p.returncode == 0, p.stdout + p.stderr
   d = json.loads((out / "report.json").read_text())
   assert d["backend"] is None  # both sides on this CPU: no rerun
-  spec, _ = _spec(out, d)
-  data, _ = _collect(out, d, spec, d["run_folder"]["run_id"])
+  spec, _ = _spec(out, RunRecord.of(d))
+  data, _ = _collect(out, RunRecord.of(d), spec, d["run_folder"]["run_id"])
   ctx = RerunContext(out, spec, d["run_folder"]["run_id"], 300.0, weights.load(out / "init.safetensors"), data)
   assert backend_sides(ctx) == []
   data["jax"]["device"] = "TPU_0(process=0,(0,0,0,0))"

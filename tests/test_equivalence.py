@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from harness.runner import SideRun
 from parity.errors import SpecError
 from parity.pipeline.compare import RunOptions, check_run_options
@@ -195,10 +197,10 @@ def test_the_report_rows_name_kind_side_rerun_and_result():
   prep = {"train": {"eval_every": 0, "grad_accum_steps": 1, "micro_batch_size": 8}, "nproc": 1,
           "loss_tokens_per_step": [10, 12, 9]}
   d = {"equivalence": {"ga": equivalence_section("ga", spec, prep, {"jax": row})}}
-  (r,) = equivalence_rows(d)
+  (r,) = equivalence_rows(RunRecord.of(d))
   assert r[:4] == ["ga", "jax", "tokens", "grad_accum_steps=1, micro_batch_size=8, nproc=1"] and r[-1] == "PASS"
-  assert equivalence_lines(d)[0].startswith("equivalence ga jax (tokens): max |Δloss| 1e-07 at step 2")
-  assert equivalence_rows({}) == []
+  assert equivalence_lines(RunRecord.of(d))[0].startswith("equivalence ga jax (tokens): max |Δloss| 1e-07 at step 2")
+  assert equivalence_rows(RunRecord.of({})) == []
 
 
 def test_the_cli_refuses_an_equivalence_that_cannot_apply_with_exit_2(tmp_path, capsys):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from conftest import requires_all
 from test_fsdp import _side  # a side's status, steps, final params and moments, as compare_sides reads them
 from parity.sizing import cost, plans
@@ -68,7 +70,7 @@ def test_a_pair_without_an_fsdp2_plan_is_refused_with_the_fsdp_side_and_auto_cos
   default = resolve_run("gpt2-tiny", sides=["jax", "deepspeed", "fsdp"])
   assert default.plan["name"] == "zero2-offload" and "fsdp side runs the run's own fsdp plan" in default.plan["fsdp"]
   d = {"plan": default.plan, "run": {"jax": {}, "deepspeed": {"zero_stage": 2}, "fsdp": {}}, "sides": {}}
-  assert "the fsdp side runs the run's own fsdp plan" in dict(plan_rows(d))["plan pair"]
+  assert "the fsdp side runs the run's own fsdp plan" in dict(plan_rows(RunRecord.of(d)))["plan pair"]
 
 
 def _why(run: Path, side: str, checks) -> str:

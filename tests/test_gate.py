@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from conftest import requires_jax, requires_torch
 from parity.inputs import InputError
 
@@ -37,7 +39,7 @@ def real_runs() -> dict[str, object]:
   first through parity.compare(baseline=...). Only the baseline reruns its sides for determinism (all 4 steps: it
   proves each side bit-identical, so the gate holds a same-config rerun bit for bit). Built once per test session
   (~3 x 15-60 s)."""
-  from parity.pipeline.compare import compare
+  from parity import compare  # the package face: the pipeline with the history's after-report step (--baseline)
   root = _root()
   base = compare("gpt2-tiny", overrides=BASE_SET, out=root / "base", **{**KW, "determinism_steps": STEPS})
   rerun = compare("gpt2-tiny", overrides=BASE_SET, out=root / "rerun", baseline=root / "base", **KW)
@@ -571,7 +573,7 @@ def test_thread_settings_are_read_from_each_side_summary():
   from parity.report.runconfig import thread_settings
   rec = {**{k: int(v) if v else v for k, v in TORCH_2.items()}, "OMP_WAIT_POLICY": "PASSIVE", "reason": "..."}
   d = {"sides": {"jax": {"summary": {}}, "torch": {"summary": {"threads": rec}}}}
-  assert thread_settings(d) == {"torch": TORCH_2}
+  assert thread_settings(RunRecord.of(d)) == {"torch": TORCH_2}
 
 
 def test_an_interrupted_run_is_refused_as_baseline_and_never_passes_as_new(tmp_path, fake_sides, capsys):
@@ -683,9 +685,10 @@ def test_a_run_written_before_the_layout_keys_is_the_same_configuration():
   assert set(LAYOUT_DEFAULTS) <= set(new["train"])
   old = {**new, "train": {k: v for k, v in new["train"].items() if k not in LAYOUT_DEFAULTS}}
   assert run_as_compared(old) == run_as_compared(new)
-  assert config_diff(gate_config({"run": old}, None), gate_config({"run": new}, None)) == {}
+  assert config_diff(gate_config(RunRecord.of({"run": old}), None), gate_config(RunRecord.of({"run": new}), None)) == {}
   padded = {**new, "train": {**new["train"], "layout": "padded"}}
-  assert config_diff(gate_config({"run": old}, None), gate_config({"run": padded}, None)) == {
+  config_of = lambda run: gate_config(RunRecord.of({"run": run}), None)
+  assert config_diff(config_of(old), config_of(padded)) == {
       "train.layout": ("stream", "padded")}  # the old run reads as holding the default
 
 
@@ -703,10 +706,10 @@ def test_every_field_added_later_is_the_same_configuration_at_its_default():
     assert set(defaults) <= set(new[section]), section
     old = ({k: v for k, v in old.items() if k != section} if whole else
            {**old, section: {k: v for k, v in old[section].items() if k not in defaults}})
-  assert config_diff(gate_config({"run": old}, None), gate_config({"run": new}, None)) == {}
+  assert config_diff(gate_config(RunRecord.of({"run": old}), None), gate_config(RunRecord.of({"run": new}), None)) == {}
   changed = {**new, "fsdp": {**new["fsdp"], "offload": True},
              "deepspeed": {**new["deepspeed"], "activation_checkpointing": True, "cpu_checkpointing": True}}
-  diff = config_diff(gate_config({"run": old}, None), gate_config({"run": changed}, None))
+  diff = config_diff(gate_config(RunRecord.of({"run": old}), None), gate_config(RunRecord.of({"run": changed}), None))
   assert diff == {"fsdp.offload": (False, True), "deepspeed.activation_checkpointing": (False, True),
                   "deepspeed.cpu_checkpointing": (False, True)}  # only what differs (breaker, 2026-12-04)
 

@@ -127,8 +127,20 @@ def _rule(own: str, third: str = "", never: frozenset[str] | str = frozenset()) 
 
 
 _PARITY = "parity parity.numerics"
+FLOW = ("parity.cli", "parity.pipeline", "harness", "parity.verdict", "parity.report", "parity.history")
+"""One run's flow, docs/architecture.md: cli -> pipeline -> harness -> (the sides) -> verdict -> report -> history.
+The pipeline and the harness drive a run; the report and the history read what it left: neither reaches back up into
+the ones that drive it, and the pipeline hands its caller's after-report step the report instead of importing the
+history (parity.pipeline.compare.AfterStep). The verdict and the run protocol below them are shared by all."""
+BACK_UP: dict[str, frozenset[str]] = {
+  "parity.pipeline": frozenset({"parity.cli", "parity.history"}),
+  "parity.report": frozenset({"parity.cli", "parity.pipeline", "harness", "parity.history"}),
+  "parity.history": frozenset({"parity.cli", "parity.pipeline", "harness"}),
+}
+"""What each stage of FLOW never imports: the stages that drive it (and, for the pipeline, the history after it)."""
 RULES: dict[str, Rule] = {
-  "parity (package)": _rule("parity parity.pipeline", "", FRAMEWORKS | {"harness"}),
+  # the package face composes the pipeline with the history's after-report step (parity.compare, run_comparison)
+  "parity (package)": _rule("parity parity.history parity.pipeline", "", FRAMEWORKS | {"harness"}),
   # `python -m parity` is the CLI's entry point
   "parity (main)": _rule("parity.cli", "", FRAMEWORKS | {"harness"}),
   "parity": _rule(_PARITY, "numpy safetensors pydantic yaml hjson", FRAMEWORKS | {"harness"}),
@@ -140,16 +152,17 @@ RULES: dict[str, Rule] = {
   "parity.protocol": _rule(f"{_PARITY} parity.dataset.reference", "numpy safetensors", FRAMEWORKS | {"harness"}),
   "parity.hf": _rule(f"{_PARITY} parity.sizing harness", "numpy safetensors", FRAMEWORKS),
   "parity.migrate": _rule(f"{_PARITY} parity.protocol parity.sizing harness", "numpy pydantic yaml hjson", FRAMEWORKS),
-  # dataset: a run's example inputs are built here; history: compare runs the after-report step (--baseline, --tracker)
-  "parity.pipeline": _rule(f"{_PARITY} parity.dataset parity.hf parity.history parity.migrate parity.protocol "
-                           "parity.report parity.sizing parity.verdict harness", "numpy safetensors", FRAMEWORKS),
+  # dataset: a run's example inputs are built here; the after-report step (--baseline, --tracker) is the caller's
+  "parity.pipeline": _rule(f"{_PARITY} parity.dataset parity.hf parity.migrate parity.protocol "
+                           "parity.report parity.sizing parity.verdict harness", "numpy safetensors",
+                           FRAMEWORKS | BACK_UP["parity.pipeline"]),
   "parity.diagnose": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.sizing parity.verdict harness",
                            "numpy safetensors", FRAMEWORKS),
-  "parity.report": _rule(f"{_PARITY} parity.hf parity.pipeline parity.protocol parity.sizing parity.verdict harness",
+  "parity.report": _rule(f"{_PARITY} parity.hf parity.protocol parity.sizing parity.verdict",
                          "numpy matplotlib rich wandb mlflow tensorboard tensorboardX",
-                         FRAMEWORKS | {"parity.history"}),
-  "parity.history": _rule(f"{_PARITY} parity.pipeline parity.protocol parity.report parity.verdict harness", "numpy",
-                          FRAMEWORKS | {"rich"}),
+                         FRAMEWORKS | BACK_UP["parity.report"]),
+  "parity.history": _rule(f"{_PARITY} parity.protocol parity.report parity.verdict", "numpy",
+                          FRAMEWORKS | BACK_UP["parity.history"] | {"rich"}),
   "parity.dataset": _rule(_PARITY, "numpy tokenizers jinja2 pyarrow", FRAMEWORKS | {"harness"}),
   "parity.cli": _rule(f"{_PARITY} parity.diagnose parity.hf parity.history parity.migrate parity.pipeline "
                       "parity.report parity.sizing harness", "rich", FRAMEWORKS),
@@ -316,6 +329,57 @@ def test_the_checker_catches_planted_wrong_imports():
   assert "harness.doctor:3 (function-local) imports parity.pipeline.folder" in found["harness.doctor"][0]
   assert "imports pandas" in found["parity.protocol.side"][0]
   assert "jax_impl.step:2 imports torch_impl: never torch_impl" in found["jax_impl.step"][0]
+
+
+def flow_violations(graph: dict[str, set[str]]) -> list[str]:
+  """Each edge of an import graph (`_graph`) that runs back up the FLOW: 'module -> module' where the importer's
+  stage never imports the target's (BACK_UP)."""
+  return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                if unit_of(t) in BACK_UP.get(unit_of(m), frozenset()))
+
+
+def test_the_flow_runs_one_way():
+  """cli -> pipeline -> harness -> verdict -> report -> history, never back: no module of the report or the history
+  imports the pipeline, the harness or the CLI, and the pipeline does not import the history, function-local
+  imports included (the pipeline takes the history's after-report step from its caller)."""
+  back = flow_violations(_graph())
+  assert not back, "imports back up the flow:\n  " + "\n  ".join(back)
+
+
+def test_the_checker_refuses_planted_imports_back_up():
+  """Planted module texts (under real module names) that import back up the flow, at module level or inside a
+  function, fail both the table (their row's `never`) and the flow check; the same modules importing the homes those
+  names moved to (the run folder's names in parity.protocol.layout, the rerun outcomes in parity.verdict.reruns)
+  pass both."""
+  mods = {"parity.pipeline.reruns", "parity.pipeline.claim", "parity.history.after", "harness.self_runs",
+          "harness.runner", "parity.cli.compare", "parity.protocol.layout", "parity.verdict.reruns"}
+  planted = {
+    "parity.report.page": "from parity.pipeline.reruns import envelope_result\n",
+    "parity.report.card": "def f():\n  from harness.self_runs import NOISE_DIR\n  return NOISE_DIR\n",
+    "parity.history.comparison": "from parity.pipeline.claim import enclosing_run\n",
+    "parity.history.gate": "def g():\n  from parity.cli.compare import print_summary\n",
+    "parity.pipeline.compare": "def h():\n  from parity.history.after import PostRun\n",
+  }
+  found = {m: violations(m, imports_of(text, m, mods)) for m, text in planted.items()}
+  assert {m: len(v) for m, v in found.items()} == dict.fromkeys(planted, 1), found
+  first = {m: v[0] for m, v in found.items()}
+  assert "parity.report.page:1 imports parity.pipeline.reruns: never parity.pipeline" in first["parity.report.page"]
+  assert "parity.report.card:2 (function-local) imports harness.self_runs: never harness" in first["parity.report.card"]
+  assert "never parity.pipeline" in found["parity.history.comparison"][0]
+  assert "never parity.cli" in found["parity.history.gate"][0]
+  assert "parity.pipeline.compare:2 (function-local) imports parity.history.after: never parity.history" in \
+      found["parity.pipeline.compare"][0]
+  texts = {**{m: "" for m in mods}, **planted, "parity": "", "parity.report": "", "parity.history": "",
+           "parity.pipeline": "", "harness": "", "parity.cli": "", "parity.protocol": "", "parity.verdict": ""}
+  assert flow_violations(_graph(texts)) == sorted([
+      "parity.report.page -> parity.pipeline.reruns", "parity.report.card -> harness.self_runs",
+      "parity.history.comparison -> parity.pipeline.claim", "parity.history.gate -> parity.cli.compare",
+      "parity.pipeline.compare -> parity.history.after"])
+  moved = {"parity.report.page": "from parity.verdict.reruns import envelope_result\n",
+           "parity.report.card": "def f():\n  from parity.protocol.layout import NOISE_DIR\n  return NOISE_DIR\n",
+           "parity.history.comparison": "from parity.protocol.layout import enclosing_run\n"}
+  assert all(violations(m, imports_of(text, m, mods)) == [] for m, text in moved.items())
+  assert flow_violations(_graph({**texts, **moved, "parity.history.gate": "", "parity.pipeline.compare": ""})) == []
 
 
 def test_a_row_allowing_parity_allows_only_its_top_level_modules():

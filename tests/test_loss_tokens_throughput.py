@@ -8,6 +8,8 @@ import statistics
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from parity.pipeline.folder import prepare_run_dir
 from parity.presets import preset
 from parity.protocol.layout import loss_tokens_per_s, step_time_median, tokens_per_s, warm_step_times
@@ -91,25 +93,28 @@ def test_report_tables_and_card_show_loss_tokens_per_s_on_examples_only():
   d = _synthetic(steps=6, sides=("jax", "torch"))
   for s in d["sides"].values():
     s["series"]["step_time_s"] = [0.5, 0.2, 0.01, 0.02, 0.01, 0.03]
-  stream_md = report_markdown(d, {})
-  assert side_table.throughput_columns(d) == [("tokens_per_s", "tokens/s")]
+  stream_md = report_markdown(RunRecord.of(d), {})
+  assert side_table.throughput_columns(RunRecord.of(d)) == [("tokens_per_s", "tokens/s")]
   assert "loss tokens/s" not in stream_md.split("## Throughput")[1].split("\n\n")[2]  # no redundant column
-  assert "every target carries the loss (stream), so loss tokens/s equals tokens/s" in side_table.throughput_note(d)
-  kf = make_card(d)["key_figures"]
+  assert "every target carries the loss (stream), so loss tokens/s equals tokens/s" in \
+      side_table.throughput_note(RunRecord.of(d))
+  kf = make_card(RunRecord.of(d))["key_figures"]
   assert kf["loss_tokens_per_s"] == kf["tokens_per_s"]
   per_step = [40, 50, 60, 70, 80, 90]
   _with_card(d, per_step)
   want = statistics.fmean(per_step[2:]) / 0.015
-  assert side_table.side_loss_tokens_per_s(d, d["sides"]["jax"]) == pytest.approx(want)
-  assert [h for _, h in side_table.throughput_columns(d)] == ["tokens/s", "loss tokens/s"]
-  row = next(r for r in side_table.throughput_rows(d) if r["side"] == "jax")
+  rec = RunRecord.of(d)
+  assert side_table.side_loss_tokens_per_s(rec, rec.sides["jax"]) == pytest.approx(want)
+  assert [h for _, h in side_table.throughput_columns(RunRecord.of(d))] == ["tokens/s", "loss tokens/s"]
+  row = next(r for r in side_table.throughput_rows(RunRecord.of(d)) if r["side"] == "jax")
   assert row["loss_tokens_per_s"] == f"{want:,.0f}"
-  assert next(r for r in side_table.side_rows(d) if r["side"] == "torch")["loss_tokens_per_s"] == f"{want:,.0f}"
-  md = report_markdown(d, {})
+  torch_row = next(r for r in side_table.side_rows(RunRecord.of(d)) if r["side"] == "torch")
+  assert torch_row["loss_tokens_per_s"] == f"{want:,.0f}"
+  md = report_markdown(RunRecord.of(d), {})
   tables = [line for line in md.splitlines() if line.startswith("| side |")]
   assert sum("| tokens/s | loss tokens/s |" in line for line in tables) == 2  # the sides and throughput tables
-  assert "40 to 90 a step" in side_table.throughput_note(d)
-  assert make_card(d)["key_figures"]["loss_tokens_per_s"]["jax"] == pytest.approx(want)
+  assert "40 to 90 a step" in side_table.throughput_note(RunRecord.of(d))
+  assert make_card(RunRecord.of(d))["key_figures"]["loss_tokens_per_s"]["jax"] == pytest.approx(want)
 
 
 def test_the_html_page_and_the_terminal_table_carry_the_column(tmp_path):
@@ -118,7 +123,7 @@ def test_the_html_page_and_the_terminal_table_carry_the_column(tmp_path):
   from parity.report.build import Report
   from parity.report.page import report_html
   d = _with_card(_synthetic(steps=6, sides=("jax", "torch")), [40, 50, 60, 70, 80, 90])
-  page = report_html(d, {}, tmp_path)
+  page = report_html(RunRecord.of(d), {}, tmp_path)
   assert page.count("loss tokens/s</th>") == 2
   con = Console(record=True, width=200)
   print_summary(Report(data=d, run_dir=tmp_path), con)
@@ -133,17 +138,17 @@ def test_throughput_note_names_a_side_whose_device_was_not_recorded():
     s["series"]["step_time_s"] = [0.5, 0.2, 0.01, 0.02, 0.01, 0.03]
   d["sides"]["jax"]["summary"]["device"] = "cpu"
   d["sides"]["deepspeed"]["summary"].pop("device", None)
-  note = side_table.throughput_note(d)
+  note = side_table.throughput_note(RunRecord.of(d))
   assert "CPU backend (jax)" in note and "deepspeed: device not recorded (the side did not finish" in note
   d["sides"]["deepspeed"]["summary"]["device"] = "cpu"
-  assert "device not recorded" not in side_table.throughput_note(d)
+  assert "device not recorded" not in side_table.throughput_note(RunRecord.of(d))
 
 
 def test_the_warmup_phrase_says_no_step_timed_for_a_side_killed_before_its_first_step():
   """A side killed while compiling timed no step: the note must not say 'one step ran' (breaker finding)."""
   from parity.report.side_table import warmup_phrase
   sides = lambda **n: {k: {"series": {"step_time_s": [0.1] * v}} for k, v in n.items()}
-  assert warmup_phrase({"sides": sides(jax=0, torch=2)}) == (
+  assert warmup_phrase(RunRecord.of({"sides": sides(jax=0, torch=2)})) == (
       "jax: no step timed, torch: the first step left out as warmup")
-  assert warmup_phrase({"sides": sides(jax=1, torch=1)}) == "no step left out (one step ran)"
-  assert warmup_phrase({"sides": sides(jax=5, torch=5)}) == "the first 2 steps left out as warmup"
+  assert warmup_phrase(RunRecord.of({"sides": sides(jax=1, torch=1)})) == "no step left out (one step ran)"
+  assert warmup_phrase(RunRecord.of({"sides": sides(jax=5, torch=5)})) == "the first 2 steps left out as warmup"

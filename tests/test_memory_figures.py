@@ -1,6 +1,7 @@
 """Peak device memory (allocator peak vs the compiled step's memory analysis) and host RSS less the accelerator
 runtime's mapping: parity.protocol.memory_figures and the side table's cells and notes, on the TPU v5e run folders of
 tests/data/tpu_v5e (SOURCE.md) and on fake readings. CPU only: nothing here opens a device."""
+
 from __future__ import annotations
 
 import copy
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 
+from parity.report.run_record import RunRecord, SideRecord
 from parity.protocol.memory_figures import (ALLOCATOR_PEAK, COMPILED_ANALYSIS, RUNTIME_MAPPING_MIN_BYTES,
                                             XLA_PEAK_FIELD, XLA_SUM_FIELDS, choose_peak, compiled_peak_bytes,
                                             device_memory_fields, host_rss_fields, own_host_rss, peak_device,
@@ -33,7 +35,7 @@ def _gpt2_report_with(summary: dict) -> dict:
 
 
 def _row(d: dict, side: str) -> dict:
-  return next(r for r in side_table.side_rows(d) if r["side"] == side)
+  return next(r for r in side_table.side_rows(RunRecord.of(d)) if r["side"] == side)
 
 
 def test_tpu_gpt2_fixture_built_with_the_new_fields():
@@ -55,12 +57,12 @@ def test_tpu_gpt2_fixture_built_with_the_new_fields():
   assert jax["peak_rss"] == "654.0 MiB (peak 13.8 GiB less 13.2 GiB TPU runtime mapping)"
   assert jax["peak_device"] == "5.4 MiB (allocator peak)"
   assert (torch["peak_rss"], torch["peak_device"]) == ("684.1 MiB", "n/a")  # the CPU side: as before
-  assert side_table.memory_notes(d) == [
+  assert side_table.memory_notes(RunRecord.of(d)) == [
       "jax: peak RSS 13.8 GiB, of which 13.2 GiB is the TPU runtime's mapping made when it opened the chip; the "
       "side's own host RSS is 654.0 MiB",
       "jax: peak device memory 5.4 MiB, the allocator peak (the larger of the allocator peak 5.4 MiB and the "
       "compiled memory analysis of the train step 4.6 MiB, from peak_memory_in_bytes)"]
-  md = report_markdown(d, {}, None)
+  md = report_markdown(RunRecord.of(d), {}, None)
   assert "of which 13.2 GiB is the TPU runtime's mapping made when it opened the chip" in md
   assert "| 654.0 MiB (peak 13.8 GiB less 13.2 GiB TPU runtime mapping) | 5.4 MiB (allocator peak) |" in md
 
@@ -76,9 +78,10 @@ def test_tpu_summary_written_by_the_worker_renders_labelled(tmp_path):
   d = _gpt2_report_with(summ)
   assert _row(d, "jax")["peak_rss"] == "959.8 MiB (peak 13.9 GiB less 12.9 GiB TPU runtime mapping)"
   assert _row(d, "jax")["peak_device"] == "5.5 MiB (allocator peak)"
-  assert side_table.memory_notes(d)[0].startswith("jax: peak RSS 13.9 GiB, of which 12.9 GiB is the TPU runtime's "
+  notes = side_table.memory_notes(RunRecord.of(d))
+  assert notes[0].startswith("jax: peak RSS 13.9 GiB, of which 12.9 GiB is the TPU runtime's "
                                                   "mapping made when it opened the chip")
-  page = report_html(d, {}, tmp_path)
+  page = report_html(RunRecord.of(d), {}, tmp_path)
   assert "of which 12.9 GiB is the TPU runtime&#x27;s mapping made when it opened the chip" in page
   assert "<td class=\"num\">5.5 MiB (allocator peak)</td>" in page
 
@@ -89,7 +92,7 @@ def test_old_tpu_summary_recomputes_the_device_source_and_keeps_the_rss():
   d = _json(TPU / "gpt2-fp32" / "report.json")
   assert _row(d, "jax")["peak_device"] == "5.4 MiB (allocator peak)"
   assert _row(d, "jax")["peak_rss"] == "13.8 GiB"
-  assert not any("peak RSS" in n for n in side_table.memory_notes(d))
+  assert not any("peak RSS" in n for n in side_table.memory_notes(RunRecord.of(d)))
 
 
 def test_compiled_analysis_wins_when_the_allocator_misses_the_temporaries():
@@ -148,10 +151,12 @@ def test_runtime_mapping_from_fake_readings():
   cpu = {"peak_host_rss_bytes": 528 * MiB, **host_rss_fields({"before_backend": 180 * MiB,
                                                                "backend_opened": 184 * MiB}, "cpu")}
   d = {"sides": {"jax": {"summary": cpu}}}
-  assert side_table.host_rss_cell(d["sides"]["jax"]) == "528.0 MiB" and side_table.memory_notes(d) == []
+  rec = RunRecord.of(d)
+  assert side_table.host_rss_cell(rec.sides["jax"]) == "528.0 MiB" and side_table.memory_notes(rec) == []
   gpu = {"sides": {"jax": {"summary": {"peak_host_rss_bytes": 3 * GiB, "host_rss_backend": "gpu",
                                        "host_rss_runtime_mapping_bytes": GiB}}}}
-  assert side_table.memory_notes(gpu) == ["jax: peak RSS 3.0 GiB, of which 1.0 GiB is the GPU runtime's mapping made "
+  notes = side_table.memory_notes(RunRecord.of(gpu))
+  assert notes == ["jax: peak RSS 3.0 GiB, of which 1.0 GiB is the GPU runtime's mapping made "
                                           "when it opened the device; the side's own host RSS is 2.0 GiB"]
 
 
@@ -169,7 +174,7 @@ def test_a_summary_without_memory_fields_is_untouched():
   """A torch or DeepSpeed summary (allocator figure only, no analysis, no readings) renders as before but names its
   source."""
   s = {"summary": {"peak_host_rss_bytes": 3 * GiB, "peak_device_bytes": 2 * GiB}}
-  assert side_table.host_rss_cell(s) == "3.0 GiB"
+  assert side_table.host_rss_cell(SideRecord.of("side", s)) == "3.0 GiB"
   assert side_table.device_memory_cell(s["summary"]) == "2.0 GiB (allocator peak)"
-  assert side_table.memory_notes({"sides": {"torch": copy.deepcopy(s)}}) == []
-  assert side_table.host_rss_cell({"summary": {}, "harness_peak_rss_bytes": GiB}) == "1.0 GiB"
+  assert side_table.memory_notes(RunRecord.of({"sides": {"torch": copy.deepcopy(s)}})) == []
+  assert side_table.host_rss_cell(SideRecord.of("side", {"summary": {}, "harness_peak_rss_bytes": GiB})) == "1.0 GiB"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from conftest import requires_all
 from parity.data import load_corpus
 from parity.errors import SpecError
@@ -377,11 +379,11 @@ def test_hf_model_run_records_the_checkpoint_and_that_its_tokenizer_did_not_run(
   inputs = run_inputs(prep.path)["inputs"]
   assert inputs["checkpoint"] == str(ckpt.absolute()) and inputs["checkpoint_tokenizer_used"] is False
   assert inputs["tokens"] == "bytes" and inputs["checkpoint_tokenizer_files"] == ["tokenizer.json"]
-  (line,) = setup_table.inputs_lines({"inputs": inputs})
+  (line,) = setup_table.inputs_lines(RunRecord.of({"inputs": inputs}))
   assert line.startswith(f"Initial weights: the checkpoint {ckpt.absolute()}. Data: {text}")
   assert "UTF-8 bytes" in line and "tokenizer (tokenizer.json) was not used" in line
-  assert "## Inputs" in "\n".join(perturbation_markdown({"inputs": inputs}))
-  card = card_inputs({"inputs": inputs})
+  assert "## Inputs" in "\n".join(perturbation_markdown(RunRecord.of({"inputs": inputs})))
+  card = card_inputs(RunRecord.of({"inputs": inputs}))
   assert card["checkpoint_tokenizer_used"] is False and "checkpoint" not in card  # the card's checkpoint: report.json's
 
 
@@ -402,14 +404,15 @@ def test_the_report_says_not_applied_when_a_side_ran_another_value(corpus, tmp_p
   (row,) = perturbations_ran(out, sides)
   assert row["applied"] is False and row["ran"]["deepspeed"] == {"value": 0.001, "from":
                                                                  "its DeepSpeed config, optimizer.params.lr"}
-  assert setup_table.perturbation_rows({"perturbations": [row]})[0][-1] == "NOT APPLIED: deepspeed ran 0.001"
+  rows = setup_table.perturbation_rows(RunRecord.of({"perturbations": [row]}))
+  assert rows[0][-1] == "NOT APPLIED: deepspeed ran 0.001"
   sides["deepspeed"]["summary"]["ds_config"] = json.loads((out / DS_RESOLVED).read_text())
   sides["deepspeed"]["series"]["lr"] = [2 * x for x in lr]
   assert perturbations_ran(out, sides)[0]["applied"] is True
   sides["deepspeed"]["series"]["lr"] = lr  # the config says 0.002 but the steps ran 0.001: still not applied
   assert perturbations_ran(out, sides)[0]["applied"] is False
   sides["deepspeed"]["status"] = "crashed"
-  assert setup_table.perturbation_rows({"perturbations": perturbations_ran(out, sides)})[0][-1] == (
+  assert setup_table.perturbation_rows(RunRecord.of({"perturbations": perturbations_ran(out, sides)}))[0][-1] == (
       "unknown: deepspeed did not finish")
 
 
@@ -448,7 +451,7 @@ def test_fault_injections_are_listed_with_what_each_side_recorded(corpus, tmp_pa
   assert lr_row["key"] == "train.lr" and lr_row["applied"] is None  # jax stopped at its NaN: not read back
   assert nan_row["key"] == "nan_at_step" and nan_row["applied"] is True
   assert nan_row["ran"]["torch"]["value"] is None
-  cells = setup_table.perturbation_rows({"perturbations": [nan_row]})[0]
+  cells = setup_table.perturbation_rows(RunRecord.of({"perturbations": [nan_row]}))[0]
   assert cells[:3] == ["jax: nan_at_step = 2", "a fault injection", "n/a"]
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parity.inputs import InputError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -85,10 +87,44 @@ def test_run_comparison_takes_the_resolved_run_and_frozen_options(tmp_path, fake
 def test_compare_keyword_form_is_resolve_plus_run_comparison(tmp_path, fake_sides):
   import parity
   from parity.pipeline import compare as api
-  assert parity.run_comparison is api.run_comparison and parity.RunOptions is api.RunOptions
+  assert parity.RunOptions is api.RunOptions
   fake_sides()
   report = parity.compare("gpt2-tiny", steps=4, sides=["jax", "torch"], out=tmp_path / "k", determinism_steps=0)
   assert report.passed and report.data["determinism"] == {} and report.data["timing"]["self_runs_s"] == 0.0
+
+
+def test_the_pipeline_takes_the_after_report_step_from_its_caller(tmp_path, fake_sides):
+  """The pipeline never imports the history: its caller hands it the after-report step (parity.compare and
+  parity.run_comparison give parity.history.after.PostRun.for_options). The step is prepared before any side starts
+  and applied to the written report, whose Report.post it becomes; a baseline or tracker asked for without a step
+  is a TypeError before anything runs, never a gate silently skipped."""
+  import parity
+  from parity.pipeline import compare as api
+  from parity.pipeline.resolve import resolve_run
+  calls = fake_sides()
+  seen = []
+
+  class Step:
+    empty = False
+
+    def apply(self, report):
+      seen.append(json.loads((report.run_dir / "report.json").read_text())["verdict"]["passed"])
+      return "applied"
+
+  def prepare(options):
+    assert calls == [] and options.trackers == ("tensorboard:x",)  # before any side
+    return Step()
+
+  run = resolve_run("gpt2-tiny", steps=4, sides=("jax", "torch"))
+  options = api.RunOptions(out=tmp_path / "s", determinism_steps=0, trackers=["tensorboard:x"])
+  report = api.run_comparison(run, options, after=prepare)
+  assert seen == [True] and report.post == "applied"
+  with pytest.raises(TypeError, match="after-report step"):
+    api.run_comparison(run, api.RunOptions(out=tmp_path / "t", baseline=tmp_path / "s"))
+  assert not (tmp_path / "t").exists() and len(calls) == 2
+  with pytest.raises(InputError, match="baseline"):  # parity.run_comparison prepares the history's step: refused early
+    parity.run_comparison(run, api.RunOptions(out=tmp_path / "u", baseline=tmp_path / "missing"))
+  assert not (tmp_path / "u").exists() and len(calls) == 2
 
 
 def test_compare_states_no_option_of_its_own(tmp_path, fake_sides):
@@ -99,7 +135,7 @@ def test_compare_states_no_option_of_its_own(tmp_path, fake_sides):
   import parity
   from parity.pipeline import compare as api
   from parity.pipeline.resolve import resolve_run
-  assert list(inspect.signature(api.compare).parameters) == ["preset", "keywords"]
+  assert list(inspect.signature(api.compare).parameters) == ["preset", "after", "keywords"]  # after: the caller's step
   assert list(inspect.signature(parity.compare).parameters) == ["preset", "keywords"]
   assert set(api.SOURCE_KEYWORDS) == set(inspect.signature(resolve_run).parameters) - {"preset_name"}
   assert api.OPTION_FIELDS == tuple(f.name for f in dataclasses.fields(api.RunOptions))

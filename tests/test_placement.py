@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from parity.pipeline.collect import placement_entry
 from parity.pipeline.plants import check_plants
 from parity.protocol.placement import PLACEMENT_FILE, read_placement, write_placement, writes_placement
@@ -171,10 +173,10 @@ def test_a_one_side_check_renders_in_the_check_tables_and_the_verdict():
       "(3/3 buffers in)")
   d = {"run": {"train": {"precision": "fp32"}}, "tolerances": {}, "sides": {},
        "checks": [done.to_json(), place.to_json()]}
-  rows = check_rows(d)
+  rows = check_rows(RunRecord.of(d))
   assert [(r["pair"], r["result"], r["tolerance"]) for r in rows] == [
       ("jax vs torch", "pass", "all 2 steps"), ("jax", "FAIL", "0 (must be equal)")]
-  assert metric_rows(d)[1]["worst"] == "jax" and rows[1]["measure"] != "placement"
+  assert metric_rows(RunRecord.of(d))[1]["worst"] == "jax" and rows[1]["measure"] != "placement"
 
 
 def test_the_planted_mismatch_is_refused_where_it_cannot_show():

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from conftest import requires_jax, requires_torch
 from parity.report.build import Report
 from parity.report.markdown import placement_markdown
@@ -42,7 +44,7 @@ def _section(tmp_path: Path, jax_file: str | None, ds: dict | None = None, torch
 
 def _pages(sec: dict) -> tuple[str, str]:
   d = {"placement": sec}
-  return "\n".join(placement_markdown(d)), placement_html(d)
+  return "\n".join(placement_markdown(RunRecord.of(d))), placement_html(RunRecord.of(d))
 
 
 def _md_row(md: str, *first: str) -> str:
@@ -193,17 +195,17 @@ def test_a_re_render_shows_the_section_beside_the_plan_and_verify_holds_it_to_th
   assert not errors and not kept and {"html", "md"} <= set(written)
   md, html = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
   assert md.index("## Plan and placements") < md.index("## Placement and transfers") < md.index("## Environment")
-  assert "\n".join(placement_markdown(d)) in md and placement_html(d) in html
+  assert "\n".join(placement_markdown(RunRecord.of(d))) in md and placement_html(RunRecord.of(d)) in html
   assert html.index('id="plan"') < html.index('id="placement"') < html.index('id="environment"')
   assert len(BAR.findall(html)) == 3
   assert _md_row(md, "2", "opt_state/mu/h/0/attn/qkv/kernel", "opt_state", "d2h")
   # what `parity report` re-verifies: the stored section against the files
   again = json.loads(json.dumps(placement_section(tmp_path, d["sides"])))
-  assert _placement_lines(d, again) == []
+  assert _placement_lines(RunRecord.of(d), again) == []
   edited = {**d, "placement": json.loads(json.dumps(d["placement"]).replace("1048576", "1")) }
-  assert _placement_lines(edited, again) == [
+  assert _placement_lines(RunRecord.of(edited), again) == [
       "its placement section ('placement') is not the sides' placement.json / summary.json transfers"]
-  older = {k: v for k, v in d.items() if k != "placement"}  # written before the section existed
+  older = RunRecord.of({k: v for k, v in d.items() if k != "placement"})  # written before the section existed
   assert _placement_lines(older, again) == ["it has no placement section, but jax, deepspeed recorded one"]
   (tmp_path / "jax" / PLACEMENT_FILE).unlink()
   del d["sides"]["deepspeed"]["summary"]["transfers"]

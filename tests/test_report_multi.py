@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord, SideRecord
+
 from test_gate import needs_runs, real_runs
 
 
@@ -227,12 +229,12 @@ def test_perturb_and_nproc_are_part_of_what_differs(tmp_path):
 
 def test_gate_names_a_baseline_moved_aside_by_force(tmp_path):
   """`--out X --baseline X --force`: the old X was moved aside; the gate names where it is now, not X."""
-  from types import SimpleNamespace
   from parity.history.after import baseline_as_moved
+  from parity.report.build import Report
   from test_gate import _snap
   x, old = tmp_path / "X", tmp_path / "X.old-1"
   x.mkdir()
-  report = SimpleNamespace(run_dir=x, data={"run_folder": {"moved_aside_to": str(old)}})
+  report = Report(data={"run_folder": {"moved_aside_to": str(old)}}, run_dir=x)
   assert baseline_as_moved(_snap(True, str(x)), report).source == old
   assert baseline_as_moved(_snap(True, str(x / "card.json")), report).source == old / "card.json"
   other = _snap(True, str(tmp_path / "elsewhere"))
@@ -257,7 +259,7 @@ def test_report_one_run_prints_only_what_it_wrote(tmp_path, capsys):
 
 def test_rank_table_headers_do_not_promise_bytes():
   from parity.report.side_table import rank_table
-  cols, rows = rank_table({"summary": {"ranks": [{"rank": 0, "peak_rss_bytes": 3 * 2**20}]}})
+  cols, rows = rank_table(SideRecord.of("side", {"summary": {"ranks": [{"rank": 0, "peak_rss_bytes": 3 * 2**20}]}}))
   assert cols == ["rank", "peak rss"] and "MiB" in rows[0][1]
 
 
@@ -325,7 +327,7 @@ def test_report_md_keeps_no_html_or_markdown_from_file_and_folder_names(tmp_path
   d["run_folder"] = {**(d.get("run_folder") or {}), "command": f"parity compare --out '{HOSTILE}'"}
   d["migration"] = {"source": f"{HOSTILE}.json", "status": "ok", "file": "migration.md"}
   d["write_errors"] = [{"file": f"{HOSTILE}.png", "error": "disk full"}]
-  html = _render(report_markdown(d, {}))
+  html = _render(report_markdown(RunRecord.of(d), {}))
   _as_typed(html, f"parity compare --out '{HOSTILE}'")
   _as_typed(html, f"{HOSTILE}.json")
   assert html.count(f"{_esc(HOSTILE)}.json") >= 3  # title, plan row, migration line

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import CheckRecord, RunRecord, SideRecord
+
 from conftest import requires_jax, requires_torch
 
 RUN_NAME = "report-page-run"
@@ -112,7 +114,7 @@ def test_card_says_what_was_compared_with_what_and_the_key_figures(run_dir):
 def test_throughput_reports_repeats_load_and_backend(run_dir):
   from parity.report.side_table import throughput_rows
   d = json.loads((run_dir / "report.json").read_text())
-  rows = {r["side"]: r for r in throughput_rows(d)}
+  rows = {r["side"]: r for r in throughput_rows(RunRecord.of(d))}
   assert rows["jax"]["repeats"] == 2 and rows["torch"]["repeats"] == 2  # 3 steps, the first left out as warmup
   assert all(r["backend"] == "cpu" and "→" in r["load"] for r in rows.values())
   assert float(rows["torch"]["min_s"]) <= float(rows["torch"]["median_s"]) <= float(rows["torch"]["max_s"])
@@ -137,10 +139,10 @@ def test_a_stopped_side_reads_as_stopped_and_its_init_as_na(run_dir):
   d["verdict"] = {"passed": False, "message": "FAIL: ...", "first_failure": {
       "check": "completed jax~torch", "metric": "completed", "sides": ["jax", "torch"], "step": 1, "value": 1,
       "tolerance": 3}}
-  kind, sentence, _ = verdict_parts(d)
+  kind, sentence, _ = verdict_parts(RunRecord.of(d))
   assert kind == "fail" and sentence == "FAIL: torch stopped after 1 of 3 steps (killed)."
   assert "breaks tolerance" not in sentence
-  assert {r["side"]: r["init_s"] for r in side_rows(d)}["torch"] == "n/a"
+  assert {r["side"]: r["init_s"] for r in side_rows(RunRecord.of(d))}["torch"] == "n/a"
 
 
 def test_markdown_cells_escape_bars_and_wording_reads_plainly():
@@ -152,10 +154,10 @@ def test_markdown_cells_escape_bars_and_wording_reads_plainly():
   assert plain_detail("2 of 52 tensors over;") == "2 of 52 tensors over tolerance;"
   tols = {"lr": {"atol": 0.0, "rtol": 1e-6}}
   # the quoted step's values are 0 (a difference there would fail the check) ...
-  assert tolerance_text({"metric": "lr", "tolerance": 0.0, "value": 1e-9}, tols) == \
+  assert tolerance_text(CheckRecord.of({"metric": "lr", "tolerance": 0.0, "value": 1e-9}), tols) == \
       "relative: 1e-06 × value (the values compared are 0 at the step quoted)"
   # ... but an all-zero Δ quotes an arbitrary step (an lr-0 warmup step too): it must not claim the lr is 0
-  assert tolerance_text({"metric": "lr", "tolerance": 0.0, "value": 0.0}, tols) == \
+  assert tolerance_text(CheckRecord.of({"metric": "lr", "tolerance": 0.0, "value": 0.0}), tols) == \
       "relative: 1e-06 × value (every difference is 0, so no one step's bound is quoted)"
 
 
@@ -255,7 +257,7 @@ def test_memory_bars_carry_the_same_categories_on_every_side_and_say_what_is_not
   assert pred["jax"] - pred["torch"] == 12
   by = {(r["side"], r["category"], r["memory_kind"]): r for r in rows}
   assert by[("jax", "params", "device")]["ratio"] == by[("jax", "optimizer_moments", "host")]["ratio"] == 1.0
-  gaps = side_table.memory_gaps(d)
+  gaps = side_table.memory_gaps(RunRecord.of(d))
   assert "gradients on jax" in gaps and "activations on jax, torch, deepspeed" in gaps
   fig = plots.memory_figure(d["memory"]["predicted_vs_measured"], title="t")
   legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
@@ -271,7 +273,7 @@ def test_memory_bars_carry_the_same_categories_on_every_side_and_say_what_is_not
   from parity.sizing.measured import predicted_vs_measured
   shared["memory"]["predicted_vs_measured"] = rows = predicted_vs_measured(shared)
   assert [r["ratio"] for r in rows if r["side"] == "jax" and r["category"] == "state"] == [1.0]
-  gaps = side_table.memory_gaps(shared)
+  gaps = side_table.memory_gaps(RunRecord.of(shared))
   assert "params on jax" not in gaps and "optimizer moments on jax" not in gaps and "measured together" in gaps
 
 
@@ -304,14 +306,15 @@ def test_a_checkpoint_run_is_titled_by_the_checkpoint_on_every_page(tmp_path):
   from parity.weights import n_params
   n = n_params(from_dict(ModelSpec, d["run"]["model"]))
   want = f"checkpoint tiny-llama (LlamaForCausalLM, llama family, {cells.fmt_count(n)} params"
-  assert headline.run_title(d).startswith(want) and "training settings of gpt2-tiny" in headline.run_title(d)
-  assert report_markdown(d, {}).splitlines()[0] == f"# parity report: {headline.run_title(d)}"
-  assert f"<h1>parity report · {headline.run_title(d)}</h1>" in report_html(d, {}, tmp_path)
-  card = make_card(d)
-  assert card["compared"]["title"] == headline.run_title(d) and card["compared"]["model"]["name"].startswith(want)
+  rec = RunRecord.of(d)
+  assert headline.run_title(rec).startswith(want) and "training settings of gpt2-tiny" in headline.run_title(rec)
+  assert report_markdown(rec, {}).splitlines()[0] == f"# parity report: {headline.run_title(rec)}"
+  assert f"<h1>parity report · {headline.run_title(RunRecord.of(d))}</h1>" in report_html(RunRecord.of(d), {}, tmp_path)
+  card = make_card(RunRecord.of(d))
+  assert card["compared"]["title"] == headline.run_title(rec) and card["compared"]["model"]["name"].startswith(want)
   assert card["compared"]["checkpoint"]["architecture"] == "LlamaForCausalLM"
   assert checkpoint_record(None) is None and checkpoint_record(str(tmp_path / "gone"))["architecture"] is None
-  assert headline.model_label(_synthetic()) == "gpt2-tiny (gpt2 family, 120.6 K params)"
+  assert headline.model_label(RunRecord.of(_synthetic())) == "gpt2-tiny (gpt2 family, 120.6 K params)"
 
 
 def test_a_bf16_pass_quotes_the_envelope_bound_that_decided():
@@ -319,12 +322,13 @@ def test_a_bf16_pass_quotes_the_envelope_bound_that_decided():
   from parity.report import headline
   d = _synthetic("bf16")
   d["checks"] += [_envelope(d, "jax", "torch", 1.1e-4, 1.88e-3), _envelope(d, "jax", "deepspeed", 7.5e-5, 1.6e-3)]
-  sentence = headline.verdict_parts(d)[1]
+  sentence = headline.verdict_parts(RunRecord.of(d))[1]
   assert "noise envelope decides: worst loss window rms Δloss 0.00011 (jax vs torch, steps 0-5) within its envelope "\
       "bound 0.00188" in sentence
   assert "tolerance 0.02" not in sentence and "bound of 0.02 that is reported only" in sentence
   d["checks"][2] = {**d["checks"][2], "passed": False}  # a reported-only check over its bound: not "every check"
-  assert "on every gating check (1 reported-only check over its bound: loss jax~torch)" in headline.verdict_parts(d)[1]
+  assert "on every gating check (1 reported-only check over its bound: loss jax~torch)" in \
+      headline.verdict_parts(RunRecord.of(d))[1]
 
 
 def test_the_params_label_says_what_its_value_is_under_each_rule():
@@ -340,12 +344,12 @@ def test_the_params_label_says_what_its_value_is_under_each_rule():
   adam = {**fallback, "value": 5.96e-08, "tolerance": 4.01e-06,
           "detail": "worst tensor h.1.ln_1.weight: element |Δ| = 5.96e-08 vs allowed 4.01e-06; rule: Adam per element"}
   d["checks"] += [fallback]
-  row = next(r for r in check_table.check_rows(d) if r["metric"] == "params")
+  row = next(r for r in check_table.check_rows(RunRecord.of(d)) if r["metric"] == "params")
   assert "ratio" in row["measure"] and "element" not in row["measure"] and row["measure"] == check_table.RATIO_LABEL
-  assert check_table.tolerance_text(fallback, tols).startswith("0.5 (ratio bound")
-  assert "Adam" not in check_table.tolerance_text(fallback, tols)
-  assert check_table.measure_label(adam) == "worst tensor: element abs Δ"
-  assert "Adam noise term" in check_table.tolerance_text(adam, _synthetic()["tolerances"]["fp32"])
+  assert check_table.tolerance_text(CheckRecord.of(fallback), tols).startswith("0.5 (ratio bound")
+  assert "Adam" not in check_table.tolerance_text(CheckRecord.of(fallback), tols)
+  assert check_table.measure_label(CheckRecord.of(adam)) == "worst tensor: element abs Δ"
+  assert "Adam noise term" in check_table.tolerance_text(CheckRecord.of(adam), _synthetic()["tolerances"]["fp32"])
 
 
 def test_the_lr_source_names_the_schedule_that_ran_and_updates_say_why_steps_were_not_counted():
@@ -353,7 +357,7 @@ def test_the_lr_source_names_the_schedule_that_ran_and_updates_say_why_steps_wer
   from parity.report import check_table
   d = _synthetic(overrides=["train.lr_schedule=WarmupLR", 'train.lr_schedule_params={"warmup_min_lr": 0.0, '
                             '"warmup_max_lr": 1e-3, "warmup_num_steps": 3}'])
-  rows = check_table.check_rows(d)
+  rows = check_table.check_rows(RunRecord.of(d))
   lr = next(r for r in rows if r["metric"] == "lr")
   assert "DeepSpeed WarmupLR, the schedule this run used" in lr["source"] and "WarmupCosineLR" not in lr["source"]
   up = next(r for r in rows if r["metric"] == "updates")
@@ -362,8 +366,8 @@ def test_the_lr_source_names_the_schedule_that_ran_and_updates_say_why_steps_wer
   assert up["measure"] == "steps with lr > 0 on both sides (of 6; not counted: steps 0, 1, lr 0)"
   mid = _synthetic(lrs=[1e-3, 0.0, 1e-3, 1e-3, 1e-3, 1e-3])
   assert "step 1 not counted: lr 0 on at least one side (the schedule gives lr 0 there)" in \
-      next(r for r in check_table.check_rows(mid) if r["metric"] == "updates")["detail"]
-  md = __import__("parity.report.markdown", fromlist=["x"]).report_markdown(d, {})
+      next(r for r in check_table.check_rows(RunRecord.of(mid)) if r["metric"] == "updates")["detail"]
+  md = __import__("parity.report.markdown", fromlist=["x"]).report_markdown(RunRecord.of(d), {})
   assert "WarmupCosineLR" not in md
 
 
@@ -384,21 +388,21 @@ def test_details_say_what_their_figures_are_and_a_mended_write_error_is_not_repe
   d["write_errors"] = [{"file": str(tmp_path / "report.html"), "error": "No space left on device"},
                        {"file": str(tmp_path / "*.png"), "error": "No space left on device"},
                        {"file": str(tmp_path / "metrics.jsonl"), "error": "No space left on device"}]
-  assert len(headline.open_write_errors(d, tmp_path)) == 3
+  assert len(headline.open_write_errors(RunRecord.of(d), tmp_path)) == 3
   (tmp_path / "report.html").write_text("re-rendered")
   (tmp_path / "loss.png").write_bytes(b"png")
   (tmp_path / "metrics.jsonl").write_text("an older file: a re-render does not write it")
-  assert [e["file"] for e in headline.open_write_errors(d, tmp_path)] == [str(tmp_path / "metrics.jsonl")]
+  assert [e["file"] for e in headline.open_write_errors(RunRecord.of(d), tmp_path)] == [str(tmp_path / "metrics.jsonl")]
   assert check_table.plain_detail(
       "worst window steps 0-5: rms |Δgrad_norm| 0.000243 vs envelope rms 0.000966").startswith(
       "worst window steps 0-5: rms rel. |Δgrad_norm| 0.000243")  # the grad_norm envelope is relative
   d["environment"]["git"] = {"rev": "b" * 40, "dirty": False}  # committed while the sides ran: both revisions named
-  rev = dict(setup_table.environment_rows(d, {"git": {"commit": "a" * 40}}))["project git revision"]
+  rev = dict(setup_table.environment_rows(RunRecord.of(d), {"git": {"commit": "a" * 40}}))["project git revision"]
   assert rev.startswith("bbbbbbbbbbbb (clean) when the report was written; the sides started at aaaaaaaaaaaa")
-  rows = dict(setup_table.environment_rows(d, {"git": {"commit": "b" * 40}}))
+  rows = dict(setup_table.environment_rows(RunRecord.of(d), {"git": {"commit": "b" * 40}}))
   assert rows["project git revision"] == "bbbbbbbbbbbb (clean)"
   bf16 = _synthetic("bf16")  # the per-step loss bound drawn on the delta plot is named as not gating
-  fig = dict((k, f) for k, _, f in report_figures(bf16))["delta"]
+  fig = dict((k, f) for k, _, f in report_figures(RunRecord.of(bf16)))["delta"]
   assert any("reported only" in t.get_text() for t in fig.axes[0].get_legend().get_texts())
 
 
@@ -418,25 +422,26 @@ def test_throughput_uses_one_warmup_rule_and_tokens_per_s_is_tokens_over_that_me
   jax_times = [0.26913529400007974, 0.005277326999930665, 0.005064670000137994, 0.00381461599999966]  # breaker's run
   d["sides"]["jax"]["series"]["step_time_s"] = jax_times
   d["sides"]["jax"]["summary"].update(step_time_s_median=0.004439643000068827, tokens_per_s=28831.14700844542)
-  tps = side_table.tokens_per_step(d)
+  tps = side_table.tokens_per_step(RunRecord.of(d))
   med = step_time_median(jax_times)
   assert med == pytest.approx(0.00443964) and tps == 128
-  row = next(r for r in side_table.throughput_rows(d) if r["side"] == "jax")
+  row = next(r for r in side_table.throughput_rows(RunRecord.of(d)) if r["side"] == "jax")
   assert row["repeats"] == 2 and row["median_s"] == "0.00444" and row["tokens_per_s"] == f"{tps / med:,.0f}" == "28,831"
-  assert next(r for r in side_table.side_rows(d) if r["side"] == "jax")["tokens_per_s"] == "28,831"
-  note = side_table.throughput_note(d)
+  assert next(r for r in side_table.side_rows(RunRecord.of(d)) if r["side"] == "jax")["tokens_per_s"] == "28,831"
+  note = side_table.throughput_note(RunRecord.of(d))
   assert "the first 2 steps left out as warmup" in note and "128 tokens per step / the median" in note
-  assert "(the first step left out" not in report_markdown(d, {}) and "0.00444" in report_markdown(d, {})
-  kf = make_card(d, tmp_path)["key_figures"]
+  md = report_markdown(RunRecord.of(d), {})
+  assert "(the first step left out" not in md and "0.00444" in md
+  kf = make_card(RunRecord.of(d), tmp_path)["key_figures"]
   assert kf["step_time_s_median"]["jax"] == pytest.approx(med)
   assert kf["tokens_per_s"]["jax"] == pytest.approx(tps / kf["step_time_s_median"]["jax"])
   # the gate's snapshot and the comparison page read summary.json's median, which the side wrote by the same rule
   # (SideIO.finish: step_time_median of its step times): the same figure as the report's and the card's
   snap = snapshot_from_report(Report(data=d, run_dir=tmp_path))
   assert snap.figures["jax"]["step_time_s_median"] == pytest.approx(med)
-  assert side_figures(d["sides"]["jax"])["step_time_s_median"] == pytest.approx(med)
+  assert side_figures(SideRecord.of("side", d["sides"]["jax"]))["step_time_s_median"] == pytest.approx(med)
   d3 = _synthetic(steps=3, sides=("jax", "torch"))  # three steps: only the first is warmup, and the note says so
-  assert "the first step left out as warmup" in side_table.throughput_note(d3)
+  assert "the first step left out as warmup" in side_table.throughput_note(RunRecord.of(d3))
 
 
 def _stopped(d: dict, side: str, n: int, status: str, error: str, traceback: str = "") -> dict:
@@ -467,7 +472,7 @@ def test_a_killed_side_is_blamed_for_no_update_not_the_configured_steps():
   from parity.verdict.steps import updates_check
   d = _stopped(_synthetic(steps=4, sides=("jax", "torch")), "jax", 1, "killed",
                "worker killed by signal SIGKILL (SIGKILL: killed from outside, or by the kernel's OOM killer)")
-  sentence = headline.verdict_sentence(d)
+  sentence = headline.verdict_sentence(RunRecord.of(d))
   assert sentence.startswith("FAIL: jax stopped after 1 of 4 steps (killed: worker killed by signal SIGKILL)")
   assert "train.steps > 2" not in sentence and "run more steps" not in sentence
   assert "no optimizer update was compared before jax stopped" in sentence
@@ -487,7 +492,8 @@ def test_a_crashed_side_names_its_error_in_the_verdict():
         'str(path),\n  File "/v/safetensors/numpy.py", line 93, in save_file\n    serialize_file(\n')
   err = "SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)"
   d = _stopped(_synthetic(steps=4, sides=("jax", "torch")), "torch", 4, "crashed", err, tb)
-  assert headline.verdict_sentence(d) == ("FAIL: torch stopped after 4 of 4 steps (crashed writing final.safetensors: "
+  sentence = headline.verdict_sentence(RunRecord.of(d))
+  assert sentence == ("FAIL: torch stopped after 4 of 4 steps (crashed writing final.safetensors: "
                                    "No space left on device).")
   moments_tb = tb.replace('final_params, self.out / "final.safetensors",', "flat, self.out / FINAL_MOMENTS, m)")
   assert headline.error_clause({"error": err, "traceback": moments_tb}) == (
@@ -508,7 +514,7 @@ def test_an_interrupted_run_plots_without_a_warning_and_none_reaches_the_user(mo
     monkeypatch.setattr(P, name, getattr(P, name).__wrapped__)  # the cause, with the guard off
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    keys = [k for k, _, fig in report_figures(d) if P.to_png(fig)]
+    keys = [k for k, _, fig in report_figures(RunRecord.of(d)) if P.to_png(fig)]
     lo, hi = P.delta_figure({"jax vs torch": ([], [])}, title="t", tolerance=None).axes[0].get_ylim()
   assert "delta" in keys and lo < hi
   monkeypatch.undo()
@@ -591,7 +597,7 @@ def test_a_failed_check_with_nothing_measured_says_why_not_exceeds():
   d["verdict"] = {"passed": False, "message": "FAIL: ...", "first_failure": {
       "check": check["name"], "metric": "equivalence_ga", "sides": ["jax"], "step": None, "value": None,
       "tolerance": 1e-5}}
-  kind, sentence, _ = verdict_parts(d)
+  kind, sentence, _ = verdict_parts(RunRecord.of(d))
   assert kind == "fail" and "exceeds" not in sentence and "n/a" not in sentence, sentence
   assert "equivalence_ga of jax could not be measured: the rerun did not finish: worker killed by signal SIGKILL" \
       in sentence, sentence
@@ -605,9 +611,9 @@ def test_the_data_card_rows_show_the_padding_fraction_rounded_and_as_a_percentag
                          "examples_per_step", "length_min", "length_median", "length_max", "tokens_per_step",
                          "loss_tokens_total")}
   card.update(padding_fraction=0.057861328125, loss_tokens_per_step=[3, 5], truncation={"cut": 0})
-  rows = dict((k, v) for k, v in data_card_rows({"data": {"card": card, "loss_normalization": "tokens"}}))
+  rows = dict((k, v) for k, v in data_card_rows(RunRecord.of({"data": {"card": card, "loss_normalization": "tokens"}})))
   assert rows["padding_fraction"] == "0.0579 (5.8%)" and rows["loss tokens per step (min / max)"] == "3 / 5"
-  assert data_card_rows({"data": {}}) == []
+  assert data_card_rows(RunRecord.of({"data": {}})) == []
 
 
 def test_data_notes_tell_the_terminal_what_truncation_cut_and_stay_quiet_otherwise():

@@ -141,6 +141,7 @@ def test_a_new_side_is_picked_up_from_its_one_record(fake, tmp_path, monkeypatch
   from parity.history.bands import records_threads
   from parity.protocol import workers
   from parity.protocol.ranks import COORDINATOR_ENV
+  from parity.report.run_record import RunRecord
   from parity.report.setup_table import plan_rows
   from parity.sizing import memory
   run = RunSpec(sides=("jax", "fake")).validate()  # a run may name it
@@ -162,8 +163,8 @@ def test_a_new_side_is_picked_up_from_its_one_record(fake, tmp_path, monkeypatch
   assert "fake" not in memory.estimate_sides()  # not `estimated`: `parity estimate` keeps its columns
   # the report: its plan row, labelled from its record, for a run that has it and only then
   d = {"plan": {}, "run": to_dict(run), "sides": {"jax": {}, "fake": {}}}
-  assert ("NumPy fake plan", fake_side.plan_text(d)) in plan_rows(d)
-  assert "NumPy fake plan" not in dict(plan_rows({**d, "sides": {"jax": {}}}))
+  assert ("NumPy fake plan", fake_side.plan_text(RunRecord.of(d))) in plan_rows(RunRecord.of(d))
+  assert "NumPy fake plan" not in dict(plan_rows(RunRecord.of({**d, "sides": {"jax": {}}})))
   # install, sockets, history: what its record says (numpy: the base install; no sockets on one rank; no threads)
   assert installed.missing_module("fake") is None and installed.install_line("fake") == "pip install parity"
   assert sockets.needs_sockets("fake", 1) is None and "torchrun" in sockets.needs_sockets("fake", 2)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord, SideRecord
+
 from parity import sockets
 from parity.cli.doctor import rows
 from parity.cli.doctor_jax import STANDALONE, host_link_text
@@ -99,7 +101,7 @@ def test_the_recorded_tpu_run_names_each_side_s_hardware():
   """JAX on the chip, torch on the host CPU: the caveat names both and says the figures are not comparable (it said
   'CPU backend (torch): ... not representative of GPU training', as gpt2-fp32.txt shows)."""
   assert "CPU backend (torch)" in (DATA / "gpt2-fp32.txt").read_text()
-  note = side_table.throughput_note(_report("gpt2-fp32"))
+  note = side_table.throughput_note(RunRecord.of(_report("gpt2-fp32")))
   assert note.startswith("jax on TPU (TPU_0); torch on the host CPU (13 threads): tokens/s of sides on different "
                          "hardware are not comparable; sides ran one after another")
   assert "not representative of GPU training" not in note and "CPU backend" not in note
@@ -108,24 +110,26 @@ def test_the_recorded_tpu_run_names_each_side_s_hardware():
 @pytest.mark.parametrize("cell", ["gpt2-fp32", "llama3-bf16-scan", "qwen3-fp32-act", "gemma3-fp32"])
 def test_each_recorded_summary_reads_as_its_device(cell):
   summaries = {s: json.loads((DATA / cell / s / "summary.json").read_text()) for s in ("jax", "torch")}
-  hw = {s: hardware.side_hardware({"summary": summ}) for s, summ in summaries.items()}
+  hw = {s: hardware.side_hardware(SideRecord.of("side", {"summary": summ})) for s, summ in summaries.items()}
   assert hw["jax"] == ("tpu", "TPU (TPU_0)")
   threads = summaries["torch"]["threads"]["torch_num_threads"]
   assert hw["torch"] == ("cpu", f"the host CPU ({threads} threads)")
   with_kind = {**summaries["jax"], "device_kind": "TPU v5 lite"}  # a side that records its chip's kind
-  assert hardware.side_hardware({"summary": with_kind}) == ("tpu", "TPU v5 lite")
+  assert hardware.side_hardware(SideRecord.of("side", {"summary": with_kind})) == ("tpu", "TPU v5 lite")
 
 
 def test_cpu_only_and_same_accelerator_runs_keep_their_wording():
   d = _report("gpt2-fp32")
   d["sides"]["jax"]["summary"]["device"] = "cpu:0"  # jax on the CPU as well: the CPU-only sentence, as before
-  assert side_table.throughput_note(d).startswith("CPU backend (jax, torch): throughput is not representative of "
+  note = side_table.throughput_note(RunRecord.of(d))
+  assert note.startswith("CPU backend (jax, torch): throughput is not representative of "
                                                   "GPU training; ")
   for name, dev in (("jax", "cuda:0"), ("torch", "cuda (NVIDIA H200)")):  # both on GPUs: no hardware caveat
     d["sides"][name]["summary"]["device"] = dev
-  assert side_table.throughput_note(d).startswith("sides ran one after another")
+  assert side_table.throughput_note(RunRecord.of(d)).startswith("sides ran one after another")
   d["sides"]["torch"]["summary"]["device"] = "cpu"  # a GPU jax beside a CPU torch (--allow-cpu)
-  assert side_table.throughput_note(d).startswith("jax on GPU cuda:0; torch on the host CPU (13 threads): tokens/s "
+  note = side_table.throughput_note(RunRecord.of(d))
+  assert note.startswith("jax on GPU cuda:0; torch on the host CPU (13 threads): tokens/s "
                                                   "of sides on different hardware are not comparable")
 
 

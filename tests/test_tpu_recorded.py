@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from parity.report.run_record import RunRecord
+
 from parity import semantics as card_lib
 
 DATA = Path(__file__).parent / "data" / "tpu_v5e"
@@ -133,9 +135,9 @@ def test_each_leg_s_precision_settings_are_recorded_and_their_differences_shown(
   assert rows["env LIBTPU_INIT_ARGS"]["values"] == {"jax": " --xla_tpu_use_enhanced_launch_barrier=true",
                                                     "torch": None}
   d = {"semantics": {"cards": {"jax": jax_card, "torch": torch_card}, "rows": []}}
-  table = precision_table(d)
+  table = precision_table(RunRecord.of(d))
   assert ["backend", "tpu", "cpu", "differs"] in table and ["env XLA_FLAGS", "unset", "unset", "yes"] in table
-  block = semantics_card_block(d)
+  block = semantics_card_block(RunRecord.of(d))
   assert {x["setting"] for x in block["precision_settings"]["differences"]} == {
       "backend", "device", "env LIBTPU_INIT_ARGS"}
   assert rows["matmul"]["agree"] is None and ["matmul", "highest", "float32_matmul_precision=highest, cuda.matmul."
@@ -148,7 +150,7 @@ def test_the_caveat_names_the_chip_by_its_kind():
   summ = json.loads((DATA / "gpt2-fp32" / "jax" / "summary.json").read_text())
   torch = json.loads((DATA / "gpt2-fp32" / "torch" / "summary.json").read_text())
   d = {"sides": {"jax": {"summary": {**summ, "device_kind": "TPU v5 lite"}}, "torch": {"summary": torch}}}
-  text = hardware_caveat(d)
+  text = hardware_caveat(RunRecord.of(d))
   assert text.startswith("jax on TPU v5 lite; torch on the host CPU") and "not comparable" in text
 
 

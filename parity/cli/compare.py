@@ -15,6 +15,7 @@ from parity.cli.port import add_stack_argument
 from parity.spec import SpecError
 from parity.overrides import parse_overrides
 from parity.cli.gate_table import print_gate
+from parity.history.after import PostRun
 from parity.report.check_table import per_tensor_rule, tolerance_text
 from parity.report.equivalence_view import equivalence_lines
 from parity.report.headline import verdict_sentence, run_title
@@ -141,7 +142,7 @@ def run_compare(args: argparse.Namespace) -> int:
   """`parity compare`: resolve_run and run_comparison (as parity.pipeline.compare.compare) and the summary. Returns
   the report's exit code."""
   started = time.time()
-  report = run_comparison(resolved_run(args), run_options(args, started_s=started))
+  report = run_comparison(resolved_run(args), run_options(args, started_s=started), after=PostRun.for_options)
   print_summary(report, console())
   _print_post(report, console(), verbose=getattr(args, "verbose", False))
   return report.exit_code
@@ -203,75 +204,73 @@ def print_summary(report, con) -> None:
   Columns fold (wrap) instead of truncating: at 120 columns the memory-kind cell wraps onto a second line."""
   from rich.table import Table
 
-  sides = report.data.get("sides") or {}
-  ranks = {n: int(((s.get("summary") or {}).get("nproc")) or 1) for n, s in sides.items()}  # harness.ranks.fold_ranks
+  rec = report.record
+  ranks = {n: int(s.summary.get("nproc") or 1) for n, s in rec.sides.items()}  # harness.ranks.fold_ranks
   world = max(ranks.values(), default=1)
   t = Table(title=f"parity compare — {report.run_dir}" + (f" — {world} ranks per side" if world > 1 else ""),
-            caption=_title(report.data))  # what was compared: the model (an --hf-model checkpoint by name), plan, ...
-  tput = throughput_columns(report.data)  # tokens/s, and loss tokens/s on padded/packed data
+            caption=_title(rec))  # what was compared: the model (an --hf-model checkpoint by name), plan, ...
+  tput = throughput_columns(rec)  # tokens/s, and loss tokens/s on padded/packed data
   cols = ("side", "status", "steps", "loss first→last", "val loss", *(h for _, h in tput), "init/compile s",
           "peak RSS", "state by memory kind")
   for col in cols:
     t.add_column(col, overflow="fold", no_wrap=col in ("side", "steps"),
                  min_width=20 if col == "state by memory kind" else None)
-  for r in side_rows(report.data):
+  for r in side_rows(rec):
     n = ranks.get(r["side"], 1)
     t.add_row(r["side"] + (f" × {n} ranks" if n > 1 else ""), f"{r['status']} ({r['backend']})", str(r["steps"]),
               r["loss"], r["val_loss"], *(r[k] for k, _ in tput), f"{r['init_s']} / {r['compile_s']}", r["peak_rss"],
               r["memory_kinds"].replace(", ", ",\n"))
   con.print(t)
   # the same caveat as the page: tokens/s of sides run one after another under changing load (a CPU backend)
-  con.print(f"tokens/s: {throughput_note(report.data)}", soft_wrap=True)
-  _print_checks(report, con)
-  for line in perturbation_lines(report.data):  # each --perturb and whether the side ran it (the report's table)
+  con.print(f"tokens/s: {throughput_note(rec)}", soft_wrap=True)
+  _print_checks(rec, con)
+  for line in perturbation_lines(rec):  # each --perturb and whether the side ran it (the report's table)
     con.print(line, style="bold red" if "NOT APPLIED" in line else None, soft_wrap=True, markup=False)
   style = "bold green" if report.passed else "bold red"
-  for why in (report.data.get("sides_not_run") or {}).values():  # a side this machine could not start (parity.sockets)
-    con.print(why.get("reason"), style="bold red" if why.get("named") else None, soft_wrap=True, markup=False)
-  con.print(f"[{style}]{verdict_sentence(report.data)}[/{style}]")
-  moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
-  if moved:
-    con.print(f"--force: the earlier run in {report.run_dir} was moved aside to {moved}")
-  where = report.data.get("report_written_to") or report.run_dir
-  for e in report.data.get("write_errors") or []:
-    con.print(f"[bold red]could not write {e['file']}: {e['error']}[/bold red]", soft_wrap=True)
-  if report.data.get("write_errors"):
+  for why in rec.sides_not_run.values():  # a side this machine could not start (parity.sockets)
+    con.print(why.reason, style="bold red" if why.named else None, soft_wrap=True, markup=False)
+  con.print(f"[{style}]{verdict_sentence(rec)}[/{style}]")
+  if rec.run_folder.moved_aside_to:
+    con.print(f"--force: the earlier run in {report.run_dir} was moved aside to {rec.run_folder.moved_aside_to}")
+  where = rec.report_written_to or report.run_dir
+  for e in rec.write_errors:
+    con.print(f"[bold red]could not write {e.get('file')}: {e.get('error')}[/bold red]", soft_wrap=True)
+  if rec.write_errors:
     con.print(f"[bold red]the report is incomplete (exit 1); what could be written is in {where}[/bold red]")
   else:
     con.print(f"report: {Path(where) / 'report.html'} (also report.md with its plots, card.json, report.json)",
               soft_wrap=True)
 
 
-def _title(d: dict) -> str | None:
+def _title(rec) -> str | None:
   try:
-    return run_title(d)
+    return run_title(rec)
   except (KeyError, TypeError):  # a report without its run section: the table says the rest
     return None
 
 
-def _print_checks(report, con) -> None:
+def _print_checks(rec, con) -> None:
+  """The checks table, the determinism line and the equivalence lines of the summary (rec: the RunRecord)."""
   from rich.table import Table
   c = Table(title="checks")
-  tols = (report.data.get("tolerances") or {}).get(((report.data.get("run") or {}).get("train") or {}).get(
-      "precision"), {})
+  tols = rec.tolerance_table
   for col in ("check", "value", "tolerance", "ok", "first failing step"):
     c.add_column(col)
-  for ch in report.checks:
-    val = ch["value"]
-    tol = ch["tolerance"]
+  for ch in rec.checks:
+    val = ch.value
     text = f"{val:.3g}" if isinstance(val, (int, float)) else "nan" if val is None else str(val)
-    c.add_row(ch["name"], text + (" (ratio to moved)" if per_tensor_rule(ch) else ""),
-              tolerance_text(ch, tols) if isinstance(tol, (int, float)) else "n/a",
-              ("yes" if ch["passed"] else "[red]NO[/red]") if ch.get("gating", True) else
-              ("yes (reported only)" if ch["passed"] else "no (reported only)"),
-              "" if ch["first_failing_step"] is None else str(ch["first_failing_step"]))
+    c.add_row(ch.name, text + (" (ratio to moved)" if per_tensor_rule(ch) else ""),
+              tolerance_text(ch, tols) if isinstance(ch.tolerance, (int, float)) else "n/a",
+              ("yes" if ch.passed else "[red]NO[/red]") if ch.gating else
+              ("yes (reported only)" if ch.passed else "no (reported only)"),
+              "" if ch.first_failing_step is None else str(ch.first_failing_step))
   con.print(c)
-  det = report.data.get("determinism") or {}
+  det = rec.determinism
   if det:
     con.print("determinism (first steps rerun in a new process; a side that does not repeat itself makes its "
               "verdict chance): " + ", ".join(
-                  f"{s} {'bit-identical' if x['deterministic'] else 'NOT bit-identical'}" for s, x in det.items())
-              + ("" if all(x["deterministic"] for x in det.values()) else
+                  f"{s} {'bit-identical' if x.deterministic else 'NOT bit-identical'}" for s, x in det.items())
+              + ("" if all(x.deterministic for x in det.values()) else
                  " (--determinism-steps 0 skips this rerun)"), soft_wrap=True)
-  for line in equivalence_lines(report.data):  # --equivalence: one line per kind and side
+  for line in equivalence_lines(rec):  # --equivalence: one line per kind and side
     con.print(line, soft_wrap=True, markup=False)

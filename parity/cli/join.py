@@ -39,7 +39,7 @@ def run_join(args: argparse.Namespace) -> int:
   report = join_runs(args.run_dirs, out=args.out, force=args.force,
                      command=" ".join(["parity", *sys.argv[1:]]))
   con = console()
-  for line in join_lines(report.data):
+  for line in join_lines(report.record):
     con.print(line, soft_wrap=True, markup=False)
   print_summary(report, con)
   return report.exit_code

@@ -85,7 +85,7 @@ def _one_run(run_dir: Path, post, force: bool = False) -> int:
   con = console()
   # print_summary names the report page only when nothing failed; the errors of this re-render (in memory only:
   # report.json is not rewritten) make it say what could not be written instead
-  report.data["write_errors"] = [dict(zip(("file", "error"), e.rpartition(": ")[::2])) for e in errors]
+  report.set_write_errors([dict(zip(("file", "error"), e.rpartition(": ")[::2])) for e in errors])
   print_summary(report, con)
   if written:
     con.print(f"re-rendered from the run's files: {', '.join(sorted(p.name for p in written.values()))}",
@@ -93,7 +93,7 @@ def _one_run(run_dir: Path, post, force: bool = False) -> int:
   for u in unrendered:
     con.print(f"[yellow]not re-rendered: {u}[/yellow]", soft_wrap=True)
   for kind, target in post.trackers:
-    _mirror_one(run_dir, list(report.data["sides"]), kind, target, con)
+    _mirror_one(run_dir, list(report.record.sides), kind, target, con)
   return 1 if errors else report.exit_code
 
 

@@ -25,6 +25,7 @@ from parity.cli._common import Failure
 from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
 from parity.hf.presets import HF_REPOS
 from parity.presets import PRESETS
+from parity.side_plans import describe_plans, side_plans
 from parity.spec import to_dict
 
 __all__ = ["register"]
@@ -140,28 +141,12 @@ def human_bytes(n: int) -> str:
   return f"{_in(n, unit)} {unit[0]}"
 
 
-def plan_label(run) -> str:
-  """The plan pair's name and what it sets on each side, e.g. 'zero2-offload (DeepSpeed ZeRO-2, offload_optimizer
-  cpu; JAX offload_opt_state)'; a run whose plans are no named pair says so."""
-  ds, jx = run.deepspeed, run.jax
-  ds_txt = ", ".join([f"ZeRO-{ds.zero_stage}"] + [f"{k} cpu" for k in ("offload_optimizer", "offload_param")
-                                                  if getattr(ds, k) == "cpu"] +
-                     (["activation checkpointing"] if ds.activation_checkpointing else []))
-  jx_txt = ", ".join([k for k in ("offload_opt_state", "offload_params", "scan_layers") if getattr(jx, k)] +
-                     ([f"zero_stage {jx.zero_stage}"] if jx.zero_stage else []) +
-                     ([f"remat {jx.remat}"] if jx.remat != "none" else []) +
-                     ([f"data_parallel {jx.data_parallel}"] if jx.data_parallel > 1 else [])) or "no offload"
+def plan_label(run, plans) -> str:
+  """The plan pair's name and what `plans` (side -> plan: parity.side_plans.side_plans) set, in the plans' own words
+  (parity.side_plans.describe_plans): 'plan zero2-offload (DeepSpeed ...; JAX ...)'; a run whose plans are no named
+  pair says so."""
   name = plan_of(run)
-  return f"{f'plan {name}' if name else 'own plans (no named pair)'} (DeepSpeed {ds_txt}; JAX {jx_txt})"
-
-
-def fsdp_label(run) -> str:
-  """What the run's FSDP2 plan sets: 'offload, reshard after forward' and the like."""
-  p = run.fsdp
-  return ", ".join(["CPU offload" if p.offload else "no offload",
-                    "reshard after forward" if p.reshard_after_forward else "no reshard after forward"]
-                   + (["activations saved on the CPU"] if p.activation_offload else [])
-                   + (["activation checkpointing"] if p.activation_checkpointing else []))
+  return f"{f'plan {name}' if name else 'own plans (no named pair)'} ({describe_plans(plans)})"
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -189,11 +174,13 @@ def run_estimate(args: argparse.Namespace) -> int:
            "the micro batch split over them" if t.micro_batch_size % args.ranks == 0 else
            f"micro batch {t.micro_batch_size} does not split over {ranks} (compare --nproc {args.ranks} refuses "
            f"it; --micro-batch {args.ranks * per} would): counted as {per} sequence{'s' * (per > 1)} each")
+  plans = side_plans(run, sides)
+  fsdp = plans.pop("fsdp", None)  # FSDP2's plan is said with its ranks and split, beside them
   table = Table(title=f"{out['total_params']:,} params, micro batch {t.micro_batch_size} x {t.seq_len} tokens, "
-                      f"{t.precision}, {plan_label(run)}, DeepSpeed on {ranks}"
+                      f"{t.precision}, {plan_label(run, plans)}, DeepSpeed on {ranks}"
                       + (" (that micro batch on each: train_micro_batch_size_per_gpu)" if args.ranks > 1 else "")
-                      + f"; FSDP2 ({fsdp_label(run)}) on "
-                      f"{ranks}, {split} ({unit[0]} per rank)")
+                      + (f"; FSDP2 ({fsdp.describe()}) on {ranks}" if fsdp is not None else "")
+                      + f", {split} ({unit[0]} per rank)")
   for col in ("category", *(f"{s} {k}" for s in sides for k in memory.KINDS)):
     table.add_column(col, justify="left" if col == "category" else "right")
   for cat in memory.CATEGORIES:

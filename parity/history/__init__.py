@@ -7,7 +7,8 @@ run folder back and re-verifies it; parity.report never imports this package).
   gate_rows   the gate's rows, one per metric and side
   gate        check_against (`parity compare --baseline`, `parity check`), gate.json/gate.md, read_gate
   snapshot    what the gate compares: a run folder or its card.json as a Snapshot (load_baseline)
-  after       what a comparison does after its report: the gate and the tracker mirror (PostRun)
+  after       what a comparison does after its report: the gate and the tracker mirror (PostRun; its callers hand
+              the pipeline PostRun.for_options, the pipeline never imports this package)
 
 The gate never imports the comparison page; the page reads each run's gate (read_gate).
 """

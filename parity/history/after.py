@@ -1,7 +1,8 @@
 """What a comparison does after its report is written, when asked: the regression gate (`--baseline`) and the
 tracker mirror (`--tracker`). Both are checked before any side starts (`PostRun.prepare`: a baseline that cannot be
 read or a tracker that is not installed is bad input, exit 2), and applied to the finished run (`PostRun.apply`),
-never changing report.json: the gate writes gate.json/gate.md beside it."""
+never changing report.json: the gate writes gate.json/gate.md beside it. The pipeline does not import this module:
+its callers (`parity compare`, parity.compare) hand it `PostRun.for_options` (parity.pipeline.compare.AfterStep)."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,12 @@ class PostRun:
     (parity.report.trackers.check_trackers). Raises InputError naming the flag, the value and the fix."""
     return cls(baseline=None if baseline is None else load_baseline(baseline), trackers=check_trackers(trackers))
 
+  @classmethod
+  def for_options(cls, options) -> "PostRun":
+    """`prepare` from a comparison's options (parity.pipeline.compare.RunOptions: baseline, trackers): the
+    after-report step the callers of the pipeline give it (parity.pipeline.compare.AfterStep)."""
+    return cls.prepare(options.baseline, options.trackers)
+
   @property
   def empty(self) -> bool:
     return self.baseline is None and not self.trackers
@@ -58,7 +65,7 @@ class PostRun:
     for kind, target in self.trackers:
       try:
         t = open_tracker(kind, target, Path(report.run_dir).name)
-        n = mirror_run(report.run_dir, [t], sides=list(report.data["sides"]))
+        n = mirror_run(report.run_dir, [t], sides=list(report.record.sides))
         out.messages.append(f"tracker {kind}:{target}: {n} step records mirrored")
       except Exception as exc:  # a tracker's own failure must not lose the run's result
         out.messages.append(f"tracker {kind}:{target} failed: {type(exc).__name__}: {str(exc)[:200]}")
@@ -69,7 +76,7 @@ def baseline_as_moved(baseline, report):
   """The baseline Snapshot named where it now lies: with `--out X --baseline X --force` the old run X (read before
   the run started) was moved aside to report.json's run_folder.moved_aside_to, and X is the new run, so the gate
   must not call the baseline "X"."""
-  moved = (report.data.get("run_folder") or {}).get("moved_aside_to")
+  moved = report.record.run_folder.moved_aside_to
   src, rd = Path(baseline.source), Path(report.run_dir).resolve()
   if not moved:
     return baseline

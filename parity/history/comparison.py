@@ -15,13 +15,15 @@ from typing import Any, Sequence
 
 from parity.history.gate import read_gate
 from parity.inputs import InputError
-from parity.pipeline.claim import enclosing_run
+from parity.protocol.layout import enclosing_run
 from parity.report import html as H
 from parity.report.finished import load_finished
 from parity.report.headline import model_label
 from parity.report.markdown import md_table, md_text
 from parity.report.read import finite_number, peak_load, verify_report
+from parity.report.run_record import RunRecord, SideRecord
 from parity.report.runconfig import config_diff, flatten, launch_config
+from parity.side_plans import describe_plans
 from parity.report.write import atomic_write
 from parity.report.plots import across_runs_figure, line_figure, to_png, to_svg  # imports matplotlib: only when drawing
 
@@ -84,25 +86,24 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
 """(key, title, unit, log scale) of each plot across runs; max_dloss is per pair, the others per side."""
 
 
-def _plan_text(d: dict) -> str:
-  """The plan pair's name when one was chosen, else the run's own settings in a few words."""
-  plan, mig = d.get("plan") or {}, d.get("migration") or {}
-  if mig.get("source"):  # the DeepSpeed config's port decided the plans
-    return f"DeepSpeed config {Path(str(mig['source'])).name}" + (f" ({plan['name']})" if plan.get("name") else "")
-  if plan.get("name"):
-    return str(plan["name"])
-  ds, jx = d["run"].get("deepspeed", {}), d["run"].get("jax", {})
-  off = "+offload" if ds.get("offload_optimizer") not in (None, "none") else ""
-  jax_off = "+pinned_host" if jx.get("offload_opt_state") else ""
-  return f"ZeRO-{ds.get('zero_stage')}{off} / JAX{jax_off}"
+def _plan_text(rec: RunRecord) -> str:
+  """The plan pair's name when one was chosen, else the run's own plans as each describes itself
+  (parity.side_plans.describe_plans over the plans of the sides that ran)."""
+  plan, mig = rec.plan, rec.migration
+  name = plan.name if plan else None
+  if mig and mig.source:  # the DeepSpeed config's port decided the plans
+    return f"DeepSpeed config {Path(str(mig.source)).name}" + (f" ({name})" if name else "")
+  if name:
+    return str(name)
+  return describe_plans(rec.side_plans()) or "none: no side of it runs a plan"
 
 
-def side_figures(s: dict) -> dict[str, Any]:
-  summ, ser = s["summary"], s["series"]
-  losses = [x for x in ser["loss"] if finite_number(x) is not None]
-  return {"status": s["status"], "tokens_per_s": finite_number(summ.get("tokens_per_s")),
+def side_figures(s: SideRecord) -> dict[str, Any]:
+  """A side's key figures (RunFigures.per_side) from its record."""
+  summ, losses = s.summary, [x for x in s.values("loss") if finite_number(x) is not None]
+  return {"status": s.status, "tokens_per_s": finite_number(summ.get("tokens_per_s")),
           "step_time_s_median": finite_number(summ.get("step_time_s_median")),
-          "peak_rss_bytes": finite_number(summ.get("peak_host_rss_bytes") or s.get("harness_peak_rss_bytes")),
+          "peak_rss_bytes": finite_number(s.peak_rss_bytes),
           "peak_device_bytes": finite_number(summ.get("peak_device_bytes")),
           "final_loss": float(losses[-1]) if losses else None}
 
@@ -111,29 +112,27 @@ def run_figures(report, label: str | None = None) -> RunFigures:
   """The key figures of one loaded Report (parity.report.build.Report; read with load_report).
 
   Returns RunFigures with `problems` empty and `differs` empty (load_runs fills both)."""
-  d = report.data
+  rec = report.record
   max_dloss: dict[str, float | None] = {}
   tol = None
-  for c in d["checks"]:
-    if c.get("metric") == "loss" and len(c.get("sides") or ()) == 2:
-      max_dloss["~".join(c["sides"])] = finite_number(c["value"])
-      tol = finite_number(c["tolerance"]) if tol is None else tol
+  for c in rec.checks:
+    if c.metric == "loss" and len(c.sides) == 2:
+      max_dloss["~".join(c.sides)] = finite_number(c.value)
+      tol = finite_number(c.tolerance) if tol is None else tol
   if tol is None:
-    table = (d.get("tolerances") or {}).get(d["run"]["train"]["precision"]) or {}
-    tol = finite_number(table.get("loss", {}).get("atol"))
-  sides = list(d["sides"])
+    tol = finite_number((rec.tolerance_table.get("loss") or {}).get("atol"))
+  sides = list(rec.sides)
   return RunFigures(
-      label=label or Path(report.run_dir).name, run_dir=Path(report.run_dir), preset=model_label(d),
-      precision=d["run"]["train"]["precision"], plan=_plan_text(d), sides=sides,
-      steps=int(d["run"]["train"]["steps"]), passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"],
-      max_dloss=max_dloss, loss_tolerance=tol, per_side={s: side_figures(d["sides"][s]) for s in sides},
-      versions=dict((d.get("environment") or {}).get("versions") or {}),
-      config={**flatten(d["run"]), **launch_config(report.run_dir)},
-      loss_series={s: (list(d["sides"][s]["series"]["step"]),
-                       [finite_number(x) for x in d["sides"][s]["series"]["loss"]]) for s in sides},
-      backend=",".join(sorted({str(d["sides"][s]["summary"].get("device") or "?").split(":")[0] for s in sides})),
-      max_load=_max_load(d),
-      cores=(d.get("environment") or {}).get("cpu_count"))
+      label=label or Path(report.run_dir).name, run_dir=Path(report.run_dir), preset=model_label(rec),
+      precision=rec.precision, plan=_plan_text(rec), sides=sides,
+      steps=int(rec.run.steps), passed=bool(rec.verdict.passed), verdict=rec.verdict.message,
+      max_dloss=max_dloss, loss_tolerance=tol, per_side={s: side_figures(rec.sides[s]) for s in sides},
+      versions=dict(rec.environment.versions),
+      config={**flatten(dict(rec.run.json)), **launch_config(report.run_dir)},
+      loss_series={s: (rec.sides[s].values("step"), [finite_number(x) for x in rec.sides[s].values("loss")])
+                   for s in sides},
+      backend=",".join(sorted({(rec.sides[s].device or "?").split(":")[0] for s in sides})),
+      max_load=_max_load(rec), cores=rec.environment.cpu_count)
 
 
 def gate_failures(runs: Sequence[RunFigures]) -> str:
@@ -143,9 +142,9 @@ def gate_failures(runs: Sequence[RunFigures]) -> str:
   return f" Failed the regression gate against its baseline (gate.md): {', '.join(bad)}." if bad else ""
 
 
-def _max_load(d: dict) -> float | None:
+def _max_load(rec: RunRecord) -> float | None:
   """The highest 1-minute load average recorded around any side (sides.<side>.load {start, end}), None if none."""
-  loads = [x for x in (peak_load(s.get("load")) for s in d["sides"].values()) if x is not None]
+  loads = [x for x in (peak_load(s.load) for s in rec.sides.values()) if x is not None]
   return max(loads) if loads else None
 
 

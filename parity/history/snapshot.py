@@ -13,6 +13,7 @@ from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.card import CARD_SCHEMA
 from parity.report.finished import load_finished
 from parity.report.read import finite_number, peak_load, verify_report
+from parity.report.run_record import RunRecord
 from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
 
 __all__ = ["Snapshot", "machine_identity", "machine_identity_from_env", "snapshot_from_report", "unfinished_reason",
@@ -64,19 +65,19 @@ class Snapshot:
   numerics_flags: dict[str, str | None] | None = None
 
 
-def machine_identity(run_dir: Path, data: dict) -> dict[str, str]:
+def machine_identity(run_dir: Path, rec: RunRecord) -> dict[str, str]:
   """The fields that say which machine wrote a run: host, cpu_model, cpu_count, machine, platform, backend, gpu.
 
   report.json's `environment` (hostname and CPU model, in newer reports) and each side's summary (`device`: the
   backend) first; <run_dir>/environment.json (harness.doctor's block), when present, overrides them. Fields no
   source recorded are left out."""
   out: dict[str, str] = {}
-  env = data.get("environment") or {}
-  for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"), ("cpu_count", "cpu_count"),
-                 ("machine", "machine"), ("platform", "platform")):
-    if env.get(src) not in (None, ""):
-      out[k] = str(env[src])
-  backends = sorted({str(s["summary"].get("device") or "").split(":")[0] for s in data["sides"].values()} - {""})
+  env = rec.environment
+  for k, v in (("host", env.hostname), ("cpu_model", env.cpu_model), ("cpu_count", env.cpu_count),
+               ("machine", env.machine), ("platform", env.platform)):
+    if v not in (None, ""):
+      out[k] = str(v)
+  backends = sorted({s.device.split(":")[0] for s in rec.sides.values()} - {""})
   if backends:
     out["backend"] = ",".join(backends)
   out.update(machine_identity_from_env(_environment_json(run_dir)))
@@ -121,9 +122,9 @@ def run_flags(run_dir: Path, sides) -> dict[str, str | None] | None:
   return out
 
 
-def _versions(run_dir: Path, data: dict) -> dict[str, str]:
+def _versions(run_dir: Path, rec: RunRecord) -> dict[str, str]:
   """package -> version: report.json's environment.versions, completed by environment.json's packages."""
-  out = {k: str(v) for k, v in ((data.get("environment") or {}).get("versions") or {}).items() if v is not None}
+  out = {k: str(v) for k, v in rec.environment.versions.items() if v is not None}
   pk = _environment_json(run_dir).get("packages")
   if isinstance(pk, dict):
     out.update({k: str(v) for k, v in pk.items() if v is not None})
@@ -132,37 +133,32 @@ def _versions(run_dir: Path, data: dict) -> dict[str, str]:
 
 def snapshot_from_report(report) -> Snapshot:
   """A Snapshot of a loaded Report (parity.report.build.Report)."""
-  d = report.data
+  rec, rd = report.record, Path(report.run_dir)
   series, figures = {}, {}
-  for side, s in d["sides"].items():
-    ser = s["series"]
+  for side, s in rec.sides.items():
+    ser = s.series
     recs = [{"step": st, **{m: ser[m][i] for m in ("loss", "grad_norm", "lr") if m in ser}}
             for i, st in enumerate(ser["step"])]
     by_step = {r["step"]: r for r in recs}
-    for st, v in zip(ser.get("val_step") or [], ser.get("val_loss") or []):
+    for st, v in zip(s.values("val_step"), s.values("val_loss")):
       if st in by_step:
         by_step[st]["val_loss"] = v
     series[side] = recs
-    summ = s["summary"]
-    losses = [x for x in ser["loss"] if finite_number(x) is not None]
-    figures[side] = {"steps_completed": summ.get("steps_completed", len(ser["loss"])),
+    summ, loss = s.summary, s.values("loss")
+    losses = [x for x in loss if finite_number(x) is not None]
+    figures[side] = {"steps_completed": summ.get("steps_completed", len(loss)),
                      "step_time_s_median": finite_number(summ.get("step_time_s_median")),
-                     "load": peak_load(s.get("load")),
-                     "peak_rss_bytes": finite_number(summ.get("peak_host_rss_bytes")
-                                                     or s.get("harness_peak_rss_bytes")),
+                     "load": peak_load(s.load), "peak_rss_bytes": finite_number(s.peak_rss_bytes),
                      "state_bytes": dict(summ.get("state_bytes_by_memory_kind") or {}),
                      "final_loss": losses[-1] if losses else None}
-  return Snapshot(source=Path(report.run_dir), kind="run", precision=d["run"]["train"]["precision"],
-                  passed=bool(d["verdict"]["passed"]), verdict=d["verdict"]["message"], sides=list(d["sides"]),
-                  series=series, figures=figures, versions=_versions(Path(report.run_dir), d),
-                  machine=machine_identity(Path(report.run_dir), d),
-                  config=gate_config(d, report.run_dir),
-                  config_hash=str(d.get("config_hash") or ""), max_dloss=_max_dloss(d["checks"]),
-                  created=str(d.get("created_utc") or ""), determinism=proven_deterministic(d),
-                  final_digest=final_digests(d, report.run_dir), threads=thread_settings(d),
-                  unfinished=unfinished_reason(d["verdict"]["message"],
-                                               {s: v.get("status") for s, v in d["sides"].items()}),
-                  numerics_flags=run_flags(Path(report.run_dir), list(d["sides"])))
+  return Snapshot(source=rd, kind="run", precision=rec.precision, passed=bool(rec.verdict.passed),
+                  verdict=rec.verdict.message, sides=list(rec.sides), series=series, figures=figures,
+                  versions=_versions(rd, rec), machine=machine_identity(rd, rec), config=gate_config(rec, rd),
+                  config_hash=str(rec.config_hash or ""), max_dloss=_max_dloss(rec.checks),
+                  created=str(rec.created_utc or ""), determinism=proven_deterministic(rec),
+                  final_digest=final_digests(rec, rd), threads=thread_settings(rec),
+                  unfinished=unfinished_reason(rec.verdict.message, rec.side_status()),
+                  numerics_flags=run_flags(rd, list(rec.sides)))
 
 
 def unfinished_reason(verdict: str, status: dict[str, Any]) -> str:
@@ -190,9 +186,9 @@ def pair_key(pair) -> str:
   return str(pair).replace(" vs ", "~")
 
 
-def _max_dloss(checks: list[dict]) -> dict[str, float | None]:
-  """'a~b' -> the `loss` check's value (max |loss_a - loss_b|, nats) of each pair."""
-  return {pair_key(c["sides"]): finite_number(c["value"]) for c in checks if c.get("metric") == "loss"}
+def _max_dloss(checks) -> dict[str, float | None]:
+  """'a~b' -> the `loss` check's value (max |loss_a - loss_b|, nats) of each pair (checks: the run's CheckRecords)."""
+  return {pair_key(c.sides): finite_number(c.value) for c in checks if c.metric == "loss"}
 
 
 def load_baseline(path: str | Path, flag: str = "--baseline") -> Snapshot:
@@ -226,15 +222,15 @@ def snapshot_from_card(path: Path) -> Snapshot:
   """A Snapshot of a verification card (card.json, schema parity.report.card.CARD_SCHEMA): key figures per side, the
   max |Δloss| per pair, versions and backend; no per-step series. The machine is read from environment.json beside
   the card when there is one. Raises InputError naming what the file lacks."""
-  d = load_json(path, what="card")
-  if not isinstance(d, dict) or d.get("schema") != CARD_SCHEMA or not isinstance(d.get("verdict"), dict) \
-      or not isinstance(d.get("compared"), dict) or not isinstance(d.get("key_figures"), dict):
+  card = load_json(path, what="card")
+  if not isinstance(card, dict) or card.get("schema") != CARD_SCHEMA or not isinstance(card.get("verdict"), dict) \
+      or not isinstance(card.get("compared"), dict) or not isinstance(card.get("key_figures"), dict):
     raise InputError(f"{path}: not a parity card (expected schema {CARD_SCHEMA!r} with verdict, compared and "
                      "key_figures); pass the card.json `parity compare` wrote, or its run folder")
-  comp, kf = d["compared"], d["key_figures"]
+  comp, kf = card["compared"], card["key_figures"]
   wrong = [name for name, value, types in (("compared.sides", comp.get("sides"), (list,)),
-                                           ("backend", d.get("backend"), (dict, type(None))),
-                                           ("versions", d.get("versions"), (dict, type(None))))
+                                           ("backend", card.get("backend"), (dict, type(None))),
+                                           ("versions", card.get("versions"), (dict, type(None))))
            if not isinstance(value, types) or (name == "compared.sides" and not all(isinstance(x, str) for x in value))]
   if wrong:
     raise InputError(f"{path}: not a parity card ({', '.join(wrong)} of the wrong type: compared.sides is a list of "
@@ -253,24 +249,24 @@ def snapshot_from_card(path: Path) -> Snapshot:
                     "loss_at_steps": {int(k): finite_number(v) for k, v in (per_side("loss_at_steps").get(side) or {})
                                       .items() if str(k).isdigit() and finite_number(v) is not None}}
              for side in sides}
-  backends = sorted({str(b) for b in (d.get("backend") or {}).values() if b})
+  backends = sorted({str(b) for b in (card.get("backend") or {}).values() if b})
   machine = {"backend": ",".join(backends)} if backends else {}
-  rec = d.get("machine") if isinstance(d.get("machine"), dict) else {}  # cards written since the machine was kept
+  rec = card.get("machine") if isinstance(card.get("machine"), dict) else {}  # cards written since the machine was kept
   machine.update({k: str(v) for k, v in rec.items() if v not in (None, "")})
   env = _environment_json(path.parent)
   if env:
     machine.update(machine_identity_from_env(env))
   return Snapshot(source=path, kind="card", precision=str(comp.get("precision") or "fp32"),
-                  passed=bool(d["verdict"].get("passed")), verdict=str(d["verdict"].get("message", "")),
+                  passed=bool(card["verdict"].get("passed")), verdict=str(card["verdict"].get("message", "")),
                   sides=sides, series=None, figures=figures,
-                  versions={k: str(v) for k, v in (d.get("versions") or {}).items() if v is not None},
+                  versions={k: str(v) for k, v in (card.get("versions") or {}).items() if v is not None},
                   machine=machine, config=dict(comp["config"]) if isinstance(comp.get("config"), dict) else {},
                   config_hash=str(comp.get("config_hash") or ""),
                   max_dloss={pair_key(k): finite_number(v) for k, v in per_side("max_abs_dloss").items()},
-                  created=str(d.get("created_utc") or ""), determinism=_card_determinism(d.get("determinism")),
+                  created=str(card.get("created_utc") or ""), determinism=_card_determinism(card.get("determinism")),
                   final_digest={str(k): str(v) for k, v in per_side("final_params_digest").items() if v},
-                  threads=_card_threads(d.get("threads")),
-                  unfinished=unfinished_reason(str(d["verdict"].get("message", "")), {}),
+                  threads=_card_threads(card.get("threads")),
+                  unfinished=unfinished_reason(str(card["verdict"].get("message", "")), {}),
                   numerics_flags=flag_values(env.get("numerics_flags")) if env else None)
 
 

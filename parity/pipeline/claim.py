@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
+from parity.protocol.layout import LOCK_NAME, enclosing_run
 from parity.spec import SpecError
 
 __all__ = ["claim_run_dir", "RunFolder", "RunFolderError", "RunIOError", "read_lock", "enclosing_run", "LOCK_NAME",
@@ -21,8 +22,6 @@ __all__ = ["claim_run_dir", "RunFolder", "RunFolderError", "RunIOError", "read_l
 
 
 # ------------------------------------------------------------------ the run folder: fresh, locked, never reused
-LOCK_NAME = ".parity.lock"
-"""The lock file of a run folder being written (JSON: pid, host, proc_start, started_utc, command, run_id)."""
 RUN_MARKERS = ("request.json", "report.json", "config.json", LOCK_NAME)
 """Files whose presence makes a folder a parity run folder (an earlier or a running run)."""
 RUN_INPUTS = ("request.json", "config.json", "init.safetensors", "batches.npy", "val_batches.npy",
@@ -129,30 +128,6 @@ def _is_run_folder(path: Path) -> bool:
 def _is_diagnose_folder(path: Path) -> bool:
   """A finished `parity diagnose` folder: its diagnose.json/.md (written at its end)."""
   return (path / "diagnose.json").exists() or (path / "diagnose.md").exists()
-
-
-_PARITY_FILES = ("report.json", "request.json", "diagnose.json")
-"""Files whose schema says `parity.`: with LOCK_NAME, what makes a folder certainly a parity run (a generic
-config.json does not: a user's project folder may hold one)."""
-
-
-def enclosing_run(path: Path) -> Path | None:
-  """The nearest folder above `path` (itself excluded) that is a parity run folder, or None.
-
-  A run folder is one with LOCK_NAME or a report.json/request.json/diagnose.json whose schema starts `parity.`.
-  A run written inside another's folder would mix with it (the outer run's --force moves both, its files look
-  like the inner run's), so --out there is refused."""
-  for folder in Path(path).absolute().parents:
-    if (folder / LOCK_NAME).exists():
-      return folder
-    for name in _PARITY_FILES:
-      try:
-        with open(folder / name, "rb") as f:
-          if b'"schema": "parity.' in f.read(4096):
-            return folder
-      except OSError:
-        continue
-  return None
 
 
 def _aside_name(path: Path) -> Path:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from harness import backend, doctor, lifetime, runner
 from parity import installed, sockets
@@ -24,7 +24,6 @@ from parity.pipeline.collect import collect_sides, interrupted_run
 from parity.protocol.layout import STEP_LIST_KEYS
 from parity.protocol.ranks import check_coordinator, check_nproc, multirank_checkpoint_refusal, write_launch
 from parity.report import Report, build_report, write_all
-from parity.history.after import PostRun
 from parity.report.progress import (data_notes, progress_display, rerun_parts, run_notes, show_not_run,
                                     show_reruns)
 from parity.pipeline.equivalence import check_equivalence, parse_equivalence
@@ -35,7 +34,7 @@ from parity.spec import RunSpec, SpecError
 from parity.sizing.resources import check_rank_count, check_resources
 
 __all__ = ["compare", "run_comparison", "RunOptions", "OPTION_FIELDS", "SOURCE_KEYWORDS", "split_keywords",
-           "check_run_options", "socket_plan"]
+           "check_run_options", "socket_plan", "AfterReport", "AfterStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +68,8 @@ class RunOptions:
     nproc, nnodes, node_rank, coordinator, hostfile: ranks per side (docs/multirank.md): nproc ranks on this host,
       the global batch kept; several hosts through the engines' launchers (parity.protocol.ranks.write_launch).
     baseline: a finished run folder or card.json to gate this run against once its report is written
-      (parity.history.gate; gate.json/gate.md in the run folder, Report.post.gate; exit 1 when a metric moved).
+      (parity.history.gate; gate.json/gate.md in the run folder, Report.post.gate; exit 1 when a metric moved). It
+      and `trackers` are done by the after-report step the caller gives run_comparison (`AfterStep`).
     equivalence: equivalence checks to run after the main run, 'ga', 'ranks', 'packing' (a comma string or a
       sequence; parity.pipeline.equivalence): each side trained again as GA 1 x micro batch k*m, on 1 rank (2 when
       the run has 1), or in the other example layout, and held against its main run, one check per kind and side
@@ -118,6 +118,23 @@ class RunOptions:
       object.__setattr__(self, "equivalence", tuple(k.strip() for k in self.equivalence.split(",")))
 
 
+class AfterReport(Protocol):
+  """What runs once the report is written (parity.history.after.PostRun: the --baseline gate, gate.json/gate.md,
+  and the --tracker mirrors). `empty`: nothing was asked; `apply(report)` never raises for a file or tracker error,
+  and its result becomes Report.post."""
+
+  @property
+  def empty(self) -> bool: ...
+
+  def apply(self, report: Report) -> Any: ...
+
+
+AfterStep = Callable[[RunOptions], AfterReport]
+"""Prepares the after-report step from the options before any side starts (a baseline that cannot be read, a tracker
+that is not installed: bad input, exit 2): parity.history.after.PostRun.for_options. The callers above the pipeline
+give it (`parity compare`, parity.compare, parity.run_comparison); the pipeline never imports the history."""
+
+
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(RunOptions))
 """The keywords of `compare` that say how it runs: RunOptions' fields."""
 SOURCE_KEYWORDS = tuple(n for n in inspect.signature(resolve_run).parameters if n != "preset_name")
@@ -142,9 +159,10 @@ def split_keywords(keywords: Mapping[str, object]) -> tuple[dict[str, object], d
           {k: v for k, v in keywords.items() if k in OPTION_FIELDS})
 
 
-def compare(preset: str | None = None, **keywords) -> Report:
+def compare(preset: str | None = None, *, after: AfterStep | None = None, **keywords) -> Report:
   """Runs every side of a comparison, each in its own process, and returns the report: `resolve_run` then
-  `run_comparison`, the keyword form for notebooks.
+  `run_comparison` (with `after`, the after-report step), the keyword form for notebooks (parity.compare gives it
+  the history's step).
 
   Args:
     preset: a name from parity.presets.PRESETS (default: the config's `preset:`, else 'gpt2-small-cpu').
@@ -165,10 +183,25 @@ def compare(preset: str | None = None, **keywords) -> Report:
   if isinstance(source.get("sides"), str):  # one string is a comma list, as on the command line ('jax,torch')
     source["sides"] = [s.strip() for s in source["sides"].split(",")]
   options = RunOptions(**{"started_s": time.time(), **how})
-  return run_comparison(resolve_run(preset, **source), options)
+  return run_comparison(resolve_run(preset, **source), options, after=after)
 
 
-def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
+def _after_step(options: RunOptions, after: AfterStep | None) -> AfterReport | None:
+  """The prepared after-report step; None when none is given and none is asked for.
+
+  Raises:
+    TypeError: options.baseline or options.trackers without a step to do them (a caller's slip, never a user's:
+      parity.compare and `parity compare` give parity.history.after.PostRun.for_options).
+  """
+  if after is not None:
+    return after(options)
+  if options.baseline is not None or options.trackers:
+    raise TypeError("run_comparison: RunOptions.baseline/trackers need the after-report step; pass "
+                    "after=parity.history.after.PostRun.for_options (parity.compare and parity.run_comparison do)")
+  return None
+
+
+def run_comparison(run: ResolvedRun, options: RunOptions, after: AfterStep | None = None) -> Report:
   """Runs a resolved comparison: every side in its own process, the reruns, the report (written to the run folder).
 
   A Ctrl-C or SIGTERM stops the side or rerun worker that is running (killed, the report marks the run
@@ -177,6 +210,9 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
 
   Args:
     run: parity.pipeline.resolve.resolve_run's result. options: RunOptions.
+    after: the after-report step (`AfterStep`: the --baseline gate and --tracker mirrors), prepared before any side
+      starts and applied once the report is written, while the folder is still held; None: nothing after the
+      report (options.baseline and options.trackers must then be unset).
   Returns, Raises: as `compare`; a Ctrl-C is re-raised once the report of what ran is written.
   """
   t0 = options.started_s if options.started_s is not None else time.time()
@@ -189,14 +225,15 @@ def run_comparison(run: ResolvedRun, options: RunOptions) -> Report:
   else:
     pert = parse_perturb(list(options.perturb), spec.sides, spec)
   check_run_options(spec, pert, options)
-  post = PostRun.prepare(options.baseline, options.trackers)  # a bad --baseline/--tracker: refused before any side
+  post = _after_step(options, after)  # a bad --baseline/--tracker: refused before any side
   show_not_run(list(not_run.not_run.values()))  # one line per side left out or not run (parity.installed, .sockets)
   with lifetime.stop_signals():
     folder = _open_folder(run, options, pert)  # inputs, launch.json (docs/multirank.md), environment.json
     lifetime.on_disk(f"no report was written; {folder.path} holds the run's inputs only")
     try:
-      report, interrupted = _run_and_report(run, options, folder, t0, post_asked=not post.empty, not_run=not_run)
-      if interrupted is None and not post.empty:
+      asked = post is not None and not post.empty
+      report, interrupted = _run_and_report(run, options, folder, t0, post_asked=asked, not_run=not_run)
+      if interrupted is None and asked:
         with lifetime.activity("the --baseline gate or the --tracker mirrors were running (after the report)",
                                on_stop="they were stopped: gate.json, gate.md and the trackers may be incomplete"):
           report.post = post.apply(report)  # gate.json, trackers
@@ -275,12 +312,13 @@ def _build(run: ResolvedRun, options: RunOptions, folder, side_runs, side_data, 
 
 def _report_on_disk(report: Report) -> str:
   """One sentence on what a written report left: where, complete or not, and its verdict's first word."""
-  where = Path(report.data.get("report_written_to") or report.run_dir)
-  errors = report.data.get("write_errors") or []
+  rec = report.record
+  where = Path(rec.report_written_to or report.run_dir)
+  errors = rec.write_errors
   if errors:
-    return (f"the report is incomplete: {len(errors)} file(s) could not be written (first {errors[0]['file']}: "
-            f"{errors[0]['error']}); what could be written is in {where}")
-  word = str((report.data.get("verdict") or {}).get("message") or "").split(":", 1)[0]  # PASS, FAIL, INTERRUPTED
+    return (f"the report is incomplete: {len(errors)} file(s) could not be written (first {errors[0].get('file')}: "
+            f"{errors[0].get('error')}); what could be written is in {where}")
+  word = rec.verdict.message.split(":", 1)[0]  # PASS, FAIL, INTERRUPTED
   what = "the report of what ran" if word == "INTERRUPTED" else "the report"
   return f"{what} is written, verdict {word}: {where / 'report.html'}, with report.json, report.md and card.json"
 

@@ -32,12 +32,11 @@ from parity.fields import from_dict
 from parity.pipeline.examples_input import EXAMPLE_ARRAYS, VAL_FRACTION, _pad_id, read_run_examples
 from parity.dataset import split_holdout
 from parity.protocol import derive_request
+from parity.protocol.layout import EQUIVALENCE_DIR
 from parity.protocol.ranks import LAUNCH_FILE, read_launch, write_launch
 from parity.spec import RunSpec, config_hash, to_dict
 
 __all__ = ["EQUIVALENCE_DIR", "EquivalenceInputError", "prepare_equivalence", "rerun_train"]
-
-EQUIVALENCE_DIR = "equivalence"
 
 
 class EquivalenceInputError(ValueError):

@@ -121,23 +121,22 @@ def _machine(src: Source, side: str) -> dict[str, Any]:
   environment), the device its summary names and that device's backend (parity.report.side_table.backend)."""
   env = src.environment or {}
   host = env.get("host") if isinstance(env.get("host"), dict) else {}
-  rep_env = src.report.data.get("environment") or {}
-  entry = src.report.data["sides"][side]
+  rep_env, entry = src.record.environment, src.record.sides[side]
   gpus = env.get("gpus") if isinstance(env.get("gpus"), list) else []
-  return {"folder": src.label, "hostname": host.get("hostname") or rep_env.get("hostname"),
-          "platform": host.get("os") or rep_env.get("platform"),
-          "cpu_model": host.get("cpu_model") or rep_env.get("cpu_model"),
+  return {"folder": src.label, "hostname": host.get("hostname") or rep_env.hostname,
+          "platform": host.get("os") or rep_env.platform,
+          "cpu_model": host.get("cpu_model") or rep_env.cpu_model,
           "gpus": [g.get("name") for g in gpus if isinstance(g, dict) and g.get("name")],
-          "device": (entry.get("summary") or {}).get("device"), "backend": backend(entry)}
+          "device": entry.summary.get("device"), "backend": backend(entry)}
 
 
 def join_record(sources: Sequence[Source]) -> dict[str, Any]:
   """What a joined folder records of its making (request.json 'join', report.json run_folder.join): each folder
   {label, path, run_id, sides, command, verdict, request_sha256, report_sha256}, each side's machine (`_machine`) and
   the sha256 of the inputs every folder shares."""
-  folders = [{"label": s.label, "path": str(s.path), "run_id": (s.report.data.get("run_folder") or {}).get("run_id"),
-              "sides": list(s.sides), "command": (s.report.data.get("run_folder") or {}).get("command"),
-              "verdict": s.report.data["verdict"]["message"], "request_sha256": s.recorded("request.json"),
+  folders = [{"label": s.label, "path": str(s.path), "run_id": s.record.run_folder.run_id,
+              "sides": list(s.sides), "command": s.record.run_folder.command,
+              "verdict": s.record.verdict.message, "request_sha256": s.recorded("request.json"),
               "report_sha256": sha256_of(s.path / "report.json")} for s in sources]
   sides = {side: _machine(s, side) for s in sources for side in s.sides}
   inputs = {n: sources[0].recorded(n) for n in JOINED_FILES if sources[0].recorded(n)}
@@ -242,16 +241,16 @@ def _stub(sources: Sequence[Source], spec: RunSpec) -> dict[str, Any]:
   """What the verification (parity.report.reverify.recompute) reads of a report besides the folder: the joined run,
   each side's stored entry, each folder's rerun sections merged per side (which reruns to recompute, their wall
   seconds) and any failing 'reruns' check of a folder whose reruns stopped (a failure, carried as the folder has it)."""
-  stopped = [c for s in sources for c in s.report.data["checks"]
-             if c.get("metric") == "reruns" and c.get("passed") is False and c.get("gating", True) is True]
+  stopped = [c.json for s in sources for c in s.record.checks
+             if c.metric == "reruns" and c.passed is False and c.gating is True]
   sections = {}
   for name in RERUN_SECTIONS:
     merged = None
     for s in sources:
-      merged = _union(merged, s.report.data.get(name))
+      merged = _union(merged, s.record.stored(name))
     sections[name] = merged if merged is not None or name in ("noise_envelope", "backend") else {}
   return {"config_hash": config_hash(spec), "run": json.loads(json.dumps(to_dict(spec))),
-          "sides": {side: s.report.data["sides"][side] for s in sources for side in s.sides},
+          "sides": {side: s.record.sides[side].json for s in sources for side in s.sides},
           "verdict": {"message": ""}, "run_folder": {"run_id": None}, "checks": stopped, **sections}
 
 
@@ -273,22 +272,22 @@ def _report(folder: Path, sources: Sequence[Source], spec: RunSpec, record: dict
   except Unverifiable as exc:
     raise InputError(f"the joined folder {folder} cannot be judged from its files: {exc}") from None
   checks = [check_from_json(c) for c in rec.checks]
-  stored = {side: s.report.data["sides"][side] for s in sources for side in s.sides}
-  side_runs = {side: SideRun(side=side, status=rec.statuses[side], returncode=e.get("returncode"),
-                             wall_s=float(e.get("wall_s") or 0.0), peak_rss_bytes=e.get("harness_peak_rss_bytes"),
+  stored = {side: s.record.sides[side] for s in sources for side in s.sides}
+  side_runs = {side: SideRun(side=side, status=rec.statuses[side], returncode=e.returncode,
+                             wall_s=float(e.wall_s or 0.0), peak_rss_bytes=e.harness_peak_rss_bytes,
                              summary=rec.rendered["summaries"][side],
-                             error=(rec.rendered["summaries"][side] or {}).get("error") or e.get("error"))
+                             error=(rec.rendered["summaries"][side] or {}).get("error") or e.error)
                for side, e in stored.items()}
-  timing = [s.report.data.get("timing") or {} for s in sources]
-  first = sources[0].report.data
+  timing = [s.record.timing for s in sources]
+  first = sources[0].record
   return build_report(
-      spec=spec, preset_name=first.get("preset") or "joined", run_dir=folder, data_info=sources[0].request.get("data"),
+      spec=spec, preset_name=first.preset or "joined", run_dir=folder, data_info=sources[0].request.get("data"),
       side_runs=side_runs, side_steps={side: read_steps(folder / side / "steps.jsonl") for side in stored},
       checks=checks, params_table=rec.params_table, verdict=verdict(checks, rec.statuses),
       wall_s=sum(float(t.get("wall_s") or 0.0) for t in timing) + time.time() - t0,
-      prepare_s=sum(float(t.get("prepare_s") or 0.0) for t in timing), plan=first.get("plan"), reruns=rec.sections,
+      prepare_s=sum(float(t.get("prepare_s") or 0.0) for t in timing), plan=first.stored("plan"), reruns=rec.sections,
       reruns_s=sum(float(t.get("self_runs_s") or 0.0) for t in timing),
       run_folder={"run_id": None, "moved_aside_to": str(claim.moved_to) if claim.moved_to else None,
                   "stale_lock_taken_over": claim.stale_lock, "command": command, "join": record},
-      side_loads={side: e.get("load") for side, e in stored.items()},
-      checkpoint=(first.get("checkpoint") or {}).get("path"))
+      side_loads={side: e.load for side, e in stored.items()},
+      checkpoint=first.checkpoint_path)

@@ -27,6 +27,7 @@ from parity.report.build import Report
 from parity.report.finished import load_finished
 from parity.report.page import read_environment
 from parity.report.read import verify_report
+from parity.report.run_record import RunRecord
 from parity.report.runconfig import config_diff, flatten, run_as_compared, tensor_digest
 from parity.spec import RunSpec, SpecError
 
@@ -58,8 +59,13 @@ class Source:
   environment: dict | None
 
   @property
+  def record(self) -> RunRecord:
+    """Its report.json as a RunRecord (parity.report.run_record)."""
+    return self.report.record
+
+  @property
   def sides(self) -> tuple[str, ...]:
-    return tuple(self.report.data["sides"])
+    return tuple(self.record.sides)
 
   @property
   def name(self) -> str:
@@ -68,7 +74,7 @@ class Source:
 
   def recorded(self, name: str) -> str | None:
     """The sha256 report.json recorded for the folder's file `name` (relative path), None when it records none."""
-    rec = (self.report.data.get("artifacts") or {}).get(name)
+    rec = self.record.artifact(name)
     return rec.get("sha256") if isinstance(rec, dict) else None
 
 
@@ -77,8 +83,8 @@ def read_source(path: str | Path, label: str) -> Source:
   p = Path(path)
   report = load_finished(p)  # InputError: not a folder, no report.json, an unfinished or foreign run
   where = f"{label} ({p})"
-  if str(report.data["verdict"]["message"]).startswith("INTERRUPTED"):
-    raise InputError(f"{where} is an interrupted run (its verdict: {report.data['verdict']['message'][:120]}); a join "
+  if report.record.verdict.interrupted:
+    raise InputError(f"{where} is an interrupted run (its verdict: {report.record.verdict.message[:120]}); a join "
                      "takes finished runs: rerun it")
   request = load_json(p / "request.json", what="request")
   if not isinstance(request, dict) or not isinstance(request.get("run"), dict):
@@ -99,9 +105,8 @@ def read_source(path: str | Path, label: str) -> Source:
 
 def _check_recorded_files(p: Path, report: Report, label: str) -> None:
   """Each of request.json and JOINED_FILES that the folder holds must have the sha256 its report.json recorded."""
-  arts = report.data.get("artifacts") if isinstance(report.data.get("artifacts"), dict) else {}
   for name in ("request.json", *JOINED_FILES):
-    f, rec = p / name, arts.get(name)
+    f, rec = p / name, report.record.artifact(name)
     if not f.is_file():
       if isinstance(rec, dict):
         raise InputError(f"{label}: {f} is missing; its report.json records it (sha256 {str(rec.get('sha256'))[:12]}..)"
@@ -173,12 +178,12 @@ def check_sides(sources: list[Source]) -> None:
 def _reruns(src: Source) -> dict[str, Any]:
   """What reruns a folder made, as the flags that ask for them: noise envelope (on/off), --determinism-steps,
   --resume-at, --equivalence kinds."""
-  d = src.report.data
-  det = {v.get("steps_checked") for v in (d.get("determinism") or {}).values() if isinstance(v, dict)}
-  res = {v.get("resumed_at_step") for v in (d.get("resume") or {}).values() if isinstance(v, dict)}
-  return {"--noise-envelope": d.get("noise_envelope") is not None, "--determinism-steps": sorted(det) or [0],
+  rec = src.record
+  det = {v.steps_checked for v in rec.determinism.values()}
+  res = {v.resumed_at_step for v in rec.resume.values()}
+  return {"--noise-envelope": rec.noise_envelope is not None, "--determinism-steps": sorted(det) or [0],
           "--resume-at": sorted(r - 1 for r in res if isinstance(r, int)) or None,
-          "--equivalence": sorted(d.get("equivalence") or {})}
+          "--equivalence": sorted(rec.equivalence)}
 
 
 def check_reruns(sources: list[Source]) -> None:
@@ -189,7 +194,7 @@ def check_reruns(sources: list[Source]) -> None:
     if kinds:
       raise InputError(f"{src.name} ran --equivalence {','.join(kinds)}: a join does not carry equivalence reruns "
                        "over; rerun it without --equivalence (and check equivalence in each folder on its own)")
-  ran = [s for s in sources if any((e or {}).get("status") == "ok" for e in s.report.data["sides"].values())]
+  ran = [s for s in sources if any(e.status == "ok" for e in s.record.sides.values())]
   first = ran[0] if ran else None
   if first is not None and first.spec.train.precision != "fp32" and not _reruns(first)["--noise-envelope"]:
     raise InputError(f"{first.name} ran in {first.spec.train.precision} without the noise envelope: a "

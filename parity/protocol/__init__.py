@@ -1,7 +1,11 @@
 """The run protocol between the harness and a side's worker process, split by its two ends.
 
   parity.protocol.layout   the run folder's files (request.json, batches, steps.jsonl, summary.json, final and moments
-                           files, checkpoints) and their readers: read_steps, read_summary, read_moments, ...
+                           files, checkpoints, report.json, the lock, the rerun folders noise/ repeat/ resume/
+                           backend/ equivalence/) and their readers: read_steps, read_summary, read_moments,
+                           enclosing_run, ...
+  parity.protocol.outputs  what a side left in its folder: SideRun (as the harness saw it), side_outputs (its files,
+                           trusted only when whole and of this run), read by the pipeline and by the verifier
   parity.protocol.control  run control (stop_after_step, save_checkpoint_at_step, resume_from): derive_request (the
                            harness end) and parse_control / check_resume (the checks a worker runs)
   parity.protocol.side     the worker end: SideIO (inputs, records, summary, checkpoints), the batch-shape check,

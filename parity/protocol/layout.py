@@ -13,6 +13,10 @@ Files of one run (DESIGN.md):
                                 bias-corrected sqrt(v_hat) at the end, 'sensitivity/<name>' = sum over updates of
                                 lr_t / (sqrt(v_hat_t) + eps) (parity.numerics.adam.AdamSensitivity); read by the params
                                 rule (parity.verdict.params.param_checks); optional
+  run_dir/<rerun>/              a rerun of the run (RERUN_DIRS: noise/, repeat/, resume/, backend/; and
+                                equivalence/<kind>/), each a request.json derived from this run's and a folder per side
+  run_dir/report.json           the report (parity.report), written once every side and rerun is done
+  run_dir/.parity.lock          LOCK_NAME, while a run holds the folder (parity.pipeline.claim)
 
 A worker (`parity.protocol.workers`) writes them through `parity.protocol.side.SideIO`, so both frameworks write
 identical records.
@@ -45,7 +49,48 @@ __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLAN
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
            "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
-           "step_time_median", "tokens_per_s", "loss_tokens_per_s"]
+           "step_time_median", "tokens_per_s", "loss_tokens_per_s", "REQUEST_FILE", "REPORT_FILE", "SUMMARY_FILE",
+           "STEPS_FILE", "FINAL_PARAMS", "LOCK_NAME", "NOISE_DIR", "REPEAT_DIR", "RESUME_DIR", "BACKEND_DIR",
+           "EQUIVALENCE_DIR", "RERUN_DIRS", "enclosing_run"]
+
+# ------------------------------------------------------------------ the run folder's names
+REQUEST_FILE, REPORT_FILE = "request.json", "report.json"
+"""The run's request (written before any side starts) and its report (written once everything ran)."""
+SUMMARY_FILE, STEPS_FILE, FINAL_PARAMS = "summary.json", "steps.jsonl", "final.safetensors"
+"""A side's files in run_dir/<side>/ (a rerun's in run_dir/<rerun>/<side>/)."""
+LOCK_NAME = ".parity.lock"
+"""The lock file of a run folder being written (JSON: pid, host, proc_start, started_utc, command, run_id;
+parity.pipeline.claim)."""
+NOISE_DIR, REPEAT_DIR, RESUME_DIR, BACKEND_DIR = "noise", "repeat", "resume", "backend"
+"""The rerun folders of a run (harness.self_runs runs them, parity.report.reverify reads them again): the
+reduction-order reruns, the determinism/checkpointing repeat, the resumed run, the host-CPU reruns."""
+RERUN_DIRS = (NOISE_DIR, REPEAT_DIR, RESUME_DIR, BACKEND_DIR)
+"""The rerun folders whose sides' files report.json hashes (parity.report.build.artifact_paths)."""
+EQUIVALENCE_DIR = "equivalence"
+"""run_dir/equivalence/<kind>/: the --equivalence reruns (parity.pipeline.equivalence_inputs)."""
+_PARITY_FILES = (REPORT_FILE, REQUEST_FILE, "diagnose.json")
+"""Files whose schema says `parity.`: with LOCK_NAME, what makes a folder certainly a parity run (a generic
+config.json does not: a user's project folder may hold one)."""
+
+
+def enclosing_run(path: Path) -> Path | None:
+  """The nearest folder above `path` (itself excluded) that is a parity run folder, or None.
+
+  A run folder is one with LOCK_NAME or a report.json/request.json/diagnose.json whose schema starts `parity.`.
+  A run written inside another's folder would mix with it (the outer run's --force moves both, its files look
+  like the inner run's), so --out there is refused."""
+  for folder in Path(path).absolute().parents:
+    if (folder / LOCK_NAME).exists():
+      return folder
+    for name in _PARITY_FILES:
+      try:
+        with open(folder / name, "rb") as f:
+          if b'"schema": "parity.' in f.read(4096):
+            return folder
+      except OSError:
+        continue
+  return None
+
 
 REQUEST_SCHEMA = "parity.request/1"
 SUMMARY_SCHEMA = "parity.summary/1"

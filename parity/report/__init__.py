@@ -1,6 +1,6 @@
-"""One run's report: report.json (schema below), report.md, report.html, the PNG plots, card.json; read back and
-re-verified. Holding runs against each other (the comparison page, the regression gate) is parity.history, which
-stands on this package; nothing here imports it.
+"""One run's report: report.json (schema below), report.md, report.html, the PNG plots, card.json; read back (one
+typed reader, parity.report.run_record: RunRecord, `read_run`) and re-verified. Holding runs against each other (the
+comparison page, the regression gate) is parity.history, which stands on this package; nothing here imports it.
 
 report.json, schema 'parity.report/3' (units in key names):
   schema, created_utc, run_dir, preset, config_hash

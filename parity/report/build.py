@@ -16,10 +16,11 @@ from typing import Any
 from parity.environment import cpu_model
 from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
-from parity.protocol.layout import DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.layout import DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS, RERUN_DIRS
 from parity.protocol.placement import PLACEMENT_FILE
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.placement_view import placement_section
+from parity.report.run_record import REPORT_SCHEMA, RunRecord
 from parity.semantics import DIFFED, diff_cards
 from parity.sizing.measured import predicted_vs_measured
 from parity.overrides import apply_overrides
@@ -33,11 +34,6 @@ __all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "EXAMPLE_
            "artifact_paths", "artifact_hashes", "file_digest", "series_json", "verdict_json", "params_table_json",
            "run_inputs", "perturbations_ran", "ran_value", "semantics_section"]
 
-REPORT_SCHEMA = "parity.report/3"
-"""/3 (2026-12-02): report.json 'semantics' (each side's semantics card and the item table, `semantics_section`), the
-cards hashed as side artifacts and re-verified; /2: the rerun folders, the example arrays and what is rendered beside
-the checks are verified. An older report is refused naming the version (parity.report.read.load_report), not
-re-verified as changed."""
 EXAMPLE_ARTIFACTS = ("loss_mask.npy", "segment_ids.npy", "positions.npy", "val_loss_mask.npy", "val_segment_ids.npy",
                      "val_positions.npy")
 """The example arrays of a padded/packed run (parity.pipeline.examples_input): inputs the sides read as they read
@@ -56,19 +52,26 @@ SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s"
 
 @dataclasses.dataclass
 class Report:
-  """A finished comparison. `data` is exactly what report.json holds; `post` what ran after it was written
-  (parity.history.after.PostRunResult: the --baseline gate, --tracker mirroring), None when nothing was asked."""
+  """A finished comparison. `data` is exactly what report.json holds (written by build_report and parity.report.write
+  only); `record` is how everything else reads it (parity.report.run_record.RunRecord); `post` what ran after it was
+  written (parity.history.after.PostRunResult: the --baseline gate, --tracker mirroring), None when nothing was
+  asked."""
   data: dict[str, Any]
   run_dir: Path
   post: Any = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
+  def record(self) -> RunRecord:
+    """report.json as a RunRecord, read from `data` as it is now (the writer adds write_errors to it)."""
+    return RunRecord.of(self.data)
+
+  @property
   def passed(self) -> bool:
-    return bool(self.data["verdict"]["passed"])
+    return bool(self.record.verdict.passed)
 
   @property
   def message(self) -> str:
-    return self.data["verdict"]["message"]
+    return self.record.verdict.message
 
   @property
   def exit_code(self) -> int:
@@ -76,14 +79,25 @@ class Report:
     not be written (`write_errors`: a result nobody can cite), or the --baseline gate found a metric that moved;
     bad input exits 2 before a report exists."""
     gate_ok = self.post is None or self.post.passed
-    return 0 if self.passed and not self.data.get("write_errors") and gate_ok else 1
+    return 0 if self.passed and not self.record.write_errors and gate_ok else 1
 
   @property
   def checks(self) -> list[dict]:
-    return self.data["checks"]
+    """The checks as stored (report.json checks)."""
+    return [c.json for c in self.record.checks]
+
+  def set_write_errors(self, errors: list[dict]) -> None:
+    """report.json's write_errors ([{file, error}]: parity.report.write records its own; a `parity report` re-render
+    sets its own, in memory only, for the summary it prints)."""
+    self.data["write_errors"] = list(errors)
+
+  def set_written_to(self, folder: Path) -> None:
+    """report.json's report_written_to: the fallback folder the report went to (parity.report.write)."""
+    self.data["report_written_to"] = str(folder)
 
   def side(self, name: str) -> dict:
-    return self.data["sides"][name]
+    """One side as stored (report.json sides.<name>); KeyError for a side the run does not have."""
+    return self.record.sides[name].json
 
   def __repr__(self) -> str:
     return f"Report({self.run_dir}, {self.message!r})"
@@ -311,12 +325,10 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 def artifact_paths(sides: list[str]) -> list[str]:
   """The relative paths report.json['artifacts'] covers for a run of `sides`: RUN_ARTIFACTS, each side's
-  SIDE_ARTIFACTS and each rerun folder's (harness.self_runs: noise/, repeat/, resume/, backend/) RERUN_ARTIFACTS per
-  side (those that exist are recorded)."""
-  from harness.self_runs import BACKEND_DIR, NOISE_DIR, REPEAT_DIR, RESUME_DIR  # harness: lazily
+  SIDE_ARTIFACTS and each rerun folder's (parity.protocol.layout.RERUN_DIRS: noise/, repeat/, resume/, backend/)
+  RERUN_ARTIFACTS per side (those that exist are recorded)."""
   return [*RUN_ARTIFACTS, *(f"{side}/{name}" for side in sides for name in SIDE_ARTIFACTS),
-          *(f"{sub}/{side}/{name}" for sub in (NOISE_DIR, REPEAT_DIR, RESUME_DIR, BACKEND_DIR) for side in sides
-            for name in RERUN_ARTIFACTS)]
+          *(f"{sub}/{side}/{name}" for sub in RERUN_DIRS for side in sides for name in RERUN_ARTIFACTS)]
 
 
 def artifact_hashes(run_dir: Path, sides: list[str]) -> dict[str, dict]:

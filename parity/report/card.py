@@ -9,6 +9,7 @@ from parity.report import cells, headline, side_table
 from parity.report.read import peak_load
 from parity.report.join_view import join_card
 from parity.report.semantics_view import semantics_card_block
+from parity.report.run_record import RunRecord, SideRecord
 from parity.report.runconfig import final_digests, gate_config, proven_deterministic, thread_settings
 
 __all__ = ["CARD_SCHEMA", "make_card", "card_inputs", "LOSS_POINTS"]
@@ -52,78 +53,76 @@ LOSS_POINTS = 5
 rate or schedule move the curve, small enough to read in a PR."""
 
 
-def _loss_points(s: dict) -> tuple[float | None, dict[str, float]]:
+def _loss_points(s: SideRecord) -> tuple[float | None, dict[str, float]]:
   """(final loss, {step: loss} at LOSS_POINTS steps spread over the run) of a side's series; None/{} when empty."""
-  ser = s.get("series") or {}
-  pts = [(st, v) for st, v in zip(ser.get("step") or [], ser.get("loss") or [])
-         if isinstance(v, (int, float)) and v == v]
+  pts = [(st, v) for st, v in zip(s.values("step"), s.values("loss")) if isinstance(v, (int, float)) and v == v]
   if not pts:
     return None, {}
   idx = sorted({round(i * (len(pts) - 1) / max(LOSS_POINTS - 1, 1)) for i in range(LOSS_POINTS)})
   return pts[-1][1], {str(pts[i][0]): pts[i][1] for i in idx}
 
 
-def card_inputs(d: dict) -> dict[str, Any]:
+def card_inputs(rec: RunRecord) -> dict[str, Any]:
   """The card's record of the run's own inputs: the DeepSpeed config copies in the run folder with their sha256
   (report.json deepspeed_files), the tokens and checkpoint (inputs), the perturbations and whether each took."""
-  files = d.get("deepspeed_files") or {}
-  inp = d.get("inputs") or {}
+  files, inp = rec.deepspeed_files, rec.inputs
   return {"deepspeed_config_sha256": (files.get("given") or {}).get("sha256"),
           "deepspeed_config_files": {k: {"file": v["file"], "sha256": v["sha256"]} for k, v in files.items() if v},
           "tokens": inp.get("tokenizer"),
           "checkpoint_tokenizer_used": inp.get("checkpoint_tokenizer_used"),
           "perturbations": [{"side": p["side"], "key": p["key"], "value": p["value"], "applied": p.get("applied")}
-                            for p in d.get("perturbations") or []]}
+                            for p in rec.perturbations]}
 
 
-def make_card(d: dict, run_dir=None) -> dict[str, Any]:
-  """The card of report.json data `d` (JSON-ready); run_dir: the run folder (launch.json, request.json: nproc and
-  perturbations for compared.config), default d['run_dir'] (where it was written)."""
-  t, m = d["run"]["train"], d["run"]["model"]
-  run_dir = run_dir if run_dir is not None else d.get("run_dir")
-  kind, sentence, _ = headline.verdict_parts(d)
-  env = d.get("environment") or {}
-  sides = d["sides"]
-  loss = {cells.pair_label(c["sides"]): c["value"] for c in d["checks"] if c["metric"] == "loss"}
-  times = {n: step_time_median(s["series"].get("step_time_s") or []) for n, s in sides.items()}  # the one rule
+def _key_figures(rec: RunRecord, run_dir) -> dict[str, Any]:
+  """card.json key_figures (CARD_SCHEMA) of the run."""
+  sides = rec.sides
+  loss = {cells.pair_label(c.sides): c.value for c in rec.checks if c.metric == "loss"}
   return {
-      "schema": CARD_SCHEMA, "created_utc": d.get("created_utc"),
-      "verdict": {"passed": d["verdict"]["passed"], "sentence": sentence, "message": d["verdict"]["message"]},
-      "compared": {"title": headline.run_title(d), "preset": d.get("preset"), "checkpoint": d.get("checkpoint"),
-                   "sides": list(sides), "precision": t["precision"], "steps": t["steps"],
-                   "plan": (d.get("plan") or {}).get("name"),
-                   "deepspeed_config": (d.get("migration") or {}).get("source"),
-                   **card_inputs(d),
-                   "config_hash": d.get("config_hash"), "data_sha256": (d.get("data") or {}).get("sha256"),
-                   **({"data_card": (d.get("data") or {})["card"]} if (d.get("data") or {}).get("card") else {}),
-                   "model": {"name": headline.model_label(d), "n_layers": m.get("n_layers"),
+      "max_abs_dloss": loss,
+      "first_failing_step": {c.name: c.first_failing_step for c in rec.checks if not c.passed and c.gating},
+      "tokens_per_s": {n: side_table.side_tokens_per_s(rec, s) for n, s in sides.items()},
+      "loss_tokens_per_s": {n: side_table.side_loss_tokens_per_s(rec, s) if side_table.step_loss_tokens(rec)
+                            else side_table.side_tokens_per_s(rec, s) for n, s in sides.items()},
+      "step_time_s_median": {n: step_time_median(s.values("step_time_s")) for n, s in sides.items()},  # the one rule
+      "peak_host_rss_bytes": {n: s.peak_rss_bytes for n, s in sides.items()},
+      "peak_device_bytes": {n: s.summary.get("peak_device_bytes") for n, s in sides.items()},
+      "state_bytes_by_memory_kind": {n: s.summary.get("state_bytes_by_memory_kind") for n, s in sides.items()},
+      "wall_s": rec.timing.get("wall_s"),
+      "final_loss": {n: _loss_points(s)[0] for n, s in sides.items()},
+      "loss_at_steps": {n: _loss_points(s)[1] for n, s in sides.items()},
+      "load": {n: peak_load(s.load) for n, s in sides.items()},
+      "final_params_digest": final_digests(rec, run_dir)}
+
+
+def make_card(rec: RunRecord, run_dir=None) -> dict[str, Any]:
+  """The card of a run (JSON-ready); run_dir: the run folder (launch.json, request.json: nproc and perturbations for
+  compared.config), default report.json's run_dir (where it was written)."""
+  t, m = rec.run.train, rec.run.model
+  run_dir = run_dir if run_dir is not None else rec.run_dir
+  kind, sentence, _ = headline.verdict_parts(rec)
+  env = rec.environment
+  return {
+      "schema": CARD_SCHEMA, "created_utc": rec.created_utc,
+      "verdict": {"passed": rec.verdict.passed, "sentence": sentence, "message": rec.verdict.message},
+      "compared": {"title": headline.run_title(rec), "preset": rec.preset, "checkpoint": rec.checkpoint,
+                   "sides": list(rec.sides), "precision": t["precision"], "steps": t["steps"],
+                   "plan": rec.plan.name if rec.plan else None,
+                   "deepspeed_config": rec.migration.source if rec.migration else None,
+                   **card_inputs(rec),
+                   "config_hash": rec.config_hash, "data_sha256": rec.data.sha256,
+                   **({"data_card": rec.data.card} if rec.data.card else {}),
+                   "model": {"name": headline.model_label(rec), "n_layers": m.get("n_layers"),
                              "d_model": m.get("d_model"), "n_heads": m.get("n_heads"), "seq_len": t.get("seq_len")},
-                   "config": gate_config(d, run_dir)},
-      "command": (d.get("run_folder") or {}).get("command"), "git": env.get("git"),
-      "versions": env.get("versions") or {}, "backend": {n: side_table.backend(s) for n, s in sides.items()},
-      "key_figures": {
-          "max_abs_dloss": loss,
-          "first_failing_step": {c["name"]: c["first_failing_step"] for c in d["checks"]
-                                 if not c["passed"] and c.get("gating", True)},
-          "tokens_per_s": {n: side_table.side_tokens_per_s(d, s) for n, s in sides.items()},
-          "loss_tokens_per_s": {n: side_table.side_loss_tokens_per_s(d, s) if side_table.step_loss_tokens(d)
-                                else side_table.side_tokens_per_s(d, s) for n, s in sides.items()},
-          "step_time_s_median": times,
-          "peak_host_rss_bytes": {n: (s.get("summary") or {}).get("peak_host_rss_bytes")
-                                  or s.get("harness_peak_rss_bytes") for n, s in sides.items()},
-          "peak_device_bytes": {n: (s.get("summary") or {}).get("peak_device_bytes") for n, s in sides.items()},
-          "state_bytes_by_memory_kind": {n: (s.get("summary") or {}).get("state_bytes_by_memory_kind")
-                                         for n, s in sides.items()},
-          "wall_s": (d.get("timing") or {}).get("wall_s"),
-          "final_loss": {n: _loss_points(s)[0] for n, s in sides.items()},
-          "loss_at_steps": {n: _loss_points(s)[1] for n, s in sides.items()},
-          "load": {n: peak_load(s.get("load")) for n, s in sides.items()},
-          "final_params_digest": final_digests(d, run_dir)},
-      "semantics": semantics_card_block(d),
-      "determinism": proven_deterministic(d), "threads": thread_settings(d),
-      "machine": {k: env.get(src) for k, src in (("host", "hostname"), ("cpu_model", "cpu_model"),
-                                                  ("cpu_count", "cpu_count"), ("machine", "machine"),
-                                                  ("platform", "platform")) if env.get(src) not in (None, "")},
-      "join": join_card(d),
+                   "config": gate_config(rec, run_dir)},
+      "command": rec.run_folder.command, "git": env.git,
+      "versions": dict(env.versions), "backend": {n: side_table.backend(s) for n, s in rec.sides.items()},
+      "key_figures": _key_figures(rec, run_dir),
+      "semantics": semantics_card_block(rec),
+      "determinism": proven_deterministic(rec), "threads": thread_settings(rec),
+      "machine": {k: v for k, v in (("host", env.hostname), ("cpu_model", env.cpu_model),
+                                    ("cpu_count", env.cpu_count), ("machine", env.machine),
+                                    ("platform", env.platform)) if v not in (None, "")},
+      "join": join_card(rec),
       "files": ["report.html", "report.md", "report.json"],
   }

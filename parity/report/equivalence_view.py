@@ -1,8 +1,9 @@
-"""The equivalence checks of a report (report.json 'equivalence', parity.pipeline.equivalence) as rows: one per kind
+"""The equivalence checks of a report (report.json 'equivalence', parity.verdict.equivalence) as rows: one per kind
 and side, the same in report.md, report.html and the terminal. Plain text; callers escape."""
 from __future__ import annotations
 
 from parity.report.cells import fmt
+from parity.report.run_record import RunRecord
 
 __all__ = ["EQUIVALENCE_HEADERS", "equivalence_rows", "equivalence_intro", "equivalence_lines"]
 
@@ -27,10 +28,10 @@ def _result(row: dict, gating: bool) -> str:
   return "PASS" if row.get("passed") else "FAIL"
 
 
-def equivalence_rows(d: dict) -> list[list[str]]:
+def equivalence_rows(rec: RunRecord) -> list[list[str]]:
   """One row per kind and side (EQUIVALENCE_HEADERS); [] when the run asked for none."""
   out = []
-  for kind, sec in (d.get("equivalence") or {}).items():
+  for kind, sec in rec.equivalence.items():
     for side, row in (sec.get("sides") or {}).items():
       norm = row.get("normalization") or sec.get("normalization")  # the side's own: a --perturb it kept
       out.append([kind, side, str(norm), _rerun(sec), fmt(row.get("max_abs_loss_diff")),
@@ -40,9 +41,9 @@ def equivalence_rows(d: dict) -> list[list[str]]:
   return out
 
 
-def equivalence_intro(d: dict) -> str:
+def equivalence_intro(rec: RunRecord) -> str:
   """The sentence above the table: what each kind compares and when it gates."""
-  secs = d.get("equivalence") or {}
+  secs = rec.equivalence
   what = "; ".join(f"{k}: {s.get('method')}" for k, s in secs.items())
   return (f"Each side trained again in an equivalent shape and held against its own main run ({what}). With "
           "loss_normalization 'tokens' in fp32 each must hold to fp32 rounding (max abs Δloss ≤ 1e-05 nats, "
@@ -50,7 +51,7 @@ def equivalence_intro(d: dict) -> str:
           "reported, not gated: a mean of micro-batch means is not invariant to these reshapes on uneven examples.")
 
 
-def equivalence_lines(d: dict) -> list[str]:
+def equivalence_lines(rec: RunRecord) -> list[str]:
   """One terminal line per kind and side: 'equivalence ga jax: max |Δloss| 3e-07, PASS'."""
   return [f"equivalence {r[0]} {r[1]} ({r[2]}): max |Δloss| {r[4]} at step {r[5]}, params |Δ|/moved {r[8]}: {r[9]}"
-          for r in equivalence_rows(d)]
+          for r in equivalence_rows(rec)]

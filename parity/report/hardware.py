@@ -9,18 +9,20 @@ side records one ('TPU v5 lite'), and a torch side's `threads.torch_num_threads`
 """
 from __future__ import annotations
 
+from parity.report.run_record import RunRecord, SideRecord
+
 __all__ = ["side_hardware", "hardware_caveat"]
 
 CPU_ONLY = "throughput is not representative of GPU training"
 MIXED = "tokens/s of sides on different hardware are not comparable"
 
 
-def side_hardware(s: dict) -> tuple[str, str] | None:
+def side_hardware(s: SideRecord) -> tuple[str, str] | None:
   """(class, words) of where a report side computed: ('cpu', 'the host CPU (13 threads)'), ('tpu', 'TPU v5 lite'
   or 'TPU (TPU_0)' where no kind is recorded), ('gpu', 'GPU NVIDIA H200' or the device text); None when the side's
   summary has no device (a side that did not finish)."""
-  summ = s.get("summary") or {}
-  dev = str(summ.get("device") or "").strip()
+  summ = s.summary
+  dev = s.device.strip()
   if not dev:
     return None
   kind, low = summ.get("device_kind"), dev.lower()
@@ -34,12 +36,12 @@ def side_hardware(s: dict) -> tuple[str, str] | None:
   return low, dev
 
 
-def hardware_caveat(d: dict) -> str | None:
+def hardware_caveat(rec: RunRecord) -> str | None:
   """The hardware part of the throughput caveat: every side that recorded a device on the CPU: 'CPU backend (jax,
   torch): throughput is not representative of GPU training'; sides on different hardware: 'jax on TPU v5 lite;
   torch on the host CPU (13 threads): tokens/s of sides on different hardware are not comparable'; None when they
-  share one kind of accelerator (or none recorded a device). d: report.json data."""
-  known = {n: hw for n, s in (d.get("sides") or {}).items() if (hw := side_hardware(s)) is not None}
+  share one kind of accelerator (or none recorded a device). rec: the run (parity.report.run_record)."""
+  known = {n: hw for n, s in rec.sides.items() if (hw := side_hardware(s)) is not None}
   classes = {c for c, _ in known.values()}
   if classes == {"cpu"}:
     return f"CPU backend ({', '.join(sorted(known))}): {CPU_ONLY}"

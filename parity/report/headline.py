@@ -4,24 +4,27 @@
 the card, the figures, the comparison page and the terminal, so they never disagree; plain text, callers escape."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
+from typing import Mapping
 
 from parity.hf import family_of_spec
 from parity.protocol.layout import CHECKPOINT_META, FINAL_MOMENTS
 from parity.report.cells import first_clause, fmt, fmt_count, pair_label
 from parity.report.check_table import measure_label
+from parity.report.run_record import CheckRecord, RunRecord
 from parity.spec import ModelSpec, from_dict
 from parity.weights import n_params
 
 __all__ = ["model_label", "run_title", "open_write_errors", "error_clause", "verdict_parts", "verdict_sentence"]
 
 
-def _model_facts(d: dict) -> tuple[str | None, int | None]:
+def _model_facts(rec: RunRecord) -> tuple[str | None, int | None]:
   """(HF family of the run's model or None, its trainable parameter count or None) from report.json's run.model."""
   try:
-    spec = from_dict(ModelSpec, d["run"]["model"])
+    spec = from_dict(ModelSpec, rec.run.model)
   except Exception:  # an older or edited report: the title keeps what it can
     return None, None
   try:
@@ -31,41 +34,41 @@ def _model_facts(d: dict) -> tuple[str | None, int | None]:
   return family, n_params(spec)
 
 
-def model_label(d: dict) -> str:
+def model_label(rec: RunRecord) -> str:
   """The model a run trained, as every page names it: 'gpt2-tiny (gpt2 family, 120.6 K params)'; for a run started
   from a Hugging Face checkpoint (`--hf-model`, report.json 'checkpoint') the checkpoint, not the preset that only gave
   the training settings: 'checkpoint llama (LlamaForCausalLM, llama family, 107.5 K params; training settings of
   gpt2-tiny)'. Used by run_title (report.html, report.md, card.json, the figures) and the comparison page."""
-  family, n = _model_facts(d)
+  family, n = _model_facts(rec)
   facts = [f"{family} family" if family else None, f"{fmt_count(n)} params" if n is not None else None]
-  ckpt = d.get("checkpoint") or {}
-  if ckpt.get("path"):
-    arch = ckpt.get("architecture")
+  path, arch = rec.checkpoint_path, rec.checkpoint_architecture
+  if path:
     inner = ", ".join(x for x in [arch, *facts] if x)
-    return (f"checkpoint {Path(ckpt['path']).name} ({inner}; training settings of {d.get('preset')})")
+    return (f"checkpoint {Path(path).name} ({inner}; training settings of {rec.preset})")
   inner = ", ".join(x for x in facts if x)
-  return f"{d.get('preset')}" + (f" ({inner})" if inner else "")
+  return f"{rec.preset}" + (f" ({inner})" if inner else "")
 
 
-def run_title(d: dict) -> str:
+def run_title(rec: RunRecord) -> str:
   """'gpt2-tiny (gpt2 family, 120.6 K params) · plan zero2-offload · fp32 · 3 steps · jax, torch': what the figures
   and the pages are about (model_label names the model: the checkpoint of an `--hf-model` run)."""
-  plan = (d.get("plan") or {}).get("name")
-  mig = d.get("migration") or {}
-  plan_txt = f"DeepSpeed config {mig['source']}" if mig.get("source") else (f"plan {plan}" if plan else "own plans")
-  t = d["run"]["train"]
-  return (f"{model_label(d)} · {plan_txt} · {t['precision']} · {t['steps']} steps · "
-          f"{', '.join(d['sides'])}")
+  plan = rec.plan.name if rec.plan else None
+  source = rec.migration.source if rec.migration else None
+  plan_txt = f"DeepSpeed config {source}" if source else (f"plan {plan}" if plan else "own plans")
+  if rec.run.precision is None or rec.run.steps is None:
+    raise KeyError("run.train")  # a report without its run section: callers keep what they can
+  return (f"{model_label(rec)} · {plan_txt} · {rec.run.precision} · {rec.run.steps} steps · "
+          f"{', '.join(rec.sides)}")
 
 
-def open_write_errors(d: dict, run_dir=None) -> list[dict]:
+def open_write_errors(rec: RunRecord, run_dir=None) -> list[Mapping]:
   """report.json's write_errors that still hold: an error of a rendered file (report.html, report.md, card.json, the
   PNGs) that now exists in the run folder (`run_dir`, else report.json's run_dir; '*.png': any PNG there) was mended
   by a later `parity report` re-render, and a page that named it would contradict the folder. Errors of
   report.json and metrics.jsonl, which a re-render does not write, always hold."""
-  folder = Path(run_dir if run_dir is not None else d.get("run_dir") or ".")
+  folder = Path(run_dir if run_dir is not None else rec.run_dir or ".")
   out = []
-  for e in d.get("write_errors") or []:
+  for e in rec.write_errors:
     name = Path(str(e.get("file", ""))).name
     rendered = name in ("report.html", "report.md", "card.json") or name.endswith(".png")  # what a re-render rewrites
     # '*.png' (the plots as one entry) is the only pattern the writer records; any other name is a literal file name
@@ -109,109 +112,101 @@ def _written_file(src: str) -> str | None:
   return next((v for k, v in _FILE_CONSTANTS.items() if re.search(rf"\b{k}\b", src)), None)
 
 
-def _side_stop(d: dict) -> list[str]:
+def _side_stop(rec: RunRecord) -> list[str]:
   """'torch stopped after 4 of 4 steps (crashed writing final.safetensors: No space left on device)' per side that
   did not finish: its status and its error (error_clause)."""
   out = []
-  for name, s in d["sides"].items():
-    if s["status"] != "ok":
-      summ = s.get("summary") or {}
-      n = summ.get("steps_completed", len(s["series"]["loss"]))
-      why = error_clause(summ)
+  for name, s in rec.sides.items():
+    if s.status != "ok":
+      n = s.summary.get("steps_completed", len(s.values("loss")))
+      why = error_clause(s.summary)
       why = (f" {why}" if why.startswith("writing ") else f": {why}") if why else ""
-      out.append(f"{name} stopped after {n} of {d['run']['train']['steps']} steps ({s['status']}{why})")
+      out.append(f"{name} stopped after {n} of {rec.run.steps} steps ({s.status}{why})")
   return out
 
 
-def _worst(checks: list[dict]) -> dict:
-  return max(checks, key=lambda c: (c["value"] or 0) / (c["tolerance"] or 1e-300))
+def _worst(checks: list[CheckRecord]) -> CheckRecord:
+  return max(checks, key=lambda c: (c.value or 0) / (c.tolerance or 1e-300))
 
 
-def _loss_headline(d: dict) -> str | None:
+def _loss_headline(rec: RunRecord) -> str | None:
   """The loss figure of a PASS sentence, quoting the bound that decided: the per-step loss tolerance where the loss
   checks gate; where they are reported only (bf16/fp16 with the noise envelope) the loss envelope's worst window and
   its bound, then the per-step difference with its non-gating bound named as such."""
-  loss = [c for c in d["checks"] if c["metric"] == "loss" and isinstance(c.get("value"), (int, float))]
+  loss = [c for c in rec.checks if c.metric == "loss" and isinstance(c.value, (int, float))]
   if not loss:
     return None
   worst = _worst(loss)
-  step = f" at step {worst['worst']}" if isinstance(worst.get("worst"), int) else ""
-  per_step = f"largest per-step loss difference {fmt(worst['value'])}{step} ({pair_label(worst['sides'])})"
-  if worst.get("gating", True):
-    return f"{per_step}, tolerance {fmt(worst['tolerance'])}"
-  env = [c for c in d["checks"] if c["metric"] == "loss_envelope" and c.get("gating", True)
-         and isinstance(c.get("value"), (int, float))]
-  prec = d["run"]["train"]["precision"]
+  step = f" at step {worst.worst}" if isinstance(worst.worst, int) else ""
+  per_step = f"largest per-step loss difference {fmt(worst.value)}{step} ({pair_label(worst.sides)})"
+  if worst.gating:
+    return f"{per_step}, tolerance {fmt(worst.tolerance)}"
+  env = [c for c in rec.checks if c.metric == "loss_envelope" and c.gating and isinstance(c.value, (int, float))]
   if not env:
-    return f"{per_step}, tolerance {fmt(worst['tolerance'])} (reported only)"
+    return f"{per_step}, tolerance {fmt(worst.tolerance)} (reported only)"
   e = _worst(env)
-  where = f", {e['worst']}" if e.get("worst") else ""
-  return (f"in {prec} the noise envelope decides: worst loss window rms Δloss {fmt(e['value'])} "
-          f"({pair_label(e['sides'])}{where}) within its envelope bound {fmt(e['tolerance'])}; {per_step}, "
-          f"against a per-step bound of {fmt(worst['tolerance'])} that is reported only")
+  where = f", {e.worst}" if e.worst else ""
+  return (f"in {rec.precision} the noise envelope decides: worst loss window rms Δloss {fmt(e.value)} "
+          f"({pair_label(e.sides)}{where}) within its envelope bound {fmt(e.tolerance)}; {per_step}, "
+          f"against a per-step bound of {fmt(worst.tolerance)} that is reported only")
 
 
-def verdict_parts(d: dict) -> tuple[str, str, str]:
+def verdict_parts(rec: RunRecord) -> tuple[str, str, str]:
   """(kind, sentence, sub) of the verdict: kind 'pass' | 'fail' | 'warn' (one side, interrupted); the sentence
   names the pair, the metric and the step; sub counts the checks."""
-  v, t = d["verdict"], d["run"]["train"]
-  checks = d["checks"]
-  gating = [c for c in checks if c.get("gating", True)]
-  failing = [c for c in gating if not c["passed"]]
+  v, checks = rec.verdict, rec.checks
+  gating = [c for c in checks if c.gating]
+  failing = [c for c in gating if not c.passed]
   sub = (f"{len(gating) - len(failing)} of {len(gating)} gating checks passed"
          + (f" (+{len(checks) - len(gating)} reported only)" if len(checks) > len(gating) else "")
-         + f" · {run_title(d)}")
-  msg = v["message"]
+         + f" · {run_title(rec)}")
+  msg = v.message
   if msg.startswith(("ONE SIDE", "INTERRUPTED")):
     return "warn", msg, sub
-  if v["passed"]:
-    head = _loss_headline(d)
-    sides = list(d["sides"])
-    over = [c["name"] for c in checks if not c["passed"]]  # reported-only checks (the gating ones all passed)
+  if v.passed:
+    head = _loss_headline(rec)
+    sides = list(rec.sides)
+    over = [c.name for c in checks if not c.passed]  # reported-only checks (the gating ones all passed)
     scope = "every check" if not over else (f"every gating check ({len(over)} reported-only check"
                                             + ("s over their bounds" if len(over) > 1 else " over its bound")
                                             + f": {', '.join(over)})")
     return "pass", (f"PASS: {', '.join(sides[:-1])} and {sides[-1]} agree within tolerance on {scope} over all "
-                    f"{t['steps']} steps" + (f"; {head}." if head else ".")), sub
-  parts = _side_stop(d)
-  ff = v.get("first_failure")
-  if ff and ff.get("metric") == "updates" and parts:  # a side stopped in the warmup: the stop is the cause
-    gone = [n for n in ff["sides"] if d["sides"].get(n, {}).get("status") != "ok"] or ["a side"]
-    parts.append(f"{pair_label(ff['sides'])}: no optimizer update was compared before {' and '.join(gone)} stopped "
+                    f"{rec.run.steps} steps" + (f"; {head}." if head else ".")), sub
+  parts = _side_stop(rec)
+  ff = v.first_failure
+  c = rec.check_named(ff.check if ff else None)
+  if ff and ff.metric == "updates" and parts:  # a side stopped in the warmup: the stop is the cause
+    gone = [n for n in ff.sides if n not in rec.sides or rec.sides[n].status != "ok"] or ["a side"]
+    parts.append(f"{pair_label(ff.sides)}: no optimizer update was compared before {' and '.join(gone)} stopped "
                  "(lr was 0 on the steps both sides ran)")
-  elif ff and ff.get("metric") == "updates":  # nothing exceeded a tolerance: there was nothing to compare
-    c = next((c for c in checks if c["name"] == ff["check"]), {})
-    parts.append(f"{pair_label(ff['sides'])}: {c.get('detail') or 'no step with lr > 0 was compared'}")
-  elif ff and ff.get("metric") == "semantics":  # the cards differ: name the items and both values, at step 0
-    c = next((c for c in checks if c["name"] == ff["check"]), {})
-    parts.append(f"{pair_label(ff['sides'])} differ before step 1, {c.get('detail') or 'semantics cards differ'}")
-  elif ff and ff.get("metric") == "placement":  # one side's compiled step against its plan, at step 0
-    c = next((c for c in checks if c["name"] == ff["check"]), {})
-    parts.append(f"{pair_label(ff['sides'])}'s compiled step differs from its plan before step 1, "
-                 f"{c.get('detail') or 'placement: the compiled memory spaces differ'}")
-  elif ff and ff.get("metric") != "completed" and ff.get("value") is None:  # nothing was measured: say why, not
+  elif ff and ff.metric == "updates":  # nothing exceeded a tolerance: there was nothing to compare
+    parts.append(f"{pair_label(ff.sides)}: {c.detail or 'no step with lr > 0 was compared'}")
+  elif ff and ff.metric == "semantics":  # the cards differ: name the items and both values, at step 0
+    parts.append(f"{pair_label(ff.sides)} differ before step 1, {c.detail or 'semantics cards differ'}")
+  elif ff and ff.metric == "placement":  # one side's compiled step against its plan, at step 0
+    parts.append(f"{pair_label(ff.sides)}'s compiled step differs from its plan before step 1, "
+                 f"{c.detail or 'placement: the compiled memory spaces differ'}")
+  elif ff and ff.metric != "completed" and ff.value is None:  # nothing was measured: say why, not
     # "exceeds its tolerance" (breaker, 2026-12-02: an equivalence rerun killed by SIGKILL read "... over the run n/a")
-    c = next((c for c in checks if c["name"] == ff["check"]), {})
-    parts.append(f"{ff['metric']} of {pair_label(ff['sides'])} could not be measured: "
-                 f"{first_clause(c.get('detail') or 'no value was recorded')}")
-  elif ff and ff.get("metric") != "completed":
-    c = next((c for c in checks if c["name"] == ff["check"]), {})
-    step = f" at step {ff['step']}" if ff.get("step") is not None else ""
-    label = measure_label({**c, "metric": ff["metric"]})
-    parts.append(f"{ff['metric']} of {pair_label(ff['sides'])} first exceeds its tolerance{step} "
-                 f"(tolerance {fmt(ff['tolerance'])}; {label} over the run {fmt(ff['value'])})"
-                 + (" on the steps both sides ran" if _side_stop(d) else ""))
-    if c.get("detail") and ff["metric"] in ("params", "params_zero_grad"):
-      parts[-1] += f"; {first_clause(c['detail'])}"
+    parts.append(f"{ff.metric} of {pair_label(ff.sides)} could not be measured: "
+                 f"{first_clause(c.detail or 'no value was recorded')}")
+  elif ff and ff.metric != "completed":
+    step = f" at step {ff.step}" if ff.step is not None else ""
+    label = measure_label(dataclasses.replace(c, metric=ff.metric))
+    parts.append(f"{ff.metric} of {pair_label(ff.sides)} first exceeds its tolerance{step} "
+                 f"(tolerance {fmt(ff.tolerance)}; {label} over the run {fmt(ff.value)})"
+                 + (" on the steps both sides ran" if _side_stop(rec) else ""))
+    if c.detail and ff.metric in ("params", "params_zero_grad"):
+      parts[-1] += f"; {first_clause(c.detail)}"
   return "fail", "FAIL: " + "; ".join(parts or [msg.removeprefix("FAIL: ")]) + ".", sub
 
 
-def verdict_sentence(d: dict) -> str:
+def verdict_sentence(rec: RunRecord) -> str:
   """verdict_parts' sentence; the stored verdict message when the report lacks what the sentence needs (a report
   written by an older parity)."""
   try:
-    return verdict_parts(d)[1]
+    return verdict_parts(rec)[1]
   except (KeyError, TypeError, IndexError, ValueError):
-    return d["verdict"]["message"]
+    return rec.verdict.message
 
 

@@ -3,7 +3,9 @@ side's machine, the inputs they share. Data for report.md, report.html, card.jso
 run_folder.join (the same record as request.json 'join'); nothing for a run that is not a join."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
+
+from parity.report.run_record import RunRecord
 
 __all__ = ["JOIN_HEADERS", "join_of", "join_intro", "join_rows", "join_card", "join_lines"]
 
@@ -11,10 +13,10 @@ JOIN_HEADERS = ("side", "folder", "run id", "host", "device (backend)", "OS / CP
 """Columns of `join_rows`."""
 
 
-def join_of(d: dict) -> dict | None:
-  """report.json data `d`'s join record (run_folder.join), None for a run that is not a join."""
-  rec = (d.get("run_folder") or {}).get("join") if isinstance(d.get("run_folder"), dict) else None
-  return rec if isinstance(rec, dict) and isinstance(rec.get("folders"), list) else None
+def join_of(run: RunRecord) -> Mapping | None:
+  """The run's join record (report.json run_folder.join), None for a run that is not a join."""
+  rec = run.run_folder.join
+  return rec if isinstance(rec, Mapping) and isinstance(rec.get("folders"), list) else None
 
 
 def _short(h: Any) -> str:
@@ -30,10 +32,10 @@ def _backend_note(rec: dict) -> str:
           "'backend' section)." if len(kinds - {"", "n/a"}) > 1 else "")
 
 
-def join_intro(d: dict) -> str:
+def join_intro(run: RunRecord) -> str:
   """One paragraph: which folders were joined (path, run id, request.json and report.json sha256), the inputs they
   share (sha256), and that the first folder's first side is the reference; '' for a run that is not a join."""
-  rec = join_of(d)
+  rec = join_of(run)
   if rec is None:
     return ""
   folders = "; ".join(f"{f.get('label')}: {f.get('path')} (run id {f.get('run_id')}, sides "
@@ -47,10 +49,10 @@ def join_intro(d: dict) -> str:
           + _backend_note(rec))
 
 
-def join_rows(d: dict) -> list[list[str]]:
+def join_rows(run: RunRecord) -> list[list[str]]:
   """One row per side (JOIN_HEADERS): the folder it came from, that run's id, the host it ran on, its device and
   backend, the host's OS, CPU and GPUs; [] for a run that is not a join."""
-  rec = join_of(d)
+  rec = join_of(run)
   if rec is None:
     return []
   run_ids = {f.get("label"): f.get("run_id") for f in rec["folders"]}
@@ -64,10 +66,10 @@ def join_rows(d: dict) -> list[list[str]]:
   return rows
 
 
-def join_card(d: dict) -> dict | None:
+def join_card(run: RunRecord) -> dict | None:
   """card.json 'join': {folders [{label, path, run_id, request_sha256}], sides {side: {folder, host, device,
   backend}}, inputs {file: sha256}}; None for a run that is not a join."""
-  rec = join_of(d)
+  rec = join_of(run)
   if rec is None:
     return None
   return {"folders": [{k: f.get(k) for k in ("label", "path", "run_id", "request_sha256")} for f in rec["folders"]],
@@ -76,12 +78,12 @@ def join_card(d: dict) -> dict | None:
           "inputs": dict(rec.get("inputs") or {})}
 
 
-def join_lines(d: dict) -> list[str]:
+def join_lines(run: RunRecord) -> list[str]:
   """Terminal lines: one per joined folder, then one per side with where it ran; [] for a run that is not a join."""
-  rec = join_of(d)
+  rec = join_of(run)
   if rec is None:
     return []
   out = [f"joined {f.get('label')}: {f.get('path')} (run {f.get('run_id')}, request.json sha256 "
          f"{_short(f.get('request_sha256'))})" for f in rec["folders"]]
-  out += [f"  {r[0]} from {r[1]}: {r[3]}, {r[4]}" for r in join_rows(d)]
+  out += [f"  {r[0]} from {r[1]}: {r[3]}, {r[4]}" for r in join_rows(run)]
   return out

@@ -16,6 +16,7 @@ from parity.report import cells, check_table, headline, setup_table, side_table
 from parity.report.equivalence_view import EQUIVALENCE_HEADERS, equivalence_intro, equivalence_rows
 from parity.report.join_view import JOIN_HEADERS, join_intro, join_rows
 from parity.report.placement_view import COPY_HEADERS, copy_rows, placement_blocks
+from parity.report.run_record import RunRecord
 
 __all__ = ["md_text", "strong", "Markup", "cell", "code_block", "md_table", "report_markdown", "perturbation_markdown",
            "placement_markdown", "PLOT_FILES", "PLOT_ALT"]
@@ -81,12 +82,12 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence]) -> list[str]:
   return out
 
 
-def _self_sections(d: dict) -> list[str]:
+def _self_sections(rec: RunRecord) -> list[str]:
   out = []
-  env = d.get("noise_envelope")
+  env = rec.noise_envelope
   if env:
     r = env["rule"]
-    n = d["run"]["train"]["steps"]
+    n = rec.run.steps
     short = f" (this run's {n} steps make one shorter window)" if isinstance(r.get("window"), int) \
         and n < r["window"] else ""
     out += ["", "## Noise envelope", "", f"{env['method'][0].upper()}{env['method'][1:]}. Each pair passes when, in "
@@ -102,24 +103,23 @@ def _self_sections(d: dict) -> list[str]:
                    cells.fmt(e.get("params_ratio_max")), len(diffs)])
     out += md_table(["side", "rerun status", "max abs Δloss", "median abs Δloss", "max rel. Δgrad norm",
                      "params: max abs Δ / moved", "steps"], rows)
-  det = d.get("determinism") or {}
+  det = rec.determinism
   if det:
     out += ["", "## Determinism", ""] + md_table(["side", "deterministic", "detail"], [
-        [s, "yes" if x["deterministic"] else strong("no"),
-         f"{x['detail']} (rerun of the first {x['steps_checked']} steps in a new process)"] for s, x in det.items()])
-  res = d.get("resume") or {}
+        [s, "yes" if x.deterministic else strong("no"),
+         f"{x.detail} (rerun of the first {x.steps_checked} steps in a new process)"] for s, x in det.items()])
+  res = rec.resume
   if res:
     out += ["", "## Checkpoint / resume", ""] + md_table(
         ["side", "resumed at step", "bit-identical to the uninterrupted run", "detail"],
-        [[s, x["resumed_at_step"], "yes" if x["bit_identical"] else strong("no"), x["detail"]] for s, x in res.items()])
+        [[s, x.resumed_at_step, "yes" if x.bit_identical else strong("no"), x.detail] for s, x in res.items()])
   return out
 
 
-def data_card_rows(d: dict) -> list[list]:
+def data_card_rows(rec: RunRecord) -> list[list]:
   """[item, value] rows of a padded/packed run's data card (report.json data.card, parity.dataset.card.data_card);
   [] for a stream run. report.md and report.html show the same rows."""
-  data = d.get("data") or {}
-  card = data.get("card")
+  card = rec.data.card
   if not card:
     return []
   per_step = card["loss_tokens_per_step"]
@@ -130,36 +130,36 @@ def data_card_rows(d: dict) -> list[list]:
     rows.append(["chat_template", card.get("chat_template") or "none: Alpaca records got the built-in Alpaca prompt"])
   pad = card["padding_fraction"]  # card.json keeps the exact fraction; the page shows it as a percentage
   rows.append(["padding_fraction", f"{pad:.4f} ({pad:.1%})" if isinstance(pad, (int, float)) else pad])
-  return rows + [["loss_normalization", data.get("loss_normalization")],
+  return rows + [["loss_normalization", rec.data.loss_normalization],
                  ["loss tokens per step (min / max)", f"{min(per_step)} / {max(per_step)}"],
                  ["loss_tokens_total", card["loss_tokens_total"]],
                  ["truncation", ", ".join(f"{k} {v}" for k, v in card["truncation"].items())]]
 
 
-def data_card_markdown(d: dict) -> list[str]:
+def data_card_markdown(rec: RunRecord) -> list[str]:
   """'## Data card' (data_card_rows) of a padded/packed run; [] otherwise."""
-  rows = data_card_rows(d)
+  rows = data_card_rows(rec)
   return ["", "## Data card", ""] + md_table(["item", "value"], rows) if rows else []
 
 
-def perturbation_markdown(d: dict) -> list[str]:
+def perturbation_markdown(rec: RunRecord) -> list[str]:
   """The 'Inputs' lines (data, tokens, DeepSpeed config files) and the 'Perturbations' table of report.md."""
   out = []
-  lines = setup_table.inputs_lines(d)
+  lines = setup_table.inputs_lines(rec)
   if lines:
     out += ["", "## Inputs", ""] + [f"- {md_text(x)}" for x in lines]
-  rows = setup_table.perturbation_rows(d)
+  rows = setup_table.perturbation_rows(rec)
   if rows:
     out += ["", "## Perturbations (planted on purpose with --perturb)", ""] + md_table(
         setup_table.PERTURB_HEADERS, [[*r[:-1], r[-1] if r[-1] == "applied" else strong(r[-1])] for r in rows])
   return out
 
 
-def placement_markdown(d: dict) -> list[str]:
+def placement_markdown(rec: RunRecord) -> list[str]:
   """'## Placement and transfers' of report.md (parity.report.placement_view.placement_blocks: the transfer table,
   each JAX side's placement table, mismatches in bold; the copy schedule as a table of the copies, where report.html
   draws its strip); [] for a report without the section."""
-  blocks = placement_blocks(d)
+  blocks = placement_blocks(rec)
   out = ["", "## Placement and transfers"] if blocks else []
   for b in blocks:
     if b[0] == "h3":
@@ -173,31 +173,31 @@ def placement_markdown(d: dict) -> list[str]:
   return out
 
 
-def _checks_markdown(d: dict) -> list[str]:
+def _checks_markdown(rec: RunRecord) -> list[str]:
   """report.md's "## Checks" lines: the check table (a failing gating result in bold), then where each metric's
-  tolerance comes from. d: report.json data."""
+  tolerance comes from."""
   out = ["## Checks", ""] + md_table(
       ["metric", "pair (or side)", "value is", "value", "tolerance", "result", "first failing step", "detail"],
       [[r["metric"], r["pair"], r["measure"], r["value"], r["tolerance"],
         r["result"] if r["passed"] or not r["gating"] else strong(r["result"]), r["first_failing_step"], r["detail"]]
-       for r in check_table.check_rows(d)])
+       for r in check_table.check_rows(rec)])
   out += ["", "Where each tolerance comes from:", ""]
   seen = set()
-  for r in check_table.check_rows(d):
+  for r in check_table.check_rows(rec):
     if r["metric"] not in seen and r["source"]:
       seen.add(r["metric"])
       out.append(f"- {strong(r['metric'])}: {md_text(r['source'])}")
   return out
 
 
-def _memory_markdown(d: dict, plots: dict[str, str]) -> list[str]:
+def _memory_markdown(rec: RunRecord, plots: dict[str, str]) -> list[str]:
   """report.md's "## Memory: predicted vs measured" lines (the gaps, the figure when `plots` has 'memory', the
-  table), or [] when no side has a predicted or measured figure. d: report.json data; plots: as report_markdown."""
-  mem = [r for r in side_table.memory_rows(d) if r["predicted"] or r["measured"]]
+  table), or [] when no side has a predicted or measured figure. plots: as report_markdown."""
+  mem = [r for r in side_table.memory_rows(rec) if r["predicted"] or r["measured"]]
   if not mem:
     return []
-  gaps = side_table.memory_gaps(d)
-  out = ["", "## Memory: predicted vs measured", "", md_text(d["memory"]["note"] + "."), ""]
+  gaps = side_table.memory_gaps(rec)
+  out = ["", "## Memory: predicted vs measured", "", md_text(rec.memory_note + "."), ""]
   out += [strong(gaps + "."), ""] if gaps else []
   out += [f"![{md_text(plots['memory'][1])}]({plots['memory'][0]})", ""] if "memory" in plots else []
   out += md_table(["side", "category", "memory kind", "predicted", "measured", "measured / predicted"],
@@ -206,72 +206,72 @@ def _memory_markdown(d: dict, plots: dict[str, str]) -> list[str]:
   return out
 
 
-def _semantics_markdown(d: dict) -> list[str]:
+def _semantics_markdown(rec: RunRecord) -> list[str]:
   """The semantics card's table and, under it, each side's precision settings; [] without cards."""
   out: list[str] = []
-  if semantics_rows(d):
-    out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(d),
-                                                                                semantics_rows(d))
-  if precision_table(d):
-    out += ["", "### Precision settings", "", md_text(PRECISION_INTRO), ""] + md_table(precision_headers(d),
-                                                                                      precision_table(d))
+  if semantics_rows(rec):
+    out += ["", "## Semantics card", "", md_text(SEMANTICS_INTRO), ""] + md_table(semantics_headers(rec),
+                                                                                semantics_rows(rec))
+  if precision_table(rec):
+    out += ["", "### Precision settings", "", md_text(PRECISION_INTRO), ""] + md_table(precision_headers(rec),
+                                                                                      precision_table(rec))
   return out
 
 
-def report_markdown(d: dict, plots: dict[str, str], environment: dict | None = None) -> str:
-  """report.md text. d: report.json data; plots: figure key -> (file name beside report.md, caption);
-  environment: environment.json of the run folder, or None."""
-  kind, sentence, sub = headline.verdict_parts(d)
-  out = [f"# parity report: {md_text(headline.run_title(d))}", "", strong(sentence), "", md_text(sub), ""]
-  errors = headline.open_write_errors(d)
+def report_markdown(rec: RunRecord, plots: dict[str, str], environment: dict | None = None) -> str:
+  """report.md text. rec: the run (its report.json, parity.report.run_record); plots: figure key -> (file name
+  beside report.md, caption); environment: environment.json of the run folder, or None."""
+  kind, sentence, sub = headline.verdict_parts(rec)
+  out = [f"# parity report: {md_text(headline.run_title(rec))}", "", strong(sentence), "", md_text(sub), ""]
+  errors = headline.open_write_errors(rec)
   if errors:
     out += ["**Some report files could not be written:** " + "; ".join(
         md_text(f"{e['file']}: {e['error']}") for e in errors), ""]
   out += ["Also: `report.html` (one page, plots inline), `report.json`, `card.json`, `metrics.jsonl`.", ""]
-  if join_rows(d):  # `parity join`: the folders joined and each side's machine
-    out += ["## Joined runs", "", md_text(join_intro(d)), ""] + md_table(list(JOIN_HEADERS), join_rows(d)) + [""]
-  out += _checks_markdown(d)
-  out += _semantics_markdown(d)
+  if join_rows(rec):  # `parity join`: the folders joined and each side's machine
+    out += ["## Joined runs", "", md_text(join_intro(rec)), ""] + md_table(list(JOIN_HEADERS), join_rows(rec)) + [""]
+  out += _checks_markdown(rec)
+  out += _semantics_markdown(rec)
   out += ["", "## Curves", ""]
   for key in ("loss", "delta", "grad_norm", "lr", "loss_scale"):
     if key in plots:
       out += [f"![{md_text(plots[key][1])}]({plots[key][0]})", ""]
-  cols = side_table.throughput_columns(d)  # tokens/s, and loss tokens/s on padded/packed runs
+  cols = side_table.throughput_columns(rec)  # tokens/s, and loss tokens/s on padded/packed runs
   keys = ["side", "status", "steps", "loss", "val_loss", *(k for k, _ in cols), "init_s", "compile_s", "op_build_s",
           "peak_rss", "peak_device", "memory_kinds", "backend"]
   out += ["## Sides", ""] + md_table(["side", "status", "steps", "loss first → last", "val loss",
                                       *(h for _, h in cols), "init s", "compile s", "op build/load s", "peak RSS",
                                       "peak device", "state by memory kind", "backend"],
-                                     [[r[k] for k in keys] for r in side_table.side_rows(d)])
-  out += [line for note in side_table.memory_notes(d) for line in ("", md_text(note) + ".")]
-  for name, why in (d.get("sides_not_run") or {}).items():  # this machine could not start it (parity.sockets)
-    if name not in d["sides"]:  # a named one is in the table above, its reason below as its error
-      out += ["", strong(f"{name} not run") + ": " + md_text(why.get("reason"))]
-  for name, s in d["sides"].items():
+                                     [[r[k] for k in keys] for r in side_table.side_rows(rec)])
+  out += [line for note in side_table.memory_notes(rec) for line in ("", md_text(note) + ".")]
+  for name, why in rec.sides_not_run.items():  # this machine could not start it (parity.sockets)
+    if name not in rec.sides:  # a named one is in the table above, its reason below as its error
+      out += ["", strong(f"{name} not run") + ": " + md_text(why.reason)]
+  for name, s in rec.sides.items():
     ranks = side_table.rank_table(s)
     if ranks:
       out += ["", f"{name}, per rank:", ""] + md_table(*ranks)
-    if s.get("error"):
-      out += ["", strong(f"{name} {s['status']}") + ":", *code_block(s["error"].strip().splitlines()[-15:])]
-  out += _memory_markdown(d, plots)
+    if s.error:
+      out += ["", strong(f"{name} {s.status}") + ":", *code_block(s.error.strip().splitlines()[-15:])]
+  out += _memory_markdown(rec, plots)
   tk = ["side", "backend", "repeats", "min_s", "median_s", "max_s", *(k for k, _ in cols), "load", "op_build_s"]
-  out += ["", "## Throughput", "", strong(side_table.throughput_note(d)), ""]
+  out += ["", "## Throughput", "", strong(side_table.throughput_note(rec)), ""]
   out += [f"![{md_text(plots['throughput'][1])}]({plots['throughput'][0]})", ""] if "throughput" in plots else []
   out += md_table(["side", "backend", "steps timed", "min s/step", "median s/step", "max s/step",
                    *(h for _, h in cols), "load (1 min) start → end", "op build/load s (not in init)"],
-                  [[r[k] for k in tk] for r in side_table.throughput_rows(d)])
-  out += data_card_markdown(d)
-  out += ["", "## Plan and placements", ""] + md_table(["item", "value"], setup_table.plan_rows(d))
-  out += placement_markdown(d)
-  if d.get("migration"):
-    out += ["", f"DeepSpeed config {strong(d['migration']['source'])}: key-by-key migration table in "
+                  [[r[k] for k in tk] for r in side_table.throughput_rows(rec)])
+  out += data_card_markdown(rec)
+  out += ["", "## Plan and placements", ""] + md_table(["item", "value"], setup_table.plan_rows(rec))
+  out += placement_markdown(rec)
+  if rec.migration:
+    out += ["", f"DeepSpeed config {strong(rec.migration.source)}: key-by-key migration table in "
             f"[migration.md](migration.md)."]
-    if d["migration"].get("loss_normalization"):
-      out += ["", f"Loss normalisation the config implies: {md_text(d['migration']['loss_normalization'])}."]
-  out += _self_sections(d)
-  if equivalence_rows(d):
-    out += ["", "## Equivalence", "", md_text(equivalence_intro(d)), ""] + md_table(EQUIVALENCE_HEADERS,
-                                                                                 equivalence_rows(d))
-  out += perturbation_markdown(d)
-  out += ["", "## Environment", ""] + md_table(["item", "value"], setup_table.environment_rows(d, environment))
+    if rec.migration.loss_normalization:
+      out += ["", f"Loss normalisation the config implies: {md_text(rec.migration.loss_normalization)}."]
+  out += _self_sections(rec)
+  if equivalence_rows(rec):
+    out += ["", "## Equivalence", "", md_text(equivalence_intro(rec)), ""] + md_table(EQUIVALENCE_HEADERS,
+                                                                                 equivalence_rows(rec))
+  out += perturbation_markdown(rec)
+  out += ["", "## Environment", ""] + md_table(["item", "value"], setup_table.environment_rows(rec, environment))
   return "\n".join(out) + "\n"

@@ -19,6 +19,7 @@ from typing import Any
 from parity.protocol.placement import host_ops_of, judged_mismatches, split_host_compute
 from parity.report.cells import fmt, fmt_bytes
 from parity.report.placement_strip import strip_extent
+from parity.report.run_record import RunRecord
 
 __all__ = ["PLACEMENT_FILE", "PLACEMENT_SCHEMA", "read_placement", "read_transfers", "placement_section",
            "PLACEMENT_HEADERS", "class_rows", "memory_analysis_rows", "TRANSFER_HEADERS", "transfer_rows",
@@ -345,12 +346,12 @@ def _jax_blocks(side: str, e: dict) -> list[tuple]:
                       f"each from its start to its done position over {axis}."), ("strip", side, p)]
 
 
-def placement_blocks(d: dict) -> list[tuple]:
+def placement_blocks(rec: RunRecord) -> list[tuple]:
   """What report.md and report.html show of report.json 'placement', medium-neutral: ('p', text), ('h3', text),
   ('warn', text: a mismatch no table row shows), ('table', headers, rows, mismatch flags), ('strip', side, placement)
   (the copy schedule: an SVG in report.html, a table of the copies in report.md). [] when the report has no 'placement'
   section (written before it existed)."""
-  sec = d.get("placement")
+  sec = rec.placement
   if not isinstance(sec, dict) or not isinstance(sec.get("sides"), dict):
     return []
   rows = transfer_rows(sec)

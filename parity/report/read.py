@@ -1,82 +1,28 @@
-"""Reading a finished run's report.json back (`parity report DIR`): every section the summary needs is checked
-first, so a truncated, hand-edited or foreign file is refused by name instead of failing half-way."""
+"""Reading a finished run's report.json back (`parity report DIR`) and verifying it: `load_report` (every section the
+summary needs is checked first, parity.report.run_record.read_run, so a truncated, hand-edited or foreign file is
+refused by name instead of failing half-way) and `verify_report` (its files re-hashed, its checks recomputed)."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
-from parity.inputs import InputError, load_json
 from parity.report import build
-from parity.report.build import REPORT_SCHEMA, Report
+from parity.report.build import Report
 from parity.report.reverify import Unverifiable, differences, recompute
+from parity.report.run_record import read_run
 from parity.verdict.gating import ALWAYS_REPORTED_ONLY, ENVELOPE_DECIDES, reported_only_allowed
 
 __all__ = ["load_report", "verify_report", "check_contradictions", "finite_number", "peak_load"]
 
-_CHECK_KEYS = ("name", "value", "tolerance", "passed", "first_failing_step")
-
-
-def _need(ok: bool, path: Path, what: str) -> None:
-  if not ok:
-    raise InputError(f"{path}: {what}; the file is incomplete or not written by `parity compare` "
-                     "(rerun the comparison to get a fresh report)")
-
-
 def load_report(run_dir: str | Path) -> Report:
-  """The Report of a finished run folder, with its report.json checked section by section.
+  """The Report of a finished run folder: report.json read and checked section by section
+  (parity.report.run_record.read_run; Report.record is the typed run).
 
-  Args:
-    run_dir: the folder `parity compare` wrote.
-  Returns:
-    Report(data=the parsed report.json, run_dir).
   Raises:
     InputError: no such folder or report.json; not UTF-8 JSON; wrong schema; a missing or mistyped section
       (verdict, sides, checks; each side's status, summary and series) named with the key.
   """
-  run_dir = Path(run_dir)
-  path = run_dir / "report.json"
-  if not run_dir.is_dir():
-    raise InputError(f"{run_dir} is not a folder: pass the folder of a finished `parity compare` run")
-  if not path.exists() and any((run_dir / n).exists() for n in ("diagnose.md", "diagnose.json")):
-    raise InputError(f"{run_dir} holds a `parity diagnose` run, not a comparison: its result is in "
-                     f"{run_dir / 'diagnose.md'} (and diagnose.json); `parity report` reads `parity compare` folders")
-  if not path.exists():
-    raise InputError(f"{path} does not exist: pass the folder of a finished `parity compare` run (it may have "
-                     "been interrupted before the report was written)")
-  try:
-    data: Any = load_json(path, what="report")
-  except InputError as exc:
-    raise InputError(f"{exc} (the run may have been interrupted while writing it)") from None
-  schema = data.get("schema") if isinstance(data, dict) else None
-  if isinstance(schema, str) and schema.startswith("parity.report/") and schema != REPORT_SCHEMA:
-    raise InputError(f"{path}: written by another parity version (report schema {schema!r}; this version reads "
-                     f"{REPORT_SCHEMA!r}, whose report hashes and re-verifies more of the run's files); rerun "
-                     "`parity compare` with this version for a report it can verify")
-  _need(isinstance(data, dict) and schema == REPORT_SCHEMA, path,
-        f"not a parity report (expected schema {REPORT_SCHEMA!r})")
-  v = data.get("verdict")
-  _need(isinstance(v, dict) and isinstance(v.get("passed"), bool) and isinstance(v.get("message"), str), path,
-        "section 'verdict' must hold 'passed' (true/false) and 'message' (text)")
-  sides = data.get("sides")
-  _need(isinstance(sides, dict), path, "section 'sides' is missing or not a mapping")
-  for name, s in sides.items():
-    _need(isinstance(s, dict) and isinstance(s.get("status"), str) and isinstance(s.get("summary"), dict),
-          path, f"sides.{name} must hold 'status' (text) and 'summary' (mapping)")
-    series = s.get("series")
-    _need(isinstance(series, dict) and isinstance(series.get("loss"), list)
-          and isinstance(series.get("val_loss"), list), path,
-          f"sides.{name}.series must hold 'loss' and 'val_loss' (lists)")
-  checks = data.get("checks")
-  _need(isinstance(checks, list), path, "section 'checks' is missing or not a list")
-  for i, ch in enumerate(checks):
-    _need(isinstance(ch, dict) and all(k in ch for k in _CHECK_KEYS), path,
-          f"checks[{i}] must hold {', '.join(_CHECK_KEYS)}")
-  det = data.get("determinism")
-  _need(det is None or (isinstance(det, dict) and all(isinstance(x, dict) and "deterministic" in x
-                                                      for x in det.values())), path,
-        "section 'determinism' must map each side to {deterministic, ...}")
-  return Report(data=data, run_dir=run_dir)
+  return Report(data=read_run(run_dir).json, run_dir=Path(run_dir))
 
 
 _AT_LEAST = ("completed", "updates")  # checks that pass when value >= tolerance (steps run, updates compared)
@@ -126,12 +72,12 @@ def check_contradictions(checks: list[dict], precision: str | None = None) -> li
   return out
 
 
-def _artifact_changes(rd: Path, arts: dict, sides: list[str]) -> list[str]:
+def _artifact_changes(rd: Path, run, sides: list[str]) -> list[str]:
   """The recorded artifacts (parity.report.build.artifact_paths) that are missing, unreadable, of another size (not
   hashed: the size already shows it) or of another sha256 now, and those present but not recorded."""
   changed = []
   for rel in build.artifact_paths(sides):
-    p, rec = rd / rel, arts.get(rel)
+    p, rec = rd / rel, run.artifact(rel)
     if rec is None:
       if p.is_file():
         changed.append(f"{rel} (present, but report.json records no hash for it)")
@@ -165,27 +111,25 @@ def verify_report(report: Report) -> list[str]:
      and must equal what report.json stores. A record that is missing or unreadable makes the run UNVERIFIED.
   Steps 2-3 run only when step 1 found every file as recorded.
   """
-  d, rd = report.data, Path(report.run_dir)
+  rec, rd = report.record, Path(report.run_dir)
   path = rd / "report.json"
-  arts = d.get("artifacts")
-  if not isinstance(arts, dict) or not arts:
+  if not rec.artifacts:
     return [f"{path}: report.json records no 'artifacts' (the sha256 of the files its verdict rests on), so its "
             "verdict cannot be checked against the run's files: UNVERIFIED (rerun `parity compare` for a verdict)"]
-  changed = _artifact_changes(rd, arts, list(d["sides"]))
+  changed = _artifact_changes(rd, rec, list(rec.sides))
   if changed:
     return [f"{rd}: files changed since the run (files the verdict rests on): {', '.join(changed)}; the stored "
             "verdict no longer describes these files (rerun `parity compare` for a verdict on them)"]
   out = []
-  precision = (d.get("run") or {}).get("train", {}).get("precision") if isinstance(d.get("run"), dict) else None
   try:
-    contradictions = check_contradictions(d["checks"], precision)
+    contradictions = check_contradictions([c.json for c in rec.checks], rec.precision)
   except (TypeError, ValueError, AttributeError) as exc:
     contradictions = [f"its checks' values cannot be read ({exc})"]
   if contradictions:
     out.append(f"{path}: report.json does not match its checks: {'; '.join(contradictions)}; the report was "
                "edited (rerun `parity compare` for a verdict)")
   try:
-    diffs = differences(d, recompute(report))
+    diffs = differences(rec, recompute(report))
   except Unverifiable as exc:
     return out + [f"{rd}: the checks cannot be recomputed from the run's records: {exc}; the stored verdict is "
                   "UNVERIFIED (rerun `parity compare` for a verdict)"]

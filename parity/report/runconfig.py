@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from parity.report.build import EXAMPLE_ARTIFACTS
+from parity.report.run_record import RunRecord
 from parity.spec import with_later_defaults
 
 __all__ = ["flatten", "config_diff", "run_as_compared", "launch_config", "gate_config", "proven_deterministic",
@@ -82,57 +83,56 @@ def run_as_compared(run: Any) -> Any:
   return with_later_defaults(run) if isinstance(run, dict) else run
 
 
-def gate_config(d: dict, run_dir: str | Path | None) -> dict[str, Any]:
-  """What the configuration gate compares of report.json data `d`: the resolved run spec as dotted keys (less
+def gate_config(rec: RunRecord, run_dir: str | Path | None) -> dict[str, Any]:
+  """What the configuration gate compares of a run (its report.json, `rec`): the resolved run spec as dotted keys (less
   VOLATILE_KEYS), how it was launched (`launch_config`: nproc, perturb.<side>.<key>) and a digest (hex) of each
   input file as `input.<file>` (INPUT_FILES), and of a --deepspeed-config run's DeepSpeed JSON (given and
   resolved copies, report.json deepspeed_files) as `input.deepspeed_config.<given|resolved>`. What is read from
   `run_dir` (launch.json, request.json, init.safetensors) is skipped when it is None; a file that cannot be read adds
   no key."""
-  out = {k: v for k, v in flatten(run_as_compared(d["run"])).items() if k not in VOLATILE_KEYS}
-  arts = d.get("artifacts") if isinstance(d.get("artifacts"), dict) else {}
+  out = {k: v for k, v in flatten(run_as_compared(dict(rec.run.json))).items() if k not in VOLATILE_KEYS}
   for f in INPUT_FILES:
     if f.endswith(".safetensors"):
       digest = tensor_digest(Path(run_dir) / f) if run_dir is not None else None
     else:
-      digest = arts[f].get("sha256") if isinstance(arts.get(f), dict) else None
+      art = rec.artifact(f)
+      digest = art.get("sha256") if isinstance(art, dict) else None
     if digest:
       out[f"input.{f}"] = digest
-  for role, rec in sorted((d.get("deepspeed_files") or {}).items()):
-    if isinstance(rec, dict) and rec.get("sha256"):  # the DeepSpeed JSON itself: keys the spec does not model
-      out[f"input.deepspeed_config.{role}"] = rec["sha256"]  # (bucket sizes, ZeRO tuning) can change that side
+  for role, file in sorted(rec.deepspeed_files.items()):
+    if isinstance(file, dict) and file.get("sha256"):  # the DeepSpeed JSON itself: keys the spec does not model
+      out[f"input.deepspeed_config.{role}"] = file["sha256"]  # (bucket sizes, ZeRO tuning) can change that side
   if run_dir is not None:
     out.update(launch_config(run_dir))
   return out
 
 
-def proven_deterministic(d: dict) -> dict[str, int]:
+def proven_deterministic(rec: RunRecord) -> dict[str, int]:
   """side -> steps checked, for each side whose determinism rerun (report.json `determinism`: the side's first steps
   again in a new process) was bit-identical; a side whose rerun differed or did not run is absent."""
-  det = d.get("determinism") if isinstance(d.get("determinism"), dict) else {}
-  return {str(s): int(v["steps_checked"]) for s, v in det.items() if isinstance(v, dict)
-          and v.get("deterministic") is True and isinstance(v.get("steps_checked"), int) and v["steps_checked"] > 0}
+  return {s: int(v.steps_checked) for s, v in rec.determinism.items()
+          if v.deterministic is True and isinstance(v.steps_checked, int) and v.steps_checked > 0}
 
 
-def final_digests(d: dict, run_dir: str | Path | None) -> dict[str, str]:
+def final_digests(rec: RunRecord, run_dir: str | Path | None) -> dict[str, str]:
   """side -> tensor_digest of <run_dir>/<side>/final.safetensors (sides without a readable one are absent)."""
   if run_dir is None:
     return {}
   out = {}
-  for s in d.get("sides") or {}:
+  for s in rec.sides:
     digest = tensor_digest(Path(run_dir) / str(s) / "final.safetensors")
     if digest:
       out[str(s)] = digest
   return out
 
 
-def thread_settings(d: dict) -> dict[str, dict[str, str | None]]:
-  """side -> its thread settings (THREAD_KEYS it recorded, values as text, None: unset) from report.json data `d`:
-  each side's summary `threads` record (the torch-stack sides write one, torch_impl.doctor.thread_settings; a run
-  written before they did has none). A side that recorded no `threads` mapping is absent."""
+def thread_settings(rec: RunRecord) -> dict[str, dict[str, str | None]]:
+  """side -> its thread settings (THREAD_KEYS it recorded, values as text, None: unset) of a run: each side's summary
+  `threads` record (the torch-stack sides write one, torch_impl.doctor.thread_settings; a run written before they did
+  has none). A side that recorded no `threads` mapping is absent."""
   out = {}
-  for s, rec in (d.get("sides") or {}).items():
-    t = ((rec or {}).get("summary") or {}).get("threads") if isinstance(rec, dict) else None
+  for s, side in rec.sides.items():
+    t = side.summary.get("threads")
     if isinstance(t, dict):
       out[str(s)] = {k: None if t[k] is None else str(t[k]) for k in THREAD_KEYS if k in t}
   return out

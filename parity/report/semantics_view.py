@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from parity.report.run_record import RunRecord
 from parity.semantics import NAME_LISTS, layers_text, precision_rows
 
 __all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO", "PRECISION_INTRO",
@@ -20,8 +21,8 @@ SEMANTICS_INTRO = ("Each side's conventions, read from its own built model and o
                    "(parity.semantics): a row that differs is the 'semantics' check's FAIL at step 0.")
 
 
-def _sides_with_cards(d: dict) -> list[str]:
-  return [s for s, c in ((d.get("semantics") or {}).get("cards") or {}).items() if c is not None]
+def _sides_with_cards(rec: RunRecord) -> list[str]:
+  return list(rec.semantics_cards)
 
 
 def _value(v: Any, item: str = "optimizer.decay_set") -> str:
@@ -34,51 +35,46 @@ def _value(v: Any, item: str = "optimizer.decay_set") -> str:
   return "null" if v is None else v if isinstance(v, str) else json.dumps(v)
 
 
-def semantics_headers(d: dict) -> list[str]:
+def semantics_headers(rec: RunRecord) -> list[str]:
   """['item', <side>..., 'agree'] over the sides with a card."""
-  return ["item", *_sides_with_cards(d), "agree"]
+  return ["item", *_sides_with_cards(rec), "agree"]
 
 
-def semantics_rows(d: dict) -> list[list[str]]:
+def semantics_rows(rec: RunRecord) -> list[list[str]]:
   """One row per card item: the item, each side's value, 'yes' or 'NO'; [] without cards."""
-  sides = _sides_with_cards(d)
+  sides = _sides_with_cards(rec)
   if not sides:
     return []
   return [[r["item"], *(_value(r["values"].get(s), r["item"]) for s in sides), "yes" if r["agree"] else "NO"]
-          for r in (d.get("semantics") or {}).get("rows") or []]
+          for r in rec.semantics_rows]
 
 
-def semantics_card_block(d: dict) -> dict[str, Any] | None:
+def semantics_card_block(rec: RunRecord) -> dict[str, Any] | None:
   """card.json 'semantics': {agree, differences [{item, values {side: value}}], items {side: {item: value}},
   precision_settings {differences [{setting, values}], values {setting: {side: value}}} (shown, not gating)}; None
   without cards."""
-  sem = d.get("semantics") or {}
-  sides = _sides_with_cards(d)
-  if not sides:
+  cards = rec.semantics_cards
+  if not cards:
     return None
-  diffs = [{"item": r["item"], "values": r["values"]} for r in sem.get("rows") or [] if not r["agree"]]
-  settings = precision_rows(_cards(d))
+  diffs = [{"item": r["item"], "values": r["values"]} for r in rec.semantics_rows if not r["agree"]]
+  settings = precision_rows(cards)
   return {"agree": not diffs, "differences": diffs,
-          "items": {s: (sem["cards"][s] or {}).get("items") for s in sides},
+          "items": {s: (c or {}).get("items") for s, c in cards.items()},
           "precision_settings": {"differences": [{"setting": r["setting"], "values": r["values"]}
                                                  for r in settings if r["agree"] is False],
                                  "values": {r["setting"]: r["values"] for r in settings}}}
 
 
-def _cards(d: dict) -> dict[str, Any]:
-  return {s: c for s, c in ((d.get("semantics") or {}).get("cards") or {}).items() if c is not None}
-
-
-def precision_headers(d: dict) -> list[str]:
+def precision_headers(rec: RunRecord) -> list[str]:
   """['setting', <side>..., 'same'] over the sides whose card records precision settings."""
-  rows = precision_rows(_cards(d))
+  rows = precision_rows(rec.semantics_cards)
   return ["setting", *(rows[0]["values"] if rows else []), "same"]
 
 
-def precision_table(d: dict) -> list[list[str]]:
+def precision_table(rec: RunRecord) -> list[list[str]]:
   """One row per precision setting: each side's value ('unset' for an unset variable), 'yes' or 'differs'; []
   without such cards."""
   return [[r["setting"], *("unset" if v is None else str(v) for v in r["values"].values()),
            "yes" if r["agree"] else "framework's own words" if r["agree"] is None else "differs"]
-          for r in precision_rows(_cards(d))]
+          for r in precision_rows(rec.semantics_cards)]
 

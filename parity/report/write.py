@@ -21,7 +21,7 @@ def write_markdown(report: Report, path: Path, plots: dict[str, tuple[str, str]]
   exists beside `path`."""
   if plots is None:
     plots = {k: (f, PLOT_ALT[k]) for k, f in PLOT_FILES.items() if (Path(path).parent / f).exists()}
-  Path(path).write_text(report_markdown(report.data, plots, read_environment(report.run_dir)))
+  Path(path).write_text(report_markdown(report.record, plots, read_environment(report.run_dir)))
 
 
 def write_plot(report: Report, folder: Path) -> dict[str, tuple[str, str]]:
@@ -34,7 +34,7 @@ def write_plot(report: Report, folder: Path) -> dict[str, tuple[str, str]]:
     return {}
   from parity.report.plots import to_png, to_svg  # imports matplotlib, which is optional: only when drawing
   out = {}
-  for key, caption, fig in report_figures(report.data):
+  for key, caption, fig in report_figures(report.record):
     svg = to_svg(fig, salt=key, close=False)
     png = to_png(fig)
     atomic_write(Path(folder) / PLOT_FILES[key], lambda p, b=png: p.write_bytes(b))
@@ -44,12 +44,12 @@ def write_plot(report: Report, folder: Path) -> dict[str, tuple[str, str]]:
 
 def write_html(report: Report, path: Path, figures: dict[str, tuple[str, str]]) -> None:
   """report.html at `path`: one self-contained page (parity.report.page.report_html)."""
-  Path(path).write_text(report_html(report.data, figures, report.run_dir), encoding="utf-8")
+  Path(path).write_text(report_html(report.record, figures, report.run_dir), encoding="utf-8")
 
 
 def write_card(report: Report, path: Path) -> None:
   """card.json at `path` (parity.report.card.make_card)."""
-  Path(path).write_text(json.dumps(make_card(report.data, report.run_dir), indent=2, default=str) + "\n")
+  Path(path).write_text(json.dumps(make_card(report.record, report.run_dir), indent=2, default=str) + "\n")
 
 
 def atomic_write(path: Path, write) -> None:
@@ -68,15 +68,15 @@ def atomic_write(path: Path, write) -> None:
 
 def _metrics(report: Report, path: Path) -> None:
   with open(path, "w") as f:
-    for name, s in report.data["sides"].items():
-      ser = s["series"]
+    for name, s in report.record.sides.items():
+      ser = s.series
       for i, step in enumerate(ser["step"]):
         f.write(json.dumps({"side": name, "step": step, **{k: ser[k][i] for k in
                             ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")}}) + "\n")
 
 
 def _fallback_dir(report: Report) -> Path:
-  rid = ((report.data.get("run_folder") or {}).get("run_id") or "")[:8] or time.strftime("%Y%m%d-%H%M%S")
+  rid = (report.record.run_folder.run_id or "")[:8] or time.strftime("%Y%m%d-%H%M%S")
   return Path(tempfile.gettempdir()) / f"parity-report-{Path(report.run_dir).name}-{rid}"
 
 
@@ -94,7 +94,7 @@ def write_all(report: Report) -> dict[str, Path]:
   """
   rd = Path(report.run_dir)
   errors: list[dict[str, str]] = []
-  report.data["write_errors"] = []  # a re-render (parity report) writes every file anew: only its own errors count
+  report.set_write_errors([])  # a re-render (parity report) writes every file anew: only its own errors count
   written: dict[str, Path] = {}
 
   def attempt(key: str, path: Path, write) -> bool:
@@ -122,7 +122,7 @@ def write_all(report: Report) -> dict[str, Path]:
     except Exception as exc:  # (OSError is handled by attempt)
       errors.append({"file": str(rd / name), "error": f"could not render: {type(exc).__name__}: {exc}"})
   for _ in range(2):  # report.json records the errors of every file written before it, itself included on retry
-    report.data["write_errors"] = list(errors)
+    report.set_write_errors(errors)
     json_ok = attempt("json", rd / "report.json", lambda p: p.write_text(json.dumps(report.data, indent=2)))
     try:
       md_ok = attempt("md", rd / "report.md", lambda p: write_markdown(report, p))
@@ -137,8 +137,8 @@ def write_all(report: Report) -> dict[str, Path]:
     except OSError as exc:
       errors.append({"file": str(rd), "error": exc.strerror or str(exc)})
       break
-    report.data["report_written_to"] = str(rd)
-  report.data["write_errors"] = errors
+    report.set_written_to(rd)
+  report.set_write_errors(errors)
   return written
 
 

@@ -8,5 +8,8 @@
   envelope.py    the bf16/fp16 noise envelope: per-step windows and final params against each side's rerun
   gating.py      which checks are reported only (gating False): the one registry the reruns and the verifier use
   sides.py       compare_sides (every check of every pair) and the verdict
+  reruns.py      what the noise-envelope, host-CPU, determinism and resume reruns find from their workers' files
+                 (the run and the verifier call the same functions)
+  equivalence.py the --equivalence check and its report section
   tolerances.py  every tolerance with its derivation or measurement
 """
