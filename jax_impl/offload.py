@@ -175,6 +175,11 @@ def _leaf_kind(x: Any) -> str:
   return getattr(x.sharding, "memory_kind", None) or DEVICE_KIND
 
 
+def _groups(state: TrainState) -> list[tuple[str, Any]]:
+  """The state's groups that hold arrays (a deferred update's `pending` only when there is one)."""
+  return [(g, t) for g, t in state._asdict().items() if t is not None]
+
+
 def state_memory_kinds(state: TrainState) -> dict[str, str]:
   """Memory kind of every state group, read from the live arrays.
 
@@ -183,7 +188,7 @@ def state_memory_kinds(state: TrainState) -> dict[str, str]:
     reads "mixed(device,pinned_host)".
   """
   out = {}
-  for group, tree in state._asdict().items():
+  for group, tree in _groups(state):
     kinds = sorted({_leaf_kind(x) for x in jax.tree.leaves(tree)})
     out[group] = kinds[0] if len(kinds) == 1 else f"mixed({','.join(kinds)})"
   return out
@@ -192,7 +197,7 @@ def state_memory_kinds(state: TrainState) -> dict[str, str]:
 def state_sharding_specs(state: TrainState) -> dict[str, dict[str, int]]:
   """Per state group, how many live leaves are sharded over `data` and how many are replicated."""
   out = {}
-  for group, tree in state._asdict().items():
+  for group, tree in _groups(state):
     specs = [getattr(x.sharding, "spec", P()) for x in jax.tree.leaves(tree)]
     sharded = sum(DATA_AXIS in tuple(s) for s in specs)
     out[group] = {"sharded": sharded, "replicated": len(specs) - sharded}

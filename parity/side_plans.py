@@ -158,12 +158,14 @@ class FsdpPlan:
     return self
 
   def describe(self) -> str:
-    """What the plan sets, in a few words: 'CPU offload, reshard after forward, activation checkpointing' (every
-    block and the root are always sharded; pin_memory is how the offload is made, not what is placed)."""
+    """What the plan sets, in a few words: 'CPU offload, reshard after forward, every block recomputed in the backward
+    (activation checkpointing)' (every block and the root are always sharded; pin_memory is how the offload is made,
+    not what is placed)."""
     return ", ".join(["CPU offload" if self.offload else "no offload",
                       "reshard after forward" if self.reshard_after_forward else "no reshard after forward",
                       *(["activations saved on the CPU"] if self.activation_offload else []),
-                      *(["activation checkpointing"] if self.activation_checkpointing else [])])
+                      *(["every block recomputed in the backward (activation checkpointing)"]
+                        if self.activation_checkpointing else [])])
 
 
 def side_plans(run, sides=None) -> dict[str, JaxPlan | DeepSpeedPlan | FsdpPlan]:

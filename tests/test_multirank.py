@@ -348,9 +348,15 @@ def test_terminal_summary_says_how_many_ranks_each_side_ran():
   from parity.cli.compare import print_summary
   side = lambda n: {"status": "ok", "series": {"loss": [5.46, 5.15]},
                     "summary": {"steps_completed": 2, **({"nproc": n} if n > 1 else {})}}
-  report = types.SimpleNamespace(run_dir=Path("runs/x"), checks=[], passed=True, post=None,
-                                 data={"sides": {"jax": side(2), "torch": side(2)}, "checks": [],
-                                       "verdict": {"message": "PASS"}})
+  from parity.report.run_record import RunRecord
+
+  class Report(types.SimpleNamespace):  # a Report's typed view of its data, as parity.report.Report gives it
+    @property
+    def record(self):
+      return RunRecord.of(self.data)
+
+  report = Report(run_dir=Path("runs/x"), checks=[], passed=True, post=None,
+                  data={"sides": {"jax": side(2), "torch": side(2)}, "checks": [], "verdict": {"message": "PASS"}})
   out = io.StringIO()
   print_summary(report, Console(file=out, width=160))
   text = out.getvalue()

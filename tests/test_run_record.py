@@ -146,7 +146,7 @@ def test_each_plan_describes_what_it_sets():
       "ZeRO-3, activation checkpointing with cpu_checkpointing (block inputs on the host)")
   assert FsdpPlan().describe() == "no offload, reshard after forward"
   assert FsdpPlan(offload=True, reshard_after_forward=False, activation_checkpointing=True).describe() == (
-      "CPU offload, no reshard after forward, activation checkpointing")
+      "CPU offload, no reshard after forward, every block recomputed in the backward (activation checkpointing)")
 
 
 def test_the_three_places_a_plan_is_put_into_words_use_its_describe(tmp_path):
