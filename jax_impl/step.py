@@ -135,7 +135,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   def train_step(state: TrainState, batch_amtp1: jax.Array,
                  overflow_factor: jax.Array | None = None) -> tuple[TrainState, Metrics]:
     if deferred:  # the previous step's update first, layer by layer (jax_impl.stream.StreamOptions.deferred)
-      state = apply_pending(run, placement, state, plants)
+      state = stream_lib.apply_pending(run, placement, state, plants)
     grad_shd = placement.group_shardings("grads", state.params) if placement.sharded("grads") else None
     fwd_params = placement.to_device("params", state.params, shardings.params, keep_layers=True)
     if streamed:  # the moments stay where they are; the update streams them (jax_impl.stream)
@@ -148,10 +148,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     lr = schedule(optim.step_count_of(opt_state))
     old_ls = optim.loss_scale_state_of(opt_state)
     if deferred:  # this step's update is the next step's first work; the state goes out as it came in
-      stats = optim.global_stats(run.train, grads, opt_state)
-      pending = stream_lib.Pending(grads=grads, grad_norm=stats.grad_norm, valid=jnp.bool_(True))
-      metrics = {"loss": loss_val, "grad_norm": stats.grad_norm, "lr": lr}
-      return TrainState(params=state.params, opt_state=state.opt_state, pending=pending), metrics
+      return stream_lib.hand_on(run, state, grads, opt_state, {"loss": loss_val, "lr": lr})
     if streamed:  # one layer's params and moments on the device at a time (jax_impl.stream)
       params, opt_state = stream_lib.streamed_update(run, placement, grads, opt_state, state.params, plants)
     else:
@@ -170,20 +167,6 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
   if fp16:
     return train_step
   return lambda state, batch_amtp1: train_step(state, batch_amtp1)
-
-
-def apply_pending(run: RunSpec, placement: Placement, state: TrainState, plants: frozenset = frozenset()
-                  ) -> TrainState:
-  """Inside jit: the state with its pending update applied (where there is one) and none left pending.
-
-  The same layer-streamed update as the step's own (`stream.streamed_update`), on the carried gradient with the
-  carried norm; `Pending.valid` false leaves every value as it was."""
-  p = state.pending
-  opt_state = stream_lib.scalars_to_device(placement, state.opt_state, state.params)
-  stats = optim.GlobalStats(p.grad_norm, None)
-  params, opt_state = stream_lib.streamed_update(run, placement, p.grads, opt_state, state.params, plants,
-                                                 stats=stats, apply=p.valid)
-  return TrainState(params=params, opt_state=opt_state, pending=None)
 
 
 def _model_loss(run: RunSpec, placement: Placement, remat: bool = True,
@@ -283,25 +266,6 @@ def init_state(placement: Placement, params_np: Any, tx: optax.GradientTransform
   return TrainState(params=params, opt_state=opt_state), shardings
 
 
-def _with_pending(placement: Placement, state: TrainState, shardings: TrainState) -> tuple[TrainState, TrainState]:
-  """The state and shardings with an empty `stream.Pending` (zero gradient in device memory, not valid)."""
-  grad_shd = placement.group_shardings("grads", state.params, kind=offload_lib.DEVICE_KIND)
-  rep = placement.replicated()
-  pending_shd = stream_lib.Pending(grads=grad_shd, grad_norm=rep, valid=rep)
-  zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state.params),
-                  out_shardings=grad_shd)()
-  pending = stream_lib.Pending(grads=zeros, grad_norm=jax.device_put(np.float32(0), rep),
-                               valid=jax.device_put(np.bool_(False), rep))
-  return state._replace(pending=pending), shardings._replace(pending=pending_shd)
-
-
-def _settled(run: RunSpec, placement: Placement, state: TrainState, plants: frozenset) -> TrainState:
-  """Inside jit: `apply_pending`, with an empty Pending kept (same structure, not valid) for the next step."""
-  p = state.pending
-  out = apply_pending(run, placement, state, plants)
-  return out._replace(pending=stream_lib.Pending(grads=p.grads, grad_norm=p.grad_norm, valid=jnp.bool_(False)))
-
-
 def _abstract(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -370,7 +334,7 @@ class Trainer:
     tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan, plants=plants)
     state, shardings = init_state(placement, layout.to_flax(canonical, run.model, scan_layers=scan), tx)
     if stream_lib.defers_update(run):
-      state, shardings = _with_pending(placement, state, shardings)
+      state, shardings = stream_lib.with_pending(placement, state, shardings)
     step = make_train_step(run, tx, schedule, placement, shardings, plants)
     metrics_shd = placement.replicated()
     extra = (metrics_shd,) if run.train.precision == "fp16" else ()  # the overflow factor
@@ -380,7 +344,7 @@ class Trainer:
                        in_shardings=(shardings.params, placement.batch_sharding()), out_shardings=metrics_shd)
     jit_settle = None
     if state.pending is not None:
-      jit_settle = jax.jit(lambda st: _settled(run, placement, st, plants), in_shardings=(shardings,),
+      jit_settle = jax.jit(lambda st: stream_lib.settled(run, placement, st, plants), in_shardings=(shardings,),
                            out_shardings=shardings, donate_argnums=(0,))
     return cls(run=run, placement=placement, state=state, shardings=shardings, jit_step=jit_step, jit_eval=jit_eval,
                tx=tx, schedule=schedule, jit_settle=jit_settle)

@@ -33,15 +33,16 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from parity.spec import RunSpec
 
 from jax_impl import optim
-from jax_impl.offload import DEVICE_KIND, LAYERS, Placement
+from jax_impl.offload import DEVICE_KIND, LAYERS, Placement, TrainState
 
 __all__ = ["StreamOptions", "OPTIONS", "Pending", "streams_update", "defers_update", "scalars_to_device",
-           "streamed_update"]
+           "streamed_update", "apply_pending", "hand_on", "with_pending", "settled"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,6 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   full_def = jax.tree.structure(params)
   rest_of = lambda t: {k: v for k, v in t.items() if k != LAYERS}
   rest_def = jax.tree.structure(rest_of(params))
-  layer_def = jax.tree.structure({LAYERS: params[LAYERS]})
   params_host = placement.kind("params") != DEVICE_KIND
   opt_host = placement.kind("opt_state") != DEVICE_KIND
   to_device = lambda tree, host: _move(tree, jax.memory.Space.Device) if host else tree
@@ -166,23 +166,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
 
   moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
   _map_param_trees(opt_state, full_def, lambda t: moments.append(t[LAYERS]))
-
-  def update_layer(g_l: Any, p_l: Any, m_l: list[Any]) -> tuple[Any, list[Any]]:
-    """One layer: its slices to the device, the chain's update, the results back to their home memory."""
-    p_l = to_device(p_l, params_host)
-    slices = iter([to_device(m, opt_host) for m in m_l])
-    state_l = _map_param_trees(opt_state, full_def, lambda _t: {LAYERS: next(slices)})
-    upd_l, new_state_l = tx.update({LAYERS: g_l}, state_l, {LAYERS: p_l})
-    new_p_l = keep(optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS], p_l)
-    new_m_l: list[Any] = []
-    _map_param_trees(new_state_l, layer_def, lambda t: new_m_l.append(t[LAYERS]))
-    old_m_l: list[Any] = []
-    _map_param_trees(state_l, layer_def, lambda t: old_m_l.append(t[LAYERS]))
-    new_m_l = [keep(n, o) for n, o in zip(new_m_l, old_m_l)]
-    if OPTIONS.home_after_loop:
-      return new_p_l, new_m_l
-    return to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l]
-
+  update_layer = _layer_update(tx, opt_state, full_def, keep, (to_device, to_home), (params_host, opt_host))
   opts = OPTIONS
   n_layers = jax.tree.leaves(params[LAYERS])[0].shape[0]
   unroll = n_layers if opts.unroll == 0 else max(1, opts.unroll)
@@ -200,6 +184,32 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   return {**new_rest_params, LAYERS: new_layers}, new_state
 
 
+def _layer_update(tx: Any, opt_state: Any, full_def: Any, keep: Callable, moves: tuple[Callable, Callable],
+                  host: tuple[bool, bool]) -> Callable:
+  """The update of one layer's slices: to the device, the chain's update (kept or not: `keep`), back home (or left
+  on the device until the loop ends: `StreamOptions.home_after_loop`)."""
+  to_device, to_home = moves
+  params_host, opt_host = host
+
+  def update_layer(g_l: Any, p_l: Any, m_l: list[Any]) -> tuple[Any, list[Any]]:
+    p_l = to_device(p_l, params_host)
+    slices = iter([to_device(m, opt_host) for m in m_l])
+    state_l = _map_param_trees(opt_state, full_def, lambda _t: {LAYERS: next(slices)})
+    upd_l, new_state_l = tx.update({LAYERS: g_l}, state_l, {LAYERS: p_l})
+    new_p_l = keep(optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS], p_l)
+    layer_def = jax.tree.structure({LAYERS: p_l})
+    new_m_l: list[Any] = []
+    _map_param_trees(new_state_l, layer_def, lambda t: new_m_l.append(t[LAYERS]))
+    old_m_l: list[Any] = []
+    _map_param_trees(state_l, layer_def, lambda t: old_m_l.append(t[LAYERS]))
+    new_m_l = [keep(n, o) for n, o in zip(new_m_l, old_m_l)]
+    if OPTIONS.home_after_loop:
+      return new_p_l, new_m_l
+    return to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l]
+
+  return update_layer
+
+
 def _in_place_scan(update_layer: Callable, grads_l: Any, params_l: Any, moments: list[Any], n_layers: int,
                    unroll: int) -> tuple[Any, list[Any]]:
   """The layer loop with the param and moment stacks carried and each updated layer written back at its index."""
@@ -213,3 +223,45 @@ def _in_place_scan(update_layer: Callable, grads_l: Any, params_l: Any, moments:
 
   (new_layers, new_moments), _ = jax.lax.scan(body, (params_l, moments), jax.numpy.arange(n_layers), unroll=unroll)
   return new_layers, new_moments
+
+
+def apply_pending(run: RunSpec, placement: Placement, state: TrainState, plants: frozenset = frozenset()
+                  ) -> TrainState:
+  """Inside jit: the state with its pending update applied (where there is one) and none left pending.
+
+  The same layer-streamed update as the step's own (`streamed_update`), on the carried gradient with the carried
+  norm; `Pending.valid` false leaves every value as it was."""
+  p = state.pending
+  opt_state = scalars_to_device(placement, state.opt_state, state.params)
+  stats = optim.GlobalStats(p.grad_norm, None)
+  params, opt_state = streamed_update(run, placement, p.grads, opt_state, state.params, plants, stats=stats,
+                                      apply=p.valid)
+  return TrainState(params=params, opt_state=opt_state, pending=None)
+
+
+def hand_on(run: RunSpec, state: TrainState, grads: Any, opt_state: Any, metrics: dict) -> tuple[TrainState, dict]:
+  """Inside jit, a deferred step's end: the state as it came in, this step's gradient and norm pending, and the
+  metrics with the norm (the one the clip will use when the next step applies the update)."""
+  stats = optim.global_stats(run.train, grads, opt_state)
+  pending = Pending(grads=grads, grad_norm=stats.grad_norm, valid=jnp.bool_(True))
+  return (TrainState(params=state.params, opt_state=state.opt_state, pending=pending),
+          {**metrics, "grad_norm": stats.grad_norm})
+
+
+def with_pending(placement: Placement, state: TrainState, shardings: TrainState) -> tuple[TrainState, TrainState]:
+  """The state and shardings with an empty `Pending` (zero gradient in device memory, not valid)."""
+  grad_shd = placement.group_shardings("grads", state.params, kind=DEVICE_KIND)
+  rep = placement.replicated()
+  pending_shd = Pending(grads=grad_shd, grad_norm=rep, valid=rep)
+  zeros = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), state.params),
+                  out_shardings=grad_shd)()
+  pending = Pending(grads=zeros, grad_norm=jax.device_put(np.float32(0), rep),
+                    valid=jax.device_put(np.bool_(False), rep))
+  return state._replace(pending=pending), shardings._replace(pending=pending_shd)
+
+
+def settled(run: RunSpec, placement: Placement, state: TrainState, plants: frozenset) -> TrainState:
+  """Inside jit: `apply_pending`, with an empty Pending kept (same structure, not valid) for the next step."""
+  p = state.pending
+  out = apply_pending(run, placement, state, plants)
+  return out._replace(pending=Pending(grads=p.grads, grad_norm=p.grad_norm, valid=jnp.bool_(False)))
