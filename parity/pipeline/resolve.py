@@ -230,12 +230,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     pair, plan_choice = _plan_pair(spec, user, plan, hardware)
     spec = plans.with_plan(spec, pair)
   spec = apply_overrides(spec, user) if user else spec                           # 5, 6
-  ds_cfg, port = None, None
-  if stack is not None and deepspeed_config is None:
-    raise SpecError(f"--stack {stack}: it says which training stack runs a DeepSpeed config, and this run has none; "
-                    "add --deepspeed-config FILE, or leave --stack out")
-  if deepspeed_config is not None:                                                # 7
-    spec, ds_cfg, port = _port(deepspeed_config, spec, over, stack)
+  spec, ds_cfg, port = _deepspeed_config_step(deepspeed_config, spec, over, stack)  # 7
   try:
     spec = _settle(spec).validate()
   except SpecError as exc:
@@ -400,6 +395,17 @@ def _plan_of(spec: RunSpec) -> dict | None:
   if matched is None:
     return None
   return {"name": matched, "chosen_by": "default" if matched == DEFAULT_PLAN else "the run's settings"}
+
+
+def _deepspeed_config_step(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str | None):
+  """Step 7: (spec, DeepSpeed config, port) with the config ported over the spec (`_port`), or the spec unchanged
+  and (None, None) without one; a --stack without a DeepSpeed config is refused."""
+  if deepspeed_config is not None:
+    return _port(deepspeed_config, spec, over, stack)
+  if stack is not None:
+    raise SpecError(f"--stack {stack}: it says which training stack runs a DeepSpeed config, and this run has none; "
+                    "add --deepspeed-config FILE, or leave --stack out")
+  return spec, None, None
 
 
 def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str | None = None):
