@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.architecture import layer_rope
 from parity.spec import ModelSpec
 
-from jax_impl.layers import Dtype, Norm, _dense, _reduced, _tap, apply_rope, rope_tables, softcap
+from jax_impl.layers import Dtype, Norm, _dense, _reduced, _tap, apply_rope, planted, rope_tables, softcap
 
 __all__ = ["Attention", "attention_mask", "kind_rope", "uniform_kind", "window_ok"]
 
@@ -112,13 +112,17 @@ class Attention(nn.Module):
     q_btnh = qkv_btf[..., :n * h].reshape(b, t, n, h)
     k_btkh = qkv_btf[..., n * h:(n + k) * h].reshape(b, t, k, h)
     v_btkh = qkv_btf[..., (n + k) * h:].reshape(b, t, k, h)
-    if s.qk_norm:  # per head, over head_dim, before rotary (HF q_norm / k_norm)
+    after = planted("qk_norm_after_rope")  # the planted porting bug: the q/k norms after rotary
+    if s.qk_norm and not after:  # per head, over head_dim, before rotary (HF q_norm / k_norm)
       q_btnh = Norm(s, self.dtype, heads=True, name="ln_q")(q_btnh)
       k_btkh = Norm(s, self.dtype, heads=True, name="ln_k")(k_btkh)
     if s.position == "rope":
       cos_th, sin_th = self._rope(t, rope, local, flag)  # (T, H), or per token (B, T, H)
       q_btnh = apply_rope(q_btnh, cos_th, sin_th)
       k_btkh = apply_rope(k_btkh, cos_th, sin_th)
+    if s.qk_norm and after:
+      q_btnh = Norm(s, self.dtype, heads=True, name="ln_q")(q_btnh)
+      k_btkh = Norm(s, self.dtype, heads=True, name="ln_k")(k_btkh)
     _tap(self, "q", lambda: q_btnh.transpose(0, 2, 1, 3))  # (B, N, T, H)
     _tap(self, "k", lambda: k_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
@@ -126,7 +130,7 @@ class Attention(nn.Module):
     scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
                               preferred_element_type=jnp.float32) * s.scale
     _tap(self, "scores", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    if s.attn_softcap is not None:  # float32, on the float32 scores, before the mask (HF Gemma 2)
+    if s.attn_softcap is not None and not planted("attn_softcap_skipped"):  # float32, before the mask (HF Gemma 2)
       scores_bkgts = softcap(scores_bkgts, s.attn_softcap)
       _tap(self, "scores_capped", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
     scores_bkgts = self._masked(scores_bkgts, mask_bts, flag)

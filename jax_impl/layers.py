@@ -20,14 +20,31 @@ import jax.numpy as jnp
 import numpy as np
 
 from parity import architecture
+from parity.protocol.layout import FAMILY_PLANT_KEYS
 from parity.spec import ModelSpec
 
 from jax_impl.param_names import NORM_MODULES
 
 __all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation", "softcap",
-           "embed_scale"]
+           "embed_scale", "set_model_plants", "planted"]
 
 Dtype = Any
+
+_MODEL_PLANTS: frozenset = frozenset()
+"""This process's planted model-family porting bugs (parity.protocol.layout.FAMILY_PLANT_KEYS): one side per worker
+process, set once before the step is traced (`set_model_plants`); read while tracing, so each is part of the
+compiled step."""
+
+
+def set_model_plants(plants) -> None:
+  """Makes the family plants among `plants` (a side's SideIO.plants) this process's; the others are ignored here."""
+  global _MODEL_PLANTS
+  _MODEL_PLANTS = frozenset(p for p in plants if p in FAMILY_PLANT_KEYS)
+
+
+def planted(key: str) -> bool:
+  """Whether the family plant `key` is on in this process (`set_model_plants`)."""
+  return key in _MODEL_PLANTS
 
 TAPS = "intermediates"
 """Flax collection the diagnose taps are sown into (`parity diagnose`, docs/diagnose.md). Taps are recorded only
@@ -137,6 +154,11 @@ class Norm(nn.Module):
       y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
     init = nn.initializers.zeros if s.norm_plus_one else nn.initializers.ones
     scale = self.param("scale", init, (d,), jnp.float32)
+    if s.norm_plus_one and planted("norm_plus_one_rounded"):  # the planted porting bug: Llama's rounding order
+      y = (y.astype(self.dtype).astype(jnp.float32)
+           * (1.0 + scale.astype(jnp.float32)).astype(self.dtype).astype(jnp.float32)).astype(self.dtype)
+      self._tap_out(y)
+      return y
     if s.norm_plus_one:  # Gemma: (1 + w) in float32 (w may arrive rounded: cast_params), one rounding
       y = (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
       self._tap_out(y)

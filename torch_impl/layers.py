@@ -14,10 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from parity import architecture
+from parity.protocol.layout import FAMILY_PLANT_KEYS
 from parity.spec import ModelSpec
 
 __all__ = ["TapRecorder", "RMSNorm", "make_norm", "rope_tables", "attention_mask", "window_mask", "additive_mask",
-           "softcap", "Attention", "mlp_activation", "MLP"]
+           "softcap", "Attention", "mlp_activation", "MLP", "set_model_plants", "planted"]
+
+_MODEL_PLANTS: frozenset = frozenset()
+"""This process's planted model-family porting bugs (parity.protocol.layout.FAMILY_PLANT_KEYS): one side per worker
+process, so the side sets them once before it builds its model (`set_model_plants`); read while the model runs."""
+
+
+def set_model_plants(plants) -> None:
+  """Makes the family plants among `plants` (a side's SideIO.plants) this process's; the others are ignored here."""
+  global _MODEL_PLANTS
+  _MODEL_PLANTS = frozenset(p for p in plants if p in FAMILY_PLANT_KEYS)
+
+
+def planted(key: str) -> bool:
+  """Whether the family plant `key` is on in this process (`set_model_plants`)."""
+  return key in _MODEL_PLANTS
 
 
 class TapRecorder:
@@ -79,6 +95,8 @@ class RMSNorm(nn.Module):
     """x: (..., dim), any float dtype -> same shape and dtype."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    if self.plus_one and planted("norm_plus_one_rounded"):  # the planted porting bug: Llama's rounding order
+      return y.to(x.dtype) * (1.0 + self.weight.float()).to(x.dtype)
     if self.plus_one:
       return (y * (1.0 + self.weight.float())).to(x.dtype)
     return self.weight * y.to(x.dtype)
@@ -187,7 +205,7 @@ def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
   """
   scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, nh, T, S) float32
   tap("scores", lambda: scores)
-  capped = softcap(scores, cap)
+  capped = scores if planted("attn_softcap_skipped") else softcap(scores, cap)
   tap("scores_capped", lambda: capped)
   if mask is not None:  # additive, 0 / -inf: exact in float32 too
     capped = capped + mask.float()
@@ -261,12 +279,15 @@ class Attention(_Tapped, nn.Module):
     q = q.view(b, t, s.n_heads, s.head_dim).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-    if s.qk_norm:
+    after = planted("qk_norm_after_rope")  # the planted porting bug: the q/k norms after rotary
+    if s.qk_norm and not after:
       q, k = self.ln_q(q), self.ln_k(k)
       self._tap("ln_q", lambda: q)
       self._tap("ln_k", lambda: k)
     if rope is not None:
       q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+    if s.qk_norm and after:
+      q, k = self.ln_q(q), self.ln_k(k)
     self._tap("q", lambda: q)
     self._tap("k", lambda: k)
     self._tap("v", lambda: v)
