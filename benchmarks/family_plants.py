@@ -51,10 +51,9 @@ def _margins(checks) -> list[dict]:
   """Every gating check with a finite value and tolerance: name, value / tolerance, passed, first failing step."""
   out = []
   for c in checks:
-    if not c.gating or c.value is None or c.tolerance in (None, 0) or c.value != c.value:
-      continue
-    out.append({"check": c.name, "ratio": float(c.value) / float(c.tolerance), "passed": c.passed,
-                "step": c.first_failing_step})
+    r = _ratio(c)
+    if c.get("gating", True) and r is not None:
+      out.append({"check": c["name"], "ratio": r, "passed": c["passed"], "step": c.get("first_failing_step")})
   return sorted(out, key=lambda m: -m["ratio"])
 
 
@@ -69,22 +68,24 @@ def run_cell(name: str, sides: list[str], base: Path) -> dict:
   t0 = time.time()
   rep = api.compare(preset, sides=sides, overrides=overrides, perturb=perturb, out=base / name.replace(" ", "_"),
                     determinism_steps=0, progress=False, train_anyway_on_card_diff=True)
-  failing = [c for c in rep.checks if c.gating and not c.passed]
-  first = min(failing, key=lambda c: (c.first_failing_step if c.first_failing_step is not None else 10**9)) \
+  failing = [c for c in rep.checks if c.get("gating", True) and not c["passed"]]
+  first = min(failing, key=lambda c: c["first_failing_step"] if c.get("first_failing_step") is not None else 10**9) \
       if failing else None
   margins = _margins(rep.checks)
   return {"name": name, "preset": preset, "precision": precision, "change": change, "passed": rep.passed,
-          "first_failure": None if first is None else {"check": first.name, "step": first.first_failing_step,
+          "first_failure": None if first is None else {"check": first["name"], "step": first.get("first_failing_step"),
                                                        "ratio": _ratio(first)},
-          "semantics_step0": any(c.metric == "semantics" and not c.passed for c in rep.checks),
+          "semantics_step0": any(c["metric"] == "semantics" and not c["passed"] for c in rep.checks),
           "worst": margins[0] if margins else None, "margins": margins[:8], "wall_s": round(time.time() - t0, 1)}
 
 
-def _ratio(c) -> float | None:
+def _ratio(c: dict) -> float | None:
+  """value / tolerance of a report.json check; None where either is missing, zero or not a number."""
   try:
-    return float(c.value) / float(c.tolerance)
-  except (TypeError, ZeroDivisionError):
+    r = float(c["value"]) / float(c["tolerance"])
+  except (TypeError, ValueError, ZeroDivisionError):
     return None
+  return r if r == r else None
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
