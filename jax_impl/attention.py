@@ -27,7 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.architecture import layer_rope
 from parity.spec import ModelSpec
 
-from jax_impl.layers import Dtype, Norm, _dense, _reduced, _tap, apply_rope, planted, rope_tables, softcap
+from jax_impl.layers import (Dtype, Norm, _dense, _opmath, _reduced, _tap, apply_rope, planted, rope_tables,
+                             softcap)
 
 __all__ = ["Attention", "attention_mask", "kind_rope", "uniform_kind", "window_ok"]
 
@@ -127,13 +128,17 @@ class Attention(nn.Module):
     _tap(self, "k", lambda: k_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
-    scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
-                              preferred_element_type=jnp.float32) * s.scale
+    scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh, preferred_element_type=jnp.float32)
+    capped = s.attn_softcap is not None
+    if capped and _reduced(self.dtype):  # HF Gemma 2 eager: q.k rounded to the dtype, * scale rounded, capped there
+      scores_bkgts = _opmath(lambda v: v * s.scale, scores_bkgts.astype(self.dtype), self.dtype)
+    else:
+      scores_bkgts = scores_bkgts * s.scale
     _tap(self, "scores", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    if s.attn_softcap is not None and not planted("attn_softcap_skipped"):  # float32, before the mask (HF Gemma 2)
+    if capped and not planted("attn_softcap_skipped"):  # before the mask (HF Gemma 2)
       scores_bkgts = softcap(scores_bkgts, s.attn_softcap)
       _tap(self, "scores_capped", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    scores_bkgts = self._masked(scores_bkgts, mask_bts, flag)
+    scores_bkgts = self._masked(scores_bkgts.astype(jnp.float32), mask_bts, flag)  # softmax input: float32
     if _reduced(self.dtype) and s.attn_softcap is None:
       out_btkgh = self._fused_context(scores_bkgts, v_btkh)
     elif _reduced(self.dtype):  # soft-capped (no fused kernel; HF eager, torch_impl): float32 softmax, rounded

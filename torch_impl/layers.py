@@ -196,22 +196,26 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
                         mask: torch.Tensor | None, causal: bool, tap) -> torch.Tensor:
-  """Attention with soft-capped scores, which SDPA cannot do (HF `eager_attention_forward` of Gemma 2).
+  """Attention with soft-capped scores, which SDPA cannot do: HF `eager_attention_forward` of Gemma 2, op for op.
 
-  scores = softcap(q.k * scale, cap) in float32, then the mask, softmax in float32, probs cast to v's dtype and
-  multiplied by v. q, k, v: (B, nh, T, hd) in the compute dtype (k, v already repeated to nh heads); mask: None
-  (causal when `causal`) or additive (B or 1, 1, T, S). tap(name, make): the Attention's `_tap` (scores,
+  In the compute dtype, as HF runs a bf16/fp16 model: scores = q.k (a matmul in the dtype: float32 accumulation,
+  rounded once), times scale (rounded), soft-capped (`softcap`: / cap, tanh, * cap, each rounded), plus the mask;
+  then softmax in float32 (HF's `softmax(..., dtype=torch.float32)`), the probs rounded to v's dtype and multiplied
+  by v. In float32 every step is the float32 op. (The scores were float32 before: where a bf16 run rounds them, HF
+  rounds them, and the JAX side followed the float32 form, a gap of their own besides rounding noise.)
+  q, k, v: (B, nh, T, hd) in the compute dtype (k, v already repeated to nh heads); mask: None (causal when
+  `causal`) or additive (B or 1, 1, T, S) in that dtype, 0 / -inf. tap(name, make): the Attention's `_tap` (scores,
   scores_capped, probs). Returns (B, nh, T, hd) in v's dtype.
   """
-  scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, nh, T, S) float32
+  scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, nh, T, S) in the compute dtype
   tap("scores", lambda: scores)
   capped = scores if planted("attn_softcap_skipped") else softcap(scores, cap)
   tap("scores_capped", lambda: capped)
-  if mask is not None:  # additive, 0 / -inf: exact in float32 too
-    capped = capped + mask.float()
+  if mask is not None:  # additive, 0 / -inf: exact in every dtype
+    capped = capped + mask.to(capped.dtype)
   elif causal:
     capped = capped.masked_fill(~_causal(q.shape[-2], q.device), float("-inf"))
-  probs = torch.softmax(capped, dim=-1)  # float32
+  probs = torch.softmax(capped, dim=-1, dtype=torch.float32)  # float32, from the compute-dtype scores
   tap("probs", lambda: probs)
   return torch.matmul(probs.to(v.dtype), v)
 
