@@ -47,12 +47,16 @@ CELLS = {
 }
 
 
+AT_LEAST = ("completed", "updates")
+"""Checks that pass when value >= tolerance (steps run, updates compared): no margin to report."""
+
+
 def _margins(checks) -> list[dict]:
   """Every gating check with a finite value and tolerance: name, value / tolerance, passed, first failing step."""
   out = []
   for c in checks:
     r = _ratio(c)
-    if c.get("gating", True) and r is not None:
+    if c.get("gating", True) and r is not None and c["metric"] not in AT_LEAST:
       out.append({"check": c["name"], "ratio": r, "passed": c["passed"], "step": c.get("first_failing_step")})
   return sorted(out, key=lambda m: -m["ratio"])
 
@@ -75,7 +79,8 @@ def run_cell(name: str, sides: list[str], base: Path) -> dict:
   return {"name": name, "preset": preset, "precision": precision, "change": change, "passed": rep.passed,
           "first_failure": None if first is None else {"check": first["name"], "step": first.get("first_failing_step"),
                                                        "ratio": _ratio(first)},
-          "semantics_step0": any(c["metric"] == "semantics" and not c["passed"] for c in rep.checks),
+          "semantics_step0": next((c["detail"] for c in rep.checks if c["metric"] == "semantics" and not c["passed"]),
+                                  None),
           "worst": margins[0] if margins else None, "margins": margins[:8], "wall_s": round(time.time() - t0, 1)}
 
 
@@ -92,15 +97,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
   lines = [f"# Family plants: margins ({meta['date']})", "",
            f"Machine: {meta['machine']}; Python {meta['python']}; {meta['versions']}. Code: {meta['commit']}. "
            f"Sides {', '.join(meta['sides'])}; `python benchmarks/family_plants.py{meta['args']}`.", "",
-           "| cell | verdict | first failing check (step) | its margin | largest margin (check) |",
-           "|---|---|---|---|---|"]
+           "| cell | verdict | first failing check (step) | its margin | largest margin (check) | semantics card |",
+           "|---|---|---|---|---|---|"]
   for r in rows:
     ff = r["first_failure"]
     first = f"{ff['check']} ({ff['step']})" if ff else "-"
     fr = f"{ff['ratio']:.3g}x" if ff and ff["ratio"] is not None else "-"
     w = r["worst"]
     worst = f"{w['ratio']:.3g}x ({w['check']})" if w else "-"
-    lines.append(f"| {r['name']} | {'PASS' if r['passed'] else 'FAIL'} | {first} | {fr} | {worst} |")
+    card = (r["semantics_step0"] or "agree").replace("semantics: ", "").replace("|", "/")
+    card = card if len(card) < 90 else card[:87] + "..."
+    lines.append(f"| {r['name']} | {'PASS' if r['passed'] else 'FAIL'} | {first} | {fr} | {worst} | {card} |")
   return "\n".join(lines) + "\n"
 
 
