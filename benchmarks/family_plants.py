@@ -57,7 +57,8 @@ def _margins(checks) -> list[dict]:
   for c in checks:
     r = _ratio(c)
     if c.get("gating", True) and r is not None and c["metric"] not in AT_LEAST:
-      out.append({"check": c["name"], "ratio": r, "passed": c["passed"], "step": c.get("first_failing_step")})
+      out.append({"check": c["name"], "ratio": r, "passed": c["passed"], "step": c.get("first_failing_step"),
+                  "value": c["value"], "tolerance": c["tolerance"], "noise_ratio": _noise_ratio(c)})
   return sorted(out, key=lambda m: -m["ratio"])
 
 
@@ -82,6 +83,19 @@ def run_cell(name: str, sides: list[str], base: Path) -> dict:
           "semantics_step0": next((c["detail"] for c in rep.checks if c["metric"] == "semantics" and not c["passed"]),
                                   None),
           "worst": margins[0] if margins else None, "margins": margins[:8], "wall_s": round(time.time() - t0, 1)}
+
+
+def _noise_ratio(c: dict) -> float | None:
+  """For a per-step noise-envelope check: the pair's worst-window rms difference over the envelope's rms there, raw
+  (no factor, no floor: bound = factor x envelope + floor, parity.verdict.tolerances.ENVELOPE_RULES); else None."""
+  from parity.verdict.tolerances import envelope_rule
+  metric = c["metric"]
+  if metric not in ("loss_envelope", "grad_norm_envelope", "val_loss_envelope"):
+    return None
+  rule = envelope_rule("bf16")
+  floor = rule.grad_norm_floor if metric == "grad_norm_envelope" else rule.floor
+  env = (float(c["tolerance"]) - floor) / rule.factor
+  return float(c["value"]) / env if env > 0 else None
 
 
 def _ratio(c: dict) -> float | None:
