@@ -41,7 +41,7 @@ CELLS = {
     "gemma2 (1+w) rounding bf16": ("gemma2-tiny", "bf16", "torch:norm_plus_one_rounded=true"),
     "gemma3 (1+w) rounding bf16": ("gemma3-tiny", "bf16", "torch:norm_plus_one_rounded=true"),
     "gemma2 correct bf16": ("gemma2-tiny", "bf16", None),
-    "gemma2 correct bf16, no soft-caps": ("gemma2-tiny", "bf16", "no-caps"),
+    "gemma2 correct bf16 without soft-caps": ("gemma2-tiny", "bf16", "no-caps"),
     "gemma3 correct bf16": ("gemma3-tiny", "bf16", None),
     "qwen3 correct bf16": ("qwen3-tiny", "bf16", None),
 }
