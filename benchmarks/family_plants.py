@@ -51,6 +51,12 @@ AT_LEAST = ("completed", "updates")
 """Checks that pass when value >= tolerance (steps run, updates compared): no margin to report."""
 
 
+GRID = {f"{name} correct {prec}": (name, prec, None) for name in ("gpt2-tiny", "llama3-tiny", "qwen3-tiny",
+                                                                    "gemma2-tiny", "gemma3-tiny")
+        for prec in ("fp32", "bf16")}
+"""--grid: the correct runs of the family presets in both precisions (run with --sides jax,deepspeed,torch)."""
+
+
 def _margins(checks) -> list[dict]:
   """Every gating check with a finite value and tolerance: name, value / tolerance, passed, first failing step."""
   out = []
@@ -63,7 +69,7 @@ def _margins(checks) -> list[dict]:
 
 
 def run_cell(name: str, sides: list[str], base: Path) -> dict:
-  preset, precision, change = CELLS[name]
+  preset, precision, change = {**CELLS, **GRID}[name]
   overrides = {"train.precision": precision}
   perturb = []
   if change == "no-caps":
@@ -130,8 +136,9 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--only", default="", help="comma-separated cell names (default: all)")
   ap.add_argument("--sides", default="jax,torch")
   ap.add_argument("--tag", default="", help="suffix of the result files")
+  ap.add_argument("--grid", action="store_true", help="the correct runs of GRID instead of CELLS")
   args = ap.parse_args(argv)
-  names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CELLS)
+  names = [n.strip() for n in args.only.split(",") if n.strip()] or list(GRID if args.grid else CELLS)
   sides = args.sides.split(",")
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
