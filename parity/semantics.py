@@ -343,9 +343,12 @@ def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, An
   """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order. Numbers
   agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other, each rounded to 6
   significant digits for the table: at most 5e-7 each); ITEM_ATOL's items within their absolute tolerance; the rest
-  as JSON."""
+  as JSON. An item one card does not hold at all is not compared: `make_card` writes every DIFFED item (null when
+  the side has no such thing), so only a card of an older parity (a folder joined from before the item existed)
+  lacks one."""
   ia, ib = a.get("items") or {}, b.get("items") or {}
-  return [(k, ia.get(k), ib.get(k)) for k in DIFFED if not _item_same(k, ia.get(k), ib.get(k))]
+  return [(k, ia.get(k), ib.get(k)) for k in DIFFED
+          if k in ia and k in ib and not _item_same(k, ia.get(k), ib.get(k))]
 
 
 def _item_same(k: str, a: Any, b: Any) -> bool:

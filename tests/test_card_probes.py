@@ -55,6 +55,9 @@ def test_the_probe_loss_is_compared_within_its_tolerance():
   assert card_lib.diff_cards(a, {"items": {"forward.probe_loss": 6.0 + 0.9 * card_lib.PROBE_LOSS_ATOL}}) == []
   assert [d[0] for d in card_lib.diff_cards(a, {"items": {"forward.probe_loss": 6.0 + 2e-5}})] == [
       "forward.probe_loss"]
+  older = {"items": {"norm.form": "rmsnorm"}}  # a card written before the probe items existed: not compared on them
+  assert card_lib.diff_cards(a, older) == [] and card_lib.diff_cards(older, a) == []
+  assert card_lib.diff_cards({"items": {"forward.probe_loss": None}}, a)  # a card that has the item: compared
   big = apply_overrides(preset("gpt2-tiny"), {"model.n_layers": 12, "model.d_model": 4096, "model.n_heads": 32})
   assert card_lib.probe_spec(big.model) is None  # 3 x 4096^2 x 12 params: over PROBE_MAX_PARAMS, not run
   small = card_lib.probe_spec(preset("gemma3-tiny").model)
