@@ -93,10 +93,10 @@ def probe_loss(spec: Any) -> float | None:
   spec = card_lib.probe_spec(spec)
   if spec is None:
     return None
-  try:
-    cpu = jax.devices("cpu")[0]
-  except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS without cpu): the default device
-    cpu = jax.devices()[0]
+  try:  # this process's own CPU device: under jax.distributed, jax.devices() lists other processes' devices too
+    cpu = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS without cpu): its first local device
+    cpu = jax.local_devices()[0]
   params = jax.device_put(layout.to_flax(card_lib.probe_params(spec), spec), cpu)
   tokens = jax.device_put(jnp.asarray(card_lib.probe_tokens(spec)), cpu)
   with jax.default_device(cpu), jax.default_matmul_precision("highest"):

@@ -32,11 +32,11 @@ __all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text",
 SEMANTICS_SCHEMA = "parity.semantics/1"
 
 DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp.gelu_form", "norm.form", "norm.eps",
-          "norm.stats_dtype", "norm.rounding", "forward.probe_loss", "attention.qk_norm", "attention.qk_norm_eps",
-          "attention.scale", "attention.softcap", "attention.window", "embedding.scale", "logits.final_softcap",
-          "loss.label_shift", "loss.reduction", "optimizer.decay_set", "optimizer.weight_decay",
-          "optimizer.eps_placement", "optimizer.bias_correction", "clip.rule", "clip.max_norm", "lr.step0",
-          "dtypes.params", "dtypes.master", "dtypes.moments", "dtypes.grads", "matmul.precision", "dropout")
+          "norm.stats_dtype", "norm.rounding", "attention.qk_norm", "attention.qk_norm_eps", "attention.scale",
+          "attention.softcap", "attention.window", "embedding.scale", "logits.final_softcap", "loss.label_shift",
+          "loss.reduction", "optimizer.decay_set", "optimizer.weight_decay", "optimizer.eps_placement",
+          "optimizer.bias_correction", "clip.rule", "clip.max_norm", "lr.step0", "dtypes.params", "dtypes.master",
+          "dtypes.moments", "dtypes.grads", "matmul.precision", "dropout", "forward.probe_loss")
 """The card items diffed between sides, each a convention that changes the math:
   rotary.layout             'half-split' (HF rotate_half) | 'interleaved' | null (no rotary): the side's rotary
                             function applied to a basis vector
@@ -52,13 +52,6 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
                             normalised value times the scale in float32, rounded once: LayerNorm, HF Gemma's (1 + w))
                             | 'rounded factors' (the normalised value and the scale each rounded to bf16, then their
                             product: HF LlamaRMSNorm) | 'other'
-  forward.probe_loss        the loss of the side's own model class, in float32 on the host CPU, of `probe_spec` (at
-                            most 3 layers, 512 tokens; null above PROBE_MAX_PARAMS) on probe weights and tokens
-                            (`probe_params`, `probe_tokens`): non-uniform norm gains, O(1) activations and
-                            logits that reach the soft-caps. Equal within PROBE_LOSS_ATOL, not bit for bit
-                            (`diff_cards`). A forward porting bug the init weights hide (q/k norms after rotary: the
-                            norms' gains are uniform at init; a skipped soft-cap: scores ~0.04 at init) moves it
-                            by orders of magnitude more; computed on the host CPU, it tests the code, not a device
   attention.qk_norm(_eps)   the per-head q/k norm of the first block's attention: its form and eps; null: none
   attention.scale           the factor of q.k the attention module uses (6 significant digits)
   attention.softcap, logits.final_softcap   the caps: the side's `softcap` function at CAP_PROBE with the cap the
@@ -78,7 +71,14 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
                             moments: 'first X, second Y' when Adam's two moments differ (moments_dtype)
                             (fsdp: the coarser of that and its gradient reduce dtype)
   matmul.precision          'highest' | 'high' (TF32) | 'medium'
-  dropout                   the largest dropout probability of the model's modules (0.0: none)"""
+  dropout                   the largest dropout probability of the model's modules (0.0: none)
+  forward.probe_loss        the loss of the side's own model class, in float32 on the host CPU, of `probe_spec` (at
+                            most 3 layers, 512 tokens; null above PROBE_MAX_PARAMS) on probe weights and tokens
+                            (`probe_params`, `probe_tokens`): non-uniform norm gains, O(1) activations and
+                            logits that reach the soft-caps. Equal within PROBE_LOSS_ATOL, not bit for bit
+                            (`diff_cards`). A forward porting bug the init weights hide (q/k norms after rotary: the
+                            norms' gains are uniform at init; a skipped soft-cap: scores ~0.04 at init) moves it
+                            by orders of magnitude more; computed on the host CPU, it tests the code, not a device"""
 
 
 NAME_LISTS = ("optimizer.decay_set",)
