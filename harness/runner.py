@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 from harness import chip, lifetime, ranks
 from parity import phase
 from harness.env import host_pool_environ, side_spec, worker_env
-from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
+from parity.protocol.layout import (FOLDER_GONE, LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary,
+                                    tail_text)
 from parity.protocol.outputs import SideRun  # what a side left, as the harness saw it run (the report reads it too)
 from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
@@ -97,10 +98,6 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
     sr.summary = {**sr.summary, "status": "crashed", "error": f"{gone}, while {side} ran{was}"}
     sr.status, sr.error = "crashed", sr.summary["error"]
   return sr
-
-
-FOLDER_GONE = "the run folder {folder} was deleted or moved while the run was running"
-"""What a side's error says when its run folder vanished (`folder_gone`); the report's verdict sentence looks for it."""
 
 
 def folder_gone(run_dir: Path) -> str | None:

@@ -60,7 +60,7 @@ def test_compare_names_the_vanished_folder_and_fails(tmp_path, vanish, monkeypat
   report = parity.compare("gpt2-tiny", sides=["jax", "torch"], out=out, steps=2, determinism_steps=0,
                           progress=False)
   assert not report.passed
-  sentence = verdict_sentence(report.data)
+  sentence = verdict_sentence(report.record)
   assert sentence.startswith(f"FAIL: the run folder {out} was deleted or moved while the run was running"), sentence
   assert "jax stopped after 0 of 2 steps" in sentence and "torch was not started" in sentence, sentence
   assert (vanish / "starts.txt").read_text().split() == ["jax"]

@@ -48,6 +48,7 @@ __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLAN
            "SIDE_PLANT_KEYS", "STEP_LIST_KEYS",
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
+           "FOLDER_GONE",
            "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
            "step_time_median", "tokens_per_s", "loss_tokens_per_s", "REQUEST_FILE", "REPORT_FILE", "SUMMARY_FILE",
            "STEPS_FILE", "FINAL_PARAMS", "LOCK_NAME", "NOISE_DIR", "REPEAT_DIR", "RESUME_DIR", "BACKEND_DIR",
@@ -99,6 +100,9 @@ LAUNCH_ENV = "PARITY_LAUNCH_TIME"
 PLANTED_KILL = "[parity] planted kill"
 """What a worker writes to stderr just before the fault injection kill_at_step kills it, so the harness reports the
 kill as planted, not as one from outside or the OOM killer."""
+FOLDER_GONE = "the run folder {folder} was deleted or moved while the run was running"
+"""What a side's error says when its run folder vanished under the run (harness.runner.folder_gone); the report's
+verdict sentence looks for it (parity.report.headline)."""
 PLANTED_HANG = "[parity] planted hang"
 """What a worker writes to stderr when the fault injection hang_at_step stops it, so a hang is named as planted."""
 DATA_PLANT_KEYS = ("attention_mask_dropped", "positions_not_restarted", "labels_shifted_twice", "loss_on_prompt")

@@ -10,9 +10,8 @@ import re
 from pathlib import Path
 from typing import Mapping
 
-from harness.runner import FOLDER_GONE
 from parity.hf import family_of_spec
-from parity.protocol.layout import CHECKPOINT_META, FINAL_MOMENTS
+from parity.protocol.layout import CHECKPOINT_META, FINAL_MOMENTS, FOLDER_GONE
 from parity.report.cells import first_clause, fmt, fmt_count, pair_label
 from parity.report.check_table import measure_label
 from parity.report.run_record import CheckRecord, RunRecord
@@ -127,7 +126,7 @@ def _side_stop(rec: RunRecord) -> list[str]:
 
 
 def _folder_gone(rec: RunRecord) -> str | None:
-  """The verdict sentence of a run whose folder vanished under it (harness.runner.FOLDER_GONE in a side's error):
+  """The verdict sentence of a run whose folder vanished under it (parity.protocol.layout.FOLDER_GONE in a side's error):
   the folder, the side it stopped and the sides never started; None otherwise."""
   marker = FOLDER_GONE.split("{folder}")[1]
   errors = {n: str(s.summary.get("error") or "") for n, s in rec.sides.items()}
