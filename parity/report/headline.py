@@ -126,8 +126,8 @@ def _side_stop(rec: RunRecord) -> list[str]:
 
 
 def _folder_gone(rec: RunRecord) -> str | None:
-  """The verdict sentence of a run whose folder vanished under it (parity.protocol.layout.FOLDER_GONE in a side's error):
-  the folder, the side it stopped and the sides never started; None otherwise."""
+  """The verdict sentence of a run whose folder vanished under it (parity.protocol.layout.FOLDER_GONE in a side's
+  error): the folder, the side it stopped and the sides never started; None otherwise."""
   marker = FOLDER_GONE.split("{folder}")[1]
   errors = {n: str(s.summary.get("error") or "") for n, s in rec.sides.items()}
   hit = next((e for e in errors.values() if marker in e), None)
