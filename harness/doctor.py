@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Mapping
 
 from harness import launch
-from harness.env import jax_pool_choice, side_spec, thread_environ
+from harness.env import jax_pool_choice, pool_host_bytes, side_spec, thread_environ
 from parity import environment as env
 from parity import installed, sockets
 from parity.errors import SpecError
@@ -221,7 +221,8 @@ def run_environment(devices: Mapping[str, object] | None, spec=None,
     block.update(cpu_fallback=devices["cpu_fallback"], allowed_cpu=devices["allowed_cpu"])
   jax_side = next((s for s in spec.sides if side_record(s).framework == "jax"), None) if spec is not None else None
   if jax_side is not None:
-    choice = jax_pool_choice(os.environ, side_spec({"run": to_dict(spec), "perturb": dict(perturb or {})}, jax_side))
+    jax_spec = side_spec({"run": to_dict(spec), "perturb": dict(perturb or {})}, jax_side)
+    choice = jax_pool_choice(os.environ, jax_spec, pool_host_bytes(jax_spec))
     block["host_pool"] = {jax_side: choice}
     block["numerics_flags"] = numerics_flags(os.environ, pool=choice)
   return block

@@ -25,7 +25,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from parity.buildenv import build_environ
-from parity.environment import cpu_quota, load_1min, runnable_now, usable_cpus
+from parity.environment import cpu_quota, cuda_evidence, load_1min, runnable_now, usable_cpus
 from parity.errors import SpecError
 from parity.overrides import apply_overrides
 from parity.protocol.layout import DEBUG_KEYS
@@ -33,7 +33,8 @@ from parity.sizing import host_limits
 from parity.spec import RunSpec, from_dict
 
 __all__ = ["ROOT", "RENDEZVOUS", "worker_env", "THREADS_SWITCH", "THREADS_CHOICE", "PARITY_SET", "choose_threads",
-           "thread_environ", "HOST_POOL_CHOICE", "side_spec", "jax_pool_choice", "host_pool_environ"]
+           "thread_environ", "HOST_POOL_CHOICE", "side_spec", "jax_pool_choice", "pool_host_bytes",
+           "host_pool_environ"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: workers run `python -m <module>` with it first on PYTHONPATH."""
@@ -168,11 +169,12 @@ def side_spec(request: Mapping[str, object], side: str) -> RunSpec:
   return apply_overrides(base, perturb) if perturb else base
 
 
-def jax_pool_choice(environ: Mapping[str, str], spec: RunSpec) -> dict[str, object]:
+def jax_pool_choice(environ: Mapping[str, str], spec: RunSpec, host_bytes: int | None = None) -> dict[str, object]:
   """The pinned-host pool a JAX worker started with `environ` gets (pure: nothing is set).
 
-  The rule is parity.sizing.host_limits.pool_decision over the memory model's pinned-host bytes per device; a value
-  of XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in `environ` is the user's and kept. Returns the decision's JSON
+  The rule is parity.sizing.host_limits.pool_decision over the memory model's pinned-host bytes per device and
+  `host_bytes`, the host memory per device the pool must fit (None: unknown); a value of
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in `environ` is the user's and kept. Returns the decision's JSON
   (need_bytes, user_gib, parity_gib, rule_gib, gib, set_by, fits, statement) plus 'env' ({variable: value} parity
   sets; {} for none), 'user_value' (the user's text or None) and 'value' (what the worker runs with; None: unset,
   XLA's 64 GiB default). A user's value XLA cannot read gives 'error' (what the run's resource check refuses on a GPU
@@ -180,7 +182,7 @@ def jax_pool_choice(environ: Mapping[str, str], spec: RunSpec) -> dict[str, obje
   """
   raw = environ.get(host_limits.XLA_POOL_ENV)
   try:
-    decision = host_limits.jax_pool(spec, environ)
+    decision = host_limits.jax_pool(spec, environ, host_bytes)
   except SpecError as exc:
     return {"variable": host_limits.XLA_POOL_ENV, "env": {}, "user_value": raw, "value": raw, "set_by": "user",
             "error": str(exc)}
@@ -189,11 +191,20 @@ def jax_pool_choice(environ: Mapping[str, str], spec: RunSpec) -> dict[str, obje
           "value": raw if raw is not None else env.get(host_limits.XLA_POOL_ENV)}
 
 
-def host_pool_environ(environ: MutableMapping[str, str], spec: RunSpec) -> dict[str, object]:
+def pool_host_bytes(spec: RunSpec, gpu: bool | None = None) -> int | None:
+  """The host memory per device a JAX worker's pool must fit: this machine's (host_limits.host_bytes_per_device)
+  where a GPU reads the pool (`gpu`; None: a CUDA driver is visible), else None (on the CPU backend the variable is
+  not read: nothing to fit)."""
+  on_gpu = cuda_evidence() is not None if gpu is None else gpu
+  return host_limits.host_bytes_per_device(spec) if on_gpu else None
+
+
+def host_pool_environ(environ: MutableMapping[str, str], spec: RunSpec, gpu: bool | None = None) -> dict[str, object]:
   """Puts the JAX worker's pool into `environ` in place (`jax_pool_choice`: only when the plan needs more pinned host
-  than XLA's default pool and the user set no value; a user's value is never replaced) and records the choice as JSON
-  in HOST_POOL_CHOICE; returns the choice. Idempotent: a value parity set earlier (named in an existing
-  HOST_POOL_CHOICE, same value) is chosen again."""
+  than XLA's default pool, or, where a GPU reads the pool (`gpu`; None: a CUDA driver is visible), when the default
+  pool is larger than this host's memory per device (host_limits.host_bytes_per_device, what the resource check holds
+  it to); a user's value is never replaced) and records the choice as JSON in HOST_POOL_CHOICE; returns the choice.
+  Idempotent: a value parity set earlier (named in an existing HOST_POOL_CHOICE, same value) is chosen again."""
   try:
     before = json.loads(environ.get(HOST_POOL_CHOICE) or "{}").get("env", {})
   except (ValueError, AttributeError):
@@ -202,7 +213,7 @@ def host_pool_environ(environ: MutableMapping[str, str], spec: RunSpec) -> dict[
   ours = var in before and environ.get(var) == before[var]
   if ours:
     environ.pop(var)
-  choice = jax_pool_choice(environ, spec)
+  choice = jax_pool_choice(environ, spec, pool_host_bytes(spec, gpu))
   environ.update(choice["env"])
   environ[HOST_POOL_CHOICE] = json.dumps(choice, sort_keys=True)
   return choice

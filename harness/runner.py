@@ -8,7 +8,8 @@ building DeepSpeed ops (its `phase` file says so) is shown instead of its step
 count and is not counted against the timeout (up to phase.BUILD_LIMIT_S). Whatever happens to
 the process (exit, crash, SIGKILL, hang, NaN), `run_side` returns a SideRun and
 leaves `run_dir/<side>/summary.json` describing it, so the report always has
-every side.
+every side. A run folder that vanishes (deleted or moved while the run runs) is noticed before each side starts
+and after each ends (`folder_gone`): the side that was running is 'crashed' saying so, and no later side starts.
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from typing import Callable, Sequence
 from harness import chip, lifetime, ranks
 from parity import phase
 from harness.env import host_pool_environ, side_spec, worker_env
-from parity.protocol.layout import LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary, tail_text
+from parity.protocol.layout import (FOLDER_GONE, LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary,
+                                    tail_text)
 from parity.protocol.outputs import SideRun  # what a side left, as the harness saw it run (the report reads it too)
 from parity.protocol.ranks import read_launch
 from parity.protocol.workers import worker_module
 from parity.sides import side_record
 
-__all__ = ["SideRun", "run_side", "run_each_side", "not_run", "build_ops", "STATUSES"]
+__all__ = ["SideRun", "run_side", "run_each_side", "not_run", "build_ops", "folder_gone", "STATUSES",
+           "FOLDER_GONE"]
 
 STATUSES = ("ok", "nan", "crashed", "killed", "timeout", "not_run")
 """ok: all steps ran; nan: a non-finite loss or grad norm stopped the side; crashed: the worker
@@ -85,6 +88,31 @@ def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
   lifetime.check_stop()  # a stop held while the caller was busy: no new worker starts
   run_dir = Path(run_dir)
   out = run_dir / side
+  gone = folder_gone(run_dir)
+  if gone is not None:  # never recreate a folder someone removed, nor start a worker on inputs that are gone
+    return not_run(side, f"not started: {gone}")
+  sr = _start(run_dir, side, out, timeout_s, on_progress, python, env, job, module)
+  gone = folder_gone(run_dir)
+  if gone is not None and sr.status != "not_run":
+    was = f" (the worker: {sr.status}, {first_line(sr.error)})" if sr.error else f" (the worker: {sr.status})"
+    sr.summary = {**sr.summary, "status": "crashed", "error": f"{gone}, while {side} ran{was}"}
+    sr.status, sr.error = "crashed", sr.summary["error"]
+  return sr
+
+
+def folder_gone(run_dir: Path) -> str | None:
+  """FOLDER_GONE naming run_dir when its request.json is no longer a file there (the folder deleted, moved or
+  emptied under the run), else None."""
+  return None if (Path(run_dir) / "request.json").is_file() else FOLDER_GONE.format(folder=run_dir)
+
+
+def first_line(text: str | None) -> str:
+  return (text or "").strip().splitlines()[0][:200] if (text or "").strip() else ""
+
+
+def _start(run_dir: Path, side: str, out: Path, timeout_s: float, on_progress, python: str,
+           env: dict[str, str] | None, job: str, module: str | None) -> SideRun:
+  """run_side once the folder is known to be there: prepare run_dir/<side>, start the worker(s), watch, classify."""
   try:
     launch = _prepare(run_dir, out)
   except (OSError, ValueError) as exc:  # disk full, read-only folder: the side cannot run; say where and why
@@ -202,8 +230,9 @@ def _running(side: str, out: Path) -> str:
 
 def _prepare(run_dir: Path, out: Path) -> dict:
   """Clears what an earlier attempt left in run_dir/<side> and returns the run's launch (parity.protocol.ranks).
-  Raises OSError (an unwritable folder) or ValueError (a malformed launch.json)."""
-  out.mkdir(parents=True, exist_ok=True)
+  Raises OSError (an unwritable folder, or run_dir gone: it is never recreated) or ValueError (a malformed
+  launch.json)."""
+  out.mkdir(exist_ok=True)
   for stale in ("summary.json", "steps.jsonl", "final.safetensors", phase.PHASE_FILE):
     (out / stale).unlink(missing_ok=True)
   for stale in [*out.glob("rank*.json"), *out.glob("rank*.stderr")]:

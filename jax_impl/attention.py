@@ -27,7 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.architecture import layer_rope
 from parity.spec import ModelSpec
 
-from jax_impl.layers import Dtype, Norm, _dense, _reduced, _tap, apply_rope, rope_tables, softcap
+from jax_impl.layers import (Dtype, Norm, _dense, _opmath, _reduced, _tap, apply_rope, planted, rope_tables,
+                             softcap)
 
 __all__ = ["Attention", "attention_mask", "kind_rope", "uniform_kind", "window_ok"]
 
@@ -79,6 +80,16 @@ def _pick(flag: Flag, if_true: Any, if_false: Any) -> Any:
   return jax.tree.map(lambda a, b: jnp.where(flag, a, b), if_true, if_false)
 
 
+def _repeat_kv(x_bskh: jax.Array, g: int) -> jax.Array:
+  """(B, S, K, H) -> (B, S, K, G, H): each kv head repeated for its G query heads (HF `repeat_kv`). The soft-capped
+  bf16/fp16 path (HF eager) multiplies per query head, so each head's k and v gradient is rounded to the compute
+  dtype on its own and the repeat's gradient then sums the group's, as torch's `repeat_interleave` backward does;
+  contracting the group inside one einsum (the float32 path) rounds the sum once. Measured (gemma2 attention, bf16,
+  G = 2): k and v gradients then bit-identical to torch's, where 51-59% of their elements differed."""
+  b, s, k, h = x_bskh.shape
+  return jnp.broadcast_to(x_bskh[:, :, :, None, :], (b, s, k, g, h))
+
+
 class Attention(nn.Module):
   """Causal grouped-query self-attention; kv head k serves query heads k*G .. k*G+G-1 (HF repeat_kv).
 
@@ -112,30 +123,40 @@ class Attention(nn.Module):
     q_btnh = qkv_btf[..., :n * h].reshape(b, t, n, h)
     k_btkh = qkv_btf[..., n * h:(n + k) * h].reshape(b, t, k, h)
     v_btkh = qkv_btf[..., (n + k) * h:].reshape(b, t, k, h)
-    if s.qk_norm:  # per head, over head_dim, before rotary (HF q_norm / k_norm)
+    after = planted("qk_norm_after_rope")  # the planted porting bug: the q/k norms after rotary
+    if s.qk_norm and not after:  # per head, over head_dim, before rotary (HF q_norm / k_norm)
       q_btnh = Norm(s, self.dtype, heads=True, name="ln_q")(q_btnh)
       k_btkh = Norm(s, self.dtype, heads=True, name="ln_k")(k_btkh)
     if s.position == "rope":
       cos_th, sin_th = self._rope(t, rope, local, flag)  # (T, H), or per token (B, T, H)
       q_btnh = apply_rope(q_btnh, cos_th, sin_th)
       k_btkh = apply_rope(k_btkh, cos_th, sin_th)
+    if s.qk_norm and after:
+      q_btnh = Norm(s, self.dtype, heads=True, name="ln_q")(q_btnh)
+      k_btkh = Norm(s, self.dtype, heads=True, name="ln_k")(k_btkh)
     _tap(self, "q", lambda: q_btnh.transpose(0, 2, 1, 3))  # (B, N, T, H)
     _tap(self, "k", lambda: k_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
-    scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh,
-                              preferred_element_type=jnp.float32) * s.scale
+    capped = s.attn_softcap is not None
+    eager = capped and _reduced(self.dtype)  # HF Gemma 2 eager_attention_forward in the compute dtype (`_eager`)
+    if eager:
+      k_btkh, v_btkh = _repeat_kv(k_btkh, g), _repeat_kv(v_btkh, g)
+      scores_bkgts = jnp.einsum("BTKGH,BSKGH->BKGTS", q_btkgh, k_btkh, preferred_element_type=jnp.float32)
+      scores_bkgts = _opmath(lambda x: x * s.scale, scores_bkgts.astype(self.dtype), self.dtype)
+    else:
+      scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_btkh, preferred_element_type=jnp.float32) * s.scale
     _tap(self, "scores", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    if s.attn_softcap is not None:  # float32, on the float32 scores, before the mask (HF Gemma 2)
+    if capped and not planted("attn_softcap_skipped"):  # before the mask (HF Gemma 2)
       scores_bkgts = softcap(scores_bkgts, s.attn_softcap)
       _tap(self, "scores_capped", lambda: scores_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
-    scores_bkgts = self._masked(scores_bkgts, mask_bts, flag)
+    scores_bkgts = self._masked(scores_bkgts.astype(jnp.float32), mask_bts, flag)  # softmax input: float32
     if _reduced(self.dtype) and s.attn_softcap is None:
       out_btkgh = self._fused_context(scores_bkgts, v_btkh)
-    elif _reduced(self.dtype):  # soft-capped (no fused kernel; HF eager, torch_impl): float32 softmax, rounded
+    elif eager:  # soft-capped (no fused kernel; HF eager, torch_impl): float32 softmax, rounded
       probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1)
       _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S) float32, as torch's
-      out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts.astype(self.dtype), v_btkh.astype(self.dtype),
+      out_btkgh = jnp.einsum("BKGTS,BSKGH->BTKGH", probs_bkgts.astype(self.dtype), v_btkh.astype(self.dtype),
                              preferred_element_type=jnp.float32).astype(self.dtype)
     else:
       probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)

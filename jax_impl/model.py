@@ -53,7 +53,7 @@ from jax_impl import residual_plant
 # canonical <-> Flax layout (jax_impl.layout) are imported from their own modules.
 from jax_impl.attention import Attention, attention_mask, kind_rope, uniform_kind
 from jax_impl.layers import (_SUB_OUT, TAPS, Dtype, Norm, _add, _dense, _opmath, _tap, embed_scale, mlp_activation,
-                             rope_at, softcap)
+                             planted, rope_at, softcap)
 from jax_impl.param_names import LAYERS, Params
 
 __all__ = ["GPT", "loss_fn", "loss_and_taps", "compute_dtype", "cast_params", "attention_mask"]
@@ -275,7 +275,7 @@ class GPT(nn.Module):
     else:
       logits_btv = _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
     _tap(self, "logits", lambda: logits_btv)
-    if s.final_softcap is not None:  # Gemma 2: on the compute-dtype logits, before the loss (HF)
+    if s.final_softcap is not None and not planted("final_softcap_skipped"):  # Gemma 2: before the loss (HF)
       logits_btv = softcap(logits_btv, s.final_softcap)
       _tap(self, "logits_capped", lambda: logits_btv)
     return logits_btv

@@ -6,7 +6,10 @@
   mlp.gelu_form        `layers.mlp_activation(spec)` at parity.semantics.GELU_PROBE_X (x = 1 and -3)
   norm.*               a `layers.Norm` of the run's spec (scale 1, bias 0) on known vectors: the form from
                        (1, 3, 1, 3, ...), eps from +-a at the amplitude whose output is nearest 0.5, the statistics'
-                       dtype from a float16 input of +-300 (300^2 overflows float16 but not float32)
+                       dtype from a float16 input of +-300 (300^2 overflows float16 but not float32); norm.rounding:
+                       the Norm in bfloat16 with the rounding probe's scale (parity.semantics.classify_norm_rounding)
+  forward.probe_loss   `model.loss_fn` of parity.semantics.probe_spec in float32 on the host CPU device at
+                       probe_params (the class the step traces, this process's family plants included)
   attention.*          the module's own scale (spec.scale, what its einsum multiplies by); the soft-caps:
                        `layers.softcap` at parity.semantics.CAP_PROBE with the Attention's / GPT's spec caps; the q/k
                        norm: present when the built params hold the Attention's `ln_q`, probed as a
@@ -43,7 +46,8 @@ from parity import semantics as card_lib
 from parity.semantics import sig
 from parity.weights import param_shapes
 
-__all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "loss_reduction", "family_items"]
+__all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "loss_reduction", "family_items",
+           "norm_rounding", "probe_loss"]
 
 
 def gelu_form(act: Any) -> str:
@@ -67,6 +71,36 @@ def _norm_apply(spec: Any, x: np.ndarray, heads: bool = False) -> np.ndarray:
   params = jax.tree.map(lambda p: jnp.ones_like(p) if p.ndim else p, norm.init(jax.random.PRNGKey(0), xin))
   params = {"params": {k: (jnp.zeros_like(v) if k == "bias" else v) for k, v in params["params"].items()}}
   return np.asarray(norm.apply(params, xin), np.float64).reshape(-1)
+
+
+def norm_rounding(spec: Any, form: str) -> str:
+  """norm.rounding (parity.semantics.classify_norm_rounding): a `layers.Norm` of `spec` in bfloat16, its scale the
+  rounding probe's weight as a bfloat16 array (what `model.cast_params` hands the forward) and bias 0, on the
+  probe's bfloat16 input; `form` is its norm.form."""
+  x, w = card_lib.rounding_probe(spec.d_model, form == "rmsnorm(1+w)")
+  norm = layers.Norm(spec, dtype=jnp.bfloat16)
+  xin = jnp.asarray(x).astype(jnp.bfloat16)[None]
+  params = norm.init(jax.random.PRNGKey(0), xin)["params"]
+  params = {k: (jnp.zeros_like(v) if k == "bias" else jnp.asarray(w)).astype(jnp.bfloat16) for k, v in params.items()}
+  y = np.asarray(norm.apply({"params": params}, xin).astype(jnp.float32))[0]
+  return card_lib.classify_norm_rounding(x, w, y, form, spec.norm_eps)
+
+
+def probe_loss(spec: Any) -> float | None:
+  """forward.probe_loss: `model.loss_fn` of parity.semantics.probe_spec(spec) (the model the step traces, with any
+  planted family bug of this process) in float32 on the host CPU device at matmul precision 'highest', at
+  probe_params on probe_tokens; None where probe_spec is None."""
+  spec = card_lib.probe_spec(spec)
+  if spec is None:
+    return None
+  try:  # this process's own CPU device: under jax.distributed, jax.devices() lists other processes' devices too
+    cpu = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS without cpu): its first local device
+    cpu = jax.local_devices()[0]
+  params = jax.device_put(layout.to_flax(card_lib.probe_params(spec), spec), cpu)
+  tokens = jax.device_put(jnp.asarray(card_lib.probe_tokens(spec)), cpu)
+  with jax.default_device(cpu), jax.default_matmul_precision("highest"):
+    return float(model_lib.loss_fn(params, tokens, spec, dtype=jnp.float32))
 
 
 def family_items(spec: Any, params: Any, seq_len: int) -> dict[str, Any]:
@@ -211,6 +245,7 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
       "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
       "mlp.gelu_form": gelu_form(layers.mlp_activation(spec)),
       "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
+      "norm.rounding": norm_rounding(spec, norm["form"]), "forward.probe_loss": probe_loss(spec),
       "attention.scale": sig(spec.scale, 6), **family_items(spec, trainer.state.params, train.seq_len),
       "loss.label_shift": 1 if train.layout == "stream" else int(shift["label_shift"]),
       "loss.reduction": loss_reduction(model_lib._mean_nll),

@@ -32,8 +32,10 @@ class JaxSide(Side):
     """jax.distributed first (several ranks), then the backend's start between two VmRSS readings
     (`_open_backend`), then the Trainer on a mesh over every process's devices."""
     from jax_impl import distributed  # after force_host_devices (module docstring)
+    from jax_impl.layers import set_model_plants
     from jax_impl.step import Trainer
     self.io = io
+    set_model_plants(io.plants)  # before the step is traced: a planted family porting bug, if any
     distributed.initialize()  # (0, 1) and nothing done with one rank
     self._open_backend()
     self.trainer = Trainer.build(io.run, io.init_params(), mesh=distributed.global_mesh() if io.world > 1 else None,

@@ -25,16 +25,18 @@ __all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text",
            "classify_gelu",
            "classify_rotary", "rope_row", "window_of", "CAP_PROBE", "NAME_LISTS", "layers_text",
            "norm_probe", "REDUCTION_PROBE", "classify_reduction", "IMPORT_PERMUTATION", "PRECISION_ENV",
-           "precision_settings", "precision_rows", "moments_dtype"]
+           "precision_settings", "precision_rows", "moments_dtype", "PROBE_LOSS_ATOL", "probe_spec", "probe_params",
+           "probe_tokens",
+           "ROUNDING_PROBE", "rounding_probe", "bf16_round", "classify_norm_rounding"]
 
 SEMANTICS_SCHEMA = "parity.semantics/1"
 
 DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp.gelu_form", "norm.form", "norm.eps",
-          "norm.stats_dtype", "attention.qk_norm", "attention.qk_norm_eps", "attention.scale", "attention.softcap",
-          "attention.window", "embedding.scale", "logits.final_softcap", "loss.label_shift", "loss.reduction",
-          "optimizer.decay_set", "optimizer.weight_decay", "optimizer.eps_placement", "optimizer.bias_correction",
-          "clip.rule", "clip.max_norm", "lr.step0", "dtypes.params", "dtypes.master", "dtypes.moments",
-          "dtypes.grads", "matmul.precision", "dropout")
+          "norm.stats_dtype", "norm.rounding", "attention.qk_norm", "attention.qk_norm_eps", "attention.scale",
+          "attention.softcap", "attention.window", "embedding.scale", "logits.final_softcap", "loss.label_shift",
+          "loss.reduction", "optimizer.decay_set", "optimizer.weight_decay", "optimizer.eps_placement",
+          "optimizer.bias_correction", "clip.rule", "clip.max_norm", "lr.step0", "dtypes.params", "dtypes.master",
+          "dtypes.moments", "dtypes.grads", "matmul.precision", "dropout", "forward.probe_loss")
 """The card items diffed between sides, each a convention that changes the math:
   rotary.layout             'half-split' (HF rotate_half) | 'interleaved' | null (no rotary): the side's rotary
                             function applied to a basis vector
@@ -46,6 +48,10 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
                             (classify_gelu: the nearest form, by a margin far above any backend's rounding)
   norm.form, norm.eps       'layernorm' | 'rmsnorm' | 'rmsnorm(1+w)' and the eps inferred from the norm's output
   norm.stats_dtype          the dtype its statistics are computed in ('float32')
+  norm.rounding             how the norm's bf16 output is rounded (`classify_norm_rounding`): 'one rounding' (the
+                            normalised value times the scale in float32, rounded once: LayerNorm, HF Gemma's (1 + w))
+                            | 'rounded factors' (the normalised value and the scale each rounded to bf16, then their
+                            product: HF LlamaRMSNorm) | 'other'
   attention.qk_norm(_eps)   the per-head q/k norm of the first block's attention: its form and eps; null: none
   attention.scale           the factor of q.k the attention module uses (6 significant digits)
   attention.softcap, logits.final_softcap   the caps: the side's `softcap` function at CAP_PROBE with the cap the
@@ -65,7 +71,14 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
                             moments: 'first X, second Y' when Adam's two moments differ (moments_dtype)
                             (fsdp: the coarser of that and its gradient reduce dtype)
   matmul.precision          'highest' | 'high' (TF32) | 'medium'
-  dropout                   the largest dropout probability of the model's modules (0.0: none)"""
+  dropout                   the largest dropout probability of the model's modules (0.0: none)
+  forward.probe_loss        the loss of the side's own model class, in float32 on the host CPU, of `probe_spec` (at
+                            most 3 layers, 512 tokens; null above PROBE_MAX_PARAMS) on probe weights and tokens
+                            (`probe_params`, `probe_tokens`): non-uniform norm gains, O(1) activations and
+                            logits that reach the soft-caps. Equal within PROBE_LOSS_ATOL, not bit for bit
+                            (`diff_cards`). A forward porting bug the init weights hide (q/k norms after rotary: the
+                            norms' gains are uniform at init; a skipped soft-cap: scores ~0.04 at init) moves it
+                            by orders of magnitude more; computed on the host CPU, it tests the code, not a device"""
 
 
 NAME_LISTS = ("optimizer.decay_set",)
@@ -169,6 +182,112 @@ def norm_probe(apply: Callable[[np.ndarray], np.ndarray], d: int) -> dict[str, A
   return {"form": form, "eps": eps, "stats_dtype": "float32" if abs(big - 1.0) < 1e-2 else "reduced"}
 
 
+PROBE_SEED, PROBE_BATCH, PROBE_LEN = 20261206, 2, 24
+"""The forward probe's weights seed, rows and tokens per row (at most model.max_seq_len)."""
+PROBE_LOSS_ATOL = 1e-5
+"""forward.probe_loss of two sides agrees within this, nats: the fp32 loss tolerance (parity.verdict.tolerances), and
+the bound transformers' oracle holds our torch and JAX models to on such weights (tests/test_hf_oracle.py, 1e-5).
+Measured between correct sides: tests/test_card_probes.py; the family plants move it by orders of magnitude more
+(benchmarks/results/*-family-plants.md)."""
+
+
+PROBE_MAX_PARAMS = 200_000_000
+"""Above this many parameters of `probe_spec` (float32: 0.8 GB) the forward probe is not run (its item null on every
+side): it builds the model once more on the host."""
+
+
+def probe_spec(spec: Any) -> Any:
+  """The spec the forward probe runs: the run's model with at most 3 layers (their kinds kept: every Gemma pattern's
+  first period has both kinds) and a vocabulary of at most 512; every other field, the code paths it selects, as
+  the run's. None when that is still over PROBE_MAX_PARAMS."""
+  import dataclasses
+  from parity.weights import n_params
+  n = min(spec.n_layers, 3)
+  small = dataclasses.replace(spec, n_layers=n, vocab_size=min(spec.vocab_size, 512),
+                              layer_types=tuple(spec.layer_kinds[:n]) if spec.layer_types else ())
+  return small if n_params(small) <= PROBE_MAX_PARAMS else None
+
+
+def probe_params(spec: Any) -> dict[str, np.ndarray]:
+  """Canonical float32 weights of `spec` for the forward probe, the same on every side: matrices ~ N(0, 1/fan_in),
+  embeddings ~ N(0, 0.3^2) (logits of std ~0.3 sqrt(d_model), reaching ~10: past Gemma's caps), norm gains
+  1 + N(0, 0.3^2) (0 + ... under norm_plus_one: the scale is 1 + weight), other 1-D tensors N(0, 0.1^2); drawn in
+  canonical order from one generator (PROBE_SEED). As transformers' oracle tests draw a checkpoint."""
+  from parity.weights import param_shapes
+  rng = np.random.default_rng(PROBE_SEED)
+  out = {}
+  for name, shape in param_shapes(spec).items():
+    noise = rng.standard_normal(shape)
+    if len(shape) == 1:
+      norm = ".ln_" in name or name.startswith("ln_f")
+      base = 1.0 if norm and name.endswith(".weight") and not spec.norm_plus_one else 0.0
+      arr = base + (0.3 if norm else 0.1) * noise
+    elif name.startswith(("wte", "wpe")):
+      arr = 0.3 * noise
+    else:
+      arr = noise / math.sqrt(shape[-1])
+    out[name] = arr.astype(np.float32)
+  return out
+
+
+def probe_tokens(spec: Any) -> np.ndarray:
+  """int64 (PROBE_BATCH, T + 1) token ids of the forward probe, T = min(PROBE_LEN, model.max_seq_len): inputs
+  tokens[:, :-1], targets tokens[:, 1:]."""
+  t = min(PROBE_LEN, spec.max_seq_len)
+  return np.random.default_rng(PROBE_SEED + 1).integers(0, spec.vocab_size, (PROBE_BATCH, t + 1), dtype=np.int64)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+  """float32 values rounded to the nearest bfloat16 (ties to even), returned as float32 (numpy has no bfloat16)."""
+  u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+  return u.astype(np.uint32).view(np.float32)
+
+
+ROUNDING_PROBE = 0.37
+"""The norm rounding probe's scale weights start here (bf16-exact values from it up, one per element): 1 + 0.369 is
+no bfloat16 value, so rounding the scale (and the normalised value) first moves the product on some elements."""
+
+
+def rounding_probe(d: int, plus_one: bool) -> tuple[np.ndarray, np.ndarray]:
+  """(x (R, d), weight (d,)) of the norm rounding probe, float32 holding bfloat16 values: R = ceil(256 / d) rows of x
+  from 1 to ~4 in uneven steps (no normalised value is a bfloat16 value; at least 256 elements, so that some dozen
+  tell the two roundings apart at any width), the weight ROUNDING_PROBE upwards (plus 1 when the scale is the weight
+  itself, so the scale is ~1.37-1.77 either way)."""
+  rows = -(-256 // d)
+  i = np.arange(rows * d, dtype=np.float64).reshape(rows, d)
+  x = bf16_round((1.0 + 3.0 * ((i * 0.618034) % 1.0)).astype(np.float32))
+  j = np.arange(d, dtype=np.float64)
+  w = bf16_round((ROUNDING_PROBE + 0.4 * ((j * 0.414214) % 1.0) + (0.0 if plus_one else 1.0)).astype(np.float32))
+  return x, w
+
+
+def classify_norm_rounding(x: np.ndarray, w: np.ndarray, y: np.ndarray, form: str, eps: float | None) -> str:
+  """'one rounding' | 'rounded factors' | 'other': how a norm of `form` ('layernorm' | 'rmsnorm' | 'rmsnorm(1+w)')
+  with weight w (bias 0) rounded its bfloat16 output y (float32 copy) of input x (`rounding_probe`): the normalised
+  value times the scale in float32 rounded once, or both rounded to bfloat16 first. Judged on the elements where the
+  two differ; a 1-ulp float32 difference in the statistics may flip one element, so 90% of them decide."""
+  x64 = np.asarray(x, np.float64)
+  e = float(eps or 0.0)
+  if form == "layernorm":
+    c = x64 - x64.mean(-1, keepdims=True)
+    n = (c / np.sqrt((c * c).mean(-1, keepdims=True) + e)).astype(np.float32)
+  else:
+    n = (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + e)).astype(np.float32)
+  scale = (1.0 + np.asarray(w, np.float32)).astype(np.float32) if form == "rmsnorm(1+w)" else np.asarray(w, np.float32)
+  one = bf16_round(n * scale)
+  two = bf16_round(bf16_round(n) * bf16_round(scale))
+  tell = one != two
+  if tell.sum() < 4:
+    return "other"
+  y = np.asarray(y, np.float32)
+  if np.mean(y[tell] == one[tell]) >= 0.9:
+    return "one rounding"
+  if np.mean(y[tell] == two[tell]) >= 0.9:
+    return "rounded factors"
+  return "other"
+
+
 REDUCTION_PROBE = (4, 6)
 """(V, N): the loss probes score N targets of logits 0 over V classes (each term log V)."""
 
@@ -209,6 +328,10 @@ def make_card(side: str, run_id: str | None, items: Mapping[str, Any], info: Map
           "items": {k: items.get(k) for k in DIFFED}, "info": dict(info)}
 
 
+ITEM_ATOL = {"forward.probe_loss": PROBE_LOSS_ATOL}
+"""Items compared within an absolute tolerance rather than as JSON (`diff_cards`)."""
+
+
 def _same(a: Any, b: Any) -> bool:
   if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
           and not isinstance(b, bool):
@@ -219,9 +342,19 @@ def _same(a: Any, b: Any) -> bool:
 def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
   """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order. Numbers
   agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other, each rounded to 6
-  significant digits for the table: at most 5e-7 each); the rest as JSON."""
+  significant digits for the table: at most 5e-7 each); ITEM_ATOL's items within their absolute tolerance; the rest
+  as JSON. An item one card does not hold at all is not compared: `make_card` writes every DIFFED item (null when
+  the side has no such thing), so only a card of an older parity (a folder joined from before the item existed)
+  lacks one."""
   ia, ib = a.get("items") or {}, b.get("items") or {}
-  return [(k, ia.get(k), ib.get(k)) for k in DIFFED if not _same(ia.get(k), ib.get(k))]
+  return [(k, ia.get(k), ib.get(k)) for k in DIFFED
+          if k in ia and k in ib and not _item_same(k, ia.get(k), ib.get(k))]
+
+
+def _item_same(k: str, a: Any, b: Any) -> bool:
+  if k in ITEM_ATOL and isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return abs(float(a) - float(b)) <= ITEM_ATOL[k]
+  return _same(a, b)
 
 
 def _value_text(v: Any, other: Any, names: bool = False) -> str:

@@ -55,8 +55,9 @@ def test_the_gelu_plant_fails_at_step_0_and_the_later_sides_stop_before_step_1(r
   first = rep["verdict"]["first_failure"]
   assert first["metric"] == "semantics" and first["step"] == 0 and first["sides"] == ["jax", "deepspeed"]
   checks = _checks(rep)
-  assert checks["semantics jax~deepspeed"]["detail"] == "semantics: mlp.gelu_form jax=erf deepspeed=tanh"
-  assert checks["semantics jax~torch"]["detail"] == "semantics: mlp.gelu_form jax=erf torch=tanh"
+  for pair, other in (("jax~deepspeed", "deepspeed"), ("jax~torch", "torch")):  # the GELU form moves the forward
+    detail = checks[f"semantics {pair}"]["detail"]  # probe's loss too, named after it (parity.semantics.DIFFED)
+    assert detail.startswith(f"semantics: mlp.gelu_form jax=erf {other}=tanh; forward.probe_loss jax="), detail
   assert checks["semantics deepspeed~torch"]["passed"]
   assert rep["sides"]["jax"]["status"] == "ok"
   for side in ("deepspeed", "torch"):  # stopped before step 1, reported as a crash naming the item
@@ -110,7 +111,8 @@ def test_a_family_plant_fails_at_step_0_naming_the_item_and_both_values(runs):
   assert rc == 1 and rep is not None, out[-3000:]
   first = rep["verdict"]["first_failure"]
   assert first["metric"] == "semantics" and first["step"] == 0 and first["sides"] == ["jax", "torch"]
-  assert _checks(rep)["semantics jax~torch"]["detail"] == "semantics: attention.softcap jax=2.0 torch=50.0"
+  detail = _checks(rep)["semantics jax~torch"]["detail"]
+  assert detail.startswith("semantics: attention.softcap jax=2.0 torch=50.0; forward.probe_loss jax="), detail
   s = rep["sides"]["torch"]
   assert s["status"] == "crashed" and s["series"]["step"] == [] and "attention.softcap jax=2.0 torch=50.0" in s["error"]
   rows = {r["item"]: r for r in rep["semantics"]["rows"]}

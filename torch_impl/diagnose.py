@@ -39,7 +39,7 @@ def _sdpa_internal_taps(self, q, k, t: int, mask=None) -> None:
   do, would round the scores and probs where the forward never rounds them. Taps only: SDPA still makes
   the context. q, k: (B, nh, T, hd) in the compute dtype; mask: None (causal) or additive (B, 1, T, T), 0 = attend,
   -inf = not (torch_impl.layers.additive_mask of attention_mask or window_mask: padded/packed rows, sliding
-  layers). Soft-capped attention (spec.attn_softcap) never calls it: its float32 scores are the forward's own.
+  layers). Soft-capped attention (spec.attn_softcap) never calls it: its scores are the forward's own.
   """
   scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * self.spec.scale  # (B, nh, T, S) float32
   self._tap("scores", lambda: scores)
@@ -101,7 +101,7 @@ def _one_step(run, params, plants, batch, lr_step: int, arrays=None, data_plants
   divisor = trainer.loss_scaler.scale if trainer.loss_scaler is not None else 1.0  # fp16: DeepSpeed's unscale
 
   out, where = _outputs(run.model, recorder, grads, divisor, to_canonical(model), metrics)
-  if reduced and run.model.attn_softcap is None:  # soft-capped attention is computed explicitly, in float32
+  if reduced and run.model.attn_softcap is None:  # soft-capped attention is computed explicitly (its own taps)
     where.update({f"h.{i}.attn.{t}": f"h.{i}.attn (Attention) {t}: SDPA's float32 internals, recomputed"
                   for i in range(run.model.n_layers) for t in ("scores", "probs")})
   return out, where, metrics

@@ -21,6 +21,7 @@ import torch
 
 from parity.protocol.side import SideIO
 from torch_impl.fsdp import FsdpTrainer
+from torch_impl.layers import set_model_plants
 from torch_impl.semantics import semantics_card
 from torch_impl.side import TorchSide, _determinism
 
@@ -93,6 +94,7 @@ class FsdpSide(TorchSide):
     if io.side != "fsdp":
       raise ValueError(f"torch_impl.fsdp_worker runs the 'fsdp' side; got --side {io.side}")
     self.io = io
+    set_model_plants(io.plants)  # before the model is built: a planted family porting bug, if any
     _determinism(io.run.train.seed)
     self.trainer = FsdpTrainer(io.run, io.init_params(), plants=io.plants)
     self.cuda = self.trainer.device.type == "cuda"

@@ -14,10 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from parity import architecture
+from parity.protocol.layout import FAMILY_PLANT_KEYS
 from parity.spec import ModelSpec
 
 __all__ = ["TapRecorder", "RMSNorm", "make_norm", "rope_tables", "attention_mask", "window_mask", "additive_mask",
-           "softcap", "Attention", "mlp_activation", "MLP"]
+           "softcap", "Attention", "mlp_activation", "MLP", "set_model_plants", "planted"]
+
+_MODEL_PLANTS: frozenset = frozenset()
+"""This process's planted model-family porting bugs (parity.protocol.layout.FAMILY_PLANT_KEYS): one side per worker
+process, so the side sets them once before it builds its model (`set_model_plants`); read while the model runs."""
+
+
+def set_model_plants(plants) -> None:
+  """Makes the family plants among `plants` (a side's SideIO.plants) this process's; the others are ignored here."""
+  global _MODEL_PLANTS
+  _MODEL_PLANTS = frozenset(p for p in plants if p in FAMILY_PLANT_KEYS)
+
+
+def planted(key: str) -> bool:
+  """Whether the family plant `key` is on in this process (`set_model_plants`)."""
+  return key in _MODEL_PLANTS
 
 
 class TapRecorder:
@@ -79,6 +95,8 @@ class RMSNorm(nn.Module):
     """x: (..., dim), any float dtype -> same shape and dtype."""
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+    if self.plus_one and planted("norm_plus_one_rounded"):  # the planted porting bug: Llama's rounding order
+      return y.to(x.dtype) * (1.0 + self.weight.float()).to(x.dtype)
     if self.plus_one:
       return (y * (1.0 + self.weight.float())).to(x.dtype)
     return self.weight * y.to(x.dtype)
@@ -178,22 +196,26 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cap: float,
                         mask: torch.Tensor | None, causal: bool, tap) -> torch.Tensor:
-  """Attention with soft-capped scores, which SDPA cannot do (HF `eager_attention_forward` of Gemma 2).
+  """Attention with soft-capped scores, which SDPA cannot do: HF `eager_attention_forward` of Gemma 2, op for op.
 
-  scores = softcap(q.k * scale, cap) in float32, then the mask, softmax in float32, probs cast to v's dtype and
-  multiplied by v. q, k, v: (B, nh, T, hd) in the compute dtype (k, v already repeated to nh heads); mask: None
-  (causal when `causal`) or additive (B or 1, 1, T, S). tap(name, make): the Attention's `_tap` (scores,
+  In the compute dtype, as HF runs a bf16/fp16 model: scores = q.k (a matmul in the dtype: float32 accumulation,
+  rounded once), times scale (rounded), soft-capped (`softcap`: / cap, tanh, * cap, each rounded), plus the mask;
+  then softmax in float32 (HF's `softmax(..., dtype=torch.float32)`), the probs rounded to v's dtype and multiplied
+  by v. In float32 every step is the float32 op. (The scores were float32 before: where a bf16 run rounds them, HF
+  rounds them, and the JAX side followed the float32 form, a gap of their own besides rounding noise.)
+  q, k, v: (B, nh, T, hd) in the compute dtype (k, v already repeated to nh heads); mask: None (causal when
+  `causal`) or additive (B or 1, 1, T, S) in that dtype, 0 / -inf. tap(name, make): the Attention's `_tap` (scores,
   scores_capped, probs). Returns (B, nh, T, hd) in v's dtype.
   """
-  scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, nh, T, S) float32
+  scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, nh, T, S) in the compute dtype
   tap("scores", lambda: scores)
-  capped = softcap(scores, cap)
+  capped = scores if planted("attn_softcap_skipped") else softcap(scores, cap)
   tap("scores_capped", lambda: capped)
-  if mask is not None:  # additive, 0 / -inf: exact in float32 too
-    capped = capped + mask.float()
+  if mask is not None:  # additive, 0 / -inf: exact in every dtype
+    capped = capped + mask.to(capped.dtype)
   elif causal:
     capped = capped.masked_fill(~_causal(q.shape[-2], q.device), float("-inf"))
-  probs = torch.softmax(capped, dim=-1)  # float32
+  probs = torch.softmax(capped, dim=-1, dtype=torch.float32)  # float32, from the compute-dtype scores
   tap("probs", lambda: probs)
   return torch.matmul(probs.to(v.dtype), v)
 
@@ -261,12 +283,15 @@ class Attention(_Tapped, nn.Module):
     q = q.view(b, t, s.n_heads, s.head_dim).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-    if s.qk_norm:
+    after = planted("qk_norm_after_rope")  # the planted porting bug: the q/k norms after rotary
+    if s.qk_norm and not after:
       q, k = self.ln_q(q), self.ln_k(k)
       self._tap("ln_q", lambda: q)
       self._tap("ln_k", lambda: k)
     if rope is not None:
       q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+    if s.qk_norm and after:
+      q, k = self.ln_q(q), self.ln_k(k)
     self._tap("q", lambda: q)
     self._tap("k", lambda: k)
     self._tap("v", lambda: v)

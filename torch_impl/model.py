@@ -27,7 +27,7 @@ from parity import architecture
 from parity.spec import ModelSpec
 from parity.weights import decays, param_shapes
 from torch_impl.layers import (MLP, Attention, RMSNorm, TapRecorder, _Tapped, additive_mask, attention_mask,
-                               make_norm, mlp_activation, rope_tables, softcap, window_mask)
+                               make_norm, mlp_activation, planted, rope_tables, softcap, window_mask)
 
 __all__ = ["GPT", "RMSNorm", "TapRecorder", "build_model", "load_canonical", "to_canonical", "lm_loss", "micro_loss",
            "rope_tables", "attention_mask", "window_mask", "additive_mask", "softcap", "decay_groups", "count_params",
@@ -141,7 +141,7 @@ class GPT(_Tapped, nn.Module):
     self._tap("ln_f", lambda: x)
     logits = F.linear(x, self.wte.weight) if s.tie_embeddings else self.lm_head(x)  # (B, T, V)
     self._tap("logits", lambda: logits)
-    if s.final_softcap is not None:
+    if s.final_softcap is not None and not planted("final_softcap_skipped"):
       logits = softcap(logits, s.final_softcap)
       self._tap("logits_capped", lambda: logits)
     return logits

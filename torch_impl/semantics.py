@@ -5,7 +5,10 @@ param groups (`decay_groups_of`).
   rotary.layout        `torch_impl.layers._apply_rope` on the basis vector e_0 at a constant angle
   mlp.gelu_form        the built model's first block `MLP.act` at parity.semantics.GELU_PROBE_X
   norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
-                       (parity.semantics.norm_probe)
+                       (parity.semantics.norm_probe); norm.rounding: the copy in bfloat16 with the rounding probe's
+                       weight (parity.semantics.classify_norm_rounding)
+  forward.probe_loss   a fresh float32 `build_model` of the spec on the CPU (the class the side trains, this
+                       process's family plants included) at parity.semantics.probe_params, its `lm_loss`
   attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call); the
                        soft-caps: `torch_impl.layers.softcap` at parity.semantics.CAP_PROBE with the Attention's and
                        the model's spec caps (what forward passes it); the q/k norm: the first block's `attn.ln_q`
@@ -43,10 +46,11 @@ from parity import semantics as card_lib
 from parity.semantics import sig
 from parity.weights import decays
 from torch_impl.layers import _apply_rope, softcap
-from torch_impl.model import micro_loss
+from torch_impl.model import build_model, lm_loss, micro_loss
 from torch_impl.trainer import Trainer
 
-__all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "family_items", "label_shift",
+__all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "norm_rounding", "probe_loss",
+           "family_items", "label_shift",
            "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
 
 
@@ -83,11 +87,11 @@ def rotary_layout(apply_rope: Any, head_dim: int) -> str:
   return card_lib.classify_rotary(apply_rope(x, c, s).reshape(-1).detach().numpy())
 
 
-def norm_of(module: torch.nn.Module) -> dict[str, Any]:
-  """{form, eps, stats_dtype} of a norm module (a copy of it, weight 1 and bias 0, probed on known vectors). A ZeRO-3
-  partitioned module (its params carry ds_shape) or an FSDP2-sharded one (DTensor params, whose shape is the whole
-  one) is rebuilt as its class with its own eps and full width instead: a copy would carry DeepSpeed's partitioned
-  params and hooks, or DTensors a plain input cannot meet."""
+def _probe_copy(module: torch.nn.Module) -> torch.nn.Module:
+  """A float32 CPU copy of a norm module to probe (its class, eps and form). A ZeRO-3 partitioned module (its params
+  carry ds_shape) or an FSDP2-sharded one (DTensor params, whose shape is the whole one) is rebuilt as its class with
+  its own eps and full width instead: a copy would carry DeepSpeed's partitioned params and hooks, or DTensors a plain
+  input cannot meet."""
   full = ([tuple(p.ds_shape) for p in module.parameters() if hasattr(p, "ds_shape")] or
           [tuple(p.shape) for p in module.parameters() if hasattr(p, "device_mesh")])  # an FSDP2 DTensor: its shape
   if not full:
@@ -96,7 +100,13 @@ def norm_of(module: torch.nn.Module) -> dict[str, Any]:
     probe = torch.nn.LayerNorm(full[0], eps=module.eps, bias=module.bias is not None)
   else:  # torch_impl's RMSNorm: its (1 + w) form kept
     probe = type(module)(full[0][0], module.eps, getattr(module, "plus_one", False))
-  probe = probe.float().cpu()
+  return probe.float().cpu()
+
+
+def norm_of(module: torch.nn.Module) -> dict[str, Any]:
+  """{form, eps, stats_dtype} of a norm module (a copy of it, `_probe_copy`, weight 1 and bias 0, probed on known
+  vectors)."""
+  probe = _probe_copy(module)
   with torch.no_grad():
     for name, p in probe.named_parameters():
       p.fill_(0.0 if name == "bias" else 1.0)
@@ -107,6 +117,32 @@ def norm_of(module: torch.nn.Module) -> dict[str, Any]:
       return m(torch.from_numpy(x)[None]).double().reshape(-1).numpy()
   d = next(probe.parameters()).shape[0]
   return card_lib.norm_probe(apply, d)
+
+
+def norm_rounding(module: torch.nn.Module, form: str) -> str:
+  """norm.rounding of a norm module (parity.semantics.classify_norm_rounding): a probe copy (`_probe_copy`) in
+  bfloat16, its weight the rounding probe's and bias 0, on the probe's bfloat16 input; `form` is its norm.form."""
+  probe = _probe_copy(module)
+  d = next(probe.parameters()).shape[0]
+  x, w = card_lib.rounding_probe(d, form == "rmsnorm(1+w)")
+  with torch.no_grad():
+    for name, p in probe.named_parameters():
+      p.copy_(torch.zeros_like(p) if name == "bias" else torch.from_numpy(w))
+    y = probe.to(torch.bfloat16)(torch.from_numpy(x).to(torch.bfloat16)).float().numpy()
+  return card_lib.classify_norm_rounding(x, w, y, form, getattr(module, "eps", None))
+
+
+def probe_loss(spec) -> float | None:
+  """forward.probe_loss: the loss of a fresh torch_impl model of parity.semantics.probe_spec(spec) (the class every
+  torch side trains, with any planted family bug of this process) in float32 on the CPU, at probe_params on
+  probe_tokens; None where probe_spec is None."""
+  spec = card_lib.probe_spec(spec)
+  if spec is None:
+    return None
+  tokens = torch.from_numpy(card_lib.probe_tokens(spec))
+  model = build_model(spec, card_lib.probe_params(spec), device="cpu")
+  with torch.no_grad():
+    return float(lm_loss(model(tokens[:, :-1]), tokens[:, 1:]))
 
 
 def family_items(model: torch.nn.Module, seq_len: int) -> dict[str, Any]:
@@ -284,6 +320,7 @@ def semantics_card(trainer: Trainer, side: str, plants: frozenset) -> dict[str, 
       "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
       "mlp.gelu_form": gelu_form(block.mlp.act),
       "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
+      "norm.rounding": norm_rounding(block.ln_1, norm["form"]), "forward.probe_loss": probe_loss(spec),
       "attention.scale": sig(attn.spec.scale, 6), **family_items(model, train.seq_len),
       "loss.label_shift": label_shift(loss, train), "loss.reduction": loss_reduction(),
       "optimizer.decay_set": decayed, "optimizer.weight_decay": wd if train.optimizer == "adamw" else None,

@@ -18,6 +18,7 @@ from torch_impl import checkpoint, doctor, memory, ops, transfers
 from torch_impl.baseline import TorchTrainer
 from torch_impl.distributed import leave_process_group, world_mean
 from torch_impl.engine import DeepSpeedTrainer
+from torch_impl.layers import set_model_plants
 from torch_impl.semantics import semantics_card
 from torch_impl.trainer import Trainer
 
@@ -55,6 +56,7 @@ class TorchSide(Side):
     if io.side not in ("deepspeed", "torch"):
       raise ValueError(f"torch_impl.worker runs the 'deepspeed' and 'torch' sides; got --side {io.side}")
     self.io = io
+    set_model_plants(io.plants)  # before the model is built: a planted family porting bug, if any
     _determinism(io.run.train.seed)
     params = io.init_params()
     self.trainer = (DeepSpeedTrainer(io.run, params, io.request.get("deepspeed_config"), plants=io.plants)

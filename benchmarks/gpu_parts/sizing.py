@@ -155,7 +155,8 @@ def jax_pool(run, environ=None, kind: str = "gpu"):
   import os
   if kind != "gpu":
     return {}, None
-  decision = host_limits.jax_pool(run, os.environ if environ is None else environ)
+  decision = host_limits.jax_pool(run, os.environ if environ is None else environ,
+                                  host_limits.host_bytes_per_device(run))  # a GPU node: the pool must fit its host
   return decision.env(), decision.to_json()
 
 
@@ -175,7 +176,8 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
   host = state + BUILD_COPIES * 4 * memory.param_count(run.model)
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
   gpu_pool = side == "jax" and kind == "gpu"
-  pool = host_limits.pool_problem(host_limits.jax_pool(run), host_bytes) if gpu_pool else None
+  pool = (host_limits.pool_problem(host_limits.jax_pool(run, host_bytes=host_bytes), host_bytes) if gpu_pool
+          else None)
   if side == "jax" and kind == "tpu":
     pool = premapped_problem(run)
   ok = dev <= usable and host <= host_bytes and pool is None

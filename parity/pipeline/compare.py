@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from harness import backend, doctor, lifetime, runner
+from harness import backend, doctor, lifetime, runner, self_runs
 from parity import installed, sockets
 from parity.verdict.sides import compare_sides, verdict
 from parity.pipeline.collect import collect_sides, interrupted_run
@@ -373,6 +373,7 @@ def check_run_options(spec: RunSpec, pert: dict, options: RunOptions) -> None:
     raise SpecError(f"--resume-at must be a step in [0, train.steps - 2 = {t.steps - 2}] (the resumed run needs "
                     f"at least one step left); got {resume_at}")
   _check_ranks(spec, pert, options)
+  _check_noise_measurable(spec, options)
   check_equivalence(spec, parse_equivalence(options.equivalence), nproc=options.nproc, nnodes=options.nnodes)
   for side, kv in pert.items():
     for key, value in kv.items():
@@ -406,6 +407,25 @@ def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
     folder.claim.release()
     raise
   return folder
+
+
+def _check_noise_measurable(spec: RunSpec, options: RunOptions) -> None:
+  """Refuses a noise envelope (on by default in bf16/fp16 with two sides or more, or --noise-envelope) on a batch
+  shape where the reduction-order rerun cannot change any rounding (harness.self_runs.noise_blind_reason): its
+  envelope would be 0 and every pair judged by the floors alone. Raises SpecError naming the keys and the fixes."""
+  t = spec.train
+  asked = options.noise_envelope if options.noise_envelope is not None else (
+      t.precision != "fp32" and len(spec.sides) > 1)
+  if not asked:
+    return
+  world = options.nproc * options.nnodes * spec.jax.data_parallel
+  why = self_runs.noise_blind_reason(t.micro_batch_size, t.grad_accum_steps, world,
+                                     across_ranks=t.loss_normalization == "tokens")
+  if why is not None:
+    raise SpecError(f"the noise envelope cannot be measured on this batch shape (train.micro_batch_size="
+                    f"{t.micro_batch_size}, train.grad_accum_steps={t.grad_accum_steps}, {world} rank(s)): {why}. Give "
+                    "each rank 3 rows or more (train.micro_batch_size), or 3 micro batches a step "
+                    "(train.grad_accum_steps), or pass --no-noise-envelope (the fixed table then decides)")
 
 
 def _check_ranks(spec: RunSpec, pert: dict, options: RunOptions) -> None:

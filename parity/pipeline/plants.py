@@ -25,6 +25,10 @@ The physics, per plant (right padding, one causal attention per row):
                            weight gradient read from a wrong saved residual: shows only when the plan offloads residuals
                            (jax.remat offload_names / offload_dots_no_batch) and a micro batch holds two token rows
                            or more (`offload_reason`).
+  family plants            (FAMILY_PLANT_KEYS, any side: `family_reason`) a convention of the model family run wrong:
+                           qk_norm_after_rope needs q/k norms and rotary, attn_softcap_skipped / final_softcap_skipped
+                           the soft-cap, norm_plus_one_rounded Gemma's (1 + w) norm in bf16/fp16 (in fp32 both orders
+                           are the same float32 operations).
 A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
 cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
 both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
@@ -39,13 +43,14 @@ import numpy as np
 
 from parity.dataset.reference import in_example_targets, token_weights
 from parity.numerics.ds_json import OFFLOAD_REMAT
-from parity.protocol.layout import FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS, PLACEMENT_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.layout import (FAMILY_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS, PLACEMENT_PLANT_KEYS,
+                                    PLANT_KEYS)
 from parity.protocol.placement import writes_placement
 from parity.weights import param_shapes
 from parity.spec import RunSpec, SpecError
 
 __all__ = ["spec_reason", "data_reason", "every_side_reason", "normalization_reason", "placement_reason",
-           "fsdp_reason", "offload_reason", "check_plants", "check_plants_on_data"]
+           "fsdp_reason", "offload_reason", "family_reason", "check_plants", "check_plants_on_data"]
 
 
 def spec_reason(spec: RunSpec, key: str, plants: Mapping[str, Any]) -> str | None:
@@ -98,7 +103,7 @@ def every_side_reason(sides, perturb: Mapping[str, Mapping[str, Any]] | None) ->
   if len(sides) < 2 or any(s not in perturb for s in sides):
     return None
   for key, value in perturb[sides[0]].items():
-    if key not in PLANT_KEYS:  # fault injections test the run itself; a spec key on every side is a routing test
+    if key not in PLANT_KEYS + FAMILY_PLANT_KEYS:  # fault injections test the run itself; a spec key: routing
       continue
     if all(key in perturb[s] and perturb[s][key] == value for s in sides[1:]):
       fix = ("plant it on one side only" if key in PLANT_KEYS else
@@ -153,6 +158,23 @@ def fsdp_reason(side: str, key: str) -> str | None:
   return None
 
 
+def family_reason(spec: RunSpec, key: str) -> str | None:
+  """Why the planted family porting bug `key` (FAMILY_PLANT_KEYS) changes nothing a side of `spec` trains, or None."""
+  m, t = spec.model, spec.train
+  if key == "qk_norm_after_rope" and not (m.qk_norm and m.position == "rope"):
+    return "it moves the q/k norms past rotary, and the model has no q/k norms (model.qk_norm) or no rotary"
+  if key == "attn_softcap_skipped" and m.attn_softcap is None:
+    return "the model has no attention soft-cap (model.attn_softcap) to skip"
+  if key == "final_softcap_skipped" and m.final_softcap is None:
+    return "the model has no final-logit soft-cap (model.final_softcap) to skip"
+  if key == "norm_plus_one_rounded" and not m.norm_plus_one:
+    return "the model's norms are not Gemma's (1 + w) form (model.norm_plus_one)"
+  if key == "norm_plus_one_rounded" and t.precision == "fp32":
+    return ("in fp32 rounding the normalised value and (1 + w) to the compute dtype changes nothing (both are "
+            "float32 already); it shows with train.precision bf16 or fp16")
+  return None
+
+
 def offload_reason(spec: RunSpec, side: str, key: str) -> str | None:
   """Why the planted activation-offload bug `key` (OFFLOAD_PLANT_KEYS) on `side` cannot show, or None: only the JAX
   side saves its residuals through a jax.checkpoint policy, the bug class lives in offloaded residuals (a plan that
@@ -170,7 +192,7 @@ def offload_reason(spec: RunSpec, side: str, key: str) -> str | None:
 
 
 def _reason(spec: RunSpec, side: str, key: str, kv: Mapping[str, Any]) -> str | None:
-  """The reason of the check that owns plant `key` (`spec_reason`, `fsdp_reason`, `offload_reason`,
+  """The reason of the check that owns plant `key` (`spec_reason`, `fsdp_reason`, `offload_reason`, `family_reason`,
   `placement_reason`)."""
   if key in PLANT_KEYS:
     return spec_reason(spec, key, kv)
@@ -178,6 +200,8 @@ def _reason(spec: RunSpec, side: str, key: str, kv: Mapping[str, Any]) -> str | 
     return fsdp_reason(side, key)
   if key in OFFLOAD_PLANT_KEYS:
     return offload_reason(spec, side, key)
+  if key in FAMILY_PLANT_KEYS:
+    return family_reason(spec, key)
   return placement_reason(spec, side)
 
 
@@ -189,7 +213,8 @@ def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None)
   if alike is not None:
     raise SpecError(alike)
   for side, kv in (perturb or {}).items():
-    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS):
+    for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS
+                                    + FAMILY_PLANT_KEYS):
       reason = _reason(spec, side, key, kv)
       if reason is not None:
         _refuse(side, key, reason)

@@ -44,10 +44,11 @@ import numpy as np
 from parity import weights
 
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "DATA_PLANT_KEYS",
-           "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "FSDP_PLANT_KEYS", "OFFLOAD_PLANT_KEYS", "SIDE_PLANT_KEYS",
-           "STEP_LIST_KEYS",
+           "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "FSDP_PLANT_KEYS", "OFFLOAD_PLANT_KEYS", "FAMILY_PLANT_KEYS",
+           "SIDE_PLANT_KEYS", "STEP_LIST_KEYS",
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
+           "FOLDER_GONE",
            "PLANTED_HANG", "tail_text", "count_lines", "warmup_steps_left_out", "warm_step_times",
            "step_time_median", "tokens_per_s", "loss_tokens_per_s", "REQUEST_FILE", "REPORT_FILE", "SUMMARY_FILE",
            "STEPS_FILE", "FINAL_PARAMS", "LOCK_NAME", "NOISE_DIR", "REPEAT_DIR", "RESUME_DIR", "BACKEND_DIR",
@@ -99,6 +100,9 @@ LAUNCH_ENV = "PARITY_LAUNCH_TIME"
 PLANTED_KILL = "[parity] planted kill"
 """What a worker writes to stderr just before the fault injection kill_at_step kills it, so the harness reports the
 kill as planted, not as one from outside or the OOM killer."""
+FOLDER_GONE = "the run folder {folder} was deleted or moved while the run was running"
+"""What a side's error says when its run folder vanished under the run (harness.runner.folder_gone); the report's
+verdict sentence looks for it (parity.report.headline)."""
 PLANTED_HANG = "[parity] planted hang"
 """What a worker writes to stderr when the fault injection hang_at_step stops it, so a hang is named as planted."""
 DATA_PLANT_KEYS = ("attention_mask_dropped", "positions_not_restarted", "labels_shifted_twice", "loss_on_prompt")
@@ -130,7 +134,15 @@ OFFLOAD_PLANT_KEYS = ("offload_residual_stale",)
 take its weight gradient from a wrong saved residual (`mlp_hidden` one token row off: jax_impl.residual_plant), as
 a backward pass reading a stale offloaded buffer would. The forward values and the loss are unchanged; only the
 gradients are wrong, so the gradient and params checks must catch it (docs/plans.md "The planted stale residual")."""
-SIDE_PLANT_KEYS = PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS
+FAMILY_PLANT_KEYS = ("qk_norm_after_rope", "attn_softcap_skipped", "final_softcap_skipped", "norm_plus_one_rounded")
+"""Planted model-family porting bugs, `true` or absent, any side: the side's model runs a convention of its family
+wrong while its spec (and so the run's request) is unchanged, as a hand port of a checkpoint can: qk_norm_after_rope
+(the per-head q/k RMSNorm applied after rotary instead of before: HF Qwen3 / Gemma 3 norm first), attn_softcap_skipped
+and final_softcap_skipped (the attention-score or final-logit soft-cap of Gemma 2 not applied), norm_plus_one_rounded
+(Gemma's (1 + w) RMSNorm with Llama's rounding order: the normalised value rounded to the compute dtype, then times
+(1 + w) rounded to it, where HF Gemma2RMSNorm multiplies in float32 and rounds once; the same in fp32). Applied by
+torch_impl.layers / jax_impl.layers (`set_model_plants`); parity.pipeline.plants refuses one the model cannot show."""
+SIDE_PLANT_KEYS = PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS + FAMILY_PLANT_KEYS
 """Every planted bug a side can carry (each takes `true`): `parity.protocol.side.SideIO.plants`."""
 DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps",
               "fault_rank") + SIDE_PLANT_KEYS
@@ -138,7 +150,8 @@ DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "o
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
 the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would.
 `fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md).
-SIDE_PLANT_KEYS (PLANT_KEYS, PLACEMENT_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS) take `true`."""
+SIDE_PLANT_KEYS (PLANT_KEYS, PLACEMENT_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS, FAMILY_PLANT_KEYS) take
+`true`."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
 

@@ -153,7 +153,8 @@ class SideIO:
     self.plants = frozenset(k for k in SIDE_PLANT_KEYS if self.debug.get(k))
     """This side's planted bugs (PLANT_KEYS: its step applies them to its own inputs and model; PLACEMENT_PLANT_KEYS:
     the JAX side compiles its step against another placement than the plan's; FSDP_PLANT_KEYS: the FSDP2 side's
-    reduce dtype or one rank's shard; OFFLOAD_PLANT_KEYS: the JAX side's backward reads a wrong saved residual)."""
+    reduce dtype or one rank's shard; OFFLOAD_PLANT_KEYS: the JAX side's backward reads a wrong saved residual;
+    FAMILY_PLANT_KEYS: a convention of the model family run wrong)."""
     base = from_dict(RunSpec, self.request["run"])
     self.run = apply_overrides(base, perturb) if perturb else base
     self.perturbed = perturb

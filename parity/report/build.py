@@ -255,11 +255,14 @@ def semantics_section(run_dir: Path, sides: list[str], run_id: str | None) -> di
   """report.json 'semantics': {'cards': {side: its card of this run (run_dir/<side>/semantics.json,
   parity.protocol.semantics.read_card) or None}, 'rows': [{item, values {side: value}, agree}] for every
   parity.semantics.DIFFED item over the sides with a card (agree: all equal as parity.semantics.diff_cards holds
-  them)}. What the 'semantics' checks rest on; report.md/.html render it and card.json carries it."""
+  them; an item none of the cards holds, cards of an older parity, has no row)}. What the 'semantics' checks rest
+  on; report.md/.html render it and card.json carries it."""
   cards = {s: read_card(Path(run_dir) / s / SEMANTICS_FILE, run_id) for s in sides}
   have = {s: c for s, c in cards.items() if c is not None}
   rows = []
   for item in DIFFED:
+    if have and not any(item in (c.get("items") or {}) for c in have.values()):
+      continue  # cards of an older parity, written before the item existed: no row (as diff_cards compares)
     values = {s: (c.get("items") or {}).get(item) for s, c in have.items()}
     first = next(iter(have.values()), None)
     agree = all(not any(k == item for k, _, _ in diff_cards(first, c)) for c in have.values()) if first else True

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping
 
 from parity.hf import family_of_spec
-from parity.protocol.layout import CHECKPOINT_META, FINAL_MOMENTS
+from parity.protocol.layout import CHECKPOINT_META, FINAL_MOMENTS, FOLDER_GONE
 from parity.report.cells import first_clause, fmt, fmt_count, pair_label
 from parity.report.check_table import measure_label
 from parity.report.run_record import CheckRecord, RunRecord
@@ -125,6 +125,23 @@ def _side_stop(rec: RunRecord) -> list[str]:
   return out
 
 
+def _folder_gone(rec: RunRecord) -> str | None:
+  """The verdict sentence of a run whose folder vanished under it (parity.protocol.layout.FOLDER_GONE in a side's
+  error): the folder, the side it stopped and the sides never started; None otherwise."""
+  marker = FOLDER_GONE.split("{folder}")[1]
+  errors = {n: str(s.summary.get("error") or "") for n, s in rec.sides.items()}
+  hit = next((e for e in errors.values() if marker in e), None)
+  if hit is None:
+    return None
+  folder = hit[hit.index("the run folder ") + len("the run folder "):hit.index(marker)]
+  ran = [f"{n} stopped after {rec.sides[n].summary.get('steps_completed', 0)} of {rec.run.steps} steps"
+         for n, e in errors.items() if marker in e and not e.startswith("not started")]
+  never = [n for n, e in errors.items() if e.startswith("not started") and marker in e]
+  parts = ran + ([f"{', '.join(never)} {'was' if len(never) == 1 else 'were'} not started"] if never else [])
+  return (f"FAIL: the run folder {folder} was deleted or moved while the run was running (its inputs and the sides' "
+          f"records went with it){': ' + '; '.join(parts) if parts else ''}.")
+
+
 def _worst(checks: list[CheckRecord]) -> CheckRecord:
   return max(checks, key=lambda c: (c.value or 0) / (c.tolerance or 1e-300))
 
@@ -172,6 +189,9 @@ def verdict_parts(rec: RunRecord) -> tuple[str, str, str]:
                                             + f": {', '.join(over)})")
     return "pass", (f"PASS: {', '.join(sides[:-1])} and {sides[-1]} agree within tolerance on {scope} over all "
                     f"{rec.run.steps} steps" + (f"; {head}." if head else ".")), sub
+  gone = _folder_gone(rec)
+  if gone is not None:  # the folder went away under the run: that is the whole story, not a side's bug
+    return "fail", gone, sub
   parts = _side_stop(rec)
   ff = v.first_failure
   c = rec.check_named(ff.check if ff else None)

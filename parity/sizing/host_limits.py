@@ -24,7 +24,12 @@ The pool rule (`pool_gib_for`, `pool_decision`), shared by `parity plan`, the ha
 side whose pinned-host bytes per device (the memory model's peak host bytes, `jax_pinned_need_bytes`) times
 POOL_HEADROOM exceed the pool gets XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB = that figure rounded up to a multiple of
 POOL_STEP_GIB, unless the user set the variable (kept as set, both recorded). The pool must fit the host: a device's
-pool at most the host memory per device (`pool_problem`).
+pool at most the host memory per device (`pool_problem`), because a pool limit is what the allocator may pin, not what
+the plan needs. So where the host memory per device is known and XLA's default pool is larger than it, parity sets
+the pool to the rule's size too (`pool_decision`'s host_bytes): the pool then holds the need with its headroom and
+cannot outgrow the host. Before, such a plan (1.4-21 GiB of pinned host on a 32 GiB host) was refused for the 64 GiB
+default pool it would never have been given a reason to keep, while its own decision said the pool fitted.
+Where the rule's 16 GiB step would pass the host, the pool is the whole GiB that holds need x POOL_HEADROOM.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from parity.weights import decays, param_shapes
 
 __all__ = ["XLA_POOL_ENV", "XLA_POOL_DEFAULT_GIB", "POOL_HEADROOM", "POOL_STEP_GIB", "GiB", "xla_pool_setting",
            "pool_gib_for", "PoolDecision", "pool_decision", "jax_pinned_need_bytes", "jax_pool", "pool_problem",
-           "HostMemory",
+           "host_bytes_per_device", "available_bytes", "HostMemory",
            "cgroup_memory", "mem_available", "host_memory", "next_pow2", "torch_pinned_bytes",
            "deepspeed_pinned_blocks", "PinnedCost", "deepspeed_pinned_cost"]
 
@@ -97,12 +102,14 @@ class PoolDecision:
     parity_gib: what parity sets (None: nothing: the user set it, or the default pool holds the need with the
       headroom); the rule's value is `rule_gib` either way.
     rule_gib: `pool_gib_for(need_bytes)`.
+    host_bytes: the host memory per device the pool must fit (None: not known, e.g. no GPU here to read it).
   """
   need_bytes: int
   user_gib: int | None
   parity_gib: int | None
   rule_gib: int
   default_gib: int = XLA_POOL_DEFAULT_GIB
+  host_bytes: int | None = None
 
   @property
   def gib(self) -> int:
@@ -120,8 +127,9 @@ class PoolDecision:
 
   @property
   def fits(self) -> bool:
-    """The need fits the pool the worker gets."""
-    return self.need_bytes <= self.pool_bytes
+    """The pool works: it holds the need, and (host_bytes known) it fits the host memory per device; the same
+    test as `pool_problem`, so a plan's row and its refusal never disagree."""
+    return pool_problem(self, self.host_bytes) is None
 
   def env(self) -> dict[str, str]:
     """The variable parity puts into the JAX worker's environment ({} when it sets nothing)."""
@@ -135,6 +143,11 @@ class PoolDecision:
       rel = "<=" if self.fits else ">"
       tail = "" if self.fits else f"; the rule would set {self.rule_gib}: raise it or unset it"
       return f"{need} {rel} the {self.gib} GiB pool {XLA_POOL_ENV}={self.gib} sets (the user's value, kept){tail}"
+    if self.set_by == "parity" and self.host_bytes is not None and self.default_gib * GiB > self.host_bytes \
+        and self.gib < self.default_gib:
+      return (f"{need}; XLA's {self.default_gib} GiB default pool > {self.host_bytes / GiB:.1f} GiB host memory per "
+              f"device, so the JAX worker gets {XLA_POOL_ENV}={self.gib} (the need x {POOL_HEADROOM:g}, within the "
+              "host)")
     if self.set_by == "parity":
       return f"{need} > XLA's {self.default_gib} GiB default pool: the JAX worker gets {XLA_POOL_ENV}={self.gib}"
     return (f"{need} <= XLA's {self.default_gib} GiB default pool (with the {POOL_HEADROOM:g}x headroom): "
@@ -143,16 +156,25 @@ class PoolDecision:
   def to_json(self) -> dict[str, object]:
     return {"variable": XLA_POOL_ENV, "need_bytes": self.need_bytes, "default_gib": self.default_gib,
             "user_gib": self.user_gib, "parity_gib": self.parity_gib, "rule_gib": self.rule_gib, "gib": self.gib,
-            "set_by": self.set_by, "fits": self.fits, "statement": self.statement()}
+            "set_by": self.set_by, "fits": self.fits, "host_bytes": self.host_bytes, "statement": self.statement()}
 
 
-def pool_decision(need_bytes: int, user_gib: int | None) -> PoolDecision:
+def pool_decision(need_bytes: int, user_gib: int | None, host_bytes: int | None = None) -> PoolDecision:
   """The pool of a JAX worker needing `need_bytes` pinned bytes per device, the user's setting `user_gib` (GiB,
-  None: unset; `xla_pool_setting`): parity sets `pool_gib_for(need)` when that exceeds XLA's default and the user
-  set nothing."""
+  None: unset; `xla_pool_setting`) and the host memory per device `host_bytes` (None: unknown): when the user set
+  nothing and the plan pins something, parity sets the rule's pool (`pool_gib_for`) where XLA's default is too small
+  for the need or too large for the host; where the rule's 16 GiB step would pass the host, the smallest whole GiB
+  holding need x POOL_HEADROOM (when that fits)."""
   rule = pool_gib_for(need_bytes)
-  parity = rule if user_gib is None and rule > XLA_POOL_DEFAULT_GIB else None
-  return PoolDecision(need_bytes=int(need_bytes), user_gib=user_gib, parity_gib=parity, rule_gib=rule)
+  parity = None
+  too_big = host_bytes is not None and XLA_POOL_DEFAULT_GIB * GiB > host_bytes
+  if user_gib is None and need_bytes > 0 and (rule > XLA_POOL_DEFAULT_GIB or too_big):
+    parity = rule
+    whole = math.ceil(need_bytes * POOL_HEADROOM / GiB)
+    if host_bytes is not None and rule * GiB > host_bytes and whole * GiB <= host_bytes:
+      parity = whole
+  return PoolDecision(need_bytes=int(need_bytes), user_gib=user_gib, parity_gib=parity, rule_gib=rule,
+                      host_bytes=None if host_bytes is None else int(host_bytes))
 
 
 def jax_pinned_need_bytes(run: RunSpec) -> int:
@@ -165,22 +187,30 @@ def jax_pinned_need_bytes(run: RunSpec) -> int:
   return memory.peak_host_bytes(memory.estimate(run, sides=("jax",)), "jax")
 
 
-def jax_pool(run: RunSpec, environ: Mapping[str, str] = os.environ) -> PoolDecision:
+def jax_pool(run: RunSpec, environ: Mapping[str, str] = os.environ, host_bytes: int | None = None) -> PoolDecision:
   """The pool rule for one run's JAX side, the one function every caller uses (`parity plan` through the planner's
-  pieces, harness.env for the JAX worker, benchmarks/gpu.py for its probes): `pool_decision` of the run's
-  `jax_pinned_need_bytes` and the user's `xla_pool_setting(environ)`. Raises SpecError for a bad variable value."""
-  return pool_decision(jax_pinned_need_bytes(run), xla_pool_setting(environ))
+  pieces, harness.env for the JAX worker, the resource check, benchmarks/gpu.py for its probes): `pool_decision` of
+  the run's `jax_pinned_need_bytes`, the user's `xla_pool_setting(environ)` and the host memory per device
+  `host_bytes` (None: unknown). Raises SpecError for a bad variable value."""
+  return pool_decision(jax_pinned_need_bytes(run), xla_pool_setting(environ), host_bytes)
 
 
-def pool_problem(decision: PoolDecision, host_bytes_per_device: int) -> str | None:
+def host_bytes_per_device(run: RunSpec) -> int | None:
+  """This machine's host memory for each of the run's JAX devices (`available_bytes` over jax.data_parallel), what
+  the resource check and the JAX worker's environment hold the pool to; None where it cannot be read."""
+  avail = available_bytes()
+  return None if avail is None else avail // max(1, run.jax.data_parallel)
+
+
+def pool_problem(decision: PoolDecision, host_bytes_per_device: int | None) -> str | None:
   """Why a JAX plan's pool does not work on a host with `host_bytes_per_device` (None when it does): the user's pool
   is smaller than the need, or the pool the worker gets (default pools only when needed) exceeds the host memory
   per device (each device's pool can grow to its limit)."""
-  if not decision.fits:
+  if decision.need_bytes > decision.pool_bytes:
     return (f"jax needs {decision.need_bytes / GiB:.1f} GiB pinned host per device > the {decision.gib} GiB pool "
             f"{XLA_POOL_ENV}={decision.gib} sets (the user's value is kept: raise it to {decision.rule_gib} or unset "
             "it)")
-  if decision.need_bytes and decision.pool_bytes > host_bytes_per_device:
+  if decision.need_bytes and host_bytes_per_device is not None and decision.pool_bytes > host_bytes_per_device:
     return (f"jax's pinned-host pool of {decision.gib} GiB per device ({XLA_POOL_ENV}={decision.gib}, "
             f"{decision.set_by}, for {decision.need_bytes / GiB:.1f} GiB pinned host) > "
             f"{host_bytes_per_device / GiB:.1f} GiB host memory per device: the pool can grow to its limit")
@@ -304,6 +334,18 @@ def host_memory(root: str = "/sys/fs/cgroup", self_cgroup: str = "/proc/self/cgr
                 meminfo: str = "/proc/meminfo") -> HostMemory:
   """MemAvailable and the cgroup memory limit of this process (paths injectable for tests)."""
   return HostMemory(mem_available(meminfo), cgroup_memory(root, self_cgroup))
+
+
+def available_bytes() -> int | None:
+  """Host memory a run may use here: the smaller of /proc/meminfo MemAvailable and this process's cgroup memory limit
+  less its working set (`host_memory`); where neither can be read, physical memory (sysconf), else None."""
+  avail = host_memory().available_bytes
+  if avail is not None:
+    return avail
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 # ----------------------------------------------------------------------------- torch's pinned rounding

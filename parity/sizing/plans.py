@@ -187,10 +187,10 @@ def _host_limits(runs: dict[str, RunSpec], hosts: dict[str, int], host_bytes: in
   if "jax" in runs and kind == "gpu":
     need = host_limits.jax_pinned_need_bytes(runs["jax"])
     if need:
-      decision = host_limits.pool_decision(need, pool_user_gib)
+      decision = host_limits.pool_decision(need, pool_user_gib, host_bytes)
       pool = decision.to_json()
       why = host_limits.pool_problem(decision, host_bytes)
-      if why and (not decision.fits or hosts["jax"] <= host_bytes):  # else the host line already says it
+      if why and (decision.need_bytes > decision.pool_bytes or hosts["jax"] <= host_bytes):  # else: the host line
         problems.append(why)
   return pool, pinned, problems
 

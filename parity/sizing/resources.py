@@ -136,14 +136,8 @@ def check_rank_count(nproc: int, *, allow_large: bool = False, gpus: int | None 
 def available_memory_bytes() -> int | None:
   """Host memory a run may use here: the smaller of /proc/meminfo MemAvailable and this process's cgroup memory limit
   less its working set (parity.sizing.host_limits.host_memory); where neither can be read, physical memory
-  (sysconf), else None."""
-  avail = host_limits.host_memory().available_bytes
-  if avail is not None:
-    return avail
-  try:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  except (ValueError, OSError, AttributeError):
-    return None
+  (sysconf), else None (parity.sizing.host_limits.available_bytes, what the JAX worker's pool is held to as well)."""
+  return host_limits.available_bytes()
 
 
 def check_host_pool(spec, *, available: int | None, gpu: bool | None = None,
@@ -152,21 +146,22 @@ def check_host_pool(spec, *, available: int | None, gpu: bool | None = None,
   GPU, or nothing pinned).
 
   Rule (docs/plans.md, 'Host limits'): only where XLA's GPU pool applies (`gpu`; None: a CUDA driver is visible,
-  parity.environment.cuda_evidence). The JAX worker gets the pool of host_limits.pool_decision (the user's
-  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB kept, else the rule's when the default is short). Refused: the user's pool below
-  the need, or jax.data_parallel pools (one per device, each able to grow to its limit) above `available`.
+  parity.environment.cuda_evidence). The JAX worker gets the pool of host_limits.pool_decision over `available` per
+  device (the user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB kept, else the rule's where the default is short for the need
+  or larger than the host). Refused: the user's pool below the need, or jax.data_parallel pools (one per device, each
+  able to grow to its limit) above `available`.
   Raises:
     SpecError: a bad variable value (host_limits.xla_pool_setting). InputError: the pool does not work, naming the
       variable, the need, the pool and the fix.
   """
   if not spec.reads_plan("jax") or not (cuda_evidence() is not None if gpu is None else gpu):
     return None
-  decision = host_limits.jax_pool(spec, environ)
-  if not decision.need_bytes:
-    return None
   devices = max(1, spec.jax.data_parallel)
   per_device = available // devices if available is not None else None
-  why = host_limits.pool_problem(decision, per_device if per_device is not None else decision.pool_bytes)
+  decision = host_limits.jax_pool(spec, environ, per_device)
+  if not decision.need_bytes:
+    return None
+  why = host_limits.pool_problem(decision, per_device)
   if why:
     raise InputError(f"the JAX side's pinned host cannot be placed here: {why}. Change the plan (`parity plan`), "
                      "or pass --allow-large (PARITY_ALLOW_LARGE=1) to try anyway")

@@ -143,8 +143,10 @@ def envelope_result(ctx: RerunContext, outputs: dict[str, tuple[SideOutcome, lis
     if ctx.side_data[side]["final"] is not None and noise_final is not None:
       penv[side] = param_ratios(ctx.side_data[side]["final"], noise_final, ctx.init, ctx.spec.model)
   res.section = {
-      "method": "each side rerun with every step's micro batches and every micro batch's rows in reverse "
-                "order (the same loss and gradient in exact arithmetic; only the reduction order changes)",
+      "method": "each side rerun with every step's micro batches in reverse order and every micro batch's rows "
+                "reordered (reversed; on several ranks dealt across them first, so every rank sums other rows: "
+                "harness.self_runs.noise_row_order); the same loss and gradient in exact arithmetic, only the "
+                "reduction order changes",
       "rule": dataclasses.asdict(rule), "runs": runs,
       "sides": {s: {"steps": sorted(e), "abs_loss_diff": [e[k] for k in sorted(e)],
                     "grad_norm_rel_diff": [env["grad_norm"][s].get(k) for k in sorted(e)],
