@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from parity.architecture import layer_rope
 from parity.spec import ModelSpec
 
+from jax_impl import kernels
 from jax_impl.layers import (Dtype, Norm, _dense, _opmath, _reduced, _tap, apply_rope, planted, rope_tables,
                              softcap)
 
@@ -137,8 +138,12 @@ class Attention(nn.Module):
     _tap(self, "q", lambda: q_btnh.transpose(0, 2, 1, 3))  # (B, N, T, H)
     _tap(self, "k", lambda: k_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
-    q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
     capped = s.attn_softcap is not None
+    if self._flash(mask_bts, flag, capped):  # the TPU speed layout (jax_impl.kernels)
+      out_btd = checkpoint_name(kernels.flash_context(q_btnh, k_btkh, v_btkh, s.scale, self.dtype), "attn_out")
+      return _dense(s.d_model, s, self.dtype, "proj", std=s.init_std / np.sqrt(2 * s.n_layers),
+                    bias=s.linear_bias("out"))(out_btd)
+    q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
     eager = capped and _reduced(self.dtype)  # HF Gemma 2 eager_attention_forward in the compute dtype (`_eager`)
     if eager:
       k_btkh, v_btkh = _repeat_kv(k_btkh, g), _repeat_kv(v_btkh, g)
@@ -168,6 +173,12 @@ class Attention(nn.Module):
     y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std, bias=s.linear_bias("out"))(out_btd)
     _tap(self, "out", lambda: y_btd)
     return y_btd
+
+  def _flash(self, mask_bts: jax.Array | None, flag: Flag, capped: bool) -> bool:
+    """Whether this layer runs the flash kernel: chosen for the process (`jax_impl.kernels`), and a layer the kernel
+    takes (causal, full attention, no segment mask, no soft-cap, bf16/fp16 compute)."""
+    return (kernels.attention_kernel() == "flash" and mask_bts is None and flag is False and self.causal
+            and not capped and _reduced(self.dtype))
 
   def _flag(self, sliding: Flag | None) -> Flag:
     if sliding is not None:

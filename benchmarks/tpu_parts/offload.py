@@ -291,9 +291,11 @@ def run_child(args) -> int:
 # ----------------------------------------------------------------------------- driver (never opens the device)
 
 
-def _spawn(args, name: str, child: str, extra: list[str], env_add: dict, timeout: float) -> dict:
+def _spawn(args, name: str, child: str, extra: list[str], env_add: dict, timeout: float, script: str = __file__
+           ) -> dict:
+  """Runs `script --child CHILD` (this file's children by default) within `timeout` seconds; its record."""
   out_json = args.work / f"{name}.json"
-  cmd = [sys.executable, __file__, "--child", child, "--json", str(out_json), "--budget-s", str(max(10, timeout - 40)),
+  cmd = [sys.executable, script, "--child", child, "--json", str(out_json), "--budget-s", str(max(10, timeout - 40)),
          *extra] + (["--tiny"] if args.tiny else [])
   env = {**os.environ, **env_add}
   t0 = time.monotonic()

@@ -1,0 +1,64 @@
+"""benchmarks/tpu_parts/kernels.py (host-copy overlap and attention kernels on the chip) and jax_impl.kernels: the
+arithmetic of its tables, the kernel choice's refusals, and the driver end to end on CPU (tiny mode: checks, not
+measurements)."""
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.tpu_parts import kernels_report as rep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_hidden_share_is_the_overlapped_part_of_the_shorter_side():
+  assert rep.hidden_share(10.0, 4.0, 14.0) == 0.0  # in series
+  assert rep.hidden_share(10.0, 4.0, 10.0) == 1.0  # the copies entirely under the compute
+  assert rep.hidden_share(10.0, 4.0, 12.0) == pytest.approx(0.5)
+  assert rep.hidden_share(10.0, 4.0, 15.0) == 0.0 and rep.hidden_share(10.0, 4.0, 9.0) == 1.0  # clamped
+  rows = {r["program"]: r for r in rep.overlap_rows({"rows": {"compute": {"seconds": 2.0}, "copies": {"seconds": 1.0},
+                                                              "prefetch": {"seconds": 2.5}, "apart": {"error": "E"}}})}
+  assert rows["prefetch"]["hidden"] == pytest.approx(0.5) and "hidden" not in rows["apart"]
+  assert "hidden" not in rows["compute"]
+
+
+def test_flash_pairs_compare_the_same_case_only():
+  rows = [{"model": "m", "plan": {}, "stream": {}, "kernel": "exact", "tokens_per_s": 100.0, "first_loss": 2.0},
+          {"model": "m", "plan": {}, "stream": {}, "kernel": "flash", "tokens_per_s": 150.0, "first_loss": 2.001},
+          {"model": "m", "plan": {}, "stream": {"deferred": True}, "kernel": "flash", "tokens_per_s": 9.0,
+           "first_loss": 1.0}]
+  (pair,) = rep.flash_pairs(rows)
+  assert pair["speedup"] == pytest.approx(1.5) and pair["first_loss_diff"] == pytest.approx(1e-3)
+
+
+def test_the_kernel_choice_refuses_flash_off_a_tpu_and_unknown_names():
+  from jax_impl import kernels
+  with pytest.raises(ValueError, match="'flash' is the TPU Pallas kernel.*'cpu'"):
+    kernels.set_attention_kernel("flash")
+  with pytest.raises(ValueError, match="choose one of exact, flash"):
+    kernels.set_attention_kernel("splash")
+  assert kernels.attention_kernel() == "exact"
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_the_driver_runs_both_children_on_cpu(tmp_path):
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_parts" / "kernels.py"), "--tiny", "--out",
+                         str(tmp_path), "--budget-s", "200", "--steps", "1", "--warmup", "1", "--reps", "1"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads((tmp_path / "kernels" / "kernels.json").read_text())
+  overlap = result["children"]["overlap"]
+  assert overlap["rc"] == 0 and set(overlap["rows"]) == {"compute", "copies", "dependent", "independent",
+                                                         "prefetch", "apart"}
+  assert all("seconds" in r for r in overlap["rows"].values()), overlap["rows"]
+  assert "xla_tpu_host_transfer_overlap_limit" in result["children"]["overlap-flags"]["libtpu_init_args"]
+  rows = result["children"]["mfu"]["rows"]
+  assert [r["kernel"] for r in rows] == ["exact", "exact"] and all(r["tokens_per_s"] > 0 for r in rows)
+  # the deferred update changes no number: both layouts' first losses agree on the same weights and batch
+  assert rows[0]["first_loss"] == rows[1]["first_loss"]
+  with tarfile.open(tmp_path / "kernels.tgz") as tar:
+    assert "kernels/kernels.md" in tar.getnames()
