@@ -16,10 +16,13 @@ benchmarks set it before they build a step. A CPU or GPU process refuses `flash`
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["KERNELS", "set_attention_kernel", "attention_kernel", "flash_context", "FLASH_BLOCK"]
+__all__ = ["KERNELS", "set_attention_kernel", "attention_kernel", "flash_context", "FLASH_BLOCK", "at_default_precision"]
 
 KERNELS = ("exact", "flash")
 FLASH_BLOCK = 512
@@ -72,6 +75,33 @@ def flash_context(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, scale
   sizes = fa.BlockSizes(block_q=blk, block_k_major=blk, block_k=blk, block_b=1, block_q_major_dkv=blk,
                         block_k_major_dkv=blk, block_k_dkv=blk, block_q_dkv=blk, block_k_major_dq=blk,
                         block_k_dq=blk, block_q_dq=blk)
-  out_bnth = fa.flash_attention(q_btnh.transpose(0, 2, 1, 3).astype(dtype), k_bnth, v_bnth, causal=True,
-                                sm_scale=scale, block_sizes=sizes)
+  kernel = at_default_precision(functools.partial(fa.flash_attention, causal=True, sm_scale=scale,
+                                                  block_sizes=sizes))
+  out_bnth = kernel(q_btnh.transpose(0, 2, 1, 3).astype(dtype), k_bnth, v_bnth)
   return out_bnth.transpose(0, 2, 1, 3).reshape(b, t, n * h).astype(dtype)
+
+
+def at_default_precision(fn: Callable) -> Callable:
+  """`fn` with its forward and its backward both traced at the default matmul precision.
+
+  The step sets 'highest' for its float32 parity (jax_impl.step). Mosaic refuses a float32 contract precision on
+  bf16 operands ("Bad lhs type", measured on a v5e), while a bf16 x bf16 product into a float32 accumulator is
+  exact at the default. A `with jax.default_matmul_precision(...)` around the call alone would not reach the
+  backward: a custom_vjp's backward rule is traced when the gradient is taken, after the call has returned; here
+  the backward calls the forward's vjp inside the same context.
+  """
+  @jax.custom_vjp
+  def wrapped(*args):
+    with jax.default_matmul_precision("default"):
+      return fn(*args)
+
+  def fwd(*args):
+    with jax.default_matmul_precision("default"):
+      return jax.vjp(fn, *args)
+
+  def bwd(vjp_fn, g):
+    with jax.default_matmul_precision("default"):
+      return vjp_fn(g)
+
+  wrapped.defvjp(fwd, bwd)
+  return wrapped

@@ -62,3 +62,41 @@ def test_the_driver_runs_both_children_on_cpu(tmp_path):
   assert rows[0]["first_loss"] == rows[1]["first_loss"]
   with tarfile.open(tmp_path / "kernels.tgz") as tar:
     assert "kernels/kernels.md" in tar.getnames()
+
+
+def test_the_flash_wrapper_traces_forward_and_backward_at_the_default_precision():
+  """The Pallas kernel refuses 'highest' on bf16 operands: both directions must see 'default', and the values and
+  gradients must be the wrapped function's own (a stand-in on CPU: the TPU kernel cannot run here)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_impl import kernels
+  import jax_impl.step  # noqa: F401  (sets the process's 'highest', as a training process has it)
+  seen = []
+
+  @jax.custom_vjp
+  def probe(x, w):
+    seen.append(("fwd", jax.config.jax_default_matmul_precision))
+    return x @ w
+
+  def probe_fwd(x, w):
+    seen.append(("fwd", jax.config.jax_default_matmul_precision))
+    return x @ w, (x, w)
+
+  def probe_bwd(res, g):
+    seen.append(("bwd", jax.config.jax_default_matmul_precision))
+    x, w = res
+    return g @ w.T, x.T @ g
+
+  probe.defvjp(probe_fwd, probe_bwd)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(3, 2)), jnp.float32)
+  loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+  wrapped = kernels.at_default_precision(probe)
+  got = jax.jit(jax.value_and_grad(loss(wrapped), argnums=(0, 1)))(x, w)
+  want = jax.value_and_grad(loss(lambda x, w: x @ w), argnums=(0, 1))(x, w)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  for a, b in zip(got[1], want[1]):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  assert {d for d, _ in seen} == {"fwd", "bwd"} and {p for _, p in seen} == {"default"}, seen
+  assert jax.config.jax_default_matmul_precision == "highest"
