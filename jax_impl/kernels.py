@@ -22,7 +22,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["KERNELS", "set_attention_kernel", "attention_kernel", "flash_context", "FLASH_BLOCK", "at_default_precision"]
+__all__ = ["KERNELS", "set_attention_kernel", "attention_kernel", "flash_context", "FLASH_BLOCK",
+           "at_default_precision"]
 
 KERNELS = ("exact", "flash")
 FLASH_BLOCK = 512
