@@ -100,3 +100,30 @@ def test_the_flash_wrapper_traces_forward_and_backward_at_the_default_precision(
     np.testing.assert_allclose(a, b, rtol=1e-6)
   assert {d for d, _ in seen} == {"fwd", "bwd"} and {p for _, p in seen} == {"default"}, seen
   assert jax.config.jax_default_matmul_precision == "highest"
+
+
+DATA = ROOT / "tests" / "data" / "tpu_v5e" / "kernels"
+
+
+def test_the_recorded_chip_runs_derive_the_published_figures():
+  """benchmarks/results/2026-12-06-tpu-v5e-kernels.md: the figures it quotes, from the chip's own records."""
+  run1 = json.loads((DATA / "run1-overlap.json").read_text())
+  for name in ("overlap", "overlap-flags"):
+    rec = run1["children"][name]
+    assert rec["device"] == "TPU v5 lite" and rec["bytes_moved"] == 2 * 16 * 32 * 2**20
+    rows = {r["program"]: r for r in rep.overlap_rows(rec)}
+    t_c, t_x = rows["compute"]["seconds"], rows["copies"]["seconds"]
+    assert 0.04 < t_c < 0.05 and 0.11 < t_x < 0.13  # 46 ms of matmuls, 1 GiB in and out in 122 ms (8.7 GB/s)
+    # every layout ran the copies in series with the compute: at most 2.1% of the shorter side hidden (apart)
+    assert all(rows[p]["hidden"] < 0.025 for p in ("dependent", "independent", "prefetch", "apart")), rows
+  assert "xla_tpu_host_transfer_overlap_limit" in run1["children"]["overlap-flags"]["libtpu_init_args"]
+  mfu = json.loads((DATA / "run2-mfu.json").read_text())["children"]["mfu"]["rows"]
+  ok = {(r["model"], r["kernel"], bool((r.get("stream") or {}).get("deferred"))): r for r in mfu if "mfu" in r}
+  assert ok[("d2048", "flash", False)]["mfu"] == pytest.approx(0.601, abs=0.001)  # 542M, no offload
+  assert ok[("d1024", "exact", False)]["mfu"] == pytest.approx(0.248, abs=0.001)
+  assert ok[("d2048x16", "flash", True)]["mfu"] == pytest.approx(0.376, abs=0.001)  # 953M, opt offload, dots saved
+  (pair,) = rep.flash_pairs(mfu)
+  assert pair["model"] == "d1024" and pair["speedup"] == pytest.approx(1.70, abs=0.01)
+  refused = [r for r in mfu if "RESOURCE_EXHAUSTED" in (r.get("error") or "")]
+  assert {(r["model"], r["kernel"]) for r in refused} == {("d2048", "exact"), ("d2048x16", "flash"),
+                                                          ("d2048x16", "exact")}
