@@ -7,7 +7,8 @@ smallest unsigned dtype that holds the model's vocabulary (`batch_dtype`).
 
 Sources (`load_corpus`):
   stdlib          this interpreter's standard-library .py files, read as bytes (ids 0-255).
-  text file       read as bytes (ids 0-255): no NUL byte, and valid UTF-8 unless its suffix is in TEXT_SUFFIXES.
+  text file       read as bytes (ids 0-255) by parity.inputs.read_user_bytes: no NUL byte, a UTF-8 BOM dropped,
+                  and valid UTF-8 unless its suffix is in TEXT_SUFFIXES.
   folder          its files with a suffix in TEXT_SUFFIXES (no NUL byte), sorted, read as bytes.
   NAME.bin        token ids: an llm.c file (a 256-int32 header: magic 20240520 version 1 = uint16, magic
                   20240801 version 7 = uint32; the header's dtype and token count are used), or a headerless
@@ -17,7 +18,6 @@ A file that is neither is refused, never read as bytes.
 """
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import hashlib
 import sysconfig
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.errors import ParityInputError
+from parity.inputs import read_user_bytes, user_file
 from parity.spec import MAX_VOCAB
 
 __all__ = ["Corpus", "load_corpus", "make_batches", "batch_dtype", "DataError", "STDLIB_MAX_BYTES",
@@ -88,34 +89,28 @@ _TOKEN_FIX = ("token ids belong in NAME.bin (llm.c header, or headerless uint16;
               "1-D integer NAME.npy")
 
 
-def _check_text(path: Path, blob: bytes) -> None:
-  """Refuses (DataError) a file that is not text, naming the byte offset: a NUL byte (no text holds one); and, unless
-  its suffix is one of TEXT_SUFFIXES (text in any encoding, read as its bytes), invalid UTF-8."""
-  nul = blob.find(b"\0")
-  if nul >= 0:
-    raise DataError(f"{path}: not text (a NUL byte at offset {nul}), and it is not a .bin or .npy token file; "
-                    f"parity reads text as UTF-8 bytes and never reads a binary file as text: {_TOKEN_FIX}")
-  if path.suffix.lower() in TEXT_SUFFIXES:
-    return
-  dec, step = codecs.getincrementaldecoder("utf-8")(), 1 << 20
-  for i in range(0, max(len(blob), 1), step):
-    try:
-      dec.decode(blob[i:i + step], final=i + step >= len(blob))
-    except UnicodeDecodeError as exc:
-      raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {i + exc.start}); if it is text, convert it "
-                      f"to UTF-8 (e.g. iconv -t utf-8) or name it with a text suffix ({', '.join(TEXT_SUFFIXES)}), "
-                      f"or, if it holds token ids: {_TOKEN_FIX}") from None
+def _read_text_file(path: Path) -> bytes:
+  """A text file's bytes through the one reader of user text (parity.inputs.read_user_bytes): a NUL byte refused and
+  a UTF-8 BOM dropped for every file; invalid UTF-8 refused unless its suffix is one of TEXT_SUFFIXES (text in any
+  encoding, read as its bytes). Each refusal is a DataError naming the file and the byte offset."""
+  return read_user_bytes(path, what="data file", error=DataError, max_bytes=None,
+                         utf8=path.suffix.lower() not in TEXT_SUFFIXES, hint=f"if it holds token ids: {_TOKEN_FIX}",
+                         utf8_fix=f"if it is text, convert it to UTF-8 (e.g. iconv -t utf-8) or name it with a text "
+                                  f"suffix ({', '.join(TEXT_SUFFIXES)}) to read it as its bytes")
 
 
-def _read_files(files: list[Path], max_bytes: int | None, *, check: bool = True) -> tuple[bytes, int]:
+def _read_files(files: list[Path], max_bytes: int | None, *, user: bool = True) -> tuple[bytes, int]:
+  """The files' bytes joined, up to `max_bytes` (None: all), and how many were read. A user's files are read by
+  `_read_text_file` (refusals named); the built-in stdlib corpus as it is, a file that cannot be read skipped."""
   chunks, total, used = [], 0, 0
   for f in files:
-    try:
-      b = f.read_bytes()
-    except OSError:
-      continue
-    if check:
-      _check_text(f, b)
+    if user:
+      b = _read_text_file(f)
+    else:
+      try:
+        b = f.read_bytes()
+      except OSError:
+        continue
     chunks.append(b)
     total += len(b)
     used += 1
@@ -212,16 +207,11 @@ def load_corpus(source: str = "stdlib", *, val_fraction: float = 0.1, max_bytes:
   if not source or not str(source).strip():
     raise DataError("data source is empty; pass 'stdlib', a text file, a folder, or a .bin / .npy token file")
   if source == "stdlib":
-    blob, n_files = _read_files(_stdlib_files(), max_bytes or STDLIB_MAX_BYTES, check=False)
+    blob, n_files = _read_files(_stdlib_files(), max_bytes or STDLIB_MAX_BYTES, user=False)
     ids = np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)
   else:
-    path = Path(source).expanduser()
-    if not path.exists():
-      raise DataError(f"data source {source!r} does not exist; pass 'stdlib', a text file, a folder, or a .bin / "
-                      ".npy token file")
-    if not (path.is_file() or path.is_dir()):  # a FIFO or device (/dev/zero) would block or never end
-      raise DataError(f"data source {source!r} is not a regular file or folder (a pipe or device); save the corpus "
-                      "to a file")
+    path = user_file(source, what="data source", error=DataError, folder_ok=True,
+                     hint="pass 'stdlib', a text file, a folder, or a .bin / .npy token file")
     if path.is_file() and path.suffix.lower() in (".bin", ".npy"):
       ids, fmt, file_dtype, _ = _token_corpus(path)
     elif path.is_file():

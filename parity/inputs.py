@@ -1,8 +1,10 @@
 """One safe way in for every file and number a user gives `parity` (numpy only; no jax, no torch).
 
 Rules (each covers whole classes of input, not single cases):
-  * text files (run configs, DeepSpeed configs, HF config.json/index files, report.json, spec sidecars) are read
-    by `read_text`: must exist, be a file, be at most MAX_TEXT_BYTES, hold no NUL byte and decode as UTF-8;
+  * text files (run configs, DeepSpeed configs, HF config.json/index files, report.json, spec sidecars, example
+    files, tokenizer files; corpora through `read_user_bytes`) are read by `read_text`, the one reader of a user's
+    text: must exist, be a file, be at most MAX_TEXT_BYTES (or the caller's limit), hold no NUL byte and decode as
+    UTF-8 (a UTF-8 BOM is accepted and dropped), each refusal naming the file, the byte offset and the fix;
   * parsed trees go through `check_tree`: nesting at most MAX_DEPTH levels (a 5,000-deep file would otherwise
     raise RecursionError in the parser or later in our own recursive code), every float finite (JSON's
     1e400 parses to inf), and at most one value per character of the text parsed: every JSON/hjson/YAML value
@@ -19,6 +21,7 @@ Every refusal is an `InputError` (a SpecError, so a ValueError): the CLI prints 
 """
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -26,9 +29,10 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
-from parity.errors import SpecError
+from parity.errors import ParityInputError, SpecError
 
-__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER_BYTES", "read_text", "check_tree",
+__all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER_BYTES", "UTF8_BOM", "user_file",
+           "read_text", "read_user_bytes", "check_tree",
            "parse_text", "load_json", "safetensors_header"]
 
 MAX_TEXT_BYTES = 16 * 2**20
@@ -48,37 +52,100 @@ class InputError(SpecError):
   """A file or value given by the user cannot be used. The message names the file/key, the value and the fix."""
 
 
-def read_text(path: str | Path, *, what: str = "file", max_bytes: int = MAX_TEXT_BYTES) -> str:
-  """The text of a small UTF-8 file (a UTF-8 BOM is accepted and dropped).
+UTF8_BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte-order mark: accepted at the start of every text file a user gives, and dropped."""
+_UTF8_FIX = "save it as UTF-8 (e.g. iconv -f ITS-ENCODING -t utf-8 FILE)"
+_CHUNK = 1 << 20
+"""Bytes checked per step when a file's UTF-8 is checked without decoding it whole (a corpus may be large)."""
+
+
+def _more(hint: str) -> str:
+  return f"; {hint}" if hint else ""
+
+
+def user_file(path: str | Path, *, what: str = "file", error: type[ParityInputError] = InputError, hint: str = "",
+              folder_ok: bool = False) -> Path:
+  """The path of an input the user named, checked before a byte of it is read: it exists and is a regular file
+  (or, `folder_ok`, a folder), never a pipe or device (reading one would block or never end).
 
   Raises:
-    InputError: missing, a folder, unreadable, larger than `max_bytes`, binary (a NUL byte) or not UTF-8;
-      the message names the path and `what` it was meant to be.
+    `error`: '{what} {path} does not exist (resolved to ...); check the path', '... is a folder; pass a file' or
+      '... is not a regular file (a pipe or device)', each followed by `hint` when given.
   """
-  p = Path(path)
+  p = Path(path).expanduser()
   if not p.exists():
-    raise InputError(f"{what} not found: {p} (resolved to {p.absolute()}); check the path")
-  if p.is_dir():
-    raise InputError(f"{what} {p} is a folder; pass a file")
-  if not p.is_file():  # a FIFO or device (/dev/stdin, /dev/zero) would block or never end: refuse, do not read
-    raise InputError(f"{what} {p} is not a regular file (a pipe or device); save the config to a file and pass that")
+    raise error(f"{what} {p} does not exist (resolved to {p.absolute()}); check the path{_more(hint)}")
+  if p.is_dir() and not folder_ok:
+    raise error(f"{what} {p} is a folder; pass a file{_more(hint)}")
+  if not (p.is_file() or p.is_dir()):
+    raise error(f"{what} {p} is not a regular file{' or folder' if folder_ok else ''} (a pipe or device); save it "
+                "to a file and pass that")
+  return p
+
+
+def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_bytes: int | None, hint: str
+              ) -> tuple[Path, bytes, int]:
+  """(path, the file's bytes, where its text starts: 3 after a UTF-8 BOM, else 0), refusing what `read_text` does
+  but invalid UTF-8."""
+  p = user_file(path, what=what, error=error, hint=hint)
   try:
     size = p.stat().st_size
-    if size > max_bytes:
-      raise InputError(f"{what} {p} is {size:,} bytes, over the {max_bytes:,}-byte limit for a text config; "
-                       "is it the right file?")
+    if max_bytes is not None and size > max_bytes:
+      raise error(f"{what} {p} is {size:,} bytes, over the {max_bytes:,}-byte limit for a text file; is it the "
+                  "right file?")
     raw = p.read_bytes()
   except OSError as exc:
-    raise InputError(f"{what} {p}: cannot read it ({exc.strerror}); check the path and its permissions") from None
+    raise error(f"{what} {p} cannot be read ({exc.strerror}); check the path and its permissions") from None
   nul = raw.find(b"\x00")
   if nul >= 0:
-    raise InputError(f"{what} {p} is binary (NUL byte at offset {nul}), not a text config; "
-                     "pass the YAML/JSON file")
+    raise error(f"{what} {p} is binary (a NUL byte at offset {nul}), not text{_more(hint)}")
+  return p, raw, len(UTF8_BOM) if raw.startswith(UTF8_BOM) else 0
+
+
+def _not_utf8(p: Path, raw: bytes, offset: int, what: str, error: type[ParityInputError], fix: str,
+              hint: str) -> ParityInputError:
+  return error(f"{what} {p} is not UTF-8 text (byte 0x{raw[offset]:02x} at offset {offset}); {fix}{_more(hint)}")
+
+
+def read_text(path: str | Path, *, what: str = "file", error: type[ParityInputError] = InputError,
+              max_bytes: int | None = MAX_TEXT_BYTES, hint: str = "", utf8_fix: str = _UTF8_FIX) -> str:
+  """The text of a file the user gave: the one reader of user text files (configs, JSON records, example files,
+  tokenizer files, corpora through `read_user_bytes`), so that each refuses the same things the same way.
+
+  A UTF-8 byte-order mark at the start is accepted and dropped (JSON forbids one, editors on Windows write one).
+  Args:
+    what: what the file is meant to be ('config', 'example file', ...): every message starts '{what} {path} '.
+    error: the ParityInputError subclass raised (InputError, DataError, ...).
+    max_bytes: the largest file read (None: any size).
+    hint: appended to the refusals of a missing file, a folder, a binary file and invalid UTF-8 (what the file
+      should be instead); utf8_fix: how to mend invalid UTF-8.
+  Raises:
+    `error`: missing, a folder, a pipe or device, unreadable, larger than `max_bytes`, binary (a NUL byte, its
+      offset named) or not UTF-8 (the offending byte and its offset in the file named, with the fix).
+  """
+  p, raw, start = _read_raw(path, what, error, max_bytes, hint)
   try:
-    return raw.decode("utf-8-sig")
+    return str(memoryview(raw)[start:], "utf-8")
   except UnicodeDecodeError as exc:
-    raise InputError(f"{what} {p} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                     "save it as UTF-8") from None
+    raise _not_utf8(p, raw, start + exc.start, what, error, utf8_fix, hint) from None
+
+
+def read_user_bytes(path: str | Path, *, what: str = "file", error: type[ParityInputError] = InputError,
+                    max_bytes: int | None = MAX_TEXT_BYTES, hint: str = "", utf8: bool = True,
+                    utf8_fix: str = _UTF8_FIX) -> bytes:
+  """`read_text`'s bytes, not decoded (a byte-level corpus): the same refusals, a UTF-8 BOM dropped the same way,
+  and the UTF-8 check only when `utf8` (False: text in any encoding, read as its bytes; a NUL byte still refused).
+  The check walks the file in 1 MiB steps, so a large corpus is never decoded whole."""
+  p, raw, start = _read_raw(path, what, error, max_bytes, hint)
+  if utf8:
+    dec = codecs.getincrementaldecoder("utf-8")()
+    for i in range(start, len(raw), _CHUNK):
+      pending = len(dec.getstate()[0])  # bytes of a character cut at the last step, decoded with this one
+      try:
+        dec.decode(raw[i:i + _CHUNK], final=i + _CHUNK >= len(raw))
+      except UnicodeDecodeError as exc:
+        raise _not_utf8(p, raw, i - pending + exc.start, what, error, utf8_fix, hint) from None
+  return raw[start:]
 
 
 def check_tree(data: Any, source: str, *, max_depth: int = MAX_DEPTH, max_nodes: int = MAX_NODES) -> Any:

@@ -130,20 +130,20 @@ def test_refused_token_files_name_file_and_fix(tmp_path):
 def test_binary_file_is_never_read_as_text(tmp_path):
   """The defect of issue #20: a token file under a name parity did not know was read as its raw bytes."""
   (tmp_path / "ids.dat").write_bytes(_ids().astype("<u4").tobytes())
-  with pytest.raises(DataError, match=r"ids.dat: not text \(a NUL byte at offset \d+\).*\.npy"):
+  with pytest.raises(DataError, match=r"data file .*ids.dat is binary \(a NUL byte at offset \d+\).*\.npy"):
     load_corpus(str(tmp_path / "ids.dat"))
   (tmp_path / "latin.dat").write_bytes(("caf\xe9 " * 40).encode("latin-1"))
-  with pytest.raises(DataError, match=r"latin.dat: not UTF-8 text \(invalid byte at offset 3\)"):
+  with pytest.raises(DataError, match=r"latin.dat is not UTF-8 text \(byte 0xe9 at offset 3\).*text suffix"):
     load_corpus(str(tmp_path / "latin.dat"))
   (tmp_path / "latin.txt").write_bytes(("caf\xe9 " * 40).encode("latin-1"))  # named text: its bytes, as before
   assert load_corpus(str(tmp_path / "latin.txt")).train[3] == 0xE9
   (tmp_path / "nul.txt").write_bytes(b"abc\0" * 40)  # named text, holding a NUL: binary, refused
-  with pytest.raises(DataError, match=r"nul.txt: not text \(a NUL byte at offset 3\)"):
+  with pytest.raises(DataError, match=r"nul.txt is binary \(a NUL byte at offset 3\)"):
     load_corpus(str(tmp_path / "nul.txt"))
   (tmp_path / "d").mkdir()
   (tmp_path / "d" / "a.txt").write_text("hello " * 50)
   (tmp_path / "d" / "b.json").write_bytes(b"{}" + b"\0" * 100)
-  with pytest.raises(DataError, match="b.json: not text"):
+  with pytest.raises(DataError, match="b.json is binary"):
     load_corpus(str(tmp_path / "d"))
   (tmp_path / "utf8.txt").write_text("naïve café ünïcode " * 20, encoding="utf-8")
   assert load_corpus(str(tmp_path / "utf8.txt")).format == "bytes"

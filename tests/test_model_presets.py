@@ -11,6 +11,8 @@ import pytest
 
 from parity import architecture
 from parity.cli import main
+from parity.hf import family_of_spec
+from parity.hf.families import by_name
 from parity.hf.presets import HF_REPOS, MODEL_PRESETS, PUBLISHED_PARAM_COUNTS, model_preset_name
 from parity.pipeline.resolve import resolve_run
 from parity.presets import PRESETS
@@ -34,13 +36,11 @@ def test_family_size_presets_have_the_published_parameter_count(name):
 
 
 def _hf_model(name: str, spec):
-  """(config class, model class, kwargs) of transformers for a preset, from its HF family (the repo id)."""
+  """(config class, model class, kwargs) of transformers for a preset, from its family's row (parity.hf.families)."""
   import transformers as T
-  family = {"meta-llama": ("LlamaConfig", "LlamaForCausalLM"), "mistralai": ("MistralConfig", "MistralForCausalLM"),
-            "Qwen/Qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "Qwen/Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "google/gemma-2": ("Gemma2Config", "Gemma2ForCausalLM"),
-            "google/gemma-3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
-  cfg, model = next(v for k, v in family.items() if HF_REPOS[name].startswith(k))
+  row = by_name(family_of_spec(spec))
+  assert name in row.model_presets
+  cfg, model = row.config_class, row.hf_class
   kw = dict(vocab_size=spec.vocab_size, hidden_size=spec.d_model, intermediate_size=spec.ffn_dim,
             num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads, num_key_value_heads=spec.kv_heads,
             head_dim=spec.head_dim, tie_word_embeddings=spec.tie_embeddings)

@@ -6,6 +6,7 @@ import json
 
 from parity.cli._common import EXIT_OK, Failure
 from parity.hf.convert import FORMATS, convert
+from parity.hf.families import FAMILIES
 from parity.inputs import load_json
 from parity.spec import ModelSpec, from_dict, to_dict
 
@@ -15,9 +16,8 @@ __all__ = ["register"]
 def register(sub) -> None:
   """Adds `convert-weights` to the subparsers `sub`."""
   p = sub.add_parser("convert-weights", help="convert weights: Hugging Face folder <-> canonical <-> orbax",
-                     description="Converts model weights between a Hugging Face checkpoint folder (GPT2LMHeadModel, "
-                                 "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-                                 "GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM), canonical safetensors (with "
+                     description="Converts model weights between a Hugging Face checkpoint folder ("
+                                 f"{', '.join(f.hf_class for f in FAMILIES)}), canonical safetensors (with "
                                  "the ModelSpec as metadata) and an orbax checkpoint of the Flax params. Exit 0; 1 "
                                  "when the output could not be written (nothing replaced); 2 on bad input.")
   p.add_argument("src",

@@ -2,8 +2,8 @@
 
 A record's place (`Record.where`) is what every error about it names: 'FILE line 12' for JSONL (1-based line
 numbers, blank lines skipped), 'FILE record 4 (array index 3)' for a JSON array, 'FILE row 7' for Parquet (1-based).
-A file that is not UTF-8 text (a NUL byte, an invalid byte) is refused as JSON, naming the byte offset: it is never
-read as bytes.
+JSON and JSONL are read by the one reader of user text (parity.inputs.read_text): a UTF-8 BOM is dropped, a file
+that is not UTF-8 text (a NUL byte, an invalid byte) is refused naming the byte offset: it is never read as bytes.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from parity.data import DataError
+from parity.inputs import read_text, user_file
 
 __all__ = ["Record", "read_records", "JSONL_SUFFIXES", "JSON_SUFFIXES", "PARQUET_SUFFIXES", "file_sha256"]
 
@@ -50,20 +51,9 @@ def file_sha256(path: Path) -> str:
 
 
 def _text(path: Path) -> str:
-  """The file as UTF-8 text. Raises DataError naming the byte offset of a NUL or an invalid byte."""
-  blob = path.read_bytes()
-  nul = blob.find(b"\0")
-  if nul >= 0:
-    raise DataError(f"{path}: not text (a NUL byte at offset {nul}), so not JSON or JSONL; parity never reads a "
-                    f"binary file as text: {_FORMATS_FIX}; token streams belong in .bin / .npy (parity.data)")
-  if blob.startswith(b"\xef\xbb\xbf"):  # json.loads refuses a BOM with Python's advice (breaker, 2026-12-02)
-    raise DataError(f"{path}: starts with a UTF-8 byte-order mark (BOM), which JSON does not allow; save the file "
-                    "as UTF-8 without BOM (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' FILE)")
-  try:
-    return blob.decode("utf-8")
-  except UnicodeDecodeError as exc:
-    raise DataError(f"{path}: not UTF-8 (invalid byte at offset {exc.start}); JSON is UTF-8: convert the file "
-                    "(e.g. iconv -t utf-8)") from None
+  """The file as text, through the one reader of user text (parity.inputs.read_text): a UTF-8 BOM dropped (json
+  refuses one), a NUL byte or invalid UTF-8 refused as a DataError naming the byte offset."""
+  return read_text(path, what="example file", error=DataError, max_bytes=None, hint=_FORMATS_FIX)
 
 
 def _object(path: Path, value, where: str, number: int) -> Record:
@@ -155,9 +145,7 @@ def read_records(path: str | Path) -> Iterator[Record]:
     DataError: the file does not exist, has a suffix none of the readers takes, is not UTF-8 JSON / JSONL, holds
       a record that is not an object, or is Parquet without pyarrow installed or without an input_ids column.
   """
-  path = Path(path).expanduser()
-  if not path.is_file():
-    raise DataError(f"example file {str(path)!r} does not exist or is not a file; {_FORMATS_FIX}")
+  path = user_file(path, what="example file", error=DataError, hint=_FORMATS_FIX)
   suffix = path.suffix.lower()
   if suffix in JSONL_SUFFIXES:
     return _jsonl(path)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.data import DataError
+from parity.inputs import read_text
 
 __all__ = ["HFTokenizer", "load_tokenizer", "TOKENIZER_FILE", "CONFIG_FILE", "TEMPLATE_FILE", "TEMPLATE_DIR",
            "GEN_OPEN", "GEN_CLOSE"]
@@ -209,17 +210,18 @@ def load_tokenizer(folder: str | Path) -> HFTokenizer:
   except ImportError:
     raise DataError(f"{path}: text examples need the `tokenizers` package to tokenize: pip install tokenizers "
                     "(or give pre-tokenized input_ids)") from None
-  blob = path.read_bytes()
+  text = read_text(path, what="tokenizer file", error=DataError, max_bytes=None)
+  blob = text.encode("utf-8")  # the file's bytes (a BOM aside): what its hash is of
   try:
-    tok = Tokenizer.from_str(blob.decode("utf-8"))
+    tok = Tokenizer.from_str(text)
   except Exception as exc:  # tokenizers raises a plain Exception for a malformed file
     raise DataError(f"{path}: not a tokenizer.json the tokenizers package can load ({exc})") from None
   config = {}
   cfg_path = path.parent / CONFIG_FILE
   if cfg_path.is_file():
     try:
-      config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+      config = json.loads(read_text(cfg_path, what="tokenizer config", error=DataError, max_bytes=None))
+    except json.JSONDecodeError as exc:
       raise DataError(f"{cfg_path}: not JSON ({exc}); fix or remove it") from None
   special = {k: s for k in SPECIAL_KEYS if (s := _token_str(config.get(k))) is not None}
   template, source = _chat_template(path.parent, config)
@@ -262,10 +264,7 @@ def _chat_template(folder: Path, config: dict) -> tuple[str | None, Path | None]
     chosen = files.get("default")
     if chosen is None:
       return None, None
-    try:
-      return chosen.read_text(encoding="utf-8"), chosen
-    except (OSError, UnicodeDecodeError) as exc:
-      raise DataError(f"{chosen}: cannot be read as a UTF-8 chat template ({exc})") from None
+    return read_text(chosen, what="chat template", error=DataError, max_bytes=None), chosen
   template = config.get("chat_template")
   if isinstance(template, list):  # several named templates: transformers takes the one named 'default'
     template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)

@@ -48,7 +48,9 @@ rules (`hf_rules`), which gives HF names, shapes and the transposes in one place
 
 The package is split by responsibility; every name below is importable from `parity.hf`:
 
-  config   config.json -> ModelSpec, supported/refused architectures, HF defaults, HFFormatError
+  families one row per model family (FAMILIES): its HF class, config class, model_type, the config keys read with
+           their defaults, its presets; every other module takes these from it
+  config   config.json -> ModelSpec, supported/refused architectures, HFFormatError
   export   ModelSpec -> config.json: family_of_spec, hf_config_from_spec
   tensors  the rules table: HF names, shapes and transposes <-> canonical weights
   files    safetensors (BF16 too), single/sharded HF folders, canonical files, run_spec_from_hf
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 from parity.hf.config import ARCHITECTURES, REFUSED, HFFormatError, parse_hf_config, spec_from_hf_config
 from parity.hf.export import family_of_spec, hf_config_from_spec
+from parity.hf.families import FAMILIES, Family
 from parity.hf.files import (SPEC_METADATA_KEY, HFCheckpoint, bfloat16_bits, canonical_metadata, hf_weight_files,
                              load_canonical, load_hf_checkpoint, read_safetensors, run_spec_from_hf, save_canonical,
                              save_hf_checkpoint, spec_from_metadata)
@@ -65,7 +68,8 @@ from parity.hf.presets import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
 from parity.hf.tensors import Rule, canonical_to_hf, hf_rules, hf_tensor_table, hf_to_canonical
 
 __all__ = [
-    "HFFormatError", "Rule", "ARCHITECTURES", "REFUSED", "MODEL_PRESETS", "PUBLISHED_PARAM_COUNTS", "HFCheckpoint",
+    "HFFormatError", "Rule", "FAMILIES", "Family", "ARCHITECTURES", "REFUSED", "MODEL_PRESETS",
+    "PUBLISHED_PARAM_COUNTS", "HFCheckpoint",
     "spec_from_hf_config", "parse_hf_config", "hf_config_from_spec", "family_of_spec", "hf_rules",
     "hf_tensor_table", "hf_to_canonical", "canonical_to_hf", "read_safetensors", "hf_weight_files",
     "load_hf_checkpoint",

@@ -1,4 +1,5 @@
-"""HF config.json -> ModelSpec: supported and refused architectures, and the HF config-class defaults.
+"""HF config.json -> ModelSpec: supported (parity.hf.families: one row per family, its config-class defaults) and
+refused architectures.
 
 Anything the spec cannot express is refused with the reason (see `REFUSED` and the `_parse_*` functions); it is
 never approximated. The way back (spec -> config.json) is `parity.hf.export`.
@@ -20,6 +21,7 @@ import re
 from typing import Any, Mapping
 
 from parity.architecture import ROPE_TYPES
+from parity.hf.families import FAMILIES, by_class, by_name
 from parity.spec import ModelSpec, SpecError
 
 
@@ -27,16 +29,13 @@ class HFFormatError(SpecError):
   """A Hugging Face checkpoint or config cannot be read exactly into a ModelSpec + canonical weights."""
 
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma",
-                 "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
-"""HF `architectures[0]` -> family. Every family but gpt2 uses the LLaMA tensor names (parity.hf.tensors)."""
+ARCHITECTURES = {f.hf_class: f.name for f in FAMILIES}
+"""HF `architectures[0]` -> family (parity.hf.families). Every family but gpt2 uses the LLaMA tensor names
+(parity.hf.tensors)."""
 
-MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "gemma3": "Gemma3ForConditionalGeneration"}
-"""config.json `model_type` -> architecture, for configs without `architectures`."""
+MODEL_TYPES = {**{f.model_type: f.hf_class for f in FAMILIES}, "gemma3": "Gemma3ForConditionalGeneration"}
+"""config.json `model_type` -> architecture, for configs without `architectures`: each family's (parity.hf.families),
+and the multimodal Gemma 3's, which `REFUSED` names."""
 
 REFUSED = {
     "GPTNeoXForCausalLM": "parallel residual and partial rotary embeddings (rotary_pct)",
@@ -51,48 +50,6 @@ REFUSED = {
     "LlamaModel": "a base model without the LM head; save the LlamaForCausalLM instead",
 }
 """Known HF architectures that are refused, with the reason."""
-
-_LLAMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-              num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
-              max_position_embeddings=2048, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              attention_bias=False, mlp_bias=False, pretraining_tp=1, attention_dropout=0.0)
-_QWEN = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-             num_attention_heads=32, num_key_value_heads=32, head_dim=None, hidden_act="silu",
-             max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False,
-             use_sliding_window=False, sliding_window=4096, max_window_layers=28, layer_types=None,
-             attention_dropout=0.0)
-_GEMMA2 = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-               num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
-               max_position_embeddings=8192, initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=True,
-               attention_bias=False, attention_dropout=0.0, query_pre_attn_scalar=256, sliding_window=4096,
-               layer_types=None, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
-               use_bidirectional_attention=None)
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "GPT2LMHeadModel": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
-                            activation_function="gelu_new", layer_norm_epsilon=1e-5, initializer_range=0.02,
-                            scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
-                            reorder_and_upcast_attn=False, tie_word_embeddings=True, add_cross_attention=False),
-    "LlamaForCausalLM": _LLAMA,
-    "MistralForCausalLM": {**_LLAMA, "intermediate_size": 14336, "num_key_value_heads": 8,
-                           "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
-                           "attention_bias": False, "mlp_bias": False},
-    "Qwen2ForCausalLM": _QWEN,
-    "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128, "attention_bias": False},
-    "GemmaForCausalLM": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
-                             num_attention_heads=16, num_key_value_heads=16, head_dim=256,
-                             hidden_act="gelu_pytorch_tanh", max_position_embeddings=8192, initializer_range=0.02,
-                             rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
-                             attention_dropout=0.0, use_bidirectional_attention=None),
-    "Gemma2ForCausalLM": _GEMMA2,
-    "Gemma3ForCausalLM": {**_GEMMA2, "vocab_size": 262208, "max_position_embeddings": 131072,
-                          "final_logit_softcapping": None, "attn_logit_softcapping": None,
-                          "use_bidirectional_attention": False, "sliding_window_pattern": 6},
-}
-"""HF config-class defaults (transformers 5.24 GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-GemmaConfig, Gemma2Config, Gemma3TextConfig) for keys a config.json omits. Rotary bases: `_DEFAULT_THETA`."""
-
-_DEFAULT_THETA = {"Gemma3ForCausalLM": (1_000_000.0, 10_000.0)}
-"""(global, local) rotary base when config.json gives none (Gemma3TextConfig.default_theta); others 10000."""
 
 _SWIGLU = ("silu", "swish")
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new")
@@ -202,7 +159,7 @@ def parse_hf_config(config: Mapping[str, Any], *, max_params: int | None = None,
                         f"{', '.join(ARCHITECTURES)} (refused with a reason: {', '.join(REFUSED)})")
   family = ARCHITECTURES[arch]
   notes: list[str] = []
-  c = _Config(arch, _HF_DEFAULTS[arch], config)
+  c = _Config(arch, by_class(arch).defaults, config)
   c.max_params, c.limit_why = max_params, limit_why
   spec = _parse_gpt2(c, notes) if family == "gpt2" else _parse_decoder(arch, family, c, notes)
   try:
@@ -235,7 +192,7 @@ def _refuse(arch: str, key: str, value: Any, why: str) -> HFFormatError:
 
 
 def _parse_gpt2(c: _Config, notes: list[str]) -> ModelSpec:
-  arch = "GPT2LMHeadModel"
+  arch = by_name("gpt2").hf_class
   act = c.str("activation_function")
   approx = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
   if act not in approx:
@@ -395,9 +352,9 @@ def _rope(arch: str, c: _Config, kinds: tuple[str, ...]) -> dict[str, Any]:
   """rope_theta / rope_scaling / rope_local_theta from transformers>=5 `rope_parameters` (Gemma 3: per layer type)
   or the older top-level `rope_theta`, `rope_scaling` (and Gemma 3's `rope_local_base_freq`)."""
   max_pos = c.int("max_position_embeddings")
-  glob, local = _DEFAULT_THETA.get(arch, (10_000.0, None))
+  glob, local = by_class(arch).default_theta
   theta = glob if c.get("rope_theta") is None else c.num("rope_theta")
-  if arch != "Gemma3ForCausalLM":  # transformers: rope_scaling, if given, replaces rope_parameters
+  if arch != by_name("gemma3").hf_class:  # transformers: rope_scaling, if given, replaces rope_parameters
     key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
     theta, scaling = _rope_block(c, key, c.dict(key), theta, max_pos)
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": None}

@@ -6,14 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from parity.hf.config import HFFormatError
+from parity.hf.families import FAMILIES, by_name
 from parity.spec import ModelSpec
-
-_ORDER = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
-ARCHITECTURE_OF = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM",
-                   "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-"""family -> the architecture `hf_config_from_spec` writes (the inverse of parity.hf.config.ARCHITECTURES)."""
-_MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 _ROTARY = {"norm": {"rmsnorm"}, "position": {"rope"}, "embed_scale": {"none"}, "norm_plus_one": {False},
            "post_norms": {False}, "qk_norm": {False}, "softcaps": {"none"}, "windows": {"none"},
@@ -78,12 +72,12 @@ def family_of_spec(spec: ModelSpec) -> str:
   """
   layout = _layout(spec)
   why = {}
-  for family in _ORDER:
+  for family in (f.name for f in FAMILIES):
     why[family] = _misfit(spec, family, layout)
     if why[family] is None:
       return family
   raise HFFormatError("no HF architecture has this layout: " +
-                      "; ".join(f"{ARCHITECTURE_OF[f]} needs another {w}" for f, w in why.items()))
+                      "; ".join(f"{by_name(f).hf_class} needs another {w}" for f, w in why.items()))
 
 
 def _query_pre_attn_scalar(spec: ModelSpec) -> int | float | None:
@@ -114,7 +108,8 @@ def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
   spec.validate()
   family = family_of_spec(spec)
   if family == "gpt2":
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": spec.vocab_size,
+    gpt2 = by_name("gpt2")
+    return {"architectures": [gpt2.hf_class], "model_type": gpt2.model_type, "vocab_size": spec.vocab_size,
             "n_positions": spec.max_seq_len, "n_embd": spec.d_model, "n_layer": spec.n_layers,
             "n_head": spec.n_heads, "n_inner": spec.d_ff,
             "activation_function": "gelu_new" if spec.gelu_approximate else "gelu",
@@ -123,7 +118,7 @@ def hf_config_from_spec(spec: ModelSpec) -> dict[str, Any]:
             "reorder_and_upcast_attn": False, "tie_word_embeddings": spec.tie_embeddings,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dtype": "float32"}
   cfg: dict[str, Any] = {
-      "architectures": [ARCHITECTURE_OF[family]], "model_type": _MODEL_TYPE.get(family, family),
+      "architectures": [by_name(family).hf_class], "model_type": by_name(family).model_type,
       "vocab_size": spec.vocab_size, "hidden_size": spec.d_model, "intermediate_size": spec.ffn_dim,
       "num_hidden_layers": spec.n_layers, "num_attention_heads": spec.n_heads,
       "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim, "max_position_embeddings": spec.max_seq_len,

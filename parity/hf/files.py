@@ -138,7 +138,8 @@ def _read_shards(folder: Path, files: list[Path], notes: list[str]) -> dict[str,
 class HFCheckpoint:
   """An HF checkpoint read into our terms."""
   family: str
-  """A value of parity.hf.ARCHITECTURES: 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3'."""
+  """A family's name (its row of parity.hf.families.FAMILIES): 'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma',
+  'gemma2', 'gemma3'."""
   spec: ModelSpec
   params: dict[str, np.ndarray]
   """Canonical float32 weights."""

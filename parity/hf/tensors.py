@@ -13,6 +13,7 @@ import numpy as np
 from parity import weights
 from parity.hf.config import HFFormatError
 from parity.hf.export import family_of_spec
+from parity.hf.families import by_name
 from parity.spec import ModelSpec
 
 # Tensors in older HF checkpoints that are buffers, not parameters: dropped with the reason.
@@ -26,8 +27,9 @@ _IGNORED = {
 
 def naming(family: str) -> str:
   """The tensor naming of an HF family: 'gpt2' for GPT-2, 'llama' for every rotary family (LLaMA, Mistral,
-  Qwen2/3, Gemma 1/2/3: the same model.layers.i.* names, plus q_norm/k_norm and Gemma 2/3's four norms)."""
-  return "gpt2" if family == "gpt2" else "llama"
+  Qwen2/3, Gemma 1/2/3: the same model.layers.i.* names, plus q_norm/k_norm and Gemma 2/3's four norms); its row's
+  `tensor_names` (parity.hf.families)."""
+  return by_name(family).tensor_names
 
 
 # ----------------------------------------------------------------------------- tensor naming

@@ -36,6 +36,7 @@ from parity.sides import reads_plan, side_record
 from parity.spec import from_dict, RunSpec, SpecError, to_dict
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.data import DataError
+from parity.inputs import user_file
 from parity.spec import SFT_DEMO
 from parity.hf import MODEL_PRESETS, convert
 from parity.hf.presets import model_preset_name
@@ -57,9 +58,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
   Raises:
     SpecError: missing file, a syntax error (with file, line and column), or a top level that is not a mapping.
   """
-  p = Path(path)
-  if not p.exists():
-    raise SpecError(f"config file not found: {p}")
+  p = user_file(path, what="config", error=SpecError)  # the one reader's check and message (parity.inputs)
   try:
     if p.suffix.lower() in (".json", ".hjson", ".json5"):
       return read_deepspeed_config(p)
