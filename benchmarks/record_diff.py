@@ -13,7 +13,7 @@ process memory peaks, run ids, creation times; the machine's load when a torch s
 VOLATILE_PATHS); each run folder's own path is replaced by `<run>` in every string,
 so resumed_from / checkpoint.path compare. Every left-out field that did differ is counted in the last line, so
 nothing is hidden silently. Prints one line per difference; exit 0 when the records are identical, 1 otherwise,
-2 on bad input. Used for issue #19's done-when (the loop refactor keeps the default compare's records).
+2 on bad input. Used to show that a refactor keeps the default compare's records.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ VOLATILE = frozenset({
     "compile_times_s", "save_s", "op_build_s", "created_unix_s",  # nested timings (jax compile, checkpoint, op builds)
     "peak_host_rss_bytes", "peak_rss_bytes", "peak_rss_bytes_wait4",  # resident-set peaks: allocator dependent
     "run_id", "pid",  # a fresh id per run folder, a process id per rank (multi-rank summaries)
+    "loss_tokens_per_s", "cpu_adam_s", "host_rss_readings_bytes",  # throughput, CPU-Adam seconds, RSS samples
 })
 """Field names (at any depth) that differ between two runs of the same code on the same machine."""
 VOLATILE_PATHS = ("threads.inputs", "threads.reason")

@@ -3,7 +3,7 @@ forward.probe_loss) and the planted family bugs they catch at step 0 (parity.pro
 
 Before, q/k norms after rotary FAILed a qwen3-tiny fp32 compare only at step 15 of 16 by 1.1x its loss tolerance, a
 skipped attention soft-cap only on params (1.8x), and in bf16 a skipped attention soft-cap and Gemma's (1 + w) norm
-with Llama's rounding order PASSed (benchmarks/results/2026-12-06-family-plants-before.md)."""
+with Llama's rounding order PASSed (benchmarks/results/2026-12-06-family-plants.md)."""
 from __future__ import annotations
 
 import json
