@@ -40,7 +40,9 @@ class Hardware:
   hidden_transfer: float = 1.0
   """Share of the host<->device copy time that overlaps compute (1: a step takes max(compute, transfer); 0: compute
   + transfer). GPU presets keep the planner's assumption of full overlap (not measured here); the TPU v5e measured
-  none for parity's JAX offload layouts (benchmarks/results/2026-12-06-tpu-v5e-offload.md: 0-5% hidden)."""
+  none for parity's JAX offload layouts (benchmarks/results/2026-12-06-tpu-v5e-offload.md: 0-5% hidden), nor for a
+  copy loop and a matmul loop with nothing between them in one program (benchmarks/results/
+  2026-12-06-tpu-v5e-kernels.md: 0-2%, with or without the XLA:TPU host-offload flags)."""
 
   def peak(self, precision: str) -> float:
     """FLOP/s for a run at this precision (fp32: peak_flops_fp32 when known, else the bf16 peak)."""
