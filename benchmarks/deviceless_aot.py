@@ -1,4 +1,4 @@
-"""Deviceless AOT: the JAX train step compiled for an H100 by the CUDA plugin on a machine with no GPU (issue #22).
+"""Deviceless AOT: the JAX train step compiled for an H100 by the CUDA plugin on a machine with no GPU.
 
   pip install -c constraints.txt jax==0.10.2 jaxlib==0.10.2 jax-cuda13-plugin==0.10.2   # + jax-cuda13-pjrt
   JAX_PLATFORMS=cpu python benchmarks/deviceless_aot.py --out tests/fixtures/hlo

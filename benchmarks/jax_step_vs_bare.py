@@ -1,6 +1,6 @@
 """Benchmark: the JAX worker's jitted step against a bare `jax.jit` step, and offload on/off, in one process.
 
-Three comparisons, each measured the same way (issue #13 item 6):
+Three comparisons, each measured the same way:
   worker/bare        the step `jax_impl.worker` runs (`jax_impl.step.Trainer.build` + `compile`: DeepSpeed
                      clipping, masked AdamW, the schedule table, optimizer state in `pinned_host`, the micro-batch
                      scan, metrics) against a bare step of the same Flax model and weights (`jax_impl.model.loss_fn`

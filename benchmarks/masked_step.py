@@ -1,5 +1,5 @@
-"""Benchmark: the model's forward + backward on `packed` batches against `stream` at the same shapes (issue #20,
-done-when: masking must keep >= 0.95x the tokens/s of stream), JAX and torch, each interleaved in one process.
+"""Benchmark: the model's forward + backward on `packed` batches against `stream` at the same shapes (target:
+masking must keep >= 0.95x the tokens/s of stream), JAX and torch, each interleaved in one process.
 
 Per framework and shape, two steps over the same token ids (B, T + 1) and the same weights:
   stream  JAX: jax.jit(jax.value_and_grad(jax_impl.model.loss_fn)) on the tokens alone (causal mask, positions

@@ -2,7 +2,7 @@
 
 Correct pairs (jax~torch, some jax~deepspeed) over lr schedules x lr x Adam eps on gpt2-tiny must show zero false
 alarms; every planted optimizer/model bug must still fail. For each cell both rules are evaluated on the same
-final params: 'old' (per tensor, max|a - b| / moved <= params.rtol: the rule before issue #11) and 'new' (Adam per
+final params: 'old' (per tensor, max|a - b| / moved <= params.rtol: the earlier per-tensor rule) and 'new' (Adam per
 element). Also records kappa_needed: the smallest params_grad_noise.rtol under which the cell's params check
 passes (worst element's (|a_i - b_i| - rtol * moved) / (g_T * S_i)).
 
@@ -10,7 +10,7 @@ passes (worst element's (|a_i - b_i| - rtol * moved) / (g_T * S_i)).
   .venv/bin/python benchmarks/params_rule.py --precision bf16,fp16 [--out benchmarks/results/params_rule_envelope]
   .venv/bin/python benchmarks/params_rule.py --grid vocab --steps 3 [--out benchmarks/results/params_rule_vocab]
 
---grid vocab (issue #20): correct jax~torch pairs with vocabularies of 32,000, 128,256 and 151,936, tied and untied,
+--grid vocab: correct jax~torch pairs with vocabularies of 32,000, 128,256 and 151,936, tied and untied,
 each on the byte corpus as it is (ids < 256: most rows never fed) and with its ids spread over the vocabulary (a
 seeded injective map of the 256 byte ids into [0, V), the first 1,000,000 ids of the corpus written as a uint32 .npy
 token file and passed as `data`: the user's path, `--data ids.npy`; the cell records batches.npy's dtype and largest
@@ -397,8 +397,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "params_rule"))
   ap.add_argument("--only", default="", help="substring filter on cell names")
   ap.add_argument("--grid", default="rule", choices=("rule", "vocab"), help="rule: schedules x lr x eps and the "
-                  "planted bugs (issue #11); vocab: vocabularies 32,000-151,936 tied/untied, the 2-rank port and the "
-                  "planted bugs (issue #20)")
+                  "planted bugs; vocab: vocabularies 32,000-151,936 tied/untied, the 2-rank port and the "
+                  "planted bugs")
   ap.add_argument("--rescore", default="", help="bf16/fp16: re-score the rows of an earlier run (its .json, or the "
                   "log of JSON lines it printed) under the current params_grad_noise kappa, without rerunning cells")
   ap.add_argument("--precision", default="fp32", help="fp32 (the Adam params rule), or bf16 and/or fp16 comma-"

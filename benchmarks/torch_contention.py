@@ -10,8 +10,8 @@ prepared run folder, in four cases per round:
                round's loaded cases, and on any exit.
 A round runs idle then loaded; within each, the order of old/new alternates from round to round. tokens/s is each
 side's summary.json figure (tokens per step / median step time after the first two steps). Ratios are taken per
-round (the two runs of a ratio are minutes apart at most), then min / median / max over rounds. Targets (issue #19
-item 9): new loaded / new idle >= 0.5; new idle / old idle >= 0.95 (idle speed not lost).
+round (the two runs of a ratio are minutes apart at most), then min / median / max over rounds. Targets:
+new loaded / new idle >= 0.5; new idle / old idle >= 0.95 (idle speed not lost).
 harness.env sets PASSIVE only when other jobs share the CPUs (choose_threads); the OMP_WAIT_POLICY each run got is
 in the table.
 

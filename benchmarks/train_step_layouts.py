@@ -1,5 +1,5 @@
 """Benchmark: the full training step (loss + backward + optimizer update) of the sides' own trainers on `packed`
-batches against `stream` at the same shapes (issue #20, done-when: >= 0.95x the tokens/s of stream), JAX and
+batches against `stream` at the same shapes (target: >= 0.95x the tokens/s of stream), JAX and
 torch, each measured in one process with interleaved rounds.
 
 benchmarks/masked_step.py measured the model's forward + backward alone; this one runs what a side runs per optimizer

@@ -1,4 +1,4 @@
-"""The JAX plans whose compiled placement tests/test_placement_plans*.py assert (issue #22 items 2 and 5), and the
+"""The JAX plans whose compiled placement tests/test_placement_plans*.py assert, and the
 assertions, shared by the two files (split so that pytest-xdist compiles the two halves in parallel).
 
 One device: a plan's zero_stage shards nothing on a one-device mesh (Placement.sharded), so plans that differ only in

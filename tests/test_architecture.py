@@ -1,5 +1,5 @@
 """parity.architecture: the rotary frequencies against transformers' own (`ROPE_INIT_FUNCTIONS`), per-layer kinds and
-bases, and the refusals of the model-family fields (issue #21)."""
+bases, and the refusals of the model-family fields."""
 from __future__ import annotations
 
 import numpy as np

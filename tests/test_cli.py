@@ -1,4 +1,4 @@
-"""The CLI as a user meets it (issue #12 items 5 and 8): help texts, --version, presets, one error path."""
+"""The CLI as a user meets it: help texts, --version, presets, one error path."""
 from __future__ import annotations
 
 import argparse
@@ -172,7 +172,7 @@ def test_port_output_write_failure_is_one_line_exit_1(tmp_path, capsys, monkeypa
 
 def test_cli_wiring_and_printing_left_the_domain_modules():
   """Outside parity/cli/ and the report's own presentation (parity/report/), modules keep pure functions: no
-  argparse, no rich, no print; the commands live in parity/cli/ (issue #12 item 5). The one exception is the worker
+  argparse, no rich, no print; the commands live in parity/cli/. The one exception is the worker
   entry point (parity/protocol/side.py), whose argparse is the worker process's own command line."""
   import ast
   from pathlib import Path
@@ -191,7 +191,7 @@ def test_cli_wiring_and_printing_left_the_domain_modules():
   assert not (root / "cli.py").exists() and not (root / "migrate" / "cli.py").exists()
 
 
-# ----------------------------------------------------------------------------- issue 18 item 9: paths the user gives
+# ----------------------------------------------------------------------------------------- paths the user gives
 PATH_ARGUMENTS = {
     "compare": {"config", "data", "out", "hf_model", "tokenizer", "deepspeed_config", "hostfile", "baseline",
                 "request"},
@@ -382,7 +382,7 @@ def test_permission_denied_is_bad_input_naming_the_argument(bad_paths):
     assert "ermission denied" in err or "not a parity run folder" in err or "no such" in err, (argv, err)
 
 
-# ----------------------------------------------------------------------------- issue 19 item 7: input or bug
+# ----------------------------------------------------------------------------------------- input or bug
 def _saved_traceback(err: str) -> str:
   """The text of the file an internal error's one line names (removed once read)."""
   import os
@@ -478,7 +478,7 @@ def test_the_command_modules_keep_functions_short():
         assert n.end_lineno - n.lineno + 1 <= 60, f"{path.name}:{n.name} is {n.end_lineno - n.lineno + 1} lines"
 
 
-# ----------------------------------------------------------------------------- issue 19 item 5: the options once
+# ----------------------------------------------------------------------------------------- the options once
 def test_every_run_option_is_built_from_its_compare_flag(monkeypatch):
   """parity.cli.compare.run_options sets every RunOptions field from its flag (a field without one fails here),
   and the rest of the flags are what resolve_run takes."""

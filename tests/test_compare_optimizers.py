@@ -1,4 +1,4 @@
-"""Compare runs every optimizer and scheduler `parity port` accepts (issue #12 items 7 and 3).
+"""Compare runs every optimizer and scheduler `parity port` accepts.
 
 Fast tests check the one JAX factory (jax_impl.optim.optimizer_update) and the one torch builder
 (torch_impl.baseline.build_optimizer) against the float64 DeepSpeed reference (parity.migrate.reference), and the

@@ -128,7 +128,7 @@ def test_refused_token_files_name_file_and_fix(tmp_path):
 
 
 def test_binary_file_is_never_read_as_text(tmp_path):
-  """The defect of issue #20: a token file under a name parity did not know was read as its raw bytes."""
+  """An earlier defect: a token file under a name parity did not know was read as its raw bytes."""
   (tmp_path / "ids.dat").write_bytes(_ids().astype("<u4").tobytes())
   with pytest.raises(DataError, match=r"data file .*ids.dat is binary \(a NUL byte at offset \d+\).*\.npy"):
     load_corpus(str(tmp_path / "ids.dat"))
@@ -206,8 +206,8 @@ def test_id_beyond_vocab_is_refused_by_the_cli_with_exit_2(tmp_path, capsys):
 @requires_jax
 @requires_torch
 def test_vocab_151936_trains_on_the_files_ids_on_both_sides(tmp_path):
-  """Issue #20's defect, as a user with Qwen-sized uint32 ids runs it (at tiny width): both sides train on the file's
-  ids, stored uint32, and the correct pair PASSes every check (the params rule for large vocabularies, issue #20:
+  """The raw-bytes defect, as a user with Qwen-sized uint32 ids runs it (at tiny width): both sides train on the file's
+  ids, stored uint32, and the correct pair PASSes every check (the params rule for large vocabularies:
   tests/test_params_rule.py, benchmarks/results/params_rule.md)."""
   import parity
   ids = _ids(n=40000).astype(np.uint32)

@@ -1,5 +1,5 @@
-"""The built-in SFT demo (issue #20 item 9: docstring -> body pairs from this Python's stdlib, byte-level) and the
-data card (item 8) of a run on examples."""
+"""The built-in SFT demo (docstring -> body pairs from this Python's stdlib, byte-level) and the
+data card of a run on examples."""
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,4 @@
-"""parity.dataset.layouts (issue #20 item 3): the padded and packed arrays, their masks and positions, and the
+"""parity.dataset.layouts: the padded and packed arrays, their masks and positions, and the
 step assignment the equivalence reruns rely on (same examples per step for GA k x m and GA 1 x k*m, N ranks and 1,
 packed and padded)."""
 from __future__ import annotations

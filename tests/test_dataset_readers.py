@@ -1,4 +1,4 @@
-"""parity.dataset.records and the pre-tokenized path of parity.dataset.examples (issue #20 item 2): JSONL, JSON
+"""parity.dataset.records and the pre-tokenized path of parity.dataset.examples: JSONL, JSON
 arrays and Parquet of input_ids with labels (-100) or loss_mask; every refusal names the file, the record, the key
 and the fix."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The example arrays read as the sides must read them (parity.dataset.reference), on a one-layer NumPy attention
 model in float64: with the `tokens` normalisation, packed equals padded, GA k x m equals GA 1 x k*m and N ranks equal
-1 (issue #20 item 5's equivalences, here exact up to float64 rounding); a dropped mask or positions not restarted
-change the packed objective (item 6's plants are visible in these arrays); micro_mean differs where counts vary."""
+1 (the --equivalence checks, here exact up to float64 rounding); a dropped mask or positions not restarted
+change the packed objective (the data plants are visible in these arrays); micro_mean differs where counts vary."""
 from __future__ import annotations
 
 import numpy as np

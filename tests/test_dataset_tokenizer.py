@@ -1,4 +1,4 @@
-"""The tokenizer path of parity.dataset (issue #20 item 2): text, prompt/completion, chat messages, ShareGPT and
+"""The tokenizer path of parity.dataset: text, prompt/completion, chat messages, ShareGPT and
 Alpaca records tokenized by a local Hugging Face tokenizer, with the loss on completion / assistant tokens only.
 The tokenizer is a tiny byte-level BPE trained offline inside the test and saved as tokenizer.json, with a
 tokenizer_config.json holding a ChatML chat template (with and without generation tags)."""

@@ -1,4 +1,4 @@
-"""The H100 HLO fixtures of the deviceless AOT compile (docs/deviceless-aot.md, issue #22 item 1) and the text reader
+"""The H100 HLO fixtures of the deviceless AOT compile (docs/deviceless-aot.md) and the text reader
 behind their JSON and placement.json (jax_impl/hlo_transfers.py, in the fixtures' flat form by benchmarks/hlo_moves.py).
 Reads files only: no jax, no CUDA plugin. The JSON was written at compile time from the untrimmed text, so equality
 here also says the trimmed text lost no move."""

@@ -1,4 +1,4 @@
-"""Docs that stay true (issue #12 item 6): public functions over ~10 lines have docstrings, the doctest examples in
+"""Docs that stay true: public functions over ~10 lines have docstrings, the doctest examples in
 the packages run, and every module, function, test or file a docstring or doc names exists."""
 from __future__ import annotations
 

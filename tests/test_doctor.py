@@ -202,7 +202,7 @@ def test_doctor_json_refuses_an_existing_file_without_force(tmp_path, capsys):
   assert existing.read_text() == "the user's file"
 
 
-# --- host limits (issue #22 item 4): the pool, the cgroup limit and MemAvailable, with faked probes -------------
+# --- host limits: the pool, the cgroup limit and MemAvailable, with faked probes -------------
 
 POOL = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 

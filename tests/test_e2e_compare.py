@@ -152,7 +152,7 @@ def test_compare_from_a_hugging_face_checkpoint(tmp_path):
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   rep = json.loads((out / "report.json").read_text())
   assert rep["run"]["model"]["n_layers"] == 2 and rep["run"]["model"]["norm_eps"] == 1e-5
-  # every page names the checkpoint, not the preset that gave the training settings (issue #18 item 7)
+  # every page names the checkpoint, not the preset that gave the training settings
   assert rep["checkpoint"] == {"path": str((tmp_path / "hf").absolute()), "architecture": "GPT2LMHeadModel"}
   title = "checkpoint hf (GPT2LMHeadModel, gpt2 family, "
   assert (out / "report.md").read_text().startswith(f"# parity report: {title}")

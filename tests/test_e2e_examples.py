@@ -1,4 +1,4 @@
-"""End to end (issue #20): padded and packed example batches through `parity compare`, all three sides, fp32.
+"""End to end: padded and packed example batches through `parity compare`, all three sides, fp32.
 
 Two real compares: the built-in SFT demo padded (`--preset sft-tiny`), and a JSONL of short pre-tokenized examples
 of varying lengths packed several to a row (attention, positions and targets must stop at each example)."""

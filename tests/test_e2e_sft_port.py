@@ -1,4 +1,4 @@
-"""Porting a real SFT job end to end (issue #20, done-when 3): LLaMA-Factory's ZeRO-0 DeepSpeed config (its "auto"
+"""Porting a real SFT job end to end: LLaMA-Factory's ZeRO-0 DeepSpeed config (its "auto"
 values filled from the run spec, as the HF Trainer fills them) runs with `--deepspeed-config` and `--data` pointing
 at a prompt/completion JSONL tokenized by a BPE trained here, offline. All three sides, padded, GA 2: it must PASS,
 and report.json, report.md, report.html and card.json carry the data card, whose figures are recomputed here from

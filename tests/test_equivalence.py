@@ -1,4 +1,4 @@
-"""--equivalence ga,ranks,packing (issue #20 item 5): the option, its refusals, the rerun folders' arrays (the same
+"""--equivalence ga,ranks,packing: the option, its refusals, the rerun folders' arrays (the same
 examples at every optimizer step) and the check from two runs' records. In-process: real run folders from
 prepare_run_dir, fake step records for the checks (no side is started)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""--equivalence end to end (issue #20 item 5): real compares of short examples packed several to a row, with the
+"""--equivalence end to end: real compares of short examples packed several to a row, with the
 equivalence reruns (one module-scoped run per normalisation, every assertion reads those folders).
 
   tokens      jax and torch, --equivalence ga,packing: each side's GA-1 and padded reruns hold to fp32 rounding

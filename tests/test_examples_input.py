@@ -1,4 +1,4 @@
-"""Padded/packed runs' inputs (issue #20): TrainSpec's layout fields, the run folder's example arrays, the data card
+"""Padded/packed runs' inputs: TrainSpec's layout fields, the run folder's example arrays, the data card
 in the request, and the loss-normalization perturbation. In-process, with the real contract code (prepare_run_dir)."""
 from __future__ import annotations
 

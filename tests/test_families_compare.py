@@ -1,4 +1,4 @@
-"""Each model family of issue #21 trained head to head from a random Hugging Face checkpoint built in the test.
+"""Each newer model family trained head to head from a random Hugging Face checkpoint built in the test.
 
 For Llama 3.x (llama3 rotary scaling), Qwen2 (q/k/v biases), Qwen3 (q/k norms, a decoupled head_dim), Gemma 2
 (soft-caps, alternating sliding-window layers), Gemma 3 (5:1 local:global shortened to 2:1, local rotary base,

@@ -1,4 +1,4 @@
-"""`parity diagnose` on each issue-#21 family's tiny preset (item 5): both sides tap the new blocks under the same
+"""`parity diagnose` on each newer model family's tiny preset: both sides tap the new blocks under the same
 names and agree with nothing planted, and a held-out plant in the family's own block is localised to its tensor:
 the rotary scaling (llama3-tiny), a q/k/v bias (qwen2-tiny), a q norm weight (qwen3-tiny), the attention soft-cap
 (gemma2-tiny), a post-MLP norm weight of a global layer (gemma3-tiny), the window (mistral-tiny)."""

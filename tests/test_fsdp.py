@@ -1,4 +1,4 @@
-"""The FSDP2 side `fsdp` (issue #23 item 1: torch_impl/fsdp.py, fsdp_side.py): the plan section and its hash, then end
+"""The FSDP2 side `fsdp` (torch_impl/fsdp.py, fsdp_side.py): the plan section and its hash, then end
 to end on CPU (gloo): the four sides PASS on the default preset, 2 ranks agree with 1 rank and with the other sides at
 the fp32 tolerances, a bf16 + CPUOffloadPolicy + accumulation run resumes bit for bit from its DCP checkpoint, and a
 killed rank is reported by its rank."""

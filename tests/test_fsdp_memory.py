@@ -1,4 +1,4 @@
-"""parity.sizing.fsdp_memory: the FSDP2 side's memory model (issue #23 item 3): the formulas, `estimate`'s and
+"""parity.sizing.fsdp_memory: the FSDP2 side's memory model: the formulas, `estimate`'s and
 `parity estimate`'s fsdp figures, predicted vs measured in the report's rows, and one worker run of 1 rank with and
 without CPUOffloadPolicy measured against the model (exact on params, gradients and optimizer moments)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FSDP2 in the plan pairs (issue #23 item 2): the pairs that keep the same state in the same places on all three
+"""FSDP2 in the plan pairs: the pairs that keep the same state in the same places on all three
 engines, ZeRO-3 <-> JAX zero_stage 3 <-> fully_shard (`zero3`) and ZeRO-3 with params and optimizer on the host <->
 JAX scan-offload <-> fully_shard + CPUOffloadPolicy (`scan-offload`), each PASSing jax~deepspeed~fsdp on 1 rank and
 the FSDP2 side on 2 ranks against the 1-rank sides at the project's fp32 tolerances."""

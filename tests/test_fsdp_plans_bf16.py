@@ -1,4 +1,4 @@
-"""The FSDP2 plan pairs of tests/test_fsdp_plans.py in bf16: jax~deepspeed~fsdp by the noise envelope (#23 item 2).
+"""The FSDP2 plan pairs of tests/test_fsdp_plans.py in bf16: jax~deepspeed~fsdp by the noise envelope.
 
 A file of its own so that pytest-xdist's loadfile puts these compares on another worker than the fp32 ones."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The FSDP2 plan pairs in bf16 on two ranks: jax~deepspeed~fsdp by the noise envelope, every side and its
-perturbed rerun under torchrun / jax.distributed with 2 processes (#23 item 2: "each pair ... by the envelope in
-bf16", with 1 and 2 ranks). One rank is tests/test_fsdp_plans_bf16.py. A file of its own so that pytest-xdist's
+perturbed rerun under torchrun / jax.distributed with 2 processes (each pair by the envelope in
+bf16, with 1 and 2 ranks). One rank is tests/test_fsdp_plans_bf16.py. A file of its own so that pytest-xdist's
 loadfile puts these compares on another worker than the one-rank ones."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The planted FSDP2 bugs (issue #23 item 4, parity.protocol.layout.FSDP_PLANT_KEYS), each FAILing a torch-vs-fsdp
+"""The planted FSDP2 bugs (parity.protocol.layout.FSDP_PLANT_KEYS), each FAILing a torch-vs-fsdp
 compare naming its check, the same settings without a plant PASSing, and both refused where they cannot show:
 fsdp_reduce_dtype_low (gradients reduce-scattered in bfloat16 in an fp32 run: the semantics card's dtypes.grads at
 step 0) and fsdp_shard_unsynced (rank 1's shard of h.0.attn.qkv.weight never updated: loss at step 2, the first step

@@ -2,7 +2,7 @@
 interface (parity/report/trackers.py), on real gpt2-tiny runs built once per session: `real_runs` (a baseline whose
 determinism rerun proves both sides bit-identical, a rerun of the same command gated against it, and a run with
 train.lr 1e-3 -> 1.1e-3 gated against it) and `change_runs` (weight decay 0.1 -> 0.11, the exact-erf GELU: the
-quoted cases of issue #18 item 3)."""
+cases a user quoted)."""
 from __future__ import annotations
 
 import atexit
@@ -205,14 +205,14 @@ def test_a_card_is_a_baseline(tmp_path):
     load_baseline(bad)
 
 
-# ------------------------------------------------------------------ issue #18 item 3: the gate sees real changes
+# ------------------------------------------------------------------------------- the gate sees real changes
 
 
 @needs_runs
 @pytest.mark.parametrize("name, key", [("wd", "train.weight_decay 0.1 -> 0.11"),
                                        ("gelu", "model.gelu_approximate True -> False")])
 def test_parity_check_fails_a_changed_weight_decay_or_gelu_form(name, key, capsys):
-  """Issue #18 item 3: `parity check NEW BASELINE` on fp32, same machine and versions, passed weight decay 0.1 ->
+  """A reported defect: `parity check NEW BASELINE` on fp32, same machine and versions, passed weight decay 0.1 ->
   0.11 and the GELU form changed ('GATE PASS: every metric within its gate'). A configuration that differs fails,
   naming the key."""
   from parity.cli import main
@@ -305,7 +305,7 @@ def test_every_configuration_difference_fails_naming_it():
 @needs_runs
 @pytest.mark.parametrize("with_config", [True, False], ids=["card", "card-without-config"])
 def test_a_baseline_of_another_precision_never_passes(tmp_path, with_config):
-  """Issue #18 item 3: an fp32 run gated against a bf16 card passed with the bf16 band, and still passed with beta2
+  """A reported defect: an fp32 run gated against a bf16 card passed with the bf16 band, and still passed with beta2
   or weight decay changed. The precision (and each changed key) is a configuration difference: GATE FAIL. A card
   written before cards kept their configuration is held on its precision and config hash."""
   from parity.history.gate import check_against
@@ -354,7 +354,7 @@ def test_a_card_baseline_holds_a_rerun_bit_for_bit():
 
 @needs_runs
 def test_comparison_banner_is_not_green_when_a_run_failed_its_gate(tmp_path):
-  """Issue #18 item 7: the comparison page read green '3 of 3 runs hold parity' while the lr run had failed its gate
+  """A reported defect: the comparison page read green '3 of 3 runs hold parity' while the lr run had failed its gate
   against the first run. The banner names the run and is not 'pass'."""
   from parity.history.gate import read_gate
   from parity.history.comparison import comparison_html, comparison_markdown, load_runs
@@ -520,7 +520,7 @@ def test_print_gate_prints_brackets_as_written():
     assert text in out, text
 
 
-# ---------------------------------------------------------- issue #18 item 3 (breaker): threads, unfinished, null
+# ------------------------------------------------------------------------------- threads, unfinished, null
 
 
 def _bitwise_snap(source: str, threads, **kw):
@@ -658,7 +658,7 @@ def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
 
 
 def test_the_gate_stands_on_no_comparison_page_and_the_report_on_no_history():
-  """Issue #19 item 6: the history of runs (parity.history) stands on one run's report (parity.report), never the
+  """The history of runs (parity.history) stands on one run's report (parity.report), never the
   other way round, and the gate (gate, gates, bands, gate_rows, snapshot) imports nothing of the multi-run page:
   the page uses the gate (read_gate). A planted import the other way is found."""
   graph = _imports_of(Path(__file__).resolve().parents[1])
@@ -759,7 +759,7 @@ def test_version_notes_say_same_only_when_something_was_compared():
   assert "jax 0.1 -> 0.2" in version_notes({"jax": "0.2"}, {"jax": "0.1"})[0]
 
 
-# ------------------------------------------------------------------ issue #22 item 4: numerics flags
+# ------------------------------------------------------------------------------- numerics flags
 
 
 FLAGS = {"XLA_FLAGS --xla_gpu_enable_pipelined_host_offloading": None, "JAX_REMAT3": None,

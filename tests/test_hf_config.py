@@ -469,7 +469,7 @@ def test_run_spec_from_hf_takes_every_family(name, tmp_path):
   assert all(np.array_equal(got[k], params[k]) for k in params)              # applied, not a context limit
 
 
-# ----------------------------------------------------------------------------- config.json value types (breaker #4, #7)
+# ----------------------------------------------------------------------------- config.json value types
 
 QWEN3_TINY = {**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "head_dim": 8}
 GEMMA2_TINY = {**GEMMA_TINY, "architectures": ["Gemma2ForCausalLM"]}

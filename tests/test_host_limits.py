@@ -1,4 +1,4 @@
-"""Host limits (issue #22 item 4): XLA's pinned-host pool, the cgroup limit and MemAvailable, torch's pinned rounding
+"""Host limits: XLA's pinned-host pool, the cgroup limit and MemAvailable, torch's pinned rounding
 (parity.sizing.host_limits), and where they act: the planner, the resource check, the JAX worker's environment, the
 numerics flags. Pure Python on fake files and environments; no framework is imported or started."""
 from __future__ import annotations
@@ -193,7 +193,7 @@ def test_pin_memory_costs_deepspeeds_host_bytes_as_torch_pins_them():
 
 
 def test_parity_plan_states_the_requirement_and_the_pool_setting(capsys, monkeypatch):
-  """Issue #22's Done-when: `parity plan --model llama-7b --device-memory 80GB` states the pinned-host requirement
+  """The target: `parity plan --model llama-7b --device-memory 80GB` states the pinned-host requirement
   and the pool setting it will use; a user's value is kept and said so; a bad one exits 2 naming the variable."""
   from parity.cli import main
   monkeypatch.delenv(VAR, raising=False)

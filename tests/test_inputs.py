@@ -1,4 +1,4 @@
-"""Issue #11 items 9 and 10: every input that reaches a parser is refused by name with exit 2 (no traceback, no
+"""Every input that reaches a parser is refused by name with exit 2 (no traceback, no
 hang, no allocation), and user paths resolve as users expect (relative to the cwd, or to the config file)."""
 from __future__ import annotations
 
@@ -278,7 +278,7 @@ def test_report_missing_a_section_is_refused_by_name(tmp_path, capsys, section):
 
 def test_report_with_all_sections_but_no_records_is_unverified(tmp_path, capsys):
   """The four sections load_report needs and nothing else (a forged minimal report saying PASS): readable, so not
-  exit 2, but UNVERIFIED (exit 1), never PASS (issue #18 item 4; real folders in test_report_verify.py)."""
+  exit 2, but UNVERIFIED (exit 1), never PASS (real folders in test_report_verify.py)."""
   code, err = _main(["report", str(_report(tmp_path))], capsys)
   assert code == 1 and "UNVERIFIED" in err and "records no 'artifacts'" in err
 

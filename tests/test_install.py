@@ -1,4 +1,4 @@
-"""Installs that fit a GPU node (issue #13 item 2): ranges in pyproject.toml, the measured versions in
+"""Installs that fit a GPU node: ranges in pyproject.toml, the measured versions in
 constraints.txt, CI and the README installing with them. Reads files and package metadata only (no pip run: the
 install itself is shown in docs/install.md)."""
 from __future__ import annotations

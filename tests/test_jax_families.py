@@ -1,4 +1,4 @@
-"""jax_impl on the model families of issue #21 (Llama 3 rope, Qwen2/3, Gemma 2/3, Mistral windows), in process.
+"""jax_impl on the newer model families (Llama 3 rope, Qwen2/3, Gemma 2/3, Mistral windows), in process.
 
 Checked: the rotary tables are `parity.architecture.rope_tables` and, for plain rotary, bitwise the float64 recipe
 jax_impl used before; a default spec's computation is untouched by the new fields at neutral values (a window
@@ -78,7 +78,7 @@ def loss_and_grads(spec, c, tok, *, scan=False, dtype=jnp.float32, remat="none")
 
 def test_plain_rope_tables_are_the_old_float64_recipe_bitwise():
   for t, h, theta in ((128, 8, 10000.0), (40, 16, 500000.0), (7, 64, 1e6)):
-    inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))  # jax_impl's recipe before issue #21
+    inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))  # jax_impl's recipe before the family fields
     ang = np.outer(np.arange(t, dtype=np.float64), inv)
     ang = np.concatenate([ang, ang], axis=-1)
     cos, sin = layers.rope_tables(t, h, theta)

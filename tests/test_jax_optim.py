@@ -186,7 +186,7 @@ def test_optimizer_state_is_float32():
 
 @pytest.mark.parametrize("kind", ["adamw", "adam", "lamb", "sgd"])
 def test_port_verify_and_compare_share_one_factory_and_one_clip(kind):
-  """Issue #12 item 3: `parity port --verify` builds its optimizer with jax_impl.optim (the one clip transform,
+  """`parity port --verify` builds its optimizer with jax_impl.optim (the one clip transform,
   which records the pre-clip norm, and optimizer_update); port_verify defines no clip or state class of its own,
   and its update equals the compare chain's (`make_optimizer`) bit for bit on the same spec."""
   import inspect

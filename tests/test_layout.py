@@ -285,8 +285,8 @@ def table_violations() -> list[str]:
 
 def local_own_imports(root: Path = ROOT) -> list[str]:
   """Every function-local import of the project's own modules (parity, harness, jax_impl, torch_impl) in those
-  packages and benchmarks/, one per statement, as 'path:line name': the figure issue #19 item 4 counts before and
-  after."""
+  packages and benchmarks/, one per statement, as 'path:line name': the figure to count before and
+  after a change."""
   out: dict[str, str] = {}
   for top in (*OWN, "benchmarks"):
     for p in sorted((root / top).rglob("*.py")):

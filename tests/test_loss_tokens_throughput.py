@@ -1,4 +1,4 @@
-"""Loss tokens/s beside tokens/s (issue #20 item 7): the one throughput rule of parity.protocol.layout extended to the
+"""Loss tokens/s beside tokens/s: the one throughput rule of parity.protocol.layout extended to the
 targets that carry the loss, in summary.json, the report's tables, the terminal table's columns and card.json.
 In-process (no worker starts)."""
 from __future__ import annotations

@@ -137,7 +137,7 @@ def test_predicted_vs_measured_rows():
   rows = measured.predicted_vs_measured(report)
   by = {(r["side"], r["category"], r["memory_kind"]): r for r in rows}
   assert by[("deepspeed", "params", "device")]["ratio"] == 1.0
-  # the JAX side in the categories of the others (issue #18 item 6), measured per state group, exact
+  # the JAX side in the categories of the others, measured per state group, exact
   assert {c for s, c, _ in by if s == "jax"} == {c for s, c, _ in by if s == "deepspeed"}
   assert by[("jax", "params", "device")]["ratio"] == by[("jax", "optimizer_moments", "host")]["ratio"] == 1.0
   grads, acts = by[("jax", "gradients", "device")], by[("jax", "activations", "device")]

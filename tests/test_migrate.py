@@ -55,7 +55,7 @@ EXPECTED = {
     "microsoft__DeepSpeedExamples__Megatron-LM-v1.1.5-ZeRO3__examples__ds_zero_stage_infinity_config.json":
         "zero_optimization.stage3_param_persitence_threshold",
     "microsoft__DeepSpeedExamples__Megatron-LM__scripts__ds_zero2_cpu_offload_config.json": "ported",
-    "microsoft__DeepSpeedExamples__cifar__ds_config.json": "zero_optimization.stage",  # fp16 at stage 0 (issue 18)
+    "microsoft__DeepSpeedExamples__cifar__ds_config.json": "zero_optimization.stage",  # fp16 at stage 0
     "microsoft__DeepSpeedExamples__training__MoQ__test.json": "quantize_training",
     "microsoft__DeepSpeedExamples__training__bing_bert__1-bit_adam__nccl__deepspeed_bsz4k_onebitadam_config_seq128_nccl.json":
         "optimizer.type",  # removed in 0.19.8
@@ -393,7 +393,7 @@ def test_to_run_spec():
   assert spec.train.grad_accum_steps == 2 and spec.train.micro_batch_size == 4
   warm = to_run_spec(_port(_sched("WarmupLR", warmup_num_steps=5)).ported, base)
   assert warm.train.lr_schedule == "WarmupLR" and warm.train.lr_schedule_params["warmup_num_steps"] == 5
-  # OneCycle runs in compare, with and without momentum cycling (issue #12 item 7; it was refused for the cycling)
+  # OneCycle runs in compare, with and without momentum cycling (it was once refused for the cycling)
   for cyc in (True, False):
     one = to_run_spec(_port(_sched("OneCycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_momentum=cyc)).ported, base)
     assert one.train.lr_schedule == "OneCycle" and one.train.lr_schedule_params["cycle_momentum"] is cyc
@@ -431,7 +431,7 @@ def test_ported_yaml_runs_as_a_compare_config(tmp_path):
   assert spec.model == PRESETS["gpt2-tiny"].model
 
 
-# ----------------------------------------------------------------------- issue 18: the port says what DeepSpeed does
+# -------------------------------------------------------------------------------- the port says what DeepSpeed does
 
 FP16 = {"enabled": True, "hysteresis": 2, "loss_scale_window": 4}
 

@@ -64,10 +64,10 @@ def test_verify_against_deepspeed(name):
     assert out.mode == "schedule"  # FusedLamb is CUDA-only: optimizer checked against the numpy reference
   else:
     assert out.mode == "engine" and out.params_max_ulp_ratio <= 1
-  if "fp16" in name:  # issue 18 item 5: fp16 is run, not disabled; scale and skips equal at every step
+  if "fp16" in name:  # fp16 is run, not disabled; scale and skips equal at every step
     skipped = re.search(r"fp16 with (\d+) of \d+ steps skipped on overflow", out.notes[-1])
     assert out.scale_steps == STEPS and skipped and int(skipped.group(1)) > 0, out.notes
-    head = out.summary().splitlines()[0]  # issue 18 item 5.3: what the 30 steps never hit is named, nothing else
+    head = out.summary().splitlines()[0]  # what the 30 steps never hit is named, nothing else
     assert "NOT exercised: fp16.consecutive_hysteresis False" in head and "fp16.min_loss_scale 1.0" in head, head
     assert "fp16.hysteresis" not in head and "loss_scale_window" not in head and "overflow skip" not in head, head
 

@@ -1,4 +1,4 @@
-"""The model level of the `padded` and `packed` layouts (issue #20 items 3, 4, 6), both frameworks, in process:
+"""The model level of the `padded` and `packed` layouts, both frameworks, in process:
 segment-id attention masks, positions restarting per example, per-target loss weights.
 
 Arrays come from parity.dataset.layouts.build_batches on examples of varying lengths (prompt tokens without loss,
@@ -273,7 +273,7 @@ def test_weighted_loss_is_the_reference_formula(name, normalization):
 
 @pytest.mark.parametrize("name", SPECS)
 def test_packed_equals_padded_under_tokens(name):
-  """issue #20 item 5 `packing` at model level: the same examples packed into 4 rows and padded one per row give
+  """`--equivalence packing` at model level: the same examples packed into 4 rows and padded one per row give
   the same `tokens` objective to fp32 rounding, on both frameworks."""
   packed = _batches("packed")
   e = packed.examples_per_step
@@ -284,7 +284,7 @@ def test_packed_equals_padded_under_tokens(name):
     assert abs(got[0] - got[1]) <= LOSS_ATOL
 
 
-# ----------------------------------------------------------------------------- planted bugs (item 6)
+# ----------------------------------------------------------------------------- planted bugs
 
 
 def _plants(name: str, layout: str) -> dict[str, float]:

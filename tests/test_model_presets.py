@@ -1,4 +1,4 @@
-"""The model-family presets of issue #21 item 3: model-size presets (exact published sizes, accepted by `parity
+"""The model-family presets: model-size presets (exact published sizes, accepted by `parity
 estimate` / `parity plan --model`), CPU-size run presets per family, and what the memory and time models make of
 head_dim, GQA, the family norms and soft-caps and 128k-262k vocabularies."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The per-element Adam params rule (parity.verdict.params.param_checks, issue #11 item 2)."""
+"""The per-element Adam params rule (parity.verdict.params.param_checks)."""
 from __future__ import annotations
 
 import numpy as np
@@ -227,7 +227,7 @@ def test_envelope_non_adam_optimizer_keeps_the_per_tensor_rule_and_says_so():
   assert not check.passed and "the optimizer is not Adam" in check.detail
 
 
-# Issue #20: a large vocabulary. Figures of the failing run (gpt2-tiny, model.vocab_size=151936, byte ids, 3 steps,
+# A large vocabulary. Figures of the failing run (gpt2-tiny, model.vocab_size=151936, byte ids, 3 steps,
 # WarmupCosineLR: sum lr 3.33e-4): wte.weight moved 3.34e-4; row 79 (a fed byte) has sqrt(v_hat) RMS 1.93e-3; its
 # element 12 a gradient of 2.96e-7, S_i 1.09e3, |a - b| 1.22e-6; the 151,680 rows never fed have no gradient
 # (untied) or one of ~1e-7 (tied), so the tensor's g_T is 1.5e-4. The old rule allowed 8.3e-7 there (1.47x).
@@ -293,7 +293,7 @@ def test_row_scale_applies_only_to_vocabulary_rows_and_never_tightens():
 
 
 def _drift_element_check(gap: float):
-  """The nproc-2 case of issue #20 (gpt2-small-cpu, ported AdamW wd 0.1, Constant lr 1e-3, 2 steps: the same element
+  """The nproc-2 large-vocabulary case (gpt2-small-cpu, ported AdamW wd 0.1, Constant lr 1e-3, 2 steps: the same element
   fails on 1 rank, so not a rank bug): h.0.mlp.fc.weight moved 2.01e-3, g_T 2.23e-4, the element's gradient 8.3e-7,
   S_i 2.1e3; the measured |a - b| was 5.57e-6 (needs kappa 3.3e-6; 1e-6 allows 4.5e-6, 1.24x). The params Check of
   that element moved by `gap` on one side."""

@@ -1,5 +1,5 @@
 """--perturb reaches the side it names, on every side, with and without --deepspeed-config, or is refused (exit 2)
-naming the key and why (issue #18 item 1); the run folder keeps the DeepSpeed config and says which tokens ran
+naming the key and why; the run folder keeps the DeepSpeed config and says which tokens ran
 (item 8). In-process: resolve_run + prepare_run_dir + SideIO (what a worker reads) + the DeepSpeed config builder;
 one real run proves the DeepSpeed side trained the perturbed lr."""
 from __future__ import annotations

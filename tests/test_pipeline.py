@@ -1,4 +1,4 @@
-"""Issue #12 items 2 and 4: the short pipeline (resolve -> folder -> sides -> collect -> compare -> reruns -> report)
+"""The short pipeline (resolve -> folder -> sides -> collect -> compare -> reruns -> report)
 and the worker contract split by its two ends (layout / control / worker side, one worker registry).
 
 The pipeline tests run the real pipeline with a fake `run_side` (no framework: each "side" writes the files a worker
@@ -128,7 +128,7 @@ def test_the_pipeline_takes_the_after_report_step_from_its_caller(tmp_path, fake
 
 
 def test_compare_states_no_option_of_its_own(tmp_path, fake_sides):
-  """Issue #19 item 5: compare(preset, **keywords) maps its keywords onto resolve_run's parameters (what is run) and
+  """compare(preset, **keywords) maps its keywords onto resolve_run's parameters (what is run) and
   RunOptions' fields (how), by their names; it restates none, and an unknown keyword is a TypeError naming it, the
   closest valid name and both lists, before anything runs."""
   import inspect
@@ -240,7 +240,7 @@ PIPELINE_FILES = ["parity/pipeline/compare.py", "parity/pipeline/reruns.py", "pa
 
 @pytest.mark.parametrize("path", PIPELINE_FILES)
 def test_pipeline_files_and_functions_are_short(path):
-  """Issue #12 'done when': no function over ~60 lines, no file over ~500, compare() <= ~50 (docstrings not counted)."""
+  """The size targets: no function over ~60 lines, no file over ~500, compare() <= ~50 (docstrings not counted)."""
   p = ROOT / path
   assert len(p.read_text().splitlines()) <= 500, path
   long = {name: n for name, n in _functions(p) if n > (50 if name in ("compare", "run_comparison") else 60)}

@@ -1,4 +1,4 @@
-"""placement.json (issue #22 items 1, 2 and 5): the GPU HLO transfer parser on a hand-written XLA:GPU module, the
+"""placement.json: the GPU HLO transfer parser on a hand-written XLA:GPU module, the
 mismatch rules, the one-side 'placement' check and how collect and the report carry it, the planted mismatch's
 refusals, and one end-to-end `parity compare` with the plant FAILing naming the class. The placement of every JAX
 plan from its compiled program: tests/test_placement_plans*.py."""

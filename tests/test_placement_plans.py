@@ -1,6 +1,6 @@
 """Every JAX plan of parity.sizing.plans.PLANS, compiled: where its step keeps params, optimizer state and the remat
 policy's residuals (jax_impl.placement.placement_record), asserted from the compiled program, so a JAX upgrade that
-changes a plan's placement or an offload policy's meaning fails (issue #22 items 2 and 5). The plans without
+changes a plan's placement or an offload policy's meaning fails. The plans without
 scan_layers or an offload policy are here, the others in test_placement_plans_scan.py (tests/placement_cases.py)."""
 from __future__ import annotations
 

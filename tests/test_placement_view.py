@@ -1,4 +1,4 @@
-"""The placement and transfers section of report.md / report.html (issue #22; parity/report/placement_view.py,
+"""The placement and transfers section of report.md / report.html (parity/report/placement_view.py,
 placement_strip.py): read from fixture files written to the schemas of SCHEMA.md (tests/golden/placement: a CPU
 placement without transfers, a GPU-like one with 3 copies, a mismatch, a DeepSpeed transfers block, a corrupt file),
 rendered, stored in report.json, re-rendered by `parity report` and re-verified."""

@@ -56,7 +56,7 @@ def test_planner_7b_on_one_80gb_device_picks_a_plan_that_fits():
 
 
 def test_planner_7b_on_one_80gb_device_fits_both_sides_by_streaming_the_jax_update():
-  """Issue #4: llama-7b, one 80 GB device, 512 GB host, both sides. The plain JAX update brings all 50 GiB of
+  """llama-7b, one 80 GB device, 512 GB host, both sides. The plain JAX update brings all 50 GiB of
   fp32 Adam moments to the device at once, so every unstreamed pair fails on the JAX side. Streaming the
   moments alone (zero2-offload-scan) still fails: the params stay on the device, and the streamed update's
   new layer stack sits beside them, as does the bf16 compute copy in the forward pass. With the params on the

@@ -1,4 +1,4 @@
-"""Planted data bugs as `--perturb SIDE:KEY=true` (issue #20 item 6; parity.protocol.layout.PLANT_KEYS,
+"""Planted data bugs as `--perturb SIDE:KEY=true` (parity.protocol.layout.PLANT_KEYS,
 docs/data-examples.md "Planted bugs").
 
 In process: the keys parse; a plant that cannot have an effect is refused with its reason (stream layout, padded

@@ -1,4 +1,4 @@
-"""`parity port` accepts exactly what the installed DeepSpeed accepts (issue #11 item 4).
+"""`parity port` accepts exactly what the installed DeepSpeed accepts.
 
 For every real-world config (tests/data/realworld/ds_configs) and a set of crafted edge configs, the
 port's decision "DeepSpeed would refuse this" (`Report.deepspeed_refusals`) is checked against the installed

@@ -1,4 +1,4 @@
-"""A port is a run spec plus what compare cannot run yet (issue #12 item 3): the ported config's `jax:` section is
+"""A port is a run spec plus what compare cannot run yet: the ported config's `jax:` section is
 exactly parity.spec.JaxPlan's fields, `not_runnable_by_compare:` names the rest, and one DeepSpeed-JSON builder
 (parity.numerics.ds_json) serves the DeepSpeed side and the reverse port."""
 from __future__ import annotations

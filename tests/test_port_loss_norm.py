@@ -1,5 +1,5 @@
-"""`parity port` records the loss normalisation a DeepSpeed job implies, as far as the config tells (issue #20
-item 4): one micro batch per step on one rank makes 'tokens' and 'micro_mean' one loss; "auto" values name the HF
+"""`parity port` records the loss normalisation a DeepSpeed job implies, as far as the config tells:
+one micro batch per step on one rank makes 'tokens' and 'micro_mean' one loss; "auto" values name the HF
 Trainer (its version decides); otherwise the script decides. In-process, no jax/torch."""
 from __future__ import annotations
 

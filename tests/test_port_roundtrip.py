@@ -1,4 +1,4 @@
-"""`parity port --to-deepspeed` writes what its report says it writes (issue #18 item 5.1, 5.2).
+"""`parity port --to-deepspeed` writes what its report says it writes.
 
 Every real config is ported, then written back (to_deepspeed): each report row that names a target holds a key of the
 file written, and a source without an optimizer / scheduler section (a client optimizer, e.g. the HF Trainer's) gets

@@ -1,4 +1,4 @@
-"""`parity port --verify` names every fp16 loss-scale behaviour its run never hit (issue #18 item 5.3).
+"""`parity port --verify` names every fp16 loss-scale behaviour its run never hit.
 
 In process: `loss_scale_not_exercised` replays the run's own gradient draws (the seeded draws both sides make) with
 neighbouring settings; no subprocess runs here.

@@ -1,4 +1,4 @@
-"""Process lifetime and DeepSpeed op builds (issue #11 items 7 and 8).
+"""Process lifetime and DeepSpeed op builds.
 
 7: no worker outlives the `parity` process (kill -9 included), its pipe, or its own deadline.
 8: a stale op-build lock is detected and removed, a live one is waited on (and removed when its builder dies),
@@ -333,7 +333,7 @@ def test_build_ops_refuses_an_extensions_dir_that_is_a_file(tmp_path):
   assert "Traceback" not in proc.stderr
 
 
-# ----------------------------------------------------------------------------- issue 18 item 9: stopping parity itself
+# ----------------------------------------------------------------------------------------- stopping parity itself
 def _compare(out: Path, *extra: str) -> subprocess.Popen:
   """`parity compare` of gpt2-tiny, 4 steps, the jax side only, no reruns: the shortest real run."""
   return subprocess.Popen([sys.executable, "-m", "parity.cli", "compare", "--preset", "gpt2-tiny", "--steps", "4",

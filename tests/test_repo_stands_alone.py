@@ -5,13 +5,15 @@ reader to the folder around a checkout (`../shared`, `shared/NUMERICS.md`, ...) 
 (`issue #31`, `issue 31`, `#31`, `pre-#18`): facts they need live in the repository (docs/numerics.md,
 docs/install.md), and the real DeepSpeed configs the port tests read are in tests/data/realworld/ds_configs with
 their sources (SOURCES.md there). Upstream pull requests (`openxla/xla PR #37979`) and CSS colours (`color:#555`)
-are not issue references.
+are not issue references. Every tracked text file outside tests/data (the tests and benchmarks included) is held to
+the same rule, and to no tracker's completion notes (`done-when`).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,7 @@ OUTSIDE = [
     # '#31', 'pre-#18', '(#20)': not a CSS colour (':#555', '"#555"'), an anchor ('##'), an entity ('&#38;') or an
     # upstream pull request ('PR #37979', 'PRs #38937, #38939': five digits, and the prefix)
     ("an issue reference", re.compile(r"(?<![\w&#/:\"'=])(?<!PR )(?<!PRs )#\d{1,3}\b")),
+    ("a tracker's completion note", re.compile(r"\bdone-when\b", re.IGNORECASE)),
 ]
 
 
@@ -39,6 +42,26 @@ def scanned_files() -> list[Path]:
               and "__pycache__" not in p.parts]
   files += list((ROOT / "benchmarks").rglob("*.md"))
   return sorted(files)
+
+
+def tracked_text_files() -> list[Path]:
+  """Every file git tracks outside tests/data that reads as text (no NUL byte), this file excepted: its docstring and
+  planted lines name what it forbids. Without git (an unpacked archive), every file under the root but hidden folders,
+  virtual environments and caches."""
+  try:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    paths = [ROOT / p for p in out.decode().split("\0") if p]
+  except (OSError, subprocess.SubprocessError):
+    paths = [p for p in ROOT.rglob("*") if not any(part.startswith(".") or part in ("__pycache__", "build", "dist")
+                                                   for part in p.relative_to(ROOT).parts)]
+  data = ROOT / "tests" / "data"
+  keep = []
+  for p in paths:
+    if not p.is_file() or p == Path(__file__).resolve() or p.is_relative_to(data):
+      continue
+    if b"\0" not in p.read_bytes()[:8192]:
+      keep.append(p)
+  return sorted(keep)
 
 
 def offences(text: str) -> list[tuple[int, str, str]]:
@@ -58,10 +81,23 @@ def test_docs_and_code_point_at_nothing_outside_the_repository():
   assert not bad, "references outside the repository:\n" + "\n".join(bad)
 
 
+def test_no_tracked_file_outside_tests_data_names_an_issue_or_a_completion_note():
+  """The tests, benchmarks and their results too: a test's docstring says what it checks, not which ticket asked."""
+  files = tracked_text_files()
+  names = {f.relative_to(ROOT).as_posix() for f in files}
+  assert len(files) > 400 and {"tests/test_docs.py", "benchmarks/masked_step.py", "README.md"} <= names
+  assert not any(n.startswith("tests/data/") for n in names) and f"tests/{Path(__file__).name}" not in names
+  bad = [f"{f.relative_to(ROOT).as_posix()}:{n}: {what}: {hit!r}"
+         for f in files for n, what, hit in offences(f.read_text(errors="replace"))]
+  assert not bad, "issue references or completion notes:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("line", [
     "see ../shared/NUMERICS.md", "(shared/NUMERICS.md)", "configs in `../shared/realworld`", "shared/GPU.md",
     "the GPU check issue #4 still owes", "issue 31 asks", "Issue #20 item 6:", "issues #22 and #23", "(#31)",
     "a pre-#18 report", "one per issue-#21 family", "see #7.",
+    "(issue #20, done-when: >= 0.95x the tokens/s of stream)", "the rule before issue #11", "Issue #22's Done-when:",
+    "# issue 18 item 9: paths the user gives", "(#23 item 2)", "the done-when of the benchmark",
 ])
 def test_a_planted_reference_is_caught(line):
   assert offences(line), line

@@ -1,5 +1,5 @@
 """report.html as a person sees it: rendered by headless Chromium (Debian's `chromium`), no console errors, every
-plot drawn, the verdict sentence on screen, a screenshot saved (issue #14). Skipped, saying so, where Chromium is
+plot drawn, the verdict sentence on screen, a screenshot saved. Skipped, saying so, where Chromium is
 not installed (.ci/run installs it where it can)."""
 from __future__ import annotations
 

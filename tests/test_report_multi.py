@@ -145,7 +145,7 @@ def test_comparison_page_in_a_browser(tmp_path):
   assert r.returncode == 0 and browser.console_errors(r.stderr) == [], r.stderr[-2000:]
   banner = re.search(r'id="verdict"><strong>(.*?)</strong>', r.stdout)
   assert banner and banner.group(1) == "3 of 3 runs hold parity. Failed the regression gate against its baseline " \
-                                       "(gate.md): lr."  # the lr run failed its gate against base (issue #18 item 7)
+                                       "(gate.md): lr."  # the lr run failed its gate against base
   figures = re.findall(r'<figure data-plot="(\w+)">(.*?)</figure>', r.stdout, flags=re.S)
   assert [k for k, _ in figures] == ["max_dloss", "final_loss", "tokens_per_s", "step_time_s_median",
                                      "peak_rss_bytes", "loss_curves"]

@@ -1,5 +1,5 @@
 """report.html, report.md (+ PNGs) and card.json of a real small run (gpt2-tiny, 3 steps, jax and torch), and the
-wording a reviewer reads (issue #14)."""
+wording a reviewer reads."""
 from __future__ import annotations
 
 import copy
@@ -187,7 +187,7 @@ def test_identical_curves_are_said_to_coincide_and_titles_wrap_at_words():
   plots.to_png(fig)
 
 
-# ---------------------------------------------------------------- issue #18 items 6-7: like with like, true labels
+# ------------------------------------------------------------------------------ like with like, true labels
 # Synthetic report.json data, built with the real contract code (the RunSpec, the verdict's own checks, the memory
 # model): each quoted case of the issue, without running a side.
 
@@ -245,7 +245,7 @@ def _envelope(d: dict, a: str, b: str, value: float, bound: float) -> dict:
 
 
 def test_memory_bars_carry_the_same_categories_on_every_side_and_say_what_is_not_measured():
-  """Issue #18 item 6: JAX was one 'state' bar with no gradients or activations, the others had them."""
+  """A reported defect: JAX was one 'state' bar with no gradients or activations, the others had them."""
   from parity.report import side_table
   from parity.report import plots
   d = _synthetic()
@@ -278,7 +278,7 @@ def test_memory_bars_carry_the_same_categories_on_every_side_and_say_what_is_not
 
 
 def test_the_terminal_gives_jax_bytes_and_the_throughput_caveat():
-  """Issue #18 item 6: the terminal showed 'params on device' for JAX and tokens/s with no caveat."""
+  """A reported defect: the terminal showed 'params on device' for JAX and tokens/s with no caveat."""
   from rich.console import Console
   from parity.cli.compare import print_summary
   from parity.report.build import Report
@@ -291,7 +291,7 @@ def test_the_terminal_gives_jax_bytes_and_the_throughput_caveat():
 
 
 def test_a_checkpoint_run_is_titled_by_the_checkpoint_on_every_page(tmp_path):
-  """Issue #18 item 7: an --hf-model LLaMA run was titled 'gpt2-tiny' in report.html, report.md and card.json."""
+  """A reported defect: an --hf-model LLaMA run was titled 'gpt2-tiny' in report.html, report.md and card.json."""
   from parity.report import cells, headline
   from parity.report.build import checkpoint_record
   from parity.report.card import make_card
@@ -318,7 +318,7 @@ def test_a_checkpoint_run_is_titled_by_the_checkpoint_on_every_page(tmp_path):
 
 
 def test_a_bf16_pass_quotes_the_envelope_bound_that_decided():
-  """Issue #18 item 7: the bf16 PASS sentence quoted the per-step loss bound 0.02, which does not gate."""
+  """A reported defect: the bf16 PASS sentence quoted the per-step loss bound 0.02, which does not gate."""
   from parity.report import headline
   d = _synthetic("bf16")
   d["checks"] += [_envelope(d, "jax", "torch", 1.1e-4, 1.88e-3), _envelope(d, "jax", "deepspeed", 7.5e-5, 1.6e-3)]
@@ -332,7 +332,7 @@ def test_a_bf16_pass_quotes_the_envelope_bound_that_decided():
 
 
 def test_the_params_label_says_what_its_value_is_under_each_rule():
-  """Issue #18 item 7: under the per-tensor rule the params value is a ratio, labelled 'element abs Δ'."""
+  """A reported defect: under the per-tensor rule the params value is a ratio, labelled 'element abs Δ'."""
   from parity.report import check_table
   d = _synthetic("bf16")
   tols = d["tolerances"]["bf16"]
@@ -353,7 +353,7 @@ def test_the_params_label_says_what_its_value_is_under_each_rule():
 
 
 def test_the_lr_source_names_the_schedule_that_ran_and_updates_say_why_steps_were_not_counted():
-  """Issue #18 item 7: a WarmupLR run's lr source named WarmupCosineLR; 'updates 198 of 200' gave no reason."""
+  """A reported defect: a WarmupLR run's lr source named WarmupCosineLR; 'updates 198 of 200' gave no reason."""
   from parity.report import check_table
   d = _synthetic(overrides=["train.lr_schedule=WarmupLR", 'train.lr_schedule_params={"warmup_min_lr": 0.0, '
                             '"warmup_max_lr": 1e-3, "warmup_num_steps": 3}'])
@@ -407,7 +407,7 @@ def test_details_say_what_their_figures_are_and_a_mended_write_error_is_not_repe
 
 
 def test_throughput_uses_one_warmup_rule_and_tokens_per_s_is_tokens_over_that_median(tmp_path):
-  """Issue #18 (reportfix 1): report.md said median 0.005065 s/step beside 28,831 tokens/s (= 128 / 0.00444, the
+  """A reported defect: report.md said median 0.005065 s/step beside 28,831 tokens/s (= 128 / 0.00444, the
   summary's median, which left out two steps while the report left out one); the card paired them the same way."""
   from parity.protocol.layout import step_time_median, warm_step_times, warmup_steps_left_out
   from parity.report import side_table
@@ -466,7 +466,7 @@ def _stopped(d: dict, side: str, n: int, status: str, error: str, traceback: str
 
 
 def test_a_killed_side_is_blamed_for_no_update_not_the_configured_steps():
-  """Issue #18 (reportfix 2): kill -9 of JAX after step 1 of 4 read 'lr was 0 on all 1 steps ... run more steps
+  """A reported defect: kill -9 of JAX after step 1 of 4 read 'lr was 0 on all 1 steps ... run more steps
   than the warmup (train.steps > 2 ...)', advice for a run configured too short, not for a side that stopped."""
   from parity.report import headline
   from parity.verdict.steps import updates_check
@@ -483,7 +483,7 @@ def test_a_killed_side_is_blamed_for_no_update_not_the_configured_steps():
 
 
 def test_a_crashed_side_names_its_error_in_the_verdict():
-  """Issue #18 (reportfix 2): a full disk read 'FAIL: torch stopped after 4 of 4 steps (crashed)'; the cause was in
+  """A reported defect: a full disk read 'FAIL: torch stopped after 4 of 4 steps (crashed)'; the cause was in
   the side's summary only."""
   from parity.report import headline
   tb = ('Traceback (most recent call last):\n  File "/r/parity/protocol/side.py", line 273, in finish\n'
@@ -504,7 +504,7 @@ def test_a_crashed_side_names_its_error_in_the_verdict():
 
 
 def test_an_interrupted_run_plots_without_a_warning_and_none_reaches_the_user(monkeypatch):
-  """Issue #18 (reportfix 3): every interrupted run printed 'parity/report/plots.py:178: UserWarning: Attempting to
+  """A reported defect: every interrupted run printed 'parity/report/plots.py:178: UserWarning: Attempting to
   set identical low and high ylims' (a delta plot with no step both sides ran)."""
   import warnings
   from parity.report import plots as P
@@ -529,7 +529,7 @@ def test_an_interrupted_run_plots_without_a_warning_and_none_reaches_the_user(mo
 
 
 def test_the_terminal_says_each_perturbation_and_whether_it_was_applied():
-  """Issue #18 (reportfix 4): a --perturb run's terminal said nothing about its perturbations."""
+  """A reported defect: a --perturb run's terminal said nothing about its perturbations."""
   from rich.console import Console
   from parity.cli.compare import print_summary
   from parity.report.build import Report
@@ -558,7 +558,7 @@ def test_the_terminal_says_each_perturbation_and_whether_it_was_applied():
 
 
 def test_a_re_render_keeps_files_the_user_changed_unless_forced(tmp_path):
-  """Issue #18 (reportfix 5): `parity report RUN` rewrote a user-edited report.md, report.html and loss.png with no
+  """A reported defect: `parity report RUN` rewrote a user-edited report.md, report.html and loss.png with no
   warning."""
   import os
   from parity.report.build import Report

@@ -1,6 +1,6 @@
 """Re-verification of a finished run (parity/report/read.py verify_report, parity/report/reverify.py), behind
-`parity report RUN`, `parity check NEW BASELINE`, `--baseline` and the comparison page (issue #18 items 2, 4 and the
-hashing bullet of 9). Three real gpt2-tiny runs (jax, torch; 4 steps), each built once per session on first use and
+`parity report RUN`, `parity check NEW BASELINE`, `--baseline` and the comparison page (with the
+run folder's hashes). Three real gpt2-tiny runs (jax, torch; 4 steps), each built once per session on first use and
 copied per test before any edit: bf16 (noise envelope, determinism 2 steps, resume at step 1), fp16 (noise envelope)
 and an fp32 run that fails (torch lr +10%)."""
 from __future__ import annotations

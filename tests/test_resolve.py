@@ -1,5 +1,5 @@
 """One resolver (parity.pipeline.resolve.resolve_run): the order the sources apply in, and the defects it removed
-(issue #12: a config's own preset misreported, --hf-model dropping --set model.*, overrides applied twice around
+(a config's own preset misreported, --hf-model dropping --set model.*, overrides applied twice around
 --plan, --deepspeed-config silently beating --set train.*)."""
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_perturb_is_validated_against_the_runs_own_spec():
 
 
 def test_a_deepspeed_config_run_says_its_plans_come_from_that_config(tmp_path):
-  """A report of a --deepspeed-config run said 'memory plan: zero2-offload (default)' (issue #14): the plan
+  """A report of a --deepspeed-config run said 'memory plan: zero2-offload (default)': the plan
   record names the config the port took the plans from."""
   import json as _json
   from parity.pipeline.resolve import resolve_run
@@ -108,7 +108,7 @@ def test_a_deepspeed_config_run_says_its_plans_come_from_that_config(tmp_path):
 
 def test_set_train_seq_len_fits_a_preset_to_a_shorter_checkpoint_context(tmp_path):
   """The checkpoint replaces the model before the overrides apply, and the context check runs after them: a preset
-  whose seq_len exceeds the checkpoint's max_position_embeddings is fixed by --set train.seq_len (breaker #6)."""
+  whose seq_len exceeds the checkpoint's max_position_embeddings is fixed by --set train.seq_len."""
   import dataclasses
   spec = dataclasses.replace(preset("qwen2-tiny").model, max_seq_len=16)
   hf.save_hf_checkpoint(tmp_path, spec, weights.init_params(spec, seed=2))

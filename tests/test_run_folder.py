@@ -1,4 +1,4 @@
-"""The run folder (issue #11 items 1, 3, 5, 6): no file of an earlier run is read as part of a new one, one run per
+"""The run folder: no file of an earlier run is read as part of a new one, one run per
 folder (a lock), nothing of the user's lost (--force moves aside; port/convert never write over their input), and
 the report still written when the disk fails. Fast: no worker runs (run_side is replaced where a rerun is needed)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The semantics card (issue #21 item 4): the framework-free diff and gate, the report's check, and each side's probes
+"""The semantics card: the framework-free diff and gate, the report's check, and each side's probes
 detecting a deliberately wrong object (in process). The process tests (plants FAIL at step 0, no false alarm on a
 3-side run) are in tests/test_semantics_runs.py."""
 from __future__ import annotations
@@ -267,7 +267,7 @@ def test_every_side_decays_what_train_decay_mask_names(mask):
 
 
 FAMILIES = ("llama3-tiny", "qwen2-tiny", "qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "mistral-tiny")
-"""The issue-#21 family run presets (parity.presets)."""
+"""The newer model families' run presets (parity.presets)."""
 LLAMA = ['model.norm="rmsnorm"', 'model.mlp="swiglu"', 'model.position="rope"', "model.bias=false",
          "model.norm_eps=1e-6", "model.n_kv_heads=2"]
 GRID = [(p, None, None, []) for p in ("gpt2-tiny", "gpt2-small-cpu", "gpt2-mini", "sft-tiny")] + [
@@ -346,7 +346,7 @@ def test_torch_card_reads_dropout_and_the_forward_dtype_from_the_module():
   assert items["dropout"] == 0.1 and items["dtypes.master"] == "float32" and items["dtypes.moments"] == "float32"
 
 
-# ------------------------------------------------------------------ one plant per model family (issue #21)
+# ------------------------------------------------------------------ one plant per model family
 FAMILY_PLANTS = [
     ("llama3-tiny", "torch", {"model.rope_scaling": {"rope_type": "linear", "factor": 2.0}}, frozenset(),
      "rotary.per_layer jax=((0.576056, 1.28917e-06, 1.0), (0.576056, 1.28917e-06, 1.0)) "

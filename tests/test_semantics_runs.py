@@ -1,4 +1,4 @@
-"""The semantics card in real compares (issue #21 item 4, process tests): the GELU-form and bias-decay plants FAIL at
+"""The semantics card in real compares (process tests): the GELU-form and bias-decay plants FAIL at
 step 0 on gpt2-tiny naming both values, a differing side stops before step 1 unless --train-anyway-on-card-diff, and
 a clean three-side run has no false alarm, and a model-family plant (gemma2-tiny's attention soft-cap on one side) FAILs
 at step 0 (each compare run once, module-scoped, as tests/test_plants.py does)."""
@@ -19,7 +19,7 @@ RUNS = {"gelu": ["--perturb", "jax:model.gelu_approximate=false"],
         "clean": []}
 FAMILY_RUN = ["--preset", "gemma2-tiny", "--sides", "jax,torch", "--steps", "2",
               "--perturb", "torch:model.attn_softcap=50.0"]
-"""A model-family plant (issue #21): the attention soft-cap of one side, 50 where the preset has 2."""
+"""A model-family plant: the attention soft-cap of one side, 50 where the preset has 2."""
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

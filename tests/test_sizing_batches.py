@@ -1,4 +1,4 @@
-"""The batch in the memory model, the resource check and the planner (issue #20 item 7): token ids in their stored
+"""The batch in the memory model, the resource check and the planner: token ids in their stored
 dtype (uint16 / uint32 by vocabulary), the mask arrays of padded/packed runs with each side's dtypes, the attention
 mask, the run folder's example arrays, and the padding fraction. In-process, closed-form figures."""
 from __future__ import annotations

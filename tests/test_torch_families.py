@@ -1,4 +1,4 @@
-"""The issue-#21 model-family fields on the PyTorch side (torch_impl.layers / torch_impl.model), in process.
+"""The newer model-family fields on the PyTorch side (torch_impl.layers / torch_impl.model), in process.
 
 Checked: a spec with the family fields spelled out at their defaults is the spec of before bit for bit, and the
 stream layout of a full layer still calls SDPA with is_causal and no mask; the rotary tables are the shared numpy

@@ -8,7 +8,7 @@ from benchmarks.gpu_parts.common import peak_flops
 
 GiB = 2**30
 PUBLISHED_KEPT = "18-42 %"
-"""Tokens/s kept with full optimizer-state offload over PCIe in published results (the range issue #13 quotes)."""
+"""Tokens/s kept with full optimizer-state offload over PCIe in published results (the quoted range)."""
 
 
 def _num(x: Any, fmt: str = ".3g", unit: str = "") -> str:
