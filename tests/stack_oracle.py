@@ -4,8 +4,9 @@ replays the same job from the config's port.
 
     python -m tests.stack_oracle REQUEST.json OUT.json
 
-REQUEST: {"cases": {name: {"config": <DeepSpeed JSON as published>, "replay": bool, "plant_mask": mask | null}},
-"train": {micro, grad_accum, steps, seq_len, lr, beta1, beta2, eps, weight_decay, max_grad_norm, warmup_steps}}.
+REQUEST: {"cases": {name: {"config": <DeepSpeed JSON as published>, "replay": bool, "plant_mask": mask | null,
+"train": {the keys below this case sets otherwise}}}, "train": {micro, grad_accum, steps, seq_len, lr, beta1, beta2,
+eps, weight_decay, max_grad_norm, warmup_steps, fp16}} (fp16: TrainingArguments.fp16, and the replay's precision).
 Per case OUT holds what the Trainer built and ran (`hf`: wrapper, optimizer class, adamw_mode, its param groups as
 canonical names with their hyperparameters, the loss of each step as the Trainer logged it) and, with `replay`, what
 parity's DeepSpeed side built and ran from `parity.migrate` port of the config under --stack hf-trainer (`parity`:
@@ -79,7 +80,8 @@ def hf_case(config: dict, t: dict, tmp: Path) -> tuple[dict, np.ndarray, Path]:
   spec = spec_from_hf_config(json.loads((tmp / "init" / "config.json").read_text()))
   hf_to_canon = {h: r.canonical for r in hf_rules(spec, "llama") for h in r.hf}
   rng = np.random.default_rng(1)
-  rows = rng.integers(0, LLAMA["vocab_size"], size=(64, t["seq_len"] + 1))
+  n = max(64, t["steps"] * t["micro"] * t["grad_accum"])  # one row per sequence drawn: no epoch repeats a batch
+  rows = rng.integers(0, LLAMA["vocab_size"], size=(n, t["seq_len"] + 1))
   drawn, losses = [], []
 
   def collate(items):
@@ -96,7 +98,7 @@ def hf_case(config: dict, t: dict, tmp: Path) -> tuple[dict, np.ndarray, Path]:
       output_dir=str(tmp / "out"), per_device_train_batch_size=t["micro"], gradient_accumulation_steps=t["grad_accum"],
       max_steps=t["steps"], learning_rate=t["lr"], weight_decay=t["weight_decay"], adam_beta1=t["beta1"],
       adam_beta2=t["beta2"], adam_epsilon=t["eps"], max_grad_norm=t["max_grad_norm"], warmup_steps=t["warmup_steps"],
-      lr_scheduler_type="constant", logging_steps=1,
+      lr_scheduler_type="constant", logging_steps=1, fp16=bool(t.get("fp16")),
       save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
       deepspeed=copy.deepcopy(config))
   trainer = Trainer(model=model, args=args, train_dataset=list(rows), data_collator=collate, callbacks=[Log()])
@@ -136,7 +138,7 @@ def replay(config: dict, t: dict, folder: Path, batches: np.ndarray, mask: str |
       "train.micro_batch_size": t["micro"], "train.grad_accum_steps": t["grad_accum"], "train.steps": t["steps"],
       "train.seq_len": t["seq_len"], "train.lr": t["lr"], "train.beta1": t["beta1"], "train.beta2": t["beta2"],
       "train.eps": t["eps"], "train.weight_decay": t["weight_decay"], "train.grad_clip": t["max_grad_norm"],
-      "train.warmup_steps": max(t["warmup_steps"], 1), "train.precision": "fp32"})
+      "train.warmup_steps": max(t["warmup_steps"], 1), "train.precision": "fp16" if t.get("fp16") else "fp32"})
   base, params = run_spec_from_hf(folder, base)
   spec, ds, result = port_for_compare(copy.deepcopy(config), base, source="oracle", stack="hf-trainer")
   if mask is not None:
@@ -154,14 +156,15 @@ def replay(config: dict, t: dict, folder: Path, batches: np.ndarray, mask: str |
 def main(argv: list[str]) -> int:
   req = json.loads(Path(argv[0]).read_text())
   _env()
-  out, t = {}, req["train"]
+  out = {}
   for name, case in req["cases"].items():
+    t = {**req["train"], **case.get("train", {})}
     with tempfile.TemporaryDirectory() as d:
       try:
         hf, batches, folder = hf_case(case["config"], t, Path(d))
       except Exception as e:  # the Trainer itself refuses the config: the answer for this case
-        msg = str(e).strip().splitlines()
-        out[name] = {"hf": {"error": f"{type(e).__name__}: {msg[0] if msg else ''}"}}
+        msg = " | ".join(line.strip() for line in str(e).strip().splitlines()[:4])  # pydantic: the key is line 2
+        out[name] = {"hf": {"error": f"{type(e).__name__}: {msg}"}}
         _reset()
         continue
       out[name] = {"hf": hf}
