@@ -6,9 +6,11 @@ replays the same job from the config's port.
 
 REQUEST: {"cases": {name: {"config": <DeepSpeed JSON as published>, "replay": bool, "plant_mask": mask | null,
 "train": {the keys below this case sets otherwise}}}, "train": {micro, grad_accum, steps, seq_len, lr, beta1, beta2,
-eps, weight_decay, max_grad_norm, warmup_steps, fp16}} (fp16: TrainingArguments.fp16, and the replay's precision).
-Per case OUT holds what the Trainer built and ran (`hf`: wrapper, optimizer class, adamw_mode, its param groups as
-canonical names with their hyperparameters, the loss of each step as the Trainer logged it) and, with `replay`, what
+eps, weight_decay, max_grad_norm, warmup_steps, fp16, bf16}} (fp16, bf16: the TrainingArguments', and the replay's
+precision).
+Per case OUT holds what the Trainer built and ran (`hf`: wrapper, optimizer class, adamw_mode, the engine's precision,
+its param groups as canonical names with their hyperparameters, the loss of each step as the Trainer logged it) and,
+with `replay`, what
 parity's DeepSpeed side built and ran from `parity.migrate` port of the config under --stack hf-trainer (`parity`:
 the same fields) and, with `plant_mask`, the losses of that side run with train.decay_mask set to it instead
 (`planted`). Every case runs in this one process (imports once; the Trainer's DeepSpeed state is reset between).
@@ -56,13 +58,18 @@ def _groups(opt, names: dict[int, str]) -> list[dict]:
   return out
 
 
+def _precision(t: dict) -> str:
+  return "fp16" if t.get("fp16") else ("bf16" if t.get("bf16") else "fp32")
+
+
 def _built(engine, names: dict[int, str]) -> dict:
   opt = engine.optimizer
   basic = getattr(opt, "optimizer", opt)
   mode = getattr(basic, "adam_w_mode", None)  # DeepSpeed's Adams; torch's say it in their groups
   if mode is None and "decoupled_weight_decay" in basic.param_groups[0]:
     mode = bool(basic.param_groups[0]["decoupled_weight_decay"])
-  return {"wrapper": type(opt).__name__, "optimizer": type(basic).__name__, "adamw_mode": mode,
+  precision = "bf16" if engine.bfloat16_enabled() else ("fp16" if engine.fp16_enabled() else "fp32")
+  return {"wrapper": type(opt).__name__, "optimizer": type(basic).__name__, "adamw_mode": mode, "precision": precision,
           "groups": _groups(opt, names)}
 
 
@@ -98,7 +105,8 @@ def hf_case(config: dict, t: dict, tmp: Path) -> tuple[dict, np.ndarray, Path]:
       output_dir=str(tmp / "out"), per_device_train_batch_size=t["micro"], gradient_accumulation_steps=t["grad_accum"],
       max_steps=t["steps"], learning_rate=t["lr"], weight_decay=t["weight_decay"], adam_beta1=t["beta1"],
       adam_beta2=t["beta2"], adam_epsilon=t["eps"], max_grad_norm=t["max_grad_norm"], warmup_steps=t["warmup_steps"],
-      lr_scheduler_type="constant", logging_steps=1, fp16=bool(t.get("fp16")),
+      lr_scheduler_type="constant", logging_steps=1, fp16=bool(t.get("fp16")), bf16=bool(t.get("bf16")),
+      use_cpu=bool(t.get("bf16")),  # transformers refuses bf16 on a CPU unless told it is one
       save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
       deepspeed=copy.deepcopy(config))
   trainer = Trainer(model=model, args=args, train_dataset=list(rows), data_collator=collate, callbacks=[Log()])
@@ -138,7 +146,7 @@ def replay(config: dict, t: dict, folder: Path, batches: np.ndarray, mask: str |
       "train.micro_batch_size": t["micro"], "train.grad_accum_steps": t["grad_accum"], "train.steps": t["steps"],
       "train.seq_len": t["seq_len"], "train.lr": t["lr"], "train.beta1": t["beta1"], "train.beta2": t["beta2"],
       "train.eps": t["eps"], "train.weight_decay": t["weight_decay"], "train.grad_clip": t["max_grad_norm"],
-      "train.warmup_steps": max(t["warmup_steps"], 1), "train.precision": "fp16" if t.get("fp16") else "fp32"})
+      "train.warmup_steps": max(t["warmup_steps"], 1), "train.precision": _precision(t)})
   base, params = run_spec_from_hf(folder, base)
   spec, ds, result = port_for_compare(copy.deepcopy(config), base, source="oracle", stack="hf-trainer")
   if mask is not None:

@@ -208,3 +208,37 @@ def test_a_ported_file_runs_its_stacks_mask_with_compare_config(tmp_path):
   path.write_text(r.ported.dumps("yaml"))
   assert "decay_mask: no_bias_norm" in path.read_text()
   assert resolve_run("gpt2-tiny", config=path).spec.train.decay_mask == "no_bias_norm"
+
+
+FASTCHAT = "lm-sys__FastChat__playground__deepspeed_config_s2.json"
+
+
+@pytest.mark.parametrize("stack", ["hf-trainer", "accelerate"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_precision_flag_adds_the_section_the_config_lacks_as_accelerate_does(stack, precision):
+  """Accelerate 1.16.0 DeepSpeedPlugin.set_mixed_precision (utils/dataclasses.py) adds {"bf16": {"enabled": true}}
+  (fp16: {"enabled": true, "auto_cast": true}) to a config without that section when the Trainer's bf16 (fp16) or
+  `accelerate launch --mixed_precision` asks for it: FastChat's config (fp16 "auto", no bf16 section) run with
+  `--bf16 True`, as FastChat's scripts run it, trains in bf16 (tests/test_stack_oracle.py runs the Trainer so)."""
+  raw = _real(FASTCHAT)
+  if precision == "fp16":
+    raw = {**raw, "fp16": None}
+    del raw["fp16"]
+  r = _port(raw, micro_batch=2, grad_accum=1, precision=precision, stack=stack, **CLIENT)
+  assert r.ported is not None, r.report.errors
+  assert r.ported.precision.compute_dtype == precision
+  assert r.ds_config[precision]["enabled"] is True and r.ds_config.get("fp16" if precision == "bf16" else "bf16",
+                                                                        {}).get("enabled") is not True
+  added = next(i for i in r.report.implied if i["key"] == f"{precision}.enabled")
+  assert added["value"] is True and "set_mixed_precision" in added["reason"]
+  spec, ds, _ = port_for_compare(raw, dataclasses.replace(
+      preset("gpt2-tiny"), train=dataclasses.replace(preset("gpt2-tiny").train, precision=precision)), stack=stack)
+  assert spec.train.precision == precision and ds[precision]["enabled"] is True
+
+
+@pytest.mark.parametrize("stack", ["megatron", "deepspeed"])
+def test_a_precision_flag_without_its_section_is_not_read_by_the_other_stacks(stack):
+  raw = {**B, "zero_optimization": {"stage": 1}}
+  r = _port(raw, precision="bf16", stack=stack, **CLIENT)
+  assert r.ported is not None and r.ported.precision.compute_dtype == "fp32" and "bf16" not in r.ds_config
+  assert any("--bf16" in w and "nothing reads it" in w for w in r.report.warnings), r.report.warnings

@@ -75,9 +75,13 @@ _FASTCHAT = read_deepspeed_config(REAL / TRAINS[0])
 CRAFTED = {
     "legacy_cpu_offload": {**_FASTCHAT, "zero_optimization": {"stage": 2, "cpu_offload": True}},
     "zero_force_ds_cpu_optimizer_false": {**_FASTCHAT, "zero_force_ds_cpu_optimizer": False},
+    "bf16_without_a_bf16_section": _FASTCHAT,
 }
-"""Two edges of the model: the legacy offload key (Accelerate does not see it, DeepSpeed refuses the Trainer's AdamW)
-and zero_force_ds_cpu_optimizer false (Accelerate keeps the Trainer's torch AdamW, DeepSpeed accepts it)."""
+"""Three edges of the model: the legacy offload key (Accelerate does not see it, DeepSpeed refuses the Trainer's
+AdamW), zero_force_ds_cpu_optimizer false (Accelerate keeps the Trainer's torch AdamW, DeepSpeed accepts it), and
+FastChat's config (fp16 "auto", no bf16 section) run with bf16=True as FastChat's scripts run it (Accelerate adds
+the bf16 section: the job trains in bf16)."""
+CRAFTED_ARGS = {"bf16_without_a_bf16_section": {"bf16": True}}
 _MISSING = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
 needs_stack = pytest.mark.skipif(bool(_MISSING), reason=f"{', '.join(_MISSING)} not installed (the dev extra)")
 
@@ -104,11 +108,16 @@ def args_for(raw: dict) -> dict:
   return t
 
 
+def _args(name: str, raw: dict) -> dict:
+  return {**args_for(raw), **CRAFTED_ARGS.get(name, {})}
+
+
 def _flags(t: dict = TRAIN) -> Flags:
   return Flags(micro_batch=t["micro"], grad_accum=t["grad_accum"], world_size=1, lr=t["lr"],
                betas=(t["beta1"], t["beta2"]), eps=t["eps"], weight_decay=t["weight_decay"],
                max_grad_norm=t["max_grad_norm"], warmup_steps=t["warmup_steps"],
-               precision="fp16" if t.get("fp16") else "fp32", hidden_size=32, stack="hf-trainer")
+               precision="fp16" if t.get("fp16") else ("bf16" if t.get("bf16") else "fp32"), hidden_size=32,
+               stack="hf-trainer")
 
 
 def _configs() -> dict[str, dict]:
@@ -120,7 +129,7 @@ def oracle(tmp_path_factory):
   """{case: {"hf": what the Trainer built and ran, "parity": parity's DeepSpeed side, "planted": with a plant}}."""
   from harness.launch import run_module
   tmp = tmp_path_factory.mktemp("stack_oracle")
-  cases = {n: {"config": c, "replay": n in TRAINS, "plant_mask": PLANTED.get(n), "train": args_for(c)}
+  cases = {n: {"config": c, "replay": n in TRAINS, "plant_mask": PLANTED.get(n), "train": _args(n, c)}
            for n, c in _configs().items()}
   (tmp / "req.json").write_text(json.dumps({"cases": cases, "train": TRAIN}))
   proc = run_module("tests.stack_oracle", [str(tmp / "req.json"), str(tmp / "out.json")], timeout_s=900,
@@ -129,12 +138,12 @@ def oracle(tmp_path_factory):
   return json.loads((tmp / "out.json").read_text())
 
 
-def predicted(raw: dict, names: list[str]) -> dict:
-  """What the port's stack model says the Trainer (given `args_for(raw)`) builds for `raw` over the model's canonical
-  tensors `names`: the optimizer class (its last name), adamw mode, the groups [(decayed names, weight_decay), (the
-  rest, 0.0)] (one group under 'all'), lr (the port's schedule after TRAIN's steps), betas, eps; or {'refused': the
-  DeepSpeed refusal}."""
-  r = port_config(copy.deepcopy(raw), _flags(args_for(raw)), source="oracle")
+def predicted(raw: dict, names: list[str], args: dict | None = None) -> dict:
+  """What the port's stack model says the Trainer (given `args`, default `args_for(raw)`) builds for `raw` over the
+  model's canonical tensors `names`: the optimizer class (its last name), adamw mode, the engine's precision, the
+  groups [(decayed names, weight_decay), (the rest, 0.0)] (one group under 'all'), lr (the port's schedule after
+  TRAIN's steps), betas, eps; or {'refused': the DeepSpeed refusal}."""
+  r = port_config(copy.deepcopy(raw), _flags(args or args_for(raw)), source="oracle")
   if r.ported is None:
     return {"refused": r.report.deepspeed_refusals[0] if r.report.deepspeed_refusals else r.report.errors[0]}
   st, o, sched = r.stack, r.ported.optimizer, r.ported.scheduler
@@ -142,14 +151,17 @@ def predicted(raw: dict, names: list[str]) -> dict:
   decayed = sorted(n for n in names if decays(n, st.decay_mask))
   rest = sorted(n for n in names if not decays(n, st.decay_mask))
   groups = [(decayed, wd)] + ([(rest, 0.0)] if rest else [])
-  return {"optimizer": st.optimizer_class.rsplit(".", 1)[-1], "adamw_mode": o.type == "adamw", "groups": groups,
+  return {"optimizer": st.optimizer_class.rsplit(".", 1)[-1], "adamw_mode": o.type == "adamw",
+          "precision": r.ported.precision.compute_dtype, "groups": groups,
           "lr": lr_at(sched.type, sched.params, o.params["lr"], TRAIN["steps"]), "betas": o.params["betas"],
           "eps": o.params["eps"]}
 
 
 def differences(built: dict, want: dict) -> list[str]:
-  """Every way what a run built (the oracle's record: optimizer, adamw_mode, groups) differs from `want`."""
-  out = [f"{k}: built {built[k]!r}, predicted {want[k]!r}" for k in ("optimizer", "adamw_mode") if built[k] != want[k]]
+  """Every way what a run built (the oracle's record: optimizer, adamw_mode, precision, groups) differs from
+  `want`."""
+  out = [f"{k}: built {built[k]!r}, predicted {want[k]!r}" for k in ("optimizer", "adamw_mode", "precision")
+         if built[k] != want[k]]
   got = [(g["names"], g["weight_decay"]) for g in built["groups"]]
   if got != want["groups"]:
     for (gn, gw), (wn, ww) in zip(got + [([], None)] * len(want["groups"]), want["groups"] + [([], None)] * len(got)):
@@ -199,7 +211,7 @@ def test_a_config_the_port_refuses_stops_the_trainer_for_the_same_reason(oracle,
 @pytest.mark.parametrize("name", TRAINS)
 def test_paritys_deepspeed_side_builds_the_same_and_reproduces_the_losses(oracle, name):
   hf, mine = oracle[name]["hf"], oracle[name]["parity"]
-  assert differences(mine, {**{k: hf[k] for k in ("optimizer", "adamw_mode")},
+  assert differences(mine, {**{k: hf[k] for k in ("optimizer", "adamw_mode", "precision")},
                             "groups": [(g["names"], g["weight_decay"]) for g in hf["groups"]],
                             **{k: hf["groups"][0][k] for k in ("lr", "betas", "eps")}}) == []
   assert mine["wrapper"] == hf["wrapper"] and len(mine["losses"]) == len(hf["losses"]) == TRAIN["steps"]
@@ -262,3 +274,13 @@ def test_megatron_has_no_oracle_here_and_its_model_cites_its_sources():
   assert (r.stack.optimizer_class, r.stack.decay_mask, r.stack.client) == ("DeepSpeedCPUAdam", "no_bias_norm", True)
   assert any("get_param_groups" in s for s in r.stack.sources) and any("--cpu-optimizer" in s for s in r.stack.sources)
   pytest.skip(MEGATRON_SKIP)
+
+
+@pytest.mark.process
+@requires_deepspeed
+@needs_stack
+def test_bf16_on_a_config_without_a_bf16_section_trains_in_bf16_as_the_port_says(oracle):
+  hf, name = oracle["bf16_without_a_bf16_section"]["hf"], "bf16_without_a_bf16_section"
+  assert "error" not in hf, hf
+  assert hf["precision"] == "bf16"
+  assert differences(hf, predicted(CRAFTED[name], _names(hf), _args(name, CRAFTED[name]))) == []

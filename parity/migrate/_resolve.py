@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Callable
 
 from parity.migrate._ctx import UNRESOLVED, Flags
 from parity.migrate._report import Report, leaf_paths
 
-__all__ = ["resolve_autos", "AUTO_RULES"]
+__all__ = ["resolve_autos", "AUTO_RULES", "FILLS"]
+
+FILLS = ("hf-trainer", "accelerate")
+"""The stacks that fill "auto" values from their arguments (HF's fill_match; Accelerate's deepspeed_config_process)."""
 
 # path -> (flag attribute, flag as typed, value from flags, how HF fills it)
 _Rule = tuple[str | None, str, Callable[[Flags], Any], str]
@@ -83,7 +87,7 @@ def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
   """
   cfg = copy.deepcopy(raw)
   notes: dict[str, str] = {}
-  fills = stack in ("hf-trainer", "accelerate")
+  fills = stack in FILLS
   for path, value in leaf_paths(raw):
     rule = AUTO_RULES.get(path)
     if value == "auto" and not fills:
@@ -117,4 +121,29 @@ def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
       continue
     _set(cfg, path, fn(flags))
     notes[path] = f"\"auto\" -> {fn(flags)!r} ({how}{', from ' + flag if flag else ''})"
+  _mixed_precision(cfg, flags, report, stack)
   return cfg, notes
+
+
+_ADDED = {"bf16": {"enabled": True}, "fp16": {"enabled": True, "auto_cast": True}}
+"""The section Accelerate adds for a mixed precision the config has no section for (accelerate 1.16.0 utils/
+dataclasses.py DeepSpeedPlugin.set_mixed_precision: `if "bf16" not in ds_config: ds_config["bf16"] = {"enabled":
+True}`, fp16 likewise with auto_cast; the Trainer's TrainingArguments.bf16/fp16 and `accelerate launch
+--mixed_precision` reach it through AcceleratorState)."""
+
+
+def _mixed_precision(cfg: dict[str, Any], flags: Flags, report: Report, stack: str) -> None:
+  """--bf16/--fp16 on a config without that section: under hf-trainer and accelerate the section Accelerate adds
+  (_ADDED), so the job runs that precision; under the other stacks nothing reads the flag (a warning says so)."""
+  sec = flags.precision if flags.precision in _ADDED else None
+  if sec is None or sec in cfg:
+    return
+  if stack not in FILLS:
+    report.warnings.append(f"--{sec}: the config has no {sec} section and under --stack {stack} nothing reads it "
+                           f"(only Accelerate adds the section); DeepSpeed runs the precision the config says. Add "
+                           f"\"{sec}\": {{\"enabled\": true}} to train in {sec}, or drop the flag.")
+    return
+  cfg[sec] = dict(_ADDED[sec])
+  report.implied.append({"key": f"{sec}.enabled", "value": True, "reason": (
+      f"the config has no {sec} section and --{sec} asks for {sec}: under {stack} Accelerate's DeepSpeedPlugin."
+      f"set_mixed_precision adds {json.dumps(_ADDED[sec])} (accelerate 1.16.0), so the job trains in {sec}")})

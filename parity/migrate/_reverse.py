@@ -16,7 +16,8 @@ from parity.overrides import has_dotted
 from parity.spec import RunSpec, SpecError
 from parity.numerics.ds_json import fp16_section, activation_checkpointing_section, zero_section, OFFLOAD_REMAT
 from parity.sizing.plans import PLANS
-from parity.migrate._resolve import AUTO_RULES
+from parity.migrate._resolve import AUTO_RULES, FILLS
+from parity.migrate._stack import choose_stack
 from parity.migrate._port import port_config
 
 __all__ = ["to_deepspeed", "load_ported", "to_run_spec", "compare_blockers", "optimizer_section"]
@@ -384,6 +385,8 @@ def compare_flags(raw: dict[str, Any], base: RunSpec, stack: str | None = None) 
     wanted |= {"grad_accum"}
   if raw.get("train_batch_size") == "auto":
     wanted |= {"micro_batch", "grad_accum"}
+  if t.precision in ("bf16", "fp16") and t.precision not in raw and choose_stack(raw, stack)[0] in FILLS:
+    wanted |= {"precision"}  # the Trainer's bf16/fp16: Accelerate adds the section (parity.migrate._resolve)
   return Flags(world_size=1, stack=stack, **{k: values[k] for k in sorted(wanted)})
 
 
