@@ -242,3 +242,22 @@ def test_a_precision_flag_without_its_section_is_not_read_by_the_other_stacks(st
   r = _port(raw, precision="bf16", stack=stack, **CLIENT)
   assert r.ported is not None and r.ported.precision.compute_dtype == "fp32" and "bf16" not in r.ds_config
   assert any("--bf16" in w and "nothing reads it" in w for w in r.report.warnings), r.report.warnings
+
+
+def test_megatron_ignores_the_scheduler_section_too():
+  """Megatron-DeepSpeed's setup_model_and_optimizer passes lr_scheduler=<its OptimizerParamScheduler> to
+  deepspeed.initialize whenever it trains, and DeepSpeed 0.19.8 engine._configure_lr_scheduler builds the config's
+  scheduler only without a client one: the section is never read. It was ported as the job's schedule, and a --lr
+  that differs from its warmup_max_lr was refused as a mismatch nothing would see."""
+  sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.5, "warmup_num_steps": 100}}
+  raw = {**B, "scheduler": sched, "zero_optimization": {"stage": 1}}
+  r = _port(raw, stack="megatron", **CLIENT)
+  assert r.ported is not None, r.report.errors
+  assert r.ported.scheduler.type == "Constant" and "scheduler" not in r.ds_config
+  assert all(r.report.entries[k].fate == "not_needed" and "OptimizerParamScheduler" in r.report.entries[k].reason
+             for k in r.report.entries if k.startswith("scheduler."))
+  assert any("the config's scheduler section (WarmupLR) is not read: under megatron Megatron's "
+             "OptimizerParamScheduler" in w for w in r.report.warnings), r.report.warnings
+  assert _port(raw, stack="hf-trainer", **CLIENT).report.errors  # read there: --lr 1e-3 vs warmup_max_lr 0.5
+  spec, ds, _ = port_for_compare(raw, preset("gpt2-tiny"), stack="megatron")
+  assert spec.train.lr_schedule == "Constant" and "scheduler" not in ds

@@ -34,6 +34,10 @@ _REMOVED_TOP = {  # DeepSpeed 0.19.8 runtime/config.py _REMOVED_TOP_LEVEL_CONFIG
 MEGATRON_IGNORES = ("not read: Megatron-DeepSpeed passes its own optimizer to deepspeed.initialize, and DeepSpeed "
                     "0.19.8 runs a client optimizer as given (engine._configure_optimizer); the port takes it from "
                     "--lr/--betas/--eps/--weight-decay (parity.migrate._stack)")
+MEGATRON_SCHEDULER_IGNORED = (
+    "not read: Megatron-DeepSpeed passes its own lr scheduler (OptimizerParamScheduler: --lr, --lr-decay-style, "
+    "--lr-warmup-*) to deepspeed.initialize, and DeepSpeed 0.19.8 builds the config's scheduler only without a client "
+    "one (engine._configure_lr_scheduler)")
 _LOGGING = "monitoring/logging; no effect on the math (parity writes metrics.jsonl)"
 _NOT_NEEDED_TOP = {
     "steps_per_print": _LOGGING, "wall_clock_breakdown": _LOGGING, "memory_breakdown": _LOGGING,
@@ -385,7 +389,7 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
              else None)
   optimizer = port_optimizer(ctx, offload, ignored=MEGATRON_IGNORES if stack == "megatron" else None)
   optimizer, stack_of = apply_stack(ctx, stack, chosen_by, optimizer, off_dev if off_dev in ("cpu", "nvme") else None)
-  scheduler = port_scheduler(ctx, optimizer)
+  scheduler = port_scheduler(ctx, optimizer, ignored=MEGATRON_SCHEDULER_IGNORED if stack == "megatron" else None)
   remat, remat_not_runnable = port_remat(ctx)
   check_deepspeed_accepts(ctx, stack_of)
   _fp16_at_stage0(ctx, precision, zero[0]["zero_stage"] if zero else 0)  # after DeepSpeed's own refusals
@@ -419,8 +423,9 @@ def port_config(raw: dict[str, Any], flags: Flags = Flags(), *, source: str = ""
 
 def _ds_effective(ctx: Ctx, batch: dict[str, Any] | None, drop_optimizer: bool = False) -> dict[str, Any]:
   """The resolved DeepSpeed config: autos filled, batch keys explicit, legacy zero forms rewritten; with
-  `drop_optimizer` (Megatron: a client optimizer wins, DeepSpeed never reads the section) without the section."""
-  cfg = {k: v for k, v in ctx.cfg.items() if not (drop_optimizer and k == "optimizer")}
+  `drop_optimizer` (Megatron: a client optimizer and lr scheduler win, DeepSpeed never reads the sections) without
+  the optimizer and scheduler sections."""
+  cfg = {k: v for k, v in ctx.cfg.items() if not (drop_optimizer and k in ("optimizer", "scheduler"))}
   if batch:
     cfg["train_batch_size"] = batch["global_batch"]
     cfg["train_micro_batch_size_per_gpu"] = batch["micro"]

@@ -285,8 +285,13 @@ def _sched_value(ctx: Ctx, kind: str, key: str) -> Any:
   return ctx.num(path, SCHEDULER_DEFAULTS[kind][key])
 
 
-def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None) -> dict[str, Any] | None:
-  """Returns the ported scheduler dict, or None after refusing."""
+def port_scheduler(ctx: Ctx, optimizer: dict[str, Any] | None, *, ignored: str | None = None
+                   ) -> dict[str, Any] | None:
+  """Returns the ported scheduler dict, or None after refusing. `ignored`: why the stack never lets DeepSpeed read
+  the section (its own lr scheduler wins): the section is marked not_needed and the lr kept constant."""
+  if ignored is not None and ctx.has("scheduler"):
+    ctx.mark("scheduler", "not_needed", None, ignored)
+    return {"type": "Constant", "params": {}}
   if not ctx.has("scheduler"):
     ctx.implied("scheduler", {"type": "Constant"}, "no scheduler section: DeepSpeed keeps optimizer.params.lr "
                 "(a client scheduler passed to deepspeed.initialize is not part of the config)")

@@ -97,7 +97,8 @@ def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
       _set(cfg, path, UNRESOLVED)
       continue
     if value != "auto":
-      unread = stack == "megatron" and path.startswith("optimizer.")  # Megatron's own optimizer: the section is unread
+      # Megatron passes its own optimizer and lr scheduler: DeepSpeed reads neither section
+      unread = stack == "megatron" and path.startswith(("optimizer.", "scheduler."))
       if rule and path in _MATCHED and rule[0] and getattr(flags, rule[0]) is not None and not unread:
         want = rule[2](flags)
         if not _same(value, want):

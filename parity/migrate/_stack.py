@@ -169,18 +169,21 @@ _SCHEDULE = {
 }
 
 
-def _schedule_note(stack: str, scheduler: bool) -> tuple[str, ...]:
-  if scheduler or stack not in _SCHEDULE:
+def _schedule_note(stack: str, scheduler: bool | str) -> tuple[str, ...]:
+  if scheduler is True or stack not in _SCHEDULE:
     return ()
-  return (f"no scheduler section: under {stack} {_SCHEDULE[stack]} sets the lr, which the config does not show; the "
-          "port keeps the optimizer's lr constant (the job's, where that scheduler is a constant one); write the "
-          "schedule as a scheduler section to port another",)
+  why = (f"the config's scheduler section ({scheduler}) is not read" if isinstance(scheduler, str) else
+         "no scheduler section")
+  return (f"{why}: under {stack} {_SCHEDULE[stack]} sets the lr, which the config does not show; the port keeps the "
+          "optimizer's lr constant (the job's, where that scheduler is a constant one); write the schedule as a "
+          "scheduler section to port another",)
 
 
 def stack_model(stack: str, chosen_by: str, *, section: str | None, offload: str | None, legacy_offload: bool,
-                forced: bool, scheduler: bool = True) -> StackModel:
-  """The StackModel of `stack` for a config (`scheduler`: it has a scheduler section; without one the stack's own
-  scheduler runs, a note says so)."""
+                forced: bool, scheduler: bool | str = True) -> StackModel:
+  """The StackModel of `stack` for a config (`scheduler`: True when DeepSpeed builds the config's scheduler section,
+  False when there is none, its type when the stack passes its own scheduler instead (Megatron); without one read,
+  the stack's own scheduler runs, a note says so)."""
   model = _stack_model(stack, chosen_by, section=section, offload=offload, legacy_offload=legacy_offload,
                        forced=forced)
   return dataclasses.replace(model, notes=model.notes + _schedule_note(stack, scheduler))
@@ -288,10 +291,12 @@ def apply_stack(ctx: Any, stack: str, chosen_by: str, optimizer: dict[str, Any] 
     section = str(opt["type"])
   else:
     section = optimizer["impl"] if optimizer else str(opt["type"])
+  sched = ctx.get("scheduler")
+  sched = isinstance(sched, dict) and "type" in sched and (str(sched["type"]) if stack == "megatron" else True)
   model = stack_model(stack, chosen_by, section=section, offload=offload,
                       legacy_offload=ctx.get("zero_optimization.cpu_offload") is True,
                       forced=ctx.get("zero_force_ds_cpu_optimizer") is not False,
-                      scheduler=isinstance(ctx.get("scheduler"), dict) and "type" in ctx.get("scheduler"))
+                      scheduler=sched)  # Megatron's own scheduler wins over the section
   ctx.report.stack = model.to_dict()
   for note in model.notes:
     ctx.warn(note)
