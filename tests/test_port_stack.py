@@ -261,3 +261,13 @@ def test_megatron_ignores_the_scheduler_section_too():
   assert _port(raw, stack="hf-trainer", **CLIENT).report.errors  # read there: --lr 1e-3 vs warmup_max_lr 0.5
   spec, ds, _ = port_for_compare(raw, preset("gpt2-tiny"), stack="megatron")
   assert spec.train.lr_schedule == "Constant" and "scheduler" not in ds
+
+
+def test_a_flag_against_an_explicit_value_under_accelerate_names_accelerates_rule():
+  """Accelerate's _prepare_deepspeed fills the config with deepspeed_config_process(must_match=False): only "auto"
+  takes the script's value, an explicit one wins silently; the refusal said the HF Trainer rejects it."""
+  raw = {**B, "optimizer": ADAMW, "zero_optimization": {"stage": 2, "offload_optimizer": OFF}}
+  msg = _port(raw, stack="accelerate", lr=5e-4).report.errors[0]
+  assert "optimizer.params.lr is 0.001 in the config but --lr gives 0.0005" in msg
+  assert "HF Trainer" not in msg and "Accelerate fills only \"auto\" values" in msg and "would be ignored" in msg
+  assert "the HF Trainer rejects this mismatch" in _port(raw, stack="hf-trainer", lr=5e-4).report.errors[0]

@@ -102,7 +102,11 @@ def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
       if rule and path in _MATCHED and rule[0] and getattr(flags, rule[0]) is not None and not unread:
         want = rule[2](flags)
         if not _same(value, want):
-          why = ("the HF Trainer rejects this mismatch. Set {path} to \"auto\" or drop the flag" if fills else
+          why = ("the HF Trainer rejects this mismatch. Set {path} to \"auto\" or drop the flag"
+                 if stack == "hf-trainer" else
+                 "under --stack accelerate Accelerate fills only \"auto\" values (DeepSpeedPlugin."
+                 "deepspeed_config_process(must_match=False)): the config's value wins and the flag would be ignored. "
+                 "Drop the flag, change the value in the config, or set it to \"auto\"" if stack == "accelerate" else
                  f"under --stack {stack} nothing fills the config from the flag, so it would be ignored. Drop the "
                  "flag or change the value in the config")
           report.refuse(f"{path} is {value!r} in the config but {rule[1]} gives {want!r}; {why.format(path=path)}.")
