@@ -271,3 +271,17 @@ def test_a_flag_against_an_explicit_value_under_accelerate_names_accelerates_rul
   assert "optimizer.params.lr is 0.001 in the config but --lr gives 0.0005" in msg
   assert "HF Trainer" not in msg and "Accelerate fills only \"auto\" values" in msg and "would be ignored" in msg
   assert "the HF Trainer rejects this mismatch" in _port(raw, stack="hf-trainer", lr=5e-4).report.errors[0]
+
+
+def test_the_ports_warnings_are_among_the_notes_shown_before_a_compare(tmp_path):
+  """What the port warns about changes what compare compares (Megatron's unread optimizer section, the stack's own lr
+  scheduler the config does not show): it is printed with the "filled in" lines (parity.report.progress.run_notes),
+  with or without --no-progress, and recorded in the run folder's migration.json / migration.md."""
+  from parity.pipeline.resolve import resolve_run
+  from parity.report.progress import run_notes
+  path = tmp_path / "ds.json"
+  path.write_text(json.dumps({**B, "optimizer": {"type": "Adam", "params": {"lr": 0.5}},
+                              "zero_optimization": {"stage": 1}}))
+  notes = run_notes(resolve_run("gpt2-tiny", deepspeed_config=path, stack="megatron"))
+  assert any(n.startswith("port warning: the config's optimizer section (Adam) is ignored") for n in notes), notes
+  assert any(n.startswith("port warning: no scheduler section: under megatron") for n in notes), notes

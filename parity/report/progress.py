@@ -60,7 +60,9 @@ def data_notes(data_info: dict | None) -> list[str]:
 def run_notes(run: Any) -> list[str]:
   """Lines a user should see before a run starts: the values a DeepSpeed config port filled in (the DeepSpeed
   defaults it implies, the "auto" values it resolved from the run spec and, on padded/packed data, the loss
-  normalisation the run trains beside what the config implies). `run` is a ResolvedRun."""
+  normalisation the run trains beside what the config implies) and the port's warnings (e.g. a section the training
+  stack never lets DeepSpeed read, the stack's own lr scheduler the config does not show). `run` is a ResolvedRun;
+  each line is also in the run folder (migration.json / migration.md, report.json)."""
   port = getattr(run, "port", None)
   if port is None:
     return []
@@ -71,7 +73,7 @@ def run_notes(run: Any) -> list[str]:
   if ln is not None and spec is not None and spec.train.layout != "stream":  # on a stream both are one loss
     out.append(f"loss normalisation: this run trains train.loss_normalization={spec.train.loss_normalization}; "
                f"the DeepSpeed config: {ln['why']}")
-  return out
+  return out + [f"port warning: {w}" for w in port.report.warnings]
 
 
 def show_not_run(lines: Sequence[str]) -> None:
