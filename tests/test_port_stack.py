@@ -285,3 +285,17 @@ def test_the_ports_warnings_are_among_the_notes_shown_before_a_compare(tmp_path)
   notes = run_notes(resolve_run("gpt2-tiny", deepspeed_config=path, stack="megatron"))
   assert any(n.startswith("port warning: the config's optimizer section (Adam) is ignored") for n in notes), notes
   assert any(n.startswith("port warning: no scheduler section: under megatron") for n in notes), notes
+
+
+@pytest.mark.parametrize("flag", ["--world-size", "--micro-batch", "--grad-accum", "--hidden-size"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_count_flag_below_one_is_refused_naming_the_flag(tmp_path, capsys, flag, value):
+  """`--world-size 0` was refused as 'train_batch_size must equal micro * GAS * world; 0 != 2 * 1 * 0 = 0'."""
+  from parity.cli import port as cli
+  p = tmp_path / "ds.json"
+  p.write_text(json.dumps({**B, "optimizer": ADAMW}))
+  with pytest.raises(SystemExit) as stop:  # argparse's own exit, as for every bad flag value
+    cli.main([str(p), flag, value, "-o", str(tmp_path / "o.yaml")])
+  err = capsys.readouterr().err
+  assert stop.value.code == 2 and f"argument {flag}: must be a whole number >= 1; got {value!r}" in err, err
+  assert not (tmp_path / "o.yaml").exists()

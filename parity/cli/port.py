@@ -39,6 +39,18 @@ def _betas(text: str) -> tuple[float, float]:
   return a, b
 
 
+def _count(text: str) -> int:
+  """argparse type of a count flag: a whole number >= 1 (a world size, batch or width of 0 makes no job; argparse
+  names the flag)."""
+  try:
+    n = int(text)
+  except ValueError:
+    n = 0
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text!r}")
+  return n
+
+
 def register(sub) -> None:
   """Adds `port` to the subparsers `sub`."""
   p = sub.add_parser("port", help="port a DeepSpeed config to a JAX config, key by key",
@@ -63,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                            "default off)")
   g = parser.add_argument_group("values for \"auto\" keys (what the HF Trainer fills; default: none, an \"auto\" "
                                 "without its value is refused)")
-  g.add_argument("--micro-batch", type=int, help="train_micro_batch_size_per_gpu (default: none)")
-  g.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps (default: none)")
-  g.add_argument("--world-size", type=int, help="data-parallel ranks (default 1, reported as implied)")
+  g.add_argument("--micro-batch", type=_count, help="train_micro_batch_size_per_gpu (default: none)")
+  g.add_argument("--grad-accum", type=_count, help="gradient_accumulation_steps (default: none)")
+  g.add_argument("--world-size", type=_count,
+                 help="data-parallel ranks (default 1, reported as implied)")
   g.add_argument("--lr", type=float, help="optimizer.params.lr, scheduler warmup_max_lr (default: none)")
   g.add_argument("--betas", type=_betas, help="optimizer.params.betas, e.g. 0.9,0.999 (default: none)")
   g.add_argument("--eps", type=float, help="optimizer.params.eps (default: none)")
@@ -77,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   x.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="fp16.enabled=true")
   x.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16.enabled=true")
   x.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="fp16 and bf16 disabled")
-  g.add_argument("--hidden-size", type=int, help="model width for the bucket-size \"auto\"s (default: none)")
+  g.add_argument("--hidden-size", type=_count,
+                 help="model width for the bucket-size \"auto\"s (default: none)")
   add_stack_argument(parser)
   v = parser.add_argument_group("verification")
   v.add_argument("--verify", action="store_true", help="run DeepSpeed's scheduler and optimizer and the ported "
