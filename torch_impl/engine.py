@@ -203,11 +203,15 @@ def _enable_checkpointing(model, config: dict[str, Any]) -> None:
   `.to('cpu')`s each input and then empties the argument: on the CPU accelerator that copy is the argument itself,
   so the saved input is lost ("tensor has no dimensions" in the next block). The partitioned path clones, and with
   one model-parallel rank (mpu None) the partition is the whole tensor: the same numbers, the input in host memory.
+  contiguous_memory_optimization without number_checkpoints: num_checkpoints = the blocks, as Megatron passes
+  --num-layers (DeepSpeed asserts 'Must specify the number of layers with contiguous memory checkpointing').
   """
   import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
   section = config.get("activation_checkpointing") or {}
   cpu = bool(section.get("cpu_checkpointing", False))
-  deepspeed.checkpointing.configure(None, deepspeed_config=config,
+  layers = len(model.h) if section.get("contiguous_memory_optimization") and \
+      section.get("number_checkpoints") is None else None
+  deepspeed.checkpointing.configure(None, deepspeed_config=config, num_checkpoints=layers,
                                     partition_activations=bool(section.get("partition_activations", False)) or cpu)
   model.checkpoint = _tensor_args(deepspeed.checkpointing.checkpoint)
 
@@ -344,7 +348,7 @@ def torch_step(engine, micro_batches: np.ndarray, *, before_update: Callable[[],
 
 @torch.no_grad()
 def eval_loss(module: torch.nn.Module, val_batches: np.ndarray, device: torch.device, arrays=None,
-              plants: frozenset = frozenset()) -> float:
+              plants: frozenset = frozenset(), after=None) -> float:
   """Mean token cross-entropy over held-out micro batches, nats (no gradients, params unchanged).
 
   Args:
@@ -353,9 +357,15 @@ def eval_loss(module: torch.nn.Module, val_batches: np.ndarray, device: torch.de
     device: where the module computes.
     arrays: padded/packed: ExampleArrays (n, micro_batch_size, seq_len), weights summing to 1 per batch.
     plants: the side's planted data bugs (`micro_loss`).
+    after: called after each micro batch's forward (DeepSpeed: deepspeed.checkpointing.reset), or None.
   """
-  losses = [float(micro_loss(module, mb, device, arrays, i, plants)) for i, mb in enumerate(val_batches)]
+  losses = []
+  for i, mb in enumerate(val_batches):
+    losses.append(float(micro_loss(module, mb, device, arrays, i, plants)))
+    if after is not None:
+      after()
   return sum(losses) / len(losses)
+
 
 
 def final_fp32_params(engine) -> dict[str, np.ndarray]:
@@ -455,7 +465,11 @@ class DeepSpeedTrainer:
     return self.probe.summary()
 
   def eval_loss(self, val_batches: np.ndarray, arrays=None) -> float:
-    return eval_loss(self.engine.module, val_batches, self.device, arrays, self.plants)
+    """Under activation checkpointing, deepspeed.checkpointing.reset() after each forward, as DeepSpeed asks and
+    Megatron's evaluate does: only backward frees the contiguous buffers (the next forward overran them: IndexError)."""
+    import deepspeed  # deepspeed: already imported by the engine
+    after = deepspeed.checkpointing.reset if getattr(self.engine.module, "checkpoint", None) is not None else None
+    return eval_loss(self.engine.module, val_batches, self.device, arrays, self.plants, after=after)
 
   def poison(self) -> None:
     """Fills the token embedding (compute copy) with NaN; the next loss is NaN."""
