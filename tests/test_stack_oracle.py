@@ -13,7 +13,7 @@ given the TrainingArguments each config's fixed values require), and
     and a stack model that predicts another mask than the Trainer's is caught naming the tensors.
 
 Versions: those of constraints.txt (transformers 5.24.0, accelerate 1.16.0, DeepSpeed 0.19.8, torch 2.13.0).
-Runtime: one subprocess, about 40 s of CPU (80 s wall at load 6 on 2 cores, measured 2026-12-06; 12 cases).
+Runtime: one subprocess, about 43 s of CPU (60-80 s wall at load 4-6 on 2 cores, measured 2026-12-06; 13 cases).
 """
 from __future__ import annotations
 
