@@ -22,7 +22,9 @@ Every refusal is an `InputError` (a SpecError, so a ValueError): the CLI prints 
 from __future__ import annotations
 
 import codecs
+import errno
 import json
+import os
 import math
 import re
 import struct
@@ -73,6 +75,9 @@ def user_file(path: str | Path, *, what: str = "file", error: type[ParityInputEr
       '... is not a regular file (a pipe or device)', each followed by `hint` when given.
   """
   p = Path(path).expanduser()
+  if not p.exists() and p.is_symlink():
+    raise error(f"{what} {p} is a symbolic link that leads to no file ({_dead_link(p)}); point it at the file, or "
+                f"pass the file itself{_more(hint)}")
   if not p.exists():
     raise error(f"{what} {p} does not exist (resolved to {p.absolute()}); check the path{_more(hint)}")
   if p.is_dir() and not folder_ok:
@@ -83,8 +88,20 @@ def user_file(path: str | Path, *, what: str = "file", error: type[ParityInputEr
   return p
 
 
-def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_bytes: int | None, hint: str
-              ) -> tuple[Path, bytes, int]:
+def _dead_link(p: Path) -> str:
+  """Why symbolic link `p` leads nowhere: 'a loop' or 'its target T does not exist'."""
+  try:
+    p.resolve(strict=True)
+  except RuntimeError:  # Python < 3.13: a loop
+    return "a loop"
+  except OSError as exc:
+    if exc.errno == errno.ELOOP:
+      return "a loop"
+  return f"its target {os.readlink(p)} does not exist"
+
+
+def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_bytes: int | None, hint: str,
+              fix: str = _UTF8_FIX) -> tuple[Path, bytes, int]:
   """(path, the file's bytes, where its text starts: 3 after a UTF-8 BOM, else 0), refusing what `read_text` does
   but invalid UTF-8."""
   p = user_file(path, what=what, error=error, hint=hint)
@@ -98,8 +115,28 @@ def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_by
     raise error(f"{what} {p} cannot be read ({exc.strerror}); check the path and its permissions") from None
   nul = raw.find(b"\x00")
   if nul >= 0:
+    wide = _wide_text(raw)
+    if wide:
+      raise error(f"{what} {p} is {wide}, not UTF-8; {fix}{_more(hint)}")
     raise error(f"{what} {p} is binary (a NUL byte at offset {nul}), not text{_more(hint)}")
   return p, raw, len(UTF8_BOM) if raw.startswith(UTF8_BOM) else 0
+
+
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+              (codecs.BOM_UTF16_BE, "UTF-16"))
+"""Byte-order marks of the wide encodings (UTF-32 first: its little-endian mark begins with UTF-16's)."""
+
+
+def _wide_text(raw: bytes) -> str | None:
+  """'UTF-16 text (its byte-order mark)' / 'UTF-32 ...' for a file starting with that mark, 'text in UTF-16 or
+  UTF-32 (every second byte of its start is NUL)' for ASCII text in a wide encoding without one, else None."""
+  for bom, name in _WIDE_BOMS:
+    if raw.startswith(bom):
+      return f"{name} text (its byte-order mark)"
+  head = raw[:64]
+  if len(head) >= 4 and any(set(head[i::2]) == {0} for i in (0, 1)):
+    return "text in UTF-16 or UTF-32 (every second byte of its start is NUL)"
+  return None
 
 
 def _not_utf8(p: Path, raw: bytes, offset: int, what: str, error: type[ParityInputError], fix: str,
@@ -123,7 +160,7 @@ def read_text(path: str | Path, *, what: str = "file", error: type[ParityInputEr
     `error`: missing, a folder, a pipe or device, unreadable, larger than `max_bytes`, binary (a NUL byte, its
       offset named) or not UTF-8 (the offending byte and its offset in the file named, with the fix).
   """
-  p, raw, start = _read_raw(path, what, error, max_bytes, hint)
+  p, raw, start = _read_raw(path, what, error, max_bytes, hint, utf8_fix)
   try:
     return str(memoryview(raw)[start:], "utf-8")
   except UnicodeDecodeError as exc:
@@ -136,7 +173,7 @@ def read_user_bytes(path: str | Path, *, what: str = "file", error: type[ParityI
   """`read_text`'s bytes, not decoded (a byte-level corpus): the same refusals, a UTF-8 BOM dropped the same way,
   and the UTF-8 check only when `utf8` (False: text in any encoding, read as its bytes; a NUL byte still refused).
   The check walks the file in 1 MiB steps, so a large corpus is never decoded whole."""
-  p, raw, start = _read_raw(path, what, error, max_bytes, hint)
+  p, raw, start = _read_raw(path, what, error, max_bytes, hint, utf8_fix)
   if utf8:
     dec = codecs.getincrementaldecoder("utf-8")()
     for i in range(start, len(raw), _CHUNK):
