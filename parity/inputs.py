@@ -100,8 +100,8 @@ def _dead_link(p: Path) -> str:
   return f"its target {os.readlink(p)} does not exist"
 
 
-def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_bytes: int | None, hint: str,
-              fix: str = _UTF8_FIX) -> tuple[Path, bytes, int]:
+def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_bytes: int | None, hint: str
+              ) -> tuple[Path, bytes, int]:
   """(path, the file's bytes, where its text starts: 3 after a UTF-8 BOM, else 0), refusing what `read_text` does
   but invalid UTF-8."""
   p = user_file(path, what=what, error=error, hint=hint)
@@ -116,8 +116,8 @@ def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_by
   nul = raw.find(b"\x00")
   if nul >= 0:
     wide = _wide_text(raw)
-    if wide:
-      raise error(f"{what} {p} is {wide}, not UTF-8; {fix}{_more(hint)}")
+    if wide:  # its NUL bytes are refused whatever the caller reads: UTF-8 is the fix, not a suffix
+      raise error(f"{what} {p} is {wide}, not UTF-8; {_UTF8_FIX}{_more(hint)}")
     raise error(f"{what} {p} is binary (a NUL byte at offset {nul}), not text{_more(hint)}")
   return p, raw, len(UTF8_BOM) if raw.startswith(UTF8_BOM) else 0
 
@@ -160,7 +160,7 @@ def read_text(path: str | Path, *, what: str = "file", error: type[ParityInputEr
     `error`: missing, a folder, a pipe or device, unreadable, larger than `max_bytes`, binary (a NUL byte, its
       offset named) or not UTF-8 (the offending byte and its offset in the file named, with the fix).
   """
-  p, raw, start = _read_raw(path, what, error, max_bytes, hint, utf8_fix)
+  p, raw, start = _read_raw(path, what, error, max_bytes, hint)
   try:
     return str(memoryview(raw)[start:], "utf-8")
   except UnicodeDecodeError as exc:
@@ -173,7 +173,7 @@ def read_user_bytes(path: str | Path, *, what: str = "file", error: type[ParityI
   """`read_text`'s bytes, not decoded (a byte-level corpus): the same refusals, a UTF-8 BOM dropped the same way,
   and the UTF-8 check only when `utf8` (False: text in any encoding, read as its bytes; a NUL byte still refused).
   The check walks the file in 1 MiB steps, so a large corpus is never decoded whole."""
-  p, raw, start = _read_raw(path, what, error, max_bytes, hint, utf8_fix)
+  p, raw, start = _read_raw(path, what, error, max_bytes, hint)
   if utf8:
     dec = codecs.getincrementaldecoder("utf-8")()
     for i in range(start, len(raw), _CHUNK):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from parity import inputs
+from parity import data, inputs
 from parity.hf.config import HFFormatError
 from parity.hf.files import load_hf_checkpoint
 from parity.inputs import InputError
@@ -28,6 +28,11 @@ def test_text_in_utf16_or_utf32_is_named_with_the_fix(tmp_path, encoding, name):
     msg = str(err.value)
     assert str(p) in msg and "save it as UTF-8" in msg, msg
     assert name is None or f"is {name} text" in msg, msg
+  corpus = tmp_path / "corpus.txt"  # a .txt corpus is read as its bytes in any encoding, but not with NUL bytes
+  corpus.write_bytes(TEXT.encode(encoding))
+  with pytest.raises(data.DataError) as err:
+    data._read_text_file(corpus)
+  assert "save it as UTF-8" in str(err.value) and "text suffix" not in str(err.value), str(err.value)
   p.write_bytes(b"ab\x00cd")  # a NUL byte in what is no two-byte text: binary, as before
   with pytest.raises(InputError, match=r"is binary \(a NUL byte at offset 2\), not text"):
     inputs.read_text(p)
