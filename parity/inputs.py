@@ -22,7 +22,9 @@ Every refusal is an `InputError` (a SpecError, so a ValueError): the CLI prints 
 from __future__ import annotations
 
 import codecs
+import errno
 import json
+import os
 import math
 import re
 import struct
@@ -73,6 +75,9 @@ def user_file(path: str | Path, *, what: str = "file", error: type[ParityInputEr
       '... is not a regular file (a pipe or device)', each followed by `hint` when given.
   """
   p = Path(path).expanduser()
+  if not p.exists() and p.is_symlink():
+    raise error(f"{what} {p} is a symbolic link that leads to no file ({_dead_link(p)}); point it at the file, or "
+                f"pass the file itself{_more(hint)}")
   if not p.exists():
     raise error(f"{what} {p} does not exist (resolved to {p.absolute()}); check the path{_more(hint)}")
   if p.is_dir() and not folder_ok:
@@ -81,6 +86,18 @@ def user_file(path: str | Path, *, what: str = "file", error: type[ParityInputEr
     raise error(f"{what} {p} is not a regular file{' or folder' if folder_ok else ''} (a pipe or device); save it "
                 "to a file and pass that")
   return p
+
+
+def _dead_link(p: Path) -> str:
+  """Why symbolic link `p` leads nowhere: 'a loop' or 'its target T does not exist'."""
+  try:
+    p.resolve(strict=True)
+  except RuntimeError:  # Python < 3.13: a loop
+    return "a loop"
+  except OSError as exc:
+    if exc.errno == errno.ELOOP:
+      return "a loop"
+  return f"its target {os.readlink(p)} does not exist"
 
 
 def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_bytes: int | None, hint: str
@@ -98,8 +115,28 @@ def _read_raw(path: str | Path, what: str, error: type[ParityInputError], max_by
     raise error(f"{what} {p} cannot be read ({exc.strerror}); check the path and its permissions") from None
   nul = raw.find(b"\x00")
   if nul >= 0:
+    wide = _wide_text(raw)
+    if wide:  # its NUL bytes are refused whatever the caller reads: UTF-8 is the fix, not a suffix
+      raise error(f"{what} {p} is {wide}, not UTF-8; {_UTF8_FIX}{_more(hint)}")
     raise error(f"{what} {p} is binary (a NUL byte at offset {nul}), not text{_more(hint)}")
   return p, raw, len(UTF8_BOM) if raw.startswith(UTF8_BOM) else 0
+
+
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+              (codecs.BOM_UTF16_BE, "UTF-16"))
+"""Byte-order marks of the wide encodings (UTF-32 first: its little-endian mark begins with UTF-16's)."""
+
+
+def _wide_text(raw: bytes) -> str | None:
+  """'UTF-16 text (its byte-order mark)' / 'UTF-32 ...' for a file starting with that mark, 'text in UTF-16 or
+  UTF-32 (every second byte of its start is NUL)' for ASCII text in a wide encoding without one, else None."""
+  for bom, name in _WIDE_BOMS:
+    if raw.startswith(bom):
+      return f"{name} text (its byte-order mark)"
+  head = raw[:64]
+  if len(head) >= 4 and any(set(head[i::2]) == {0} for i in (0, 1)):
+    return "text in UTF-16 or UTF-32 (every second byte of its start is NUL)"
+  return None
 
 
 def _not_utf8(p: Path, raw: bytes, offset: int, what: str, error: type[ParityInputError], fix: str,

@@ -198,8 +198,9 @@ def own_modules() -> dict[str, Path]:
 
 
 def imports_of(source: str, module: str, modules: Iterable[str] = ()) -> list[Import]:
-  """Every import in `source` (the text of `module`), module level or function-local; relative imports resolved
-  against `module`; `from X import a` names X.a where X.a is in `modules`. Raises SyntaxError on bad source."""
+  """Every import in `source` (the text of `module`), module level or function-local, statements and calls naming
+  the module (`_imported_by_call`); relative imports resolved against `module`; `from X import a` names X.a where
+  X.a is in `modules`. Raises SyntaxError on bad source."""
   modules = set(modules)
   out: list[Import] = []
 
@@ -216,10 +217,29 @@ def imports_of(source: str, module: str, modules: Iterable[str] = ()) -> list[Im
         for a in child.names:
           sub = f"{base}.{a.name}" if base else a.name
           out.append(Import(sub if sub in modules or not base else base, child.lineno, local))
+      elif (named := _imported_by_call(child)) is not None:
+        out.append(Import(named, child.lineno, local))
       visit(child, inner)
 
   visit(ast.parse(source), False)
   return out
+
+
+_IMPORT_CALLS = {"import_module", "__import__"}
+"""Calls that import the module named by their first argument (importlib.import_module, its bare name, __import__)."""
+
+
+def _imported_by_call(node: ast.AST) -> str | None:
+  """The module an `importlib.import_module('x')` / `import_module('x')` / `__import__('x')` call names, when written
+  out as a string; None for any other node (a name held in a variable is data: its caller resolves it)."""
+  if not isinstance(node, ast.Call) or not node.args:
+    return None
+  func = node.func
+  name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+  first = node.args[0]
+  if name in _IMPORT_CALLS and isinstance(first, ast.Constant) and isinstance(first.value, str):
+    return first.value
+  return None
 
 
 _PACKAGES: set[str] = set()
@@ -330,6 +350,19 @@ def test_the_checker_catches_planted_wrong_imports():
   assert "imports pandas" in found["parity.protocol.side"][0]
   assert "jax_impl.step:2 imports torch_impl: never torch_impl" in found["jax_impl.step"][0]
 
+
+
+def test_the_checker_sees_imports_by_name_in_a_call():
+  """importlib.import_module('x') and __import__('x') with the module written out are imports as much as an import
+  statement (a reference held in data, as parity.sides.load_ref resolves, is not: its callers are checked)."""
+  text = ("import importlib\nfrom importlib import import_module\nA = importlib.import_module('parity.pipeline')\n"
+          "def f(name):\n  __import__('torch')\n  import_module('parity.cli.report')\n"
+          "  return importlib.import_module(name)\n")
+  found = violations("parity.report.card", imports_of(text, "parity.report.card"))
+  assert len(found) == 3, found
+  assert "parity.report.card:3 imports parity.pipeline: never parity.pipeline" in found[0]
+  assert "parity.report.card:5 (function-local) imports torch: never torch" in found[1]
+  assert "parity.report.card:6 (function-local) imports parity.cli.report: never parity.cli" in found[2]
 
 def flow_violations(graph: dict[str, set[str]]) -> list[str]:
   """Each edge of an import graph (`_graph`) that runs back up the FLOW: 'module -> module' where the importer's

@@ -246,3 +246,16 @@ def test_parity_report_re_renders_and_verifies_a_real_run_with_a_placement(tmp_p
   (rd / "jax" / PLACEMENT_FILE).write_text((FIX / "cpu.placement.json").read_text())
   assert main(["report", str(rd)]) == 1
   assert "jax/placement.json" in capsys.readouterr().err
+
+
+def test_an_older_report_is_not_refused_for_a_side_that_records_no_placement(tmp_path):
+  """A report written before the placement section existed is named only when a side recorded a placement of its own
+  (the JAX side's placement.json, DeepSpeed's transfers): a side read as a baseline from its state bytes (torch,
+  fsdp, a side of its own with state in host memory) records none, whatever its name."""
+  from parity.report.reverify import _placement_lines
+  sides = {"torch": {"summary": {"state_bytes_by_memory_kind": {"device": 64, "host": 0}}},
+           "fsdp": {"summary": {"state_bytes_by_memory_kind": {"device": 64, "host": 0}}},
+           "numpy_side": {"summary": {"state_bytes_by_memory_kind": {"host": 64}}}}
+  again = json.loads(json.dumps(placement_section(tmp_path, sides)))
+  assert {s: e["status"] for s, e in again["sides"].items()} == {"torch": "ok", "fsdp": "ok", "numpy_side": "invalid"}
+  assert _placement_lines(RunRecord.of({"sides": sides}), again) == []

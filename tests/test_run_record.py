@@ -73,6 +73,19 @@ def test_a_record_of_what_is_not_there_reads_empty():
     rec.stored("verdicts")
 
 
+
+def test_a_run_section_of_the_wrong_types_reads_as_not_recorded(tmp_path):
+  """train.steps and train.precision of another type (an edited report) read as None, so the comparison page, which
+  still shows a run whose files do not confirm it (flagged), renders 'n/a' where it read them, not a crash."""
+  from parity.history.comparison import run_figures, run_row
+  from parity.report.build import Report
+  for run in ({}, {"train": None}, {"train": {"steps": "three", "precision": 3}}, {"train": {"steps": True}}):
+    rec = RunRecord.of({"run": run, "sides": {"jax": {"status": "ok"}}})
+    assert rec.run.steps is None and rec.run.precision is None and rec.precision is None
+    fig = run_figures(Report(data={"run": run, "sides": {"jax": {"status": "ok"}}}, run_dir=tmp_path))
+    assert fig.steps is None and run_row(fig, fig)["steps"] == "n/a"
+  assert RunRecord.of({"run": {"train": {"steps": 3, "precision": "fp32"}}}).run.steps == 3
+
 def test_read_run_refuses_what_is_no_finished_run(tmp_path):
   """read_run names the file and the section: no report.json, another schema, a section missing."""
   with pytest.raises(InputError, match="does not exist"):

@@ -173,7 +173,7 @@ def load_hf_checkpoint(folder: str | Path, *, bin_reader=None) -> HFCheckpoint:
   """
   folder = Path(folder)
   cfg_path = folder / "config.json"
-  if not cfg_path.exists():
+  if not cfg_path.exists() and not cfg_path.is_symlink():  # a link leading nowhere: load_json names it
     raise FileNotFoundError(f"{folder}: no config.json; pass the folder written by save_pretrained")
   try:
     cfg = load_json(cfg_path, what="HF config")

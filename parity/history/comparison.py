@@ -55,10 +55,10 @@ class RunFigures:
   label: str
   run_dir: Path
   preset: str
-  precision: str
+  precision: str | None
   plan: str
   sides: list[str]
-  steps: int
+  steps: int | None
   passed: bool
   verdict: str
   max_dloss: dict[str, float | None]
@@ -125,7 +125,7 @@ def run_figures(report, label: str | None = None) -> RunFigures:
   return RunFigures(
       label=label or Path(report.run_dir).name, run_dir=Path(report.run_dir), preset=model_label(rec),
       precision=rec.precision, plan=_plan_text(rec), sides=sides,
-      steps=int(rec.run.steps), passed=bool(rec.verdict.passed), verdict=rec.verdict.message,
+      steps=rec.run.steps, passed=bool(rec.verdict.passed), verdict=rec.verdict.message,
       max_dloss=max_dloss, loss_tolerance=tol, per_side={s: side_figures(rec.sides[s]) for s in sides},
       versions=dict(rec.environment.versions),
       config={**flatten(dict(rec.run.json)), **launch_config(report.run_dir)},
@@ -241,7 +241,7 @@ def run_row(r: RunFigures, first: RunFigures) -> dict[str, str]:
   differs = [f"{k}={v!r}" for k, v in r.differs.items()] + ver
   return {
       "run": r.label, "verdict": verdict_cell(r),
-      "preset": r.preset, "precision": r.precision, "plan": r.plan, "steps": str(r.steps),
+      "preset": r.preset, "precision": r.precision or "n/a", "plan": r.plan, "steps": _g(r.steps, "d"),
       "max |Δloss|": "; ".join(f"{p} {_g(v)}" for p, v in r.max_dloss.items()) or "n/a",
       "tokens/s": "; ".join(f"{s} {_g(f['tokens_per_s'], ',.0f')}" for s, f in r.per_side.items()),
       "median step s": "; ".join(f"{s} {_g(f['step_time_s_median'], '.3g')}" for s, f in r.per_side.items()),

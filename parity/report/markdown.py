@@ -89,7 +89,7 @@ def _self_sections(rec: RunRecord) -> list[str]:
     r = env["rule"]
     n = rec.run.steps
     short = f" (this run's {n} steps make one shorter window)" if isinstance(r.get("window"), int) \
-        and n < r["window"] else ""
+        and n is not None and n < r["window"] else ""
     out += ["", "## Noise envelope", "", f"{env['method'][0].upper()}{env['method'][1:]}. Each pair passes when, in "
             f"every window of {r['window']} steps{short}, rms Δloss ≤ {r['factor']:g} × rms(envelope of the noisier "
             f"side) + {r['floor']:g} nats. {r['reason']}", ""]

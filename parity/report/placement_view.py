@@ -22,6 +22,7 @@ from parity.report.placement_strip import strip_extent
 from parity.report.run_record import RunRecord
 
 __all__ = ["PLACEMENT_FILE", "PLACEMENT_SCHEMA", "read_placement", "read_transfers", "placement_section",
+           "records_placement",
            "PLACEMENT_HEADERS", "class_rows", "memory_analysis_rows", "TRANSFER_HEADERS", "transfer_rows",
            "COPY_HEADERS", "copy_rows", "placement_blocks", "PLACEMENT_INTRO"]
 
@@ -164,6 +165,13 @@ def placement_section(run_dir: Path, sides: dict[str, dict]) -> dict[str, Any]:
     else:
       out[side] = {"kind": side, "from": f"{side}/summary.json state_bytes_by_memory_kind", **_baseline(side, summ)}
   return {"sides": out}
+
+
+def records_placement(entry: dict) -> bool:
+  """Whether a side's `placement_section` entry is a placement the side recorded itself (the JAX side's
+  placement.json, DeepSpeed's transfers), not a baseline read from its state bytes (plain torch, FSDP2, any other
+  side, by the entry's shape: a baseline's has 'bytes_per_step'), and was found."""
+  return entry.get("status") != "missing" and "bytes_per_step" not in entry
 
 
 # ---------------------------------------------------------------- rows (plain text)

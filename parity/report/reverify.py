@@ -32,7 +32,7 @@ from parity.protocol.layout import FINAL_MOMENTS, read_moments
 from parity.protocol.outputs import placement_entry, side_outputs
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.build import params_table_json, perturbations_ran, semantics_section, series_json, verdict_json
-from parity.report.placement_view import placement_section
+from parity.report.placement_view import placement_section, records_placement
 from parity.report.reverify_reruns import Unverifiable, rerun_checks, side_run
 from parity.report.run_record import RunRecord
 from parity.sizing.measured import predicted_vs_measured
@@ -195,7 +195,7 @@ def _placement_lines(d: RunRecord, again: dict) -> list[str]:
   """The line for report.json 'placement' when it is not what the sides' placement.json and summary.json give; a
   report without the section (written before it existed) is named only when the run's files record a placement."""
   if "placement" not in d.present:
-    recorded = [s for s, e in again["sides"].items() if e["kind"] != "torch" and e["status"] != "missing"]
+    recorded = [s for s, e in again["sides"].items() if records_placement(e)]
     return [f"it has no placement section, but {', '.join(recorded)} recorded one"] if recorded else []
   if not _same(d.placement, again):
     return ["its placement section ('placement') is not the sides' placement.json / summary.json transfers"]

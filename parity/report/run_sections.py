@@ -148,11 +148,15 @@ class RunConfig:
 
   @property
   def precision(self) -> str | None:
-    return self.train.get("precision")
+    """train.precision; None when missing or not text (an edited report)."""
+    p = self.train.get("precision")
+    return p if isinstance(p, str) else None
 
   @property
-  def steps(self) -> Any:
-    return self.train.get("steps")
+  def steps(self) -> int | None:
+    """train.steps; None when missing or not an integer (an edited report)."""
+    n = self.train.get("steps")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
   @property
   def lr_schedule(self) -> str | None:
