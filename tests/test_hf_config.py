@@ -52,6 +52,21 @@ def test_llama2_7b_config_is_the_7b_preset():
   assert hf.spec_from_hf_config(LLAMA2_7B) == hf.MODEL_PRESETS["llama-7b"]
 
 
+def test_a_model_type_that_contradicts_the_architecture_is_refused():
+  """transformers' AutoModelForCausalLM builds the class model_type names, whatever architectures says: a config
+  whose two keys disagree would otherwise be read as the architectures' family, not the model HF trains."""
+  with pytest.raises(hf.HFFormatError, match=r"model_type 'llama' \(a LlamaForCausalLM\) contradicts "
+                                             r"architectures\[0\] 'Qwen3ForCausalLM'"):
+    hf.spec_from_hf_config({**LLAMA_TINY, "architectures": ["Qwen3ForCausalLM"], "model_type": "llama"})
+  # agreeing keys, an unknown model_type, or one key alone: read as before
+  assert hf.spec_from_hf_config({**LLAMA_TINY, "model_type": "llama"}) == hf.spec_from_hf_config(LLAMA_TINY)
+  assert hf.spec_from_hf_config({**LLAMA_TINY, "model_type": "my_llama"}) == hf.spec_from_hf_config(LLAMA_TINY)
+  assert hf.spec_from_hf_config({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                                 "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "head_dim": 8, "max_position_embeddings": 64}).n_layers == 2
+
+
 def test_transformers5_rope_parameters_are_read():
   cfg = {**LLAMA_TINY, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
   spec = hf.spec_from_hf_config(cfg)

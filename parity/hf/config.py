@@ -152,6 +152,11 @@ def parse_hf_config(config: Mapping[str, Any], *, max_params: int | None = None,
                         "[\"LlamaForCausalLM\"]")
   model_type = config.get("model_type", "")
   arch = archs[0] if archs else MODEL_TYPES.get(model_type, "") if isinstance(model_type, str) else ""
+  typed = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+  if archs and typed and typed != arch:  # transformers' Auto classes build the model from model_type
+    raise HFFormatError(f"config.json: model_type {model_type!r} (a {typed}) contradicts architectures[0] {arch!r}; "
+                        "transformers' AutoModelForCausalLM builds the model model_type names: correct whichever "
+                        "of the two is wrong")
   if arch in REFUSED:
     raise HFFormatError(f"config.json: architecture {arch} is not supported: {REFUSED[arch]}")
   if arch not in ARCHITECTURES:
