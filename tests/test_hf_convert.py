@@ -277,7 +277,8 @@ def test_bad_config_values_exit_2_naming_config_json_and_the_key(key, value, tmp
   """A mistyped config.json value is bad input (exit 2, named), never an internal error (exit 1)."""
   _hf_model("llama").save_pretrained(tmp_path / "hf")
   cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-  arch = {"architectures": ["Qwen2ForCausalLM"]} if key == "layer_types" else {}  # LLaMA has no layer_types
+  arch = ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"} if key == "layer_types"
+          else {})  # LLaMA has no layer_types
   (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **arch, key: value}))
   assert cli_main(["convert-weights", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")]) == 2
   err = capsys.readouterr().err
