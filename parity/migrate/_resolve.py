@@ -116,7 +116,7 @@ def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
       continue
     if rule is None:
       report.refuse(f"{path} is \"auto\", which nothing resolves: the HF Trainer does not fill it and DeepSpeed "
-                    "would silently use its default. Replace \"auto\" with a value.")
+                    "does not resolve \"auto\" itself. Replace \"auto\" with a value.")
       _set(cfg, path, UNRESOLVED)
       continue
     attr, flag, fn, how = rule
