@@ -116,7 +116,6 @@ class Attention(nn.Module):
     s = self.spec
     b, t, _ = x_btd.shape
     n, k, h = s.n_heads, s.kv_heads, s.head_dim
-    g = n // k
     flag = self._flag(sliding)
     x_btd = checkpoint_name(x_btd, "attn_in")
     qkv_btf = _dense((n + 2 * k) * h, s, self.dtype, "qkv", bias=s.linear_bias("qkv"))(x_btd)  # q, k, v heads
@@ -140,9 +139,23 @@ class Attention(nn.Module):
     _tap(self, "v", lambda: v_btkh.transpose(0, 2, 1, 3))  # (B, K, T, H)
     capped = s.attn_softcap is not None
     if self._flash(mask_bts, flag, capped):  # the TPU speed layout (jax_impl.kernels)
-      out_btd = checkpoint_name(kernels.flash_context(q_btnh, k_btkh, v_btkh, s.scale, self.dtype), "attn_out")
-      return _dense(s.d_model, s, self.dtype, "proj", std=s.init_std / np.sqrt(2 * s.n_layers),
-                    bias=s.linear_bias("out"))(out_btd)
+      out_btd = kernels.flash_context(q_btnh, k_btkh, v_btkh, s.scale, self.dtype)
+    else:
+      out_btd = self._exact_context(q_btnh, k_btkh, v_btkh, mask_bts, flag)
+    out_btd = checkpoint_name(out_btd, "attn_out")  # heads in query-head order
+    _tap(self, "context", lambda: out_btd)  # (B, T, N * H)
+    proj_std = s.init_std / np.sqrt(2 * s.n_layers)
+    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std, bias=s.linear_bias("out"))(out_btd)
+    _tap(self, "out", lambda: y_btd)
+    return y_btd
+
+  def _exact_context(self, q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, mask_bts: jax.Array | None,
+                     flag: Flag) -> jax.Array:
+    """The parity layout's softmax(q k^T * scale) v in torch's rounding order (module docstring): (B, T, N * H)."""
+    s = self.spec
+    b, t, n, h = q_btnh.shape
+    k, g = s.kv_heads, s.n_heads // s.kv_heads
+    capped = s.attn_softcap is not None
     q_btkgh = q_btnh.reshape(b, t, k, g, h)  # query head index = kv_head * G + g
     eager = capped and _reduced(self.dtype)  # HF Gemma 2 eager_attention_forward in the compute dtype (`_eager`)
     if eager:
@@ -167,12 +180,7 @@ class Attention(nn.Module):
       probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(self.dtype)
       _tap(self, "probs", lambda: probs_bkgts.reshape(b, n, t, t))  # (B, N, T, S)
       out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_btkh.astype(self.dtype))
-    out_btd = checkpoint_name(out_btkgh.reshape(b, t, n * h), "attn_out")  # heads in query-head order
-    _tap(self, "context", lambda: out_btd)  # (B, T, N * H)
-    proj_std = s.init_std / np.sqrt(2 * s.n_layers)
-    y_btd = _dense(s.d_model, s, self.dtype, "proj", std=proj_std, bias=s.linear_bias("out"))(out_btd)
-    _tap(self, "out", lambda: y_btd)
-    return y_btd
+    return out_btkgh.reshape(b, t, n * h)
 
   def _flash(self, mask_bts: jax.Array | None, flag: Flag, capped: bool) -> bool:
     """Whether this layer runs the flash kernel: chosen for the process (`jax_impl.kernels`), and a layer the kernel
