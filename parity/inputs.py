@@ -134,8 +134,13 @@ def _wide_text(raw: bytes) -> str | None:
     if raw.startswith(bom):
       return f"{name} text (its byte-order mark)"
   head = raw[:64]
-  if len(head) >= 4 and any(set(head[i::2]) == {0} for i in (0, 1)):
-    return "text in UTF-16 or UTF-32 (every second byte of its start is NUL)"
+  head = head[:len(head) - len(head) % 4]
+  text = lambda bs: all(b in (9, 10, 13) or 32 <= b < 127 for b in bs)  # ASCII a text file would start with
+  for width in (2, 4):  # one ASCII character per 2 or 4 bytes, its byte first (LE) or last (BE), the rest NUL
+    for pos in (0, width - 1):
+      rest = bytes(b for i, b in enumerate(head) if i % width != pos)
+      if len(head) >= 4 and text(head[pos::width]) and not rest.strip(b"\0"):
+        return "text in UTF-16 or UTF-32 (every second byte of its start is NUL)"
   return None
 
 

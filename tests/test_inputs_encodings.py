@@ -54,3 +54,13 @@ def test_a_link_that_leads_nowhere_is_named_as_a_link(tmp_path):
   with pytest.raises(HFFormatError, match=r"HF config .*ckpt/config.json is a symbolic link that leads to no file "
                                           r"\(a loop\)"):
     load_hf_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_binary_id_file_is_not_called_wide_text():
+  """A little-endian uint32 id array starts 01 00 00 00 02 00 00 00: every second byte NUL, like UTF-16 text, but its
+  other bytes are not text; it is binary (the wide-text guess needs ASCII between the NULs)."""
+  import numpy as np
+  from parity.inputs import _wide_text
+  assert _wide_text(np.arange(1, 65, dtype=np.uint32).tobytes()) is None
+  for enc in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):
+    assert _wide_text('{"text": "hi"}\n'.encode(enc)) is not None, enc
