@@ -299,3 +299,23 @@ def test_a_count_flag_below_one_is_refused_naming_the_flag(tmp_path, capsys, fla
   err = capsys.readouterr().err
   assert stop.value.code == 2 and f"argument {flag}: must be a whole number >= 1; got {value!r}" in err, err
   assert not (tmp_path / "o.yaml").exists()
+
+
+def test_schedule_flags_that_no_auto_reads_are_reported_not_read():
+  """--warmup-steps / --total-steps fill only a scheduler "auto": on a config without a scheduler section they change
+  nothing, and the port says so instead of looking as if it carried the warmup."""
+  name = "hiyouga__LLaMA-Factory__examples__deepspeed__ds_z2_offload_config.json"
+  r = port_config(_real(name), Flags(micro_batch=4, grad_accum=2, precision="bf16", max_grad_norm=1.0,
+                                     warmup_steps=100, total_steps=1000, **CLIENT), source=name)
+  assert r.ported is not None, r.report.errors
+  unread = [w for w in r.report.warnings if "is not read" in w]
+  assert len(unread) == 2 and "--warmup-steps 100 is not read: the config has no scheduler section" in unread[0]
+  assert "--total-steps 1000" in unread[1]
+  # transformers' WarmupLR config reads --warmup-steps through its "auto"; it has no total_num_steps to fill
+  zero2 = _real("huggingface__transformers__tests__deepspeed__ds_config_zero2.json")
+  r2 = port_config(json.loads(json.dumps(zero2)), dataclasses.replace(flags_for(zero2), warmup_steps=10,
+                                                                      total_steps=100), source="t")
+  assert r2.ported is not None, r2.report.errors
+  assert [w for w in r2.report.warnings if "is not read" in w] == [
+      "--total-steps 100 is not read: the config has no scheduler.params.total_num_steps, and the flag only fills "
+      "an \"auto\" there; the ported schedule is the config's (write the scheduler section to port a warmup)."]

@@ -127,7 +127,27 @@ def resolve_autos(raw: dict[str, Any], flags: Flags, report: Report,
     _set(cfg, path, fn(flags))
     notes[path] = f"\"auto\" -> {fn(flags)!r} ({how}{', from ' + flag if flag else ''})"
   _mixed_precision(cfg, flags, report, stack)
+  _unread_schedule_flags(raw, flags, report, stack)
   return cfg, notes
+
+
+_SCHEDULE_FLAGS = (("warmup_steps", "--warmup-steps", "scheduler.params.warmup_num_steps"),
+                   ("total_steps", "--total-steps", "scheduler.params.total_num_steps"))
+"""The flags only a scheduler "auto" reads (AUTO_RULES): given where no such "auto" is, they change nothing."""
+
+
+def _unread_schedule_flags(raw: dict[str, Any], flags: Flags, report: Report, stack: str) -> None:
+  """Warns for each of _SCHEDULE_FLAGS given where the config has no "auto" for it to fill (no scheduler section,
+  or an explicit value), so that a port never looks as if it carried a warmup it does not."""
+  values = dict(leaf_paths(raw))
+  for attr, flag, path in _SCHEDULE_FLAGS:
+    given = getattr(flags, attr, None)
+    if given is None or (values.get(path) == "auto" and stack in FILLS):
+      continue
+    where = (f"{path} is {values[path]!r} in the config" if path in values else
+             "the config has no scheduler section" if "scheduler" not in raw else f"the config has no {path}")
+    report.warnings.append(f"{flag} {given} is not read: {where}, and the flag only fills an \"auto\" there; "
+                           "the ported schedule is the config's (write the scheduler section to port a warmup).")
 
 
 _ADDED = {"bf16": {"enabled": True}, "fp16": {"enabled": True, "auto_cast": True}}
