@@ -9,12 +9,15 @@ if [ ! -f "$SITE/.done" ]; then
   PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
     --index-url file:///opt/pypi/simple --find-links .whl-tpu --find-links /opt/wheels --target "$SITE" \
     flax optax orbax-checkpoint safetensors matplotlib pyyaml pydantic rich psutil hjson py-cpuinfo tqdm \
-    ninja msgpack einops packaging torch==2.13.0 2>&1 | grep -v "^WARNING" | tail -5 || true
+    ninja msgpack einops packaging torch==2.13.0 2>&1 | grep -v "^WARNING" | tail -5
+  ok=${PIPESTATUS[0]}
   if compgen -G ".whl-tpu/deepspeed-*.whl" > /dev/null; then
     PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --target "$SITE" \
-      .whl-tpu/deepspeed-*.whl 2>&1 | grep -v "^WARNING" | tail -3 || true
+      .whl-tpu/deepspeed-*.whl 2>&1 | grep -v "^WARNING" | tail -3
+    [ "${PIPESTATUS[0]}" = 0 ] || ok=1
   fi
-  touch "$SITE/.done"
+  # marked done only when pip succeeded: a failed install is retried by the next run, not skipped
+  if [ "$ok" = 0 ]; then touch "$SITE/.done"; else echo "[tpu.sh] install into $SITE failed (pip above)" >&2; fi
 fi
 echo "[tpu.sh] install: $(( $(date +%s) - t0 )) s into $SITE"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1

@@ -197,6 +197,10 @@ def main() -> int:
       cells += [(n, tuple(data if x == "@PLANT_JSONL" else x for x in args)) for n, args in PLANTS]
     elif part == "join":
       cells += join_cells(Path(a.request))
+      if not Path(a.request).is_file():  # said, not skipped in silence: the part needs a request from elsewhere
+        print(f"[matrix] --part join: no request at {a.request}: run `parity compare --sides torch --out runs/join-A` "
+              "on the other machine, carry its folder here (or pass --request FILE); the join part is skipped",
+              file=sys.stderr, flush=True)
   if a.only:
     keep = set(a.only.split(","))
     unknown = sorted(keep - {c[0] for c in cells})
