@@ -5,7 +5,10 @@
 # (benchmarks/tpu_parts/matrix.py: the family x precision x plan grid of `parity compare --sides jax,torch`, the
 # plants, and a JAX run folder for a cross-machine join; `matrix --part fp32 --part join`, `--part bf16`,
 # `--part plants`), bench (benchmarks/tpu_parts/bench.py: benchmarks/gpu.py's suite on the chip, bench.tgz; BUDGET_S
-# 420 by default there, options after the part go to it and to gpu.py). Each part ends within BUDGET_S seconds
+# 420 by default there, options after the part go to it and to gpu.py), kernels (benchmarks/tpu_parts/kernels.py:
+# whether a host copy runs under compute in one program, and the step's tokens/s and MFU with each attention kernel;
+# `kernels --only overlap` or `--only mfu`), offload (benchmarks/tpu_parts/offload.py: the in-step copy rates, offload
+# on/off equality, and each offload layout's step time and device memory). Each part ends within BUDGET_S seconds
 # (default 480) of this script's start, install included.
 set -uo pipefail
 cd "$(dirname "$0")/.."

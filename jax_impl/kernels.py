@@ -7,9 +7,10 @@ torch's kernels round (docs/precision.md). It is what a parity verdict compares,
 `jax.experimental.pallas.ops.tpu.flash_attention`: the (T, S) scores are never written to HBM, which is what keeps
 a TPU step at the matrix units' rate at long sequences. It is a speed layout for throughput runs on a TPU, not a
 parity layout: its softmax statistics and the rounding of the product with v follow the kernel's blocking, not
-torch's SDPA, so its bf16 values differ from `exact` by the kernel's own rounding (benchmarks/results record how
-much on the chip). Where a layer needs what the kernel does not take, the layer keeps `exact`: a soft-cap, a
-sliding window, a segment mask (padded or packed data), non-causal attention, or float32 compute.
+torch's SDPA, so its bf16 values differ from `exact` by the kernel's own rounding. How much has not been measured
+on trained weights yet (the timed runs start from constant weights, whose losses say nothing of it). Where a layer
+needs what the kernel does not take, the layer keeps `exact`: a soft-cap, a sliding window, a segment mask (padded or
+packed data), non-causal attention, or float32 compute.
 
 The choice is this process's (`set_attention_kernel`), as the family plants are (`jax_impl.layers.planted`);
 benchmarks set it before they build a step. A CPU or GPU process refuses `flash`.
