@@ -61,7 +61,7 @@ starts: a rank, which has no PARENT_PID_ENV of its own (the launcher's watch_par
 launcher (PR_SET_PDEATHSIG with SIGKILL, which a stopped or blocked rank cannot hold off; harness.ranks also kills
 any rank still alive once the launcher has ended). torchrun starts each rank in a session of its own, so killing the
 launcher's process group does not reach them: without this a launcher killed by SIGKILL left its FSDP2 ranks
-training, and writing into a run folder whose report was already written (breaker, 2026-12-04)."""
+training, and writing into a run folder whose report was already written."""
 DEADLINE_GRACE_S = 30.0
 """The worker's own deadline is this much later than the harness's timeout, so that while the harness is
 alive its timeout (which writes the 'timeout' summary) always fires first; 30 s covers a harness poll
@@ -223,7 +223,7 @@ def watch_parent(environ=os.environ) -> dict[str, object]:
   if pid is None:
     if environ.get(LAUNCHED_ENV) == "1":  # a rank of an engine launcher that parity started: dies with the launcher,
       armed["pdeathsig"] = _set_pdeathsig(signal.SIGKILL)  # by SIGKILL: a rank stopped (SIGSTOP) or blocked in a C
-      if os.getppid() == 1:  # collective runs no handler (breaker, 2026-12-04); the launcher died before the prctl
+      if os.getppid() == 1:  # collective runs no handler; the launcher died before the prctl
         _die("its launcher was gone before it started")
     return armed
   armed["pdeathsig"] = _arm_parent_death_signal()

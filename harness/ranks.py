@@ -318,7 +318,7 @@ def fold_ranks(summary: dict, status: str, error: str | None, launched: Launched
       code = rec.get("exit_code")
       rec["status"] = ("not_started" if "pid" not in rec else "killed" if code is not None and code < 0
                        else "crashed" if code else "stopped")
-      if "pid" in rec:  # its own file said 'running' for ever after (breaker, 2026-12-03): the end is written there
+      if "pid" in rec:  # its own file once said 'running' for ever after: the end is written there
         rec["ended_by"] = "the harness: the rank wrote no end (killed, or stopped with the side)"
         _rewrite(rank_file(out, k), rec)
   failed, hung, running = launched.failed_rank, None, ""

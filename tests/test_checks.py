@@ -192,7 +192,7 @@ def test_series_check_treats_equal_infinities_as_a_match_without_warnings():
 
 
 def test_a_run_with_lr_zero_on_every_step_fails_the_updates_check():
-  """Breaker finding: a 2-step run (DeepSpeed's warmup gives lr 0 at steps 0 and 1) moved no weight, so a
+  """A 2-step run (DeepSpeed's warmup gives lr 0 at steps 0 and 1) moved no weight, so a
   weight-decay difference between the sides passed every check. The 'updates' check fails it, naming the fix."""
   from parity.verdict.steps import updates_check
   zero = [{"step": 0, "lr": 0.0}, {"step": 1, "lr": 0.0}]

@@ -527,7 +527,7 @@ def test_interrupt_before_any_side_started_says_so(monkeypatch, capsys):
 
 
 def test_estimate_and_plan_keep_an_existing_json_file_unless_forced(tmp_path, capsys):
-  """`plan --json FILE` and `estimate --json FILE` replaced a user's file without asking (breaker, 2026-12-04)."""
+  """`plan --json FILE` and `estimate --json FILE` replaced a user's file without asking."""
   mine = tmp_path / "mine.json"
   for cmd in (["estimate", "--preset", "gpt2-tiny"], ["plan", "--preset", "gpt2-tiny"]):
     mine.write_text("precious")

@@ -74,7 +74,7 @@ def test_a_bad_record_is_refused_naming_file_line_key_and_fix(tmp_path, row, mat
 
 
 def test_an_id_beyond_the_vocabulary_names_the_files_largest_id(tmp_path):
-  """The fix names the file's largest id, not the first bad record's: following it must work (breaker, 2026-12-02:
+  """The fix names the file's largest id, not the first bad record's: following it must work (once
   the advice from line 1 led to a new refusal at line 2)."""
   path = _jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 20]}, {"input_ids": [1, 2, 40]}, {"input_ids": [3, 30]}])
   with pytest.raises(DataError, match=r"line 1: token id 20 .* the file's largest id is 40: set model.vocab_size > 40"):
@@ -134,7 +134,7 @@ def test_parquet_input_ids_are_read(tmp_path):
                                         ('{"input_ids": [' + "9" * 5001 + "]}", "too many digits")])
 def test_hostile_json_is_bad_data_not_an_internal_error(tmp_path, suffix, body, said):
   """Nesting past the recursion limit and a 5,001-digit integer raised RecursionError / ValueError from json (the
-  CLI's 'internal error', exit 1: breaker); they are DataError naming the file (exit 2)."""
+  CLI's 'internal error', exit 1); they are DataError naming the file (exit 2)."""
   from parity.dataset.records import read_records
   from parity.data import DataError
   p = tmp_path / f"hostile{suffix}"

@@ -164,7 +164,7 @@ def test_the_vocabulary_must_hold_the_tokenizers_ids(tmp_path, folders):
 def test_missing_packages_and_files_name_the_fix(tmp_path, folders, monkeypatch):
   with pytest.raises(DataError, match="is a folder without tokenizer.json; give the folder of a Hugging Face"):
     load_tokenizer(tmp_path)
-  (tmp_path / "afile").write_text("x")  # a file and a missing path are told apart (breaker, 2026-12-02)
+  (tmp_path / "afile").write_text("x")  # a file and a missing path are told apart
   with pytest.raises(DataError, match="afile' is a file, not a tokenizer folder"):
     load_tokenizer(tmp_path / "afile")
   with pytest.raises(DataError, match="nowhere' does not exist"):

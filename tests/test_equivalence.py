@@ -40,11 +40,11 @@ def test_kinds_parse_from_a_comma_string_or_a_list_in_a_fixed_order():
   assert parse_equivalence("packing, ga") == ("ga", "packing")
   assert parse_equivalence(["ranks", "ga,packing"]) == ("ga", "ranks", "packing")
   assert parse_equivalence(None) == () and parse_equivalence(()) == () and RunOptions().equivalence == ()
-  for empty in ("", ",", " , "):  # asked for checks, named none: refused, not a run with none (breaker, 2026-12-02)
+  for empty in ("", ",", " , "):  # asked for checks, named none: refused, not a run with none
     with pytest.raises(SpecError, match="names no check"):
       parse_equivalence(RunOptions(equivalence=empty).equivalence)
   assert RunOptions(equivalence="ga,ranks").equivalence == ("ga", "ranks")
-  for slip in ("ga,", "ga,ga", "ga, ,packing"):  # a slip is refused, not read as some check (breaker, 2026-12-02)
+  for slip in ("ga,", "ga,ga", "ga, ,packing"):  # a slip is refused, not read as some check
     with pytest.raises(SpecError, match="empty or repeated item"):
       parse_equivalence(RunOptions(equivalence=slip).equivalence)
   with pytest.raises(SpecError, match=r"--equivalence grad: not an equivalence check; choose from ga, ranks, packing"):

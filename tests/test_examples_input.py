@@ -116,7 +116,7 @@ def test_derived_reruns_read_the_parents_arrays_and_the_noise_rerun_reverses_the
 
 def test_layout_refusals_name_the_data_file_and_negative_ids_get_their_own_fix(tmp_path):
   """A refusal from the layout (too few examples to hold one out, a step without loss tokens) names the file it came
-  from, and a negative id says what it likely is rather than suggesting a larger vocabulary (breaker, 2026-12-02)."""
+  from, and a negative id says what it likely is rather than suggesting a larger vocabulary."""
   from parity.data import DataError
   from parity.pipeline.examples_input import _lay_out, read_run_examples
   one = tmp_path / "single.jsonl"

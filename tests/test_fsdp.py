@@ -157,7 +157,7 @@ def test_killed_fsdp_rank_is_named(tmp_path):
 def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, stop_rank):
   """kill -9 of the torchrun agent: torchrun starts each rank in a session of its own, so the harness's kill of the
   agent's group missed them, and the two FSDP2 ranks trained on unsupervised and rewrote the reported run's
-  summary.json (breaker, 2026-12-04). Each rank is bound to its launcher now (harness.lifetime.LAUNCHED_ENV, SIGKILL)
+  summary.json. Each rank is bound to its launcher now (harness.lifetime.LAUNCHED_ENV, SIGKILL)
   and the harness kills any recorded rank still alive: the side is reported killed, naming the launcher, and no rank
   outlives the report, also when one rank was stopped (SIGSTOP) and the other blocked in a collective on it."""
   import signal

@@ -162,7 +162,7 @@ def test_one_rank_measured_equals_predicted(tmp_path, offload):
 
 def test_estimate_says_when_the_micro_batch_does_not_split_over_the_fsdp_ranks(capsys):
   """`estimate --model llama-1b --ranks 2` said 'the micro batch split over them' of a micro batch of 1, which
-  compare --nproc 2 refuses (breaker, 2026-12-04): it says what it counted and the micro batch that would split."""
+  compare --nproc 2 refuses: it says what it counted and the micro batch that would split."""
   from parity.cli import main
   assert main(["estimate", "--model", "llama-1b", "--ranks", "2"]) == 0
   text = " ".join(capsys.readouterr().out.split())

@@ -55,7 +55,7 @@ def test_compare_resolves_the_pair_into_the_fsdp_plan():
 
 def test_a_pair_without_an_fsdp2_plan_is_refused_with_the_fsdp_side_and_auto_costs_it():
   """`--plan zero2 --sides deepspeed,fsdp` ran FSDP2's own sharded plan under a report titled 'plan zero2', and
-  `--plan auto --sides jax,fsdp` chose zero0, which FSDP2 has no counterpart of (breaker, 2026-12-04). A named pair
+  `--plan auto --sides jax,fsdp` chose zero0, which FSDP2 has no counterpart of. A named pair
   without an FSDP2 plan is refused naming the reason and the pairs that have one; auto costs the fsdp side; without
   --plan the report's plan row says the fsdp side ran its own plan."""
   from parity.pipeline.resolve import resolve_run

@@ -533,7 +533,7 @@ TORCH_2 = {"torch_num_threads": "2", "torch_interop_threads": "2", "OMP_NUM_THRE
 
 
 def test_other_thread_settings_turn_the_bitwise_band_off():
-  """Breaker case: `OMP_NUM_THREADS=1 parity compare ...` gated against the same command without it failed
+  """`OMP_NUM_THREADS=1 parity compare ...` gated against the same command without it failed
   final_params and val_loss under the bitwise band, while the notes said same machine, versions and configuration.
   The thread count sets torch's summation order: a side whose thread settings differ (or are unknown: a baseline
   written before runs kept them) gets the cross-framework band, and the notes name the difference."""
@@ -577,7 +577,7 @@ def test_thread_settings_are_read_from_each_side_summary():
 
 
 def test_an_interrupted_run_is_refused_as_baseline_and_never_passes_as_new(tmp_path, fake_sides, capsys):
-  """Breaker case: `parity check base sig1`, sig1 stopped by Ctrl-C, gave GATE FAIL blaming `state_bytes ... n/a ->
+  """`parity check base sig1`, sig1 stopped by Ctrl-C, gave GATE FAIL blaming `state_bytes ... n/a ->
   482,304 MOVED`. An interrupted baseline is refused (exit 2: it is interrupted, rerun it to completion), before
   `compare --baseline` runs anything too; an interrupted new run fails saying it was interrupted, blaming no metric."""
   from parity.cli import main
@@ -617,7 +617,7 @@ def test_unfinished_snapshot_rules():
 
 
 def test_a_null_config_value_is_shown_as_null_not_absent():
-  """Breaker case: the config row said `model.d_ff absent -> 128` where the baseline had null: None, 'absent' only
+  """The config row said `model.d_ff absent -> 128` where the baseline had null: None, 'absent' only
   for a key one run does not hold."""
   from parity.history.gate import check_against
   lr = {"train.lr": 1e-3}
@@ -676,7 +676,7 @@ def test_the_gate_stands_on_no_comparison_page_and_the_report_on_no_history():
 def test_a_run_written_before_the_layout_keys_is_the_same_configuration():
   """A run (or card) written before train.layout / loss_normalization / truncation / examples_per_step existed lacks
   those keys; a stream run written after holds their defaults. Both are one configuration to the gate and to the
-  re-verification (the breaker saw 'config (train.layout absent -> stream ...)' GATE FAIL and every older run
+  re-verification (a run once showed 'config (train.layout absent -> stream ...)' GATE FAIL and every older run
   UNVERIFIED), while a padded run is another configuration, named."""
   from parity.pipeline.resolve import resolve_run
   from parity.report.runconfig import config_diff, gate_config, run_as_compared
@@ -711,12 +711,12 @@ def test_every_field_added_later_is_the_same_configuration_at_its_default():
              "deepspeed": {**new["deepspeed"], "activation_checkpointing": True, "cpu_checkpointing": True}}
   diff = config_diff(gate_config(RunRecord.of({"run": old}), None), gate_config(RunRecord.of({"run": changed}), None))
   assert diff == {"fsdp.offload": (False, True), "deepspeed.activation_checkpointing": (False, True),
-                  "deepspeed.cpu_checkpointing": (False, True)}  # only what differs (breaker, 2026-12-04)
+                  "deepspeed.cpu_checkpointing": (False, True)}  # only what differs
 
 
 def test_state_bytes_the_baseline_never_recorded_are_not_blamed_on_the_new_run():
   """A baseline whose side crashed recorded no state bytes; the new run's figures were each 'n/a -> X MOVED'
-  (breaker: 'no figure is blamed for what did not run'). They are skipped, saying why; a kind the new run lost or
+  (no figure is to be blamed for what did not run). They are skipped, saying why; a kind the new run lost or
   changed still moves."""
   from parity.history.gate import check_against
   base, new = _snap(True, "base"), _snap(True, "new")
@@ -732,7 +732,7 @@ def test_state_bytes_the_baseline_never_recorded_are_not_blamed_on_the_new_run()
 @pytest.mark.parametrize("key, value", [("backend", "garbage"), ("versions", "garbage"), ("compared.sides", "jax")])
 def test_a_card_with_fields_of_the_wrong_type_is_not_a_card(tmp_path, key, value):
   """backend/versions as strings raised AttributeError ('internal error', exit 1) and sides "jax" gated the letters
-  j, a, x (breaker); each is refused as not a parity card (InputError, exit 2), naming the field."""
+  j, a, x; each is refused as not a parity card (InputError, exit 2), naming the field."""
   from parity.history.snapshot import load_baseline
   from parity.inputs import InputError
   from parity.report.card import CARD_SCHEMA

@@ -479,7 +479,7 @@ def test_sizing_flags_are_named_as_typed(capsys, argv, said):
                                   ["compare", "--equivalence", ""], ["diagnose", "--sides", ""],
                                   ["estimate", "--preset", ""], ["report", "-o", "", "x"]])
 def test_an_empty_option_value_is_refused_not_read_as_the_default(argv, capsys):
-  """`--sides ""` ran all three sides and `--preset ""` the default preset (breaker, 2026-12-02): an empty value is
+  """`--sides ""` ran all three sides and `--preset ""` the default preset: an empty value is
   a slip (an unset shell variable), refused naming the option; a flag that takes no value is not misread."""
   assert cli.main(argv) == 2
   flag = next(a.split("=")[0] for a in argv if a.startswith("-"))
@@ -488,8 +488,8 @@ def test_an_empty_option_value_is_refused_not_read_as_the_default(argv, capsys):
 
 
 def test_a_tokenizer_that_would_be_ignored_is_refused(tmp_path):
-  """`--tokenizer` with a token stream or the byte-level demo ran a whole compare and never opened it (breaker,
-  2026-12-02): refused, naming why and what to do."""
+  """`--tokenizer` with a token stream or the byte-level demo ran a whole compare and never opened it:
+  refused, naming why and what to do."""
   from parity.pipeline.resolve import resolve_run
   with pytest.raises(SpecError, match="only padded/packed example files are tokenized"):
     resolve_run("gpt2-tiny", tokenizer=tmp_path)
@@ -498,7 +498,7 @@ def test_a_tokenizer_that_would_be_ignored_is_refused(tmp_path):
 
 
 def test_a_folder_with_no_space_at_all_is_named_without_the_size_fixes(tmp_path, monkeypatch):
-  """0 bytes free (/proc, a full disk): no size or --allow-large advice (breaker, 2026-12-02), the folder named."""
+  """0 bytes free (/proc, a full disk): no size or --allow-large advice, the folder named."""
   from parity.sizing import resources as R
   monkeypatch.setattr(R, "_free_disk_bytes", lambda folder: 0)
   monkeypatch.delenv(R.ALLOW_LARGE_ENV, raising=False)
@@ -519,8 +519,8 @@ def test_a_report_of_an_older_schema_is_refused_naming_the_version(tmp_path):
 
 
 def test_a_yaml_config_with_a_key_given_twice_is_refused_naming_key_and_lines(tmp_path, capsys):
-  """PyYAML keeps the last of two equal keys silently, while the JSON and hjson readers refuse them (breaker,
-  2026-12-04). A '<<' merge's keys may still be overridden, as YAML means them to be."""
+  """PyYAML keeps the last of two equal keys silently, while the JSON and hjson readers refuse them.
+  A '<<' merge's keys may still be overridden, as YAML means them to be."""
   from parity.cli import main
   from parity.inputs import parse_text
   bad = tmp_path / "dup.yaml"

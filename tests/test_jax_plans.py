@@ -332,7 +332,7 @@ def test_worker_forces_the_host_device_count_from_the_request(tmp_path):
 
 @pytest.mark.process
 def test_gpu_memory_script_runs_its_cpu_check(tmp_path):
-  """benchmarks/gpu_memory.py (what a session with a GPU runs) works end to end on CPU in --tiny mode."""
+  """benchmarks/gpu_memory.py (what a machine with a GPU runs) works end to end on CPU in --tiny mode."""
   import subprocess
   import sys
   from pathlib import Path

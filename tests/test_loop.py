@@ -221,7 +221,7 @@ def test_an_injected_failure_is_a_crash_with_its_records(tmp_path):
 
 def test_a_base_exception_of_a_library_is_a_crash_with_its_cause_in_one_line(tmp_path):
   """torch.distributed.checkpoint's CheckpointException derives from BaseException and carries each rank's
-  traceback in its message: main_guard let it through as a bare traceback and no summary (breaker, 2026-12-04, a
+  traceback in its message: main_guard let it through as a bare traceback and no summary (a
   truncated DCP shard). It is a 'crashed' summary now, its error the first line and the cause; Ctrl-C still
   propagates."""
 

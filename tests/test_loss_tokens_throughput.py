@@ -145,7 +145,7 @@ def test_throughput_note_names_a_side_whose_device_was_not_recorded():
 
 
 def test_the_warmup_phrase_says_no_step_timed_for_a_side_killed_before_its_first_step():
-  """A side killed while compiling timed no step: the note must not say 'one step ran' (breaker finding)."""
+  """A side killed while compiling timed no step: the note must not say 'one step ran'."""
   from parity.report.side_table import warmup_phrase
   sides = lambda **n: {k: {"series": {"step_time_s": [0.1] * v}} for k, v in n.items()}
   assert warmup_phrase(RunRecord.of({"sides": sides(jax=0, torch=2)})) == (

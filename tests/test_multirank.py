@@ -178,7 +178,7 @@ def test_fold_ranks_names_a_planted_hang_and_lists_ranks_of_a_real_one(tmp_path)
 @pytest.mark.process
 def test_fold_ranks_names_a_rank_that_was_stopped_at_the_timeout(tmp_path):
   """A rank stopped by SIGSTOP stalls the others at the next collective; the timeout listed every rank as 'still
-  running' and blamed none (breaker, 2026-12-04). The process states taken just before the kill name it; a real
+  running' and blamed none. The process states taken just before the kill name it; a real
   deadlock (every rank sleeping) still blames none."""
   import os
   import signal

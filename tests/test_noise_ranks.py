@@ -102,7 +102,7 @@ def test_compare_refuses_an_envelope_it_cannot_measure_before_any_side_starts():
 @pytest.mark.slow
 @requires_all
 def test_gemma2_bf16_packed_on_two_ranks_passes_by_a_measured_envelope(tmp_path):
-  """The breaker's run: correct gemma2-tiny, bf16, packed examples, 2 ranks. Before: every side's rerun repeated
+  """A hostile test run: correct gemma2-tiny, bf16, packed examples, 2 ranks. Before: every side's rerun repeated
   steps 0-8 bit for bit, grad_norm_envelope jax~deepspeed FAILed (0.000691 vs bound 0.000223, the floor). Now each
   rerun differs from its run from step 0 and the run PASSes (bound 0.00527)."""
   from parity.dataset.demo import short_prompt_jsonl

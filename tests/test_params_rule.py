@@ -327,7 +327,7 @@ def test_a_real_gap_on_the_wider_model_drift_element_fails():
 
 
 def test_adam_step_bound_holds_for_every_gradient_sequence_and_the_betas_set_it():
-  """Breaker finding: the zero-grad bound 2·Σlr assumed |m_hat/sqrt(v_hat)| <= 1, which needs (1 - beta1) <=
+  """The zero-grad bound 2·Σlr assumed |m_hat/sqrt(v_hat)| <= 1, which needs (1 - beta1) <=
   sqrt(1 - beta2); for (0.9, 0.999) one update can move an element up to 7.3 lr. The bound is tight (Cauchy-Schwarz:
   reached by g_k ∝ a_k/b_k) and never below lr per update."""
   from parity.numerics.adam import adam_step_sum

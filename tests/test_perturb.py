@@ -456,7 +456,7 @@ def test_fault_injections_are_listed_with_what_each_side_recorded(corpus, tmp_pa
 
 
 def test_the_same_side_and_key_twice_is_refused_not_overwritten():
-  """Breaker finding: `--perturb jax:train.lr=0.002 --perturb jax:train.lr=0.003` ran 0.003 and dropped 0.002."""
+  """`--perturb jax:train.lr=0.002 --perturb jax:train.lr=0.003` ran 0.003 and dropped 0.002."""
   from parity.pipeline.folder import parse_perturb
   from parity.spec import SpecError
   with pytest.raises(SpecError, match=r"jax:train.lr is already given \(jax:train.lr=0.002\)"):

@@ -336,7 +336,7 @@ def test_side_io_checks_val_batches_for_every_side(tmp_path):
 
 def test_compare_reads_one_sides_string_as_a_comma_list_and_refuses_a_timeout_that_is_no_number():
   """parity.compare(sides='jax') was refused as ['j', 'a', 'x'] and timeout_s='x' raised a bare TypeError from a
-  comparison (breaker). One string is a comma list, as --sides; a timeout that is no number is a SpecError naming
+  comparison. One string is a comma list, as --sides; a timeout that is no number is a SpecError naming
   --timeout. Both refused before any folder or process exists."""
   import parity
   from parity.spec import SpecError

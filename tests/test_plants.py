@@ -95,7 +95,7 @@ def test_data_that_hides_a_plant_is_refused():
 
 
 def test_a_perturbation_alike_on_every_side_is_refused():
-  """The same bug on every compared side PASSes a comparison (breaker, 2026-12-02: labels_shifted_twice on jax and
+  """The same bug on every compared side PASSed a comparison (labels_shifted_twice on jax and
   torch gave PASS, exit 0): refused, naming the key and the fix; on two of three sides it is a difference."""
   spec = dataclasses.replace(_spec("padded"), sides=("jax", "torch"))
   with pytest.raises(SpecError, match="labels_shifted_twice=True on every compared side .*plant it on one side only"):
@@ -110,7 +110,7 @@ def test_a_perturbation_alike_on_every_side_is_refused():
 
 def test_micro_mean_on_batches_where_it_equals_tokens_is_refused():
   """Rows that all hold the same number of loss tokens (e.g. long examples truncated to full rows) make micro_mean
-  and tokens the same objective whatever the ranks: refused (breaker, 2026-12-02: it PASSed, exit 0)."""
+  and tokens the same objective whatever the ranks: refused (it once PASSed, exit 0)."""
   packed = _batches("packed")
   assert normalization_reason(packed.loss_mask) is None  # varying lengths: the plant acts
   full = np.ones_like(packed.loss_mask, dtype=bool)

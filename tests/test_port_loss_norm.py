@@ -42,7 +42,7 @@ def test_one_micro_batch_on_one_rank_is_one_loss():
                world_size=1)
   assert (ln["decided_by"], ln["same_loss"]) == ("config", True) and "same loss" in ln["why"]
   assumed = _record({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "optimizer": ADAM})
-  # one rank assumed (no --world-size) is not the config deciding (breaker, 2026-12-02: it said "the config decides")
+  # one rank assumed (no --world-size) is not the config deciding (it once said "the config decides")
   assert assumed["decided_by"] == "assumption" and assumed["why"].startswith("not stated by the config")
   assert "if the job ran on one rank" in assumed["why"] and "--world-size" in assumed["why"]
   two_ranks = _record({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "optimizer": ADAM},

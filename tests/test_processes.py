@@ -439,8 +439,8 @@ def test_stop_rule_first_signal_raises_unless_held_later_ones_are_ignored(capfd)
   """harness.lifetime.stop_signals with real signals to this process: a held one waits for its block; one in a
   worker's (not held) block raises at once; later ones are ignored with a line each; handlers are restored.
   signal.raise_signal, not os.kill(getpid): the kernel may hand a process-directed signal to another thread (xdist's
-  execnet thread), and the main thread then runs the handler only at its next eval-breaker check; raise() delivers
-  to the calling thread, so the handler has run when the next line asserts."""
+  execnet thread), and the main thread then runs the handler only when its eval loop next checks for pending
+  signals; raise() delivers to the calling thread, so the handler has run when the next line asserts."""
   from harness import lifetime
   before = signal.getsignal(signal.SIGINT)
   with lifetime.stop_signals() as stop:

@@ -6,7 +6,8 @@ reader to the folder around a checkout (`../shared`, `shared/NUMERICS.md`, ...) 
 docs/install.md), and the real DeepSpeed configs the port tests read are in tests/data/realworld/ds_configs with
 their sources (SOURCES.md there). Upstream pull requests (`openxla/xla PR #37979`) and CSS colours (`color:#555`)
 are not issue references. Every tracked text file outside tests/data (the tests and benchmarks included) is held to
-the same rule, and to no tracker's completion notes (`done-when`).
+the same rule, to no tracker's completion notes (`done-when`), and to no word on how the repository was built
+(`(breaker, 2026-12-02)`, `a breaker's runs`): a comment says what a line guards against, not who found it or when.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ OUTSIDE = [
     # upstream pull request ('PR #37979', 'PRs #38937, #38939': five digits, and the prefix)
     ("an issue reference", re.compile(r"(?<![\w&#/:\"'=])(?<!PR )(?<!PRs )#\d{1,3}\b")),
     ("a tracker's completion note", re.compile(r"\bdone-when\b", re.IGNORECASE)),
+    ("a note on how the repository was built", re.compile(r"breaker", re.IGNORECASE)),
 ]
 
 
@@ -82,14 +84,15 @@ def test_docs_and_code_point_at_nothing_outside_the_repository():
 
 
 def test_no_tracked_file_outside_tests_data_names_an_issue_or_a_completion_note():
-  """The tests, benchmarks and their results too: a test's docstring says what it checks, not which ticket asked."""
+  """The tests, benchmarks and their results too: a test's docstring says what it checks, not which ticket asked
+  or who found the bug."""
   files = tracked_text_files()
   names = {f.relative_to(ROOT).as_posix() for f in files}
   assert len(files) > 400 and {"tests/test_docs.py", "benchmarks/masked_step.py", "README.md"} <= names
   assert not any(n.startswith("tests/data/") for n in names) and f"tests/{Path(__file__).name}" not in names
   bad = [f"{f.relative_to(ROOT).as_posix()}:{n}: {what}: {hit!r}"
          for f in files for n, what, hit in offences(f.read_text(errors="replace"))]
-  assert not bad, "issue references or completion notes:\n" + "\n".join(bad)
+  assert not bad, "issue references, completion notes or notes on how it was built:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("line", [
@@ -98,6 +101,8 @@ def test_no_tracked_file_outside_tests_data_names_an_issue_or_a_completion_note(
     "a pre-#18 report", "one per issue-#21 family", "see #7.",
     "(issue #20, done-when: >= 0.95x the tokens/s of stream)", "the rule before issue #11", "Issue #22's Done-when:",
     "# issue 18 item 9: paths the user gives", "(#23 item 2)", "the done-when of the benchmark",
+    "padding value in input_ids (breaker, 2026-12-02)", '"""Breaker finding: a 2-step run', "in a breaker's runs",
+    "BREAKER case:", "and the breakers' fixes", "at its next eval-breaker check",
 ])
 def test_a_planted_reference_is_caught(line):
   assert offences(line), line
@@ -106,7 +111,7 @@ def test_a_planted_reference_is_caught(line):
 @pytest.mark.parametrize("line", [
     "tr.fail td{background:#fff1f1} tr.info td{color:#555}", '<line stroke="#555"/>', "&#38;", "## 2. Steps",
     "openxla/xla PR #37979", "jax-ml/jax PRs #38937 and #38939", "sglang PR #35641", "docs/numerics.md",
-    "tests/data/realworld/ds_configs", "a tissue 3 cm", "[link](#section-2)",
+    "tests/data/realworld/ds_configs", "a tissue 3 cm", "[link](#section-2)", "break out of the loop",
 ])
 def test_benign_text_is_not_flagged(line):
   assert not offences(line), offences(line)

@@ -123,7 +123,7 @@ def test_same_folder_twice_and_a_run_folder_as_output_are_refused(tmp_path, caps
   assert "given twice" in capsys.readouterr().err
   assert main(["report", d[0], d[1], "-o", d[2]]) == 2
   assert "is a parity run folder" in capsys.readouterr().err
-  inside = Path(d[2]) / "jax"  # a side's folder: the files would look like the run's own (breaker, 2026-12-02)
+  inside = Path(d[2]) / "jax"  # a side's folder: the files would look like the run's own
   before = sorted(p.name for p in inside.iterdir())
   assert main(["report", d[0], d[1], "-o", str(inside)]) == 2
   assert f"is inside the parity run folder {Path(d[2]).absolute()}" in capsys.readouterr().err
@@ -406,7 +406,7 @@ def test_key_figures_table_shows_every_column_in_a_1400px_window(tmp_path):
 
 def test_a_run_that_compared_no_pair_is_not_a_pass_on_the_comparison_page():
   """A ONE SIDE (or INTERRUPTED) run's stored flag may be true, but it compared nothing: its cell says what its own
-  headline says and it does not count as holding parity (fsdp breaker finding)."""
+  headline says and it does not count as holding parity (found on an fsdp run)."""
   from parity.history.comparison import holds, verdict_cell
   for message, word in (("ONE SIDE: fsdp ran ok; nothing to compare", "ONE SIDE"),
                         ("INTERRUPTED: stopped by Ctrl-C at step 3", "INTERRUPTED")):

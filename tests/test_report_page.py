@@ -419,7 +419,7 @@ def test_throughput_uses_one_warmup_rule_and_tokens_per_s_is_tokens_over_that_me
   assert [warmup_steps_left_out(n) for n in range(6)] == [0, 0, 1, 1, 2, 2]
   assert warm_step_times([0.3, 0.2, "x", 0.1]) == [0.2, 0.1]  # non-numbers dropped before the rule
   d = _synthetic(steps=4, sides=("jax", "torch"))
-  jax_times = [0.26913529400007974, 0.005277326999930665, 0.005064670000137994, 0.00381461599999966]  # breaker's run
+  jax_times = [0.26913529400007974, 0.005277326999930665, 0.005064670000137994, 0.00381461599999966]  # a measured run
   d["sides"]["jax"]["series"]["step_time_s"] = jax_times
   d["sides"]["jax"]["summary"].update(step_time_s_median=0.004439643000068827, tokens_per_s=28831.14700844542)
   tps = side_table.tokens_per_step(RunRecord.of(d))
@@ -587,7 +587,7 @@ def test_a_re_render_keeps_files_the_user_changed_unless_forced(tmp_path):
 
 def test_a_failed_check_with_nothing_measured_says_why_not_exceeds():
   """A check that failed without a value (an equivalence rerun killed before it finished) reads as 'could not be
-  measured: <why>', not 'first exceeds its tolerance (... n/a)' (breaker, 2026-12-02)."""
+  measured: <why>', not 'first exceeds its tolerance (... n/a)'."""
   from parity.report.headline import verdict_parts
   d = _synthetic(sides=("jax", "torch"))
   check = {"name": "equivalence ga jax", "metric": "equivalence_ga", "sides": ["jax"], "value": None,

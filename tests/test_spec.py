@@ -134,7 +134,7 @@ def test_schedule_matches_deepspeed_semantics():
 @pytest.mark.parametrize("key", ["train.lr", "train.seed", "train.grad_accum_steps", "model.norm_eps", "model.n_heads"])
 def test_null_for_a_field_that_takes_no_null_is_refused_naming_it(key):
   """`--set train.lr=null` (or `lr: ~` in a config) reached a comparison inside validate as None: TypeError, the CLI's
-  'internal error' (breaker). A field whose annotation admits no None refuses null by key; one that does (e.g.
+  'internal error'. A field whose annotation admits no None refuses null by key; one that does (e.g.
   model.n_kv_heads, train.examples_per_step) still takes it."""
   from parity.spec import RunSpec, from_dict, to_dict
   d = to_dict(RunSpec())
@@ -150,7 +150,7 @@ def test_null_for_a_field_that_takes_no_null_is_refused_naming_it(key):
 
 @pytest.mark.parametrize("key, value", [("eval_every", -1), ("eval_batches", 0), ("eval_batches", -1)])
 def test_eval_cadence_and_batches_out_of_range_are_refused(key, value):
-  """eval_every=-1 ran with no validation loss and eval_batches=0 evaluated one batch while config.json said 0
-  (breaker): both are refused by key."""
+  """eval_every=-1 ran with no validation loss and eval_batches=0 evaluated one batch while config.json said 0:
+  both are refused by key."""
   with pytest.raises(SpecError, match=r"train.eval_every must be >= 0 .* got"):
     TrainSpec(**{key: value}).validate()

@@ -237,7 +237,7 @@ def _takes_no_value(ap, command: str) -> set[str]:
 
 def _empty_flag(argv: list[str], no_value: set[str] = frozenset()) -> str | None:
   """The message for the first option given an empty or blank value (`--sides ""`, `--preset=`), or None: an empty
-  value is a slip (an unset shell variable), never a request for the default (breaker, 2026-12-02: `--sides ""` ran
+  value is a slip (an unset shell variable), never a request for the default (`--sides ""` once ran
   all three sides, `--preset ""` the default preset)."""
   for i, tok in enumerate(argv):
     if tok == "--" or not (tok.startswith("--") or (len(tok) == 2 and tok[0] == "-" and tok[1].isalpha())):

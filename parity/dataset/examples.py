@@ -248,7 +248,7 @@ def _checked(rec: Record, ids: np.ndarray, loss: np.ndarray, vocab_size: int) ->
   bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
   if bad.size:
     i = int(bad[0])
-    if ids[i] < 0:  # no vocabulary holds it: a label or padding value in input_ids (breaker, 2026-12-02)
+    if ids[i] < 0:  # no vocabulary holds it: a label or padding value in input_ids
       raise DataError(f"{rec.where}: token id {int(ids[i])} at position {i} is negative (padding, or an ignore label "
                       "like -100 put in input_ids?); input_ids hold token ids >= 0: mark no-loss positions in "
                       "`labels` (-100) or `loss_mask`, and leave padding out (parity pads the rows itself)")

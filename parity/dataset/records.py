@@ -64,7 +64,7 @@ def _object(path: Path, value, where: str, number: int) -> Record:
 
 
 def _unique(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
-  """A JSON object from its pairs, refusing a key given twice (json keeps the last silently; breaker, 2026-12-02)."""
+  """A JSON object from its pairs, refusing a key given twice (json keeps the last silently)."""
   out: dict[str, Any] = {}
   for k, v in pairs:
     if k in out:

@@ -394,7 +394,7 @@ def write_comparison(runs: Sequence[RunFigures], out_dir: str | Path, force: boo
   if (out / "report.json").exists() or (out / ".parity.lock").exists():
     raise InputError(f"-o {out} is a parity run folder; write the comparison to a folder of its own")
   outer = enclosing_run(out)
-  if outer is not None:  # e.g. a side's folder: files there would look like the run's own (breaker, 2026-12-02)
+  if outer is not None:  # e.g. a side's folder: files there would look like the run's own
     raise InputError(f"-o {out} is inside the parity run folder {outer}; write the comparison to a folder of its own")
   foreign = [] if force else _foreign_files(out)
   if foreign:

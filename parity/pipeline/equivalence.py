@@ -39,7 +39,7 @@ def parse_equivalence(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return ()
   items = value.split(",") if isinstance(value, str) else [str(v) for item in value for v in str(item).split(",")]
   kinds = {k.strip() for k in items if k.strip()}
-  if not kinds:  # ',' or ' ': asked for checks and named none (breaker, 2026-12-02: ran none, said nothing)
+  if not kinds:  # ',' or ' ': asked for checks and named none (it once ran none, said nothing)
     given = value if isinstance(value, str) else ",".join(str(v) for v in value)
     raise SpecError(f"--equivalence {given!r} names no check; choose from {', '.join(EQUIVALENCES)} "
                     "(comma-separated, e.g. --equivalence ga,packing), or leave the option out")

@@ -72,7 +72,7 @@ def _lay_out(examples, spec: RunSpec, world: int):
                           examples_per_step=t.examples_per_step, **common)
     val = (build_batches(val_ex, steps=t.eval_batches, grad_accum_steps=1, micro_batch_size=t.micro_batch_size,
                          seed=t.data_seed + 1, **common) if val_ex else None)
-  except DataError as exc:  # the layout's refusals know no file: name it (breaker, 2026-12-02)
+  except DataError as exc:  # the layout's refusals know no file: name it
     raise DataError(f"data {examples.source!r}: {exc}") from None
   return train, val
 

@@ -174,8 +174,8 @@ def check_fsdp_overrides_are_read(spec: RunSpec, over: Mapping[str, Any], comman
 
 
 def _check_tokenizer_is_read(spec: RunSpec, tokenizer) -> None:
-  """SpecError when `--tokenizer` would be ignored: a token stream, or the built-in byte-level SFT demo (breaker,
-  2026-12-02: `--tokenizer FILE` with --preset sft-tiny ran a whole compare and never opened it)."""
+  """SpecError when `--tokenizer` would be ignored: a token stream, or the built-in byte-level SFT demo
+  (`--tokenizer FILE` with --preset sft-tiny once ran a whole compare and never opened it)."""
   if spec.train.layout == "stream":
     raise SpecError(f"--tokenizer {tokenizer}: only padded/packed example files are tokenized, and this run's data "
                     f"({spec.data}) is a token stream (train.layout=stream); leave --tokenizer out, or give --data "
@@ -371,7 +371,7 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
     if plan not in plans.PLANS:
       raise SpecError(f"unknown plan {plan!r}; known plans: {', '.join(plans.PLANS)} (or 'auto')")
     pair = plans.PLANS[plan]
-    if pair.fsdp is None and reads_plan(sides, "fsdp"):  # the pair says nothing of it (breaker, 2026-12-04)
+    if pair.fsdp is None and reads_plan(sides, "fsdp"):  # the pair says nothing of it
       with_fsdp = ", ".join(n for n, p in plans.PLANS.items() if p.fsdp is not None)
       raise SpecError(f"--plan {plan}: {plans.fsdp_missing_reason(pair)}, and the sides include fsdp; name a pair "
                       f"that has one ({with_fsdp}), or leave --plan out (the fsdp side then runs its own fsdp "

@@ -484,7 +484,7 @@ def main_guard(side_main: Callable[[SideIO], int], argv: list[str] | None = None
   except (KeyboardInterrupt, SystemExit, GeneratorExit):
     raise
   except BaseException as exc:  # reported in summary.json; the harness reads it. BaseException: DCP's
-    io.fail(exc)  # CheckpointException (torch 2.13) is one, and slipped past as a bare traceback (breaker, 2026-12-04)
+    io.fail(exc)  # CheckpointException (torch 2.13) is one, and once slipped past as a bare traceback
     print(f"[{args.side}] crashed: {exc!r}", file=sys.stderr)
     traceback.print_exc()
     return 1

@@ -470,7 +470,7 @@ def perturbations_ran(run_dir: Path, sides: dict) -> list[dict[str, Any]]:
 def _recorded_injection(side: dict, key: str) -> dict[str, Any]:
   """{value, from} of fault injection / planted bug `key` as a side recorded it (summary.json 'perturbed'); a side
   whose summary has no 'perturbed' record (one the harness wrote for a side that timed out or was killed) says so
-  rather than naming a record that is not there (breaker, 2026-12-02)."""
+  rather than naming a record that is not there."""
   summ = side.get("summary") or {}
   if not summ:
     return {"value": None, "from": "nothing: the side wrote no summary.json"}

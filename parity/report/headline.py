@@ -207,7 +207,7 @@ def verdict_parts(rec: RunRecord) -> tuple[str, str, str]:
     parts.append(f"{pair_label(ff.sides)}'s compiled step differs from its plan before step 1, "
                  f"{c.detail or 'placement: the compiled memory spaces differ'}")
   elif ff and ff.metric != "completed" and ff.value is None:  # nothing was measured: say why, not
-    # "exceeds its tolerance" (breaker, 2026-12-02: an equivalence rerun killed by SIGKILL read "... over the run n/a")
+    # "exceeds its tolerance" (an equivalence rerun killed by SIGKILL once read "... over the run n/a")
     parts.append(f"{ff.metric} of {pair_label(ff.sides)} could not be measured: "
                  f"{first_clause(c.detail or 'no value was recorded')}")
   elif ff and ff.metric != "completed":
