@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -249,21 +248,12 @@ def drive(args) -> int:
   result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "tiny (CPU check)" if args.tiny else "full",
             "host": offload.report.host_info(), "children": {}}
   common = ["--reps", str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-  plan = [("overlap", "overlap", {}, 0.2), ("overlap-flags", "overlap", flags_env, 0.25), ("mfu", "mfu", {}, 1.0)]
+  plan = [("overlap", "overlap", [], {}, 0.2), ("overlap-flags", "overlap", [], flags_env, 0.25),
+          ("mfu", "mfu", [], {}, 1.0)]
   if args.only:
     plan = [p for p in plan if p[0].split("-")[0] in args.only.split(",")]
-  for i, (name, child, env_add, share) in enumerate(plan):
-    timeout = left() - 5 if i == len(plan) - 1 else max(20.0, left() * share)
-    if timeout < 20:
-      result["children"][name] = {"child": child, "error": "not run: the budget ended"}
-      continue
-    result["children"][name] = offload._spawn(args, name, child, common, env_add, timeout, script=__file__)
-  (args.work / "kernels.json").write_text(json.dumps(result, indent=1, default=str))
-  (args.work / "kernels.md").write_text(report.markdown(result))
-  with tarfile.open(args.out / "kernels.tgz", "w:gz") as tar:
-    for f in sorted(args.work.iterdir()):
-      tar.add(f, arcname=f"kernels/{f.name}")
-  print(report.markdown(result), flush=True)
+  result["children"] = offload.run_children(args, plan, common, left, script=__file__)
+  offload.write_results(args, "kernels", result, report.markdown(result))
   return 0
 
 

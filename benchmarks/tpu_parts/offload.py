@@ -333,20 +333,33 @@ def drive(args) -> int:
     plan = [p for p in plan if p[0] in args.only.split(",")]
   if args.variants:  # the timing child's variants (the flags child keeps its own)
     plan = [(n, c, x + ["--variants", args.variants] if n == "timing" else x, e, s) for n, c, x, e, s in plan]
+  result["children"] = run_children(args, plan, common, left)
+  write_results(args, "offload", result, report.markdown(result))
+  return 0
+
+
+def run_children(args, plan: list[tuple], common: list[str], left, script: str = __file__) -> dict:
+  """Each (name, child, extra argv, env, share of the time left) of `plan` in turn, a child of `script`; the last runs
+  to the end of the budget (`left()`: seconds left), one with under 20 s is recorded as not run."""
+  children = {}
   for i, (name, child, extra, env_add, share) in enumerate(plan):
     share = 1.0 if i == len(plan) - 1 else share  # the last child runs to the end of the budget
     timeout = max(20.0, left() * share) if share < 1.0 else left() - 5
     if timeout < 20:
-      result["children"][name] = {"child": child, "error": "not run: the suite's budget ended"}
+      children[name] = {"child": child, "error": "not run: the suite's budget ended"}
       continue
-    result["children"][name] = _spawn(args, name, child, common + extra, env_add, timeout)
-  (args.work / "offload.json").write_text(json.dumps(result, indent=1, default=str))
-  (args.work / "offload.md").write_text(report.markdown(result))
-  with tarfile.open(args.out / "offload.tgz", "w:gz") as tar:
+    children[name] = _spawn(args, name, child, common + extra, env_add, timeout, script=script)
+  return children
+
+
+def write_results(args, stem: str, result: dict, markdown: str) -> None:
+  """args.work/STEM.json and STEM.md, the folder tarred as args.out/STEM.tgz, the tables printed."""
+  (args.work / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
+  (args.work / f"{stem}.md").write_text(markdown)
+  with tarfile.open(args.out / f"{stem}.tgz", "w:gz") as tar:
     for f in sorted(args.work.iterdir()):
-      tar.add(f, arcname=f"offload/{f.name}")
-  print(report.markdown(result), flush=True)
-  return 0
+      tar.add(f, arcname=f"{stem}/{f.name}")
+  print(markdown, flush=True)
 
 
 def parse_args(argv=None):
