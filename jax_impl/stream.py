@@ -41,8 +41,8 @@ from parity.spec import RunSpec
 from jax_impl import optim
 from jax_impl.offload import DEVICE_KIND, LAYERS, Placement, TrainState
 
-__all__ = ["StreamOptions", "OPTIONS", "Pending", "streams_update", "defers_update", "scalars_to_device",
-           "streamed_update", "apply_pending", "hand_on", "with_pending", "settled"]
+__all__ = ["StreamOptions", "OPTIONS", "Pending", "streams_update", "updates_in_place", "defers_update",
+           "scalars_to_device", "streamed_update", "apply_pending", "hand_on", "with_pending", "settled"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,10 @@ class StreamOptions:
       sent back; 0 unrolls every layer.
     in_place: carry the host stacks through the scan and write each updated layer back into them
       (`dynamic_update_index_in_dim`) instead of stacking new outputs beside the donated old ones: the host then
-      holds one copy of the offloaded state instead of two at the end of the update.
+      holds one copy of the offloaded state instead of two at the end of the update. None (the default) decides
+      by the plan (`updates_in_place`): in place when the params are offloaded too, the plan whose size the host
+      bounds (params and both moments: 12 bytes per parameter held once instead of twice); beside when only the
+      optimizer state is.
     deferred: apply each step's update at the start of the next step instead of at its end (fp32/bf16, optimizer
       state offloaded, params on the device). The step computes the gradient and hands it on as `Pending`; the next
       step applies it layer by layer before its forward pass, and the moments it sends back to the host then have
@@ -72,7 +75,7 @@ class StreamOptions:
   """
   enabled: bool = True
   unroll: int = 1
-  in_place: bool = False
+  in_place: bool | None = None
   deferred: bool = False
   home_after_loop: bool = False
 
@@ -84,6 +87,12 @@ OPTIONS = StreamOptions()
 def streams_update(run: RunSpec) -> bool:
   """Whether the step updates the state layer by layer: scan_layers with params or optimizer state offloaded."""
   return OPTIONS.enabled and run.jax.scan_layers and (run.jax.offload_params or run.jax.offload_opt_state)
+
+
+def updates_in_place(run: RunSpec) -> bool:
+  """Whether the streamed update writes each layer back into the carried host stacks (`StreamOptions.in_place`;
+  None: when the params are offloaded). parity.sizing.memory counts the host's second copy by the same rule."""
+  return bool(run.jax.offload_params) if OPTIONS.in_place is None else OPTIONS.in_place
 
 
 def defers_update(run: RunSpec) -> bool:
@@ -166,18 +175,21 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
 
   moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
   _map_param_trees(opt_state, full_def, lambda t: moments.append(t[LAYERS]))
-  update_layer = _layer_update(tx, opt_state, full_def, keep, (to_device, to_home), (params_host, opt_host))
   opts = OPTIONS
+  in_place = updates_in_place(run)
+  home_after = opts.home_after_loop and not in_place  # the carried stacks are written layer by layer, at home
+  update_layer = _layer_update(tx, opt_state, full_def, keep, (to_device, to_home), (params_host, opt_host),
+                               home_after)
   n_layers = jax.tree.leaves(params[LAYERS])[0].shape[0]
   unroll = n_layers if opts.unroll == 0 else max(1, opts.unroll)
-  if opts.in_place:
+  if in_place:
     new_layers, new_moments = _in_place_scan(update_layer, grads[LAYERS], params[LAYERS], moments, n_layers, unroll)
   else:
     # The new stacks are the scan's outputs, so they are new buffers beside the donated old ones until the scan
     # ends (parity.sizing.memory counts them); `in_place` writes each layer back into the carried stacks instead.
     body = lambda _, xs: (None, update_layer(*xs))
     _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments), unroll=unroll)
-    if opts.home_after_loop:
+    if home_after:
       new_layers, new_moments = to_home(new_layers, params_host), [to_home(m, opt_host) for m in new_moments]
   stacked = iter(new_moments)
   new_state = _map_param_trees(new_rest_state, rest_def, lambda t: {**t, LAYERS: next(stacked)})
@@ -185,9 +197,9 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
 
 
 def _layer_update(tx: Any, opt_state: Any, full_def: Any, keep: Callable, moves: tuple[Callable, Callable],
-                  host: tuple[bool, bool]) -> Callable:
+                  host: tuple[bool, bool], home_after: bool) -> Callable:
   """The update of one layer's slices: to the device, the chain's update (kept or not: `keep`), back home (or left
-  on the device until the loop ends: `StreamOptions.home_after_loop`)."""
+  on the device until the loop ends: `home_after`, from `StreamOptions.home_after_loop`)."""
   to_device, to_home = moves
   params_host, opt_host = host
 
@@ -203,7 +215,7 @@ def _layer_update(tx: Any, opt_state: Any, full_def: Any, keep: Callable, moves:
     old_m_l: list[Any] = []
     _map_param_trees(state_l, layer_def, lambda t: old_m_l.append(t[LAYERS]))
     new_m_l = [keep(n, o) for n, o in zip(new_m_l, old_m_l)]
-    if OPTIONS.home_after_loop:
+    if home_after:
       return new_p_l, new_m_l
     return to_home(new_p_l, params_host), [to_home(m, opt_host) for m in new_m_l]
 

@@ -44,8 +44,8 @@ def _final_state(plan: JaxPlan, options: stream.StreamOptions, monkeypatch) -> t
                          ids=["opt-offload", "params-and-opt-offload"])
 @pytest.mark.parametrize("options", [stream.StreamOptions(unroll=2), stream.StreamOptions(unroll=0),
                                      stream.StreamOptions(in_place=True), stream.StreamOptions(enabled=False),
-                                     stream.StreamOptions(home_after_loop=True)],
-                         ids=["unroll2", "unroll-all", "in-place", "whole-tree", "home-after-loop"])
+                                     stream.StreamOptions(home_after_loop=True), stream.StreamOptions(in_place=False)],
+                         ids=["unroll2", "unroll-all", "in-place", "whole-tree", "home-after-loop", "beside"])
 def test_every_layout_gives_the_default_numbers_bitwise(plan, options, monkeypatch):
   want_p, want_m = _reference(plan, monkeypatch)
   got_p, got_m = _final_state(plan, options, monkeypatch)
@@ -54,6 +54,16 @@ def test_every_layout_gives_the_default_numbers_bitwise(plan, options, monkeypat
     assert np.array_equal(got_p[k], want_p[k]), k
     assert np.array_equal(got_m[k], want_m[k]), k
   assert not all(np.array_equal(want_p[k], v) for k, v in init_params(LLAMA, 0).items())  # the steps did update
+
+
+def test_the_update_is_in_place_by_default_only_when_the_params_are_offloaded(monkeypatch):
+  base = RunSpec(model=LLAMA, train=TRAIN)
+  assert stream.updates_in_place(dataclasses.replace(base, jax=JaxPlan(scan_layers=True, offload_params=True)))
+  assert not stream.updates_in_place(dataclasses.replace(base, jax=JaxPlan(scan_layers=True)))
+  monkeypatch.setattr(stream, "OPTIONS", stream.StreamOptions(in_place=False))
+  assert not stream.updates_in_place(dataclasses.replace(base, jax=JaxPlan(scan_layers=True, offload_params=True)))
+  monkeypatch.setattr(stream, "OPTIONS", stream.StreamOptions(in_place=True))
+  assert stream.updates_in_place(dataclasses.replace(base, jax=JaxPlan(scan_layers=True)))
 
 
 def test_streamed_update_is_on_only_with_scan_and_offload(monkeypatch):

@@ -47,7 +47,8 @@ def test_the_kernel_choice_refuses_flash_off_a_tpu_and_unknown_names():
 @pytest.mark.slow
 def test_the_driver_runs_both_children_on_cpu(tmp_path):
   proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_parts" / "kernels.py"), "--tiny", "--out",
-                         str(tmp_path), "--budget-s", "200", "--steps", "1", "--warmup", "1", "--reps", "1"],
+                         str(tmp_path), "--budget-s", "200", "--steps", "1", "--warmup", "1", "--reps", "1",
+                         "--agree-steps", "8"],
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads((tmp_path / "kernels" / "kernels.json").read_text())
@@ -60,6 +61,16 @@ def test_the_driver_runs_both_children_on_cpu(tmp_path):
   assert [r["kernel"] for r in rows] == ["exact", "exact"] and all(r["tokens_per_s"] > 0 for r in rows)
   # the deferred update changes no number: both layouts' first losses agree on the same weights and batch
   assert rows[0]["first_loss"] == rows[1]["first_loss"]
+  head = {r["variant"]: r for r in result["children"]["headroom"]["rows"]}
+  assert set(head) == {"no-offload", "opt-deferred", "opt-stream", "params+opt-stream"}, head
+  assert all(r["headroom_bytes"] > 0 and r["probes"] for r in head.values()), head  # CPU: under the tiny cap
+  assert {r["variant"] for r in rep.headroom_rows(result["children"]["headroom"])} == set(head)
+  agree = result["children"]["agree"]
+  assert agree["rc"] == 0 and [(r["precision"], r["kernel"]) for r in agree["rows"]] == [("bf16", "exact"),
+                                                                                        ("fp32", "exact")]
+  a = rep.agreement(agree)
+  assert a["steps"] == 8 and a["last_loss"] < a["first_loss"], a  # the copy task trains
+  assert 0 < a["bf16_vs_fp32"] < 0.5, a  # bf16 rounds (not 0) and stays near fp32 at this size
   with tarfile.open(tmp_path / "kernels.tgz") as tar:
     assert "kernels/kernels.md" in tar.getnames()
 
@@ -127,3 +138,33 @@ def test_the_recorded_chip_runs_derive_the_published_figures():
   refused = [r for r in mfu if "RESOURCE_EXHAUSTED" in (r.get("error") or "")]
   assert {(r["model"], r["kernel"]) for r in refused} == {("d2048", "exact"), ("d2048x16", "flash"),
                                                           ("d2048x16", "exact")}
+
+
+def test_agreement_sets_the_kernel_gap_against_the_bf16_rounding():
+  rows = [{"precision": "bf16", "kernel": "exact", "losses": [10.0, 8.0, 6.0]},
+          {"precision": "fp32", "kernel": "exact", "losses": [10.0, 8.02, 6.04]},
+          {"precision": "bf16", "kernel": "flash", "losses": [10.0, 8.01, 6.0]}]
+  a = rep.agreement({"rows": rows})
+  assert a["bf16_vs_fp32"] == pytest.approx(0.04) and a["flash_vs_exact"] == pytest.approx(0.01)
+  assert a["ratio"] == pytest.approx(0.25) and a["last_loss"] == 6.0
+  assert rep.agreement({"rows": rows[:1]}) is None  # no fp32 reference: no verdict
+  assert "flash_vs_exact" not in rep.agreement({"rows": rows[:2]})
+
+
+def test_copy_batches_repeat_one_chunk_per_row():
+  from benchmarks.tpu_parts.kernels import copy_batches
+  (b,) = copy_batches(1, 2, 3, 200, 1000)
+  assert b.shape == (2, 3, 201) and b.dtype.name == "uint16"
+  assert (b[..., 64:128] == b[..., :64]).all() and not (b[0, 0, :64] == b[0, 1, :64]).all()
+
+
+def test_headroom_rows_set_each_layout_against_no_offload():
+  ma = {"peak_memory_in_bytes": 9, "argument_size_in_bytes": 4, "output_size_in_bytes": 4, "temp_size_in_bytes": 5,
+        "alias_size_in_bytes": 4}
+  rows = {r["variant"]: r for r in rep.headroom_rows({"rows": [
+      {"variant": "no-offload", "headroom_bytes": 100, "state_bytes_by_kind": {"device": 50}, "memory_analysis": ma},
+      {"variant": "opt", "headroom_bytes": 140, "state_bytes_by_kind": {"device": 10, "pinned_host": 50}},
+      {"variant": "broken", "error": "E"}]})}
+  assert set(rows) == {"no-offload", "opt"}
+  assert rows["opt"]["saved"] == 40 and rows["opt"]["on_host"] == 50 and rows["opt"]["share"] == pytest.approx(0.8)
+  assert rows["no-offload"]["xla_peak"] == 9 and rows["no-offload"]["sum_peak"] == 9 and rows["opt"]["xla_peak"] is None

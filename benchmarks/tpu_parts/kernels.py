@@ -224,7 +224,149 @@ def child_mfu(args) -> dict:
   return head()
 
 
-CHILDREN = {"overlap": child_overlap, "mfu": child_mfu}
+# ----------------------------------------------------------------------------- agree child
+
+AGREE_STEPS = 24
+
+
+def copy_batches(n: int, ga: int, micro: int, seq: int, vocab: int, seed: int = 0):
+  """n batches (ga, micro, seq + 1) of uint16 tokens where each row repeats one random 64-token chunk: the loss can
+  only fall below ln(vocab) by attending back to the chunk's previous copy, so the attention kernel carries it."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  chunk = 64
+  reps = -(-(seq + 1) // chunk)
+  out = []
+  for _ in range(n):
+    base = rng.integers(0, vocab, (ga, micro, chunk))
+    out.append(np.tile(base, (1, 1, reps))[..., :seq + 1].astype(np.uint16))
+  return out
+
+
+def _agree_run(model, precision: str, kernel: str, batches, micro: int, seq: int) -> dict:
+  from jax_impl import kernels
+  from jax_impl.step import Trainer
+  from parity.spec import JaxPlan, RunSpec, TrainSpec
+  from parity.weights import init_params
+  train = TrainSpec(steps=len(batches), micro_batch_size=micro, grad_accum_steps=batches[0].shape[0], seq_len=seq,
+                    precision=precision, lr=1e-3, warmup_steps=2, eval_every=0)
+  run = RunSpec(model=model, train=train, jax=JaxPlan(scan_layers=True, offload_opt_state=False),
+                sides=("jax",)).validate()
+  rec = {"precision": precision, "kernel": kernel}
+  try:
+    kernels.set_attention_kernel(kernel)
+    t = Trainer.build(run, init_params(model, seed=0))
+    t.compile(batches[0].shape, None)
+    rec["losses"] = [float(t.step(b)["loss"]) for b in batches]
+    del t
+  except Exception as e:
+    rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+  finally:
+    kernels.set_attention_kernel("exact")
+  return rec
+
+
+def child_agree(args) -> dict:
+  """Losses of the same training (GPT-2 init, copy-task batches) with each attention kernel in bf16, and with the
+  exact kernel in fp32: |flash - exact| in bf16 set against |bf16 - fp32| of the exact kernel, the rounding a bf16
+  run already carries. Tiny: exact kernel only (CPU)."""
+  import jax
+  model = model_spec("tiny" if args.tiny else "d1024")
+  micro, seq = (2, 32) if args.tiny else (2, 1024)
+  pool = copy_batches(2, 1, micro, seq, model.vocab_size)  # two batches in turn: the loss falls within a few steps
+  batches = [pool[i % 2] for i in range(args.agree_steps)]
+  cases = [("bf16", "exact"), ("fp32", "exact")] + ([] if args.tiny else [("bf16", "flash")])
+  rows = []
+  for precision, kernel in cases:
+    rows.append(_agree_run(model, precision, kernel, batches, micro, seq))
+    print(json.dumps({k: rows[-1].get(k) for k in ("precision", "kernel", "error")}), flush=True)
+    offload.save_partial(args, {"rows": rows})
+  return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "model": "tiny" if args.tiny
+          else "d1024", "micro": micro, "seq": seq, "steps": args.agree_steps, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- headroom child
+
+# (name, plan fields, stream options): offload.py's timing model and shape, no offload first (the reference)
+HEADROOM_VARIANTS = (("no-offload", {"offload_opt_state": False}, {}), ("opt-deferred", {}, {"deferred": True}),
+                     ("params+opt-stream", {"offload_params": True}, {}), ("opt-stream", {}, {}))
+
+
+def _headroom_trainer(fields: dict, options: dict, tiny: bool):
+  from benchmarks.gpu_parts.common import fast_params
+  from jax_impl.step import Trainer
+  model = offload.model_spec(tiny)
+  micro, seq, ga = (2, 32, 2) if tiny else (2, 1024, 2)
+  offload._set_stream(options)
+  t = Trainer.build(offload._run(model, fields, ga, micro, seq, "bf16"), fast_params(model))
+  t.compile((ga, micro, seq + 1), None)
+  batch = __import__("numpy").random.default_rng(0).integers(0, model.vocab_size, (ga, micro, seq + 1))
+  return t, batch.astype("uint16")
+
+
+def _runs_beside(t, batch, nbytes: int) -> tuple[bool, str]:
+  """Whether one step runs while `nbytes` of device memory are held by another array (the ballast)."""
+  import jax.numpy as jnp
+  ballast = None
+  try:
+    ballast = jnp.zeros((max(1, nbytes // 4),), jnp.float32).block_until_ready()
+    t.step(batch)
+    return True, ""
+  except Exception as e:  # RESOURCE_EXHAUSTED from the runtime: the step did not fit beside the ballast
+    return False, f"{type(e).__name__}: {str(e)[:200]}"
+  finally:
+    del ballast
+
+
+def _headroom(name: str, fields: dict, options: dict, args, deadline: float) -> dict:
+  """The largest ballast (bisection, args.headroom_iters halvings) beside which the warmed step still runs: the
+  device memory the step leaves free. A failed step may have consumed its donated state: the trainer is rebuilt."""
+  import jax
+  rec = {"variant": name, "plan": fields, "stream": options, "probes": []}
+  try:
+    t, batch = _headroom_trainer(fields, options, args.tiny)
+    t.step(batch)
+    stats = jax.devices()[0].memory_stats() or {}
+    from jax_impl.offload import bytes_by_memory_kind
+    rec.update(memory_analysis=t.memory_analysis, memory_stats_after_step=stats,
+               state_bytes_by_kind=bytes_by_memory_kind(t.state, jax.devices()[0]))
+    lo, hi = 0, int(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) or args.tiny_cap_bytes
+    for _ in range(args.headroom_iters):
+      if time.monotonic() > deadline:
+        rec["stopped"] = "the child's budget ended"
+        break
+      mid = (lo + hi) // 2 >> 20 << 20
+      ok, why = _runs_beside(t, batch, mid)
+      rec["probes"].append({"ballast_bytes": mid, "ran": ok, "error": why or None})
+      lo, hi = (mid, hi) if ok else (lo, mid)
+      if not ok:
+        del t
+        t, batch = _headroom_trainer(fields, options, args.tiny)
+    rec.update(headroom_bytes=lo, bracket_bytes=[lo, hi])
+    del t
+  except Exception as e:
+    rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+  finally:
+    offload._set_stream({})
+  return rec
+
+
+def child_headroom(args) -> dict:
+  """Device memory each offload layout leaves free during its step (`_headroom`), against no offload: the memory
+  it saves, measured by the runtime rather than read from the compiler's memory_analysis."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", str(Path(args.json).parent / "jax-cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  rows, deadline = [], time.monotonic() + args.budget_s
+  for name, fields, options in HEADROOM_VARIANTS:
+    rows.append(_headroom(name, fields, options, args, deadline))
+    print(json.dumps({k: rows[-1].get(k) for k in ("variant", "headroom_bytes", "bracket_bytes", "error")}),
+          flush=True)
+    offload.save_partial(args, {"rows": rows})
+  return {"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "rows": rows}
+
+
+CHILDREN = {"overlap": child_overlap, "mfu": child_mfu, "agree": child_agree, "headroom": child_headroom}
 
 
 def run_child(args) -> int:
@@ -247,9 +389,10 @@ def drive(args) -> int:
                                                              *offload.HOST_OFFLOAD_FLAGS]))}
   result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "tiny (CPU check)" if args.tiny else "full",
             "host": offload.report.host_info(), "children": {}}
-  common = ["--reps", str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+  common = ["--reps", str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--agree-steps", str(args.agree_steps), "--headroom-iters", str(args.headroom_iters)]
   plan = [("overlap", "overlap", [], {}, 0.2), ("overlap-flags", "overlap", [], flags_env, 0.25),
-          ("mfu", "mfu", [], {}, 1.0)]
+          ("mfu", "mfu", [], {}, 0.8), ("headroom", "headroom", [], {}, 0.75), ("agree", "agree", [], {}, 1.0)]
   if args.only:
     plan = [p for p in plan if p[0].split("-")[0] in args.only.split(",")]
   result["children"] = offload.run_children(args, plan, common, left, script=__file__)
@@ -264,7 +407,10 @@ def parse_args(argv=None):
   ap.add_argument("--tiny", action="store_true", help="CPU check: tiny shapes, exact attention")
   ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
   ap.add_argument("--json", help=argparse.SUPPRESS)
-  ap.add_argument("--only", help="driver: comma-separated children (overlap, mfu)")
+  ap.add_argument("--only", help="driver: comma-separated children (overlap, mfu, headroom, agree)")
+  ap.add_argument("--headroom-iters", type=int, default=7, help="headroom: bisection steps per layout")
+  ap.add_argument("--tiny-cap-bytes", type=int, default=64 << 20, help=argparse.SUPPRESS)
+  ap.add_argument("--agree-steps", type=int, default=AGREE_STEPS, help="agree: training steps per kernel")
   ap.add_argument("--reps", type=int, default=None)
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--warmup", type=int, default=None)

@@ -6,6 +6,10 @@ Overlap, per program of the `overlap` child against `compute` and `copies` of th
 MFU, per `mfu` row: tokens/s x training FLOPs per token (parity.sizing.cost.flops_per_token: 6N + 12 L H Q s) / the
 chip's bf16 peak; flash against exact: the tokens/s ratio and the first step's |loss difference| on the same weights
 and batch.
+Agreement, from the `agree` child (one training from the same GPT-2 init on copy-task batches per case): the largest
+|loss difference| over the steps of flash against exact (both bf16), and of the exact kernel's bf16 run against its
+fp32 run, the rounding every bf16 run carries already. ratio = the first / the second: at or below 1, the kernel's
+own rounding is inside bf16's.
 """
 from __future__ import annotations
 
@@ -47,6 +51,56 @@ def flash_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
+def agreement(rec: dict[str, Any]) -> dict[str, Any] | None:
+  """The agree child's comparison (module docstring), or None when a case it needs did not run."""
+  runs = {(r.get("precision"), r.get("kernel")): r.get("losses") for r in rec.get("rows") or []}
+  exact16, exact32, flash16 = runs.get(("bf16", "exact")), runs.get(("fp32", "exact")), runs.get(("bf16", "flash"))
+  if not exact16 or not exact32:
+    return None
+  gap = lambda a, b: max(abs(x - y) for x, y in zip(a, b, strict=True))
+  out = {"steps": len(exact16), "bf16_vs_fp32": gap(exact16, exact32), "first_loss": exact16[0],
+         "last_loss": exact16[-1]}
+  if flash16:
+    out["flash_vs_exact"] = gap(flash16, exact16)
+    out["ratio"] = out["flash_vs_exact"] / out["bf16_vs_fp32"] if out["bf16_vs_fp32"] else None
+  return out
+
+
+def headroom_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
+  """Per layout of the headroom child: the device memory its step left free, what that saves against no offload,
+  the state bytes it keeps in host memory, the share of those the device got back, and memory_analysis's two
+  readings of the device peak (XLA's peak_memory_in_bytes; argument + output + temp - alias) for comparison."""
+  rows = [r for r in rec.get("rows") or [] if r.get("headroom_bytes") is not None]
+  ref = next((r["headroom_bytes"] for r in rows if r["variant"] == "no-offload"), None)
+  out = []
+  for r in rows:
+    ma = r.get("memory_analysis") or {}
+    get = lambda k: int(ma.get(k) or 0)
+    host = sum(v for k, v in (r.get("state_bytes_by_kind") or {}).items() if k != "device")
+    saved = None if ref is None else r["headroom_bytes"] - ref
+    out.append({"variant": r["variant"], "headroom": r["headroom_bytes"], "bracket": r.get("bracket_bytes"),
+                "saved": saved, "on_host": host, "share": saved / host if saved is not None and host else None,
+                "xla_peak": get("peak_memory_in_bytes") or None,
+                "sum_peak": get("argument_size_in_bytes") + get("output_size_in_bytes") + get("temp_size_in_bytes")
+                - get("alias_size_in_bytes")})
+  return out
+
+
+def _headroom_lines(rec: dict[str, Any]) -> list[str]:
+  rows = headroom_rows(rec)
+  if not rows and not rec.get("rows"):
+    return []
+  lines = ["", f"## Device memory each layout leaves free during its step (rc {rec.get('rc')})", "",
+           "| layout | free beside the step GB | saved vs no offload GB | state on host GB | saved / on host | "
+           "XLA peak GB | arg+out+temp-alias GB |", "|---|---|---|---|---|---|---|"]
+  g = lambda x: _fmt(None if x is None else x / 1e9, ".2f")
+  for r in rows:
+    lines.append(f"| {r['variant']} | {g(r['headroom'])} | {g(r['saved'])} | {g(r['on_host'])} | "
+                 f"{_fmt(r['share'], '.0%')} | {g(r['xla_peak'])} | {g(r['sum_peak'])} |")
+  lines += [f"- {r.get('variant')}: {r['error'][:200]}" for r in rec.get("rows") or [] if r.get("error")]
+  return lines
+
+
 def _fmt(x: Any, spec: str = ".3g") -> str:
   return "" if x is None else format(x, spec) if isinstance(x, (int, float)) else str(x)
 
@@ -83,4 +137,21 @@ def markdown(result: dict[str, Any]) -> str:
     if pairs:
       lines += ["", "| model | flash / exact tokens/s | first-step loss |flash - exact| |", "|---|---|---|"]
       lines += [f"| {p['model']} | {p['speedup']:.2f} | {p['first_loss_diff']:.2e} |" for p in pairs]
+  lines += _headroom_lines(ch.get("headroom") or {})
+  lines += _agree_lines(ch.get("agree") or {})
   return "\n".join(lines) + "\n"
+
+
+def _agree_lines(rec: dict[str, Any]) -> list[str]:
+  if not rec.get("rows"):
+    return []
+  lines = ["", f"## Flash against exact in training ({rec.get('model')}, {rec.get('steps')} steps, micro "
+           f"{rec.get('micro')} x seq {rec.get('seq')}, copy-task batches; rc {rec.get('rc')})", ""]
+  lines += [f"- {r.get('precision')} {r.get('kernel')}: {r['error'][:200]}" for r in rec["rows"] if r.get("error")]
+  a = agreement(rec)
+  if a:
+    lines.append(f"- exact bf16 loss {a['first_loss']:.4f} -> {a['last_loss']:.4f}; max |bf16 - fp32| (exact) "
+                 f"{a['bf16_vs_fp32']:.3e}")
+    if "flash_vs_exact" in a:
+      lines.append(f"- max |flash - exact| (bf16) {a['flash_vs_exact']:.3e}: {_fmt(a.get('ratio'), '.2f')} of it")
+  return lines

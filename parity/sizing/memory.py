@@ -142,7 +142,9 @@ def _jax_rows(run: RunSpec) -> list[Row]:
     copy the step casts (the whole tree, or per layer with scan_layers and offloaded params);
   * update: offloaded params and moments brought in (all; or, streamed by `jax_impl.stream` with
     scan_layers, the non-layer state and 2 layers), and the streamed update's new layer stacks, which are
-    scan outputs beside the donated old ones, in each group's own memory kind.
+    scan outputs beside the donated old ones, in each group's own memory kind; none when the params are
+    offloaded too, where the update writes each layer back into the carried stacks
+    (`jax_impl.stream.updates_in_place`).
   """
   m, t, p = run.model, run.train, run.jax
   n, d = param_count(m), p.data_parallel
@@ -173,7 +175,7 @@ def _jax_rows(run: RunSpec) -> list[Row]:
                     2 * FP32 * window("optimizer_moments") if p.scan_layers else mom,
                     "in-step (update: fetched, non-layer + 2 layers)" if p.scan_layers
                     else "in-step (update: fetched, all)"))
-  if streamed:
+  if streamed and not p.offload_params:  # with the params offloaded the update writes in place (one host copy)
     rows.append(Row("jax", "params", _kind(p.offload_params), FP32 * math.ceil(layers / shard["params"]),
                     "in-step (update: new layer stack)"))
     rows.append(Row("jax", "optimizer_moments", _kind(p.offload_opt_state),
