@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--steps", type=int, help="timed steps per train run (default 3; --tiny 2)")
   ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile / first-step allocations)")
   ap.add_argument("--device-gib", type=float, help="accelerator memory to size for (default: the device's)")
-  ap.add_argument("--host-gib", type=float, help="host memory the runs may use (default: MemAvailable)")
+  ap.add_argument("--host-gib", type=float,
+                  help="host memory the runs may use (default: MemAvailable, or the cgroup limit less its use if less)")
   ap.add_argument("--max-probes", type=int, help="largest-model probes per side or plan (default 8; --tiny 1)")
   ap.add_argument("--jax-plans", default=",".join(sizing.GRID_PLANS), help="grid flow: plans to time")
   ap.add_argument("--grad-accum", help="grid flow: gradient accumulations per plan (default 1,8; --tiny 1,2)")

@@ -530,3 +530,18 @@ def test_the_grid_depth_is_the_compiled_checks_or_an_honest_fallback():
   from benchmarks.gpu_parts import grid
   partial = {"ok": False, "partial": {"bandwidth": {"kind": "x", "jit_round_trip_donated": {"median_gbs": 9.0}}}}
   assert grid.in_step_rate(partial)["gbs"] == 9.0  # the part overran in its matmuls: its bandwidth is kept
+
+
+def test_the_suites_host_memory_is_the_smaller_of_memavailable_and_the_cgroup_headroom(monkeypatch):
+  """A sandbox's cgroup can allow less than the VM's MemAvailable (40 GiB under 45 on a TPU VM): probes are sized
+  by what this process may use."""
+  from benchmarks.gpu_parts import device
+  from parity.sizing import host_limits
+  GiB = 2**30
+  cg = {"limit_bytes": 40 * GiB, "usage_bytes": 30 * GiB, "inactive_file_bytes": 0}
+  monkeypatch.setattr(host_limits, "host_memory", lambda: host_limits.HostMemory(29 * GiB, cg))
+  facts = device.host_facts()
+  assert facts["host_available_bytes"] == 10 * GiB and facts["host_memory"]["mem_available_bytes"] == 29 * GiB
+  monkeypatch.setattr(host_limits, "host_memory", lambda: host_limits.HostMemory(29 * GiB, None))
+  assert device.host_facts()["host_available_bytes"] == 29 * GiB
+  assert device.host_facts(host_gib=3)["host_available_bytes"] == 3 * GiB

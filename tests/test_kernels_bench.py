@@ -168,3 +168,30 @@ def test_headroom_rows_set_each_layout_against_no_offload():
   assert set(rows) == {"no-offload", "opt"}
   assert rows["opt"]["saved"] == 40 and rows["opt"]["on_host"] == 50 and rows["opt"]["share"] == pytest.approx(0.8)
   assert rows["no-offload"]["xla_peak"] == 9 and rows["no-offload"]["sum_peak"] == 9 and rows["opt"]["xla_peak"] is None
+
+
+def test_the_headroom_and_agreement_run_derives_its_published_figures():
+  """benchmarks/results/2026-12-06-tpu-v5e-headroom.md, run 6: the figures it quotes, from the chip's record."""
+  run = json.loads((DATA / "run6-headroom-agree.json").read_text())["children"]
+  head = run["headroom"]
+  assert head["device"] == "TPU v5 lite" and head["rc"] == 0
+  rows = {r["variant"]: r for r in rep.headroom_rows(head)}
+  gb = lambda x: round(x / 1e9, 2)
+  assert {k: gb(r["headroom"]) for k, r in rows.items()} == {"no-offload": 4.90, "opt-stream": 6.67,
+                                                             "opt-deferred": 6.44, "params+opt-stream": 8.18}
+  assert {k: round(r["share"], 2) for k, r in rows.items() if r["share"] is not None} == {
+      "opt-stream": 0.82, "opt-deferred": 0.71, "params+opt-stream": 1.01}
+  assert {k: gb(r["on_host"]) for k, r in rows.items()} == {"no-offload": 0, "opt-stream": 2.17, "opt-deferred": 2.17,
+                                                            "params+opt-stream": 3.25}
+  brackets = [(r["bracket"][1] - r["bracket"][0]) / 1e9 for r in rows.values()]
+  assert 0.2 < min(brackets) and max(brackets) < 0.27  # the resolution the results state (0.21-0.26 GB)
+  # no offload: XLA's peak leaves 5.07 GB of the chip, the ballast found 4.90 (within one bracket); the sum reads 2.1
+  # GB over; for the offload programs XLA's peak reads above no offload's while the runtime found more room
+  limit = 16_909_336_064
+  ref = rows["no-offload"]
+  assert gb(limit - ref["xla_peak"]) == 5.07 and gb(ref["sum_peak"] - ref["xla_peak"]) == 2.09
+  assert all(rows[k]["xla_peak"] > ref["xla_peak"] for k in ("opt-stream", "opt-deferred"))
+  a = rep.agreement(run["agree"])
+  assert a["steps"] == 24 and round(a["first_loss"], 3) == 10.649 and round(a["last_loss"], 3) == 4.631
+  assert round(a["flash_vs_exact"], 3) == 0.115 and round(a["bf16_vs_fp32"], 3) == 0.128
+  assert round(a["ratio"], 2) == 0.90

@@ -83,15 +83,21 @@ def device_from_jax_probe(probe: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def host_facts(host_gib: float | None = None) -> dict[str, Any]:
-  """Host memory (MemTotal, MemAvailable or --host-gib) and CPU cores (all, and those this process may use)."""
+  """Host memory (MemTotal; available: --host-gib, else parity's reading, the smaller of MemAvailable and this
+  process's cgroup limit less its working set) and CPU cores (all, and those this process may use). MemAvailable
+  alone is the VM's: a sandbox's cgroup may allow less (a TPU VM's 45 GiB under a 40 GiB cgroup killed a probe
+  sized by MemAvailable)."""
   from benchmarks.gpu_parts.common import host_memory_bytes
+  from parity.sizing import host_limits
   mem = host_memory_bytes()
+  reading = host_limits.host_memory()
   try:
     usable = len(os.sched_getaffinity(0))
   except (AttributeError, OSError):
     usable = os.cpu_count()
   return {"host_total_bytes": mem.get("MemTotal"),
-          "host_available_bytes": int(host_gib * 2**30) if host_gib else mem.get("MemAvailable", 0),
+          "host_available_bytes": int(host_gib * 2**30) if host_gib else (reading.available_bytes or 0),
+          "host_memory": reading.to_json(),
           "cpu_count": os.cpu_count(), "cpu_usable": usable}
 
 

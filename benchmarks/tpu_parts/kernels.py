@@ -1,7 +1,8 @@
-"""Two questions the offload and MFU figures hinge on, answered on the chip: can a host copy run under compute in one
-XLA:TPU program, and what does the step reach with the flash-attention kernel.
+"""Questions the offload and MFU figures hinge on, answered on the chip: can a host copy run under compute in one
+XLA:TPU program, what does the step reach with the flash-attention kernel, how much device memory each offload
+layout really gives back, and does flash train like exact.
 
-  python3 benchmarks/tpu_parts/kernels.py --out DIR [--budget-s 420] [--tiny] [--only overlap,mfu]
+  python3 benchmarks/tpu_parts/kernels.py --out DIR [--budget-s 420] [--tiny] [--only overlap,mfu,headroom,agree]
   bash benchmarks/tpu.sh kernels                      # on a TPU VM, after its install
 
 The driver never opens the accelerator; each child does (one process holds a TPU), as in offload.py:
@@ -16,6 +17,10 @@ The driver never opens the accelerator; each child does (one process holds a TPU
            each attention kernel (jax_impl.kernels: exact, flash) on two llama-shaped widths; tokens/s, MFU against
            the chip's bf16 data-sheet peak (offload_report.PEAK_BF16), the compiled device peak; and the first
            step's loss of flash against exact on the same weights and batch (the speed layout's rounding, nats).
+  headroom the device memory each offload layout of offload.py's model leaves free during its step: the largest
+           ballast array (bisection) the warmed step still runs beside; saved = that less no offload's (`_headroom`).
+  agree    one short training per case from the same GPT-2 init on copy-task batches: exact bf16, exact fp32, flash
+           bf16; flash's largest loss gap against exact, set against exact's bf16-vs-fp32 gap (`child_agree`).
 Writes DIR/kernels/kernels.json (every record), kernels.md (the tables) and DIR/kernels.tgz.
 --tiny runs on a CPU with tiny shapes and the exact kernel only (tests/test_kernels_bench.py): checks, not figures.
 """
@@ -355,7 +360,9 @@ def child_headroom(args) -> dict:
   """Device memory each offload layout leaves free during its step (`_headroom`), against no offload: the memory
   it saves, measured by the runtime rather than read from the compiler's memory_analysis."""
   import jax
-  jax.config.update("jax_compilation_cache_dir", str(Path(args.json).parent / "jax-cache"))
+  import tempfile
+  # the rebuilt trainers reuse the first compile; outside the results folder, which is tarred
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="parity-headroom-cache-"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   rows, deadline = [], time.monotonic() + args.budget_s
   for name, fields, options in HEADROOM_VARIANTS:
