@@ -63,6 +63,28 @@ def test_search_doubles_then_bisects_to_an_eighth():
   assert calls[0] == 10 and res["largest_ok"] == 3 and res["complete"]
 
 
+def test_search_probes_where_the_compilers_stated_need_points():
+  """The TPU compiler says what it needed ("(24.14G) exceeds available HBM (15.75G)"): the next probe is n x
+  available / needed inside the bracket (59 -> 38 on the chip's own refusal), not the midpoint (29)."""
+  from benchmarks.gpu_parts.sizing import compiler_guess, search_largest
+  per_layer, fixed, avail = 0.38, 1.7, 15.75  # GB: a need that grows with depth plus a part that does not
+  calls = []
+
+  def probe(n):
+    calls.append(n)
+    need = fixed + per_layer * n
+    if need <= avail:
+      return {"status": "ok"}
+    return {"status": "oom", "detail": f"does not fit (compile: JaxRuntimeError: RESOURCE_EXHAUSTED: Ran out of "
+                                       f"memory on HBM, the total memory required for HLO temporaries "
+                                       f"({need:.2f}G) exceeds available HBM ({avail:.2f}G).)"}
+  res = search_largest(probe, 59, max_probes=8, time_left=lambda: 100.0, min_probe_s=1.0)
+  assert calls[:2] == [59, 38] and res["largest_ok"] == 36 and res["complete"], (calls, res)
+  assert len(calls) < len(_search(36, 59)[1])  # fewer probes than bisection for the same answer
+  assert compiler_guess({"n_layers": 59, "detail": "compile failed (INTERNAL)"}) is None
+  assert compiler_guess({"n_layers": 10, "detail": "(20.00G) exceeds available HBM (15.00G)"}) == 7
+
+
 def test_search_stops_on_error_budget_and_cap_with_a_lower_bound():
   from benchmarks.gpu_parts.sizing import search_largest
   res = search_largest(lambda n: {"status": "ok" if n < 8 else "error"}, 4, max_probes=10, time_left=lambda: 100.0,

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from benchmarks.gpu_parts.common import sizing_modules
@@ -289,9 +290,25 @@ def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int
   return lo, why
 
 
+_HBM_NEED = re.compile(r"\(([0-9.]+)G\) exceeds available HBM \(([0-9.]+)G\)")
+
+
+def compiler_guess(rec: dict[str, Any]) -> int | None:
+  """The depth a TPU compiler's refusal points at: n x available / required, from its message ("the total memory
+  required for HLO temporaries (24.14G) exceeds available HBM (15.75G)"). The requirement grows with depth plus a
+  part that does not (embeddings, logits), so the guess falls at or below the depth that fits; None without such a
+  message."""
+  m = _HBM_NEED.search(str(rec.get("detail") or ""))
+  if not m or float(m.group(1)) <= 0:
+    return None
+  return int(rec["n_layers"] * float(m.group(2)) / float(m.group(1)))
+
+
 def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s,
                    resolution: float = 0.125) -> dict[str, Any]:
-  """Doubling then bisection over n_layers: the largest depth whose probe trains.
+  """Doubling then bisection over n_layers: the largest depth whose probe trains. After a refusal whose message states
+  the memory it needed (`compiler_guess`), the next probe is the depth that need points at, where it lies inside the
+  bracket, instead of the midpoint.
 
   Args:
     probe: n_layers -> {'status': 'ok' | 'oom' | 'host-limit' | 'timeout' | 'error', ...}; 'oom' and 'host-limit'
@@ -328,7 +345,8 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
       stopped = f"probe at {n} layers: {status}"
       break
   while not stopped and hi is not None and hi - lo > max(1, int(resolution * lo)) and can():
-    mid = (lo + hi) // 2
+    guess = compiler_guess(probes[-1]) if probes[-1]["status"] == "oom" else None
+    mid = guess if guess is not None and lo < guess < hi else (lo + hi) // 2
     status = run(mid)
     if status == "ok":
       lo = mid
