@@ -260,7 +260,7 @@ def child_timing(args) -> dict:
   rows, deadline = [], time.monotonic() + args.budget_s
   for name in names:
     _, fields, options = table[name]
-    for ga in GRAD_ACCUM:
+    for ga in (tuple(int(x) for x in args.grad_accum.split(",")) if args.grad_accum else GRAD_ACCUM):
       if time.monotonic() > deadline:
         rows.append({"variant": name, "grad_accum": ga, "error": "not run: the child's budget ended"})
         continue
@@ -325,7 +325,8 @@ def drive(args) -> int:
   result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "tiny (CPU check)" if args.tiny else "full",
             "host": report.host_info(), "children": {}}
   common = ["--mib", str(args.mib), "--reps", str(args.reps), "--steps", str(args.steps), "--warmup",
-            str(args.warmup), "--eq-steps", str(args.eq_steps)]
+            str(args.warmup), "--eq-steps", str(args.eq_steps)] + (["--grad-accum", args.grad_accum]
+                                                                  if args.grad_accum else [])
   plan = [("rates", "rates", [], {}, 0.09), ("equality", "equality", [], {}, 0.14),
           ("timing", "timing", [], {}, 0.6), ("flags", "timing", ["--variants", ",".join(FLAG_VARIANTS)],
                                               flags_env, 1.0)]
@@ -376,6 +377,8 @@ def parse_args(argv=None):
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--warmup", type=int, default=None)
   ap.add_argument("--eq-steps", type=int, default=None)
+  ap.add_argument("--grad-accum", help="timing: comma-separated micro batches per step (default 2,16: 4k and 32k "
+                                       "tokens)")
   args = ap.parse_args(argv)
   tiny = args.tiny
   defaults = dict(budget_s=420.0 if tiny else 460.0, mib=4 if tiny else 512, reps=2 if tiny else 5,
