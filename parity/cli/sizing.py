@@ -255,7 +255,8 @@ def run_plan(args: argparse.Namespace) -> int:
   for c in ranked:
     mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
     costed = math.isfinite(c.step_s)  # a pair not runnable here (or with no FSDP2 counterpart) was not costed
-    table.add_row(c.name, t(c.step_s), t(c.compute_s), t(c.transfer_s),
+    ratio = f" (jax ratio {c.jax_opt_ratio:g})" if c.jax_opt_ratio not in (None, 1.0) else ""
+    table.add_row(c.name + ratio, t(c.step_s), t(c.compute_s), t(c.transfer_s),
                   *(f"{_in(c.peak_device_bytes[s], unit, ',.1f')} / {_in(c.host_bytes[s], unit, ',.1f')}"
                     if costed else "-" for s in sides), mark if costed else "not costed")
   con = console()
@@ -277,6 +278,8 @@ def _plan_notes(con, args: argparse.Namespace, hw, best, ranked, inputs: dict, p
             + (f"; it needs no offload on {hw.name}, and no offload pair is faster" if no_offload else "") if best else
             "[red]no plan fits[/red] (exit 1): more devices, a smaller micro batch or sequence, or more memory")
   if best is not None:
+    for note in best.notes:
+      con.print(f"  {note}", highlight=False)
     tput = next(r for r in plans.ranking_json(best, ranked, inputs)["ranked"] if r["name"] == best.name)
     con.print(f"estimated throughput of {best.name}: {tput['tokens_per_s']:,.0f} tokens/s"
               + (f", {tput['non_padding_tokens_per_s']:,.0f} of them real positions (padding fraction "

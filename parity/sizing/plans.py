@@ -10,7 +10,8 @@ shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart (None: an `fsdp
 checkpointing <-> `FsdpPlan.activation_checkpointing`.
 `apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
 model of `parity.sizing.memory` and the roofline step-time model of `parity.sizing.cost` (docs/plans.md), whose
-`Hardware`, `HARDWARE` and `step_time` are importable from here. No jax or torch import.
+`Hardware`, `HARDWARE` and `step_time` are importable from here; a pair that offloads the optimizer state gets the
+smallest share of it that fits the JAX side (`OPT_RATIOS`, jax.offload_opt_ratio). No jax or torch import.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from typing import Any
 from parity.sizing import host_limits, memory
 from parity.sizing.cost import GB, GiB, HARDWARE, Hardware, step_time
 from parity.sizing.batches import counted_tokens_per_s
+from parity.sizing.memory_jax import opt_split
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "fsdp_missing_reason", "apply_plan", "with_plan", "plan_of", "Hardware",
-           "HARDWARE", "Candidate",
+           "HARDWARE", "Candidate", "OPT_RATIOS",
            "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs",
            "ranking_json"]
 
@@ -162,6 +164,10 @@ class Candidate:
   """With pin_memory: the DeepSpeed side's pinned host buffers, {'requested_bytes', 'pinned_bytes'} per rank
   (host_limits.deepspeed_pinned_cost: torch rounds each block to a power of two); host_bytes includes the
   difference. None without pin_memory."""
+  jax_opt_ratio: float | None = None
+  """The JAX side's jax.offload_opt_ratio where the planner chose one (`OPT_RATIOS`), else None (the pair's own)."""
+  notes: tuple[str, ...] = ()
+  """Lines `parity plan` prints about the pair's choice: the ratio chosen and why (`_opt_ratio`)."""
 
   @property
   def fits(self) -> bool:
@@ -215,6 +221,39 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
                    {s: t[0] for s, t in times.items()}, pinned)
 
 
+OPT_RATIOS = (0.25, 0.5, 0.75, 1.0)
+"""The shares of the optimizer state the planner tries offloading (jax.offload_opt_ratio), smallest first. A pair that
+offloads it, whose JAX side does not fit with the optimizer state on the device but fits with all of it on the host,
+runs the smallest share that fits (`_opt_ratio`): less to move each step, and a TPU v5e hides none of the copy time
+behind compute (cost.Hardware.hidden_transfer)."""
+
+
+def _opt_ratio(run: RunSpec, usable: int) -> tuple[RunSpec, str | None]:
+  """(the JAX run with the planner's offload_opt_ratio, the line saying why) for a pair that offloads the optimizer
+  state; (run, None) where it keeps the pair's own: no optimizer offload, or a JAX side that fits with the optimizer
+  state on the device (a pair without the offload costs less then) or does not fit with all of it on the host."""
+  p = run.jax
+  at = lambda **kw: dataclasses.replace(run, jax=dataclasses.replace(p, **kw))
+  peak = lambda r: memory.peak_device_bytes(memory.estimate(r, sides=("jax",)), "jax")
+  if not p.offload_opt_state or p.offload_opt_ratio < 1:
+    return run, None
+  on_device = peak(at(offload_opt_state=False))
+  if on_device <= usable or peak(run) > usable:
+    return run, None
+  tried = []
+  for ratio in OPT_RATIOS:
+    chosen = at(offload_opt_ratio=ratio)
+    need = peak(chosen)
+    if need <= usable:
+      break
+    tried.append(f"{ratio:g} needs {need / GiB:.1f} GiB")
+  share = opt_split(chosen).share
+  return chosen, (f"jax offload_opt_ratio {ratio:g}: the smallest of {', '.join(f'{r:g}' for r in OPT_RATIOS)} whose "
+                  f"device bytes fit ({need / GiB:.1f} GiB <= {usable / GiB:.1f} GiB usable; with the optimizer state "
+                  f"on the device {on_device / GiB:.1f} GiB" + "".join(f"; {t}" for t in tried) + f"): {share:.0%} "
+                  f"of the moment bytes on the host, the rest on the device (--set jax.offload_opt_ratio={ratio:g})")
+
+
 def fsdp_missing_reason(plan: Plan) -> str:
   """Why a pair has no FSDP2 plan (`Plan.fsdp` None), in words `parity plan` prints: a ZeRO-0/1/2 pair (FSDP2 always
   shards the params)."""
@@ -247,7 +286,9 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
                 reserve: float = 0.1, xla_pool_gib: int | None = None,
                 pin_memory: bool = False) -> tuple[Candidate | None, list[Candidate]]:
   """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first; equal
-  step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster).
+  step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster). A pair
+  that offloads the optimizer state runs the smallest share of it (`OPT_RATIOS`) that fits its JAX side, where the
+  JAX side fits with all of it on the host and not with none (`_opt_ratio`; `Candidate.jax_opt_ratio`, `notes`).
 
   Args:
     model, train: what is trained; train.micro_batch_size is per device on both sides (DeepSpeed's
@@ -293,8 +334,13 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
                            (runs,)))
       continue
-    out.append(_candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices,
-                          pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
+    note = None
+    if "jax" in runs:
+      runs["jax"], note = _opt_ratio(runs["jax"], int(hw.device_bytes * (1 - reserve)))
+    cand = _candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices, pool_user_gib=xla_pool_gib,
+                      pin_memory=pin_memory)
+    out.append(cand if note is None else dataclasses.replace(cand, jax_opt_ratio=runs["jax"].jax.offload_opt_ratio,
+                                                             notes=(note,)))
   out.sort(key=lambda c: (c.step_s, c.transfer_s))  # equally fast: the pair moving less over the host link first
   best = next((c for c in out if c.fits), None)  # (a no-offload pair before any offload pair at the same step time)
   return best, out
