@@ -81,8 +81,8 @@ def _train(plan: JaxPlan, model: ModelSpec, train: TrainSpec, batches: np.ndarra
   t.compile(batches.shape[1:], None)
   for batch in batches:
     t.step(batch)
+  out = {f"params/{k}": v for k, v in t.canonical_params().items()}  # first: it settles a deferred update
   mu, nu = _adam_moments(t.state.opt_state)
-  out = {f"params/{k}": v for k, v in t.canonical_params().items()}
   for kind, tree in (("mu", mu), ("nu", nu)):
     canonical = layout.from_flax(jax.device_get(tree), model, scan_layers=plan.scan_layers)
     out.update({f"{kind}/{k}": np.asarray(v) for k, v in canonical.items()})
