@@ -4,8 +4,8 @@ element.
 
     offload_equality(plans, steps) -> [{plan, reference, max_abs_param_diff, max_abs_moment_diff, bitwise, ...}]
 
-The reference of a plan is the plan with offload_opt_state (at ratio 1) and offload_params off and an offload remat policy
-replaced by its twin that saves the same residuals in device memory (`reference_plan`,
+The reference of a plan is the plan with offload_opt_state (at ratio 1) and offload_params off and an offload remat
+policy replaced by its twin that saves the same residuals in device memory (`reference_plan`,
 jax_impl.remat.DEVICE_COUNTERPART: the same recompute, so the same program but for the moves); scan_layers,
 zero_stage, data_parallel and the rest stay, so the two steps differ only in where the state and the residuals live.
 On CPU an in-jit move to host memory lowers to nothing, so there the comparison checks that the offload's program

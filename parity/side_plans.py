@@ -78,9 +78,9 @@ class JaxPlan:
     """What the plan sets, in a few words: 'offload_opt_state, scan_layers, remat full' (the host memory kind only
     when it is not pinned_host); 'no offload' when it sets nothing."""
     host = [k for k in ("offload_opt_state", "offload_params") if getattr(self, k)]
-    ratio = [f"offload_opt_ratio {self.offload_opt_ratio:g}"] if self.offload_opt_state and self.offload_opt_ratio < 1 \
-        else []
-    return ", ".join([*host, *ratio, *([self.host_memory_kind] if host and self.host_memory_kind != "pinned_host" else []),
+    partial = self.offload_opt_state and self.offload_opt_ratio < 1
+    host += [f"offload_opt_ratio {self.offload_opt_ratio:g}"] if partial else []
+    return ", ".join([*host, *([self.host_memory_kind] if host and self.host_memory_kind != "pinned_host" else []),
                       *(["scan_layers"] if self.scan_layers else []),
                       *([f"zero_stage {self.zero_stage}"] if self.zero_stage else []),
                       *([f"remat {self.remat}"] if self.remat != "none" else []),
