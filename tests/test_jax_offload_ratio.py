@@ -121,6 +121,11 @@ def test_the_bytes_in_host_memory_are_the_offloaded_moments(case):
   assert got[("optimizer_moments", "host")]["predicted"] == 8 * host_elements + 12
   assert got[("state", "device")]["ratio"] == 1.0  # params and the device moments share the device
   assert got[("optimizer_moments", "device")]["measured"] is None
+  from parity.report.cells import fmt_bytes
+  from parity.report.side_table import state_by_kind  # the report's 'jax placed' row names opt_state under both
+  assert state_by_kind(report["sides"]["jax"]["summary"]) == (
+      f"device: {fmt_bytes(live['device'])} (params, opt_state), pinned_host: {fmt_bytes(live['pinned_host'])} "
+      "(opt_state)")
   t.compile(SHAPE, None)
   rec = placement_record(t)
   opt = {r["role"]: r for r in rec["classes"] if r["class"] == "opt_state"}

@@ -10,7 +10,7 @@ from parity.sizing.memory import CATEGORIES, KINDS, estimate, totals
 from parity.sizing.memory_jax import jax_group_bytes
 from parity.spec import RunSpec, from_dict
 
-__all__ = ["JAX_GROUPS", "predicted_vs_measured"]
+__all__ = ["JAX_GROUPS", "predicted_vs_measured", "kinds_of"]
 
 def _run_of(report: dict[str, Any]) -> RunSpec:
   return from_dict(RunSpec, report["run"])
@@ -25,15 +25,17 @@ def _host_or_device(kind: str) -> str:
   return "host" if kind.endswith("host") else kind
 
 
+def kinds_of(placed: str) -> list[str]:
+  """The memory kinds of one entry of a summary's 'state_memory_kinds' (jax_impl.offload.state_memory_kinds):
+  ['pinned_host'], or ['device', 'pinned_host'] for 'mixed(device,pinned_host)' (a partly offloaded optimizer
+  state)."""
+  placed = str(placed)
+  return placed[len("mixed("):-1].split(",") if placed.startswith("mixed(") and placed.endswith(")") else [placed]
+
+
 def _placed_kinds(summ: dict[str, Any]) -> dict[str, set[str]]:
-  """State group -> the kinds ('device', 'host') its live leaves are in, from the summary's 'state_memory_kinds'
-  ('pinned_host', or 'mixed(device,pinned_host)' for a partly offloaded optimizer state)."""
-  out = {}
-  for group, kind in (summ.get("state_memory_kinds") or {}).items():
-    kind = str(kind)
-    kinds = kind[len("mixed("):-1].split(",") if kind.startswith("mixed(") and kind.endswith(")") else [kind]
-    out[group] = {_host_or_device(k) for k in kinds}
-  return out
+  """State group -> the kinds ('device', 'host') its live leaves are in, from the summary's 'state_memory_kinds'."""
+  return {g: {_host_or_device(k) for k in kinds_of(v)} for g, v in (summ.get("state_memory_kinds") or {}).items()}
 
 
 def _jax_rows_compared(run: RunSpec, summ: dict[str, Any]) -> list[dict[str, Any]]:
