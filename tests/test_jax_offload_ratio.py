@@ -214,3 +214,12 @@ def test_the_streamed_update_moves_only_the_offloaded_moments():
   (row,) = [r for r in memory.estimate(t.run, sides=("jax",)) if r.category == "optimizer_moments"
             and r.note.startswith("in-step (update: fetched")]
   assert row.bytes == 2 * 4 * (2048 + 32) + 2 * per_layer and "the offloaded part" in row.note
+
+
+def test_plan_auto_runs_the_planners_ratio():
+  """--plan auto runs the chosen pair with the share of the optimizer state the planner chose, and records why."""
+  from parity.pipeline.resolve import resolve_run
+  r = resolve_run(model="llama-1b", plan="auto", hardware="TPU-v5e", sides=["jax"])
+  assert r.plan["name"] == "scan-offload-remat" and r.spec.jax.offload_opt_ratio == 0.5
+  assert r.spec.jax == dataclasses.replace(plans.PLANS["scan-offload-remat"].jax, offload_opt_ratio=0.5)
+  assert r.plan["why"][0].startswith("jax offload_opt_ratio 0.5: the smallest of 0.25, 0.5, 0.75, 1")
