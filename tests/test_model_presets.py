@@ -108,8 +108,8 @@ def test_plan_llama_3_1_8b_by_its_hf_name_on_one_h100(tmp_path):
   pln = tmp_path / "p.json"
   assert main(["plan", "--model", "Llama-3.1-8B", "--json", str(pln)]) == 0
   data = json.loads(pln.read_text())
-  assert data["choice"] == "scan-offload-remat"  # 3/4 of its optimizer state offloaded: what fits the device
-  assert next(c for c in data["ranked"] if c["name"] == data["choice"])["jax_opt_ratio"] == 0.75
+  assert data["choice"] == "scan-offload-remat"  # half of its optimizer state offloaded: what fits the device
+  assert next(c for c in data["ranked"] if c["name"] == data["choice"])["jax_opt_ratio"] == 0.5
 
 
 @pytest.mark.parametrize("name", FAMILY_RUNS)

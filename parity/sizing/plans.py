@@ -228,7 +228,7 @@ runs the smallest share that fits (`_opt_ratio`): less to move each step, and a 
 behind compute (cost.Hardware.hidden_transfer)."""
 
 
-def _opt_ratio(run: RunSpec, usable: int) -> tuple[RunSpec, str | None]:
+def _opt_ratio(run: RunSpec, usable: int, ratios: tuple[float, ...] = OPT_RATIOS) -> tuple[RunSpec, str | None]:
   """(the JAX run with the planner's offload_opt_ratio, the line saying why) for a pair that offloads the optimizer
   state; (run, None) where it keeps the pair's own: no optimizer offload, or a JAX side that fits with the optimizer
   state on the device (a pair without the offload costs less then) or does not fit with all of it on the host."""
@@ -241,14 +241,14 @@ def _opt_ratio(run: RunSpec, usable: int) -> tuple[RunSpec, str | None]:
   if on_device <= usable or peak(run) > usable:
     return run, None
   tried = []
-  for ratio in OPT_RATIOS:
+  for ratio in ratios:
     chosen = at(offload_opt_ratio=ratio)
     need = peak(chosen)
     if need <= usable:
       break
     tried.append(f"{ratio:g} needs {need / GiB:.1f} GiB")
   share = opt_split(chosen).share
-  return chosen, (f"jax offload_opt_ratio {ratio:g}: the smallest of {', '.join(f'{r:g}' for r in OPT_RATIOS)} whose "
+  return chosen, (f"jax offload_opt_ratio {ratio:g}: the smallest of {', '.join(f'{r:g}' for r in ratios)} whose "
                   f"device bytes fit ({need / GiB:.1f} GiB <= {usable / GiB:.1f} GiB usable; with the optimizer state "
                   f"on the device {on_device / GiB:.1f} GiB" + "".join(f"; {t}" for t in tried) + f"): {share:.0%} "
                   f"of the moment bytes on the host, the rest on the device (--set jax.offload_opt_ratio={ratio:g})")
@@ -283,8 +283,8 @@ def _pair_runs(plan: Plan, jax_plan: JaxPlan, model: ModelSpec, train: TrainSpec
 
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
-                reserve: float = 0.1, xla_pool_gib: int | None = None,
-                pin_memory: bool = False) -> tuple[Candidate | None, list[Candidate]]:
+                reserve: float = 0.1, xla_pool_gib: int | None = None, pin_memory: bool = False,
+                opt_ratios: tuple[float, ...] = OPT_RATIOS) -> tuple[Candidate | None, list[Candidate]]:
   """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first; equal
   step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster). A pair
   that offloads the optimizer state runs the smallest share of it (`OPT_RATIOS`) that fits its JAX side, where the
@@ -310,8 +310,11 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       host need is bounded by host memory only.
     pin_memory: cost DeepSpeed's offload with pin_memory true: its pinned buffers rounded as torch pins them
       (host_limits.deepspeed_pinned_cost); parity's own DeepSpeed configs are unpinned (parity.numerics.ds_json).
+    opt_ratios: the shares of the optimizer state tried (`OPT_RATIOS`), increasing, the last 1; (1,): every pair
+      offloads all of it, as it names.
   Raises:
-    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp.
+    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp, opt_ratios not increasing
+      shares in (0, 1] ending at 1.
   """
   if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
     raise SpecError(f"mfu (--mfu) {mfu}: must be a fraction in (0, 1]")
@@ -319,6 +322,9 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     raise SpecError(f"devices (--devices) {devices}: must be >= 1")
   if not sides or set(sides) - {"deepspeed", "jax", "fsdp"}:
     raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed, jax and/or fsdp")
+  if not opt_ratios or opt_ratios[-1] != 1 or any(not a < b for a, b in zip((0, *opt_ratios), opt_ratios)):
+    raise SpecError(f"offload ratios (--opt-ratios) {','.join(f'{r:g}' for r in opt_ratios)!r}: increasing shares "
+                    "in (0, 1], the last 1 (e.g. 0.25,0.5,0.75,1; 1: offload all of the optimizer state)")
   host = hw.host_bytes if host_bytes is None else host_bytes
   jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
@@ -335,8 +341,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
                            (runs,)))
       continue
     note = None
-    if "jax" in runs:
-      runs["jax"], note = _opt_ratio(runs["jax"], int(hw.device_bytes * (1 - reserve)))
+    if "jax" in runs and len(opt_ratios) > 1:
+      runs["jax"], note = _opt_ratio(runs["jax"], int(hw.device_bytes * (1 - reserve)), tuple(opt_ratios))
     cand = _candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices, pool_user_gib=xla_pool_gib,
                       pin_memory=pin_memory)
     out.append(cand if note is None else dataclasses.replace(cand, jax_opt_ratio=runs["jax"].jax.offload_opt_ratio,
@@ -439,11 +445,12 @@ def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: 
 
 def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None, devices: int = 1,
                 sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4, reserve: float = 0.1,
-                padding_fraction: float = 0.0) -> dict[str, Any]:
+                padding_fraction: float = 0.0, opt_ratios: tuple[float, ...] = OPT_RATIOS) -> dict[str, Any]:
   """What `choose_plan` assumed, JSON-ready (the same arguments): hardware name, device memory and the part usable
   after `reserve` (bytes), host memory per device (bytes), host link per direction (bytes/s), the peak at the run's
-  precision (FLOP/s), MFU, devices, sides, and the run's precision, micro batch, sequence and gradient accumulation,
-  and the padding fraction the ranking's non-padding tokens/s counts with (`ranking_json`; 0: every position real).
+  precision (FLOP/s), MFU, devices, sides, the shares of the optimizer state tried (opt_ratios), and the run's
+  precision, micro batch, sequence and gradient accumulation, and the padding fraction the ranking's non-padding
+  tokens/s counts with (`ranking_json`; 0: every position real).
 
   Raises:
     SpecError: padding_fraction (--padding-fraction) outside [0, 1).
@@ -455,7 +462,7 @@ def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None
           "usable_device_bytes": int(hw.device_bytes * (1 - reserve)),
           "host_bytes_per_device": hw.host_bytes if host_bytes is None else host_bytes,
           "host_link_bytes_per_s": hw.host_link_bytes_per_s, "peak_flops": hw.peak(train.precision), "mfu": mfu,
-          "devices": devices, "sides": list(sides), "precision": train.precision,
+          "devices": devices, "sides": list(sides), "opt_ratios": list(opt_ratios), "precision": train.precision,
           "micro_batch_size": train.micro_batch_size, "seq_len": train.seq_len,
           "grad_accum_steps": train.grad_accum_steps, "padding_fraction": padding_fraction}
 
