@@ -223,3 +223,19 @@ def test_plan_auto_runs_the_planners_ratio():
   assert r.plan["name"] == "scan-offload-remat" and r.spec.jax.offload_opt_ratio == 0.5
   assert r.spec.jax == dataclasses.replace(plans.PLANS["scan-offload-remat"].jax, offload_opt_ratio=0.5)
   assert r.plan["why"][0].startswith("jax offload_opt_ratio 0.5: the smallest of 0.25, 0.5, 0.75, 1")
+
+
+def test_the_ratio_grid_is_checked_and_1_costs_the_pairs_as_named(capsys):
+  from parity.cli import main
+  model, hw = MODEL_PRESETS["llama-1b"], plans.HARDWARE["TPU-v5e"]
+  train = memory.model_preset_train(model)
+  for bad in ((), (0.5,), (0.5, 0.25, 1.0), (0.0, 1.0), (0.5, 1.5)):
+    with pytest.raises(SpecError, match=r"--opt-ratios.*increasing shares in \(0, 1\], the last 1"):
+      plans.choose_plan(model, train, hw, sides=("jax",), opt_ratios=bad)
+  full, ranked = plans.choose_plan(model, train, hw, sides=("jax",), opt_ratios=(1.0,))
+  assert all(c.jax_opt_ratio is None and not c.notes for c in ranked)  # every pair as named
+  best, _ = plans.choose_plan(model, train, hw, sides=("jax",), opt_ratios=(0.5, 1.0))
+  assert (best.name, best.jax_opt_ratio) == ("scan-offload-remat", 0.5) and "of 0.5, 1 whose" in best.notes[0]
+  assert (full.name, full.jax_opt_ratio) == ("scan-offload-remat", None) and full.transfer_s > best.transfer_s
+  assert main(["plan", "--model", "llama-1b", "--hardware", "TPU-v5e", "--opt-ratios", "half,1"]) == 2
+  assert "--opt-ratios 'half,1': comma-separated shares in (0, 1]" in capsys.readouterr().err
