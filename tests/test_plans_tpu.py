@@ -104,7 +104,8 @@ def test_parity_plan_on_a_tpu(capsys, monkeypatch, tmp_path):
   text = " ".join(capsys.readouterr().out.split())
   assert "choice: scan-offload" in text and hl.XLA_POOL_ENV not in text  # a quarter of its moments offloaded:
   assert "jax offload_opt_ratio 0.25: the smallest of 0.25, 0.5, 0.75, 1 whose device bytes fit" in text  # moves less
-  assert main(["plan", "--hardware", "TPU-v5p", "--model", "llama-7b", "--host-memory", "512", "--opt-ratios", "1"]) == 0
+  assert main(["plan", "--hardware", "TPU-v5p", "--model", "llama-7b", "--host-memory", "512",
+               "--opt-ratios", "1"]) == 0
   assert "choice: zero2-offload-scan" in " ".join(capsys.readouterr().out.split())  # all of it offloaded
   assert "the JAX side keeps" in text and "host memory is the only bound" in text
 
