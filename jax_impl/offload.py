@@ -14,6 +14,11 @@ optimizer state, 2 also the gradients (a sharding constraint in the step, so XLA
 reduce-scatters them), 3 also the params (FSDP; XLA all-gathers them where used). Host
 offload combines with sharding: the memory kind sits on the same NamedSharding.
 
+With `plan.offload_opt_ratio` r < 1 only part of the optimizer state is offloaded: the moments of the param leaves
+`parity.sizing.memory_jax.opt_split` picks (DeepSpeed's ZeRO-Offload++ rule: the last leaves in parameter order, until
+they hold r of the moment bytes) carry the host kind, the others `device`, leaf by leaf (`Placement.opt_host`,
+`opt_host_mask`); the scalars stay in the host kind, as at r = 1. Every move below then moves the host leaves only.
+
 With `plan.scan_layers` and `offload_params`, the layer-stacked params stay in host memory
 through the forward and backward pass: `to_device` leaves the `LAYERS` subtree alone, and the
 model moves each layer's slice to device inside the scan body (`model._params_to_device`).
@@ -33,18 +38,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from parity.sizing.memory_jax import shard_axis
-from parity.spec import JaxPlan
+from parity.sizing.memory_jax import opt_split, shard_axis
+from parity.spec import JaxPlan, ModelSpec, RunSpec
 
-__all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "state_memory_kinds",
-           "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers", "DATA_AXIS",
-           "DEVICE_KIND", "LAYERS"]
+from jax_impl.layout import flax_path
+
+__all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "opt_host_paths", "map_param_trees",
+           "state_memory_kinds", "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers",
+           "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
 
 DATA_AXIS = "data"
 DEVICE_KIND = "device"
@@ -80,6 +87,20 @@ def _is_stacked(path: tuple[Any, ...]) -> bool:
   return any(getattr(k, "key", None) == LAYERS for k in path)
 
 
+def _path_name(path: tuple[Any, ...]) -> str:
+  """'/'-joined keys of a params pytree path: 'h_0/attn/qkv/kernel', 'h/mlp/proj/kernel' (scan), 'wte/embedding'."""
+  return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def map_param_trees(tree: Any, treedef: Any, fn: Callable[[Any], Any],
+                    other: Callable[[Any], Any] = lambda x: x) -> Any:
+  """Applies fn to every sub-tree of an optimizer-state-shaped `tree` (the state, or its shardings) whose structure is
+  `treedef`, the params' (Adam's mu and nu), `other` to every other leaf (the scalars: counts, the clip's norm, the
+  loss scale)."""
+  is_params = lambda x: isinstance(x, dict) and jax.tree.structure(x) == treedef
+  return jax.tree.map(lambda x: fn(x) if is_params(x) else other(x), tree, is_leaf=is_params)
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
   """The memory plan of one run: mesh, memory kinds per state group, and the derived shardings.
@@ -90,11 +111,23 @@ class Placement:
   """
   mesh: Mesh
   plan: JaxPlan
+  opt_host: frozenset[str] | None = None
+  """With part of the optimizer state offloaded (jax.offload_opt_ratio < 1, `opt_host_paths`): the params paths
+  (`_path_name`) whose moments live in host memory, the others' on the device. None: every moment in
+  `kind('opt_state')`."""
 
   def kind(self, group: str) -> str:
-    """Memory kind between steps of a state group ('params' or 'opt_state'); gradients ('grads') stay on device."""
+    """Memory kind between steps of a state group ('params' or 'opt_state'); gradients ('grads') stay on device. With
+    part of the optimizer state offloaded, the kind of its offloaded part (and of its scalars): `opt_host_mask`."""
     offloaded = {"params": self.plan.offload_params, "opt_state": self.plan.offload_opt_state, "grads": False}[group]
     return self.plan.host_memory_kind if offloaded else DEVICE_KIND
+
+  def opt_host_mask(self, params: Any) -> Any:
+    """A tree like `params` of bools: whether that leaf's moments live in host memory between steps."""
+    host = self.kind("opt_state") != DEVICE_KIND
+    if self.opt_host is None:
+      return jax.tree.map(lambda _: host, params)
+    return jax.tree_util.tree_map_with_path(lambda p, _: host and _path_name(p) in self.opt_host, params)
 
   def sharded(self, group: str) -> bool:
     """Whether `group` ('params', 'opt_state' or 'grads') is sharded over `data` under the plan's stage."""
@@ -120,9 +153,18 @@ class Placement:
     return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(self.mesh, spec(p, x), memory_kind=kind), tree)
 
   def state_shardings(self, state: TrainState) -> TrainState:
-    """TrainState of shardings, each leaf in its group's memory kind."""
+    """TrainState of shardings, each leaf in its group's memory kind (the moments each in theirs: `opt_host`)."""
     return TrainState(params=self.group_shardings("params", state.params),
-                      opt_state=self.group_shardings("opt_state", state.opt_state))
+                      opt_state=self.opt_shardings(state.opt_state, state.params))
+
+  def opt_shardings(self, opt_state: Any, params: Any) -> Any:
+    """Shardings of the optimizer state (arrays or shapes), its moments in the kind `opt_host_mask` gives each."""
+    shardings = self.group_shardings("opt_state", opt_state)
+    if self.opt_host is None:
+      return shardings
+    mask = self.opt_host_mask(params)
+    on_device = lambda sub: jax.tree.map(lambda s, h: s if h else s.with_memory_kind(DEVICE_KIND), sub, mask)
+    return map_param_trees(shardings, jax.tree.structure(params), on_device)
 
   def device_shardings(self, shardings: Any) -> Any:
     """The same shardings with memory kind `device` (the in-step working copies)."""
@@ -152,11 +194,27 @@ class Placement:
     return NamedSharding(self.mesh, P(), memory_kind=DEVICE_KIND)
 
 
-def make_placement(plan: JaxPlan, mesh: Mesh | None = None) -> Placement:
+def opt_host_paths(model: ModelSpec, plan: JaxPlan) -> frozenset[str] | None:
+  """The params paths (`_path_name`) whose moments the plan offloads (parity.sizing.memory_jax.opt_split), or None
+  when it offloads all of them or none (one memory kind for the whole group, as at jax.offload_opt_ratio 1)."""
+  split = opt_split(RunSpec(model=model, jax=plan))
+  if not split.partial:
+    return None
+  out = set()
+  for name in split.host:  # a scan-stacked 'h.*.X' is the leaf X under LAYERS
+    path, _ = flax_path(name.replace("h.*.", "h.0.", 1))
+    out.add("/".join((LAYERS, *path[1:]) if name.startswith("h.*.") else path))
+  return frozenset(out)
+
+
+def make_placement(plan: JaxPlan, mesh: Mesh | None = None, model: ModelSpec | None = None) -> Placement:
   """Builds the placement, checking that the devices expose the plan's host memory kind.
 
+  Args:
+    model: the model (which leaves a plan with jax.offload_opt_ratio < 1 offloads: `opt_host_paths`); needed only
+      for such a plan.
   Raises:
-    ValueError: a device of the mesh has no memory of kind `plan.host_memory_kind`.
+    ValueError: a device of the mesh has no memory of kind `plan.host_memory_kind`; a partial offload without `model`.
   """
   mesh = mesh or make_mesh(data_parallel=plan.data_parallel)
   if plan.offload_params or plan.offload_opt_state:
@@ -165,7 +223,11 @@ def make_placement(plan: JaxPlan, mesh: Mesh | None = None) -> Placement:
       if plan.host_memory_kind not in kinds:
         raise ValueError(f"device {dev} has no {plan.host_memory_kind!r} memory (it has {sorted(kinds)}); "
                          "set jax.host_memory_kind to one of them or disable offload in the JaxPlan")
-  return Placement(mesh=mesh, plan=plan)
+  if plan.offload_opt_state and plan.offload_opt_ratio < 1 and model is None:
+    raise ValueError(f"jax.offload_opt_ratio {plan.offload_opt_ratio}: which moments go to the host depends on the "
+                     "model; pass make_placement(model=)")
+  opt_host = opt_host_paths(model, plan) if model is not None else None
+  return Placement(mesh=mesh, plan=plan, opt_host=opt_host)
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -4,8 +4,8 @@ element.
 
     offload_equality(plans, steps) -> [{plan, reference, max_abs_param_diff, max_abs_moment_diff, bitwise, ...}]
 
-The reference of a plan is the plan with offload_opt_state and offload_params off and an offload remat policy
-replaced by its twin that saves the same residuals in device memory (`reference_plan`,
+The reference of a plan is the plan with offload_opt_state (at ratio 1) and offload_params off and an offload remat
+policy replaced by its twin that saves the same residuals in device memory (`reference_plan`,
 jax_impl.remat.DEVICE_COUNTERPART: the same recompute, so the same program but for the moves); scan_layers,
 zero_stage, data_parallel and the rest stay, so the two steps differ only in where the state and the residuals live.
 On CPU an in-jit move to host memory lowers to nothing, so there the comparison checks that the offload's program
@@ -45,7 +45,7 @@ def offloads(plan: JaxPlan) -> bool:
 
 def reference_plan(plan: JaxPlan) -> JaxPlan:
   """The plan with every group and residual in device memory (module docstring)."""
-  return dataclasses.replace(plan, offload_opt_state=False, offload_params=False,
+  return dataclasses.replace(plan, offload_opt_state=False, offload_opt_ratio=1.0, offload_params=False,
                              remat=remat.DEVICE_COUNTERPART.get(plan.remat, plan.remat))
 
 
@@ -81,8 +81,8 @@ def _train(plan: JaxPlan, model: ModelSpec, train: TrainSpec, batches: np.ndarra
   t.compile(batches.shape[1:], None)
   for batch in batches:
     t.step(batch)
+  out = {f"params/{k}": v for k, v in t.canonical_params().items()}  # first: it settles a deferred update
   mu, nu = _adam_moments(t.state.opt_state)
-  out = {f"params/{k}": v for k, v in t.canonical_params().items()}
   for kind, tree in (("mu", mu), ("nu", nu)):
     canonical = layout.from_flax(jax.device_get(tree), model, scan_layers=plan.scan_layers)
     out.update({f"{kind}/{k}": np.asarray(v) for k, v in canonical.items()})

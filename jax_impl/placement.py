@@ -25,7 +25,8 @@ import jax
 import jaxlib
 
 from parity.protocol.placement import PLACEMENT_SCHEMA, host_compute_mismatch, split_host_compute
-from parity.spec import JaxPlan, to_dict
+from parity.sizing.memory_jax import opt_split
+from parity.spec import JaxPlan, ModelSpec, RunSpec, to_dict
 
 from jax_impl import hlo_transfers as hlo
 from jax_impl import remat as remat_lib
@@ -60,7 +61,11 @@ def leaf_labels(trainer) -> tuple[list[str], list[str], list[str], list[str]]:
   return [a[0] for a in args], [a[1] for a in args], [o[0] for o in outs], [o[1] for o in outs]
 
 
-def _expected(cls: str, plan: JaxPlan) -> str:
+def _expected(cls: str, plan: JaxPlan, model: ModelSpec | None = None) -> str:
+  """Where the plan keeps a class: 'host', 'device', or for opt_state partly offloaded (jax.offload_opt_ratio < 1,
+  parity.sizing.memory_jax.opt_split, given the model) 'mixed'."""
+  if cls == "opt_state" and model is not None and opt_split(RunSpec(model=model, jax=plan)).partial:
+    return "mixed"
   return "host" if cls in _FLAG and getattr(plan, _FLAG[cls]) else "device"
 
 
@@ -70,16 +75,17 @@ def _space(buffers: Sequence[tuple[int, int]]) -> str | None:
 
 
 def class_rows(classes: Sequence[str], buffers: Sequence[tuple[int, int] | None], role: str, plan: JaxPlan,
-               order: Sequence[str]) -> list[dict[str, Any]]:
+               order: Sequence[str], model: ModelSpec | None = None) -> list[dict[str, Any]]:
   """One row per tensor class of one role ('argument' | 'result').
 
   Args:
     classes: the class of every flat argument/result (`leaf_labels`).
     buffers: per flat position its entry buffer (bytes per device, memory space), None where jit pruned it.
     order: the classes to give rows, in this order (a class with no leaf gets none).
+    model: the run's model (which moments a partial optimizer offload puts on the host: `_expected`).
   Returns:
     [{class, role, buffers, host_buffers, bytes, host_bytes (per device), memory_space ('device' | 'host' | 'mixed',
-    None with no buffer), expected ('device' | 'host'), pruned (leaves jit dropped from the entry)}].
+    None with no buffer), expected ('device' | 'host' | 'mixed'), pruned (leaves jit dropped from the entry)}].
   """
   rows = []
   for cls in (c for c in order if c in classes):
@@ -88,7 +94,7 @@ def class_rows(classes: Sequence[str], buffers: Sequence[tuple[int, int] | None]
     host = [b for b in kept if b[1] in hlo.HOST_SPACES]
     rows.append({"class": cls, "role": role, "buffers": len(kept), "host_buffers": len(host),
                  "bytes": sum(b for b, _ in kept), "host_bytes": sum(b for b, _ in host), "memory_space": _space(kept),
-                 "expected": _expected(cls, plan), "pruned": len(mine) - len(kept),
+                 "expected": _expected(cls, plan, model), "pruned": len(mine) - len(kept),
                  "host_memory_spaces": sorted({s for _, s in host})})
   return rows
 
@@ -196,6 +202,12 @@ def _row_mismatch(row: dict[str, Any], plan: JaxPlan) -> dict[str, Any] | None:
     return None
   n, host = row["buffers"], row["host_buffers"]
   verb = "takes" if row["role"] == "argument" else "returns"
+  if want == "mixed":
+    return {"class": row["class"], "role": row["role"], "expected": want, "compiled": space,
+            "buffers": {"mismatched": n, "of": n},
+            "detail": f"plan jax.offload_opt_ratio={plan.offload_opt_ratio:g} puts part of {row['class']} in "
+                      f"{plan.host_memory_kind} and the rest on the device; the compiled step {verb} all {n} buffers "
+                      f"in {space} memory"}
   wrong = n - host if want == "host" else host
   if want == "host":
     why = f"plan jax.{_FLAG[row['class']]} puts {row['class']} in {plan.host_memory_kind}"
@@ -251,9 +263,10 @@ def placement_record(trainer, plan: JaxPlan | None = None, *, side: str = "jax",
   args, results = hlo.layout_buffers(text)
   kept = trainer.kept_args()
   full_args = _expand(kept, args, len(arg_cls))
-  rows = (class_rows(arg_cls, full_args, "argument", plan, ARG_CLASSES)
+  model = trainer.run.model
+  rows = (class_rows(arg_cls, full_args, "argument", plan, ARG_CLASSES, model)
           + class_rows(res_cls, list(results) + [None] * (len(res_cls) - len(results)), "result", plan,
-                       RESULT_CLASSES))
+                       RESULT_CLASSES, model))
   kept_idx = sorted(kept) if kept is not None else list(range(len(arg_cls)))
   labels = dict(arg_names=[arg_names[i] for i in kept_idx], arg_classes=[arg_cls[i] for i in kept_idx],
                 result_names=res_names, result_classes=res_cls)

@@ -327,8 +327,9 @@ class Trainer:
     the Trainer's run says so, the request's plan does not (jax_impl.placement checks the step against that one).
     """
     if PLACEMENT_PLANT in plants:
-      run = dataclasses.replace(run, jax=dataclasses.replace(run.jax, offload_params=False, offload_opt_state=False))
-    placement = make_placement(run.jax, mesh)
+      run = dataclasses.replace(run, jax=dataclasses.replace(run.jax, offload_params=False, offload_opt_state=False,
+                                                             offload_opt_ratio=1.0))
+    placement = make_placement(run.jax, mesh, run.model)
     scan = run.jax.scan_layers
     canonical = weights.master_weights(canonical, run.train.precision)  # bf16/fp16: rounded, as DeepSpeed's
     tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan, plants=plants)

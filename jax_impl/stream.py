@@ -39,7 +39,7 @@ import optax
 from parity.spec import RunSpec
 
 from jax_impl import optim
-from jax_impl.offload import DEVICE_KIND, LAYERS, Placement, TrainState
+from jax_impl.offload import DEVICE_KIND, LAYERS, Placement, TrainState, map_param_trees as _map_param_trees
 
 __all__ = ["StreamOptions", "OPTIONS", "Pending", "streams_update", "updates_in_place", "defers_update",
            "scalars_to_device", "streamed_update", "apply_pending", "hand_on", "with_pending", "settled"]
@@ -111,16 +111,12 @@ class Pending(NamedTuple):
   valid: jax.Array  # bool scalar
 
 
-def _map_param_trees(opt_state: Any, treedef: Any, fn: Callable[[Any], Any],
-                     other: Callable[[Any], Any] = lambda x: x) -> Any:
-  """Applies fn to every sub-tree of opt_state shaped like `treedef` (Adam's mu and nu), `other` to every
-  other leaf (the scalars: counts, the clip's norm, the loss scale)."""
-  is_params = lambda x: isinstance(x, dict) and jax.tree.structure(x) == treedef
-  return jax.tree.map(lambda x: fn(x) if is_params(x) else other(x), opt_state, is_leaf=is_params)
-
-
-def _move(tree: Any, space: Any) -> Any:
-  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+def _move(tree: Any, space: Any, host: Any = True) -> Any:
+  """`tree` with its host-resident leaves moved to `space`: every leaf (host True), none (False), or those a tree of
+  bools like `tree` marks (the moments of a partly offloaded optimizer state, `Placement.opt_host_mask`)."""
+  if isinstance(host, bool):
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree) if host else tree
+  return jax.tree.map(lambda x, h: jax.device_put(x, space) if h else x, tree, host)
 
 
 def scalars_to_device(placement: Placement, opt_state: Any, params: Any) -> Any:
@@ -151,15 +147,16 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
       pending), selected on the device before anything goes back to the host.
   Returns:
     (new params, new opt_state) in the same layout; the `LAYERS` subtree of each group is in that
-    group's between-steps memory space, the rest in device memory (the jit's out shardings place it).
+    group's between-steps memory space (each moment in its own, `Placement.opt_host_mask`), the rest in device
+    memory (the jit's out shardings place it).
   """
   full_def = jax.tree.structure(params)
   rest_of = lambda t: {k: v for k, v in t.items() if k != LAYERS}
   rest_def = jax.tree.structure(rest_of(params))
   params_host = placement.kind("params") != DEVICE_KIND
-  opt_host = placement.kind("opt_state") != DEVICE_KIND
-  to_device = lambda tree, host: _move(tree, jax.memory.Space.Device) if host else tree
-  to_home = lambda tree, host: _move(tree, jax.memory.Space.Host) if host else tree
+  opt_host = placement.opt_host_mask(params)  # per param leaf: its moments live in host memory
+  to_device = lambda tree, host: _move(tree, jax.memory.Space.Device, host)
+  to_home = lambda tree, host: _move(tree, jax.memory.Space.Host, host)
 
   stats = optim.global_stats(run.train, grads, opt_state) if stats is None else stats
   keep = (lambda new, old: new) if apply is None else (
@@ -168,7 +165,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
 
   # The non-layer params (embeddings, final norm) and their moments: one sub-tree update on the device.
   rest_params = to_device(rest_of(params), params_host)
-  rest_state = _map_param_trees(opt_state, full_def, lambda t: to_device(rest_of(t), opt_host))
+  rest_state = _map_param_trees(opt_state, full_def, lambda t: to_device(rest_of(t), rest_of(opt_host)))
   updates, new_rest_state = tx.update(rest_of(grads), rest_state, rest_params)
   new_rest_params = keep(optax.apply_updates(rest_params, updates), rest_params)
   new_rest_state = keep(new_rest_state, rest_state)
@@ -178,7 +175,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   opts = OPTIONS
   in_place = updates_in_place(run)
   home_after = opts.home_after_loop and not in_place  # the carried stacks are written layer by layer, at home
-  update_layer = _layer_update(tx, opt_state, full_def, keep, (to_device, to_home), (params_host, opt_host),
+  update_layer = _layer_update(tx, opt_state, full_def, keep, (to_device, to_home), (params_host, opt_host[LAYERS]),
                                home_after)
   n_layers = jax.tree.leaves(params[LAYERS])[0].shape[0]
   unroll = n_layers if opts.unroll == 0 else max(1, opts.unroll)
@@ -190,16 +187,17 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
     body = lambda _, xs: (None, update_layer(*xs))
     _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments), unroll=unroll)
     if home_after:
-      new_layers, new_moments = to_home(new_layers, params_host), [to_home(m, opt_host) for m in new_moments]
+      new_layers, new_moments = to_home(new_layers, params_host), [to_home(m, opt_host[LAYERS]) for m in new_moments]
   stacked = iter(new_moments)
   new_state = _map_param_trees(new_rest_state, rest_def, lambda t: {**t, LAYERS: next(stacked)})
   return {**new_rest_params, LAYERS: new_layers}, new_state
 
 
 def _layer_update(tx: Any, opt_state: Any, full_def: Any, keep: Callable, moves: tuple[Callable, Callable],
-                  host: tuple[bool, bool], home_after: bool) -> Callable:
+                  host: tuple[bool, Any], home_after: bool) -> Callable:
   """The update of one layer's slices: to the device, the chain's update (kept or not: `keep`), back home (or left
-  on the device until the loop ends: `home_after`, from `StreamOptions.home_after_loop`)."""
+  on the device until the loop ends: `home_after`, from `StreamOptions.home_after_loop`). host: (the params live in
+  host memory, a tree of bools like the layer params: which leaves' moments do)."""
   to_device, to_home = moves
   params_host, opt_host = host
 

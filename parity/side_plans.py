@@ -26,6 +26,11 @@ class JaxPlan:
 
   offload_opt_state: bool = True
   """Adam moments live in `pinned_host` between steps; XLA moves them in and out of the step."""
+  offload_opt_ratio: float = 1.0
+  """Share of the optimizer state offloaded, in (0, 1] (DeepSpeed offload_optimizer.ratio, ZeRO-Offload++): 1 offloads
+  all of it; below 1 the moments of the last param leaves (embeddings, blocks, final norm, head:
+  parity.sizing.memory_jax.opt_split) go to the host until they hold at least this share of the moment bytes, and the
+  rest stay on the device. The numbers are the same at every ratio. Below 1 it needs offload_opt_state."""
   offload_params: bool = False
   """fp32 master params also live in `pinned_host` between steps (with scan_layers: moved to device per layer)."""
   host_memory_kind: Literal["pinned_host", "unpinned_host"] = "pinned_host"
@@ -56,12 +61,25 @@ class JaxPlan:
         raise SpecError(f"jax.{name} must be true or false; got {getattr(self, name)!r}")
     if self.data_parallel < 1:
       raise SpecError(f"jax.data_parallel must be >= 1; got {self.data_parallel}")
+    self._check_ratio()
     return self
+
+  def _check_ratio(self) -> None:
+    """offload_opt_ratio: a number in (0, 1], below 1 only with offload_opt_state."""
+    r = self.offload_opt_ratio
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
+      raise SpecError(f"jax.offload_opt_ratio must be a number in (0, 1] (the share of the optimizer state offloaded; "
+                      f"1: all of it); got {r!r}. Set it to e.g. 0.5, or to 1")
+    if r < 1 and not self.offload_opt_state:
+      raise SpecError(f"jax.offload_opt_ratio {r} offloads part of the optimizer state, but jax.offload_opt_state is "
+                      "false (nothing is offloaded); set jax.offload_opt_state=true, or jax.offload_opt_ratio=1")
 
   def describe(self) -> str:
     """What the plan sets, in a few words: 'offload_opt_state, scan_layers, remat full' (the host memory kind only
     when it is not pinned_host); 'no offload' when it sets nothing."""
     host = [k for k in ("offload_opt_state", "offload_params") if getattr(self, k)]
+    partial = self.offload_opt_state and self.offload_opt_ratio < 1
+    host += [f"offload_opt_ratio {self.offload_opt_ratio:g}"] if partial else []
     return ", ".join([*host, *([self.host_memory_kind] if host and self.host_memory_kind != "pinned_host" else []),
                       *(["scan_layers"] if self.scan_layers else []),
                       *([f"zero_stage {self.zero_stage}"] if self.zero_stage else []),

@@ -405,6 +405,7 @@ LATER_FIELDS: tuple[tuple[str, dict, bool], ...] = (
     ("fsdp", {k: v for k, v in to_dict(FsdpPlan()).items() if k != "activation_checkpointing"}, True),  # the FSDP2 side
     ("deepspeed", {"cpu_checkpointing": False}, False),  # zero3-act-offload
     ("train", {"decay_mask": "matrices"}, False),  # the training stack's decay mask (parity port --stack)
+    ("jax", {"offload_opt_ratio": 1.0}, False),  # partial optimizer-state offload (DeepSpeed offload_optimizer.ratio)
 )
 """Fields added after runs, baselines and checkpoints were written, with their defaults: (section, field -> default,
 whole). A field that holds its default is left out (`without_later_defaults`), so an earlier run and one written since

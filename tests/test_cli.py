@@ -588,5 +588,5 @@ def test_plan_names_the_device_as_given_and_gives_each_side_its_choice(capsys):
   m = re.search(r"each side alone, by its own estimated step time: deepspeed: (\S+) \(([\d,.]+) ms/step\); "
                 r"jax: (\S+) \(([\d,.]+) ms/step\)", out)
   assert m, out[-1500:]
-  assert m.group(1) == "zero2-offload" and m.group(3) == "scan-offload"
+  assert m.group(1) == "zero2-offload" and m.group(3) == "scan-offload-remat"  # at jax.offload_opt_ratio 0.75
   assert float(m.group(2).replace(",", "")) < float(m.group(4).replace(",", ""))

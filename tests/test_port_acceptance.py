@@ -61,6 +61,11 @@ CRAFTED = {
     "fp16_stage0": {**B, "optimizer": ADAMW, "fp16": {"enabled": True}},  # DeepSpeed runs it; only the port refuses
     "bf16_stage2_offload_adamw": {**B, "optimizer": ADAMW, "bf16": {"enabled": True},
                                   "zero_optimization": {"stage": 2, "offload_optimizer": OFF}},
+    # offload_optimizer.ratio (ZeRO-Offload++ partial offload): stage 3 only
+    "partial_offload_stage2": {**B, "optimizer": ADAMW,
+                               "zero_optimization": {"stage": 2, "offload_optimizer": {**OFF, "ratio": 0.5}}},
+    "partial_offload_stage3": {**B, "optimizer": ADAMW,
+                               "zero_optimization": {"stage": 3, "offload_optimizer": {**OFF, "ratio": 0.5}}},
 }
 
 

@@ -27,6 +27,7 @@ CRAFTED = [
      "activation_checkpointing": {"partition_activations": False}},
     {**BASE, "zero_optimization": True},
     BASE,
+    {**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
 ]
 
 
@@ -102,3 +103,54 @@ def test_the_deepspeed_sides_config_comes_from_the_one_builder():
   torch = pytest.importorskip("torch")  # noqa: F841  the torch side builds the same dict through it
   from torch_impl import engine
   assert engine.ds_config(run) == cfg
+
+
+def test_a_partial_optimizer_offload_at_stage_3_is_jax_offload_opt_ratio_both_ways():
+  """offload_optimizer.ratio (ZeRO-Offload++) is jax.offload_opt_ratio: the port maps it, compare runs it, and
+  --to-deepspeed writes it back where it was."""
+  r = port_config(CRAFTED[-1], source="t")
+  j = r.ported.jax
+  assert (j.zero_stage, j.offload_opt_state, j.offload_opt_ratio) == (3, True, 0.3)
+  row = r.report.entries["zero_optimization.offload_optimizer.ratio"]
+  assert (row.fate, row.target) == ("mapped", "jax.offload_opt_ratio") and "30%" in row.reason
+  assert to_run_spec(r.ported, preset("gpt2-tiny")).jax.offload_opt_ratio == 0.3
+  ds, report = to_deepspeed(r.ported.to_dict())
+  assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.3}
+  assert report.entries["jax.offload_opt_ratio"].target == "zero_optimization.offload_optimizer.ratio"
+  assert port_config(ds, source="back").ported.jax == j  # and back again
+  full = port_config({**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, source="t")
+  assert full.ported.jax.offload_opt_ratio == 1.0
+  assert "ratio" not in to_deepspeed(full.ported.to_dict())[0]["zero_optimization"]["offload_optimizer"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_partial_optimizer_offload_below_stage_3_is_refused_as_deepspeed_refuses_it(stage):
+  cfg = {**BASE, "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+  r = port_config(cfg, source="t")
+  assert r.ported is None and r.exit_code == 2
+  msg = r.report.deepspeed_refusals[0]  # DeepSpeed's own config asserts it (tests/test_port_acceptance.py asks it)
+  assert "zero_optimization.offload_optimizer.ratio 0.5" in msg and "stage 3 only" in msg and f"stage is {stage}" in msg
+  assert "Set zero_optimization.stage to 3, or remove ratio" in msg
+  assert r.report.entries["zero_optimization.offload_optimizer.ratio"].fate == "unsupported"
+
+
+def test_ratio_zero_keeps_the_optimizer_state_on_the_device_and_a_ratio_without_offload_is_not_needed():
+  zero = port_config({**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0}}},
+                     source="t")
+  assert (zero.ported.jax.offload_opt_state, zero.ported.jax.offload_opt_ratio) == (False, 1.0)  # no sub-group on CPU
+  assert zero.report.entries["zero_optimization.offload_optimizer.ratio"].target == "jax.offload_opt_state"
+  none = port_config({**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "ratio": 0.5}}},
+                     source="t")
+  assert not none.ported.jax.offload_opt_state
+  assert none.report.entries["zero_optimization.offload_optimizer.ratio"].fate == "not_needed"
+
+
+def test_the_reverse_port_refuses_a_partial_offload_deepspeed_cannot_run():
+  doc = port_config(CRAFTED[-1], source="t").ported.to_dict()
+  doc["jax"]["zero_stage"] = 2  # edited by hand: DeepSpeed offloads part of the optimizer state at stage 3 only
+  _, report = to_deepspeed(doc)
+  assert any("jax.offload_opt_ratio 0.3 at jax.zero_stage 2" in e and "set jax.zero_stage to 3" in e
+             for e in report.errors), report.errors
+  bad = {**doc, "jax": {**doc["jax"], "zero_stage": 3, "offload_opt_state": False}}
+  with pytest.raises(PortError, match="offload_opt_ratio"):
+    load_ported(bad, source="ported.yaml")

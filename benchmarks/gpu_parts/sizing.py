@@ -40,6 +40,8 @@ offload_optimizer and offload_param cpu."""
 NO_OFFLOAD = ("zero0", "zero1", "zero2", "zero3")
 RESERVE = 0.1
 """Fraction of device memory the planner keeps for the framework and fragmentation (choose_plan's default)."""
+AS_NAMED = (1.0,)
+"""choose_plan's opt_ratios: each pair offloads all of its optimizer state, as the runs here run the pairs as named."""
 
 
 def tiny_run():
@@ -112,7 +114,7 @@ def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128, device_
   for micro in range(1, max_micro + 1):
     t = dataclasses.replace(train, micro_batch_size=micro)
     by = {s: {c.name: c for c in plans.choose_plan(model, t, hw, host_bytes=host_bytes, reserve=RESERVE,
-                                                   sides=(s,))[1]} for s in sides}
+                                                   sides=(s,), opt_ratios=AS_NAMED)[1]} for s in sides}
     if all(by[s][NO_OFFLOAD_PLAN].fits for s in sides):
       cost = micro
     if not all(by[s][OFFLOAD_PLAN].fits for s in sides):
@@ -121,7 +123,8 @@ def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128, device_
       break
     if all(not by[s][n].fits for s in sides for n in NO_OFFLOAD):
       fixed = micro
-      ranking = plans.ranking_json(*plans.choose_plan(model, t, hw, host_bytes=host_bytes, reserve=RESERVE))
+      ranking = plans.ranking_json(*plans.choose_plan(model, t, hw, host_bytes=host_bytes, reserve=RESERVE,
+                                                      opt_ratios=AS_NAMED))
       why = [f"{FIXED_MODEL} ({plans.memory.param_count(model) / 1e9:.2f} B params), seq {t.seq_len}, bf16, micro "
              f"batch {micro}: by the memory model no plan without offload fits either side on "
              f"{hw.device_bytes / 2**30:.1f} GiB x {1 - RESERVE:.0%} usable:"]

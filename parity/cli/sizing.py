@@ -99,6 +99,8 @@ def register(sub) -> None:
   p.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation, in (0, 1]")
   p.add_argument("--devices", type=int, default=1, help="data-parallel devices")
   p.add_argument("--sides", default="deepspeed,jax", help="sides that must fit, comma-separated")
+  p.add_argument("--opt-ratios", default="0.25,0.5,0.75,1", help="shares of the optimizer state a pair that offloads "
+                 "it may offload (jax.offload_opt_ratio), increasing, the last 1; '1': all of it (default %(default)s)")
   p.add_argument("--padding-fraction", type=float, default=0.0,
                  help="share of padding positions of a padded/packed run (its data card's padding_fraction), in "
                       "[0, 1): the ranking also gives tokens/s of the real positions (default 0)")
@@ -236,10 +238,11 @@ def run_plan(args: argparse.Namespace) -> int:
   hw = _plan_hardware(args)
   # XLA's GPU pinned-host pool variable: read on a GPU only (a bad value: SpecError naming it, exit 2); a TPU has none
   pool_gib = host_limits.xla_pool_setting(os.environ) if hw.kind == "gpu" else None
+  ratios = _opt_ratios(args.opt_ratios)
   best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu,
-                                   xla_pool_gib=pool_gib, pin_memory=args.pin_memory)
+                                   xla_pool_gib=pool_gib, pin_memory=args.pin_memory, opt_ratios=ratios)
   inputs = plans.plan_inputs(hw, run.train, devices=args.devices, sides=sides, mfu=args.mfu,
-                             padding_fraction=args.padding_fraction)
+                             padding_fraction=args.padding_fraction, opt_ratios=ratios)
   unit = table_unit([b for c in ranked for d in (c.peak_device_bytes, c.host_bytes) for b in d.values()])
   table = Table(title=f"{memory.param_count(run.model):,} params, {run.train.tokens_per_step:,} tokens/step per "
                       f"device, {run.train.precision}, on {args.devices} x {hw.name}: {plan_header(inputs)}")
@@ -255,7 +258,8 @@ def run_plan(args: argparse.Namespace) -> int:
   for c in ranked:
     mark = "[bold green]chosen[/]" if best is not None and c.name == best.name else ("yes" if c.fits else "no")
     costed = math.isfinite(c.step_s)  # a pair not runnable here (or with no FSDP2 counterpart) was not costed
-    table.add_row(c.name, t(c.step_s), t(c.compute_s), t(c.transfer_s),
+    ratio = f" (jax ratio {c.jax_opt_ratio:g})" if c.jax_opt_ratio not in (None, 1.0) else ""
+    table.add_row(c.name + ratio, t(c.step_s), t(c.compute_s), t(c.transfer_s),
                   *(f"{_in(c.peak_device_bytes[s], unit, ',.1f')} / {_in(c.host_bytes[s], unit, ',.1f')}"
                     if costed else "-" for s in sides), mark if costed else "not costed")
   con = console()
@@ -277,6 +281,8 @@ def _plan_notes(con, args: argparse.Namespace, hw, best, ranked, inputs: dict, p
             + (f"; it needs no offload on {hw.name}, and no offload pair is faster" if no_offload else "") if best else
             "[red]no plan fits[/red] (exit 1): more devices, a smaller micro batch or sequence, or more memory")
   if best is not None:
+    for note in best.notes:
+      con.print(f"  {note}", highlight=False)
     tput = next(r for r in plans.ranking_json(best, ranked, inputs)["ranked"] if r["name"] == best.name)
     con.print(f"estimated throughput of {best.name}: {tput['tokens_per_s']:,.0f} tokens/s"
               + (f", {tput['non_padding_tokens_per_s']:,.0f} of them real positions (padding fraction "
@@ -385,6 +391,15 @@ def plan_header(inputs: dict) -> str:
           f"after a {inputs['reserve']:.0%} reserve), {inputs['host_bytes_per_device'] / GiB:,.0f} GiB host memory per "
           f"device, {inputs['host_link_bytes_per_s'] / GB:,.0f} GB/s host link per direction, peak "
           f"{inputs['peak_flops'] / 1e12:,.1f} TFLOP/s ({inputs['precision']}), MFU {inputs['mfu']:g}")
+
+
+def _opt_ratios(text: str) -> tuple[float, ...]:
+  """`plan --opt-ratios`: comma-separated numbers (choose_plan checks their range and order). Raises SpecError."""
+  try:
+    return tuple(float(x) for x in str(text).split(","))
+  except ValueError:
+    raise SpecError(f"--opt-ratios {text!r}: comma-separated shares in (0, 1], increasing, the last 1 (e.g. "
+                    "0.25,0.5,0.75,1; 1: offload all of the optimizer state)") from None
 
 
 def _plan_sides(text: str) -> tuple[str, ...]:

@@ -134,10 +134,13 @@ class ClippingCfg(BaseModel):
 class JaxCfg(BaseModel):
   """The JAX side's plan, in parity.spec.JaxPlan's fields exactly (a port's `jax:` section is a JaxPlan): ZeRO is
   `zero_stage` over the mesh's data axis (1 optimizer state, 2 + gradients, 3 + params sharded), DeepSpeed's
-  offload_optimizer / offload_param are `offload_opt_state` / `offload_params` in `host_memory_kind`, activation
-  checkpointing is `remat` (full, or offload_names for cpu_checkpointing)."""
+  offload_optimizer / offload_param are `offload_opt_state` / `offload_params` in `host_memory_kind` (and
+  offload_optimizer's ratio, ZeRO-3 only, `offload_opt_ratio`), activation checkpointing is `remat` (full, or
+  offload_names for cpu_checkpointing)."""
   model_config = _STRICT
   offload_opt_state: bool
+  offload_opt_ratio: float = Field(1.0, gt=0, le=1)
+  """DeepSpeed offload_optimizer.ratio (ZeRO-3 only): the share of the optimizer state in host memory."""
   offload_params: bool
   host_memory_kind: Literal["pinned_host", "unpinned_host"]
   remat: Literal[REMAT_POLICIES]  # type: ignore[valid-type]
@@ -150,6 +153,9 @@ class JaxCfg(BaseModel):
     if self.offload_params and self.zero_stage != 3:
       raise ValueError("jax.offload_params needs zero_stage 3 (DeepSpeed's offload_param is stage-3 only); got "
                        f"zero_stage={self.zero_stage}")
+    if self.offload_opt_ratio < 1 and not self.offload_opt_state:
+      raise ValueError(f"jax.offload_opt_ratio {self.offload_opt_ratio} offloads part of the optimizer state, but "
+                       "jax.offload_opt_state is false; set it true, or offload_opt_ratio to 1.0")
     return self
 
   def plan(self) -> JaxPlan:

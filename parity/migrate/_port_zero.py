@@ -49,15 +49,16 @@ _INT_FIELDS = {"reduce_bucket_size": 1, "allgather_bucket_size": 0, "sub_group_s
                "stage3_max_reuse_distance": 0}
 
 
-def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
-  """Returns (device, memory kind) of zero_optimization.<section>."""
+def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str, float]:
+  """Returns (device, memory kind, the share of it offloaded: `_ratio`, 1.0 for offload_param) of
+  zero_optimization.<section>."""
   path = f"zero_optimization.{section}"
   node = ctx.get(path)
   if node is MISSING or node is None:
-    return "none", "device"
+    return "none", "device", 1.0
   if not isinstance(node, dict):
     ctx.refuse(path, f"{path}: expected an object such as {{\"device\": \"cpu\"}}; got {node!r}.")
-    return "none", "device"
+    return "none", "device", 1.0
   ctx.unknown_keys(path, _OFFLOAD_KEYS[section], why="pydantic extra='forbid'")
   device = ctx.choice(f"{path}.device", ("none", "cpu", "nvme"), "none")
   pin = ctx.boolean(f"{path}.pin_memory", True)
@@ -71,30 +72,59 @@ def _offload(ctx: Ctx, section: str, stage: int) -> tuple[str, str]:
   for k in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
             "fast_init"):
     ctx.mark(f"{path}.{k}", "not_needed", None, "NVMe swap tuning; used only with device \"nvme\"", overwrite=False)
+  ratio = _ratio(ctx, path, stage, device) if section == "offload_optimizer" else 1.0
   if section == "offload_optimizer":
-    if ctx.num(f"{path}.ratio", 1.0, ge=0, le=1) not in (1.0, None):
-      ctx.refuse(f"{path}.ratio", f"{path}.ratio {ctx.get(path + '.ratio')}: partial optimizer offload is not in "
-                 "the JAX plan (all or nothing). Remove ratio or set it to 1.0.")
     if ctx.get(f"{path}.super_offload") is True:
       ctx.refuse(f"{path}.super_offload", f"{path}.super_offload: Superchip-specific CPU offload is not supported.")
     ctx.mark(f"{path}.super_offload", "not_needed", None, "false: standard offload", overwrite=False)
     ctx.mark(f"{path}.cpuadam_cores_perc", "not_needed", None, "CPU Adam threading; XLA runs the update",
              overwrite=False)
-    ctx.mark(f"{path}.ratio", "mapped", tgt, "1.0: all optimizer state offloaded", overwrite=False)
   if section == "offload_param" and stage != 3 and device in ("cpu", "nvme"):
     ctx.warn(f"{path}: DeepSpeed uses offload_param only with stage 3; stage is {stage}, so it is ignored.")
     ctx.mark(path, "not_needed", None, f"ignored by DeepSpeed at stage {stage} (offload_param is stage-3 only)")
-    return "none", "device"
-  if device == "cpu":
+    return "none", "device", 1.0
+  if device == "cpu" and ratio > 0:
     ctx.mark(f"{path}.device", "mapped", tgt, f"{what} live in host memory between steps; XLA moves them in and out")
     ctx.mark(f"{path}.pin_memory", "mapped", "jax.host_memory_kind",
              f"{'true -> pinned_host' if pin else 'false -> unpinned_host'}")
-    return "cpu", kind
+    return "cpu", kind, ratio
+  if device == "cpu":  # ratio 0: DeepSpeed keeps every sub-group on the accelerator
+    ctx.mark(path, "mapped", tgt, "ratio 0: DeepSpeed puts no sub-group on the CPU, so the optimizer state stays in "
+             "device memory (jax.offload_opt_state false)", overwrite=False)
+    return "none", "device", 1.0
   if device == "nvme":
     ctx.mark(path, "not_needed", None, "part of the refused NVMe offload", overwrite=False)
-    return "nvme", "device"
+    return "nvme", "device", 1.0
   ctx.mark(path, "not_needed", None, "device none: no offload", overwrite=False)
-  return device or "none", "device"
+  return device or "none", "device", 1.0
+
+
+def _ratio(ctx: Ctx, path: str, stage: int, device: str | None) -> float:
+  """offload_optimizer.ratio (DeepSpeed's ZeRO-Offload++ partial offload, in [0, 1]) -> jax.offload_opt_ratio.
+
+  DeepSpeed reads it at ZeRO stage 3 only (runtime/zero/config.py asserts 'Partial offloading only supported for ZeRO
+  Stage 3.' whenever the section sets a ratio below 1) and puts the last `ratio` share of its sub-groups, in parameter
+  order, on the CPU (stage3.py); the JAX plan offloads the moments of the last param leaves until they hold that share
+  (parity.sizing.memory_jax.opt_split). Returns the ratio (1.0 when absent, refused, or not read by DeepSpeed)."""
+  key = f"{path}.ratio"
+  ratio = ctx.num(key, 1.0, ge=0, le=1)
+  if ratio is None or ratio == 1:
+    ctx.mark(key, "mapped", "jax.offload_opt_ratio", "1.0: all optimizer state offloaded", overwrite=False)
+    return 1.0
+  if stage != 3:
+    ctx.refuse(key, f"{key} {ratio}: DeepSpeed offloads part of the optimizer state at ZeRO stage 3 only (its config "
+               f"asserts 'Partial offloading only supported for ZeRO Stage 3.'); stage is {stage}. Set "
+               "zero_optimization.stage to 3, or remove ratio (1.0: all of the optimizer state offloaded).",
+               deepspeed=True)
+    return 1.0
+  if device != "cpu":
+    ctx.mark(key, "not_needed", None, f"{ratio}: DeepSpeed reads ratio only with device cpu; device is {device}")
+    return 1.0
+  if ratio > 0:
+    ctx.mark(key, "mapped", "jax.offload_opt_ratio", f"{ratio}: the moments of the last param leaves (parameter "
+             f"order, as DeepSpeed's last sub-groups) in host memory until they hold {ratio:.0%} of the moment bytes, "
+             "the rest on the device; the same numbers as offloading all of it")
+  return float(ratio)
 
 
 def port_zero(ctx: Ctx) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -126,13 +156,13 @@ def port_zero(ctx: Ctx) -> tuple[dict[str, Any], dict[str, Any]] | None:
   for k, lo in _INT_FIELDS.items():
     ctx.num(f"zero_optimization.{k}", 0, integer=True, ge=lo)
   _deprecated_offload_flags(ctx)
-  opt_dev, opt_kind = _offload(ctx, "offload_optimizer", stage)
-  _, par_kind = _offload(ctx, "offload_param", stage)
+  opt_dev, opt_kind, ratio = _offload(ctx, "offload_optimizer", stage)
+  _, par_kind, _ = _offload(ctx, "offload_param", stage)
   if opt_dev == "cpu" and stage == 0:
     ctx.refuse("zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer needs stage >= 1 "
                "(ZeRO-Offload partitions the optimizer state it moves to the host); got stage 0. Set stage to 1 or 2.")
   _communication_features(ctx)
-  return _plan(stage, opt_kind, par_kind)
+  return _plan(stage, opt_kind, par_kind, ratio)
 
 
 def _boolean_form(ctx: Ctx, z: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -195,14 +225,16 @@ def _communication_features(ctx: Ctx) -> None:
     ctx.mark(f"zero_optimization.{k}", "not_needed", None, why, overwrite=False)
 
 
-def _plan(stage: int, opt_kind: str, par_kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
-  """(JaxPlan's ZeRO fields, not_runnable_by_compare entries) of a stage and the two offloads' memory kinds
-  ('device', 'pinned_host' or 'unpinned_host'; params offload is stage-3 only). One JaxPlan host memory kind holds
-  both offloads: the optimizer's when both are offloaded, the params' kind then kept as not runnable when it differs."""
+def _plan(stage: int, opt_kind: str, par_kind: str, ratio: float = 1.0) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(JaxPlan's ZeRO fields, not_runnable_by_compare entries) of a stage, the two offloads' memory kinds
+  ('device', 'pinned_host' or 'unpinned_host'; params offload is stage-3 only) and the share of the optimizer state
+  offloaded. One JaxPlan host memory kind holds both offloads: the optimizer's when both are offloaded, the params'
+  kind then kept as not runnable when it differs."""
   par_kind = par_kind if stage == 3 else "device"
   host = [k for k in (opt_kind, par_kind) if k != "device"]
   jax = {"zero_stage": stage, "offload_opt_state": opt_kind != "device", "offload_params": par_kind != "device",
-         "host_memory_kind": host[0] if host else "pinned_host"}
+         "host_memory_kind": host[0] if host else "pinned_host",
+         "offload_opt_ratio": ratio if opt_kind != "device" else 1.0}
   not_runnable = {}
   if len(set(host)) == 2:
     not_runnable["params_host_memory_kind"] = {

@@ -133,7 +133,7 @@ def to_deepspeed(data: dict[str, Any], *, source: str = "") -> tuple[dict[str, A
     report.refuse(f"clipping.epsilon {p.clipping.epsilon}: DeepSpeed's clipping epsilon is fixed at 1e-6.")
   out["gradient_clipping"] = p.clipping.max_global_norm
   _precision(p, out, report)
-  out.update(_zero_and_remat(p))
+  out.update(_zero_and_remat(p, report))
   for key, value in p.deepspeed_only.items():  # what the JAX plan does not model, as the source had it
     _put(out, key, value, report)
   defaulted = [k for k in ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
@@ -146,13 +146,19 @@ def to_deepspeed(data: dict[str, Any], *, source: str = "") -> tuple[dict[str, A
   return out, report
 
 
-def _zero_and_remat(p: PortedConfig) -> dict[str, Any]:
+def _zero_and_remat(p: PortedConfig, report: Report) -> dict[str, Any]:
   """The zero_optimization (and activation_checkpointing) sections of a ported config's jax: plan, with the
-  not_runnable_by_compare settings written back (the params' own pinning, CPU checkpointing)."""
+  not_runnable_by_compare settings written back (the params' own pinning, CPU checkpointing). A partial optimizer
+  offload (jax.offload_opt_ratio < 1) is offload_optimizer.ratio at ZeRO stage 3, refused at another stage."""
   j, nr = p.jax, p.not_runnable_by_compare
   params_kind = nr["params_host_memory_kind"].value if "params_host_memory_kind" in nr else j.host_memory_kind
+  if j.offload_opt_state and j.offload_opt_ratio < 1 and j.zero_stage != 3:
+    report.refuse(f"jax.offload_opt_ratio {j.offload_opt_ratio} at jax.zero_stage {j.zero_stage}: DeepSpeed offloads "
+                  "part of the optimizer state at ZeRO stage 3 only ('Partial offloading only supported for ZeRO "
+                  "Stage 3.'); set jax.zero_stage to 3, or jax.offload_opt_ratio to 1.0.")
   out: dict[str, Any] = {"zero_optimization": zero_section(
-      j.zero_stage, j.host_memory_kind if j.offload_opt_state else None, params_kind if j.offload_params else None)}
+      j.zero_stage, j.host_memory_kind if j.offload_opt_state else None, params_kind if j.offload_params else None,
+      j.offload_opt_ratio)}
   if j.remat != "none":
     out["activation_checkpointing"] = activation_checkpointing_section(
         cpu=j.remat in OFFLOAD_REMAT or "cpu_checkpointing" in nr)
@@ -241,6 +247,12 @@ def _jax_target(rest: str, p: PortedConfig, out: dict[str, Any]) -> tuple[str | 
     if getattr(j, rest):
       return None, f"not written: DeepSpeed reads zero_optimization.{sect} at ZeRO stage 3 only"
     return None, f"false: no zero_optimization.{sect} section is written (DeepSpeed's default: no offload)"
+  if rest == "offload_opt_ratio":
+    if has_dotted(out, "zero_optimization.offload_optimizer.ratio"):
+      return "zero_optimization.offload_optimizer.ratio", "written to the DeepSpeed config"
+    if j.offload_opt_ratio == 1:
+      return None, "1.0: all of the optimizer state offloaded, DeepSpeed's default (no ratio written)"
+    return None, "not written: DeepSpeed offloads part of the optimizer state at ZeRO stage 3 only"
   if rest == "host_memory_kind":
     for sect in ("offload_optimizer", "offload_param"):
       if has_dotted(out, f"zero_optimization.{sect}.pin_memory"):
@@ -334,6 +346,7 @@ def _jax_plan(ported: PortedConfig, base: RunSpec, ds: Any) -> Any:
   j = ported.jax
   host = j.offload_opt_state or j.offload_params
   jax = dataclasses.replace(base.jax, offload_opt_state=j.offload_opt_state, offload_params=j.offload_params,
+                            offload_opt_ratio=j.offload_opt_ratio if j.offload_opt_state else 1.0,
                             host_memory_kind=j.host_memory_kind if host else base.jax.host_memory_kind,
                             remat=j.remat, zero_stage=j.zero_stage)
   for plan in PLANS.values():

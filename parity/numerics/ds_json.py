@@ -24,7 +24,8 @@ OFFLOAD_REMAT = ("offload_dots_no_batch", "offload_names")
 """JaxPlan.remat policies that keep residuals in host memory: DeepSpeed's cpu_checkpointing (jax_impl.remat)."""
 
 
-def zero_section(stage: int, offload_optimizer: str | None, offload_param: str | None) -> dict[str, Any]:
+def zero_section(stage: int, offload_optimizer: str | None, offload_param: str | None,
+                 ratio: float = 1.0) -> dict[str, Any]:
   """DeepSpeed's zero_optimization section.
 
   Args:
@@ -32,12 +33,16 @@ def zero_section(stage: int, offload_optimizer: str | None, offload_param: str |
     offload_optimizer, offload_param: the host memory kind the optimizer state / fp32 params are offloaded to
       ('pinned_host' -> pin_memory true, 'unpinned_host' -> false), or None for none. DeepSpeed reads
       offload_param at stage 3 only, so it is written only there.
+    ratio: the share of the optimizer state offloaded (offload_optimizer.ratio, jax.offload_opt_ratio), written when
+      below 1 at stage 3 (DeepSpeed refuses it at other stages).
   Returns:
     {"stage": ..., and "offload_optimizer" / "offload_param": {"device": "cpu", "pin_memory": bool} when set}.
   """
   zero: dict[str, Any] = {"stage": stage}
   if offload_optimizer is not None:
     zero["offload_optimizer"] = {"device": "cpu", "pin_memory": offload_optimizer == "pinned_host"}
+    if ratio < 1 and stage == 3:
+      zero["offload_optimizer"]["ratio"] = ratio
   if offload_param is not None and stage == 3:
     zero["offload_param"] = {"device": "cpu", "pin_memory": offload_param == "pinned_host"}
   return zero

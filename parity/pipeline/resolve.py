@@ -384,8 +384,11 @@ def _plan_pair(spec: RunSpec, user: Mapping[str, Any], plan: str, hardware: str)
       s for s in run.sides if side_record(s).plan) or ("jax",))  # the sides with a plan: a pair has one for each
   if best is None:
     raise SpecError(f"--plan auto: no plan pair fits {hardware}: " + "; ".join(plans.explain(best, ranked)))
-  return plans.PLANS[best.name], {"name": best.name, "chosen_by": f"planner ({hardware})",
-                                  "why": plans.explain(best, ranked)}
+  pair = plans.PLANS[best.name]
+  if best.jax_opt_ratio is not None:  # the share of the optimizer state the planner offloads (plans.OPT_RATIOS)
+    pair = dataclasses.replace(pair, jax=dataclasses.replace(pair.jax, offload_opt_ratio=best.jax_opt_ratio))
+  return pair, {"name": best.name, "chosen_by": f"planner ({hardware})",
+                "why": [*best.notes, *plans.explain(best, ranked)]}
 
 
 def _plan_of(spec: RunSpec) -> dict | None:

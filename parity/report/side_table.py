@@ -14,7 +14,7 @@ from parity.protocol.memory_figures import compiled_peak_bytes, own_host_rss, pe
 from parity.report.hardware import hardware_caveat
 from parity.report.cells import compact, fmt, fmt_bytes
 from parity.report.run_record import RunRecord, SideRecord
-from parity.sizing.measured import predicted_vs_measured
+from parity.sizing.measured import kinds_of, predicted_vs_measured
 
 __all__ = ["backend", "step_times", "tokens_per_step", "side_tokens_per_s", "step_loss_tokens",
            "side_loss_tokens_per_s", "throughput_columns", "warmup_phrase", "side_rows",
@@ -168,12 +168,14 @@ def memory_notes(rec: RunRecord) -> list[str]:
 
 def state_by_kind(summ: dict) -> str:
   """A side's training-state bytes per memory kind, with the state groups each kind holds where the side says
-  (JAX: 'device: 471.0 KiB (params), pinned_host: 942.0 KiB (opt_state)'); '' when the summary has neither."""
+  (JAX: 'device: 471.0 KiB (params), pinned_host: 942.0 KiB (opt_state)'; a group in several kinds, a partly
+  offloaded optimizer state, is named under each); '' when the summary has neither."""
   by_kind = summ.get("state_bytes_by_memory_kind") or {}
-  placed = summ.get("state_memory_kinds") or {}
-  groups = {k: [g for g, v in placed.items() if v == k] for k in {*by_kind, *placed.values()}}
-  return ", ".join(f"{k}: {fmt_bytes(by_kind.get(k))}" + (f" ({', '.join(groups[k])})" if groups.get(k) else "")
-                   for k in dict.fromkeys([*by_kind, *placed.values()]))
+  placed = {g: kinds_of(v) for g, v in (summ.get("state_memory_kinds") or {}).items()}
+  kinds = list(dict.fromkeys([*by_kind, *(k for ks in placed.values() for k in ks)]))
+  groups = {k: [g for g, ks in placed.items() if k in ks] for k in kinds}
+  return ", ".join(f"{k}: {fmt_bytes(by_kind.get(k))}" + (f" ({', '.join(groups[k])})" if groups[k] else "")
+                   for k in kinds)
 
 
 MEMORY_UNMEASURED_WHY = {"activations": "no side measures them", "gradients": "inside the jitted step, not state"}

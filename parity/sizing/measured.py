@@ -3,15 +3,14 @@ model's figures (parity.sizing.memory.estimate) set against what each side measu
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 from parity.sizing.memory import CATEGORIES, KINDS, estimate, totals
-from parity.sizing.memory_jax import jax_state_bytes
+from parity.sizing.memory_jax import jax_group_bytes
 from parity.spec import RunSpec, from_dict
 
-__all__ = ["JAX_GROUPS", "predicted_vs_measured"]
+__all__ = ["JAX_GROUPS", "predicted_vs_measured", "kinds_of"]
 
 def _run_of(report: dict[str, Any]) -> RunSpec:
   return from_dict(RunSpec, report["run"])
@@ -22,46 +21,55 @@ JAX_GROUPS = {"params": "params", "opt_state": "optimizer_moments"}
 the fp32 masters; opt_state is Adam's mu and nu plus three scalar counters, 12 bytes)."""
 
 
-def _jax_group_bytes(run: RunSpec) -> dict[str, int]:
-  """Bytes per device of each JAX state group, {'params', 'opt_state'}: memory_jax.jax_state_bytes of the same run
-  with the two groups placed in different memory kinds (params on the device, opt_state on the host)."""
-  split = dataclasses.replace(run, jax=dataclasses.replace(run.jax, offload_params=False, offload_opt_state=True))
-  by_kind = jax_state_bytes(split)
-  return {"params": by_kind.get("device", 0), "opt_state": by_kind.get(run.jax.host_memory_kind, 0)}
+def _host_or_device(kind: str) -> str:
+  return "host" if kind.endswith("host") else kind
+
+
+def kinds_of(placed: str) -> list[str]:
+  """The memory kinds of one entry of a summary's 'state_memory_kinds' (jax_impl.offload.state_memory_kinds):
+  ['pinned_host'], or ['device', 'pinned_host'] for 'mixed(device,pinned_host)' (a partly offloaded optimizer
+  state)."""
+  placed = str(placed)
+  return placed[len("mixed("):-1].split(",") if placed.startswith("mixed(") and placed.endswith(")") else [placed]
+
+
+def _placed_kinds(summ: dict[str, Any]) -> dict[str, set[str]]:
+  """State group -> the kinds ('device', 'host') its live leaves are in, from the summary's 'state_memory_kinds'."""
+  return {g: {_host_or_device(k) for k in kinds_of(v)} for g, v in (summ.get("state_memory_kinds") or {}).items()}
 
 
 def _jax_rows_compared(run: RunSpec, summ: dict[str, Any]) -> list[dict[str, Any]]:
   """JAX rows in the categories of the DeepSpeed and torch rows. Predicted: params and optimizer moments (opt_state)
-  by parity.sizing.memory_jax, exactly as the live arrays (`_jax_group_bytes`); gradients and activations, which exist
-  while the step runs, by `estimate`. Measured: the live state bytes of
-  a group's memory kind, where that kind holds the group alone (summary 'state_memory_kinds'); when params and
-  opt_state share a kind, their total is one measured 'state' row (predicted None: the predicted bar already has
-  both; ratio: against their sum) and neither category is measured alone. master_params and buffers: 0 (the JAX state
-  holds no such arrays).
+  by parity.sizing.memory_jax.jax_group_bytes, exactly as the live arrays (a partly offloaded optimizer state in both
+  kinds); gradients and activations, which exist while the step runs, by `estimate`. Measured: the live state bytes
+  of a memory kind where that kind holds one group alone (summary 'state_memory_kinds'), the group's other kind 0
+  when it holds none there; a kind that two groups share is one measured 'state' row (predicted None: the predicted
+  bars already have both; ratio: against their sum), and a group in it is not measured alone there (nor, when its
+  every kind is shared, at all). master_params and buffers: 0 (the JAX state holds no such arrays).
   Gradients and activations live inside the jitted step: not measured (None)."""
   pred = totals(estimate(run, sides=("jax",)), "jax")
-  for group, cat in JAX_GROUPS.items():
-    kind = "host" if (run.jax.offload_params if group == "params" else run.jax.offload_opt_state) else "device"
-    pred[cat] = {k: (_jax_group_bytes(run)[group] if k == kind else 0) for k in KINDS}
+  for group, by_kind in jax_group_bytes(run).items():
+    pred[JAX_GROUPS[group]] = {k: sum(b for kind, b in by_kind.items() if _host_or_device(kind) == k) for k in KINDS}
   by_kind: dict[str, int] = {}
   for k, v in (summ.get("state_bytes_by_memory_kind") or {}).items():
-    key = "host" if k.endswith("host") else k
-    by_kind[key] = by_kind.get(key, 0) + int(v)
-  placed = {g: ("host" if k.endswith("host") else k) for g, k in (summ.get("state_memory_kinds") or {}).items()}
+    by_kind[_host_or_device(k)] = by_kind.get(_host_or_device(k), 0) + int(v)
+  placed = _placed_kinds(summ)
+  owners = {k: [g for g, kinds in placed.items() if k in kinds] for k in KINDS}
   meas: dict[tuple[str, str], int | None] = {}
-  shared: set[str] = set()
   if by_kind:
     for cat in ("master_params", "buffers"):
       meas.update({(cat, k): 0 for k in KINDS})
     for group, cat in JAX_GROUPS.items():
-      kind = placed.get(group)
-      if kind is not None and list(placed.values()).count(kind) == 1:
-        meas.update({(cat, k): by_kind.get(k, 0) if k == kind else 0 for k in KINDS})
-      elif kind is not None:
-        shared.add(kind)
+      kinds = placed.get(group, set())
+      alone = bool(kinds) and all(owners[k] == [group] for k in kinds)
+      for k in KINDS:
+        if owners[k] == [group]:
+          meas[(cat, k)] = by_kind.get(k, 0)
+        elif alone:
+          meas[(cat, k)] = 0
   rows = [_row("jax", cat, kind, pred[cat][kind], meas.get((cat, kind))) for cat in CATEGORIES for kind in KINDS]
   for kind in KINDS:
-    if kind in shared:  # ratio against the two predicted rows it sums
+    if by_kind and len(owners[kind]) > 1:  # ratio against the predicted rows it sums
       both = sum(pred[c][kind] for c in JAX_GROUPS.values())
       rows.append({**_row("jax", "state", kind, None, by_kind.get(kind)),
                    "ratio": by_kind.get(kind, 0) / both if both else None})

@@ -22,6 +22,7 @@ from parity.sizing.activations import FP32, activation_bytes, block_activation_b
 from parity.sizing.batches import is_batch_row, step_input_rows
 from parity.sizing.ds_estimator import ds_estimate_table, ds_zero2_model_states, ds_zero3_model_states
 from parity.sizing.fsdp_memory import fsdp_state_rows
+from parity.sizing.memory_jax import opt_split
 from parity.sides import all_sides, find_side, load_ref, side_record
 from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
@@ -145,20 +146,22 @@ def _jax_rows(run: RunSpec) -> list[Row]:
     scan outputs beside the donated old ones, in each group's own memory kind; none when the params are
     offloaded too, where the update writes each layer back into the carried stacks
     (`jax_impl.stream.updates_in_place`).
+
+  The moments are split as `_jax_moment_rows` says (jax.offload_opt_ratio < 1: part on the host, part on the device).
   """
   m, t, p = run.model, run.train, run.jax
   n, d = param_count(m), p.data_parallel
   shard = {name: (d if p.zero_stage >= stage else 1) for name, stage in
            (("params", 3), ("gradients", 2), ("optimizer_moments", 1))}
   par = FP32 * math.ceil(n / shard["params"])
-  mom = 2 * FP32 * math.ceil(n / shard["optimizer_moments"])
+  streamed = p.scan_layers and (p.offload_params or p.offload_opt_state)
+  beside = streamed and not p.offload_params  # with the params offloaded the update writes in place (one host copy)
+  resident, fetched_moments, moment_stacks = _jax_moment_rows(run, shard["optimizer_moments"], beside)
   rows = [Row("jax", "params", _kind(p.offload_params), par),
-          Row("jax", "gradients", "device", FP32 * math.ceil(n / shard["gradients"])),
-          Row("jax", "optimizer_moments", _kind(p.offload_opt_state), mom)]
+          Row("jax", "gradients", "device", FP32 * math.ceil(n / shard["gradients"])), *resident]
   layers = m.n_layers * block_params(m)
   outside = n - layers  # embeddings, final norm (and an untied head)
   window = lambda k: math.ceil(outside / shard[k]) + min(2, m.n_layers) * math.ceil(block_params(m) / shard[k])
-  streamed = p.scan_layers and (p.offload_params or p.offload_opt_state)
   if p.offload_params:
     fetched = FP32 * window("params") if p.scan_layers else par
     what = "non-layer + 2 layers" if p.scan_layers else "all"
@@ -170,17 +173,44 @@ def _jax_rows(run: RunSpec) -> list[Row]:
     copy = e * window("params") if per_layer else e * math.ceil(n / shard["params"])
     rows.append(Row("jax", "params", "device", copy, f"in-step (forward/backward: {t.precision} compute copy"
                                                       f"{', per layer' if per_layer else ''})"))
-  if p.offload_opt_state:
-    rows.append(Row("jax", "optimizer_moments", "device",
-                    2 * FP32 * window("optimizer_moments") if p.scan_layers else mom,
-                    "in-step (update: fetched, non-layer + 2 layers)" if p.scan_layers
-                    else "in-step (update: fetched, all)"))
-  if streamed and not p.offload_params:  # with the params offloaded the update writes in place (one host copy)
+  rows += fetched_moments
+  if beside:
     rows.append(Row("jax", "params", _kind(p.offload_params), FP32 * math.ceil(layers / shard["params"]),
                     "in-step (update: new layer stack)"))
-    rows.append(Row("jax", "optimizer_moments", _kind(p.offload_opt_state),
-                    2 * FP32 * math.ceil(layers / shard["optimizer_moments"]), "in-step (update: new layer stacks)"))
-  return rows + _activation_rows("jax", run, p.remat, ranks=d)
+  return rows + moment_stacks + _activation_rows("jax", run, p.remat, ranks=d)
+
+
+def _jax_moment_rows(run: RunSpec, shard: int, beside: bool) -> tuple[list[Row], list[Row], list[Row]]:
+  """(resident, fetched, new stacks) rows of the JAX side's Adam moments (2 fp32 per param, over `shard` devices).
+  Resident: in the host memory with offload_opt_state, else on the device; with jax.offload_opt_ratio < 1 the
+  offloaded part (parity.sizing.memory_jax.opt_split: the last param leaves, its realised share) on the host and the
+  rest on the device. Fetched for the update: the offloaded part, all of it or, streamed (scan_layers), its
+  non-layer leaves and 2 layers of its block tensors. `beside` (a streamed update that stacks its outputs beside the
+  old stacks, `_jax_rows`): the update's new layer stacks, each part's in its kind."""
+  m, p = run.model, run.jax
+  split = opt_split(run)
+  size = lambda elements: 2 * FP32 * math.ceil(elements / shard)
+  n, layers = param_count(m), m.n_layers * block_params(m)
+  host, host_layers = split.host_elements, split.layer_elements
+  if split.partial:
+    note = f"offload_opt_ratio {p.offload_opt_ratio:g}: {split.share:.1%} of the moment bytes on the host"
+    resident = [Row("jax", "optimizer_moments", "host", size(host), note),
+                Row("jax", "optimizer_moments", "device", size(n) - size(host), note)]
+  else:
+    resident = [Row("jax", "optimizer_moments", _kind(p.offload_opt_state), size(n))]
+  fetched, stacks = [], []
+  part = ", the offloaded part" if split.partial else ""
+  if p.offload_opt_state and p.scan_layers:
+    window = 2 * FP32 * (math.ceil((host - host_layers) / shard)
+                         + min(2, m.n_layers) * math.ceil(host_layers // m.n_layers / shard))
+    fetched.append(Row("jax", "optimizer_moments", "device", window,
+                       f"in-step (update: fetched, non-layer + 2 layers{part})"))
+  elif p.offload_opt_state:
+    fetched.append(Row("jax", "optimizer_moments", "device", size(host), f"in-step (update: fetched, all{part})"))
+  if beside:
+    stacks = [Row("jax", "optimizer_moments", k, b, "in-step (update: new layer stacks)")
+              for k, b in (("host", size(host_layers)), ("device", size(layers) - size(host_layers))) if b]
+  return resident, fetched, stacks
 
 
 def _activation_rows(side: str, run: RunSpec, policy: str, ranks: int, host_checkpoints: bool = False) -> list[Row]:

@@ -10,7 +10,8 @@ shards the params, so ZeRO-0/1/2 pairs have no FSDP2 counterpart (None: an `fsdp
 checkpointing <-> `FsdpPlan.activation_checkpointing`.
 `apply_plan(run, name)` puts a pair into a RunSpec. `choose_plan` ranks every candidate with the memory
 model of `parity.sizing.memory` and the roofline step-time model of `parity.sizing.cost` (docs/plans.md), whose
-`Hardware`, `HARDWARE` and `step_time` are importable from here. No jax or torch import.
+`Hardware`, `HARDWARE` and `step_time` are importable from here; a pair that offloads the optimizer state gets the
+smallest share of it that fits the JAX side (`OPT_RATIOS`, jax.offload_opt_ratio). No jax or torch import.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from typing import Any
 from parity.sizing import host_limits, memory
 from parity.sizing.cost import GB, GiB, HARDWARE, Hardware, step_time
 from parity.sizing.batches import counted_tokens_per_s
+from parity.sizing.memory_jax import opt_split
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
 
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "fsdp_missing_reason", "apply_plan", "with_plan", "plan_of", "Hardware",
-           "HARDWARE", "Candidate",
+           "HARDWARE", "Candidate", "OPT_RATIOS",
            "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs",
            "ranking_json"]
 
@@ -162,6 +164,10 @@ class Candidate:
   """With pin_memory: the DeepSpeed side's pinned host buffers, {'requested_bytes', 'pinned_bytes'} per rank
   (host_limits.deepspeed_pinned_cost: torch rounds each block to a power of two); host_bytes includes the
   difference. None without pin_memory."""
+  jax_opt_ratio: float | None = None
+  """The JAX side's jax.offload_opt_ratio where the planner chose one (`OPT_RATIOS`), else None (the pair's own)."""
+  notes: tuple[str, ...] = ()
+  """Lines `parity plan` prints about the pair's choice: the ratio chosen and why (`_opt_ratio`)."""
 
   @property
   def fits(self) -> bool:
@@ -215,6 +221,39 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
                    {s: t[0] for s, t in times.items()}, pinned)
 
 
+OPT_RATIOS = (0.25, 0.5, 0.75, 1.0)
+"""The shares of the optimizer state the planner tries offloading (jax.offload_opt_ratio), smallest first. A pair that
+offloads it, whose JAX side does not fit with the optimizer state on the device but fits with all of it on the host,
+runs the smallest share that fits (`_opt_ratio`): less to move each step, and a TPU v5e hides none of the copy time
+behind compute (cost.Hardware.hidden_transfer)."""
+
+
+def _opt_ratio(run: RunSpec, usable: int, ratios: tuple[float, ...] = OPT_RATIOS) -> tuple[RunSpec, str | None]:
+  """(the JAX run with the planner's offload_opt_ratio, the line saying why) for a pair that offloads the optimizer
+  state; (run, None) where it keeps the pair's own: no optimizer offload, or a JAX side that fits with the optimizer
+  state on the device (a pair without the offload costs less then) or does not fit with all of it on the host."""
+  p = run.jax
+  at = lambda **kw: dataclasses.replace(run, jax=dataclasses.replace(p, **kw))
+  peak = lambda r: memory.peak_device_bytes(memory.estimate(r, sides=("jax",)), "jax")
+  if not p.offload_opt_state or p.offload_opt_ratio < 1:
+    return run, None
+  on_device = peak(at(offload_opt_state=False))
+  if on_device <= usable or peak(run) > usable:
+    return run, None
+  tried = []
+  for ratio in ratios:
+    chosen = at(offload_opt_ratio=ratio)
+    need = peak(chosen)
+    if need <= usable:
+      break
+    tried.append(f"{ratio:g} needs {need / GiB:.1f} GiB")
+  share = opt_split(chosen).share
+  return chosen, (f"jax offload_opt_ratio {ratio:g}: the smallest of {', '.join(f'{r:g}' for r in ratios)} whose "
+                  f"device bytes fit ({need / GiB:.1f} GiB <= {usable / GiB:.1f} GiB usable; with the optimizer state "
+                  f"on the device {on_device / GiB:.1f} GiB" + "".join(f"; {t}" for t in tried) + f"): {share:.0%} "
+                  f"of the moment bytes on the host, the rest on the device (--set jax.offload_opt_ratio={ratio:g})")
+
+
 def fsdp_missing_reason(plan: Plan) -> str:
   """Why a pair has no FSDP2 plan (`Plan.fsdp` None), in words `parity plan` prints: a ZeRO-0/1/2 pair (FSDP2 always
   shards the params)."""
@@ -244,10 +283,12 @@ def _pair_runs(plan: Plan, jax_plan: JaxPlan, model: ModelSpec, train: TrainSpec
 
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
-                reserve: float = 0.1, xla_pool_gib: int | None = None,
-                pin_memory: bool = False) -> tuple[Candidate | None, list[Candidate]]:
+                reserve: float = 0.1, xla_pool_gib: int | None = None, pin_memory: bool = False,
+                opt_ratios: tuple[float, ...] = OPT_RATIOS) -> tuple[Candidate | None, list[Candidate]]:
   """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first; equal
-  step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster).
+  step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster). A pair
+  that offloads the optimizer state runs the smallest share of it (`OPT_RATIOS`) that fits its JAX side, where the
+  JAX side fits with all of it on the host and not with none (`_opt_ratio`; `Candidate.jax_opt_ratio`, `notes`).
 
   Args:
     model, train: what is trained; train.micro_batch_size is per device on both sides (DeepSpeed's
@@ -269,8 +310,11 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       host need is bounded by host memory only.
     pin_memory: cost DeepSpeed's offload with pin_memory true: its pinned buffers rounded as torch pins them
       (host_limits.deepspeed_pinned_cost); parity's own DeepSpeed configs are unpinned (parity.numerics.ds_json).
+    opt_ratios: the shares of the optimizer state tried (`OPT_RATIOS`), increasing, the last 1; (1,): every pair
+      offloads all of it, as it names.
   Raises:
-    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp.
+    SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp, opt_ratios not increasing
+      shares in (0, 1] ending at 1.
   """
   if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
     raise SpecError(f"mfu (--mfu) {mfu}: must be a fraction in (0, 1]")
@@ -278,6 +322,9 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     raise SpecError(f"devices (--devices) {devices}: must be >= 1")
   if not sides or set(sides) - {"deepspeed", "jax", "fsdp"}:
     raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed, jax and/or fsdp")
+  if not opt_ratios or opt_ratios[-1] != 1 or any(not a < b for a, b in zip((0, *opt_ratios), opt_ratios)):
+    raise SpecError(f"offload ratios (--opt-ratios) {','.join(f'{r:g}' for r in opt_ratios)!r}: increasing shares "
+                    "in (0, 1], the last 1 (e.g. 0.25,0.5,0.75,1; 1: offload all of the optimizer state)")
   host = hw.host_bytes if host_bytes is None else host_bytes
   jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
@@ -293,8 +340,13 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
                            (runs,)))
       continue
-    out.append(_candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices,
-                          pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
+    note = None
+    if "jax" in runs and len(opt_ratios) > 1:
+      runs["jax"], note = _opt_ratio(runs["jax"], int(hw.device_bytes * (1 - reserve)), tuple(opt_ratios))
+    cand = _candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices, pool_user_gib=xla_pool_gib,
+                      pin_memory=pin_memory)
+    out.append(cand if note is None else dataclasses.replace(cand, jax_opt_ratio=runs["jax"].jax.offload_opt_ratio,
+                                                             notes=(note,)))
   out.sort(key=lambda c: (c.step_s, c.transfer_s))  # equally fast: the pair moving less over the host link first
   best = next((c for c in out if c.fits), None)  # (a no-offload pair before any offload pair at the same step time)
   return best, out
@@ -393,11 +445,12 @@ def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: 
 
 def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None, devices: int = 1,
                 sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4, reserve: float = 0.1,
-                padding_fraction: float = 0.0) -> dict[str, Any]:
+                padding_fraction: float = 0.0, opt_ratios: tuple[float, ...] = OPT_RATIOS) -> dict[str, Any]:
   """What `choose_plan` assumed, JSON-ready (the same arguments): hardware name, device memory and the part usable
   after `reserve` (bytes), host memory per device (bytes), host link per direction (bytes/s), the peak at the run's
-  precision (FLOP/s), MFU, devices, sides, and the run's precision, micro batch, sequence and gradient accumulation,
-  and the padding fraction the ranking's non-padding tokens/s counts with (`ranking_json`; 0: every position real).
+  precision (FLOP/s), MFU, devices, sides, the shares of the optimizer state tried (opt_ratios), and the run's
+  precision, micro batch, sequence and gradient accumulation, and the padding fraction the ranking's non-padding
+  tokens/s counts with (`ranking_json`; 0: every position real).
 
   Raises:
     SpecError: padding_fraction (--padding-fraction) outside [0, 1).
@@ -409,7 +462,7 @@ def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None
           "usable_device_bytes": int(hw.device_bytes * (1 - reserve)),
           "host_bytes_per_device": hw.host_bytes if host_bytes is None else host_bytes,
           "host_link_bytes_per_s": hw.host_link_bytes_per_s, "peak_flops": hw.peak(train.precision), "mfu": mfu,
-          "devices": devices, "sides": list(sides), "precision": train.precision,
+          "devices": devices, "sides": list(sides), "opt_ratios": list(opt_ratios), "precision": train.precision,
           "micro_batch_size": train.micro_batch_size, "seq_len": train.seq_len,
           "grad_accum_steps": train.grad_accum_steps, "padding_fraction": padding_fraction}
 
