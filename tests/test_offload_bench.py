@@ -69,3 +69,22 @@ def test_the_driver_runs_rates_and_a_deferred_timing_on_cpu(tmp_path):
   assert rows[("opt-deferred", 2)]["entry_moved_bytes"] > 0 == rows[("no-offload", 2)]["entry_moved_bytes"]
   with tarfile.open(tmp_path / "offload.tgz") as tar:
     assert {"offload/offload.json", "offload/offload.md"} <= set(tar.getnames())
+
+
+def test_the_partial_offload_run_derives_its_published_figures():
+  """benchmarks/results/2026-12-06-tpu-v5e-headroom.md, run 7: jax.offload_opt_ratio at 32k tokens per step, each
+  share's speed against no offload and the time it adds against its transfer at the in-step rate."""
+  run7 = json.loads((DATA / "run7-ratio.json").read_text())["children"]["timing"]
+  assert run7["device"] == "TPU v5 lite"
+  _, run3 = _recorded()
+  rate = run3["children"]["rates"]["both"]["gb_per_s"]
+  rows = {r["variant"]: r for r in rep.derive(run7["rows"], rate) if "median_s" in r}
+  assert {r["tokens_per_step"] for r in rows.values()} == {32768}
+  kept = {k: round(r["vs_no_offload"], 3) for k, r in rows.items() if k != "no-offload"}
+  assert kept == {"opt-ratio-0.25": 0.951, "opt-ratio-0.5": 0.897, "opt-stream": 0.834}
+  host = {k: round(r["host_state_bytes"] / 1e9, 2) for k, r in rows.items() if k != "no-offload"}
+  assert host == {"opt-ratio-0.25": 0.63, "opt-ratio-0.5": 1.37, "opt-stream": 2.17}  # realised shares 29%, 63%
+  # each share adds its transfer time at the in-step rate, give or take 10%: nothing of it hidden
+  for k in kept:
+    assert rows[k]["added_s"] == pytest.approx(rows[k]["transfer_s"], rel=0.1), k
+    assert rows[k]["hidden"] < 0.06  # 0%, 4% and 5%: within the rate's own spread

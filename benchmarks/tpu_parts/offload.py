@@ -65,6 +65,8 @@ VARIANTS = (
     ("params+opt-stream", dict(offload_params=True), {}),
     ("opt-stream-unroll-2", dict(), dict(unroll=2)),
     ("opt-stream-unpinned", dict(host_memory_kind="unpinned_host"), {}),
+    ("opt-ratio-0.5", dict(offload_opt_ratio=0.5), {}),  # part of the moments (jax.offload_opt_ratio): the copies
+    ("opt-ratio-0.25", dict(offload_opt_ratio=0.25), {}),  # shrink with the share, and so does the memory given back
 )
 FLAG_VARIANTS = ("no-offload", "opt-deferred", "opt-whole-tree", "opt-stream")
 GRAD_ACCUM = (2, 16)
