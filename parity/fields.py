@@ -152,6 +152,8 @@ def _coerce(key: str, default: Any, value: Any) -> Any:
       value = x
     return int(value)
   if isinstance(default, float):
+    if isinstance(value, bool):  # float(True) is 1.0: a number the user never wrote
+      raise SpecError(f"{key}: expected a finite number, got {str(value).lower()}")
     try:
       out = float(value)
     except (TypeError, ValueError, OverflowError):

@@ -148,6 +148,13 @@ class JaxCfg(BaseModel):
   zero_stage: int = Field(ge=0, le=3)
   data_parallel: int = Field(1, ge=1)
 
+  @field_validator("offload_opt_ratio", mode="before")
+  @classmethod
+  def _ratio_not_bool(cls, v):  # pydantic's lax float reads true as 1.0
+    if isinstance(v, bool):
+      raise ValueError("jax.offload_opt_ratio must be a number in (0, 1] (true/false is not a share)")
+    return v
+
   @model_validator(mode="after")
   def _stage3_params(self):
     if self.offload_params and self.zero_stage != 3:

@@ -1,0 +1,58 @@
+"""jax.offload_opt_ratio as a user gives it (the CLI, a run config, a ported YAML read back, a DeepSpeed config):
+each bad value is refused with exit 2, naming the key and the value as written, never read as another number."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from parity.cli import main
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_a_boolean_ratio_on_the_cli_is_refused_not_read_as_one_or_zero(value, capsys):
+  """float(True) is 1.0: `--set jax.offload_opt_ratio=true` ran as 'offload all of it' and `false` was refused as
+  'got 0.0', a value the user never wrote."""
+  assert main(["estimate", "--preset", "gpt2-tiny", "--set", f"jax.offload_opt_ratio={value}"]) == 2
+  err = capsys.readouterr().err
+  assert "jax.offload_opt_ratio" in err and value in err and "0.0" not in err and "Traceback" not in err
+
+
+def test_a_boolean_in_any_float_field_of_a_run_config_is_refused(tmp_path, capsys):
+  """The same rule for every float field of a YAML run config (train.lr here): true is not 1.0."""
+  cfg = tmp_path / "run.yaml"
+  cfg.write_text(yaml.safe_dump({"train": {"lr": True}}))
+  assert main(["estimate", "--preset", "gpt2-tiny", "--config", str(cfg)]) == 2
+  err = capsys.readouterr().err
+  assert "train.lr" in err and "true" in err.lower() and "Traceback" not in err
+
+
+def _ported(tmp_path, ratio) -> str:
+  """A ZeRO-3 DeepSpeed config with the optimizer state offloaded at ratio 0.5, ported to YAML, its ratio then
+  replaced by `ratio` (as a user edits the port)."""
+  ds = tmp_path / "ds.json"
+  ds.write_text(json.dumps({
+      "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+  out = tmp_path / "ported.yaml"
+  assert main(["port", "--quiet", str(ds), "-o", str(out)]) == 0
+  doc = yaml.safe_load(out.read_text())
+  assert doc["jax"]["offload_opt_ratio"] == 0.5
+  doc["jax"]["offload_opt_ratio"] = ratio
+  edited = tmp_path / "edited.yaml"
+  edited.write_text(yaml.safe_dump(doc))
+  return str(edited)
+
+
+@pytest.mark.parametrize("ratio", [True, False])
+def test_the_reverse_port_refuses_a_boolean_ratio(ratio, tmp_path, capsys):
+  """pydantic's lax float took true as 1.0: the DeepSpeed config written back offloaded all of the optimizer state,
+  silently."""
+  edited = _ported(tmp_path, ratio)
+  capsys.readouterr()
+  assert main(["port", "--quiet", "--to-deepspeed", edited, "-o", str(tmp_path / "back.json")]) == 2
+  err = capsys.readouterr().err
+  assert "jax.offload_opt_ratio" in err and str(ratio).lower() in err.lower() and "Traceback" not in err
+  assert not (tmp_path / "back.json").exists()
