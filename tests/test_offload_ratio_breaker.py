@@ -56,3 +56,38 @@ def test_the_reverse_port_refuses_a_boolean_ratio(ratio, tmp_path, capsys):
   err = capsys.readouterr().err
   assert "jax.offload_opt_ratio" in err and str(ratio).lower() in err.lower() and "Traceback" not in err
   assert not (tmp_path / "back.json").exists()
+
+
+def test_a_ratio_override_the_deepspeed_config_contradicts_names_the_fix_that_exists(tmp_path):
+  """The conflict message told the user to set the config's value to "auto", which the port refuses for
+  offload_optimizer.ratio (nothing fills it): for a plan key the fix is the config's own value."""
+  from parity.pipeline.resolve import resolve_run
+  from parity.spec import SpecError
+  ds = tmp_path / "ds.json"
+  ds.write_text(json.dumps({
+      "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}))
+  assert resolve_run("gpt2-tiny", deepspeed_config=ds).spec.jax.offload_opt_ratio == 0.3
+  with pytest.raises(SpecError) as err:
+    resolve_run("gpt2-tiny", deepspeed_config=ds, overrides=["jax.offload_opt_ratio=0.5"])
+  msg = str(err.value)
+  assert "jax.offload_opt_ratio=0.5" in msg and "0.3" in msg and "drop the --set" in msg and "auto" not in msg
+  ratio_auto = json.loads(ds.read_text())
+  ratio_auto["zero_optimization"]["offload_optimizer"]["ratio"] = "auto"
+  ds.write_text(json.dumps(ratio_auto))
+  with pytest.raises(SpecError, match="ratio is \"auto\", which nothing resolves"):  # the hint's fix did not work
+    resolve_run("gpt2-tiny", deepspeed_config=ds, overrides=["jax.offload_opt_ratio=0.5"])
+
+
+def test_plan_auto_with_a_ratio_its_pair_cannot_take_says_the_planner_chose_it():
+  """gpt2-tiny fits an H100 without offload: --plan auto picks a pair that keeps the optimizer state on the device,
+  so a --set ratio below 1 cannot apply. The error named "plan 'zero0'", a plan the user never gave (compare's
+  resolve_run)."""
+  from parity.pipeline.resolve import resolve_run
+  from parity.spec import SpecError
+  with pytest.raises(SpecError) as err:
+    resolve_run("gpt2-tiny", plan="auto", overrides=["jax.offload_opt_ratio=0.3"])
+  msg = str(err.value)
+  assert msg.startswith("--plan auto chose 'zero0'") and "jax.offload_opt_ratio 0.3" in msg
+  assert "jax.offload_opt_state=true" in msg

@@ -233,7 +233,9 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
   try:
     spec = _settle(spec).validate()
   except SpecError as exc:
-    raise SpecError(f"plan {plan_choice['name']!r}: {exc}" if plan is not None else str(exc)) from None
+    chosen = plan and (f"--plan auto chose {plan_choice['name']!r}" if plan == "auto" else
+                       f"plan {plan_choice['name']!r}")
+    raise SpecError(f"{chosen}: {exc}" if plan is not None else str(exc)) from None
   if init_params is not None:
     _check_init_shapes(spec, init_params, init_source)
   if tokenizer is not None:
@@ -410,6 +412,10 @@ def _deepspeed_config_step(deepspeed_config, spec: RunSpec, over: Mapping[str, A
   return spec, None, None
 
 
+_PLAN_SECTIONS = ("jax", "deepspeed", "fsdp")
+"""Run sections no "auto" of a DeepSpeed config fills (parity.migrate._resolve.AUTO_RULES fills none of their keys)."""
+
+
 def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str | None = None):
   """Ports the DeepSpeed config against `spec` under `stack`; refuses an override the config contradicts (both
   values named)."""
@@ -419,7 +425,8 @@ def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str |
   for key in over:
     mine, theirs = get_dotted(want, key), get_dotted(got, key)
     if mine != theirs:
+      auto = "" if key.split(".")[0] in _PLAN_SECTIONS else " (or set it to \"auto\" to take it from the run)"
       raise SpecError(f"--set {key}={mine!r} conflicts with --deepspeed-config {deepspeed_config}, which sets it to "
-                      f"{theirs!r}; the DeepSpeed side runs that file as written, so change the value there (or set "
-                      f"it to \"auto\" to take it from the run), or drop the --set")
+                      f"{theirs!r}; the DeepSpeed side runs that file as written, so change the value there{auto}, "
+                      "or drop the --set")
   return ported, ds_cfg, port
