@@ -91,3 +91,25 @@ def test_plan_auto_with_a_ratio_its_pair_cannot_take_says_the_planner_chose_it()
   msg = str(err.value)
   assert msg.startswith("--plan auto chose 'zero0'") and "jax.offload_opt_ratio 0.3" in msg
   assert "jax.offload_opt_state=true" in msg
+
+
+@pytest.mark.parametrize("sub_group_size", [None, 1000])
+def test_the_port_says_deepspeed_offloads_whole_sub_groups(sub_group_size, tmp_path):
+  """DeepSpeed splits each param group into sub-groups of zero_optimization.sub_group_size elements (default 1e9;
+  stage3.py `_create_fp16_sub_groups`) and puts sub-group i on the CPU when i >= int((1 - ratio) · n): a model with
+  one sub-group has all of its optimizer state on the CPU at ratio 0.3 (int(0.7) = 0). The port said the JAX plan's
+  per-leaf 30% was DeepSpeed's placement; it now warns, naming the sub-group size that decides."""
+  from parity.migrate import port_config
+  zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}
+  if sub_group_size is not None:
+    zero["sub_group_size"] = sub_group_size
+  raw = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0}},
+         "zero_optimization": zero}
+  res = port_config(raw)
+  assert res.ported is not None and res.ported.jax.offload_opt_ratio == 0.3
+  warned = [w for w in res.report.warnings if "offload_optimizer.ratio" in w]
+  assert len(warned) == 1, res.report.warnings
+  size = f"{sub_group_size or 10**9:,}"
+  assert "whole sub-groups" in warned[0] and size in warned[0] and "all of its optimizer state on the CPU" in warned[0]
+  assert "sub_group_size" in warned[0]

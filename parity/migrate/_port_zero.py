@@ -124,7 +124,23 @@ def _ratio(ctx: Ctx, path: str, stage: int, device: str | None) -> float:
     ctx.mark(key, "mapped", "jax.offload_opt_ratio", f"{ratio}: the moments of the last param leaves (parameter "
              f"order, as DeepSpeed's last sub-groups) in host memory until they hold {ratio:.0%} of the moment bytes, "
              "the rest on the device; the same numbers as offloading all of it")
+    _warn_sub_groups(ctx, key, ratio)
   return float(ratio)
+
+
+def _warn_sub_groups(ctx: Ctx, key: str, ratio: float) -> None:
+  """DeepSpeed's share is of sub-groups, not of bytes (stage3.py `_create_fp16_sub_groups`: each param group cut
+  into runs of sub_group_size elements; sub-group i on the CPU when i >= int((1 - ratio) * n)): said, with the size."""
+  size = ctx.get("zero_optimization.sub_group_size")
+  given = isinstance(size, int) and not isinstance(size, bool) and size > 0
+  size = size if given else 10**9
+  ctx.warn(f"{key} {ratio}: DeepSpeed offloads whole sub-groups, each param group cut into runs of "
+           f"zero_optimization.sub_group_size = {size:,} elements{'' if given else ' (its default)'}, the last "
+           f"n - int({1 - ratio:g} * n) of the n sub-groups on the CPU: a param group under {size:,} parameters is "
+           "one sub-group, so with one param group DeepSpeed keeps all of its optimizer state on the CPU at any "
+           f"ratio above 0. The JAX plan offloads per param leaf (at least {ratio:.0%} of the moment bytes): the "
+           "numbers are the same, the two sides' host shares may not be. Lower sub_group_size to split DeepSpeed's "
+           "finer.")
 
 
 def port_zero(ctx: Ctx) -> tuple[dict[str, Any], dict[str, Any]] | None:
