@@ -199,14 +199,8 @@ def test_the_streamed_update_moves_only_the_offloaded_moments():
   t.compile(SHAPE, None)
   assert t.offload_evidence()["jaxpr_device_puts"] == {"to_host": 2 * 3, "to_device": 3 + 2 * 2 + 2 * 3}
 
-  def update(grads, opt_state, params):
-    opt_state = stream.scalars_to_device(t.placement, opt_state, params)
-    return stream.streamed_update(t.run, t.placement, grads, opt_state, params)
-
-  grads = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t.state.params)
-  jaxpr = jax.make_jaxpr(update)(grads, t.state.opt_state, t.state.params).jaxpr
-  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-  body = scan.params["jaxpr"].jaxpr
+  from tests.test_jax_plans import streamed_update_scan
+  body = streamed_update_scan(t).params["jaxpr"].jaxpr
   assert remat.device_puts_in_jaxpr(str(body)) == {"to_host": 2 * 3, "to_device": 2 * 3}
   puts = [e for e in body.eqns if e.primitive.name == "device_put" and "Device" in str(e.params["devices"])]
   per_layer = sum(v.aval.size * v.aval.dtype.itemsize for e in puts for v in e.invars)

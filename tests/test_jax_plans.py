@@ -199,6 +199,18 @@ def test_scan_param_offload_moves_each_layer_in_the_scan_body(offloaded):
   assert offloaded["params"][0].offload_evidence()["jaxpr_device_puts"] == {"to_host": 0, "to_device": 0}
 
 
+def streamed_update_scan(t: Trainer):
+  """The layer scan equation of trainer `t`'s streamed update, traced on a zero gradient."""
+  def update(grads, opt_state, params):
+    opt_state = stream.scalars_to_device(t.placement, opt_state, params)
+    return stream.streamed_update(t.run, t.placement, grads, opt_state, params)
+
+  grads = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t.state.params)
+  jaxpr = jax.make_jaxpr(update)(grads, t.state.opt_state, t.state.params).jaxpr
+  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  return scan
+
+
 def test_scan_opt_state_offload_streams_the_moments_one_layer_at_a_time(offloaded):
   """Moments in host memory with scan_layers: the update brings the optimizer's scalars and the
   non-layer moments to the device once, and each layer's mu and nu slices in and out of the scan body;
@@ -210,13 +222,7 @@ def test_scan_opt_state_offload_streams_the_moments_one_layer_at_a_time(offloade
   assert n_scalars == 3  # the clip's norm, Adam's count, the schedule's count
   moves = t.offload_evidence()["jaxpr_device_puts"]
   assert moves == {"to_host": 2 * n_stacked, "to_device": n_scalars + 2 * (n_all - n_stacked) + 2 * n_stacked}
-  def update(grads, opt_state, params):
-    opt_state = stream.scalars_to_device(t.placement, opt_state, params)
-    return stream.streamed_update(t.run, t.placement, grads, opt_state, params)
-
-  grads = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t.state.params)
-  jaxpr = jax.make_jaxpr(update)(grads, t.state.opt_state, t.state.params).jaxpr
-  (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  scan = streamed_update_scan(t)
   assert scan.params["length"] == t.run.model.n_layers
   body = scan.params["jaxpr"].jaxpr
   assert remat.device_puts_in_jaxpr(str(body)) == {"to_host": 2 * n_stacked, "to_device": 2 * n_stacked}
