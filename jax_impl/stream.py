@@ -172,25 +172,32 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
 
   moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
   _map_param_trees(opt_state, full_def, lambda t: moments.append(t[LAYERS]))
-  opts = OPTIONS
   in_place = updates_in_place(run)
-  home_after = opts.home_after_loop and not in_place  # the carried stacks are written layer by layer, at home
+  home_after = OPTIONS.home_after_loop and not in_place  # the carried stacks are written layer by layer, at home
   update_layer = _layer_update(tx, opt_state, full_def, keep, (to_device, to_home), (params_host, opt_host[LAYERS]),
                                home_after)
-  n_layers = jax.tree.leaves(params[LAYERS])[0].shape[0]
-  unroll = n_layers if opts.unroll == 0 else max(1, opts.unroll)
-  if in_place:
-    new_layers, new_moments = _in_place_scan(update_layer, grads[LAYERS], params[LAYERS], moments, n_layers, unroll)
-  else:
-    # The new stacks are the scan's outputs, so they are new buffers beside the donated old ones until the scan
-    # ends (parity.sizing.memory counts them); `in_place` writes each layer back into the carried stacks instead.
-    body = lambda _, xs: (None, update_layer(*xs))
-    _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads[LAYERS], params[LAYERS], moments), unroll=unroll)
-    if home_after:
-      new_layers, new_moments = to_home(new_layers, params_host), [to_home(m, opt_host[LAYERS]) for m in new_moments]
+  send_home = lambda new_p, new_m: (to_home(new_p, params_host), [to_home(m, opt_host[LAYERS]) for m in new_m])
+  new_layers, new_moments = _layer_loop(update_layer, (grads[LAYERS], params[LAYERS], moments), in_place,
+                                        send_home if home_after else None)
   stacked = iter(new_moments)
   new_state = _map_param_trees(new_rest_state, rest_def, lambda t: {**t, LAYERS: next(stacked)})
   return {**new_rest_params, LAYERS: new_layers}, new_state
+
+
+def _layer_loop(update_layer: Callable, xs: tuple[Any, Any, list[Any]], in_place: bool,
+                send_home: Callable | None) -> tuple[Any, list[Any]]:
+  """The loop over the layer axis of (gradient, params, moment stacks): written back in place, or stacked as the
+  scan's outputs (then `send_home`, when given, moves the new stacks home in one copy after the loop)."""
+  grads_l, params_l, moments = xs
+  n_layers = jax.tree.leaves(params_l)[0].shape[0]
+  unroll = n_layers if OPTIONS.unroll == 0 else max(1, OPTIONS.unroll)
+  if in_place:
+    return _in_place_scan(update_layer, grads_l, params_l, moments, n_layers, unroll)
+  # The new stacks are the scan's outputs, so they are new buffers beside the donated old ones until the scan
+  # ends (parity.sizing.memory counts them); `in_place` writes each layer back into the carried stacks instead.
+  body = lambda _, x: (None, update_layer(*x))
+  _, (new_layers, new_moments) = jax.lax.scan(body, None, (grads_l, params_l, moments), unroll=unroll)
+  return send_home(new_layers, new_moments) if send_home else (new_layers, new_moments)
 
 
 def _layer_update(tx: Any, opt_state: Any, full_def: Any, keep: Callable, moves: tuple[Callable, Callable],

@@ -230,12 +230,7 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
     spec = plans.with_plan(spec, pair)
   spec = apply_overrides(spec, user) if user else spec                           # 5, 6
   spec, ds_cfg, port = _deepspeed_config_step(deepspeed_config, spec, over, stack)  # 7
-  try:
-    spec = _settle(spec).validate()
-  except SpecError as exc:
-    chosen = plan and (f"--plan auto chose {plan_choice['name']!r}" if plan == "auto" else
-                       f"plan {plan_choice['name']!r}")
-    raise SpecError(f"{chosen}: {exc}" if plan is not None else str(exc)) from None
+  spec = _validated(spec, plan, plan_choice)
   if init_params is not None:
     _check_init_shapes(spec, init_params, init_source)
   if tokenizer is not None:
@@ -247,6 +242,17 @@ def resolve_run(preset_name: str | None = None, *, model: str | None = None, con
                      tokenizer=None if tokenizer is None else str(Path(tokenizer).expanduser().absolute()),
                      init_params=init_params, deepspeed_config=ds_cfg, sides_named=sides_named,
                      deepspeed_source=str(deepspeed_config) if deepspeed_config else None, port=port, overrides=over)
+
+
+def _validated(spec: RunSpec, plan: str | None, plan_choice: Mapping[str, Any] | None) -> RunSpec:
+  """The settled, validated spec; a refusal under --plan names the plan (and that the planner chose it, for auto)."""
+  try:
+    return _settle(spec).validate()
+  except SpecError as exc:
+    if plan is None:
+      raise SpecError(str(exc)) from None
+    chosen = f"--plan auto chose {plan_choice['name']!r}" if plan == "auto" else f"plan {plan_choice['name']!r}"
+    raise SpecError(f"{chosen}: {exc}") from None
 
 
 def _base_config_checkpoint(preset_name: str | None, model: str | None, config: str | Path | Mapping | None,

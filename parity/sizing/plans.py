@@ -281,6 +281,19 @@ def _pair_runs(plan: Plan, jax_plan: JaxPlan, model: ModelSpec, train: TrainSpec
   return {s: runs[s] for s in sides}
 
 
+def _check_choice_inputs(mfu: float, devices: int, sides: tuple[str, ...], opt_ratios: tuple[float, ...]) -> None:
+  """choose_plan's refusals of its inputs (its Raises), each naming the option and the fix."""
+  if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
+    raise SpecError(f"mfu (--mfu) {mfu}: must be a fraction in (0, 1]")
+  if devices < 1:
+    raise SpecError(f"devices (--devices) {devices}: must be >= 1")
+  if not sides or set(sides) - {"deepspeed", "jax", "fsdp"}:
+    raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed, jax and/or fsdp")
+  if not opt_ratios or opt_ratios[-1] != 1 or any(not a < b for a, b in zip((0, *opt_ratios), opt_ratios)):
+    raise SpecError(f"offload ratios (--opt-ratios) {','.join(f'{r:g}' for r in opt_ratios)!r}: increasing shares "
+                    "in (0, 1], the last 1 (e.g. 0.25,0.5,0.75,1; 1: offload all of the optimizer state)")
+
+
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
                 reserve: float = 0.1, xla_pool_gib: int | None = None, pin_memory: bool = False,
@@ -316,15 +329,7 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
     SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp, opt_ratios not increasing
       shares in (0, 1] ending at 1.
   """
-  if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
-    raise SpecError(f"mfu (--mfu) {mfu}: must be a fraction in (0, 1]")
-  if devices < 1:
-    raise SpecError(f"devices (--devices) {devices}: must be >= 1")
-  if not sides or set(sides) - {"deepspeed", "jax", "fsdp"}:
-    raise SpecError(f"sides (--sides) {','.join(sides)!r}: list deepspeed, jax and/or fsdp")
-  if not opt_ratios or opt_ratios[-1] != 1 or any(not a < b for a, b in zip((0, *opt_ratios), opt_ratios)):
-    raise SpecError(f"offload ratios (--opt-ratios) {','.join(f'{r:g}' for r in opt_ratios)!r}: increasing shares "
-                    "in (0, 1], the last 1 (e.g. 0.25,0.5,0.75,1; 1: offload all of the optimizer state)")
+  _check_choice_inputs(mfu, devices, sides, opt_ratios)
   host = hw.host_bytes if host_bytes is None else host_bytes
   jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
