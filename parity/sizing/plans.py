@@ -281,6 +281,19 @@ def _pair_runs(plan: Plan, jax_plan: JaxPlan, model: ModelSpec, train: TrainSpec
   return {s: runs[s] for s in sides}
 
 
+def _costed(name: str, runs: dict, hw: Hardware, host: int, opt_ratios: tuple[float, ...], *, reserve: float,
+            **kw) -> Candidate:
+  """One pair's Candidate (`_candidate`), its JAX side at the smallest share of the optimizer state that fits
+  (`_opt_ratio`, with the note saying why) when more than one share is tried."""
+  note = None
+  if "jax" in runs and len(opt_ratios) > 1:
+    runs["jax"], note = _opt_ratio(runs["jax"], int(hw.device_bytes * (1 - reserve)), opt_ratios)
+  cand = _candidate(name, runs, hw, host, reserve=reserve, **kw)
+  if note is None:
+    return cand
+  return dataclasses.replace(cand, jax_opt_ratio=runs["jax"].jax.offload_opt_ratio, notes=(note,))
+
+
 def _check_choice_inputs(mfu: float, devices: int, sides: tuple[str, ...], opt_ratios: tuple[float, ...]) -> None:
   """choose_plan's refusals of its inputs (its Raises), each naming the option and the fix."""
   if not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
@@ -345,13 +358,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       out.append(Candidate(name, math.inf, math.inf, math.inf, {s: 0 for s in sides}, {s: 0 for s in sides},
                            (runs,)))
       continue
-    note = None
-    if "jax" in runs and len(opt_ratios) > 1:
-      runs["jax"], note = _opt_ratio(runs["jax"], int(hw.device_bytes * (1 - reserve)), tuple(opt_ratios))
-    cand = _candidate(name, runs, hw, host, mfu=mfu, reserve=reserve, ranks=devices, pool_user_gib=xla_pool_gib,
-                      pin_memory=pin_memory)
-    out.append(cand if note is None else dataclasses.replace(cand, jax_opt_ratio=runs["jax"].jax.offload_opt_ratio,
-                                                             notes=(note,)))
+    out.append(_costed(name, runs, hw, host, tuple(opt_ratios), mfu=mfu, reserve=reserve, ranks=devices,
+                       pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
   out.sort(key=lambda c: (c.step_s, c.transfer_s))  # equally fast: the pair moving less over the host link first
   best = next((c for c in out if c.fits), None)  # (a no-offload pair before any offload pair at the same step time)
   return best, out
