@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from parity.sizing import memory
-from parity.spec import ModelSpec, RunSpec
+from parity.spec import ModelSpec, RunSpec, SpecError
 
 __all__ = ["Hardware", "HARDWARE", "GB", "GiB", "attention_width", "flops_per_token", "recompute_flops_per_token",
            "transfer_bytes", "step_time"]
@@ -160,3 +160,22 @@ def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,
   compute = flops / (hw.peak(t.precision) * mfu)
   transfer = transfer_bytes(run, side, rows, ranks) / hw.host_link_bytes_per_s
   return max(compute, transfer, compute + (1.0 - hw.hidden_transfer) * transfer), compute, transfer
+
+
+def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: float | None = None,
+                    bandwidth_gbs: float | None = None, peak_tflops: float | None = None) -> Hardware:
+  """`hw` with the given figures replaced: device and host memory in GiB, host link in GB/s per direction, peak in
+  TFLOP/s (used for every precision). Raises SpecError naming a figure that is not a finite number > 0."""
+  given = {"device_gib": device_gib, "host_gib": host_gib, "bandwidth_gbs": bandwidth_gbs, "peak_tflops": peak_tflops}
+  for key, v in given.items():
+    if v is not None and not (math.isfinite(v) and v > 0):
+      flag = {"device_gib": "--device-memory", "host_gib": "--host-memory", "bandwidth_gbs": "--bandwidth",
+              "peak_tflops": "--peak-tflops"}[key]
+      raise SpecError(f"{flag} {v:g}: must be a number > 0")
+  changes = {k: v for k, v in (
+      ("device_bytes", None if device_gib is None else int(device_gib * GiB)),
+      ("host_bytes", None if host_gib is None else int(host_gib * GiB)),
+      ("host_link_bytes_per_s", None if bandwidth_gbs is None else bandwidth_gbs * GB),
+      ("peak_flops", None if peak_tflops is None else peak_tflops * 1e12),
+      ("peak_flops_fp32", None if peak_tflops is None else peak_tflops * 1e12)) if v is not None}
+  return dataclasses.replace(hw, **changes)

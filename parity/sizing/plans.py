@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from parity.sizing import host_limits, memory
-from parity.sizing.cost import GB, GiB, HARDWARE, Hardware, step_time
+from parity.sizing.cost import GiB, HARDWARE, Hardware, custom_hardware, step_time
 from parity.sizing.batches import counted_tokens_per_s
 from parity.sizing.memory_jax import opt_split
 from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, SpecError, TrainSpec
@@ -436,25 +436,6 @@ def explain(best: Candidate | None, ranked: list[Candidate]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- what `parity plan` takes and writes
-
-def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: float | None = None,
-                    bandwidth_gbs: float | None = None, peak_tflops: float | None = None) -> Hardware:
-  """`hw` with the given figures replaced: device and host memory in GiB, host link in GB/s per direction, peak in
-  TFLOP/s (used for every precision). Raises SpecError naming a figure that is not a finite number > 0."""
-  given = {"device_gib": device_gib, "host_gib": host_gib, "bandwidth_gbs": bandwidth_gbs, "peak_tflops": peak_tflops}
-  for key, v in given.items():
-    if v is not None and not (math.isfinite(v) and v > 0):
-      flag = {"device_gib": "--device-memory", "host_gib": "--host-memory", "bandwidth_gbs": "--bandwidth",
-              "peak_tflops": "--peak-tflops"}[key]
-      raise SpecError(f"{flag} {v:g}: must be a number > 0")
-  changes = {k: v for k, v in (
-      ("device_bytes", None if device_gib is None else int(device_gib * GiB)),
-      ("host_bytes", None if host_gib is None else int(host_gib * GiB)),
-      ("host_link_bytes_per_s", None if bandwidth_gbs is None else bandwidth_gbs * GB),
-      ("peak_flops", None if peak_tflops is None else peak_tflops * 1e12),
-      ("peak_flops_fp32", None if peak_tflops is None else peak_tflops * 1e12)) if v is not None}
-  return dataclasses.replace(hw, **changes)
-
 
 def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None, devices: int = 1,
                 sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4, reserve: float = 0.1,
