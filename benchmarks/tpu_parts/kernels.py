@@ -298,6 +298,7 @@ HEADROOM_VARIANTS = (("no-offload", {"offload_opt_state": False}, {}), ("opt-def
 
 
 def _headroom_trainer(fields: dict, options: dict, tiny: bool):
+  import numpy as np
   from benchmarks.gpu_parts.common import fast_params
   from jax_impl.step import Trainer
   model = offload.model_spec(tiny)
@@ -305,8 +306,8 @@ def _headroom_trainer(fields: dict, options: dict, tiny: bool):
   offload._set_stream(options)
   t = Trainer.build(offload._run(model, fields, ga, micro, seq, "bf16"), fast_params(model))
   t.compile((ga, micro, seq + 1), None)
-  batch = __import__("numpy").random.default_rng(0).integers(0, model.vocab_size, (ga, micro, seq + 1))
-  return t, batch.astype("uint16")
+  batch = np.random.default_rng(0).integers(0, model.vocab_size, (ga, micro, seq + 1))
+  return t, batch.astype(np.uint16)
 
 
 def _runs_beside(t, batch, nbytes: int) -> tuple[bool, str]:

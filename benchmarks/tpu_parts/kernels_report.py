@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.gpu_parts.common import compiled_device_peak
+
 
 def hidden_share(t_compute: float, t_copies: float, t_both: float) -> float:
   """Share of the shorter of compute and copies that overlapped the longer (module docstring), in [0, 1]."""
@@ -74,15 +76,12 @@ def headroom_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
   ref = next((r["headroom_bytes"] for r in rows if r["variant"] == "no-offload"), None)
   out = []
   for r in rows:
-    ma = r.get("memory_analysis") or {}
-    get = lambda k: int(ma.get(k) or 0)
+    peak = compiled_device_peak(r.get("memory_analysis"))
     host = sum(v for k, v in (r.get("state_bytes_by_kind") or {}).items() if k != "device")
     saved = None if ref is None else r["headroom_bytes"] - ref
     out.append({"variant": r["variant"], "headroom": r["headroom_bytes"], "bracket": r.get("bracket_bytes"),
                 "saved": saved, "on_host": host, "share": saved / host if saved is not None and host else None,
-                "xla_peak": get("peak_memory_in_bytes") or None,
-                "sum_peak": get("argument_size_in_bytes") + get("output_size_in_bytes") + get("temp_size_in_bytes")
-                - get("alias_size_in_bytes")})
+                "xla_peak": peak["xla_peak_bytes"], "sum_peak": peak["peak_bytes"]})
   return out
 
 
