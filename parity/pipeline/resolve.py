@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.presets import DEFAULT_PRESET, preset
 from parity.overrides import apply_overrides, get_dotted, parse_overrides
-from parity.sides import reads_plan, side_record
+from parity.sides import all_sides, reads_plan, side_record
 from parity.spec import from_dict, RunSpec, SpecError, to_dict
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.data import DataError
@@ -418,8 +418,9 @@ def _deepspeed_config_step(deepspeed_config, spec: RunSpec, over: Mapping[str, A
   return spec, None, None
 
 
-_PLAN_SECTIONS = ("jax", "deepspeed", "fsdp")
-"""Run sections no "auto" of a DeepSpeed config fills (parity.migrate._resolve.AUTO_RULES fills none of their keys)."""
+def _plan_sections() -> set[str]:
+  """The run sections that hold a side's plan (each record's `plan`)."""
+  return {record.plan for record in all_sides() if record.plan}
 
 
 def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str | None = None):
@@ -431,7 +432,8 @@ def _port(deepspeed_config, spec: RunSpec, over: Mapping[str, Any], stack: str |
   for key in over:
     mine, theirs = get_dotted(want, key), get_dotted(got, key)
     if mine != theirs:
-      auto = "" if key.split(".")[0] in _PLAN_SECTIONS else " (or set it to \"auto\" to take it from the run)"
+      # no "auto" of a DeepSpeed config fills a side's plan section (migrate._resolve.AUTO_RULES sets none of them)
+      auto = "" if key.split(".")[0] in _plan_sections() else " (or set it to \"auto\" to take it from the run)"
       raise SpecError(f"--set {key}={mine!r} conflicts with --deepspeed-config {deepspeed_config}, which sets it to "
                       f"{theirs!r}; the DeepSpeed side runs that file as written, so change the value there{auto}, "
                       "or drop the --set")
