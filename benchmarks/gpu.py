@@ -114,6 +114,17 @@ def _csv(ap: argparse.ArgumentParser, flag: str, text: str, known=None, number: 
   return items
 
 
+def _plans(ap: argparse.ArgumentParser, flag: str, text: str) -> list[str]:
+  """Plan names (sizing.plan_variant: a pair, or NAME@POLICY), comma-separated."""
+  items = _csv(ap, flag, text)
+  for item in items:
+    try:
+      sizing.plan_variant(item)
+    except ValueError as exc:
+      ap.error(f"{flag} {text!r}: {exc}")
+  return items
+
+
 def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--tiny", action="store_true", help="CPU check: gpt2-tiny, tiny buffers, 1 probe per side")
@@ -127,10 +138,12 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--host-gib", type=float,
                   help="host memory the runs may use (default: MemAvailable, or the cgroup limit less its use if less)")
   ap.add_argument("--max-probes", type=int, help="largest-model probes per side or plan (default 8; --tiny 1)")
-  ap.add_argument("--jax-plans", default=",".join(sizing.GRID_PLANS), help="grid flow: plans to time")
+  ap.add_argument("--jax-plans", default=",".join(sizing.GRID_PLANS),
+                  help="grid flow: plans to time (a pair of parity's plans, or NAME@POLICY: it with jax.remat POLICY)")
   ap.add_argument("--grad-accum", help="grid flow: gradient accumulations per plan (default 1,8; --tiny 1,2)")
   ap.add_argument("--micro-tokens", type=int, help="grid flow: tokens per micro batch (default 4096; --tiny 64)")
-  ap.add_argument("--largest-plans", default=",".join(sizing.LARGEST_PLANS), help="grid flow: plans to size")
+  ap.add_argument("--largest-plans", default=",".join(sizing.LARGEST_PLANS),
+                  help="grid flow: plans to size (as --jax-plans, e.g. zero0@full)")
   ap.add_argument("--model", default=sizing.FIXED_MODEL,
                   help="grid flow: the model whose width and sequence are timed and searched (a parity.hf."
                        f"MODEL_PRESETS or parity.presets.PRESETS name; default {sizing.FIXED_MODEL}; the flow picks "
@@ -159,9 +172,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.part_timeout_s, args.train_timeout_s, args.probe_timeout_s = (60, 90, 90) if tiny else (90, 150, 150)
   args.op_build_timeout_s, args.min_part_s = (240, 5) if tiny else (240, 20)
   args.parts = _csv(ap, "--parts", args.parts, PARTS)
-  plans = list(sizing.sizing_modules()[1].PLANS)
-  args.jax_plans = _csv(ap, "--jax-plans", args.jax_plans, plans)
-  args.largest_plans = _csv(ap, "--largest-plans", args.largest_plans, plans)
+  args.jax_plans = _plans(ap, "--jax-plans", args.jax_plans)
+  args.largest_plans = _plans(ap, "--largest-plans", args.largest_plans)
   args.grad_accum = _csv(ap, "--grad-accum", args.grad_accum or ("1,2" if tiny else "1,8"), number=True)
   try:
     seq = (sizing.tiny_run() if tiny else sizing.fixed_run(args.model)).train.seq_len

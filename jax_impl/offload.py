@@ -49,8 +49,8 @@ from parity.spec import JaxPlan, ModelSpec, RunSpec
 
 from jax_impl.layout import flax_path
 
-__all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "opt_host_paths", "map_param_trees",
-           "state_memory_kinds", "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers",
+__all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "materialize", "opt_host_paths",
+           "map_param_trees", "state_memory_kinds", "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers",
            "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
 
 DATA_AXIS = "data"
@@ -372,3 +372,20 @@ def offload_evidence(lowered_text: str, compiled_text: str, host_kind: str = "pi
   if groups:
     out.update(_group_moves(compiled_text, groups, kept))
   return out
+
+
+PER_LEAF_BYTES = 1 << 30
+"""Above this many bytes of output, `materialize` computes one leaf per program."""
+
+
+def materialize(make: Callable[[], Any], shardings: Any) -> Any:
+  """The pytree `make()` returns, placed by `shardings` (a pytree of shardings like it). Up to PER_LEAF_BYTES, one
+  jitted program; above, one program per leaf (XLA drops the other leaves), so that the device never holds more than
+  one leaf of a state bound for host memory: all of a 2 B-param model's fp32 moments (16 GB) would not fit a 16 GiB
+  chip on their way to the host."""
+  shapes = jax.eval_shape(make)
+  if sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes)) <= PER_LEAF_BYTES:
+    return jax.jit(make, out_shardings=shardings)()
+  flat, treedef = jax.tree.flatten(shardings)
+  leaf = lambda i: jax.jit(lambda: jax.tree.leaves(make())[i], out_shardings=flat[i])()
+  return jax.tree.unflatten(treedef, [leaf(i) for i in range(len(flat))])

@@ -262,7 +262,7 @@ def init_state(placement: Placement, params_np: Any, tx: optax.GradientTransform
   shardings = placement.state_shardings(TrainState(params=params_abs, opt_state=opt_abs))
   params = jax.device_put(params_np, shardings.params)
   zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params_abs)  # adam's init reads shapes only
-  opt_state = jax.jit(lambda: tx.init(zeros()), out_shardings=shardings.opt_state)()
+  opt_state = offload_lib.materialize(lambda: tx.init(zeros()), shardings.opt_state)
   return TrainState(params=params, opt_state=opt_state), shardings
 
 

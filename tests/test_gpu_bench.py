@@ -517,7 +517,8 @@ def _driver():
 
 @pytest.mark.parametrize("argv, words", [
     (["--grad-accum", "1,x"], "--grad-accum '1,x': whole numbers > 0"),
-    (["--jax-plans", "zero0,zero9"], "--jax-plans 'zero0,zero9': unknown zero9"),
+    (["--jax-plans", "zero0,zero9"], "--jax-plans 'zero0,zero9': unknown plan 'zero9'"),
+    (["--largest-plans", "zero0@sometimes"], "unknown remat policy 'sometimes'; choose from none, full"),
     (["--largest-plans", ""], "--largest-plans '': give at least one value"),
     (["--model", "gpt5"], "--model: model 'gpt5': not in parity.hf.MODEL_PRESETS"),
     (["--micro-tokens", "1000"], "--micro-tokens 1000: must be a multiple of --model gpt2-1.5b's sequence length 1024"),

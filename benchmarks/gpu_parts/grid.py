@@ -27,10 +27,13 @@ HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 def offloads(plan: str) -> bool:
-  """Whether a plan of parity.sizing.plans.PLANS keeps state or activations in host memory on the JAX side."""
+  """Whether a plan of parity.sizing.plans.PLANS (or NAME@POLICY, sizing.plan_variant) keeps state or activations in
+  host memory on the JAX side."""
+  from benchmarks.gpu_parts.sizing import plan_variant
   _, plans = sizing_modules()
-  jp = plans.PLANS[plan].jax
-  return bool(jp.offload_params or jp.offload_opt_state or "offload" in jp.remat)
+  name, remat = plan_variant(plan)
+  jp = plans.PLANS[name].jax
+  return bool(jp.offload_params or jp.offload_opt_state or "offload" in (remat or jp.remat))
 
 
 def in_step_rate(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -152,7 +152,8 @@ def part_confirm(suite: Suite, base, found: dict[str, Any]) -> None:
     n = found["largest"][plan]["largest_ok"]
     name = f"confirm_{plan}_{n}"
     run = sizing.with_plan(base, plan, micro_batch=1, n_layers=n)
-    ok, why = sizing.predicted_fits(run, "jax", None, dev["host_available_bytes"], kind)
+    ok, why = sizing.predicted_fits(run, "jax", None, dev["host_available_bytes"], kind,
+                                    sizing.FAST_BUILD_COPIES)
     timeout = min(a.probe_timeout_s, suite.left() / (len(plans) - i))
     if not ok:
       suite.records[name] = {"ok": None, "plan": plan, "n_layers": n, "status": "host-limit", "detail": why}

@@ -13,8 +13,8 @@ peak (memory_analysis: argument + output + temp - alias) over the device's bytes
   * grid (when --grid-plans): the deepest model at or below --grid-start (the memory model's) at which every grid
     plan fits with the planner's 10 % reserve, at --grid-ga micro batches of --grid-micro-tokens (by_compile.fit_down).
   * largest, per plan of --plans: doubling from the memory model's prediction, then bisection to 1/8
-    (sizing.search_largest), at micro batch 1; a depth whose predicted host bytes (memory model + the fp32 copies a
-    training process holds while it builds) exceed --host-bytes is not compiled ('host-limit'): the answer must be
+    (sizing.search_largest), at micro batch 1; a depth whose predicted host bytes (memory model; the confirm run
+    fills its state in place, sizing.FAST_BUILD_COPIES) exceed --host-bytes is not compiled ('host-limit'): the answer must be
     trainable here, and the run that confirms it (by_compile.confirm_run, started by the driver) needs the host.
 The budget is shared out as the part goes (the grid check at most 40 %, then each plan an equal share of what is
 left, at least one compile's time while the budget lasts), a probe is not started when the last compile's time is
@@ -121,14 +121,14 @@ def largest_search(a, base, plan: str, limit: int | None, budget: Budget, until:
                    out: dict[str, Any]) -> None:
   """One plan's largest depth by compiling (doubling from the memory model's prediction, then bisection)."""
   kind = a.kind
-  start = max(1, sizing.predicted_largest(base, "jax", limit, a.host_bytes, plan=plan, kind=kind)) if limit else \
-      base.model.n_layers
+  start = max(1, sizing.predicted_largest(base, "jax", limit, a.host_bytes, plan=plan, kind=kind,
+                                          copies=sizing.FAST_BUILD_COPIES)) if limit else base.model.n_layers
   out.update(plan=plan, start=start, probes=[], start_why=(
       "the memory model's largest n_layers (micro batch 1)" if limit else "no device limit: the base's depth"))
 
   def probe(n: int) -> dict[str, Any]:
     run = sizing.with_plan(base, plan, micro_batch=1, n_layers=n)
-    ok, why = sizing.predicted_fits(run, "jax", None, a.host_bytes, kind)
+    ok, why = sizing.predicted_fits(run, "jax", None, a.host_bytes, kind, sizing.FAST_BUILD_COPIES)
     if not ok:
       rec = {"status": "host-limit", "fits": None, "detail": f"not compiled: {why}", "n_params": n_params(run.model)}
       out["probes"].append({"n_layers": n, **rec})

@@ -7,8 +7,9 @@ Builds the Trainer as `parity compare`'s JAX worker does (init weights -> Traine
 tokens/s (micro batch x grad accum x seq_len / median step), peak device bytes (the allocator's
 `peak_bytes_in_use`; None on CPU), peak host RSS from after the weights were drawn (VmHWM reset, then read),
 state bytes per memory kind, and the host<->device bytes per step the compiled step moves for offloaded state
-(`Trainer.offload_evidence`, from its S(5) entry buffers). --fast-init fills the weights with constants
-(largest-model probes: values change neither memory nor time). The compiled step's device peak (its
+(`Trainer.offload_evidence`, from its S(5) entry buffers). --fast-init fills the state with constants in place,
+one leaf per jitted program (largest-model probes: values change neither memory nor time; no numpy copy of the
+weights, so the host holds the state once). The compiled step's device peak (its
 memory_analysis: argument + output + temp - alias, common.compiled_device_peak) comes beside the allocator's: on a
 TPU `peak_bytes_in_use` leaves the program's temporaries out.
 
@@ -29,7 +30,7 @@ import time
 import numpy as np
 
 from benchmarks.gpu_parts.by_compile import classify_compile_error
-from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak, peak_rss_bytes, fast_params, read_spec,
+from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak, peak_rss_bytes, read_spec,
                                          reset_peak_rss, tail, timing, write_json)
 from parity.weights import init_params, n_params
 
@@ -55,11 +56,39 @@ def _moves(trainer) -> dict:
           "memory_analysis": dict(trainer.memory_analysis), "compiled": compiled_device_peak(trainer.memory_analysis)}
 
 
+def filled_trainer(run):
+  """A Trainer of `run` whose state is made in place by jitted fills, one leaf per program where it is large
+  (`jax_impl.offload.materialize`): the weights constants (norm scales 1, biases 0, the rest init_std, as
+  `fast_params`), the optimizer state its init. No weights pass through numpy, so the host holds the state once, in
+  its own memory kind (a probe's bound on a host that must also hold the offloaded state: sizing.FAST_BUILD_COPIES)."""
+  import jax
+  import jax.numpy as jnp
+  from benchmarks.gpu_parts.jax_largest import abstract_trainer
+  from jax_impl.offload import TrainState, materialize
+  trainer = abstract_trainer(run)
+  shapes = trainer.state.params
+
+  def value(path, a):
+    last = str(getattr(path[-1], "key", path[-1]))
+    return jnp.full(a.shape, 1.0 if last == "scale" else 0.0 if last == "bias" else run.model.init_std, a.dtype)
+
+  params = materialize(lambda: jax.tree_util.tree_map_with_path(value, shapes), trainer.shardings.params)
+  zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+  opt_state = materialize(lambda: trainer.tx.init(zeros()), trainer.shardings.opt_state)
+  trainer.state = TrainState(params=params, opt_state=opt_state)
+  return trainer
+
+
 def build(run, fast_init: bool):
-  """(Trainer, init seconds, build seconds) with the peak RSS reset after the weights were made."""
+  """(Trainer, init seconds, build seconds) with the peak RSS reset after the weights were made (--fast-init: the
+  state filled in place, `filled_trainer`; its seconds are the build's)."""
   from jax_impl.step import Trainer  # the framework: jax is imported after the benchmark set its flags
+  if fast_init:
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    return filled_trainer(run), 0.0, time.perf_counter() - t0
   t0 = time.perf_counter()
-  params = fast_params(run.model) if fast_init else init_params(run.model, run.train.seed)
+  params = init_params(run.model, run.train.seed)
   init_s = time.perf_counter() - t0
   reset_peak_rss()
   t0 = time.perf_counter()

@@ -50,15 +50,32 @@ def tiny_run():
   return dataclasses.replace(run, train=dataclasses.replace(run.train, precision="bf16"))
 
 
-def with_plan(run, plan: str, *, micro_batch: int | None = None, n_layers: int | None = None):
-  """`run` under a plans.PLANS pair, the JAX side scanning over layers, with micro batch / depth changed."""
+def plan_variant(name: str) -> tuple[str, str | None]:
+  """(plans.PLANS pair, JAX remat policy or None) of a benchmark plan name: a pair's name, or NAME@POLICY for the
+  pair with its JAX side's jax.remat set to POLICY (e.g. zero0@full: nothing offloaded, every block recomputed, the
+  no-offload plan that fits the largest model). Raises ValueError naming what is unknown and what is known."""
+  from parity.spec import REMAT_POLICIES
   _, plans = sizing_modules()
+  plan, _, remat = name.partition("@")
+  if plan not in plans.PLANS:
+    raise ValueError(f"unknown plan {plan!r}; choose from {', '.join(plans.PLANS)} (NAME@POLICY sets its jax.remat)")
+  if "@" in name and remat not in REMAT_POLICIES:
+    raise ValueError(f"{name!r}: unknown remat policy {remat!r}; choose from {', '.join(REMAT_POLICIES)}")
+  return plan, (remat or None)
+
+
+def with_plan(run, plan: str, *, micro_batch: int | None = None, n_layers: int | None = None):
+  """`run` under a plans.PLANS pair (or NAME@POLICY: `plan_variant`), the JAX side scanning over layers, with micro
+  batch / depth changed."""
+  _, plans = sizing_modules()
+  plan, remat = plan_variant(plan)
   if micro_batch is not None:
     run = dataclasses.replace(run, train=dataclasses.replace(run.train, micro_batch_size=micro_batch))
   if n_layers is not None:
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, n_layers=n_layers))
   run = plans.apply_plan(run, plan)
-  return dataclasses.replace(run, jax=dataclasses.replace(run.jax, scan_layers=True)).validate()
+  jax_plan = dataclasses.replace(run.jax, scan_layers=True, **({"remat": remat} if remat else {}))
+  return dataclasses.replace(run, jax=jax_plan).validate()
 
 
 def fixed_run(name: str = FIXED_MODEL):
@@ -149,6 +166,9 @@ BUILD_COPIES = 3
 the canonical numpy weights, the master copy (parity.weights.master_weights rounds them for bf16) and the
 framework's own layout (the stacked flax tree / the torch module) before placement. Conservative on purpose: a
 probe past the host's memory meets the OOM killer, on a node without swap."""
+FAST_BUILD_COPIES = 0
+"""The same for a JAX probe that fills its state in place (`jax_train --fast-init`, `jax_train.filled_trainer`): no
+weights pass through numpy; each leaf is made on the device and lands in its memory kind."""
 
 
 def jax_pool(run, environ=None, kind: str = "gpu"):
@@ -165,9 +185,10 @@ def jax_pool(run, environ=None, kind: str = "gpu"):
 
 
 def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
-                   kind: str = "gpu") -> tuple[bool, str]:
+                   kind: str = "gpu", copies: int = BUILD_COPIES) -> tuple[bool, str]:
   """(fits, why) of one side's probe run by the memory model: peak device <= usable (unchecked when device_bytes is
-  None), peak host + BUILD_COPIES fp32 weight copies <= host_bytes and, for the JAX side on a GPU (`kind`), its
+  None), peak host + `copies` fp32 weight copies (BUILD_COPIES; FAST_BUILD_COPIES for a JAX probe that fills its
+  state in place) <= host_bytes and, for the JAX side on a GPU (`kind`), its
   pinned-host pool by the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit); on
   a TPU its pinned-host bytes within the runtime's premapped region (`premapped_problem`), and only the rest of its
   host bytes against `host_bytes`: the region is pinned when a process opens the chip and stays out of MemAvailable
@@ -179,7 +200,7 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
   state = memory.peak_host_bytes(rows, side)
   if side == "jax" and kind == "tpu":  # the pinned part lives in the premapped region, checked below
     state = max(0, state - host_limits.jax_pinned_need_bytes(run))
-  host = state + BUILD_COPIES * 4 * memory.param_count(run.model)
+  host = state + copies * 4 * memory.param_count(run.model)
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
   gpu_pool = side == "jax" and kind == "gpu"
   pool = (host_limits.pool_problem(host_limits.jax_pool(run, host_bytes=host_bytes), host_bytes) if gpu_pool
@@ -188,7 +209,7 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
     pool = premapped_problem(run)
   ok = dev <= usable and host <= host_bytes and pool is None
   why = (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB with "
-         f"{BUILD_COPIES} fp32 build copies (available {host_bytes / 2**30:.1f})")
+         f"{copies} fp32 build copies (available {host_bytes / 2**30:.1f})")
   return ok, why + (f"; {pool}" if pool else "")
 
 
@@ -225,14 +246,14 @@ def premapped_problem(run, environ=None) -> str | None:
 
 
 def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096, *, plan: str | None = None,
-                      kind: str = "gpu") -> int:
+                      kind: str = "gpu", copies: int = BUILD_COPIES) -> int:
   """Largest n_layers in [1, cap] whose probe run (`plan`: that plan at micro batch 1; default the side's
-  PROBE_PLANS pair) fits by the memory model (0: none), by bisection."""
+  PROBE_PLANS pair) fits by the memory model with `copies` build copies (`predicted_fits`; 0: none), by bisection."""
   lo, hi = 0, cap + 1
   while hi - lo > 1:
     mid = (lo + hi) // 2
     run = probe_run(base, side, mid) if plan is None else with_plan(base, plan, micro_batch=1, n_layers=mid)
-    if predicted_fits(run, side, device_bytes, host_bytes, kind)[0]:
+    if predicted_fits(run, side, device_bytes, host_bytes, kind, copies)[0]:
       lo = mid
     else:
       hi = mid
