@@ -118,7 +118,7 @@ def _largest(rec: dict) -> list[str]:
                f"{_confirm(rec, plan)} |")
   return out + ["", "A probe compiles the train step from abstract inputs (no weights): 'oom' = XLA refused it for "
                 "memory or its compiled device peak exceeds the limit; 'host-limit' = not compiled, the memory "
-                "model's host bytes (+ 3 fp32 weight copies a training process holds while building) exceed the "
+                "model's host bytes (the confirming run fills its state in place: no weight copies) exceed the "
                 "host's, or on a TPU its pinned-host bytes exceed the runtime's premapped region "
                 "(TPU_PREMAPPED_BUFFER_SIZE). Doubling from the memory model's prediction, then bisection to 1/8. The "
                 "confirming run trains the largest depth for 2 steps in its own process: 'hung' = killed at its "
