@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
                        "its depth)")
   ap.add_argument("--largest-budget-s", type=float, default=240.0,
                   help="grid flow: seconds for the largest-model search and its confirming runs (default 240)")
+  ap.add_argument("--confirm-timeout-s", type=float,
+                  help="seconds each largest-model confirming run (and fixed-flow probe) may take (default 150; --tiny "
+                       "90): a TPU process with a large premapped region spends a minute opening the chip")
   ap.add_argument("--bytes-limit", type=int, help="grid flow: device bytes a compile must fit (default: the chip's)")
   ap.add_argument("--largest-fit-by", default="sum", choices=("sum", "xla", "compile"),
                   help="grid flow: a compiled depth fits when its argument+output+temp-alias (sum, default), XLA's "
@@ -170,6 +173,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.mib, args.matmul_n, args.reps = (8, 256, 3) if tiny else (1024, 8192, 5)
   args.mib = args.raw_mib or args.mib
   args.part_timeout_s, args.train_timeout_s, args.probe_timeout_s = (60, 90, 90) if tiny else (90, 150, 150)
+  args.probe_timeout_s = args.confirm_timeout_s or args.probe_timeout_s
   args.op_build_timeout_s, args.min_part_s = (240, 5) if tiny else (240, 20)
   args.parts = _csv(ap, "--parts", args.parts, PARTS)
   args.jax_plans = _plans(ap, "--jax-plans", args.jax_plans)
@@ -182,6 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if args.micro_tokens % seq or args.micro_tokens < seq:
     model = "gpt2-tiny (--tiny)" if tiny else args.model
     ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {model}'s sequence length {seq}")
+  if args.confirm_timeout_s is not None and args.confirm_timeout_s <= 0:
+    ap.error(f"--confirm-timeout-s must be > 0; got {args.confirm_timeout_s}")
   for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:
       ap.error(f"--{key.replace('_', '-')} must be > 0; got {getattr(args, key)}")
