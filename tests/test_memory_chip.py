@@ -1,0 +1,45 @@
+"""The memory model's JAX host rows against what the compiled step on a TPU v5e holds in host memory
+(tests/data/tpu_v5e/offload/run5-scan-offload-29-memory.json: scan-offload, gpt2-1.5b's width, 29 layers)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parity.sizing import memory
+
+DATA = Path(__file__).parent / "data" / "tpu_v5e" / "offload" / "run5-scan-offload-29-memory.json"
+
+
+def _run():
+  from benchmarks.gpu_parts import sizing
+  rec = json.loads(DATA.read_text())
+  return rec, sizing.with_plan(sizing.fixed_run(rec["model"]), rec["plan"], micro_batch=rec["micro_batch"],
+                               n_layers=rec["n_layers"])
+
+
+def test_the_host_rows_are_the_chips_host_arguments_and_temporaries():
+  """Resident host rows (fp32 params and both moments, in place) against the step's host arguments; the in-step
+  gradient row (each layer's gradient, born in host memory by the transpose of its move to the device) against the
+  step's host temporaries. Both within 1% (the chip's buffers are padded to its tiles; the model counts elements)."""
+  rec, run = _run()
+  ma = rec["memory_analysis"]
+  rows = [r for r in memory.estimate(run, sides=("jax",)) if r.kind == "host"]
+  assert memory.param_count(run.model) == rec["n_params"]
+  resident = sum(r.bytes for r in rows if not r.note.startswith("in-step"))
+  grads = [r for r in rows if r.category == "gradients"]
+  assert len(grads) == 1 and grads[0].note.startswith("in-step (forward/backward")
+  assert abs(resident / ma["host_argument_size_in_bytes"] - 1) < 0.01
+  assert abs(resident / rec["state_bytes_by_memory_kind"]["pinned_host"] - 1) < 0.01
+  assert abs(grads[0].bytes / ma["host_temp_size_in_bytes"] - 1) < 0.01
+  # the peak the premapped region must hold: what the chip's step held in host memory at once
+  peak = memory.peak_host_bytes(rows, "jax")
+  assert abs(peak / (ma["host_argument_size_in_bytes"] + ma["host_temp_size_in_bytes"]) - 1) < 0.01
+
+
+def test_without_the_gradient_row_the_model_would_miss_a_quarter_of_the_host_peak():
+  """The check above can fail: the resident rows alone are 24% short of what the chip held."""
+  rec, run = _run()
+  ma = rec["memory_analysis"]
+  rows = [r for r in memory.estimate(run, sides=("jax",)) if r.kind == "host" and r.category != "gradients"]
+  held = ma["host_argument_size_in_bytes"] + ma["host_temp_size_in_bytes"]
+  assert memory.peak_host_bytes(rows, "jax") / held < 0.8
