@@ -61,12 +61,15 @@ def test_planner_7b_on_one_80gb_device_fits_both_sides_by_streaming_the_jax_upda
   moments alone (zero2-offload-scan) still fails: the params stay on the device, and the streamed update's
   new layer stack sits beside them, as does the bf16 compute copy in the forward pass. With the params on the
   host too (scan-offload) the device holds the gradient, two layers and the activations, and room is left for part
-  of the moments: it fits with half of the optimizer state offloaded (jax.offload_opt_ratio 0.5), and recomputing
-  each block (scan-offload-remat) frees enough for three quarters of it to stay: the choice, at 0.25 (less moves)."""
+  of the moments: it fits with half of the optimizer state offloaded (jax.offload_opt_ratio 0.5): the choice.
+  Recomputing each block (scan-offload-remat) frees enough for three quarters of it to stay (0.25), but its backward
+  pass fetches every layer's params from the host again: it moves more, by a hair (cost._jax_layer_moves)."""
   train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
   for hw in (plans.HARDWARE["A100-80"], plans.HARDWARE["H100"]):
     best, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, hw, host_bytes=512 * GiB)
-    assert best is not None and best.name == "scan-offload-remat" and best.jax_opt_ratio == 0.25, hw.name
+    assert best is not None and best.name == "scan-offload" and best.jax_opt_ratio == 0.5, hw.name
+    remat = {c.name: c for c in ranked}["scan-offload-remat"]
+    assert remat.fits and remat.jax_opt_ratio == 0.25 and best.step_s < remat.step_s < 1.05 * best.step_s
     assert set(best.peak_device_bytes) == {"deepspeed", "jax"}
     assert max(best.peak_device_bytes.values()) <= 0.9 * hw.device_bytes
     by_name = {c.name: c for c in ranked}

@@ -102,8 +102,10 @@ def test_parity_plan_on_a_tpu(capsys, monkeypatch, tmp_path):
   monkeypatch.delenv(hl.XLA_POOL_ENV)
   assert main(["plan", "--hardware", "TPU-v5p", "--model", "llama-7b", "--host-memory", "512"]) == 0
   text = " ".join(capsys.readouterr().out.split())
-  assert "choice: scan-offload" in text and hl.XLA_POOL_ENV not in text  # a quarter of its moments offloaded:
-  assert "jax offload_opt_ratio 0.25: the smallest of 0.25, 0.5, 0.75, 1 whose device bytes fit" in text  # moves less
+  # the params stay on the device: with them on the host every micro batch fetches them and sends each layer's
+  # gradient through host memory (cost._jax_layer_moves), which costs more than the moments' stream at 0.75
+  assert "choice: zero2-offload-scan" in text and hl.XLA_POOL_ENV not in text
+  assert "jax offload_opt_ratio 0.75: the smallest of 0.25, 0.5, 0.75, 1 whose device bytes fit" in text
   assert main(["plan", "--hardware", "TPU-v5p", "--model", "llama-7b", "--host-memory", "512",
                "--opt-ratios", "1"]) == 0
   assert "choice: zero2-offload-scan" in " ".join(capsys.readouterr().out.split())  # all of it offloaded
