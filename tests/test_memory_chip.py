@@ -58,3 +58,23 @@ def test_the_step_time_model_counts_the_layer_stacks_moves_as_the_chip_took_them
   assert abs(step / measured - 1) < 0.15
   without = transfer - cost._jax_layer_moves(run, rows) / hw.host_link_bytes_per_s
   assert (compute + without) / measured < 0.65
+
+
+def test_the_device_model_refuses_the_depth_the_chip_refused_and_keeps_the_one_it_ran():
+  """The search compiled 59 layers and XLA refused them (24.14 GB of HBM temporaries > 15.75 GiB); 29 compiled and
+  trained. Under remat 'none' the backward pass reads every layer's compute-dtype weights, saved in the forward pass
+  (the per-layer move and cast are not recomputed): without that row the model put 59 layers within the chip."""
+  from benchmarks.gpu_parts import sizing
+  rec, _ = _run()
+  base = sizing.fixed_run(rec["model"])
+  limit = rec["bytes_limit"]
+  probes = {p["n_layers"]: p["status"] for p in rec["search_probes"]}
+  assert probes == {59: "oom", 29: "ok"}
+  for n, status in probes.items():
+    rows = memory.estimate(sizing.with_plan(base, rec["plan"], micro_batch=1, n_layers=n), sides=("jax",))
+    peak = memory.peak_device_bytes(rows, "jax")
+    assert (peak <= limit) == (status == "ok"), (n, peak)
+    saved = [r for r in rows if r.kind == "device" and "saved for the backward pass" in r.note]
+    assert len(saved) == 1
+    if status == "oom":
+      assert peak - saved[0].bytes <= limit  # the row is what tells the two depths apart

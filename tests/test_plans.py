@@ -60,16 +60,15 @@ def test_planner_7b_on_one_80gb_device_fits_both_sides_by_streaming_the_jax_upda
   fp32 Adam moments to the device at once, so every unstreamed pair fails on the JAX side. Streaming the
   moments alone (zero2-offload-scan) still fails: the params stay on the device, and the streamed update's
   new layer stack sits beside them, as does the bf16 compute copy in the forward pass. With the params on the
-  host too (scan-offload) the device holds the gradient, two layers and the activations, and room is left for part
-  of the moments: it fits with half of the optimizer state offloaded (jax.offload_opt_ratio 0.5): the choice.
-  Recomputing each block (scan-offload-remat) frees enough for three quarters of it to stay (0.25), but its backward
-  pass fetches every layer's params from the host again: it moves more, by a hair (cost._jax_layer_moves)."""
+  host too (scan-offload) the device holds the gradient, the activations and every layer's bf16 weights (saved for
+  the backward pass: nothing is recomputed), and room is left for a quarter of the moments (jax.offload_opt_ratio
+  0.75). Recomputing each block (scan-offload-remat) frees the activations and the saved weights: three quarters of
+  the moments stay (0.25), and that moves less than the backward pass's second fetch of every layer's params costs
+  (cost._jax_layer_moves): the choice."""
   train = TrainSpec(micro_batch_size=1, seq_len=2048, precision="bf16")
   for hw in (plans.HARDWARE["A100-80"], plans.HARDWARE["H100"]):
     best, ranked = plans.choose_plan(MODEL_PRESETS["llama-7b"], train, hw, host_bytes=512 * GiB)
-    assert best is not None and best.name == "scan-offload" and best.jax_opt_ratio == 0.5, hw.name
-    remat = {c.name: c for c in ranked}["scan-offload-remat"]
-    assert remat.fits and remat.jax_opt_ratio == 0.25 and best.step_s < remat.step_s < 1.05 * best.step_s
+    assert best is not None and best.name == "scan-offload-remat" and best.jax_opt_ratio == 0.25, hw.name
     assert set(best.peak_device_bytes) == {"deepspeed", "jax"}
     assert max(best.peak_device_bytes.values()) <= 0.9 * hw.device_bytes
     by_name = {c.name: c for c in ranked}
@@ -79,7 +78,8 @@ def test_planner_7b_on_one_80gb_device_fits_both_sides_by_streaming_the_jax_upda
     full = plans.with_plan(RunSpec(model=MODEL_PRESETS["llama-7b"], train=train), plans.PLANS["scan-offload"])
     streamed = memory.peak_device_bytes(memory.estimate(full, sides=("jax",)), "jax")  # all moments on the host
     assert by_name["zero3-offload-all"].peak_device_bytes["jax"] - streamed > 40 * GiB
-    assert by_name["scan-offload"].fits and by_name["scan-offload"].jax_opt_ratio == 0.5
+    assert by_name["scan-offload"].fits and by_name["scan-offload"].jax_opt_ratio == 0.75
+    assert best.step_s < by_name["scan-offload"].step_s
     assert streamed < by_name["scan-offload"].peak_device_bytes["jax"] <= 0.9 * hw.device_bytes
     lines = plans.explain(best, ranked)
     assert lines and all("does not fit" in ln for ln in lines)

@@ -28,8 +28,8 @@ from parity.spec import ModelSpec, RunSpec, TrainSpec
 from parity.weights import n_params, param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
-           "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table", "block_activation_bytes",
-           "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
+           "block_matrix_params", "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table",
+           "block_activation_bytes", "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
            "model_preset_train", "estimate_json", "estimate_sides", "estimator_relation", "step_rows",
            "DS_BUFFER_FACTOR", "deepspeed_rows", "jax_rows", "torch_rows", "fsdp_rows", "fsdp_state_bytes",
            "fsdp_peak_bytes"]
@@ -80,6 +80,11 @@ def largest_param(model: ModelSpec) -> int:
 def block_params(model: ModelSpec) -> int:
   """Params of one transformer block (all blocks are the same size)."""
   return sum(math.prod(s) for n, s in param_shapes(model).items() if n.startswith("h.0."))
+
+
+def block_matrix_params(model: ModelSpec) -> int:
+  """Params of one block's weight matrices (its 2-D tensors: no biases or norm scales)."""
+  return sum(math.prod(s) for n, s in param_shapes(model).items() if n.startswith("h.0.") and len(s) >= 2)
 
 
 # ----------------------------------------------------------------------------- per-category model
@@ -141,7 +146,9 @@ def _jax_rows(run: RunSpec) -> list[Row]:
   * forward/backward: offloaded params brought to the device (all of them; with scan_layers the non-layer
     params and 2 layers: the slice in use and the one XLA prefetches); under bf16/fp16 the compute-dtype
     copy the step casts (the whole tree, or per layer with scan_layers and offloaded params); with scan_layers
-    and offloaded params, the layer gradient in host memory (the transpose of the in-scan move puts each
+    and offloaded params under remat 'none', every layer's weight matrices in the compute dtype, which the
+    backward pass reads (saved, not fetched again); with scan_layers and offloaded params, the layer gradient in
+    host memory (the transpose of the in-scan move puts each
     layer's gradient there; `jax_impl.step.accumulate_grads` moves it to the device);
   * update: offloaded params and moments brought in (all; or, streamed by `jax_impl.stream` with
     scan_layers, the non-layer state and 2 layers), and the streamed update's new layer stacks, which are
@@ -173,6 +180,11 @@ def _jax_rows(run: RunSpec) -> list[Row]:
       rows.append(Row("jax", "gradients", "host", FP32 * math.ceil(layers / shard["params"]),
                       "in-step (forward/backward: the layer gradient, born in host memory by the transpose of "
                       "each layer's move to the device, then moved to the device)"))
+  if p.scan_layers and p.offload_params and p.remat == "none":  # jax.ad_checkpoint.print_saved_residuals lists them
+    e = FP32 if t.precision == "fp32" else 2
+    saved = e * math.ceil(m.n_layers * block_matrix_params(m) / shard["params"])
+    rows.append(Row("jax", "params", "device", saved, "in-step (forward/backward: every layer's weight matrices in "
+                    "the compute dtype, saved for the backward pass: nothing is recomputed)"))
   if t.precision != "fp32":
     e = 2
     per_layer = p.scan_layers and p.offload_params
