@@ -88,3 +88,17 @@ def test_the_partial_offload_run_derives_its_published_figures():
   for k in kept:
     assert rows[k]["added_s"] == pytest.approx(rows[k]["transfer_s"], rel=0.1), k
     assert rows[k]["hidden"] < 0.06  # 0%, 4% and 5%: within the rate's own spread
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--grad-accum", "2,x"], "--grad-accum '2,x': whole numbers > 0"),
+    (["--grad-accum", "0"], "--grad-accum '0': whole numbers > 0"),
+    (["--variants", "opt-stream,opt-sometimes"], "--variants 'opt-stream,opt-sometimes': unknown opt-sometimes"),
+])
+def test_bad_options_exit_2_on_the_command_line(argv, words, capsys):
+  """Checked before any child starts (a bad --grad-accum used to fail the timing child on the chip)."""
+  from benchmarks.tpu_parts import offload
+  with pytest.raises(SystemExit) as exc:
+    offload.parse_args(["--out", "x", *argv])
+  assert exc.value.code == 2 and words in capsys.readouterr().err
+  assert offload.parse_args(["--out", "x", "--grad-accum", "2,16", "--variants", "opt-stream"]).grad_accum == "2,16"
