@@ -50,8 +50,8 @@ from parity.spec import JaxPlan, ModelSpec, RunSpec
 from jax_impl.layout import flax_path
 
 __all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "materialize", "opt_host_paths",
-           "map_param_trees", "state_memory_kinds", "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence", "entry_buffers",
-           "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
+           "map_param_trees", "state_memory_kinds", "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence",
+           "entry_buffers", "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
 
 DATA_AXIS = "data"
 DEVICE_KIND = "device"

@@ -14,8 +14,9 @@ peak (memory_analysis: argument + output + temp - alias) over the device's bytes
     plan fits with the planner's 10 % reserve, at --grid-ga micro batches of --grid-micro-tokens (by_compile.fit_down).
   * largest, per plan of --plans: doubling from the memory model's prediction, then bisection to 1/8
     (sizing.search_largest), at micro batch 1; a depth whose predicted host bytes (memory model; the confirm run
-    fills its state in place, sizing.FAST_BUILD_COPIES) exceed --host-bytes is not compiled ('host-limit'): the answer must be
-    trainable here, and the run that confirms it (by_compile.confirm_run, started by the driver) needs the host.
+    fills its state in place, sizing.FAST_BUILD_COPIES) exceed --host-bytes is not compiled ('host-limit'): the
+    answer must be trainable here, and the run that confirms it (by_compile.confirm_run, started by the driver)
+    needs the host.
 The budget is shared out as the part goes (the grid check at most 40 %, then each plan an equal share of what is
 left, at least one compile's time while the budget lasts), a probe is not started when the last compile's time is
 not left, and OUT is rewritten after every probe, so a part killed at its timeout still leaves what it found. Never

@@ -115,10 +115,11 @@ def transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int =
   partition for every micro batch's forward and backward (2·e·N/W·GAS; the rest of each layer arrives by
   all-gather over the device interconnect, not the host link). JAX (rows per device, so already sharded):
   offloaded moments go in and out (2·8·N/D), offloaded params in and out (2·4·N/D); offloaded activations
-  out and back (2·bytes) per micro batch; a host-resident layer stack's per-micro-batch moves (`_jax_layer_moves`), as are DeepSpeed's (cpu_checkpointing) and FSDP2's (activation_offload)
-  host activation rows. FSDP2 with CPUOffloadPolicy on W ranks: each rank's fp32 param shards
-  come to the device for the forward and the backward of every micro batch (4·N/W·2·GAS; once per micro batch
-  without reshard_after_forward), its fp32 gradient shards go back once (4·N/W); without offload, nothing.
+  out and back (2·bytes) per micro batch, as are DeepSpeed's (cpu_checkpointing) and FSDP2's (activation_offload)
+  host activation rows; a host-resident layer stack's per-micro-batch moves (`_jax_layer_moves`). FSDP2 with
+  CPUOffloadPolicy on W ranks: each rank's fp32 param shards come to the device for the forward and the backward
+  of every micro batch (4·N/W·2·GAS; once per micro batch without reshard_after_forward), its fp32 gradient shards
+  go back once (4·N/W); without offload, nothing.
   """
   t = run.train
   n = memory.param_count(run.model)

@@ -29,9 +29,9 @@ from parity.weights import n_params, param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "block_matrix_params", "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table",
-           "block_activation_bytes", "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes", "peak_host_bytes",
-           "model_preset_train", "estimate_json", "estimate_sides", "estimator_relation", "step_rows",
-           "DS_BUFFER_FACTOR", "deepspeed_rows", "jax_rows", "torch_rows", "fsdp_rows", "fsdp_state_bytes",
+           "block_activation_bytes", "logits_bytes", "activation_bytes", "estimate", "totals", "peak_device_bytes",
+           "peak_host_bytes", "model_preset_train", "estimate_json", "estimate_sides", "estimator_relation",
+           "step_rows", "DS_BUFFER_FACTOR", "deepspeed_rows", "jax_rows", "torch_rows", "fsdp_rows", "fsdp_state_bytes",
            "fsdp_peak_bytes"]
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_moments", "buffers", "activations")
