@@ -142,10 +142,14 @@ def fast_params(model) -> dict[str, np.ndarray]:
   out = {}
   for name, shape in param_shapes(model).items():
     norm = ".ln_" in name or name.startswith("ln_f")
-    value = (1.0 if name.endswith(".weight") else 0.0) if norm else (0.0 if name.endswith(".bias") else
-                                                                      model.init_std)
-    out[name] = np.full(shape, value, np.float32)
+    out[name] = np.full(shape, fast_value(model, norm and name.endswith(".weight"), name.endswith(".bias")),
+                        np.float32)
   return out
+
+
+def fast_value(model, norm_scale: bool, bias: bool) -> float:
+  """The constant of one fast-init tensor (`fast_params`; jax_train.filled_trainer fills the flax tree with it)."""
+  return 1.0 if norm_scale else 0.0 if bias else model.init_std
 
 
 def timing(times: list[float]) -> dict[str, float]:

@@ -30,8 +30,8 @@ import time
 import numpy as np
 
 from benchmarks.gpu_parts.by_compile import classify_compile_error
-from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak, peak_rss_bytes, read_spec,
-                                         reset_peak_rss, tail, timing, write_json)
+from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak, fast_value, peak_rss_bytes,
+                                         read_spec, reset_peak_rss, tail, timing, write_json)
 from parity.weights import init_params, n_params
 
 
@@ -70,7 +70,7 @@ def filled_trainer(run):
 
   def value(path, a):
     last = str(getattr(path[-1], "key", path[-1]))
-    return jnp.full(a.shape, 1.0 if last == "scale" else 0.0 if last == "bias" else run.model.init_std, a.dtype)
+    return jnp.full(a.shape, fast_value(run.model, last == "scale", last == "bias"), a.dtype)
 
   params = materialize(lambda: jax.tree_util.tree_map_with_path(value, shapes), trainer.shardings.params)
   zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
