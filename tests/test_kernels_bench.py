@@ -195,3 +195,28 @@ def test_the_headroom_and_agreement_run_derives_its_published_figures():
   assert a["steps"] == 24 and round(a["first_loss"], 3) == 10.649 and round(a["last_loss"], 3) == 4.631
   assert round(a["flash_vs_exact"], 3) == 0.115 and round(a["bf16_vs_fp32"], 3) == 0.128
   assert round(a["ratio"], 2) == 0.90
+
+
+def test_headroom_variants_put_the_reference_first_and_name_what_is_unknown(capsys):
+  from benchmarks.tpu_parts import kernels
+  assert [v[0] for v in kernels.headroom_variants(None)] == list(kernels.HEADROOM_DEFAULT)
+  assert [v[0] for v in kernels.headroom_variants("opt-ratio-0.25,opt-stream")] == ["no-offload", "opt-ratio-0.25",
+                                                                                    "opt-stream"]
+  with pytest.raises(SystemExit) as exc:
+    kernels.parse_args(["--out", "x", "--headroom-variants", "opt-ratio-0.3"])
+  assert exc.value.code == 2 and "--headroom-variants 'opt-ratio-0.3': unknown opt-ratio-0.3" in capsys.readouterr().err
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_the_headroom_child_measures_a_partial_offload_on_cpu(tmp_path):
+  """The ratio layouts run through the same bisection: their host state is the offloaded share of the moments."""
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tpu_parts" / "kernels.py"), "--tiny", "--out",
+                         str(tmp_path), "--budget-s", "200", "--only", "headroom", "--headroom-variants",
+                         "opt-ratio-0.5,opt-stream", "--headroom-iters", "2"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rec = json.loads((tmp_path / "kernels" / "kernels.json").read_text())["children"]["headroom"]
+  rows = {r["variant"]: r for r in rep.headroom_rows(rec)}
+  assert list(rows) == ["no-offload", "opt-ratio-0.5", "opt-stream"]
+  assert rows["no-offload"]["on_host"] == 0 and 0 < rows["opt-ratio-0.5"]["on_host"] < rows["opt-stream"]["on_host"]

@@ -294,7 +294,22 @@ def child_agree(args) -> dict:
 
 # (name, plan fields, stream options): offload.py's timing model and shape, no offload first (the reference)
 HEADROOM_VARIANTS = (("no-offload", {"offload_opt_state": False}, {}), ("opt-deferred", {}, {"deferred": True}),
-                     ("params+opt-stream", {"offload_params": True}, {}), ("opt-stream", {}, {}))
+                     ("params+opt-stream", {"offload_params": True}, {}), ("opt-stream", {}, {}),
+                     ("opt-ratio-0.5", {"offload_opt_ratio": 0.5}, {}),
+                     ("opt-ratio-0.25", {"offload_opt_ratio": 0.25}, {}))
+HEADROOM_DEFAULT = ("no-offload", "opt-deferred", "params+opt-stream", "opt-stream")
+"""The layouts --headroom-variants names by default; no-offload, the reference, is measured first whatever is asked."""
+
+
+def headroom_variants(text: str | None) -> list[tuple[str, dict, dict]]:
+  """The HEADROOM_VARIANTS rows a --headroom-variants value names (None: HEADROOM_DEFAULT), no-offload first.
+  Raises ValueError naming an unknown name and the known ones."""
+  table = {v[0]: v for v in HEADROOM_VARIANTS}
+  names = HEADROOM_DEFAULT if text is None else [x.strip() for x in text.split(",") if x.strip()]
+  bad = [n for n in names if n not in table]
+  if bad or not names:
+    raise ValueError(f"unknown {', '.join(bad) or 'empty list'}; choose from {', '.join(table)}")
+  return [table["no-offload"]] + [table[n] for n in names if n != "no-offload"]
 
 
 def _headroom_trainer(fields: dict, options: dict, tiny: bool):
@@ -366,7 +381,7 @@ def child_headroom(args) -> dict:
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="parity-headroom-cache-"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   rows, deadline = [], time.monotonic() + args.budget_s
-  for name, fields, options in HEADROOM_VARIANTS:
+  for name, fields, options in headroom_variants(args.headroom_variants):
     rows.append(_headroom(name, fields, options, args, deadline))
     print(json.dumps({k: rows[-1].get(k) for k in ("variant", "headroom_bytes", "bracket_bytes", "error")}),
           flush=True)
@@ -399,6 +414,8 @@ def drive(args) -> int:
             "host": offload.report.host_info(), "children": {}}
   common = ["--reps", str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--agree-steps", str(args.agree_steps), "--headroom-iters", str(args.headroom_iters)]
+  if args.headroom_variants:
+    common += ["--headroom-variants", args.headroom_variants]
   plan = [("overlap", "overlap", [], {}, 0.2), ("overlap-flags", "overlap", [], flags_env, 0.25),
           ("mfu", "mfu", [], {}, 0.8), ("headroom", "headroom", [], {}, 0.75), ("agree", "agree", [], {}, 1.0)]
   if args.only:
@@ -417,6 +434,8 @@ def parse_args(argv=None):
   ap.add_argument("--json", help=argparse.SUPPRESS)
   ap.add_argument("--only", help="driver: comma-separated children (overlap, mfu, headroom, agree)")
   ap.add_argument("--headroom-iters", type=int, default=7, help="headroom: bisection steps per layout")
+  ap.add_argument("--headroom-variants", help="headroom: comma-separated layouts (default "
+                  f"{','.join(HEADROOM_DEFAULT)}; also opt-ratio-0.5, opt-ratio-0.25); no-offload is always measured")
   ap.add_argument("--tiny-cap-bytes", type=int, default=64 << 20, help=argparse.SUPPRESS)
   ap.add_argument("--agree-steps", type=int, default=AGREE_STEPS, help="agree: training steps per kernel")
   ap.add_argument("--reps", type=int, default=None)
@@ -430,6 +449,10 @@ def parse_args(argv=None):
       setattr(args, k, v)
   if args.child is None and args.out is None:
     ap.error("--out is required")
+  try:
+    headroom_variants(args.headroom_variants)
+  except ValueError as exc:
+    ap.error(f"--headroom-variants {args.headroom_variants!r}: {exc}")
   return args
 
 
