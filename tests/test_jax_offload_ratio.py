@@ -135,6 +135,10 @@ def test_the_bytes_in_host_memory_are_the_offloaded_moments(case):
   assert opt["result"]["host_bytes"] == live["pinned_host"] and rec["mismatches"] == []
   ev = t.offload_evidence()["offload_opt_state"]
   assert ev["device_to_host_bytes"] == live["pinned_host"]  # only the host part goes back each step
+  from parity.report.placement_view import class_rows  # the report says the realised share beside "as planned"
+  share = opt["result"]["host_bytes"] / opt["result"]["bytes"]
+  verdicts = [r[-1] for r in class_rows(rec)[0] if r[0] == "opt_state"]
+  assert f"as planned ({share:.0%} of its bytes in host memory)" in verdicts and 0 < share < 1
 
 
 def test_the_ratio_is_checked_with_the_key_value_and_fix():

@@ -204,7 +204,8 @@ def _verdict(c: dict, why: str | None) -> str:
   if c["expected"] is None:
     return "no plan for it"
   if c["memory_space"] == c["expected"]:
-    return "as planned"
+    share = c["host_bytes"] / c["bytes"] if c["expected"] == "mixed" and c.get("bytes") else None
+    return "as planned" if share is None else f"as planned ({share:.0%} of its bytes in host memory)"
   return (f"{c['memory_space']}: {fmt(c['host_buffers'])} of {fmt(c['buffers'])} buffers in host memory "
           "(placement.json lists no mismatch)")
 
