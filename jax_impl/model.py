@@ -157,10 +157,40 @@ def _params_to_device(variables: Any, dtype: Dtype) -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device).astype(dtype), variables)
 
 
-def _block_class(remat: str, host_kind: str, scanned: bool, layer_to_device: bool, dtype: Dtype) -> Any:
-  """Block wrapped in the plan's jax.checkpoint policy and, for scanned host params, a per-layer move (and cast)."""
+HOST_LAYERS = "host_layers"
+"""The variable collection that carries the host-resident layer stack when the gradient is anchored on the device
+(`GPT.anchored`); the "params" collection then holds the anchor."""
+
+
+@jax.custom_vjp
+def _anchor(moved: jax.Array, anchor: jax.Array) -> jax.Array:
+  """`moved`, whose gradient is handed to `anchor` (a device array of its shape that nothing reads, so XLA keeps
+  no buffer of it, not even for a recomputing backward pass)."""
+  return moved
+
+
+_anchor.defvjp(lambda moved, anchor: (moved, None), lambda _, ct: (jnp.zeros_like(ct), ct))
+
+
+def _anchored_to_device(variables: Any, dtype: Dtype) -> Any:
+  """One layer's params as the step computes with them when its gradient must be born on the device: the host slice
+  moved to the device, its gradient handed to the layer's slice of the device-resident anchor (`_anchor`) instead
+  of flowing back through the move (whose transpose would put it in host memory), then cast to the compute dtype.
+  The values are `_params_to_device`'s."""
+  anchor, host = variables["params"], variables[HOST_LAYERS]
+  move = lambda a, h: _anchor(jax.device_put(jax.lax.stop_gradient(h), jax.memory.Space.Device), a).astype(dtype)
+  return {"params": jax.tree.map(move, anchor, host)}
+
+
+def _block_class(remat: str, host_kind: str, scanned: bool, layer_to_device: bool, dtype: Dtype,
+                 anchored: bool = False) -> Any:
+  """Block wrapped in the plan's jax.checkpoint policy and, for scanned host params, a per-layer move (and cast);
+  `anchored`: the move of `_anchored_to_device`, the host stack in the HOST_LAYERS collection."""
   cls: Any = Block
-  if layer_to_device:
+  if layer_to_device and anchored:
+    cls = nn.map_variables(cls, ("params", HOST_LAYERS),
+                           trans_in_fn=functools.partial(_anchored_to_device, dtype=dtype), init=False)
+  elif layer_to_device:
     cls = nn.map_variables(cls, "params", trans_in_fn=functools.partial(_params_to_device, dtype=dtype), init=False)
   pol = remat_lib.policy(remat, host_kind)
   if pol is not None:
@@ -184,6 +214,9 @@ class GPT(nn.Module):
     causal: see `Attention.causal`; False only as a `parity diagnose` plant.
     stale_residual: the planted stale residual (`jax_impl.residual_plant`): each block's MLP down projection takes
       its weight gradient from a wrong saved residual; the forward values unchanged.
+    anchored: with layer_to_device, the layer stack comes in the HOST_LAYERS collection and params[LAYERS] is a
+      device-resident anchor added to each moved layer (`_anchored_to_device`): the gradient is then taken on the
+      device instead of being born in host memory.
   """
   spec: ModelSpec
   dtype: Dtype = jnp.float32
@@ -193,6 +226,7 @@ class GPT(nn.Module):
   host_memory_kind: str = "pinned_host"
   causal: bool = True
   stale_residual: bool = False
+  anchored: bool = False
 
   def _remat_name(self) -> str:
     if isinstance(self.remat, bool):
@@ -205,8 +239,10 @@ class GPT(nn.Module):
     """The blocks over x (B, T, D). A model that mixes layer kinds passes each layer's kind (`sliding`): a Python
     bool per unrolled block, a scanned (L,) bool input of the nn.scan; the rest is broadcast over the layers."""
     s = self.spec
-    block = _block_class(self._remat_name(), self.host_memory_kind, self.scan_layers,
-                         self.layer_to_device and self.scan_layers and not self.is_initializing(), self.dtype)
+    to_device = self.layer_to_device and self.scan_layers and not self.is_initializing()
+    anchored = to_device and self.anchored
+    block = _block_class(self._remat_name(), self.host_memory_kind, self.scan_layers, to_device, self.dtype,
+                         anchored)
     mixed = uniform_kind(s) is None
     extra: tuple = (mask_bts, rope) + ((local,) if local is not None or mixed else ())
     if all(e is None for e in extra) and not mixed:
@@ -219,7 +255,8 @@ class GPT(nn.Module):
       return x_btd
     # (None, mask, rope[, local]): the same for every layer; the kinds, one per layer
     kw = {"in_axes": (nn.broadcast,) * (1 + len(extra)) + ((0,) if mixed else ())} if extra else {}
-    scanned = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=s.n_layers, **kw)
+    axes = {"params": 0, **({HOST_LAYERS: 0} if anchored else {})}
+    scanned = nn.scan(block, variable_axes=axes, split_rngs={"params": True}, length=s.n_layers, **kw)
     x_btd, _ = scanned(s, self.dtype, True, self.causal, self.stale_residual, name=LAYERS)(
         x_btd, None, *extra, *((jnp.asarray(kinds),) if mixed else ()))
     return x_btd
@@ -285,7 +322,7 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
             remat: str | bool = False, scan_layers: bool = False, layer_to_device: bool = False,
             host_memory_kind: str = "pinned_host", causal: bool = True, segment_ids_bt: jax.Array | None = None,
             positions_bt: jax.Array | None = None, weights_bt: jax.Array | None = None,
-            label_shift: int = 1, stale_residual: bool = False) -> jax.Array:
+            label_shift: int = 1, stale_residual: bool = False, host_layers: Params | None = None) -> jax.Array:
   """Next-token cross-entropy, nats, float32: the mean over all targets, or the weighted sum.
 
   Args:
@@ -304,6 +341,9 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
       input t is scored against token t + 2; the last input has no target then (its weight is dropped).
     stale_residual: True only as the planted bug 'offload_residual_stale' (`jax_impl.residual_plant`), under an
       offload remat policy (jax_impl.remat.OFFLOAD_POLICIES): the loss is the same, the MLP weight gradients wrong.
+    host_layers: with layer_to_device, {LAYERS: the host-resident layer stack} when `params[LAYERS]` is its device
+      anchor (`GPT.anchored`): the loss is the same, and its gradient with respect to params[LAYERS] is born on
+      the device.
   Returns:
     Scalar float32: without weights, the mean over all B * T targets of -log p(target); with weights,
     sum over (B, T) of weights * -log p(target).
@@ -318,9 +358,10 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
     raise ValueError(f"label_shift={label_shift} must be in [1, {tokens_btp1.shape[1] - 1}] (1 in training)")
   tokens = tokens_btp1.astype(jnp.int32)
   inputs_bt, targets_bt = tokens[:, :-1], tokens[:, 1:]
-  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind, causal, stale_residual)
-  logits_btv = model.apply({"params": params}, inputs_bt, *_example_args(segment_ids_bt, positions_bt)
-                           ).astype(jnp.float32)
+  model = GPT(spec, dtype, remat, scan_layers, layer_to_device, host_memory_kind, causal, stale_residual,
+              anchored=host_layers is not None)
+  variables = {"params": params, **({HOST_LAYERS: host_layers} if host_layers is not None else {})}
+  logits_btv = model.apply(variables, inputs_bt, *_example_args(segment_ids_bt, positions_bt)).astype(jnp.float32)
   if label_shift != 1:  # the plant: targets one further ahead, the inputs that still have one
     keep = tokens.shape[1] - label_shift
     logits_btv, targets_bt = logits_btv[:, :keep], tokens[:, label_shift:]

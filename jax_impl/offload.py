@@ -49,7 +49,7 @@ from parity.spec import JaxPlan, ModelSpec, RunSpec
 
 from jax_impl.layout import flax_path
 
-__all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "materialize", "opt_host_paths",
+__all__ = ["TrainState", "Placement", "make_mesh", "make_placement", "materialize", "anchored_loss", "opt_host_paths",
            "map_param_trees", "state_memory_kinds", "bytes_by_memory_kind", "state_sharding_specs", "offload_evidence",
            "entry_buffers", "DATA_AXIS", "DEVICE_KIND", "LAYERS"]
 
@@ -389,3 +389,12 @@ def materialize(make: Callable[[], Any], shardings: Any) -> Any:
   flat, treedef = jax.tree.flatten(shardings)
   leaf = lambda i: jax.jit(lambda: jax.tree.leaves(make())[i], out_shardings=flat[i])()
   return jax.tree.unflatten(treedef, [leaf(i) for i in range(len(flat))])
+
+
+def anchored_loss(loss: Callable, params: Any) -> tuple[Any, Callable]:
+  """(params with the layer stack replaced by a device anchor of its shape, loss of those): differentiated, the
+  gradient of the layer stack is born on the device (`jax_impl.model.GPT.anchored`), equal to the gradient with
+  respect to the host stack itself, which the transpose of each layer's move would put in host memory."""
+  host = {LAYERS: params[LAYERS]}
+  anchor = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), host[LAYERS])  # never read
+  return {**params, LAYERS: anchor}, lambda p, micro: loss(p, micro, host)

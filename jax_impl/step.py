@@ -59,8 +59,7 @@ Metrics = dict[str, jax.Array]
 
 
 def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, jax.Array], jax.Array],
-                     grad_shardings: Any = None, grads_to_device: bool = False,
-                     loss_multiplier: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                     grad_shardings: Any = None, loss_multiplier: jax.Array | None = None) -> tuple[jax.Array, Any]:
   """Mean loss and averaged gradient over the micro batches, DeepSpeed style.
 
   Args:
@@ -71,9 +70,6 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
       sum(weights * ce), weights = A * w so that the mean over micro batches is the step objective).
     grad_shardings: optional pytree of shardings for the accumulated gradient (ZeRO-2: sharded over
       `data`, so XLA reduce-scatters each micro batch's gradient instead of all-reducing it).
-    grads_to_device: move each micro batch's gradient to device memory (params partly in host
-      memory: the gradient of a host-resident input is born in host memory, the transpose of the
-      in-scan move to device).
     loss_multiplier: fp16 only, float32 scalar m: differentiate (loss_i / A) * m, DeepSpeed's order
       (`engine.backward` divides by GAS, then the fp16 optimizer multiplies by the loss scale);
       m = loss scale, times inf to force an overflow. None: no multiply (fp32/bf16 unchanged).
@@ -93,8 +89,6 @@ def accumulate_grads(params: Any, batch_amtp1: jax.Array, loss: Callable[[Any, j
   def body(carry: tuple[jax.Array, Any], tokens_mtp1: Any) -> tuple[tuple[jax.Array, Any], None]:
     loss_sum, grads_acc = carry
     (_, loss_i), grads_i = grad_fn(params, tokens_mtp1)
-    if grads_to_device:
-      grads_i = jax.tree.map(lambda g: jax.device_put(g, jax.memory.Space.Device), grads_i)
     return (loss_sum + loss_i, constrain(jax.tree.map(jnp.add, grads_acc, grads_i))), None
 
   constrain = (lambda g: g) if grad_shardings is None else (
@@ -143,7 +137,8 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     else:
       opt_state = placement.to_device("opt_state", state.opt_state, shardings.opt_state)
     scale = loss_scaling.loss_scale_of(opt_state) if fp16 else None
-    loss_val, grads = accumulate_grads(fwd_params, batch_amtp1, loss, grad_shd, grads_to_device=layers_on_host,
+    diff_params, diff_loss = offload_lib.anchored_loss(loss, fwd_params) if layers_on_host else (fwd_params, loss)
+    loss_val, grads = accumulate_grads(diff_params, batch_amtp1, diff_loss, grad_shd,
                                        loss_multiplier=None if scale is None else scale * overflow_factor)
     lr = schedule(optim.step_count_of(opt_state))
     old_ls = optim.loss_scale_state_of(opt_state)
@@ -190,8 +185,9 @@ def _model_loss(run: RunSpec, placement: Placement, remat: bool = True,
   cast = lambda p: model_lib.cast_params(p, kw["dtype"])  # DeepSpeed's layout: the whole module in bf16/fp16
   if layer_to_device:  # the host-resident layer stack is cast per layer on the device, in the scan body (model)
     cast_rest = lambda p: {k: (v if k == layout.LAYERS else cast(v)) for k, v in p.items()}
-    return lambda p, micro: _micro_loss(cast_rest(p), micro, run, kw, plants)
+    return lambda p, micro, host=None: _micro_loss(cast_rest(p), micro, run, {**kw, "host_layers": host}, plants)
   return lambda p, micro: _micro_loss(cast(p), micro, run, kw, plants)
+
 
 
 EXAMPLE_KEYS = ("segment_ids", "positions", "weights")

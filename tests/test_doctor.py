@@ -261,7 +261,7 @@ def test_a_runs_environment_records_the_jax_workers_pool(monkeypatch):
                 jax=PLANS["scan-offload"].jax, deepspeed=PLANS["scan-offload"].deepspeed)
   devices = {"frameworks": {"jax": JAX_GPU, "torch": TORCH_GPU}, "cpu_fallback": [], "allowed_cpu": False}
   b = doctor.run_environment(devices, run, {"jax": {"kill_at_step": 1}})
-  assert b["host_pool"]["jax"]["value"] == "112" and b["host_pool"]["jax"]["set_by"] == "parity"
-  assert b["numerics_flags"]["values"][POOL] == "112" and b["numerics_flags"]["set_by"][POOL] == "parity"
+  assert b["host_pool"]["jax"]["value"] == "80" and b["host_pool"]["jax"]["set_by"] == "parity"
+  assert b["numerics_flags"]["values"][POOL] == "80" and b["numerics_flags"]["set_by"][POOL] == "parity"
   tiny = doctor.run_environment(devices, dataclasses.replace(run, sides=("torch",)))
   assert "host_pool" not in tiny and tiny["numerics_flags"]["values"][POOL] is None

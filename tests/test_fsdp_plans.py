@@ -203,8 +203,7 @@ def test_the_engine_line_names_each_engines_fastest_fitting_pair_and_what_it_lea
   _, one = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=1, sides=sides)
   line = plans.engine_choice(one, "1 x H100")
   assert line.startswith("engine, each by its own side's estimated step time (a row's step is its slowest side's): "
-                         "stay on PyTorch (FSDP2 zero3-offload-all, ")  # FSDP2's offload pairs cost the same: the
-  # first of them in the ranking
+                         "stay on PyTorch (FSDP2 scan-offload-remat, ")  # FSDP2's fastest; zero3-offload-all* as fast
   assert "JAX's fastest that fits is scan-offload" in line and "leaves out its optimizer step on the CPU" in line
   _, eight = plans.choose_plan(m, t, plans.HARDWARE["H100"], devices=8, sides=sides)
   assert plans.engine_choice(eight, "8 x H100").startswith(

@@ -73,14 +73,12 @@ def test_the_jax_need_is_the_memory_models_pinned_host_bytes():
   need = hl.jax_pinned_need_bytes(run)
   assert need == memory.peak_host_bytes(memory.estimate(run, sides=("jax",)), "jax")
   # what `parity plan --model llama-7b` shows in the jax host column: fp32 params and both moments, once (the
-  # streamed update writes each layer back in place when the params are offloaded), and the layers' fp32 gradient,
-  # born in host memory in the backward pass (measured as the compiled step's host temporaries on a TPU v5e)
-  layers = run.model.n_layers * memory.block_params(run.model)
-  assert f"{need / GiB:.1f}" == "99.4" and need == 12 * memory.param_count(run.model) + 4 * layers
+  # streamed update writes each layer back in place when the params are offloaded)
+  assert f"{need / GiB:.1f}" == "75.3" and need == 12 * memory.param_count(run.model)
   unpinned = dataclasses.replace(run, jax=dataclasses.replace(run.jax, host_memory_kind="unpinned_host"))
   assert hl.jax_pinned_need_bytes(unpinned) == 0
   assert hl.jax_pinned_need_bytes(_llama("zero0")) == 0  # nothing offloaded: nothing pinned
-  assert hl.jax_pool(run, {}).gib == 112 and hl.jax_pool(run, {VAR: "500"}).set_by == "user"
+  assert hl.jax_pool(run, {}).gib == 80 and hl.jax_pool(run, {VAR: "500"}).set_by == "user"
 
 
 # ----------------------------------------------------------------------------- cgroup and MemAvailable
@@ -133,11 +131,11 @@ def test_the_resource_check_refuses_a_pool_that_cannot_work_on_a_gpu_machine(mon
   run = _llama()
   assert resources.check_host_pool(run, available=10**15, gpu=False, environ={VAR: "1"}) is None  # CPU: no pool
   assert resources.check_host_pool(preset("gpt2-tiny"), available=10**15, gpu=True, environ={}).set_by == "default"
-  assert resources.check_host_pool(run, available=1024 * GiB, gpu=True, environ={}).gib == 112
-  with pytest.raises(InputError, match=f"{VAR}=70 sets .*raise it to 112"):
+  assert resources.check_host_pool(run, available=1024 * GiB, gpu=True, environ={}).gib == 80
+  with pytest.raises(InputError, match=f"{VAR}=70 sets .*raise it to 80"):
     resources.check_host_pool(run, available=1024 * GiB, gpu=True, environ={VAR: "70"})
-  with pytest.raises(InputError, match="pool of 112 GiB per device .* > 100.0 GiB host memory"):
-    resources.check_host_pool(run, available=100 * GiB, gpu=True, environ={})
+  with pytest.raises(InputError, match="pool of 80 GiB per device .* > 78.0 GiB host memory"):
+    resources.check_host_pool(run, available=78 * GiB, gpu=True, environ={})
   with pytest.raises(SpecError, match=VAR):
     resources.check_host_pool(run, available=1024 * GiB, gpu=True, environ={VAR: "lots"})
 
@@ -171,21 +169,21 @@ def test_deepspeeds_pinned_buffers_are_the_memory_models_pinned_rows(plan, accum
 # ----------------------------------------------------------------------------- the planner and `parity plan`
 
 def test_the_planner_states_the_pool_and_refuses_one_that_does_not_work():
-  """The pairs as named, all of the optimizer state offloaded (opt_ratios (1,)): scan-offload pins 99.4 GiB. With the
+  """The pairs as named, all of the optimizer state offloaded (opt_ratios (1,)): scan-offload pins 75.3 GiB. With the
   planner's partial offload (the default) the choice pins less (test_jax_offload_ratio)."""
   model = MODEL_PRESETS["llama-7b"]
   full = (1.0,)
   best, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=512 * GiB, opt_ratios=full)
-  assert best.name == "scan-offload" and best.jax_pool["gib"] == 112 and best.jax_pool["set_by"] == "parity"
+  assert best.name == "scan-offload" and best.jax_pool["gib"] == 80 and best.jax_pool["set_by"] == "parity"
   assert json.loads(json.dumps(plans.ranking_json(best, ranked)))["ranked"][0]["jax_pool"] is None  # zero0: none
   _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=512 * GiB, xla_pool_gib=70,
                                 opt_ratios=full)
   scan = {c.name: c for c in ranked}["scan-offload"]
   assert not scan.fits and any(f"{VAR}=70" in p and "user's value is kept" in p for p in scan.problems)
-  _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=100 * GiB, opt_ratios=full)
+  _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=78 * GiB, opt_ratios=full)
   scan = {c.name: c for c in ranked}["scan-offload"]
-  assert scan.host_bytes["jax"] <= 100 * GiB and not scan.fits  # the need fits the host, its 112 GiB pool does not
-  assert any("pool of 112 GiB per device" in p for p in scan.problems)
+  assert scan.host_bytes["jax"] <= 78 * GiB and not scan.fits  # the need fits the host, its 80 GiB pool does not
+  assert any("pool of 80 GiB per device" in p for p in scan.problems)
 
 
 def test_pin_memory_costs_deepspeeds_host_bytes_as_torch_pins_them():
@@ -209,8 +207,8 @@ def test_parity_plan_states_the_requirement_and_the_pool_setting(capsys, monkeyp
   assert main(["plan", "--model", "llama-7b", "--device-memory", "80GB", "--opt-ratios", "1"]) == 0
   out = " ".join(capsys.readouterr().out.split())  # the console wraps at its width
   assert "74.5 GiB device memory" in out  # 80 GB is decimal
-  assert (f"pinned host of scan-offload: jax needs 99.4 GiB pinned host per device > XLA's 64 GiB default pool: the "
-          f"JAX worker gets {VAR}=112; the 112 GiB pool, one per GPU, fits the 512 GiB host memory per device") in out
+  assert (f"pinned host of scan-offload: jax needs 75.3 GiB pinned host per device > XLA's 64 GiB default pool: the "
+          f"JAX worker gets {VAR}=80; the 80 GiB pool, one per GPU, fits the 512 GiB host memory per device") in out
   monkeypatch.setenv(VAR, "200")
   assert main(["plan", "--model", "llama-7b", "--device-memory", "80GiB"]) == 0
   assert f"<= the 200 GiB pool {VAR}=200 sets (the user's value, kept)" in " ".join(capsys.readouterr().out.split())
@@ -228,14 +226,14 @@ def test_the_jax_worker_gets_the_pool_before_jax_starts_and_a_users_value_is_kep
   run = _llama()
   env = {"PATH": "/bin"}
   choice = henv.host_pool_environ(env, run)
-  assert env[VAR] == "112" and choice["set_by"] == "parity" and choice["value"] == "112"
-  assert json.loads(env[henv.HOST_POOL_CHOICE])["env"] == {VAR: "112"}
+  assert env[VAR] == "80" and choice["set_by"] == "parity" and choice["value"] == "80"
+  assert json.loads(env[henv.HOST_POOL_CHOICE])["env"] == {VAR: "80"}
   again = henv.host_pool_environ(env, run)  # idempotent: parity's earlier value is parity's, chosen again
-  assert again["set_by"] == "parity" and env[VAR] == "112"
+  assert again["set_by"] == "parity" and env[VAR] == "80"
   user = {VAR: "300"}
   choice = henv.host_pool_environ(user, run)
   assert user[VAR] == "300" and choice["set_by"] == "user" and choice["user_value"] == "300"
-  assert choice["rule_gib"] == 112  # both recorded: the user's value and the rule's
+  assert choice["rule_gib"] == 80  # both recorded: the user's value and the rule's
   small = {}
   assert henv.host_pool_environ(small, preset("gpt2-tiny"))["set_by"] == "default" and VAR not in small
   bad = {VAR: "big"}
@@ -249,7 +247,7 @@ def test_the_runner_sizes_the_pool_from_request_json_with_the_sides_perturbation
   (tmp_path / "request.json").write_text(json.dumps(request))
   env: dict[str, str] = {}
   runner._host_pool(env, tmp_path, "jax")
-  assert env[VAR] == "112"
+  assert env[VAR] == "80"
   other: dict[str, str] = {}
   runner._host_pool(other, tmp_path, "deepspeed")
   assert other == {}

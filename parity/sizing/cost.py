@@ -141,24 +141,22 @@ def transfer_bytes(run: RunSpec, side: str, rows: list[memory.Row], ranks: int =
   moments = sum(r.bytes for r in resident if r.category == "optimizer_moments")
   params = sum(r.bytes for r in resident if r.category == "params")
   acts = host - moments - params
-  return 2 * moments + 2 * params + 2 * acts * t.grad_accum_steps + _jax_layer_moves(run, rows)
+  return 2 * moments + 2 * params + 2 * acts * t.grad_accum_steps + _jax_layer_moves(run)
 
 
-def _jax_layer_moves(run: RunSpec, rows: list[memory.Row]) -> int:
+def _jax_layer_moves(run: RunSpec) -> int:
   """Per micro batch, the moves of a JAX step whose layer stack lives in host memory (scan_layers, offload_params):
   each layer's fp32 params come to the device in the forward pass, and again in the backward pass unless every
-  residual is saved (remat 'none': the recompute of any other policy moves them again), and each layer's fp32
-  gradient is born in host memory and moved back to the device (memory's in-step host gradient row). Measured on a
-  TPU v5e (29 layers at d_model 1600, remat none, 2.15 s a step): with these moves the model gives 1.89 s at the
-  chip's in-step rate, without them 1.32 (tests/test_memory_chip.py)."""
+  residual is saved (remat 'none': the recompute of any other policy moves them again). The layer gradient is born
+  on the device (`jax_impl.offload.anchored_loss`). Measured on a TPU v5e with a step that still sent each layer's
+  gradient through host memory and back (29 layers at d_model 1600, remat none): 2.15 s, and the model with these
+  moves and that round trip 1.89 s at the chip's in-step rate, without either 1.32 (tests/test_memory_chip.py)."""
   p, t = run.jax, run.train
   if not (p.scan_layers and p.offload_params):
     return 0
   shard = p.data_parallel if p.zero_stage >= 3 else 1
   layer_params = 4 * math.ceil(run.model.n_layers * memory.block_params(run.model) / shard)  # fp32
-  grads = sum(r.bytes for r in rows if r.side == "jax" and r.kind == "host" and r.category == "gradients")
-  fetches = 1 if p.remat == "none" else 2
-  return (fetches * layer_params + 2 * grads) * t.grad_accum_steps
+  return (1 if p.remat == "none" else 2) * layer_params * t.grad_accum_steps
 
 
 def step_time(run: RunSpec, side: str, hw: Hardware, rows: list[memory.Row], *,

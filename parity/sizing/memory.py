@@ -147,9 +147,8 @@ def _jax_rows(run: RunSpec) -> list[Row]:
     params and 2 layers: the slice in use and the one XLA prefetches); under bf16/fp16 the compute-dtype
     copy the step casts (the whole tree, or per layer with scan_layers and offloaded params); with scan_layers
     and offloaded params under remat 'none', every layer's weight matrices in the compute dtype, which the
-    backward pass reads (saved, not fetched again); with scan_layers and offloaded params, the layer gradient in
-    host memory (the transpose of the in-scan move puts each
-    layer's gradient there; `jax_impl.step.accumulate_grads` moves it to the device);
+    backward pass reads (saved, not fetched again). The layer gradient is born on the device
+    (`jax_impl.offload.anchored_loss`), not in host memory;
   * update: offloaded params and moments brought in (all; or, streamed by `jax_impl.stream` with
     scan_layers, the non-layer state and 2 layers), and the streamed update's new layer stacks, which are
     scan outputs beside the donated old ones, in each group's own memory kind; none when the params are
@@ -176,10 +175,6 @@ def _jax_rows(run: RunSpec) -> list[Row]:
     what = "non-layer + 2 layers" if p.scan_layers else "all"
     rows.append(Row("jax", "params", "device", fetched, f"in-step (forward/backward: fetched, {what})"))
     rows.append(Row("jax", "params", "device", fetched, f"in-step (update: fetched, {what})"))
-    if p.scan_layers:  # measured on a TPU v5e: the compiled step's host temporaries are these bytes
-      rows.append(Row("jax", "gradients", "host", FP32 * math.ceil(layers / shard["params"]),
-                      "in-step (forward/backward: the layer gradient, born in host memory by the transpose of "
-                      "each layer's move to the device, then moved to the device)"))
   if p.scan_layers and p.offload_params and p.remat == "none":  # jax.ad_checkpoint.print_saved_residuals lists them
     e = FP32 if t.precision == "fp32" else 2
     saved = e * math.ceil(m.n_layers * block_matrix_params(m) / shard["params"])
