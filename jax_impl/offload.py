@@ -22,9 +22,11 @@ they hold r of the moment bytes) carry the host kind, the others `device`, leaf 
 With `plan.scan_layers` and `offload_params`, the layer-stacked params stay in host memory
 through the forward and backward pass: `to_device` leaves the `LAYERS` subtree alone, and the
 model moves each layer's slice to device inside the scan body (`model._params_to_device`).
-The transpose of that move sends each layer's gradient slice to host memory (JAX keeps a
-cotangent in its primal's memory space; a custom_vjp cannot change that), and the step moves
-the gradients back to device for the optimizer update. With scan_layers that update is streamed
+Differentiated through that move, each layer's gradient slice would be born in host memory (JAX keeps a
+cotangent in its primal's memory space, and a custom_vjp's cotangent must have its primal's type), to be
+moved back for the update; the step instead differentiates with respect to a device anchor of the stack's
+shape that nothing reads (`anchored_loss`, `model._anchor`), so the gradient is born on the device, with the
+same values. With scan_layers the update is streamed
 too (`jax_impl.stream`): one layer's params and moments come to the device at a time, so the
 device never holds all offloaded state at once.
 
