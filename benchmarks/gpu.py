@@ -34,6 +34,7 @@ could run ran; 1: some failed (both files are still written); 2: bad input.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -105,7 +106,7 @@ def _csv(ap: argparse.ArgumentParser, flag: str, text: str, known=None, number: 
   if not items:
     ap.error(f"{flag} {text!r}: give at least one value")
   if number:
-    if not all(x.isdigit() and int(x) > 0 for x in items):
+    if not all(x.isdecimal() and int(x) > 0 for x in items):  # isdigit passes '²', which int() refuses
       ap.error(f"{flag} {text!r}: whole numbers > 0, comma-separated (e.g. 1,8)")
     return [int(x) for x in items]
   bad = [x for x in items if known is not None and x not in known]
@@ -186,7 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   if args.micro_tokens % seq or args.micro_tokens < seq:
     model = "gpt2-tiny (--tiny)" if tiny else args.model
     ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {model}'s sequence length {seq}")
-  if args.confirm_timeout_s is not None and args.confirm_timeout_s <= 0:
+  if args.confirm_timeout_s is not None and not 0 < args.confirm_timeout_s < math.inf:  # nan, inf: no limit
     ap.error(f"--confirm-timeout-s must be > 0; got {args.confirm_timeout_s}")
   for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:

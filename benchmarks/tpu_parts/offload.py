@@ -390,7 +390,8 @@ def parse_args(argv=None):
       setattr(args, k, v)
   if args.child is None and args.out is None:
     ap.error("--out is required")
-  if args.grad_accum is not None and not all(x.strip().isdigit() and int(x) > 0 for x in args.grad_accum.split(",")):
+  whole = lambda x: x.strip().isdecimal() and int(x) > 0  # isdigit passes '²', which int() refuses
+  if args.grad_accum is not None and not all(whole(x) for x in args.grad_accum.split(",")):
     ap.error(f"--grad-accum {args.grad_accum!r}: whole numbers > 0, comma-separated (e.g. 2,16)")
   known = [v[0] for v in VARIANTS]
   bad = [x for x in (args.variants or "").split(",") if args.variants is not None and x not in known]

@@ -204,7 +204,8 @@ def _verdict(c: dict, why: str | None) -> str:
   if c["expected"] is None:
     return "no plan for it"
   if c["memory_space"] == c["expected"]:
-    share = c["host_bytes"] / c["bytes"] if c["expected"] == "mixed" and c.get("bytes") else None
+    known = c["expected"] == "mixed" and c.get("bytes") and c.get("host_bytes") is not None  # both may be null
+    share = c["host_bytes"] / c["bytes"] if known else None
     return "as planned" if share is None else f"as planned ({share:.0%} of its bytes in host memory)"
   return (f"{c['memory_space']}: {fmt(c['host_buffers'])} of {fmt(c['buffers'])} buffers in host memory "
           "(placement.json lists no mismatch)")
