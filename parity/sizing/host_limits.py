@@ -136,8 +136,8 @@ class PoolDecision:
     return {XLA_POOL_ENV: str(self.parity_gib)} if self.parity_gib else {}
 
   def statement(self) -> str:
-    """One sentence: the need, the pool, and the setting (e.g. 'jax needs 99.4 GiB pinned host per device > XLA's
-    64 GiB default pool: the JAX worker gets XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=112')."""
+    """One sentence: the need, the pool, and the setting (e.g. 'jax needs 75.3 GiB pinned host per device > XLA's
+    64 GiB default pool: the JAX worker gets XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=80')."""
     need = f"jax needs {self.need_bytes / GiB:.1f} GiB pinned host per device"
     if self.set_by == "user":
       rel = "<=" if self.fits else ">"
