@@ -2,8 +2,12 @@
 whose placement.json records no host bytes, and benchmark options that slipped past their command-line checks."""
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
+from conftest import requires_jax
 from parity.report import placement_view
 
 
@@ -39,3 +43,29 @@ def test_a_digit_that_is_not_a_number_exits_2(module, flag, capsys):
   with pytest.raises(SystemExit) as exc:
     mod.parse_args(["--out", "x", flag, "2,²"])
   assert exc.value.code == 2 and f"{flag} '2,²': whole numbers > 0" in capsys.readouterr().err
+
+
+@requires_jax
+@pytest.mark.parametrize("precision, ratio", [("bf16", 1.0), ("fp16", 1.0), ("fp32", 0.5)])
+def test_the_filled_trainer_is_the_fast_weights_trainer_in_every_precision(precision, ratio, monkeypatch):
+  """--fast-init used to build the Trainer from common.fast_params, whose bf16/fp16 masters Trainer.build rounds to
+  the compute dtype (parity.weights.master_weights): the in-place fill must start from those numbers, and build
+  a run that offloads part of its optimizer state (abstract_trainer's placement needs the model for it)."""
+  import jax
+  from benchmarks.gpu_parts import sizing
+  from benchmarks.gpu_parts.common import fast_params
+  from benchmarks.gpu_parts.jax_train import filled_trainer
+  from jax_impl import offload
+  from jax_impl.step import Trainer
+
+  run = sizing.grid_run(sizing.tiny_run(), "scan-offload" if ratio == 1 else "zero2-offload-scan", 64, 1)
+  run = dataclasses.replace(run, train=dataclasses.replace(run.train, precision=precision),
+                            jax=dataclasses.replace(run.jax, offload_opt_ratio=ratio)).validate()
+  monkeypatch.setattr(offload, "PER_LEAF_BYTES", 0)  # the per-leaf path, as a large model takes it
+  filled, built = filled_trainer(run), Trainer.build(run, fast_params(run.model))
+  kinds = lambda st: [x.sharding.memory_kind for x in jax.tree.leaves(st)]
+  assert kinds(filled.state) == kinds(built.state)
+  if ratio < 1:
+    assert len(set(kinds(filled.state.opt_state))) == 2  # the split is real: moments in both kinds
+  for a, b in zip(jax.tree.leaves(filled.state), jax.tree.leaves(built.state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -47,7 +47,7 @@ def abstract_trainer(run):
   from jax_impl.offload import TrainState, make_placement
   from jax_impl.step import Trainer, make_train_step
 
-  placement = make_placement(run.jax)
+  placement = make_placement(run.jax, model=run.model)  # the model: which moments a partial offload puts where
   scan = run.jax.scan_layers
   tx, schedule = optim.make_optimizer(run.model, run.train, scan_layers=scan)
   init = lambda: GPT(run.model, scan_layers=scan).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]

@@ -59,18 +59,21 @@ def _moves(trainer) -> dict:
 def filled_trainer(run):
   """A Trainer of `run` whose state is made in place by jitted fills, one leaf per program where it is large
   (`jax_impl.offload.materialize`): the weights constants (norm scales 1, biases 0, the rest init_std, as
-  `fast_params`), the optimizer state its init. No weights pass through numpy, so the host holds the state once, in
+  `fast_params`, rounded to the compute dtype as Trainer.build rounds bf16/fp16 masters), the optimizer state its
+  init. No weights pass through numpy, so the host holds the state once, in
   its own memory kind (a probe's bound on a host that must also hold the offloaded state: sizing.FAST_BUILD_COPIES)."""
   import jax
   import jax.numpy as jnp
   from benchmarks.gpu_parts.jax_largest import abstract_trainer
+  from jax_impl.model import compute_dtype
   from jax_impl.offload import TrainState, materialize
   trainer = abstract_trainer(run)
   shapes = trainer.state.params
+  half = compute_dtype(run.train.precision)  # bf16/fp16 masters start rounded (parity.weights.master_weights)
 
   def value(path, a):
     last = str(getattr(path[-1], "key", path[-1]))
-    return jnp.full(a.shape, fast_value(run.model, last == "scale", last == "bias"), a.dtype)
+    return jnp.full(a.shape, jnp.asarray(fast_value(run.model, last == "scale", last == "bias"), half), a.dtype)
 
   params = materialize(lambda: jax.tree_util.tree_map_with_path(value, shapes), trainer.shardings.params)
   zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
