@@ -348,12 +348,15 @@ def loss_fn(params: Params, tokens_btp1: jax.Array, spec: ModelSpec, *, dtype: D
     Scalar float32: without weights, the mean over all B * T targets of -log p(target); with weights,
     sum over (B, T) of weights * -log p(target).
   Raises:
-    ValueError: weights_bt is not (B, T), label_shift is not in [1, T], or stale_residual without an offload remat
-      policy (trace time); see `GPT.__call__`.
+    ValueError: weights_bt is not (B, T), label_shift is not in [1, T], stale_residual without an offload remat
+      policy, or host_layers without layer_to_device and scan_layers (trace time); see `GPT.__call__`.
   """
   if stale_residual and remat not in remat_lib.OFFLOAD_POLICIES:
     raise ValueError(f"the planted stale residual reads an offloaded residual: it needs an offload remat policy "
                      f"({', '.join(remat_lib.OFFLOAD_POLICIES)}); got remat={remat!r}")
+  if host_layers is not None and not (layer_to_device and scan_layers):
+    raise ValueError("host_layers (the host stack of an anchored gradient) needs layer_to_device and scan_layers: "
+                     "without them params[LAYERS], the anchor, would be computed with as the weights")
   if not 1 <= label_shift < tokens_btp1.shape[1]:
     raise ValueError(f"label_shift={label_shift} must be in [1, {tokens_btp1.shape[1] - 1}] (1 in training)")
   tokens = tokens_btp1.astype(jnp.int32)

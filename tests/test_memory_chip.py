@@ -116,3 +116,16 @@ def test_the_layer_gradient_is_born_on_the_device_with_the_same_values():
     assert float(l1) == float(l2)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@requires_jax
+def test_an_anchor_without_the_layer_move_is_refused():
+  """host_layers makes params[LAYERS] an anchor nothing reads: without the per-layer move the model would compute with
+  the anchor as the weights."""
+  import jax.numpy as jnp
+  import pytest
+  from jax_impl import model as model_lib
+  from parity.presets import preset
+  spec = preset("gpt2-tiny").model
+  with pytest.raises(ValueError, match="host_layers .* needs layer_to_device and scan_layers"):
+    model_lib.loss_fn({}, jnp.zeros((1, 4), jnp.int32), spec, scan_layers=True, host_layers={})
