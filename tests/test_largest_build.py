@@ -93,3 +93,29 @@ def test_a_probe_that_fills_in_place_is_bounded_by_the_state_alone(monkeypatch):
   monkeypatch.setenv(sizing.TPU_PREMAPPED_ENV, str(8 << 30))  # the region, not the host, refuses it now
   ok, why = sizing.predicted_fits(run, "jax", None, host, "tpu", sizing.FAST_BUILD_COPIES)
   assert not ok and sizing.TPU_PREMAPPED_ENV in why
+
+
+def _driver():
+  import importlib.util
+  from pathlib import Path
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+  spec = importlib.util.spec_from_file_location("gpu_driver_largest", path)
+  driver = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(driver)
+  return driver
+
+
+def test_the_driver_takes_plan_variants_and_a_confirming_runs_limit():
+  longer = _driver().parse_args(["--confirm-timeout-s", "280", "--largest-plans", "zero0@full,scan-offload-remat"])
+  assert longer.probe_timeout_s == 280 and longer.largest_plans == ["zero0@full", "scan-offload-remat"]
+  assert (_driver().parse_args([]).probe_timeout_s, _driver().parse_args(["--tiny"]).probe_timeout_s) == (150, 90)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--largest-plans", "zero0@sometimes"], "unknown remat policy 'sometimes'; choose from none, full"),
+    (["--confirm-timeout-s", "0"], "--confirm-timeout-s must be > 0"),
+])
+def test_bad_plan_variants_and_limits_exit_2_naming_the_option(argv, words, capsys):
+  with pytest.raises(SystemExit) as exc:
+    _driver().parse_args(argv)
+  assert exc.value.code == 2 and words in capsys.readouterr().err
