@@ -188,7 +188,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model = "gpt2-tiny (--tiny)" if tiny else args.model
     ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {model}'s sequence length {seq}")
   if args.confirm_timeout_s is not None and not 0 < args.confirm_timeout_s < math.inf:  # nan, inf: no limit
-    ap.error(f"--confirm-timeout-s must be > 0; got {args.confirm_timeout_s}")
+    ap.error(f"--confirm-timeout-s must be a finite number > 0; got {args.confirm_timeout_s}")
   for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:
       ap.error(f"--{key.replace('_', '-')} must be > 0; got {getattr(args, key)}")

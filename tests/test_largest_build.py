@@ -113,7 +113,7 @@ def test_the_driver_takes_plan_variants_and_a_confirming_runs_limit():
 
 @pytest.mark.parametrize("argv, words", [
     (["--largest-plans", "zero0@sometimes"], "unknown remat policy 'sometimes'; choose from none, full"),
-    (["--confirm-timeout-s", "0"], "--confirm-timeout-s must be > 0"),
+    (["--confirm-timeout-s", "0"], "--confirm-timeout-s must be a finite number > 0; got 0.0"),
 ])
 def test_bad_plan_variants_and_limits_exit_2_naming_the_option(argv, words, capsys):
   with pytest.raises(SystemExit) as exc:
