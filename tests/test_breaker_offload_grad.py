@@ -31,7 +31,8 @@ def test_a_confirming_run_limit_must_be_a_finite_number(value, capsys):
   from benchmarks import gpu
   with pytest.raises(SystemExit) as exc:
     gpu.parse_args(["--confirm-timeout-s", value])
-  assert exc.value.code == 2 and f"--confirm-timeout-s must be a finite number > 0; got {float(value)}" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert exc.value.code == 2 and f"--confirm-timeout-s must be a finite number > 0; got {float(value)}" in err
 
 
 @pytest.mark.parametrize("module, flag", [("benchmarks.tpu_parts.offload", "--grad-accum"),
