@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import requires_jax
+from test_gpu_bench import _driver
 
 
 @requires_jax
@@ -93,16 +94,6 @@ def test_a_probe_that_fills_in_place_is_bounded_by_the_state_alone(monkeypatch):
   monkeypatch.setenv(sizing.TPU_PREMAPPED_ENV, str(8 << 30))  # the region, not the host, refuses it now
   ok, why = sizing.predicted_fits(run, "jax", None, host, "tpu", sizing.FAST_BUILD_COPIES)
   assert not ok and sizing.TPU_PREMAPPED_ENV in why
-
-
-def _driver():
-  import importlib.util
-  from pathlib import Path
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
-  spec = importlib.util.spec_from_file_location("gpu_driver_largest", path)
-  driver = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(driver)
-  return driver
 
 
 def test_the_driver_takes_plan_variants_and_a_confirming_runs_limit():
