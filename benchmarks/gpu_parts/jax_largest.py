@@ -79,6 +79,25 @@ def compile_step(run) -> dict[str, Any]:
   return out
 
 
+def compiled_host_problem(compiled_host: int | None, host_bytes: int, kind: str | None) -> str | None:
+  """Why a compiled step's host-memory buffers (arguments + outputs + temporaries - aliases, from its
+  memory_analysis: common.compiled_device_peak's 'host_bytes') cannot be held, None when they can: over the host
+  memory a process may use, or on a TPU over the premapped region its pinned_host buffers come from
+  (sizing.tpu_premapped). The memory model's host check comes before the compile; this one reads what XLA planned,
+  so a host temporary the model does not list stops the depth here instead of the confirming run taking the
+  machine's memory."""
+  if compiled_host is None:
+    return None
+  if compiled_host > host_bytes:
+    return f"its compiled host buffers {compiled_host / 2**30:.2f} GiB > the host's {host_bytes / 2**30:.2f} GiB"
+  if kind == "tpu":
+    region, source = sizing.tpu_premapped()
+    if compiled_host > region:
+      return (f"its compiled host buffers {compiled_host / 2**30:.2f} GiB > the {region / 2**30:.2f} GiB premapped "
+              f"region ({source})")
+  return None
+
+
 @dataclasses.dataclass
 class Budget:
   """The part's deadline and the last compile's seconds (a probe starts only when that much is left)."""
@@ -136,6 +155,9 @@ def largest_search(a, base, plan: str, limit: int | None, budget: Budget, until:
       return rec
     rec = compile_probe(lambda _n: compile_step(run), n, limit, fit_by=a.fit_by)
     budget.last_compile_s = rec["compile_s"]
+    why = compiled_host_problem(rec.get("host_bytes"), a.host_bytes, kind) if rec["status"] == "ok" else None
+    if why:
+      rec.update(status="host-limit", fits=False, detail=f"compiled, but {why}")
     out["probes"].append({"n_layers": n, **rec})  # saved as it goes (search_largest returns the same list)
     save()
     return rec

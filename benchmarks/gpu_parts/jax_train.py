@@ -113,12 +113,16 @@ def shared(trainer, run, init_s: float, build_s: float) -> dict:
           "state_bytes_by_memory_kind": offload.bytes_by_memory_kind(trainer.state, dev)}
 
 
-def measure(run, steps: int, warmup: int, fast_init: bool) -> dict:
-  """Builds, compiles and times the step; returns the figures of the module docstring."""
+def measure(run, steps: int, warmup: int, fast_init: bool, on_compiled=None) -> dict:
+  """Builds, compiles and times the step; returns the figures of the module docstring. `on_compiled(record)` gets
+  what is known once the step compiled (its memory and moves), before any step runs: main writes it as the
+  incomplete record, so a process killed during its steps (the host out of memory) still says what it planned."""
   trainer, init_s, build_s = build(run, fast_init)
   t = run.train
   shape = (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1)
   trainer.compile(shape, None)
+  if on_compiled:
+    on_compiled({**shared(trainer, run, init_s, build_s), "compile_s": trainer.compile_s, **_moves(trainer)})
   times, metrics = _time_steps(trainer, run, shape, steps, warmup)
   tokens = t.grad_accum_steps * t.micro_batch_size * t.seq_len
   tim = timing(times)
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     gas = [int(x) for x in args.grad_accum.split(",") if x.strip()]
     res = measure_grid(run, gas, args.steps, args.warmup, args.fast_init)
   else:
-    res = measure(run, args.steps, args.warmup, args.fast_init)
+    res = measure(run, args.steps, args.warmup, args.fast_init,
+                  on_compiled=lambda rec: write_json(args.json, {**rec, "phase": "compiled", "complete": False}))
   res["versions"] = {"jax": jax.__version__}
   write_json(args.json, {**res, "complete": True})
   return 0

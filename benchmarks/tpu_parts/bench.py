@@ -30,6 +30,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from benchmarks.tpu_parts import memguard  # noqa: E402
+
 TAR_MARGIN_S = 15.0
 """Seconds kept after gpu.py for the tar and the shell's last lines."""
 GRACE_S = 30.0
@@ -47,6 +52,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
   ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S") or 420),
                   help="seconds for the whole command from tpu.sh's start, install included (default BUDGET_S or 420)")
   ap.add_argument("--premapped-mib", type=int, help="TPU_PREMAPPED_BUFFER_SIZE in MiB (default: the runtime's)")
+  ap.add_argument("--host-floor-mib", type=int, default=2048,
+                  help="host memory kept free: below it the largest process of the run is killed (memguard)")
+  ap.add_argument("--host-limit-mib", type=int,
+                  help="the host memory this run may use where the guard cannot read it (a sandbox's cap)")
   return ap.parse_known_args(argv)
 
 
@@ -81,10 +90,13 @@ def stop(proc: subprocess.Popen) -> None:
       return
 
 
-def run(cmd: list[str], env: dict[str, str], limit: float) -> int:
+def run(cmd: list[str], env: dict[str, str], limit: float, a: argparse.Namespace | None = None) -> int:
   """Runs gpu.py in a session of its own (its parts are bound to it: harness.lifetime); past `limit` seconds it is
-  stopped (status 1)."""
+  stopped (status 1). A memguard.Guard watches the host's memory meanwhile (--host-floor-mib, --host-limit-mib)."""
   proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), start_new_session=True)
+  floor = (a.host_floor_mib if a else 2048) << 20
+  cap = (a.host_limit_mib << 20) if a and a.host_limit_mib else None
+  guard = memguard.Guard(proc.pid, floor, cap, log=lambda line: print(f"[bench] {line}", flush=True)).start()
   try:
     return proc.wait(timeout=limit)
   except subprocess.TimeoutExpired:
@@ -94,6 +106,10 @@ def run(cmd: list[str], env: dict[str, str], limit: float) -> int:
   except KeyboardInterrupt:
     stop(proc)
     raise
+  finally:
+    guard.stop()
+    print(f"[bench] host memory: peak {guard.peak_used / 2**30:.2f} GiB used while gpu.py ran; "
+          f"{len(guard.killed)} process(es) killed by the guard", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     cmd = command(a, rest, budget)
     print(f"[bench] {' '.join(cmd[1:])}", flush=True)
-    status = run(cmd, environment(a, cache), budget + GRACE_S)
+    status = run(cmd, environment(a, cache), budget + GRACE_S, a)
   finally:
     shutil.rmtree(cache, ignore_errors=True)
   folder = Path(a.out) / "bench"

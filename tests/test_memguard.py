@@ -1,0 +1,77 @@
+"""benchmarks/tpu_parts/memguard.py: the host-memory guard kills the largest process of a run's tree (never the
+leader while it has children) once the host is past its floor, and leaves the tree alone below it. And a compiled
+probe whose host buffers the host or the premapped region cannot hold is a host limit
+(jax_largest.compiled_host_problem)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.tpu_parts import memguard
+
+GIB = 2**30
+
+
+def test_meminfo_reads_kib_fields():
+  info = memguard._meminfo("MemTotal:       47185920 kB\nMemAvailable:   43117260 kB\nHugePages_Total:       0\n")
+  assert info["MemTotal"] == 47185920 * 1024 and info["MemAvailable"] == 43117260 * 1024
+  assert info["HugePages_Total"] == 0
+
+
+def test_used_and_limit_applies_a_cap():
+  used, limit = memguard.used_and_limit()
+  assert 0 < used <= limit
+  _, capped = memguard.used_and_limit(cap=1 << 20)
+  assert capped == 1 << 20
+
+
+def test_victim_prefers_the_largest_child():
+  assert memguard.victim({10: 5 * GIB, 11: 1 * GIB, 12: 3 * GIB}, leader=10) == 12
+  assert memguard.victim({10: 5 * GIB}, leader=10) == 10
+  assert memguard.victim({}, leader=10) is None
+
+
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 << 20); import time; time.sleep(60)"])
+print(child.pid, flush=True)
+child.wait()
+print("child", child.returncode, flush=True)
+"""
+
+
+@pytest.mark.process
+def test_guard_kills_the_child_past_the_floor_and_spares_it_below():
+  proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    child = int(proc.stdout.readline())
+    deadline = time.monotonic() + 20
+    while child not in memguard.tree_rss(proc.pid) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    rss = memguard.tree_rss(proc.pid)
+    assert set(rss) >= {proc.pid, child}
+    lines: list[str] = []
+    calm = memguard.Guard(proc.pid, 2 * GIB, read=lambda: (10 * GIB, 40 * GIB), log=lines.append)
+    assert calm.check() is None and not lines and proc.poll() is None
+    tight = memguard.Guard(proc.pid, 2 * GIB, read=lambda: (39 * GIB, 40 * GIB), log=lines.append)
+    line = tight.check()
+    assert line and f"killed pid {child}" in line and "39.00 GiB used of 40.00 GiB" in line
+    assert proc.stdout.readline().strip() == "child -9"  # the leader lives on and sees its child killed
+    assert proc.wait(timeout=20) == 0 and tight.killed == [line] and tight.peak_used == 39 * GIB
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
+def test_a_compiled_step_whose_host_buffers_exceed_the_region_is_a_host_limit(monkeypatch):
+  from benchmarks.gpu_parts.jax_largest import compiled_host_problem
+  monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", str(28 << 30))
+  assert compiled_host_problem(None, 40 * GIB, "tpu") is None
+  assert compiled_host_problem(20 * GIB, 40 * GIB, "tpu") is None
+  why = compiled_host_problem(30 * GIB, 40 * GIB, "tpu")
+  assert why and "30.00 GiB > the 28.00 GiB premapped region (TPU_PREMAPPED_BUFFER_SIZE=" in why
+  assert compiled_host_problem(30 * GIB, 40 * GIB, "gpu") is None  # no premapped region off a TPU
+  assert "> the host's 16.00 GiB" in compiled_host_problem(20 * GIB, 16 * GIB, "gpu")
