@@ -1,6 +1,6 @@
 """benchmarks/tpu_parts/memguard.py: the host-memory guard kills the largest process of a run's tree (never the
 leader while it has children) once the host is past its floor, and leaves the tree alone below it. And a compiled
-probe whose host buffers the host or the premapped region cannot hold is a host limit
+probe whose host buffers the host cannot hold beside the TPU runtime is a host limit
 (jax_largest.compiled_host_problem)."""
 from __future__ import annotations
 
@@ -66,12 +66,14 @@ def test_guard_kills_the_child_past_the_floor_and_spares_it_below():
       proc.kill()
 
 
-def test_a_compiled_step_whose_host_buffers_exceed_the_region_is_a_host_limit(monkeypatch):
+def test_a_compiled_step_whose_host_buffers_the_host_cannot_hold_is_a_host_limit(monkeypatch):
+  from benchmarks.gpu_parts import sizing
   from benchmarks.gpu_parts.jax_largest import compiled_host_problem
-  monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", str(28 << 30))
+  monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", str(256 << 20))
+  overhead = sizing.tpu_host_overhead()
   assert compiled_host_problem(None, 40 * GIB, "tpu") is None
-  assert compiled_host_problem(20 * GIB, 40 * GIB, "tpu") is None
-  why = compiled_host_problem(30 * GIB, 40 * GIB, "tpu")
-  assert why and "30.00 GiB > the 28.00 GiB premapped region (TPU_PREMAPPED_BUFFER_SIZE=" in why
-  assert compiled_host_problem(30 * GIB, 40 * GIB, "gpu") is None  # no premapped region off a TPU
+  assert compiled_host_problem(40 * GIB - overhead, 40 * GIB, "tpu") is None
+  why = compiled_host_problem(40 * GIB - overhead + 1, 40 * GIB, "tpu")
+  assert why and f"+ {overhead / GIB:.2f} GiB the TPU runtime holds > the host's 40.00 GiB" in why
+  assert compiled_host_problem(40 * GIB - overhead + 1, 40 * GIB, "gpu") is None  # no TPU runtime beside it
   assert "> the host's 16.00 GiB" in compiled_host_problem(20 * GIB, 16 * GIB, "gpu")

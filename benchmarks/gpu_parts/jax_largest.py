@@ -82,20 +82,17 @@ def compile_step(run) -> dict[str, Any]:
 def compiled_host_problem(compiled_host: int | None, host_bytes: int, kind: str | None) -> str | None:
   """Why a compiled step's host-memory buffers (arguments + outputs + temporaries - aliases, from its
   memory_analysis: common.compiled_device_peak's 'host_bytes') cannot be held, None when they can: over the host
-  memory a process may use, or on a TPU over the premapped region its pinned_host buffers come from
-  (sizing.tpu_premapped). The memory model's host check comes before the compile; this one reads what XLA planned,
-  so a host temporary the model does not list stops the depth here instead of the confirming run taking the
-  machine's memory."""
+  memory a process may use, less on a TPU what its runtime holds beside them (sizing.tpu_host_overhead). The
+  memory model's host check comes before the compile; this one reads what XLA planned, so a host temporary the
+  model does not list stops the depth here instead of the confirming run taking the machine's memory."""
   if compiled_host is None:
     return None
-  if compiled_host > host_bytes:
-    return f"its compiled host buffers {compiled_host / 2**30:.2f} GiB > the host's {host_bytes / 2**30:.2f} GiB"
-  if kind == "tpu":
-    region, source = sizing.tpu_premapped()
-    if compiled_host > region:
-      return (f"its compiled host buffers {compiled_host / 2**30:.2f} GiB > the {region / 2**30:.2f} GiB premapped "
-              f"region ({source})")
-  return None
+  overhead = sizing.tpu_host_overhead() if kind == "tpu" else 0
+  if compiled_host + overhead <= host_bytes:
+    return None
+  return (f"its compiled host buffers {compiled_host / 2**30:.2f} GiB"
+          + (f" + {overhead / 2**30:.2f} GiB the TPU runtime holds" if overhead else "")
+          + f" > the host's {host_bytes / 2**30:.2f} GiB")
 
 
 @dataclasses.dataclass

@@ -188,39 +188,43 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
                    kind: str = "gpu", copies: int = BUILD_COPIES) -> tuple[bool, str]:
   """(fits, why) of one side's probe run by the memory model: peak device <= usable (unchecked when device_bytes is
   None), peak host + `copies` fp32 weight copies (BUILD_COPIES; FAST_BUILD_COPIES for a JAX probe that fills its
-  state in place) <= host_bytes and, for the JAX side on a GPU (`kind`), its
-  pinned-host pool by the shared rule (`jax_pool`) within host_bytes (each device's pool can grow to its limit); on
-  a TPU its pinned-host bytes within the runtime's premapped region (`premapped_problem`), and only the rest of its
-  host bytes against `host_bytes`: the region is pinned when a process opens the chip and stays out of MemAvailable
-  afterwards (measured on a v5e: 29.25 GiB available of 45 with a 16 GiB region, 19.0 with 26 GiB), so counting
-  the state that lives in it again refused a 1-layer model with a 26 GiB region."""
+  state in place) <= host_bytes and, for the JAX side on a GPU (`kind`), its pinned-host pool by the shared rule
+  (`jax_pool`) within host_bytes (each device's pool can grow to its limit). On a TPU the pinned-host state is
+  ordinary host memory beside the runtime's premapped region (measured: `tpu_host_overhead`), so the host check
+  adds that overhead to the whole host peak."""
   memory, _ = sizing_modules()
   rows = memory.estimate(run, sides=(side,))
   dev = memory.peak_device_bytes(rows, side)
-  state = memory.peak_host_bytes(rows, side)
-  if side == "jax" and kind == "tpu":  # the pinned part lives in the premapped region, checked below
-    state = max(0, state - host_limits.jax_pinned_need_bytes(run))
-  host = state + copies * 4 * memory.param_count(run.model)
+  host = memory.peak_host_bytes(rows, side) + copies * 4 * memory.param_count(run.model)
+  if side == "jax" and kind == "tpu":
+    host += tpu_host_overhead()
   usable = float("inf") if device_bytes is None else device_bytes * (1 - RESERVE)
   gpu_pool = side == "jax" and kind == "gpu"
   pool = (host_limits.pool_problem(host_limits.jax_pool(run, host_bytes=host_bytes), host_bytes) if gpu_pool
           else None)
-  if side == "jax" and kind == "tpu":
-    pool = premapped_problem(run)
   ok = dev <= usable and host <= host_bytes and pool is None
+  extra = " and the TPU runtime's host overhead" if side == "jax" and kind == "tpu" else ""
   why = (f"predicted device {dev / 2**30:.1f} GiB (usable {usable / 2**30:.1f}), host {host / 2**30:.1f} GiB with "
-         f"{copies} fp32 build copies (available {host_bytes / 2**30:.1f})")
+         f"{copies} fp32 build copies{extra} (available {host_bytes / 2**30:.1f})")
   return ok, why + (f"; {pool}" if pool else "")
 
 
 TPU_PREMAPPED_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
 TPU_PREMAPPED_DEFAULT = 4_294_967_296
 """The TPU runtime's premapped, pinned host region, bytes, where TPU_PREMAPPED_BUFFER_SIZE is unset (the Cloud TPU
-performance guide, "Memory management tuning": default 4,294,967,296; a program whose allocations the region cannot
-serve fails with RESOURCE_EXHAUSTED "Allocating buffer from premapped region failed"). On a TPU `pinned_host` arrays
-come from it (docs/install.md, the doctor's "tpu host buffers" row): the TPU's bound on a plan's pinned host bytes,
-where a GPU has XLA's pool. A larger region costs time each time a process opens the chip (the runtime maps and pins
-it: ~11 s for the default on a v5e, 3.5 s for 256 MiB)."""
+performance guide, "Memory management tuning"). It is a staging area the runtime maps and pins each time a process
+opens the chip (~11 s for the default on a v5e, 3.5 s for 256 MiB), not where `pinned_host` arrays live: on a v5e
+with a 1 GiB region, 14 GiB of pinned_host arrays grew the host's use by exactly their size, 2 GiB per array
+(benchmarks/tpu_parts/pinned_probe.py; benchmarks/results/2026-12-06-tpu-v5e-largest.md). So a large region only
+costs host memory: a TPU run wants a small one."""
+
+TPU_RUNTIME_HOST_BYTES = 1_200_000_000
+"""Host memory a process holds once it has opened a v5e, beyond its premapped region: 1.13 GB measured (2.21 GB of use
+after the opening with a 1 GiB region, 0.03 GB before it; pinned_probe.py), rounded up."""
+
+TPU_COMPILE_HOST_BYTES = 3_000_000_000
+"""Host memory the train step's compile adds on a v5e: the largest-model search's process grew 2.8 GB over four
+compiles of a 37-74 layer scan step (the cgroup's use, sampled every 2 s), rounded up."""
 
 
 def tpu_premapped(environ=None) -> tuple[int, str]:
@@ -233,16 +237,10 @@ def tpu_premapped(environ=None) -> tuple[int, str]:
   return TPU_PREMAPPED_DEFAULT, f"{TPU_PREMAPPED_ENV} unset: the runtime's default"
 
 
-def premapped_problem(run, environ=None) -> str | None:
-  """Why `run`'s JAX side does not fit a TPU's premapped region (None when it does): its pinned-host bytes
-  (host_limits.jax_pinned_need_bytes: 0 under unpinned_host) times the pool rule's headroom
-  (host_limits.POOL_HEADROOM: chunk rounding, buffers the memory model does not list) exceed the region."""
-  need = host_limits.jax_pinned_need_bytes(run)
-  limit, source = tpu_premapped(environ)
-  if not need or need * host_limits.POOL_HEADROOM <= limit:
-    return None
-  return (f"jax needs {need / 2**30:.2f} GiB pinned host (x{host_limits.POOL_HEADROOM:g} headroom) > the "
-          f"{limit / 2**30:.2f} GiB premapped region a TPU's pinned_host arrays come from ({source})")
+def tpu_host_overhead(environ=None) -> int:
+  """Host bytes a TPU training process holds besides its own state: the premapped region, the runtime
+  (TPU_RUNTIME_HOST_BYTES) and the step's compile (TPU_COMPILE_HOST_BYTES)."""
+  return tpu_premapped(environ)[0] + TPU_RUNTIME_HOST_BYTES + TPU_COMPILE_HOST_BYTES
 
 
 def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096, *, plan: str | None = None,
@@ -283,8 +281,8 @@ def grid_run(base, plan: str, micro_tokens: int, grad_accum: int, n_layers: int 
 def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int, hw, host_bytes: int,
                cap: int = 1024) -> tuple[int, list[str]]:
   """(deepest n_layers in [1, cap] at which every plan of the grid fits the device and host by the memory model with
-  the planner's RESERVE, at the grid's micro batch and `grad_accum` (on a TPU, its pinned host bytes also within the
-  premapped region: `premapped_problem`), 0 when none; the lines saying so)."""
+  the planner's RESERVE, at the grid's micro batch and `grad_accum` (on a TPU with the runtime's host overhead
+  beside the state: `tpu_host_overhead`), 0 when none; the lines saying so)."""
   memory, _ = sizing_modules()
   usable = hw.device_bytes * (1 - RESERVE)
 
@@ -295,10 +293,10 @@ def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int
       out[plan] = (memory.peak_device_bytes(rows, "jax"), memory.peak_host_bytes(rows, "jax"))
     return out
 
+  overhead = tpu_host_overhead() if hw.kind == "tpu" else 0
+
   def fits(n: int) -> bool:
-    if hw.kind == "tpu" and any(premapped_problem(grid_run(base, p, micro_tokens, grad_accum, n)) for p in plans_):
-      return False
-    return all(d <= usable and h <= host_bytes for d, h in peaks(n).values())
+    return all(d <= usable and h + overhead <= host_bytes for d, h in peaks(n).values())
   lo, hi = 0, cap + 1
   while hi - lo > 1:
     mid = (lo + hi) // 2
@@ -310,7 +308,8 @@ def grid_depth(base, plans_: tuple[str, ...], micro_tokens: int, grad_accum: int
     why += [f"  {p}: device {d / 2**30:.2f} GiB, host {h / 2**30:.2f} GiB" for p, (d, h) in peaks(lo).items()]
   if hw.kind == "tpu":
     limit, source = tpu_premapped()
-    why.append(f"  pinned host within the TPU's premapped region: {limit / 2**30:.2f} GiB ({source})")
+    why.append(f"  host: each plan's state plus {overhead / 2**30:.2f} GiB the TPU runtime holds (its premapped region "
+               f"{limit / 2**30:.2f} GiB, {source}; the runtime; the compile)")
   return lo, why
 
 
