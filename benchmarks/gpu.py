@@ -139,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--host-gib", type=float,
                   help="host memory the runs may use (default: MemAvailable, or the cgroup limit less its use if less)")
   ap.add_argument("--max-probes", type=int, help="largest-model probes per side or plan (default 8; --tiny 1)")
+  ap.add_argument("--largest-resolution", type=float, default=0.125,
+                  help="grid flow: the JAX largest-model search stops when its bracket is within this share of the "
+                       "largest that trained (default 0.125; 0: to the layer)")
   ap.add_argument("--jax-plans", default=",".join(sizing.GRID_PLANS),
                   help="grid flow: plans to time (a pair of parity's plans, or NAME@POLICY: it with jax.remat POLICY)")
   ap.add_argument("--grad-accum", help="grid flow: gradient accumulations per plan (default 1,8; --tiny 1,2)")
@@ -189,6 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.error(f"--micro-tokens {args.micro_tokens}: must be a multiple of --model {model}'s sequence length {seq}")
   if args.confirm_timeout_s is not None and not 0 < args.confirm_timeout_s < math.inf:  # nan, inf: no limit
     ap.error(f"--confirm-timeout-s must be a finite number > 0; got {args.confirm_timeout_s}")
+  if not 0 <= args.largest_resolution < 1:  # nan fails both
+    ap.error(f"--largest-resolution must be a number in [0, 1); got {args.largest_resolution}")
   for key in ("budget_s", "steps", "max_probes", "micro_tokens", "largest_budget_s", "mib"):
     if getattr(args, key) <= 0:
       ap.error(f"--{key.replace('_', '-')} must be > 0; got {getattr(args, key)}")

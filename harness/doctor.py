@@ -198,8 +198,8 @@ def host_limits_block(environ: Mapping[str, str], **paths: str) -> dict[str, obj
   raw = environ.get(host_limits.XLA_POOL_ENV)
   pool: dict[str, object] = {"variable": host_limits.XLA_POOL_ENV, "value": raw,
                              "applies": "per GPU, XLA's GPU client only: on the CPU backend pinned_host is ordinary "
-                                        "memory and on a TPU it comes from the runtime's premapped region "
-                                        "(TPU_PREMAPPED_BUFFER_SIZE); there the variable is not read"}
+                                        "memory and on a TPU host memory beside the runtime's premapped "
+                                        "region (TPU_PREMAPPED_BUFFER_SIZE); there the variable is not read"}
   try:
     gib = host_limits.xla_pool_setting(environ)
     pool.update(gib=gib or host_limits.XLA_POOL_DEFAULT_GIB, source="env" if gib else "default")

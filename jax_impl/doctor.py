@@ -127,8 +127,9 @@ def _step_round_trip(jax, on_host, dev_s, pin_s, repeats: int) -> dict[str, obje
 TPU_HOST_SETTINGS = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES", "LIBTPU_INIT_ARGS",
                      "XLA_FLAGS", "JAX_DEFAULT_MATMUL_PRECISION")
 """The runtime's host-buffer settings and the flags that change numerics, read from the environment as the process
-sees them (unset: the runtime's default). On TPU the pinned host memory comes from a premapped region sized by
-TPU_PREMAPPED_BUFFER_SIZE (the GPU pinned-pool rule, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, does not apply)."""
+sees them (unset: the runtime's default). On TPU the runtime pins a premapped staging region of
+TPU_PREMAPPED_BUFFER_SIZE bytes when a process opens the chip; pinned_host arrays are host memory beside it (the GPU
+pinned-pool rule, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, does not apply)."""
 
 
 def _accelerator(jax, device) -> dict[str, object]:

@@ -36,7 +36,8 @@ def test_victim_prefers_the_largest_child():
 
 PARENT = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 << 20); import time; time.sleep(60)"])
+child = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 << 20); import time; time.sleep(60)"],
+                         start_new_session=True)  # as harness.lifetime starts a part: a session of its own
 print(child.pid, flush=True)
 child.wait()
 print("child", child.returncode, flush=True)
@@ -44,7 +45,7 @@ print("child", child.returncode, flush=True)
 
 
 @pytest.mark.process
-def test_guard_kills_the_child_past_the_floor_and_spares_it_below():
+def test_guard_kills_the_child_in_its_own_session_past_the_floor_and_spares_it_below():
   proc = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, start_new_session=True)
   try:
     child = int(proc.stdout.readline())

@@ -33,13 +33,14 @@ def test_the_recorded_tpu_block_shows_the_chip_the_link_and_the_settings():
   assert "the same RAM" not in link  # that is the CPU backend's sentence
   assert table["tpu host buffers"] == ("TPU_PREMAPPED_BUFFER_SIZE unset: runtime default; "
                                        "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES unset: runtime default "
-                                       "(pinned_host arrays come from this premapped region)")
+                                       "(a staging region pinned at start; pinned_host arrays are host memory "
+                                       "beside it)")
   flags = table["tpu numerics flags"]
   assert flags.startswith("LIBTPU_INIT_ARGS=--xla_tpu_use_enhanced_launch_barrier=true; XLA_FLAGS unset: runtime "
                           "default; JAX_DEFAULT_MATMUL_PRECISION unset: runtime default")
   assert table["jax pinned-host pool"] == (
-      f"{POOL}: the GPU pinned-pool rule does not apply on TPU (XLA's GPU client reads it); TPU host buffers come "
-      "from the premapped region (TPU_PREMAPPED_BUFFER_SIZE unset: runtime default)")
+      f"{POOL}: the GPU pinned-pool rule does not apply on TPU (XLA's GPU client reads it); TPU pinned_host arrays "
+      "are host memory beside the runtime's premapped region (TPU_PREMAPPED_BUFFER_SIZE unset: runtime default)")
   assert "per GPU" not in table["jax pinned-host pool"]
   assert table["numerics flags"].endswith("the TPU's own: the 'tpu numerics flags' row")
   assert table["sockets"] == "not recorded (a block written before the loopback check)"

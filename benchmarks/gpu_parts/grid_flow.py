@@ -82,7 +82,8 @@ def part_compile(suite: Suite, share: dict[str, float], base, start: int) -> dic
   argv = ["--base", str(spec), "--plans", ",".join(a.largest_plans) if "largest" in a.parts else "",
           "--budget-s", f"{max(1.0, timeout - EXIT_MARGIN_S):.0f}", "--host-bytes", str(dev["host_available_bytes"]),
           "--kind", dev.get("kind") or "cpu", "--max-probes", str(a.max_probes),
-          "--min-probe-s", "2" if suite.tiny else "8", "--fit-by", a.largest_fit_by]
+          "--min-probe-s", "2" if suite.tiny else "8", "--fit-by", a.largest_fit_by,
+          "--resolution", str(getattr(a, "largest_resolution", 0.125))]
   if a.bytes_limit:
     argv += ["--bytes-limit", str(a.bytes_limit)]
   if "train" in a.parts and not suite.tiny:

@@ -12,7 +12,7 @@ peak (memory_analysis: argument + output + temp - alias) over the device's bytes
 
   * grid (when --grid-plans): the deepest model at or below --grid-start (the memory model's) at which every grid
     plan fits with the planner's 10 % reserve, at --grid-ga micro batches of --grid-micro-tokens (by_compile.fit_down).
-  * largest, per plan of --plans: doubling from the memory model's prediction, then bisection to 1/8
+  * largest, per plan of --plans: doubling from the memory model's prediction, then bisection to --resolution
     (sizing.search_largest), at micro batch 1; a depth whose predicted host bytes (memory model; the confirm run
     fills its state in place, sizing.FAST_BUILD_COPIES) exceed --host-bytes is not compiled ('host-limit'): the
     answer must be trainable here, and the run that confirms it (by_compile.confirm_run, started by the driver)
@@ -160,6 +160,7 @@ def largest_search(a, base, plan: str, limit: int | None, budget: Budget, until:
     return rec
 
   res = sizing.search_largest(probe, start, max_probes=a.max_probes, min_probe_s=budget.per_probe,
+                              resolution=a.resolution,
                               time_left=lambda: budget.left(until))
   out.update(res)
   if res["largest_ok"]:
@@ -177,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   ap.add_argument("--host-bytes", type=int, required=True, help="host memory a training process may use")
   ap.add_argument("--kind", default="tpu", help="the device: gpu (XLA's pinned-pool rule applies), tpu or cpu")
   ap.add_argument("--max-probes", type=int, default=6, help="per plan")
+  ap.add_argument("--resolution", type=float, default=0.125,
+                  help="the bisection stops when its bracket is within this share of the largest that trained")
   ap.add_argument("--min-probe-s", type=float, default=5.0, help="time a compile is assumed to take at first")
   ap.add_argument("--fit-by", default="sum", choices=FIT_BY,
                   help="what must stay within the limit: the compiled peak (sum), XLA's own peak (xla), or only "

@@ -117,9 +117,10 @@ def _largest(rec: dict) -> list[str]:
                f"{r.get('largest_ok', 0)}{params} | {_num(r.get('smallest_failed'), 'd')} | {search} | "
                f"{_confirm(rec, plan)} |")
   return out + ["", "A probe compiles the train step from abstract inputs (no weights): 'oom' = XLA refused it for "
-                "memory or its compiled device peak exceeds the limit; 'host-limit' = not compiled, the memory "
-                "model's host bytes (the confirming run fills its state in place: no weight copies) exceed the "
-                "host's, or on a TPU its pinned-host bytes exceed the runtime's premapped region "
-                "(TPU_PREMAPPED_BUFFER_SIZE). Doubling from the memory model's prediction, then bisection to 1/8. The "
+                "memory or its compiled device peak exceeds the limit; 'host-limit' = the memory model's host bytes "
+                "(the confirming run fills its state in place: no weight copies; on a TPU plus the runtime's own, "
+                "its premapped region among them) exceed the host's, so it was not compiled, or it compiled with "
+                "host buffers the host cannot hold. Doubling from the memory model's prediction, then bisection "
+                "(to 1/8 of the depth unless --largest-resolution says otherwise). The "
                 "confirming run trains the largest depth for 2 steps in its own process: 'hung' = killed at its "
                 "timeout.", ""]

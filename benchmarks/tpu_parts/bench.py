@@ -8,17 +8,21 @@ compiling, confirmed by 2-step runs; the JAX plans x gradient accumulation grid)
 recorded as not run (torch is a CPU build there, and the VM refuses sockets). Set here, where unset:
   * JAX_COMPILATION_CACHE_DIR: a fresh folder for this run (removed at the end), so a train or confirming run reuses
     the executable the compile part made for the same program; the compile part's own compile times stay real.
-  * TPU_PREMAPPED_BUFFER_SIZE only with --premapped-mib: the pinned host region a TPU's pinned_host arrays come from
-    (4 GiB by default; gpu.py sizes every offload plan within it, sizing.premapped_problem). The runtime maps and
-    pins it each time a process opens the chip (256 MiB opened it in 3.5 s against 10.9 s for the default,
-    benchmarks/results/2026-12-06-tpu-v5e-matrix.md), so a larger one, which lets offload hold larger models, makes
-    every part slower to start.
-Writes OUT/bench/ (gpu.json, gpu.md, parts/, logs/) and OUT/bench.tgz. Exit status: gpu.py's (1 when it was
-stopped at the budget). Also runs on a CPU machine (`--tiny` among the options), which is how it is tested.
+  * TPU_PREMAPPED_BUFFER_SIZE only with --premapped-mib: the staging region the runtime maps and pins each time a
+    process opens the chip (4 GiB by default; 256 MiB opened it in 3.5 s against 10.9 s for the default,
+    benchmarks/results/2026-12-06-tpu-v5e-matrix.md). pinned_host arrays are host memory beside it (measured:
+    benchmarks/results/2026-12-06-tpu-v5e-largest.md), so a small region leaves the host to the offloaded state;
+    gpu.py counts the region among the runtime's host bytes (sizing.tpu_host_overhead).
+  * a host-memory guard (memguard.py, --host-floor-mib, --host-limit-mib): past the floor, the run's largest process
+    is killed and recorded, so a sandbox's memory cap does not end the whole command with nothing written.
+Writes OUT/bench/ (gpu.json, gpu.md, parts/, logs/, host_memory.json: the guard's peak and what it killed) and
+OUT/bench.tgz. Exit status: gpu.py's (1 when it was stopped at the budget). Also runs on a CPU machine (`--tiny`
+among the options), which is how it is tested.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -110,6 +114,13 @@ def run(cmd: list[str], env: dict[str, str], limit: float, a: argparse.Namespace
     guard.stop()
     print(f"[bench] host memory: peak {guard.peak_used / 2**30:.2f} GiB used while gpu.py ran; "
           f"{len(guard.killed)} process(es) killed by the guard", flush=True)
+    if a is not None:
+      folder = Path(a.out) / "bench"
+      folder.mkdir(parents=True, exist_ok=True)
+      (folder / "host_memory.json").write_text(json.dumps(
+          {"peak_used_bytes": guard.peak_used, "floor_bytes": floor, "cap_bytes": cap, "killed": guard.killed,
+           "source": "memguard: the cgroup's use where readable, else MemTotal - MemAvailable, every "
+                     f"{memguard.POLL_S} s"}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,11 @@ tree is killed, so one part fails and is recorded instead of the machine's own l
 A TPU run that holds a large premapped region (TPU_PREMAPPED_BUFFER_SIZE: pinned, resident from the moment a process
 opens the chip) beside the step's host buffers can take a VM's memory; where the VM is a sandbox with a memory cap,
 crossing it ends every process at once and nothing is written. The guard polls the used memory (the cgroup's where
-its files are readable, else MemTotal - MemAvailable), and past `limit - floor` it kills the tree's process with the
-largest resident set (SIGKILL: one that is out of memory cannot be asked), logs one line, and keeps watching. The
-limit is the smaller of the machine's memory, the cgroup's limit and --host-limit-mib (a cap the guard cannot read,
-as a sandbox's).
+its files are readable, else MemTotal - MemAvailable), and past `limit - floor` it kills the process of the tree
+below the leader with the largest resident set (SIGKILL: one that is out of memory cannot be asked), logs one line,
+and keeps watching. The limit is the smaller of the machine's memory, the cgroup's limit and --host-limit-mib (a cap
+the guard cannot read, as a sandbox's). Found on the chip: the first version walked the leader's session, and since
+each part runs in a session of its own (harness.lifetime) it killed the driver instead of the part.
 """
 from __future__ import annotations
 
@@ -58,20 +59,28 @@ def used_and_limit(cap: int | None = None) -> tuple[int, int]:
   return used, min(limit, cap) if cap else limit
 
 
-def tree_rss(session: int) -> dict[int, int]:
-  """{pid: resident bytes} of the processes of session `session` (its leader and everything it started)."""
+def tree_rss(leader: int) -> dict[int, int]:
+  """{pid: resident bytes} of `leader` and every process it started, however deep, found by parent links (a part may
+  run in a session of its own, so the session id would miss it)."""
   page = os.sysconf("SC_PAGE_SIZE")
-  out = {}
+  parent, rss = {}, {}
   for entry in Path("/proc").iterdir():
     if not entry.name.isdigit():
       continue
     try:
       stat = (entry / "stat").read_text()
       fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
-      if int(fields[3]) == session:  # field 6 of stat: the session id
-        out[int(entry.name)] = int((entry / "statm").read_text().split()[1]) * page
+      parent[int(entry.name)] = int(fields[1])  # field 4 of stat: the parent's pid
+      rss[int(entry.name)] = int((entry / "statm").read_text().split()[1]) * page
     except (OSError, ValueError, IndexError):
       continue  # the process ended while it was read
+  out = {}
+  for pid in rss:
+    p, seen = pid, 0
+    while p and p != leader and seen < 64:  # up the chain to the leader or the root
+      p, seen = parent.get(p, 0), seen + 1
+    if p == leader:
+      out[pid] = rss[pid]
   return out
 
 
@@ -84,12 +93,12 @@ def victim(rss: dict[int, int], leader: int) -> int | None:
 
 
 class Guard:
-  """Watches session `session` (the leader's pid) from a thread; `start()`, then `stop()`. `killed` lists what it
-  killed, as lines; `log` receives each line as it happens."""
+  """Watches the process tree of `leader` (its pid and everything started below it) from a thread; `start()`, then
+  `stop()`. `killed` lists what it killed, as lines; `log` receives each line as it happens."""
 
-  def __init__(self, session: int, floor_bytes: int, cap_bytes: int | None = None,
+  def __init__(self, leader: int, floor_bytes: int, cap_bytes: int | None = None,
                log: Callable[[str], None] = print, read: Callable[[], tuple[int, int]] | None = None):
-    self.session, self.floor, self.cap, self.log = session, floor_bytes, cap_bytes, log
+    self.leader, self.floor, self.cap, self.log = leader, floor_bytes, cap_bytes, log
     self.read = read or (lambda: used_and_limit(self.cap))
     self.killed: list[str] = []
     self.peak_used = 0
@@ -102,8 +111,8 @@ class Guard:
     self.peak_used = max(self.peak_used, used)
     if used <= limit - self.floor:
       return None
-    rss = tree_rss(self.session)
-    pid = victim(rss, self.session)
+    rss = tree_rss(self.leader)
+    pid = victim(rss, self.leader)
     if pid is None:
       return None
     try:

@@ -167,7 +167,7 @@ def host_rows(block: dict) -> list[tuple[str, str]]:
     text = (f"{pool.get('gib')} GiB per GPU (" + (f"{var}={pool.get('value')}" if pool.get("source") == "env" else
                                                  f"XLA's default; {var} not set") + ")")
   backend = jx.get("backend")
-  if backend == "tpu":  # the variable is XLA's GPU client's; a TPU's pinned host memory is the premapped region
+  if backend == "tpu":  # the variable is XLA's GPU client's; a TPU's pinned_host arrays are plain host memory
     text = (text + "; " if pool.get("source") == "invalid" else "") + pool_text_tpu(var, jx)
   else:
     text += (f"; jax here runs on {backend}: the pool applies to GPU backends only" if backend not in ("gpu", "cuda")

@@ -81,24 +81,25 @@ def _setting(settings: dict, key: str) -> str:
 
 
 def tpu_rows(jx: dict) -> list[tuple[str, str]]:
-  """On a TPU: the runtime's host-buffer settings (pinned_host memory comes from the premapped region) and the
-  numerics flags in force, as the probe's process saw them."""
+  """On a TPU: the runtime's host-buffer settings (its premapped region is a staging area pinned when a process
+  opens the chip; pinned_host arrays are host memory beside it) and the numerics flags in force, as the probe's
+  process saw them."""
   acc = jx.get("accelerator") if isinstance(jx.get("accelerator"), dict) else {}
   settings = acc.get("settings") if isinstance(acc.get("settings"), dict) else None
   if settings is None:
     return [("tpu host buffers", "not recorded (a probe from before the TPU settings)")]
   flags = "; ".join(_setting(settings, k) for k in NUMERICS)
   return [("tpu host buffers", "; ".join(_setting(settings, k) for k in HOST_BUFFERS)
-           + " (pinned_host arrays come from this premapped region)"),
+           + " (a staging region pinned at start; pinned_host arrays are host memory beside it)"),
           ("tpu numerics flags", f"{flags} (jax default_matmul_precision: {acc.get('default_matmul_precision')})")]
 
 
 def pool_text_tpu(var: str, jx: dict) -> str:
-  """The 'jax pinned-host pool' row on a TPU: the GPU rule does not apply; where TPU host buffers come from."""
+  """The 'jax pinned-host pool' row on a TPU: the GPU rule does not apply; where TPU pinned_host arrays live."""
   acc = jx.get("accelerator") if isinstance(jx.get("accelerator"), dict) else {}
   size = _setting(acc.get("settings") if isinstance(acc.get("settings"), dict) else {}, HOST_BUFFERS[0])
-  return (f"{var}: the GPU pinned-pool rule does not apply on TPU (XLA's GPU client reads it); TPU host buffers "
-          f"come from the premapped region ({size})")
+  return (f"{var}: the GPU pinned-pool rule does not apply on TPU (XLA's GPU client reads it); TPU pinned_host "
+          f"arrays are host memory beside the runtime's premapped region ({size})")
 
 
 def sockets_row(block: dict) -> tuple[str, str]:
