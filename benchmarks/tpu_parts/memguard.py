@@ -7,8 +7,8 @@ crossing it ends every process at once and nothing is written. The guard polls t
 its files are readable, else MemTotal - MemAvailable), and past `limit - floor` it kills the process of the tree
 below the leader with the largest resident set (SIGKILL: one that is out of memory cannot be asked), logs one line,
 and keeps watching. The limit is the smaller of the machine's memory, the cgroup's limit and --host-limit-mib (a cap
-the guard cannot read, as a sandbox's). Found on the chip: the first version walked the leader's session, and since
-each part runs in a session of its own (harness.lifetime) it killed the driver instead of the part.
+the guard cannot read, as a sandbox's). The tree is found by parent links, not by session:
+each part runs in a session of its own (harness.lifetime), and the leader is the driver that records the part.
 """
 from __future__ import annotations
 
