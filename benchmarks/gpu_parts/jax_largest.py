@@ -153,8 +153,9 @@ def largest_search(a, base, plan: str, limit: int | None, budget: Budget, until:
     rec = compile_probe(lambda _n: compile_step(run), n, limit, fit_by=a.fit_by)
     budget.last_compile_s = rec["compile_s"]
     why = compiled_host_problem(rec.get("host_bytes"), a.host_bytes, kind) if rec["status"] == "ok" else None
-    if why:
-      rec.update(status="host-limit", fits=False, detail=f"compiled, but {why}")
+    if why:  # the figures let the search aim its next probe (sizing.compiler_guess)
+      rec.update(status="host-limit", fits=False, detail=f"compiled, but {why}", host_allowed_bytes=a.host_bytes,
+                 host_need_bytes=rec["host_bytes"] + (sizing.tpu_host_overhead() if kind == "tpu" else 0))
     out["probes"].append({"n_layers": n, **rec})  # saved as it goes (search_largest returns the same list)
     save()
     return rec

@@ -218,12 +218,13 @@ with a 1 GiB region, 14 GiB of pinned_host arrays grew the host's use by exactly
 (benchmarks/tpu_parts/pinned_probe.py; benchmarks/results/2026-12-06-tpu-v5e-largest.md). So a large region only
 costs host memory: a TPU run wants a small one."""
 
-TPU_RUNTIME_HOST_BYTES = 1_600_000_000
-"""Host memory a training process holds on a v5e beyond its state and its premapped region: 1.57 GB measured in the
-103-layer confirming run (38.25 GiB peak use, less its 36.54 GiB of compiled host buffers and the 0.25 GiB region;
-benchmarks/results/2026-12-06-tpu-v5e-largest.md), rounded up. The runtime alone is 1.13 GB of it (a bare process:
-2.21 GB used after opening the chip with a 1 GiB region, 0.03 GB before; pinned_probe.py); the rest is the
-framework's imports."""
+TPU_RUNTIME_HOST_BYTES = 1_850_000_000
+"""Host memory a training process holds on a v5e beyond the memory model's state and its premapped region: measured
+1.83 GB at 103 layers (38.25 GiB peak use, less the model's 36.30 GiB of state and the 0.25 GiB region) and 1.81 GB
+at 98 (36.52 GiB, 34.59, 0.25), benchmarks/results/2026-12-06-tpu-v5e-largest.md; rounded up. The runtime alone is
+1.13 GB of it (a bare process: 2.21 GB used after opening the chip with a 1 GiB region, 0.03 GB before;
+pinned_probe.py); the rest is the framework's imports and the compiled host buffers above the model's state (0.24
+GiB at 103 layers)."""
 
 TPU_COMPILE_HOST_BYTES = 3_000_000_000
 """Host memory the train step's compile adds on a v5e: the largest-model search's process grew 2.8 GB over four
@@ -329,11 +330,15 @@ def compiler_guess(rec: dict[str, Any]) -> int | None:
   """The depth a TPU compiler's refusal points at: n x available / required, from its message ("the total memory
   required for HLO temporaries (24.14G) exceeds available HBM (15.75G)"). The requirement grows with depth plus a
   part that does not (embeddings, logits), so the guess falls at or below the depth that fits; None without such a
-  message."""
+  message. The same for a depth that compiled with host buffers the host cannot hold: n x host_allowed_bytes /
+  host_need_bytes (jax_largest.compiled_host_problem's figures)."""
   m = _HBM_NEED.search(str(rec.get("detail") or ""))
-  if not m or float(m.group(1)) <= 0:
-    return None
-  return int(rec["n_layers"] * float(m.group(2)) / float(m.group(1)))
+  if m and float(m.group(1)) > 0:
+    return int(rec["n_layers"] * float(m.group(2)) / float(m.group(1)))
+  need, allowed = rec.get("host_need_bytes"), rec.get("host_allowed_bytes")
+  if need and allowed is not None and need > 0:
+    return int(rec["n_layers"] * allowed / need)
+  return None
 
 
 def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s,
@@ -377,7 +382,7 @@ def search_largest(probe, start: int, *, max_probes: int, time_left, min_probe_s
       stopped = f"probe at {n} layers: {status}"
       break
   while not stopped and hi is not None and hi - lo > max(1, int(resolution * lo)) and can():
-    guess = compiler_guess(probes[-1]) if probes[-1]["status"] == "oom" else None
+    guess = compiler_guess(probes[-1]) if probes[-1]["status"] in ("oom", "host-limit") else None
     mid = guess if guess is not None and lo < guess < hi else (lo + hi) // 2
     status = run(mid)
     if status == "ok":
