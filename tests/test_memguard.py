@@ -78,3 +78,12 @@ def test_a_compiled_step_whose_host_buffers_the_host_cannot_hold_is_a_host_limit
   assert why and f"+ {overhead / GIB:.2f} GiB the TPU runtime holds > the host's 40.00 GiB" in why
   assert compiled_host_problem(40 * GIB - overhead + 1, 40 * GIB, "gpu") is None  # no TPU runtime beside it
   assert "> the host's 16.00 GiB" in compiled_host_problem(20 * GIB, 16 * GIB, "gpu")
+
+
+@pytest.mark.parametrize("option,value", [("--host-floor-mib", "-1"), ("--host-limit-mib", "0"),
+                                          ("--premapped-mib", "-5")])
+def test_bench_refuses_a_guard_or_region_that_cannot_mean_anything(option, value, capsys):
+  from benchmarks.tpu_parts import bench
+  with pytest.raises(SystemExit) as exc:
+    bench.parse(["--out", "/tmp/unused", option, value])
+  assert exc.value.code == 2 and f"{option} must be" in capsys.readouterr().err

@@ -60,7 +60,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
                   help="host memory kept free: below it the largest process of the run is killed (memguard)")
   ap.add_argument("--host-limit-mib", type=int,
                   help="the host memory this run may use where the guard cannot read it (a sandbox's cap)")
-  return ap.parse_known_args(argv)
+  a, rest = ap.parse_known_args(argv)
+  if a.host_floor_mib < 0:
+    ap.error(f"--host-floor-mib must be >= 0 (MiB kept free); got {a.host_floor_mib}")
+  if a.host_limit_mib is not None and a.host_limit_mib <= 0:
+    ap.error(f"--host-limit-mib must be > 0 (MiB this run may use); got {a.host_limit_mib}")
+  if a.premapped_mib is not None and a.premapped_mib <= 0:
+    ap.error(f"--premapped-mib must be > 0; got {a.premapped_mib}")
+  return a, rest
 
 
 def environment(a: argparse.Namespace, cache: str) -> dict[str, str]:
