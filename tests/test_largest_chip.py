@@ -129,3 +129,24 @@ def test_the_search_aims_below_a_depth_the_host_cannot_hold():
     return {"status": "host-limit", "host_need_bytes": need, "host_allowed_bytes": allowed}
   res = search_largest(probe, 103, max_probes=4, time_left=lambda: 99, min_probe_s=1, resolution=0)
   assert seen[:2] == [103, 101] and res["largest_ok"] == 101 and res["smallest_failed"] == 102
+
+
+def test_mfu_near_1b_without_offload_and_its_memory_bound_ceiling():
+  """The results' MFU section: 23.2% measured at 1.04 B (micro batch 1, every layer recomputed: all that fits), and
+  a ceiling under 40% from the recompute's 8N of work and the optimizer update's HBM traffic at micro batch 1."""
+  from benchmarks.gpu_parts.common import flops_per_token, peak_flops
+  run = read_spec(DATA / "d-zero0full" / "confirm_zero0@full_31.spec.json")
+  rec = _confirm("d-zero0full", "zero0@full", 31)
+  assert (run.train.micro_batch_size, run.train.grad_accum_steps, run.model.n_layers) == (1, 1, 31)
+  peak = peak_flops(rec["device"], "bf16")
+  counted = flops_per_token(run.model, run.train.seq_len)
+  tokens_per_s = rec["tokens_per_step"] / rec["step_s"][-1]
+  assert counted * tokens_per_s / peak == pytest.approx(0.232, abs=0.002)
+  n, m = rec["n_params"], run.model
+  attention = counted - 6 * n  # 12·L·h·s: forward and backward; the recompute adds a third forward
+  work = 8 * n + attention * 4 / 3
+  step_floor = rec["tokens_per_step"] * work / 164e12 + 28 * n / 819e9  # measured matmul rate; data-sheet HBM rate
+  ceiling = counted * rec["tokens_per_step"] / step_floor / peak
+  assert m.d_model == 1600 and ceiling == pytest.approx(0.385, abs=0.005) and ceiling < 0.55
+  # the state leaves no room for a larger micro batch: fp32 params + moments + gradient against the chip
+  assert rec["state_bytes_by_memory_kind"]["device"] + 4 * n > 0.97 * rec["device_bytes_limit"]
