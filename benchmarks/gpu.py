@@ -1,22 +1,24 @@
-"""Accelerator benchmark suite: both sides of parity on one GPU or TPU, in one command (docs/benchmarks.md).
+"""Accelerator benchmark suite: parity's sides on one GPU or TPU, in one command (docs/benchmarks.md).
 
-  benchmarks/gpu.sh                                  # on a GPU node: wheels, env, this script; ~8 min
+  benchmarks/gpu.sh                                  # on a GPU node: wheels, env, this script; ~12 min
   benchmarks/tpu.sh bench                            # on a TPU VM: install, this script with TPU defaults; < 7 min
   python benchmarks/gpu.py --out DIR                 # the same without a wrapper
   python benchmarks/gpu.py --tiny --out DIR          # CPU check (tests/test_gpu_bench.py): gpt2-tiny, tiny buffers
   python benchmarks/gpu.py --parts largest --budget-s 600 --out DIR   # one group of parts, more time
+  python benchmarks/gpu.py --sides fsdp --out DIR    # one side of the fixed flow (its default budget: 240 s a side)
 
 The device is named first (gpu_parts/device.py): a GPU by nvidia-smi; a TPU, on a machine that looks like a TPU VM,
 by one short process that opens the chip (gpu_parts/jax_device.py: device_kind, count, bytes_limit, memory kinds,
 versions); else the CPU. Then one of two flows, each measurement a process of its own with a timeout (a failed part
 is recorded with its stderr tail and the suite goes on; a part this machine cannot run is recorded as not run, with
-the reason: torch without a CUDA device, DeepSpeed where sockets are refused):
+the reason: torch without a CUDA device, DeepSpeed and FSDP2 where sockets are refused):
 
   fixed (default on a GPU; gpu_parts/fixed_flow.py)
     raw      torch pinned host<->device copies and matmul (torch_raw); JAX device_put to/from pinned_host, the same
              moves inside jit, and matmul (jax_raw)
-    train    each side on one fixed GPT size that needs offload by the memory model: tokens/s, step time, MFU,
-             peak memory; the offload cost and overlap (zero2-offload-scan against zero2, same model)
+    train    each side (--sides: jax, deepspeed, fsdp) on one fixed GPT size that needs offload by the memory
+             model: tokens/s, step time, MFU, peak memory; the offload cost and overlap (zero2-offload-scan against
+             zero2, same model; FSDP2: zero3-offload-all against zero3, the ZeRO-3 pairs' FSDP2 plans)
     largest  the largest n_layers each side trains at the fixed width, one training process per probe; each JAX
              part gets XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB from its plan by the planner's rule (sizing.jax_pool)
   grid (default on a TPU, --flow grid elsewhere; gpu_parts/grid_flow.py)
@@ -51,6 +53,10 @@ from harness import lifetime  # noqa: E402
 from parity import sockets  # noqa: E402
 
 PARTS = ("raw", "train", "largest")
+SIDES = tuple(fixed_flow.SIDES)
+"""The fixed flow's sides (--sides), in the order they run on a GPU: jax, deepspeed, fsdp."""
+SIDE_BUDGET_S = 240.0
+"""The fixed flow's default budget per side (outside --tiny): 480 s for two sides, 720 s for all three."""
 FLOWS = ("auto", "fixed", "grid")
 PACKAGES = ("jax", "jaxlib", "libtpu", "flax", "optax", "torch", "deepspeed", "numpy", "pydantic", "hjson",
             "py-cpuinfo")
@@ -132,7 +138,11 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--out", default=os.environ.get("OUT") or f"benchmarks/results/gpu-{time.strftime('%Y-%m-%d')}")
   ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
   ap.add_argument("--flow", default="auto", choices=FLOWS, help="auto: grid on a TPU, fixed elsewhere")
-  ap.add_argument("--budget-s", type=float, help="whole suite, seconds (default 480; --tiny 240)")
+  ap.add_argument("--sides", default=",".join(SIDES),
+                  help=f"fixed flow: comma-separated, of {', '.join(SIDES)} (default all)")
+  ap.add_argument("--budget-s", type=float,
+                  help=f"whole suite, seconds (default: the fixed flow {SIDE_BUDGET_S:.0f} per side, 720 for all "
+                       "three; the grid flow 480; --tiny 240)")
   ap.add_argument("--steps", type=int, help="timed steps per train run (default 3; --tiny 2)")
   ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compile / first-step allocations)")
   ap.add_argument("--device-gib", type=float, help="accelerator memory to size for (default: the device's)")
@@ -169,7 +179,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   ap = _parser()
   args = ap.parse_args(argv)
   tiny = args.tiny
-  args.budget_s = args.budget_s or (240.0 if tiny else 480.0)
+  args.parts = _csv(ap, "--parts", args.parts, PARTS)
+  args.sides = _csv(ap, "--sides", args.sides, SIDES)
+  args.budget_given = args.budget_s is not None
+  args.budget_s = args.budget_s or (240.0 if tiny else 480.0)  # the fixed flow's: `budget` once the flow is known
   args.steps = args.steps or (2 if tiny else 3)
   args.max_probes = args.max_probes or (1 if tiny else 8)
   args.micro_tokens = args.micro_tokens or (64 if tiny else sizing.GRID_MICRO_TOKENS)
@@ -179,7 +192,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args.part_timeout_s, args.train_timeout_s, args.probe_timeout_s = (60, 90, 90) if tiny else (90, 150, 150)
   args.probe_timeout_s = args.confirm_timeout_s or args.probe_timeout_s
   args.op_build_timeout_s, args.min_part_s = (240, 5) if tiny else (240, 20)
-  args.parts = _csv(ap, "--parts", args.parts, PARTS)
   args.jax_plans = _plans(ap, "--jax-plans", args.jax_plans)
   args.largest_plans = _plans(ap, "--largest-plans", args.largest_plans)
   args.grad_accum = _csv(ap, "--grad-accum", args.grad_accum or ("1,2" if tiny else "1,8"), number=True)
@@ -205,11 +217,15 @@ def prepare(args: argparse.Namespace) -> tuple[Suite, int | None]:
   out = Path(args.out)
   for sub in ("parts", "logs"):
     (out / sub).mkdir(parents=True, exist_ok=True)
-  suite = Suite(args, out, time.monotonic() + args.budget_s)
+  started = time.monotonic()
+  suite = Suite(args, out, started + args.budget_s)
   suite.device = device_info(suite)
   suite.not_run = devmod.not_run_reasons(suite.device, args.tiny, sockets.loopback_refusal())
   if args.flow == "auto":
     args.flow = "grid" if suite.tpu else "fixed"
+  if args.flow == "fixed" and not args.tiny and not args.budget_given:
+    args.budget_s = SIDE_BUDGET_S * len(args.sides)
+    suite.deadline = started + args.budget_s
   needs_size = set(args.parts) - {"raw"}
   if not args.tiny and not suite.device.get("memory_total_bytes") and needs_size:
     if "jax_device" in suite.records:  # a TPU VM whose chip could not be read: recorded, the files still come
@@ -225,7 +241,8 @@ def prepare(args: argparse.Namespace) -> tuple[Suite, int | None]:
 def run_flow(suite: Suite) -> None:
   args = suite.args
   dev = suite.device
-  say(f"{'tiny CPU check' if args.tiny else 'full run'}: {args.flow} flow, parts {','.join(args.parts)}, budget "
+  sides = f", sides {','.join(args.sides)}" if args.flow == "fixed" else ""
+  say(f"{'tiny CPU check' if args.tiny else 'full run'}: {args.flow} flow{sides}, parts {','.join(args.parts)}, budget "
       f"{args.budget_s:.0f} s, device {dev.get('name') or 'none (CPU)'} ({dev.get('kind')}), out {suite.out}")
   if args.flow == "grid":
     grid_flow.run_grid_flow(suite)
@@ -236,7 +253,8 @@ def run_flow(suite: Suite) -> None:
     suite.records["sizing"] = info
     for line in info["why"]:
       say(line)
-  if not args.tiny and ("train" in args.parts or "largest" in args.parts) and "deepspeed" not in suite.not_run:
+  if not args.tiny and ("train" in args.parts or "largest" in args.parts) and "deepspeed" not in suite.not_run \
+     and "deepspeed" in args.sides:
     fixed_flow.start_op_build(suite)  # tiny: the DeepSpeed parts load the built op themselves (2 cores: no spare CPU)
   fixed_flow.run_sides(suite, configs)
   if suite.op_build is not None:

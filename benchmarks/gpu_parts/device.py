@@ -8,8 +8,9 @@
     a time may hold it, and the parts need it.
   * CPU otherwise.
 `device_from_jax_probe` turns that probe's JSON (the `frameworks.jax` block `parity doctor --json` records, the same
-format) into the device record the suite sizes from. `not_run_reasons` says which torch/DeepSpeed parts cannot run
-here and why (no CUDA device, sockets refused: parity.sockets), so they are recorded as not run instead of timing out.
+format) into the device record the suite sizes from. `not_run_reasons` says which torch, DeepSpeed and FSDP2 parts
+cannot run here and why (no CUDA device, sockets refused: parity.sockets), so they are recorded as not run instead of
+timing out.
 """
 from __future__ import annotations
 
@@ -108,18 +109,20 @@ def recorded_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 def not_run_reasons(device: Mapping[str, Any], tiny: bool, socket_error: str | None) -> dict[str, str]:
   """Parts that cannot run here -> why: 'torch' (torch_raw) without a CUDA GPU outside the tiny CPU check (torch's
-  figures would be the host CPU's: on a TPU VM a CPU build), 'deepspeed' (ds_train, the op build) when sockets are
-  refused (its init builds a torch.distributed group: parity.sockets) or, outside the tiny check, without a CUDA
-  GPU. `socket_error`: parity.sockets.loopback_refusal()."""
+  figures would be the host CPU's: on a TPU VM a CPU build); 'deepspeed' (ds_train, the op build) and 'fsdp'
+  (fsdp_train) when sockets are refused (each builds a torch.distributed group, even with one rank: parity.sockets)
+  or, outside the tiny check, without a CUDA GPU. `socket_error`: parity.sockets.loopback_refusal()."""
   out = {}
   if not tiny and device.get("kind") != "gpu":
     torch = package_version("torch")
     build = f"torch {torch}" + (": a CPU build" if torch and "+cpu" in torch else "") if torch else "torch absent"
     out["torch"] = f"not run: torch has no device here ({build}; no CUDA GPU), its figures would be the host CPU's"
-    out["deepspeed"] = ("not run: no CUDA GPU here, so DeepSpeed would train on the host CPU; the JAX side runs on "
-                        f"the {device.get('name') or 'CPU'}")
+    for family, label in (("deepspeed", "DeepSpeed"), ("fsdp", "FSDP2")):
+      out[family] = (f"not run: no CUDA GPU here, so {label} would train on the host CPU; the JAX side runs on the "
+                     f"{device.get('name') or 'CPU'}")
   if socket_error:
-    out["deepspeed"] = sockets.not_run_line("deepspeed", socket_error)
+    for family in ("deepspeed", "fsdp"):
+      out[family] = sockets.not_run_line(family, socket_error)
   return out
 
 

@@ -1,10 +1,11 @@
 """The fixed flow of benchmarks/gpu.py (the default on a GPU; docs/benchmarks.md). Imports neither jax nor torch.
 
-Per side (JAX, then DeepSpeed; both at once in --tiny): raw (jax_raw / torch_raw), train (one fixed GPT size that
-needs offload by the memory model: the fixed run with offload and the offload-cost pair), largest (one training
-process per probed depth: doubling from the memory model's prediction, then bisection). A part this machine cannot
-run (torch without a CUDA device outside --tiny, DeepSpeed where sockets are refused: device.not_run_reasons) is
-recorded as not run with its reason instead of being started.
+Per side (JAX, then DeepSpeed, then FSDP2: those --sides names; all at once in --tiny): raw (jax_raw / torch_raw,
+the latter once for both torch sides), train (one fixed GPT size that needs offload by the memory model: the fixed
+run with offload and the offload-cost pair; the FSDP2 side runs parity's ZeRO-3 pairs' FSDP2 plans,
+sizing.TRAIN_PLANS), largest (one training process per probed depth: doubling from the memory model's prediction,
+then bisection). A part this machine cannot run (torch without a CUDA device outside --tiny, DeepSpeed and FSDP2
+where sockets are refused: device.not_run_reasons) is recorded as not run with its reason instead of being started.
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ from harness import lifetime
 from harness.launch import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
-SIDES = {"jax": "jax_train", "deepspeed": "ds_train"}
-FAMILY = {"jax": None, "deepspeed": "deepspeed"}
+SIDES = {"jax": "jax_train", "deepspeed": "ds_train", "fsdp": "fsdp_train"}
+"""Side -> the part module of its train and largest runs, in the order the sides run on a GPU."""
+FAMILY = {"jax": None, "deepspeed": "deepspeed", "fsdp": "fsdp"}
 """Side -> the not-run family that stops its train and largest parts (device.not_run_reasons); its raw part:
 RAW_FAMILY."""
-RAW_FAMILY = {"jax": None, "deepspeed": "torch"}
+RAW_FAMILY = {"jax": None, "deepspeed": "torch", "fsdp": "torch"}
 
 
 def start_op_build(suite: Suite) -> None:
@@ -68,11 +70,23 @@ def wait_op_build(suite: Suite) -> None:
 
 # ----------------------------------------------------------------------------- raw
 
-RAW = {"jax": "jax_raw", "deepspeed": "torch_raw"}
+RAW = {"jax": "jax_raw", "deepspeed": "torch_raw", "fsdp": "torch_raw"}
+
+
+def sides_of(suite: Suite) -> list[str]:
+  """The sides this run measures (--sides; every side where the driver gave none), in SIDES order."""
+  chosen = getattr(suite.args, "sides", None) or list(SIDES)
+  return [s for s in SIDES if s in chosen]
+
+
+def raw_owner(suite: Suite, side: str) -> bool:
+  """Whether `side` runs its raw part: the first of the chosen sides with that part (DeepSpeed's torch_raw serves the
+  FSDP2 side too)."""
+  return next(s for s in sides_of(suite) if RAW[s] == RAW[side]) == side
 
 
 def part_raw(suite: Suite, side: str) -> None:
-  """The side's framework: bandwidth and matmul (jax_raw; torch_raw for DeepSpeed)."""
+  """The side's framework: bandwidth and matmul (jax_raw; torch_raw for DeepSpeed and FSDP2)."""
   a = suite.args
   sizes = ["--mib", str(a.mib), "--n", str(a.matmul_n), "--reps", str(a.reps)]
   why = suite.not_run.get(RAW_FAMILY[side] or "")
@@ -138,6 +152,7 @@ def part_train(suite: Suite, side: str, configs: dict) -> None:
     if cname == "cost_offload" and run == configs["fixed"]:
       suite.records[name] = {"same_as": f"{side}_fixed"}
       continue
+    run = sizing.train_run(run, side, offload=cname != "cost_none")  # FSDP2: the ZeRO-3 pairs' FSDP2 plans
     spec = write_spec(run, suite.out / "parts" / f"{name}.spec.json")
     # DeepSpeed without offload: torch.optim.AdamW (torch_adam), as FusedAdam's CUDA op needs nvcc and minutes
     adam = ["--torch-adam"] if side == "deepspeed" and cname == "cost_none" else []
@@ -146,7 +161,7 @@ def part_train(suite: Suite, side: str, configs: dict) -> None:
                                              str(a.warmup), *init, *adam], a.train_timeout_s, env=env)
     if pool:
       rec["pool"] = pool
-    rec["config"] = {"plan": sizing.NO_OFFLOAD_PLAN if cname == "cost_none" else sizing.OFFLOAD_PLAN,
+    rec["config"] = {"plan": sizing.TRAIN_PLANS[side][cname == "cost_none"],
                      "micro_batch": run.train.micro_batch_size, "seq_len": run.train.seq_len,
                      "n_layers": run.model.n_layers, "d_model": run.model.d_model, "precision": run.train.precision}
     if rec["ok"]:
@@ -161,19 +176,28 @@ def derived(suite: Suite, side: str, run, res: dict) -> dict:
   out = {"flops_per_token": fpt, "model_tflops_per_s": res["tokens_per_s"] * fpt / 1e12,
          "peak_tflops": peak / 1e12 if peak else None,
          "mfu": res["tokens_per_s"] * fpt / peak if peak else None, "link": link_gbs(suite, side)}
-  if side == "deepspeed":
+  if side != "jax":  # the JAX part reads its moves from the compiled step; the torch sides' come from the planner
     memory, _ = sizing_modules()
     from parity.sizing import cost
-    rows = memory.estimate(run, sides=("deepspeed",))
-    out["moved_bytes_per_step_model"] = cost.transfer_bytes(run, "deepspeed", rows)
+    rows = memory.estimate(run, sides=(side,))
+    out["moved_bytes_per_step_model"] = cost.transfer_bytes(run, side, rows)
+    out["model_peak_bytes"] = {"device": memory.peak_device_bytes(rows, side),
+                               "host": memory.peak_host_bytes(rows, side)}  # the memory model's, beside the measured
   return out
+
+
+MOVED_SOURCE = {"jax": "compiled step's S(5) entry buffers",
+                "deepspeed": "planner transfer model (grads down, params up: 2 x e x N)",
+                "fsdp": "planner transfer model (fp32 param shards up for forward and backward, grad shards down: "
+                        "4 x N x (2 x GAS + 1))"}
+"""Where each side's bytes moved per step come from (parity.sizing.cost.transfer_bytes for the torch sides)."""
 
 
 def offload_summary(suite: Suite) -> dict:
   """Per side: offload cost (tokens/s kept) and overlap (bytes moved, their time at the measured bandwidth, the
   step time offload adds)."""
   out = {}
-  for side in SIDES:
+  for side in sides_of(suite):
     off = suite.records.get(f"{side}_cost_offload", {})
     if "same_as" in off:
       off = suite.records.get(off["same_as"], {})
@@ -193,8 +217,7 @@ def offload_summary(suite: Suite) -> dict:
     out[side] = {"tokens_per_s_offload": ro["tokens_per_s"], "tokens_per_s_none": rn["tokens_per_s"],
                  "kept": ro["tokens_per_s"] / rn["tokens_per_s"], "step_s_offload": ro["median_s"],
                  "step_s_none": rn["median_s"], "offload_adds_s": extra, "moved_bytes_per_step": moved,
-                 "moved_source": "compiled step's S(5) entry buffers" if side == "jax" else
-                 "planner transfer model (grads down, params up: 2 x e x N)",
+                 "moved_source": MOVED_SOURCE[side],
                  "transfer_s_at_measured_bw": transfer_s, "link": link,
                  "hidden_fraction": (1 - extra / transfer_s) if transfer_s else None}
   return out
@@ -256,7 +279,7 @@ def run_side(suite: Suite, side: str, configs: dict, deadline: float) -> None:
   suite.local.deadline = deadline
   why = suite.not_run.get(FAMILY[side] or "")
   try:
-    if "raw" in suite.args.parts:
+    if "raw" in suite.args.parts and raw_owner(suite, side):
       part_raw(suite, side)
     if "train" in suite.args.parts and configs:
       if why:
@@ -276,17 +299,28 @@ def run_side(suite: Suite, side: str, configs: dict, deadline: float) -> None:
 
 
 def run_sides(suite: Suite, configs: dict) -> None:
-  """GPU: the JAX chain, then the DeepSpeed chain, each with half of the budget left (they must not share the
-  device). --tiny: both at once on the CPU (the figures are checks, not measurements)."""
+  """GPU: the chosen sides' chains one after the other (JAX, DeepSpeed, FSDP2), each with an equal share of the budget
+  left (they must not share the device). --tiny: all at once on the CPU (the figures are checks, not measurements),
+  the links read again once every raw part is in (the FSDP2 side reads DeepSpeed's torch_raw)."""
+  sides = sides_of(suite)
   if suite.tiny:
     threads = [threading.Thread(target=run_side, args=(suite, side, configs, suite.deadline), daemon=True)
-               for side in SIDES]
+               for side in sides]
     for t in threads:
       t.start()
     for t in threads:
       t.join()
+    relink(suite, sides)
     return
-  for i, side in enumerate(SIDES):
-    run_side(suite, side, configs, time.monotonic() + suite.left() / (len(SIDES) - i))
+  for i, side in enumerate(sides):
+    run_side(suite, side, configs, time.monotonic() + suite.left() / (len(sides) - i))
 
 
+def relink(suite: Suite, sides: list[str]) -> None:
+  """Each side's measured link in its train and largest records, read from the raw records as they are now."""
+  for side in sides:
+    recs = [r for name, r in suite.records.items() if name.startswith(f"{side}_") and "derived" in r]
+    for r in recs:
+      r["derived"]["link"] = link_gbs(suite, side)
+    if "link" in suite.records.get(f"largest_{side}", {}):
+      suite.records[f"largest_{side}"]["link"] = link_gbs(suite, side)

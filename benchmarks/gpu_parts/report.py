@@ -7,6 +7,8 @@ from typing import Any
 from benchmarks.gpu_parts.common import peak_flops
 
 GiB = 2**30
+SIDES = ("jax", "deepspeed", "fsdp")
+"""The fixed flow's sides, in its order (gpu_parts/fixed_flow.SIDES)."""
 PUBLISHED_KEPT = "18-42 %"
 """Tokens/s kept with full optimizer-state offload over PCIe in published results (the quoted range)."""
 
@@ -72,7 +74,7 @@ def _header(data: dict) -> list[str]:
   out = [f"# {title} benchmark — {h['date']} — {dev.get('name') or 'CPU (tiny check: no accelerator)'}", "",
          f"Mode: **{h['mode']}**, {h.get('flow', 'fixed')} flow"
          f"{' — every figure below is a CPU/tiny figure, not a GPU one' if cpu else ''}"
-         f"{' (the two sides ran at the same time)' if data.get('sides_concurrent') else ''}. "
+         f"{' (the sides ran at the same time)' if data.get('sides_concurrent') else ''}. "
          f"{h['machine']} ({dev.get('cpu_usable')} usable), Python {h['python']}; host memory "
          f"{_bytes(dev.get('host_total_bytes'))} ({_bytes(dev.get('host_available_bytes'))} available); suite wall "
          f"time {data['suite_wall_s']:.0f} s.", "", _device_line(dev), "",
@@ -131,11 +133,11 @@ def _train(data: dict) -> list[str]:
   sz = rec.get("sizing")
   if not sz:
     return []
-  out = ["## Both sides on one fixed GPT size", "", *[f"    {line}" for line in sz.get("why", [])], "",
+  out = ["## Each side on one fixed GPT size", "", *[f"    {line}" for line in sz.get("why", [])], "",
          "| run | plan | micro x seq | tokens/s | step s (median) | MFU | peak device | peak host RSS | "
          "link h2d / d2h |",
          "|---|---|---|---|---|---|---|---|---|"]
-  names = [f"{s}_{c}" for s in ("jax", "deepspeed") for c in ("fixed", "cost_offload", "cost_none")]
+  names = [f"{s}_{c}" for s in SIDES for c in ("fixed", "cost_offload", "cost_none")]
   for name, r in ((n, rec[n]) for n in names if n in rec):
     if "same_as" in r:
       out.append(f"| {name} | same run as {r['same_as']} | | | | | | | |")
@@ -178,12 +180,13 @@ def _offload(data: dict) -> list[str]:
   return out + ["", f"kept = tokens/s with full optimizer-state offload / without, same model and batch (published "
                 f"PCIe results: {PUBLISHED_KEPT}). hidden = 1 - (step time offload adds) / (transfer time at the "
                 "measured bandwidth, mean of both directions): the share of the moves the step overlaps with "
-                "compute (DeepSpeed's added time also holds CPU Adam, so its figure is a lower bound).", ""]
+                "compute (the added time of DeepSpeed and FSDP2 also holds their optimizer step on the CPU, so their "
+                "figures are lower bounds).", ""]
 
 
 def _largest(data: dict) -> list[str]:
   rec = data["records"]
-  rows = [(s, rec[f"largest_{s}"]) for s in ("jax", "deepspeed") if f"largest_{s}" in rec
+  rows = [(s, rec[f"largest_{s}"]) for s in SIDES if f"largest_{s}" in rec
           and not rec[f"largest_{s}"].get("not_run")]
   if not rows:
     return []

@@ -34,9 +34,17 @@ OFFLOAD_PLAN, NO_OFFLOAD_PLAN = "zero2-offload-scan", "zero2"
 """Full optimizer-state offload (DeepSpeed ZeRO-2 + offload_optimizer cpu; JAX Adam moments in pinned_host,
 streamed through the update one layer at a time) and the same pair without offload. The JAX side scans over
 layers in both (compile time independent of depth, which the ~8 minute budget needs)."""
-PROBE_PLANS = {"jax": "scan-offload", "deepspeed": "zero3-offload-all"}
+FSDP_OFFLOAD_PLAN, FSDP_NO_OFFLOAD_PLAN = "zero3-offload-all", "zero3"
+"""The FSDP2 side's train pair. Parity's pairs with an FSDP2 plan are the ZeRO-3 ones (plans.PLANS: FSDP2 always
+shards the params): `fully_shard` + `CPUOffloadPolicy` (sharded params, gradients and Adam moments in host memory,
+the optimizer step on the CPU) where the fixed run needs offload, `fully_shard` alone for the offload cost's run
+without it."""
+TRAIN_PLANS = {"jax": (OFFLOAD_PLAN, NO_OFFLOAD_PLAN), "deepspeed": (OFFLOAD_PLAN, NO_OFFLOAD_PLAN),
+               "fsdp": (FSDP_OFFLOAD_PLAN, FSDP_NO_OFFLOAD_PLAN)}
+"""Side -> (its plan with offload, without) in the fixed flow's train part."""
+PROBE_PLANS = {"jax": "scan-offload", "deepspeed": "zero3-offload-all", "fsdp": "zero3-offload-all"}
 """Largest-model plans: JAX params + optimizer state in pinned_host (scan over layers); DeepSpeed ZeRO-3 with
-offload_optimizer and offload_param cpu."""
+offload_optimizer and offload_param cpu; FSDP2 with CPUOffloadPolicy (the pair's FSDP2 plan)."""
 NO_OFFLOAD = ("zero0", "zero1", "zero2", "zero3")
 RESERVE = 0.1
 """Fraction of device memory the planner keeps for the framework and fragmentation (choose_plan's default)."""
@@ -156,9 +164,23 @@ def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128, device_
   return {"run": run, "micro_fixed": fixed, "micro_cost": cost, "why": why, "ranking_at_fixed": ranking}
 
 
+def side_run(run, side: str):
+  """`run` as `side` runs it: the fsdp side's run names that side alone (its plan is the run's `fsdp` section, set by
+  a pair with an FSDP2 plan); the others' as they are."""
+  return dataclasses.replace(run, sides=("fsdp",)).validate() if side == "fsdp" else run
+
+
+def train_run(run, side: str, offload: bool):
+  """The train run of `side` from a fixed-flow config `run` (TRAIN_PLANS: its plan with or without offload, at the
+  config's micro batch); the JAX and DeepSpeed configs carry their plan already and are returned as they are."""
+  if side != "fsdp":
+    return run
+  return side_run(with_plan(run, TRAIN_PLANS[side][0 if offload else 1]), side)
+
+
 def probe_run(base, side: str, n_layers: int):
   """The largest-model probe of `side` at `n_layers`: `base`'s width, micro batch 1, the side's PROBE_PLANS pair."""
-  return with_plan(base, PROBE_PLANS[side], micro_batch=1, n_layers=n_layers)
+  return side_run(with_plan(base, PROBE_PLANS[side], micro_batch=1, n_layers=n_layers), side)
 
 
 BUILD_COPIES = 3
