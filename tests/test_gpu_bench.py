@@ -35,7 +35,7 @@ def test_each_part_imports_one_framework_and_the_driver_none():
   for name in ("jax_raw", "jax_train", "jax_largest", "jax_device"):
     assert "torch" not in _imported_roots(PARTS / f"{name}.py") and "deepspeed" not in _imported_roots(
         PARTS / f"{name}.py")
-  for name in ("torch_raw", "ds_train"):
+  for name in ("torch_raw", "ds_train", "fsdp_train"):
     assert "jax" not in _imported_roots(PARTS / f"{name}.py")
   driver = [ROOT / "benchmarks" / "gpu.py", ROOT / "benchmarks" / "tpu_parts" / "bench.py",
             *(PARTS / f"{n}.py" for n in DRIVER_SIDE)]
@@ -148,17 +148,18 @@ def test_tiny_mode_runs_every_part_on_cpu(tmp_path):
   data = json.loads((tmp_path / "gpu.json").read_text())
   rec = data["records"]
   for name in ("torch_raw", "jax_raw", "jax_fixed", "jax_cost_none", "deepspeed_fixed",
-               "deepspeed_cost_none"):
+               "deepspeed_cost_none", "fsdp_fixed", "fsdp_cost_none"):
     r = rec[name]
     assert r["ok"] or (r["failure"] and r["detail"]), (name, r)
   assert rec["torch_raw"]["ok"] and rec["jax_raw"]["ok"]
   assert rec["torch_raw"]["result"]["bandwidth"]["host_to_host"]["median_gbs"] > 0
   assert rec["jax_raw"]["result"]["bandwidth"]["device_put_pinned_to_device"]["median_gbs"] > 0
   assert all(rec[p]["result"]["matmul"]["fp32"]["tflops"] > 0 for p in ("torch_raw", "jax_raw"))
-  steps = [rec[n]["result"] for n in ("jax_fixed", "deepspeed_fixed") if rec[n]["ok"]]
+  steps = [rec[n]["result"] for n in ("jax_fixed", "deepspeed_fixed", "fsdp_fixed") if rec[n]["ok"]]
   assert steps and all(s["tokens_per_s"] > 0 and s["peak_host_rss_bytes"] > 0 for s in steps)
   assert rec["jax_cost_offload"] == {"same_as": "jax_fixed"}  # tiny: one size, so the offload run is the fixed one
-  for side in ("jax", "deepspeed"):
+  assert rec["fsdp_fixed"]["ok"] and rec["fsdp_fixed"]["result"]["median_s"] > 0  # FSDP2 on one gloo rank
+  for side in ("jax", "deepspeed", "fsdp"):
     o, lg = data["offload"][side], rec[f"largest_{side}"]
     assert "error" in o or (o["kept"] > 0 and o["moved_bytes_per_step"] > 0), o
     assert len(lg["probes"]) == 1 and (lg["largest_ok"] == 2 or lg["probes"][0]["status"] != "ok"), lg
@@ -520,6 +521,7 @@ def _driver():
     (["--model", "gpt5"], "--model: model 'gpt5': not in parity.hf.MODEL_PRESETS"),
     (["--micro-tokens", "1000"], "--micro-tokens 1000: must be a multiple of --model gpt2-1.5b's sequence length 1024"),
     (["--raw-mib", "-1"], "--mib must be > 0"),
+    (["--sides", "jax,torch"], "--sides 'jax,torch': unknown torch; choose from jax, deepspeed, fsdp"),
 ])
 def test_bad_options_exit_2_naming_the_option(argv, words, capsys):
   with pytest.raises(SystemExit) as exc:
@@ -532,6 +534,7 @@ def test_options_take_the_grid_defaults():
   assert (args.jax_plans, args.grad_accum, args.micro_tokens) == (["zero0", "zero2-offload-scan"], [1, 8], 4096)
   assert args.largest_plans == ["zero0", "zero2-offload-scan", "scan-offload"] and args.largest_budget_s == 240
   assert (args.flow, args.largest_fit_by, args.model) == ("auto", "sum", "gpt2-1.5b")
+  assert args.sides == ["jax", "deepspeed", "fsdp"] and not args.budget_given  # the fixed flow: 240 s a side
   tiny = _driver().parse_args(["--tiny", "--model", "gpt2-124m", "--raw-mib", "4"])
   assert (tiny.grad_accum, tiny.micro_tokens, tiny.mib) == ([1, 2], 64, 4)
 

@@ -136,3 +136,18 @@ def test_tiny_fsdp_side_trains_and_finds_a_largest_model_on_cpu(tmp_path):
   assert lg["largest_params"] == memory.param_count(sizing.probe_run(tiny, "fsdp", lg["largest_ok"]).model)
   md = (tmp_path / "gpu.md").read_text()
   assert "| fsdp_fixed | zero3-offload-all" in md and "| fsdp | zero3-offload-all |" in md
+
+
+@pytest.mark.process
+def test_the_fixed_flows_default_budget_is_per_side(tmp_path):
+  """Without --budget-s the fixed flow gets 240 s a side (720 for all three, 240 for one); a given budget stands."""
+  import importlib.util
+  import time
+  spec = importlib.util.spec_from_file_location("gpu_driver_fsdp", ROOT / "benchmarks" / "gpu.py")
+  drv = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(drv)
+  for argv, budget in (([], 720.0), (["--sides", "fsdp"], 240.0), (["--budget-s", "100"], 100.0)):
+    suite, status = drv.prepare(drv.parse_args(["--device-gib", "80", "--flow", "fixed", "--out", str(tmp_path),
+                                                *argv]))
+    assert status is None and suite.args.budget_s == budget
+    assert budget - 30 < suite.deadline - time.monotonic() <= budget
