@@ -11,6 +11,7 @@ import math
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,35 @@ def fast_params(model) -> dict[str, np.ndarray]:
 def fast_value(model, norm_scale: bool, bias: bool) -> float:
   """The constant of one fast-init tensor (`fast_params`; jax_train.filled_trainer fills the flax tree with it)."""
   return 1.0 if norm_scale else 0.0 if bias else model.init_std
+
+
+def part_parser(doc: str, spec_required: bool = True) -> argparse.ArgumentParser:
+  """The options every training part takes: --spec, --json, --steps, --warmup, --fast-init."""
+  ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  ap.add_argument("--spec", required=spec_required, help="RunSpec JSON (parity.spec.to_dict)")
+  ap.add_argument("--json", required=True)
+  ap.add_argument("--steps", type=int, default=3)
+  ap.add_argument("--warmup", type=int, default=1)
+  ap.add_argument("--fast-init", action="store_true")
+  return ap
+
+
+def timed_steps(step, vocab_size: int, shape: tuple[int, ...], steps: int, warmup: int, sync=None,
+                probe_first: bool = False) -> tuple[list[float], dict]:
+  """`warmup` untimed then `steps` timed calls of `step(batch)` (with probe=True on the first where `probe_first`) on
+  random token ids of `shape`, `sync()` around each (a CUDA device's synchronize; None: the step returns when done)."""
+  rng = np.random.default_rng(0)
+  sync = sync or (lambda: None)
+  times, metrics = [], {}
+  for i in range(warmup + steps):
+    batch = rng.integers(0, vocab_size, shape).astype(np.uint16)
+    sync()
+    s0 = time.perf_counter()
+    metrics = step(batch, probe=i == 0) if probe_first else step(batch)
+    sync()
+    if i >= warmup:
+      times.append(time.perf_counter() - s0)
+  return times, metrics
 
 
 def timing(times: list[float]) -> dict[str, float]:

@@ -13,14 +13,12 @@ on DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu, set by torch_impl.engine.set
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-import numpy as np
 
-from benchmarks.gpu_parts.common import (peak_rss_bytes, fast_params, read_spec, reset_peak_rss, timing,
-                                         write_json)
+from benchmarks.gpu_parts.common import (fast_params, part_parser, peak_rss_bytes, read_spec, reset_peak_rss,
+                                         timed_steps, timing, write_json)
 from parity.weights import init_params, n_params
 
 
@@ -51,16 +49,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool, torch_adam: bool = Fa
     torch.cuda.reset_peak_memory_stats(trainer.device)
   t = run.train
   shape = (t.grad_accum_steps, t.micro_batch_size, t.seq_len + 1)
-  rng = np.random.default_rng(0)
-  times, metrics = [], {}
-  for i in range(warmup + steps):
-    batch = rng.integers(0, run.model.vocab_size, shape).astype(np.uint16)
-    sync()
-    s0 = time.perf_counter()
-    metrics = trainer.step(batch, probe=i == 0)
-    sync()
-    if i >= warmup:
-      times.append(time.perf_counter() - s0)
+  times, metrics = timed_steps(trainer.step, run.model.vocab_size, shape, steps, warmup, sync, probe_first=True)
   tokens = t.grad_accum_steps * t.micro_batch_size * t.seq_len
   tim = timing(times)
   return {
@@ -88,12 +77,7 @@ def build_op() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--spec", help="RunSpec JSON (parity.spec.to_dict)")
-  ap.add_argument("--json", required=True)
-  ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--fast-init", action="store_true")
+  ap = part_parser(__doc__, spec_required=False)
   ap.add_argument("--build-op", action="store_true", help="only load/build cpu_adam")
   ap.add_argument("--torch-adam", action="store_true", help="no offload: torch.optim.AdamW, not FusedAdam")
   args = ap.parse_args(argv)

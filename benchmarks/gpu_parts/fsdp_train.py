@@ -14,13 +14,12 @@ gloo on CUDA: torch_impl.fsdp.device_mesh) meets over a loopback socket even wit
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-import numpy as np
 
-from benchmarks.gpu_parts.common import fast_params, peak_rss_bytes, read_spec, reset_peak_rss, timing, write_json
+from benchmarks.gpu_parts.common import (fast_params, part_parser, peak_rss_bytes, read_spec, reset_peak_rss,
+                                         timed_steps, timing, write_json)
 from parity.weights import init_params, n_params
 
 
@@ -46,16 +45,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool) -> dict:
     torch.cuda.reset_peak_memory_stats(dev)
   t = run.train
   shape = (t.grad_accum_steps, t.micro_batch_size // trainer.world, t.seq_len + 1)
-  rng = np.random.default_rng(0)
-  times, metrics = [], {}
-  for i in range(warmup + steps):
-    batch = rng.integers(0, run.model.vocab_size, shape).astype(np.uint16)
-    sync()
-    s0 = time.perf_counter()
-    metrics = trainer.step(batch, probe=i == 0)
-    sync()
-    if i >= warmup:
-      times.append(time.perf_counter() - s0)
+  times, metrics = timed_steps(trainer.step, run.model.vocab_size, shape, steps, warmup, sync, probe_first=True)
   tokens = t.grad_accum_steps * t.micro_batch_size * t.seq_len
   tim = timing(times)
   info = trainer.describe()
@@ -74,13 +64,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--spec", required=True, help="RunSpec JSON (parity.spec.to_dict)")
-  ap.add_argument("--json", required=True)
-  ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--fast-init", action="store_true")
-  args = ap.parse_args(argv)
+  args = part_parser(__doc__).parse_args(argv)
   run = read_spec(args.spec)
   res = measure(run, args.steps, args.warmup, args.fast_init)
   import torch

@@ -23,29 +23,15 @@ is tried; a step that fails ends the part's runs (its donated state is gone). Ne
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-import numpy as np
 
 from benchmarks.gpu_parts.by_compile import classify_compile_error
-from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak, fast_value, peak_rss_bytes,
-                                         read_spec, reset_peak_rss, tail, timing, write_json)
+from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak, fast_value, part_parser,
+                                         peak_rss_bytes, read_spec, reset_peak_rss, tail, timed_steps, timing,
+                                         write_json)
 from parity.weights import init_params, n_params
-
-
-def _time_steps(trainer, run, shape: tuple[int, ...], steps: int, warmup: int) -> tuple[list[float], dict]:
-  """--warmup untimed then --steps timed optimizer steps on random token ids of `shape`."""
-  rng = np.random.default_rng(0)
-  times, metrics = [], {}
-  for i in range(warmup + steps):
-    batch = rng.integers(0, run.model.vocab_size, shape).astype(np.uint16)
-    s0 = time.perf_counter()
-    metrics = trainer.step(batch)
-    if i >= warmup:
-      times.append(time.perf_counter() - s0)
-  return times, metrics
 
 
 def _moves(trainer) -> dict:
@@ -123,7 +109,7 @@ def measure(run, steps: int, warmup: int, fast_init: bool, on_compiled=None) -> 
   trainer.compile(shape, None)
   if on_compiled:
     on_compiled({**shared(trainer, run, init_s, build_s), "compile_s": trainer.compile_s, **_moves(trainer)})
-  times, metrics = _time_steps(trainer, run, shape, steps, warmup)
+  times, metrics = timed_steps(trainer.step, run.model.vocab_size, shape, steps, warmup)
   tokens = t.grad_accum_steps * t.micro_batch_size * t.seq_len
   tim = timing(times)
   return {**shared(trainer, run, init_s, build_s), "tokens_per_step": tokens, "step_s": times, **tim,
@@ -144,7 +130,7 @@ def _one_accumulation(trainer, run, ga: int, steps: int, warmup: int) -> tuple[d
     return {**rec, "status": classify_compile_error(text), "error": tail(text, 4, 600)}, True
   rec.update(compile_s=time.perf_counter() - t0, **_moves(trainer))
   try:
-    times, metrics = _time_steps(trainer, run, shape, steps, warmup)
+    times, metrics = timed_steps(trainer.step, run.model.vocab_size, shape, steps, warmup)
   except Exception as exc:  # the donated state may be gone: no further accumulation runs
     text = f"{type(exc).__name__}: {exc}"
     return {**rec, "status": "oom" if classify_failure(1, text, False) == "oom" else "error",
@@ -168,12 +154,7 @@ def measure_grid(run, grad_accums: list[int], steps: int, warmup: int, fast_init
 
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--spec", required=True, help="RunSpec JSON (parity.spec.to_dict)")
-  ap.add_argument("--json", required=True)
-  ap.add_argument("--steps", type=int, default=3)
-  ap.add_argument("--warmup", type=int, default=1)
-  ap.add_argument("--fast-init", action="store_true")
+  ap = part_parser(__doc__)
   ap.add_argument("--grad-accum", help="comma-separated accumulations to time in this process (the grid)")
   args = ap.parse_args(argv)
   run = read_spec(args.spec)
