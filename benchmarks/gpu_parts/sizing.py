@@ -249,8 +249,9 @@ pinned_probe.py); the rest is the framework's imports and the compiled host buff
 GiB at 103 layers)."""
 
 TPU_COMPILE_HOST_BYTES = 3_000_000_000
-"""Host memory the train step's compile adds on a v5e: the largest-model search's process grew 2.8 GB over four
-compiles of a 37-74 layer scan step (the cgroup's use, sampled every 2 s), rounded up."""
+"""Host memory the train step's compile adds on a v5e: the largest-model search's process grew 2.9 GB (31.3 to 34.2 GB
+of the cgroup's use, sampled every 2 s, after the chip was open) over four compiles of a 37-74 layer scan step
+(tests/data/tpu_v5e/largest/b-killed/mem.log), rounded up."""
 
 
 def tpu_premapped(environ=None) -> tuple[int, str]:
