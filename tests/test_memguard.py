@@ -173,3 +173,17 @@ def test_a_failed_read_does_not_end_the_watch(monkeypatch):
   alive = guard._thread.is_alive()
   guard.stop()
   assert alive and guard.errors >= 5 and len(lines) == 1 and "FileNotFoundError" in lines[0]
+
+
+@pytest.mark.process
+def test_bench_writes_the_guards_record_when_gpu_py_is_stopped_at_its_budget(tmp_path):
+  import argparse
+  import json
+  import os
+
+  from benchmarks.tpu_parts import bench
+  a = argparse.Namespace(out=str(tmp_path), host_floor_mib=0, host_limit_mib=None)
+  status = bench.run([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), 0.5, a)
+  rec = json.loads((tmp_path / "bench" / "host_memory.json").read_text())
+  assert status == 1 and rec["killed"] == [] and rec["floor_bytes"] == 0 and rec["cap_bytes"] is None
+  assert "inactive file cache" in rec["source"]  # the guard read the host at 0.25 s intervals meanwhile
