@@ -107,8 +107,20 @@ def test_the_driver_takes_plan_variants_and_a_confirming_runs_limit():
 @pytest.mark.parametrize("argv, words", [
     (["--largest-plans", "zero0@sometimes"], "unknown remat policy 'sometimes'; choose from none, full"),
     (["--confirm-timeout-s", "0"], "--confirm-timeout-s must be a finite number > 0; got 0.0"),
+    (["--largest-resolution", "nan"], "--largest-resolution must be a number in [0, 1); got nan"),
+    (["--largest-resolution", "inf"], "--largest-resolution must be a number in [0, 1); got inf"),
+    (["--largest-resolution", "-0.1"], "--largest-resolution must be a number in [0, 1); got -0.1"),
+    (["--largest-resolution", "1"], "--largest-resolution must be a number in [0, 1); got 1.0"),
 ])
 def test_bad_plan_variants_and_limits_exit_2_naming_the_option(argv, words, capsys):
   with pytest.raises(SystemExit) as exc:
     _driver().parse_args(argv)
   assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_largest_resolution_reaches_the_search():
+  from benchmarks.gpu_parts import jax_largest
+  assert _driver().parse_args(["--largest-resolution", "0"]).largest_resolution == 0
+  assert _driver().parse_args([]).largest_resolution == 0.125
+  argv = ["--json", "x.json", "--base", "b.json", "--host-bytes", "1"]
+  assert jax_largest.parse_args(argv + ["--resolution", "0"]).resolution == 0

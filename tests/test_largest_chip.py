@@ -150,3 +150,16 @@ def test_mfu_near_1b_without_offload_and_its_memory_bound_ceiling():
   assert m.d_model == 1600 and ceiling == pytest.approx(0.385, abs=0.005) and ceiling < 0.55
   # the state leaves no room for a larger micro batch: fp32 params + moments + gradient against the chip
   assert rec["state_bytes_by_memory_kind"]["device"] + 4 * n > 0.97 * rec["device_bytes_limit"]
+
+
+def test_the_guess_from_a_refusal_falls_between_the_deepest_that_fits_and_the_refused_depth():
+  """need = c + b·n with a part c that does not grow with depth: n x allowed / need overshoots the deepest depth
+  that fits by (n - n*)·c / need, never undershoots it, and never reaches n (sizing.compiler_guess's docstring)."""
+  from benchmarks.gpu_parts.sizing import compiler_guess
+  per_layer, fixed, allowed = 0.355 * GIB, 2.2 * GIB, 38.3 * GIB
+  deepest = int((allowed - fixed) / per_layer)
+  for n in range(deepest + 1, 400):
+    need = fixed + n * per_layer
+    guess = compiler_guess({"n_layers": n, "host_need_bytes": need, "host_allowed_bytes": allowed})
+    assert deepest <= guess < n
+    assert guess == pytest.approx(deepest + (n - deepest) * fixed / need, abs=1.01)

@@ -244,7 +244,7 @@ TPU_RUNTIME_HOST_BYTES = 1_850_000_000
 """Host memory a training process holds on a v5e beyond the memory model's state and its premapped region: measured
 1.83 GB at 103 layers (38.25 GiB peak use, less the model's 36.30 GiB of state and the 0.25 GiB region) and 1.81 GB
 at 98 (36.52 GiB, 34.59, 0.25), benchmarks/results/2026-12-06-tpu-v5e-largest.md; rounded up. The runtime alone is
-1.13 GB of it (a bare process: 2.21 GB used after opening the chip with a 1 GiB region, 0.03 GB before;
+1.13 GB of it (a bare process: 2.24 GB used after opening the chip with a 1 GiB region, 0.03 GB before;
 pinned_probe.py); the rest is the framework's imports and the compiled host buffers above the model's state (0.24
 GiB at 103 layers)."""
 
@@ -269,7 +269,7 @@ def tpu_host_overhead(environ=None) -> int:
   (TPU_RUNTIME_HOST_BYTES) and the step's compile (TPU_COMPILE_HOST_BYTES), the last only without a persistent
   compilation cache (JAX_COMPILATION_CACHE_DIR): with one, the run that holds the state loads the executable the
   search compiled (tpu_parts/bench.py sets it), and its host peak was its state plus the runtime (98 layers, 3.09 B:
-  36.52 GiB used, 35.1 GiB of it the compiled host buffers)."""
+  36.52 GiB used, 34.81 GiB of it the compiled host buffers)."""
   import os
   env = os.environ if environ is None else environ
   compile_bytes = 0 if env.get("JAX_COMPILATION_CACHE_DIR") else TPU_COMPILE_HOST_BYTES
@@ -352,8 +352,10 @@ _HBM_NEED = re.compile(r"\(([0-9.]+)G\) exceeds available HBM \(([0-9.]+)G\)")
 def compiler_guess(rec: dict[str, Any]) -> int | None:
   """The depth a TPU compiler's refusal points at: n x available / required, from its message ("the total memory
   required for HLO temporaries (24.14G) exceeds available HBM (15.75G)"). The requirement grows with depth plus a
-  part that does not (embeddings, logits), so the guess falls at or below the depth that fits; None without such a
-  message. The same for a depth that compiled with host buffers the host cannot hold: n x host_allowed_bytes /
+  part that does not (embeddings, logits): need = c + b·n, so the deepest that fits is n* = (A - c) / b, and the
+  guess n·A / need exceeds it by (n - n*)·c / need: it falls between n* and n, closer to n* the smaller c is, and
+  each refusal's guess comes closer (truncation to a whole layer may land it on n*). None without such a message.
+  The same for a depth that compiled with host buffers the host cannot hold: n x host_allowed_bytes /
   host_need_bytes (jax_largest.compiled_host_problem's figures)."""
   m = _HBM_NEED.search(str(rec.get("detail") or ""))
   if m and float(m.group(1)) > 0:

@@ -126,8 +126,8 @@ def run(cmd: list[str], env: dict[str, str], limit: float, a: argparse.Namespace
       folder.mkdir(parents=True, exist_ok=True)
       (folder / "host_memory.json").write_text(json.dumps(
           {"peak_used_bytes": guard.peak_used, "floor_bytes": floor, "cap_bytes": cap, "killed": guard.killed,
-           "source": "memguard: the cgroup's use where readable, else MemTotal - MemAvailable, every "
-                     f"{memguard.POLL_S} s"}, indent=1))
+           "source": "memguard: the cgroup's use less its inactive file cache where readable, else MemTotal - "
+                     f"MemAvailable, every {memguard.POLL_S} s"}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
