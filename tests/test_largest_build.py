@@ -124,3 +124,21 @@ def test_the_largest_resolution_reaches_the_search():
   assert _driver().parse_args([]).largest_resolution == 0.125
   argv = ["--json", "x.json", "--base", "b.json", "--host-bytes", "1"]
   assert jax_largest.parse_args(argv + ["--resolution", "0"]).resolution == 0
+
+
+@requires_jax
+def test_the_confirming_run_writes_what_it_compiled_before_it_steps(tmp_path, monkeypatch):
+  """jax_train's first write is the incomplete record of the compiled step (its memory and moves), so a process killed
+  during its steps (a host out of memory) still says what it planned; the second is the complete one."""
+  from benchmarks.gpu_parts import jax_train, sizing
+  from benchmarks.gpu_parts.common import write_spec
+  run = sizing.grid_run(sizing.tiny_run(), "scan-offload", 64, 1)
+  spec = write_spec(run, tmp_path / "run.spec.json")
+  writes = []
+  monkeypatch.setattr(jax_train, "write_json", lambda path, data: writes.append(dict(data)))
+  assert jax_train.main(["--spec", str(spec), "--json", str(tmp_path / "out.json"), "--steps", "1", "--warmup", "0",
+                         "--fast-init"]) == 0
+  first, last = writes
+  assert (first["complete"], first["phase"]) == (False, "compiled") and "step_s" not in first
+  assert first["memory_analysis"] and first["compile_s"] > 0 and first["moved_bytes_per_step"] > 0
+  assert last["complete"] and len(last["step_s"]) == 1 and last["memory_analysis"] == first["memory_analysis"]

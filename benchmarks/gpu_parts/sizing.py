@@ -242,7 +242,7 @@ costs host memory: a TPU run wants a small one."""
 
 TPU_RUNTIME_HOST_BYTES = 1_850_000_000
 """Host memory a training process holds on a v5e beyond the memory model's state and its premapped region: measured
-1.83 GB at 103 layers (38.25 GiB peak use, less the model's 36.30 GiB of state and the 0.25 GiB region) and 1.81 GB
+1.82 GB at 103 layers (38.25 GiB peak use, less the model's 36.30 GiB of state and the 0.25 GiB region) and 1.81 GB
 at 98 (36.52 GiB, 34.59, 0.25), benchmarks/results/2026-12-06-tpu-v5e-largest.md; rounded up. The runtime alone is
 1.13 GB of it (a bare process: 2.24 GB used after opening the chip with a 1 GiB region, 0.03 GB before;
 pinned_probe.py); the rest is the framework's imports and the compiled host buffers above the model's state (0.24
