@@ -62,7 +62,8 @@ def test_no_gpu_pool_rule_on_a_tpu():
     assert best is not None and all(c.jax_pool is None for c in ranked)
   _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["TPU-v5p"], host_bytes=70 * GiB, opt_ratios=full)
   scan = {c.name: c for c in ranked}["scan-offload"]  # too little host memory: the host bound, not a pool
-  assert "jax needs 75.3 GiB of host memory > 70.0 GiB" in scan.problems
+  overhead = hl.tpu_process_overhead() / GiB  # the premapped region, the process's own, the compile: measured
+  assert f"jax needs 75.3 GiB of host memory + {overhead:.1f} GiB the TPU runtime holds > 70.0 GiB" in scan.problems
   assert not any("pool" in p or hl.XLA_POOL_ENV in p for p in scan.problems)
 
 
@@ -124,3 +125,23 @@ def test_copies_that_do_not_overlap_add_to_the_step():
   _, ranked = plans.choose_plan(model, train, dataclasses.replace(hw, hidden_transfer=1.0))
   full = {c.name: c for c in ranked}["zero2-offload"]
   assert full.step_s == pytest.approx(max(full.compute_s, full.transfer_s))
+
+
+def test_the_tpu_runtimes_host_memory_counts_against_the_host():
+  """A TPU's JAX side needs its state plus what the runtime holds beside it (host_limits.tpu_process_overhead:
+  the premapped region, 1.85 GB of the process's own and 3 GB for the compile, measured on a v5e): a host that holds
+  the state alone but not that refuses the plan, naming both; the state's own figure (host_bytes) is the model's."""
+  model = MODEL_PRESETS["llama-7b"]
+  hw = plans.HARDWARE["TPU-v5p"]
+  _, ranked = plans.choose_plan(model, TRAIN, hw, host_bytes=150 * GiB, opt_ratios=(1.0,))
+  state = {c.name: c for c in ranked}["scan-offload"].host_bytes["jax"]
+  overhead = hl.tpu_process_overhead()
+  assert overhead == hl.TPU_PREMAPPED_DEFAULT_BYTES + hl.TPU_PROCESS_HOST_BYTES + hl.TPU_COMPILE_HOST_BYTES
+  for host, fits in ((state + overhead, True), (state + overhead - 2**20, False)):
+    _, ranked = plans.choose_plan(model, TRAIN, hw, host_bytes=host, opt_ratios=(1.0,))
+    scan = {c.name: c for c in ranked}["scan-offload"]
+    assert scan.host_bytes["jax"] == state
+    assert any(p.startswith("jax needs") and "host memory" in p for p in scan.problems) is not fits
+    assert any("the TPU runtime holds" in p for p in scan.problems) is not fits
+  _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=state + 2**20, opt_ratios=(1.0,))
+  assert not any("TPU runtime" in p for c in ranked for p in c.problems)  # a GPU's JAX side has no such overhead

@@ -232,26 +232,15 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
 
 
 TPU_PREMAPPED_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
-TPU_PREMAPPED_DEFAULT = 4_294_967_296
-"""The TPU runtime's premapped, pinned host region, bytes, where TPU_PREMAPPED_BUFFER_SIZE is unset (the Cloud TPU
-performance guide, "Memory management tuning"). It is a staging area the runtime maps and pins each time a process
-opens the chip (~11 s for the default on a v5e, 3.5 s for 256 MiB), not where `pinned_host` arrays live: on a v5e
-with a 1 GiB region, 14 GiB of pinned_host arrays grew the host's use by exactly their size, 2 GiB per array
-(benchmarks/tpu_parts/pinned_probe.py; benchmarks/results/2026-12-06-tpu-v5e-largest.md). So a large region only
+TPU_PREMAPPED_DEFAULT = host_limits.TPU_PREMAPPED_DEFAULT_BYTES
+"""The TPU runtime's premapped region where TPU_PREMAPPED_BUFFER_SIZE is unset: a staging area the runtime maps and
+pins each time a process opens the chip (~11 s for the default on a v5e, 3.5 s for 256 MiB), not where `pinned_host`
+arrays live (parity.sizing.host_limits, measured with benchmarks/tpu_parts/pinned_probe.py). So a large region only
 costs host memory: a TPU run wants a small one."""
-
-TPU_RUNTIME_HOST_BYTES = 1_850_000_000
-"""Host memory a training process holds on a v5e beyond the memory model's state and its premapped region: measured
-1.82 GB at 103 layers (38.25 GiB peak use, less the model's 36.30 GiB of state and the 0.25 GiB region) and 1.81 GB
-at 98 (36.52 GiB, 34.59, 0.25), benchmarks/results/2026-12-06-tpu-v5e-largest.md; rounded up. The runtime alone is
-1.13 GB of it (a bare process: 2.24 GB used after opening the chip with a 1 GiB region, 0.03 GB before;
-pinned_probe.py); the rest is the framework's imports and the compiled host buffers above the model's state (0.24
-GiB at 103 layers)."""
-
-TPU_COMPILE_HOST_BYTES = 3_000_000_000
-"""Host memory the train step's compile adds on a v5e: the largest-model search's process grew 2.9 GB (31.3 to 34.2 GB
-of the cgroup's use, sampled every 2 s, after the chip was open) over four compiles of a 37-74 layer scan step
-(tests/data/tpu_v5e/largest/b-killed/mem.log), rounded up."""
+TPU_RUNTIME_HOST_BYTES = host_limits.TPU_PROCESS_HOST_BYTES
+"""What a training process holds beyond its state and the region (parity.sizing.host_limits: measured)."""
+TPU_COMPILE_HOST_BYTES = host_limits.TPU_COMPILE_HOST_BYTES
+"""What the step's compile adds (parity.sizing.host_limits: measured)."""
 
 
 def tpu_premapped(environ=None) -> tuple[int, str]:
@@ -265,15 +254,13 @@ def tpu_premapped(environ=None) -> tuple[int, str]:
 
 
 def tpu_host_overhead(environ=None) -> int:
-  """Host bytes a TPU training process holds besides its own state: the premapped region, the runtime
-  (TPU_RUNTIME_HOST_BYTES) and the step's compile (TPU_COMPILE_HOST_BYTES), the last only without a persistent
-  compilation cache (JAX_COMPILATION_CACHE_DIR): with one, the run that holds the state loads the executable the
-  search compiled (tpu_parts/bench.py sets it), and its host peak was its state plus the runtime (98 layers, 3.09 B:
-  36.52 GiB used, 34.81 GiB of it the compiled host buffers)."""
+  """Host bytes a TPU training process holds besides its own state (host_limits.tpu_process_overhead): the premapped
+  region, the process's own, and the step's compile unless a persistent compilation cache (JAX_COMPILATION_CACHE_DIR)
+  lets the run that holds the state load the executable the search compiled (tpu_parts/bench.py sets one; its host
+  peak at 98 layers was then its state plus the process's own)."""
   import os
   env = os.environ if environ is None else environ
-  compile_bytes = 0 if env.get("JAX_COMPILATION_CACHE_DIR") else TPU_COMPILE_HOST_BYTES
-  return tpu_premapped(environ)[0] + TPU_RUNTIME_HOST_BYTES + compile_bytes
+  return host_limits.tpu_process_overhead(tpu_premapped(environ)[0], compiles=not env.get("JAX_COMPILATION_CACHE_DIR"))
 
 
 def predicted_largest(base, side: str, device_bytes: int, host_bytes: int, cap: int = 4096, *, plan: str | None = None,

@@ -63,6 +63,27 @@ fragmentation and for host buffers the memory model does not list. An allowance,
 POOL_STEP_GIB = 16
 """The pool parity sets is a multiple of 16 GiB, so nearby sizes share one setting (a readable value, no more)."""
 
+TPU_PREMAPPED_DEFAULT_BYTES = 4_294_967_296
+"""A TPU runtime's premapped host region where TPU_PREMAPPED_BUFFER_SIZE is unset (the Cloud TPU performance guide,
+"Memory management tuning"): a staging area pinned each time a process opens the chip, not where `pinned_host`
+arrays live. On a v5e with a 1 GiB region, 14 GiB of pinned_host arrays grew the host's use by exactly their size
+(benchmarks/results/2026-12-06-tpu-v5e-largest.md): a TPU has no pool like XLA's GPU one, its offloaded state is
+host memory beside the region, and the region is host memory too."""
+TPU_PROCESS_HOST_BYTES = 1_850_000_000
+"""Host memory a JAX training process holds on a v5e beyond the memory model's state and the premapped region:
+measured 1.82 GB at 103 layers of d_model 1600 (38.25 GiB peak use, less the model's 36.30 GiB of state and a 0.25
+GiB region) and 1.81 GB at 98 layers (36.52, 34.59, 0.25), rounded up; the bare runtime is 1.13 GB of it."""
+TPU_COMPILE_HOST_BYTES = 3_000_000_000
+"""Host memory the train step's compile adds on a v5e: 2.9 GB (31.3 to 34.2 GB of the cgroup's use, sampled every
+2 s) over four compiles of a 37-74 layer scan step, rounded up. Not held where a persistent compilation cache lets
+the process load an executable compiled before."""
+
+
+def tpu_process_overhead(premapped_bytes: int = TPU_PREMAPPED_DEFAULT_BYTES, compiles: bool = True) -> int:
+  """Host bytes a JAX training process on a TPU holds besides its state: the premapped region, the process's own
+  (TPU_PROCESS_HOST_BYTES) and, where it compiles its step, the compile's (TPU_COMPILE_HOST_BYTES)."""
+  return premapped_bytes + TPU_PROCESS_HOST_BYTES + (TPU_COMPILE_HOST_BYTES if compiles else 0)
+
 
 def xla_pool_setting(environ: Mapping[str, str] = os.environ) -> int | None:
   """The user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in GiB, None when unset (or empty).

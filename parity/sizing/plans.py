@@ -213,8 +213,10 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
                                              pin_memory=pin_memory, kind=hw.kind)
   problems = [f"{s} needs {peaks[s] / GiB:.1f} GiB on the device > {usable / GiB:.1f} GiB usable"
               for s in sides if peaks[s] > usable]
-  problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory > {host_bytes / GiB:.1f} GiB"
-               for s in sides if hosts[s] > host_bytes]
+  extra = {s: host_limits.tpu_process_overhead() if hw.kind == "tpu" and s == "jax" else 0 for s in sides}
+  problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory"
+               + (f" + {extra[s] / GiB:.1f} GiB the TPU runtime holds" if extra[s] else "")
+               + f" > {host_bytes / GiB:.1f} GiB" for s in sides if hosts[s] + extra[s] > host_bytes]
   times = {s: step_time(run, s, hw, rows, mfu=mfu, ranks=ranks) for s, run in runs.items()}
   step, compute, transfer = max(times.values())
   return Candidate(name, step, compute, transfer, peaks, hosts, tuple(problems + pool_problems), pool,
