@@ -145,3 +145,20 @@ def test_the_tpu_runtimes_host_memory_counts_against_the_host():
     assert any("the TPU runtime holds" in p for p in scan.problems) is not fits
   _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], host_bytes=state + 2**20, opt_ratios=(1.0,))
   assert not any("TPU runtime" in p for c in ranked for p in c.problems)  # a GPU's JAX side has no such overhead
+
+
+def test_parity_plan_reads_the_tpus_premapped_region(capsys, monkeypatch):
+  """`parity plan` on a TPU takes the region from TPU_PREMAPPED_BUFFER_SIZE. The measured largest offload model (103
+  layers at d_model 1600, 3.25 B: benchmarks/results/2026-12-06-tpu-v5e-largest.md) needs 36.3 GiB of state: with
+  the 256 MiB region those runs used and the compile held beside it (a run without a persistent compilation cache)
+  that is 41.1 GiB, within a 42 GiB host; with the default 4 GiB region it is 44.8 GiB, over it. A value that is no
+  byte count exits 2 naming it."""
+  from parity.cli import main as cli
+  argv = ["plan", "--hardware", "TPU-v5e", "--model", "gpt2-1.5b", "--set", "model.n_layers=103", "--sides", "jax",
+          "--host-memory", "42", "--micro-batch", "1", "--seq-len", "1024"]
+  monkeypatch.delenv(hl.TPU_PREMAPPED_ENV, raising=False)
+  assert cli(argv) == 1 and "8.5 GiB the TPU runtime holds > 42.0 GiB" in capsys.readouterr().out
+  monkeypatch.setenv(hl.TPU_PREMAPPED_ENV, str(256 << 20))
+  assert cli(argv) == 0 and "scan-offload-remat" in capsys.readouterr().out
+  monkeypatch.setenv(hl.TPU_PREMAPPED_ENV, "4G")
+  assert cli(argv) == 2 and "TPU_PREMAPPED_BUFFER_SIZE='4G'" in capsys.readouterr().err

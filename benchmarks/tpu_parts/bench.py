@@ -14,7 +14,7 @@ recorded as not run (torch is a CPU build there, and the VM refuses sockets). Se
     benchmarks/results/2026-12-06-tpu-v5e-largest.md), so a small region leaves the host to the offloaded state;
     gpu.py counts the region among the runtime's host bytes (sizing.tpu_host_overhead).
   * a host-memory guard (memguard.py, --host-floor-mib, --host-limit-mib): past the floor, the run's largest process
-    is killed and recorded, so a sandbox's memory cap does not end the whole command with nothing written.
+    is killed and recorded, so a VM's memory cap does not end the whole command with nothing written.
 Writes OUT/bench/ (gpu.json, gpu.md, parts/, logs/, host_memory.json: the guard's peak and what it killed) and
 OUT/bench.tgz. Exit status: gpu.py's (1 when it was stopped at the budget). Also runs on a CPU machine (`--tiny`
 among the options), which is how it is tested.
@@ -59,7 +59,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
   ap.add_argument("--host-floor-mib", type=int, default=2048,
                   help="host memory kept free: below it the largest process of the run is killed (memguard)")
   ap.add_argument("--host-limit-mib", type=int,
-                  help="the host memory this run may use where the guard cannot read it (a sandbox's cap)")
+                  help="the host memory this run may use where the guard cannot read it (a VM's cap it cannot see)")
   a, rest = ap.parse_known_args(argv)
   if a.host_floor_mib < 0:
     ap.error(f"--host-floor-mib must be >= 0 (MiB kept free); got {a.host_floor_mib}")

@@ -1,16 +1,19 @@
 # Sourced by benchmarks/tpu.sh: installs what a TPU VM's image lacks into a writable target and sets the environment.
-# The VM's own package index (/opt/pypi/simple) and wheel folder (/opt/wheels) give flax, optax, orbax, safetensors,
-# matplotlib, pyyaml, transformers and torch's CPU build; pydantic, rich, hjson, py-cpuinfo, psutil and deepspeed
-# come as wheels carried in .whl-tpu/ (docs/install.md, "On a TPU VM"). PYTHONPATH is appended to, never replaced:
-# the image puts jax and libtpu on it. TPU_SH_JAX_ONLY=1 leaves torch and deepspeed out (the JAX-only parts: a
-# minute less to install, and less of a tmpfs /tmp held in memory).
+# Where the VM has its own package index (/opt/pypi/simple) and wheel folder (/opt/wheels), pip installs from them
+# (flax, optax, orbax, safetensors, matplotlib, pyyaml, transformers, torch's CPU build) and from wheels carried in
+# .whl-tpu/ (pydantic, rich, hjson, py-cpuinfo, psutil, deepspeed: docs/install.md, "On a TPU VM"); elsewhere from
+# pip's default index. PYTHONPATH is appended to, never replaced: the image puts jax and libtpu on it.
+# TPU_SH_JAX_ONLY=1 leaves torch and deepspeed out (the JAX-only parts: a minute less to install, and less of a
+# tmpfs /tmp held in memory).
 SITE=${PARITY_TPU_SITE:-${TMPDIR:-/tmp}/parity-site}
 t0=$(date +%s)
 TORCH_PKG=torch==2.13.0
 [ -n "${TPU_SH_JAX_ONLY:-}" ] && TORCH_PKG=
 if [ ! -f "$SITE/.done" ]; then
-  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: \
-    --index-url file:///opt/pypi/simple --find-links .whl-tpu --find-links /opt/wheels --target "$SITE" \
+  SOURCES=()  # the image's own index and wheel folder where it has them, else pip's default index
+  [ -d /opt/pypi/simple ] && SOURCES+=(--index-url file:///opt/pypi/simple)
+  for d in .whl-tpu /opt/wheels; do [ -d "$d" ] && SOURCES+=(--find-links "$d"); done
+  PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: "${SOURCES[@]}" --target "$SITE" \
     flax optax orbax-checkpoint safetensors matplotlib pyyaml pydantic rich psutil hjson py-cpuinfo tqdm \
     ninja msgpack einops packaging $TORCH_PKG 2>&1 | grep -v "^WARNING" | tail -5
   ok=${PIPESTATUS[0]}

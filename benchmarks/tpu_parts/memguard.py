@@ -2,7 +2,7 @@
 tree is killed, so one part fails and is recorded instead of the machine's own limit ending the whole command.
 
 A TPU run that holds a large premapped region (TPU_PREMAPPED_BUFFER_SIZE: pinned, resident from the moment a process
-opens the chip) beside the step's host buffers can take a VM's memory; where the VM is a sandbox with a memory cap,
+opens the chip) beside the step's host buffers can take a VM's memory; where the VM has a memory cap,
 crossing it ends every process at once and nothing is written. The guard polls the used memory (the cgroup's where
 its files are readable, less its inactive file cache: the page cache the kernel reclaims before the cgroup's limit
 bites, left out as the kubelet's working set leaves it; else MemTotal - MemAvailable), and past `limit - floor` it
@@ -11,7 +11,7 @@ cannot be asked), logs one line, and keeps watching. It kills no other while tha
 comes back only as it ends, and a kill at the next read would take the next process, at last the leader, for memory
 already on its way back. A process is named by its pid and start time and signalled through a pidfd after its start
 time is read again, so a pid reused since the scan is never hit. The limit is the smaller of the machine's memory,
-the cgroup's limit and --host-limit-mib (a cap the guard cannot read, as a sandbox's). The tree is found by parent
+the cgroup's limit and --host-limit-mib (a cap the guard cannot read). The tree is found by parent
 links, not by session: each part runs in a session of its own (harness.lifetime), and the leader is the driver that
 records the part.
 """

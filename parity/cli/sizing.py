@@ -238,9 +238,13 @@ def run_plan(args: argparse.Namespace) -> int:
   hw = _plan_hardware(args)
   # XLA's GPU pinned-host pool variable: read on a GPU only (a bad value: SpecError naming it, exit 2); a TPU has none
   pool_gib = host_limits.xla_pool_setting(os.environ) if hw.kind == "gpu" else None
+  # a TPU's premapped host region (TPU_PREMAPPED_BUFFER_SIZE; a bad value: SpecError naming it, exit 2)
+  region = (host_limits.tpu_premapped_setting(os.environ) if hw.kind == "tpu"
+            else host_limits.TPU_PREMAPPED_DEFAULT_BYTES)
   ratios = _opt_ratios(args.opt_ratios)
   best, ranked = plans.choose_plan(run.model, run.train, hw, devices=args.devices, sides=sides, mfu=args.mfu,
-                                   xla_pool_gib=pool_gib, pin_memory=args.pin_memory, opt_ratios=ratios)
+                                   xla_pool_gib=pool_gib, pin_memory=args.pin_memory, opt_ratios=ratios,
+                                   tpu_premapped=region)
   inputs = plans.plan_inputs(hw, run.train, devices=args.devices, sides=sides, mfu=args.mfu,
                              padding_fraction=args.padding_fraction, opt_ratios=ratios)
   unit = table_unit([b for c in ranked for d in (c.peak_device_bytes, c.host_bytes) for b in d.values()])

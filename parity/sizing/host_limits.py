@@ -79,6 +79,21 @@ TPU_COMPILE_HOST_BYTES = 3_000_000_000
 the process load an executable compiled before."""
 
 
+TPU_PREMAPPED_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
+
+
+def tpu_premapped_setting(environ: Mapping[str, str] = os.environ) -> int:
+  """The premapped region's bytes a TPU process will pin: TPU_PREMAPPED_BUFFER_SIZE where set, else the runtime's
+  default. Raises SpecError for a value that is not a whole number of bytes > 0 (the runtime would not take it)."""
+  raw = environ.get(TPU_PREMAPPED_ENV, "").strip()
+  if not raw:
+    return TPU_PREMAPPED_DEFAULT_BYTES
+  if not raw.isdigit() or int(raw) <= 0:
+    raise SpecError(f"{TPU_PREMAPPED_ENV}={raw!r}: must be a whole number of bytes > 0 (e.g. 268435456 for 256 MiB), "
+                    "or unset for the runtime's default (4 GiB)")
+  return int(raw)
+
+
 def tpu_process_overhead(premapped_bytes: int = TPU_PREMAPPED_DEFAULT_BYTES, compiles: bool = True) -> int:
   """Host bytes a JAX training process on a TPU holds besides its state: the premapped region, the process's own
   (TPU_PROCESS_HOST_BYTES) and, where it compiles its step, the compile's (TPU_COMPILE_HOST_BYTES)."""

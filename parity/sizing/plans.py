@@ -202,7 +202,8 @@ def _host_limits(runs: dict[str, RunSpec], hosts: dict[str, int], host_bytes: in
 
 
 def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: int, *, mfu: float, reserve: float,
-               ranks: int, pool_user_gib: int | None = None, pin_memory: bool = False) -> Candidate:
+               ranks: int, pool_user_gib: int | None = None, pin_memory: bool = False,
+               tpu_premapped: int = host_limits.TPU_PREMAPPED_DEFAULT_BYTES) -> Candidate:
   """Costs one pair; `runs` maps each side that must fit to the RunSpec it would run."""
   sides = tuple(runs)
   rows = [r for s, run in runs.items() for r in memory.estimate(run, ranks=ranks, sides=(s,))]
@@ -213,7 +214,8 @@ def _candidate(name: str, runs: dict[str, RunSpec], hw: Hardware, host_bytes: in
                                              pin_memory=pin_memory, kind=hw.kind)
   problems = [f"{s} needs {peaks[s] / GiB:.1f} GiB on the device > {usable / GiB:.1f} GiB usable"
               for s in sides if peaks[s] > usable]
-  extra = {s: host_limits.tpu_process_overhead() if hw.kind == "tpu" and s == "jax" else 0 for s in sides}
+  extra = {s: host_limits.tpu_process_overhead(tpu_premapped) if hw.kind == "tpu" and s == "jax" else 0
+           for s in sides}
   problems += [f"{s} needs {hosts[s] / GiB:.1f} GiB of host memory"
                + (f" + {extra[s] / GiB:.1f} GiB the TPU runtime holds" if extra[s] else "")
                + f" > {host_bytes / GiB:.1f} GiB" for s in sides if hosts[s] + extra[s] > host_bytes]
@@ -312,7 +314,8 @@ def _check_choice_inputs(mfu: float, devices: int, sides: tuple[str, ...], opt_r
 def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes: int | None = None,
                 devices: int = 1, sides: tuple[str, ...] = ("deepspeed", "jax"), mfu: float = 0.4,
                 reserve: float = 0.1, xla_pool_gib: int | None = None, pin_memory: bool = False,
-                opt_ratios: tuple[float, ...] = OPT_RATIOS) -> tuple[Candidate | None, list[Candidate]]:
+                opt_ratios: tuple[float, ...] = OPT_RATIOS,
+                tpu_premapped: int = host_limits.TPU_PREMAPPED_DEFAULT_BYTES) -> tuple[Candidate | None, list]:
   """Ranks the plan pairs of PLANS on a machine; returns (the fastest that fits or None, all, fastest first; equal
   step times by transfer time, so a pair without offload is chosen over an offload pair that is no faster). A pair
   that offloads the optimizer state runs the smallest share of it (`OPT_RATIOS`) that fits its JAX side, where the
@@ -340,6 +343,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       (host_limits.deepspeed_pinned_cost); parity's own DeepSpeed configs are unpinned (parity.numerics.ds_json).
     opt_ratios: the shares of the optimizer state tried (`OPT_RATIOS`), increasing, the last 1; (1,): every pair
       offloads all of it, as it names.
+    tpu_premapped: on a TPU, the runtime's premapped region (host_limits.tpu_premapped_setting), host memory the
+      JAX side's process holds beside its state (host_limits.tpu_process_overhead).
   Raises:
     SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp, opt_ratios not increasing
       shares in (0, 1] ending at 1.
@@ -361,7 +366,7 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
                            (runs,)))
       continue
     out.append(_costed(name, runs, hw, host, tuple(opt_ratios), mfu=mfu, reserve=reserve, ranks=devices,
-                       pool_user_gib=xla_pool_gib, pin_memory=pin_memory))
+                       pool_user_gib=xla_pool_gib, pin_memory=pin_memory, tpu_premapped=tpu_premapped))
   out.sort(key=lambda c: (c.step_s, c.transfer_s))  # equally fast: the pair moving less over the host link first
   best = next((c for c in out if c.fits), None)  # (a no-offload pair before any offload pair at the same step time)
   return best, out
