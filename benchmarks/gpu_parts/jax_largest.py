@@ -79,6 +79,12 @@ def compile_step(run) -> dict[str, Any]:
   return out
 
 
+def compiled_host_need(compiled_host: int, kind: str | None) -> int:
+  """Host bytes a probe's confirming run needs: its compiled host buffers, plus on a TPU what the runtime holds
+  beside them (sizing.tpu_host_overhead)."""
+  return compiled_host + (sizing.tpu_host_overhead() if kind == "tpu" else 0)
+
+
 def compiled_host_problem(compiled_host: int | None, host_bytes: int, kind: str | None) -> str | None:
   """Why a compiled step's host-memory buffers (arguments + outputs + temporaries - aliases, from its
   memory_analysis: common.compiled_device_peak's 'host_bytes') cannot be held, None when they can: over the host
@@ -87,7 +93,7 @@ def compiled_host_problem(compiled_host: int | None, host_bytes: int, kind: str 
   model does not list stops the depth here instead of the confirming run taking the machine's memory."""
   if compiled_host is None:
     return None
-  overhead = sizing.tpu_host_overhead() if kind == "tpu" else 0
+  overhead = compiled_host_need(compiled_host, kind) - compiled_host
   if compiled_host + overhead <= host_bytes:
     return None
   return (f"its compiled host buffers {compiled_host / 2**30:.2f} GiB"
@@ -155,7 +161,7 @@ def largest_search(a, base, plan: str, limit: int | None, budget: Budget, until:
     why = compiled_host_problem(rec.get("host_bytes"), a.host_bytes, kind) if rec["status"] == "ok" else None
     if why:  # the figures let the search aim its next probe (sizing.compiler_guess)
       rec.update(status="host-limit", fits=False, detail=f"compiled, but {why}", host_allowed_bytes=a.host_bytes,
-                 host_need_bytes=rec["host_bytes"] + (sizing.tpu_host_overhead() if kind == "tpu" else 0))
+                 host_need_bytes=compiled_host_need(rec["host_bytes"], kind))
     out["probes"].append({"n_layers": n, **rec})  # saved as it goes (search_largest returns the same list)
     save()
     return rec

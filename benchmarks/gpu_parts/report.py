@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.gpu_parts.common import peak_flops
+from benchmarks.gpu_parts.fixed_flow import SIDES as FLOW_SIDES
 
 GiB = 2**30
-SIDES = ("jax", "deepspeed", "fsdp")
-"""The fixed flow's sides, in its order (gpu_parts/fixed_flow.SIDES)."""
+SIDES = tuple(FLOW_SIDES)
+"""The fixed flow's sides, in its order."""
 PUBLISHED_KEPT = "18-42 %"
 """Tokens/s kept with full optimizer-state offload over PCIe in published results (the quoted range)."""
 

@@ -231,7 +231,7 @@ def predicted_fits(run, side: str, device_bytes: int | None, host_bytes: int,
   return ok, why + (f"; {pool}" if pool else "")
 
 
-TPU_PREMAPPED_ENV = "TPU_PREMAPPED_BUFFER_SIZE"
+TPU_PREMAPPED_ENV = host_limits.TPU_PREMAPPED_ENV
 TPU_PREMAPPED_DEFAULT = host_limits.TPU_PREMAPPED_DEFAULT_BYTES
 """The TPU runtime's premapped region where TPU_PREMAPPED_BUFFER_SIZE is unset: a staging area the runtime maps and
 pins each time a process opens the chip (~11 s for the default on a v5e, 3.5 s for 256 MiB), not where `pinned_host`
