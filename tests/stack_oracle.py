@@ -14,6 +14,13 @@ with `replay`, what
 parity's DeepSpeed side built and ran from `parity.migrate` port of the config under --stack hf-trainer (`parity`:
 the same fields) and, with `plant_mask`, the losses of that side run with train.decay_mask set to it instead
 (`planted`). Every case runs in this one process (imports once; the Trainer's DeepSpeed state is reset between).
+
+fp16 and the CPU: DeepSpeed's CPU accelerator reports fp16 unsupported on a CPU without AVX512-FP16 / AMX-FP16, and
+the Trainer's engine then refuses fp16 ("Type fp16 is not supported on your device"): a property of the machine, not
+of the config. There the Trainer's fp16 cases run with that answer lifted as parity's own DeepSpeed side lifts it
+(torch_impl.engine.allow_fp16_on_cpu: torch's CPU kernels compute float16 all the same), and the record says so
+(`device`: {fp16_native, fp16_lifted}); a case with "device_fp16": "absent" runs the Trainer with fp16 reported
+unsupported and nothing lifted, as on such a CPU, so the refusal itself is checked on every machine.
 """
 from __future__ import annotations
 
@@ -109,15 +116,32 @@ def hf_case(config: dict, t: dict, tmp: Path) -> tuple[dict, np.ndarray, Path]:
       use_cpu=bool(t.get("bf16")),  # transformers refuses bf16 on a CPU unless told it is one
       save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
       deepspeed=copy.deepcopy(config))
+  device = _device_fp16(bool(t.get("fp16")), absent=t.get("device_fp16") == "absent")
   trainer = Trainer(model=model, args=args, train_dataset=list(rows), data_collator=collate, callbacks=[Log()])
   trainer.train()
-  record = {**_built(trainer.model_wrapped, _names(trainer.model, hf_to_canon)), "losses": losses,
+  record = {**_built(trainer.model_wrapped, _names(trainer.model, hf_to_canon)), "losses": losses, "device": device,
             "versions": {"transformers": transformers.__version__, "accelerate": _version("accelerate"),
                          "deepspeed": _version("deepspeed"), "torch": torch.__version__}}
   trainer.model_wrapped.destroy()
   _reset()
   batches = np.stack(drawn[:t["steps"] * t["grad_accum"]]).astype(np.uint32)
   return record, batches, tmp / "init"
+
+
+def _device_fp16(fp16: bool, absent: bool) -> dict:
+  """Sets what DeepSpeed's CPU accelerator answers to is_fp16_supported for the next engine: with `absent`, False and
+  nothing lifted (a CPU without fp16); else its own answer (this CPU's, or the suite's fp16 mask), lifted for an fp16
+  job where it is False, as parity's DeepSpeed side does. Returns {fp16_native, fp16_lifted}."""
+  from deepspeed.accelerator import get_accelerator
+  from torch_impl.engine import allow_fp16_on_cpu
+  acc = get_accelerator()
+  vars(acc).pop("is_fp16_supported", None)  # the class's answer again, whatever an earlier case set
+  if absent:
+    acc.is_fp16_supported = lambda: False
+    return {"fp16_native": False, "fp16_lifted": False}
+  native = bool(acc.is_fp16_supported())
+  lifted = fp16 and not native and allow_fp16_on_cpu({"fp16": {"enabled": True}})
+  return {"fp16_native": native, "fp16_lifted": bool(lifted)}
 
 
 def _version(mod: str) -> str:
@@ -161,6 +185,11 @@ def replay(config: dict, t: dict, folder: Path, batches: np.ndarray, mask: str |
   return record
 
 
+def _accelerator():
+  from deepspeed.accelerator import get_accelerator
+  return get_accelerator()
+
+
 def main(argv: list[str]) -> int:
   req = json.loads(Path(argv[0]).read_text())
   _env()
@@ -173,9 +202,11 @@ def main(argv: list[str]) -> int:
       except Exception as e:  # the Trainer itself refuses the config: the answer for this case
         msg = " | ".join(line.strip() for line in str(e).strip().splitlines()[:4])  # pydantic: the key is line 2
         out[name] = {"hf": {"error": f"{type(e).__name__}: {msg}"}}
+        vars(_accelerator()).pop("is_fp16_supported", None)
         _reset()
         continue
       out[name] = {"hf": hf}
+      vars(_accelerator()).pop("is_fp16_supported", None)  # parity's side decides for itself (build_engine)
       if case.get("replay"):
         out[name]["parity"] = replay(case["config"], t, folder, batches)
         if case.get("plant_mask"):

@@ -81,9 +81,14 @@ CRAFTED = {
 AdamW), zero_force_ds_cpu_optimizer false (Accelerate keeps the Trainer's torch AdamW, DeepSpeed accepts it), and
 FastChat's config (fp16 "auto", no bf16 section) run with bf16=True as FastChat's scripts run it (Accelerate adds
 the bf16 section: the job trains in bf16)."""
-CRAFTED_ARGS = {"bf16_without_a_bf16_section": {"bf16": True}}
+FP16_CONFIG = "determined-ai__determined__examples__deepspeed__cifar10_cpu_offloading__ds_config_offload.json"
+CRAFTED["fp16_on_a_cpu_without_it"] = read_deepspeed_config(REAL / FP16_CONFIG)
+CRAFTED_ARGS = {"bf16_without_a_bf16_section": {"bf16": True}, "fp16_on_a_cpu_without_it": {"device_fp16": "absent"}}
+"""bf16=True for FastChat's config; Determined's fp16 config run as on a CPU without fp16 (DeepSpeed's CPU accelerator
+reports it unsupported and nothing lifts that: tests/stack_oracle.py), whatever this CPU has."""
 _MISSING = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
 needs_stack = pytest.mark.skipif(bool(_MISSING), reason=f"{', '.join(_MISSING)} not installed (the dev extra)")
+pytestmark = pytest.mark.cpu_features  # fp16 depends on the CPU: tests/cpu_masks/run reruns this module masked
 
 
 def args_for(raw: dict) -> dict:
@@ -284,3 +289,19 @@ def test_bf16_on_a_config_without_a_bf16_section_trains_in_bf16_as_the_port_says
   assert "error" not in hf, hf
   assert hf["precision"] == "bf16"
   assert differences(hf, predicted(CRAFTED[name], _names(hf), _args(name, CRAFTED[name]))) == []
+
+
+@pytest.mark.process
+@requires_deepspeed
+@needs_stack
+def test_a_cpu_without_fp16_stops_the_trainer_at_the_device_not_at_the_config(oracle):
+  """Where DeepSpeed's CPU accelerator reports fp16 unsupported (forced here on any CPU), the Trainer's engine refuses
+  an fp16 job; the port accepts the config (a property of the device, not of the config: docs/migration.md), and the
+  same job trains, and matches parity's side, where that answer is lifted as parity's DeepSpeed side lifts it."""
+  hf = oracle["fp16_on_a_cpu_without_it"]["hf"]
+  assert "Type fp16 is not supported on your device" in hf.get("error", ""), hf
+  raw = read_deepspeed_config(REAL / FP16_CONFIG)
+  assert args_for(raw)["fp16"] and "refused" not in predicted(raw, [])
+  ran = oracle[FP16_CONFIG]["hf"]
+  assert "error" not in ran and len(ran["losses"]) == TRAIN["steps"], ran
+  assert ran["device"]["fp16_lifted"] is (not ran["device"]["fp16_native"]), ran["device"]

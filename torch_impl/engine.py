@@ -27,7 +27,7 @@ DeepSpeed semantics this module relies on (deepspeed 0.19.8):
     (`is_fp16_supported` asks `torch.ops.mkldnn._is_mkldnn_fp16_supported()`, False on this
     machine) and `DeepSpeedEngine._do_sanity_check` raises "Type fp16 is not supported on your
     device". torch's CPU kernels compute float16 correctly all the same (slowly, through float32
-    arithmetic), so `build_engine` overrides that answer (`_allow_fp16_on_cpu`); measured on
+    arithmetic), so `build_engine` overrides that answer (`allow_fp16_on_cpu`); measured on
     gpt2-tiny, the engine's fp16 losses equal the plain-torch fp16 side's bit for bit.
 """
 from __future__ import annotations
@@ -49,11 +49,12 @@ from torch_impl.semantics import decay_groups_of
 from torch_impl.stack import client_class, client_optimizer, decay_problems
 from parity.protocol.ranks import rank_env
 
-__all__ = ["build_engine", "torch_step", "eval_loss", "final_fp32_params", "optimizer_classes", "optimizer_hyperparams",
+__all__ = ["allow_fp16_on_cpu", "build_engine",
+           "torch_step", "eval_loss", "final_fp32_params", "optimizer_classes", "optimizer_hyperparams",
            "engine_state_bytes", "DeepSpeedTrainer"]
 
 
-def _allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
+def allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
   """Lets DeepSpeed's CPU accelerator accept fp16 when torch's CPU kernels can run it. Returns True when patched.
 
   DeepSpeed's `CPU_Accelerator.is_fp16_supported` answers with
@@ -260,7 +261,7 @@ def build_engine(run: RunSpec, params: dict[str, np.ndarray], config: dict[str, 
       raise ValueError(MSG_FP16_STAGE0)
   setup_distributed()
   if run.train.precision == "fp16":
-    _allow_fp16_on_cpu(config)
+    allow_fp16_on_cpu(config)
   model = build_model(run.model, params)
   if run.deepspeed.activation_checkpointing:
     _enable_checkpointing(model, config)

@@ -11,7 +11,7 @@ wrapper and scheduler stepping itself. If DeepSpeed cannot build the optimizer o
 CUDA-only), it records the reason and falls back to DeepSpeed's scheduler class alone.
 
 With fp16 enabled in the config the engine runs it as configured (fp16 module, DeepSpeed's loss scaler and
-overflow skips; CPU fp16 allowed as `parity compare` allows it, torch_impl.engine._allow_fp16_on_cpu): the
+overflow skips; CPU fp16 allowed as `parity compare` allows it, torch_impl.engine.allow_fp16_on_cpu): the
 gradient of the fp16 params is then fp16(G[step] * scale), so large scales overflow and exercise the scaler.
 
 Writes OUT.npz: lr (N,), beta1 (N,), params (N, P) fp32 master params after each step (engine mode only),
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from torch_impl.engine import setup_distributed  # the workers' environment: DS_ACCELERATOR, ninja, ops dir
-from torch_impl.engine import _allow_fp16_on_cpu, initialize
+from torch_impl.engine import allow_fp16_on_cpu, initialize
 from torch_impl.baseline import build_optimizer
 from parity.spec import TrainSpec
 
@@ -79,7 +79,7 @@ def run_engine(req: dict) -> dict:
   setup_distributed()
   import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR
   steps, cfg = req["steps"], req["ds_config"]
-  fp16 = _allow_fp16_on_cpu(cfg) or bool((cfg.get("fp16") or {}).get("enabled"))
+  fp16 = allow_fp16_on_cpu(cfg) or bool((cfg.get("fp16") or {}).get("enabled"))
   params, grads = draws(req["shapes"], steps, req["seed"])
   model = _Probe(params)
   engine, _, _, sched = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
@@ -147,7 +147,7 @@ def accepts(configs: dict[str, dict], train: dict, clients: dict[str, str | None
     groups = [{"params": [m.weight for m in model], "weight_decay": t.weight_decay},
               {"params": [m.bias for m in model], "weight_decay": 0.0}]
     try:
-      _allow_fp16_on_cpu(cfg)
+      allow_fp16_on_cpu(cfg)
       cfg = dict(cfg, steps_per_print=10 ** 9)
       if (clients or {}).get(name) in ("torch.optim.AdamW", "FusedAdam"):  # FusedAdam: CUDA; torch AdamW stands in
         import deepspeed  # deepspeed: after setup_distributed set DS_ACCELERATOR

@@ -22,7 +22,7 @@ and records it in `Report.deepspeed_refusals` (those that the key-by-key port fi
       zero_allow_untested_optimizer is true                             -> here, MSG_UNTESTED
     AutoTP: tensor_parallel.autotp_size > 1 needs a world size that is a multiple of it (device mesh) -> here
   Device-dependent refusals ("Type fp16 is not supported on your device", CUDA-only FusedLamb) are not config
-  properties: `parity compare` lifts the CPU fp16 one (torch_impl.engine._allow_fp16_on_cpu).
+  properties: `parity compare` lifts the CPU fp16 one (torch_impl.engine.allow_fp16_on_cpu).
 
 A config without an optimizer section runs with the client optimizer its training stack hands DeepSpeed
 (parity.migrate._stack: the script's torch.optim.AdamW under a bare deepspeed.initialize, DeepSpeedCPUAdam under offload

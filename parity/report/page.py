@@ -252,7 +252,7 @@ def report_html(rec: RunRecord, figures: dict[str, tuple[str, str]], run_dir: Pa
     rows = semantics_rows(rec)
     body.append(H.section("Semantics card", f"<p class=\"note\">{H.esc(SEMANTICS_INTRO)}</p>"
                           + H.table(semantics_headers(rec), rows,
-                                    row_classes=[None if r[-1] == "yes" else "fail" for r in rows])
+                                    row_classes=[None if r[-1].startswith("yes") else "fail" for r in rows])
                           + (f"<h3>Precision settings</h3><p class=\"note\">{H.esc(PRECISION_INTRO)}</p>"
                              + H.table(precision_headers(rec), precision_table(rec)) if precision_table(rec) else ""),
                           anchor="semantics"))

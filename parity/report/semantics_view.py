@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from parity.report.run_record import RunRecord
-from parity.semantics import NAME_LISTS, layers_text, precision_rows
+from parity.semantics import ITEM_ATOL, NAME_LISTS, layers_text, precision_rows
 
 __all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO", "PRECISION_INTRO",
            "precision_headers", "precision_table"]
@@ -45,8 +45,21 @@ def semantics_rows(rec: RunRecord) -> list[list[str]]:
   sides = _sides_with_cards(rec)
   if not sides:
     return []
-  return [[r["item"], *(_value(r["values"].get(s), r["item"]) for s in sides), "yes" if r["agree"] else "NO"]
+  return [[r["item"], *(_value(r["values"].get(s), r["item"]) for s in sides), agree_text(r)]
           for r in rec.semantics_rows]
+
+
+def agree_text(row: dict[str, Any]) -> str:
+  """'yes' (the same value on every side), 'NO', or, for an item compared within a tolerance (ITEM_ATOL:
+  forward.probe_loss) whose values differ, 'yes, within 2.5e-05' (the tolerance, so two different numbers never
+  read as equal)."""
+  if not row["agree"]:
+    return "NO"
+  values = [float(v) for v in row["values"].values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+  if row["item"] not in ITEM_ATOL or len(set(values)) < 2:
+    return "yes"
+  tol = max(ITEM_ATOL[row["item"]](a, b) for a in values for b in values)
+  return f"yes, within {tol:.2g}"
 
 
 def semantics_card_block(rec: RunRecord) -> dict[str, Any] | None:
