@@ -62,3 +62,25 @@ def test_a_tampered_file_in_either_folder_is_refused_by_name(folders, folder, na
   assert rc == 2, out[-2000:]
   assert f"{path} changed after its run" in out and "Traceback" not in out
   assert not (folders / "AB").exists()
+
+
+
+
+def test_a_torch_error_the_chip_s_shift_would_hide_fails_on_one_backend():
+  """The loophole of the pair bound (table + the chip's shift): a torch whose loss sits 1e-5 + 0.9x the chip's shift
+  from the chip's loss at every step, on the side away from the JAX side's host-CPU rerun (up to 1.6e-5 from it here:
+  table + 2x shift is what the bound alone admits). The pair bound PASSes it; the JAX side's host-CPU rerun against
+  torch, at the table, FAILs it, and passes the recorded correct torch. (What `parity join` and a one-machine run on a
+  TPU VM compute: parity.verdict.reruns.backend_result.)"""
+  from parity.verdict.backend import backend_pair_check, one_backend_check, shifts
+  read = lambda *p: [json.loads(x) for x in (DATA.joinpath(*p)).read_text().splitlines() if x.strip()]
+  jax, jax_cpu, torch = read("B", "jax", "steps.jsonl"), read("B", "backend", "jax", "steps.jsonl"), read(
+      "A", "torch", "steps.jsonl")
+  shift = {"jax": shifts(jax, jax_cpu)["loss"]}
+  bad = [{**t, "loss": j["loss"] + (1.0 if j["loss"] >= c["loss"] else -1.0) * (1e-5 + 0.9 * shift["jax"][j["step"]])}
+         for t, j, c in zip(torch, jax, jax_cpu)]
+  assert max(shift["jax"].values()) > 0
+  for steps, ok in ((torch, True), (bad, False)):
+    assert backend_pair_check("loss", "torch", steps, "jax", jax, shift, "fp32").passed  # the shift granted
+    one = one_backend_check("loss", "torch", steps, "jax", jax_cpu, ["jax"], "fp32")
+    assert one.passed is ok and one.name == "loss_one_backend torch~jax" and "host-CPU rerun" in one.detail

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from parity.numerics.adam import adam_step_sum
 from parity.spec import RunSpec
-from parity.verdict.backend import BACKEND_METRICS, backend_pair_check, backend_shift_check, shifts
+from parity.verdict.backend import BACKEND_METRICS, backend_pair_check, backend_shift_check, one_backend_check, shifts
 from parity.verdict.check import Check
 from parity.verdict.envelope import ENVELOPE_METRICS, envelope_check, envelope_params_check, rerun_differences
 from parity.verdict.gating import ALWAYS_REPORTED_ONLY
@@ -74,11 +74,13 @@ def side_device(ctx: RerunContext, side: str) -> str:
 def backend_result(ctx: RerunContext, outputs: dict[str, tuple[SideOutcome, list[dict]]]) -> RerunResult:
   """The backend checks and section from each accelerator side's CPU rerun (what parity.pipeline.reruns.backend_reruns
   computes, and what parity.report.reverify recomputes from run_dir/backend/): a 'backend_shift' check per side, and
-  per pair with a shift a '<metric>_backend' check that decides the pair's table check. A rerun that did not finish
+  per pair with a shift a '<metric>_backend' check that decides the pair's table check, and a '<metric>_one_backend'
+  check of the pair on the host CPU alone (parity.verdict.backend). A rerun that did not finish
   gets a failing 'backend_rerun' check (its pairs keep the table, which then FAILs or PASSes as measured on one
   CPU)."""
   res, precision = RerunResult(), ctx.spec.train.precision
   shift: dict[str, dict[str, dict[int, float]]] = {}
+  on_cpu: dict[str, list[dict]] = {}
   runs = {}
   for side, (sr, steps) in outputs.items():
     runs[side] = {"status": sr.status, "error": sr.error, "device": side_device(ctx, side)}
@@ -89,6 +91,7 @@ def backend_result(ctx: RerunContext, outputs: dict[str, tuple[SideOutcome, list
                               reason="A pair on two backends is judged by the accelerator side's measured shift."))
       continue
     shift[side] = shifts(ctx.side_data[side]["steps"], steps)
+    on_cpu[side] = list(steps)
     for metric in BACKEND_METRICS:  # every metric whose pair bound takes the shift has the shift bounded
       c = backend_shift_check(side, runs[side]["device"], shift[side][metric], precision, metric,
                               steps_by_index(ctx.side_data[side]["steps"], metric))
@@ -105,6 +108,10 @@ def backend_result(ctx: RerunContext, outputs: dict[str, tuple[SideOutcome, list
         if c is not None:
           res.checks.append(c)
           res.decides.add((metric, a, b))
+        one = one_backend_check(metric, a, on_cpu.get(a, data[a]["steps"]), b, on_cpu.get(b, data[b]["steps"]),
+                                sorted(on_cpu), precision) if set(on_cpu) & {a, b} else None
+        if one is not None:
+          res.checks.append(one)
   res.section = {"method": "each side that ran on an accelerator, rerun on the host CPU with the same request, "
                            "batches and weights (JAX_PLATFORMS=cpu)", "runs": runs,
                  "sides": {s: {"steps": sorted(v["loss"]), "abs_loss_shift": [v["loss"][k] for k in sorted(v["loss"])]}
