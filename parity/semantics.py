@@ -197,9 +197,9 @@ bound (lambda 3: the worst-case bound n * u is ~10x looser and would hide nothin
 
 
 def probe_loss_tolerance(a: float, b: float) -> float:
-  """How far two sides' forward.probe_loss may sit apart from rounding alone, nats: the float32 rounding of the
-  probe's two last reductions on each side (their order, the vector width and FMA use differ by framework and by CPU), in
-  the probabilistic model: the token mean over N = PROBE_BATCH * (PROBE_LEN - 1) per-token losses (lambda * (sqrt(N) + 1)
+  """How far two sides' forward.probe_loss may sit apart from rounding alone, nats: the float32 rounding of the probe's
+  two last reductions on each side (their order, the vector width and FMA use differ by framework and by CPU), in the
+  probabilistic model: the token mean over N = PROBE_BATCH * (PROBE_LEN - 1) per-token losses (lambda * (sqrt(N) + 1)
   * u * |loss|: the sum and the division), and each token's log-sum-exp over the vocabulary V <= 512 (`probe_spec`;
   terms <= 1 after the max shift, sum >= 1: the log turns the sum's relative error into lambda * sqrt(V) * u nats),
   twice (two sides), and never under PROBE_LOSS_ATOL. The matmuls before them add less: measured, the sides agree bit
