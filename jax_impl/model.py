@@ -35,6 +35,8 @@ F MLP width, V vocab.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 from typing import Any
@@ -47,6 +49,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from parity.spec import ModelSpec
 
+from jax_impl import accelerator_plants
 from jax_impl import remat as remat_lib
 from jax_impl import residual_plant
 # The layers (torch rounding points, diagnose taps: jax_impl.layers), attention (jax_impl.attention) and the
@@ -306,11 +309,14 @@ class GPT(nn.Module):
         local = rope_at(positions_bt.astype(jnp.int32), s.max_seq_len, s.head_dim, *kind_rope(s, True))
     mask_bts = None if segment_ids_bt is None else attention_mask(segment_ids_bt, self.causal)
     x_btd = self._blocks(x_btd, mask_bts, rope, local)
-    x_btd = Norm(s, self.dtype, name="ln_f")(x_btd)
-    if s.tie_embeddings:
-      logits_btv = wte.attend(x_btd)  # x @ wte.T
-    else:
-      logits_btv = _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
+    eps = accelerator_plants.planted_value("accelerator_norm_eps")  # a planted accelerator-only error, if any
+    x_btd = Norm(s if eps is None else dataclasses.replace(s, norm_eps=eps), self.dtype, name="ln_f")(x_btd)
+    with (jax.default_matmul_precision("default") if accelerator_plants.planted_value("accelerator_matmul_default")
+          else contextlib.nullcontext()):
+      if s.tie_embeddings:
+        logits_btv = wte.attend(x_btd)  # x @ wte.T
+      else:
+        logits_btv = _dense(s.vocab_size, s, self.dtype, "lm_head", bias=False)(x_btd)
     _tap(self, "logits", lambda: logits_btv)
     if s.final_softcap is not None and not planted("final_softcap_skipped"):  # Gemma 2: before the loss (HF)
       logits_btv = softcap(logits_btv, s.final_softcap)

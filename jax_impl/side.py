@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from parity.protocol.layout import ACCELERATOR_PLANT_KEYS
 from parity.protocol.loop import Side, SideSummary
 from parity.protocol.memory_figures import device_memory_fields, host_rss_fields, vm_rss_bytes
 from parity.protocol.placement import PLACEMENT_FILE, write_placement
@@ -32,12 +33,16 @@ class JaxSide(Side):
     """jax.distributed first (several ranks), then the backend's start between two VmRSS readings
     (`_open_backend`), then the Trainer on a mesh over every process's devices."""
     from jax_impl import distributed  # after force_host_devices (module docstring)
+    from jax_impl.accelerator_plants import set_accelerator_plants
     from jax_impl.layers import set_model_plants
     from jax_impl.step import Trainer
     self.io = io
     set_model_plants(io.plants)  # before the step is traced: a planted family porting bug, if any
     distributed.initialize()  # (0, 1) and nothing done with one rank
     self._open_backend()
+    applied = set_accelerator_plants(io.debug, self.platform)  # before the step is traced; none on the CPU
+    for key in (k for k in ACCELERATOR_PLANT_KEYS if k in io.debug and k not in applied):
+      io.debug[key] = None  # recorded as not applied: summary.json 'perturbed' (parity.report.build `applied`)
     self.trainer = Trainer.build(io.run, io.init_params(), mesh=distributed.global_mesh() if io.world > 1 else None,
                                  plants=io.plants)
     self.gathered = distributed.Gathered(self.trainer) if io.world > 1 else None

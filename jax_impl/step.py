@@ -40,7 +40,7 @@ from jax_impl import optim
 from jax_impl import loss_scaling
 from jax_impl import offload as offload_lib
 from jax_impl import remat as remat_lib
-from jax_impl import residual_plant
+from jax_impl import accelerator_plants, residual_plant
 from jax_impl import stream as stream_lib
 from jax_impl.offload import Placement, TrainState, make_placement
 from parity.numerics.loss_scale import MSG_AT_MINIMUM, LossScaleAtMinimum
@@ -149,7 +149,7 @@ def make_train_step(run: RunSpec, tx: optax.GradientTransformation, schedule: op
     else:
       params = placement.to_device("params", state.params, shardings.params)  # the update's working copy
       updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      params = optax.apply_updates(params, accelerator_plants.scaled_updates(updates))
     metrics = {"loss": loss_val, "grad_norm": optim.grad_norm_of(opt_state), "lr": lr}
     if fp16:
       new_ls = optim.loss_scale_state_of(opt_state)

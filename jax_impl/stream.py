@@ -38,7 +38,7 @@ import optax
 
 from parity.spec import RunSpec
 
-from jax_impl import optim
+from jax_impl import accelerator_plants, optim
 from jax_impl.offload import DEVICE_KIND, LAYERS, Placement, TrainState, map_param_trees as _map_param_trees
 
 __all__ = ["StreamOptions", "OPTIONS", "Pending", "streams_update", "updates_in_place", "defers_update",
@@ -167,7 +167,7 @@ def streamed_update(run: RunSpec, placement: Placement, grads: Any, opt_state: A
   rest_params = to_device(rest_of(params), params_host)
   rest_state = _map_param_trees(opt_state, full_def, lambda t: to_device(rest_of(t), rest_of(opt_host)))
   updates, new_rest_state = tx.update(rest_of(grads), rest_state, rest_params)
-  new_rest_params = keep(optax.apply_updates(rest_params, updates), rest_params)
+  new_rest_params = keep(optax.apply_updates(rest_params, accelerator_plants.scaled_updates(updates)), rest_params)
   new_rest_state = keep(new_rest_state, rest_state)
 
   moments: list[Any] = []  # the layer subtree of each params-shaped part of the state, in tree order
@@ -213,7 +213,7 @@ def _layer_update(tx: Any, opt_state: Any, full_def: Any, keep: Callable, moves:
     slices = iter([to_device(m, opt_host) for m in m_l])
     state_l = _map_param_trees(opt_state, full_def, lambda _t: {LAYERS: next(slices)})
     upd_l, new_state_l = tx.update({LAYERS: g_l}, state_l, {LAYERS: p_l})
-    new_p_l = keep(optax.apply_updates({LAYERS: p_l}, upd_l)[LAYERS], p_l)
+    new_p_l = keep(optax.apply_updates({LAYERS: p_l}, accelerator_plants.scaled_updates(upd_l))[LAYERS], p_l)
     layer_def = jax.tree.structure({LAYERS: p_l})
     new_m_l: list[Any] = []
     _map_param_trees(new_state_l, layer_def, lambda t: new_m_l.append(t[LAYERS]))

@@ -1,9 +1,9 @@
 """The verdict grid on a TPU VM: `parity compare --sides jax,torch` for every model family x precision x offload
 plan, the plant table with JAX on the chip, and a JAX folder made from a carried request for `parity join`.
 
-Run by `benchmarks/tpu.sh matrix [--part fp32|bf16|plants|join ...]` after its install. Compares run JOBS at a time:
-each JAX side on the chip waits for the chip (harness.chip: one side at a time holds it) while the others run their
-PyTorch side and host-CPU reruns, so the chip is busy most of the time and the grid fits one command. A cell that
+Run by `benchmarks/tpu.sh matrix [--part fp32|bf16|plants|join|accel ...]` after its install. Compares run JOBS at
+a time: each JAX side on the chip waits for the chip (harness.chip: one side at a time holds it) while the others run
+their PyTorch side and host-CPU reruns, so the chip is busy most of the time and the grid fits one command. A cell that
 cannot start before the budget ends is listed as not run, with that reason. Writes, under --out:
   matrix/cells.json    one record per compare: name, args, exit code, wall seconds, verdict, failing gating checks,
                        the deciding figures (backend shift, envelope), the device the JAX side ran on
@@ -57,6 +57,29 @@ PLANTS = (
   ("plant-mask-dropped", (*PLANT_DATA, *JT, "--steps", "3", "--set", "train.layout=packed",
                           "--perturb", "jax:attention_mask_dropped=true")),
 )
+ACCEL_PLANTS = (("update-1.001", "accelerator_update_scale=1.001"),
+                ("update-1.0003", "accelerator_update_scale=1.0003"),
+                ("norm-eps-1e-6", "accelerator_norm_eps=1e-6"),
+                ("matmul-default", "accelerator_matmul_default=true"))
+"""Accelerator-only plants (jax_impl.accelerator_plants): applied on the chip, not in the JAX side's host-CPU rerun,
+so only the cross-backend rule can see them. Every model here has norm eps 1e-5: 1e-6 is the Llama-1/2 porting slip."""
+
+
+def accel_cells(request: Path) -> list[tuple[str, tuple[str, ...]]]:
+  """The accelerator-only plants: on the carried gpt2-tiny request (JAX only, joined with its torch folder later,
+  each folder kept whole), a clean run and each plant; and on llama3-tiny and mistral-tiny with torch on the host CPU
+  (16 steps), the update plants and llama3's other two."""
+  out = []
+  if request.is_file():
+    base = ("--request", str(request), "--sides", "jax")
+    out += [("accel-gpt2-clean", base)] + [(f"accel-gpt2-{n}", (*base, "--perturb", f"jax:{kv}"))
+                                             for n, kv in ACCEL_PLANTS]
+  for fam, names in (("llama3", [n for n, _ in ACCEL_PLANTS]), ("mistral", ["update-1.001", "update-1.0003"])):
+    out += [(f"accel-{fam}-{n}", ("--preset", f"{fam}-tiny", *JT, "--steps", "16", "--perturb", f"jax:{kv}"))
+            for n, kv in ACCEL_PLANTS if n in names]
+  return out
+
+
 KEEP = (".json", ".jsonl", ".txt", ".md")  # what comes back of a run folder (the join folder comes back whole)
 
 
@@ -155,7 +178,7 @@ def chip_open_probe(root: Path, log) -> dict:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--out", required=True)
-  ap.add_argument("--part", action="append", choices=("fp32", "bf16", "plants", "join", "probe"),
+  ap.add_argument("--part", action="append", choices=("fp32", "bf16", "plants", "join", "accel", "probe"),
                   help="repeatable; default: fp32, join")
   ap.add_argument("--budget", type=float, default=float(os.environ.get("BUDGET_S", 480)),
                   help="seconds for the whole part (default BUDGET_S or 480)")
@@ -195,6 +218,8 @@ def main() -> int:
     elif part == "plants":
       data = str(plant_jsonl(root))
       cells += [(n, tuple(data if x == "@PLANT_JSONL" else x for x in args)) for n, args in PLANTS]
+    elif part == "accel":
+      cells += accel_cells(Path(a.request))
     elif part == "join":
       cells += join_cells(Path(a.request))
       if not Path(a.request).is_file():  # said, not skipped in silence: the part needs a request from elsewhere
@@ -217,7 +242,7 @@ def main() -> int:
     for f in futs:
       records.append(f.result())
   (root / "cells.json").write_text(json.dumps(records, indent=1))
-  prune(root, {"join-B-jax"})
+  prune(root, {"join-B-jax"} | {n for n, _ in cells if n.startswith("accel-gpt2-")})
   with tarfile.open(Path(a.out) / "matrix.tgz", "w:gz") as tar:
     tar.add(root, arcname="matrix")
   shutil.copy(root / "log.txt", Path(a.out) / "log.txt")

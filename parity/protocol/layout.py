@@ -45,7 +45,7 @@ from parity import weights
 
 __all__ = ["REQUEST_SCHEMA", "SUMMARY_SCHEMA", "LAUNCH_ENV", "DEBUG_KEYS", "PLANT_KEYS", "DATA_PLANT_KEYS",
            "OPTIMIZER_PLANT_KEYS", "PLACEMENT_PLANT_KEYS", "FSDP_PLANT_KEYS", "OFFLOAD_PLANT_KEYS", "FAMILY_PLANT_KEYS",
-           "SIDE_PLANT_KEYS", "STEP_LIST_KEYS",
+           "SIDE_PLANT_KEYS", "STEP_LIST_KEYS", "ACCELERATOR_PLANT_KEYS",
            "FINAL_MOMENTS", "MOMENT_KINDS", "CHECKPOINT_DIR", "CHECKPOINT_META", "CHECKPOINT_SCHEMA",
            "parse_debug_value", "read_steps", "read_summary", "read_moments", "read_checkpoint_meta", "PLANTED_KILL",
            "FOLDER_GONE",
@@ -142,16 +142,22 @@ and final_softcap_skipped (the attention-score or final-logit soft-cap of Gemma 
 (Gemma's (1 + w) RMSNorm with Llama's rounding order: the normalised value rounded to the compute dtype, then times
 (1 + w) rounded to it, where HF Gemma2RMSNorm multiplies in float32 and rounds once; the same in fp32). Applied by
 torch_impl.layers / jax_impl.layers (`set_model_plants`); parity.pipeline.plants refuses one the model cannot show."""
+ACCELERATOR_PLANT_KEYS = ("accelerator_update_scale", "accelerator_norm_eps", "accelerator_matmul_default")
+"""Planted errors of the JAX side on an accelerator only (jax_impl.accelerator_plants; docs/tpu.md "Accelerator-only
+plants"): accelerator_update_scale (a factor > 0, not 1: every update scaled), accelerator_norm_eps (a value > 0: the
+final norm's eps), accelerator_matmul_default (`true`: the output projection at 'default' matmul precision). Its
+host-CPU rerun runs clean, so only the cross-backend rule can catch them; on the CPU the side applies none and its
+summary records each as not applied."""
 SIDE_PLANT_KEYS = PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS + FAMILY_PLANT_KEYS
 """Every planted bug a side can carry (each takes `true`): `parity.protocol.side.SideIO.plants`."""
 DEBUG_KEYS = ("nan_at_step", "kill_at_step", "hang_at_step", "raise_at_step", "overflow_at_steps",
-              "fault_rank") + SIDE_PLANT_KEYS
+              "fault_rank") + SIDE_PLANT_KEYS + ACCELERATOR_PLANT_KEYS
 """Fault injections a request may carry per side (besides model./train. overrides), for testing failure paths.
 Each takes a step number (0-based optimizer step); `overflow_at_steps` takes a list of them: at those steps
 the side makes its (loss-scaled) gradient overflow, as an fp16 run with too large a loss scale would.
 `fault_rank` (a rank number) limits kill/hang/raise_at_step to that rank of a multi-rank side (docs/multirank.md).
 SIDE_PLANT_KEYS (PLANT_KEYS, PLACEMENT_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS, FAMILY_PLANT_KEYS) take
-`true`."""
+`true`; ACCELERATOR_PLANT_KEYS take their value (`parse_debug_value`)."""
 STEP_LIST_KEYS = ("overflow_at_steps",)
 """DEBUG_KEYS whose value is a list of steps."""
 
@@ -226,6 +232,8 @@ def parse_debug_value(key: str, value: Any) -> int | bool | tuple[int, ...]:
   Raises:
     ValueError: naming the key and what it takes.
   """
+  if key in ACCELERATOR_PLANT_KEYS:
+    return _accelerator_plant_value(key, value)
   if key in SIDE_PLANT_KEYS:
     if value is not True:
       raise ValueError(f"{key} is a planted bug: it takes true (leave it out for a correct side); got {value!r}")
@@ -239,6 +247,21 @@ def parse_debug_value(key: str, value: Any) -> int | bool | tuple[int, ...]:
     raise ValueError(f"{key} takes a {'rank' if key == 'fault_rank' else 'step'} number (an integer >= 0); "
                      f"got {value!r}")
   return value
+
+
+def _accelerator_plant_value(key: str, value: Any) -> float | bool:
+  """accelerator_matmul_default: true; accelerator_update_scale: a finite number > 0 other than 1;
+  accelerator_norm_eps: a finite number > 0. Raises ValueError naming the key and what it takes."""
+  if key == "accelerator_matmul_default":
+    if value is not True:
+      raise ValueError(f"{key} is a planted bug: it takes true (leave it out for a correct side); got {value!r}")
+    return True
+  number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+  if not number or (key == "accelerator_update_scale" and value == 1):
+    what = "a factor > 0 other than 1 (1.001: every update 0.1% too large)" if key == "accelerator_update_scale" \
+        else "an eps > 0 (1e-6 where the model has 1e-5)"
+    raise ValueError(f"{key} takes {what}; got {value!r}")
+  return float(value)
 
 
 def read_steps(path: str | Path) -> list[dict[str, Any]]:
