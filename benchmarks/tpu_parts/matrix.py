@@ -59,6 +59,7 @@ PLANTS = (
 )
 ACCEL_PLANTS = (("update-1.001", "accelerator_update_scale=1.001"),
                 ("update-1.0003", "accelerator_update_scale=1.0003"),
+                ("update-1.0001", "accelerator_update_scale=1.0001"),
                 ("norm-eps-1e-6", "accelerator_norm_eps=1e-6"),
                 ("matmul-default", "accelerator_matmul_default=true"))
 """Accelerator-only plants (jax_impl.accelerator_plants): applied on the chip, not in the JAX side's host-CPU rerun,
@@ -68,13 +69,14 @@ so only the cross-backend rule can see them. Every model here has norm eps 1e-5:
 def accel_cells(request: Path) -> list[tuple[str, tuple[str, ...]]]:
   """The accelerator-only plants: on the carried gpt2-tiny request (JAX only, joined with its torch folder later,
   each folder kept whole), a clean run and each plant; and on llama3-tiny and mistral-tiny with torch on the host CPU
-  (16 steps), the update plants and llama3's other two."""
+  (16 steps), the 0.1% and 0.03% update plants and llama3's other two."""
   out = []
   if request.is_file():
     base = ("--request", str(request), "--sides", "jax")
     out += [("accel-gpt2-clean", base)] + [(f"accel-gpt2-{n}", (*base, "--perturb", f"jax:{kv}"))
                                              for n, kv in ACCEL_PLANTS]
-  for fam, names in (("llama3", [n for n, _ in ACCEL_PLANTS]), ("mistral", ["update-1.001", "update-1.0003"])):
+  for fam, names in (("llama3", [n for n, _ in ACCEL_PLANTS if n != "update-1.0001"]),
+                     ("mistral", ["update-1.001", "update-1.0003"])):
     out += [(f"accel-{fam}-{n}", ("--preset", f"{fam}-tiny", *JT, "--steps", "16", "--perturb", f"jax:{kv}"))
             for n, kv in ACCEL_PLANTS if n in names]
   return out
