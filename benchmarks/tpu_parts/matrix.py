@@ -79,6 +79,7 @@ def accel_cells(request: Path) -> list[tuple[str, tuple[str, ...]]]:
                      ("mistral", ["update-1.001", "update-1.0003"])):
     out += [(f"accel-{fam}-{n}", ("--preset", f"{fam}-tiny", *JT, "--steps", "16", "--perturb", f"jax:{kv}"))
             for n, kv in ACCEL_PLANTS if n in names]
+  out += [("accel-gpt2-clean-64", ("--preset", "gpt2-tiny", *JT, "--steps", "64"))]  # the shift's growth, longer
   return out
 
 
