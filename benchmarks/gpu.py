@@ -170,7 +170,8 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--bytes-limit", type=int, help="grid flow: device bytes a compile must fit (default: the chip's)")
   ap.add_argument("--largest-fit-by", default="sum", choices=("sum", "xla", "compile"),
                   help="grid flow: a compiled depth fits when its argument+output+temp-alias (sum, default), XLA's "
-                       "peak_memory_in_bytes (xla), or nothing but XLA's acceptance (compile) is within the limit")
+                       "peak_memory_in_bytes less the step's host buffers (xla), or nothing but XLA's acceptance "
+                       "(compile) is within the limit")
   ap.add_argument("--raw-mib", type=int, help="MiB per bandwidth copy in the raw parts (default 1024; --tiny 8)")
   return ap
 

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 from harness import doctor
 from parity import environment
+from parity.installed import pip_install
 from parity.sides import side_record
 from parity.spec import SpecError
 
@@ -24,7 +25,6 @@ __all__ = ["ALLOW_CPU_ENV", "CpuFallbackError", "cuda_present", "frameworks_for"
 
 ALLOW_CPU_ENV = "PARITY_ALLOW_CPU"
 """PARITY_ALLOW_CPU=1 does what --allow-cpu does (for scripts and test runs on a GPU node)."""
-JAX_CUDA_EXTRA = "pip install 'parity[cuda]'"
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
 """jax.default_backend() names of a GPU backend (CUDA plugins report 'gpu')."""
 
@@ -76,7 +76,8 @@ def _jax_problem(p: Mapping[str, object], versions: Mapping[str, str | None]) ->
             f"does not start ({cuda}); the plugin must match jax {jv} exactly and the driver (nvidia-smi) the "
             f"plugin's CUDA: reinstall with `pip install \"jax[cuda13]=={jv}\"` (cuda12 for a CUDA 12 driver)")
   return (f"the jax side would run on the CPU: jax {jv} has no CUDA plugin ({cuda}); install it: "
-          f"{JAX_CUDA_EXTRA} (or `pip install \"jax[cuda13]=={jv}\"`; cuda12 for a CUDA 12 driver)")
+          f"{pip_install('cuda', constrained=False)} (or `pip install \"jax[cuda13]=={jv}\"`; cuda12 for a CUDA 12 "
+          "driver)")
 
 
 def _torch_problem(p: Mapping[str, object]) -> str | None:

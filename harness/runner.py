@@ -13,6 +13,7 @@ and after each ends (`folder_gone`): the side that was running is 'crashed' sayi
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from typing import Callable, Sequence
 from harness import chip, lifetime, ranks
 from parity import phase
 from harness.env import host_pool_environ, side_spec, worker_env
+from parity.protocol.disk_full import DISK_FULL, disk_full_at, disk_full_in, disk_full_reason
 from parity.protocol.layout import (FOLDER_GONE, LAUNCH_ENV, PLANTED_KILL, count_lines, read_steps, read_summary,
                                     tail_text)
 from parity.protocol.outputs import SideRun  # what a side left, as the harness saw it run (the report reads it too)
@@ -61,6 +63,18 @@ def _classify(rc: int | None, timed_out: bool, summary: dict | None, stderr: str
       return "crashed", f"worker wrote an 'ok' summary but exited with code {rc}:\n{stderr}"
     return status, summary.get("error")
   return "crashed", f"worker exited with code {rc} without a summary:\n{stderr}"
+
+
+def _disk_full_first(status: str, error: str | None, summary: dict | None, stderr: str, out: Path) -> str | None:
+  """`error` with a full disk named on its first line where one stopped a crashed side (parity.protocol.disk_full):
+  ENOSPC in its error, traceback or stderr, or, when it left no summary, a disk with no free space (its summary and
+  stderr.log could not be written: the reason was blank)."""
+  if status != "crashed" or (error or "").startswith(DISK_FULL):
+    return error
+  reason = disk_full_in(f"{error or ''}\n{(summary or {}).get('traceback') or ''}\n{stderr}", out)
+  if reason is None and summary is None and disk_full_at(out):
+    reason = disk_full_reason(out)
+  return f"{reason}\n{error}" if reason else error
 
 
 def run_side(run_dir: str | Path, side: str, *, timeout_s: float,
@@ -116,8 +130,9 @@ def _start(run_dir: Path, side: str, out: Path, timeout_s: float, on_progress, p
   try:
     launch = _prepare(run_dir, out)
   except (OSError, ValueError) as exc:  # disk full, read-only folder: the side cannot run; say where and why
-    return not_run(side, f"cannot prepare {out} ({getattr(exc, 'strerror', None) or exc}): the folder must be "
-                   "writable with free space")
+    why = (disk_full_reason(out) if getattr(exc, "errno", None) == errno.ENOSPC else
+           getattr(exc, "strerror", None) or exc)
+    return not_run(side, f"cannot prepare {out} ({why}): the folder must be writable with free space")
   worker = module or worker_module(side, job)
   cmd = [python, "-m", "harness.boot", worker, str(run_dir / "request.json"), "--side", side]
   full_env = worker_env({**(env or {}), phase.PHASE_ENV: str(out / phase.PHASE_FILE)}, python,
@@ -182,7 +197,9 @@ def _run_one(side: str, cmd: list[str], out: Path, env: dict[str, str], timeout_
   busy = chip.busy_hint(f"{error or ''}\n{stderr}") if status == "crashed" else None
   if busy:
     error = f"{busy}\n{error}"
-  if summary is None or summary.get("status") != status or busy:
+  full = _disk_full_first(status, error, summary, stderr, out)
+  if summary is None or summary.get("status") != status or busy or full != error:
+    error = full
     summary = _harness_summary(side, status, error, out, summary)
     _write_summary(out, summary)
   peak = rusage.ru_maxrss * 1024 if rusage is not None else None
@@ -210,8 +227,12 @@ def _run_ranks(side: str, cmd: list[str], launch: dict, out: Path, env: dict[str
     on_progress(side, count_lines(out / "steps.jsonl"))
   summary = read_summary(out / "summary.json")
   rc = launched.returncode
-  status, error = _classify(rc, launched.timed_out, summary, _tail(out / "stderr.log"))
+  stderr = _tail(out / "stderr.log")
+  status, error = _classify(rc, launched.timed_out, summary, stderr)
   status, error, folded = ranks.fold_ranks(summary or {}, status, error, launched, out, ranks.world_size(launch))
+  full = _disk_full_first(status, error, summary, stderr, out)
+  if full != error:
+    error = folded["error"] = full
   if summary is None or summary.get("status") != status:
     folded = _harness_summary(side, status, error, out, folded)
   _write_summary(out, folded)
@@ -303,7 +324,8 @@ def _write_summary(out: Path, summary: dict) -> None:
   try:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
   except OSError as exc:
-    summary["summary_not_written"] = f"{out / 'summary.json'}: {exc.strerror or exc}"
+    summary["summary_not_written"] = (disk_full_reason(out / "summary.json") if exc.errno == errno.ENOSPC else
+                                      f"{out / 'summary.json'}: {exc.strerror or exc}")
 
 
 def build_ops(names: list[str], *, timeout_s: float = phase.BUILD_LIMIT_S, python: str = sys.executable) -> int:

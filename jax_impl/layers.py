@@ -25,8 +25,8 @@ from parity.spec import ModelSpec
 
 from jax_impl.param_names import NORM_MODULES
 
-__all__ = ["Dense", "Norm", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation", "softcap",
-           "embed_scale", "set_model_plants", "planted"]
+__all__ = ["Dense", "Norm", "norm_eps", "TAPS", "tap_name", "rope_tables", "rope_at", "apply_rope", "mlp_activation",
+           "softcap", "embed_scale", "set_model_plants", "planted", "FINAL_NORM"]
 
 Dtype = Any
 
@@ -117,6 +117,19 @@ def _opmath(fn: Any, x: jax.Array, dtype: Dtype) -> jax.Array:
   return fn(x.astype(jnp.float32)).astype(dtype)
 
 
+FINAL_NORM = "ln_f"
+"""The module name of the final norm (before the output projection), as parity.weights names its params."""
+
+
+def norm_eps(norm: "Norm") -> float:
+  """The eps a `Norm` module adds to its mean square / variance: spec.norm_eps; under the planted family bug
+  'final_norm_eps_tenth' (parity.protocol.layout.FAMILY_PLANT_KEYS) a tenth of it in the final norm (FINAL_NORM), as
+  a Llama-1 eps of 1e-6 left in a Llama-2 (1e-5) port. The semantics card reads each built norm through this
+  (jax_impl.semantics.norm_eps_by_name)."""
+  eps = norm.spec.norm_eps
+  return eps / 10.0 if norm.name == FINAL_NORM and planted("final_norm_eps_tenth") else eps
+
+
 class Norm(nn.Module):
   """LayerNorm (torch semantics: biased two-pass variance) or RMSNorm (LLaMA, or Gemma's (1 + w)), in float32.
 
@@ -144,14 +157,15 @@ class Norm(nn.Module):
     s = self.spec
     d = x_btd.shape[-1]
     x = x_btd.astype(jnp.float32)
+    eps = norm_eps(self)
     if s.norm == "layernorm":
       mean_bt1 = jnp.mean(x, axis=-1, keepdims=True)
       xc = x - mean_bt1
       var_bt1 = jnp.mean(xc * xc, axis=-1, keepdims=True)
-      y = xc * jax.lax.rsqrt(var_bt1 + s.norm_eps)
+      y = xc * jax.lax.rsqrt(var_bt1 + eps)
     else:
       ms_bt1 = jnp.mean(x * x, axis=-1, keepdims=True)
-      y = x * jax.lax.rsqrt(ms_bt1 + s.norm_eps)
+      y = x * jax.lax.rsqrt(ms_bt1 + eps)
     init = nn.initializers.zeros if s.norm_plus_one else nn.initializers.ones
     scale = self.param("scale", init, (d,), jnp.float32)
     if s.norm_plus_one and planted("norm_plus_one_rounded"):  # the planted porting bug: Llama's rounding order

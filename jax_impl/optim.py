@@ -44,10 +44,31 @@ from jax_impl.layout import tree_from_canonical
 
 __all__ = ["ClipState", "clip_by_global_norm_deepspeed", "warmup_cosine_schedule", "decay_mask",
            "make_optimizer", "optimizer_update", "DeepSpeedOptState", "adam_second_moment", "ported_optimizer",
-           "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "GlobalStats", "global_stats"]
+           "grad_norm_of", "step_count_of", "DEEPSPEED_CLIP_EPS", "GlobalStats", "global_stats", "BuiltTransformation",
+           "built_from"]
 
 DEEPSPEED_CLIP_EPS = 1e-6
 """Added to the global norm before dividing by the clip value (DeepSpeed ZeRO-1/2)."""
+
+
+class BuiltTransformation(optax.GradientTransformationExtraArgs):
+  """An optax transformation with `built_from`: {name: value} of the hyper-parameters its update closes over, recorded
+  where it is built (the clip's threshold and eps, the optimizer's betas, eps and weight decay; a chain: its parts'),
+  so the semantics card reads what the step applies, not the spec it was meant to follow (jax_impl.semantics). Its
+  init and update are the wrapped transformation's."""
+
+
+def _built(tx: optax.GradientTransformation, **values: Any) -> BuiltTransformation:
+  """`tx` carrying `values` as its `built_from` (with extra-args support, as optax.chain gives its parts)."""
+  tx = optax.with_extra_args_support(tx)
+  out = BuiltTransformation(tx.init, tx.update)
+  out.built_from = dict(values)  # a NamedTuple subclass without __slots__: its instances have a __dict__
+  return out
+
+
+def built_from(tx: Any) -> dict[str, Any]:
+  """The hyper-parameters `tx` was built with (`BuiltTransformation`); {} for a transformation built elsewhere."""
+  return dict(getattr(tx, "built_from", {}))
 
 
 class ClipState(NamedTuple):
@@ -96,7 +117,7 @@ def clip_by_global_norm_deepspeed(max_norm: float, global_norm: jax.Array | None
       updates = jax.tree.map(lambda g: g * inv_scale.astype(g.dtype), updates)
     return updates, ClipState(grad_norm=norm)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return _built(optax.GradientTransformation(init_fn, update_fn), clip_max_norm=max_norm, clip_eps=eps)
 
 
 def warmup_cosine_schedule(train: TrainSpec) -> optax.Schedule:
@@ -192,7 +213,11 @@ def _wd_tree(params: Any, wd: float, mask: Any) -> Any:
 
 def _deepspeed_rule(kind: str, p: Mapping[str, Any], lr_fn: optax.Schedule, b1_fn: optax.Schedule | None,
                     b2: float | None, mask: Any) -> optax.GradientTransformation:
-  """The full parameter delta (lr applied) of DeepSpeed's Adam/AdamW/Lamb and torch.optim.SGD, one rule per kind."""
+  """The full parameter delta (lr applied) of DeepSpeed's Adam/AdamW/Lamb and torch.optim.SGD, one rule per kind;
+  `built_from` records the betas (beta1: a schedule of the count under b1_fn), eps and weight decay its update reads."""
+  beta1_of = b1_fn if b1_fn is not None else (None if kind == "sgd" else p["betas"][0])
+  beta2_value = None if kind == "sgd" else (b2 if b2 is not None else p["betas"][1])
+  eps = None if kind == "sgd" else p["eps"]
 
   def init_fn(params):  # SGD keeps a momentum buffer only when it has momentum, and no second moment (as torch)
     zeros = lambda: jax.tree.map(jnp.zeros_like, params)
@@ -214,9 +239,8 @@ def _deepspeed_rule(kind: str, p: Mapping[str, Any], lr_fn: optax.Schedule, b1_f
         buf = jax.tree.map(lambda b, g: jnp.where(first, g, mom * b + (1 - damp) * g), state.mu, g)
         g = jax.tree.map(lambda g, b: g + mom * b, g, buf) if p["nesterov"] else buf
       return jax.tree.map(lambda g: -lr * g, g), DeepSpeedOptState(t, buf, state.nu)
-    beta1 = jnp.asarray(b1_fn(state.count) if b1_fn else p["betas"][0], dt)
-    beta2 = jnp.asarray(b2 if b2 is not None else p["betas"][1], dt)
-    eps = p["eps"]
+    beta1 = jnp.asarray(beta1_of(state.count) if callable(beta1_of) else beta1_of, dt)
+    beta2 = jnp.asarray(beta2_value, dt)
     if kind == "adam":  # L2: the decay joins the gradient before the moments (adam_w_mode false)
       grads = jax.tree.map(lambda g, x, wd: g + wd * x if wd else g, grads, params, wds)
     mu = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.mu, grads)
@@ -243,7 +267,8 @@ def _deepspeed_rule(kind: str, p: Mapping[str, Any], lr_fn: optax.Schedule, b1_f
       return -step * coeff * u
     return jax.tree.map(lamb_leaf, mu, nu, params, wds), new
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return _built(optax.GradientTransformation(init_fn, update_fn), optimizer=kind, beta1=beta1_of, beta2=beta2_value,
+                eps=eps, weight_decay=p["weight_decay"])
 
 
 def optimizer_update(opt: Mapping[str, Any], lr_fn: optax.Schedule, *, b1_fn: optax.Schedule | None = None,
@@ -274,8 +299,9 @@ def optimizer_update(opt: Mapping[str, Any], lr_fn: optax.Schedule, *, b1_fn: op
   if kind not in ("adamw", "adam", "lamb", "sgd"):
     raise ValueError(f"optimizer type {kind!r}: expected adamw, adam, lamb or sgd")
   if kind == "adamw" and b1_fn is None and b2 is None and p.get("bias_correction", True):
-    return optax.adamw(learning_rate=lr_fn, b1=p["betas"][0], b2=p["betas"][1], eps=p["eps"], eps_root=0.0,
-                       weight_decay=p["weight_decay"], mask=mask)
+    b1, b2, eps, wd = p["betas"][0], p["betas"][1], p["eps"], p["weight_decay"]
+    return _built(optax.adamw(learning_rate=lr_fn, b1=b1, b2=b2, eps=eps, eps_root=0.0, weight_decay=wd, mask=mask),
+                  optimizer=kind, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
   return _deepspeed_rule(kind, p, lr_fn, b1_fn, b2, mask)
 
 
@@ -320,13 +346,14 @@ def make_optimizer(spec: ModelSpec, train: TrainSpec, *, scan_layers: bool = Fal
   if schedule_ref.cycles_momentum(train):
     n = max(train.steps, train.warmup_steps, 2) + 2
     b1_fn, b2 = _table([schedule_ref.train_betas(train, k)[0] for k in range(n)]), 0.99
-  tx = optax.chain(
-      clip_by_global_norm_deepspeed(train.grad_clip, None if stats is None else stats.grad_norm),
-      optimizer_update(schedule_ref.optimizer_of(train), schedule, b1_fn=b1_fn, b2=b2,
-                       mask=lambda tree: _restrict(full_mask, tree)))
+  clip = clip_by_global_norm_deepspeed(train.grad_clip, None if stats is None else stats.grad_norm)
+  update = optimizer_update(schedule_ref.optimizer_of(train), schedule, b1_fn=b1_fn, b2=b2,
+                            mask=lambda tree: _restrict(full_mask, tree))
+  values = {**built_from(clip), **built_from(update)}
+  tx = optax.chain(clip, update)
   if train.precision == "fp16":
     tx = loss_scaled(tx, LossScaleConfig.from_train(train), None if stats is None else stats.overflow)
-  return tx, schedule
+  return _built(tx, **values), schedule
 
 
 def ported_optimizer(ported: Mapping[str, Any], lr_fn: optax.Schedule, b1_fn: optax.Schedule | None

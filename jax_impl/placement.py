@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import jax
 import jaxlib
 
+from parity.protocol.memory_figures import compiled_memory
 from parity.protocol.placement import PLACEMENT_SCHEMA, host_compute_mismatch, split_host_compute
 from parity.sizing.memory_jax import opt_split
 from parity.spec import JaxPlan, ModelSpec, RunSpec, to_dict
@@ -139,7 +140,8 @@ def activation_row(trainer, plan: JaxPlan, copies: Sequence[dict[str, Any]], kno
 
 
 def memory_split(stats: dict[str, int], args: Sequence[tuple[int, int]], backend: str) -> dict[str, Any]:
-  """`Trainer.memory_analysis` (CompiledMemoryStats fields, bytes) as {'device': {...}, 'host': {...}, 'note'}.
+  """`Trainer.memory_analysis` (CompiledMemoryStats fields, bytes) as {'device': {...}, 'host': {...}, 'note'}; the
+  device's 'peak_bytes' is XLA's peak less the step's host buffers (never host memory), 'xla_peak_bytes' XLA's own.
 
   The note says what the backend counts, from the numbers: on CPU whether argument_bytes equals the bytes of every
   entry argument, host-resident ones included (`args`: the entry buffers, (bytes, memory space)).
@@ -147,7 +149,10 @@ def memory_split(stats: dict[str, int], args: Sequence[tuple[int, int]], backend
   g = lambda k: int(stats.get(k, 0))
   device = {"argument_bytes": g("argument_size_in_bytes"), "output_bytes": g("output_size_in_bytes"),
             "temp_bytes": g("temp_size_in_bytes"), "alias_bytes": g("alias_size_in_bytes"),
-            "generated_code_bytes": g("generated_code_size_in_bytes"), "peak_bytes": g("peak_memory_in_bytes")}
+            "generated_code_bytes": g("generated_code_size_in_bytes"),
+            # XLA's peak counts the step's host-resident buffers: the device's is that peak less them
+            # (parity.protocol.memory_figures.compiled_memory); XLA's own beside it
+            "peak_bytes": compiled_memory(stats)["device"] or 0, "xla_peak_bytes": g("peak_memory_in_bytes")}
   host = {"argument_bytes": g("host_argument_size_in_bytes"), "output_bytes": g("host_output_size_in_bytes"),
           "temp_bytes": g("host_temp_size_in_bytes"), "alias_bytes": g("host_alias_size_in_bytes"),
           "generated_code_bytes": g("host_generated_code_size_in_bytes")}

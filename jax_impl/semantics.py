@@ -7,7 +7,10 @@
   norm.*               a `layers.Norm` of the run's spec (scale 1, bias 0) on known vectors: the form from
                        (1, 3, 1, 3, ...), eps from +-a at the amplitude whose output is nearest 0.5, the statistics'
                        dtype from a float16 input of +-300 (300^2 overflows float16 but not float32); norm.rounding:
-                       the Norm in bfloat16 with the rounding probe's scale (parity.semantics.classify_norm_rounding)
+                       the Norm in bfloat16 with the rounding probe's scale (parity.semantics.classify_norm_rounding);
+                       norm.eps_all: every `layers.Norm` the model creates, each module's own eps (`layers.norm_eps`,
+                       this process's family plants included), read while jax.eval_shape traces the model's init
+                       (`norm_eps_by_name`)
   forward.probe_loss   `model.loss_fn` of parity.semantics.probe_spec in float32 on the host CPU device at
                        probe_params (the class the step traces, this process's family plants included)
   attention.*          the module's own scale (spec.scale, what its einsum multiplies by); the soft-caps:
@@ -25,29 +28,35 @@
                        (each leaf (1, ...), a scan-stacked leaf (L, 1, ...), expanded to per-layer canonical names):
                        zero gradients and params 1 at the first update count whose lr > 0 give the decay set (the
                        leaves that move); gradient eps and params 0 give eps placement and bias correction
-                       (parity.numerics.adam.classify_adam); the clip's recorded norm gives the rule
+                       (parity.numerics.adam.classify_adam); the clip's recorded norm gives the rule. The betas,
+                       eps, weight decay and clip threshold: the values the chain's transforms were built with and
+                       their updates close over (`jax_impl.optim.built_from`; beta1 at the state's count where a
+                       schedule cycles it), not the spec's
   dtypes, matmul       the state's leaves; jax.config's default matmul precision; no dropout exists in the model.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl import attention, layers, layout, loss_scaling, optim
+from jax_impl import accelerator_plants, attention, layers, layout, loss_scaling, optim
 from jax_impl import model as model_lib
 from jax_impl import step as step_lib
 from parity.numerics import schedule as schedule_ref
 from parity.numerics.adam import classify_adam
 from parity import semantics as card_lib
+from parity.protocol.layout import ACCELERATOR_PLANT_KEYS
 from parity.semantics import sig
 from parity.weights import param_shapes
 
 __all__ = ["semantics_card", "gelu_form", "rotary_layout", "optimizer_probe", "loss_reduction", "family_items",
-           "norm_rounding", "probe_loss"]
+           "norm_rounding", "probe_loss", "norm_eps_by_name", "optimizer_items"]
 
 
 def gelu_form(act: Any) -> str:
@@ -101,6 +110,67 @@ def probe_loss(spec: Any) -> float | None:
   tokens = jax.device_put(jnp.asarray(card_lib.probe_tokens(spec)), cpu)
   with jax.default_device(cpu), jax.default_matmul_precision("highest"):
     return float(model_lib.loss_fn(params, tokens, spec, dtype=jnp.float32))
+
+
+@contextlib.contextmanager
+def _without_accelerator_plants() -> Iterator[None]:
+  """This process's accelerator plants (jax_impl.accelerator_plants) held off: they stand for an accelerator's own
+  compiler or runtime error, which no built module shows, so the card keeps the run's values under them."""
+  held = {k: accelerator_plants.planted_value(k) for k in ACCELERATOR_PLANT_KEYS}
+  held = {k: v for k, v in held.items() if v is not None}
+  if not held:
+    yield
+    return
+  accelerator_plants.set_accelerator_plants({}, "cpu")
+  try:
+    yield
+  finally:
+    accelerator_plants.set_accelerator_plants(held, "accelerator")
+
+
+def norm_eps_by_name(spec: Any, scan: bool) -> dict[str, float]:
+  """{canonical norm module name ('h.0.ln_1', 'h.0.attn.ln_q', 'ln_f'): its eps} of every `layers.Norm` the model
+  (`model_lib.GPT` of `spec`, its blocks scanned as the step's when `scan`) creates, each read from the module itself
+  (`layers.norm_eps`: this process's family plants included) while jax.eval_shape traces the model's init on one
+  token (nothing is computed). A scanned block's norms are every layer's (one module runs them all)."""
+  found: dict[tuple[str, ...], float] = {}
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, layers.Norm) and context.method_name == "__call__":
+      found.setdefault(tuple(context.module.path), float(layers.norm_eps(context.module)))
+    return next_fun(*args, **kwargs)
+
+  with _without_accelerator_plants(), nn.intercept_methods(record):
+    jax.eval_shape(model_lib.GPT(spec, scan_layers=scan).init, jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))
+  out = {}
+  for path, eps in found.items():
+    head, rest = path[0], ".".join(path[1:])
+    if head == layout.LAYERS and scan:
+      out.update({f"h.{i}.{rest}": eps for i in range(spec.n_layers)})
+    elif head.startswith("h_") and head[2:].isdigit():
+      out[f"h.{head[2:]}.{rest}"] = eps
+    else:
+      out[".".join(path)] = eps
+  return out
+
+
+def optimizer_items(tx: Any, count: int, decay_set: list[str] | None, n_params: int) -> dict[str, Any]:
+  """optimizer.betas, optimizer.eps, optimizer.weight_decay_groups and the clip threshold of the chain `tx`, from
+  the values its transforms were built with (`optim.built_from`): beta1 at update `count` where a schedule cycles
+  it; the decay groups: the built weight decay where `decay_set` (the probe's decayed names) holds any of the
+  `n_params` params, 0.0 where it leaves any out. 'clip_max_norm': None when the chain records no clip."""
+  built = optim.built_from(tx)
+  b1, b2, eps = built.get("beta1"), built.get("beta2"), built.get("eps")
+  if callable(b1):
+    b1 = float(np.asarray(b1(jnp.asarray(count, jnp.int32))))
+  betas = None if b1 is None or b2 is None else [float(b1), float(b2)]
+  wd = built.get("weight_decay")
+  groups = None
+  if decay_set is not None and wd is not None:
+    groups = sorted(({sig(float(wd), 6)} if decay_set else set()) | ({0.0} if len(decay_set) < n_params else set()))
+  clip = built.get("clip_max_norm")
+  return {"optimizer.betas": betas, "optimizer.eps": None if eps is None else float(eps),
+          "optimizer.weight_decay_groups": groups, "clip_max_norm": None if clip is None else float(clip)}
 
 
 def family_items(spec: Any, params: Any, seq_len: int) -> dict[str, Any]:
@@ -240,21 +310,25 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
   nu = [str(x.dtype) for m in moments for x in jax.tree.leaves(m.nu)]
   shift = step_lib.example_loss_kwargs({"segment_ids": None, "positions": None, "weights": None}, plants)
   precision = jax.config.jax_default_matmul_precision
+  count = int(_host(optim.step_count_of(trainer.state.opt_state)))
+  hyper = optimizer_items(trainer.tx, count, opt["decay_set"], len(param_shapes(spec)))
+  clip = hyper.pop("clip_max_norm")
   items = {
       "rotary.layout": rotary_layout(layers.apply_rope, spec.head_dim) if spec.position == "rope" else None,
       "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
       "mlp.gelu_form": gelu_form(layers.mlp_activation(spec)),
       "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
+      "norm.eps_all": card_lib.norm_eps_item(norm_eps_by_name(spec, scan)),
       "norm.rounding": norm_rounding(spec, norm["form"]), "forward.probe_loss": probe_loss(spec),
       "attention.scale": sig(spec.scale, 6), **family_items(spec, trainer.state.params, train.seq_len),
       "loss.label_shift": 1 if train.layout == "stream" else int(shift["label_shift"]),
       "loss.reduction": loss_reduction(model_lib._mean_nll),
       "optimizer.decay_set": opt["decay_set"],
       "optimizer.weight_decay": opt["weight_decay"] if train.optimizer == "adamw" else None,
-      "optimizer.eps_placement": opt["eps_placement"], "optimizer.bias_correction": opt["bias_correction"],
-      "clip.rule": opt["clip_rule"] if train.grad_clip > 0 else "none",
-      "clip.max_norm": float(train.grad_clip) if train.grad_clip > 0 else None,
-      "lr.step0": sig(float(_host(trainer.schedule(_host(optim.step_count_of(trainer.state.opt_state))))), 6),
+      **hyper, "optimizer.eps_placement": opt["eps_placement"], "optimizer.bias_correction": opt["bias_correction"],
+      "clip.rule": "none" if clip == 0.0 else opt["clip_rule"],
+      "clip.max_norm": clip if clip else None,
+      "lr.step0": sig(float(_host(trainer.schedule(count))), 6),
       "dtypes.params": str(jnp.dtype(model_lib.compute_dtype(train.precision))), "dtypes.master": master,
       "dtypes.moments": card_lib.moments_dtype(mu, nu), "dtypes.grads": master,
       "matmul.precision": {"highest": "highest", "float32": "highest", "high": "high", "tensorfloat32": "high",
@@ -264,7 +338,10 @@ def semantics_card(trainer: Any, plants: frozenset) -> dict[str, Any]:
   states = jax.tree.leaves(trainer.state.opt_state, is_leaf=lambda x: hasattr(x, "_fields"))
   info = {"optimizer": "optax chain of " + ", ".join(dict.fromkeys(type(x).__name__ for x in states
                                                                    if hasattr(x, "_fields"))),
-          "clip.max_norm_source": "train.grad_clip (held in the clip transform's closure)",
+          "clip.max_norm_source": "the clip transform's built_from (jax_impl.optim.clip_by_global_norm_deepspeed)",
+          "optimizer.hyper_source": "the optax transforms' built_from (jax_impl.optim.BuiltTransformation): the betas, "
+                                    "eps and weight decay their updates close over",
+          "norm.eps_all_source": "each layers.Norm the model creates (its layers.norm_eps, traced by jax.eval_shape)",
           "attention.scale_source": "the Attention module's spec.scale (its einsum factor)",
           "loss.label_shift_source": "step.example_loss_kwargs (stream: tokens[:, 1:])",
           "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only (HF rotate-half "

@@ -152,17 +152,19 @@ class JaxSide(Side):
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__, "optax": optax.__version__}
 
   def summary(self) -> SideSummary:
-    """The first device's name and peak bytes (one rank: the mesh's; several: this process's): the larger of the
-    allocator's peak and the compiled step's (parity.protocol.memory_figures.device_memory_fields, both kept; on the
-    CPU neither), the VmRSS readings and the runtime's mapping (`host_rss_fields`), the state's bytes by memory
-    kind, and the plan's evidence (memory kinds, shardings, compiled memory and offload, compile times)."""
+    """The first device's name and peak bytes (one rank: the mesh's; several: this process's): the runtime's hold
+    (bytes in use + the program's reserved region) where memory_stats gives it, else the larger of the allocator's
+    peak and the compiled step's device figure, the step's host buffers apart
+    (parity.protocol.memory_figures.device_memory_fields, every reading kept; on the CPU none), the VmRSS readings
+    and the runtime's mapping (`host_rss_fields`), the state's bytes by memory kind, and the plan's evidence (memory
+    kinds, shardings, compiled memory and offload, compile times)."""
     import jax  # after force_host_devices
     from jax_impl import offload
     t = self.trainer
     device = t.placement.mesh.devices.flat[0] if self.io.world == 1 else jax.local_devices()[0]
     stats = device.memory_stats()  # None on CPU
     allocator = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
-    memory = device_memory_fields(allocator, t.memory_analysis, device.platform)
+    memory = device_memory_fields(allocator, t.memory_analysis, device.platform, stats)
     rss = {**getattr(self, "rss_readings", {}), "end": vm_rss_bytes()}
     extra = {**{k: v for k, v in memory.items() if k != "peak_device_bytes"},
              **host_rss_fields(rss, getattr(self, "platform", device.platform)),

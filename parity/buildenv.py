@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
+from pathlib import Path
 
-__all__ = ["extensions_dir", "env_bin", "build_environ"]
+__all__ = ["extensions_dir", "env_bin", "build_environ", "deepspeed_ops", "missing_ops"]
 
 
 def extensions_dir(prefix: str = sys.prefix) -> str:
@@ -44,3 +45,21 @@ def build_environ(environ: MutableMapping[str, str], python: str = sys.executabl
     rest = [p for p in environ.get("PATH", "").split(os.pathsep) if p and os.path.normpath(p) != bin_dir]
     environ["PATH"] = os.pathsep.join([bin_dir, *rest])
   return environ
+
+
+def deepspeed_ops(spec, *, cuda: bool) -> tuple[str, ...]:
+  """The JIT ops the DeepSpeed side of the run `spec` (a RunSpec) loads: deepspeed_shm_comm for init_distributed on
+  the CPU accelerator (`cuda` False), and for an Adam/AdamW optimizer cpu_adam (DeepSpeedCPUAdam) under
+  offload_optimizer 'cpu', else fused_adam (DeepSpeed's FusedAdam); torch_impl.ops.OPS names them."""
+  ops = [] if cuda else ["deepspeed_shm_comm"]
+  if spec.train.optimizer in ("adam", "adamw"):
+    ops.append("cpu_adam" if spec.deepspeed.offload_optimizer == "cpu" else "fused_adam")
+  return tuple(ops)
+
+
+def missing_ops(ops: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+  """The ops among `ops` not built in this environment's extensions folder yet: no `<op>*.so` in
+  TORCH_EXTENSIONS_DIR/<op>/ (torch_impl.ops.needs_build's rule), the folder `build_environ` gives every worker.
+  Reads the folder only (environ: default os.environ)."""
+  root = Path(build_environ(dict(os.environ if environ is None else environ))["TORCH_EXTENSIONS_DIR"])
+  return [op for op in ops if not any((root / op).glob(f"{op}*.so"))]

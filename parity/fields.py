@@ -9,7 +9,7 @@ import math
 from typing import Any, Mapping, TypeVar
 
 from parity.errors import SpecError
-from parity.inputs import check_tree
+from parity.inputs import ascii_number, check_tree
 
 __all__ = ["INT_MAX", "check_numbers", "check_section_numbers", "to_dict", "from_dict", "why_not_finite"]
 
@@ -128,6 +128,11 @@ def _kind(default: Any) -> str:
   return f"a {type(default).__name__}"
 
 
+def _ascii_hint(value: Any) -> str:
+  """'; write it in ASCII digits (0-9)' for text holding other characters (a full-width '１６', a superscript)."""
+  return "; write it in ASCII digits (0-9)" if isinstance(value, str) and not value.isascii() else ""
+
+
 def _coerce(key: str, default: Any, value: Any) -> Any:
   if value is None or default is None:
     return value
@@ -139,25 +144,25 @@ def _coerce(key: str, default: Any, value: Any) -> Any:
     raise SpecError(f"{key}: expected true/false, got {value!r}")
   if isinstance(default, int):
     if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-      try:
-        return int(str(value))
+      try:  # ASCII digits only: int() also reads '１６'
+        return ascii_number(str(value))
       except ValueError:
         pass
       try:  # '1e6' (YAML reads exponent notation without a dot as a string)
-        x = float(str(value))
+        x = ascii_number(str(value), float)
       except ValueError:
         x = math.nan
       if not (math.isfinite(x) and x.is_integer()):
-        raise SpecError(f"{key}: expected an integer, got {str(value)[:40]!r}") from None
+        raise SpecError(f"{key}: expected an integer, got {str(value)[:40]!r}{_ascii_hint(value)}") from None
       value = x
     return int(value)
   if isinstance(default, float):
     if isinstance(value, bool):  # float(True) is 1.0: a number the user never wrote
       raise SpecError(f"{key}: expected a finite number, got {str(value).lower()}")
     try:
-      out = float(value)
+      out = ascii_number(value, float) if isinstance(value, str) else float(value)
     except (TypeError, ValueError, OverflowError):
-      raise SpecError(f"{key}: expected a finite number, got {str(value)[:40]!r}") from None
+      raise SpecError(f"{key}: expected a finite number, got {str(value)[:40]!r}{_ascii_hint(value)}") from None
     if not math.isfinite(out):
       raise SpecError(f"{key} = {str(value)[:40]}: must be a finite number{why_not_finite(out)}")
     return out

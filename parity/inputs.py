@@ -15,6 +15,9 @@ Rules (each covers whole classes of input, not single cases):
   * safetensors headers are checked by `safetensors_header` before any byte of tensor data is mapped: the
     8-byte length must fit the file and MAX_HEADER_BYTES, the header must be a JSON object whose entries each
     carry dtype, shape and data_offsets, and the offsets must lie inside the file;
+  * numbers typed by a user (CLI values, environment variables, config strings) become numbers through
+    `ascii_number`, which takes ASCII digits only: str.isdigit and int() also take '²', '１６' or '٣', which the
+    runtimes that read the same text (XLA's strtoll, a shell, a launcher) do not;
   * sizes are checked by `check_resources` before a run allocates: the memory model (parity.sizing.memory) and the
     bytes of batches.npy against the machine's available memory and free disk.
 Every refusal is an `InputError` (a SpecError, so a ValueError): the CLI prints it and exits 2.
@@ -35,7 +38,7 @@ from parity.errors import ParityInputError, SpecError
 
 __all__ = ["InputError", "MAX_TEXT_BYTES", "MAX_DEPTH", "MAX_NODES", "MAX_HEADER_BYTES", "UTF8_BOM", "user_file",
            "read_text", "read_user_bytes", "check_tree",
-           "parse_text", "load_json", "safetensors_header"]
+           "parse_text", "load_json", "safetensors_header", "ascii_number"]
 
 MAX_TEXT_BYTES = 16 * 2**20
 """Largest config/JSON file read (16 MiB). The largest real config in tests/data/realworld is under 10 KiB and an
@@ -52,6 +55,26 @@ MAX_HEADER_BYTES = 100 * 2**20
 
 class InputError(SpecError):
   """A file or value given by the user cannot be used. The message names the file/key, the value and the fix."""
+
+
+_ASCII_INT = re.compile(r"[-+]?[0-9]+")
+_ASCII_FLOAT = re.compile(r"[-+]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|inf|infinity|nan)", re.IGNORECASE)
+
+
+def ascii_number(text: str, kind: type = int, *, sign: bool = True) -> int | float:
+  """The number `text` writes in ASCII: for `kind` int an optional sign (none where not `sign`) and the digits 0-9,
+  for float also a point, an exponent, inf and nan (finiteness is the caller's rule); ASCII white space around it is
+  dropped. The one way
+  user text becomes a number: int() and float() also read other scripts' digits ('１６', '٣') and underscores,
+  and str.isdigit takes '²', which int() then fails on with a traceback.
+
+  Raises:
+    ValueError: anything else, e.g. '１６' ('not a number in ASCII digits: ...'), for the caller to name its key.
+  """
+  s = str(text).strip(" \t\n\r")
+  if not (_ASCII_INT if kind is int else _ASCII_FLOAT).fullmatch(s) or (not sign and s[:1] in "+-"):
+    raise ValueError(f"not {'an integer' if kind is int else 'a number'} in ASCII digits: {str(text)[:40]!r}")
+  return int(s) if kind is int else float(s)
 
 
 UTF8_BOM = b"\xef\xbb\xbf"

@@ -5,6 +5,11 @@ The base install (`pip install parity`) is framework-free; each side's framework
 sides, FSDP2 being part of torch), `parity[deepspeed]` (deepspeed and torch), `parity[all]`. A JAX-only machine (a
 TPU VM) installs `parity[jax]` and has no torch.
 
+`pip_install` is the one install command every hint gives: in a source checkout (an editable install of a clone)
+`pip install -c constraints.txt -e '.[torch]'` from the checkout's root, the measured versions (a plain
+`pip install '.[torch]'` there resolves to the newest torch and its CUDA wheels); for a wheel install
+`pip install 'parity[torch]'`.
+
 `missing_module` is the one check (importlib.util.find_spec of each module a side's worker imports: nothing is
 imported), `refusal` the words for a side the user named (`parity compare` exits 2 with them before anything
 starts), `not_installed_line` the one line for a default side left out, and `plan_sides` what `parity compare` does
@@ -13,14 +18,16 @@ about it, the way parity.sockets.plan_sides does for refused sockets. Imports ne
 from __future__ import annotations
 
 import importlib.util
+import shlex
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from parity.errors import SpecError
 from parity.sides import FRAMEWORKS, all_sides, find_side
 from parity.sockets import SidePlan
 
-__all__ = ["NAMES", "installed", "missing_module", "install_line", "refusal", "not_installed_line", "plan_sides",
-           "framework_record"]
+__all__ = ["NAMES", "installed", "missing_module", "checkout_root", "pip_install", "install_line", "refusal",
+           "not_installed_line", "plan_sides", "framework_record"]
 
 NAMES = {"jax": "JAX", "flax": "Flax", "optax": "Optax", "torch": "PyTorch", "deepspeed": "DeepSpeed"}
 """module -> the framework's name in messages. Which modules a side's training worker imports, and the extra that
@@ -48,20 +55,43 @@ def _first_missing(modules: Sequence[str], have: Callable[[str], bool] | None) -
   return next((m for m in modules if not have(m)), None)
 
 
-def _install(extra: str | None) -> str:
-  return f"pip install 'parity[{extra}]'" if extra else "pip install parity"
+def checkout_root() -> Path | None:
+  """The source checkout this package runs from, or None for a wheel install: the folder holding `parity/` when
+  `pyproject.toml` and `constraints.txt` lie beside it (an editable install of a clone, or a clone on the path)."""
+  root = Path(__file__).resolve().parent.parent
+  return root if (root / "pyproject.toml").is_file() and (root / "constraints.txt").is_file() else None
+
+
+def pip_install(extra: str | None, *, constrained: bool = True) -> str:
+  """The command that installs parity with `extra` here: the one every install hint gives.
+
+  Args:
+    extra: a pyproject.toml extra ('torch', 'jax', 'cuda', ...), or None for the base install.
+    constrained: in a checkout, pin the measured versions with `-c constraints.txt` (False: a GPU node keeps its own
+      CUDA builds, docs/install.md "On a GPU node").
+  Returns:
+    In a source checkout (`checkout_root`): "cd /path/to/clone && pip install -c constraints.txt -e '.[torch]'",
+    run from the checkout's root (a plain `pip install '.[torch]'` there resolves to the newest torch and its CUDA
+    wheels, not the CPU build the constraints pin); for a wheel install "pip install 'parity[torch]'".
+  """
+  root = checkout_root()
+  if root is None:
+    return f"pip install 'parity[{extra}]'" if extra else "pip install parity"
+  pins = "-c constraints.txt " if constrained else ""
+  return f"cd {shlex.quote(str(root))} && pip install {pins}-e " + (f"'.[{extra}]'" if extra else ".")
 
 
 def install_line(side: str) -> str:
-  """"pip install 'parity[torch]'": what installs the framework of `side` (its record's `extra`; 'all' for a side
-  not registered)."""
+  """`pip_install` of the framework of `side` (its record's `extra`; 'all' for a side not registered): "pip install
+  'parity[torch]'" for a wheel install."""
   record = find_side(side)
-  return _install(record.extra if record is not None else "all")
+  return pip_install(record.extra if record is not None else "all")
 
 
 def refusal(side: str, module: str) -> str:
   """The words for a named side whose framework is missing: "side 'torch' needs PyTorch, which is not installed
-  here: pip install 'parity[torch]'" (with the record's note on the module: "PyTorch (FSDP2 is part of it)")."""
+  here: pip install 'parity[torch]'" (`install_line`; with the record's note on the module: "PyTorch (FSDP2 is
+  part of it)")."""
   what = NAMES.get(module, module)
   record = find_side(side)
   note = record.module_notes.get(module) if record is not None else None
@@ -97,8 +127,8 @@ def plan_sides(sides: Sequence[str], *, named: bool, have: Callable[[str], bool]
   if len(missing) == len(sides):
     raise SpecError(f"sides {','.join(sides)}: none can run here: "
                     + "; ".join(f"{s} needs {NAMES.get(m, m)}" for s, m in missing.items())
-                    + " and none is installed; install one side's framework (pip install 'parity[jax]', "
-                      "'parity[torch]', 'parity[deepspeed]', or 'parity[all]')")
+                    + f" and none is installed; install one side's framework: {pip_install('jax')} (or the extra "
+                      "torch, deepspeed or all in place of jax)")
   return SidePlan(tuple(s for s in sides if s not in missing),
                   {s: not_installed_line(s, m) for s, m in missing.items()}, named)
 
@@ -113,4 +143,4 @@ def framework_record(framework: str, have: Callable[[str], bool] | None = None) 
     return None
   needing = [r for r in all_sides() if module in r.modules]  # those needing nothing more first (torch, then deepspeed)
   sides = [r.name for r in sorted(needing, key=lambda r: len(r.modules))]
-  return {"installed": False, "missing": module, "install": _install(fw.extra), "sides": sides}
+  return {"installed": False, "missing": module, "install": pip_install(fw.extra), "sides": sides}

@@ -28,14 +28,16 @@ __all__ = ["SEMANTICS_SCHEMA", "DIFFED", "make_card", "diff_cards", "diff_text",
            "precision_settings", "precision_rows", "moments_dtype", "PROBE_LOSS_ATOL",
            "probe_loss_tolerance", "probe_spec", "probe_params",
            "probe_tokens",
-           "ROUNDING_PROBE", "rounding_probe", "bf16_round", "classify_norm_rounding"]
+           "ROUNDING_PROBE", "rounding_probe", "bf16_round", "classify_norm_rounding", "norm_eps_item", "one_or_each",
+           "BETA_ATOL"]
 
 SEMANTICS_SCHEMA = "parity.semantics/1"
 
 DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp.gelu_form", "norm.form", "norm.eps",
-          "norm.stats_dtype", "norm.rounding", "attention.qk_norm", "attention.qk_norm_eps", "attention.scale",
-          "attention.softcap", "attention.window", "embedding.scale", "logits.final_softcap", "loss.label_shift",
-          "loss.reduction", "optimizer.decay_set", "optimizer.weight_decay", "optimizer.eps_placement",
+          "norm.eps_all", "norm.stats_dtype", "norm.rounding", "attention.qk_norm", "attention.qk_norm_eps",
+          "attention.scale", "attention.softcap", "attention.window", "embedding.scale", "logits.final_softcap",
+          "loss.label_shift", "loss.reduction", "optimizer.decay_set", "optimizer.weight_decay",
+          "optimizer.weight_decay_groups", "optimizer.betas", "optimizer.eps", "optimizer.eps_placement",
           "optimizer.bias_correction", "clip.rule", "clip.max_norm", "lr.step0", "dtypes.params", "dtypes.master",
           "dtypes.moments", "dtypes.grads", "matmul.precision", "dropout", "forward.probe_loss")
 """The card items diffed between sides, each a convention that changes the math:
@@ -48,6 +50,11 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
   mlp.gelu_form             'tanh' | 'erf' | 'silu' | 'other': the MLP nonlinearity object at GELU_PROBE_X
                             (classify_gelu: the nearest form, by a margin far above any backend's rounding)
   norm.form, norm.eps       'layernorm' | 'rmsnorm' | 'rmsnorm(1+w)' and the eps inferred from the norm's output
+                            (the first block's first norm)
+  norm.eps_all              the eps of every norm module the side's model holds (each block's, the q/k norms, the
+                            final norm), as that module adds it (`norm_eps_item`): one number when all are equal, else
+                            one 'NAMES EPS' text per norm and eps, so a final norm's eps 10x off (a Llama-1 1e-6 left
+                            in a Llama-2 1e-5 port, which the first block's norm.eps does not see) differs here
   norm.stats_dtype          the dtype its statistics are computed in ('float32')
   norm.rounding             how the norm's bf16 output is rounded (`classify_norm_rounding`): 'one rounding' (the
                             normalised value times the scale in float32, rounded once: LayerNorm, HF Gemma's (1 + w))
@@ -64,9 +71,18 @@ DIFFED = ("rotary.layout", "rotary.import_permutation", "rotary.per_layer", "mlp
   loss.reduction            'mean' (over tokens) | 'sum' (the stream layout's reduction)
   optimizer.decay_set       the canonical parameter names actually decayed (sorted), per layer
   optimizer.weight_decay    the decay factor of the decayed set
+  optimizer.weight_decay_groups  the distinct weight decays the optimizer applies, ascending: one per param group
+                            (torch: the groups holding params; JAX: the built decay for the masked leaves, 0.0 for the
+                            others), so [0.0, 0.1] for decayed and undecayed params, [0.1] when every param decays
+  optimizer.betas           [beta1, beta2] the optimizer was built with (at step 0, where a schedule cycles beta1), a
+                            list of such pairs when the param groups differ; null: no betas (SGD). Compared within
+                            BETA_ATOL per element
+  optimizer.eps             the eps the optimizer was built with (per group when they differ; null: none, SGD)
   optimizer.eps_placement   'outside' (sqrt(v) + eps) | 'inside' (sqrt(v + eps)) | null (no Adam)
   optimizer.bias_correction true | false | null
-  clip.rule, clip.max_norm  'global-l2' | 'none', and its threshold
+  clip.rule, clip.max_norm  'global-l2' | 'none', and its threshold as the built optimizer / step holds it (JAX: the
+                            clip transform's own; torch: the value its step clips with; DeepSpeed: the engine's
+                            gradient_clipping())
   lr.step0                  the learning rate the first update applies
   dtypes.*                  params (the forward's), master weights, moments, gradients (the optimizer's input);
                             moments: 'first X, second Y' when Adam's two moments differ (moments_dtype)
@@ -331,6 +347,60 @@ def moments_dtype(first: Sequence[str], second: Sequence[str]) -> str | None:
   return f"first {'/'.join(a) or 'none'}, second {'/'.join(b)}"
 
 
+def norm_eps_item(eps_by_name: Mapping[str, float | None]) -> float | list[str] | None:
+  """norm.eps_all of {a norm module's canonical name ('h.0.ln_1', 'h.3.attn.ln_q', 'ln_f'): the eps it adds}: the
+  one eps (6 significant digits) when every norm has it; else one 'NAMES EPS' text per norm role and eps, blocks
+  first, by role and first layer: a role every block shares an eps of is 'h.*.ROLE', a part of the blocks
+  'h.{0-2,5}.ROLE' ('h.*.ln_1 1e-05', 'ln_f 1e-06'). None: no norm. The same map gives the same value on every side,
+  whatever order its modules come in."""
+  vals = {str(k): (None if v is None else sig(v, 6)) for k, v in eps_by_name.items()}
+  if not vals:
+    return None
+  distinct = {json.dumps(v) for v in vals.values()}
+  if len(distinct) == 1:
+    return next(iter(vals.values()))
+  blocks = sorted({int(k.split(".")[1]) for k in vals if _block_index(k) is not None})
+  groups: dict[tuple[str, str], list[int]] = {}  # (role, eps text) -> its layers; outside the blocks: [-1]
+  for name, v in vals.items():
+    i = _block_index(name)
+    role = name.split(".", 2)[2] if i is not None else name
+    groups.setdefault((role, "default" if v is None else f"{v:g}"), []).append(-1 if i is None else i)
+  rows = []
+  for (role, eps), layers in groups.items():
+    if layers == [-1]:
+      rows.append(((1, role, 0), f"{role} {eps}"))
+      continue
+    layers = sorted(layers)
+    at = "*" if layers == blocks else str(layers[0]) if len(layers) == 1 else "{" + _ranges(layers) + "}"
+    rows.append(((0, role, layers[0]), f"h.{at}.{role} {eps}"))
+  return [text for _, text in sorted(rows)]
+
+
+def _block_index(name: str) -> int | None:
+  """i of a block module's canonical name 'h.i.ROLE', else None."""
+  parts = name.split(".", 2)
+  return int(parts[1]) if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() else None
+
+
+def _ranges(xs: Sequence[int]) -> str:
+  """'0-2,5' of the sorted layer indices [0, 1, 2, 5]."""
+  out, start = [], xs[0]
+  for a, b in zip(xs, list(xs[1:]) + [None]):
+    if b != a + 1:
+      out.append(str(start) if start == a else f"{start}-{a}")
+      start = b
+  return ",".join(out)
+
+
+def one_or_each(values: Sequence[Any]) -> Any:
+  """The one value of a setting every param group holds alike (compared as JSON), else the list of each group's:
+  a torch optimizer keeps betas and eps per group, and a group that differs must not hide behind the first."""
+  values = list(values)
+  if not values:
+    return None
+  return values[0] if len({json.dumps(v) for v in values}) == 1 else values
+
+
 def sig(x: float, digits: int = 3) -> float:
   """x rounded to `digits` significant digits (a probe's inferred value, so both frameworks' float noise agrees)."""
   return float(f"{float(x):.{digits}g}") if math.isfinite(float(x)) else float(x)
@@ -352,6 +422,15 @@ def make_card(side: str, run_id: str | None, items: Mapping[str, Any], info: Map
 ITEM_ATOL = {"forward.probe_loss": probe_loss_tolerance}
 """Items compared within a tolerance of their two values rather than as JSON (`diff_cards`)."""
 
+BETA_ATOL = 1e-7
+"""How far two sides' optimizer.betas may sit apart, per element: a beta in [0.5, 1) held in float32 (the JAX side's
+beta1 table where a schedule cycles it) is within half an ulp, 2^-25 = 3.0e-8, of the float64 value a torch param
+group holds; 1e-7 is 3.3x that. A beta2 that matters is 1e-5 or more away (0.99999 vs 0.999999: 1 - beta2 ten times
+larger; the planted 0.949 vs 0.95: 1e-3), 100x over. The generic relative 1e-5 of `_same` would call 0.99999 and
+0.999999 equal."""
+LIST_ATOL = {"optimizer.betas": BETA_ATOL}
+"""Items whose value is a list of numbers compared element by element within an absolute tolerance (`diff_cards`)."""
+
 
 def _same(a: Any, b: Any) -> bool:
   if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
@@ -363,10 +442,10 @@ def _same(a: Any, b: Any) -> bool:
 def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
   """(item, a's value, b's value) for every DIFFED item the two cards' `items` disagree on, in DIFFED order. Numbers
   agree within a relative 1e-5 (a float32 read on one side against a float64 one on the other, each rounded to 6
-  significant digits for the table: at most 5e-7 each); ITEM_ATOL's items within their tolerance; the rest
-  as JSON. An item one card does not hold at all is not compared: `make_card` writes every DIFFED item (null when
-  the side has no such thing), so only a card of an older parity (a folder joined from before the item existed)
-  lacks one."""
+  significant digits for the table: at most 5e-7 each); ITEM_ATOL's items within their tolerance; LIST_ATOL's
+  number lists element by element within theirs; the rest as JSON. An item one card does not hold at all is not
+  compared: `make_card` writes every DIFFED item (null when the side has no such thing), so only a card of an older
+  parity (a folder joined from before the item existed) lacks one."""
   ia, ib = a.get("items") or {}, b.get("items") or {}
   return [(k, ia.get(k), ib.get(k)) for k in DIFFED
           if k in ia and k in ib and not _item_same(k, ia.get(k), ib.get(k))]
@@ -375,7 +454,14 @@ def diff_cards(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, An
 def _item_same(k: str, a: Any, b: Any) -> bool:
   if k in ITEM_ATOL and isinstance(a, (int, float)) and isinstance(b, (int, float)):
     return abs(float(a) - float(b)) <= ITEM_ATOL[k](float(a), float(b))
+  if k in LIST_ATOL and _numbers(a) and _numbers(b) and len(a) == len(b):
+    return all(abs(float(x) - float(y)) <= LIST_ATOL[k] for x, y in zip(a, b))
   return _same(a, b)
+
+
+def _numbers(v: Any) -> bool:
+  """A list of plain numbers (not bools)."""
+  return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
 
 
 def _value_text(v: Any, other: Any, names: bool = False) -> str:

@@ -250,3 +250,54 @@ def test_an_eos_token_missing_from_the_vocabulary_is_added_as_transformers_adds_
   with pytest.raises(DataError, match="the tokenizer has 321 ids but model.vocab_size is 320"):
     _read(tmp_path, [{"text": "hi"}], folder, vocab_size=320)
   assert load_tokenizer(folders["none"]).notes == ()
+
+
+# ------------------------------------------------------------------ hostile templates: refused fast, by name
+def _with_template(tmp_path, folders, template):
+  folder = tmp_path / "hostile"
+  folder.mkdir()
+  (folder / "tokenizer.json").write_bytes((folders["none"] / "tokenizer.json").read_bytes())
+  (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+  (folder / "chat_template.jinja").write_text(template)
+  return folder
+
+
+def test_a_template_with_a_syntax_error_is_refused_naming_its_file_and_line(tmp_path, folders):
+  broken = "{% for m in messages %}\n{{ m['content'] }}\n{{ m['role'] }\n{% endfor %}"  # line 3: '}' for '}}'
+  folder = _with_template(tmp_path, folders, broken)
+  with pytest.raises(DataError, match=r"^\S*hostile/chat_template.jinja line 3: the chat template is not valid jinja2 "
+                                      r"\(unexpected '}'\); fix the template there$"):
+    _read(tmp_path, [{"messages": CHAT}], folder)
+  tok = load_tokenizer(folders["none"])  # one held in tokenizer_config.json: its line within the template
+  tok.chat_template, tok.chat_template_source = "ok\n{{ m|no_such_filter }}", folders["none"] / "tokenizer_config.json"
+  with pytest.raises(DataError, match="tokenizer_config.json: its chat_template, line 2: .*No filter named"):
+    tok.chat(CHAT)
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran past 1,000,000 steps"),
+    ("{{ 'x' * 10**9 }}", "would build a repeated text or list of 1,000,000,000 characters"),
+    ("{{ 10 ** (10 ** 10) }}", "would build an integer of more than 4,096 bits"),
+    ("{% set s = 'x' * 10**7 %}{% set s = s ~ s %}{{ s }}", "would build a joined text of 20,000,000 characters"),
+    ("{{ 'x'|center(10**9) }}{{ 'x'.ljust(10**9) }}", "would build a text \\(a width or count argument\\)"),
+    ("{{ '{:>1000000000}'.format(1) }}", "would build a text \\(a width or count argument\\)"),
+    ("{% for i in range(20000) %}{{ 'x' * 1000 }}{% endfor %}", "would build an output of 16,7"),
+])
+def test_a_template_past_a_limit_is_refused_fast_naming_the_limit(tmp_path, folders, template, match):
+  """Nested range() loops rendered for over 600 s and 'x' * 10**9 for over 180 s (jinja2 folded it at compile
+  time) before any side started; each limit now refuses within a second, naming itself and the fix."""
+  import time
+  folder = _with_template(tmp_path, folders, template)
+  start = time.monotonic()
+  with pytest.raises(DataError, match=f"d.jsonl line 1: .*hostile/chat_template.jinja: the chat template {match}.*; "
+                                      "(remove|change) .*template"):
+    _read(tmp_path, [{"messages": CHAT}], folder)
+  assert time.monotonic() - start < 5
+
+
+def test_a_chat_template_that_is_a_symlink_loop_is_named_as_one(tmp_path, folders):
+  folder = _with_template(tmp_path, folders, "")
+  (folder / "chat_template.jinja").unlink()
+  (folder / "chat_template.jinja").symlink_to(folder / "chat_template.jinja")
+  with pytest.raises(DataError, match="chat_template.jinja is a symbolic link that leads to no file \\(a loop\\)"):
+    load_tokenizer(folder)

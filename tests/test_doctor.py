@@ -115,7 +115,7 @@ def test_jax_without_plugin_is_refused_naming_the_extra(monkeypatch):
     backend.check_backends(["jax", "deepspeed", "torch"])
   msg = str(e.value)
   assert asked == [("jax", "torch")]
-  assert "/dev/nvidia0" in msg and "jax side would run on the CPU" in msg and "parity[cuda]" in msg
+  assert "/dev/nvidia0" in msg and "jax side would run on the CPU" in msg and "pip install -e '.[cuda]'" in msg
   assert "jax[cuda13]==0.10.2" in msg and "--allow-cpu" in msg
   assert "deepspeed/torch sides" not in msg  # torch sees its GPU: only jax is named
 
@@ -153,7 +153,7 @@ def test_compare_refuses_with_exit_2_before_the_run_folder(monkeypatch, tmp_path
   out = tmp_path / "run"
   assert main(["compare", "--preset", "gpt2-tiny", "--steps", "2", "--sides", "jax,torch", "--out", str(out)]) == 2
   err = capsys.readouterr().err
-  assert err.startswith("parity compare: error: CUDA is present") and "parity[cuda]" in err
+  assert err.startswith("parity compare: error: CUDA is present") and "pip install -e '.[cuda]'" in err
   assert not out.exists()
 
 

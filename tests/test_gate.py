@@ -824,8 +824,8 @@ def test_a_passing_gate_prints_its_outcome_and_counts_and_the_table_only_with_ve
   run = str(Path(__file__).parent / "data" / "tpu_v5e" / "join" / "A")
   assert main(["check", run, run]) == 0
   out = capsys.readouterr().out
-  assert "GATE PASS" in out and "regression gate" not in out and len(out.strip().splitlines()) <= 3
-  assert "gate PASS: 12 checks within their bounds" in out and "--verbose" in out
+  assert "GATE PASS" in out and "regression gate" not in out and len(out.strip().splitlines()) <= 2
+  assert "; 12 checks within their bounds" in out and "--verbose" in out
   assert main(["check", run, run, "--verbose"]) == 0
   out = capsys.readouterr().out
   assert "regression gate" in out and "GATE PASS" in out and len(out.strip().splitlines()) > 12
@@ -835,3 +835,32 @@ def test_a_passing_gate_prints_its_outcome_and_counts_and_the_table_only_with_ve
   _print_post(SimpleNamespace(post=post), Console(file=buf, width=300, color_system=None))
   assert "the table and notes: runs/x/gate.md or --verbose" in buf.getvalue()
   assert "regression gate" not in buf.getvalue()
+
+
+def _gate_lines(text: str) -> list[str]:
+  """The lines that give the gate's outcome or where it is (not its table's title, header or rows)."""
+  return [ln for ln in text.splitlines() if ln.lower().startswith("gate")]
+
+
+def test_compare_baseline_prints_one_gate_line():
+  """`parity compare --baseline` ends with one gate line, pass or fail: the outcome with its counts and gate.md on a
+  pass; after a FAIL's table, the outcome naming gate.md (it printed 'GATE PASS: ...' and then 'gate PASS: ...', or
+  'GATE FAIL: ...' and then 'gate: .../gate.md')."""
+  import io
+  from types import SimpleNamespace
+  from rich.console import Console
+  from parity.cli.compare import _print_post
+  from parity.history.gate import check_against
+  from parity.history.snapshot import load_baseline, snapshot_from_report
+  from parity.report.finished import load_finished
+  run = Path(__file__).parent / "data" / "tpu_v5e" / "join" / "A"
+  passed = check_against(snapshot_from_report(load_finished(run)), load_baseline(str(run)))
+  failed = check_against(_snap(False, "new"), _snap(True, "base"))
+  assert passed.passed and not failed.passed
+  for gate, verbose, starts in ((passed, False, "GATE PASS: "), (passed, True, "GATE PASS: "),
+                                (failed, False, "GATE FAIL: ")):
+    buf = io.StringIO()
+    post = SimpleNamespace(gate=gate, gate_files={"md": Path("runs/x/gate.md")}, messages=[])
+    _print_post(SimpleNamespace(post=post), Console(file=buf, width=400, color_system=None), verbose=verbose)
+    (line,) = _gate_lines(buf.getvalue())
+    assert line.startswith(starts) and "runs/x/gate.md" in line, (verbose, buf.getvalue())

@@ -400,7 +400,7 @@ def test_the_abstract_trainer_lowers_to_trainers_program():
 
 def _grid_run(ga, median_s, moved, peak, status="ok"):
   return {"grad_accum": ga, "status": status, "median_s": median_s, "tokens_per_s": 4096 * ga / median_s,
-          "tokens_per_step": 4096 * ga, "moved_bytes_per_step": moved, "compiled": {"peak_bytes": peak}}
+          "tokens_per_step": 4096 * ga, "moved_bytes_per_step": moved, "compiled": {"device_bytes": peak}}
 
 
 def test_offload_figures_are_derived_as_documented():

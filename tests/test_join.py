@@ -312,3 +312,29 @@ def test_each_folder_s_rerun_sections_are_merged_per_side():
   assert set(stub["determinism"]) == {"torch", "jax"} and stub["backend"] == {"runs": {"jax": {"status": "ok"}}}
   assert list(stub["sides"]) == ["torch", "jax"] and stub["run"]["sides"] == ["torch", "jax"]
   assert stub["resume"] == {} and stub["run_folder"] == {"run_id": None}
+
+
+def test_a_side_s_symlinked_files_are_joined_as_files(tmp_path):
+  """`parity join` kept a side's symbolic links as links: a copy of the joined folder (or the source moved away)
+  left them dangling, and the folder no longer verified. The joined folder holds files."""
+  from types import SimpleNamespace
+  from parity.pipeline.join import _copy_sides, _link_or_copy
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  (elsewhere / "final.safetensors").write_bytes(b"weights")
+  (elsewhere / "batches.npy").write_bytes(b"batches")
+  src = tmp_path / "A"
+  for part in (src / "torch", src / "noise" / "torch"):
+    part.mkdir(parents=True)
+    (part / "final.safetensors").symlink_to(elsewhere / "final.safetensors")
+    (part / "steps.jsonl").write_text("{}\n")
+  (src / "batches.npy").symlink_to(elsewhere / "batches.npy")
+  out = tmp_path / "AB"
+  out.mkdir()
+  _copy_sides(SimpleNamespace(path=src, sides=("torch",)), out)
+  _link_or_copy(src / "batches.npy", out / "batches.npy")
+  shutil.rmtree(elsewhere)  # the links' target gone: the joined folder is whole all the same
+  assert not [p for p in out.rglob("*") if p.is_symlink()]
+  assert (out / "torch" / "final.safetensors").read_bytes() == b"weights"
+  assert (out / "noise" / "torch" / "final.safetensors").read_bytes() == b"weights"
+  assert (out / "batches.npy").read_bytes() == b"batches" and (out / "torch" / "steps.jsonl").read_text() == "{}\n"

@@ -59,6 +59,10 @@ def test_the_driver_runs_both_children_on_cpu(tmp_path):
   assert "xla_tpu_host_transfer_overlap_limit" in result["children"]["overlap-flags"]["libtpu_init_args"]
   rows = result["children"]["mfu"]["rows"]
   assert [r["kernel"] for r in rows] == ["exact", "exact"] and all(r["tokens_per_s"] > 0 for r in rows)
+  # both MFU counts recorded (no peak on a CPU: None); the strict one leaves out the untied embedding's gather
+  assert all(r["mfu"] is None and r["mfu_strict"] is None for r in rows)
+  assert all(0 < r["strict_flops_per_token"] < r["flops_per_token"] and r["attention_counted"].startswith("dense")
+             for r in rows)
   # the deferred update changes no number: both layouts' first losses agree on the same weights and batch
   assert rows[0]["first_loss"] == rows[1]["first_loss"]
   head = {r["variant"]: r for r in result["children"]["headroom"]["rows"]}
@@ -138,6 +142,40 @@ def test_the_recorded_chip_runs_derive_the_published_figures():
   refused = [r for r in mfu if "RESOURCE_EXHAUSTED" in (r.get("error") or "")]
   assert {(r["model"], r["kernel"]) for r in refused} == {("d2048", "exact"), ("d2048x16", "flash"),
                                                           ("d2048x16", "exact")}
+
+
+def test_mfu_is_given_by_the_6n_convention_and_by_the_strict_count():
+  """The 60.1% of the flash row counts the untied input embedding (a gather) in 6N and attention dense; the strict
+  count (matmul params only; the causal half for flash, which skips the masked blocks; dense for exact) puts it near
+  50%. Both from the chip's record, in the report's table and in the committed results, README and docs/tpu.md."""
+  from benchmarks.tpu_parts.kernels import model_spec
+  from parity.sizing import cost, memory
+  rows = json.loads((DATA / "run2-mfu.json").read_text())["children"]["mfu"]["rows"]
+  ok = {(r["model"], r["kernel"], bool((r.get("stream") or {}).get("deferred"))): r for r in rows if "mfu" in r}
+  flash = ok[("d2048", "flash", False)]
+  model = model_spec("d2048")
+  assert flash["n_params"] == memory.param_count(model) and flash["flops_per_token"] == cost.flops_per_token(
+      model, 2048)
+  embedding = model.vocab_size * model.d_model  # untied: the input table is read by rows, the head is a matmul
+  assert memory.param_count(model) - cost.matmul_params(model) >= embedding
+  attention = 12 * model.n_layers * model.d_model * 2048
+  assert cost.strict_flops_per_token(model, 2048, causal_skip=True) == 6 * cost.matmul_params(model) + attention / 2
+  assert cost.strict_flops_per_token(model, 2048) == 6 * cost.matmul_params(model) + attention
+  six, strict = rep.mfu_counts(flash)
+  assert six == pytest.approx(0.601, abs=0.001) and strict == pytest.approx(0.503, abs=0.001)
+  exact = ok[("d1024", "exact", False)]
+  assert rep.mfu_counts(exact)[1] == pytest.approx(
+      exact["tokens_per_s"] * cost.strict_flops_per_token(model_spec("d1024"), 1024) / exact["peak_flops"])
+  md = rep.markdown(json.loads((DATA / "run2-mfu.json").read_text()))
+  assert "| MFU (6N) | MFU (strict) |" in md and "| 60.1% | 50.3% |" in md
+  root = Path(__file__).resolve().parents[1]
+  words = lambda p: " ".join((root / p).read_text().split())
+  results = words("benchmarks/results/2026-12-06-tpu-v5e-kernels.md")
+  assert f"| 32,381 | **{six:.1%}** | **{strict:.1%}** |" in results
+  assert f"60.1% at 542M params** with the flash kernel by the 6N convention, **{strict:.1%}** by the strict" in results
+  (readme_tpu,) = [line for line in (root / "README.md").read_text().splitlines() if line.startswith("| TPU v5e |")]
+  assert f"{six:.1%} MFU at 542 M params by the 6N convention, {strict:.1%} counting matmul params only" in readme_tpu
+  assert f"60.1% MFU at 542M params by the 6N convention, {strict:.1%} by the strict count" in words("docs/tpu.md")
 
 
 def test_agreement_sets_the_kernel_gap_against_the_bf16_rounding():

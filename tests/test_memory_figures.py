@@ -10,10 +10,11 @@ from pathlib import Path
 
 
 from parity.report.run_record import RunRecord, SideRecord
-from parity.protocol.memory_figures import (ALLOCATOR_PEAK, COMPILED_ANALYSIS, RUNTIME_MAPPING_MIN_BYTES,
-                                            XLA_PEAK_FIELD, XLA_SUM_FIELDS, choose_peak, compiled_peak_bytes,
-                                            device_memory_fields, host_rss_fields, own_host_rss, peak_device,
-                                            runtime_mapping_bytes, vm_rss_bytes)
+from parity.protocol.memory_figures import (ALLOCATOR_PEAK, COMPILED_ANALYSIS, RUNTIME_HOLD,
+                                            RUNTIME_MAPPING_MIN_BYTES, XLA_PEAK_FIELD, XLA_PEAK_LESS_HOST,
+                                            XLA_SUM_FIELDS, choose_peak, compiled_peak_bytes, device_memory_fields,
+                                            host_rss_fields, own_host_rss, peak_device, runtime_mapping_bytes,
+                                            vm_rss_bytes)
 from parity.report import side_table
 from parity.report.markdown import report_markdown
 from parity.report.page import report_html
@@ -40,16 +41,18 @@ def _row(d: dict, side: str) -> dict:
 
 def test_tpu_gpt2_fixture_built_with_the_new_fields():
   """The recorded TPU run's summary plus the fields the worker now writes, made by the real functions from the
-  fixture's figures: the allocator peak (5,645,824) beats the compiled peak (4,832,768), and the RSS jump across the
-  chip's start (VmRSS 14,252,664 kB after the probe opened it, numerics.json, over the 411,992,064 B the later run
-  read before its backend opened) comes off the 13.8 GiB peak."""
+  fixture's figures: the allocator peak (5,645,824) beats the compiled device peak (XLA's 4,832,768 less the step's
+  1,138,176 B of pinned_host buffers: 3,694,592), and the RSS jump across the chip's start (VmRSS 14,252,664 kB
+  after the probe opened it, numerics.json, over the 411,992,064 B the later run read before its backend opened)
+  comes off the 13.8 GiB peak."""
   summ = _json(TPU / "gpt2-fp32" / "jax" / "summary.json")
   platform = _json(TPU / "gpt2-fp32" / "jax" / "placement.json")["backend"]
   opened = int(_json(TPU / "numerics.json")["proc_status"]["VmRSS"].split()[0]) * 1024
   summ.update(device_memory_fields(summ["peak_device_bytes"], summ["memory_analysis"], platform))
   summ.update(host_rss_fields({"before_backend": 411_992_064, "backend_opened": opened, "end": opened}, platform))
   assert (summ["peak_device_bytes"], summ["peak_device_source"]) == (5_645_824, ALLOCATOR_PEAK)
-  assert (summ["peak_device_bytes_compiled"], summ["peak_device_compiled_from"]) == (4_832_768, XLA_PEAK_FIELD)
+  assert (summ["peak_device_bytes_compiled"], summ["peak_device_compiled_from"]) == (3_694_592, XLA_PEAK_LESS_HOST)
+  assert summ["host_bytes_compiled"] == 1_138_176 and summ["peak_device_bytes_runtime"] is None
   assert summ["host_rss_runtime_mapping_bytes"] == 14_182_735_872
   assert summ["peak_host_rss_bytes"] == 14_868_463_616  # the raw peak is kept
   d = _gpt2_report_with(summ)
@@ -61,7 +64,8 @@ def test_tpu_gpt2_fixture_built_with_the_new_fields():
       "jax: peak RSS 13.8 GiB, of which 13.2 GiB is the TPU runtime's mapping made when it opened the chip; the "
       "side's own host RSS is 654.0 MiB",
       "jax: peak device memory 5.4 MiB, the allocator peak (the larger of the allocator peak 5.4 MiB and the "
-      "compiled memory analysis of the train step 4.6 MiB, from peak_memory_in_bytes)"]
+      "compiled memory analysis of the train step 3.5 MiB, from peak_memory_in_bytes less host buffers); the step's "
+      "host buffers, 1.1 MiB, are host memory and not in it"]
   md = report_markdown(RunRecord.of(d), {}, None)
   assert "of which 13.2 GiB is the TPU runtime's mapping made when it opened the chip" in md
   assert "| 654.0 MiB (peak 13.8 GiB less 13.2 GiB TPU runtime mapping) | 5.4 MiB (allocator peak) |" in md
@@ -99,9 +103,10 @@ def test_compiled_analysis_wins_when_the_allocator_misses_the_temporaries():
   """The 220M-param case: the allocator read 2.8 GB, the compiled step needs 6.9 GB: the larger, named."""
   ma = dict(_json(TPU / "gpt2-fp32" / "jax" / "summary.json")["memory_analysis"], peak_memory_in_bytes=6_900_000_000)
   fields = device_memory_fields(2_800_000_000, ma, "tpu")
-  assert fields == {"peak_device_bytes": 6_900_000_000, "peak_device_source": COMPILED_ANALYSIS,
-                    "peak_device_bytes_allocator": 2_800_000_000, "peak_device_bytes_compiled": 6_900_000_000,
-                    "peak_device_compiled_from": XLA_PEAK_FIELD}
+  assert fields == {"peak_device_bytes": 6_900_000_000 - 1_138_176, "peak_device_source": COMPILED_ANALYSIS,
+                    "peak_device_bytes_allocator": 2_800_000_000, "peak_device_bytes_runtime": None,
+                    "peak_device_bytes_compiled": 6_900_000_000 - 1_138_176,
+                    "peak_device_compiled_from": XLA_PEAK_LESS_HOST, "host_bytes_compiled": 1_138_176}
   assert side_table.device_memory_cell(fields) == "6.4 GiB (compiled memory analysis)"
 
 
@@ -112,12 +117,17 @@ def test_choose_peak():
   assert choose_peak(None, 7) == (7, COMPILED_ANALYSIS)
   assert choose_peak(7, None) == (7, ALLOCATOR_PEAK)
   assert choose_peak(None, None) == (None, None) == choose_peak(0, 0)
+  assert choose_peak(2_800_000_000, 6_900_000_000, 7_000_000_000) == (7_000_000_000, RUNTIME_HOLD)  # a measurement
+  assert choose_peak(None, None, 5) == (5, RUNTIME_HOLD)
 
 
 def test_compiled_peak_bytes_falls_back_to_the_sum():
-  """XLA's peak where it gives one; else argument + output + temp - alias + generated code, said so."""
+  """XLA's peak (less the step's host buffers) where it gives one; else argument + output + temp - alias + generated
+  code of the device fields, said so."""
   ma = _json(TPU / "gpt2-fp32" / "jax" / "summary.json")["memory_analysis"]
-  assert compiled_peak_bytes(ma) == (4_832_768, XLA_PEAK_FIELD)
+  assert compiled_peak_bytes(ma) == (4_832_768 - 1_138_176, XLA_PEAK_LESS_HOST)
+  no_host = {k: (0 if k.startswith("host_") else v) for k, v in ma.items()}
+  assert compiled_peak_bytes(no_host) == (4_832_768, XLA_PEAK_FIELD)
   no_peak = {k: v for k, v in ma.items() if k != "peak_memory_in_bytes"}
   want = 569_344 + 570_368 + 11_753_472 - 568_320 + 2_818_048
   assert compiled_peak_bytes(no_peak) == (want, XLA_SUM_FIELDS) == compiled_peak_bytes({**ma, XLA_PEAK_FIELD: 0})

@@ -162,3 +162,67 @@ def test_parity_plan_reads_the_tpus_premapped_region(capsys, monkeypatch):
   assert cli(argv) == 0 and "scan-offload-remat" in capsys.readouterr().out
   monkeypatch.setenv(hl.TPU_PREMAPPED_ENV, "4G")
   assert cli(argv) == 2 and "TPU_PREMAPPED_BUFFER_SIZE='4G'" in capsys.readouterr().err
+
+
+def test_the_torch_sides_get_no_tpu_figures(capsys, tmp_path):
+  """DeepSpeed and FSDP2 run on a CUDA GPU or the host CPU, never on a TPU (the TPU VM measured refuses the sockets
+  their process group needs: tests/data/tpu_v5e/join/B/environment.json): on a TPU the planner costs the JAX side
+  alone, `parity plan` says why the others are not costed, and torch sides alone exit 2. A GPU costs them all."""
+  from parity.cli import main
+  from parity.spec import SpecError
+  model, every = MODEL_PRESETS["gpt2-124m"], ("deepspeed", "jax", "fsdp")
+  for name in ("TPU-v5e", "TPU-v5p", "TPU-v6e"):
+    hw = plans.HARDWARE[name]
+    assert plans.off_device_sides(hw, every) == ("deepspeed", "fsdp")
+    _, ranked = plans.choose_plan(model, TRAIN, hw, sides=every)
+    assert all(set(c.peak_device_bytes) == set(c.host_bytes) == {"jax"} for c in ranked)
+    assert all(set(c.side_step_s) == {"jax"} for c in ranked if c.side_step_s is not None)
+    with pytest.raises(SpecError, match="run on a CUDA GPU or the host CPU, not on a TPU"):
+      plans.choose_plan(model, TRAIN, hw, sides=("deepspeed", "fsdp"))
+  _, ranked = plans.choose_plan(model, TRAIN, plans.HARDWARE["H100"], sides=every)
+  assert plans.off_device_sides(plans.HARDWARE["H100"], every) == ()
+  assert any(set(c.peak_device_bytes) == set(every) for c in ranked)
+  out = tmp_path / "p.json"
+  assert main(["plan", "--hardware", "TPU-v5e", "--model", "gpt2-124m", "--json", str(out)]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert ("not costed on TPU-v5e: deepspeed (DeepSpeed) runs on a CUDA GPU or the host CPU, not on a TPU, so it gets "
+          "no TPU device memory or step time") in text
+  per_side = next(line for line in text.split("each side alone")[1:])
+  assert "jax: zero0" in per_side and "deepspeed:" not in per_side
+  data = json.loads(out.read_text())
+  assert data["inputs"]["sides"] == ["jax"] and data["inputs"]["not_on_device"] == ["deepspeed"]
+  assert all(set(r["peak_device_bytes"]) == {"jax"} for r in data["ranked"])
+  assert main(["plan", "--hardware", "TPU-v5e", "--model", "gpt2-124m", "--sides", "deepspeed,fsdp"]) == 2
+  err = " ".join(capsys.readouterr().err.split())
+  assert "deepspeed, fsdp (DeepSpeed and FSDP2) run on a CUDA GPU or the host CPU, not on a TPU" in err
+  from benchmarks.gpu_parts import sizing  # the benchmark suite's sizing on a chip: the JAX side alone
+  fx = sizing.fixed_size(16_909_336_064, 40 * GiB, device_name="TPU v5 lite", kind="tpu")
+  assert fx["why"] and not any("deepspeed" in line for line in fx["why"])
+
+
+def test_v5p_and_v6e_mark_the_v5es_transfer_figures_unmeasured(capsys, tmp_path):
+  """The host link and the copies' overlap were measured on a v5e only: the v5p and v6e presets carry them, and
+  `parity plan` marks each "unmeasured (v5e's)" (its header and --json); a --bandwidth given is the user's own."""
+  from parity.cli import main
+  v5e = plans.HARDWARE["TPU-v5e"]
+  assert v5e.unmeasured == () and v5e.unmeasured_label("host_link_bytes_per_s") == ""
+  assert all(not plans.HARDWARE[n].unmeasured for n in plans.HARDWARE if n.startswith(("A100", "H1", "H2", "GH")))
+  for name in ("TPU-v5p", "TPU-v6e"):
+    hw = plans.HARDWARE[name]
+    assert (hw.host_link_bytes_per_s, hw.hidden_transfer) == (v5e.host_link_bytes_per_s, v5e.hidden_transfer)
+    assert set(hw.unmeasured) == {"host_link_bytes_per_s", "hidden_transfer"} and hw.borrowed_from == "v5e"
+    assert hw.unmeasured_label("hidden_transfer") == "unmeasured (v5e's)"
+  out = tmp_path / "p.json"
+  assert main(["plan", "--hardware", "TPU-v6e", "--model", "gpt2-124m", "--json", str(out)]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert ("19 GB/s host link per direction (unmeasured (v5e's)), host copies in series with compute (unmeasured "
+          "(v5e's))") in text
+  assert json.loads(out.read_text())["inputs"]["unmeasured"] == {"host_link_bytes_per_s": "unmeasured (v5e's)",
+                                                                 "hidden_transfer": "unmeasured (v5e's)"}
+  assert main(["plan", "--hardware", "TPU-v5p", "--model", "gpt2-124m", "--bandwidth", "30"]) == 0
+  text = " ".join(capsys.readouterr().out.split())
+  assert "30 GB/s host link per direction, host copies in series with compute (unmeasured (v5e's))" in text
+  assert main(["plan", "--hardware", "TPU-v5e", "--model", "gpt2-124m"]) == 0
+  assert "unmeasured" not in capsys.readouterr().out  # the v5e's own figures
+  docs = " ".join((Path(__file__).parents[1] / "docs" / "plans.md").read_text().split())
+  assert "v6e presets carry both of the v5e's transfer figures, unmeasured (v5e's)" in docs

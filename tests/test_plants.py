@@ -118,8 +118,36 @@ def test_micro_mean_on_batches_where_it_equals_tokens_is_refused():
   with pytest.raises(SpecError, match="train.loss_normalization=micro_mean changes nothing the torch side"):
     check_plants_on_data({"torch": {"train.loss_normalization": "micro_mean"}}, full, packed.segment_ids)
   uneven_rows = full.copy()
-  uneven_rows[:, :, 0, -3:] = False  # row 0 of each micro batch holds fewer: one rank per row weighs them apart
-  assert normalization_reason(uneven_rows) is None
+  uneven_rows[:, :, 0, -3:] = False  # row 0 of each micro batch holds fewer: two ranks (a row each) weigh them apart
+  assert normalization_reason(uneven_rows, 2) is None
+  assert "same number of loss tokens" in normalization_reason(uneven_rows, 1)  # one rank: each micro batch alike
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_micro_mean_that_changes_nothing_on_this_run_s_ranks_is_refused(world):
+  """`--perturb torch:train.loss_normalization=micro_mean` on one rank without gradient accumulation PASSed labelled
+  'applied': the refusal weighed one rank per row, not the run's ranks. Rows of different lengths, one micro batch a
+  step: on one rank that micro batch is the step (one loss); on --nproc 2, ranks that each hold the same number of
+  loss tokens are one loss too; ranks that hold different numbers are not."""
+  mask = np.zeros((3, 1, 2, T), dtype=bool)  # (steps, A=1, B=2 rows, T)
+  mask[:, :, 0, :5] = True
+  mask[:, :, 1, :11] = True  # row 1 holds more loss tokens than row 0
+  plant = {"torch": {"train.loss_normalization": "micro_mean"}}
+  seg = mask.astype(np.int32)
+  if world == 1:
+    with pytest.raises(SpecError, match="micro_mean changes nothing the torch side trains: the run has one rank and "
+                                        "one micro batch a step .*train.grad_accum_steps > 1 or --nproc 2"):
+      check_plants_on_data(plant, mask, seg, world=1)
+    two = np.concatenate([mask, mask], axis=1)  # A=2: micro batches of 16 and 10 loss tokens: it acts
+    two[:, 1, 1, 5:] = False
+    assert normalization_reason(two, 1) is None
+  else:
+    check_plants_on_data(plant, mask, seg, world=2)  # a row a rank, 5 vs 11 loss tokens: the plant acts
+    same = mask.copy()
+    same[:, :, 1, 5:] = False  # both ranks hold 5 loss tokens a step: one loss
+    with pytest.raises(SpecError, match=r"micro_mean changes nothing the torch side trains: .*\(2 rank\(s\) x 1 micro "
+                                        r"batch\(es\) of 1 row\(s\)\) holds the same number of loss tokens"):
+      check_plants_on_data(plant, same, seg, world=2)
 
 
 @pytest.mark.parametrize("layout", ("padded", "packed"))
@@ -272,3 +300,32 @@ def test_diagnose_localises_the_mask_and_position_plants_on_packed_rows(runs, na
   assert d is not None, out[-3000:]
   got = (d.get("first") or {}).get("name")
   assert got == first and rc == (0 if first is None else 1), out[-3000:]
+
+
+def _compare(*argv) -> tuple[int, str]:
+  import contextlib
+  import io
+  from parity.cli import main
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    rc = main([str(a) for a in argv])
+  return rc, err.getvalue()
+
+
+def test_compare_refuses_micro_mean_on_one_rank_and_checks_the_nproc_ranks(tmp_path, monkeypatch):
+  """The no-op micro_mean plant through `parity compare` (exit 2, nothing left behind, no side started), and the
+  ranks it is checked for: --nproc's, not one per row."""
+  import parity.pipeline.compare as C
+  plant = ["--preset", "sft-tiny", "--steps", "2", "--set", "train.grad_accum_steps=1", "--no-progress",
+           "--perturb", "torch:train.loss_normalization=micro_mean"]
+  rc, err = _compare("compare", *plant, "--out", tmp_path / "one")
+  assert rc == 2 and "micro_mean changes nothing the torch side trains: the run has one rank" in err, err
+  assert not (tmp_path / "one").exists()
+  seen = {}
+
+  def stop(*a, **k):
+    seen.update(k)
+    raise SpecError("stopped before the folder")
+  monkeypatch.setattr(C, "open_run_folder", stop)
+  rc, err = _compare("compare", *plant, "--nproc", "2", "--out", tmp_path / "two")
+  assert rc == 2 and seen["world"] == 2, err

@@ -55,9 +55,11 @@ def test_the_gelu_plant_fails_at_step_0_and_the_later_sides_stop_before_step_1(r
   first = rep["verdict"]["first_failure"]
   assert first["metric"] == "semantics" and first["step"] == 0 and first["sides"] == ["jax", "deepspeed"]
   checks = _checks(rep)
-  for pair, other in (("jax~deepspeed", "deepspeed"), ("jax~torch", "torch")):  # the GELU form moves the forward
-    detail = checks[f"semantics {pair}"]["detail"]  # probe's loss too, named after it (parity.semantics.DIFFED)
-    assert detail.startswith(f"semantics: mlp.gelu_form jax=erf {other}=tanh; forward.probe_loss jax="), detail
+  for pair, other in (("jax~deepspeed", "deepspeed"), ("jax~torch", "torch")):
+    # the probe's loss moves 1.1e-5 (erf against tanh at the probe's weights), under its float32 rounding tolerance
+    # (3.0e-5 at 8 nats: parity.semantics.probe_loss_tolerance): the card's own item names the form
+    detail = checks[f"semantics {pair}"]["detail"]
+    assert detail.startswith(f"semantics: mlp.gelu_form jax=erf {other}=tanh"), detail
   assert checks["semantics deepspeed~torch"]["passed"]
   assert rep["sides"]["jax"]["status"] == "ok"
   for side in ("deepspeed", "torch"):  # stopped before step 1, reported as a crash naming the item

@@ -228,6 +228,8 @@ class TorchTrainer:
     self.model = build_model(run.model, weights.master_weights(params, t.precision), device=self.device)
     self.optimizer = build_optimizer(decay_groups_of(self.model, t.weight_decay, plants, t.decay_mask), t)
     self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+    self.grad_clip = float(t.grad_clip)
+    """The clip threshold every step clips with (`clip_like_deepspeed`; 0: none); the semantics card reads it."""
     self.step_index = 0
     """Optimizer updates applied = the LR schedule position (skipped fp16 steps do not count)."""
     self._snapshots: list[memory.StateBytes] = []
@@ -294,7 +296,7 @@ class TorchTrainer:
         (loss / t.grad_accum_steps).backward()
       losses.append(float(loss.detach()))
     norm = global_grad_norm(self.params)
-    clip_like_deepspeed(self.params, t.grad_clip, norm)
+    clip_like_deepspeed(self.params, self.grad_clip, norm)
     if probe:
       self._snapshots.append(self._measure())
     self.optimizer.step()
@@ -331,7 +333,7 @@ class TorchTrainer:
     for p, g in zip(self.params, grads16):
       p.grad = None if g is None else g.float() / divisor
     norm = global_grad_norm(self.params)
-    clip_like_deepspeed(self.params, t.grad_clip, norm)
+    clip_like_deepspeed(self.params, self.grad_clip, norm)
     self._set_hparams()
     if probe:
       self._snapshots.append(self._measure())

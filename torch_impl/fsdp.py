@@ -238,6 +238,8 @@ class FsdpTrainer:
       raise RuntimeError(f"the FSDP2 side runs the {OPTIMIZER_IMPL} optimizer; got foreach={g0.get('foreach')} "
                          f"fused={g0.get('fused')}")
     self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+    self.grad_clip = float(t.grad_clip)
+    """The clip threshold every step clips with (`clip_like_deepspeed`; 0: none); the semantics card reads it."""
     self.step_index = 0
     """Optimizer updates applied = the LR schedule position (skipped fp16 steps do not count)."""
     self.loss_scaler = LossScaler.from_train(t, raise_at_min=True) if t.precision == "fp16" else None
@@ -278,7 +280,7 @@ class FsdpTrainer:
         if p.grad is not None:
           _local(p.grad).div_(divisor)
     norm = sharded_grad_norm(self.params)
-    clip_like_deepspeed(self.params, t.grad_clip, norm)
+    clip_like_deepspeed(self.params, self.grad_clip, norm)
     if probe:
       self._snapshots.append(self.measure())
     stale = self._unsynced_shard()

@@ -102,11 +102,15 @@ class RMSNorm(nn.Module):
     return self.weight * y.to(x.dtype)
 
 
-def make_norm(spec: ModelSpec) -> nn.Module:
-  """The model's norm over d_model: RMSNorm (with (1 + w) under norm_plus_one) or LayerNorm (bias with spec.bias)."""
+def make_norm(spec: ModelSpec, *, final: bool = False) -> nn.Module:
+  """The model's norm over d_model: RMSNorm (with (1 + w) under norm_plus_one) or LayerNorm (bias with spec.bias),
+  eps spec.norm_eps. `final`: the final norm (ln_f), whose eps the planted family bug 'final_norm_eps_tenth'
+  (parity.protocol.layout.FAMILY_PLANT_KEYS) makes a tenth of it, as a Llama-1 eps of 1e-6 left in a Llama-2 (1e-5)
+  port (jax_impl.layers.norm_eps plants the same)."""
+  eps = spec.norm_eps / 10.0 if final and planted("final_norm_eps_tenth") else spec.norm_eps
   if spec.norm == "rmsnorm":
-    return RMSNorm(spec.d_model, spec.norm_eps, spec.norm_plus_one)
-  return nn.LayerNorm(spec.d_model, eps=spec.norm_eps, bias=spec.bias)
+    return RMSNorm(spec.d_model, eps, spec.norm_plus_one)
+  return nn.LayerNorm(spec.d_model, eps=eps, bias=spec.bias)
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | str | None = None,

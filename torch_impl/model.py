@@ -100,7 +100,7 @@ class GPT(_Tapped, nn.Module):
     if spec.position == "learned":
       self.wpe = nn.Embedding(spec.max_seq_len, spec.d_model)
     self.h = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
-    self.ln_f = make_norm(spec)
+    self.ln_f = make_norm(spec, final=True)
     if not spec.tie_embeddings:
       self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
 

@@ -6,7 +6,8 @@ param groups (`decay_groups_of`).
   mlp.gelu_form        the built model's first block `MLP.act` at parity.semantics.GELU_PROBE_X
   norm.*               a copy of the first block's `ln_1` (weight 1, bias 0) on known vectors
                        (parity.semantics.norm_probe); norm.rounding: the copy in bfloat16 with the rounding probe's
-                       weight (parity.semantics.classify_norm_rounding)
+                       weight (parity.semantics.classify_norm_rounding); norm.eps_all: the `eps` of every norm module
+                       of the module the forward runs (`norm_eps_by_name`: each block's, the q/k norms, ln_f)
   forward.probe_loss   a fresh float32 `build_model` of the spec on the CPU (the class the side trains, this
                        process's family plants included) at parity.semantics.probe_params, its `lm_loss`
   attention.*          the first block's Attention module: its spec.scale (the `scale=` of its SDPA call); the
@@ -23,8 +24,11 @@ param groups (`decay_groups_of`).
                        bit16_groups / fp16_groups hold the module's params of each flat group)
   eps, bias correction a fresh optimizer of the side's class and group settings (lr 1), one step on a 1-element
                        param with gradient eps (parity.numerics.adam.classify_adam)
-  clip, lr.step0       the baseline's clip threshold and scheduler (parity.numerics.schedule.train_lr at its
-                       step index); DeepSpeed's engine.gradient_clipping() and its optimizer's current lr
+  betas, eps, decays   the optimizer's param groups as built (`optimizer_items`): DeepSpeed's engine optimizer's
+                       (under a ZeRO wrapper, the basic optimizer it steps); one value, or each group's when they differ
+  clip, lr.step0       the clip threshold the torch / FSDP2 trainer's step clips with (its `grad_clip`) and its
+                       scheduler (parity.numerics.schedule.train_lr at its step index); DeepSpeed's
+                       engine.gradient_clipping() and its optimizer's current lr
   dtypes               the forward's module (FSDP2: the param dtype its modules cast to), the optimizer's params
                        (master), the probe's moments
   matmul, dropout      torch.get_float32_matmul_precision / allow_tf32; the largest nn.Dropout p in the module
@@ -51,7 +55,7 @@ from torch_impl.trainer import Trainer
 
 __all__ = ["semantics_card", "decay_groups_of", "gelu_form", "rotary_layout", "norm_of", "norm_rounding", "probe_loss",
            "family_items", "label_shift",
-           "loss_reduction", "decay_set", "adam_form", "matmul_precision"]
+           "loss_reduction", "decay_set", "adam_form", "matmul_precision", "norm_eps_by_name", "optimizer_items"]
 
 
 def decay_groups_of(model: torch.nn.Module, weight_decay: float, plants: frozenset = frozenset(),
@@ -130,6 +134,25 @@ def norm_rounding(module: torch.nn.Module, form: str) -> str:
       p.copy_(torch.zeros_like(p) if name == "bias" else torch.from_numpy(w))
     y = probe.to(torch.bfloat16)(torch.from_numpy(x).to(torch.bfloat16)).float().numpy()
   return card_lib.classify_norm_rounding(x, w, y, form, getattr(module, "eps", None))
+
+
+def norm_eps_by_name(model: torch.nn.Module) -> dict[str, float | None]:
+  """{module name ('h.0.ln_1', 'h.0.attn.ln_q', 'ln_f'): its eps} of every norm module of `model` (a class named
+  '...Norm' with an `eps`: torch's LayerNorm and RMSNorm, torch_impl's RMSNorm; the eps its forward adds; None:
+  torch.nn.RMSNorm's dtype default). The module names are the canonical ones (torch_impl.layers)."""
+  return {name: (None if m.eps is None else float(m.eps)) for name, m in model.named_modules()
+          if "norm" in type(m).__name__.lower() and hasattr(m, "eps")}
+
+
+def optimizer_items(groups: list[dict]) -> dict[str, Any]:
+  """optimizer.betas, optimizer.eps and optimizer.weight_decay_groups of an optimizer's param groups as built: the
+  betas and eps every group holds (`parity.semantics.one_or_each`: each group's when they differ; None where the
+  groups hold none, SGD), and the distinct weight decays of the groups, ascending."""
+  betas = [[float(b) for b in g["betas"]] for g in groups if g.get("betas") is not None]
+  eps = [float(g["eps"]) for g in groups if g.get("eps") is not None]
+  return {"optimizer.betas": card_lib.one_or_each(betas), "optimizer.eps": card_lib.one_or_each(eps),
+          "optimizer.weight_decay_groups": sorted({sig(float(g.get("weight_decay", 0.0)), 6) for g in groups})
+          if groups else None}
 
 
 def probe_loss(spec) -> float | None:
@@ -271,7 +294,7 @@ def _baseline_parts(trainer) -> dict[str, Any]:
   return {"module": trainer.model, "forward_module": trainer.half_model or trainer.model,
           "optimizer": trainer.optimizer, "bit16": None, "master": trainer.params[0].dtype,
           "device": trainer.params[0].device,
-          "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(t.grad_clip),
+          "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(trainer.grad_clip),
           "optimizer_name": type(trainer.optimizer).__name__}
 
 
@@ -285,7 +308,8 @@ def _fsdp_parts(trainer) -> dict[str, Any]:
   t, built = trainer.run.train, trainer.describe()["fsdp"]
   return {"module": trainer.model, "forward_module": trainer.model, "forward_dtype": built["param_dtype"],
           "optimizer": trainer.optimizer, "bit16": None, "master": trainer.params[0].dtype,
-          "device": trainer.device, "lr": float(schedule.train_lr(t, trainer.step_index)), "clip": float(t.grad_clip),
+          "device": trainer.device, "lr": float(schedule.train_lr(t, trainer.step_index)),
+          "clip": float(trainer.grad_clip),
           "optimizer_name": type(trainer.optimizer).__name__, "grads_dtype": _lower(built["reduce_dtype"],
                                                                                       _dtype(trainer.params[0].dtype)),
           "info": {f"fsdp.{k}": v for k, v in built.items()}}
@@ -320,10 +344,12 @@ def semantics_card(trainer: Trainer, side: str, plants: frozenset) -> dict[str, 
       "rotary.import_permutation": card_lib.IMPORT_PERMUTATION,
       "mlp.gelu_form": gelu_form(block.mlp.act),
       "norm.form": norm["form"], "norm.eps": norm["eps"], "norm.stats_dtype": norm["stats_dtype"],
+      "norm.eps_all": card_lib.norm_eps_item(norm_eps_by_name(parts["forward_module"])),
       "norm.rounding": norm_rounding(block.ln_1, norm["form"]), "forward.probe_loss": probe_loss(spec),
       "attention.scale": sig(attn.spec.scale, 6), **family_items(model, train.seq_len),
       "loss.label_shift": label_shift(loss, train), "loss.reduction": loss_reduction(),
       "optimizer.decay_set": decayed, "optimizer.weight_decay": wd if train.optimizer == "adamw" else None,
+      **optimizer_items(parts["optimizer"].param_groups),
       "optimizer.eps_placement": adam["eps_placement"], "optimizer.bias_correction": adam["bias_correction"],
       "clip.rule": "global-l2" if parts["clip"] > 0 else "none",
       "clip.max_norm": parts["clip"] if parts["clip"] > 0 else None,
@@ -336,6 +362,9 @@ def semantics_card(trainer: Trainer, side: str, plants: frozenset) -> dict[str, 
           "fused": parts["optimizer"].param_groups[0].get("fused"),
           "attention.scale_source": "the first block's Attention spec.scale (its SDPA scale=)",
           "rotary.import_permutation_source": "parity.hf maps tensors by name and transposes only",
+          "optimizer.hyper_source": f"{parts['optimizer_name']} param_groups (betas, eps, weight_decay)",
+          "clip.max_norm_source": ("engine.gradient_clipping()" if side == "deepspeed" else
+                                   "the trainer's grad_clip (what its step passes clip_like_deepspeed)"),
           **({"optimizer_probe": adam["note"]} if "note" in adam else {}), **parts.get("info", {}),
           "precision_settings": _precision_settings(parts)}
   return {"items": items, "info": info}

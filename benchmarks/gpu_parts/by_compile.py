@@ -20,10 +20,13 @@ from benchmarks.gpu_parts.common import classify_failure, compiled_device_peak, 
 
 HUNG = "hung (timed out; XLA failure handler?)"
 OOM_AT_RUN = "oom at run"
-FIT_BY = {"sum": "peak_bytes", "xla": "xla_peak_bytes", "compile": None}
-"""What a compiled probe's fit is judged by (--fit-by): the device peak argument + output + temp - alias (the
-default), XLA's own peak_memory_in_bytes, or nothing past XLA's acceptance of the program (on a TPU its compiler
-refuses a program that does not fit; on a GPU it does not, so 'compile' there accepts every depth)."""
+FIT_BY = {"sum": "peak_bytes", "xla": "device_bytes", "compile": None}
+"""What a compiled probe's fit is judged by (--fit-by): the compiler's sum argument + output + temp - alias (the
+default: on a TPU it over-reads, counting temporaries the runtime does not hold at once, so it refuses some depths
+that run), XLA's own peak_memory_in_bytes less the step's host buffers (common.compiled_device_peak 'device_bytes':
+XLA's peak counts an offload program's pinned_host buffers, which are not device memory), or nothing past XLA's
+acceptance of the program (on a TPU its compiler refuses a program that does not fit; on a GPU it does not, so
+'compile' there accepts every depth)."""
 COMPILE_OOM = ("RESOURCE_EXHAUSTED", "Ran out of memory in memory space")
 """What XLA says when a program does not fit the device (on a TPU at compile time)."""
 

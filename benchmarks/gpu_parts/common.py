@@ -20,8 +20,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
+from parity.protocol.memory_figures import compiled_memory  # noqa: E402
 from parity.sizing.cost import flops_per_token as _flops_per_token  # noqa: E402
-from parity.sizing import memory, plans  # noqa: E402
+from parity.sizing import cost, memory, plans  # noqa: E402
 from parity.weights import param_shapes  # noqa: E402
 from parity.spec import RunSpec, from_dict, to_dict  # noqa: E402
 
@@ -68,18 +69,35 @@ DEVICE_PEAK_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_si
 
 
 def compiled_device_peak(memory_analysis: dict | None) -> dict[str, Any]:
-  """The compiled step's device memory from its `memory_analysis()` fields (jax_impl.step.Trainer.memory_analysis):
-  'peak_bytes' = argument + output + temp - alias (device memory only: the host_* fields are the host's; alias =
-  output bytes that reuse a donated argument's buffer), 'xla_peak_bytes' = XLA's own `peak_memory_in_bytes` where
-  it gives one (its heap simulation; on the TPU fixtures below the temp size alone), 'host_bytes' = the host_*
-  argument + output + temp - alias. None where a field is missing (no analysis)."""
+  """The compiled step's memory by memory space from its `memory_analysis()` fields
+  (jax_impl.step.Trainer.memory_analysis; parity.protocol.memory_figures.compiled_memory):
+  'device_bytes' = the device figure: XLA's `peak_memory_in_bytes` less the step's host-resident buffers (host
+  argument + output - alias, which XLA's peak counts), the device fields' sum where XLA gives no peak;
+  'device_from' = how; 'host_bytes' = the host_* argument + output + temp - alias (the step's pinned_host buffers:
+  host memory, never device); 'xla_peak_bytes' = XLA's own peak as it reads (host buffers included); 'peak_bytes' =
+  argument + output + temp - alias of the device fields, the compiler's sum, which on a TPU counts temporaries the
+  runtime does not hold at once (17.04 GB for a step the 16.91 GB chip ran, holding 13.67 GB): not a device peak.
+  None where a field is missing (no analysis)."""
   ma = memory_analysis or {}
   vals = [ma.get(k) for k in DEVICE_PEAK_FIELDS]
   host = [ma.get("host_" + k) for k in DEVICE_PEAK_FIELDS]
   arg, out, temp, alias = vals
-  return {"peak_bytes": arg + out + temp - alias if None not in vals else None,
+  split = compiled_memory(ma)
+  return {"device_bytes": split["device"], "device_from": split["device_from"],
+          "peak_bytes": arg + out + temp - alias if None not in vals else None,
           "xla_peak_bytes": ma.get("peak_memory_in_bytes"),
           "host_bytes": host[0] + host[1] + host[2] - host[3] if None not in host else None}
+
+
+def recorded_device_bytes(compiled: dict | None) -> int | None:
+  """The compiled device figure of a probe or run record's `compiled_device_peak` fields: its 'device_bytes', or for
+  a record written before that field, XLA's peak less its 'host_bytes' (exact where the step has no host
+  temporaries, which XLA's peak leaves out; lower by them where it has some); None where neither is there."""
+  c = compiled or {}
+  if c.get("device_bytes") is not None:
+    return c["device_bytes"]
+  xla, host = c.get("xla_peak_bytes"), c.get("host_bytes")
+  return xla - host if xla is not None and host is not None and xla - host > 0 else None
 
 
 def peak_flops(device_name: str | None, dtype: str) -> float | None:
@@ -96,6 +114,28 @@ def flops_per_token(model, seq_len: int) -> float:
   backward matmuls of N params, 12·L·h·s for attention scores and values; Megatron's Narayanan et al. 2021 eq. 3
   without recomputation counts the same terms). It is the planner's cost model (parity.sizing.plans)."""
   return float(_flops_per_token(model, seq_len))
+
+
+def mfu_fields(model, seq_len: int, tokens_per_s: float, peak: float | None, *,
+               causal_skip: bool = False) -> dict[str, Any]:
+  """Both MFU counts of one measured rate against `peak` (FLOP/s; None where unknown: both MFUs None). 'mfu': the 6N
+  convention (`flops_per_token`: every param, the embedding gathers included, attention dense). 'mfu_strict': matmul
+  work only (parity.sizing.cost.strict_flops_per_token: matmul params, attention as the kernel computes it: its
+  causal half with `causal_skip`, else dense), with the FLOPs per token each counts and 'attention_counted'."""
+  fpt = flops_per_token(model, seq_len)
+  strict = float(cost.strict_flops_per_token(model, seq_len, causal_skip=causal_skip))
+  return {"flops_per_token": fpt, "strict_flops_per_token": strict,
+          "attention_counted": cost.attention_counted(causal_skip),
+          "mfu": tokens_per_s * fpt / peak if peak else None,
+          "mfu_strict": tokens_per_s * strict / peak if peak else None}
+
+
+MFU_NOTE = ("MFU (6N) = tokens/s x (6N + 12·L·h·s) FLOPs per token (PaLM, Chowdhery et al. 2022, app. B: every param "
+            "counted, an untied input embedding's gather included, attention dense); MFU (strict) counts matmul "
+            "params only (no embedding gathers, biases or norms) and attention as the kernel computes it (dense "
+            "for parity's exact kernel and torch's masked SDPA, the causal half for a kernel that skips masked "
+            "blocks)")
+"""The sentence a report prints under an MFU table (`mfu_fields`)."""
 
 
 def sizing_modules():

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu_parts import sizing
-from benchmarks.gpu_parts.common import (classify_failure, flops_per_token, peak_flops, sizing_modules, tail,
+from benchmarks.gpu_parts.common import (classify_failure, mfu_fields, peak_flops, sizing_modules, tail,
                                          write_spec)
 from benchmarks.gpu_parts.suite import Suite, not_run, run_part, say
 from harness import lifetime
@@ -170,12 +170,12 @@ def part_train(suite: Suite, side: str, configs: dict) -> None:
 
 
 def derived(suite: Suite, side: str, run, res: dict) -> dict:
-  """MFU against the device's bf16 peak and the link bandwidth the side measured, for one train record."""
+  """MFU against the device's bf16 peak, by the 6N convention and the strict count (common.mfu_fields: both
+  sides' attention computes every score, dense), and the link bandwidth the side measured, for one train record."""
   peak = peak_flops(res.get("device"), "fp32" if run.train.precision == "fp32" else "bf16")
-  fpt = flops_per_token(run.model, run.train.seq_len)
-  out = {"flops_per_token": fpt, "model_tflops_per_s": res["tokens_per_s"] * fpt / 1e12,
-         "peak_tflops": peak / 1e12 if peak else None,
-         "mfu": res["tokens_per_s"] * fpt / peak if peak else None, "link": link_gbs(suite, side)}
+  counts = mfu_fields(run.model, run.train.seq_len, res["tokens_per_s"], peak)
+  out = {**counts, "model_tflops_per_s": res["tokens_per_s"] * counts["flops_per_token"] / 1e12,
+         "peak_tflops": peak / 1e12 if peak else None, "link": link_gbs(suite, side)}
   if side != "jax":  # the JAX part reads its moves from the compiled step; the torch sides' come from the planner
     memory, _ = sizing_modules()
     from parity.sizing import cost

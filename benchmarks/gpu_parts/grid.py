@@ -15,13 +15,14 @@ grid's no-offload plan at the same accumulation (`offload_row`):
                 overlap perfectly (1 when they fit under the compute), and `achieved` = kept / link_bound, kept =
                 tokens/s offload / tokens/s none.
   mem_saved   = (device peak none - device peak offload) / the bytes the plan keeps in host memory: the share of
-                the offloaded bytes the device peak actually drops by (compiled peaks, memory_analysis).
+                the offloaded bytes the device peak actually drops by (compiled device figures, memory_analysis:
+                XLA's peak less the host buffers, common.compiled_device_peak).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from benchmarks.gpu_parts.common import sizing_modules
+from benchmarks.gpu_parts.common import recorded_device_bytes, sizing_modules
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -78,7 +79,7 @@ def offload_row(none: Mapping[str, Any], off: Mapping[str, Any], host: int, rate
   ov, note = overlap(added, transfer)
   kept = t_none / t_off
   bound = t_none / max(t_none, transfer) if transfer else None
-  peak_none, peak_off = (r.get("compiled", {}).get("peak_bytes") for r in (none, off))
+  peak_none, peak_off = (recorded_device_bytes(r.get("compiled")) for r in (none, off))  # device only, no host
   saved = (peak_none - peak_off) / host if host and peak_none is not None and peak_off is not None else None
   return {"grad_accum": off["grad_accum"], "tokens_per_s_none": none["tokens_per_s"],
           "tokens_per_s_offload": off["tokens_per_s"], "kept": kept, "step_s_none": t_none, "step_s_offload": t_off,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.gpu_parts import by_compile, grid, sizing
-from benchmarks.gpu_parts.common import flops_per_token, peak_flops, write_spec
+from benchmarks.gpu_parts.common import mfu_fields, peak_flops, write_spec
 from benchmarks.gpu_parts.suite import Suite, chip, not_run, reserve_timeout, run_part, say
 
 EXIT_MARGIN_S = 20.0
@@ -133,14 +133,19 @@ def part_train(suite: Suite, share: dict[str, float], base, depth: int) -> None:
 
 
 def mfu_rows(suite: Suite, run, res: dict[str, Any]) -> dict[str, Any]:
-  """MFU per accumulation against the device's peak at the run's precision (PEAK_FLOPS)."""
+  """MFU per accumulation against the device's peak at the run's precision (PEAK_FLOPS), by the 6N convention
+  ('mfu') and the strict count ('mfu_strict', common.mfu_fields: the exact kernel's attention, dense)."""
   name = res.get("device") if suite.device.get("kind") in ("gpu", "tpu") else None
   peak = peak_flops(name, "fp32" if run.train.precision == "fp32" else "bf16")
-  fpt = flops_per_token(run.model, run.train.seq_len)
-  out = {"flops_per_token": fpt, "peak_tflops": peak / 1e12 if peak else None, "mfu": {}}
+  counts = mfu_fields(run.model, run.train.seq_len, 0.0, peak)
+  out = {"flops_per_token": counts["flops_per_token"], "strict_flops_per_token": counts["strict_flops_per_token"],
+         "attention_counted": counts["attention_counted"], "peak_tflops": peak / 1e12 if peak else None,
+         "mfu": {}, "mfu_strict": {}}
   for r in res.get("runs", []):
     if r.get("status") == "ok":
-      out["mfu"][str(r["grad_accum"])] = r["tokens_per_s"] * fpt / peak if peak else None
+      got = mfu_fields(run.model, run.train.seq_len, r["tokens_per_s"], peak)
+      out["mfu"][str(r["grad_accum"])] = got["mfu"]
+      out["mfu_strict"][str(r["grad_accum"])] = got["mfu_strict"]
   return out
 
 

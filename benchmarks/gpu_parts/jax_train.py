@@ -34,6 +34,13 @@ from benchmarks.gpu_parts.common import (classify_failure, compiled_device_peak,
 from parity.weights import init_params, n_params
 
 
+RUNTIME_STATS = ("bytes_in_use", "peak_bytes_in_use", "bytes_reserved", "peak_bytes_reserved", "bytes_limit",
+                 "largest_alloc_size")
+"""The device's `memory_stats()` the record keeps (`device_memory_stats`): on a TPU the allocator's bytes in use
+leave out the region the runtime reserves for the loaded program's temporaries (`bytes_reserved`), so what the
+device holds during the step is the two together (parity.protocol.memory_figures.runtime_device_bytes)."""
+
+
 def _moves(trainer) -> dict:
   """The compiled step's offload moves per option, their sum, and its compiled device peak."""
   evidence = trainer.offload_evidence()
@@ -96,6 +103,7 @@ def shared(trainer, run, init_s: float, build_s: float) -> dict:
           "peak_device_bytes": int(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else None,
           "device_bytes_limit": int(stats["bytes_limit"]) if "bytes_limit" in stats else None,
           "peak_host_rss_bytes": peak_rss_bytes(),
+          "device_memory_stats": {k: int(stats[k]) for k in RUNTIME_STATS if k in stats},
           "state_bytes_by_memory_kind": offload.bytes_by_memory_kind(trainer.state, dev)}
 
 

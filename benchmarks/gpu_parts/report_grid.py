@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.gpu_parts.report import _bytes, _num, _params
+from benchmarks.gpu_parts.common import MFU_NOTE, recorded_device_bytes
+from benchmarks.gpu_parts.report import _bytes, _num, _params, mfu_pair
+from parity.protocol.memory_figures import runtime_device_bytes
 
 
 def sections(data: dict) -> list[str]:
@@ -15,12 +17,12 @@ def sections(data: dict) -> list[str]:
   return _grid(rec) + _offload(rec) + _largest(rec)
 
 
-def _run_cells(r: dict[str, Any], mfu: float | None, host: int | None) -> str:
+def _run_cells(r: dict[str, Any], mfu: str, host: int | None) -> str:
   if r.get("status") != "ok":
     return f"{r.get('status')}: {r.get('error', '')[:160]} | | | | | | |"
   c = r.get("compiled") or {}
-  return (f"{r['tokens_per_s']:.4g} | {r['median_s']:.4g} | {_num(mfu, '.1%')} | {_bytes(c.get('peak_bytes'))} "
-          f"(XLA peak {_bytes(c.get('xla_peak_bytes'))}) | {_bytes(host)} | {_bytes(r.get('moved_bytes_per_step'))} | "
+  return (f"{r['tokens_per_s']:.4g} | {r['median_s']:.4g} | {mfu} | {_bytes(recorded_device_bytes(c))} "
+          f"(host buffers {_bytes(c.get('host_bytes'))}) | {_bytes(host)} | {_bytes(r.get('moved_bytes_per_step'))} | "
           f"{_num(r.get('compile_s'), '.1f')} |")
 
 
@@ -30,8 +32,8 @@ def _grid(rec: dict) -> list[str]:
     return []
   out = ["## Train grid: JAX plans x gradient accumulation", "",
          f"Depth {gp['depth']} layers: {gp.get('depth_how')}.", *[f"    {line}" for line in gp.get("memory_model", [])],
-         "", "| plan | grad accum | tokens / step | tokens/s | step s (median) | MFU | compiled device peak | host "
-         "state | moved / step | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+         "", "| plan | grad accum | tokens / step | tokens/s | step s (median) | MFU 6N / strict | compiled device "
+         "peak | host state | moved / step | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
   for plan in gp["jax_plans"]:
     r = rec.get(f"grid_{plan}") or {}
     if not r.get("ok"):
@@ -40,14 +42,15 @@ def _grid(rec: dict) -> list[str]:
     res, d = r["result"], r.get("derived") or {}
     host = sum((res.get("state_bytes_by_memory_kind") or {}).get(k, 0) for k in ("pinned_host", "unpinned_host"))
     for run in res["runs"]:
-      mfu = (d.get("mfu") or {}).get(str(run["grad_accum"]))
+      mfu = mfu_pair(d, str(run["grad_accum"]))
       out.append(f"| {plan} | {run['grad_accum']} | {run['tokens_per_step']} | {_run_cells(run, mfu, host)}")
   c = next((rec[f"grid_{p}"].get("config") for p in gp["jax_plans"] if rec.get(f"grid_{p}", {}).get("config")), {})
   out += ["", f"Model: d_model {c.get('d_model')}, {c.get('n_layers')} layers, micro batch {c.get('micro_batch')} x "
-          f"seq {c.get('seq_len')}, {c.get('precision')}. MFU = tokens/s x (6N + 12·L·h·s) / the device's dense "
+          f"seq {c.get('seq_len')}, {c.get('precision')}. {MFU_NOTE}; each against the device's dense "
           "peak at the run's precision (common.PEAK_FLOPS; n/a on a CPU). Compiled device peak: the step's "
-          "memory_analysis, argument + output + temp - alias (XLA's own heap-simulation peak beside it); host state: "
-          "the bytes the plan keeps in pinned_host.", ""]
+          "memory_analysis, XLA's peak_memory_in_bytes less the step's host buffers (pinned_host arguments and "
+          "outputs, which XLA's peak counts; they are beside it, host memory); host state: the bytes the plan keeps "
+          "in pinned_host.", ""]
   return out
 
 
@@ -84,9 +87,21 @@ def _offload(rec: dict) -> list[str]:
 
 
 def _probe_text(p: dict) -> str:
-  peak = f", {_bytes(p['peak_bytes'])}" if p.get("peak_bytes") is not None else ""
+  device = recorded_device_bytes(p)
+  peak = f", {_bytes(device)}" if device is not None else ""
   took = f", {p['compile_s']:.0f} s" if p.get("compile_s") is not None else ""
   return f"{p['n_layers']}: {p['status']}{peak}{took}"
+
+
+def _confirm_memory(res: dict) -> str:
+  """A confirming run's device memory with its source: the runtime's hold (memory_stats: bytes in use + the
+  program's reserved region) where recorded, else the compiled device figure; the step's host buffers apart."""
+  compiled = res.get("compiled") or {}
+  runtime = runtime_device_bytes(res.get("device_memory_stats"))
+  device = (f"device {_bytes(runtime)} (runtime; compiled {_bytes(recorded_device_bytes(compiled))})"
+            if runtime is not None else f"device {_bytes(recorded_device_bytes(compiled))} (compiled)")
+  host = compiled.get("host_bytes")
+  return device + (f", host buffers {_bytes(host)}" if host else "")
 
 
 def _confirm(rec: dict, plan: str) -> str:
@@ -94,8 +109,7 @@ def _confirm(rec: dict, plan: str) -> str:
   if not c:
     return "not run"
   res = (c.get("result") or {})
-  step = f", step {res['median_s']:.3g} s, peak {_bytes(res.get('compiled', {}).get('peak_bytes'))}" \
-      if res.get("median_s") else ""
+  step = f", step {res['median_s']:.3g} s, {_confirm_memory(res)}" if res.get("median_s") else ""
   return f"{c['n_layers']} layers: **{c['status']}** ({c.get('detail', '')}{step}; {_num(c.get('wall_s'), '.0f')} s)"
 
 
@@ -108,7 +122,7 @@ def _largest(rec: dict) -> list[str]:
   out = ["## Largest model by compiling", "",
          f"Device limit {_bytes(found.get('bytes_limit'))} ({found.get('bytes_limit_source')}), host "
          f"{_bytes(found.get('host_bytes'))}, d_model {found.get('d_model')}, seq {found.get('seq_len')}, micro batch 1"
-         f"{state}.", "", "| plan | start | probes (n: status, compiled peak, compile s) | largest that fits "
+         f"{state}.", "", "| plan | start | probes (n: status, compiled device peak, compile s) | largest that fits "
          "(params) | smallest that does not | search | confirmed by a 2-step run |", "|---|---|---|---|---|---|---|"]
   for plan, r in (found.get("largest") or {}).items():
     params = f" ({_params(r['largest_params'])})" if r.get("largest_params") else ""
@@ -117,10 +131,12 @@ def _largest(rec: dict) -> list[str]:
                f"{r.get('largest_ok', 0)}{params} | {_num(r.get('smallest_failed'), 'd')} | {search} | "
                f"{_confirm(rec, plan)} |")
   return out + ["", "A probe compiles the train step from abstract inputs (no weights): 'oom' = XLA refused it for "
-                "memory or its compiled device peak exceeds the limit; 'host-limit' = the memory model's host bytes "
-                "(the confirming run fills its state in place: no weight copies; on a TPU plus the runtime's own, "
-                "its premapped region among them) exceed the host's, so it was not compiled, or it compiled with "
-                "host buffers the host cannot hold. Doubling from the memory model's prediction, then bisection "
-                "(to 1/8 of the depth unless --largest-resolution says otherwise). The "
-                "confirming run trains the largest depth for 2 steps in its own process: 'hung' = killed at its "
-                "timeout.", ""]
+                "memory or its compiled device peak exceeds the limit (XLA's peak less the step's host buffers, "
+                "--fit-by xla; the compiler's argument + output + temp - alias, --fit-by sum); 'host-limit' = the "
+                "memory model's host bytes (the confirming run fills its state in place: no weight copies; on a TPU "
+                "plus the runtime's own, its premapped region among them) exceed the host's, so it was not compiled, "
+                "or it compiled with host buffers the host cannot hold. Doubling from the memory model's prediction, "
+                "then bisection (to 1/8 of the depth unless --largest-resolution says otherwise). The confirming run "
+                "trains the largest depth for 2 steps in its own process: 'hung' = killed at its timeout. Its device "
+                "memory is the runtime's (memory_stats: bytes in use + the program's reserved region) where recorded, "
+                "else the compiled device peak; the step's host buffers are host memory, beside it.", ""]

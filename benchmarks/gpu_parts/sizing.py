@@ -135,7 +135,9 @@ def fixed_size(device_bytes: int, host_bytes: int, max_micro: int = 128, device_
   model, train = run.model, run.train
   hw = hardware(device_bytes, host_bytes, device_name, kind)
   cost, fixed, why, ranking = None, None, [], None
-  sides = ("jax", "deepspeed")
+  # the sides sized on this device: on a TPU the JAX side only (DeepSpeed runs on a CUDA GPU or the host CPU, never
+  # on the chip: plans.off_device_sides)
+  sides = tuple(s for s in ("jax", "deepspeed") if s not in plans.off_device_sides(hw, ("jax", "deepspeed")))
   for micro in range(1, max_micro + 1):
     t = dataclasses.replace(train, micro_batch_size=micro)
     by = {s: {c.name: c for c in plans.choose_plan(model, t, hw, host_bytes=host_bytes, reserve=RESERVE,

@@ -14,9 +14,10 @@ The driver never opens the accelerator; each child does (one process holds a TPU
            longer, 0 when they run in series. Run twice: the runtime's default flags, and MaxText's host-offload
            scheduler flags (offload.HOST_OFFLOAD_FLAGS).
   mfu      the project's step (jax_impl.step.Trainer), bf16, no offload and the deferred optimizer-state offload, for
-           each attention kernel (jax_impl.kernels: exact, flash) on two llama-shaped widths; tokens/s, MFU against
-           the chip's bf16 data-sheet peak (offload_report.PEAK_BF16), the compiled device peak; and the first
-           step's loss of flash against exact on the same weights and batch (the speed layout's rounding, nats).
+           each attention kernel (jax_impl.kernels: exact, flash) on two llama-shaped widths; tokens/s, MFU (6N
+           convention and strict: benchmarks.gpu_parts.common.mfu_fields) against the chip's bf16 data-sheet peak
+           (offload_report.PEAK_BF16), the compiled device peak; and the first step's loss of flash against exact on
+           the same weights and batch (the speed layout's rounding, nats).
   headroom the device memory each offload layout of offload.py's model leaves free during its step: the largest
            ballast array (bisection) the warmed step still runs beside; saved = that less no offload's (`_headroom`).
   agree    one short training per case from the same GPT-2 init on copy-task batches: exact bf16, exact fp32, flash
@@ -173,7 +174,7 @@ def _time_case(width, fields, options, micro, ga, seq, kernel, args) -> dict:
   from benchmarks.gpu_parts.common import fast_params
   from jax_impl import kernels
   from jax_impl.step import Trainer
-  from parity.sizing.cost import flops_per_token
+  from benchmarks.gpu_parts.common import mfu_fields
   from parity.spec import JaxPlan, RunSpec, TrainSpec
   model = model_spec(width)
   train = TrainSpec(steps=8, micro_batch_size=micro, grad_accum_steps=ga, seq_len=seq, precision="bf16",
@@ -187,7 +188,8 @@ def _time_case(width, fields, options, micro, ga, seq, kernel, args) -> dict:
     t = Trainer.build(run, fast_params(model))
     shape = (ga, micro, seq + 1)
     t.compile(shape, None)
-    rec.update(compile_s=t.compile_s, **offload._compiled_bytes(t.memory_analysis))
+    rec.update(compile_s=t.compile_s, memory_analysis=dict(t.memory_analysis),
+               **offload._compiled_bytes(t.memory_analysis))
     rng = np.random.default_rng(0)
     batch = rng.integers(0, model.vocab_size, shape).astype(np.uint16)
     times, losses = [], []
@@ -196,12 +198,14 @@ def _time_case(width, fields, options, micro, ga, seq, kernel, args) -> dict:
       losses.append(t.step(batch)["loss"])
       if i >= args.warmup:
         times.append(time.perf_counter() - s0)
+    stats = jax.devices()[0].memory_stats() or {}  # the runtime's hold: arrays in use + the program's region
+    rec["memory_stats_after_steps"] = {k: int(v) for k, v in stats.items() if isinstance(v, int)}
     med = sorted(times)[len(times) // 2]
-    fpt = float(flops_per_token(model, seq))
     rec.update(step_s=times, median_s=med, tokens_per_s=rec["tokens_per_step"] / med, first_loss=losses[0],
-               n_params=int(sum(x.size for x in jax.tree.leaves(t.state.params))), flops_per_token=fpt,
+               n_params=int(sum(x.size for x in jax.tree.leaves(t.state.params))),
                peak_flops=offload.report.peak_bf16(jax.devices()[0].device_kind))
-    rec["mfu"] = rec["tokens_per_s"] * fpt / rec["peak_flops"] if rec["peak_flops"] else None
+    # mfu (6N) and mfu_strict (matmul params; flash skips the masked blocks, exact computes every score)
+    rec.update(mfu_fields(model, seq, rec["tokens_per_s"], rec["peak_flops"], causal_skip=kernel == "flash"))
     del t
   except Exception as e:
     rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
@@ -222,7 +226,8 @@ def child_mfu(args) -> dict:
         rows.append({"model": case[0], "kernel": kernel, "error": "not run: the child's budget ended"})
         continue
       rec = _time_case(*case, kernel, args)
-      print(json.dumps({k: rec.get(k) for k in ("model", "kernel", "tokens_per_s", "mfu", "device_peak_bytes",
+      print(json.dumps({k: rec.get(k) for k in ("model", "kernel", "tokens_per_s", "mfu", "mfu_strict",
+                                                "device_peak_bytes",
                                                 "first_loss", "error")}), flush=True)
       rows.append(rec)
       offload.save_partial(args, head())

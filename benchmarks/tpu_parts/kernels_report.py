@@ -3,9 +3,11 @@
 Overlap, per program of the `overlap` child against `compute` and `copies` of the same child (same process):
   hidden   (t_compute + t_copies - t_program) / min(t_compute, t_copies), clamped to [0, 1]: the share of the
            shorter of the two that ran under the longer (1: all of it; 0: in series).
-MFU, per `mfu` row: tokens/s x training FLOPs per token (parity.sizing.cost.flops_per_token: 6N + 12 L H Q s) / the
-chip's bf16 peak; flash against exact: the tokens/s ratio and the first step's |loss difference| on the same weights
-and batch.
+MFU, per `mfu` row: tokens/s x training FLOPs per token / the chip's bf16 peak, counted two ways (`mfu_counts`): 6N
+(parity.sizing.cost.flops_per_token: 6N + 12 L H Q s, every param, the untied input embedding's gather included,
+attention dense) and strict (parity.sizing.cost.strict_flops_per_token: matmul params only; attention's causal half
+for flash, which skips the masked blocks, dense for exact, which computes every score); flash against exact: the
+tokens/s ratio and the first step's |loss difference| on the same weights and batch.
 Agreement, from the `agree` child (one training from the same GPT-2 init on copy-task batches per case): the largest
 |loss difference| over the steps of flash against exact (both bf16), and of the exact kernel's bf16 run against its
 fp32 run, the rounding every bf16 run carries already. ratio = the first / the second: at or below 1, the kernel's
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.gpu_parts.common import compiled_device_peak
+from benchmarks.gpu_parts.common import compiled_device_peak, mfu_fields
 
 
 def hidden_share(t_compute: float, t_copies: float, t_both: float) -> float:
@@ -38,6 +40,17 @@ def overlap_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
       row["hidden"] = hidden_share(t_c, t_x, r["seconds"])
     out.append(row)
   return out
+
+
+def mfu_counts(row: dict[str, Any]) -> tuple[float | None, float | None]:
+  """(6N, strict) MFU of one `mfu` row: its own fields, or for a row recorded before the strict count, the strict
+  figure derived from its model (kernels.model_spec), seq, kernel, tokens/s and peak (common.mfu_fields)."""
+  if "mfu_strict" in row or not (row.get("tokens_per_s") and row.get("peak_flops") and row.get("model")):
+    return row.get("mfu"), row.get("mfu_strict")
+  from benchmarks.tpu_parts.kernels import model_spec
+  got = mfu_fields(model_spec(row["model"]), row["seq"], row["tokens_per_s"], row["peak_flops"],
+                   causal_skip=row.get("kernel") == "flash")
+  return row.get("mfu"), got["mfu_strict"]
 
 
 def flash_pairs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -69,19 +82,32 @@ def agreement(rec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def headroom_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
-  """Per layout of the headroom child: the device memory its step left free, what that saves against no offload,
-  the state bytes it keeps in host memory, the share of those the device got back, and memory_analysis's two
-  readings of the device peak (XLA's peak_memory_in_bytes; argument + output + temp - alias) for comparison."""
+  """Per layout of the headroom child: the device memory its step left free (the ballast bisection), what that saves
+  against no offload, the state bytes it keeps in host memory and the share of those the device got back; the
+  runtime's hold (`held`: memory_stats read right after the warm step, bytes in use + the program's reserved
+  region, parity.protocol.memory_figures.runtime_device_bytes) and the share it gives back (`held_share`, the
+  headline figure: a reading, where the bisection has a 0.21-0.26 GB bracket); and memory_analysis's readings:
+  `device` = XLA's peak less the step's host buffers, `host` = those buffers, `xla_peak` = XLA's peak as it reads
+  (host included), `sum_peak` = argument + output + temp - alias. The row's `peak_bytes_in_use` is not used: the
+  child runs every layout in one process, so after the first it holds the earlier layouts' ballast."""
+  from parity.protocol.memory_figures import runtime_device_bytes
   rows = [r for r in rec.get("rows") or [] if r.get("headroom_bytes") is not None]
-  ref = next((r["headroom_bytes"] for r in rows if r["variant"] == "no-offload"), None)
+  ref_row = next((r for r in rows if r["variant"] == "no-offload"), None)
+  ref = None if ref_row is None else ref_row["headroom_bytes"]
+  ref_held = None if ref_row is None else runtime_device_bytes(ref_row.get("memory_stats_after_step"))
   out = []
   for r in rows:
     peak = compiled_device_peak(r.get("memory_analysis"))
     host = sum(v for k, v in (r.get("state_bytes_by_kind") or {}).items() if k != "device")
     saved = None if ref is None else r["headroom_bytes"] - ref
+    held = runtime_device_bytes(r.get("memory_stats_after_step"))
+    held_saved = None if ref_held is None or held is None else ref_held - held
     out.append({"variant": r["variant"], "headroom": r["headroom_bytes"], "bracket": r.get("bracket_bytes"),
                 "saved": saved, "on_host": host, "share": saved / host if saved is not None and host else None,
-                "xla_peak": peak["xla_peak_bytes"], "sum_peak": peak["peak_bytes"]})
+                "held": held, "held_saved": held_saved,
+                "held_share": held_saved / host if held_saved is not None and host else None,
+                "device": peak["device_bytes"], "host": peak["host_bytes"], "xla_peak": peak["xla_peak_bytes"],
+                "sum_peak": peak["peak_bytes"]})
   return out
 
 
@@ -90,14 +116,37 @@ def _headroom_lines(rec: dict[str, Any]) -> list[str]:
   if not rows and not rec.get("rows"):
     return []
   lines = ["", f"## Device memory each layout leaves free during its step (rc {rec.get('rc')})", "",
-           "| layout | free beside the step GB | saved vs no offload GB | state on host GB | saved / on host | "
-           "XLA peak GB | arg+out+temp-alias GB |", "|---|---|---|---|---|---|---|"]
+           "| layout | device held (runtime) GB | saved vs no offload GB | state on host GB | saved / on host "
+           "(runtime) | free beside the step (ballast) GB | saved / on host (ballast) | compiled device GB | compiled "
+           "host buffers GB |", "|---|---|---|---|---|---|---|---|---|"]
   g = lambda x: _fmt(None if x is None else x / 1e9, ".2f")
   for r in rows:
-    lines.append(f"| {r['variant']} | {g(r['headroom'])} | {g(r['saved'])} | {g(r['on_host'])} | "
-                 f"{_fmt(r['share'], '.0%')} | {g(r['xla_peak'])} | {g(r['sum_peak'])} |")
+    lines.append(f"| {r['variant']} | {g(r['held'])} | {g(r['held_saved'])} | {g(r['on_host'])} | "
+                 f"{_fmt(r['held_share'], '.0%')} | {g(r['headroom'])} | {_fmt(r['share'], '.0%')} | "
+                 f"{g(r['device'])} | {g(r['host'])} |")
+  lines += ["", "device held: memory_stats after the warm step, bytes in use + the program's reserved region; "
+            "compiled device: XLA's peak_memory_in_bytes less the step's host buffers (pinned_host, host memory)."]
   lines += [f"- {r.get('variant')}: {r['error'][:200]}" for r in rec.get("rows") or [] if r.get("error")]
   return lines
+
+
+def mfu_device_bytes(row: dict[str, Any]) -> tuple[int | None, str]:
+  """(bytes, source) of an `mfu` row's device memory: the runtime's hold after its steps (memory_stats: bytes in use +
+  the program's reserved region) where recorded, else the compiled step's device figure (XLA's peak less the step's
+  host buffers, offload_report.device_bytes); (None, '') for a row that kept only the compiler's sum, which is not a
+  device peak on a TPU."""
+  from benchmarks.tpu_parts.offload_report import device_bytes
+  from parity.protocol.memory_figures import runtime_device_bytes
+  held = runtime_device_bytes(row.get("memory_stats_after_steps"))
+  if held is not None:
+    return held, "runtime"
+  compiled = device_bytes(row)
+  return (compiled, "compiled") if compiled is not None else (None, "")
+
+
+def _device_cell(row: dict[str, Any]) -> str:
+  value, source = mfu_device_bytes(row)
+  return "" if value is None else f"{value / 1e9:.2f} ({source})"
 
 
 def _fmt(x: Any, spec: str = ".3g") -> str:
@@ -121,17 +170,18 @@ def markdown(result: dict[str, Any]) -> str:
   mfu = ch.get("mfu") or {}
   if mfu.get("rows"):
     lines += [f"## Step and MFU (rc {mfu.get('rc')})", "",
-              "| model | params | plan | kernel | micro x GA x seq | tokens/s | MFU | device peak GB | first loss |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| model | params | plan | kernel | micro x GA x seq | tokens/s | MFU (6N) | MFU (strict) | device peak "
+              "GB | first loss |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in mfu["rows"]:
       plan = "deferred opt offload" if (r.get("stream") or {}).get("deferred") else "no offload"
       if r.get("error"):
-        lines.append(f"| {r.get('model')} | | {plan} | {r.get('kernel')} | | {r['error'][:160]} | | | |")
+        lines.append(f"| {r.get('model')} | | {plan} | {r.get('kernel')} | | {r['error'][:160]} | | | | |")
         continue
       lines.append(f"| {r['model']} | {r['n_params'] / 1e6:.0f}M | {plan} | {r['kernel']} | "
                    f"{r['micro']} x {r['grad_accum']} x {r['seq']} | {r['tokens_per_s']:,.0f} | "
-                   f"{_fmt(r.get('mfu'), '.1%')} | "
-                   f"{_fmt(r.get('device_peak_bytes', 0) / 1e9, '.2f')} | {r['first_loss']:.6f} |")
+                   f"{_fmt(mfu_counts(r)[0], '.1%')} | {_fmt(mfu_counts(r)[1], '.1%')} | "
+                   f"{_device_cell(r)} | {r['first_loss']:.6f} |")
     pairs = flash_pairs(mfu["rows"])
     if pairs:
       lines += ["", "| model | flash / exact tokens/s | first-step loss |flash - exact| |", "|---|---|---|"]

@@ -192,13 +192,15 @@ def child_equality(args) -> dict:
 
 
 def _compiled_bytes(ma: dict) -> dict:
-  """Device and host bytes of a compiled step from its memory_analysis fields."""
+  """Device and host bytes of a compiled step from its memory_analysis fields (common.compiled_device_peak):
+  'device_peak_bytes' = XLA's peak less the step's host buffers (device memory only) and 'device_from' how;
+  'host_bytes' = the step's pinned_host buffers; 'sum_bytes' = the compiler's argument + output + temp - alias, which
+  on a TPU counts temporaries the runtime does not hold at once (not a device peak)."""
+  from benchmarks.gpu_parts.common import compiled_device_peak
+  c = compiled_device_peak(ma)
   get = lambda k: int(ma.get(k, 0) or 0)
-  device = get("argument_size_in_bytes") + get("output_size_in_bytes") + get("temp_size_in_bytes") - get(
-      "alias_size_in_bytes")
-  host = get("host_argument_size_in_bytes") + get("host_output_size_in_bytes") + get("host_temp_size_in_bytes") - get(
-      "host_alias_size_in_bytes")
-  return {"device_peak_bytes": device, "host_bytes": host, "temp_bytes": get("temp_size_in_bytes")}
+  return {"device_peak_bytes": c["device_bytes"], "device_from": c["device_from"], "host_bytes": c["host_bytes"] or 0,
+          "sum_bytes": c["peak_bytes"], "temp_bytes": get("temp_size_in_bytes")}
 
 
 def _time_variant(name: str, fields: dict, options: dict, ga: int, args) -> dict:
@@ -207,7 +209,7 @@ def _time_variant(name: str, fields: dict, options: dict, ga: int, args) -> dict
   from benchmarks.gpu_parts.common import fast_params, peak_rss_bytes, reset_peak_rss
   from jax_impl import offload
   from jax_impl.step import Trainer
-  from parity.sizing.cost import flops_per_token
+  from parity.sizing.cost import flops_per_token, strict_flops_per_token
   model = model_spec(args.tiny)
   micro, seq = (2, 32) if args.tiny else (2, 1024)
   run = _run(model, fields, ga, micro, seq, "bf16")
@@ -241,7 +243,8 @@ def _time_variant(name: str, fields: dict, options: dict, ga: int, args) -> dict
     med = statistics.median(times)
     rec.update(step_s=times, median_s=med, tokens_per_s=rec["tokens_per_step"] / med, loss=m["loss"],
                peak_rss_bytes=peak_rss_bytes(), n_params=int(sum(x.size for x in jax.tree.leaves(t.state.params))),
-               flops_per_token=float(flops_per_token(model, seq)))
+               flops_per_token=float(flops_per_token(model, seq)),
+               strict_flops_per_token=float(strict_flops_per_token(model, seq)))  # exact kernel: dense
     del t
   except Exception as e:
     rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"

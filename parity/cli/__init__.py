@@ -16,7 +16,8 @@
   parity doctor [--quick] [--json FILE]  (versions, devices, memory kinds, ops, bandwidth)   (doctor.py)
 
 Exit codes: 0 parity holds / success, 1 parity does not hold (or a command could not finish), 2 bad input (a
-parity.errors.ParityInputError, or an OS error on a path the user gave: BAD_INPUT_TYPES, _os_error), 130 interrupted.
+parity.errors.ParityInputError, or an OS error on a path the user gave: BAD_INPUT_TYPES, _os_error), 3 incomplete (a
+run that held but left default sides out: parity.report.build.EXIT_INCOMPLETE), 130 interrupted.
 Every error is one line `parity COMMAND: error: ...` on stderr (main); a bug (any other exception, a plain ValueError
 included) prints one line `parity COMMAND: internal error: ...` and saves the traceback to a file, exit 1. Each
 subcommand module has `register(subparsers)`, which sets its handler.
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="parity", description="Runs the same GPT training in JAX, DeepSpeed and plain "
                                "PyTorch and gives a verdict on numerical parity (README.md).",
                                epilog="exit status: 0 parity holds / success, 1 parity does not hold, 2 bad input, "
-                                      "130 interrupted; `parity COMMAND -h` for each command")
+                                      "3 incomplete (compare: a default side left out), 130 interrupted; "
+                                      "`parity COMMAND -h` for each command")
   ap.add_argument("--version", action="version", version=f"parity {_version()}")
   sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
   compare.register(sub)

@@ -6,6 +6,7 @@ import errno
 import math
 import os
 from parity.errors import SpecError
+from parity.inputs import ascii_number
 from parity.presets import DEFAULT_PRESET
 
 __all__ = ["EXIT_OK", "EXIT_FAIL", "EXIT_BAD_INPUT", "Failure", "console", "add_allow_large", "split_list",
@@ -71,16 +72,34 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
     action.help += f" (default: {d})"
 
 
-def count_arg(text: str) -> int:
-  """argparse type for counts: an integer, also written as an integral float ('2e9'); refuses inf/nan/fractions."""
+def int_arg(text: str) -> int:
+  """argparse type of an integer flag, in ASCII digits (argparse's int() also reads '１６')."""
   try:
-    return int(text)
+    return ascii_number(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer in ASCII digits, got {text!r}") from None
+
+
+def float_arg(text: str) -> float:
+  """argparse type of a number flag, in ASCII digits (argparse's float() also reads '１.５'); finiteness is checked
+  with every flag's (parity.cli._bad_number_flag)."""
+  try:
+    return ascii_number(text, float)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number in ASCII digits, got {text!r}") from None
+
+
+def count_arg(text: str) -> int:
+  """argparse type for counts: an integer, also written as an integral float ('2e9'), in ASCII digits; refuses
+  inf/nan/fractions."""
+  try:
+    return ascii_number(text)
   except ValueError:
     pass
   try:
-    x = float(text)
+    x = ascii_number(text, float)
   except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    raise argparse.ArgumentTypeError(f"expected an integer in ASCII digits, got {text!r}") from None
   if not math.isfinite(x) or not x.is_integer():
     raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
   return int(x)

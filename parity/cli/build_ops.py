@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from harness.runner import build_ops  # harness depends on parity, not the reverse
 
+from parity.cli._common import float_arg
 from parity.errors import SpecError
 
 __all__ = ["register"]
@@ -17,7 +18,7 @@ def register(sub) -> None:
                                  "lock an interrupted build left, so no DeepSpeed side builds inside its timed run. "
                                  "Exit 0 built; 1 a build failed; 2 bad input; 130 interrupted.")
   p.add_argument("ops", nargs="*", help="ops to build (default: all three)")
-  p.add_argument("--timeout", type=float, default=None, help="seconds before the build is stopped (default 1800)")
+  p.add_argument("--timeout", type=float_arg, default=None, help="seconds before the build is stopped (default 1800)")
   p.set_defaults(handler=run)
 
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from parity.cli._common import add_allow_large, add_run_source, console, count_arg
+from parity.cli._common import add_allow_large, add_run_source, console, count_arg, float_arg, int_arg
 from parity.pipeline.compare import OPTION_FIELDS, RunOptions, run_comparison
 from parity.pipeline.request_source import CONFLICTING_FLAGS, resolve_request
 from parity.pipeline.resolve import ResolvedRun, resolve_run
@@ -32,7 +32,8 @@ def register(sub) -> None:
                                  "with --sides ...,fsdp, PyTorch FSDP2) on the same data and initial weights, each "
                                  "in its own process, and checks parity. "
                                  "Exit 0: parity holds; 1: it does not (or a side failed; the report says which); "
-                                 "2: bad input.")
+                                 "2: bad input; 3: incomplete, a default side was left out (its framework is not "
+                                 "installed here, or this machine refuses its sockets).")
   _add_source_flags(p)
   _add_run_flags(p)
   _add_rank_flags(p)
@@ -84,7 +85,7 @@ def _add_run_flags(p) -> None:
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
                  help="debug: change one side on purpose, e.g. jax:model.norm_eps=1e-3 or deepspeed:kill_at_step=5 "
                       "(default: none)")
-  p.add_argument("--timeout", type=float, help="per-side wall-clock limit in seconds (default: the run spec's "
+  p.add_argument("--timeout", type=float_arg, help="per-side wall-clock limit in seconds (default: the run spec's "
                                                "timeout_s)")
   env = p.add_mutually_exclusive_group()
   env.add_argument("--noise-envelope", dest="noise_envelope", action="store_true", default=None,
@@ -92,10 +93,10 @@ def _add_run_flags(p) -> None:
                         "difference against that rounding noise (default: on for bf16/fp16 only)")
   env.add_argument("--no-noise-envelope", dest="noise_envelope", action="store_false",
                    help="never run the noise envelope (default: on for bf16/fp16 only)")
-  p.add_argument("--determinism-steps", type=int, default=8, metavar="N",
+  p.add_argument("--determinism-steps", type=int_arg, default=8, metavar="N",
                  help="rerun each side's first N steps in a new process and state whether they are bit-identical "
                       "(reported, not gating; default 8, 0 skips)")
-  p.add_argument("--resume-at", type=int, metavar="STEP",
+  p.add_argument("--resume-at", type=int_arg, metavar="STEP",
                  help="also checkpoint each side at STEP in that rerun, resume in a new process and check the rest "
                       "of the run is bit-identical to the uninterrupted one (default: no resume check)")
   p.add_argument("--equivalence", metavar="KINDS", default=None,
@@ -130,7 +131,7 @@ def _add_rank_flags(p) -> None:
                  help="ranks per side on this host: torchrun for deepspeed/torch (DDP)/fsdp (FSDP2), N JAX processes "
                       "under jax.distributed; the global batch stays the 1-rank run's (default 1)")
   p.add_argument("--nnodes", type=count_arg, default=1, help="hosts in the job (torchrun --nnodes; default 1)")
-  p.add_argument("--node-rank", type=int, default=0, help="this host's index (torchrun --node-rank; default 0)")
+  p.add_argument("--node-rank", type=int_arg, default=0, help="this host's index (torchrun --node-rank; default 0)")
   p.add_argument("--coordinator", metavar="HOST:PORT",
                  help="rendezvous every host reaches: torchrun --master-addr/--master-port and "
                       "jax.distributed.initialize's coordinator (default: a free port on 127.0.0.1)")
@@ -182,16 +183,13 @@ def run_options(args: argparse.Namespace, *, started_s: float | None = None) -> 
 
 
 def _print_post(report, con, verbose: bool = False) -> None:
-  """The --baseline gate (its table when it failed or with --verbose; else the outcome, its counts and gate.md) and
-  the --tracker lines (parity.history.after.PostRunResult), when asked for."""
+  """The --baseline gate (its table when it failed or with --verbose; then one outcome line, with its counts on a
+  pass, naming gate.md) and the --tracker lines (parity.history.after.PostRunResult), when asked for."""
   post = getattr(report, "post", None)
   if post is None:
     return
   if post.gate is not None:
-    table = (post.gate_files or {}).get("md")
-    print_gate(post.gate, con, verbose=verbose, table=table)
-    if post.gate_files and (verbose or not post.gate.passed):
-      con.print(f"gate: {post.gate_files['md']} (also gate.json)")
+    print_gate(post.gate, con, verbose=verbose, table=(post.gate_files or {}).get("md"))
   for m in post.messages:
     con.print(m, soft_wrap=True)
 
@@ -230,6 +228,9 @@ def print_summary(report, con) -> None:
   for why in rec.sides_not_run.values():  # a side this machine could not start (parity.sockets)
     con.print(why.reason, style="bold red" if why.named else None, soft_wrap=True, markup=False)
   con.print(f"[{style}]{verdict_sentence(rec)}[/{style}]")
+  incomplete = report.incomplete_line()  # default sides left out: exit 3 (parity.report.build.EXIT_INCOMPLETE)
+  if incomplete:
+    con.print(incomplete, style="bold yellow", soft_wrap=True, markup=False)
   if rec.run_folder.moved_aside_to:
     con.print(f"--force: the earlier run in {report.run_dir} was moved aside to {rec.run_folder.moved_aside_to}")
   where = rec.report_written_to or report.run_dir

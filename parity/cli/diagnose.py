@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from parity.cli._common import add_allow_large, add_run_source, console, split_list
+from parity.cli._common import add_allow_large, add_run_source, console, float_arg, int_arg, split_list
 from parity.overrides import parse_overrides
 from parity.diagnose import diagnose
 
@@ -22,7 +22,7 @@ def register(sub) -> None:
   add_run_source(p, set_example="--set model.n_layers=2")
   p.add_argument("--hf-model", metavar="DIR", help="a local Hugging Face checkpoint folder (model spec and weights; "
                                                    "default: seeded initial weights)")
-  p.add_argument("--step", type=int, default=0,
+  p.add_argument("--step", type=int_arg, default=0,
                  help="batch (batches.npy[STEP]) and lr position to diagnose (default 0)")
   p.add_argument("--sides", default="jax,torch", help="reference,candidate (default jax,torch)")
   p.add_argument("--perturb", action="append", default=[], metavar="SIDE:KEY=VALUE",
@@ -31,7 +31,7 @@ def register(sub) -> None:
                  help="plant a bug in one side: no_causal_mask, transpose=<square weight>, offset=<tensor> (0.05 added "
                       "to it), decay_all (default: none)")
   p.add_argument("--out", help="output folder (default runs/<time>-diagnose-<hash>)")
-  p.add_argument("--timeout", type=float, default=600.0, help="per-side wall-clock limit in seconds (default 600)")
+  p.add_argument("--timeout", type=float_arg, default=600.0, help="per-side wall-clock limit in seconds (default 600)")
   add_allow_large(p)
   p.set_defaults(handler=run_diagnose)
 

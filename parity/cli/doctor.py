@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, check_json_target, console
+from parity.cli._common import EXIT_FAIL, EXIT_OK, check_json_target, console, float_arg
 from parity import installed
 from parity.errors import SpecError
 from harness import doctor
@@ -43,7 +43,7 @@ def register(sub) -> None:
                                                       "still run; default off)")
   p.add_argument("--build", action="store_true", help="build DeepSpeed's CPU Adam op when it is missing (minutes; "
                                                       "default off: report 'not built')")
-  p.add_argument("--timeout", type=float, default=None, help="seconds per probe process (default 180; with --build "
+  p.add_argument("--timeout", type=float_arg, default=None, help="seconds per probe process (default 180; with --build "
                                                              "1800 for the torch probe)")
   p.set_defaults(handler=run)
 
@@ -125,7 +125,7 @@ def rows(block: dict) -> list[tuple[str, str]]:
                       f"{tc.get('threads')} threads"),
             ("deepspeed", f"{tc.get('deepspeed')}, accelerator {tc.get('deepspeed_accelerator')}"
              if "deepspeed" not in tc or tc["deepspeed"] else
-             "not installed: the deepspeed side cannot run here; pip install 'parity[deepspeed]'"),
+             f"not installed: the deepspeed side cannot run here; {installed.install_line('deepspeed')}"),
             ("DeepSpeed CPU Adam op", f"{ca.get('state', 'not checked')}: {ca.get('detail', '')}"),
             ("torch copy bandwidth", _fmt_bw(tc.get("bandwidth"), ("host_to_device_pinned", "device_to_host_pinned",
                                                                    "host_to_device_pageable",

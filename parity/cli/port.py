@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, Failure, console
+from parity.cli._common import EXIT_FAIL, EXIT_OK, Failure, console, float_arg, int_arg
+from parity.inputs import ascii_number
 from parity.migrate._ctx import Flags
 from parity.migrate._read import PortError, read_deepspeed_config, read_structured
 from parity.migrate._port import port_config
@@ -33,7 +34,7 @@ EXITS = """exit status:
 
 def _betas(text: str) -> tuple[float, float]:
   try:
-    a, b = (float(x) for x in text.split(","))
+    a, b = (ascii_number(x, float) for x in text.split(","))
   except ValueError:
     raise argparse.ArgumentTypeError(f"--betas expects two numbers like 0.9,0.999; got {text!r}") from None
   return a, b
@@ -43,7 +44,7 @@ def _count(text: str) -> int:
   """argparse type of a count flag: a whole number >= 1 (a world size, batch or width of 0 makes no job; argparse
   names the flag)."""
   try:
-    n = int(text)
+    n = ascii_number(text)  # ASCII digits only: int() also reads '１６'
   except ValueError:
     n = 0
   if n < 1:
@@ -79,13 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument("--grad-accum", type=_count, help="gradient_accumulation_steps (default: none)")
   g.add_argument("--world-size", type=_count,
                  help="data-parallel ranks (default 1, reported as implied)")
-  g.add_argument("--lr", type=float, help="optimizer.params.lr, scheduler warmup_max_lr (default: none)")
+  g.add_argument("--lr", type=float_arg, help="optimizer.params.lr, scheduler warmup_max_lr (default: none)")
   g.add_argument("--betas", type=_betas, help="optimizer.params.betas, e.g. 0.9,0.999 (default: none)")
-  g.add_argument("--eps", type=float, help="optimizer.params.eps (default: none)")
-  g.add_argument("--weight-decay", type=float, help="optimizer.params.weight_decay (default: none)")
-  g.add_argument("--warmup-steps", type=int, help="scheduler.params.warmup_num_steps (default: none)")
-  g.add_argument("--total-steps", type=int, help="scheduler.params.total_num_steps (default: none)")
-  g.add_argument("--max-grad-norm", type=float, help="gradient_clipping (default: none)")
+  g.add_argument("--eps", type=float_arg, help="optimizer.params.eps (default: none)")
+  g.add_argument("--weight-decay", type=float_arg, help="optimizer.params.weight_decay (default: none)")
+  g.add_argument("--warmup-steps", type=int_arg, help="scheduler.params.warmup_num_steps (default: none)")
+  g.add_argument("--total-steps", type=int_arg, help="scheduler.params.total_num_steps (default: none)")
+  g.add_argument("--max-grad-norm", type=float_arg, help="gradient_clipping (default: none)")
   x = g.add_mutually_exclusive_group()
   x.add_argument("--fp16", dest="precision", action="store_const", const="fp16", help="fp16.enabled=true")
   x.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="bf16.enabled=true")
@@ -96,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   v = parser.add_argument_group("verification")
   v.add_argument("--verify", action="store_true", help="run DeepSpeed's scheduler and optimizer and the ported "
                  "optax ones side by side (two subprocesses) and compare (default off)")
-  v.add_argument("--verify-steps", type=int, default=200, help="steps to compare (default 200)")
-  v.add_argument("--verify-timeout", type=float, default=None, metavar="SECONDS", help="wall-clock limit per side "
+  v.add_argument("--verify-steps", type=int_arg, default=200, help="steps to compare (default 200)")
+  v.add_argument("--verify-timeout", type=float_arg, default=None, metavar="SECONDS", help="wall-clock limit per side "
                  "(default 900); past it the side is stopped and port exits 3")
   parser.add_argument("--to-deepspeed", action="store_true", help="reverse: ported YAML/JSON -> DeepSpeed JSON "
                                                                   "(default off)")

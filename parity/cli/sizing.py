@@ -13,13 +13,15 @@ import math
 import os
 import re
 
-from parity.cli._common import EXIT_FAIL, EXIT_OK, add_run_source, check_json_target, console, split_list
+from parity.cli._common import (EXIT_FAIL, EXIT_OK, add_run_source, check_json_target, console, float_arg, int_arg,
+                                split_list)
+from parity.inputs import ascii_number
 from parity.presets import DEFAULT_PRESET
 from parity.overrides import parse_overrides
 from parity.spec import SpecError
 from parity.weights import n_params
 from parity.pipeline.resolve import resolve_run
-from parity.sizing.plans import HARDWARE, plan_of
+from parity.sizing.plans import HARDWARE, check_plan_depth, plan_of
 from parity.sizing import host_limits, memory, plans
 from parity.cli._common import Failure
 from parity.hf import MODEL_PRESETS, PUBLISHED_PARAM_COUNTS
@@ -45,18 +47,22 @@ def _add_run_source(p: argparse.ArgumentParser, model_default: str) -> None:
                                    "Hugging Face name: Llama-3.1-8B), with micro batch 1, sequence min(2048, max) and "
                                    f"bf16 unless given (default: {model_default}); see `parity presets`")
   add_run_source(p, set_example="--set model.n_layers=4", preset=False)  # --preset is exclusive with --model here
-  p.add_argument("--micro-batch", type=int, help="sequences per micro batch per device (default: the preset's; a "
+  p.add_argument("--micro-batch", type=int_arg, help="sequences per micro batch per device (default: the preset's; a "
                                                  "--model: 1)")
-  p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's; a --model: min(2048, max))")
+  p.add_argument("--seq-len", type=int_arg,
+                 help="tokens per sequence (default: the preset's; a --model: min(2048, max))")
   p.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
                  help="compute precision (default: the preset's; a --model: bf16)")
 
 
 def _resolve(args: argparse.Namespace, *, default_model: str | None, plan: str | None = None, **train):
+  """The run `plan` / `estimate` cost; one deeper than plans.MAX_PLAN_LAYERS is refused (SpecError) first."""
   model = args.model if args.model or args.preset or args.config else default_model
-  return resolve_run(args.preset, model=model, config=args.config, plan=plan, micro_batch=args.micro_batch,
+  spec = resolve_run(args.preset, model=model, config=args.config, plan=plan, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, precision=args.precision, overrides=parse_overrides(args.overrides),
                      **train).spec
+  check_plan_depth(spec.model)
+  return spec
 
 
 def register(sub) -> None:
@@ -70,7 +76,7 @@ def register(sub) -> None:
   _add_run_source(p, DEFAULT_PRESET)
   p.add_argument("--plan", help="a plan pair of `parity plan` (parity.sizing.plans.PLANS) (default: the run's own "
                                 "plans)")
-  p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks of the DeepSpeed and the FSDP2 side")
+  p.add_argument("--ranks", type=int_arg, default=1, help="data-parallel ranks of the DeepSpeed and the FSDP2 side")
   p.add_argument("--json", metavar="FILE", help="also write the rows and DeepSpeed's figures as JSON (default: none)")
   p.add_argument("--force", action="store_true", help="let --json FILE replace an existing file (default off: an "
                                                       "existing file is refused, exit 2)")
@@ -82,7 +88,7 @@ def register(sub) -> None:
                                  "time on the given hardware and chooses the fastest that fits (docs/plans.md).",
                      epilog=PLAN_EXITS, formatter_class=argparse.RawDescriptionHelpFormatter)
   _add_run_source(p, "llama-7b")
-  p.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default: the preset's; a "
+  p.add_argument("--grad-accum", type=int_arg, help="micro batches per optimizer step (default: the preset's; a "
                                                 "--model: 1)")
   p.add_argument("--hardware", choices=sorted(HARDWARE), default="H100", help="accelerator preset")
   p.add_argument("--device-memory", type=size_gib,
@@ -93,15 +99,16 @@ def register(sub) -> None:
   p.add_argument("--pin-memory", action="store_true",
                  help="cost DeepSpeed's offload with pin_memory true: torch pins each host buffer as a power of two "
                       "(default off: parity's DeepSpeed configs are unpinned)")
-  p.add_argument("--bandwidth", type=float, help="host<->device bandwidth per direction, GB/s (default: --hardware's)")
-  p.add_argument("--peak-tflops", type=float, help="peak at the run's precision, TFLOP/s (default: --hardware's; "
+  p.add_argument("--bandwidth", type=float_arg,
+                 help="host<->device bandwidth per direction, GB/s (default: --hardware's)")
+  p.add_argument("--peak-tflops", type=float_arg, help="peak at the run's precision, TFLOP/s (default: --hardware's; "
                                                    "fp32 runs use its fp32 peak)")
-  p.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation, in (0, 1]")
-  p.add_argument("--devices", type=int, default=1, help="data-parallel devices")
+  p.add_argument("--mfu", type=float_arg, default=0.4, help="assumed model-FLOPs utilisation, in (0, 1]")
+  p.add_argument("--devices", type=int_arg, default=1, help="data-parallel devices")
   p.add_argument("--sides", default="deepspeed,jax", help="sides that must fit, comma-separated")
   p.add_argument("--opt-ratios", default="0.25,0.5,0.75,1", help="shares of the optimizer state a pair that offloads "
                  "it may offload (jax.offload_opt_ratio), increasing, the last 1; '1': all of it (default %(default)s)")
-  p.add_argument("--padding-fraction", type=float, default=0.0,
+  p.add_argument("--padding-fraction", type=float_arg, default=0.0,
                  help="share of padding positions of a padded/packed run (its data card's padding_fraction), in "
                       "[0, 1): the ranking also gives tokens/s of the real positions (default 0)")
   p.add_argument("--json", metavar="FILE", help="also write the ranking as JSON (default: none)")
@@ -255,8 +262,9 @@ def run_plan(args: argparse.Namespace) -> int:
   tu = next(((n, f) for n, f in (("s", 1), ("ms", 1e3), ("µs", 1e6)) if max(
       (c.step_s for c in ranked if math.isfinite(c.step_s)), default=1) * f >= 1), ("µs", 1e6))
   t = lambda x: "-" if not math.isfinite(x) else f"{x * tu[1]:.3f}"
+  costed_sides = tuple(inputs["sides"])  # on a TPU the torch sides are not costed (plans.off_device_sides)
   for col in ("plan", f"step\n{tu[0]}", f"compute\n{tu[0]}", f"transfer\n{tu[0]}",
-              *(f"{s} {unit[0]}\ndevice/host" for s in sides), "fits"):
+              *(f"{s} {unit[0]}\ndevice/host" for s in costed_sides), "fits"):
     table.add_column(col, justify="left" if col in ("plan", "fits") else "right", overflow="fold",
                      no_wrap=col == "plan")
   for c in ranked:
@@ -265,7 +273,7 @@ def run_plan(args: argparse.Namespace) -> int:
     ratio = f" (jax ratio {c.jax_opt_ratio:g})" if c.jax_opt_ratio not in (None, 1.0) else ""
     table.add_row(c.name + ratio, t(c.step_s), t(c.compute_s), t(c.transfer_s),
                   *(f"{_in(c.peak_device_bytes[s], unit, ',.1f')} / {_in(c.host_bytes[s], unit, ',.1f')}"
-                    if costed else "-" for s in sides), mark if costed else "not costed")
+                    if costed else "-" for s in costed_sides), mark if costed else "not costed")
   con = console()
   con.print(table)
   _plan_notes(con, args, hw, best, ranked, inputs, pool_gib)
@@ -280,6 +288,8 @@ def run_plan(args: argparse.Namespace) -> int:
 def _plan_notes(con, args: argparse.Namespace, hw, best, ranked, inputs: dict, pool_gib: int | None) -> None:
   """The lines under `parity plan`'s table: the choice (and, when it keeps nothing on the host, that it needs no
   offload), its throughput, each side's and the engine's choice, the host limits, why cheaper pairs do not fit."""
+  if inputs.get("not_on_device_note"):
+    con.print(inputs["not_on_device_note"], highlight=False)
   no_offload = best is not None and math.isfinite(best.step_s) and not any(best.host_bytes.values())
   con.print(f"choice: {best.name} — {plans.PLANS[best.name].description}"
             + (f"; it needs no offload on {hw.name}, and no offload pair is faster" if no_offload else "") if best else
@@ -389,18 +399,23 @@ def host_gib(value: float | str | None, devices: int) -> float | None:
 
 def plan_header(inputs: dict) -> str:
   """The assumptions of `parity plan` in one line (`parity.sizing.plans.plan_inputs`): device memory and the part
-  usable after the reserve, host memory per device, host link, peak at the run's precision, MFU."""
+  usable after the reserve, host memory per device, host link, peak at the run's precision, MFU; a figure the preset
+  carries from another chip is marked so ('unmeasured (v5e's)'), as is the overlap of copies with compute."""
   GiB, GB = 2**30, 10**9
+  borrowed = inputs.get("unmeasured") or {}
+  link = borrowed.get("host_link_bytes_per_s")
+  overlap = borrowed.get("hidden_transfer")
   return (f"{inputs['device_bytes'] / GiB:,.1f} GiB device memory ({inputs['usable_device_bytes'] / GiB:,.1f} usable "
           f"after a {inputs['reserve']:.0%} reserve), {inputs['host_bytes_per_device'] / GiB:,.0f} GiB host memory per "
-          f"device, {inputs['host_link_bytes_per_s'] / GB:,.0f} GB/s host link per direction, peak "
-          f"{inputs['peak_flops'] / 1e12:,.1f} TFLOP/s ({inputs['precision']}), MFU {inputs['mfu']:g}")
+          f"device, {inputs['host_link_bytes_per_s'] / GB:,.0f} GB/s host link per direction"
+          + (f" ({link})" if link else "") + (f", host copies in series with compute ({overlap})" if overlap else "")
+          + f", peak {inputs['peak_flops'] / 1e12:,.1f} TFLOP/s ({inputs['precision']}), MFU {inputs['mfu']:g}")
 
 
 def _opt_ratios(text: str) -> tuple[float, ...]:
   """`plan --opt-ratios`: comma-separated numbers (choose_plan checks their range and order). Raises SpecError."""
   try:
-    return tuple(float(x) for x in str(text).split(","))
+    return tuple(ascii_number(x, float) for x in str(text).split(","))
   except ValueError:
     raise SpecError(f"--opt-ratios {text!r}: comma-separated shares in (0, 1], increasing, the last 1 (e.g. "
                     "0.25,0.5,0.75,1; 1: offload all of the optimizer state)") from None

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.data import DataError
+from parity.dataset.chat_template import TemplateSyntax
 from parity.dataset.records import Record, file_sha256, read_records
 from parity.dataset.tokenizer import HFTokenizer
 from parity.spec import MAX_VOCAB
@@ -202,6 +203,8 @@ def _alpaca_messages(rec: Record) -> list[dict]:
 def _chat(rec: Record, tok: HFTokenizer, messages: list[dict], prompt_loss: bool) -> tuple[np.ndarray, np.ndarray, str]:
   try:
     ids, assistant, method = tok.chat(messages)
+  except TemplateSyntax:  # the template's fault, whatever the record: its file and line name it
+    raise
   except DataError as exc:
     raise DataError(f"{rec.where}: {exc}") from None
   return ids, (np.ones_like(assistant) if prompt_loss else assistant), method

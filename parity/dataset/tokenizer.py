@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.data import DataError
+from parity.dataset.chat_template import GEN_CLOSE, GEN_OPEN, compile_template, render
 from parity.inputs import read_text
 
 __all__ = ["HFTokenizer", "load_tokenizer", "TOKENIZER_FILE", "CONFIG_FILE", "TEMPLATE_FILE", "TEMPLATE_DIR",
@@ -36,9 +37,6 @@ TEMPLATE_FILE = "chat_template.jinja"
 """The default chat template as its own file (transformers' CHAT_TEMPLATE_FILE)."""
 TEMPLATE_DIR = "additional_chat_templates"
 """Named templates, one NAME.jinja each (transformers' CHAT_TEMPLATE_DIR)."""
-GEN_OPEN, GEN_CLOSE = "\ue000", "\ue001"
-"""Private-use characters the `generation` tag wraps its text in while rendering; removed from the final text (a
-message that holds one is refused)."""
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 ADDED_ORDER = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -50,39 +48,6 @@ def _token_str(value) -> str | None:
   if isinstance(value, dict):
     value = value.get("content")
   return value if isinstance(value, str) else None
-
-
-def _environment():
-  """The jinja2 sandbox transformers renders chat templates in (trim_blocks, lstrip_blocks, loopcontrols, the
-  `generation` tag, raise_exception, tojson without ASCII escaping)."""
-  try:  # optional: only chat data needs it
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-  except ImportError:
-    raise DataError("chat data (messages / conversations) needs jinja2 to render the tokenizer's chat template: "
-                    "pip install jinja2") from None
-
-  class Generation(Extension):
-    tags = {"generation"}
-
-    def parse(self, parser):
-      lineno = next(parser.stream).lineno
-      body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-      return nodes.CallBlock(self.call_method("_wrap"), [], [], body).set_lineno(lineno)
-
-    def _wrap(self, caller):
-      return GEN_OPEN + caller() + GEN_CLOSE
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[Generation, "jinja2.ext.loopcontrols"])
-  env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-  env.globals["raise_exception"] = raise_exception
-  return env
 
 
 @dataclasses.dataclass
@@ -125,19 +90,18 @@ class HFTokenizer:
     return self.chat_template is not None and GENERATION_TAG.search(self.chat_template) is not None
 
   def render(self, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
-    """The chat template rendered on `messages` (generation markers left in). Raises DataError: no template, or
-    the template raises (its message is given)."""
+    """The chat template rendered on `messages` (generation markers left in), in parity.dataset.chat_template's
+    sandbox. Raises DataError: no template, it is not valid jinja2 (its line named), it passes a limit of that
+    sandbox (steps, size, time: the limit named), or it raises (its message given)."""
     if self.chat_template is None:
       raise DataError(f"{self.folder / CONFIG_FILE}: no chat_template, and no {TEMPLATE_FILE} (nor a default "
                       f"{TEMPLATE_DIR}/default.jinja) beside it, which chat data (messages / conversations) needs; use "
                       "a tokenizer folder that has one, or give prompt/completion")
+    source = self.chat_template_source or self.folder
     if self._template is None:
-      self._template = _environment().from_string(self.chat_template)
-    try:
-      return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
-    except Exception as exc:  # jinja2 TemplateError, or an error inside the template's own logic
-      raise DataError(f"{self.chat_template_source or self.folder}: the chat template failed on these messages: "
-                      f"{exc}") from None
+      self._template = compile_template(self.chat_template, source)
+    return render(self._template, source, messages=messages, add_generation_prompt=add_generation_prompt,
+                  **self.special)
 
   def chat(self, messages: list[dict]) -> tuple[np.ndarray, np.ndarray, str]:
     """(ids int64 (n,), assistant bool (n,), method) of a rendered chat; method 'generation' or 'prefix-diff'
@@ -255,7 +219,7 @@ def _chat_template(folder: Path, config: dict) -> tuple[str | None, Path | None]
   priority over tokenizer_config.json's `chat_template`; of several named templates the one named 'default' (none:
   no template, as transformers' apply_chat_template refuses to choose). (None, None) when there is none."""
   files = {}
-  if (folder / TEMPLATE_FILE).is_file():
+  if (folder / TEMPLATE_FILE).is_file() or (folder / TEMPLATE_FILE).is_symlink():  # a broken link: read_text names it
     files["default"] = folder / TEMPLATE_FILE
   if (folder / TEMPLATE_DIR).is_dir():
     for f in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from parity.history.bands import flag_changes
 from parity.history.gates import GATES, SERIES_METRICS, Band, GateRow
 from parity.history.snapshot import Snapshot
+from parity.inputs import ascii_number
 from parity.report.read import finite_number
 from parity.report.runconfig import VOLATILE_KEYS, config_diff
 from parity.verdict.steps import series_check
@@ -199,13 +200,21 @@ def pair_row(pair: str, n: float | None, b: float | None, precision: str, bitwis
   return GateRow("max_dloss", pair, _fmt(b, ".3g"), _fmt(n, ".3g"), f"{n - b:+.3g}", gate, "MOVED" if moved else "ok")
 
 
+def _count(value) -> float | None:
+  """A recorded count (cpu_count: an int, or its text in ASCII digits) as a float, else None."""
+  try:
+    return float(ascii_number(str(value), sign=False))
+  except ValueError:
+    return None
+
+
 def _busy(side: str, nf: dict, bf: dict, nm: dict[str, str], bm: dict[str, str]) -> str:
   """Why the step-time gate of `side` cannot be trusted ('' when it can): the 1-minute load average around the
   side, in either run, above the machine's core count (other work shared the cores: measured here, reruns at load
   4-12 on 2 cores spread the median step time by 1.4x-6x), or a run that did not record its load."""
   out = []
   for which, f, m in (("baseline", bf, bm), ("new run", nf, nm)):
-    cores = finite_number(float(m["cpu_count"])) if str(m.get("cpu_count", "")).isdigit() else None
+    cores = _count(m.get("cpu_count"))
     load = f.get("load")
     if load is None or cores is None:
       out.append(f"the {which} did not record the machine's load")

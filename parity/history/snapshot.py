@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from parity.inputs import InputError, load_json
+from parity.inputs import InputError, ascii_number, load_json
 from parity.numerics_flags import SIDE_KEYS, flag_values
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.card import CARD_SCHEMA
@@ -246,8 +246,8 @@ def snapshot_from_card(path: Path) -> Snapshot:
                     "peak_rss_bytes": number("peak_host_rss_bytes", side),
                     "state_bytes": dict(per_side("state_bytes_by_memory_kind").get(side) or {}),
                     "final_loss": number("final_loss", side), "load": number("load", side),
-                    "loss_at_steps": {int(k): finite_number(v) for k, v in (per_side("loss_at_steps").get(side) or {})
-                                      .items() if str(k).isdigit() and finite_number(v) is not None}}
+                    "loss_at_steps": {_step(k): finite_number(v) for k, v in (per_side("loss_at_steps").get(side) or {})
+                                      .items() if _step(k) is not None and finite_number(v) is not None}}
              for side in sides}
   backends = sorted({str(b) for b in (card.get("backend") or {}).values() if b})
   machine = {"backend": ",".join(backends)} if backends else {}
@@ -268,6 +268,14 @@ def snapshot_from_card(path: Path) -> Snapshot:
                   threads=_card_threads(card.get("threads")),
                   unfinished=unfinished_reason(str(card["verdict"].get("message", "")), {}),
                   numerics_flags=flag_values(env.get("numerics_flags")) if env else None)
+
+
+def _step(key) -> int | None:
+  """A loss_at_steps key (a step number in ASCII digits) as an int, else None."""
+  try:
+    return ascii_number(str(key), sign=False)
+  except ValueError:
+    return None
 
 
 def _card_threads(rec) -> dict[str, dict[str, str | None]] | None:

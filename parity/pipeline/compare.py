@@ -25,7 +25,7 @@ from parity.protocol.layout import STEP_LIST_KEYS
 from parity.protocol.ranks import check_coordinator, check_nproc, multirank_checkpoint_refusal, write_launch
 from parity.report import Report, build_report, write_all
 from parity.report.progress import (data_notes, progress_display, rerun_parts, run_notes, show_not_run,
-                                    show_reruns)
+                                    show_op_build, show_reruns)
 from parity.pipeline.equivalence import check_equivalence, parse_equivalence
 from parity.pipeline.reruns import RerunContext, Reruns, run_reruns
 from parity.pipeline.resolve import ResolvedRun, check_fsdp_overrides_are_read, resolve_run
@@ -259,6 +259,7 @@ def _run_and_report(run: ResolvedRun, options: RunOptions, folder, t0: float, *,
       if side in not_run.not_run:  # a named side this machine cannot start (parity.sockets.plan_sides)
         return runner.not_run(side, not_run.not_run[side])
       loads[side] = {"start": _load()}
+      show_op_build(side, spec)  # a DeepSpeed side whose ops are not built yet: minutes with no step progress
       try:
         return runner.run_side(folder.path, side, timeout_s=limit, on_progress=on_progress)
       finally:
@@ -327,8 +328,9 @@ def socket_plan(run: ResolvedRun, options: RunOptions) -> tuple[ResolvedRun, soc
   """The run with the sides this machine can start, decided once, here, before anything starts.
 
   First the frameworks (parity.installed.plan_sides): a side the user named whose framework is not installed is
-  refused (SpecError, exit 2, naming the extra: "side 'torch' needs PyTorch, which is not installed here: pip install
-  'parity[torch]'"); one they did not name is left out with one line. Then sockets, where this machine refuses them
+  refused (SpecError, exit 2, naming the install: "side 'torch' needs PyTorch, which is not installed here: pip install
+  'parity[torch]'", parity.installed.pip_install); one they did not name is left out with one line (the run then
+  exits 3 if it holds: parity.report.build.EXIT_INCOMPLETE). Then sockets, where this machine refuses them
   (parity.sockets.loopback_refusal): a side the user did not name that needs them (DeepSpeed, FSDP2) is left out of
   the run; a named one stays, to be recorded as not run (the verdict then fails: exit 1). Returns (the run, the
   SidePlan whose not_run holds the lines of both). Raises SpecError (exit 2): a named side not installed, no side
@@ -397,7 +399,8 @@ def _open_folder(run: ResolvedRun, options: RunOptions, pert: dict):
   quick block). Returns the PreparedRun; its claim is released if a file after it cannot be written."""
   devices = backend.check_backends(run.spec.sides, options.allow_cpu)
   folder = open_run_folder(run, options.out, pert, force=options.force, command=options.command,
-                           train_anyway_on_card_diff=options.train_anyway_on_card_diff)
+                           train_anyway_on_card_diff=options.train_anyway_on_card_diff,
+                           world=options.nproc * options.nnodes)
   try:
     write_launch(folder.path, nproc=options.nproc, coordinator=options.coordinator, nnodes=options.nnodes,
                  node_rank=options.node_rank,

@@ -150,7 +150,7 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
                     deepspeed_source: str | Path | None = None, init_source: str | None = None,
                     plan: PerturbPlan | None = None, tokenizer: str | None = None,
                     train_anyway_on_card_diff: bool = False, inputs_from: str | Path | None = None,
-                    preset: str | None = None) -> dict[str, Any]:
+                    preset: str | None = None, world: int = 1) -> dict[str, Any]:
   """Writes config.json, init.safetensors, batches.npy, val_batches.npy and request.json, each as a new file
   (with a DeepSpeed config also DS_GIVEN and DS_RESOLVED).
 
@@ -177,6 +177,8 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
       whose semantics card differs from an earlier side's trains anyway (parity.protocol.semantics.gate).
     inputs_from: `parity compare --request`: the folder whose inputs are copied byte for byte with their records
       (parity.pipeline.request_source.copy_inputs; request.json 'request_from'). preset: request.json 'preset'.
+    world: ranks per side (--nproc x --nnodes), which the plants are checked for (a train.loss_normalization
+      perturbation that changes nothing on these ranks is refused: parity.pipeline.plants.normalization_reason).
   With train.layout padded or packed, the examples of `spec.data` are laid out instead of a corpus's windows and
   their arrays written beside batches.npy (parity.pipeline.examples_input); request.json 'examples' names them.
   Returns:
@@ -192,9 +194,10 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
   plan = plan or plan_perturbations(spec, perturb, deepspeed_config, source=str(deepspeed_source or ""))
   run_dir = _input_folder(Path(run_dir))
   if inputs_from is not None:  # `--request`: the earlier run's own files (parity.pipeline.request_source)
-    data_info, inputs, examples, origin = copy_inputs(run_dir, Path(inputs_from), plan.perturb, write_new)
+    data_info, inputs, examples, origin = copy_inputs(run_dir, Path(inputs_from), plan.perturb, write_new,
+                                                      world=world)
   else:
-    data_info, inputs, examples = _write_data(run_dir, spec, plan, corpus, tokenizer, init_source)
+    data_info, inputs, examples = _write_data(run_dir, spec, plan, corpus, tokenizer, init_source, world)
     _write_init(run_dir / "init.safetensors", spec, init_params)
     origin = None
   write_new(run_dir / "config.json", json.dumps(to_dict(spec), indent=2))
@@ -207,12 +210,12 @@ def prepare_run_dir(spec: RunSpec, run_dir: str | Path, *, perturb: Mapping[str,
 
 
 def _write_data(run_dir: Path, spec: RunSpec, plan: PerturbPlan, corpus: Corpus | None, tokenizer: str | None,
-                init_source: str | None) -> tuple[dict[str, Any], Any, Any]:
+                init_source: str | None, world: int = 1) -> tuple[dict[str, Any], Any, Any]:
   """The run's batches (and, padded/packed, its example arrays) made here: (data_info, inputs, examples or None)."""
   if spec.train.layout == "stream":
     return (*_write_stream(run_dir, spec, corpus, init_source), None)
   # padded / packed: examples through parity.dataset (parity.pipeline.examples_input)
-  return _write_examples(run_dir, spec, plan, tokenizer or init_source, init_source)
+  return _write_examples(run_dir, spec, plan, tokenizer or init_source, init_source, world)
 
 
 def _request(spec: RunSpec, run_id: str | None, plan: PerturbPlan, data_info: dict[str, Any], inputs: Any,
@@ -234,14 +237,15 @@ def _request(spec: RunSpec, run_id: str | None, plan: PerturbPlan, data_info: di
   return request
 
 
-def _write_examples(run_dir: Path, spec: RunSpec, plan: PerturbPlan, tokenizer: str | None, init_source: str | None
-                    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _write_examples(run_dir: Path, spec: RunSpec, plan: PerturbPlan, tokenizer: str | None, init_source: str | None,
+                    world: int = 1) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
   """The padded/packed layouts' example arrays (parity.pipeline.examples_input.write_example_inputs, with
-  `tokenizer` for text records), then the plants checked on them (parity.pipeline.plants.check_plants_on_data:
-  SpecError for a plant these batches hide); returns (data_info, inputs, examples)."""
+  `tokenizer` for text records), then the plants checked on them for `world` ranks per side
+  (parity.pipeline.plants.check_plants_on_data: SpecError for a plant these batches hide); returns (data_info,
+  inputs, examples)."""
   data_info, examples = write_example_inputs(run_dir, spec, write_new, tokenizer=tokenizer)
   check_plants_on_data(plan.perturb, np.load(run_dir / EXAMPLE_ARRAYS["loss_mask"]),
-                       np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]))  # a plant these batches hide: exit 2
+                       np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]), world=world)  # a hidden plant: exit 2
   inputs = {"data": data_info["source"], "tokens": "examples", "checkpoint": init_source,
             "tokenizer": data_info["card"]["tokenizer"] or "byte-level / pre-tokenized ids (no tokenizer)"}
   return data_info, inputs, examples
@@ -383,14 +387,16 @@ class PreparedRun:
 
 
 def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapping], *, force: bool = False,
-                    command: str | None = None, train_anyway_on_card_diff: bool = False) -> PreparedRun:
+                    command: str | None = None, train_anyway_on_card_diff: bool = False,
+                    world: int = 1) -> PreparedRun:
   """Claims the run folder of a resolved run (parity.pipeline.resolve.ResolvedRun) and writes its inputs.
 
   Sizes that cannot fit are refused before any folder or array exists (parity.sizing.resources.check_resources); then
   the folder is claimed (`claim_run_dir`: `out`, default runs/<time>-<preset>-<hash>), the inputs written
   (`prepare_run_dir`; with a DeepSpeed config also migration.json/.md) and init.safetensors read back. The
   perturbations are decided first (`parity.pipeline.perturb.plan_perturbations`): one that cannot reach its side is
-  refused before any folder exists. train_anyway_on_card_diff: recorded in request.json (`prepare_run_dir`).
+  refused before any folder exists. train_anyway_on_card_diff: recorded in request.json (`prepare_run_dir`); world:
+  ranks per side, the plants are checked for (`prepare_run_dir`).
   Raises:
     SpecError, DataError, RunFolderError, RunIOError: as those functions; nothing of this run is left behind.
   """
@@ -406,7 +412,8 @@ def open_run_folder(run: Any, out: str | Path | None, perturb: Mapping[str, Mapp
                            run_id=claim.run_id, deepspeed_source=run.deepspeed_source if ds_cfg else None,
                            init_source=run.init_source, plan=plan, tokenizer=getattr(run, "tokenizer", None),
                            train_anyway_on_card_diff=train_anyway_on_card_diff,
-                           inputs_from=getattr(run, "inputs_from", None), preset=getattr(run, "preset", None))
+                           inputs_from=getattr(run, "inputs_from", None), preset=getattr(run, "preset", None),
+                           world=world)
     if run.port is not None:
       write_new(folder / "migration.json", run.port.report.to_json())
       write_new(folder / "migration.md", run.port.report.to_markdown())

@@ -145,11 +145,15 @@ def join_record(sources: Sequence[Source]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- the joined folder's files
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:
-  """A hard link of `src` at `dst` (a new name), or a copy where the file system refuses links."""
+  """A hard link of `src` at `dst` (a new name), or a copy where the file system refuses links; a symbolic link is
+  followed either way, so the joined folder holds files, never links into a source folder (a copy of it, or a
+  source moved or removed, would leave the link dangling and the folder unverifiable). The side folders are copied
+  with copytree(symlinks=False) for the same reason."""
+  target = os.path.realpath(src)  # os.link's follow_symlinks is not honoured on Linux (link(2) never follows)
   try:
-    os.link(src, dst)
+    os.link(target, dst)
   except OSError:
-    shutil.copy2(src, dst)
+    shutil.copy2(target, dst)
 
 
 def _fill(folder: Path, sources: Sequence[Source], spec: RunSpec, record: dict) -> None:
@@ -189,14 +193,14 @@ def _copy_sides(src: Source, folder: Path) -> None:
   (its derived request) from the first folder that has them."""
   for side in src.sides:
     if (src.path / side).is_dir():
-      shutil.copytree(src.path / side, folder / side, symlinks=True, copy_function=_link_or_copy)
+      shutil.copytree(src.path / side, folder / side, symlinks=False, copy_function=_link_or_copy)
   for sub in sorted(p for p in src.path.iterdir() if p.is_dir() and p.name not in src.sides and p.name != "sources"):
     mine = [s for s in src.sides if (sub / s).is_dir()]
     if not mine:
       continue
     (folder / sub.name).mkdir(exist_ok=True)
     for side in mine:
-      shutil.copytree(sub / side, folder / sub.name / side, symlinks=True, copy_function=_link_or_copy)
+      shutil.copytree(sub / side, folder / sub.name / side, symlinks=False, copy_function=_link_or_copy)
     for f in sub.iterdir():
       if f.is_file() and not (folder / sub.name / f.name).exists():
         _link_or_copy(f, folder / sub.name / f.name)

@@ -31,8 +31,9 @@ The physics, per plant (right padding, one causal attention per row):
                            are the same float32 operations).
 A planted data bug on every compared side is refused too (`every_side_reason`): comparing the sides
 cannot see a difference none of them has. And a `train.loss_normalization` perturbation is refused on batches where
-both normalisations give every target the same weight (every rank's micro batch of a step holds the same number of
-loss tokens: `normalization_reason`).
+both normalisations give every target the same weight for this run's ranks (every rank's micro batch of a step
+holds the same number of loss tokens: `normalization_reason`; always so on one rank without gradient accumulation,
+whose one micro batch is the whole step).
 Numpy only; `spec_reason` reads the spec, `data_reason` the arrays the run folder holds.
 """
 from __future__ import annotations
@@ -43,8 +44,8 @@ import numpy as np
 
 from parity.dataset.reference import in_example_targets, token_weights
 from parity.numerics.ds_json import OFFLOAD_REMAT
-from parity.protocol.layout import (FAMILY_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS, PLACEMENT_PLANT_KEYS,
-                                    PLANT_KEYS)
+from parity.protocol.layout import (ACCELERATOR_PLANT_KEYS, FAMILY_PLANT_KEYS, FSDP_PLANT_KEYS, OFFLOAD_PLANT_KEYS,
+                                    PLACEMENT_PLANT_KEYS, PLANT_KEYS)
 from parity.protocol.placement import writes_placement
 from parity.weights import param_shapes
 from parity.spec import RunSpec, SpecError
@@ -113,23 +114,29 @@ def every_side_reason(sides, perturb: Mapping[str, Mapping[str, Any]] | None) ->
   return None
 
 
-def normalization_reason(loss_mask: np.ndarray) -> str | None:
+def normalization_reason(loss_mask: np.ndarray, world: int = 1) -> str | None:
   """Why a train.loss_normalization perturbation changes nothing on these training arrays (bool (steps, A, B, T), B
-  the global micro batch): every target's weight is the same under 'tokens' and 'micro_mean' for every way of
-  splitting the micro batch over ranks, i.e. with one rank per row (every row of a step holds the same number of loss
-  tokens, so every rank's micro batch does, whatever --nproc); else None."""
-  rows = loss_mask.shape[2]
+  the global micro batch) run on `world` ranks per side (--nproc x --nnodes; rank k holds rows [k*B/W, (k+1)*B/W)):
+  every target's weight is the same under 'tokens' and 'micro_mean' (parity.dataset.reference.token_weights), i.e.
+  every rank's micro batch of a step holds the same number of loss tokens; else None. One rank without gradient
+  accumulation always is: its one micro batch is the whole step, and both divide by the step's loss tokens."""
+  steps, accum, rows, _ = loss_mask.shape
   try:
-    same = np.allclose(token_weights(loss_mask, "tokens"), token_weights(loss_mask, "micro_mean", rows),
+    same = np.allclose(token_weights(loss_mask, "tokens"), token_weights(loss_mask, "micro_mean", world),
                        rtol=1e-12, atol=0.0)
   except ValueError:  # DataError (micro_mean undefined on these batches) is the sides' own refusal
     return None
-  if same:
-    return ("on these batches every row of a step holds the same number of loss tokens, so 'tokens' "
-            "and 'micro_mean' give every target the same weight; it shows on data whose micro batches hold "
-            "different numbers of loss tokens (examples of varying length, padded or packed, with grad_accum_steps "
-            "> 1 or several rows per micro batch)")
-  return None
+  if not same:
+    return None
+  if accum * world == 1:
+    return ("the run has one rank and one micro batch a step (train.grad_accum_steps=1, --nproc 1), so the micro "
+            "batch's mean is the step's token mean: 'tokens' and 'micro_mean' are one loss; it shows with "
+            "train.grad_accum_steps > 1 or --nproc 2 or more, on data whose micro batches hold different numbers "
+            "of loss tokens")
+  return (f"on these batches every rank's micro batch of a step ({world} rank(s) x {accum} micro batch(es) of "
+          f"{rows // max(world, 1)} row(s)) holds the same number of loss tokens, so 'tokens' and 'micro_mean' "
+          "give every target the same weight; it shows on data whose micro batches hold different numbers of loss "
+          "tokens (examples of varying length, padded or packed)")
 
 
 def _refuse(side: str, key: str, reason: str) -> None:
@@ -202,7 +209,17 @@ def _reason(spec: RunSpec, side: str, key: str, kv: Mapping[str, Any]) -> str | 
     return offload_reason(spec, side, key)
   if key in FAMILY_PLANT_KEYS:
     return family_reason(spec, key)
+  if key in ACCELERATOR_PLANT_KEYS:
+    return accelerator_reason(side)
   return placement_reason(spec, side)
+
+
+def accelerator_reason(side: str) -> str | None:
+  """Why an accelerator-only plant (ACCELERATOR_PLANT_KEYS) on `side` cannot show, or None: only the JAX side
+  applies them (jax_impl.accelerator_plants); where it runs on the CPU it applies none and the report says so."""
+  if writes_placement(side):  # the JAX worker, the one that compiles a step for a device
+    return None
+  return f"accelerator-only plants are applied by the JAX side only (jax_impl.accelerator_plants); {side} has none"
 
 
 def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None) -> None:
@@ -214,19 +231,19 @@ def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None)
     raise SpecError(alike)
   for side, kv in (perturb or {}).items():
     for key in (k for k in kv if k in PLANT_KEYS + PLACEMENT_PLANT_KEYS + FSDP_PLANT_KEYS + OFFLOAD_PLANT_KEYS
-                                    + FAMILY_PLANT_KEYS):
+                                    + FAMILY_PLANT_KEYS + ACCELERATOR_PLANT_KEYS):
       reason = _reason(spec, side, key, kv)
       if reason is not None:
         _refuse(side, key, reason)
 
 
 def check_plants_on_data(perturb: Mapping[str, Mapping[str, Any]] | None, loss_mask: np.ndarray,
-                         segment_ids: np.ndarray) -> None:
+                         segment_ids: np.ndarray, *, world: int = 1) -> None:
   """Refuses a plant `data_reason` names for the run's training arrays, and a train.loss_normalization perturbation
-  `normalization_reason` names (SpecError, as `check_plants`)."""
+  `normalization_reason` names for the run's `world` ranks per side (SpecError, as `check_plants`)."""
   for side, kv in (perturb or {}).items():
     if "train.loss_normalization" in kv:
-      reason = normalization_reason(np.asarray(loss_mask, dtype=bool))
+      reason = normalization_reason(np.asarray(loss_mask, dtype=bool), world)
       if reason is not None:
         raise SpecError(f"--perturb {side}:train.loss_normalization={kv['train.loss_normalization']} changes nothing "
                         f"the {side} side trains: {reason}")

@@ -142,11 +142,12 @@ def resolve_request(path: str | Path, *, sides: list[str] | None = None) -> Reso
   return dataclasses.replace(run, inputs_from=str(folder.absolute()), init_source=checkpoint, sides_named=True)
 
 
-def copy_inputs(run_dir: Path, source: Path, perturb: dict, write_new: Callable[[Path, Any], None]
-                ) -> tuple[dict, Any, Any, dict]:
+def copy_inputs(run_dir: Path, source: Path, perturb: dict, write_new: Callable[[Path, Any], None], *,
+                world: int = 1) -> tuple[dict, Any, Any, dict]:
   """Copies the input files of the request folder `source` (REQUEST_INPUTS it holds) into `run_dir` as new files,
   byte for byte (parity.pipeline.folder.write_new), and checks this run's planted data bugs on the copied example
-  arrays (parity.pipeline.plants.check_plants_on_data: a plant these batches hide is refused).
+  arrays for `world` ranks per side (parity.pipeline.plants.check_plants_on_data: a plant these batches hide is
+  refused).
 
   Returns:
     (data_info, inputs, examples: the source request's records, which describe the copied files; request_from:
@@ -164,7 +165,7 @@ def copy_inputs(run_dir: Path, source: Path, perturb: dict, write_new: Callable[
     files[name] = sha256_of(run_dir / name)
   if req.get("examples"):
     check_plants_on_data(perturb, np.load(run_dir / EXAMPLE_ARRAYS["loss_mask"]),
-                         np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]))
+                         np.load(run_dir / EXAMPLE_ARRAYS["segment_ids"]), world=world)
   origin = {"request": str((source / "request.json").absolute()), "run_id": req.get("run_id"),
             "config_hash": req.get("config_hash"), "sha256": sha256_of(source / "request.json"), "files": files}
   return req.get("data"), req.get("inputs"), req.get("examples"), origin

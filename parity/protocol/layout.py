@@ -134,14 +134,17 @@ OFFLOAD_PLANT_KEYS = ("offload_residual_stale",)
 take its weight gradient from a wrong saved residual (`mlp_hidden` one token row off: jax_impl.residual_plant), as
 a backward pass reading a stale offloaded buffer would. The forward values and the loss are unchanged; only the
 gradients are wrong, so the gradient and params checks must catch it (docs/plans.md "The planted stale residual")."""
-FAMILY_PLANT_KEYS = ("qk_norm_after_rope", "attn_softcap_skipped", "final_softcap_skipped", "norm_plus_one_rounded")
+FAMILY_PLANT_KEYS = ("qk_norm_after_rope", "attn_softcap_skipped", "final_softcap_skipped", "norm_plus_one_rounded",
+                     "final_norm_eps_tenth")
 """Planted model-family porting bugs, `true` or absent, any side: the side's model runs a convention of its family
 wrong while its spec (and so the run's request) is unchanged, as a hand port of a checkpoint can: qk_norm_after_rope
 (the per-head q/k RMSNorm applied after rotary instead of before: HF Qwen3 / Gemma 3 norm first), attn_softcap_skipped
 and final_softcap_skipped (the attention-score or final-logit soft-cap of Gemma 2 not applied), norm_plus_one_rounded
 (Gemma's (1 + w) RMSNorm with Llama's rounding order: the normalised value rounded to the compute dtype, then times
-(1 + w) rounded to it, where HF Gemma2RMSNorm multiplies in float32 and rounds once; the same in fp32). Applied by
-torch_impl.layers / jax_impl.layers (`set_model_plants`); parity.pipeline.plants refuses one the model cannot show."""
+(1 + w) rounded to it, where HF Gemma2RMSNorm multiplies in float32 and rounds once; the same in fp32),
+final_norm_eps_tenth (the final norm's eps a tenth of model.norm_eps, every other norm's right: a Llama-1 eps of 1e-6
+left in a Llama-2 (1e-5) port; the semantics card's norm.eps_all names it). Applied by torch_impl.layers /
+jax_impl.layers (`set_model_plants`); parity.pipeline.plants refuses one the model cannot show."""
 ACCELERATOR_PLANT_KEYS = ("accelerator_update_scale", "accelerator_norm_eps", "accelerator_matmul_default")
 """Planted errors of the JAX side on an accelerator only (jax_impl.accelerator_plants; docs/tpu.md "Accelerator-only
 plants"): accelerator_update_scale (a factor > 0, not 1: every update scaled), accelerator_norm_eps (a value > 0: the

@@ -58,9 +58,10 @@ class SideSummary:
   Attributes:
     versions: framework -> version string (python is added by SideIO).
     device: where the side computed, in words (e.g. 'cpu', 'cuda (NVIDIA H200)', 'TFRT_CPU_0').
-    peak_device_bytes: peak accelerator memory, bytes; None on the CPU. The JAX side's is the larger of the
-      allocator's peak and the compiled step's (parity.protocol.memory_figures.device_memory_fields; both, and
-      which won, are in `extra`).
+    peak_device_bytes: peak accelerator memory, bytes; None on the CPU. The JAX side's is the runtime's hold where
+      memory_stats gives it, else the larger of the allocator's peak and the compiled step's device figure, never
+      the step's host buffers (parity.protocol.memory_figures.device_memory_fields; every reading, and which was
+      taken, are in `extra`).
     state_bytes_by_memory_kind: bytes of the training state (params, gradients, optimizer) per memory kind
       ('device', 'host', 'pinned_host', ...).
     extra: side-specific summary fields (JSON-ready), merged into summary.json at the top level.

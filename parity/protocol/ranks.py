@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from parity.errors import SpecError
+from parity.inputs import ascii_number
 
 __all__ = ["LAUNCH_FILE", "LAUNCH_SCHEMA", "COORDINATOR_ENV", "write_launch", "read_launch", "check_nproc",
            "check_coordinator", "MULTIRANK_CHECKPOINTS", "multirank_checkpoint_refusal",
@@ -107,7 +108,11 @@ def check_coordinator(coordinator: str | None, *, nnodes: int = 1) -> None:
       raise SpecError(f"--nnodes {nnodes} needs --coordinator HOST:PORT, the same on every host; {example}")
     return
   host, sep, port = coordinator.rpartition(":")
-  if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+  try:
+    number = ascii_number(port, sign=False) if port.strip() == port else 0  # '²' passed isdigit, not int()
+  except ValueError:
+    number = 0
+  if not sep or not host or not 1 <= number <= 65535:
     raise SpecError(f"--coordinator {coordinator!r}: expected HOST:PORT with a non-empty host and a port in "
                     f"1..65535; {example}")
 
@@ -127,7 +132,7 @@ def rank_env(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
   """(rank, world size) of this process: RANK and WORLD_SIZE (set by torchrun, the deepspeed launcher and, for JAX
   ranks, the harness); (0, 1) without them."""
   try:
-    return int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1))
+    return ascii_number(environ.get("RANK", "0")), ascii_number(environ.get("WORLD_SIZE", "1"))
   except ValueError:
     return 0, 1
 

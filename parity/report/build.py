@@ -29,8 +29,8 @@ from parity.verdict.check import Check
 from parity.verdict.sides import Verdict
 from parity.verdict.tolerances import TOLERANCES
 
-__all__ = ["Report", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS", "EXAMPLE_ARTIFACTS", "SIDE_ARTIFACTS",
-           "RERUN_ARTIFACTS",
+__all__ = ["Report", "EXIT_INCOMPLETE", "exit_code", "build_report", "REPORT_SCHEMA", "RUN_ARTIFACTS",
+           "EXAMPLE_ARTIFACTS", "SIDE_ARTIFACTS", "RERUN_ARTIFACTS",
            "artifact_paths", "artifact_hashes", "file_digest", "series_json", "verdict_json", "params_table_json",
            "run_inputs", "perturbations_ran", "ran_value", "semantics_section"]
 
@@ -47,6 +47,26 @@ RERUN_ARTIFACTS = ("steps.jsonl", "summary.json", "final.safetensors")
 renders: placement.json of a JAX side, parity.report.placement_view; and the outputs of
 the noise/determinism/resume reruns their checks read, in noise/, repeat/ and resume/<side>/); report.json records
 their sha256 and size at write time so that `parity report` can say which changed since the run."""
+EXIT_INCOMPLETE = 3
+"""The exit code of a run that passed but ran fewer sides than were asked: sides the user did not name (the default
+sides) left out because their framework is not installed here or this machine refuses the sockets they need."""
+
+
+def exit_code(*, passed: bool, asked: int, ran: int) -> int:
+  """A finished run's exit code: 1 when it did not pass (parity does not hold, a side failed, a report file could not
+  be written, the --baseline gate moved), else EXIT_INCOMPLETE (3) when fewer of the `asked` sides `ran`, else 0.
+  Bad input exits 2 before a run exists, so it never reaches here. A user who names one side (`--sides jax`) asked for
+  one: ONE SIDE, 0.
+
+  >>> exit_code(passed=True, asked=3, ran=1), exit_code(passed=False, asked=3, ran=1), exit_code(passed=True,
+  ...                                                                                             asked=1, ran=1)
+  (3, 1, 0)
+  """
+  if not passed:
+    return 1
+  return EXIT_INCOMPLETE if ran < asked else 0
+
+
 SERIES_KEYS = ("loss", "grad_norm", "lr", "loss_scale", "skipped", "step_time_s", "tokens")
 
 
@@ -74,12 +94,37 @@ class Report:
     return self.record.verdict.message
 
   @property
+  def left_out(self) -> dict[str, str]:
+    """The sides asked for but left out before anything started, because this machine cannot run them (their
+    framework is not installed, or it refuses the sockets they need): side -> the line recorded for it. Only
+    default sides are left out: a named side is refused (exit 2) or kept and recorded as not run (exit 1)."""
+    rec = self.record
+    return {s: w.reason or "" for s, w in rec.sides_not_run.items() if not w.named and s not in rec.sides}
+
+  @property
   def exit_code(self) -> int:
     """0 when parity holds and every report file was written; 1 when parity does not hold, or a report file could
     not be written (`write_errors`: a result nobody can cite), or the --baseline gate found a metric that moved;
-    bad input exits 2 before a report exists."""
+    3 (EXIT_INCOMPLETE) when it holds but fewer sides ran than were asked (`left_out`); bad input exits 2 before a
+    report exists (`exit_code`, the function, is the rule)."""
     gate_ok = self.post is None or self.post.passed
-    return 0 if self.passed and not self.record.write_errors and gate_ok else 1
+    ran = len(self.record.sides)
+    return exit_code(passed=self.passed and not self.record.write_errors and gate_ok,
+                     asked=ran + len(self.left_out), ran=ran)
+
+  def incomplete_line(self) -> str | None:
+    """The line saying which sides were left out, why, and that the run exits 3; None when none was.
+
+    'incomplete: 1 of 3 asked sides ran (jax); left out: deepspeed (PyTorch is not installed here), torch (PyTorch
+    is not installed here); exit code 3. ...'"""
+    out = self.left_out
+    if not out:
+      return None
+    ran = list(self.record.sides)
+    why = ", ".join(f"{s} ({_why(s, line)})" for s, line in out.items())
+    return (f"incomplete: {len(ran)} of {len(ran) + len(out)} asked sides ran ({', '.join(ran)}); left out: {why}; "
+            f"exit code {EXIT_INCOMPLETE}. Make them runnable here (the lines above say how), or ask for only these "
+            f"sides: --sides {','.join(ran)}")
 
   @property
   def checks(self) -> list[dict]:
@@ -101,6 +146,13 @@ class Report:
 
   def __repr__(self) -> str:
     return f"Report({self.run_dir}, {self.message!r})"
+
+
+def _why(side: str, line: str) -> str:
+  """The reason in a left-out side's line ("deepspeed: not run: PyTorch is not installed here, which ..." ->
+  "PyTorch is not installed here": parity.installed.not_installed_line, parity.sockets.not_run_line)."""
+  text = line.split(f"{side}: not run: ", 1)[-1]
+  return text.split(", which ", 1)[0].strip() or "not run here"
 
 
 def _versions() -> dict[str, str]:

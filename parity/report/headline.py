@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Mapping
 
 from parity.hf import family_of_spec
-from parity.protocol.layout import CHECKPOINT_META, FINAL_MOMENTS, FOLDER_GONE
+from parity.protocol.disk_full import DISK_FULL, written_file
+from parity.protocol.layout import FOLDER_GONE
 from parity.report.cells import first_clause, fmt, fmt_count, pair_label
 from parity.report.check_table import measure_label
 from parity.report.run_record import CheckRecord, RunRecord
@@ -86,30 +87,19 @@ def error_clause(summ: dict) -> str:
   """A side's error in one short clause, from its summary's error and traceback (parity.protocol.side.SideIO.fail):
   'writing final.safetensors: No space left on device' (the file a parity frame of the traceback was writing, and
   the OS error the message ends in), else the message's first line without a trailing '(...)' (at most 160 characters);
-  '' when the summary holds no error."""
+  the harness's 'No space left on device (disk full while writing PATH)' whole; '' when the summary holds no error."""
   err = str(summ.get("error") or "").strip().splitlines()[0] if summ.get("error") else ""
   if not err:
     return ""
+  if err.startswith(f"{DISK_FULL} (disk full while writing "):  # the harness named it (parity.protocol.disk_full)
+    return err
   os_err = next((e for e in _OS_ERRORS if e.lower() in err.lower()), None)
   cause = os_err or re.sub(r"\s+\([^()]*\)$", "", err) or err  # a trailing '(explanation)' left out
   cause = cause if len(cause) <= 160 else cause[:157] + "..."
   frames = re.findall(r'File "[^"]*parity[^"]*", line \d+, in \w+\n\s+(.*)', str(summ.get("traceback") or ""))
-  files = [_written_file(f) for f in frames]
+  files = [written_file(f) for f in frames]
   files = [f for f in files if f]
   return f"writing {files[-1]}: {cause}" if files and os_err else cause
-
-
-_FILE_CONSTANTS = {"FINAL_MOMENTS": FINAL_MOMENTS, "CHECKPOINT_META": CHECKPOINT_META}
-"""The run-folder file names a worker's source line names by constant (parity.protocol.layout)."""
-
-
-def _written_file(src: str) -> str | None:
-  """The run-folder file one traceback source line writes: a quoted file name ('"final.safetensors"') or a layout
-  constant (FINAL_MOMENTS); None when it names neither."""
-  m = re.search(r'"([\w.-]+\.(?:safetensors|jsonl|json|npy))"', src)
-  if m:
-    return m.group(1)
-  return next((v for k, v in _FILE_CONSTANTS.items() if re.search(rf"\b{k}\b", src)), None)
 
 
 def _side_stop(rec: RunRecord) -> list[str]:

@@ -7,8 +7,11 @@ import sys
 import time
 from typing import Any, Sequence
 
+from parity import buildenv, environment
+from parity.sides import find_side
+
 __all__ = ["progress_display", "data_notes", "run_notes", "rerun_line", "rerun_parts", "show_reruns", "show_not_run",
-           "STARTING"]
+           "op_build_line", "show_op_build", "STARTING"]
 
 STARTING = "starting (imports, model init, compile) before step 0"
 """What a side does between its start and its first step record: the label shown instead of a silent 0/N."""
@@ -74,6 +77,27 @@ def run_notes(run: Any) -> list[str]:
     out.append(f"loss normalisation: this run trains train.loss_normalization={spec.train.loss_normalization}; "
                f"the DeepSpeed config: {ln['why']}")
   return out + [f"port warning: {w}" for w in port.report.warnings]
+
+
+def op_build_line(ops: Sequence[str]) -> str | None:
+  """The line said before a side builds DeepSpeed's C++ ops (`ops`: those missing), or None when none is."""
+  if not ops:
+    return None
+  return (f"building DeepSpeed's C++ ops once ({', '.join(ops)}): a few minutes on a fresh machine (up to 12 min on "
+          "2 busy cores), with no step progress meanwhile; later runs reuse them (`parity build-ops` builds them "
+          "ahead of a run)")
+
+
+def show_op_build(side: str, spec, command: str = "compare") -> None:
+  """Prints op_build_line to stderr, before `side` starts, when its worker loads DeepSpeed (its record's modules)
+  and the ops it loads (parity.buildenv.deepspeed_ops) are not built in this environment yet; else nothing."""
+  record = find_side(side)
+  if record is None or "deepspeed" not in record.modules:
+    return
+  cuda = environment.cuda_evidence() is not None  # no driver: DeepSpeed's CPU accelerator, which needs the shm op
+  line = op_build_line(buildenv.missing_ops(buildenv.deepspeed_ops(spec, cuda=cuda)))
+  if line:
+    print(f"[{time.strftime('%H:%M:%S')}] parity {command}: {side}: {line}", file=sys.stderr, flush=True)
 
 
 def show_not_run(lines: Sequence[str]) -> None:

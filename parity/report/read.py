@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from parity.inputs import ascii_number
 from parity.report import build
 from parity.report.build import Report
 from parity.report.reverify import Unverifiable, differences, recompute
@@ -44,7 +45,9 @@ def peak_load(load) -> float | None:
 
 
 def _number(v) -> float:
-  return float("nan") if v is None else float(v) if isinstance(v, (str, int, float)) else float("nan")
+  if isinstance(v, str):  # 'inf', 'nan': how report.json keeps a non-finite number; ASCII only
+    return ascii_number(v, float)
+  return float(v) if isinstance(v, (int, float)) else float("nan")
 
 
 def check_contradictions(checks: list[dict], precision: str | None = None) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from parity import weights
 from parity.fields import from_dict
+from parity.inputs import ascii_number
 from parity.protocol.layout import FINAL_MOMENTS, read_moments
 from parity.protocol.outputs import placement_entry, side_outputs
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
@@ -74,7 +75,7 @@ def check_from_json(d: dict):
   kw = {k: v for k, v in d.items() if k in fields}
   for k in ("value", "tolerance"):
     v = kw.get(k)
-    kw[k] = float("nan") if v is None else float(v) if isinstance(v, str) else v
+    kw[k] = float("nan") if v is None else ascii_number(v, float) if isinstance(v, str) else v
   kw["sides"] = tuple(kw.get("sides") or ("?", "?"))
   return Check(**kw)
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from parity.report.run_record import RunRecord
-from parity.semantics import ITEM_ATOL, NAME_LISTS, layers_text, precision_rows
+from parity.semantics import ITEM_ATOL, LIST_ATOL, NAME_LISTS, layers_text, precision_rows
 
 __all__ = ["semantics_headers", "semantics_rows", "semantics_card_block", "SEMANTICS_INTRO", "PRECISION_INTRO",
            "precision_headers", "precision_table"]
@@ -51,10 +51,13 @@ def semantics_rows(rec: RunRecord) -> list[list[str]]:
 
 def agree_text(row: dict[str, Any]) -> str:
   """'yes' (the same value on every side), 'NO', or, for an item compared within a tolerance (ITEM_ATOL:
-  forward.probe_loss) whose values differ, 'yes, within 2.5e-05' (the tolerance, so two different numbers never
-  read as equal)."""
+  forward.probe_loss; LIST_ATOL: optimizer.betas) whose values differ, 'yes, within 2.5e-05' (the tolerance, so two
+  different numbers never read as equal)."""
   if not row["agree"]:
     return "NO"
+  if row["item"] in LIST_ATOL:
+    same = len({json.dumps(v) for v in row["values"].values()}) < 2
+    return "yes" if same else f"yes, within {LIST_ATOL[row['item']]:.2g}"
   values = [float(v) for v in row["values"].values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
   if row["item"] not in ITEM_ATOL or len(set(values)) < 2:
     return "yes"

@@ -10,7 +10,7 @@ from typing import Any
 
 from parity.protocol.layout import loss_tokens_per_s, step_time_median, warm_step_times, warmup_steps_left_out
 from parity.protocol.layout import tokens_per_s as layout_tokens_per_s
-from parity.protocol.memory_figures import compiled_peak_bytes, own_host_rss, peak_device
+from parity.protocol.memory_figures import RUNTIME_HOLD, compiled_memory, own_host_rss, peak_device
 from parity.report.hardware import hardware_caveat
 from parity.report.cells import compact, fmt, fmt_bytes
 from parity.report.run_record import RunRecord, SideRecord
@@ -140,14 +140,26 @@ def host_rss_cell(s: SideRecord) -> str:
 
 def device_memory_cell(summ: dict) -> str:
   """A side's peak device memory with its source ('7.7 GiB (compiled memory analysis)', '5.4 MiB (allocator
-  peak)'; parity.protocol.memory_figures.peak_device); 'n/a' where there is none (the CPU)."""
+  peak)', '13.8 GiB (runtime memory_stats)'; parity.protocol.memory_figures.peak_device: never the step's host
+  buffers); 'n/a' where there is none (the CPU)."""
   value, source = peak_device(summ)
   return fmt_bytes(value) + (f" ({source})" if value is not None and source else "")
 
 
+def _compiled_figures(summ: dict) -> tuple[int | None, str | None, int | None]:
+  """(device bytes, how, host bytes) of the compiled step: from its memory_analysis where the summary has one (a
+  summary written before the split is read the same way), else the fields the side stored."""
+  ma = summ.get("memory_analysis")
+  if ma:
+    got = compiled_memory(ma)
+    return got["device"], got["device_from"], got["host"]
+  return summ.get("peak_device_bytes_compiled"), summ.get("peak_device_compiled_from"), summ.get("host_bytes_compiled")
+
+
 def memory_notes(rec: RunRecord) -> list[str]:
   """The sentences under the sides' table that say what the memory cells are made of, one per side and figure: the
-  peak RSS and the runtime's mapping in it, and the peak device memory with both figures behind it."""
+  peak RSS and the runtime's mapping in it, and the peak device memory with the figures behind it and the compiled
+  step's host buffers named as host memory."""
   out = []
   for name, s in rec.sides.items():
     summ, peak = s.summary, s.peak_rss_bytes
@@ -156,13 +168,19 @@ def memory_notes(rec: RunRecord) -> list[str]:
       out.append(f"{name}: peak RSS {fmt_bytes(peak)}, of which {fmt_bytes(mapping)} is "
                  f"{_runtime_words(summ.get('host_rss_backend'))}; the side's own host RSS is {fmt_bytes(own)}")
     value, source = peak_device(summ)
-    compiled, how = ((summ.get("peak_device_bytes_compiled"), summ.get("peak_device_compiled_from"))
-                     if "peak_device_bytes_compiled" in summ else compiled_peak_bytes(summ.get("memory_analysis")))
-    if value is not None and source and compiled is not None:
-      allocator = summ.get("peak_device_bytes_allocator", summ.get("peak_device_bytes"))
-      out.append(f"{name}: peak device memory {fmt_bytes(value)}, the {source} (the larger of the allocator peak "
-                 f"{fmt_bytes(allocator)} and the compiled memory analysis of the train step {fmt_bytes(compiled)}, "
-                 f"from {how})")
+    compiled, how, host = _compiled_figures(summ)
+    if value is None or not source or compiled is None:
+      continue
+    allocator = summ.get("peak_device_bytes_allocator", summ.get("peak_device_bytes"))
+    if source == RUNTIME_HOLD:
+      why = (f"bytes in use + the program's reserved region after the steps; the allocator peak "
+             f"{fmt_bytes(allocator)}, the compiled memory analysis of the train step {fmt_bytes(compiled)}, from "
+             f"{how}")
+    else:
+      why = (f"the larger of the allocator peak {fmt_bytes(allocator)} and the compiled memory analysis of the train "
+             f"step {fmt_bytes(compiled)}, from {how}")
+    tail = f"; the step's host buffers, {fmt_bytes(host)}, are host memory and not in it" if host else ""
+    out.append(f"{name}: peak device memory {fmt_bytes(value)}, the {source} ({why}){tail}")
   return out
 
 

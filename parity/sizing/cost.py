@@ -15,7 +15,7 @@ from parity.sizing import memory
 from parity.spec import ModelSpec, RunSpec, SpecError
 
 __all__ = ["Hardware", "HARDWARE", "GB", "GiB", "attention_width", "flops_per_token", "recompute_flops_per_token",
-           "transfer_bytes", "step_time"]
+           "matmul_params", "strict_flops_per_token", "attention_counted", "transfer_bytes", "step_time"]
 
 
 # ----------------------------------------------------------------------------- hardware
@@ -43,13 +43,24 @@ class Hardware:
   none for parity's JAX offload layouts (benchmarks/results/2026-12-06-tpu-v5e-offload.md: 0-5% hidden), nor for a
   copy loop and a matmul loop with nothing between them in one program (benchmarks/results/
   2026-12-06-tpu-v5e-kernels.md: 0-2%, with or without the XLA:TPU host-offload flags)."""
+  unmeasured: tuple[str, ...] = ()
+  """The fields of this preset carried unmeasured from another chip's measurement (`borrowed_from`): v5p and v6e
+  carry the v5e's host link and hidden_transfer. `custom_hardware` drops a field the user gives."""
+  borrowed_from: str = ""
+  """The chip whose measured figures `unmeasured` names ('v5e'); '' when none are borrowed."""
 
   def peak(self, precision: str) -> float:
     """FLOP/s for a run at this precision (fp32: peak_flops_fp32 when known, else the bf16 peak)."""
     return self.peak_flops_fp32 if precision == "fp32" and self.peak_flops_fp32 > 0 else self.peak_flops
 
+  def unmeasured_label(self, field: str) -> str:
+    """'unmeasured (v5e's)' when `field` is carried from another chip (`unmeasured`), else ''."""
+    return f"unmeasured ({self.borrowed_from}'s)" if field in self.unmeasured else ""
+
 
 GB, GiB = 10**9, 2**30
+_V5E_TRANSFER = ("host_link_bytes_per_s", "hidden_transfer")
+"""The host-transfer figures measured on the v5e only, which the v5p and v6e presets carry unmeasured."""
 HARDWARE: dict[str, Hardware] = {
     # NVIDIA data sheets: A100 (PCIe gen4 x16: 32 GB/s per direction), H100 SXM / H200 (PCIe gen5 x16:
     # 64 GB/s), GH200 (NVLink-C2C 900 GB/s total = 450 GB/s per direction, 480 GB LPDDR5X).
@@ -70,15 +81,17 @@ HARDWARE: dict[str, Hardware] = {
     # (benchmarks/results/2026-12-06-tpu-v5e-offload.md: a 512 MiB donated pinned_host buffer read and written by
     # one program; one way alone 12.2 GB/s in, 13.5 GB/s out; a train step moving 4.34 GB of Adam moments added
     # 220-241 ms, the same rate). The doctor's earlier 13.1 GB/s round trip used a smaller buffer; a fresh pinned
-    # output (0.44-0.88 GB/s) times the host allocator. v5p and v6e reuse the v5e's figure until measured.
+    # output (0.44-0.88 GB/s) times the host allocator. v5p and v6e carry the v5e's link and its hidden_transfer 0
+    # unmeasured (v5e's): `Hardware.unmeasured` names them and `parity plan` prints it beside the link.
     # Host memory per chip: v5e measured 45 GiB on a 1-chip VM (doctor.json host.mem_total_bytes; the ct5lp-hightpu-1t
     # machine type lists 48 GB); v5p from its VM, 448 GB for 4 chips (112 GB per chip); v6e from its pod table,
     # 1536 GiB DRAM per 8-chip host (192 GiB per chip). v5p and v6e are the documented figures, not measured.
     "TPU-v5e": Hardware("TPU-v5e", 16 * GiB, 197e12, 18.8 * GB, 48318382080, 197e12 / 6, kind="tpu",
                         hidden_transfer=0.0),
-    "TPU-v5p": Hardware("TPU-v5p", 95 * GiB, 459e12, 18.8 * GB, 112 * GB, 459e12 / 6, kind="tpu", hidden_transfer=0.0),
+    "TPU-v5p": Hardware("TPU-v5p", 95 * GiB, 459e12, 18.8 * GB, 112 * GB, 459e12 / 6, kind="tpu", hidden_transfer=0.0,
+                        unmeasured=_V5E_TRANSFER, borrowed_from="v5e"),
     "TPU-v6e": Hardware("TPU-v6e", 32 * GiB, 918e12, 18.8 * GB, 192 * GiB, 918e12 / 6, kind="tpu",
-                        hidden_transfer=0.0),
+                        hidden_transfer=0.0, unmeasured=_V5E_TRANSFER, borrowed_from="v5e"),
 }
 """Accelerator presets of `parity plan --hardware`."""
 
@@ -94,6 +107,29 @@ def flops_per_token(model: ModelSpec, seq_len: int) -> float:
   """Training FLOPs per token: 6·N + 12·L·H·Q·s, H·Q = n_heads·head_dim (PaLM, Chowdhery et al. 2022, app. B;
   causal masking and sliding windows ignored: both sides compute dense scores)."""
   return 6 * memory.param_count(model) + 12 * model.n_layers * attention_width(model) * seq_len
+
+
+def matmul_params(model: ModelSpec) -> int:
+  """Params a token multiplies in a matmul: each block's weight matrices and the output head (a tied embedding once,
+  as the head). Left out, as work no matmul does: an untied input embedding and learned positions (gathers: a row
+  read per token), biases and norm scales (elementwise)."""
+  return model.n_layers * memory.block_matrix_params(model) + model.vocab_size * model.d_model
+
+
+def strict_flops_per_token(model: ModelSpec, seq_len: int, *, causal_skip: bool = False) -> float:
+  """Training FLOPs per token counting matmul work only: 6 · `matmul_params` (where `flops_per_token`'s 6·N also
+  counts the embedding gathers), plus attention's scores and values as the kernel computes them: the causal half,
+  6·L·H·Q·s, when it skips the blocks the causal mask removes (`causal_skip`: the Pallas TPU flash kernel does),
+  else dense, 12·L·H·Q·s (parity's exact kernel and torch's SDPA with a mask compute every score, then mask them).
+  Sliding windows ignored, as in `flops_per_token`."""
+  attention = (6 if causal_skip else 12) * model.n_layers * attention_width(model) * seq_len
+  return 6 * matmul_params(model) + attention
+
+
+def attention_counted(causal_skip: bool) -> str:
+  """How `strict_flops_per_token` counted attention, in words a report prints beside the figure."""
+  return ("causal half (the kernel skips masked blocks)" if causal_skip else
+          "dense (the kernel computes every score, then masks)")
 
 
 def recompute_flops_per_token(model: ModelSpec, seq_len: int, policy: str) -> float:
@@ -194,4 +230,5 @@ def custom_hardware(hw: Hardware, *, device_gib: float | None = None, host_gib: 
       ("host_link_bytes_per_s", None if bandwidth_gbs is None else bandwidth_gbs * GB),
       ("peak_flops", None if peak_tflops is None else peak_tflops * 1e12),
       ("peak_flops_fp32", None if peak_tflops is None else peak_tflops * 1e12)) if v is not None}
+  changes["unmeasured"] = tuple(f for f in hw.unmeasured if f not in changes)  # the user's figure is not borrowed
   return dataclasses.replace(hw, **changes)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from parity.errors import SpecError
+from parity.inputs import ascii_number
 from parity.numerics_flags import XLA_POOL_ENV  # XLA's pinned-host pool size per GPU, whole GiB: re-exported
 from parity.sizing import memory
 from parity.spec import RunSpec
@@ -88,10 +89,14 @@ def tpu_premapped_setting(environ: Mapping[str, str] = os.environ) -> int:
   raw = environ.get(TPU_PREMAPPED_ENV, "").strip()
   if not raw:
     return TPU_PREMAPPED_DEFAULT_BYTES
-  if not raw.isdigit() or int(raw) <= 0:
-    raise SpecError(f"{TPU_PREMAPPED_ENV}={raw!r}: must be a whole number of bytes > 0 (e.g. 268435456 for 256 MiB), "
-                    "or unset for the runtime's default (4 GiB)")
-  return int(raw)
+  try:
+    size = ascii_number(raw, sign=False)
+  except ValueError:
+    size = 0
+  if size <= 0:
+    raise SpecError(f"{TPU_PREMAPPED_ENV}={raw!r}: must be a whole number of bytes > 0 in ASCII digits (e.g. "
+                    "268435456 for 256 MiB), or unset for the runtime's default (4 GiB)")
+  return size
 
 
 def tpu_process_overhead(premapped_bytes: int = TPU_PREMAPPED_DEFAULT_BYTES, compiles: bool = True) -> int:
@@ -113,11 +118,15 @@ def xla_pool_setting(environ: Mapping[str, str] = os.environ) -> int | None:
   text = raw.strip()
   # ASCII digits only (str.isdigit also takes '²' or '１６０', which int() refuses or XLA's strtoll does not read),
   # and at most (2^63 - 1) / 2^30 GiB: XLA multiplies the value by 1 << 30 in an int64
-  if not (re.fullmatch(r"[0-9]+", text) and 1 <= int(text) <= XLA_POOL_MAX_GIB):
+  try:
+    gib = ascii_number(text, sign=False)
+  except ValueError:
+    gib = 0
+  if not 1 <= gib <= XLA_POOL_MAX_GIB:
     raise SpecError(f"{XLA_POOL_ENV}={raw!r}: must be a whole number of GiB from 1 to {XLA_POOL_MAX_GIB} in ASCII "
                     f"digits (XLA reads it as an int64 and, failing that, logs an error and uses "
                     f"{XLA_POOL_DEFAULT_GIB}); set e.g. {XLA_POOL_ENV}=160, or unset it")
-  return int(text)
+  return gib
 
 
 def pool_gib_for(need_bytes: int) -> int:

@@ -25,7 +25,7 @@ from parity.sizing.fsdp_memory import fsdp_state_rows
 from parity.sizing.memory_jax import opt_split
 from parity.sides import all_sides, find_side, load_ref, side_record
 from parity.spec import ModelSpec, RunSpec, TrainSpec
-from parity.weights import n_params, param_shapes
+from parity.weights import param_shapes
 
 __all__ = ["CATEGORIES", "KINDS", "Row", "param_count", "largest_layer_params", "largest_param", "block_params",
            "block_matrix_params", "ds_zero2_model_states", "ds_zero3_model_states", "ds_estimate_table",
@@ -53,9 +53,16 @@ class Row:
 
 # ----------------------------------------------------------------------------- parameter counts
 
+def _one_layer(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+  """param_shapes of `model` cut to one block: every block has the same tensors (parity.weights.param_shapes), so
+  the counts below are exact from it and cost the same for 2 layers or 10^9 (the full table took minutes)."""
+  return param_shapes(dataclasses.replace(model, n_layers=1))
+
+
 def param_count(model: ModelSpec) -> int:
-  """Number of trainable parameters (tied head once), as DeepSpeed's `model_to_params` counts them."""
-  return n_params(model)
+  """Number of trainable parameters (tied head once), as DeepSpeed's `model_to_params` counts them (equal to
+  parity.weights.n_params, in closed form)."""
+  return sum(math.prod(s) for s in _one_layer(model).values()) + (model.n_layers - 1) * block_params(model)
 
 
 def largest_layer_params(model: ModelSpec) -> int:
@@ -65,7 +72,7 @@ def largest_layer_params(model: ModelSpec) -> int:
   names sharing the prefix before the last dot (e.g. a Linear's weight + bias; the embedding table).
   """
   per_module: dict[str, int] = {}
-  for name, shape in param_shapes(model).items():
+  for name, shape in _one_layer(model).items():  # block 0's modules stand for every block's
     prefix = name.rsplit(".", 1)[0]
     per_module[prefix] = per_module.get(prefix, 0) + math.prod(shape)
   return max(per_module.values())
@@ -74,17 +81,17 @@ def largest_layer_params(model: ModelSpec) -> int:
 def largest_param(model: ModelSpec) -> int:
   """Elements of the largest single parameter tensor (DeepSpeed stage 1/2 `largest_param_numel`, which sizes its
   offload gradient staging buffers)."""
-  return max(math.prod(s) for s in param_shapes(model).values())
+  return max(math.prod(s) for s in _one_layer(model).values())
 
 
 def block_params(model: ModelSpec) -> int:
   """Params of one transformer block (all blocks are the same size)."""
-  return sum(math.prod(s) for n, s in param_shapes(model).items() if n.startswith("h.0."))
+  return sum(math.prod(s) for n, s in _one_layer(model).items() if n.startswith("h.0."))
 
 
 def block_matrix_params(model: ModelSpec) -> int:
   """Params of one block's weight matrices (its 2-D tensors: no biases or norm scales)."""
-  return sum(math.prod(s) for n, s in param_shapes(model).items() if n.startswith("h.0.") and len(s) >= 2)
+  return sum(math.prod(s) for n, s in _one_layer(model).items() if n.startswith("h.0.") and len(s) >= 2)
 
 
 # ----------------------------------------------------------------------------- per-category model

@@ -28,7 +28,20 @@ from parity.spec import DeepSpeedPlan, FsdpPlan, JaxPlan, ModelSpec, RunSpec, Sp
 __all__ = ["Plan", "PLANS", "DEFAULT_PLAN", "fsdp_missing_reason", "apply_plan", "with_plan", "plan_of", "Hardware",
            "HARDWARE", "Candidate", "OPT_RATIOS",
            "step_time", "choose_plan", "engine_choice", "uncosted", "explain", "custom_hardware", "plan_inputs",
-           "ranking_json"]
+           "ranking_json", "MAX_PLAN_LAYERS", "check_plan_depth", "TORCH_SIDES", "off_device_sides",
+           "off_device_note"]
+
+MAX_PLAN_LAYERS = 1024
+"""Deepest model.n_layers the planner and the memory model cost (their DeepSpeed and JAX figures walk every layer's
+tensors: 1,024 layers take about two seconds, 10^9 would take days). The deepest published LLMs have under 200."""
+
+
+def check_plan_depth(model: ModelSpec) -> None:
+  """Refuses (SpecError, exit 2) a model deeper than MAX_PLAN_LAYERS before anything is costed."""
+  if model.n_layers > MAX_PLAN_LAYERS:
+    raise SpecError(f"model.n_layers={model.n_layers:,}: the planner and the memory model cost at most "
+                    f"{MAX_PLAN_LAYERS:,} layers (the deepest published LLMs have under 200); check the value (e.g. "
+                    "--set model.n_layers=32)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,6 +152,32 @@ def plan_of(run: RunSpec) -> str | None:
 
 
 # ----------------------------------------------------------------------------- planner
+
+TORCH_SIDES = {"deepspeed": "DeepSpeed", "fsdp": "FSDP2"}
+"""The sides whose engine is torch: on a TPU they do not run on the chip (torch has no TPU backend in this project,
+and the TPU VM measured refuses the sockets their process group needs), so the planner gives them no TPU figures."""
+
+
+def off_device_sides(hw: Hardware, sides: tuple[str, ...]) -> tuple[str, ...]:
+  """The sides of `sides` that do not run on `hw`'s accelerator: DeepSpeed and FSDP2 on a TPU (`TORCH_SIDES`: they
+  run on a CUDA GPU or the host CPU), none on a GPU."""
+  return tuple(s for s in sides if hw.kind == "tpu" and s in TORCH_SIDES)
+
+
+def off_device_note(hw: Hardware, sides: tuple[str, ...]) -> str | None:
+  """The line `parity plan` prints for the sides it does not cost on `hw` (`off_device_sides`), or None."""
+  off = off_device_sides(hw, sides)
+  return f"not costed on {hw.name}: {_off_device_reason(off)}" if off else None
+
+
+def _off_device_reason(off: tuple[str, ...]) -> str:
+  names = " and ".join(TORCH_SIDES[s] for s in off)
+  one = len(off) == 1
+  it = "it" if one else "them"
+  return (f"{', '.join(off)} ({names}) {'runs' if one else 'run'} on a CUDA GPU or the host CPU, not on a TPU, so "
+          f"{'it gets' if one else 'they get'} no TPU device memory or step time; cost {it} with a GPU --hardware "
+          f"(e.g. H100), run {it} there or on a CPU machine, and join the folders with the JAX side's (`parity join`)")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Candidate:
@@ -331,7 +370,8 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       `devices` ranks (zero3-fsdp4 only when devices == 4).
     sides: sides that must fit; a pair costs its slower side. 'fsdp': the pair's FSDP2 plan (`Plan.fsdp`) on
       `devices` ranks, the global micro batch split over them (parity.sizing.fsdp_memory); a pair without one is
-      ranked last, saying so.
+      ranked last, saying so. On a TPU (hw.kind 'tpu') deepspeed and fsdp are left out, not costed: they run on a
+      CUDA GPU or the host CPU, never on the chip (`off_device_sides`, `off_device_note`).
     mfu: assumed model-FLOPs utilisation of the peak.
     reserve: fraction of device memory kept for the framework, workspaces and fragmentation.
     xla_pool_gib: the user's XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (host_limits.xla_pool_setting; None: unset). On a
@@ -347,9 +387,15 @@ def choose_plan(model: ModelSpec, train: TrainSpec, hw: Hardware, *, host_bytes:
       JAX side's process holds beside its state (host_limits.tpu_process_overhead).
   Raises:
     SpecError: mfu outside (0, 1], devices < 1, a side other than deepspeed/jax/fsdp, opt_ratios not increasing
-      shares in (0, 1] ending at 1.
+      shares in (0, 1] ending at 1, a model deeper than MAX_PLAN_LAYERS, only torch sides on a TPU.
   """
   _check_choice_inputs(mfu, devices, sides, opt_ratios)
+  check_plan_depth(model)
+  off = off_device_sides(hw, sides)
+  if off and len(off) == len(sides):
+    raise SpecError(f"sides (--sides) {','.join(sides)!r} on {hw.name}: {_off_device_reason(off)}; add jax to plan "
+                    "the JAX side on the TPU")
+  sides = tuple(s for s in sides if s not in off)  # torch sides never run on a TPU: no TPU figures for them
   host = hw.host_bytes if host_bytes is None else host_bytes
   jax_train = dataclasses.replace(train, micro_batch_size=train.micro_batch_size * devices)
   out, seen = [], set()
@@ -449,9 +495,11 @@ def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None
                 padding_fraction: float = 0.0, opt_ratios: tuple[float, ...] = OPT_RATIOS) -> dict[str, Any]:
   """What `choose_plan` assumed, JSON-ready (the same arguments): hardware name, device memory and the part usable
   after `reserve` (bytes), host memory per device (bytes), host link per direction (bytes/s), the peak at the run's
-  precision (FLOP/s), MFU, devices, sides, the shares of the optimizer state tried (opt_ratios), and the run's
-  precision, micro batch, sequence and gradient accumulation, and the padding fraction the ranking's non-padding
-  tokens/s counts with (`ranking_json`; 0: every position real).
+  precision (FLOP/s), MFU, devices, the sides costed on `hw`, and where some are not ('not_on_device',
+  `off_device_sides`) those with the sentence saying why, the figures the preset carries unmeasured from another chip
+  where it carries any ('unmeasured': field -> "unmeasured (v5e's)"), the shares of the optimizer state tried
+  (opt_ratios), and the run's precision, micro batch, sequence and gradient accumulation, and the padding fraction the
+  ranking's non-padding tokens/s counts with (`ranking_json`; 0: every position real).
 
   Raises:
     SpecError: padding_fraction (--padding-fraction) outside [0, 1).
@@ -459,11 +507,15 @@ def plan_inputs(hw: Hardware, train: TrainSpec, *, host_bytes: int | None = None
   if not (isinstance(padding_fraction, (int, float)) and 0 <= padding_fraction < 1):
     raise SpecError(f"padding fraction (--padding-fraction) {padding_fraction!r}: must be in [0, 1) (a padded or "
                     "packed run's data card gives it)")
+  off = off_device_sides(hw, sides)
   return {"hardware": hw.name, "device_bytes": hw.device_bytes, "reserve": reserve,
           "usable_device_bytes": int(hw.device_bytes * (1 - reserve)),
           "host_bytes_per_device": hw.host_bytes if host_bytes is None else host_bytes,
           "host_link_bytes_per_s": hw.host_link_bytes_per_s, "peak_flops": hw.peak(train.precision), "mfu": mfu,
-          "devices": devices, "sides": list(sides), "opt_ratios": list(opt_ratios), "precision": train.precision,
+          "devices": devices, "sides": [s for s in sides if s not in off],
+          **({"not_on_device": list(off), "not_on_device_note": off_device_note(hw, sides)} if off else {}),
+          **({"unmeasured": {f: hw.unmeasured_label(f) for f in hw.unmeasured}} if hw.unmeasured else {}),
+          "opt_ratios": list(opt_ratios), "precision": train.precision,
           "micro_batch_size": train.micro_batch_size, "seq_len": train.seq_len,
           "grad_accum_steps": train.grad_accum_steps, "padding_fraction": padding_fraction}
 
