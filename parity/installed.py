@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -70,15 +71,18 @@ def pip_install(extra: str | None, *, constrained: bool = True) -> str:
     constrained: in a checkout, pin the measured versions with `-c constraints.txt` (False: a GPU node keeps its own
       CUDA builds, docs/install.md "On a GPU node").
   Returns:
-    In a source checkout (`checkout_root`): "cd /path/to/clone && pip install -c constraints.txt -e '.[torch]'",
+    Through this interpreter's pip (`<python> -m pip`: the venv parity runs in, whether or not it is activated).
+    In a source checkout (`checkout_root`): "cd /path/to/clone && <python> -m pip install -c constraints.txt -e
+    '.[torch]'",
     run from the checkout's root (a plain `pip install '.[torch]'` there resolves to the newest torch and its CUDA
     wheels, not the CPU build the constraints pin); for a wheel install "pip install 'parity[torch]'".
   """
+  pip = f"{shlex.quote(sys.executable)} -m pip"  # this interpreter's pip: a bare `pip` may be another Python's
   root = checkout_root()
   if root is None:
-    return f"pip install 'parity[{extra}]'" if extra else "pip install parity"
+    return f"{pip} install 'parity[{extra}]'" if extra else f"{pip} install parity"
   pins = "-c constraints.txt " if constrained else ""
-  return f"cd {shlex.quote(str(root))} && pip install {pins}-e " + (f"'.[{extra}]'" if extra else ".")
+  return f"cd {shlex.quote(str(root))} && {pip} install {pins}-e " + (f"'.[{extra}]'" if extra else ".")
 
 
 def install_line(side: str) -> str:

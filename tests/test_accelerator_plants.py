@@ -86,3 +86,14 @@ def test_in_force_each_changes_the_step_as_documented():
   assert abs(eps_losses[0] - clean_losses[0]) > 1e-4
   again, _, _ = _run({}, steps=1)
   assert again == clean_losses
+
+
+def test_a_plant_that_changes_nothing_is_refused_naming_its_value():
+  spec = preset("gpt2-tiny")  # norm eps 1e-5
+  for kv, why in (({"accelerator_update_scale": 1.00000001}, "1.0 in float32"),
+                  ({"accelerator_update_scale": 1e-320}, "0.0 in float32"),
+                  ({"accelerator_norm_eps": 1e-5}, "norm eps is 1e-05 already")):
+    with pytest.raises(SpecError, match=f"=.* changes nothing .*{why}"):
+      check_plants(spec, {"jax": kv})
+  with pytest.raises(ValueError, match="accelerator_update_scale takes"):
+    parse_debug_value("accelerator_update_scale", 10 ** 400)

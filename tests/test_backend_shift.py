@@ -119,3 +119,13 @@ def test_device_classes_group_one_kind_of_hardware():
   assert {device_class(d) for d in ("cuda:0", "cuda (NVIDIA H200)", "rocm:0")} == {"gpu"}
   assert {device_class(d) for d in ("TFRT_CPU_0", "cpu", None)} == {"cpu"}
   assert device_class("TPU_0(process=0,(0,0,0,0))") == "tpu"
+
+
+def test_a_zero_step_0_shift_or_loss_gives_a_bound_not_a_crash():
+  """Step-0 shift 0 and loss 0 (or no values): the floor is 4 ulps of 1 nat; a later shift is judged, not divided
+  by zero."""
+  for values in ({0: 0.0, 1: -0.1}, None, {0: float("inf"), 1: 1.0}):
+    c = backend_shift_check("jax", "TPU_0", {0: 0.0, 1: 1e-7}, "fp32", "loss", values)
+    assert c.passed and c.tolerance > 0 and ">= 0%" not in c.detail, c.detail
+    bad = backend_shift_check("jax", "TPU_0", {0: 0.0, 1: 1e-3}, "fp32", "loss", values)
+    assert not bad.passed and bad.first_failing_step == 1

@@ -153,3 +153,11 @@ def test_a_compare_fails_a_family_plant_at_step_0_naming_the_item(tmp_path, name
   assert first["metric"] == "semantics" and first["step"] == 0, first
   check = next(c for c in rep["checks"] if c["name"] == "semantics jax~torch")
   assert item in check["detail"], check["detail"]
+
+
+def test_an_overflowed_probe_loss_agrees_only_with_itself():
+  """A port computing log(softmax) overflows to inf on wide models: inf is no number within a tolerance of 118."""
+  inf = float("inf")
+  for a, b in ((inf, 118.77), (-inf, 8.0), (8.0, inf), (float("nan"), 8.0)):
+    assert card_lib.diff_cards({"items": {"forward.probe_loss": a}}, {"items": {"forward.probe_loss": b}})
+  assert not card_lib.diff_cards({"items": {"forward.probe_loss": inf}}, {"items": {"forward.probe_loss": inf}})

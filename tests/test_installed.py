@@ -28,7 +28,9 @@ def _without(*modules: str):
   return lambda m: m not in modules and real(m)
 
 
-CLONE = f"cd {shlex.quote(str(ROOT))} && pip install -c constraints.txt -e "
+PIP = f"{shlex.quote(sys.executable)} -m pip"
+"""This interpreter's pip: the hints install into the Python parity runs in, activated or not."""
+CLONE = f"cd {shlex.quote(str(ROOT))} && {PIP} install -c constraints.txt -e "
 """The install hint in this checkout (an editable install of a clone): the constrained install from its root."""
 
 
@@ -57,18 +59,20 @@ def test_the_install_hint_is_the_constrained_checkout_install_in_a_clone_and_the
   assert installed.checkout_root() == ROOT
   assert installed.pip_install("torch") == f"{CLONE}'.[torch]'" == installed.install_line("torch")
   assert installed.pip_install(None) == CLONE + "."
-  assert installed.pip_install("cuda", constrained=False) == f"cd {shlex.quote(str(ROOT))} && pip install -e '.[cuda]'"
+  cuda = installed.pip_install("cuda", constrained=False)
+  assert cuda == f"cd {shlex.quote(str(ROOT))} && {PIP} install -e '.[cuda]'"
   monkeypatch.setattr(installed, "checkout_root", lambda: None)  # a wheel in site-packages
-  assert installed.install_line("torch") == "pip install 'parity[torch]'" and installed.pip_install(None) == \
-      "pip install parity"
-  assert installed.refusal("fsdp", "torch").endswith("which is not installed here: pip install 'parity[torch]'")
-  assert installed.not_installed_line("torch", "torch").endswith("Install it with pip install 'parity[torch]'")
-  assert installed.framework_record("torch", have=lambda m: False)["install"] == "pip install 'parity[torch]'"
+  assert installed.install_line("torch") == f"{PIP} install 'parity[torch]'" and installed.pip_install(None) == \
+      f"{PIP} install parity"
+  assert installed.refusal("fsdp", "torch").endswith(f"which is not installed here: {PIP} install 'parity[torch]'")
+  assert installed.not_installed_line("torch", "torch").endswith(f"Install it with {PIP} install 'parity[torch]'")
+  assert installed.framework_record("torch", have=lambda m: False)["install"] == f"{PIP} install 'parity[torch]'"
   from harness import backend
-  assert "install it: pip install 'parity[cuda]' (or" in backend._jax_problem({"jax": "0.10.2"}, {})
+  assert f"install it: {PIP} install 'parity[cuda]' (or" in backend._jax_problem({"jax": "0.10.2"}, {})
   from parity.cli.doctor import _not_installed
-  assert _not_installed({"missing": "torch", "sides": ["torch", "deepspeed"], "install": "pip install 'parity[torch]'"}
-                        ).endswith("pip install 'parity[torch]' (the deepspeed side: pip install 'parity[deepspeed]')")
+  torch_line = f"{PIP} install 'parity[torch]'"
+  line = _not_installed({"missing": "torch", "sides": ["torch", "deepspeed"], "install": torch_line})
+  assert line.endswith(f"{PIP} install 'parity[torch]' (the deepspeed side: {PIP} install 'parity[deepspeed]')")
   # the detection: the folder above parity/ with pyproject.toml and constraints.txt beside it
   fake = tmp_path / "clone"
   (fake / "parity").mkdir(parents=True)
@@ -212,5 +216,6 @@ def test_a_jax_only_install_runs_jax_and_refuses_torch_by_name(tmp_path):
   assert json.loads((tmp_path / "jax" / "report.json").read_text())["sides"]["jax"]["status"] == "ok"
   no = _run([parity, *common, "--sides", "torch", "--out", tmp_path / "torch"], tmp_path, 300)
   assert no.returncode == 2 and "side 'torch' needs PyTorch, which is not installed here: cd " in no.stderr \
-      and f"{src.resolve()} && pip install -c constraints.txt -e '.[torch]'" in no.stderr, no.stderr[-2000:]
+      and f"{src.resolve()} && " in no.stderr and "-m pip install -c constraints.txt -e '.[torch]'" in no.stderr, \
+      no.stderr[-2000:]
   assert not (tmp_path / "torch").exists()

@@ -170,7 +170,9 @@ def host_rows(block: dict) -> list[tuple[str, str]]:
   if backend == "tpu":  # the variable is XLA's GPU client's; a TPU's pinned_host arrays are plain host memory
     text = (text + "; " if pool.get("source") == "invalid" else "") + pool_text_tpu(var, jx)
   else:
-    text += (f"; jax here runs on {backend}: the pool applies to GPU backends only" if backend not in ("gpu", "cuda")
+    on_gpu = backend in ("gpu", "cuda")
+    text += ("; jax is not installed here: the pool applies to JAX's GPU backends only" if backend is None
+             else f"; jax here runs on {backend}: the pool applies to GPU backends only" if not on_gpu
              else "; applies to this jax's GPU devices, one pool each")
   cg = hl.get("cgroup") or None
   cg_text = ("no cgroup memory controller readable" if cg is None else

@@ -139,8 +139,9 @@ def normalization_reason(loss_mask: np.ndarray, world: int = 1) -> str | None:
           "tokens (examples of varying length, padded or packed)")
 
 
-def _refuse(side: str, key: str, reason: str) -> None:
-  raise SpecError(f"--perturb {side}:{key}=true changes nothing the {side} side trains: {reason}")
+def _refuse(side: str, key: str, reason: str, value: object = True) -> None:
+  text = "true" if value is True else value
+  raise SpecError(f"--perturb {side}:{key}={text} changes nothing the {side} side trains: {reason}")
 
 
 def placement_reason(spec: RunSpec, side: str) -> str | None:
@@ -210,16 +211,22 @@ def _reason(spec: RunSpec, side: str, key: str, kv: Mapping[str, Any]) -> str | 
   if key in FAMILY_PLANT_KEYS:
     return family_reason(spec, key)
   if key in ACCELERATOR_PLANT_KEYS:
-    return accelerator_reason(side)
+    return accelerator_reason(side, key, kv.get(key), spec)
   return placement_reason(spec, side)
 
 
-def accelerator_reason(side: str) -> str | None:
+def accelerator_reason(side: str, key: str = "", value: Any = None, spec: RunSpec | None = None) -> str | None:
   """Why an accelerator-only plant (ACCELERATOR_PLANT_KEYS) on `side` cannot show, or None: only the JAX side
-  applies them (jax_impl.accelerator_plants); where it runs on the CPU it applies none and the report says so."""
-  if writes_placement(side):  # the JAX worker, the one that compiles a step for a device
-    return None
-  return f"accelerator-only plants are applied by the JAX side only (jax_impl.accelerator_plants); {side} has none"
+  applies them (jax_impl.accelerator_plants; where it runs on the CPU it applies none and the report says so); an
+  update scale that float32 rounds to 1 or 0, and a norm eps equal to the model's, change nothing."""
+  if not writes_placement(side):  # the JAX worker, the one that compiles a step for a device
+    return f"accelerator-only plants are applied by the JAX side only (jax_impl.accelerator_plants); {side} has none"
+  if key == "accelerator_update_scale" and isinstance(value, (int, float)) and float(np.float32(value)) in (0.0, 1.0):
+    return (f"the factor is {float(np.float32(value))!r} in float32, where the updates are scaled: use one float32 "
+            "tells from 1, such as 1.0001")
+  if key == "accelerator_norm_eps" and spec is not None and value == spec.model.norm_eps:
+    return f"the model's norm eps is {spec.model.norm_eps} already: plant another value, such as a tenth of it"
+  return None
 
 
 def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None) -> None:
@@ -234,7 +241,7 @@ def check_plants(spec: RunSpec, perturb: Mapping[str, Mapping[str, Any]] | None)
                                     + FAMILY_PLANT_KEYS + ACCELERATOR_PLANT_KEYS):
       reason = _reason(spec, side, key, kv)
       if reason is not None:
-        _refuse(side, key, reason)
+        _refuse(side, key, reason, kv.get(key))
 
 
 def check_plants_on_data(perturb: Mapping[str, Mapping[str, Any]] | None, loss_mask: np.ndarray,

@@ -259,7 +259,11 @@ def _accelerator_plant_value(key: str, value: Any) -> float | bool:
     if value is not True:
       raise ValueError(f"{key} is a planted bug: it takes true (leave it out for a correct side); got {value!r}")
     return True
-  number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+  try:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value)) \
+        and value > 0
+  except OverflowError:  # an integer past float's range
+    number = False
   if not number or (key == "accelerator_update_scale" and value == 1):
     what = "a factor > 0 other than 1 (1.001: every update 0.1% too large)" if key == "accelerator_update_scale" \
         else "an eps > 0 (1e-6 where the model has 1e-5)"

@@ -16,7 +16,8 @@ from typing import Any
 from parity.environment import cpu_model
 from parity.numerics import schedule
 from parity.numerics.ds_json import TRAIN_KEY_PATHS, config_value
-from parity.protocol.layout import DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS, RERUN_DIRS
+from parity.protocol.layout import (ACCELERATOR_PLANT_KEYS, DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS,
+                                    PLANT_KEYS, RERUN_DIRS)
 from parity.protocol.placement import PLACEMENT_FILE
 from parity.protocol.semantics import SEMANTICS_FILE, read_card
 from parity.report.placement_view import placement_section
@@ -544,6 +545,7 @@ def _injections(request: dict[str, Any], sides: dict) -> list[dict[str, Any]]:
       out.append({"side": side, "key": key, "value": kv[key], "applies": None, "deepspeed_config": None,
                   "note": ("a planted optimizer bug" if key in OPTIMIZER_PLANT_KEYS else "a planted data bug"
                            if key in PLANT_KEYS else "a planted activation-offload bug" if key in OFFLOAD_PLANT_KEYS
+                           else "a planted accelerator-only error" if key in ACCELERATOR_PLANT_KEYS
                            else "a fault injection"), "ran": ran,
                   "applied": _same(kv[key], ran[side]["value"]) if done and side in ran else None})
   return out

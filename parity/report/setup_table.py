@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from parity.protocol.layout import DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS, PLANT_KEYS
+from parity.protocol.layout import (ACCELERATOR_PLANT_KEYS, DEBUG_KEYS, OFFLOAD_PLANT_KEYS, OPTIMIZER_PLANT_KEYS,
+                                    PLANT_KEYS)
 from parity.report.cells import fmt, fmt_bytes
 from parity.report.env_rows import block_rows, readable
 from parity.report.run_record import RunRecord
@@ -187,6 +188,11 @@ def perturbation_lines(rec: RunRecord) -> list[str]:
     elif p.get("key") in OFFLOAD_PLANT_KEYS:
       out.append(f"planted bug {r[0]} (the side's backward pass reads a wrong saved residual, its forward unchanged: "
                  "docs/plans.md)")
+    elif p.get("key") in ACCELERATOR_PLANT_KEYS:
+      out.append(f"planted accelerator-only error {r[0]}: " + (
+          "applied (the side ran on an accelerator)" if p.get("applied") else
+          "NOT APPLIED (the side applies it on an accelerator only; this one ran on the CPU)"
+          if p.get("applied") is False else "the side did not finish"))
     elif p.get("key") in DEBUG_KEYS:
       out.append(f"planted fault {r[0]} (debug: no spec value to apply)")
     else:

@@ -132,8 +132,9 @@ def shift_bounds(shift: dict[int, float], values: dict[int, float], atol: float)
   """
   if 0 not in shift or not np.isfinite(shift[0]):
     return {k: atol for k in shift}, f"table {atol:.3g} (no step-0 shift to derive a tighter bound from)"
-  loss0 = abs(float(values.get(0, 0.0)))
-  floor = SHIFT_FLOOR_ULPS * float(np.spacing(np.float32(loss0))) if loss0 else 0.0
+  loss0 = abs(float(values.get(0, 1.0)))
+  loss0 = loss0 if np.isfinite(loss0) and loss0 > 0 else 1.0  # no usable step-0 loss: the ulps of 1 nat
+  floor = SHIFT_FLOOR_ULPS * float(np.spacing(np.float32(loss0)))
   s0 = max(float(shift[0]), floor)
   grow = lambda k: max(1.0, float(np.sqrt(k / SHIFT_GROWTH_STEPS)))
   bounds = {k: (atol if k == 0 else min(atol, SHIFT_GROWTH * grow(k) * s0)) for k in shift}
@@ -152,8 +153,8 @@ def update_error_caught(bounds: dict[int, float], values: dict[int, float]) -> f
   step's bound at some step."""
   if 0 not in values:
     return None
-  ratios = [bounds[k] / (0.49 * abs(values[0] - values[k])) for k in bounds if k in values and k > 0
-            and abs(values[0] - values[k]) > 0]
+  fell = {k: abs(values[0] - values[k]) for k in bounds if k in values and k > 0}
+  ratios = [bounds[k] / (0.49 * d) for k, d in fell.items() if np.isfinite(d) and d > 1e-6]
   return min(ratios) if ratios else None
 
 
@@ -172,7 +173,8 @@ def backend_shift_check(side: str, device: str, shift: dict[int, float], precisi
   if metric == "loss":
     allowed, how = shift_bounds(shift, values, tol.atol)
     caught = update_error_caught(allowed, values)
-  ratio = {k: (shift[k] / allowed[k] if np.isfinite(shift[k]) else np.inf) for k in shift}
+  ratio = {k: (shift[k] / allowed[k] if np.isfinite(shift[k]) and allowed[k] > 0
+              else 0.0 if shift[k] == 0 else np.inf) for k in shift}
   k = max(ratio, key=lambda s: ratio[s])
   bad = [s for s in sorted(shift) if not (np.isfinite(shift[s]) and shift[s] <= allowed[s])]
   name = f"backend_shift {side}" if metric == "loss" else f"{metric}_backend_shift {side}"
