@@ -355,6 +355,9 @@ def test_terminal_summary_says_how_many_ranks_each_side_ran():
     def record(self):
       return RunRecord.of(self.data)
 
+    def incomplete_line(self):  # every side asked for ran
+      return None
+
   report = Report(run_dir=Path("runs/x"), checks=[], passed=True, post=None,
                   data={"sides": {"jax": side(2), "torch": side(2)}, "checks": [], "verdict": {"message": "PASS"}})
   out = io.StringIO()
