@@ -49,9 +49,8 @@ from torch_impl.semantics import decay_groups_of
 from torch_impl.stack import client_class, client_optimizer, decay_problems
 from parity.protocol.ranks import rank_env
 
-__all__ = ["allow_fp16_on_cpu", "build_engine",
-           "torch_step", "eval_loss", "final_fp32_params", "optimizer_classes", "optimizer_hyperparams",
-           "engine_state_bytes", "DeepSpeedTrainer"]
+__all__ = ["allow_fp16_on_cpu", "build_engine", "torch_step", "eval_loss", "final_fp32_params", "optimizer_classes",
+           "optimizer_hyperparams", "engine_state_bytes", "DeepSpeedTrainer"]
 
 
 def allow_fp16_on_cpu(config: dict[str, Any]) -> bool:
