@@ -132,9 +132,8 @@ def _device_fp16(fp16: bool, absent: bool) -> dict:
   """Sets what DeepSpeed's CPU accelerator answers to is_fp16_supported for the next engine: with `absent`, False and
   nothing lifted (a CPU without fp16); else its own answer (this CPU's, or the suite's fp16 mask), lifted for an fp16
   job where it is False, as parity's DeepSpeed side does. Returns {fp16_native, fp16_lifted}."""
-  from deepspeed.accelerator import get_accelerator
   from torch_impl.engine import allow_fp16_on_cpu
-  acc = get_accelerator()
+  acc = _accelerator()
   vars(acc).pop("is_fp16_supported", None)  # the class's answer again, whatever an earlier case set
   if absent:
     acc.is_fp16_supported = lambda: False

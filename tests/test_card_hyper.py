@@ -7,20 +7,15 @@ beta2 of 0.949 FAILed a compare only on the loss (2.4x its tolerance), an Adam e
 eps ten times too small (1e-6 for 1e-5, the Llama-1 / Llama-2 porting mistake) PASSed in bf16."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from conftest import requires_all, requires_jax, requires_torch
+from test_card_probes import semantics_failure_at_step_0
 from parity import semantics as card_lib
 from parity.overrides import apply_overrides
 from parity.presets import preset
 
-ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "h.2.ln_1", "h.2.ln_2", "ln_f")
 PLANTS = {"train.beta2=0.949": "optimizer.betas", "train.eps=1e-7": "optimizer.eps",
           "train.grad_clip=2.0": "clip.max_norm", "final_norm_eps_tenth=true": "norm.eps_all"}
@@ -206,15 +201,7 @@ def test_a_compare_fails_each_hyper_and_final_norm_plant_at_step_0_naming_the_it
   'semantics' check, the first failure, names each plant's item."""
   out = tmp_path / "run"
   perturb = [a for plant in PLANTS for a in ("--perturb", f"torch:{plant}")]
-  p = subprocess.run([sys.executable, "-m", "parity", "compare", "--preset", name, "--sides", "jax,torch", "--steps",
-                      "2", "--set", f'train.precision="{precision}"', *perturb, "--determinism-steps", "0",
-                      "--no-noise-envelope", "--out", str(out), "--no-progress"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=900)
-  assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
-  rep = json.loads((out / "report.json").read_text())
-  first = rep["verdict"]["first_failure"]
-  assert first["metric"] == "semantics" and first["step"] == 0, first
-  check = next(c for c in rep["checks"] if c["name"] == "semantics jax~torch")
+  check = semantics_failure_at_step_0(out, name, precision, 2, perturb)
   for item in PLANTS.values():
     assert item in check["detail"], (item, check["detail"])
   assert not (out / "torch" / "steps.jsonl").exists() or not (out / "torch" / "steps.jsonl").read_text().strip()

@@ -142,17 +142,22 @@ def test_a_family_plant_the_model_cannot_show_is_refused():
 @pytest.mark.parametrize("name, plant, item", [("qwen3-tiny", "qk_norm_after_rope", "forward.probe_loss"),
                                                ("gemma2-tiny", "norm_plus_one_rounded", "norm.rounding")])
 def test_a_compare_fails_a_family_plant_at_step_0_naming_the_item(tmp_path, name, plant, item):
-  out = tmp_path / "run"
+  check = semantics_failure_at_step_0(tmp_path / "run", name, "bf16", 3, ["--perturb", f"torch:{plant}=true"])
+  assert item in check["detail"], check["detail"]
+
+
+def semantics_failure_at_step_0(out: Path, name: str, precision: str, steps: int, perturb: list[str]) -> dict:
+  """Runs `parity compare` of jax and torch on preset `name` with `perturb`'s plants into `out`, asserts it FAILs
+  first on the semantics check at step 0, and returns that check ('semantics jax~torch', as report.json holds it)."""
   p = subprocess.run([sys.executable, "-m", "parity", "compare", "--preset", name, "--sides", "jax,torch", "--steps",
-                      "3", "--set", 'train.precision="bf16"', "--perturb", f"torch:{plant}=true",
-                      "--determinism-steps", "0", "--no-noise-envelope", "--out", str(out), "--no-progress"],
+                      str(steps), "--set", f'train.precision="{precision}"', *perturb, "--determinism-steps", "0",
+                      "--no-noise-envelope", "--out", str(out), "--no-progress"],
                      cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
   rep = json.loads((out / "report.json").read_text())
   first = rep["verdict"]["first_failure"]
   assert first["metric"] == "semantics" and first["step"] == 0, first
-  check = next(c for c in rep["checks"] if c["name"] == "semantics jax~torch")
-  assert item in check["detail"], check["detail"]
+  return next(c for c in rep["checks"] if c["name"] == "semantics jax~torch")
 
 
 def test_an_overflowed_probe_loss_agrees_only_with_itself():
